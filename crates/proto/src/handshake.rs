@@ -1,0 +1,157 @@
+//! The handshake that opens every connection: fixed-size, so that a server reads exactly
+//! [`HELLO_LEN`] bytes before it has decided anything about the peer.
+//!
+//! The client's node id and boot incarnation make the owner of its pages (Nswap §III: IP address
+//! and boot time), so that the pages of a client that restarted are recognisably dead. The
+//! session id names one pager instance of that client; its lease is what the server tracks
+//! (Anemone §2.5 soft-state refresh).
+
+use crate::codec::{DecodeError, Reader};
+use crate::{NodeId, MAGIC, PROTOCOL_VERSION};
+
+pub const HELLO_LEN: usize = 40;
+pub const WELCOME_LEN: usize = 60;
+
+/// The client's opening message.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Hello {
+    pub version: u16,
+    pub node: NodeId,
+    /// Grows with every restart of the client; a server that sees a newer incarnation of a node
+    /// frees every page of its older ones.
+    pub incarnation: u64,
+    pub session: u64,
+}
+
+impl Hello {
+    pub fn new(node: NodeId, incarnation: u64, session: u64) -> Self {
+        Self {
+            version: PROTOCOL_VERSION,
+            node,
+            incarnation,
+            session,
+        }
+    }
+
+    pub fn encode(&self) -> [u8; HELLO_LEN] {
+        let mut b = [0u8; HELLO_LEN];
+        b[0..8].copy_from_slice(&MAGIC);
+        b[8..10].copy_from_slice(&self.version.to_le_bytes());
+        // 10..16: flags and reserved, zero.
+        b[16..24].copy_from_slice(&self.node.to_le_bytes());
+        b[24..32].copy_from_slice(&self.incarnation.to_le_bytes());
+        b[32..40].copy_from_slice(&self.session.to_le_bytes());
+        b
+    }
+
+    /// Decodes a hello. A version other than ours is not an error here: the server answers it
+    /// with [`WelcomeStatus::VersionUnsupported`] so that the client learns why.
+    pub fn decode(buf: &[u8]) -> Result<Self, DecodeError> {
+        let mut r = Reader::new(buf);
+        if r.array::<8>()? != MAGIC {
+            return Err(DecodeError::BadMagic);
+        }
+        let version = r.u16()?;
+        r.reserved_u16("hello flags")?;
+        r.reserved_u32("hello reserved")?;
+        let hello = Self {
+            version,
+            node: r.u64()?,
+            incarnation: r.u64()?,
+            session: r.u64()?,
+        };
+        r.finish()?;
+        Ok(hello)
+    }
+}
+
+/// Whether the server accepted the connection.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u16)]
+pub enum WelcomeStatus {
+    Ok = 0,
+    /// The client speaks another protocol version; `version` in the reply is the server's.
+    VersionUnsupported = 1,
+    /// The server is at its connection limit.
+    Busy = 2,
+    /// The server's session table is full.
+    TooManySessions = 3,
+    /// The server has seen a newer incarnation of this node: this client is a zombie of an
+    /// earlier boot, and its pages are gone.
+    StaleIncarnation = 4,
+}
+
+impl WelcomeStatus {
+    fn from_u16(v: u16) -> Result<Self, DecodeError> {
+        Ok(match v {
+            0 => Self::Ok,
+            1 => Self::VersionUnsupported,
+            2 => Self::Busy,
+            3 => Self::TooManySessions,
+            4 => Self::StaleIncarnation,
+            _ => {
+                return Err(DecodeError::BadValue {
+                    field: "welcome status",
+                    value: v.into(),
+                })
+            }
+        })
+    }
+}
+
+/// The server's answer to a [`Hello`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Welcome {
+    pub version: u16,
+    pub status: WelcomeStatus,
+    /// Requests the client may have outstanding on this connection (Anemone's RMAP window).
+    pub window: u32,
+    pub server_node: NodeId,
+    pub server_incarnation: u64,
+    pub capacity_pages: u64,
+    pub free_pages: u64,
+    /// The client must refresh its session at least this often; the server frees the pages of
+    /// a session silent for three periods.
+    pub lease_period_ms: u32,
+    pub max_frame_len: u32,
+    pub max_batch: u32,
+}
+
+impl Welcome {
+    pub fn encode(&self) -> [u8; WELCOME_LEN] {
+        let mut b = [0u8; WELCOME_LEN];
+        b[0..8].copy_from_slice(&MAGIC);
+        b[8..10].copy_from_slice(&self.version.to_le_bytes());
+        b[10..12].copy_from_slice(&(self.status as u16).to_le_bytes());
+        b[12..16].copy_from_slice(&self.window.to_le_bytes());
+        b[16..24].copy_from_slice(&self.server_node.to_le_bytes());
+        b[24..32].copy_from_slice(&self.server_incarnation.to_le_bytes());
+        b[32..40].copy_from_slice(&self.capacity_pages.to_le_bytes());
+        b[40..48].copy_from_slice(&self.free_pages.to_le_bytes());
+        b[48..52].copy_from_slice(&self.lease_period_ms.to_le_bytes());
+        b[52..56].copy_from_slice(&self.max_frame_len.to_le_bytes());
+        b[56..60].copy_from_slice(&self.max_batch.to_le_bytes());
+        b
+    }
+
+    pub fn decode(buf: &[u8]) -> Result<Self, DecodeError> {
+        let mut r = Reader::new(buf);
+        if r.array::<8>()? != MAGIC {
+            return Err(DecodeError::BadMagic);
+        }
+        let w = Self {
+            version: r.u16()?,
+            status: WelcomeStatus::from_u16(r.u16()?)?,
+            window: r.u32()?,
+            server_node: r.u64()?,
+            server_incarnation: r.u64()?,
+            capacity_pages: r.u64()?,
+            free_pages: r.u64()?,
+            lease_period_ms: r.u32()?,
+            max_frame_len: r.u32()?,
+            max_batch: r.u32()?,
+        };
+        r.finish()?;
+        Ok(w)
+    }
+}

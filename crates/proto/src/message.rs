@@ -1,0 +1,658 @@
+//! Frames after the handshake: requests from the client, replies from the server.
+//!
+//! ```text
+//! frame  = len:u32 (bytes after this field) | version:u8 | kind:u8 | flags:u16 (0) | req_id:u64 | body
+//! ```
+//!
+//! Requests are PUT, GET and DELETE of one or many pages (Anemone's page-out, page-in and Nswap's
+//! garbage collection), REFRESH of the session lease (Anemone §2.5), STATS and CLOSE. Every reply
+//! starts with the server's [`Load`] (Anemone §2.4). A full server answers a PUT with
+//! [`crate::message::PutStatus::Full`] for each page it could not take (Anemone's NACK); it never
+//! drops a page silently. REFRESH is one-way: a client that is idle does not read, so a reply
+//! would pile up in its socket.
+
+use crate::codec::{DecodeError, FrameBuilder, Reader};
+use crate::page::{Page, PageKey, ENVELOPE_LEN};
+use crate::{FRAME_HEADER_LEN, FRAME_VERSION, MAX_FRAME_LEN};
+
+/// The kind byte of a frame. Requests have the high bit clear, replies set.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub enum Kind {
+    Put = 0x01,
+    Get = 0x02,
+    Delete = 0x03,
+    Refresh = 0x04,
+    Stats = 0x05,
+    Close = 0x06,
+    PutReply = 0x81,
+    GetReply = 0x82,
+    DeleteReply = 0x83,
+    StatsReply = 0x85,
+    CloseReply = 0x86,
+    Error = 0xff,
+}
+
+/// A client's request. Pages borrow from the received frame: the server copies them once,
+/// straight into its arena.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Request<'a> {
+    Put(Vec<Page<'a>>),
+    Get(Vec<PageKey>),
+    Delete(Vec<PageKey>),
+    Refresh,
+    Stats,
+    /// The session ends: the server frees its pages now instead of at lease expiry.
+    Close,
+}
+
+/// What the server tells every reply about itself, so that clients place pages without asking.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Load {
+    pub free_pages: u64,
+    /// Requests served in the last second.
+    pub requests_per_s: u32,
+}
+
+impl Load {
+    fn decode(r: &mut Reader<'_>) -> Result<Self, DecodeError> {
+        Ok(Self {
+            free_pages: r.u64()?,
+            requests_per_s: r.u32()?,
+        })
+    }
+    pub fn encode(&self, w: &mut FrameBuilder<'_>) {
+        w.u64(self.free_pages).u32(self.requests_per_s);
+    }
+}
+
+/// The fate of one page of a PUT.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub enum PutStatus {
+    Stored = 0,
+    /// No free frame: Anemone's NACK. The client places the page elsewhere.
+    Full = 1,
+    /// The key is outside what this server can index (see `netram-store`'s key limits).
+    BadKey = 2,
+}
+
+/// The fate of one page of a DELETE.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub enum DeleteStatus {
+    Deleted = 0,
+    Missing = 1,
+}
+
+/// One page of a GET reply.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GetResult<'a> {
+    Found(Page<'a>),
+    Missing(PageKey),
+}
+
+/// A named counter in a STATS reply.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Counter<'a> {
+    pub name: &'a str,
+    pub value: u64,
+}
+
+/// Why a well-formed request was refused. A malformed one closes the connection instead.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u16)]
+pub enum ErrorCode {
+    /// The session's lease ran out and its pages were freed; the client must treat every page it
+    /// had on this server as lost and open a new session.
+    SessionExpired = 1,
+    /// The server is shutting down.
+    ShuttingDown = 2,
+}
+
+/// A server's reply.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Reply<'a> {
+    Put {
+        load: Load,
+        status: Vec<PutStatus>,
+    },
+    Get {
+        load: Load,
+        pages: Vec<GetResult<'a>>,
+    },
+    Delete {
+        load: Load,
+        status: Vec<DeleteStatus>,
+    },
+    Stats {
+        load: Load,
+        counters: Vec<Counter<'a>>,
+    },
+    Close {
+        load: Load,
+    },
+    Error {
+        load: Load,
+        code: ErrorCode,
+        message: &'a str,
+    },
+}
+
+impl Reply<'_> {
+    pub fn load(&self) -> Load {
+        match self {
+            Reply::Put { load, .. }
+            | Reply::Get { load, .. }
+            | Reply::Delete { load, .. }
+            | Reply::Stats { load, .. }
+            | Reply::Close { load }
+            | Reply::Error { load, .. } => *load,
+        }
+    }
+}
+
+/// How many bytes the frame at the start of `buf` occupies, once its length prefix has arrived;
+/// `Ok(None)` while fewer than four bytes are there. A length outside the limits is an error at
+/// once, before the body is waited for or buffered.
+pub fn frame_len(buf: &[u8]) -> Result<Option<usize>, DecodeError> {
+    let Some(prefix) = buf.get(..4) else {
+        return Ok(None);
+    };
+    let len = u32::from_le_bytes([prefix[0], prefix[1], prefix[2], prefix[3]]) as usize + 4;
+    if !(FRAME_HEADER_LEN..=MAX_FRAME_LEN).contains(&len) {
+        return Err(DecodeError::BadLength {
+            len,
+            min: FRAME_HEADER_LEN,
+            max: MAX_FRAME_LEN,
+        });
+    }
+    Ok(Some(len))
+}
+
+/// Checks the header of one whole frame and returns its kind, request id and body.
+fn split_frame(frame: &[u8]) -> Result<(u8, u64, Reader<'_>), DecodeError> {
+    let len = frame_len(frame)?.ok_or_else(|| DecodeError::Truncated {
+        needed: 4 - frame.len(),
+    })?;
+    if frame.len() != len {
+        return Err(if frame.len() < len {
+            DecodeError::Truncated {
+                needed: len - frame.len(),
+            }
+        } else {
+            DecodeError::TrailingBytes(frame.len() - len)
+        });
+    }
+    let mut r = Reader::new(&frame[4..]);
+    let version = r.u8()?;
+    if version != FRAME_VERSION {
+        return Err(DecodeError::UnsupportedVersion {
+            got: version.into(),
+        });
+    }
+    let kind = r.u8()?;
+    r.reserved_u16("frame flags")?;
+    let req_id = r.u64()?;
+    Ok((kind, req_id, r))
+}
+
+fn keys(r: &mut Reader<'_>) -> Result<Vec<PageKey>, DecodeError> {
+    let n = r.count(PageKey::WIRE_LEN)?;
+    (0..n).map(|_| PageKey::decode(r)).collect()
+}
+
+/// Decodes one whole frame (length prefix included) sent by a client.
+pub fn decode_request(frame: &[u8]) -> Result<(u64, Request<'_>), DecodeError> {
+    let (kind, req_id, mut r) = split_frame(frame)?;
+    let req = match kind {
+        k if k == Kind::Put as u8 => {
+            let n = r.count(ENVELOPE_LEN)?;
+            Request::Put(
+                (0..n)
+                    .map(|_| Page::decode(&mut r))
+                    .collect::<Result<_, _>>()?,
+            )
+        }
+        k if k == Kind::Get as u8 => Request::Get(keys(&mut r)?),
+        k if k == Kind::Delete as u8 => Request::Delete(keys(&mut r)?),
+        k if k == Kind::Refresh as u8 => Request::Refresh,
+        k if k == Kind::Stats as u8 => Request::Stats,
+        k if k == Kind::Close as u8 => Request::Close,
+        k => return Err(DecodeError::UnknownKind(k)),
+    };
+    r.finish()?;
+    Ok((req_id, req))
+}
+
+impl Request<'_> {
+    pub fn kind(&self) -> Kind {
+        match self {
+            Request::Put(_) => Kind::Put,
+            Request::Get(_) => Kind::Get,
+            Request::Delete(_) => Kind::Delete,
+            Request::Refresh => Kind::Refresh,
+            Request::Stats => Kind::Stats,
+            Request::Close => Kind::Close,
+        }
+    }
+
+    /// Appends this request as one frame to `out`.
+    pub fn encode(&self, req_id: u64, out: &mut Vec<u8>) {
+        let mut w = FrameBuilder::begin(out, self.kind() as u8, req_id);
+        match self {
+            Request::Put(pages) => {
+                w.u32(pages.len() as u32);
+                pages.iter().for_each(|p| p.encode(&mut w));
+            }
+            Request::Get(k) | Request::Delete(k) => {
+                w.u32(k.len() as u32);
+                k.iter().for_each(|k| k.encode(&mut w));
+            }
+            Request::Refresh | Request::Stats | Request::Close => {}
+        }
+        w.finish();
+    }
+}
+
+fn byte_enum<T>(
+    r: &mut Reader<'_>,
+    field: &'static str,
+    f: fn(u8) -> Option<T>,
+) -> Result<T, DecodeError> {
+    let v = r.u8()?;
+    f(v).ok_or(DecodeError::BadValue {
+        field,
+        value: v.into(),
+    })
+}
+
+/// Decodes one whole frame (length prefix included) sent by a server.
+pub fn decode_reply(frame: &[u8]) -> Result<(u64, Reply<'_>), DecodeError> {
+    let (kind, req_id, mut r) = split_frame(frame)?;
+    let load = Load::decode(&mut r)?;
+    let reply = match kind {
+        k if k == Kind::PutReply as u8 => {
+            let n = r.count(1)?;
+            let status = (0..n)
+                .map(|_| {
+                    byte_enum(&mut r, "put status", |v| match v {
+                        0 => Some(PutStatus::Stored),
+                        1 => Some(PutStatus::Full),
+                        2 => Some(PutStatus::BadKey),
+                        _ => None,
+                    })
+                })
+                .collect::<Result<_, _>>()?;
+            Reply::Put { load, status }
+        }
+        k if k == Kind::GetReply as u8 => {
+            let n = r.count(1 + PageKey::WIRE_LEN)?;
+            let pages = (0..n)
+                .map(|_| match r.u8()? {
+                    0 => Ok(GetResult::Found(Page::decode(&mut r)?)),
+                    1 => Ok(GetResult::Missing(PageKey::decode(&mut r)?)),
+                    v => Err(DecodeError::BadValue {
+                        field: "get status",
+                        value: v.into(),
+                    }),
+                })
+                .collect::<Result<_, _>>()?;
+            Reply::Get { load, pages }
+        }
+        k if k == Kind::DeleteReply as u8 => {
+            let n = r.count(1)?;
+            let status = (0..n)
+                .map(|_| {
+                    byte_enum(&mut r, "delete status", |v| match v {
+                        0 => Some(DeleteStatus::Deleted),
+                        1 => Some(DeleteStatus::Missing),
+                        _ => None,
+                    })
+                })
+                .collect::<Result<_, _>>()?;
+            Reply::Delete { load, status }
+        }
+        k if k == Kind::StatsReply as u8 => {
+            // The counter list is bounded by the frame length, not by MAX_BATCH.
+            let n = r.u32()? as usize;
+            if n * 9 > r.remaining() {
+                return Err(DecodeError::BatchTooLarge { count: n });
+            }
+            let counters = (0..n)
+                .map(|_| {
+                    let len = r.u8()? as usize;
+                    let name = std::str::from_utf8(r.bytes(len)?)
+                        .map_err(|_| DecodeError::BadUtf8("counter name"))?;
+                    Ok(Counter {
+                        name,
+                        value: r.u64()?,
+                    })
+                })
+                .collect::<Result<_, DecodeError>>()?;
+            Reply::Stats { load, counters }
+        }
+        k if k == Kind::CloseReply as u8 => Reply::Close { load },
+        k if k == Kind::Error as u8 => {
+            let code = match r.u16()? {
+                1 => ErrorCode::SessionExpired,
+                2 => ErrorCode::ShuttingDown,
+                v => {
+                    return Err(DecodeError::BadValue {
+                        field: "error code",
+                        value: v.into(),
+                    })
+                }
+            };
+            let len = r.u16()? as usize;
+            let message = std::str::from_utf8(r.bytes(len)?)
+                .map_err(|_| DecodeError::BadUtf8("error message"))?;
+            Reply::Error {
+                load,
+                code,
+                message,
+            }
+        }
+        k => return Err(DecodeError::UnknownKind(k)),
+    };
+    r.finish()?;
+    Ok((req_id, reply))
+}
+
+impl Reply<'_> {
+    pub fn kind(&self) -> Kind {
+        match self {
+            Reply::Put { .. } => Kind::PutReply,
+            Reply::Get { .. } => Kind::GetReply,
+            Reply::Delete { .. } => Kind::DeleteReply,
+            Reply::Stats { .. } => Kind::StatsReply,
+            Reply::Close { .. } => Kind::CloseReply,
+            Reply::Error { .. } => Kind::Error,
+        }
+    }
+
+    /// Appends this reply as one frame to `out`. The server's hot path builds GET replies with
+    /// [`begin_get_reply`] instead, copying page data straight from its arena.
+    pub fn encode(&self, req_id: u64, out: &mut Vec<u8>) {
+        let mut w = FrameBuilder::begin(out, self.kind() as u8, req_id);
+        self.load().encode(&mut w);
+        match self {
+            Reply::Put { status, .. } => {
+                w.u32(status.len() as u32);
+                status.iter().for_each(|s| {
+                    w.u8(*s as u8);
+                });
+            }
+            Reply::Get { pages, .. } => {
+                w.u32(pages.len() as u32);
+                for p in pages {
+                    match p {
+                        GetResult::Found(p) => {
+                            w.u8(0);
+                            p.encode(&mut w);
+                        }
+                        GetResult::Missing(k) => {
+                            w.u8(1);
+                            k.encode(&mut w);
+                        }
+                    }
+                }
+            }
+            Reply::Delete { status, .. } => {
+                w.u32(status.len() as u32);
+                status.iter().for_each(|s| {
+                    w.u8(*s as u8);
+                });
+            }
+            Reply::Stats { counters, .. } => {
+                w.u32(counters.len() as u32);
+                for c in counters {
+                    let name = &c.name.as_bytes()[..c.name.len().min(255)];
+                    w.u8(name.len() as u8).bytes(name).u64(c.value);
+                }
+            }
+            Reply::Close { .. } => {}
+            Reply::Error { code, message, .. } => {
+                let m = &message.as_bytes()[..message.len().min(1024)];
+                w.u16(*code as u16).u16(m.len() as u16).bytes(m);
+            }
+        }
+        w.finish();
+    }
+}
+
+/// Starts a GET reply of `count` entries; the caller appends each with [`get_reply_found`] or
+/// [`get_reply_missing`] and then calls [`FrameBuilder::finish`].
+pub fn begin_get_reply<'v>(
+    out: &'v mut Vec<u8>,
+    req_id: u64,
+    load: Load,
+    count: usize,
+) -> FrameBuilder<'v> {
+    let mut w = FrameBuilder::begin(out, Kind::GetReply as u8, req_id);
+    load.encode(&mut w);
+    w.u32(count as u32);
+    w
+}
+
+pub fn get_reply_found(w: &mut FrameBuilder<'_>, page: &Page<'_>) {
+    w.u8(0);
+    page.encode(w);
+}
+
+pub fn get_reply_missing(w: &mut FrameBuilder<'_>, key: PageKey) {
+    w.u8(1);
+    key.encode(w);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::page::{PageFlags, TAG_LEN};
+    use crate::PAGE_SIZE;
+    use proptest::prelude::*;
+
+    fn key() -> impl Strategy<Value = PageKey> {
+        (any::<u32>(), any::<u64>()).prop_map(|(r, p)| PageKey::new(r, p))
+    }
+
+    /// Owned page parts; a borrowed `Page` is built from them inside the test.
+    fn page_parts() -> impl Strategy<Value = (PageKey, u32, u32, bool, [u8; TAG_LEN], u8)> {
+        (
+            key(),
+            any::<u32>(),
+            any::<u32>(),
+            any::<bool>(),
+            any::<[u8; TAG_LEN]>(),
+            any::<u8>(),
+        )
+    }
+
+    fn page<'a>(p: &(PageKey, u32, u32, bool, [u8; TAG_LEN], u8), data: &'a [u8]) -> Page<'a> {
+        Page {
+            key: p.0,
+            version: p.1,
+            crc: p.2,
+            flags: PageFlags(if p.3 { PageFlags::ZERO } else { 0 }),
+            tag: p.4,
+            data: if p.3 { &[] } else { data },
+        }
+    }
+
+    fn roundtrip_request(req: &Request<'_>, id: u64) {
+        let mut buf = Vec::new();
+        req.encode(id, &mut buf);
+        assert_eq!(frame_len(&buf).unwrap(), Some(buf.len()));
+        let (got_id, got) = decode_request(&buf).unwrap();
+        assert_eq!(got_id, id);
+        assert_eq!(&got, req);
+    }
+
+    fn roundtrip_reply(rep: &Reply<'_>, id: u64) {
+        let mut buf = Vec::new();
+        rep.encode(id, &mut buf);
+        let (got_id, got) = decode_reply(&buf).unwrap();
+        assert_eq!(got_id, id);
+        assert_eq!(&got, rep);
+    }
+
+    fn load() -> impl Strategy<Value = Load> {
+        (any::<u64>(), any::<u32>()).prop_map(|(free_pages, requests_per_s)| Load {
+            free_pages,
+            requests_per_s,
+        })
+    }
+
+    proptest! {
+        #[test]
+        fn put_roundtrips(parts in prop::collection::vec(page_parts(), 0..8), id: u64) {
+            let datas: Vec<Vec<u8>> = parts.iter().map(|p| vec![p.5; PAGE_SIZE]).collect();
+            let pages = parts.iter().zip(&datas).map(|(p, d)| page(p, d)).collect();
+            roundtrip_request(&Request::Put(pages), id);
+        }
+
+        #[test]
+        fn get_and_delete_roundtrip(keys in prop::collection::vec(key(), 0..crate::MAX_BATCH), id: u64) {
+            roundtrip_request(&Request::Get(keys.clone()), id);
+            roundtrip_request(&Request::Delete(keys), id);
+        }
+
+        #[test]
+        fn bodiless_requests_roundtrip(id: u64) {
+            for r in [Request::Refresh, Request::Stats, Request::Close] {
+                roundtrip_request(&r, id);
+            }
+        }
+
+        #[test]
+        fn put_reply_roundtrips(load in load(), s in prop::collection::vec(0u8..3, 0..crate::MAX_BATCH), id: u64) {
+            let status = s.iter().map(|v| [PutStatus::Stored, PutStatus::Full, PutStatus::BadKey][*v as usize]).collect();
+            roundtrip_reply(&Reply::Put { load, status }, id);
+        }
+
+        #[test]
+        fn get_reply_roundtrips(load in load(), parts in prop::collection::vec((page_parts(), any::<bool>()), 0..8), id: u64) {
+            let datas: Vec<Vec<u8>> = parts.iter().map(|p| vec![p.0.5; PAGE_SIZE]).collect();
+            let pages: Vec<GetResult<'_>> = parts.iter().zip(&datas).map(|((p, found), d)| {
+                if *found { GetResult::Found(page(p, d)) } else { GetResult::Missing(p.0) }
+            }).collect();
+            // The streaming builder the server uses produces the same bytes as Reply::encode.
+            let mut a = Vec::new();
+            Reply::Get { load, pages: pages.clone() }.encode(id, &mut a);
+            let mut b = Vec::new();
+            let mut w = begin_get_reply(&mut b, id, load, pages.len());
+            for p in &pages {
+                match p { GetResult::Found(p) => get_reply_found(&mut w, p), GetResult::Missing(k) => get_reply_missing(&mut w, *k) }
+            }
+            w.finish();
+            prop_assert_eq!(&a, &b);
+            roundtrip_reply(&Reply::Get { load, pages }, id);
+        }
+
+        #[test]
+        fn delete_reply_roundtrips(load in load(), s in prop::collection::vec(any::<bool>(), 0..crate::MAX_BATCH), id: u64) {
+            let status = s.iter().map(|d| if *d { DeleteStatus::Deleted } else { DeleteStatus::Missing }).collect();
+            roundtrip_reply(&Reply::Delete { load, status }, id);
+        }
+
+        #[test]
+        fn stats_reply_roundtrips(load in load(), c in prop::collection::vec(("[a-z_]{0,40}", any::<u64>()), 0..50), id: u64) {
+            let counters = c.iter().map(|(n, v)| Counter { name: n, value: *v }).collect();
+            roundtrip_reply(&Reply::Stats { load, counters }, id);
+        }
+
+        #[test]
+        fn close_and_error_roundtrip(load in load(), m in "\\PC{0,100}", id: u64, expired: bool) {
+            roundtrip_reply(&Reply::Close { load }, id);
+            let code = if expired { ErrorCode::SessionExpired } else { ErrorCode::ShuttingDown };
+            roundtrip_reply(&Reply::Error { load, code, message: &m }, id);
+        }
+
+        #[test]
+        fn handshake_roundtrips(node: u64, inc: u64, session: u64, window: u32, cap: u64, free: u64, lease: u32) {
+            let h = crate::Hello::new(node, inc, session);
+            prop_assert_eq!(crate::Hello::decode(&h.encode()).unwrap(), h);
+            let w = crate::Welcome { version: 1, status: crate::WelcomeStatus::Busy, window, server_node: node,
+                server_incarnation: inc, capacity_pages: cap, free_pages: free, lease_period_ms: lease,
+                max_frame_len: 1 << 20, max_batch: 128 };
+            prop_assert_eq!(crate::Welcome::decode(&w.encode()).unwrap(), w);
+        }
+
+        /// Whatever the bytes, decoding returns a value or an error: it never panics.
+        #[test]
+        fn decoders_never_panic(bytes in prop::collection::vec(any::<u8>(), 0..200)) {
+            let _ = decode_request(&bytes);
+            let _ = decode_reply(&bytes);
+            let _ = crate::Hello::decode(&bytes);
+            let _ = crate::Welcome::decode(&bytes);
+        }
+
+        /// Every proper prefix of a valid frame is reported as truncated, never misread.
+        #[test]
+        fn prefixes_are_truncated(keys in prop::collection::vec(key(), 1..4), cut in 0usize..100) {
+            let mut buf = Vec::new();
+            Request::Get(keys).encode(7, &mut buf);
+            let cut = cut % buf.len();
+            prop_assert!(decode_request(&buf[..cut]).is_err());
+        }
+    }
+
+    #[test]
+    fn oversized_length_is_refused_before_the_body() {
+        let mut buf = ((MAX_FRAME_LEN as u32) + 1).to_le_bytes().to_vec();
+        buf.extend_from_slice(&[1, 1, 0, 0]);
+        assert!(matches!(
+            frame_len(&buf),
+            Err(DecodeError::BadLength { .. })
+        ));
+    }
+
+    #[test]
+    fn wrong_frame_version_is_refused() {
+        let mut buf = Vec::new();
+        Request::Stats.encode(1, &mut buf);
+        buf[4] = 9;
+        assert_eq!(
+            decode_request(&buf),
+            Err(DecodeError::UnsupportedVersion { got: 9 })
+        );
+    }
+
+    #[test]
+    fn lying_batch_count_is_refused_without_allocating() {
+        let mut buf = Vec::new();
+        let mut w = FrameBuilder::begin(&mut buf, Kind::Get as u8, 1);
+        w.u32(u32::MAX);
+        w.finish();
+        assert!(matches!(
+            decode_request(&buf),
+            Err(DecodeError::BatchTooLarge { .. })
+        ));
+    }
+
+    #[test]
+    fn reply_kinds_are_not_requests() {
+        let mut buf = Vec::new();
+        Reply::Close {
+            load: Load::default(),
+        }
+        .encode(1, &mut buf);
+        assert_eq!(
+            decode_request(&buf),
+            Err(DecodeError::UnknownKind(Kind::CloseReply as u8))
+        );
+    }
+
+    #[test]
+    fn page_with_wrong_length_is_refused() {
+        let data = vec![1u8; PAGE_SIZE];
+        let mut buf = Vec::new();
+        Request::Put(vec![Page::seal(PageKey::new(0, 0), 1, &data)]).encode(1, &mut buf);
+        // Claim the zero flag while data follows.
+        buf[FRAME_HEADER_LEN + 4 + 20] = PageFlags::ZERO as u8;
+        assert!(matches!(
+            decode_request(&buf),
+            Err(DecodeError::BadPageLength { .. })
+        ));
+    }
+}

@@ -1,0 +1,587 @@
+//! The page server's store: where other machines' pages live, with no I/O.
+//!
+//! It implements the server side of Distributed Anemone (paper 001, §2.1 server module, §2.5
+//! soft-state refresh) and of Nswap's per-node cache of remote pages (paper 004, §III):
+//!
+//! * **Frames** live in one arena handed in at start-up (the daemon mmaps it from `--capacity`);
+//!   the store never allocates per page. When no frame is free a PUT is refused with
+//!   [`PutStatus::Full`], Anemone's NACK, and the client goes elsewhere.
+//! * **The index** maps a page key to its frame with 20 bytes of [`FrameMeta`] per frame plus a
+//!   `hashbrown::HashTable<u32>` of frame numbers (5 bytes a slot, at most ~11.4 bytes a page
+//!   at hashbrown's lowest load), so that metadata stays under 32 bytes per stored page; the
+//!   key itself is kept once, in the frame's metadata, not again in the table.
+//! * **Sessions and leases**: a page belongs to a session, opened by a client's handshake (node
+//!   id, boot incarnation, session id). A session not refreshed for [`LEASE_PERIODS`] lease
+//!   periods is expired and its pages freed; a newer incarnation of a node supersedes the older
+//!   ones at once, because a rebooted client can never ask for its old pages again.
+//!
+//! Time comes in as `now_ms` arguments, so the daemon passes a monotonic clock and the simulator a
+//! virtual one. One counter per reason a page was stored, refused or freed ([`Counters`]).
+
+use hashbrown::HashTable;
+use netram_proto::{NodeId, PageFlags, PageKey, PutStatus, PAGE_SIZE};
+use std::hash::BuildHasher;
+
+/// A session silent for this many lease periods is expired (Anemone §2.5: three periods).
+pub const LEASE_PERIODS: u64 = 3;
+
+/// The largest region number the index can hold (24 bits)...
+pub const REGION_MAX: u32 = (1 << 24) - 1;
+/// ... and the largest page number inside a region (40 bits: 4 PiB of 4 KiB pages).
+pub const PAGE_NUMBER_MAX: u64 = (1 << 40) - 1;
+
+/// Per-frame metadata: 20 bytes, 4-byte aligned. The key is packed into 64 bits (24-bit region,
+/// 40-bit page) so that (key, owner, version, checksum) fit without padding.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(C)]
+pub struct FrameMeta {
+    /// Packed key, little half first; for a free frame, `key[0]` links to the next free frame.
+    key: [u32; 2],
+    /// Session slot in the low 24 bits, page flags in the top 8; [`FREE`] when free.
+    owner: u32,
+    version: u32,
+    crc: u32,
+}
+
+const FREE: u32 = u32::MAX;
+const SLOT_BITS: u32 = 24;
+const SLOT_MASK: u32 = (1 << SLOT_BITS) - 1;
+/// End of the free list.
+const NIL: u32 = u32::MAX;
+
+impl FrameMeta {
+    fn slot(&self) -> u32 {
+        self.owner & SLOT_MASK
+    }
+    fn flags(&self) -> PageFlags {
+        PageFlags((self.owner >> SLOT_BITS) as u16)
+    }
+    fn packed_key(&self) -> u64 {
+        u64::from(self.key[0]) | (u64::from(self.key[1]) << 32)
+    }
+}
+
+fn pack(key: PageKey) -> Option<u64> {
+    (key.region <= REGION_MAX && key.page <= PAGE_NUMBER_MAX)
+        .then(|| (u64::from(key.region) << 40) | key.page)
+}
+
+/// A session as the connection that opened it holds it. The generation tells a handle to an
+/// expired session from one to the session that reused its slot.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SessionHandle {
+    slot: u32,
+    generation: u32,
+}
+
+#[derive(Debug, Clone)]
+struct Session {
+    node: NodeId,
+    incarnation: u64,
+    id: u64,
+    generation: u32,
+    last_refresh_ms: u64,
+    live: bool,
+    pages: u64,
+}
+
+/// A stored page, as a GET hands it back.
+#[derive(Debug, Clone, Copy)]
+pub struct StoredPage<'a> {
+    pub version: u32,
+    pub crc: u32,
+    pub flags: PageFlags,
+    pub data: &'a [u8],
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum StoreError {
+    /// The session's lease ran out and its pages were freed.
+    #[error("session expired: its lease ran out and its pages were freed")]
+    SessionExpired,
+    /// Every session slot is taken.
+    #[error("too many sessions ({0} is the limit)")]
+    TooManySessions(usize),
+    /// A newer incarnation of this node has connected: this one is dead.
+    #[error("stale incarnation {got} of node {node:#x}: incarnation {newest} has connected since")]
+    StaleIncarnation { node: NodeId, got: u64, newest: u64 },
+}
+
+/// What the store is configured with.
+#[derive(Debug, Clone, Copy)]
+pub struct StoreConfig {
+    pub lease_period_ms: u64,
+    pub max_sessions: usize,
+}
+
+impl Default for StoreConfig {
+    fn default() -> Self {
+        Self {
+            lease_period_ms: 2_000,
+            max_sessions: 4096,
+        }
+    }
+}
+
+macro_rules! counters {
+    ($($(#[doc = $doc:literal])* $name:ident),* $(,)?) => {
+        /// One counter per reason (zswap style), exported through STATS under these names.
+        #[derive(Debug, Clone, Default, PartialEq, Eq)]
+        pub struct Counters { $($(#[doc = $doc])* pub $name: u64,)* }
+        impl Counters {
+            pub fn iter(&self) -> impl Iterator<Item = (&'static str, u64)> + '_ {
+                [$((stringify!($name), self.$name)),*].into_iter()
+            }
+        }
+    };
+}
+
+counters! {
+    /// PUTs that took a new frame.
+    pages_stored,
+    /// PUTs that replaced a page already stored under that key, in place.
+    pages_overwritten,
+    /// GETs answered with a page.
+    pages_read,
+    /// GETs of a key the session does not have.
+    pages_missing,
+    /// DELETEs that freed a page.
+    pages_deleted,
+    /// DELETEs of a key the session does not have.
+    deletes_missing,
+    /// PUTs refused because no frame was free (Anemone's NACK).
+    puts_refused_full,
+    /// PUTs refused because the key is beyond the index's limits.
+    puts_refused_bad_key,
+    /// Requests on a session whose lease had run out.
+    requests_expired_session,
+    sessions_opened,
+    sessions_resumed,
+    sessions_closed,
+    /// Sessions whose lease ran out (three periods without a refresh).
+    sessions_expired,
+    /// Sessions freed because a newer incarnation of their node connected.
+    sessions_superseded,
+    /// Handshakes refused because a newer incarnation of the node had connected.
+    sessions_refused_stale,
+    /// Pages freed by expiry, supersession or close, rather than by DELETE.
+    pages_freed_with_session,
+}
+
+/// The page store. `A` is the arena: the daemon passes an mmap, tests a `Vec<u8>`.
+pub struct Store<A> {
+    arena: A,
+    meta: Vec<FrameMeta>,
+    index: HashTable<u32>,
+    hasher: foldhash::fast::RandomState,
+    free_head: u32,
+    free_frames: u64,
+    sessions: Vec<Session>,
+    free_slots: Vec<u32>,
+    cfg: StoreConfig,
+    counters: Counters,
+    load_window_s: u64,
+    load_count: u32,
+    load_last: u32,
+}
+
+impl<A> std::fmt::Debug for Store<A> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Store")
+            .field("capacity_pages", &self.meta.len())
+            .field("free_pages", &self.free_frames)
+            .field("sessions", &self.sessions.len())
+            .finish()
+    }
+}
+
+impl<A: AsRef<[u8]> + AsMut<[u8]>> Store<A> {
+    /// A store over `arena`, which holds `arena.len() / PAGE_SIZE` frames.
+    pub fn new(arena: A, cfg: StoreConfig) -> Self {
+        let frames = arena.as_ref().len() / PAGE_SIZE;
+        assert!(frames < NIL as usize, "at most 2^32 - 1 frames");
+        assert!(cfg.max_sessions > 0 && cfg.max_sessions <= SLOT_MASK as usize);
+        // Free list threaded through the metadata, lowest frame first.
+        let meta = (0..frames as u32)
+            .map(|i| FrameMeta {
+                key: [if i + 1 == frames as u32 { NIL } else { i + 1 }, 0],
+                owner: FREE,
+                version: 0,
+                crc: 0,
+            })
+            .collect();
+        Self {
+            arena,
+            meta,
+            index: HashTable::with_capacity(frames),
+            hasher: foldhash::fast::RandomState::default(),
+            free_head: if frames == 0 { NIL } else { 0 },
+            free_frames: frames as u64,
+            sessions: Vec::new(),
+            free_slots: Vec::new(),
+            cfg,
+            counters: Counters::default(),
+            load_window_s: 0,
+            load_count: 0,
+            load_last: 0,
+        }
+    }
+
+    pub fn capacity_pages(&self) -> u64 {
+        self.meta.len() as u64
+    }
+    pub fn free_pages(&self) -> u64 {
+        self.free_frames
+    }
+    pub fn stored_pages(&self) -> u64 {
+        self.capacity_pages() - self.free_frames
+    }
+    pub fn counters(&self) -> &Counters {
+        &self.counters
+    }
+    pub fn config(&self) -> &StoreConfig {
+        &self.cfg
+    }
+    pub fn live_sessions(&self) -> usize {
+        self.sessions.iter().filter(|s| s.live).count()
+    }
+
+    /// Bytes of index and frame metadata: what the store spends besides the frames themselves.
+    pub fn meta_bytes(&self) -> usize {
+        self.meta.capacity() * std::mem::size_of::<FrameMeta>() + self.index.allocation_size()
+    }
+
+    /// Counts one request for the load the server piggy-backs on replies (Anemone §2.4);
+    /// returns requests served in the last whole second.
+    pub fn note_requests(&mut self, n: u32, now_ms: u64) -> u32 {
+        let window = now_ms / 1000;
+        if window != self.load_window_s {
+            self.load_last = if window == self.load_window_s + 1 {
+                self.load_count
+            } else {
+                0
+            };
+            self.load_window_s = window;
+            self.load_count = 0;
+        }
+        self.load_count = self.load_count.saturating_add(n);
+        self.load_last
+    }
+
+    /// Opens (or resumes, after a reconnect) the session of a client's handshake.
+    pub fn open_session(
+        &mut self,
+        node: NodeId,
+        incarnation: u64,
+        id: u64,
+        now_ms: u64,
+    ) -> Result<SessionHandle, StoreError> {
+        let newest = self
+            .sessions
+            .iter()
+            .filter(|s| s.live && s.node == node)
+            .map(|s| s.incarnation)
+            .max();
+        if let Some(newest) = newest.filter(|&n| n > incarnation) {
+            self.counters.sessions_refused_stale += 1;
+            return Err(StoreError::StaleIncarnation {
+                node,
+                got: incarnation,
+                newest,
+            });
+        }
+        if let Some(slot) = self
+            .sessions
+            .iter()
+            .position(|s| s.live && s.node == node && s.incarnation == incarnation && s.id == id)
+        {
+            let s = &mut self.sessions[slot];
+            s.last_refresh_ms = now_ms;
+            self.counters.sessions_resumed += 1;
+            return Ok(SessionHandle {
+                slot: slot as u32,
+                generation: s.generation,
+            });
+        }
+        // A newer incarnation: everything of the older ones is dead (Nswap: a rebooted node).
+        let dead: Vec<u32> = (0..self.sessions.len() as u32)
+            .filter(|&i| {
+                let s = &self.sessions[i as usize];
+                s.live && s.node == node && s.incarnation < incarnation
+            })
+            .collect();
+        self.counters.sessions_superseded += dead.len() as u64;
+        self.end_sessions(&dead);
+
+        let slot = match self.free_slots.pop() {
+            Some(slot) => slot,
+            None if self.sessions.len() < self.cfg.max_sessions => {
+                self.sessions.push(Session {
+                    node,
+                    incarnation,
+                    id,
+                    generation: 0,
+                    last_refresh_ms: now_ms,
+                    live: false,
+                    pages: 0,
+                });
+                self.sessions.len() as u32 - 1
+            }
+            None => return Err(StoreError::TooManySessions(self.cfg.max_sessions)),
+        };
+        let s = &mut self.sessions[slot as usize];
+        *s = Session {
+            node,
+            incarnation,
+            id,
+            generation: s.generation.wrapping_add(1),
+            last_refresh_ms: now_ms,
+            live: true,
+            pages: 0,
+        };
+        self.counters.sessions_opened += 1;
+        Ok(SessionHandle {
+            slot,
+            generation: s.generation,
+        })
+    }
+
+    /// Checks a handle and refreshes its lease: every request is also a refresh.
+    fn session(&mut self, h: SessionHandle, now_ms: u64) -> Result<(), StoreError> {
+        match self.sessions.get_mut(h.slot as usize) {
+            Some(s) if s.live && s.generation == h.generation => {
+                s.last_refresh_ms = s.last_refresh_ms.max(now_ms);
+                Ok(())
+            }
+            _ => {
+                self.counters.requests_expired_session += 1;
+                Err(StoreError::SessionExpired)
+            }
+        }
+    }
+
+    pub fn refresh(&mut self, h: SessionHandle, now_ms: u64) -> Result<(), StoreError> {
+        self.session(h, now_ms)
+    }
+
+    fn hash(&self, slot: u32, packed: u64) -> u64 {
+        self.hasher.hash_one((slot, packed))
+    }
+
+    fn find(&self, slot: u32, packed: u64) -> Option<u32> {
+        let meta = &self.meta;
+        self.index
+            .find(self.hash(slot, packed), |&f| {
+                let m = &meta[f as usize];
+                m.slot() == slot && m.packed_key() == packed
+            })
+            .copied()
+    }
+
+    fn frame(&self, f: u32) -> &[u8] {
+        let at = f as usize * PAGE_SIZE;
+        &self.arena.as_ref()[at..at + PAGE_SIZE]
+    }
+
+    /// Stores a page, in place if the session already has one under that key.
+    #[allow(clippy::too_many_arguments)]
+    pub fn put(
+        &mut self,
+        h: SessionHandle,
+        key: PageKey,
+        version: u32,
+        crc: u32,
+        flags: PageFlags,
+        data: &[u8],
+        now_ms: u64,
+    ) -> Result<PutStatus, StoreError> {
+        self.session(h, now_ms)?;
+        let Some(packed) = pack(key) else {
+            self.counters.puts_refused_bad_key += 1;
+            return Ok(PutStatus::BadKey);
+        };
+        let f = match self.find(h.slot, packed) {
+            Some(f) => {
+                self.counters.pages_overwritten += 1;
+                f
+            }
+            None => {
+                let Some(f) = self.take_free_frame() else {
+                    self.counters.puts_refused_full += 1;
+                    return Ok(PutStatus::Full);
+                };
+                let hash = self.hash(h.slot, packed);
+                let meta = &self.meta;
+                self.index.insert_unique(hash, f, |&g| {
+                    let m = &meta[g as usize];
+                    self.hasher.hash_one((m.slot(), m.packed_key()))
+                });
+                self.sessions[h.slot as usize].pages += 1;
+                self.counters.pages_stored += 1;
+                f
+            }
+        };
+        self.meta[f as usize] = FrameMeta {
+            key: [packed as u32, (packed >> 32) as u32],
+            owner: h.slot | (u32::from(flags.0 as u8) << SLOT_BITS),
+            version,
+            crc,
+        };
+        let at = f as usize * PAGE_SIZE;
+        let frame = &mut self.arena.as_mut()[at..at + PAGE_SIZE];
+        if flags.is_zero() {
+            frame.fill(0);
+        } else {
+            frame.copy_from_slice(data);
+        }
+        Ok(PutStatus::Stored)
+    }
+
+    pub fn get(
+        &mut self,
+        h: SessionHandle,
+        key: PageKey,
+        now_ms: u64,
+    ) -> Result<Option<StoredPage<'_>>, StoreError> {
+        self.session(h, now_ms)?;
+        let Some(f) = pack(key).and_then(|p| self.find(h.slot, p)) else {
+            self.counters.pages_missing += 1;
+            return Ok(None);
+        };
+        self.counters.pages_read += 1;
+        let m = self.meta[f as usize];
+        Ok(Some(StoredPage {
+            version: m.version,
+            crc: m.crc,
+            flags: m.flags(),
+            data: if m.flags().is_zero() {
+                &[]
+            } else {
+                self.frame(f)
+            },
+        }))
+    }
+
+    pub fn delete(
+        &mut self,
+        h: SessionHandle,
+        key: PageKey,
+        now_ms: u64,
+    ) -> Result<bool, StoreError> {
+        self.session(h, now_ms)?;
+        let found = pack(key).and_then(|p| self.find(h.slot, p));
+        match found {
+            Some(f) => {
+                self.release_frame(f);
+                self.sessions[h.slot as usize].pages -= 1;
+                self.counters.pages_deleted += 1;
+                Ok(true)
+            }
+            None => {
+                self.counters.deletes_missing += 1;
+                Ok(false)
+            }
+        }
+    }
+
+    /// Ends a session at its client's request, freeing its pages now.
+    pub fn close(&mut self, h: SessionHandle) -> Result<(), StoreError> {
+        self.session(h, 0)?;
+        self.counters.sessions_closed += 1;
+        self.end_sessions(&[h.slot]);
+        Ok(())
+    }
+
+    /// Expires every session not refreshed for [`LEASE_PERIODS`] periods; returns how many.
+    pub fn expire(&mut self, now_ms: u64) -> usize {
+        let deadline = self.cfg.lease_period_ms * LEASE_PERIODS;
+        let dead: Vec<u32> = (0..self.sessions.len() as u32)
+            .filter(|&i| {
+                let s = &self.sessions[i as usize];
+                s.live && now_ms.saturating_sub(s.last_refresh_ms) > deadline
+            })
+            .collect();
+        self.counters.sessions_expired += dead.len() as u64;
+        self.end_sessions(&dead);
+        dead.len()
+    }
+
+    /// Frees every page of the given sessions with one pass over the frames, and their slots.
+    fn end_sessions(&mut self, slots: &[u32]) {
+        if slots.is_empty() {
+            return;
+        }
+        let mut pages: u64 = slots.iter().map(|&s| self.sessions[s as usize].pages).sum();
+        for f in 0..self.meta.len() as u32 {
+            if pages == 0 {
+                break;
+            }
+            let m = self.meta[f as usize];
+            if m.owner != FREE && slots.contains(&m.slot()) {
+                self.release_frame(f);
+                pages -= 1;
+                self.counters.pages_freed_with_session += 1;
+            }
+        }
+        debug_assert_eq!(pages, 0, "a session's page count disagrees with its frames");
+        for &s in slots {
+            let session = &mut self.sessions[s as usize];
+            session.live = false;
+            session.pages = 0;
+            self.free_slots.push(s);
+        }
+    }
+
+    fn take_free_frame(&mut self) -> Option<u32> {
+        let f = self.free_head;
+        if f == NIL {
+            return None;
+        }
+        let m = &self.meta[f as usize];
+        debug_assert_eq!(m.owner, FREE);
+        self.free_head = m.key[0];
+        self.free_frames -= 1;
+        Some(f)
+    }
+
+    /// Unlinks a frame from the index and puts it on the free list.
+    fn release_frame(&mut self, f: u32) {
+        let m = self.meta[f as usize];
+        let hash = self.hash(m.slot(), m.packed_key());
+        let entry = self.index.find_entry(hash, |&g| g == f);
+        entry.expect("a used frame is in the index").remove();
+        self.meta[f as usize] = FrameMeta {
+            key: [self.free_head, 0],
+            owner: FREE,
+            version: 0,
+            crc: 0,
+        };
+        self.free_head = f;
+        self.free_frames += 1;
+    }
+
+    /// Checks the store's invariants; for tests and the simulator (it walks every frame).
+    pub fn check_invariants(&self) {
+        let used = self.meta.iter().filter(|m| m.owner != FREE).count() as u64;
+        assert_eq!(used + self.free_frames, self.capacity_pages());
+        assert_eq!(self.index.len() as u64, used, "index and frames agree");
+        let per_session: u64 = self
+            .sessions
+            .iter()
+            .filter(|s| s.live)
+            .map(|s| s.pages)
+            .sum();
+        assert_eq!(per_session, used, "session page counts add up");
+        let mut free = 0;
+        let mut f = self.free_head;
+        while f != NIL {
+            assert_eq!(self.meta[f as usize].owner, FREE);
+            f = self.meta[f as usize].key[0];
+            free += 1;
+        }
+        assert_eq!(free, self.free_frames, "free list length");
+    }
+}
+
+#[cfg(test)]
+mod tests;

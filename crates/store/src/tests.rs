@@ -1,0 +1,272 @@
+use super::*;
+use proptest::prelude::*;
+use std::collections::HashMap;
+
+fn store(frames: usize) -> Store<Vec<u8>> {
+    Store::new(
+        vec![0u8; frames * PAGE_SIZE],
+        StoreConfig {
+            lease_period_ms: 100,
+            max_sessions: 8,
+        },
+    )
+}
+
+fn page(b: u8) -> Vec<u8> {
+    vec![b; PAGE_SIZE]
+}
+
+fn put(s: &mut Store<Vec<u8>>, h: SessionHandle, p: u64, b: u8) -> PutStatus {
+    s.put(
+        h,
+        PageKey::new(1, p),
+        u32::from(b),
+        0,
+        PageFlags::default(),
+        &page(b),
+        0,
+    )
+    .unwrap()
+}
+
+#[test]
+fn full_store_refuses_and_overwrite_still_works() {
+    let mut s = store(2);
+    let h = s.open_session(1, 1, 1, 0).unwrap();
+    assert_eq!(put(&mut s, h, 0, 1), PutStatus::Stored);
+    assert_eq!(put(&mut s, h, 1, 2), PutStatus::Stored);
+    assert_eq!(put(&mut s, h, 2, 3), PutStatus::Full);
+    assert_eq!(s.counters().puts_refused_full, 1);
+    // An overwrite needs no new frame.
+    assert_eq!(put(&mut s, h, 1, 9), PutStatus::Stored);
+    assert_eq!(
+        s.get(h, PageKey::new(1, 1), 0).unwrap().unwrap().data,
+        &page(9)[..]
+    );
+    assert!(s.delete(h, PageKey::new(1, 0), 0).unwrap());
+    assert_eq!(put(&mut s, h, 2, 3), PutStatus::Stored);
+    s.check_invariants();
+}
+
+#[test]
+fn sessions_do_not_see_each_others_pages() {
+    let mut s = store(4);
+    let a = s.open_session(1, 1, 1, 0).unwrap();
+    let b = s.open_session(2, 1, 1, 0).unwrap();
+    put(&mut s, a, 0, 1);
+    assert!(s.get(b, PageKey::new(1, 0), 0).unwrap().is_none());
+    put(&mut s, b, 0, 2);
+    assert_eq!(s.get(a, PageKey::new(1, 0), 0).unwrap().unwrap().data[0], 1);
+    assert_eq!(s.get(b, PageKey::new(1, 0), 0).unwrap().unwrap().data[0], 2);
+    s.check_invariants();
+}
+
+#[test]
+fn lease_expires_after_three_silent_periods() {
+    let mut s = store(4);
+    let a = s.open_session(1, 1, 1, 0).unwrap();
+    let b = s.open_session(2, 1, 1, 0).unwrap();
+    put(&mut s, a, 0, 1);
+    put(&mut s, b, 0, 1);
+    s.refresh(b, 250).unwrap();
+    assert_eq!(s.expire(300), 0, "exactly three periods is not yet expired");
+    assert_eq!(s.expire(301), 1);
+    assert_eq!(s.stored_pages(), 1);
+    assert_eq!(
+        s.get(a, PageKey::new(1, 0), 301).err(),
+        Some(StoreError::SessionExpired)
+    );
+    assert_eq!(s.counters().sessions_expired, 1);
+    assert_eq!(s.counters().pages_freed_with_session, 1);
+    // The slot is reused; the stale handle still does not reach the new session.
+    let c = s.open_session(3, 1, 1, 301).unwrap();
+    put(&mut s, c, 5, 5);
+    assert!(s.get(a, PageKey::new(1, 5), 301).is_err());
+    s.check_invariants();
+}
+
+#[test]
+fn newer_incarnation_frees_the_old_and_refuses_zombies() {
+    let mut s = store(4);
+    let old = s.open_session(7, 1, 1, 0).unwrap();
+    put(&mut s, old, 0, 1);
+    put(&mut s, old, 1, 1);
+    let new = s.open_session(7, 2, 1, 0).unwrap();
+    assert_eq!(s.stored_pages(), 0);
+    assert_eq!(s.counters().sessions_superseded, 1);
+    assert!(s.get(old, PageKey::new(1, 0), 0).is_err());
+    assert!(matches!(
+        s.open_session(7, 1, 1, 0),
+        Err(StoreError::StaleIncarnation { newest: 2, .. })
+    ));
+    put(&mut s, new, 0, 3);
+    s.check_invariants();
+}
+
+#[test]
+fn reconnect_resumes_the_session() {
+    let mut s = store(4);
+    let a = s.open_session(1, 1, 1, 0).unwrap();
+    put(&mut s, a, 0, 4);
+    let again = s.open_session(1, 1, 1, 10).unwrap();
+    assert_eq!(a, again);
+    assert_eq!(
+        s.get(again, PageKey::new(1, 0), 10).unwrap().unwrap().data[0],
+        4
+    );
+}
+
+#[test]
+fn session_table_is_bounded() {
+    let mut s = store(1);
+    for n in 0..8 {
+        s.open_session(n, 1, 1, 0).unwrap();
+    }
+    assert_eq!(
+        s.open_session(99, 1, 1, 0),
+        Err(StoreError::TooManySessions(8))
+    );
+}
+
+#[test]
+fn keys_beyond_the_index_are_refused() {
+    let mut s = store(1);
+    let h = s.open_session(1, 1, 1, 0).unwrap();
+    let d = page(1);
+    let f = PageFlags::default();
+    let bad = PageKey::new(REGION_MAX + 1, 0);
+    assert_eq!(s.put(h, bad, 1, 0, f, &d, 0).unwrap(), PutStatus::BadKey);
+    let bad = PageKey::new(0, PAGE_NUMBER_MAX + 1);
+    assert_eq!(s.put(h, bad, 1, 0, f, &d, 0).unwrap(), PutStatus::BadKey);
+    let edge = PageKey::new(REGION_MAX, PAGE_NUMBER_MAX);
+    assert_eq!(s.put(h, edge, 1, 0, f, &d, 0).unwrap(), PutStatus::Stored);
+    assert!(s.get(h, edge, 0).unwrap().is_some());
+}
+
+#[test]
+fn zero_pages_come_back_without_data() {
+    let mut s = store(1);
+    let h = s.open_session(1, 1, 1, 0).unwrap();
+    let z = PageFlags(PageFlags::ZERO);
+    s.put(h, PageKey::new(0, 0), 1, 5, z, &[], 0).unwrap();
+    let p = s.get(h, PageKey::new(0, 0), 0).unwrap().unwrap();
+    assert!(p.flags.is_zero() && p.data.is_empty() && p.crc == 5);
+}
+
+#[test]
+fn metadata_stays_under_32_bytes_per_page_when_full() {
+    assert_eq!(std::mem::size_of::<FrameMeta>(), 20);
+    for frames in [1000, 4096, 100_000, 262_144] {
+        let mut s = Store::new(vec![0u8; frames * PAGE_SIZE], StoreConfig::default());
+        let h = s.open_session(1, 1, 1, 0).unwrap();
+        let d = page(1);
+        for p in 0..frames as u64 {
+            let st = s
+                .put(h, PageKey::new(0, p), 1, 0, PageFlags::default(), &d, 0)
+                .unwrap();
+            assert_eq!(st, PutStatus::Stored);
+        }
+        let per_page = s.meta_bytes() as f64 / frames as f64;
+        assert!(
+            per_page <= 32.0,
+            "{frames} frames: {per_page} bytes of metadata per page"
+        );
+    }
+}
+
+#[derive(Debug, Clone)]
+enum Op {
+    Put(u8, u64, u8),
+    Get(u8, u64),
+    Delete(u8, u64),
+    Close(u8),
+    Tick(u64),
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        4 => (0u8..3, 0u64..12, any::<u8>()).prop_map(|(s, p, b)| Op::Put(s, p, b)),
+        3 => (0u8..3, 0u64..12).prop_map(|(s, p)| Op::Get(s, p)),
+        2 => (0u8..3, 0u64..12).prop_map(|(s, p)| Op::Delete(s, p)),
+        1 => (0u8..3).prop_map(Op::Close),
+        1 => (0u64..200).prop_map(Op::Tick),
+    ]
+}
+
+proptest! {
+    /// The store against a model: a map per session, a capacity, leases.
+    #[test]
+    fn store_matches_model(ops in prop::collection::vec(op(), 1..200)) {
+        let cap = 8usize;
+        let mut s = store(cap);
+        let mut now = 0u64;
+        let mut handles: Vec<Option<SessionHandle>> = vec![None; 3];
+        let mut model: Vec<HashMap<u64, u8>> = vec![HashMap::new(); 3];
+        let mut last: Vec<u64> = vec![0; 3];
+        for op in ops {
+            match op {
+                // The first operation of a session opens it.
+                Op::Put(i, ..) | Op::Get(i, _) | Op::Delete(i, _) if handles[i as usize].is_none() => {
+                    handles[i as usize] = Some(s.open_session(u64::from(i), 1, 1, now).unwrap());
+                    last[i as usize] = now;
+                }
+                Op::Put(i, p, b) => {
+                    let h = handles[i as usize].unwrap();
+                    let total: usize = model.iter().map(|m| m.len()).sum();
+                    let st = put_at(&mut s, h, p, b, now);
+                    let m = &mut model[i as usize];
+                    if m.contains_key(&p) || total < cap {
+                        prop_assert_eq!(st, PutStatus::Stored);
+                        m.insert(p, b);
+                    } else {
+                        prop_assert_eq!(st, PutStatus::Full);
+                    }
+                    last[i as usize] = now;
+                }
+                Op::Get(i, p) => {
+                    let h = handles[i as usize].unwrap();
+                    let got = s.get(h, PageKey::new(1, p), now).unwrap().map(|g| g.data[0]);
+                    prop_assert_eq!(got, model[i as usize].get(&p).copied());
+                    last[i as usize] = now;
+                }
+                Op::Delete(i, p) => {
+                    let h = handles[i as usize].unwrap();
+                    let d = s.delete(h, PageKey::new(1, p), now).unwrap();
+                    prop_assert_eq!(d, model[i as usize].remove(&p).is_some());
+                    last[i as usize] = now;
+                }
+                Op::Close(i) => {
+                    if let Some(h) = handles[i as usize].take() {
+                        s.close(h).unwrap();
+                        model[i as usize].clear();
+                    }
+                }
+                Op::Tick(dt) => {
+                    now += dt;
+                    s.expire(now);
+                    for i in 0..3 {
+                        if handles[i].is_some() && now - last[i] > 300 {
+                            handles[i] = None;
+                            model[i].clear();
+                        }
+                    }
+                }
+            }
+            s.check_invariants();
+            prop_assert_eq!(s.stored_pages() as usize, model.iter().map(|m| m.len()).sum::<usize>());
+        }
+    }
+}
+
+fn put_at(s: &mut Store<Vec<u8>>, h: SessionHandle, p: u64, b: u8, now: u64) -> PutStatus {
+    s.put(
+        h,
+        PageKey::new(1, p),
+        1,
+        0,
+        PageFlags::default(),
+        &page(b),
+        now,
+    )
+    .unwrap()
+}
