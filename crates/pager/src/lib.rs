@@ -1,1 +1,1004 @@
-//! placeholder
+//! The client pager: where a client's pages are, and the machinery that moves them.
+//!
+//! It implements the client module of Distributed Anemone (paper 001, §2.1: page table, LRU
+//! write-back cache, mapping of pages to servers; §2.6 load balancing), the flexible backing
+//! store of Markatos' pager (paper 003: remote memory, local disk, or both), and Nswap's client
+//! side (paper 004, §III: versions on every page-out, garbage collection of dead pages).
+//!
+//! The pager owns no socket and no file. It drives a [`Transport`] (TCP in the daemon, a
+//! simulated network in tests and in the simulator) and a [`Disk`] (a spill file in the daemon,
+//! memory in tests), so everything it decides can be tested deterministically.
+//!
+//! # Components
+//!
+//! * the page table ([`table`]): per page, its version, the servers that hold it and whether the
+//!   local disk holds its current version;
+//! * the slot pool: `cache_pages + staging` page buffers allocated once at start. The LRU
+//!   write-back cache holds up to `cache_pages` of them; the rest carry pages while their
+//!   requests are in flight. Every byte a page moves through lives in a slot, so completing a
+//!   request never needs a caller's buffer and nothing is allocated per page;
+//! * requests in flight ([`Inflight`]), bounded per server by the credit window the server
+//!   announced (Anemone's RMAP window). Replies may come back in any order;
+//! * placement ([`netram_policy::placement`]): two weighted random choices by free capacity
+//!   and load; a FULL refusal (Anemone's NACK) sends the page to another server, and when no
+//!   server is left it spills to the local disk (Markatos).
+//!
+//! # Failures it guards against
+//!
+//! A server that disconnects, errs or times out is marked dead; requests in flight to it are
+//! failed over: writes go to another server (the data is still in its slot), reads come from the
+//! disk copy with `cluster+disk` backing or fail with [`PagerError::Lost`] naming the server and
+//! the pages. A page whose checksum or version does not match is never returned as data.
+
+mod table;
+mod transport;
+
+use lru::LruCache;
+use netram_policy::placement::{self, Candidate};
+use netram_proto::{DeleteStatus, ErrorCode, GetResult, Page, PageKey, PutStatus, Reply, Request, PAGE_SIZE};
+use std::collections::HashMap;
+use std::fmt;
+use table::{Entry, Table};
+pub use transport::{Disk, MemDisk, ServerInfo, Transport, TransportError};
+
+/// Where a pager keeps its pages (Markatos' flexibility, paper 003 §2).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Backing {
+    /// Remote memory; the local disk only when every server is full.
+    #[default]
+    Cluster,
+    /// The local disk only: the baseline users compare with.
+    Disk,
+    /// Remote memory with a write-through copy on the local disk, so any server may die.
+    ClusterDisk,
+}
+
+impl std::str::FromStr for Backing {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "cluster" => Ok(Self::Cluster),
+            "disk" => Ok(Self::Disk),
+            "cluster+disk" => Ok(Self::ClusterDisk),
+            _ => Err(format!("unknown backing {s:?}: expected cluster, disk or cluster+disk")),
+        }
+    }
+}
+
+impl fmt::Display for Backing {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Self::Cluster => "cluster",
+            Self::Disk => "disk",
+            Self::ClusterDisk => "cluster+disk",
+        })
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct PagerConfig {
+    /// Pages in this pager's region; page numbers run from 0 to `pages - 1`.
+    pub pages: u64,
+    /// The region number under which this pager's pages are stored on servers.
+    pub region: u32,
+    pub backing: Backing,
+    /// Pages the local write-back cache holds (0: every read and write goes to its backing).
+    pub cache_pages: usize,
+    /// Dirty pages written back together when the cache must make room, so that write-backs
+    /// are pipelined rather than paid one round trip at a time.
+    pub writeback_batch: usize,
+    /// Requests in flight per server at most; the server's announced window lowers it further.
+    pub window: u32,
+    /// Seed of the placement's random choices.
+    pub seed: u64,
+}
+
+impl Default for PagerConfig {
+    fn default() -> Self {
+        Self {
+            pages: 0,
+            region: 0,
+            backing: Backing::Cluster,
+            cache_pages: 1024,
+            writeback_batch: 32,
+            window: 32,
+            seed: 0x6e65_7472_616d,
+        }
+    }
+}
+
+/// Pages that could not be read because the server holding them is dead.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LostPages {
+    pub server: String,
+    pub reason: String,
+    pub pages: Vec<u64>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum PagerError {
+    /// The servers that held these pages are dead and there is no other copy.
+    #[error("{}", lost_message(.0))]
+    Lost(Vec<LostPages>),
+    /// A page came back with a checksum or version that does not match, and there is no other
+    /// copy. The data was not returned.
+    #[error("page {page} from server {server} is corrupt ({what}); no other copy exists")]
+    Corrupt { server: String, page: u64, what: &'static str },
+    #[error("page {page} is out of range: this pager has {pages} pages")]
+    OutOfRange { page: u64, pages: u64 },
+    #[error("buffer of {got} bytes for {pages} pages: expected {} bytes", .pages * PAGE_SIZE)]
+    BadBuffer { got: usize, pages: usize },
+    #[error("local disk: {0}")]
+    Disk(#[from] std::io::Error),
+}
+
+fn lost_message(lost: &[LostPages]) -> String {
+    lost.iter()
+        .map(|l| {
+            let shown: Vec<String> = l.pages.iter().take(8).map(u64::to_string).collect();
+            let more = if l.pages.len() > 8 {
+                format!(" and {} more", l.pages.len() - 8)
+            } else {
+                String::new()
+            };
+            format!(
+                "{} page(s) lost with dead server {} ({}): pages {}{more}",
+                l.pages.len(),
+                l.server,
+                l.reason,
+                shown.join(", ")
+            )
+        })
+        .collect::<Vec<_>>()
+        .join("; ")
+}
+
+macro_rules! counters {
+    ($($(#[doc = $doc:literal])* $name:ident),* $(,)?) => {
+        /// One counter per event and per reason (zswap style).
+        #[derive(Debug, Clone, Default, PartialEq, Eq)]
+        pub struct PagerCounters { $($(#[doc = $doc])* pub $name: u64,)* }
+        impl PagerCounters {
+            pub fn iter(&self) -> impl Iterator<Item = (&'static str, u64)> + '_ {
+                [$((stringify!($name), self.$name)),*].into_iter()
+            }
+        }
+    };
+}
+
+counters! {
+    reads,
+    writes,
+    cache_hits,
+    /// Reads of pages never written: zeros, without a round trip.
+    zero_reads,
+    gets,
+    puts,
+    deletes,
+    /// Write-backs of dirty pages evicted from the cache.
+    evictions_dirty,
+    evictions_clean,
+    /// PUTs refused by a full server and placed again.
+    puts_refused_full,
+    /// Pages written to the local disk because no server had room or was alive.
+    spills,
+    disk_reads,
+    disk_writes,
+    /// Pages whose checksum failed on the way back.
+    checksum_failures,
+    /// Pages that came back with another version than the page table expects.
+    version_mismatches,
+    /// GETs answered "missing" by a server that should hold the page.
+    missing_pages,
+    /// Reads served from the disk copy because the server was dead or the copy bad.
+    disk_fallbacks,
+    servers_dead,
+}
+
+/// What a request in flight is for.
+#[derive(Debug, Clone, Copy)]
+enum Op {
+    Get { page: u64, slot: u32, pos: usize },
+    Put { page: u64, slot: u32, version: u32 },
+    Delete,
+}
+
+/// Requests in flight, by request id, and their count per server.
+#[derive(Debug, Default)]
+struct Inflight {
+    ops: HashMap<u64, (usize, Op)>,
+    per_server: Vec<u32>,
+}
+
+/// A finished read, waiting to be copied out to the caller.
+#[derive(Debug)]
+struct ReadDone {
+    pos: usize,
+    page: u64,
+    slot: u32,
+}
+
+#[derive(Debug)]
+struct ServerState {
+    info: ServerInfo,
+    alive: bool,
+    dead_reason: String,
+    load: Candidate,
+}
+
+/// The pager. Single-threaded: every call runs to completion on the caller's thread, which
+/// writes requests and reads replies itself (no hand-off to another thread on the critical path).
+pub struct Pager<T: Transport, D: Disk> {
+    transport: T,
+    disk: D,
+    cfg: PagerConfig,
+    table: Table,
+    servers: Vec<ServerState>,
+    /// Page buffers: `cache_pages + staging` slots of PAGE_SIZE bytes.
+    slots: Vec<u8>,
+    free_slots: Vec<u32>,
+    dirty: Vec<bool>,
+    cache: LruCache<u64, u32>,
+    /// Pages whose write-back is in flight, and the slot holding their data.
+    writeback: HashMap<u64, u32>,
+    inflight: Inflight,
+    reads_done: Vec<ReadDone>,
+    lost: Vec<(usize, u64)>,
+    corrupt: Option<(usize, u64, &'static str)>,
+    next_req: u64,
+    rng: fastrand::Rng,
+    counters: PagerCounters,
+}
+
+impl<T: Transport, D: Disk> fmt::Debug for Pager<T, D> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Pager")
+            .field("cfg", &self.cfg)
+            .field("servers", &self.servers)
+            .field("counters", &self.counters)
+            .finish()
+    }
+}
+
+impl<T: Transport, D: Disk> Pager<T, D> {
+    pub fn new(cfg: PagerConfig, transport: T, disk: D) -> Self {
+        assert!(cfg.window > 0 && cfg.writeback_batch > 0);
+        let servers: Vec<ServerState> = transport
+            .servers()
+            .into_iter()
+            .map(|info| ServerState {
+                alive: info.connected.is_ok(),
+                dead_reason: info.connected.clone().err().unwrap_or_default(),
+                load: Candidate {
+                    alive: info.connected.is_ok(),
+                    free_pages: info.free_pages,
+                    requests_per_s: 0,
+                },
+                info,
+            })
+            .collect();
+        let window_total: usize = servers.iter().map(|s| s.info.window.min(cfg.window) as usize).sum();
+        let staging = window_total.max(cfg.writeback_batch).max(1);
+        let nslots = cfg.cache_pages + staging;
+        Self {
+            transport,
+            disk,
+            table: Table::new(cfg.pages),
+            inflight: Inflight {
+                ops: HashMap::new(),
+                per_server: vec![0; servers.len()],
+            },
+            servers,
+            slots: vec![0u8; nslots * PAGE_SIZE],
+            free_slots: (0..nslots as u32).rev().collect(),
+            dirty: vec![false; nslots],
+            cache: LruCache::unbounded(),
+            writeback: HashMap::new(),
+            reads_done: Vec::new(),
+            lost: Vec::new(),
+            corrupt: None,
+            next_req: 1,
+            rng: fastrand::Rng::with_seed(cfg.seed),
+            counters: PagerCounters::default(),
+            cfg,
+        }
+    }
+
+    pub fn config(&self) -> &PagerConfig {
+        &self.cfg
+    }
+    pub fn counters(&self) -> &PagerCounters {
+        &self.counters
+    }
+    pub fn transport(&self) -> &T {
+        &self.transport
+    }
+    /// Names of the servers, with whether each is alive.
+    pub fn servers(&self) -> impl Iterator<Item = (&str, bool)> {
+        self.servers.iter().map(|s| (s.info.name.as_str(), s.alive))
+    }
+    /// How many of this pager's pages each server holds, by the page table.
+    pub fn pages_per_server(&self) -> Vec<u64> {
+        self.table.pages_per_server(self.servers.len())
+    }
+    /// Pages whose current version is only on the local disk (spilled or `disk` backing).
+    pub fn pages_on_disk_only(&self) -> u64 {
+        self.table.pages_on_disk_only()
+    }
+
+    fn check(&self, page: u64) -> Result<(), PagerError> {
+        if page >= self.cfg.pages {
+            return Err(PagerError::OutOfRange {
+                page,
+                pages: self.cfg.pages,
+            });
+        }
+        Ok(())
+    }
+
+    fn slot(&self, slot: u32) -> &[u8] {
+        let at = slot as usize * PAGE_SIZE;
+        &self.slots[at..at + PAGE_SIZE]
+    }
+    fn slot_mut(&mut self, slot: u32) -> &mut [u8] {
+        let at = slot as usize * PAGE_SIZE;
+        &mut self.slots[at..at + PAGE_SIZE]
+    }
+
+    // ------------------------------------------------------------------------------------------
+    // Public operations
+    // ------------------------------------------------------------------------------------------
+
+    /// Reads one page into `out` (PAGE_SIZE bytes).
+    pub fn read(&mut self, page: u64, out: &mut [u8]) -> Result<(), PagerError> {
+        self.read_many(&[page], out)
+    }
+
+    /// Writes one page from `data` (PAGE_SIZE bytes).
+    pub fn write(&mut self, page: u64, data: &[u8]) -> Result<(), PagerError> {
+        self.write_many(&[page], data)
+    }
+
+    /// Reads many pages into `out`, one PAGE_SIZE chunk per page, with the misses' GETs
+    /// pipelined up to each server's window.
+    pub fn read_many(&mut self, pages: &[u64], out: &mut [u8]) -> Result<(), PagerError> {
+        if out.len() != pages.len() * PAGE_SIZE {
+            return Err(PagerError::BadBuffer {
+                got: out.len(),
+                pages: pages.len(),
+            });
+        }
+        pages.iter().try_for_each(|&p| self.check(p))?;
+        self.lost.clear();
+        self.corrupt = None;
+        for (pos, &page) in pages.iter().enumerate() {
+            self.counters.reads += 1;
+            let dst = &mut out[pos * PAGE_SIZE..(pos + 1) * PAGE_SIZE];
+            let cached = self.cache.get(&page).or_else(|| self.writeback.get(&page)).copied();
+            if let Some(slot) = cached {
+                self.counters.cache_hits += 1;
+                dst.copy_from_slice(self.slot(slot));
+                continue;
+            }
+            let e = *self.table.get(page);
+            if !e.present {
+                self.counters.zero_reads += 1;
+                dst.fill(0);
+                continue;
+            }
+            match self.alive_holder(&e) {
+                Some(server) => {
+                    let slot = self.take_slot_for_read(out)?;
+                    self.submit_get(server, page, slot, pos);
+                }
+                None if e.on_disk => {
+                    if e.holders().next().is_some() {
+                        self.counters.disk_fallbacks += 1;
+                    }
+                    self.counters.disk_reads += 1;
+                    self.disk.read(page, dst)?;
+                    if self.cfg.cache_pages > 0 {
+                        let slot = self.take_slot_for_read(out)?;
+                        let at = slot as usize * PAGE_SIZE;
+                        self.slots[at..at + PAGE_SIZE].copy_from_slice(&out[pos * PAGE_SIZE..(pos + 1) * PAGE_SIZE]);
+                        self.insert_clean(page, slot)?;
+                    }
+                }
+                None => {
+                    let s = e.holders().next().expect("a present page is on a server or on disk");
+                    self.lost.push((s, page));
+                }
+            }
+            self.copy_out_reads(out)?;
+        }
+        // Copying out may insert into the cache and evict dirty pages: drain until both are done.
+        while !self.inflight.ops.is_empty() || !self.reads_done.is_empty() {
+            self.drain()?;
+            self.copy_out_reads(out)?;
+        }
+        self.read_outcome()
+    }
+
+    /// Writes many pages from `data`, one PAGE_SIZE chunk per page. With a cache the pages stay
+    /// local until evicted or flushed; without one they are written out before this returns.
+    pub fn write_many(&mut self, pages: &[u64], data: &[u8]) -> Result<(), PagerError> {
+        if data.len() != pages.len() * PAGE_SIZE {
+            return Err(PagerError::BadBuffer {
+                got: data.len(),
+                pages: pages.len(),
+            });
+        }
+        pages.iter().try_for_each(|&p| self.check(p))?;
+        for (pos, &page) in pages.iter().enumerate() {
+            self.counters.writes += 1;
+            let src = &data[pos * PAGE_SIZE..(pos + 1) * PAGE_SIZE];
+            if let Some(&slot) = self.cache.get(&page) {
+                self.slot_mut(slot).copy_from_slice(src);
+                self.dirty[slot as usize] = true;
+                continue;
+            }
+            let slot = self.take_slot()?;
+            self.slot_mut(slot).copy_from_slice(src);
+            if self.cfg.cache_pages > 0 {
+                self.dirty[slot as usize] = true;
+                self.cache.put(page, slot);
+                self.evict_over_budget()?;
+            } else {
+                self.write_back(page, slot)?;
+            }
+        }
+        self.drain()
+    }
+
+    /// Writes every dirty cached page to its backing and waits until all are acknowledged.
+    pub fn flush(&mut self) -> Result<(), PagerError> {
+        let dirty: Vec<(u64, u32)> = self
+            .cache
+            .iter()
+            .filter(|(_, &s)| self.dirty[s as usize])
+            .map(|(&p, &s)| (p, s))
+            .collect();
+        for (page, slot) in dirty {
+            // The page stays cached: write-back works from a copy in a staging slot.
+            let copy = self.take_slot()?;
+            let at = slot as usize * PAGE_SIZE;
+            self.slots.copy_within(at..at + PAGE_SIZE, copy as usize * PAGE_SIZE);
+            self.dirty[slot as usize] = false;
+            self.write_back(page, copy)?;
+        }
+        self.drain()
+    }
+
+    /// Forgets a page: drops it from the cache and deletes its copies (Nswap's garbage
+    /// collection of dead pages; TRIM on a block device). It reads as zeros afterwards.
+    pub fn discard(&mut self, page: u64) -> Result<(), PagerError> {
+        self.check(page)?;
+        self.wait_writeback(page)?;
+        if let Some(slot) = self.cache.pop(&page) {
+            self.release_slot(slot);
+        }
+        let e = *self.table.get(page);
+        for s in e.holders() {
+            if self.servers[s].alive {
+                self.counters.deletes += 1;
+                self.submit(s, Op::Delete, &Request::Delete(vec![self.key(page)]));
+            }
+        }
+        if e.on_disk {
+            self.disk.discard(page)?;
+        }
+        self.table.get_mut(page).forget();
+        self.drain()
+    }
+
+    // ------------------------------------------------------------------------------------------
+    // Reading
+    // ------------------------------------------------------------------------------------------
+
+    fn alive_holder(&self, e: &Entry) -> Option<usize> {
+        e.holders().find(|&s| self.servers[s].alive)
+    }
+
+    fn submit_get(&mut self, server: usize, page: u64, slot: u32, pos: usize) {
+        self.counters.gets += 1;
+        let req = Request::Get(vec![self.key(page)]);
+        self.submit(server, Op::Get { page, slot, pos }, &req);
+    }
+
+    /// Copies finished reads to the caller and hands their slots to the cache.
+    fn copy_out_reads(&mut self, out: &mut [u8]) -> Result<(), PagerError> {
+        while let Some(d) = self.reads_done.pop() {
+            out[d.pos * PAGE_SIZE..(d.pos + 1) * PAGE_SIZE].copy_from_slice(self.slot(d.slot));
+            if self.cfg.cache_pages > 0 && !self.cache.contains(&d.page) {
+                self.insert_clean(d.page, d.slot)?;
+            } else {
+                self.release_slot(d.slot);
+            }
+        }
+        Ok(())
+    }
+
+    fn read_outcome(&mut self) -> Result<(), PagerError> {
+        if let Some((s, page, what)) = self.corrupt.take() {
+            return Err(PagerError::Corrupt {
+                server: self.servers[s].info.name.clone(),
+                page,
+                what,
+            });
+        }
+        if self.lost.is_empty() {
+            return Ok(());
+        }
+        let mut by_server: Vec<LostPages> = Vec::new();
+        for &(s, page) in &self.lost {
+            let name = &self.servers[s].info.name;
+            match by_server.iter_mut().find(|l| &l.server == name) {
+                Some(l) => l.pages.push(page),
+                None => by_server.push(LostPages {
+                    server: name.clone(),
+                    reason: self.servers[s].dead_reason.clone(),
+                    pages: vec![page],
+                }),
+            }
+        }
+        self.lost.clear();
+        Err(PagerError::Lost(by_server))
+    }
+
+    // ------------------------------------------------------------------------------------------
+    // Writing
+    // ------------------------------------------------------------------------------------------
+
+    /// Sends a page to its backing. The slot is released when the write is acknowledged.
+    fn write_back(&mut self, page: u64, slot: u32) -> Result<(), PagerError> {
+        // One write-back per page at a time, so that versions land in order.
+        self.wait_writeback(page)?;
+        let version = self.table.get_mut(page).next_version();
+        match self.cfg.backing {
+            Backing::Disk => {
+                self.write_to_disk(page, slot)?;
+                let e = self.table.get_mut(page);
+                e.present = true;
+                e.on_disk = true;
+                self.release_slot(slot);
+            }
+            Backing::Cluster | Backing::ClusterDisk => {
+                if self.cfg.backing == Backing::ClusterDisk {
+                    self.write_to_disk(page, slot)?;
+                    self.table.get_mut(page).on_disk = true;
+                } else {
+                    self.table.get_mut(page).on_disk = false;
+                }
+                self.table.get_mut(page).present = true;
+                self.writeback.insert(page, slot);
+                self.place(page, slot, version, &[])?;
+            }
+        }
+        Ok(())
+    }
+
+    fn write_to_disk(&mut self, page: u64, slot: u32) -> Result<(), PagerError> {
+        self.counters.disk_writes += 1;
+        let at = slot as usize * PAGE_SIZE;
+        self.disk.write(page, &self.slots[at..at + PAGE_SIZE])?;
+        Ok(())
+    }
+
+    /// Chooses a server for a page (its current holder if alive, else by placement) and sends
+    /// the PUT; with no server left, spills the page to the local disk.
+    fn place(&mut self, page: u64, slot: u32, version: u32, refused: &[usize]) -> Result<(), PagerError> {
+        let e = *self.table.get(page);
+        let holder = e.holders().find(|&s| self.servers[s].alive && !refused.contains(&s));
+        let target = holder.or_else(|| {
+            let candidates: Vec<Candidate> = self.servers.iter().map(|s| s.load).collect();
+            placement::choose(&candidates, refused, &mut self.rng)
+        });
+        match target {
+            Some(server) => {
+                self.counters.puts += 1;
+                self.submit_put(server, page, slot, version);
+            }
+            None => {
+                if !e.on_disk {
+                    self.counters.spills += 1;
+                    self.write_to_disk(page, slot)?;
+                }
+                self.set_location(page, None);
+                self.writeback.remove(&page);
+                self.release_slot(slot);
+            }
+        }
+        Ok(())
+    }
+
+    /// Records where the current version of a page lives; deletes a superseded remote copy.
+    fn set_location(&mut self, page: u64, server: Option<usize>) {
+        let old: Vec<usize> = self.table.get(page).holders().collect();
+        for s in old {
+            if Some(s) != server && self.servers[s].alive {
+                self.counters.deletes += 1;
+                self.submit(s, Op::Delete, &Request::Delete(vec![self.key(page)]));
+            }
+        }
+        let e = self.table.get_mut(page);
+        match server {
+            Some(s) => e.set_holder(s),
+            None => {
+                e.clear_holders();
+                e.on_disk = true;
+            }
+        }
+    }
+
+    fn wait_writeback(&mut self, page: u64) -> Result<(), PagerError> {
+        while self.writeback.contains_key(&page) {
+            self.complete_one()?;
+        }
+        Ok(())
+    }
+
+    // ------------------------------------------------------------------------------------------
+    // Cache and slots
+    // ------------------------------------------------------------------------------------------
+
+    fn insert_clean(&mut self, page: u64, slot: u32) -> Result<(), PagerError> {
+        self.dirty[slot as usize] = false;
+        self.cache.put(page, slot);
+        self.evict_over_budget()
+    }
+
+    /// Evicts least recently used pages while the cache is over budget, a batch at a time, so
+    /// that dirty pages go out as pipelined PUTs.
+    fn evict_over_budget(&mut self) -> Result<(), PagerError> {
+        if self.cache.len() <= self.cfg.cache_pages {
+            return Ok(());
+        }
+        let n = (self.cache.len() - self.cfg.cache_pages).max(self.cfg.writeback_batch.min(self.cfg.cache_pages));
+        for _ in 0..n {
+            let Some((page, slot)) = self.cache.pop_lru() else { break };
+            if self.dirty[slot as usize] {
+                self.counters.evictions_dirty += 1;
+                self.dirty[slot as usize] = false;
+                self.write_back(page, slot)?;
+            } else {
+                self.counters.evictions_clean += 1;
+                self.release_slot(slot);
+            }
+        }
+        Ok(())
+    }
+
+    /// A free slot, completing requests in flight until one is released. There is always one to
+    /// wait for: slots not free are cached (at most `cache_pages`) or carry a request.
+    fn take_slot(&mut self) -> Result<u32, PagerError> {
+        loop {
+            if let Some(s) = self.free_slots.pop() {
+                return Ok(s);
+            }
+            if self.inflight.ops.is_empty() {
+                // Only cached slots remain: make room.
+                let (page, slot) = self.cache.pop_lru().expect("slots are cached or in flight");
+                if self.dirty[slot as usize] {
+                    self.dirty[slot as usize] = false;
+                    self.counters.evictions_dirty += 1;
+                    self.write_back(page, slot)?;
+                } else {
+                    self.counters.evictions_clean += 1;
+                    self.release_slot(slot);
+                }
+                continue;
+            }
+            self.complete_one()?;
+        }
+    }
+
+    /// A free slot for a read: like [`Pager::take_slot`], but finished reads hold slots until
+    /// they are copied out, so they are copied out while waiting.
+    fn take_slot_for_read(&mut self, out: &mut [u8]) -> Result<u32, PagerError> {
+        loop {
+            self.copy_out_reads(out)?;
+            if let Some(s) = self.free_slots.pop() {
+                return Ok(s);
+            }
+            if self.inflight.ops.is_empty() {
+                return self.take_slot();
+            }
+            self.complete_one()?;
+        }
+    }
+
+    fn release_slot(&mut self, slot: u32) {
+        debug_assert!(!self.free_slots.contains(&slot), "slot {slot} released twice");
+        self.dirty[slot as usize] = false;
+        self.free_slots.push(slot);
+    }
+
+    // ------------------------------------------------------------------------------------------
+    // Requests in flight
+    // ------------------------------------------------------------------------------------------
+
+    fn key(&self, page: u64) -> PageKey {
+        PageKey::new(self.cfg.region, page)
+    }
+
+    fn window(&self, s: usize) -> u32 {
+        self.servers[s].info.window.min(self.cfg.window).max(1)
+    }
+
+    /// Waits for a credit if the server's window is full; false if the server is dead.
+    fn credit(&mut self, server: usize) -> bool {
+        while self.servers[server].alive && self.inflight.per_server[server] >= self.window(server) {
+            if let Err(e) = self.recv_from(server) {
+                // Errors of other operations surface through their own completions.
+                tracing::debug!("while waiting for a credit: {e}");
+            }
+        }
+        self.servers[server].alive
+    }
+
+    /// Sends a request whose body does not borrow the slots.
+    fn submit(&mut self, server: usize, op: Op, req: &Request<'_>) {
+        if !self.credit(server) {
+            return self.fail_op(server, op);
+        }
+        let id = self.next_req;
+        let sent = self.transport.send(server, id, req);
+        self.sent(server, id, op, sent);
+    }
+
+    /// Sends a PUT of the page in `slot`, sealed (checksummed) straight from the slot.
+    fn submit_put(&mut self, server: usize, page: u64, slot: u32, version: u32) {
+        let op = Op::Put { page, slot, version };
+        if !self.credit(server) {
+            return self.fail_op(server, op);
+        }
+        let id = self.next_req;
+        let at = slot as usize * PAGE_SIZE;
+        let page_ref = Page::seal(PageKey::new(self.cfg.region, page), version, &self.slots[at..at + PAGE_SIZE]);
+        let sent = self.transport.send(server, id, &Request::Put(vec![page_ref]));
+        self.sent(server, id, op, sent);
+    }
+
+    fn sent(&mut self, server: usize, id: u64, op: Op, sent: Result<(), TransportError>) {
+        self.next_req += 1;
+        match sent {
+            Ok(()) => {
+                self.inflight.ops.insert(id, (server, op));
+                self.inflight.per_server[server] += 1;
+            }
+            Err(e) => {
+                self.mark_dead(server, e);
+                self.fail_op(server, op);
+            }
+        }
+    }
+
+    /// Waits for one reply from some server with requests in flight.
+    fn complete_one(&mut self) -> Result<(), PagerError> {
+        let server = (0..self.servers.len())
+            .max_by_key(|&s| self.inflight.per_server[s])
+            .filter(|&s| self.inflight.per_server[s] > 0)
+            .expect("complete_one with nothing in flight");
+        self.recv_from(server)
+    }
+
+    /// Completes everything in flight.
+    fn drain(&mut self) -> Result<(), PagerError> {
+        while !self.inflight.ops.is_empty() {
+            self.complete_one()?;
+        }
+        Ok(())
+    }
+
+    fn recv_from(&mut self, server: usize) -> Result<(), PagerError> {
+        let retry = match self.transport.recv(server) {
+            Ok((id, reply)) => {
+                let load = reply.load();
+                self.servers[server].load.free_pages = load.free_pages;
+                self.servers[server].load.requests_per_s = load.requests_per_s;
+                let Some((s, op)) = self.inflight.ops.remove(&id).filter(|(s, _)| *s == server) else {
+                    let err = TransportError::Protocol(format!("reply to unknown request {id}"));
+                    drop(reply);
+                    self.mark_dead(server, err);
+                    return Ok(());
+                };
+                self.inflight.per_server[s] -= 1;
+                Self::complete(
+                    &mut self.counters,
+                    &mut self.slots,
+                    &mut self.reads_done,
+                    &mut self.corrupt,
+                    &self.table,
+                    &self.cfg,
+                    server,
+                    op,
+                    &reply,
+                )
+            }
+            Err(e) => {
+                self.mark_dead(server, e);
+                return Ok(());
+            }
+        };
+        self.after_reply(server, retry)
+    }
+
+    /// Handles one reply while the transport's receive buffer is still borrowed: only fields
+    /// disjoint from the transport are touched here; anything that sends is returned as a
+    /// [`Followup`] for [`Pager::after_reply`].
+    #[allow(clippy::too_many_arguments)]
+    fn complete(
+        counters: &mut PagerCounters,
+        slots: &mut [u8],
+        reads_done: &mut Vec<ReadDone>,
+        corrupt: &mut Option<(usize, u64, &'static str)>,
+        table: &Table,
+        cfg: &PagerConfig,
+        server: usize,
+        op: Op,
+        reply: &Reply<'_>,
+    ) -> Followup {
+        match (op, reply) {
+            (Op::Get { page, slot, pos }, Reply::Get { pages, .. }) => {
+                let dst = &mut slots[slot as usize * PAGE_SIZE..(slot as usize + 1) * PAGE_SIZE];
+                let expected = table.get(page).version;
+                let what = match pages.as_slice() {
+                    [GetResult::Found(p)] if p.key != PageKey::new(cfg.region, page) => Some("wrong key"),
+                    [GetResult::Found(p)] if !p.verify() => {
+                        counters.checksum_failures += 1;
+                        Some("checksum mismatch")
+                    }
+                    [GetResult::Found(p)] if p.version != expected => {
+                        counters.version_mismatches += 1;
+                        Some("stale version")
+                    }
+                    [GetResult::Found(p)] => {
+                        if p.flags.is_zero() {
+                            dst.fill(0);
+                        } else {
+                            dst.copy_from_slice(p.data);
+                        }
+                        reads_done.push(ReadDone { pos, page, slot });
+                        None
+                    }
+                    [GetResult::Missing(_)] => {
+                        counters.missing_pages += 1;
+                        Some("missing on server")
+                    }
+                    _ => Some("malformed reply"),
+                };
+                match what {
+                    None => Followup::None,
+                    Some(what) => {
+                        tracing::warn!(server, page, what, "bad page from server");
+                        if table.get(page).on_disk {
+                            Followup::ReadDisk { page, slot, pos }
+                        } else {
+                            *corrupt = Some((server, page, what));
+                            Followup::Release(slot)
+                        }
+                    }
+                }
+            }
+            (Op::Put { page, slot, version }, Reply::Put { status, .. }) => match status.as_slice() {
+                [PutStatus::Stored] => Followup::Stored { page, slot, version },
+                [PutStatus::Full] => {
+                    counters.puts_refused_full += 1;
+                    Followup::Replace { page, slot, version }
+                }
+                _ => Followup::Dead("the server refused a page key".into(), Some(op)),
+            },
+            (Op::Delete, Reply::Delete { status, .. }) => {
+                debug_assert!(status.iter().all(|s| matches!(s, DeleteStatus::Deleted | DeleteStatus::Missing)));
+                Followup::None
+            }
+            (op, Reply::Error { code, message, .. }) => {
+                let why = match code {
+                    ErrorCode::SessionExpired => format!("session expired: {message}"),
+                    ErrorCode::ShuttingDown => format!("shutting down: {message}"),
+                };
+                Followup::Dead(why, Some(op))
+            }
+            (op, other) => Followup::Dead(format!("unexpected {:?} reply", other.kind()), Some(op)),
+        }
+    }
+
+    fn after_reply(&mut self, server: usize, f: Followup) -> Result<(), PagerError> {
+        match f {
+            Followup::None => {}
+            Followup::Release(slot) => self.release_slot(slot),
+            Followup::ReadDisk { page, slot, pos } => {
+                self.counters.disk_fallbacks += 1;
+                self.counters.disk_reads += 1;
+                let at = slot as usize * PAGE_SIZE;
+                self.disk.read(page, &mut self.slots[at..at + PAGE_SIZE])?;
+                self.reads_done.push(ReadDone { pos, page, slot });
+            }
+            Followup::Stored { page, slot, version } => {
+                debug_assert_eq!(self.table.get(page).version, version);
+                self.set_location(page, Some(server));
+                self.writeback.remove(&page);
+                self.release_slot(slot);
+            }
+            Followup::Replace { page, slot, version } => {
+                self.servers[server].load.free_pages = 0;
+                self.place(page, slot, version, &[server])?;
+            }
+            Followup::Dead(why, op) => {
+                self.mark_dead(server, TransportError::Protocol(why));
+                if let Some(op) = op {
+                    self.fail_op(server, op);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Marks a server dead and fails over everything in flight to it.
+    fn mark_dead(&mut self, server: usize, err: TransportError) {
+        if self.servers[server].alive {
+            tracing::warn!(server = %self.servers[server].info.name, "server marked dead: {err}");
+            self.counters.servers_dead += 1;
+            self.servers[server].alive = false;
+            self.servers[server].load.alive = false;
+            self.servers[server].dead_reason = err.to_string();
+        }
+        let ops: Vec<u64> = self
+            .inflight
+            .ops
+            .iter()
+            .filter(|(_, (s, _))| *s == server)
+            .map(|(&id, _)| id)
+            .collect();
+        for id in ops {
+            let (_, op) = self.inflight.ops.remove(&id).expect("listed above");
+            self.inflight.per_server[server] -= 1;
+            self.fail_op(server, op);
+        }
+    }
+
+    /// An operation that will get no reply from `server`.
+    fn fail_op(&mut self, server: usize, op: Op) {
+        match op {
+            Op::Get { page, slot, pos } => {
+                if self.table.get(page).on_disk {
+                    self.counters.disk_fallbacks += 1;
+                    self.counters.disk_reads += 1;
+                    let at = slot as usize * PAGE_SIZE;
+                    match self.disk.read(page, &mut self.slots[at..at + PAGE_SIZE]) {
+                        Ok(()) => self.reads_done.push(ReadDone { pos, page, slot }),
+                        Err(e) => {
+                            tracing::error!(page, "disk read failed: {e}");
+                            self.lost.push((server, page));
+                            self.release_slot(slot);
+                        }
+                    }
+                } else {
+                    self.lost.push((server, page));
+                    self.release_slot(slot);
+                }
+            }
+            Op::Put { page, slot, version } => {
+                // The data is still in its slot: place it elsewhere.
+                if let Err(e) = self.place(page, slot, version, &[server]) {
+                    tracing::error!(page, "could not place page after server failure: {e}");
+                }
+            }
+            Op::Delete => {}
+        }
+    }
+}
+
+/// What to do after a reply, once the transport's buffer is no longer borrowed.
+#[derive(Debug)]
+enum Followup {
+    None,
+    Release(u32),
+    ReadDisk { page: u64, slot: u32, pos: usize },
+    Stored { page: u64, slot: u32, version: u32 },
+    Replace { page: u64, slot: u32, version: u32 },
+    Dead(String, Option<Op>),
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,448 @@
+//! The pager against an in-memory cluster of real `netram-store` stores, spoken to through real
+//! encoded frames, with servers that can be killed, filled, or made to corrupt pages, and
+//! replies delivered out of order.
+
+use super::*;
+use netram_proto::{begin_get_reply, decode_reply, decode_request, get_reply_found, get_reply_missing, Load};
+use netram_store::{SessionHandle, Store, StoreConfig};
+use proptest::prelude::*;
+use std::collections::VecDeque;
+
+struct MemServer {
+    store: Store<Vec<u8>>,
+    session: SessionHandle,
+    replies: VecDeque<Vec<u8>>,
+    dead: bool,
+    /// Flip a bit in the next GET reply's data.
+    corrupt_next: bool,
+}
+
+struct MemCluster {
+    servers: Vec<MemServer>,
+    window: u32,
+    /// Deliver each server's replies in a shuffled order.
+    rng: Option<fastrand::Rng>,
+    last: Vec<u8>,
+}
+
+impl MemCluster {
+    fn new(capacities: &[usize]) -> Self {
+        let servers = capacities
+            .iter()
+            .map(|&c| {
+                let mut store = Store::new(vec![0u8; c * PAGE_SIZE], StoreConfig::default());
+                let session = store.open_session(1, 1, 1, 0).unwrap();
+                MemServer {
+                    store,
+                    session,
+                    replies: VecDeque::new(),
+                    dead: false,
+                    corrupt_next: false,
+                }
+            })
+            .collect();
+        Self {
+            servers,
+            window: 8,
+            rng: None,
+            last: Vec::new(),
+        }
+    }
+
+    fn serve(s: &mut MemServer, frame: &[u8]) -> Option<Vec<u8>> {
+        let (id, req) = decode_request(frame).expect("the pager sends valid frames");
+        let h = s.session;
+        let mut out = Vec::new();
+        let load = |st: &Store<Vec<u8>>| Load {
+            free_pages: st.free_pages(),
+            requests_per_s: 0,
+        };
+        match req {
+            Request::Put(pages) => {
+                let status = pages
+                    .iter()
+                    .map(|p| s.store.put(h, p.key, p.version, p.crc, p.flags, p.data, 0).unwrap())
+                    .collect();
+                Reply::Put { load: load(&s.store), status }.encode(id, &mut out);
+            }
+            Request::Get(keys) => {
+                let l = load(&s.store);
+                let mut w = begin_get_reply(&mut out, id, l, keys.len());
+                for k in keys {
+                    match s.store.get(h, k, 0).unwrap() {
+                        Some(p) => get_reply_found(
+                            &mut w,
+                            &Page {
+                                key: k,
+                                version: p.version,
+                                crc: p.crc,
+                                flags: p.flags,
+                                tag: [0; 16],
+                                data: p.data,
+                            },
+                        ),
+                        None => get_reply_missing(&mut w, k),
+                    }
+                }
+                w.finish();
+                if std::mem::take(&mut s.corrupt_next) {
+                    let n = out.len();
+                    out[n - 1] ^= 1;
+                }
+            }
+            Request::Delete(keys) => {
+                let status = keys
+                    .iter()
+                    .map(|&k| {
+                        if s.store.delete(h, k, 0).unwrap() {
+                            DeleteStatus::Deleted
+                        } else {
+                            DeleteStatus::Missing
+                        }
+                    })
+                    .collect();
+                Reply::Delete { load: load(&s.store), status }.encode(id, &mut out);
+            }
+            Request::Refresh => return None,
+            Request::Stats | Request::Close => unreachable!("the pager does not send these"),
+        }
+        Some(out)
+    }
+}
+
+impl Transport for MemCluster {
+    fn servers(&self) -> Vec<ServerInfo> {
+        self.servers
+            .iter()
+            .enumerate()
+            .map(|(i, s)| ServerInfo {
+                name: format!("mem{i}"),
+                window: self.window,
+                capacity_pages: s.store.capacity_pages(),
+                free_pages: s.store.free_pages(),
+                connected: Ok(()),
+            })
+            .collect()
+    }
+
+    fn send(&mut self, server: usize, req_id: u64, req: &Request<'_>) -> Result<(), TransportError> {
+        let s = &mut self.servers[server];
+        if s.dead {
+            return Err(TransportError::Disconnected("killed".into()));
+        }
+        let mut frame = Vec::new();
+        req.encode(req_id, &mut frame);
+        if let Some(r) = Self::serve(s, &frame) {
+            s.replies.push_back(r);
+        }
+        Ok(())
+    }
+
+    fn recv(&mut self, server: usize) -> Result<(u64, Reply<'_>), TransportError> {
+        let s = &mut self.servers[server];
+        if s.dead {
+            return Err(TransportError::Disconnected("killed".into()));
+        }
+        let i = match &mut self.rng {
+            Some(rng) if !s.replies.is_empty() => rng.usize(0..s.replies.len()),
+            _ => 0,
+        };
+        self.last = s.replies.remove(i).ok_or(TransportError::Timeout(0))?;
+        decode_reply(&self.last).map_err(|e| TransportError::Protocol(e.to_string()))
+    }
+}
+
+fn content(page: u64, round: u8) -> Vec<u8> {
+    let mut d = vec![0u8; PAGE_SIZE];
+    for (i, b) in d.iter_mut().enumerate() {
+        *b = (page as u8) ^ (i as u8).wrapping_mul(31) ^ round;
+    }
+    d
+}
+
+fn pager(cluster: MemCluster, pages: u64, cache: usize, backing: Backing) -> Pager<MemCluster, MemDisk> {
+    Pager::new(
+        PagerConfig {
+            pages,
+            cache_pages: cache,
+            backing,
+            writeback_batch: 4,
+            ..Default::default()
+        },
+        cluster,
+        MemDisk::default(),
+    )
+}
+
+fn read(p: &mut Pager<MemCluster, MemDisk>, page: u64) -> Result<Vec<u8>, PagerError> {
+    let mut out = vec![0u8; PAGE_SIZE];
+    p.read(page, &mut out).map(|()| out)
+}
+
+#[test]
+fn unwritten_pages_read_as_zero_without_a_request() {
+    let mut p = pager(MemCluster::new(&[8]), 4, 2, Backing::Cluster);
+    assert_eq!(read(&mut p, 3).unwrap(), vec![0u8; PAGE_SIZE]);
+    assert_eq!(p.counters().gets, 0);
+    assert_eq!(p.counters().zero_reads, 1);
+}
+
+#[test]
+fn write_back_cache_holds_dirty_pages_until_evicted_or_flushed() {
+    let mut p = pager(MemCluster::new(&[64]), 32, 8, Backing::Cluster);
+    for page in 0..8 {
+        p.write(page, &content(page, 1)).unwrap();
+    }
+    assert_eq!(p.counters().puts, 0, "eight pages fit the cache");
+    p.write(8, &content(8, 1)).unwrap();
+    assert_eq!(p.counters().evictions_dirty, 4, "one batch of LRU pages went out");
+    p.flush().unwrap();
+    assert_eq!(p.transport().servers[0].store.stored_pages(), 9);
+    for page in 0..9 {
+        assert_eq!(read(&mut p, page).unwrap(), content(page, 1));
+    }
+}
+
+#[test]
+fn a_full_server_refuses_and_pages_go_elsewhere_then_to_disk() {
+    let mut p = pager(MemCluster::new(&[3, 3]), 10, 0, Backing::Cluster);
+    // Pipelined: PUTs are placed before the replies that report the servers full arrive, so
+    // only refusals can stop them.
+    let pages: Vec<u64> = (0..10).collect();
+    let data: Vec<u8> = pages.iter().flat_map(|&pg| content(pg, 2)).collect();
+    p.write_many(&pages, &data).unwrap();
+    let c = p.counters().clone();
+    assert_eq!(p.pages_per_server(), vec![3, 3]);
+    assert_eq!(c.spills, 4);
+    assert!(c.puts_refused_full >= 1, "the second server was found full by a refusal");
+    assert_eq!(p.pages_on_disk_only(), 4);
+    for page in 0..10 {
+        assert_eq!(read(&mut p, page).unwrap(), content(page, 2), "page {page}");
+    }
+}
+
+#[test]
+fn overwrites_stay_on_their_server_and_versions_are_checked() {
+    let mut p = pager(MemCluster::new(&[4, 4]), 4, 0, Backing::Cluster);
+    for round in 0..5 {
+        for page in 0..4 {
+            p.write(page, &content(page, round)).unwrap();
+        }
+    }
+    assert_eq!(p.pages_per_server().iter().sum::<u64>(), 4);
+    assert_eq!(p.counters().deletes, 0, "no page moved");
+    for page in 0..4 {
+        assert_eq!(read(&mut p, page).unwrap(), content(page, 4));
+    }
+}
+
+#[test]
+fn a_dead_server_loses_exactly_its_pages_with_cluster_backing() {
+    let mut p = pager(MemCluster::new(&[100, 100, 100]), 60, 0, Backing::Cluster);
+    for page in 0..60 {
+        p.write(page, &content(page, 3)).unwrap();
+    }
+    let holders: Vec<Option<usize>> = (0..60).map(|pg| p.table.get(pg).holders().next()).collect();
+    p.transport.servers[1].dead = true;
+    let mut lost = Vec::new();
+    for page in 0..60 {
+        match read(&mut p, page) {
+            Ok(d) => assert_eq!(d, content(page, 3)),
+            Err(PagerError::Lost(l)) => {
+                assert_eq!(l.len(), 1);
+                assert_eq!(l[0].server, "mem1");
+                assert!(PagerError::Lost(l.clone()).to_string().contains("mem1"));
+                lost.extend(l[0].pages.iter().copied());
+            }
+            Err(e) => panic!("unexpected {e}"),
+        }
+    }
+    let expected: Vec<u64> = (0..60).filter(|&pg| holders[pg as usize] == Some(1)).collect();
+    assert!(!expected.is_empty());
+    assert_eq!(lost, expected);
+    // Rewriting a lost page places it on a live server again.
+    p.write(expected[0], &content(0, 9)).unwrap();
+    assert_eq!(read(&mut p, expected[0]).unwrap(), content(0, 9));
+}
+
+#[test]
+fn a_dead_server_is_survived_with_cluster_disk_backing() {
+    let mut p = pager(MemCluster::new(&[100, 100, 100]), 60, 4, Backing::ClusterDisk);
+    for page in 0..60 {
+        p.write(page, &content(page, 4)).unwrap();
+    }
+    p.flush().unwrap();
+    p.transport.servers[2].dead = true;
+    for page in 0..60 {
+        assert_eq!(read(&mut p, page).unwrap(), content(page, 4));
+    }
+    assert!(p.counters().disk_fallbacks > 0);
+}
+
+#[test]
+fn writes_in_flight_to_a_dying_server_go_elsewhere() {
+    let mut p = pager(MemCluster::new(&[100, 100]), 40, 0, Backing::Cluster);
+    p.transport.servers[0].dead = true;
+    for page in 0..40 {
+        p.write(page, &content(page, 5)).unwrap();
+    }
+    assert_eq!(p.pages_per_server(), vec![0, 40]);
+    for page in 0..40 {
+        assert_eq!(read(&mut p, page).unwrap(), content(page, 5));
+    }
+}
+
+#[test]
+fn a_corrupt_page_is_reported_never_returned() {
+    let mut p = pager(MemCluster::new(&[8]), 2, 0, Backing::Cluster);
+    p.write(0, &content(0, 6)).unwrap();
+    p.transport.servers[0].corrupt_next = true;
+    assert!(matches!(read(&mut p, 0), Err(PagerError::Corrupt { page: 0, .. })));
+    assert_eq!(p.counters().checksum_failures, 1);
+    assert_eq!(read(&mut p, 0).unwrap(), content(0, 6), "the next read is clean");
+}
+
+#[test]
+fn a_corrupt_page_is_read_from_disk_with_cluster_disk_backing() {
+    let mut p = pager(MemCluster::new(&[8]), 2, 0, Backing::ClusterDisk);
+    p.write(0, &content(0, 7)).unwrap();
+    p.transport.servers[0].corrupt_next = true;
+    assert_eq!(read(&mut p, 0).unwrap(), content(0, 7));
+    assert_eq!(p.counters().checksum_failures, 1);
+}
+
+#[test]
+fn disk_backing_never_touches_the_cluster() {
+    let mut p = pager(MemCluster::new(&[8]), 16, 2, Backing::Disk);
+    for page in 0..16 {
+        p.write(page, &content(page, 8)).unwrap();
+    }
+    p.flush().unwrap();
+    for page in 0..16 {
+        assert_eq!(read(&mut p, page).unwrap(), content(page, 8));
+    }
+    assert_eq!(p.counters().puts + p.counters().gets, 0);
+    assert_eq!(p.transport().servers[0].store.stored_pages(), 0);
+}
+
+#[test]
+fn discard_deletes_remote_copies() {
+    let mut p = pager(MemCluster::new(&[8]), 4, 0, Backing::Cluster);
+    p.write(1, &content(1, 1)).unwrap();
+    p.discard(1).unwrap();
+    assert_eq!(p.transport().servers[0].store.stored_pages(), 0);
+    assert_eq!(read(&mut p, 1).unwrap(), vec![0u8; PAGE_SIZE]);
+}
+
+#[test]
+fn bad_arguments_are_errors() {
+    let mut p = pager(MemCluster::new(&[8]), 4, 0, Backing::Cluster);
+    assert!(matches!(read(&mut p, 4), Err(PagerError::OutOfRange { page: 4, pages: 4 })));
+    assert!(matches!(p.write(0, &[0u8; 10]), Err(PagerError::BadBuffer { .. })));
+}
+
+#[test]
+fn batched_reads_pipeline_across_servers() {
+    let mut p = pager(MemCluster::new(&[200, 200, 200]), 300, 0, Backing::Cluster);
+    let pages: Vec<u64> = (0..300).collect();
+    let data: Vec<u8> = pages.iter().flat_map(|&pg| content(pg, 1)).collect();
+    p.write_many(&pages, &data).unwrap();
+    let mut out = vec![0u8; data.len()];
+    p.read_many(&pages, &mut out).unwrap();
+    assert!(out == data);
+    assert!(p.pages_per_server().iter().all(|&n| n > 50), "{:?}", p.pages_per_server());
+}
+
+#[derive(Debug, Clone)]
+enum Action {
+    Write(u64, u8),
+    Read(u64),
+    Flush,
+    Discard(u64),
+    Kill(usize),
+}
+
+fn action() -> impl Strategy<Value = Action> {
+    prop_oneof![
+        6 => (0u64..48, any::<u8>()).prop_map(|(p, r)| Action::Write(p, r)),
+        6 => (0u64..48).prop_map(Action::Read),
+        1 => Just(Action::Flush),
+        1 => (0u64..48).prop_map(Action::Discard),
+        1 => (0usize..3).prop_map(Action::Kill),
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 128, ..ProptestConfig::default() })]
+
+    /// With `cluster+disk` backing, whatever fails, every read returns the last write: small
+    /// servers force FULL refusals and spills, replies come out of order, servers die.
+    #[test]
+    fn cluster_disk_never_loses_a_write(
+        actions in prop::collection::vec(action(), 1..150),
+        cache in 0usize..6,
+        seed: u64,
+    ) {
+        let mut cluster = MemCluster::new(&[10, 12, 14]);
+        cluster.rng = Some(fastrand::Rng::with_seed(seed));
+        cluster.window = 3;
+        let mut p = pager(cluster, 48, cache, Backing::ClusterDisk);
+        let mut model: HashMap<u64, u8> = HashMap::new();
+        for a in actions {
+            match a {
+                Action::Write(pg, r) => {
+                    p.write(pg, &content(pg, r)).unwrap();
+                    model.insert(pg, r);
+                }
+                Action::Read(pg) => {
+                    let want = model.get(&pg).map(|&r| content(pg, r)).unwrap_or(vec![0u8; PAGE_SIZE]);
+                    prop_assert!(read(&mut p, pg).unwrap() == want, "page {}", pg);
+                }
+                Action::Flush => p.flush().unwrap(),
+                Action::Discard(pg) => {
+                    p.discard(pg).unwrap();
+                    model.remove(&pg);
+                }
+                Action::Kill(s) => p.transport.servers[s].dead = true,
+            }
+            prop_assert!(p.inflight.ops.is_empty());
+            prop_assert!(p.writeback.is_empty());
+            let cached = p.cache.len();
+            prop_assert_eq!(p.free_slots.len() + cached, p.dirty.len(), "no slot leaks");
+        }
+    }
+
+    /// With `cluster` backing and no failures, the same holds, and remote copies never outnumber
+    /// the pages that have one (superseded copies are deleted).
+    #[test]
+    fn cluster_keeps_every_write_and_no_garbage(
+        actions in prop::collection::vec(action(), 1..150),
+        cache in 0usize..6,
+        seed: u64,
+    ) {
+        let mut cluster = MemCluster::new(&[10, 12, 14]);
+        cluster.rng = Some(fastrand::Rng::with_seed(seed));
+        let mut p = pager(cluster, 48, cache, Backing::Cluster);
+        let mut model: HashMap<u64, u8> = HashMap::new();
+        for a in actions {
+            match a {
+                Action::Write(pg, r) => {
+                    p.write(pg, &content(pg, r)).unwrap();
+                    model.insert(pg, r);
+                }
+                Action::Read(pg) => {
+                    let want = model.get(&pg).map(|&r| content(pg, r)).unwrap_or(vec![0u8; PAGE_SIZE]);
+                    prop_assert!(read(&mut p, pg).unwrap() == want, "page {}", pg);
+                }
+                Action::Flush => p.flush().unwrap(),
+                Action::Discard(pg) => {
+                    p.discard(pg).unwrap();
+                    model.remove(&pg);
+                }
+                Action::Kill(_) => {}
+            }
+            let stored: u64 = p.transport().servers.iter().map(|s| s.store.stored_pages()).sum();
+            prop_assert_eq!(stored, p.pages_per_server().iter().sum::<u64>());
+        }
+    }
+}
