@@ -1,1 +1,25 @@
-//! placeholder
+//! netram's runtime: the thin layer that moves bytes and time in and out of the I/O-free state
+//! machines (`netram-store` on the server, `netram-pager` on the client).
+//!
+//! * [`server`]: the page server daemon (`netram serve`), Distributed Anemone's server module
+//!   (paper 001, §2.1) and Nswap's per-node cache of remote pages (paper 004, §III);
+//! * [`client`]: the TCP [`netram_pager::Transport`], with soft-state refresh (Anemone §2.5);
+//! * [`disk`]: the local spill file behind [`netram_pager::Disk`] (Markatos, paper 003);
+//! * [`latency`]: the low-latency mode (PM QoS request, adaptive polling).
+//!
+//! # Why threads and blocking sockets, not an async runtime
+//!
+//! On the VMs we run on, a hand-off to a sleeping thread on the other vCPU costs ~60 µs, about
+//! as much as the whole loopback round trip (`../shared/MACHINE-NOTES.md`). So the critical path
+//! has no hand-off at all: the pager's calling thread writes requests to the socket and reads the
+//! replies itself, and the server answers on the thread that read the request, with the store's
+//! lock taken once per batch of frames. An async runtime would add a worker wake-up on each side.
+//! Pipelining comes from writing many frames per `write` and reading many per `read`, not from
+//! more threads. The cost is a thread per connection on the server, bounded by
+//! `max_connections`.
+
+pub mod client;
+pub mod disk;
+mod framing;
+pub mod latency;
+pub mod server;

@@ -35,7 +35,9 @@ mod transport;
 
 use lru::LruCache;
 use netram_policy::placement::{self, Candidate};
-use netram_proto::{DeleteStatus, ErrorCode, GetResult, Page, PageKey, PutStatus, Reply, Request, PAGE_SIZE};
+use netram_proto::{
+    DeleteStatus, ErrorCode, GetResult, Page, PageKey, PutStatus, Reply, Request, PAGE_SIZE,
+};
 use std::collections::HashMap;
 use std::fmt;
 use table::{Entry, Table};
@@ -60,7 +62,9 @@ impl std::str::FromStr for Backing {
             "cluster" => Ok(Self::Cluster),
             "disk" => Ok(Self::Disk),
             "cluster+disk" => Ok(Self::ClusterDisk),
-            _ => Err(format!("unknown backing {s:?}: expected cluster, disk or cluster+disk")),
+            _ => Err(format!(
+                "unknown backing {s:?}: expected cluster, disk or cluster+disk"
+            )),
         }
     }
 }
@@ -123,7 +127,11 @@ pub enum PagerError {
     /// A page came back with a checksum or version that does not match, and there is no other
     /// copy. The data was not returned.
     #[error("page {page} from server {server} is corrupt ({what}); no other copy exists")]
-    Corrupt { server: String, page: u64, what: &'static str },
+    Corrupt {
+        server: String,
+        page: u64,
+        what: &'static str,
+    },
     #[error("page {page} is out of range: this pager has {pages} pages")]
     OutOfRange { page: u64, pages: u64 },
     #[error("buffer of {got} bytes for {pages} pages: expected {} bytes", .pages * PAGE_SIZE)]
@@ -277,7 +285,10 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                 info,
             })
             .collect();
-        let window_total: usize = servers.iter().map(|s| s.info.window.min(cfg.window) as usize).sum();
+        let window_total: usize = servers
+            .iter()
+            .map(|s| s.info.window.min(cfg.window) as usize)
+            .sum();
         let staging = window_total.max(cfg.writeback_batch).max(1);
         let nslots = cfg.cache_pages + staging;
         Self {
@@ -312,6 +323,11 @@ impl<T: Transport, D: Disk> Pager<T, D> {
     }
     pub fn transport(&self) -> &T {
         &self.transport
+    }
+    /// Flushes nothing: gives back the transport, e.g. to close its sessions. Call
+    /// [`Pager::flush`] first to keep dirty pages.
+    pub fn into_transport(self) -> T {
+        self.transport
     }
     /// Names of the servers, with whether each is alive.
     pub fn servers(&self) -> impl Iterator<Item = (&str, bool)> {
@@ -374,7 +390,11 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         for (pos, &page) in pages.iter().enumerate() {
             self.counters.reads += 1;
             let dst = &mut out[pos * PAGE_SIZE..(pos + 1) * PAGE_SIZE];
-            let cached = self.cache.get(&page).or_else(|| self.writeback.get(&page)).copied();
+            let cached = self
+                .cache
+                .get(&page)
+                .or_else(|| self.writeback.get(&page))
+                .copied();
             if let Some(slot) = cached {
                 self.counters.cache_hits += 1;
                 dst.copy_from_slice(self.slot(slot));
@@ -400,12 +420,16 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                     if self.cfg.cache_pages > 0 {
                         let slot = self.take_slot_for_read(out)?;
                         let at = slot as usize * PAGE_SIZE;
-                        self.slots[at..at + PAGE_SIZE].copy_from_slice(&out[pos * PAGE_SIZE..(pos + 1) * PAGE_SIZE]);
+                        self.slots[at..at + PAGE_SIZE]
+                            .copy_from_slice(&out[pos * PAGE_SIZE..(pos + 1) * PAGE_SIZE]);
                         self.insert_clean(page, slot)?;
                     }
                 }
                 None => {
-                    let s = e.holders().next().expect("a present page is on a server or on disk");
+                    let s = e
+                        .holders()
+                        .next()
+                        .expect("a present page is on a server or on disk");
                     self.lost.push((s, page));
                 }
             }
@@ -462,7 +486,8 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             // The page stays cached: write-back works from a copy in a staging slot.
             let copy = self.take_slot()?;
             let at = slot as usize * PAGE_SIZE;
-            self.slots.copy_within(at..at + PAGE_SIZE, copy as usize * PAGE_SIZE);
+            self.slots
+                .copy_within(at..at + PAGE_SIZE, copy as usize * PAGE_SIZE);
             self.dirty[slot as usize] = false;
             self.write_back(page, copy)?;
         }
@@ -586,9 +611,17 @@ impl<T: Transport, D: Disk> Pager<T, D> {
 
     /// Chooses a server for a page (its current holder if alive, else by placement) and sends
     /// the PUT; with no server left, spills the page to the local disk.
-    fn place(&mut self, page: u64, slot: u32, version: u32, refused: &[usize]) -> Result<(), PagerError> {
+    fn place(
+        &mut self,
+        page: u64,
+        slot: u32,
+        version: u32,
+        refused: &[usize],
+    ) -> Result<(), PagerError> {
         let e = *self.table.get(page);
-        let holder = e.holders().find(|&s| self.servers[s].alive && !refused.contains(&s));
+        let holder = e
+            .holders()
+            .find(|&s| self.servers[s].alive && !refused.contains(&s));
         let target = holder.or_else(|| {
             let candidates: Vec<Candidate> = self.servers.iter().map(|s| s.load).collect();
             placement::choose(&candidates, refused, &mut self.rng)
@@ -653,9 +686,12 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         if self.cache.len() <= self.cfg.cache_pages {
             return Ok(());
         }
-        let n = (self.cache.len() - self.cfg.cache_pages).max(self.cfg.writeback_batch.min(self.cfg.cache_pages));
+        let n = (self.cache.len() - self.cfg.cache_pages)
+            .max(self.cfg.writeback_batch.min(self.cfg.cache_pages));
         for _ in 0..n {
-            let Some((page, slot)) = self.cache.pop_lru() else { break };
+            let Some((page, slot)) = self.cache.pop_lru() else {
+                break;
+            };
             if self.dirty[slot as usize] {
                 self.counters.evictions_dirty += 1;
                 self.dirty[slot as usize] = false;
@@ -708,7 +744,10 @@ impl<T: Transport, D: Disk> Pager<T, D> {
     }
 
     fn release_slot(&mut self, slot: u32) {
-        debug_assert!(!self.free_slots.contains(&slot), "slot {slot} released twice");
+        debug_assert!(
+            !self.free_slots.contains(&slot),
+            "slot {slot} released twice"
+        );
         self.dirty[slot as usize] = false;
         self.free_slots.push(slot);
     }
@@ -727,7 +766,8 @@ impl<T: Transport, D: Disk> Pager<T, D> {
 
     /// Waits for a credit if the server's window is full; false if the server is dead.
     fn credit(&mut self, server: usize) -> bool {
-        while self.servers[server].alive && self.inflight.per_server[server] >= self.window(server) {
+        while self.servers[server].alive && self.inflight.per_server[server] >= self.window(server)
+        {
             if let Err(e) = self.recv_from(server) {
                 // Errors of other operations surface through their own completions.
                 tracing::debug!("while waiting for a credit: {e}");
@@ -748,14 +788,24 @@ impl<T: Transport, D: Disk> Pager<T, D> {
 
     /// Sends a PUT of the page in `slot`, sealed (checksummed) straight from the slot.
     fn submit_put(&mut self, server: usize, page: u64, slot: u32, version: u32) {
-        let op = Op::Put { page, slot, version };
+        let op = Op::Put {
+            page,
+            slot,
+            version,
+        };
         if !self.credit(server) {
             return self.fail_op(server, op);
         }
         let id = self.next_req;
         let at = slot as usize * PAGE_SIZE;
-        let page_ref = Page::seal(PageKey::new(self.cfg.region, page), version, &self.slots[at..at + PAGE_SIZE]);
-        let sent = self.transport.send(server, id, &Request::Put(vec![page_ref]));
+        let page_ref = Page::seal(
+            PageKey::new(self.cfg.region, page),
+            version,
+            &self.slots[at..at + PAGE_SIZE],
+        );
+        let sent = self
+            .transport
+            .send(server, id, &Request::Put(vec![page_ref]));
         self.sent(server, id, op, sent);
     }
 
@@ -796,7 +846,8 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                 let load = reply.load();
                 self.servers[server].load.free_pages = load.free_pages;
                 self.servers[server].load.requests_per_s = load.requests_per_s;
-                let Some((s, op)) = self.inflight.ops.remove(&id).filter(|(s, _)| *s == server) else {
+                let Some((s, op)) = self.inflight.ops.remove(&id).filter(|(s, _)| *s == server)
+                else {
                     let err = TransportError::Protocol(format!("reply to unknown request {id}"));
                     drop(reply);
                     self.mark_dead(server, err);
@@ -843,7 +894,9 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                 let dst = &mut slots[slot as usize * PAGE_SIZE..(slot as usize + 1) * PAGE_SIZE];
                 let expected = table.get(page).version;
                 let what = match pages.as_slice() {
-                    [GetResult::Found(p)] if p.key != PageKey::new(cfg.region, page) => Some("wrong key"),
+                    [GetResult::Found(p)] if p.key != PageKey::new(cfg.region, page) => {
+                        Some("wrong key")
+                    }
                     [GetResult::Found(p)] if !p.verify() => {
                         counters.checksum_failures += 1;
                         Some("checksum mismatch")
@@ -880,16 +933,33 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                     }
                 }
             }
-            (Op::Put { page, slot, version }, Reply::Put { status, .. }) => match status.as_slice() {
-                [PutStatus::Stored] => Followup::Stored { page, slot, version },
+            (
+                Op::Put {
+                    page,
+                    slot,
+                    version,
+                },
+                Reply::Put { status, .. },
+            ) => match status.as_slice() {
+                [PutStatus::Stored] => Followup::Stored {
+                    page,
+                    slot,
+                    version,
+                },
                 [PutStatus::Full] => {
                     counters.puts_refused_full += 1;
-                    Followup::Replace { page, slot, version }
+                    Followup::Replace {
+                        page,
+                        slot,
+                        version,
+                    }
                 }
                 _ => Followup::Dead("the server refused a page key".into(), Some(op)),
             },
             (Op::Delete, Reply::Delete { status, .. }) => {
-                debug_assert!(status.iter().all(|s| matches!(s, DeleteStatus::Deleted | DeleteStatus::Missing)));
+                debug_assert!(status
+                    .iter()
+                    .all(|s| matches!(s, DeleteStatus::Deleted | DeleteStatus::Missing)));
                 Followup::None
             }
             (op, Reply::Error { code, message, .. }) => {
@@ -914,13 +984,21 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                 self.disk.read(page, &mut self.slots[at..at + PAGE_SIZE])?;
                 self.reads_done.push(ReadDone { pos, page, slot });
             }
-            Followup::Stored { page, slot, version } => {
+            Followup::Stored {
+                page,
+                slot,
+                version,
+            } => {
                 debug_assert_eq!(self.table.get(page).version, version);
                 self.set_location(page, Some(server));
                 self.writeback.remove(&page);
                 self.release_slot(slot);
             }
-            Followup::Replace { page, slot, version } => {
+            Followup::Replace {
+                page,
+                slot,
+                version,
+            } => {
                 self.servers[server].load.free_pages = 0;
                 self.place(page, slot, version, &[server])?;
             }
@@ -978,7 +1056,11 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                     self.release_slot(slot);
                 }
             }
-            Op::Put { page, slot, version } => {
+            Op::Put {
+                page,
+                slot,
+                version,
+            } => {
                 // The data is still in its slot: place it elsewhere.
                 if let Err(e) = self.place(page, slot, version, &[server]) {
                     tracing::error!(page, "could not place page after server failure: {e}");

@@ -28,12 +28,18 @@ impl Entry {
     };
 
     pub fn holders(&self) -> impl Iterator<Item = usize> + '_ {
-        self.holders.iter().filter(|&&h| h != NONE).map(|&h| usize::from(h))
+        self.holders
+            .iter()
+            .filter(|&&h| h != NONE)
+            .map(|&h| usize::from(h))
     }
 
     /// Makes `server` the only holder of the current version.
     pub fn set_holder(&mut self, server: usize) {
-        assert!(server < usize::from(NONE), "server index {server} does not fit the table");
+        assert!(
+            server < usize::from(NONE),
+            "server index {server} does not fit the table"
+        );
         self.holders = [NONE; HOLDERS_MAX];
         self.holders[0] = server as u16;
     }
@@ -45,7 +51,10 @@ impl Entry {
     /// Advances the version for a new write-out; versions never go back, even across discards,
     /// so a copy left behind somewhere can never pass for the current one.
     pub fn next_version(&mut self) -> u32 {
-        self.version = self.version.checked_add(1).expect("2^32 write-outs of one page");
+        self.version = self
+            .version
+            .checked_add(1)
+            .expect("2^32 write-outs of one page");
         self.version
     }
 

@@ -3,7 +3,9 @@
 //! replies delivered out of order.
 
 use super::*;
-use netram_proto::{begin_get_reply, decode_reply, decode_request, get_reply_found, get_reply_missing, Load};
+use netram_proto::{
+    begin_get_reply, decode_reply, decode_request, get_reply_found, get_reply_missing, Load,
+};
 use netram_store::{SessionHandle, Store, StoreConfig};
 use proptest::prelude::*;
 use std::collections::VecDeque;
@@ -61,9 +63,17 @@ impl MemCluster {
             Request::Put(pages) => {
                 let status = pages
                     .iter()
-                    .map(|p| s.store.put(h, p.key, p.version, p.crc, p.flags, p.data, 0).unwrap())
+                    .map(|p| {
+                        s.store
+                            .put(h, p.key, p.version, p.crc, p.flags, p.data, 0)
+                            .unwrap()
+                    })
                     .collect();
-                Reply::Put { load: load(&s.store), status }.encode(id, &mut out);
+                Reply::Put {
+                    load: load(&s.store),
+                    status,
+                }
+                .encode(id, &mut out);
             }
             Request::Get(keys) => {
                 let l = load(&s.store);
@@ -101,7 +111,11 @@ impl MemCluster {
                         }
                     })
                     .collect();
-                Reply::Delete { load: load(&s.store), status }.encode(id, &mut out);
+                Reply::Delete {
+                    load: load(&s.store),
+                    status,
+                }
+                .encode(id, &mut out);
             }
             Request::Refresh => return None,
             Request::Stats | Request::Close => unreachable!("the pager does not send these"),
@@ -125,7 +139,12 @@ impl Transport for MemCluster {
             .collect()
     }
 
-    fn send(&mut self, server: usize, req_id: u64, req: &Request<'_>) -> Result<(), TransportError> {
+    fn send(
+        &mut self,
+        server: usize,
+        req_id: u64,
+        req: &Request<'_>,
+    ) -> Result<(), TransportError> {
         let s = &mut self.servers[server];
         if s.dead {
             return Err(TransportError::Disconnected("killed".into()));
@@ -160,7 +179,12 @@ fn content(page: u64, round: u8) -> Vec<u8> {
     d
 }
 
-fn pager(cluster: MemCluster, pages: u64, cache: usize, backing: Backing) -> Pager<MemCluster, MemDisk> {
+fn pager(
+    cluster: MemCluster,
+    pages: u64,
+    cache: usize,
+    backing: Backing,
+) -> Pager<MemCluster, MemDisk> {
     Pager::new(
         PagerConfig {
             pages,
@@ -195,7 +219,11 @@ fn write_back_cache_holds_dirty_pages_until_evicted_or_flushed() {
     }
     assert_eq!(p.counters().puts, 0, "eight pages fit the cache");
     p.write(8, &content(8, 1)).unwrap();
-    assert_eq!(p.counters().evictions_dirty, 4, "one batch of LRU pages went out");
+    assert_eq!(
+        p.counters().evictions_dirty,
+        4,
+        "one batch of LRU pages went out"
+    );
     p.flush().unwrap();
     assert_eq!(p.transport().servers[0].store.stored_pages(), 9);
     for page in 0..9 {
@@ -214,7 +242,10 @@ fn a_full_server_refuses_and_pages_go_elsewhere_then_to_disk() {
     let c = p.counters().clone();
     assert_eq!(p.pages_per_server(), vec![3, 3]);
     assert_eq!(c.spills, 4);
-    assert!(c.puts_refused_full >= 1, "the second server was found full by a refusal");
+    assert!(
+        c.puts_refused_full >= 1,
+        "the second server was found full by a refusal"
+    );
     assert_eq!(p.pages_on_disk_only(), 4);
     for page in 0..10 {
         assert_eq!(read(&mut p, page).unwrap(), content(page, 2), "page {page}");
@@ -257,7 +288,9 @@ fn a_dead_server_loses_exactly_its_pages_with_cluster_backing() {
             Err(e) => panic!("unexpected {e}"),
         }
     }
-    let expected: Vec<u64> = (0..60).filter(|&pg| holders[pg as usize] == Some(1)).collect();
+    let expected: Vec<u64> = (0..60)
+        .filter(|&pg| holders[pg as usize] == Some(1))
+        .collect();
     assert!(!expected.is_empty());
     assert_eq!(lost, expected);
     // Rewriting a lost page places it on a live server again.
@@ -267,7 +300,12 @@ fn a_dead_server_loses_exactly_its_pages_with_cluster_backing() {
 
 #[test]
 fn a_dead_server_is_survived_with_cluster_disk_backing() {
-    let mut p = pager(MemCluster::new(&[100, 100, 100]), 60, 4, Backing::ClusterDisk);
+    let mut p = pager(
+        MemCluster::new(&[100, 100, 100]),
+        60,
+        4,
+        Backing::ClusterDisk,
+    );
     for page in 0..60 {
         p.write(page, &content(page, 4)).unwrap();
     }
@@ -297,9 +335,16 @@ fn a_corrupt_page_is_reported_never_returned() {
     let mut p = pager(MemCluster::new(&[8]), 2, 0, Backing::Cluster);
     p.write(0, &content(0, 6)).unwrap();
     p.transport.servers[0].corrupt_next = true;
-    assert!(matches!(read(&mut p, 0), Err(PagerError::Corrupt { page: 0, .. })));
+    assert!(matches!(
+        read(&mut p, 0),
+        Err(PagerError::Corrupt { page: 0, .. })
+    ));
     assert_eq!(p.counters().checksum_failures, 1);
-    assert_eq!(read(&mut p, 0).unwrap(), content(0, 6), "the next read is clean");
+    assert_eq!(
+        read(&mut p, 0).unwrap(),
+        content(0, 6),
+        "the next read is clean"
+    );
 }
 
 #[test]
@@ -337,8 +382,14 @@ fn discard_deletes_remote_copies() {
 #[test]
 fn bad_arguments_are_errors() {
     let mut p = pager(MemCluster::new(&[8]), 4, 0, Backing::Cluster);
-    assert!(matches!(read(&mut p, 4), Err(PagerError::OutOfRange { page: 4, pages: 4 })));
-    assert!(matches!(p.write(0, &[0u8; 10]), Err(PagerError::BadBuffer { .. })));
+    assert!(matches!(
+        read(&mut p, 4),
+        Err(PagerError::OutOfRange { page: 4, pages: 4 })
+    ));
+    assert!(matches!(
+        p.write(0, &[0u8; 10]),
+        Err(PagerError::BadBuffer { .. })
+    ));
 }
 
 #[test]
@@ -350,7 +401,11 @@ fn batched_reads_pipeline_across_servers() {
     let mut out = vec![0u8; data.len()];
     p.read_many(&pages, &mut out).unwrap();
     assert!(out == data);
-    assert!(p.pages_per_server().iter().all(|&n| n > 50), "{:?}", p.pages_per_server());
+    assert!(
+        p.pages_per_server().iter().all(|&n| n > 50),
+        "{:?}",
+        p.pages_per_server()
+    );
 }
 
 #[derive(Debug, Clone)]

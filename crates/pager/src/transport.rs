@@ -36,7 +36,8 @@ pub enum TransportError {
 /// come in any order; the pager matches them by request id.
 pub trait Transport {
     fn servers(&self) -> Vec<ServerInfo>;
-    fn send(&mut self, server: usize, req_id: u64, req: &Request<'_>) -> Result<(), TransportError>;
+    fn send(&mut self, server: usize, req_id: u64, req: &Request<'_>)
+        -> Result<(), TransportError>;
     /// The reply borrows the transport's receive buffer until it is dropped.
     fn recv(&mut self, server: usize) -> Result<(u64, Reply<'_>), TransportError>;
 }

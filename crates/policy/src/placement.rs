@@ -48,7 +48,12 @@ pub fn choose(servers: &[Candidate], exclude: &[usize], rng: &mut fastrand::Rng)
         unreachable!("the draw is below the total weight")
     };
     let (a, b) = (draw(), draw());
-    let key = |i: usize| (servers[i].requests_per_s, std::cmp::Reverse(servers[i].free_pages));
+    let key = |i: usize| {
+        (
+            servers[i].requests_per_s,
+            std::cmp::Reverse(servers[i].free_pages),
+        )
+    };
     Some(if key(b) < key(a) { b } else { a })
 }
 
@@ -58,14 +63,21 @@ mod tests {
     use proptest::prelude::*;
 
     fn c(alive: bool, free_pages: u64, requests_per_s: u32) -> Candidate {
-        Candidate { alive, free_pages, requests_per_s }
+        Candidate {
+            alive,
+            free_pages,
+            requests_per_s,
+        }
     }
 
     #[test]
     fn nothing_eligible_means_spill() {
         let mut rng = fastrand::Rng::with_seed(1);
         assert_eq!(choose(&[], &[], &mut rng), None);
-        assert_eq!(choose(&[c(false, 10, 0), c(true, 0, 0)], &[], &mut rng), None);
+        assert_eq!(
+            choose(&[c(false, 10, 0), c(true, 0, 0)], &[], &mut rng),
+            None
+        );
         assert_eq!(choose(&[c(true, 10, 0)], &[0], &mut rng), None);
     }
 
@@ -78,7 +90,10 @@ mod tests {
             hits[choose(&servers, &[], &mut rng).unwrap()] += 1;
         }
         assert!(hits[0] > 6 * hits[1] && hits[0] > 6 * hits[2], "{hits:?}");
-        assert!(hits[1] > 0 && hits[2] > 0, "every server with room gets some: {hits:?}");
+        assert!(
+            hits[1] > 0 && hits[2] > 0,
+            "every server with room gets some: {hits:?}"
+        );
     }
 
     #[test]

@@ -1,0 +1,398 @@
+//! The TCP [`Transport`]: one connection per server, driven by the pager's own thread.
+//!
+//! `send` encodes a request into the connection's write buffer; `recv` first writes every
+//! buffered request (to all servers, one `write` each), then reads replies. So a depth-1 request
+//! costs one `write` and one `read` on the caller's thread, and a pipelined batch costs one
+//! `write` per server for all of it: no hand-off to another thread on the way.
+//!
+//! A keepalive thread refreshes the session of every connection that has sent nothing for half a
+//! lease period (Anemone §2.5: soft state that the server drops after three silent periods), so
+//! an idle pager keeps its pages. REFRESH is one-way, so the keepalive never leaves replies for
+//! an idle pager to read; it writes under the connection's write lock, between whole frames.
+
+use crate::framing::FrameBuffer;
+use crate::latency::{PmQos, DEFAULT_SPIN};
+use netram_pager::{ServerInfo, Transport, TransportError};
+use netram_proto::{decode_reply, Hello, Reply, Request, Welcome, WelcomeStatus, WELCOME_LEN};
+use std::io::{self, Read, Write};
+use std::net::{Shutdown, SocketAddr, TcpStream, ToSocketAddrs};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+/// Who the client is and how patient it is.
+#[derive(Debug, Clone)]
+pub struct ClientConfig {
+    pub node: u64,
+    /// Must grow across restarts of the client: the boot time in nanoseconds by default.
+    pub incarnation: u64,
+    pub session: u64,
+    pub connect_timeout: Duration,
+    /// A server that sends nothing for this long while a reply is owed is declared dead.
+    pub reply_timeout: Duration,
+    /// Hold the PM QoS request and poll before sleeping (see [`crate::latency`]).
+    pub low_latency: bool,
+}
+
+impl ClientConfig {
+    /// A fresh identity: a random node id, this moment as the incarnation, a random session.
+    pub fn new() -> Self {
+        Self::with_node(fastrand::u64(..))
+    }
+
+    /// A client that keeps its node id across restarts (so that a restart supersedes the old
+    /// incarnation's pages at once) and takes a new incarnation from the clock.
+    pub fn with_node(node: u64) -> Self {
+        let incarnation = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map(|d| d.as_nanos() as u64)
+            .unwrap_or(1);
+        Self {
+            node,
+            incarnation,
+            session: fastrand::u64(..),
+            connect_timeout: Duration::from_secs(3),
+            reply_timeout: Duration::from_secs(5),
+            low_latency: false,
+        }
+    }
+}
+
+impl Default for ClientConfig {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// The part of a connection the keepalive thread shares.
+#[derive(Debug)]
+struct Shared {
+    writer: Mutex<TcpStream>,
+    last_send_ms: AtomicU64,
+    lease_period_ms: u64,
+}
+
+#[derive(Debug)]
+struct Conn {
+    info: ServerInfo,
+    reader: Option<TcpStream>,
+    shared: Option<Arc<Shared>>,
+    wbuf: Vec<u8>,
+    rbuf: FrameBuffer,
+    broken: Option<TransportError>,
+}
+
+/// Connections to every server of a pager.
+#[derive(Debug)]
+pub struct TcpTransport {
+    conns: Vec<Conn>,
+    epoch: Instant,
+    spin: Duration,
+    reply_timeout: Duration,
+    stop: Arc<AtomicBool>,
+    keepalive: Option<JoinHandle<()>>,
+    _qos: Option<PmQos>,
+}
+
+/// Writes beyond this many buffered bytes go out at once rather than at the next `recv`.
+const WBUF_FLUSH: usize = 256 * 1024;
+
+/// Opens a connection and performs the handshake.
+fn handshake(addr: SocketAddr, cfg: &ClientConfig) -> Result<(TcpStream, Welcome), String> {
+    let mut s = TcpStream::connect_timeout(&addr, cfg.connect_timeout)
+        .map_err(|e| format!("connect: {e}"))?;
+    s.set_nodelay(true).map_err(|e| e.to_string())?;
+    s.set_read_timeout(Some(cfg.connect_timeout))
+        .map_err(|e| e.to_string())?;
+    s.write_all(&Hello::new(cfg.node, cfg.incarnation, cfg.session).encode())
+        .map_err(|e| format!("handshake: {e}"))?;
+    let mut buf = [0u8; WELCOME_LEN];
+    s.read_exact(&mut buf)
+        .map_err(|e| format!("handshake: {e}"))?;
+    let w = Welcome::decode(&buf).map_err(|e| format!("handshake: {e}"))?;
+    match w.status {
+        WelcomeStatus::Ok => Ok((s, w)),
+        WelcomeStatus::VersionUnsupported => Err(format!(
+            "server speaks protocol version {}, this client {}",
+            w.version,
+            netram_proto::PROTOCOL_VERSION
+        )),
+        WelcomeStatus::Busy => Err("server is at its connection limit".into()),
+        WelcomeStatus::TooManySessions => Err("server's session table is full".into()),
+        WelcomeStatus::StaleIncarnation => {
+            Err("server has seen a newer incarnation of this node".into())
+        }
+    }
+}
+
+fn resolve(addr: &str) -> Result<SocketAddr, String> {
+    addr.to_socket_addrs()
+        .map_err(|e| format!("cannot resolve {addr}: {e}"))?
+        .next()
+        .ok_or_else(|| format!("{addr} resolves to no address"))
+}
+
+impl TcpTransport {
+    /// Connects to every server. A server that cannot be reached is not an error here: it
+    /// starts out dead (the pager reports it), so that one missing server does not stop a client.
+    pub fn connect<S: AsRef<str>>(servers: &[S], cfg: &ClientConfig) -> Self {
+        let epoch = Instant::now();
+        let conns: Vec<Conn> = servers
+            .iter()
+            .map(|name| {
+                let name = name.as_ref().to_string();
+                let result = resolve(&name).and_then(|a| handshake(a, cfg));
+                let (reader, shared, info) = match result {
+                    Ok((stream, w)) => {
+                        let setup = stream
+                            .set_read_timeout(Some(cfg.reply_timeout))
+                            .and_then(|()| stream.try_clone());
+                        match setup {
+                            Ok(writer) => (
+                                Some(stream),
+                                Some(Arc::new(Shared {
+                                    writer: Mutex::new(writer),
+                                    last_send_ms: AtomicU64::new(0),
+                                    lease_period_ms: u64::from(w.lease_period_ms).max(1),
+                                })),
+                                ServerInfo {
+                                    name,
+                                    window: w.window,
+                                    capacity_pages: w.capacity_pages,
+                                    free_pages: w.free_pages,
+                                    connected: Ok(()),
+                                },
+                            ),
+                            Err(e) => (None, None, dead_info(name, e.to_string())),
+                        }
+                    }
+                    Err(reason) => {
+                        tracing::warn!(server = %name, "server unreachable: {reason}");
+                        (None, None, dead_info(name, reason))
+                    }
+                };
+                Conn {
+                    broken: info
+                        .connected
+                        .clone()
+                        .err()
+                        .map(TransportError::Disconnected),
+                    info,
+                    reader,
+                    shared,
+                    wbuf: Vec::new(),
+                    rbuf: FrameBuffer::new(),
+                }
+            })
+            .collect();
+        let stop = Arc::new(AtomicBool::new(false));
+        let shared: Vec<Arc<Shared>> = conns.iter().filter_map(|c| c.shared.clone()).collect();
+        let keepalive = (!shared.is_empty()).then(|| {
+            let stop = stop.clone();
+            std::thread::Builder::new()
+                .name("netram-keepalive".into())
+                .spawn(move || keepalive_loop(shared, epoch, stop))
+                .expect("spawn keepalive thread")
+        });
+        Self {
+            conns,
+            epoch,
+            spin: if cfg.low_latency {
+                DEFAULT_SPIN
+            } else {
+                Duration::ZERO
+            },
+            reply_timeout: cfg.reply_timeout,
+            stop,
+            keepalive,
+            _qos: if cfg.low_latency { PmQos::hold() } else { None },
+        }
+    }
+
+    fn now_ms(&self) -> u64 {
+        self.epoch.elapsed().as_millis() as u64
+    }
+
+    /// Writes the buffered requests of one connection.
+    fn flush(&mut self, server: usize) {
+        let now = self.now_ms();
+        let c = &mut self.conns[server];
+        if c.wbuf.is_empty() || c.broken.is_some() {
+            c.wbuf.clear();
+            return;
+        }
+        let shared = c
+            .shared
+            .as_ref()
+            .expect("a connection that is not broken has a writer");
+        let mut w = shared.writer.lock().unwrap_or_else(|p| p.into_inner());
+        if let Err(e) = w.write_all(&c.wbuf) {
+            c.broken = Some(TransportError::Disconnected(format!("write: {e}")));
+        }
+        shared.last_send_ms.store(now, Ordering::Relaxed);
+        c.wbuf.clear();
+    }
+
+    /// Ends every session cleanly: the servers free this client's pages now, rather than when
+    /// the lease runs out.
+    pub fn close(&mut self) {
+        for i in 0..self.conns.len() {
+            if self.conns[i].broken.is_some() {
+                continue;
+            }
+            Request::Close.encode(0, &mut self.conns[i].wbuf);
+            self.flush(i);
+            if let Err(e) = self.recv(i) {
+                tracing::debug!("close: {e}");
+            }
+            if let Some(r) = &self.conns[i].reader {
+                let _ = r.shutdown(Shutdown::Both);
+            }
+            self.conns[i].broken = Some(TransportError::Disconnected("closed".into()));
+        }
+    }
+}
+
+fn dead_info(name: String, reason: String) -> ServerInfo {
+    ServerInfo {
+        name,
+        window: 1,
+        capacity_pages: 0,
+        free_pages: 0,
+        connected: Err(reason),
+    }
+}
+
+fn keepalive_loop(conns: Vec<Arc<Shared>>, epoch: Instant, stop: Arc<AtomicBool>) {
+    let mut frame = Vec::new();
+    Request::Refresh.encode(0, &mut frame);
+    let tick = conns
+        .iter()
+        .map(|c| c.lease_period_ms / 4)
+        .min()
+        .unwrap_or(250)
+        .clamp(5, 250);
+    while !stop.load(Ordering::SeqCst) {
+        std::thread::park_timeout(Duration::from_millis(tick));
+        let now = epoch.elapsed().as_millis() as u64;
+        for c in &conns {
+            if now.saturating_sub(c.last_send_ms.load(Ordering::Relaxed)) >= c.lease_period_ms / 2 {
+                let mut w = c.writer.lock().unwrap_or_else(|p| p.into_inner());
+                // A failure here shows up on the pager's next request.
+                let _ = w.write_all(&frame);
+                c.last_send_ms.store(now, Ordering::Relaxed);
+            }
+        }
+    }
+}
+
+impl Drop for TcpTransport {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+        if let Some(t) = self.keepalive.take() {
+            t.thread().unpark();
+            let _ = t.join();
+        }
+    }
+}
+
+impl Transport for TcpTransport {
+    fn servers(&self) -> Vec<ServerInfo> {
+        self.conns.iter().map(|c| c.info.clone()).collect()
+    }
+
+    fn send(
+        &mut self,
+        server: usize,
+        req_id: u64,
+        req: &Request<'_>,
+    ) -> Result<(), TransportError> {
+        let c = &mut self.conns[server];
+        if let Some(e) = &c.broken {
+            return Err(e.clone());
+        }
+        req.encode(req_id, &mut c.wbuf);
+        if c.wbuf.len() >= WBUF_FLUSH {
+            self.flush(server);
+        }
+        Ok(())
+    }
+
+    fn recv(&mut self, server: usize) -> Result<(u64, Reply<'_>), TransportError> {
+        for i in 0..self.conns.len() {
+            self.flush(i);
+        }
+        let spin = self.spin;
+        let timeout_ms = self.reply_timeout.as_millis() as u64;
+        let c = &mut self.conns[server];
+        if let Some(e) = &c.broken {
+            return Err(e.clone());
+        }
+        loop {
+            match c.rbuf.has_frame() {
+                Ok(true) => break,
+                Ok(false) => {}
+                Err(e) => {
+                    let err = TransportError::Protocol(e.to_string());
+                    c.broken = Some(err.clone());
+                    return Err(err);
+                }
+            }
+            let reader = c
+                .reader
+                .as_mut()
+                .expect("a connection that is not broken has a reader");
+            let err = match c.rbuf.fill(reader, spin) {
+                Ok(0) => TransportError::Disconnected("the server closed the connection".into()),
+                Ok(_) => continue,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+                    ) =>
+                {
+                    TransportError::Timeout(timeout_ms)
+                }
+                Err(e) => TransportError::Disconnected(e.to_string()),
+            };
+            c.broken = Some(err.clone());
+            return Err(err);
+        }
+        let frame = c
+            .rbuf
+            .next_frame()
+            .ok()
+            .flatten()
+            .expect("the frame found above");
+        decode_reply(frame).map_err(|e| {
+            let err = TransportError::Protocol(e.to_string());
+            tracing::warn!(server = %c.info.name, "bad reply: {e}");
+            err
+        })
+    }
+}
+
+/// Asks a server for its counters: `netram stats ADDR`.
+pub fn query_stats(addr: &str, timeout: Duration) -> anyhow::Result<Vec<(String, u64)>> {
+    let cfg = ClientConfig {
+        connect_timeout: timeout,
+        reply_timeout: timeout,
+        ..ClientConfig::new()
+    };
+    let mut t = TcpTransport::connect(&[addr], &cfg);
+    if let Err(e) = &t.conns[0].info.connected {
+        anyhow::bail!("cannot reach {addr}: {e}");
+    }
+    t.send(0, 1, &Request::Stats)?;
+    let counters = match t.recv(0)? {
+        (_, Reply::Stats { counters, .. }) => counters
+            .iter()
+            .map(|c| (c.name.to_string(), c.value))
+            .collect(),
+        (_, other) => anyhow::bail!("{addr} answered STATS with {:?}", other.kind()),
+    };
+    t.close();
+    Ok(counters)
+}

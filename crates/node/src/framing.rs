@@ -1,0 +1,113 @@
+//! A receive buffer that yields whole frames, shared by the server and the client.
+//!
+//! It grows only to the largest frame actually seen (bounded by `MAX_FRAME_LEN`, which
+//! `frame_len` enforces before any body is awaited), so an idle connection costs 64 KiB.
+
+use netram_proto::{frame_len, DecodeError, MAX_FRAME_LEN};
+use std::io::{self, Read};
+use std::net::TcpStream;
+use std::time::{Duration, Instant};
+
+const INITIAL: usize = 64 * 1024;
+
+#[derive(Debug)]
+pub(crate) struct FrameBuffer {
+    buf: Vec<u8>,
+    start: usize,
+    end: usize,
+}
+
+impl FrameBuffer {
+    pub(crate) fn new() -> Self {
+        Self {
+            buf: vec![0u8; INITIAL],
+            start: 0,
+            end: 0,
+        }
+    }
+
+    /// Bytes received but not yet consumed as frames.
+    pub(crate) fn pending(&self) -> usize {
+        self.end - self.start
+    }
+
+    /// Whether a whole frame has arrived; an error if the length prefix is invalid.
+    pub(crate) fn has_frame(&self) -> Result<bool, DecodeError> {
+        let avail = &self.buf[self.start..self.end];
+        Ok(matches!(frame_len(avail)?, Some(len) if len <= avail.len()))
+    }
+
+    /// The next whole frame, if one has arrived; an error if the length prefix is invalid.
+    pub(crate) fn next_frame(&mut self) -> Result<Option<&[u8]>, DecodeError> {
+        let avail = &self.buf[self.start..self.end];
+        match frame_len(avail)? {
+            Some(len) if len <= avail.len() => {
+                let at = self.start;
+                self.start += len;
+                Ok(Some(&self.buf[at..at + len]))
+            }
+            _ => Ok(None),
+        }
+    }
+
+    /// Reads more bytes from the stream: first polling without blocking for up to `spin`
+    /// (the low-latency mode), then blocking, subject to the stream's read timeout.
+    /// Returns 0 at end of stream.
+    pub(crate) fn fill(&mut self, stream: &mut TcpStream, spin: Duration) -> io::Result<usize> {
+        self.make_room();
+        if !spin.is_zero() {
+            let until = Instant::now() + spin;
+            loop {
+                match rustix::net::recv(
+                    &*stream,
+                    &mut self.buf[self.end..],
+                    rustix::net::RecvFlags::DONTWAIT,
+                ) {
+                    Ok((n, _)) => {
+                        self.end += n;
+                        return Ok(n);
+                    }
+                    Err(rustix::io::Errno::AGAIN) if Instant::now() < until => {
+                        std::hint::spin_loop()
+                    }
+                    Err(rustix::io::Errno::AGAIN) => break,
+                    Err(rustix::io::Errno::INTR) => {}
+                    Err(e) => return Err(e.into()),
+                }
+            }
+        }
+        let n = stream.read(&mut self.buf[self.end..])?;
+        self.end += n;
+        Ok(n)
+    }
+
+    /// Moves unconsumed bytes to the front and makes sure a whole frame of the announced
+    /// length (at most `MAX_FRAME_LEN`) fits.
+    fn make_room(&mut self) {
+        if self.start == self.end {
+            self.start = 0;
+            self.end = 0;
+        } else if self.start > 0 && self.buf.len() - self.end < INITIAL / 4 {
+            self.buf.copy_within(self.start..self.end, 0);
+            self.end -= self.start;
+            self.start = 0;
+        }
+        let want = match frame_len(&self.buf[self.start..self.end]) {
+            Ok(Some(len)) => len,
+            _ => 0,
+        };
+        let need = (self.start + want)
+            .max(self.end + 1)
+            .min(self.start + MAX_FRAME_LEN + 4);
+        if need > self.buf.len() {
+            self.buf
+                .resize(need.max(self.buf.len() * 2).min(MAX_FRAME_LEN + INITIAL), 0);
+        }
+        if self.end == self.buf.len() {
+            // Only when a frame larger than the limit is pending; frame_len rejects it next.
+            self.buf.copy_within(self.start..self.end, 0);
+            self.end -= self.start;
+            self.start = 0;
+        }
+    }
+}

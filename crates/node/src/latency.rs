@@ -1,0 +1,49 @@
+//! The low-latency mode.
+//!
+//! On these VMs an idle vCPU halts, and waking it costs ~60 µs: more than the loopback network
+//! path (`../shared/MACHINE-NOTES.md`). Two remedies, both used in the low-latency mode:
+//!
+//! * [`PmQos`]: hold a PM QoS request for zero wake-up latency by keeping `/dev/cpu_dma_latency`
+//!   open with 0 written to it (the kernel keeps idle CPUs out of deep idle states while it is
+//!   open; closing it drops the request). Needs root; without it the mode falls back to polling;
+//! * adaptive polling ([`DEFAULT_SPIN`]): before sleeping in `read`, poll the socket without
+//!   blocking for a short while, so that a reply that comes soon is taken without any wake-up.
+//!   It costs CPU only while a request is outstanding or just answered, at most the spin time
+//!   per request.
+
+use std::fs::File;
+use std::io::Write;
+use std::time::Duration;
+
+/// How long a thread polls its socket before it sleeps, in the low-latency mode: a few
+/// round trips' worth, so a depth-1 exchange never sleeps, while an idle connection costs at most
+/// this much CPU after its last message.
+pub const DEFAULT_SPIN: Duration = Duration::from_micros(50);
+
+/// A held PM QoS request; dropping it releases the request.
+#[derive(Debug)]
+pub struct PmQos {
+    _file: File,
+}
+
+impl PmQos {
+    /// Asks the kernel for zero CPU wake-up latency. `None` (with the reason logged at debug
+    /// level) when `/dev/cpu_dma_latency` cannot be opened, e.g. without root.
+    pub fn hold() -> Option<Self> {
+        let mut f = match File::options().write(true).open("/dev/cpu_dma_latency") {
+            Ok(f) => f,
+            Err(e) => {
+                tracing::debug!("no PM QoS request: /dev/cpu_dma_latency: {e}");
+                return None;
+            }
+        };
+        // The interface takes a native-endian s32; 0 reads the same in any byte order.
+        match f.write_all(&0i32.to_ne_bytes()) {
+            Ok(()) => Some(Self { _file: f }),
+            Err(e) => {
+                tracing::debug!("no PM QoS request: write: {e}");
+                None
+            }
+        }
+    }
+}

@@ -1,0 +1,153 @@
+//! The daemon, the TCP transport and the pager together, in one process, over loopback.
+
+use netram_node::client::{query_stats, ClientConfig, TcpTransport};
+use netram_node::server::{Server, ServerConfig};
+use netram_pager::{MemDisk, Pager, PagerConfig};
+use netram_proto::{Hello, Request, PAGE_SIZE};
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
+use std::time::Duration;
+
+fn server(capacity_pages: u64, lease: Duration) -> Server {
+    let cfg = ServerConfig {
+        listen: "127.0.0.1:0".parse().unwrap(),
+        capacity_bytes: capacity_pages * PAGE_SIZE as u64,
+        lease_period: lease,
+        ..Default::default()
+    };
+    Server::start(cfg, Arc::new(AtomicBool::new(false))).unwrap()
+}
+
+fn stat(s: &Server, name: &str) -> u64 {
+    s.stats().into_iter().find(|(k, _)| *k == name).unwrap().1
+}
+
+fn page(n: u64) -> Vec<u8> {
+    (0..PAGE_SIZE).map(|i| (n as usize * 7 + i) as u8).collect()
+}
+
+#[test]
+fn pages_round_trip_through_real_sockets() {
+    let servers = [
+        server(1000, Duration::from_secs(2)),
+        server(1000, Duration::from_secs(2)),
+    ];
+    let addrs: Vec<String> = servers.iter().map(|s| s.addr().to_string()).collect();
+    let t = TcpTransport::connect(&addrs, &ClientConfig::new());
+    let cfg = PagerConfig {
+        pages: 500,
+        cache_pages: 16,
+        ..Default::default()
+    };
+    let mut p = Pager::new(cfg, t, MemDisk::default());
+    for n in 0..500 {
+        p.write(n, &page(n)).unwrap();
+    }
+    p.flush().unwrap();
+    let mut out = vec![0u8; PAGE_SIZE];
+    for n in (0..500).rev() {
+        p.read(n, &mut out).unwrap();
+        assert_eq!(out, page(n), "page {n}");
+    }
+    assert_eq!(
+        stat(&servers[0], "stored_pages") + stat(&servers[1], "stored_pages"),
+        500
+    );
+    let remote = query_stats(&addrs[0], Duration::from_secs(2)).unwrap();
+    assert!(
+        remote.iter().any(|(k, v)| k == "pages_stored" && *v > 0),
+        "{remote:?}"
+    );
+    assert!(remote.iter().any(|(k, _)| k == "frames_rejected_malformed"));
+    p.into_transport().close();
+    assert_eq!(
+        stat(&servers[0], "stored_pages") + stat(&servers[1], "stored_pages"),
+        0,
+        "close frees"
+    );
+}
+
+#[test]
+fn an_idle_client_keeps_its_lease_and_a_dead_one_loses_it() {
+    let s = server(100, Duration::from_millis(100));
+    let addr = s.addr().to_string();
+    let t = TcpTransport::connect(&[&addr], &ClientConfig::new());
+    let mut p = Pager::new(
+        PagerConfig {
+            pages: 10,
+            cache_pages: 0,
+            ..Default::default()
+        },
+        t,
+        MemDisk::default(),
+    );
+    p.write(3, &page(3)).unwrap();
+    std::thread::sleep(Duration::from_millis(800)); // eight periods, idle: the keepalive refreshes
+    let mut out = vec![0u8; PAGE_SIZE];
+    p.read(3, &mut out).unwrap();
+    assert_eq!(out, page(3));
+    assert_eq!(stat(&s, "sessions_expired"), 0);
+    drop(p); // no CLOSE: like a crashed client
+    std::thread::sleep(Duration::from_millis(700));
+    assert_eq!(stat(&s, "sessions_expired"), 1);
+    assert_eq!(stat(&s, "stored_pages"), 0);
+}
+
+#[test]
+fn bad_frames_close_one_connection_and_the_server_serves_on() {
+    let s = server(100, Duration::from_secs(2));
+    let addr = s.addr();
+    let t = TcpTransport::connect(&[addr.to_string()], &ClientConfig::new());
+    let mut good = Pager::new(
+        PagerConfig {
+            pages: 10,
+            cache_pages: 0,
+            ..Default::default()
+        },
+        t,
+        MemDisk::default(),
+    );
+    good.write(1, &page(1)).unwrap();
+
+    let attack = |bytes: &[u8]| {
+        let mut c = TcpStream::connect(addr).unwrap();
+        c.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        c.write_all(&Hello::new(99, 1, fastrand::u64(..)).encode())
+            .unwrap();
+        let mut w = [0u8; netram_proto::WELCOME_LEN];
+        c.read_exact(&mut w).unwrap();
+        c.write_all(bytes).unwrap();
+        // The server must close: read until EOF (or reset).
+        let mut sink = Vec::new();
+        let _ = c.read_to_end(&mut sink);
+    };
+    attack(&u32::MAX.to_le_bytes()); // oversized
+    let mut f = Vec::new();
+    Request::Stats.encode(1, &mut f);
+    f[4] = 200; // wrong frame version
+    attack(&f);
+    let mut f = Vec::new();
+    Request::Stats.encode(1, &mut f);
+    f[5] = 0x42; // unknown kind
+    attack(&f);
+    let mut f = Vec::new();
+    Request::Get(vec![netram_proto::PageKey::new(0, 1)]).encode(1, &mut f);
+    f[16..20].copy_from_slice(&1000u32.to_le_bytes()); // lying batch count
+    attack(&f);
+    // Not a netram peer at all.
+    let mut c = TcpStream::connect(addr).unwrap();
+    c.write_all(b"GET / HTTP/1.1\r\nHost: example\r\nUser-Agent: probe/1.0\r\n\r\n")
+        .unwrap();
+    let _ = c.read_to_end(&mut Vec::new());
+
+    assert_eq!(stat(&s, "frames_rejected_bad_length"), 1);
+    assert_eq!(stat(&s, "frames_rejected_bad_version"), 1);
+    assert_eq!(stat(&s, "frames_rejected_unknown_kind"), 1);
+    assert_eq!(stat(&s, "frames_rejected_malformed"), 1);
+    assert_eq!(stat(&s, "handshakes_bad_magic"), 1);
+    let mut out = vec![0u8; PAGE_SIZE];
+    good.read(1, &mut out).unwrap();
+    assert_eq!(out, page(1), "the good client is still served");
+}
