@@ -1,0 +1,359 @@
+//! `netram bench core`: netram's GET and PUT against the raw loopback round trip, in one run.
+//!
+//! Every netram figure goes through the whole client path (pager, checksums, page table,
+//! TCP transport) to real page servers on loopback, in this process like the raw baseline's
+//! server, so that both sides pay the same wake-ups. Writes `core.json` and `core.md`.
+
+use crate::cluster::LocalCluster;
+use crate::machine::{rss_bytes, Machine};
+use crate::raw::{self, Wait};
+use crate::{page_content, Summary};
+use netram_node::client::{ClientConfig, TcpTransport};
+use netram_node::latency::PmQos;
+use netram_pager::{MemDisk, Pager, PagerConfig};
+use netram_proto::{PageFlags, PageKey, PAGE_SIZE};
+use netram_store::{Store, StoreConfig};
+use serde::Serialize;
+use std::fmt::Write as _;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+#[derive(Debug, Clone)]
+pub struct Options {
+    pub quick: bool,
+    pub out: PathBuf,
+}
+
+#[derive(Debug, Serialize)]
+pub struct Target {
+    pub name: &'static str,
+    pub ratio: f64,
+    pub limit: f64,
+    /// "le": the ratio must be at most the limit; "ge": at least.
+    pub sense: &'static str,
+    pub met: bool,
+}
+
+#[derive(Debug, Serialize)]
+pub struct CoreResult {
+    pub machine: Machine,
+    pub quick: bool,
+    pub raw_rtt_p50_us: f64,
+    pub raw_rtt_p99_us: f64,
+    pub raw_rtt_fast_p50_us: f64,
+    pub raw_rtt_fast_p99_us: f64,
+    pub raw_depth32_ops_per_s: f64,
+    pub get_p50_us: f64,
+    pub get_p99_us: f64,
+    pub put_p50_us: f64,
+    pub put_p99_us: f64,
+    pub get_fast_p50_us: f64,
+    pub get_fast_p99_us: f64,
+    pub put_fast_p50_us: f64,
+    pub put_fast_p99_us: f64,
+    pub get_depth32_ops_per_s: f64,
+    pub get_depth32_3servers_ops_per_s: f64,
+    pub server_meta_bytes_per_page: f64,
+    pub server_resident_bytes_per_page: f64,
+    /// CPU time of client and server together per depth-1 GET, plain and low-latency mode.
+    pub cpu_us_per_get: f64,
+    pub cpu_us_per_get_fast: f64,
+    /// Whether the PM QoS request could be held (root); without it the fast mode only polls.
+    pub pm_qos_held: bool,
+    pub targets: Vec<Target>,
+}
+
+fn cpu_ns() -> u64 {
+    let t = rustix::time::clock_gettime(rustix::time::ClockId::ProcessCPUTime);
+    t.tv_sec as u64 * 1_000_000_000 + t.tv_nsec as u64
+}
+
+struct Depth1 {
+    get: Summary,
+    put: Summary,
+    cpu_us_per_get: f64,
+}
+
+fn client(low_latency: bool) -> ClientConfig {
+    ClientConfig {
+        low_latency,
+        ..ClientConfig::new()
+    }
+}
+
+/// PUT every page, then GET random pages one at a time, each through the pager with no cache.
+fn netram_depth1(low_latency: bool, pages: u64, iters: usize) -> anyhow::Result<Depth1> {
+    let cluster = LocalCluster::start(1, (pages + 16) * PAGE_SIZE as u64, low_latency)?;
+    let t = TcpTransport::connect(&cluster.addrs(), &client(low_latency));
+    let cfg = PagerConfig {
+        pages,
+        cache_pages: 0,
+        ..Default::default()
+    };
+    let mut pager = Pager::new(cfg, t, MemDisk::default());
+    let mut buf = vec![0u8; PAGE_SIZE];
+    let mut put_ns = Vec::with_capacity(pages as usize);
+    for p in 0..pages {
+        page_content(1, p, &mut buf);
+        let t = Instant::now();
+        pager.write(p, &buf)?;
+        put_ns.push(t.elapsed().as_nanos() as u64);
+    }
+    let mut rng = fastrand::Rng::with_seed(7);
+    let mut want = vec![0u8; PAGE_SIZE];
+    let mut get_ns = Vec::with_capacity(iters);
+    let mut cpu = 0u64;
+    for _ in 0..iters {
+        let p = rng.u64(0..pages);
+        let (t, c) = (Instant::now(), cpu_ns());
+        pager.read(p, &mut buf)?;
+        get_ns.push(t.elapsed().as_nanos() as u64);
+        cpu += cpu_ns() - c;
+        page_content(1, p, &mut want);
+        anyhow::ensure!(buf == want, "page {p} read back wrong");
+    }
+    pager.into_transport().close();
+    cluster.stop();
+    Ok(Depth1 {
+        get: Summary::of_ns(&mut get_ns),
+        put: Summary::of_ns(&mut put_ns[16.min(pages as usize)..].to_vec()),
+        cpu_us_per_get: cpu as f64 / iters as f64 / 1000.0,
+    })
+}
+
+/// GETs per second with the pager's window of 32 requests in flight per server.
+fn netram_depth32(servers: usize, pages: u64, duration: Duration) -> anyhow::Result<f64> {
+    let cluster = LocalCluster::start(servers, (pages + 16) * PAGE_SIZE as u64, false)?;
+    let t = TcpTransport::connect(&cluster.addrs(), &client(false));
+    let cfg = PagerConfig {
+        pages,
+        cache_pages: 0,
+        window: 32,
+        ..Default::default()
+    };
+    let mut pager = Pager::new(cfg, t, MemDisk::default());
+    let batch = 1024usize;
+    let mut data = vec![0u8; batch * PAGE_SIZE];
+    let all: Vec<u64> = (0..pages).collect();
+    for chunk in all.chunks(batch) {
+        for (i, &p) in chunk.iter().enumerate() {
+            page_content(2, p, &mut data[i * PAGE_SIZE..(i + 1) * PAGE_SIZE]);
+        }
+        pager.write_many(chunk, &data[..chunk.len() * PAGE_SIZE])?;
+    }
+    let mut rng = fastrand::Rng::with_seed(9);
+    let mut order: Vec<u64> = (0..pages).collect();
+    let start = Instant::now();
+    let mut done = 0u64;
+    while start.elapsed() < duration {
+        rng.shuffle(&mut order);
+        for chunk in order.chunks(batch) {
+            pager.read_many(chunk, &mut data[..chunk.len() * PAGE_SIZE])?;
+            done += chunk.len() as u64;
+        }
+    }
+    let rate = done as f64 / start.elapsed().as_secs_f64();
+    // Spot-check the last batch: the checksums already cover every page.
+    let last = &order[order.len() - batch.min(order.len())..];
+    let mut want = vec![0u8; PAGE_SIZE];
+    for (i, &p) in last.iter().enumerate() {
+        page_content(2, p, &mut want);
+        anyhow::ensure!(
+            data[i * PAGE_SIZE..(i + 1) * PAGE_SIZE] == want[..],
+            "page {p} read back wrong"
+        );
+    }
+    pager.into_transport().close();
+    cluster.stop();
+    Ok(rate)
+}
+
+/// Fills a store and reports index and metadata bytes per page, and resident bytes per page.
+fn server_memory(frames: usize) -> (f64, f64) {
+    let before = rss_bytes();
+    let mut store = Store::new(vec![0u8; frames * PAGE_SIZE], StoreConfig::default());
+    let h = store.open_session(1, 1, 1, 0).expect("a session");
+    let data = vec![0xa5u8; PAGE_SIZE];
+    for p in 0..frames as u64 {
+        store
+            .put(h, PageKey::new(0, p), 1, 0, PageFlags::default(), &data, 0)
+            .expect("session is live");
+    }
+    assert_eq!(store.stored_pages(), frames as u64);
+    let resident = rss_bytes().saturating_sub(before) as f64 / frames as f64;
+    (store.meta_bytes() as f64 / frames as f64, resident)
+}
+
+pub fn run(opts: &Options) -> anyhow::Result<String> {
+    let (iters, pages, dur) = if opts.quick {
+        (3_000, 2_048, Duration::from_millis(1500))
+    } else {
+        (20_000, 8_192, Duration::from_secs(4))
+    };
+    let machine = Machine::describe();
+    eprintln!("bench core on {}", machine.one_line());
+
+    eprintln!("raw loopback round trip, depth 1 ...");
+    let raw_plain = Summary::of_ns(&mut raw::rtt(iters, 500, Wait::Block)?);
+    let raw_fast = Summary::of_ns(&mut raw::rtt(iters, 500, Wait::Poll)?);
+    eprintln!("raw loopback round trip, depth 32 ...");
+    let raw_d32 = raw::pipelined(32, dur)?;
+
+    eprintln!("netram GET/PUT, depth 1, default mode ...");
+    let plain = netram_depth1(false, pages, iters)?;
+    eprintln!("netram GET/PUT, depth 1, low-latency mode ...");
+    let pm_qos_held = PmQos::hold().is_some();
+    let fast = netram_depth1(true, pages, iters)?;
+    eprintln!("netram GET, depth 32, one server and three ...");
+    let d32 = netram_depth32(1, pages, dur)?;
+    let d32x3 = netram_depth32(3, pages, dur)?;
+    eprintln!("server memory per page ...");
+    let (meta, resident) = server_memory(if opts.quick { 65_536 } else { 262_144 });
+
+    let targets = vec![
+        target(
+            "get_p50_us / raw_rtt_p50_us",
+            plain.get.p50_us / raw_plain.p50_us,
+            1.3,
+            "le",
+        ),
+        target(
+            "get_fast_p50_us / raw_rtt_fast_p50_us",
+            fast.get.p50_us / raw_fast.p50_us,
+            1.3,
+            "le",
+        ),
+        target(
+            "get_depth32_ops_per_s / raw_depth32_ops_per_s",
+            d32 / raw_d32,
+            0.7,
+            "ge",
+        ),
+        target(
+            "get_depth32_3servers_ops_per_s / raw_depth32_ops_per_s",
+            d32x3 / raw_d32,
+            1.0,
+            "ge",
+        ),
+        target("server_meta_bytes_per_page / 32", meta / 32.0, 1.0, "le"),
+    ];
+    let r = CoreResult {
+        machine,
+        quick: opts.quick,
+        raw_rtt_p50_us: raw_plain.p50_us,
+        raw_rtt_p99_us: raw_plain.p99_us,
+        raw_rtt_fast_p50_us: raw_fast.p50_us,
+        raw_rtt_fast_p99_us: raw_fast.p99_us,
+        raw_depth32_ops_per_s: raw_d32,
+        get_p50_us: plain.get.p50_us,
+        get_p99_us: plain.get.p99_us,
+        put_p50_us: plain.put.p50_us,
+        put_p99_us: plain.put.p99_us,
+        get_fast_p50_us: fast.get.p50_us,
+        get_fast_p99_us: fast.get.p99_us,
+        put_fast_p50_us: fast.put.p50_us,
+        put_fast_p99_us: fast.put.p99_us,
+        get_depth32_ops_per_s: d32,
+        get_depth32_3servers_ops_per_s: d32x3,
+        server_meta_bytes_per_page: meta,
+        server_resident_bytes_per_page: resident,
+        cpu_us_per_get: plain.cpu_us_per_get,
+        cpu_us_per_get_fast: fast.cpu_us_per_get,
+        pm_qos_held,
+        targets,
+    };
+    std::fs::create_dir_all(&opts.out)?;
+    std::fs::write(
+        opts.out.join("core.json"),
+        serde_json::to_string_pretty(&r)? + "\n",
+    )?;
+    let md = markdown(&r);
+    std::fs::write(opts.out.join("core.md"), &md)?;
+    Ok(md)
+}
+
+fn target(name: &'static str, ratio: f64, limit: f64, sense: &'static str) -> Target {
+    let met = if sense == "le" {
+        ratio <= limit
+    } else {
+        ratio >= limit
+    };
+    Target {
+        name,
+        ratio,
+        limit,
+        sense,
+        met,
+    }
+}
+
+fn markdown(r: &CoreResult) -> String {
+    let mut s = String::new();
+    let _ = writeln!(s, "# netram bench core\n");
+    let _ = writeln!(
+        s,
+        "Machine: {}{}\n",
+        r.machine.one_line(),
+        if r.quick { " · --quick" } else { "" }
+    );
+    let _ = writeln!(s, "| measure | plain | low-latency mode |\n|---|---|---|");
+    let _ = writeln!(
+        s,
+        "| raw loopback RTT (32 B → 4 KiB) p50 / p99 µs | {:.1} / {:.1} | {:.1} / {:.1} |",
+        r.raw_rtt_p50_us, r.raw_rtt_p99_us, r.raw_rtt_fast_p50_us, r.raw_rtt_fast_p99_us
+    );
+    let _ = writeln!(
+        s,
+        "| netram GET p50 / p99 µs | {:.1} / {:.1} | {:.1} / {:.1} |",
+        r.get_p50_us, r.get_p99_us, r.get_fast_p50_us, r.get_fast_p99_us
+    );
+    let _ = writeln!(
+        s,
+        "| netram PUT p50 / p99 µs | {:.1} / {:.1} | {:.1} / {:.1} |",
+        r.put_p50_us, r.put_p99_us, r.put_fast_p50_us, r.put_fast_p99_us
+    );
+    let _ = writeln!(
+        s,
+        "| CPU µs per GET (client + server) | {:.1} | {:.1} |",
+        r.cpu_us_per_get, r.cpu_us_per_get_fast
+    );
+    let _ = writeln!(s, "\n| throughput | ops/s |\n|---|---|");
+    let _ = writeln!(
+        s,
+        "| raw, depth 32, one connection | {:.0} |",
+        r.raw_depth32_ops_per_s
+    );
+    let _ = writeln!(
+        s,
+        "| netram GET, window 32, one server | {:.0} |",
+        r.get_depth32_ops_per_s
+    );
+    let _ = writeln!(
+        s,
+        "| netram GET, window 32 per server, three servers | {:.0} |",
+        r.get_depth32_3servers_ops_per_s
+    );
+    let _ = writeln!(s, "\nServer memory: {:.1} bytes of index and metadata per stored page; {:.0} bytes resident per stored page (frame included).", r.server_meta_bytes_per_page, r.server_resident_bytes_per_page);
+    let _ = writeln!(
+        s,
+        "Low-latency mode: PM QoS request {}; sockets polled for up to 50 µs before sleeping.\n",
+        if r.pm_qos_held {
+            "held"
+        } else {
+            "not available (not root): polling only"
+        }
+    );
+    let _ = writeln!(s, "| target | ratio | limit | met |\n|---|---|---|---|");
+    for t in &r.targets {
+        let op = if t.sense == "le" { "≤" } else { "≥" };
+        let _ = writeln!(
+            s,
+            "| {} | {:.2} | {op} {:.2} | {} |",
+            t.name,
+            t.ratio,
+            t.limit,
+            if t.met { "yes" } else { "**no**" }
+        );
+    }
+    s
+}

@@ -1,0 +1,111 @@
+//! `netram`: the one binary. Thin glue (ripgrep style): flags are parsed raw by clap, checked
+//! into a configuration, and handed to the library crates.
+
+mod demo;
+mod serve;
+
+use clap::{Parser, Subcommand};
+use std::path::PathBuf;
+use std::time::Duration;
+
+/// netram pools the idle RAM of a cluster: machines that run out of memory page out to other
+/// machines' RAM over TCP, and to their own disk only when the whole cluster is full.
+#[derive(Debug, Parser)]
+#[command(name = "netram", version, propagate_version = true)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Offer this machine's memory: store other machines' pages in RAM.
+    ///
+    /// The server maps an arena of --capacity bytes at start and serves PUT, GET and DELETE of
+    /// 4 KiB pages. Clients hold leases: the pages of a client silent for three lease periods
+    /// are freed. Flags override the values of --config. Stops cleanly on Ctrl-C or SIGTERM.
+    Serve(serve::ServeArgs),
+    /// Print a server's counters (pages stored, read, refused as full, frames rejected, ...).
+    Stats {
+        /// The server's address, e.g. 127.0.0.1:7077.
+        addr: String,
+        /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+        /// How long to wait for the server.
+        #[arg(long, default_value = "5s", value_parser = humantime::parse_duration)]
+        timeout: Duration,
+    },
+    /// Start a local cluster on loopback and page a working set through it, then through the
+    /// local disk, and compare (under a minute by default).
+    Demo(demo::DemoArgs),
+    /// Benchmarks that hold netram to the limits of this machine.
+    #[command(subcommand)]
+    Bench(BenchCommand),
+}
+
+#[derive(Debug, Subcommand)]
+enum BenchCommand {
+    /// The core: netram's GET/PUT latency and throughput against the raw loopback TCP round
+    /// trip, measured side by side; writes core.json and core.md.
+    Core {
+        /// A shorter run (under 30 seconds) with fewer samples.
+        #[arg(long)]
+        quick: bool,
+        /// Where to write core.json and core.md.
+        #[arg(long, default_value = "bench-results")]
+        out: PathBuf,
+    },
+}
+
+fn init_logging(default: &str) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .init();
+}
+
+fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    match cli.command {
+        Command::Serve(args) => {
+            init_logging("info");
+            serve::run(args)
+        }
+        Command::Stats {
+            addr,
+            json,
+            timeout,
+        } => {
+            init_logging("warn");
+            let counters = netram_node::client::query_stats(&addr, timeout)?;
+            if json {
+                let map: serde_json::Map<String, serde_json::Value> =
+                    counters.into_iter().map(|(k, v)| (k, v.into())).collect();
+                println!("{}", serde_json::to_string_pretty(&map)?);
+            } else {
+                let width = counters.iter().map(|(k, _)| k.len()).max().unwrap_or(0);
+                for (k, v) in counters {
+                    println!("{k:<width$}  {v}");
+                }
+            }
+            Ok(())
+        }
+        Command::Demo(args) => {
+            init_logging("warn");
+            demo::run(args)
+        }
+        Command::Bench(BenchCommand::Core { quick, out }) => {
+            init_logging("warn");
+            let report = netram_bench::core::run(&netram_bench::core::Options {
+                quick,
+                out: out.clone(),
+            })?;
+            println!("{report}");
+            println!("wrote {0}/core.json and {0}/core.md", out.display());
+            Ok(())
+        }
+    }
+}
