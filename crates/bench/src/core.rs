@@ -51,6 +51,10 @@ pub struct CoreResult {
     pub get_fast_p99_us: f64,
     pub put_fast_p50_us: f64,
     pub put_fast_p99_us: f64,
+    /// Depth-1 GETs spread over three servers, low-latency mode: all of them share this
+    /// machine's two CPUs with the client, unlike a real cluster.
+    pub get_fast_3servers_p50_us: f64,
+    pub get_fast_3servers_p99_us: f64,
     pub get_depth32_ops_per_s: f64,
     pub get_depth32_3servers_ops_per_s: f64,
     pub server_meta_bytes_per_page: f64,
@@ -82,8 +86,13 @@ fn client(low_latency: bool) -> ClientConfig {
 }
 
 /// PUT every page, then GET random pages one at a time, each through the pager with no cache.
-fn netram_depth1(low_latency: bool, pages: u64, iters: usize) -> anyhow::Result<Depth1> {
-    let cluster = LocalCluster::start(1, (pages + 16) * PAGE_SIZE as u64, low_latency)?;
+fn netram_depth1(
+    servers: usize,
+    low_latency: bool,
+    pages: u64,
+    iters: usize,
+) -> anyhow::Result<Depth1> {
+    let cluster = LocalCluster::start(servers, (pages + 16) * PAGE_SIZE as u64, low_latency)?;
     let t = TcpTransport::connect(&cluster.addrs(), &client(low_latency));
     let cfg = PagerConfig {
         pages,
@@ -200,10 +209,11 @@ pub fn run(opts: &Options) -> anyhow::Result<String> {
     let raw_d32 = raw::pipelined(32, dur)?;
 
     eprintln!("netram GET/PUT, depth 1, default mode ...");
-    let plain = netram_depth1(false, pages, iters)?;
+    let plain = netram_depth1(1, false, pages, iters)?;
     eprintln!("netram GET/PUT, depth 1, low-latency mode ...");
     let pm_qos_held = PmQos::hold().is_some();
-    let fast = netram_depth1(true, pages, iters)?;
+    let fast = netram_depth1(1, true, pages, iters)?;
+    let fast3 = netram_depth1(3, true, pages, iters)?;
     eprintln!("netram GET, depth 32, one server and three ...");
     let d32 = netram_depth32(1, pages, dur)?;
     let d32x3 = netram_depth32(3, pages, dur)?;
@@ -253,6 +263,8 @@ pub fn run(opts: &Options) -> anyhow::Result<String> {
         get_fast_p99_us: fast.get.p99_us,
         put_fast_p50_us: fast.put.p50_us,
         put_fast_p99_us: fast.put.p99_us,
+        get_fast_3servers_p50_us: fast3.get.p50_us,
+        get_fast_3servers_p99_us: fast3.get.p99_us,
         get_depth32_ops_per_s: d32,
         get_depth32_3servers_ops_per_s: d32x3,
         server_meta_bytes_per_page: meta,

@@ -55,7 +55,12 @@ impl FrameBuffer {
     /// Returns 0 at end of stream.
     pub(crate) fn fill(&mut self, stream: &mut TcpStream, spin: Duration) -> io::Result<usize> {
         self.make_room();
-        if !spin.is_zero() {
+        let token = if spin.is_zero() {
+            None
+        } else {
+            crate::latency::PollToken::try_take()
+        };
+        if token.is_some() {
             let until = Instant::now() + spin;
             loop {
                 match rustix::net::recv(

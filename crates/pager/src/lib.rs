@@ -91,8 +91,11 @@ pub struct PagerConfig {
     /// Dirty pages written back together when the cache must make room, so that write-backs
     /// are pipelined rather than paid one round trip at a time.
     pub writeback_batch: usize,
-    /// Requests in flight per server at most; the server's announced window lowers it further.
+    /// Pages in flight per server at most; the server's announced window lowers it further.
     pub window: u32,
+    /// Pages per GET or PUT frame at most: batching amortizes a frame's fixed costs (a system
+    /// call and a wake-up on each side) over several pages.
+    pub batch_max: usize,
     /// Seed of the placement's random choices.
     pub seed: u64,
 }
@@ -106,6 +109,7 @@ impl Default for PagerConfig {
             cache_pages: 1024,
             writeback_batch: 32,
             window: 32,
+            batch_max: 16,
             seed: 0x6e65_7472_616d,
         }
     }
@@ -203,19 +207,54 @@ counters! {
     servers_dead,
 }
 
-/// What a request in flight is for.
+/// One page of a batched GET: where its data goes.
 #[derive(Debug, Clone, Copy)]
+struct GetItem {
+    page: u64,
+    slot: u32,
+    pos: usize,
+}
+
+/// One page of a batched PUT: its data is in `slot` until the server acknowledges it.
+#[derive(Debug, Clone, Copy)]
+struct PutItem {
+    page: u64,
+    slot: u32,
+    version: u32,
+}
+
+/// What a request in flight is for. GETs and PUTs carry up to `batch_max` pages in one frame.
+#[derive(Debug)]
 enum Op {
-    Get { page: u64, slot: u32, pos: usize },
-    Put { page: u64, slot: u32, version: u32 },
+    Get(Vec<GetItem>),
+    Put(Vec<PutItem>),
     Delete,
 }
 
-/// Requests in flight, by request id, and their count per server.
+impl Op {
+    /// Credits the request takes from its server's window: one per page.
+    fn credits(&self) -> u32 {
+        match self {
+            Op::Get(items) => items.len() as u32,
+            Op::Put(items) => items.len() as u32,
+            Op::Delete => 1,
+        }
+    }
+}
+
+/// Requests in flight, by request id, and the credits (pages) they hold per server.
 #[derive(Debug, Default)]
 struct Inflight {
     ops: HashMap<u64, (usize, Op)>,
     per_server: Vec<u32>,
+}
+
+/// Pages chosen for a server but not yet sent: they go out as one frame when the batch is full
+/// or before the pager waits for anything.
+#[derive(Debug, Default)]
+struct Batches {
+    gets: Vec<GetItem>,
+    puts: Vec<PutItem>,
 }
 
 /// A finished read, waiting to be copied out to the caller.
@@ -250,6 +289,8 @@ pub struct Pager<T: Transport, D: Disk> {
     /// Pages whose write-back is in flight, and the slot holding their data.
     writeback: HashMap<u64, u32>,
     inflight: Inflight,
+    batches: Vec<Batches>,
+    followups: Vec<Followup>,
     reads_done: Vec<ReadDone>,
     lost: Vec<(usize, u64)>,
     corrupt: Option<(usize, u64, &'static str)>,
@@ -270,7 +311,11 @@ impl<T: Transport, D: Disk> fmt::Debug for Pager<T, D> {
 
 impl<T: Transport, D: Disk> Pager<T, D> {
     pub fn new(cfg: PagerConfig, transport: T, disk: D) -> Self {
-        assert!(cfg.window > 0 && cfg.writeback_batch > 0);
+        assert!(cfg.window > 0 && cfg.writeback_batch > 0 && cfg.batch_max > 0);
+        let batch_max = cfg
+            .batch_max
+            .min(cfg.window as usize)
+            .min(netram_proto::MAX_BATCH);
         let servers: Vec<ServerState> = transport
             .servers()
             .into_iter()
@@ -285,11 +330,13 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                 info,
             })
             .collect();
-        let window_total: usize = servers
+        // Per server: a full window in flight plus a batch being filled.
+        let staging: usize = servers
             .iter()
-            .map(|s| s.info.window.min(cfg.window) as usize)
-            .sum();
-        let staging = window_total.max(cfg.writeback_batch).max(1);
+            .map(|s| s.info.window.min(cfg.window) as usize + batch_max)
+            .sum::<usize>()
+            .max(cfg.writeback_batch)
+            .max(1);
         let nslots = cfg.cache_pages + staging;
         Self {
             transport,
@@ -299,6 +346,8 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                 ops: HashMap::new(),
                 per_server: vec![0; servers.len()],
             },
+            batches: (0..servers.len()).map(|_| Batches::default()).collect(),
+            followups: Vec::new(),
             servers,
             slots: vec![0u8; nslots * PAGE_SIZE],
             free_slots: (0..nslots as u32).rev().collect(),
@@ -311,7 +360,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             next_req: 1,
             rng: fastrand::Rng::with_seed(cfg.seed),
             counters: PagerCounters::default(),
-            cfg,
+            cfg: PagerConfig { batch_max, ..cfg },
         }
     }
 
@@ -436,7 +485,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             self.copy_out_reads(out)?;
         }
         // Copying out may insert into the cache and evict dirty pages: drain until both are done.
-        while !self.inflight.ops.is_empty() || !self.reads_done.is_empty() {
+        while !self.idle() || !self.reads_done.is_empty() {
             self.drain()?;
             self.copy_out_reads(out)?;
         }
@@ -524,10 +573,13 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         e.holders().find(|&s| self.servers[s].alive)
     }
 
+    /// Queues a GET; it goes out with its server's batch.
     fn submit_get(&mut self, server: usize, page: u64, slot: u32, pos: usize) {
         self.counters.gets += 1;
-        let req = Request::Get(vec![self.key(page)]);
-        self.submit(server, Op::Get { page, slot, pos }, &req);
+        self.batches[server].gets.push(GetItem { page, slot, pos });
+        if self.batches[server].gets.len() >= self.cfg.batch_max {
+            self.send_batches(server);
+        }
     }
 
     /// Copies finished reads to the caller and hands their slots to the cache.
@@ -629,7 +681,14 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         match target {
             Some(server) => {
                 self.counters.puts += 1;
-                self.submit_put(server, page, slot, version);
+                self.batches[server].puts.push(PutItem {
+                    page,
+                    slot,
+                    version,
+                });
+                if self.batches[server].puts.len() >= self.cfg.batch_max {
+                    self.send_batches(server);
+                }
             }
             None => {
                 if !e.on_disk {
@@ -711,7 +770,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             if let Some(s) = self.free_slots.pop() {
                 return Ok(s);
             }
-            if self.inflight.ops.is_empty() {
+            if self.idle() {
                 // Only cached slots remain: make room.
                 let (page, slot) = self.cache.pop_lru().expect("slots are cached or in flight");
                 if self.dirty[slot as usize] {
@@ -736,7 +795,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             if let Some(s) = self.free_slots.pop() {
                 return Ok(s);
             }
-            if self.inflight.ops.is_empty() {
+            if self.idle() {
                 return self.take_slot();
             }
             self.complete_one()?;
@@ -764,9 +823,20 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         self.servers[s].info.window.min(self.cfg.window).max(1)
     }
 
-    /// Waits for a credit if the server's window is full; false if the server is dead.
-    fn credit(&mut self, server: usize) -> bool {
-        while self.servers[server].alive && self.inflight.per_server[server] >= self.window(server)
+    /// Nothing is in flight and nothing is waiting to be sent.
+    fn idle(&self) -> bool {
+        self.inflight.ops.is_empty()
+            && self
+                .batches
+                .iter()
+                .all(|b| b.gets.is_empty() && b.puts.is_empty())
+    }
+
+    /// Waits until `n` credits are free on a server's window; false if the server is dead.
+    fn credit(&mut self, server: usize, n: u32) -> bool {
+        let n = n.min(self.window(server));
+        while self.servers[server].alive
+            && self.inflight.per_server[server] + n > self.window(server)
         {
             if let Err(e) = self.recv_from(server) {
                 // Errors of other operations surface through their own completions.
@@ -778,7 +848,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
 
     /// Sends a request whose body does not borrow the slots.
     fn submit(&mut self, server: usize, op: Op, req: &Request<'_>) {
-        if !self.credit(server) {
+        if !self.credit(server, op.credits()) {
             return self.fail_op(server, op);
         }
         let id = self.next_req;
@@ -786,35 +856,53 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         self.sent(server, id, op, sent);
     }
 
-    /// Sends a PUT of the page in `slot`, sealed (checksummed) straight from the slot.
-    fn submit_put(&mut self, server: usize, page: u64, slot: u32, version: u32) {
-        let op = Op::Put {
-            page,
-            slot,
-            version,
-        };
-        if !self.credit(server) {
-            return self.fail_op(server, op);
+    /// Sends a server's queued GETs and PUTs, one frame each.
+    fn send_batches(&mut self, server: usize) {
+        let gets = std::mem::take(&mut self.batches[server].gets);
+        if !gets.is_empty() {
+            let keys = gets.iter().map(|g| self.key(g.page)).collect();
+            self.submit(server, Op::Get(gets), &Request::Get(keys));
         }
-        let id = self.next_req;
-        let at = slot as usize * PAGE_SIZE;
-        let page_ref = Page::seal(
-            PageKey::new(self.cfg.region, page),
-            version,
-            &self.slots[at..at + PAGE_SIZE],
-        );
-        let sent = self
-            .transport
-            .send(server, id, &Request::Put(vec![page_ref]));
-        self.sent(server, id, op, sent);
+        let puts = std::mem::take(&mut self.batches[server].puts);
+        if !puts.is_empty() {
+            let op = Op::Put(puts);
+            if !self.credit(server, op.credits()) {
+                return self.fail_op(server, op);
+            }
+            let id = self.next_req;
+            let Op::Put(items) = &op else { unreachable!() };
+            // Sealed (checksummed) straight from the slots; the slots and the transport are
+            // disjoint fields, so the pages are borrowed, not copied, until the frame is encoded.
+            let (slots, region) = (&self.slots, self.cfg.region);
+            let pages = items
+                .iter()
+                .map(|it| {
+                    let at = it.slot as usize * PAGE_SIZE;
+                    Page::seal(
+                        PageKey::new(region, it.page),
+                        it.version,
+                        &slots[at..at + PAGE_SIZE],
+                    )
+                })
+                .collect();
+            let sent = self.transport.send(server, id, &Request::Put(pages));
+            self.sent(server, id, op, sent);
+        }
+    }
+
+    /// Sends every queued batch: done before any wait, so nothing waits on an unsent request.
+    fn send_all_batches(&mut self) {
+        for s in 0..self.batches.len() {
+            self.send_batches(s);
+        }
     }
 
     fn sent(&mut self, server: usize, id: u64, op: Op, sent: Result<(), TransportError>) {
         self.next_req += 1;
         match sent {
             Ok(()) => {
+                self.inflight.per_server[server] += op.credits();
                 self.inflight.ops.insert(id, (server, op));
-                self.inflight.per_server[server] += 1;
             }
             Err(e) => {
                 self.mark_dead(server, e);
@@ -823,184 +911,201 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         }
     }
 
-    /// Waits for one reply from some server with requests in flight.
+    /// Sends what is queued, then waits for one reply from the server with the most in flight.
+    /// Returns without waiting when nothing is in flight (everything queued failed over).
     fn complete_one(&mut self) -> Result<(), PagerError> {
-        let server = (0..self.servers.len())
+        self.send_all_batches();
+        let busiest = (0..self.servers.len())
             .max_by_key(|&s| self.inflight.per_server[s])
-            .filter(|&s| self.inflight.per_server[s] > 0)
-            .expect("complete_one with nothing in flight");
-        self.recv_from(server)
+            .filter(|&s| self.inflight.per_server[s] > 0);
+        match busiest {
+            Some(server) => self.recv_from(server),
+            None => Ok(()),
+        }
     }
 
-    /// Completes everything in flight.
+    /// Completes everything queued and in flight.
     fn drain(&mut self) -> Result<(), PagerError> {
-        while !self.inflight.ops.is_empty() {
+        while !self.idle() {
             self.complete_one()?;
         }
         Ok(())
     }
 
     fn recv_from(&mut self, server: usize) -> Result<(), PagerError> {
-        let retry = match self.transport.recv(server) {
+        match self.transport.recv(server) {
             Ok((id, reply)) => {
                 let load = reply.load();
                 self.servers[server].load.free_pages = load.free_pages;
                 self.servers[server].load.requests_per_s = load.requests_per_s;
-                let Some((s, op)) = self.inflight.ops.remove(&id).filter(|(s, _)| *s == server)
-                else {
-                    let err = TransportError::Protocol(format!("reply to unknown request {id}"));
+                let Some((s, op)) = self.inflight.ops.remove(&id) else {
                     drop(reply);
+                    let err = TransportError::Protocol(format!("reply to unknown request {id}"));
                     self.mark_dead(server, err);
                     return Ok(());
                 };
-                self.inflight.per_server[s] -= 1;
+                if s != server {
+                    // Not ours to complete: put it back and drop this connection as confused.
+                    self.inflight.ops.insert(id, (s, op));
+                    drop(reply);
+                    let err =
+                        TransportError::Protocol(format!("reply to another server's request {id}"));
+                    self.mark_dead(server, err);
+                    return Ok(());
+                }
+                self.inflight.per_server[s] -= op.credits();
                 Self::complete(
                     &mut self.counters,
                     &mut self.slots,
                     &mut self.reads_done,
                     &mut self.corrupt,
+                    &mut self.followups,
                     &self.table,
                     &self.cfg,
                     server,
                     op,
                     &reply,
-                )
+                );
             }
             Err(e) => {
                 self.mark_dead(server, e);
                 return Ok(());
             }
-        };
-        self.after_reply(server, retry)
+        }
+        let followups = std::mem::take(&mut self.followups);
+        let mut result = Ok(());
+        for f in followups {
+            if let Err(e) = self.after_reply(server, f) {
+                result = Err(e);
+            }
+        }
+        result
     }
 
     /// Handles one reply while the transport's receive buffer is still borrowed: only fields
-    /// disjoint from the transport are touched here; anything that sends is returned as a
-    /// [`Followup`] for [`Pager::after_reply`].
+    /// disjoint from the transport are touched here; anything that sends or reads the disk is
+    /// queued as a [`Followup`] for [`Pager::after_reply`].
     #[allow(clippy::too_many_arguments)]
     fn complete(
         counters: &mut PagerCounters,
         slots: &mut [u8],
         reads_done: &mut Vec<ReadDone>,
         corrupt: &mut Option<(usize, u64, &'static str)>,
+        followups: &mut Vec<Followup>,
         table: &Table,
         cfg: &PagerConfig,
         server: usize,
         op: Op,
         reply: &Reply<'_>,
-    ) -> Followup {
+    ) {
         match (op, reply) {
-            (Op::Get { page, slot, pos }, Reply::Get { pages, .. }) => {
-                let dst = &mut slots[slot as usize * PAGE_SIZE..(slot as usize + 1) * PAGE_SIZE];
-                let expected = table.get(page).version;
-                let what = match pages.as_slice() {
-                    [GetResult::Found(p)] if p.key != PageKey::new(cfg.region, page) => {
-                        Some("wrong key")
-                    }
-                    [GetResult::Found(p)] if !p.verify() => {
-                        counters.checksum_failures += 1;
-                        Some("checksum mismatch")
-                    }
-                    [GetResult::Found(p)] if p.version != expected => {
-                        counters.version_mismatches += 1;
-                        Some("stale version")
-                    }
-                    [GetResult::Found(p)] => {
-                        if p.flags.is_zero() {
-                            dst.fill(0);
-                        } else {
-                            dst.copy_from_slice(p.data);
+            (Op::Get(items), Reply::Get { pages, .. }) if pages.len() == items.len() => {
+                for (it, got) in items.into_iter().zip(pages) {
+                    let (page, slot) = (it.page, it.slot);
+                    let dst =
+                        &mut slots[slot as usize * PAGE_SIZE..(slot as usize + 1) * PAGE_SIZE];
+                    let expected = table.get(page).version;
+                    let what = match got {
+                        GetResult::Found(p) if p.key != PageKey::new(cfg.region, page) => {
+                            Some("wrong key")
                         }
-                        reads_done.push(ReadDone { pos, page, slot });
-                        None
-                    }
-                    [GetResult::Missing(_)] => {
-                        counters.missing_pages += 1;
-                        Some("missing on server")
-                    }
-                    _ => Some("malformed reply"),
-                };
-                match what {
-                    None => Followup::None,
-                    Some(what) => {
+                        GetResult::Found(p) if !p.verify() => {
+                            counters.checksum_failures += 1;
+                            Some("checksum mismatch")
+                        }
+                        GetResult::Found(p) if p.version != expected => {
+                            counters.version_mismatches += 1;
+                            Some("stale version")
+                        }
+                        GetResult::Found(p) => {
+                            if p.flags.is_zero() {
+                                dst.fill(0);
+                            } else {
+                                dst.copy_from_slice(p.data);
+                            }
+                            reads_done.push(ReadDone {
+                                pos: it.pos,
+                                page,
+                                slot,
+                            });
+                            None
+                        }
+                        GetResult::Missing(_) => {
+                            counters.missing_pages += 1;
+                            Some("missing on server")
+                        }
+                    };
+                    if let Some(what) = what {
                         tracing::warn!(server, page, what, "bad page from server");
                         if table.get(page).on_disk {
-                            Followup::ReadDisk { page, slot, pos }
+                            followups.push(Followup::ReadDisk(it));
                         } else {
                             *corrupt = Some((server, page, what));
-                            Followup::Release(slot)
+                            followups.push(Followup::Release(slot));
                         }
                     }
                 }
             }
-            (
-                Op::Put {
-                    page,
-                    slot,
-                    version,
-                },
-                Reply::Put { status, .. },
-            ) => match status.as_slice() {
-                [PutStatus::Stored] => Followup::Stored {
-                    page,
-                    slot,
-                    version,
-                },
-                [PutStatus::Full] => {
-                    counters.puts_refused_full += 1;
-                    Followup::Replace {
-                        page,
-                        slot,
-                        version,
-                    }
+            (Op::Put(items), Reply::Put { status, .. }) if status.len() == items.len() => {
+                for (it, st) in items.into_iter().zip(status) {
+                    followups.push(match st {
+                        PutStatus::Stored => Followup::Stored(it),
+                        PutStatus::Full => {
+                            counters.puts_refused_full += 1;
+                            Followup::Replace(it)
+                        }
+                        PutStatus::BadKey => Followup::Dead(
+                            "the server refused a page key".into(),
+                            Some(Op::Put(vec![it])),
+                        ),
+                    });
                 }
-                _ => Followup::Dead("the server refused a page key".into(), Some(op)),
-            },
+            }
             (Op::Delete, Reply::Delete { status, .. }) => {
                 debug_assert!(status
                     .iter()
                     .all(|s| matches!(s, DeleteStatus::Deleted | DeleteStatus::Missing)));
-                Followup::None
             }
             (op, Reply::Error { code, message, .. }) => {
                 let why = match code {
                     ErrorCode::SessionExpired => format!("session expired: {message}"),
                     ErrorCode::ShuttingDown => format!("shutting down: {message}"),
                 };
-                Followup::Dead(why, Some(op))
+                followups.push(Followup::Dead(why, Some(op)));
             }
-            (op, other) => Followup::Dead(format!("unexpected {:?} reply", other.kind()), Some(op)),
+            (op, other) => {
+                followups.push(Followup::Dead(
+                    format!("reply {:?} does not match its request", other.kind()),
+                    Some(op),
+                ));
+            }
         }
     }
 
     fn after_reply(&mut self, server: usize, f: Followup) -> Result<(), PagerError> {
         match f {
-            Followup::None => {}
             Followup::Release(slot) => self.release_slot(slot),
-            Followup::ReadDisk { page, slot, pos } => {
+            Followup::ReadDisk(it) => {
                 self.counters.disk_fallbacks += 1;
                 self.counters.disk_reads += 1;
-                let at = slot as usize * PAGE_SIZE;
-                self.disk.read(page, &mut self.slots[at..at + PAGE_SIZE])?;
-                self.reads_done.push(ReadDone { pos, page, slot });
+                let at = it.slot as usize * PAGE_SIZE;
+                self.disk
+                    .read(it.page, &mut self.slots[at..at + PAGE_SIZE])?;
+                self.reads_done.push(ReadDone {
+                    pos: it.pos,
+                    page: it.page,
+                    slot: it.slot,
+                });
             }
-            Followup::Stored {
-                page,
-                slot,
-                version,
-            } => {
-                debug_assert_eq!(self.table.get(page).version, version);
-                self.set_location(page, Some(server));
-                self.writeback.remove(&page);
-                self.release_slot(slot);
+            Followup::Stored(it) => {
+                debug_assert_eq!(self.table.get(it.page).version, it.version);
+                self.set_location(it.page, Some(server));
+                self.writeback.remove(&it.page);
+                self.release_slot(it.slot);
             }
-            Followup::Replace {
-                page,
-                slot,
-                version,
-            } => {
+            Followup::Replace(it) => {
                 self.servers[server].load.free_pages = 0;
-                self.place(page, slot, version, &[server])?;
+                self.place(it.page, it.slot, it.version, &[server])?;
             }
             Followup::Dead(why, op) => {
                 self.mark_dead(server, TransportError::Protocol(why));
@@ -1012,7 +1117,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         Ok(())
     }
 
-    /// Marks a server dead and fails over everything in flight to it.
+    /// Marks a server dead and fails over everything queued for it and in flight to it.
     fn mark_dead(&mut self, server: usize, err: TransportError) {
         if self.servers[server].alive {
             tracing::warn!(server = %self.servers[server].info.name, "server marked dead: {err}");
@@ -1021,16 +1126,23 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             self.servers[server].load.alive = false;
             self.servers[server].dead_reason = err.to_string();
         }
-        let ops: Vec<u64> = self
+        let ids: Vec<u64> = self
             .inflight
             .ops
             .iter()
             .filter(|(_, (s, _))| *s == server)
             .map(|(&id, _)| id)
             .collect();
-        for id in ops {
+        let mut ops: Vec<Op> = Vec::new();
+        for id in ids {
             let (_, op) = self.inflight.ops.remove(&id).expect("listed above");
-            self.inflight.per_server[server] -= 1;
+            self.inflight.per_server[server] -= op.credits();
+            ops.push(op);
+        }
+        let queued = std::mem::take(&mut self.batches[server]);
+        ops.push(Op::Get(queued.gets));
+        ops.push(Op::Put(queued.puts));
+        for op in ops {
             self.fail_op(server, op);
         }
     }
@@ -1038,32 +1150,39 @@ impl<T: Transport, D: Disk> Pager<T, D> {
     /// An operation that will get no reply from `server`.
     fn fail_op(&mut self, server: usize, op: Op) {
         match op {
-            Op::Get { page, slot, pos } => {
-                if self.table.get(page).on_disk {
-                    self.counters.disk_fallbacks += 1;
-                    self.counters.disk_reads += 1;
-                    let at = slot as usize * PAGE_SIZE;
-                    match self.disk.read(page, &mut self.slots[at..at + PAGE_SIZE]) {
-                        Ok(()) => self.reads_done.push(ReadDone { pos, page, slot }),
-                        Err(e) => {
-                            tracing::error!(page, "disk read failed: {e}");
-                            self.lost.push((server, page));
-                            self.release_slot(slot);
+            Op::Get(items) => {
+                for it in items {
+                    if self.table.get(it.page).on_disk {
+                        self.counters.disk_fallbacks += 1;
+                        self.counters.disk_reads += 1;
+                        let at = it.slot as usize * PAGE_SIZE;
+                        match self.disk.read(it.page, &mut self.slots[at..at + PAGE_SIZE]) {
+                            Ok(()) => self.reads_done.push(ReadDone {
+                                pos: it.pos,
+                                page: it.page,
+                                slot: it.slot,
+                            }),
+                            Err(e) => {
+                                tracing::error!(page = it.page, "disk read failed: {e}");
+                                self.lost.push((server, it.page));
+                                self.release_slot(it.slot);
+                            }
                         }
+                    } else {
+                        self.lost.push((server, it.page));
+                        self.release_slot(it.slot);
                     }
-                } else {
-                    self.lost.push((server, page));
-                    self.release_slot(slot);
                 }
             }
-            Op::Put {
-                page,
-                slot,
-                version,
-            } => {
+            Op::Put(items) => {
                 // The data is still in its slot: place it elsewhere.
-                if let Err(e) = self.place(page, slot, version, &[server]) {
-                    tracing::error!(page, "could not place page after server failure: {e}");
+                for it in items {
+                    if let Err(e) = self.place(it.page, it.slot, it.version, &[server]) {
+                        tracing::error!(
+                            page = it.page,
+                            "could not place page after server failure: {e}"
+                        );
+                    }
                 }
             }
             Op::Delete => {}
@@ -1074,11 +1193,10 @@ impl<T: Transport, D: Disk> Pager<T, D> {
 /// What to do after a reply, once the transport's buffer is no longer borrowed.
 #[derive(Debug)]
 enum Followup {
-    None,
     Release(u32),
-    ReadDisk { page: u64, slot: u32, pos: usize },
-    Stored { page: u64, slot: u32, version: u32 },
-    Replace { page: u64, slot: u32, version: u32 },
+    ReadDisk(GetItem),
+    Stored(PutItem),
+    Replace(PutItem),
     Dead(String, Option<Op>),
 }
 

@@ -428,7 +428,11 @@ fn action() -> impl Strategy<Value = Action> {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 128, ..ProptestConfig::default() })]
+    // 128 cases by default; PROPTEST_CASES=N runs more.
+    #![proptest_config(ProptestConfig {
+        cases: std::env::var("PROPTEST_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(128),
+        ..ProptestConfig::default()
+    })]
 
     /// With `cluster+disk` backing, whatever fails, every read returns the last write: small
     /// servers force FULL refusals and spills, replies come out of order, servers die.
