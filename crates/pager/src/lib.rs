@@ -386,6 +386,10 @@ impl<T: Transport, D: Disk> Pager<T, D> {
     pub fn pages_per_server(&self) -> Vec<u64> {
         self.table.pages_per_server(self.servers.len())
     }
+    /// The servers (by index, in the transport's order) that hold a page's current version.
+    pub fn holders(&self, page: u64) -> Vec<usize> {
+        self.table.get(page).holders().collect()
+    }
     /// Pages whose current version is only on the local disk (spilled or `disk` backing).
     pub fn pages_on_disk_only(&self) -> u64 {
         self.table.pages_on_disk_only()
