@@ -295,7 +295,7 @@ fn a_hung_server_times_out_instead_of_hanging_the_client() {
 fn a_crashed_clients_pages_are_freed_when_its_lease_runs_out() {
     let s = ServerProcess::start(&["--capacity", "4M", "--lease-period", "200ms"]);
     let (mut p, _dir) = pager(
-        &[s.addr.clone()],
+        std::slice::from_ref(&s.addr),
         50,
         0,
         Backing::Cluster,
@@ -318,7 +318,13 @@ fn a_crashed_clients_pages_are_freed_when_its_lease_runs_out() {
 fn a_restarted_client_supersedes_its_old_incarnation() {
     let s = ServerProcess::start(&["--capacity", "4M", "--lease-period", "10s"]);
     let first = ClientConfig::with_node(77);
-    let (mut p, _dir) = pager(&[s.addr.clone()], 50, 0, Backing::Cluster, &first);
+    let (mut p, _dir) = pager(
+        std::slice::from_ref(&s.addr),
+        50,
+        0,
+        Backing::Cluster,
+        &first,
+    );
     write_all_then_verify(&mut p, 50);
     drop(p);
     std::thread::sleep(Duration::from_millis(5));
@@ -326,12 +332,24 @@ fn a_restarted_client_supersedes_its_old_incarnation() {
     // before their lease (30 s) would have run out.
     let second = ClientConfig::with_node(77);
     assert!(second.incarnation > first.incarnation);
-    let (mut p, _dir2) = pager(&[s.addr.clone()], 50, 0, Backing::Cluster, &second);
+    let (mut p, _dir2) = pager(
+        std::slice::from_ref(&s.addr),
+        50,
+        0,
+        Backing::Cluster,
+        &second,
+    );
     assert_eq!(s.stat("sessions_superseded"), 1);
     assert_eq!(s.stat("stored_pages"), 0);
     write_all_then_verify(&mut p, 50);
     // The old incarnation, back from the dead, is refused.
-    let (zombie, _dir3) = pager(&[s.addr.clone()], 1, 0, Backing::Cluster, &first);
+    let (zombie, _dir3) = pager(
+        std::slice::from_ref(&s.addr),
+        1,
+        0,
+        Backing::Cluster,
+        &first,
+    );
     assert!(zombie.servers().all(|(_, alive)| !alive));
     assert_eq!(s.stat("handshakes_refused_stale_incarnation"), 1);
 }
@@ -340,7 +358,7 @@ fn a_restarted_client_supersedes_its_old_incarnation() {
 fn malformed_frames_close_one_connection_and_the_daemon_serves_on() {
     let s = ServerProcess::start(&["--capacity", "4M"]);
     let (mut good, _dir) = pager(
-        &[s.addr.clone()],
+        std::slice::from_ref(&s.addr),
         10,
         0,
         Backing::Cluster,
