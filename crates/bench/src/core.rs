@@ -334,6 +334,11 @@ fn markdown(r: &CoreResult) -> String {
         "| CPU µs per GET (client + server) | {:.1} | {:.1} |",
         r.cpu_us_per_get, r.cpu_us_per_get_fast
     );
+    let _ = writeln!(
+        s,
+        "| netram GET over three servers (same 2 CPUs) p50 / p99 µs | | {:.1} / {:.1} |",
+        r.get_fast_3servers_p50_us, r.get_fast_3servers_p99_us
+    );
     let _ = writeln!(s, "\n| throughput | ops/s |\n|---|---|");
     let _ = writeln!(
         s,

@@ -118,6 +118,8 @@ struct Shared {
     shutdown: Arc<AtomicBool>,
     cfg: ServerConfig,
     start: Instant,
+    /// Wall-clock nanoseconds at start: grows across restarts of this server.
+    incarnation: u64,
     connections: AtomicUsize,
 }
 
@@ -175,6 +177,11 @@ impl Server {
             .len(bytes as usize)
             .map_anon()
             .map_err(|source| ServerError::Arena { bytes, source })?;
+        // Huge pages for the arena: random GETs over gigabytes of frames would otherwise take a
+        // TLB miss each. Advice only; without transparent huge pages it changes nothing.
+        if let Err(e) = map.advise(memmap2::Advice::HugePage) {
+            tracing::debug!("no huge pages for the arena: {e}");
+        }
         if cfg.lock_memory {
             map.lock().map_err(ServerError::Lock)?;
         }
@@ -208,6 +215,10 @@ impl Server {
             shutdown,
             cfg,
             start: Instant::now(),
+            incarnation: std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_nanos() as u64)
+                .unwrap_or(1),
             connections: AtomicUsize::new(0),
         });
         let accept = {
