@@ -418,8 +418,7 @@ fn serve_connection(mut stream: TcpStream, shared: &Shared, busy: bool) -> Resul
             status,
             window: shared.cfg.window,
             server_node: shared.cfg.node,
-            server_incarnation: shared.start.elapsed().as_nanos() as u64
-                ^ u64::from(std::process::id()),
+            server_incarnation: shared.incarnation,
             capacity_pages: store.capacity_pages(),
             free_pages: store.free_pages(),
             lease_period_ms: shared.cfg.lease_period.as_millis() as u32,
