@@ -16,7 +16,7 @@ use crate::framing::FrameBuffer;
 use crate::latency::{PmQos, DEFAULT_SPIN};
 use netram_proto::{
     begin_get_reply, decode_request, get_reply_found, get_reply_missing, Counter, DecodeError,
-    DeleteStatus, ErrorCode, Hello, Load, Page, PutStatus, Reply, Request, Welcome, WelcomeStatus,
+    DeleteStatus, ErrorCode, Hello, Load, PutStatus, Reply, Request, Welcome, WelcomeStatus,
     HELLO_LEN, MAX_BATCH, MAX_FRAME_LEN, PAGE_SIZE, PROTOCOL_VERSION,
 };
 use netram_store::{SessionHandle, Store, StoreConfig, StoreError};
@@ -581,17 +581,7 @@ fn handle_request(
             let mut w = begin_get_reply(out, id, l, keys.len());
             for k in keys {
                 match store.get(h, k, now) {
-                    Ok(Some(p)) => get_reply_found(
-                        &mut w,
-                        &Page {
-                            key: k,
-                            version: p.version,
-                            crc: p.crc,
-                            flags: p.flags,
-                            tag: [0; netram_proto::TAG_LEN],
-                            data: p.data,
-                        },
-                    ),
+                    Ok(Some(p)) => get_reply_found(&mut w, &p.envelope(k)),
                     _ => get_reply_missing(&mut w, k),
                 }
             }

@@ -80,17 +80,7 @@ impl MemCluster {
                 let mut w = begin_get_reply(&mut out, id, l, keys.len());
                 for k in keys {
                     match s.store.get(h, k, 0).unwrap() {
-                        Some(p) => get_reply_found(
-                            &mut w,
-                            &Page {
-                                key: k,
-                                version: p.version,
-                                crc: p.crc,
-                                flags: p.flags,
-                                tag: [0; 16],
-                                data: p.data,
-                            },
-                        ),
+                        Some(p) => get_reply_found(&mut w, &p.envelope(k)),
                         None => get_reply_missing(&mut w, k),
                     }
                 }
@@ -427,6 +417,56 @@ fn action() -> impl Strategy<Value = Action> {
     ]
 }
 
+/// Runs `actions` against a pager and a model of what every page should read, checking every
+/// read and, after each action, that nothing is left in flight and no slot leaked.
+fn run_actions(
+    p: &mut Pager<MemCluster, MemDisk>,
+    actions: Vec<Action>,
+    kills: bool,
+) -> Result<(), TestCaseError> {
+    let mut model: HashMap<u64, u8> = HashMap::new();
+    for a in actions {
+        match a {
+            Action::Write(pg, r) => {
+                p.write(pg, &content(pg, r)).unwrap();
+                model.insert(pg, r);
+            }
+            Action::Read(pg) => {
+                let want = model
+                    .get(&pg)
+                    .map(|&r| content(pg, r))
+                    .unwrap_or(vec![0u8; PAGE_SIZE]);
+                prop_assert!(read(p, pg).unwrap() == want, "page {}", pg);
+            }
+            Action::Flush => p.flush().unwrap(),
+            Action::Discard(pg) => {
+                p.discard(pg).unwrap();
+                model.remove(&pg);
+            }
+            Action::Kill(s) if kills => p.transport.servers[s].dead = true,
+            Action::Kill(_) => {}
+        }
+        prop_assert!(p.idle());
+        prop_assert!(p.writeback.is_empty());
+        prop_assert_eq!(
+            p.free_slots.len() + p.cache.len(),
+            p.dirty.len(),
+            "no slot leaks"
+        );
+        if !kills {
+            // Superseded remote copies are deleted: servers hold exactly the table's pages.
+            let stored: u64 = p
+                .transport()
+                .servers
+                .iter()
+                .map(|s| s.store.stored_pages())
+                .sum();
+            prop_assert_eq!(stored, p.pages_per_server().iter().sum::<u64>());
+        }
+    }
+    Ok(())
+}
+
 proptest! {
     // 128 cases by default; PROPTEST_CASES=N runs more.
     #![proptest_config(ProptestConfig {
@@ -446,33 +486,11 @@ proptest! {
         cluster.rng = Some(fastrand::Rng::with_seed(seed));
         cluster.window = 3;
         let mut p = pager(cluster, 48, cache, Backing::ClusterDisk);
-        let mut model: HashMap<u64, u8> = HashMap::new();
-        for a in actions {
-            match a {
-                Action::Write(pg, r) => {
-                    p.write(pg, &content(pg, r)).unwrap();
-                    model.insert(pg, r);
-                }
-                Action::Read(pg) => {
-                    let want = model.get(&pg).map(|&r| content(pg, r)).unwrap_or(vec![0u8; PAGE_SIZE]);
-                    prop_assert!(read(&mut p, pg).unwrap() == want, "page {}", pg);
-                }
-                Action::Flush => p.flush().unwrap(),
-                Action::Discard(pg) => {
-                    p.discard(pg).unwrap();
-                    model.remove(&pg);
-                }
-                Action::Kill(s) => p.transport.servers[s].dead = true,
-            }
-            prop_assert!(p.inflight.ops.is_empty());
-            prop_assert!(p.writeback.is_empty());
-            let cached = p.cache.len();
-            prop_assert_eq!(p.free_slots.len() + cached, p.dirty.len(), "no slot leaks");
-        }
+        run_actions(&mut p, actions, true)?;
     }
 
     /// With `cluster` backing and no failures, the same holds, and remote copies never outnumber
-    /// the pages that have one (superseded copies are deleted).
+    /// the pages that have one.
     #[test]
     fn cluster_keeps_every_write_and_no_garbage(
         actions in prop::collection::vec(action(), 1..150),
@@ -482,26 +500,6 @@ proptest! {
         let mut cluster = MemCluster::new(&[10, 12, 14]);
         cluster.rng = Some(fastrand::Rng::with_seed(seed));
         let mut p = pager(cluster, 48, cache, Backing::Cluster);
-        let mut model: HashMap<u64, u8> = HashMap::new();
-        for a in actions {
-            match a {
-                Action::Write(pg, r) => {
-                    p.write(pg, &content(pg, r)).unwrap();
-                    model.insert(pg, r);
-                }
-                Action::Read(pg) => {
-                    let want = model.get(&pg).map(|&r| content(pg, r)).unwrap_or(vec![0u8; PAGE_SIZE]);
-                    prop_assert!(read(&mut p, pg).unwrap() == want, "page {}", pg);
-                }
-                Action::Flush => p.flush().unwrap(),
-                Action::Discard(pg) => {
-                    p.discard(pg).unwrap();
-                    model.remove(&pg);
-                }
-                Action::Kill(_) => {}
-            }
-            let stored: u64 = p.transport().servers.iter().map(|s| s.store.stored_pages()).sum();
-            prop_assert_eq!(stored, p.pages_per_server().iter().sum::<u64>());
-        }
+        run_actions(&mut p, actions, false)?;
     }
 }

@@ -19,7 +19,7 @@
 //! virtual one. One counter per reason a page was stored, refused or freed ([`Counters`]).
 
 use hashbrown::HashTable;
-use netram_proto::{NodeId, PageFlags, PageKey, PutStatus, PAGE_SIZE};
+use netram_proto::{NodeId, Page, PageFlags, PageKey, PutStatus, PAGE_SIZE};
 use std::hash::BuildHasher;
 
 /// A session silent for this many lease periods is expired (Anemone §2.5: three periods).
@@ -92,6 +92,20 @@ pub struct StoredPage<'a> {
     pub crc: u32,
     pub flags: PageFlags,
     pub data: &'a [u8],
+}
+
+impl<'a> StoredPage<'a> {
+    /// The page's envelope for a GET reply, with the checksum the client sent, untouched.
+    pub fn envelope(&self, key: PageKey) -> Page<'a> {
+        Page {
+            key,
+            version: self.version,
+            crc: self.crc,
+            flags: self.flags,
+            tag: [0; netram_proto::TAG_LEN],
+            data: self.data,
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]

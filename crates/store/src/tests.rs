@@ -1,3 +1,6 @@
+//! The store against a model (a map per session, a capacity, leases), plus the edge cases one
+//! by one: full stores, expiry, supersession, bounded session tables, key limits, zero pages.
+
 use super::*;
 use proptest::prelude::*;
 use std::collections::HashMap;
