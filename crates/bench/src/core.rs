@@ -5,9 +5,9 @@
 //! server, so that both sides pay the same wake-ups. Writes `core.json` and `core.md`.
 
 use crate::cluster::LocalCluster;
-use crate::machine::{rss_bytes, Machine};
-use crate::raw::{self, Wait};
-use crate::{page_content, Summary};
+use crate::machine::Machine;
+use crate::raw::{self, RawPeer, Wait};
+use crate::{page_content, pin_to, restore_affinity, Placement, Summary};
 use netram_node::client::{ClientConfig, TcpTransport};
 use netram_node::latency::PmQos;
 use netram_pager::{MemDisk, Pager, PagerConfig};
@@ -22,6 +22,8 @@ use std::time::{Duration, Instant};
 pub struct Options {
     pub quick: bool,
     pub out: PathBuf,
+    /// The `netram` executable, to measure a real `netram serve` process's memory.
+    pub netram_exe: PathBuf,
 }
 
 #[derive(Debug, Serialize)]
@@ -43,6 +45,13 @@ pub struct CoreResult {
     pub raw_rtt_fast_p50_us: f64,
     pub raw_rtt_fast_p99_us: f64,
     pub raw_depth32_ops_per_s: f64,
+    /// The same exchange through tokio (multi-thread server runtime, current-thread client):
+    /// the cost of an async runtime's hand-offs, beside the plain blocking exchange.
+    pub raw_tokio_rtt_p50_us: f64,
+    pub raw_tokio_rtt_p99_us: f64,
+    /// The tokio exchange with the PM QoS request held (tokio does not poll).
+    pub raw_tokio_rtt_fast_p50_us: f64,
+    pub raw_tokio_rtt_fast_p99_us: f64,
     pub get_p50_us: f64,
     pub get_p99_us: f64,
     pub put_p50_us: f64,
@@ -58,6 +67,7 @@ pub struct CoreResult {
     pub get_depth32_ops_per_s: f64,
     pub get_depth32_3servers_ops_per_s: f64,
     pub server_meta_bytes_per_page: f64,
+    /// RSS of a `netram serve` process filled to capacity, divided by its pages.
     pub server_resident_bytes_per_page: f64,
     /// CPU time of client and server together per depth-1 GET, plain and low-latency mode.
     pub cpu_us_per_get: f64,
@@ -75,6 +85,8 @@ fn cpu_ns() -> u64 {
 struct Depth1 {
     get: Summary,
     put: Summary,
+    /// The raw exchange measured in the blocks between netram's.
+    raw: Summary,
     cpu_us_per_get: f64,
 }
 
@@ -85,14 +97,28 @@ fn client(low_latency: bool) -> ClientConfig {
     }
 }
 
-/// PUT every page, then GET random pages one at a time, each through the pager with no cache.
+/// Rounds of alternating raw and netram blocks: both sides of a ratio see the same machine
+/// state. On these VMs the same code measured 10 to 13.5 µs from one run to the next, as much as
+/// the difference being measured, so measuring one side after the other misleads.
+const ROUNDS: usize = 10;
+
+/// Depth-1 GETs through the pager with no cache, in blocks alternating with the raw exchange
+/// (`raw_wait`): PUT every page first, then GET random pages one at a time, verifying each.
 fn netram_depth1(
     servers: usize,
     low_latency: bool,
+    raw_wait: Wait,
     pages: u64,
     iters: usize,
 ) -> anyhow::Result<Depth1> {
+    // Servers (netram's and the raw one) start pinned to one CPU, the client to another.
+    let placement = Placement::choose();
+    let prev = placement.and_then(|p| pin_to(p.server_cpu));
     let cluster = LocalCluster::start(servers, (pages + 16) * PAGE_SIZE as u64, low_latency)?;
+    let mut raw = RawPeer::start(raw_wait)?;
+    if let Some(p) = placement {
+        pin_to(p.client_cpu);
+    }
     let t = TcpTransport::connect(&cluster.addrs(), &client(low_latency));
     let cfg = PagerConfig {
         pages,
@@ -108,17 +134,23 @@ fn netram_depth1(
         pager.write(p, &buf)?;
         put_ns.push(t.elapsed().as_nanos() as u64);
     }
+    let mut raw_ns = Vec::with_capacity(iters);
+    raw.exchange(200, &mut Vec::new())?; // warm-up
     let mut rng = fastrand::Rng::with_seed(7);
     let mut want = vec![0u8; PAGE_SIZE];
     let mut get_ns = Vec::with_capacity(iters);
-    for _ in 0..iters {
-        let p = rng.u64(0..pages);
-        let t = Instant::now();
-        pager.read(p, &mut buf)?;
-        get_ns.push(t.elapsed().as_nanos() as u64);
-        page_content(1, p, &mut want);
-        anyhow::ensure!(buf == want, "page {p} read back wrong");
+    for _ in 0..ROUNDS {
+        raw.exchange(iters / ROUNDS, &mut raw_ns)?;
+        for _ in 0..iters / ROUNDS {
+            let p = rng.u64(0..pages);
+            let t = Instant::now();
+            pager.read(p, &mut buf)?;
+            get_ns.push(t.elapsed().as_nanos() as u64);
+            page_content(1, p, &mut want);
+            anyhow::ensure!(buf == want, "page {p} read back wrong");
+        }
     }
+    drop(raw);
     // CPU time in a loop of its own: the process CPU clock is a system call, too slow to read
     // inside the timed window, and verification would be counted too.
     let c = cpu_ns();
@@ -128,9 +160,11 @@ fn netram_depth1(
     let cpu = cpu_ns() - c;
     pager.into_transport().close();
     cluster.stop();
+    restore_affinity(prev);
     Ok(Depth1 {
         get: Summary::of_ns(&mut get_ns),
         put: Summary::of_ns(&mut put_ns[16.min(pages as usize)..].to_vec()),
+        raw: Summary::of_ns(&mut raw_ns),
         cpu_us_per_get: cpu as f64 / iters as f64 / 1000.0,
     })
 }
@@ -182,9 +216,8 @@ fn netram_depth32(servers: usize, pages: u64, duration: Duration) -> anyhow::Res
     Ok(rate)
 }
 
-/// Fills a store and reports index and metadata bytes per page, and resident bytes per page.
-fn server_memory(frames: usize) -> (f64, f64) {
-    let before = rss_bytes();
+/// Index and metadata bytes per page of a full store (exact, from the allocations).
+fn server_meta_per_page(frames: usize) -> f64 {
     let mut store = Store::new(vec![0u8; frames * PAGE_SIZE], StoreConfig::default());
     let h = store.open_session(1, 1, 1, 0).expect("a session");
     let data = vec![0xa5u8; PAGE_SIZE];
@@ -194,8 +227,72 @@ fn server_memory(frames: usize) -> (f64, f64) {
             .expect("session is live");
     }
     assert_eq!(store.stored_pages(), frames as u64);
-    let resident = rss_bytes().saturating_sub(before) as f64 / frames as f64;
-    (store.meta_bytes() as f64 / frames as f64, resident)
+    store.meta_bytes() as f64 / frames as f64
+}
+
+/// A `netram serve` child process, killed by its PID when dropped.
+struct Daemon(std::process::Child);
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn rss_of(pid: u32) -> anyhow::Result<u64> {
+    let statm = std::fs::read_to_string(format!("/proc/{pid}/statm"))?;
+    let pages: u64 = statm.split_whitespace().nth(1).unwrap_or("0").parse()?;
+    Ok(pages * rustix::param::page_size() as u64)
+}
+
+/// The resident memory of a real `netram serve` process filled to capacity, per stored page:
+/// frames, metadata, index, code and stacks, everything the daemon costs.
+fn daemon_resident_per_page(exe: &std::path::Path, frames: u64) -> anyhow::Result<f64> {
+    use std::io::BufRead;
+    let mut child = std::process::Command::new(exe)
+        .args([
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--capacity",
+            &(frames * PAGE_SIZE as u64).to_string(),
+        ])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()?;
+    let stdout = child.stdout.take().expect("piped");
+    let daemon = Daemon(child);
+    let mut line = String::new();
+    std::io::BufReader::new(stdout).read_line(&mut line)?;
+    let addr = line
+        .trim()
+        .strip_prefix("netram serve: listening on ")
+        .ok_or_else(|| anyhow::anyhow!("unexpected first line from netram serve: {line:?}"))?
+        .to_string();
+    let t = TcpTransport::connect(&[addr], &client(false));
+    let mut pager = Pager::new(
+        PagerConfig {
+            pages: frames,
+            cache_pages: 0,
+            ..Default::default()
+        },
+        t,
+        MemDisk::default(),
+    );
+    let batch = 256u64;
+    let data = vec![0x3cu8; batch as usize * PAGE_SIZE];
+    for start in (0..frames).step_by(batch as usize) {
+        let pages: Vec<u64> = (start..(start + batch).min(frames)).collect();
+        pager.write_many(&pages, &data[..pages.len() * PAGE_SIZE])?;
+    }
+    anyhow::ensure!(
+        pager.pages_on_disk_only() == 0,
+        "the daemon refused pages it should have room for"
+    );
+    let rss = rss_of(daemon.0.id())?;
+    drop(pager);
+    Ok(rss as f64 / frames as f64)
 }
 
 pub fn run(opts: &Options) -> anyhow::Result<String> {
@@ -207,23 +304,30 @@ pub fn run(opts: &Options) -> anyhow::Result<String> {
     let machine = Machine::describe();
     eprintln!("bench core on {}", machine.one_line());
 
-    eprintln!("raw loopback round trip, depth 1 ...");
-    let raw_plain = Summary::of_ns(&mut raw::rtt(iters, 500, Wait::Block)?);
-    let raw_fast = Summary::of_ns(&mut raw::rtt(iters, 500, Wait::Poll)?);
+    eprintln!("raw loopback round trip through tokio, depth 1 ...");
+    let raw_tokio = Summary::of_ns(&mut raw::rtt_tokio(iters, 500, false)?);
+    let raw_tokio_fast = Summary::of_ns(&mut raw::rtt_tokio(iters, 500, true)?);
     eprintln!("raw loopback round trip, depth 32 ...");
     let raw_d32 = raw::pipelined(32, dur)?;
 
-    eprintln!("netram GET/PUT, depth 1, default mode ...");
-    let plain = netram_depth1(1, false, pages, iters)?;
-    eprintln!("netram GET/PUT, depth 1, low-latency mode ...");
-    let pm_qos_held = PmQos::hold().is_some();
-    let fast = netram_depth1(1, true, pages, iters)?;
-    let fast3 = netram_depth1(3, true, pages, iters)?;
+    eprintln!("netram GET/PUT and raw round trips, depth 1, default mode ...");
+    let plain = netram_depth1(1, false, Wait::Block, pages, iters)?;
+    let raw_plain = plain.raw;
+    eprintln!("netram GET/PUT and raw round trips, depth 1, low-latency mode ...");
+    // The raw side holds the same PM QoS request as netram's low-latency mode.
+    let qos = PmQos::hold();
+    let pm_qos_held = qos.is_some();
+    let fast = netram_depth1(1, true, Wait::Poll, pages, iters)?;
+    let raw_fast = fast.raw;
+    let fast3 = netram_depth1(3, true, Wait::Poll, pages, iters)?;
+    drop(qos);
     eprintln!("netram GET, depth 32, one server and three ...");
     let d32 = netram_depth32(1, pages, dur)?;
     let d32x3 = netram_depth32(3, pages, dur)?;
     eprintln!("server memory per page ...");
-    let (meta, resident) = server_memory(if opts.quick { 65_536 } else { 262_144 });
+    let frames = if opts.quick { 65_536 } else { 262_144 };
+    let meta = server_meta_per_page(frames);
+    let resident = daemon_resident_per_page(&opts.netram_exe, frames as u64)?;
 
     let targets = vec![
         target(
@@ -260,6 +364,10 @@ pub fn run(opts: &Options) -> anyhow::Result<String> {
         raw_rtt_fast_p50_us: raw_fast.p50_us,
         raw_rtt_fast_p99_us: raw_fast.p99_us,
         raw_depth32_ops_per_s: raw_d32,
+        raw_tokio_rtt_p50_us: raw_tokio.p50_us,
+        raw_tokio_rtt_p99_us: raw_tokio.p99_us,
+        raw_tokio_rtt_fast_p50_us: raw_tokio_fast.p50_us,
+        raw_tokio_rtt_fast_p99_us: raw_tokio_fast.p99_us,
         get_p50_us: plain.get.p50_us,
         get_p99_us: plain.get.p99_us,
         put_p50_us: plain.put.p50_us,
@@ -336,6 +444,11 @@ fn markdown(r: &CoreResult) -> String {
     );
     let _ = writeln!(
         s,
+        "| the same exchange through tokio p50 / p99 µs | {:.1} / {:.1} | {:.1} / {:.1} (PM QoS only) |",
+        r.raw_tokio_rtt_p50_us, r.raw_tokio_rtt_p99_us, r.raw_tokio_rtt_fast_p50_us, r.raw_tokio_rtt_fast_p99_us
+    );
+    let _ = writeln!(
+        s,
         "| netram GET over three servers (same 2 CPUs) p50 / p99 µs | | {:.1} / {:.1} |",
         r.get_fast_3servers_p50_us, r.get_fast_3servers_p99_us
     );
@@ -355,10 +468,10 @@ fn markdown(r: &CoreResult) -> String {
         "| netram GET, window 32 per server, three servers | {:.0} |",
         r.get_depth32_3servers_ops_per_s
     );
-    let _ = writeln!(s, "\nServer memory: {:.1} bytes of index and metadata per stored page; {:.0} bytes resident per stored page (frame included).", r.server_meta_bytes_per_page, r.server_resident_bytes_per_page);
+    let _ = writeln!(s, "\nServer memory: {:.1} bytes of index and metadata per stored page; a full `netram serve` process is {:.0} bytes resident per stored page (frame, metadata, index, code, stacks).", r.server_meta_bytes_per_page, r.server_resident_bytes_per_page);
     let _ = writeln!(
         s,
-        "Low-latency mode: PM QoS request {}; sockets polled for up to 50 µs before sleeping.\n",
+        "Low-latency mode: PM QoS request {}; sockets polled for up to 50 µs before sleeping, on both sides of the raw exchange too. Depth-1 raw and netram figures come from {ROUNDS} alternating blocks each, so both sides of a ratio see the same machine state.\n",
         if r.pm_qos_held {
             "held"
         } else {

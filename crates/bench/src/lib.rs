@@ -47,3 +47,41 @@ pub fn page_content(seed: u64, page: u64, out: &mut [u8]) {
         chunk.copy_from_slice(&rng.u64(..).to_le_bytes());
     }
 }
+
+/// Thread placement for depth-1 measurements: the client on one CPU, every server thread on
+/// another, as client and servers are on different machines in a cluster. Left to the scheduler,
+/// two threads sometimes share a vCPU (a local switch, ~7 µs) and sometimes not (an idle exit,
+/// ~70 µs), which decided whole runs of the default mode before placement was fixed.
+#[derive(Debug, Clone, Copy)]
+pub struct Placement {
+    pub client_cpu: usize,
+    pub server_cpu: usize,
+}
+
+impl Placement {
+    /// The first two CPUs this process may use; `None` on a single CPU.
+    pub fn choose() -> Option<Self> {
+        let set = rustix::thread::sched_getaffinity(None).ok()?;
+        let mut cpus = (0..rustix::thread::CpuSet::MAX_CPU).filter(|&c| set.is_set(c));
+        Some(Self {
+            client_cpu: cpus.next()?,
+            server_cpu: cpus.next()?,
+        })
+    }
+}
+
+/// Pins the calling thread, and the threads it spawns from now on, to one CPU; gives back the
+/// mask it had, for [`restore_affinity`].
+pub fn pin_to(cpu: usize) -> Option<rustix::thread::CpuSet> {
+    let prev = rustix::thread::sched_getaffinity(None).ok()?;
+    let mut set = rustix::thread::CpuSet::new();
+    set.set(cpu);
+    rustix::thread::sched_setaffinity(None, &set).ok()?;
+    Some(prev)
+}
+
+pub fn restore_affinity(prev: Option<rustix::thread::CpuSet>) {
+    if let Some(prev) = prev {
+        let _ = rustix::thread::sched_setaffinity(None, &prev);
+    }
+}

@@ -56,16 +56,3 @@ impl Machine {
         )
     }
 }
-
-/// Resident set size of this process, in bytes.
-pub fn rss_bytes() -> u64 {
-    std::fs::read_to_string("/proc/self/statm")
-        .ok()
-        .and_then(|s| {
-            s.split_whitespace()
-                .nth(1)
-                .and_then(|v| v.parse::<u64>().ok())
-        })
-        .map(|pages| pages * rustix::param::page_size() as u64)
-        .unwrap_or(0)
-}

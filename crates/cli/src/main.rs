@@ -99,10 +99,12 @@ fn main() -> anyhow::Result<()> {
         }
         Command::Bench(BenchCommand::Core { quick, out }) => {
             init_logging("warn");
-            let report = netram_bench::core::run(&netram_bench::core::Options {
+            let opts = netram_bench::core::Options {
                 quick,
                 out: out.clone(),
-            })?;
+                netram_exe: std::env::current_exe()?,
+            };
+            let report = netram_bench::core::run(&opts)?;
             println!("{report}");
             println!("wrote {0}/core.json and {0}/core.md", out.display());
             Ok(())

@@ -55,6 +55,9 @@ impl PmQos {
 
 static POLLERS: AtomicUsize = AtomicUsize::new(0);
 
+/// One polling thread per online CPU. Not `available_parallelism()`: that follows the calling
+/// thread's affinity, so a thread pinned to one CPU would set the budget of the whole process to
+/// one (measured: a context switch per GET, 15 µs instead of 10).
 fn poll_budget() -> usize {
     static BUDGET: OnceLock<usize> = OnceLock::new();
     *BUDGET.get_or_init(|| {
@@ -64,10 +67,47 @@ fn poll_budget() -> usize {
         {
             return n;
         }
-        std::thread::available_parallelism()
-            .map(|n| n.get())
-            .unwrap_or(1)
+        std::fs::read_to_string("/sys/devices/system/cpu/online")
+            .ok()
+            .and_then(|s| online_cpus(&s))
+            .unwrap_or_else(|| {
+                std::thread::available_parallelism()
+                    .map(|n| n.get())
+                    .unwrap_or(1)
+            })
     })
+}
+
+/// Counts the CPUs in a kernel CPU list such as `0-3,8,10-11`.
+fn online_cpus(list: &str) -> Option<usize> {
+    let mut n = 0;
+    for part in list.trim().split(',') {
+        n += match part.split_once('-') {
+            Some((a, b)) => {
+                b.parse::<usize>()
+                    .ok()?
+                    .checked_sub(a.parse::<usize>().ok()?)?
+                    + 1
+            }
+            None => {
+                part.parse::<usize>().ok()?;
+                1
+            }
+        };
+    }
+    (n > 0).then_some(n)
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn cpu_lists_are_counted() {
+        assert_eq!(super::online_cpus("0-1\n"), Some(2));
+        assert_eq!(super::online_cpus("0"), Some(1));
+        assert_eq!(super::online_cpus("0-3,8,10-11"), Some(7));
+        assert_eq!(super::online_cpus("garbage"), None);
+        assert_eq!(super::online_cpus("3-1"), None);
+    }
 }
 
 /// Permission for one thread to poll instead of sleeping; released on drop.
