@@ -55,12 +55,12 @@ impl FrameBuffer {
     /// Returns 0 at end of stream.
     pub(crate) fn fill(&mut self, stream: &mut TcpStream, spin: Duration) -> io::Result<usize> {
         self.make_room();
-        let token = if spin.is_zero() {
-            None
-        } else {
-            crate::latency::PollToken::try_take()
-        };
-        if token.is_some() {
+        // The token is held only while polling, never across the blocking read below: an idle
+        // connection blocked in `read` must not keep a busy one from polling.
+        if let Some(_token) = (!spin.is_zero())
+            .then(crate::latency::PollToken::try_take)
+            .flatten()
+        {
             let until = Instant::now() + spin;
             loop {
                 match rustix::net::recv(

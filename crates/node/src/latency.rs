@@ -54,6 +54,12 @@ impl PmQos {
 }
 
 static POLLERS: AtomicUsize = AtomicUsize::new(0);
+static DENIED: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// How often a thread wanted to poll but found every token taken, since the process started.
+pub fn polls_denied() -> u64 {
+    DENIED.load(Ordering::Relaxed)
+}
 
 /// One polling thread per online CPU. Not `available_parallelism()`: that follows the calling
 /// thread's affinity, so a thread pinned to one CPU would set the budget of the whole process to
@@ -122,8 +128,9 @@ impl PollToken {
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
                 (n < budget).then_some(n + 1)
             })
-            .ok()
             .map(|_| PollToken(()))
+            .map_err(|_| DENIED.fetch_add(1, Ordering::Relaxed))
+            .ok()
     }
 }
 

@@ -242,10 +242,11 @@ impl Op {
     }
 }
 
-/// Requests in flight, by request id, and the credits (pages) they hold per server.
+/// Requests in flight, by request id, and the credits (pages) they hold per server. Request ids
+/// are ours, not a peer's, so a fast unkeyed hash is safe here.
 #[derive(Debug, Default)]
 struct Inflight {
-    ops: HashMap<u64, (usize, Op)>,
+    ops: HashMap<u64, (usize, Op), foldhash::fast::FixedState>,
     per_server: Vec<u32>,
 }
 
@@ -343,7 +344,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             disk,
             table: Table::new(cfg.pages),
             inflight: Inflight {
-                ops: HashMap::new(),
+                ops: HashMap::default(),
                 per_server: vec![0; servers.len()],
             },
             batches: (0..servers.len()).map(|_| Batches::default()).collect(),
@@ -976,12 +977,17 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                 return Ok(());
             }
         }
-        let followups = std::mem::take(&mut self.followups);
+        // Taken out because handling one may complete other replies (while waiting for a
+        // credit), which queue their own follow-ups; the buffer is put back to keep its capacity.
+        let mut followups = std::mem::take(&mut self.followups);
         let mut result = Ok(());
-        for f in followups {
+        for f in followups.drain(..) {
             if let Err(e) = self.after_reply(server, f) {
                 result = Err(e);
             }
+        }
+        if self.followups.is_empty() {
+            self.followups = followups;
         }
         result
     }
