@@ -111,8 +111,10 @@ fn netram_depth1(
     pages: u64,
     iters: usize,
 ) -> anyhow::Result<Depth1> {
-    // Servers (netram's and the raw one) start pinned to one CPU, the client to another.
-    let placement = Placement::choose();
+    // Servers (netram's and the raw one) start pinned to one CPU, the client to another. Only
+    // with one server: several server threads pinned to one vCPU would queue behind each other,
+    // which models no real cluster either, so they are left to the scheduler.
+    let placement = Placement::choose().filter(|_| servers == 1);
     let prev = placement.and_then(|p| pin_to(p.server_cpu));
     let cluster = LocalCluster::start(servers, (pages + 16) * PAGE_SIZE as u64, low_latency)?;
     let mut raw = RawPeer::start(raw_wait)?;

@@ -15,6 +15,10 @@ pub(crate) struct FrameBuffer {
     buf: Vec<u8>,
     start: usize,
     end: usize,
+    /// Adaptive polling: poll before the next read only if the last wait was short enough for
+    /// polling to catch it. A connection whose data comes rarely (one of three servers a client
+    /// spreads its pages over) stops polling and leaves the CPU to the thread that will answer.
+    poll_next: bool,
 }
 
 impl FrameBuffer {
@@ -23,6 +27,7 @@ impl FrameBuffer {
             buf: vec![0u8; INITIAL],
             start: 0,
             end: 0,
+            poll_next: true,
         }
     }
 
@@ -55,13 +60,12 @@ impl FrameBuffer {
     /// Returns 0 at end of stream.
     pub(crate) fn fill(&mut self, stream: &mut TcpStream, spin: Duration) -> io::Result<usize> {
         self.make_room();
+        let started = Instant::now();
         // The token is held only while polling, never across the blocking read below: an idle
         // connection blocked in `read` must not keep a busy one from polling.
-        if let Some(_token) = (!spin.is_zero())
-            .then(crate::latency::PollToken::try_take)
-            .flatten()
-        {
-            let until = Instant::now() + spin;
+        let polling = !spin.is_zero() && self.poll_next;
+        if let Some(_token) = polling.then(crate::latency::PollToken::try_take).flatten() {
+            let until = started + spin;
             loop {
                 match rustix::net::recv(
                     &*stream,
@@ -83,6 +87,9 @@ impl FrameBuffer {
         }
         let n = stream.read(&mut self.buf[self.end..])?;
         self.end += n;
+        if !spin.is_zero() {
+            self.poll_next = started.elapsed() <= spin;
+        }
         Ok(n)
     }
 

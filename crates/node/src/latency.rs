@@ -8,6 +8,8 @@
 //!   open; closing it drops the request). Needs root; without it the mode falls back to polling;
 //! * adaptive polling ([`DEFAULT_SPIN`]): before sleeping in `read`, poll the socket without
 //!   blocking for a short while, so that a reply that comes soon is taken without any wake-up.
+//!   Adaptive per connection: a connection polls next time only if its last wait was shorter
+//!   than the spin (`FrameBuffer::fill`), so one whose data comes rarely sleeps at once.
 //!   It costs CPU only while a request is outstanding or just answered, at most the spin time
 //!   per request. Polling threads must not outnumber CPUs: a thread that polls holds the CPU
 //!   that the thread it waits for may need (measured with three servers and a client in one
