@@ -485,7 +485,7 @@ fn markdown(r: &CoreResult) -> String {
         let op = if t.sense == "le" { "≤" } else { "≥" };
         let _ = writeln!(
             s,
-            "| {} | {:.2} | {op} {:.2} | {} |",
+            "| {} | {:.3} | {op} {:.2} | {} |",
             t.name,
             t.ratio,
             t.limit,
