@@ -61,6 +61,27 @@ impl ServerProcess {
         assert_eq!(rc, 0, "kill({}, {sig})", self.pid());
     }
 
+    /// Waits until every thread of the process is stopped (state `T`): `kill(SIGSTOP)`
+    /// returns before the threads have actually stopped, and one may still answer meanwhile.
+    fn wait_stopped(&self) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let tasks = std::fs::read_dir(format!("/proc/{}/task", self.pid())).unwrap();
+            let all_stopped = tasks.flatten().all(|t| {
+                let stat = std::fs::read_to_string(t.path().join("stat")).unwrap_or_default();
+                // The state follows the command name, which is in parentheses.
+                stat.rsplit_once(')')
+                    .map(|(_, rest)| rest.trim_start().starts_with('T'))
+                    .unwrap_or(true)
+            });
+            if all_stopped {
+                return;
+            }
+            assert!(Instant::now() < deadline, "the server did not stop");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
     fn stat(&self, name: &str) -> u64 {
         let out = Command::new(NETRAM)
             .args(["stats", &self.addr, "--json"])
@@ -279,6 +300,7 @@ fn a_hung_server_times_out_instead_of_hanging_the_client() {
         .find(|&pg| p.holders(pg) == vec![0])
         .expect("a page on server 0");
     s[0].signal(libc::SIGSTOP);
+    s[0].wait_stopped();
     let started = Instant::now();
     let mut buf = vec![0u8; PAGE_SIZE];
     let err = p.read(victim, &mut buf).unwrap_err();
@@ -293,7 +315,7 @@ fn a_hung_server_times_out_instead_of_hanging_the_client() {
 
 #[test]
 fn a_crashed_clients_pages_are_freed_when_its_lease_runs_out() {
-    let s = ServerProcess::start(&["--capacity", "4M", "--lease-period", "200ms"]);
+    let s = ServerProcess::start(&["--capacity", "4M", "--lease-period", "300ms"]);
     let (mut p, _dir) = pager(
         std::slice::from_ref(&s.addr),
         50,
@@ -302,10 +324,10 @@ fn a_crashed_clients_pages_are_freed_when_its_lease_runs_out() {
         &ClientConfig::new(),
     );
     write_all_then_verify(&mut p, 50);
-    std::thread::sleep(Duration::from_millis(1000)); // idle for five periods: the keepalive holds it
+    std::thread::sleep(Duration::from_millis(1500)); // idle for five periods: the keepalive holds it
     assert_eq!(s.stat("stored_pages"), 50, "an idle client keeps its pages");
     drop(p); // a crash: no CLOSE, the keepalive stops
-    let deadline = Instant::now() + Duration::from_secs(5);
+    let deadline = Instant::now() + Duration::from_secs(10);
     while s.stat("stored_pages") > 0 && Instant::now() < deadline {
         std::thread::sleep(Duration::from_millis(100));
     }

@@ -71,7 +71,7 @@ fn pages_round_trip_through_real_sockets() {
 
 #[test]
 fn an_idle_client_keeps_its_lease_and_a_dead_one_loses_it() {
-    let s = server(100, Duration::from_millis(100));
+    let s = server(100, Duration::from_millis(200));
     let addr = s.addr().to_string();
     let t = TcpTransport::connect(&[&addr], &ClientConfig::new());
     let mut p = Pager::new(
@@ -84,13 +84,16 @@ fn an_idle_client_keeps_its_lease_and_a_dead_one_loses_it() {
         MemDisk::default(),
     );
     p.write(3, &page(3)).unwrap();
-    std::thread::sleep(Duration::from_millis(800)); // eight periods, idle: the keepalive refreshes
+    std::thread::sleep(Duration::from_millis(1500)); // 7 periods idle: the keepalive refreshes
     let mut out = vec![0u8; PAGE_SIZE];
     p.read(3, &mut out).unwrap();
     assert_eq!(out, page(3));
     assert_eq!(stat(&s, "sessions_expired"), 0);
     drop(p); // no CLOSE: like a crashed client
-    std::thread::sleep(Duration::from_millis(700));
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while stat(&s, "sessions_expired") == 0 && std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(50));
+    }
     assert_eq!(stat(&s, "sessions_expired"), 1);
     assert_eq!(stat(&s, "stored_pages"), 0);
 }
