@@ -2,6 +2,7 @@
 //! into a configuration, and handed to the library crates.
 
 mod demo;
+mod nbd;
 mod serve;
 
 use clap::{Parser, Subcommand};
@@ -36,6 +37,12 @@ enum Command {
         #[arg(long, default_value = "5s", value_parser = humantime::parse_duration)]
         timeout: Duration,
     },
+    /// Serve a block device whose blocks are pages in the cluster, over NBD.
+    ///
+    /// Use it with the kernel's NBD client (`nbd-client -unix SOCKET /dev/nbd0`), with nbdfuse
+    /// plus a loop device where the kernel has no NBD driver, or with any NBD tool (qemu-img,
+    /// nbdcopy, fio). The device lives as long as this process: it is memory, not storage.
+    Nbd(nbd::NbdArgs),
     /// Start a local cluster on loopback and page a working set through it, then through the
     /// local disk, and compare (under a minute by default).
     Demo(demo::DemoArgs),
@@ -92,6 +99,10 @@ fn main() -> anyhow::Result<()> {
                 }
             }
             Ok(())
+        }
+        Command::Nbd(args) => {
+            init_logging("info");
+            nbd::run(args)
         }
         Command::Demo(args) => {
             init_logging("warn");

@@ -6,105 +6,14 @@ use netram_node::client::{ClientConfig, TcpTransport};
 use netram_node::disk::FileDisk;
 use netram_pager::{Backing, Pager, PagerConfig, PagerError};
 use netram_proto::{Hello, Request, PAGE_SIZE, WELCOME_LEN};
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{Read, Write};
 use std::net::TcpStream;
-use std::process::{Child, Command, Stdio};
-use std::sync::mpsc;
+use std::process::Command;
 use std::time::{Duration, Instant};
 
-const NETRAM: &str = env!("CARGO_BIN_EXE_netram");
+use common::{ServerProcess, NETRAM};
 
-/// A `netram serve` child process, SIGKILLed by PID on drop.
-struct ServerProcess {
-    child: Child,
-    addr: String,
-}
-
-impl ServerProcess {
-    fn start(args: &[&str]) -> Self {
-        let mut child = Command::new(NETRAM)
-            .args(["serve", "--listen", "127.0.0.1:0"])
-            .args(args)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("start netram serve");
-        let stdout = child.stdout.take().expect("piped stdout");
-        let (tx, rx) = mpsc::channel();
-        std::thread::spawn(move || {
-            let mut line = String::new();
-            let _ = BufReader::new(stdout).read_line(&mut line);
-            let _ = tx.send(line);
-        });
-        let line = match rx.recv_timeout(Duration::from_secs(20)) {
-            Ok(l) => l,
-            Err(_) => {
-                let _ = child.kill();
-                panic!("netram serve did not report its address");
-            }
-        };
-        let addr = line
-            .trim()
-            .strip_prefix("netram serve: listening on ")
-            .unwrap_or_else(|| panic!("unexpected first line {line:?}"))
-            .to_string();
-        Self { child, addr }
-    }
-
-    fn pid(&self) -> i32 {
-        self.child.id() as i32
-    }
-
-    fn signal(&self, sig: i32) {
-        // SAFETY: kill(2) on the PID of a child this guard owns and has not yet reaped.
-        let rc = unsafe { libc::kill(self.pid(), sig) };
-        assert_eq!(rc, 0, "kill({}, {sig})", self.pid());
-    }
-
-    /// Waits until every thread of the process is stopped (state `T`): `kill(SIGSTOP)`
-    /// returns before the threads have actually stopped, and one may still answer meanwhile.
-    fn wait_stopped(&self) {
-        let deadline = Instant::now() + Duration::from_secs(10);
-        loop {
-            let tasks = std::fs::read_dir(format!("/proc/{}/task", self.pid())).unwrap();
-            let all_stopped = tasks.flatten().all(|t| {
-                let stat = std::fs::read_to_string(t.path().join("stat")).unwrap_or_default();
-                // The state follows the command name, which is in parentheses.
-                stat.rsplit_once(')')
-                    .map(|(_, rest)| rest.trim_start().starts_with('T'))
-                    .unwrap_or(true)
-            });
-            if all_stopped {
-                return;
-            }
-            assert!(Instant::now() < deadline, "the server did not stop");
-            std::thread::sleep(Duration::from_millis(5));
-        }
-    }
-
-    fn stat(&self, name: &str) -> u64 {
-        let out = Command::new(NETRAM)
-            .args(["stats", &self.addr, "--json"])
-            .output()
-            .expect("run netram stats");
-        assert!(
-            out.status.success(),
-            "netram stats: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("stats JSON");
-        v[name]
-            .as_u64()
-            .unwrap_or_else(|| panic!("no counter {name} in {v}"))
-    }
-}
-
-impl Drop for ServerProcess {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
+mod common;
 
 fn servers(n: usize, args: &[&str]) -> Vec<ServerProcess> {
     (0..n).map(|_| ServerProcess::start(args)).collect()

@@ -234,6 +234,20 @@ impl TcpTransport {
         c.wbuf.clear();
     }
 
+    /// The servers whose handshake failed, with the reason.
+    pub fn servers_unreachable(&self) -> Vec<(String, String)> {
+        self.conns
+            .iter()
+            .filter_map(|c| {
+                c.info
+                    .connected
+                    .clone()
+                    .err()
+                    .map(|e| (c.info.name.clone(), e))
+            })
+            .collect()
+    }
+
     /// Ends every session cleanly: the servers free this client's pages now, rather than when
     /// the lease runs out.
     pub fn close(&mut self) {

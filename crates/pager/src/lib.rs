@@ -551,23 +551,45 @@ impl<T: Transport, D: Disk> Pager<T, D> {
     /// Forgets a page: drops it from the cache and deletes its copies (Nswap's garbage
     /// collection of dead pages; TRIM on a block device). It reads as zeros afterwards.
     pub fn discard(&mut self, page: u64) -> Result<(), PagerError> {
-        self.check(page)?;
-        self.wait_writeback(page)?;
-        if let Some(slot) = self.cache.pop(&page) {
-            self.release_slot(slot);
+        self.discard_many(&[page])
+    }
+
+    /// Forgets many pages, with their remote copies deleted in batched DELETEs, one per server
+    /// and up to `MAX_BATCH` keys each.
+    pub fn discard_many(&mut self, pages: &[u64]) -> Result<(), PagerError> {
+        pages.iter().try_for_each(|&p| self.check(p))?;
+        let mut deletes: Vec<Vec<PageKey>> = vec![Vec::new(); self.servers.len()];
+        for &page in pages {
+            self.wait_writeback(page)?;
+            if let Some(slot) = self.cache.pop(&page) {
+                self.release_slot(slot);
+            }
+            let e = *self.table.get(page);
+            for s in e.holders() {
+                if self.servers[s].alive {
+                    deletes[s].push(self.key(page));
+                }
+            }
+            if e.on_disk {
+                self.disk.discard(page)?;
+            }
+            self.table.get_mut(page).forget();
         }
-        let e = *self.table.get(page);
-        for s in e.holders() {
-            if self.servers[s].alive {
-                self.counters.deletes += 1;
-                self.submit(s, Op::Delete, &Request::Delete(vec![self.key(page)]));
+        for (s, keys) in deletes.into_iter().enumerate() {
+            for chunk in keys.chunks(netram_proto::MAX_BATCH) {
+                self.counters.deletes += chunk.len() as u64;
+                self.submit(s, Op::Delete, &Request::Delete(chunk.to_vec()));
             }
         }
-        if e.on_disk {
-            self.disk.discard(page)?;
-        }
-        self.table.get_mut(page).forget();
         self.drain()
+    }
+
+    /// Whether a page holds data: written (perhaps only into the cache so far) and not
+    /// discarded since. A page that does not reads as zeros without any I/O.
+    pub fn is_written(&self, page: u64) -> bool {
+        self.cache.contains(&page)
+            || self.writeback.contains_key(&page)
+            || self.table.get(page).present
     }
 
     // ------------------------------------------------------------------------------------------

@@ -1,0 +1,114 @@
+//! Helpers shared by the multi-process tests: child processes that are killed by their PID when
+//! their guard drops, also when a test fails.
+#![allow(dead_code)] // each test binary uses its own part
+
+use std::io::BufRead;
+use std::io::BufReader;
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+pub const NETRAM: &str = env!("CARGO_BIN_EXE_netram");
+
+/// Starts `netram ARGS` and reads the first line it prints, which must start with `prefix`;
+/// returns the child and the rest of that line.
+pub fn spawn_reporting(args: &[&str], prefix: &str) -> (Child, String) {
+    let mut child = Command::new(NETRAM)
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("start netram");
+    let stdout = child.stdout.take().expect("piped stdout");
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        let mut line = String::new();
+        let _ = BufReader::new(stdout).read_line(&mut line);
+        let _ = tx.send(line);
+    });
+    let line = match rx.recv_timeout(Duration::from_secs(20)) {
+        Ok(l) => l,
+        Err(_) => {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("netram {args:?} did not report its address");
+        }
+    };
+    match line.trim().strip_prefix(prefix) {
+        Some(rest) => (child, rest.to_string()),
+        None => {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("netram {args:?}: unexpected first line {line:?}");
+        }
+    }
+}
+
+/// A `netram serve` child process, SIGKILLed by PID on drop.
+pub struct ServerProcess {
+    pub child: Child,
+    pub addr: String,
+}
+
+impl ServerProcess {
+    pub fn start(args: &[&str]) -> Self {
+        let mut all = vec!["serve", "--listen", "127.0.0.1:0"];
+        all.extend_from_slice(args);
+        let (child, addr) = spawn_reporting(&all, "netram serve: listening on ");
+        Self { child, addr }
+    }
+
+    pub fn pid(&self) -> i32 {
+        self.child.id() as i32
+    }
+
+    pub fn signal(&self, sig: i32) {
+        // SAFETY: kill(2) on the PID of a child this guard owns and has not yet reaped.
+        let rc = unsafe { libc::kill(self.pid(), sig) };
+        assert_eq!(rc, 0, "kill({}, {sig})", self.pid());
+    }
+
+    /// Waits until every thread of the process is stopped (state `T`): `kill(SIGSTOP)`
+    /// returns before the threads have actually stopped, and one may still answer meanwhile.
+    pub fn wait_stopped(&self) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let tasks = std::fs::read_dir(format!("/proc/{}/task", self.pid())).unwrap();
+            let all_stopped = tasks.flatten().all(|t| {
+                let stat = std::fs::read_to_string(t.path().join("stat")).unwrap_or_default();
+                // The state follows the command name, which is in parentheses.
+                stat.rsplit_once(')')
+                    .map(|(_, rest)| rest.trim_start().starts_with('T'))
+                    .unwrap_or(true)
+            });
+            if all_stopped {
+                return;
+            }
+            assert!(Instant::now() < deadline, "the server did not stop");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    pub fn stat(&self, name: &str) -> u64 {
+        let out = Command::new(NETRAM)
+            .args(["stats", &self.addr, "--json"])
+            .output()
+            .expect("run netram stats");
+        assert!(
+            out.status.success(),
+            "netram stats: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("stats JSON");
+        v[name]
+            .as_u64()
+            .unwrap_or_else(|| panic!("no counter {name} in {v}"))
+    }
+}
+
+impl Drop for ServerProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}

@@ -1,0 +1,397 @@
+//! `netram nbd` against real NBD peers (nbdinfo, nbdcopy, qemu-img, fio) and against a
+//! hand-rolled client that misbehaves. The servers and the NBD process are child processes,
+//! killed by PID when their guards drop.
+
+use common::{spawn_reporting, ServerProcess};
+use std::io::{Read, Write};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command};
+
+mod common;
+
+/// `netram nbd` on a unix socket in a temporary directory.
+struct NbdProcess {
+    child: Child,
+    socket: PathBuf,
+    uri: String,
+    _dir: tempfile::TempDir,
+}
+
+impl NbdProcess {
+    fn start(servers: &[ServerProcess], size: &str, extra: &[&str]) -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let socket = dir.path().join("nbd.sock");
+        let list: Vec<&str> = servers.iter().map(|s| s.addr.as_str()).collect();
+        let list = list.join(",");
+        let mut args = vec!["nbd", "--size", size, "--socket", socket.to_str().unwrap()];
+        if !list.is_empty() {
+            args.extend(["--servers", &list]);
+        }
+        args.extend_from_slice(extra);
+        let (child, rest) = spawn_reporting(&args, "netram nbd: serving ");
+        let uri = rest.split(" on ").nth(1).expect("an address").to_string();
+        Self {
+            child,
+            socket,
+            uri,
+            _dir: dir,
+        }
+    }
+}
+
+impl Drop for NbdProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Whether a tool is installed; if not, the caller skips, saying so. CI installs every one.
+fn have(tool: &str) -> bool {
+    let found = Command::new("sh")
+        .args(["-c", &format!("command -v {tool}")])
+        .output()
+        .map(|o| o.status.success())
+        .unwrap_or(false);
+    if !found {
+        eprintln!(
+            "SKIPPED: {tool} is not installed (apt-get install nbdkit libnbd-bin fio qemu-utils)"
+        );
+    }
+    found
+}
+
+fn run(cmd: &str, args: &[&str]) -> String {
+    let out = Command::new("timeout")
+        .arg("120")
+        .arg(cmd)
+        .args(args)
+        .output()
+        .unwrap_or_else(|e| panic!("{cmd}: {e}"));
+    assert!(
+        out.status.success(),
+        "{cmd} {args:?} failed: {}\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+fn random_file(dir: &Path, name: &str, bytes: usize) -> PathBuf {
+    let path = dir.join(name);
+    let mut rng = fastrand::Rng::with_seed(bytes as u64);
+    let data: Vec<u8> = (0..bytes).map(|_| rng.u8(..)).collect();
+    std::fs::write(&path, data).unwrap();
+    path
+}
+
+#[test]
+fn real_nbd_tools_agree() {
+    if !["nbdinfo", "nbdcopy", "qemu-img", "fio"]
+        .iter()
+        .all(|t| have(t))
+    {
+        return;
+    }
+    let servers: Vec<ServerProcess> = (0..3)
+        .map(|_| ServerProcess::start(&["--capacity", "128M"]))
+        .collect();
+    let nbd = NbdProcess::start(&servers, "64M", &["--cache", "4M"]);
+
+    let info: serde_json::Value =
+        serde_json::from_str(&run("nbdinfo", &["--json", &nbd.uri])).unwrap();
+    let export = &info["exports"][0];
+    assert_eq!(export["export-size"], 64 << 20);
+    assert_eq!(export["block_size_minimum"], 1);
+    assert_eq!(export["block_size_preferred"], 4096);
+    assert_eq!(export["block_size_maximum"], 32 << 20);
+    assert_eq!(export["can_multi_conn"], true);
+    assert_eq!(info["structured"], true);
+
+    let dir = tempfile::tempdir().unwrap();
+    let input = random_file(dir.path(), "in", 48 << 20);
+    let output = dir.path().join("out");
+    run("nbdcopy", &[input.to_str().unwrap(), &nbd.uri]); // several connections at once
+    run("nbdcopy", &[&nbd.uri, output.to_str().unwrap()]);
+    let got = std::fs::read(&output).unwrap();
+    let want = std::fs::read(&input).unwrap();
+    assert!(
+        got[..want.len()] == want[..],
+        "nbdcopy read back what it wrote"
+    );
+    assert!(
+        got[want.len()..].iter().all(|&b| b == 0),
+        "the rest of the device reads as zeros"
+    );
+    // base:allocation: what was written is data; the tail never written is a hole.
+    let map = run("nbdinfo", &["--map", &nbd.uri]);
+    let first = map.lines().next().unwrap();
+    assert!(
+        first.contains("data") && first.contains(&(48u64 << 20).to_string()),
+        "{map}"
+    );
+    assert!(map.lines().nth(1).unwrap().contains("hole,zero"), "{map}");
+
+    // qemu-img to and from the export, and its own comparison.
+    // As large as the export: `qemu-img compare` wants any extra part of the larger image zero.
+    let qin = random_file(dir.path(), "qin", 64 << 20);
+    run(
+        "qemu-img",
+        &[
+            "convert",
+            "-n",
+            "-f",
+            "raw",
+            "-O",
+            "raw",
+            qin.to_str().unwrap(),
+            &nbd.uri,
+        ],
+    );
+    let qout = dir.path().join("qout");
+    run(
+        "qemu-img",
+        &[
+            "convert",
+            "-f",
+            "raw",
+            "-O",
+            "raw",
+            &nbd.uri,
+            qout.to_str().unwrap(),
+        ],
+    );
+    let back = std::fs::read(&qout).unwrap();
+    assert!(back == std::fs::read(&qin).unwrap());
+    let cmp = Command::new("qemu-img")
+        .args([
+            "compare",
+            "-f",
+            "raw",
+            "-F",
+            "raw",
+            qin.to_str().unwrap(),
+            &nbd.uri,
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        String::from_utf8_lossy(&cmp.stdout).contains("identical"),
+        "{cmp:?}"
+    );
+
+    // fio's own NBD engine, every block checksummed and verified, 32 requests in flight.
+    let fio = run(
+        "fio",
+        &[
+            "--name=verify",
+            "--ioengine=nbd",
+            &format!("--uri={}", nbd.uri),
+            "--rw=randwrite",
+            "--bs=4k",
+            "--iodepth=32",
+            "--size=16M",
+            "--verify=crc32c",
+            "--do_verify=1",
+            "--verify_fatal=1",
+            "--output-format=json",
+            &format!("--filename={}", dir.path().join("fio").display()),
+        ],
+    );
+    // fio may print a note before its JSON.
+    let json = &fio[fio.find('{').expect("fio JSON")..];
+    let fio: serde_json::Value = serde_json::from_str(json).expect("fio JSON");
+    assert_eq!(fio["jobs"][0]["error"], 0);
+    assert!(
+        fio["jobs"][0]["read"]["io_bytes"].as_u64().unwrap() >= 16 << 20,
+        "fio verified every block"
+    );
+}
+
+#[test]
+fn a_killed_server_loses_nothing_with_cluster_disk_backing() {
+    if !have("nbdcopy") {
+        return;
+    }
+    let servers: Vec<ServerProcess> = (0..3)
+        .map(|_| ServerProcess::start(&["--capacity", "64M"]))
+        .collect();
+    let nbd = NbdProcess::start(
+        &servers,
+        "32M",
+        &["--backing", "cluster+disk", "--cache", "1M"],
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let input = random_file(dir.path(), "in", 24 << 20);
+    run("nbdcopy", &[input.to_str().unwrap(), &nbd.uri]);
+    servers[1].signal(libc::SIGKILL);
+    let output = dir.path().join("out");
+    run("nbdcopy", &[&nbd.uri, output.to_str().unwrap()]);
+    assert!(std::fs::read(&output).unwrap()[..24 << 20] == std::fs::read(&input).unwrap()[..]);
+}
+
+/// A minimal NBD client, to send what real clients never send.
+struct RawClient {
+    s: UnixStream,
+}
+
+const OPT_REPLY_MAGIC: u64 = 0x0003_e889_0455_65a9;
+
+impl RawClient {
+    fn connect(socket: &Path) -> Self {
+        let mut s = UnixStream::connect(socket).unwrap();
+        s.set_read_timeout(Some(std::time::Duration::from_secs(10)))
+            .unwrap();
+        let mut greeting = [0u8; 18];
+        s.read_exact(&mut greeting).unwrap();
+        assert_eq!(&greeting[..8], b"NBDMAGIC");
+        assert_eq!(&greeting[8..16], b"IHAVEOPT");
+        s.write_all(&3u32.to_be_bytes()).unwrap(); // fixed newstyle, no zeroes
+        Self { s }
+    }
+
+    /// Sends an option; returns the reply types until (and including) a final one.
+    fn option(&mut self, option: u32, data: &[u8]) -> Vec<(u32, Vec<u8>)> {
+        let mut m = b"IHAVEOPT".to_vec();
+        m.extend_from_slice(&option.to_be_bytes());
+        m.extend_from_slice(&(data.len() as u32).to_be_bytes());
+        m.extend_from_slice(data);
+        self.s.write_all(&m).unwrap();
+        let mut replies = Vec::new();
+        loop {
+            let mut h = [0u8; 20];
+            self.s.read_exact(&mut h).unwrap();
+            assert_eq!(
+                u64::from_be_bytes(h[..8].try_into().unwrap()),
+                OPT_REPLY_MAGIC
+            );
+            let kind = u32::from_be_bytes(h[12..16].try_into().unwrap());
+            let len = u32::from_be_bytes(h[16..20].try_into().unwrap());
+            let mut d = vec![0u8; len as usize];
+            self.s.read_exact(&mut d).unwrap();
+            replies.push((kind, d));
+            if kind == 1 || kind & (1 << 31) != 0 {
+                return replies;
+            }
+        }
+    }
+
+    fn go(&mut self) {
+        let mut d = 0u32.to_be_bytes().to_vec();
+        d.extend_from_slice(&0u16.to_be_bytes());
+        let r = self.option(7, &d);
+        assert_eq!(r.last().unwrap().0, 1, "GO acknowledged");
+    }
+
+    fn request(&mut self, flags: u16, kind: u16, cookie: u64, offset: u64, len: u32, data: &[u8]) {
+        let mut m = 0x2560_9513u32.to_be_bytes().to_vec();
+        m.extend_from_slice(&flags.to_be_bytes());
+        m.extend_from_slice(&kind.to_be_bytes());
+        m.extend_from_slice(&cookie.to_be_bytes());
+        m.extend_from_slice(&offset.to_be_bytes());
+        m.extend_from_slice(&len.to_be_bytes());
+        m.extend_from_slice(data);
+        self.s.write_all(&m).unwrap();
+    }
+
+    /// A simple reply: (cookie, error), then `data_len` bytes of data when there is no error.
+    fn simple_reply(&mut self, data_len: usize) -> (u64, u32, Vec<u8>) {
+        let mut h = [0u8; 16];
+        self.s.read_exact(&mut h).unwrap();
+        assert_eq!(u32::from_be_bytes(h[..4].try_into().unwrap()), 0x6744_6698);
+        let error = u32::from_be_bytes(h[4..8].try_into().unwrap());
+        let cookie = u64::from_be_bytes(h[8..16].try_into().unwrap());
+        let mut d = vec![0u8; if error == 0 { data_len } else { 0 }];
+        self.s.read_exact(&mut d).unwrap();
+        (cookie, error, d)
+    }
+}
+
+#[test]
+fn bad_requests_get_nbd_errors_and_other_clients_are_served() {
+    let servers: Vec<ServerProcess> = (0..2)
+        .map(|_| ServerProcess::start(&["--capacity", "16M"]))
+        .collect();
+    let nbd = NbdProcess::start(&servers, "1M", &[]);
+    let mut c = RawClient::connect(&nbd.socket);
+    assert_eq!(
+        c.option(99, &[])[0].0,
+        (1 << 31) | 1,
+        "unknown option: ERR_UNSUP"
+    );
+    assert_eq!(
+        c.option(8, &[1, 2, 3])[0].0,
+        (1 << 31) | 3,
+        "STRUCTURED_REPLY with data: ERR_INVALID"
+    );
+    let mut d = 5u32.to_be_bytes().to_vec();
+    d.extend_from_slice(b"other");
+    d.extend_from_slice(&0u16.to_be_bytes());
+    assert_eq!(
+        c.option(6, &d)[0].0,
+        (1 << 31) | 6,
+        "INFO of an unknown export: ERR_UNKNOWN"
+    );
+    let list = c.option(3, &[]);
+    assert_eq!(list[0].0, 2, "LIST names the export");
+    c.go();
+
+    // Unaligned write across a page boundary, read back; the bytes around it stay zero.
+    let data: Vec<u8> = (0..5000u32).map(|i| (i % 251) as u8).collect();
+    c.request(0, 1, 1, 4000, 5000, &data);
+    assert_eq!(c.simple_reply(0), (1, 0, vec![]));
+    c.request(0, 0, 2, 3990, 5020, &[]);
+    let (_, err, got) = c.simple_reply(5020);
+    assert_eq!(err, 0);
+    assert!(
+        got[..10].iter().all(|&b| b == 0)
+            && got[10..5010] == data[..]
+            && got[5010..].iter().all(|&b| b == 0)
+    );
+
+    c.request(0, 0, 3, (1 << 20) - 10, 20, &[]);
+    assert_eq!(c.simple_reply(20).1, 22, "read past the end: EINVAL");
+    c.request(0, 1, 4, (1 << 20) - 10, 20, &[0u8; 20]);
+    assert_eq!(c.simple_reply(0).1, 28, "write past the end: ENOSPC");
+    c.request(0, 42, 5, 0, 10, &[]);
+    assert_eq!(c.simple_reply(0).1, 22, "unknown command: EINVAL");
+    c.request(1, 0, 6, 0, 10, &[]);
+    assert_eq!(c.simple_reply(0).1, 22, "FUA on a read: EINVAL");
+    c.request(0, 7, 7, 0, 10, &[]);
+    assert_eq!(
+        c.simple_reply(0).1,
+        22,
+        "BLOCK_STATUS without structured replies: EINVAL"
+    );
+    c.request(0, 6, 8, 4000, 5000, &[]); // WRITE_ZEROES over the data
+    assert_eq!(c.simple_reply(0).1, 0);
+    c.request(0, 0, 9, 3990, 5020, &[]);
+    assert!(c.simple_reply(5020).2.iter().all(|&b| b == 0), "zeroed");
+    c.request(0, 3, 10, 0, 0, &[]);
+    assert_eq!(c.simple_reply(0).1, 0, "FLUSH");
+
+    // Another client is served while the first one misbehaves.
+    let mut other = RawClient::connect(&nbd.socket);
+    other.go();
+    c.s.write_all(&[0xde, 0xad, 0xbe, 0xef]).unwrap();
+    c.s.write_all(&[0u8; 24]).unwrap(); // a request with a bad magic: the server hangs up
+    let mut rest = Vec::new();
+    let _ = c.s.read_to_end(&mut rest);
+    assert!(rest.is_empty(), "nothing after a bad magic, just the close");
+    other.request(0, 1, 11, 0, 4096, &[7u8; 4096]);
+    assert_eq!(other.simple_reply(0).1, 0);
+    other.request(0, 0, 12, 0, 4096, &[]);
+    assert_eq!(other.simple_reply(4096).2, vec![7u8; 4096]);
+    // A client that vanishes in the middle of a write's data costs nothing either.
+    other.request(0, 1, 13, 0, 4096, &[1u8; 100]);
+    drop(other);
+    let mut third = RawClient::connect(&nbd.socket);
+    third.go();
+    third.request(0, 0, 14, 0, 4096, &[]);
+    assert_eq!(
+        third.simple_reply(4096).2,
+        vec![7u8; 4096],
+        "the half-sent write changed nothing"
+    );
+}

@@ -1,0 +1,225 @@
+//! Byte ranges over the pager: what NBD commands do to pages.
+//!
+//! The kernel and NBD clients address bytes; the pager addresses 4 KiB pages. A request that
+//! covers whole pages maps onto batched pager reads and writes; a partial page at either end is
+//! read, modified and written back. A page written all zeros, WRITE_ZEROES and TRIM of whole
+//! pages all *discard* the page: its remote copies are deleted (Nswap's garbage collection of
+//! dead pages; the kernel discards freed swap slots) and it reads as zeros without any I/O, so an
+//! all-zero page is stored as nothing at all rather than as 4 KiB.
+//!
+//! One pager serves every connection, behind one mutex: a FLUSH on any connection writes back
+//! the whole cache, which is what makes NBD multi-conn safe here.
+
+use netram_pager::{Disk, Pager, PagerError, Transport};
+use netram_proto::PAGE_SIZE;
+use std::sync::Mutex;
+
+/// The largest request served; larger ones are refused with EINVAL (advertised as the maximum
+/// block size).
+pub const MAX_REQUEST: u32 = 32 << 20;
+
+const PAGE: u64 = PAGE_SIZE as u64;
+
+#[derive(Debug, thiserror::Error)]
+pub enum DeviceError {
+    #[error(transparent)]
+    Pager(#[from] PagerError),
+}
+
+/// A block device of `size` bytes on the pages of one pager.
+pub struct Device<T: Transport, D: Disk> {
+    pager: Mutex<Pager<T, D>>,
+    size: u64,
+}
+
+impl<T: Transport, D: Disk> std::fmt::Debug for Device<T, D> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Device").field("size", &self.size).finish()
+    }
+}
+
+/// The pages a byte range touches, and for each the part of it the range covers.
+fn pages_of(offset: u64, len: u64) -> impl Iterator<Item = (u64, usize, usize)> {
+    let end = offset + len;
+    let first = offset / PAGE;
+    let last = if len == 0 {
+        first
+    } else {
+        (end - 1) / PAGE + 1
+    };
+    (first..last).map(move |p| {
+        let start = offset.max(p * PAGE) - p * PAGE;
+        let stop = end.min((p + 1) * PAGE) - p * PAGE;
+        (p, start as usize, stop as usize)
+    })
+}
+
+impl<T: Transport, D: Disk> Device<T, D> {
+    /// `size` must fit in the pager's pages.
+    pub fn new(pager: Pager<T, D>, size: u64) -> Self {
+        assert!(
+            size <= pager.config().pages * PAGE,
+            "device larger than its pager"
+        );
+        Self {
+            pager: Mutex::new(pager),
+            size,
+        }
+    }
+
+    pub fn size(&self) -> u64 {
+        self.size
+    }
+
+    fn pager(&self) -> std::sync::MutexGuard<'_, Pager<T, D>> {
+        // A panic while holding the lock is a bug in the pager; the data it guards would be as
+        // broken after it as before, so carrying on is no worse.
+        self.pager.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub fn into_pager(self) -> Pager<T, D> {
+        self.pager.into_inner().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Runs `f` on the pager, e.g. to read its counters or close its sessions.
+    pub fn with_pager<R>(&self, f: impl FnOnce(&mut Pager<T, D>) -> R) -> R {
+        f(&mut self.pager())
+    }
+
+    /// Reads `out.len()` bytes at `offset`.
+    pub fn read(&self, offset: u64, out: &mut [u8]) -> Result<(), DeviceError> {
+        let pages: Vec<(u64, usize, usize)> = pages_of(offset, out.len() as u64).collect();
+        let numbers: Vec<u64> = pages.iter().map(|p| p.0).collect();
+        let mut buf = vec![0u8; numbers.len() * PAGE_SIZE];
+        self.pager().read_many(&numbers, &mut buf)?;
+        let mut at = 0;
+        for (i, &(_, start, stop)) in pages.iter().enumerate() {
+            let n = stop - start;
+            out[at..at + n].copy_from_slice(&buf[i * PAGE_SIZE + start..i * PAGE_SIZE + stop]);
+            at += n;
+        }
+        Ok(())
+    }
+
+    /// Writes `data` at `offset` (`Some`), or zeros (`None`, with `len` bytes); with `fua`, the
+    /// write is on its backing before this returns.
+    fn put(
+        &self,
+        offset: u64,
+        len: u64,
+        data: Option<&[u8]>,
+        fua: bool,
+    ) -> Result<(), DeviceError> {
+        let mut pager = self.pager();
+        let mut zero_pages = Vec::new();
+        let mut data_pages = Vec::new();
+        let mut data_buf = Vec::new();
+        let mut page_buf = vec![0u8; PAGE_SIZE];
+        let mut at = 0usize;
+        for (p, start, stop) in pages_of(offset, len) {
+            let n = stop - start;
+            if n == PAGE_SIZE && data.is_none_or(|d| d[at..at + n].iter().all(|&b| b == 0)) {
+                zero_pages.push(p);
+            } else {
+                if n < PAGE_SIZE {
+                    pager.read(p, &mut page_buf)?; // read-modify-write of a partial page
+                }
+                match data {
+                    Some(d) => page_buf[start..stop].copy_from_slice(&d[at..at + n]),
+                    None => page_buf[start..stop].fill(0),
+                }
+                if page_buf.iter().all(|&b| b == 0) {
+                    zero_pages.push(p);
+                } else {
+                    data_pages.push(p);
+                    data_buf.extend_from_slice(&page_buf);
+                }
+            }
+            at += n;
+            // Bound the staging buffer of a long write.
+            if data_buf.len() >= 4 << 20 {
+                pager.write_many(&data_pages, &data_buf)?;
+                data_pages.clear();
+                data_buf.clear();
+            }
+        }
+        pager.write_many(&data_pages, &data_buf)?;
+        pager.discard_many(&zero_pages)?;
+        if fua {
+            pager.flush()?;
+        }
+        Ok(())
+    }
+
+    pub fn write(&self, offset: u64, data: &[u8], fua: bool) -> Result<(), DeviceError> {
+        self.put(offset, data.len() as u64, Some(data), fua)
+    }
+
+    pub fn write_zeroes(&self, offset: u64, len: u64, fua: bool) -> Result<(), DeviceError> {
+        self.put(offset, len, None, fua)
+    }
+
+    /// Discards the whole pages in the range. Partial pages are left as they are: after a TRIM
+    /// a client may assume nothing about the range until it writes it again.
+    pub fn trim(&self, offset: u64, len: u64) -> Result<(), DeviceError> {
+        let whole: Vec<u64> = pages_of(offset, len)
+            .filter(|&(_, start, stop)| stop - start == PAGE_SIZE)
+            .map(|(p, _, _)| p)
+            .collect();
+        self.pager().discard_many(&whole)?;
+        Ok(())
+    }
+
+    /// Writes every dirty cached page to its backing.
+    pub fn flush(&self) -> Result<(), DeviceError> {
+        self.pager().flush()?;
+        Ok(())
+    }
+
+    /// Brings the range into the pager's cache (NBD_CMD_CACHE).
+    pub fn cache(&self, offset: u64, len: u64) -> Result<(), DeviceError> {
+        let mut buf = vec![0u8; PAGE_SIZE];
+        let mut pager = self.pager();
+        for (p, _, _) in pages_of(offset, len) {
+            pager.read(p, &mut buf)?;
+        }
+        Ok(())
+    }
+
+    /// base:allocation extents of the range: (length, NBD_STATE_* flags), at most `max` of them.
+    pub fn block_status(&self, offset: u64, len: u64, max: usize) -> Vec<(u32, u32)> {
+        let pager = self.pager();
+        let mut extents: Vec<(u32, u32)> = Vec::new();
+        for (p, start, stop) in pages_of(offset, len) {
+            let flags = if pager.is_written(p) {
+                0
+            } else {
+                crate::wire::STATE_HOLE | crate::wire::STATE_ZERO
+            };
+            let n = (stop - start) as u32;
+            let full = extents.len() == max;
+            match extents.last_mut() {
+                Some((l, f)) if *f == flags && l.checked_add(n).is_some() => *l += n,
+                _ if full => break,
+                _ => extents.push((n, flags)),
+            }
+        }
+        extents
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::pages_of;
+
+    #[test]
+    fn ranges_split_into_pages() {
+        let v: Vec<_> = pages_of(100, 5000).collect();
+        assert_eq!(v, vec![(0, 100, 4096), (1, 0, 1004)]);
+        let v: Vec<_> = pages_of(4096, 8192).collect();
+        assert_eq!(v, vec![(1, 0, 4096), (2, 0, 4096)]);
+        assert_eq!(pages_of(7, 0).count(), 0);
+        let v: Vec<_> = pages_of(4095, 2).collect();
+        assert_eq!(v, vec![(0, 4095, 4096), (1, 0, 1)]);
+    }
+}

@@ -1,0 +1,489 @@
+//! The NBD server: the fixed-newstyle handshake and the transmission phase, one thread per
+//! connection, over a unix or TCP socket.
+//!
+//! Bad input gets the answer the protocol gives it, and the connection goes on: an unknown option
+//! gets NBD_REP_ERR_UNSUP, a request out of range or with bad flags EINVAL (ENOSPC for a write
+//! past the end), an unknown command EINVAL. Only what cannot be resynchronised closes the
+//! connection: a bad magic, an option or a write larger than the limits, a client that vanishes.
+//! Other connections are not affected, and no acknowledged write is lost: a write is answered
+//! only once the pager holds it (and, with FUA, once it is on its backing).
+
+use crate::device::{Device, DeviceError, MAX_REQUEST};
+use crate::wire::*;
+use netram_pager::{Disk, Transport};
+use std::io::{self, BufReader, BufWriter, Read, Write};
+use std::sync::atomic::{AtomicBool, Ordering};
+
+/// Option data larger than this closes the connection (no option served needs a tenth of it).
+const MAX_OPTION_LEN: u32 = 64 * 1024;
+/// The one export; `""` (the default name) reaches it too.
+pub const EXPORT_NAME: &str = "netram";
+/// The context id of `base:allocation`, the only meta context served.
+const BASE_ALLOCATION_ID: u32 = 1;
+/// Extents in one BLOCK_STATUS reply at most.
+const MAX_EXTENTS: usize = 16 * 1024;
+
+const TRANSMISSION_FLAGS: u16 = TFLAG_HAS_FLAGS
+    | TFLAG_SEND_FLUSH
+    | TFLAG_SEND_FUA
+    | TFLAG_SEND_TRIM
+    | TFLAG_SEND_WRITE_ZEROES
+    | TFLAG_SEND_DF
+    | TFLAG_CAN_MULTI_CONN
+    | TFLAG_SEND_CACHE
+    | TFLAG_SEND_FAST_ZERO;
+
+/// A socket whose read and write sides can be used through two handles, and that can be shut
+/// down from another thread (to end a connection blocked in `read` when the server stops).
+pub trait Socket: Read + Write + Send + Sized + 'static {
+    fn try_clone(&self) -> io::Result<Self>;
+    fn shut(&self);
+}
+
+impl Socket for std::net::TcpStream {
+    fn try_clone(&self) -> io::Result<Self> {
+        std::net::TcpStream::try_clone(self)
+    }
+    fn shut(&self) {
+        let _ = self.shutdown(std::net::Shutdown::Both);
+    }
+}
+
+impl Socket for std::os::unix::net::UnixStream {
+    fn try_clone(&self) -> io::Result<Self> {
+        std::os::unix::net::UnixStream::try_clone(self)
+    }
+    fn shut(&self) {
+        let _ = self.shutdown(std::net::Shutdown::Both);
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConnError {
+    #[error("i/o: {0}")]
+    Io(#[from] io::Error),
+    #[error("protocol: {0}")]
+    Wire(#[from] WireError),
+    #[error("{0}")]
+    Closed(String),
+}
+
+/// What the handshake settled.
+#[derive(Debug, Default)]
+struct Session {
+    structured: bool,
+    base_allocation: bool,
+}
+
+fn known_export(name: &str) -> bool {
+    name.is_empty() || name == EXPORT_NAME
+}
+
+struct Conn<S: Socket> {
+    r: BufReader<S>,
+    w: BufWriter<S>,
+    out: Vec<u8>,
+}
+
+impl<S: Socket> Conn<S> {
+    fn send(&mut self) -> io::Result<()> {
+        self.w.write_all(&self.out)?;
+        self.out.clear();
+        self.w.flush()
+    }
+}
+
+/// Serves one connection until the client disconnects or `shutdown` is set.
+pub fn serve_connection<S, T, D>(
+    socket: S,
+    device: &Device<T, D>,
+    shutdown: &AtomicBool,
+) -> Result<(), ConnError>
+where
+    S: Socket,
+    T: Transport,
+    D: Disk,
+{
+    let w = socket.try_clone()?;
+    let mut c = Conn {
+        r: BufReader::with_capacity(256 * 1024, socket),
+        w: BufWriter::with_capacity(256 * 1024, w),
+        out: Vec::with_capacity(64 * 1024),
+    };
+    match handshake(&mut c, device)? {
+        Some(session) => transmission(&mut c, device, &session, shutdown),
+        None => Ok(()),
+    }
+}
+
+fn export_info(device_size: u64) -> Vec<u8> {
+    let mut d = INFO_EXPORT.to_be_bytes().to_vec();
+    d.extend_from_slice(&device_size.to_be_bytes());
+    d.extend_from_slice(&TRANSMISSION_FLAGS.to_be_bytes());
+    d
+}
+
+/// Runs option haggling; `Some` when the client moved on to transmission.
+fn handshake<S: Socket, T: Transport, D: Disk>(
+    c: &mut Conn<S>,
+    device: &Device<T, D>,
+) -> Result<Option<Session>, ConnError> {
+    c.out.extend_from_slice(&NBDMAGIC.to_be_bytes());
+    c.out.extend_from_slice(&IHAVEOPT.to_be_bytes());
+    c.out
+        .extend_from_slice(&(FLAG_FIXED_NEWSTYLE | FLAG_NO_ZEROES).to_be_bytes());
+    c.send()?;
+    let mut flags = [0u8; 4];
+    c.r.read_exact(&mut flags)?;
+    let client_flags = parse_client_flags(flags)?;
+    if client_flags & CLIENT_FIXED_NEWSTYLE == 0 {
+        return Err(ConnError::Closed(
+            "client does not speak fixed newstyle".into(),
+        ));
+    }
+    let mut session = Session::default();
+    loop {
+        let mut h = [0u8; OPTION_HEADER_LEN];
+        c.r.read_exact(&mut h)?;
+        let (option, len) = parse_option_header(&h, MAX_OPTION_LEN)?;
+        let mut data = vec![0u8; len as usize];
+        c.r.read_exact(&mut data)?;
+        match option {
+            OPT_EXPORT_NAME => {
+                let name = String::from_utf8_lossy(&data);
+                if !known_export(&name) {
+                    // The protocol has no error reply for this option: closing is the answer.
+                    return Err(ConnError::Closed(format!("unknown export {name:?}")));
+                }
+                c.out.extend_from_slice(&device.size().to_be_bytes());
+                c.out.extend_from_slice(&TRANSMISSION_FLAGS.to_be_bytes());
+                if client_flags & CLIENT_NO_ZEROES == 0 {
+                    c.out.extend_from_slice(&[0u8; 124]);
+                }
+                c.send()?;
+                return Ok(Some(session));
+            }
+            OPT_ABORT => {
+                option_reply(&mut c.out, option, REP_ACK, &[]);
+                let _ = c.send(); // the client may already be gone
+                return Ok(None);
+            }
+            OPT_LIST if data.is_empty() => {
+                let mut d = (EXPORT_NAME.len() as u32).to_be_bytes().to_vec();
+                d.extend_from_slice(EXPORT_NAME.as_bytes());
+                option_reply(&mut c.out, option, REP_SERVER, &d);
+                option_reply(&mut c.out, option, REP_ACK, &[]);
+            }
+            OPT_INFO | OPT_GO => match parse_info_request(option, &data) {
+                Ok(req) if known_export(&req.name) => {
+                    option_reply(&mut c.out, option, REP_INFO, &export_info(device.size()));
+                    if req.requests.contains(&INFO_BLOCK_SIZE) {
+                        // Any alignment works (partial pages are read-modify-written); a page is
+                        // what is cheap.
+                        let mut d = INFO_BLOCK_SIZE.to_be_bytes().to_vec();
+                        d.extend_from_slice(&1u32.to_be_bytes());
+                        d.extend_from_slice(&(netram_proto::PAGE_SIZE as u32).to_be_bytes());
+                        d.extend_from_slice(&MAX_REQUEST.to_be_bytes());
+                        option_reply(&mut c.out, option, REP_INFO, &d);
+                    }
+                    if req.requests.contains(&INFO_NAME) {
+                        let mut d = INFO_NAME.to_be_bytes().to_vec();
+                        d.extend_from_slice(EXPORT_NAME.as_bytes());
+                        option_reply(&mut c.out, option, REP_INFO, &d);
+                    }
+                    option_reply(&mut c.out, option, REP_ACK, &[]);
+                    if option == OPT_GO {
+                        c.send()?;
+                        return Ok(Some(session));
+                    }
+                }
+                Ok(req) => option_reply(
+                    &mut c.out,
+                    option,
+                    REP_ERR_UNKNOWN,
+                    format!("no export {:?}", req.name).as_bytes(),
+                ),
+                Err(e) => option_reply(
+                    &mut c.out,
+                    option,
+                    REP_ERR_INVALID,
+                    e.to_string().as_bytes(),
+                ),
+            },
+            OPT_STRUCTURED_REPLY if data.is_empty() => {
+                session.structured = true;
+                option_reply(&mut c.out, option, REP_ACK, &[]);
+            }
+            OPT_LIST_META_CONTEXT | OPT_SET_META_CONTEXT => {
+                match parse_meta_context_request(option, &data) {
+                    Ok(_) if option == OPT_SET_META_CONTEXT && !session.structured => {
+                        option_reply(
+                            &mut c.out,
+                            option,
+                            REP_ERR_INVALID,
+                            b"meta contexts need structured replies",
+                        );
+                    }
+                    Ok(req) if known_export(&req.name) => {
+                        let listing = option == OPT_LIST_META_CONTEXT;
+                        let wanted = req.queries.iter().any(|q| {
+                            q == "base:allocation" || (listing && (q == "base:" || q.is_empty()))
+                        }) || (listing && req.queries.is_empty());
+                        if wanted {
+                            let mut d = BASE_ALLOCATION_ID.to_be_bytes().to_vec();
+                            d.extend_from_slice(b"base:allocation");
+                            option_reply(&mut c.out, option, REP_META_CONTEXT, &d);
+                            if !listing {
+                                session.base_allocation = true;
+                            }
+                        }
+                        option_reply(&mut c.out, option, REP_ACK, &[]);
+                    }
+                    Ok(req) => option_reply(
+                        &mut c.out,
+                        option,
+                        REP_ERR_UNKNOWN,
+                        format!("no export {:?}", req.name).as_bytes(),
+                    ),
+                    Err(e) => option_reply(
+                        &mut c.out,
+                        option,
+                        REP_ERR_INVALID,
+                        e.to_string().as_bytes(),
+                    ),
+                }
+            }
+            OPT_LIST | OPT_STRUCTURED_REPLY => {
+                option_reply(
+                    &mut c.out,
+                    option,
+                    REP_ERR_INVALID,
+                    b"this option takes no data",
+                );
+            }
+            OPT_STARTTLS => option_reply(
+                &mut c.out,
+                option,
+                REP_ERR_POLICY,
+                b"TLS is not supported yet",
+            ),
+            _ => option_reply(&mut c.out, option, REP_ERR_UNSUP, b"unknown option"),
+        }
+        c.send()?;
+    }
+}
+
+/// Which command flags each command accepts.
+fn allowed_flags(kind: u16) -> u16 {
+    match kind {
+        CMD_READ => CMD_FLAG_DF,
+        CMD_WRITE => CMD_FLAG_FUA,
+        CMD_WRITE_ZEROES => CMD_FLAG_FUA | CMD_FLAG_NO_HOLE | CMD_FLAG_FAST_ZERO,
+        CMD_TRIM => CMD_FLAG_FUA,
+        CMD_BLOCK_STATUS => CMD_FLAG_REQ_ONE,
+        _ => 0,
+    }
+}
+
+fn transmission<S: Socket, T: Transport, D: Disk>(
+    c: &mut Conn<S>,
+    device: &Device<T, D>,
+    session: &Session,
+    shutdown: &AtomicBool,
+) -> Result<(), ConnError> {
+    let mut data: Vec<u8> = Vec::new();
+    loop {
+        if shutdown.load(Ordering::SeqCst) {
+            return Ok(());
+        }
+        let mut h = [0u8; REQUEST_LEN];
+        match c.r.read_exact(&mut h) {
+            Ok(()) => {}
+            // A client that goes away between requests is a normal end.
+            Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => return Ok(()),
+            Err(e) => return Err(e.into()),
+        }
+        let req = parse_request(&h)?;
+        if req.kind == CMD_WRITE {
+            if req.len > MAX_REQUEST {
+                return Err(ConnError::Closed(format!(
+                    "write of {} bytes is larger than the {MAX_REQUEST}-byte limit",
+                    req.len
+                )));
+            }
+            data.resize(req.len as usize, 0);
+            c.r.read_exact(&mut data)?;
+        }
+        if req.kind == CMD_DISC {
+            // Everything acknowledged is already in the pager; nothing more to answer.
+            return Ok(());
+        }
+        let result = execute(device, session, &req, &data, &mut c.out);
+        if let Err((errno, why)) = result {
+            tracing::debug!(
+                kind = req.kind,
+                offset = req.offset,
+                len = req.len,
+                "request refused: {why}"
+            );
+            if session.structured {
+                error_chunk(&mut c.out, req.cookie, errno, &why);
+            } else {
+                simple_reply(&mut c.out, req.cookie, errno as u32);
+            }
+        }
+        c.send()?;
+    }
+}
+
+type Refusal = (Errno, String);
+
+fn device_error(e: DeviceError) -> Refusal {
+    tracing::warn!("I/O error: {e}");
+    (Errno::Io, e.to_string())
+}
+
+/// Runs one request and appends its successful reply to `out`; a refusal is the caller's to send.
+fn execute<T: Transport, D: Disk>(
+    device: &Device<T, D>,
+    session: &Session,
+    req: &Request,
+    data: &[u8],
+    out: &mut Vec<u8>,
+) -> Result<(), Refusal> {
+    let known = matches!(
+        req.kind,
+        CMD_READ
+            | CMD_WRITE
+            | CMD_FLUSH
+            | CMD_TRIM
+            | CMD_CACHE
+            | CMD_WRITE_ZEROES
+            | CMD_BLOCK_STATUS
+    );
+    if !known {
+        return Err((Errno::Inval, format!("unknown command {}", req.kind)));
+    }
+    if req.flags & !allowed_flags(req.kind) != 0 {
+        return Err((
+            Errno::Inval,
+            format!(
+                "flags {:#x} are not valid for command {}",
+                req.flags, req.kind
+            ),
+        ));
+    }
+    let end = req.offset.checked_add(u64::from(req.len));
+    let in_range = end.is_some_and(|e| e <= device.size());
+    if req.kind != CMD_FLUSH && !in_range {
+        let errno = if matches!(req.kind, CMD_WRITE | CMD_WRITE_ZEROES | CMD_TRIM) {
+            Errno::NoSpc
+        } else {
+            Errno::Inval
+        };
+        return Err((
+            errno,
+            format!(
+                "{} bytes at {} run past the end ({} bytes)",
+                req.len,
+                req.offset,
+                device.size()
+            ),
+        ));
+    }
+    let (offset, len) = (req.offset, u64::from(req.len));
+    let fua = req.flags & CMD_FLAG_FUA != 0;
+    let done = |out: &mut Vec<u8>| {
+        if session.structured {
+            chunk_header(out, req.cookie, REPLY_FLAG_DONE, REPLY_TYPE_NONE, 0);
+        } else {
+            simple_reply(out, req.cookie, 0);
+        }
+    };
+    match req.kind {
+        CMD_READ => {
+            if req.len > MAX_REQUEST {
+                return Err((
+                    Errno::Inval,
+                    format!("read of {} bytes is larger than the limit", req.len),
+                ));
+            }
+            let at = out.len();
+            let payload_at = if session.structured {
+                chunk_header(
+                    out,
+                    req.cookie,
+                    REPLY_FLAG_DONE,
+                    REPLY_TYPE_OFFSET_DATA,
+                    8 + req.len,
+                );
+                out.extend_from_slice(&offset.to_be_bytes());
+                out.len()
+            } else {
+                simple_reply(out, req.cookie, 0);
+                out.len()
+            };
+            out.resize(payload_at + req.len as usize, 0);
+            if let Err(e) = device.read(offset, &mut out[payload_at..]) {
+                out.truncate(at);
+                return Err(device_error(e));
+            }
+        }
+        CMD_WRITE => {
+            device.write(offset, data, fua).map_err(device_error)?;
+            done(out);
+        }
+        CMD_WRITE_ZEROES => {
+            device
+                .write_zeroes(offset, len, fua)
+                .map_err(device_error)?;
+            done(out);
+        }
+        CMD_TRIM => {
+            device.trim(offset, len).map_err(device_error)?;
+            if fua {
+                device.flush().map_err(device_error)?;
+            }
+            done(out);
+        }
+        CMD_FLUSH => {
+            device.flush().map_err(device_error)?;
+            done(out);
+        }
+        CMD_CACHE => {
+            device.cache(offset, len).map_err(device_error)?;
+            done(out);
+        }
+        CMD_BLOCK_STATUS => {
+            if !session.structured || !session.base_allocation {
+                return Err((
+                    Errno::Inval,
+                    "BLOCK_STATUS needs structured replies and base:allocation".into(),
+                ));
+            }
+            if len == 0 {
+                return Err((Errno::Inval, "BLOCK_STATUS of zero bytes".into()));
+            }
+            let max = if req.flags & CMD_FLAG_REQ_ONE != 0 {
+                1
+            } else {
+                MAX_EXTENTS
+            };
+            let extents = device.block_status(offset, len, max);
+            chunk_header(
+                out,
+                req.cookie,
+                REPLY_FLAG_DONE,
+                REPLY_TYPE_BLOCK_STATUS,
+                4 + 8 * extents.len() as u32,
+            );
+            out.extend_from_slice(&BASE_ALLOCATION_ID.to_be_bytes());
+            for (l, f) in extents {
+                out.extend_from_slice(&l.to_be_bytes());
+                out.extend_from_slice(&f.to_be_bytes());
+            }
+        }
+        _ => unreachable!("checked above"),
+    }
+    Ok(())
+}
