@@ -44,6 +44,11 @@ pub struct NbdArgs {
     /// Keep CPUs out of deep idle and poll before sleeping (see `netram serve --help`).
     #[arg(long)]
     low_latency: bool,
+    /// Do not lock this process's memory or mark it an I/O flusher. Both are done by default
+    /// (when allowed: root, or the capability and an unlimited RLIMIT_MEMLOCK) because a swap
+    /// device that waits for memory can deadlock the machine it serves.
+    #[arg(long)]
+    no_lock_memory: bool,
 }
 
 fn size(what: &str, s: &str) -> anyhow::Result<u64> {
@@ -54,6 +59,20 @@ fn size(what: &str, s: &str) -> anyhow::Result<u64> {
 }
 
 pub fn run(args: NbdArgs) -> anyhow::Result<()> {
+    if !args.no_lock_memory {
+        let h = netram_node::pressure::prepare_for_swap();
+        match (&h.memory_locked, &h.io_flusher) {
+            (Ok(()), Ok(())) => tracing::info!("memory locked; marked as an I/O flusher"),
+            _ => {
+                for why in [h.memory_locked.err(), h.io_flusher.err()]
+                    .into_iter()
+                    .flatten()
+                {
+                    tracing::warn!("not safe as swap under memory pressure: {why}");
+                }
+            }
+        }
+    }
     let bytes = size("size", &args.size)?;
     if bytes == 0 {
         bail!("the device needs a size above zero");

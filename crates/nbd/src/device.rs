@@ -88,17 +88,26 @@ impl<T: Transport, D: Disk> Device<T, D> {
 
     /// Reads `out.len()` bytes at `offset`.
     pub fn read(&self, offset: u64, out: &mut [u8]) -> Result<(), DeviceError> {
-        let pages: Vec<(u64, usize, usize)> = pages_of(offset, out.len() as u64).collect();
+        out.copy_from_slice(&self.read_ranges(&[(offset, out.len() as u32)])?);
+        Ok(())
+    }
+
+    /// Reads several ranges with one pipelined pager read of all their pages; returns their
+    /// bytes one after the other.
+    pub fn read_ranges(&self, ranges: &[(u64, u32)]) -> Result<Vec<u8>, DeviceError> {
+        let pages: Vec<(u64, usize, usize)> = ranges
+            .iter()
+            .flat_map(|&(o, l)| pages_of(o, u64::from(l)))
+            .collect();
         let numbers: Vec<u64> = pages.iter().map(|p| p.0).collect();
         let mut buf = vec![0u8; numbers.len() * PAGE_SIZE];
         self.pager().read_many(&numbers, &mut buf)?;
-        let mut at = 0;
+        let total: usize = ranges.iter().map(|&(_, l)| l as usize).sum();
+        let mut out = Vec::with_capacity(total);
         for (i, &(_, start, stop)) in pages.iter().enumerate() {
-            let n = stop - start;
-            out[at..at + n].copy_from_slice(&buf[i * PAGE_SIZE + start..i * PAGE_SIZE + stop]);
-            at += n;
+            out.extend_from_slice(&buf[i * PAGE_SIZE + start..i * PAGE_SIZE + stop]);
         }
-        Ok(())
+        Ok(out)
     }
 
     /// Writes `data` at `offset` (`Some`), or zeros (`None`, with `len` bytes); with `fua`, the

@@ -285,54 +285,160 @@ fn allowed_flags(kind: u16) -> u16 {
     }
 }
 
+/// Requests taken at once from what the client has already sent (and their write data at most).
+const PIPELINE_MAX: usize = 64;
+const PIPELINE_BYTES_MAX: usize = 64 << 20;
+
+/// Reads one request and, for a WRITE, its data (appended to `payload`). `None` when the
+/// client closed the connection between requests.
+fn read_request<S: Socket>(
+    c: &mut Conn<S>,
+    payload: &mut Vec<u8>,
+) -> Result<Option<(Request, std::ops::Range<usize>)>, ConnError> {
+    let mut h = [0u8; REQUEST_LEN];
+    match c.r.read_exact(&mut h) {
+        Ok(()) => {}
+        // A client that goes away between requests is a normal end.
+        Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => return Ok(None),
+        Err(e) => return Err(e.into()),
+    }
+    let req = parse_request(&h)?;
+    let start = payload.len();
+    if req.kind == CMD_WRITE {
+        if req.len > MAX_REQUEST {
+            return Err(ConnError::Closed(format!(
+                "write of {} bytes is larger than the {MAX_REQUEST}-byte limit",
+                req.len
+            )));
+        }
+        payload.resize(start + req.len as usize, 0);
+        c.r.read_exact(&mut payload[start..])?;
+    }
+    Ok(Some((req, start..payload.len())))
+}
+
 fn transmission<S: Socket, T: Transport, D: Disk>(
     c: &mut Conn<S>,
     device: &Device<T, D>,
     session: &Session,
     shutdown: &AtomicBool,
 ) -> Result<(), ConnError> {
-    let mut data: Vec<u8> = Vec::new();
+    let mut payload: Vec<u8> = Vec::new();
+    let mut batch = Vec::with_capacity(PIPELINE_MAX);
     loop {
         if shutdown.load(Ordering::SeqCst) {
             return Ok(());
         }
-        let mut h = [0u8; REQUEST_LEN];
-        match c.r.read_exact(&mut h) {
-            Ok(()) => {}
-            // A client that goes away between requests is a normal end.
-            Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => return Ok(()),
-            Err(e) => return Err(e.into()),
+        payload.clear();
+        batch.clear();
+        // Block for one request, then take every further one the client has already sent: a
+        // client keeping 32 requests in flight gets them served as one pipelined batch.
+        match read_request(c, &mut payload)? {
+            Some(r) => batch.push(r),
+            None => return Ok(()),
         }
-        let req = parse_request(&h)?;
-        if req.kind == CMD_WRITE {
-            if req.len > MAX_REQUEST {
-                return Err(ConnError::Closed(format!(
-                    "write of {} bytes is larger than the {MAX_REQUEST}-byte limit",
-                    req.len
-                )));
+        let mut ended = None;
+        while batch.len() < PIPELINE_MAX
+            && payload.len() < PIPELINE_BYTES_MAX
+            && c.r.buffer().len() >= REQUEST_LEN
+        {
+            match read_request(c, &mut payload) {
+                Ok(Some(r)) => batch.push(r),
+                Ok(None) => break,
+                // Answer what came before the bad request, then close.
+                Err(e) => {
+                    ended = Some(e);
+                    break;
+                }
             }
-            data.resize(req.len as usize, 0);
-            c.r.read_exact(&mut data)?;
         }
-        if req.kind == CMD_DISC {
-            // Everything acknowledged is already in the pager; nothing more to answer.
+        // Everything before a DISC is answered; nothing after it.
+        let disc = batch.iter().position(|(r, _)| r.kind == CMD_DISC);
+        run_batch(
+            device,
+            session,
+            &batch[..disc.unwrap_or(batch.len())],
+            &payload,
+            &mut c.out,
+        );
+        c.send()?;
+        if let Some(e) = ended {
+            return Err(e);
+        }
+        if disc.is_some() {
             return Ok(());
         }
-        let result = execute(device, session, &req, &data, &mut c.out);
-        if let Err((errno, why)) = result {
-            tracing::debug!(
-                kind = req.kind,
-                offset = req.offset,
-                len = req.len,
-                "request refused: {why}"
-            );
-            if session.structured {
-                error_chunk(&mut c.out, req.cookie, errno, &why);
-            } else {
-                simple_reply(&mut c.out, req.cookie, errno as u32);
+    }
+}
+
+fn refuse(session: &Session, req: &Request, (errno, why): Refusal, out: &mut Vec<u8>) {
+    tracing::debug!(
+        kind = req.kind,
+        offset = req.offset,
+        len = req.len,
+        "request refused: {why}"
+    );
+    if session.structured {
+        error_chunk(out, req.cookie, errno, &why);
+    } else {
+        simple_reply(out, req.cookie, errno as u32);
+    }
+}
+
+/// Runs a batch in order, appending every reply to `out`. Consecutive valid READs become one
+/// pipelined read of all their pages.
+fn run_batch<T: Transport, D: Disk>(
+    device: &Device<T, D>,
+    session: &Session,
+    batch: &[(Request, std::ops::Range<usize>)],
+    payload: &[u8],
+    out: &mut Vec<u8>,
+) {
+    let is_read = |r: &Request| r.kind == CMD_READ && check(device, r).is_ok();
+    let mut i = 0;
+    while i < batch.len() {
+        let reads = batch[i..].iter().take_while(|(r, _)| is_read(r)).count();
+        if reads == 0 {
+            let (req, data) = &batch[i];
+            if let Err(refusal) = check(device, req)
+                .and_then(|()| execute(device, session, req, &payload[data.clone()], out))
+            {
+                refuse(session, req, refusal, out);
+            }
+            i += 1;
+            continue;
+        }
+        let group = &batch[i..i + reads];
+        let ranges: Vec<(u64, u32)> = group.iter().map(|(r, _)| (r.offset, r.len)).collect();
+        match device.read_ranges(&ranges) {
+            Ok(data) => {
+                let mut at = 0;
+                for (req, _) in group {
+                    let n = req.len as usize;
+                    if session.structured {
+                        chunk_header(
+                            out,
+                            req.cookie,
+                            REPLY_FLAG_DONE,
+                            REPLY_TYPE_OFFSET_DATA,
+                            8 + req.len,
+                        );
+                        out.extend_from_slice(&req.offset.to_be_bytes());
+                    } else {
+                        simple_reply(out, req.cookie, 0);
+                    }
+                    out.extend_from_slice(&data[at..at + n]);
+                    at += n;
+                }
+            }
+            Err(e) => {
+                let refusal = device_error(e);
+                for (req, _) in group {
+                    refuse(session, req, refusal.clone(), out);
+                }
             }
         }
-        c.send()?;
+        i += reads;
     }
 }
 
@@ -343,14 +449,8 @@ fn device_error(e: DeviceError) -> Refusal {
     (Errno::Io, e.to_string())
 }
 
-/// Runs one request and appends its successful reply to `out`; a refusal is the caller's to send.
-fn execute<T: Transport, D: Disk>(
-    device: &Device<T, D>,
-    session: &Session,
-    req: &Request,
-    data: &[u8],
-    out: &mut Vec<u8>,
-) -> Result<(), Refusal> {
+/// Whether a request may run at all: a known command, flags it accepts, inside the device.
+fn check<T: Transport, D: Disk>(device: &Device<T, D>, req: &Request) -> Result<(), Refusal> {
     let known = matches!(
         req.kind,
         CMD_READ
@@ -391,6 +491,24 @@ fn execute<T: Transport, D: Disk>(
             ),
         ));
     }
+    if req.kind == CMD_READ && req.len > MAX_REQUEST {
+        return Err((
+            Errno::Inval,
+            format!("read of {} bytes is larger than the limit", req.len),
+        ));
+    }
+    Ok(())
+}
+
+/// Runs one checked request and appends its successful reply to `out`; a refusal is the
+/// caller's to send.
+fn execute<T: Transport, D: Disk>(
+    device: &Device<T, D>,
+    session: &Session,
+    req: &Request,
+    data: &[u8],
+    out: &mut Vec<u8>,
+) -> Result<(), Refusal> {
     let (offset, len) = (req.offset, u64::from(req.len));
     let fua = req.flags & CMD_FLAG_FUA != 0;
     let done = |out: &mut Vec<u8>| {
@@ -401,34 +519,7 @@ fn execute<T: Transport, D: Disk>(
         }
     };
     match req.kind {
-        CMD_READ => {
-            if req.len > MAX_REQUEST {
-                return Err((
-                    Errno::Inval,
-                    format!("read of {} bytes is larger than the limit", req.len),
-                ));
-            }
-            let at = out.len();
-            let payload_at = if session.structured {
-                chunk_header(
-                    out,
-                    req.cookie,
-                    REPLY_FLAG_DONE,
-                    REPLY_TYPE_OFFSET_DATA,
-                    8 + req.len,
-                );
-                out.extend_from_slice(&offset.to_be_bytes());
-                out.len()
-            } else {
-                simple_reply(out, req.cookie, 0);
-                out.len()
-            };
-            out.resize(payload_at + req.len as usize, 0);
-            if let Err(e) = device.read(offset, &mut out[payload_at..]) {
-                out.truncate(at);
-                return Err(device_error(e));
-            }
-        }
+        CMD_READ => unreachable!("reads run in groups (run_batch)"),
         CMD_WRITE => {
             device.write(offset, data, fua).map_err(device_error)?;
             done(out);

@@ -5,7 +5,8 @@
 //!   (paper 001, §2.1) and Nswap's per-node cache of remote pages (paper 004, §III);
 //! * [`client`]: the TCP [`netram_pager::Transport`], with soft-state refresh (Anemone §2.5);
 //! * [`disk`]: the local spill file behind [`netram_pager::Disk`] (Markatos, paper 003);
-//! * [`latency`]: the low-latency mode (PM QoS request, adaptive polling).
+//! * [`latency`]: the low-latency mode (PM QoS request, adaptive polling);
+//! * [`pressure`]: locking memory and PR_SET_IO_FLUSHER for a process that serves swap.
 //!
 //! # Why threads and blocking sockets, not an async runtime
 //!
@@ -29,4 +30,5 @@ pub mod client;
 pub mod disk;
 mod framing;
 pub mod latency;
+pub mod pressure;
 pub mod server;
