@@ -1,0 +1,247 @@
+//! The kernel's swap on netram, on a machine without an NBD driver: `netram nbd` → nbdfuse
+//! exposes the export as a file → a loop device on that file → `mkswap` + `swapon`. A program in
+//! a cgroup-v1 memory cgroup limited to a quarter of its working set writes and verifies every
+//! page, while /proc/swaps shows the device in use. Needs root; everything it sets up is undone
+//! in reverse order by a guard, also when the test fails.
+
+use common::{spawn_reporting, ServerProcess};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+mod common;
+
+const WORKLOAD: &str = env!("CARGO_BIN_EXE_netram-workload");
+const CGROUP_ROOT: &str = "/sys/fs/cgroup/memory";
+
+/// Undo actions, run last-in first-out when the guard drops.
+#[derive(Default)]
+struct Cleanup(Vec<(String, Box<dyn FnOnce()>)>);
+
+impl Cleanup {
+    fn push(&mut self, what: &str, undo: impl FnOnce() + 'static) {
+        self.0.push((what.to_string(), Box::new(undo)));
+    }
+}
+
+impl Drop for Cleanup {
+    fn drop(&mut self) {
+        while let Some((what, undo)) = self.0.pop() {
+            eprintln!("cleanup: {what}");
+            undo();
+        }
+    }
+}
+
+fn sh(cmd: &str, args: &[&str]) -> Result<String, String> {
+    let out = Command::new(cmd)
+        .args(args)
+        .output()
+        .map_err(|e| format!("{cmd}: {e}"))?;
+    if !out.status.success() {
+        return Err(format!(
+            "{cmd} {args:?}: {}: {}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        ));
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).trim().to_string())
+}
+
+fn kill_child(mut c: Child) {
+    let _ = c.kill();
+    let _ = c.wait();
+}
+
+/// Why this machine cannot run the swap test, if it cannot.
+fn missing_prerequisite() -> Option<String> {
+    // SAFETY: geteuid(2) has no preconditions and cannot fail.
+    if unsafe { libc::geteuid() } != 0 {
+        return Some("not root (swapon, losetup and cgroups need it; CI runs as root)".into());
+    }
+    if !Path::new(CGROUP_ROOT)
+        .join("memory.limit_in_bytes")
+        .exists()
+    {
+        return Some(format!("no cgroup-v1 memory controller at {CGROUP_ROOT}"));
+    }
+    for tool in ["nbdfuse", "losetup", "mkswap", "swapon", "swapoff"] {
+        if sh("sh", &["-c", &format!("command -v {tool}")]).is_err() {
+            return Some(format!("{tool} is not installed"));
+        }
+    }
+    None
+}
+
+/// Bytes of swap in use on `device`, from /proc/swaps.
+fn swap_used(device: &str) -> u64 {
+    std::fs::read_to_string("/proc/swaps")
+        .unwrap_or_default()
+        .lines()
+        .find(|l| l.split_whitespace().next() == Some(device))
+        .and_then(|l| l.split_whitespace().nth(3)?.parse::<u64>().ok())
+        .map(|kib| kib * 1024)
+        .unwrap_or(0)
+}
+
+fn wait_for(what: &str, timeout: Duration, mut ok: impl FnMut() -> bool) {
+    let deadline = Instant::now() + timeout;
+    while !ok() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Sets up swap on netram and runs the workload; with `kill_server`, SIGKILLs a page server
+/// once the device is in use.
+fn swap_through_netram(backing: &str, kill_server: bool) {
+    if let Some(why) = missing_prerequisite() {
+        eprintln!("SKIPPED: {why}");
+        return;
+    }
+    let working_set: u64 = 256 << 20;
+    let limit = working_set / 4;
+    let mut cleanup = Cleanup::default();
+
+    let servers: Vec<ServerProcess> = (0..3)
+        .map(|_| ServerProcess::start(&["--capacity", "256M"]))
+        .collect();
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("nbd.sock");
+    let list = servers
+        .iter()
+        .map(|s| s.addr.clone())
+        .collect::<Vec<_>>()
+        .join(",");
+    let (nbd, _) = spawn_reporting(
+        &[
+            "nbd",
+            "--size",
+            "512M",
+            "--cache",
+            "16M",
+            "--backing",
+            backing,
+            "--servers",
+            &list,
+            "--socket",
+            socket.to_str().unwrap(),
+        ],
+        "netram nbd: serving ",
+    );
+    cleanup.push("stop netram nbd", move || kill_child(nbd));
+
+    let mount: PathBuf = dir.path().join("mnt");
+    std::fs::create_dir(&mount).unwrap();
+    let file = mount.join("nbd");
+    let nbdfuse = Command::new("nbdfuse")
+        .arg(&file)
+        .arg(format!("nbd+unix:///?socket={}", socket.display()))
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("start nbdfuse");
+    {
+        let m = mount.clone();
+        cleanup.push("unmount nbdfuse and stop it", move || {
+            let _ = Command::new("umount").arg(&m).status();
+            kill_child(nbdfuse);
+        });
+    }
+    wait_for("nbdfuse's file", Duration::from_secs(10), || file.exists());
+
+    let lo = sh(
+        "losetup",
+        &["--find", "--show", "--direct-io=on", file.to_str().unwrap()],
+    )
+    .expect("a loop device");
+    {
+        let lo = lo.clone();
+        cleanup.push("detach the loop device", move || {
+            let _ = sh("losetup", &["-d", &lo]);
+        });
+    }
+    sh("mkswap", &[&lo]).expect("mkswap");
+    sh("swapon", &["-p", "32000", "--discard", &lo]).expect("swapon");
+    {
+        let lo = lo.clone();
+        cleanup.push("swapoff", move || {
+            let _ = sh("swapoff", &[&lo]);
+        });
+    }
+
+    let cg = Path::new(CGROUP_ROOT).join(format!("netram-swap-test-{}", std::process::id()));
+    std::fs::create_dir(&cg).expect("create a memory cgroup");
+    {
+        let cg = cg.clone();
+        cleanup.push("remove the cgroup", move || {
+            // Its last process may take a moment to leave.
+            for _ in 0..100 {
+                if std::fs::remove_dir(&cg).is_ok() {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        });
+    }
+    std::fs::write(cg.join("memory.limit_in_bytes"), limit.to_string()).unwrap();
+
+    let mut workload = Command::new("sh")
+        .arg("-c")
+        .arg(format!(
+            "echo $$ > {}/cgroup.procs && exec {WORKLOAD} touch {working_set} 42",
+            cg.display()
+        ))
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start the workload");
+    let started = Instant::now();
+    let mut used_max = 0;
+    let mut killed = false;
+    let status = loop {
+        if let Some(status) = workload.try_wait().unwrap() {
+            break status;
+        }
+        used_max = used_max.max(swap_used(&lo));
+        if kill_server && !killed && used_max > working_set / 4 {
+            servers[1].signal(libc::SIGKILL);
+            killed = true;
+        }
+        if started.elapsed() > Duration::from_secs(300) {
+            let _ = workload.kill();
+            panic!("the workload did not finish in 300 s (swap used at most {used_max} bytes)");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let out = workload.wait_with_output().unwrap();
+    assert!(
+        status.success(),
+        "workload failed: {status}\n{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(String::from_utf8_lossy(&out.stdout).contains("65536 pages written and verified"));
+    assert!(
+        used_max > working_set / 2,
+        "swap on {lo} was used: at most {used_max} bytes"
+    );
+    if kill_server {
+        assert!(killed, "a server was killed while the device was in use");
+    }
+    eprintln!(
+        "{backing}: {:?}, swap used at most {} MiB",
+        started.elapsed(),
+        used_max >> 20
+    );
+    drop(cleanup);
+    drop(servers);
+}
+
+/// One test, the two runs in turn: two swap devices at the same priority would be used
+/// round-robin by both workloads, each reaching into the other's device.
+#[test]
+fn kernel_swap_through_nbdfuse_and_a_loop_device() {
+    swap_through_netram("cluster", false);
+    swap_through_netram("cluster+disk", true);
+}
