@@ -123,6 +123,10 @@ fn export_info(device_size: u64) -> Vec<u8> {
     d
 }
 
+fn refuse_option(out: &mut Vec<u8>, option: u32, kind: u32, why: &str) {
+    option_reply(out, option, kind, why.as_bytes());
+}
+
 /// Runs option haggling; `Some` when the client moved on to transmission.
 fn handshake<S: Socket, T: Transport, D: Disk>(
     c: &mut Conn<S>,
@@ -197,18 +201,13 @@ fn handshake<S: Socket, T: Transport, D: Disk>(
                         return Ok(Some(session));
                     }
                 }
-                Ok(req) => option_reply(
+                Ok(req) => refuse_option(
                     &mut c.out,
                     option,
                     REP_ERR_UNKNOWN,
-                    format!("no export {:?}", req.name).as_bytes(),
+                    &format!("no export {:?}", req.name),
                 ),
-                Err(e) => option_reply(
-                    &mut c.out,
-                    option,
-                    REP_ERR_INVALID,
-                    e.to_string().as_bytes(),
-                ),
+                Err(e) => refuse_option(&mut c.out, option, REP_ERR_INVALID, &e.to_string()),
             },
             OPT_STRUCTURED_REPLY if data.is_empty() => {
                 session.structured = true;
@@ -239,18 +238,13 @@ fn handshake<S: Socket, T: Transport, D: Disk>(
                         }
                         option_reply(&mut c.out, option, REP_ACK, &[]);
                     }
-                    Ok(req) => option_reply(
+                    Ok(req) => refuse_option(
                         &mut c.out,
                         option,
                         REP_ERR_UNKNOWN,
-                        format!("no export {:?}", req.name).as_bytes(),
+                        &format!("no export {:?}", req.name),
                     ),
-                    Err(e) => option_reply(
-                        &mut c.out,
-                        option,
-                        REP_ERR_INVALID,
-                        e.to_string().as_bytes(),
-                    ),
+                    Err(e) => refuse_option(&mut c.out, option, REP_ERR_INVALID, &e.to_string()),
                 }
             }
             OPT_LIST | OPT_STRUCTURED_REPLY => {

@@ -151,14 +151,21 @@ fn be16(d: &[u8], at: usize) -> Option<u16> {
     Some(u16::from_be_bytes(d.get(at..at + 2)?.try_into().ok()?))
 }
 
-pub fn parse_info_request(option: u32, d: &[u8]) -> Result<InfoRequest, WireError> {
+/// The export name that opens INFO, GO and meta-context option data; returns it and where the
+/// rest of the data starts.
+fn export_name(option: u32, d: &[u8]) -> Result<(String, usize), WireError> {
     let bad = |why| WireError::BadOption { option, why };
-    let name_len = be32(d, 0).ok_or(bad("no export name length"))? as usize;
+    let len = be32(d, 0).ok_or(bad("no export name length"))? as usize;
     let name = d
-        .get(4..4 + name_len)
+        .get(4..4 + len)
         .ok_or(bad("export name runs past the data"))?;
     let name = String::from_utf8(name.to_vec()).map_err(|_| bad("export name is not UTF-8"))?;
-    let at = 4 + name_len;
+    Ok((name, 4 + len))
+}
+
+pub fn parse_info_request(option: u32, d: &[u8]) -> Result<InfoRequest, WireError> {
+    let bad = |why| WireError::BadOption { option, why };
+    let (name, at) = export_name(option, d)?;
     let n = be16(d, at).ok_or(bad("no count of info requests"))? as usize;
     if d.len() != at + 2 + 2 * n {
         return Err(bad("info request count does not match the data"));
