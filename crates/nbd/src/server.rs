@@ -282,6 +282,8 @@ fn allowed_flags(kind: u16) -> u16 {
 /// Requests taken at once from what the client has already sent (and their write data at most).
 const PIPELINE_MAX: usize = 64;
 const PIPELINE_BYTES_MAX: usize = 64 << 20;
+/// Bytes of consecutive writes staged together (a single larger write goes alone).
+const WRITE_GROUP_BYTES_MAX: usize = 8 << 20;
 
 /// Reads one request and, for a WRITE, its data (appended to `payload`). `None` when the
 /// client closed the connection between requests.
@@ -380,7 +382,7 @@ fn refuse(session: &Session, req: &Request, (errno, why): Refusal, out: &mut Vec
 }
 
 /// Runs a batch in order, appending every reply to `out`. Consecutive valid READs become one
-/// pipelined read of all their pages.
+/// pipelined read of all their pages, consecutive valid WRITEs one batched write.
 fn run_batch<T: Transport, D: Disk>(
     device: &Device<T, D>,
     session: &Session,
@@ -389,13 +391,49 @@ fn run_batch<T: Transport, D: Disk>(
     out: &mut Vec<u8>,
 ) {
     let is_read = |r: &Request| r.kind == CMD_READ && check(device, r).is_ok();
+    let is_write = |r: &Request| r.kind == CMD_WRITE && check(device, r).is_ok();
+    let done = |req: &Request, out: &mut Vec<u8>| {
+        if session.structured {
+            chunk_header(out, req.cookie, REPLY_FLAG_DONE, REPLY_TYPE_NONE, 0);
+        } else {
+            simple_reply(out, req.cookie, 0);
+        }
+    };
     let mut i = 0;
     while i < batch.len() {
+        // Consecutive writes, up to a bound on their bytes, go to the pager as one batch.
+        let mut bytes = 0usize;
+        let writes = batch[i..]
+            .iter()
+            .take_while(|(r, d)| {
+                bytes += d.len();
+                is_write(r) && (bytes <= WRITE_GROUP_BYTES_MAX || d.len() == bytes)
+            })
+            .count();
+        if writes > 0 {
+            let group = &batch[i..i + writes];
+            let ranges: Vec<(u64, &[u8])> = group
+                .iter()
+                .map(|(r, d)| (r.offset, &payload[d.clone()]))
+                .collect();
+            let fua = group.iter().any(|(r, _)| r.flags & CMD_FLAG_FUA != 0);
+            match device.write_many(&ranges, fua) {
+                Ok(()) => group.iter().for_each(|(req, _)| done(req, out)),
+                Err(e) => {
+                    let refusal = device_error(e);
+                    group
+                        .iter()
+                        .for_each(|(req, _)| refuse(session, req, refusal.clone(), out));
+                }
+            }
+            i += writes;
+            continue;
+        }
         let reads = batch[i..].iter().take_while(|(r, _)| is_read(r)).count();
         if reads == 0 {
-            let (req, data) = &batch[i];
-            if let Err(refusal) = check(device, req)
-                .and_then(|()| execute(device, session, req, &payload[data.clone()], out))
+            let (req, _) = &batch[i];
+            if let Err(refusal) =
+                check(device, req).and_then(|()| execute(device, session, req, out))
             {
                 refuse(session, req, refusal, out);
             }
@@ -500,7 +538,6 @@ fn execute<T: Transport, D: Disk>(
     device: &Device<T, D>,
     session: &Session,
     req: &Request,
-    data: &[u8],
     out: &mut Vec<u8>,
 ) -> Result<(), Refusal> {
     let (offset, len) = (req.offset, u64::from(req.len));
@@ -514,10 +551,7 @@ fn execute<T: Transport, D: Disk>(
     };
     match req.kind {
         CMD_READ => unreachable!("reads run in groups (run_batch)"),
-        CMD_WRITE => {
-            device.write(offset, data, fua).map_err(device_error)?;
-            done(out);
-        }
+        CMD_WRITE => unreachable!("writes run in groups (run_batch)"),
         CMD_WRITE_ZEROES => {
             device
                 .write_zeroes(offset, len, fua)
