@@ -292,7 +292,11 @@ mod tests {
         d.write_zeroes(2 * PAGE + 10, PAGE - 10, false).unwrap();
         let written: Vec<bool> = d.with_pager(|p| (0..4).map(|pg| p.is_written(pg)).collect());
         assert_eq!(written, vec![true, false, true, false]);
-        assert_eq!(d.block_status(0, 4 * PAGE, 16).len(), 4, "data, hole, data, hole");
+        assert_eq!(
+            d.block_status(0, 4 * PAGE, 16).len(),
+            4,
+            "data, hole, data, hole"
+        );
     }
 
     proptest! {
