@@ -66,8 +66,10 @@ enum BenchCommand {
 }
 
 fn init_logging(default: &str) {
+    // fuser warns about every operation a file system leaves to its defaults (xattrs the kernel
+    // probes once) and about the unmount it retries after netram's own: noise for users.
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(format!("{default},fuser=error")));
     tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)

@@ -1,4 +1,5 @@
-//! `netram nbd`: flags checked into a pager and a listener, then the NBD server.
+//! `netram nbd`: flags checked into a pager and a listener, then the NBD server (or the FUSE
+//! file).
 
 use anyhow::{bail, Context};
 use netram_nbd::{Device, Listener};
@@ -7,9 +8,10 @@ use netram_node::disk::FileDisk;
 use netram_pager::{Backing, Pager, PagerConfig};
 use netram_proto::PAGE_SIZE;
 use std::net::SocketAddr;
-use std::path::PathBuf;
-use std::sync::atomic::AtomicBool;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
+use std::time::Duration;
 
 #[derive(Debug, clap::Args)]
 pub struct NbdArgs {
@@ -21,12 +23,19 @@ pub struct NbdArgs {
     #[arg(long, value_delimiter = ',')]
     servers: Vec<String>,
     /// Serve on this unix socket [default: netram-nbd.sock in the temp dir].
-    #[arg(long, conflicts_with = "listen")]
+    #[arg(long, conflicts_with_all = ["listen", "fuse"])]
     socket: Option<PathBuf>,
     /// Serve on this TCP address instead of a unix socket (there is no authentication yet:
     /// keep it on loopback or a trusted network).
-    #[arg(long)]
+    #[arg(long, conflicts_with = "fuse")]
     listen: Option<SocketAddr>,
+    /// Instead of NBD, expose the device as the file MOUNTPOINT/device through FUSE (for a
+    /// loop device on a machine whose kernel has no NBD client: one hop fewer than nbdfuse).
+    /// MOUNTPOINT must be an existing directory. On SIGINT or SIGTERM the file system is
+    /// unmounted, unless a loop device still uses it: then netram keeps serving (the swapped
+    /// memory of every process would be lost otherwise) until it is detached.
+    #[arg(long, value_name = "MOUNTPOINT")]
+    fuse: Option<PathBuf>,
     /// Where the device's pages live: cluster (spills to local disk when the cluster is
     /// full), disk (local disk only), or cluster+disk (a write-through copy on disk, so any
     /// server may die).
@@ -110,7 +119,80 @@ pub fn run(args: NbdArgs) -> anyhow::Result<()> {
         ..Default::default()
     };
     let device = Arc::new(Device::new(Pager::new(cfg, transport, disk), bytes));
+    let shutdown = Arc::new(AtomicBool::new(false));
+    for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
+        signal_hook::flag::register(sig, shutdown.clone())
+            .context("cannot install signal handlers")?;
+    }
+    match &args.fuse {
+        Some(mountpoint) => serve_fuse(&device, mountpoint, bytes, &shutdown)?,
+        None => serve_nbd(&args, &device, bytes, shutdown)?,
+    }
+    device.with_pager(|p| {
+        if let Err(e) = p.flush() {
+            tracing::error!("final flush: {e}");
+        }
+        tracing::info!(counters = ?p.counters(), "stopped");
+    });
+    match Arc::try_unwrap(device) {
+        Ok(device) => device.into_pager().into_transport().close(),
+        Err(_) => tracing::warn!(
+            "connections still hold the device; their sessions end with their leases"
+        ),
+    }
+    Ok(())
+}
 
+type NetDevice = Device<TcpTransport, FileDisk>;
+
+/// Serves the device as a FUSE file until a signal asks to stop and nothing uses the file any
+/// more, or until someone unmounts it.
+fn serve_fuse(
+    device: &Arc<NetDevice>,
+    mountpoint: &Path,
+    bytes: u64,
+    shutdown: &AtomicBool,
+) -> anyhow::Result<()> {
+    if !mountpoint.is_dir() {
+        bail!("--fuse {}: not a directory", mountpoint.display());
+    }
+    let mut mounted = netram_nbd::fuse::mount(device.clone(), mountpoint)
+        .with_context(|| format!("cannot mount FUSE on {}", mountpoint.display()))?;
+    println!(
+        "netram nbd: serving {bytes} bytes on {}",
+        mounted.file().display()
+    );
+    let mut warned = false;
+    while mounted.is_serving() {
+        std::thread::sleep(Duration::from_millis(100));
+        if !shutdown.load(Ordering::SeqCst) {
+            continue;
+        }
+        match mounted.unmount() {
+            Ok(()) => break,
+            Err(e) if e.raw_os_error() == Some(rustix::io::Errno::BUSY.raw_os_error()) => {
+                if !warned {
+                    tracing::warn!(
+                        "{} is in use (a loop device? swapoff and losetup -d it): \
+                         still serving it until it is released",
+                        mounted.file().display()
+                    );
+                    warned = true;
+                }
+            }
+            Err(e) => return Err(e).context("cannot unmount"),
+        }
+    }
+    drop(mounted);
+    Ok(())
+}
+
+fn serve_nbd(
+    args: &NbdArgs,
+    device: &Arc<NetDevice>,
+    bytes: u64,
+    shutdown: Arc<AtomicBool>,
+) -> anyhow::Result<()> {
     let (listener, uri) = match args.listen {
         Some(addr) => {
             let l = std::net::TcpListener::bind(addr)
@@ -138,25 +220,8 @@ pub fn run(args: NbdArgs) -> anyhow::Result<()> {
             (Listener::Unix(l, path), uri)
         }
     };
-    let shutdown = Arc::new(AtomicBool::new(false));
-    for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
-        signal_hook::flag::register(sig, shutdown.clone())
-            .context("cannot install signal handlers")?;
-    }
     // One line on stdout that scripts and tests can read the address from.
-    println!("netram nbd: serving {} bytes on {uri}", bytes);
+    println!("netram nbd: serving {bytes} bytes on {uri}");
     netram_nbd::serve(listener, device.clone(), shutdown, args.max_connections)?;
-    device.with_pager(|p| {
-        if let Err(e) = p.flush() {
-            tracing::error!("final flush: {e}");
-        }
-        tracing::info!(counters = ?p.counters(), "stopped");
-    });
-    match Arc::try_unwrap(device) {
-        Ok(device) => device.into_pager().into_transport().close(),
-        Err(_) => tracing::warn!(
-            "connections still hold the device; their sessions end with their leases"
-        ),
-    }
     Ok(())
 }

@@ -395,3 +395,112 @@ fn bad_requests_get_nbd_errors_and_other_clients_are_served() {
         "the half-sent write changed nothing"
     );
 }
+
+/// `netram nbd --fuse`: the device as a file. Unaligned writes read back; a punched hole reads
+/// as zeros and deletes the pages on their servers; the file neither grows nor shrinks; the
+/// file system is unmounted when the process is asked to stop.
+#[test]
+fn the_fuse_file_is_the_device() {
+    use std::os::unix::fs::FileExt;
+    use std::os::unix::io::AsRawFd;
+    // SAFETY: geteuid(2) has no preconditions and cannot fail.
+    if unsafe { libc::geteuid() } != 0 || !Path::new("/dev/fuse").exists() {
+        eprintln!("SKIPPED: mounting FUSE needs root and /dev/fuse (CI runs as root)");
+        return;
+    }
+    let servers: Vec<ServerProcess> = (0..2).map(|_| ServerProcess::start(&[])).collect();
+    let list: Vec<&str> = servers.iter().map(|s| s.addr.as_str()).collect();
+    let list = list.join(",");
+    let dir = tempfile::tempdir().unwrap();
+    let mount = dir.path().join("mnt");
+    std::fs::create_dir(&mount).unwrap();
+    let (mut child, rest) = spawn_reporting(
+        &[
+            "nbd",
+            "--size",
+            "16M",
+            "--cache",
+            "0",
+            "--servers",
+            &list,
+            "--fuse",
+            mount.to_str().unwrap(),
+        ],
+        "netram nbd: serving ",
+    );
+    let unmount_on_failure = scopeguard(&mount, &mut child);
+    let file_path = PathBuf::from(rest.split(" on ").nth(1).expect("a path"));
+    assert_eq!(file_path, mount.join("device"));
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&file_path)
+        .unwrap();
+    assert_eq!(file.metadata().unwrap().len(), 16 << 20);
+
+    let data: Vec<u8> = (0..3 * 4096 + 500).map(|i| (i % 251) as u8 + 1).collect();
+    file.write_at(&data, 1000).unwrap();
+    let mut back = vec![0u8; data.len() + 2000];
+    file.read_exact_at(&mut back, 0).unwrap();
+    assert!(back[..1000].iter().all(|&b| b == 0));
+    assert_eq!(&back[1000..1000 + data.len()], &data[..]);
+    file.sync_all().unwrap();
+    let stored = |s: &[ServerProcess]| s.iter().map(|s| s.stat("stored_pages")).sum::<u64>();
+    assert_eq!(stored(&servers), 4, "pages 0..=3 are written");
+
+    // Punch pages 1 and 2: they read as zeros and leave their servers.
+    // SAFETY: fallocate(2) on a descriptor this function owns.
+    let rc = unsafe {
+        libc::fallocate(
+            file.as_raw_fd(),
+            libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+            4096,
+            8192,
+        )
+    };
+    assert_eq!(rc, 0, "punch a hole: {}", std::io::Error::last_os_error());
+    let mut page = vec![1u8; 8192];
+    file.read_exact_at(&mut page, 4096).unwrap();
+    assert!(page.iter().all(|&b| b == 0));
+    assert_eq!(stored(&servers), 2, "the punched pages were deleted");
+
+    // A fixed size: no writes past the end, no truncation.
+    let e = file.write_at(b"x", 16 << 20).unwrap_err();
+    assert_eq!(e.raw_os_error(), Some(libc::ENOSPC), "{e}");
+    assert!(file.set_len(4096).is_err());
+    let mut tail = [7u8; 100];
+    assert_eq!(file.read_at(&mut tail, (16 << 20) - 10).unwrap(), 10);
+    drop(file);
+
+    drop(unmount_on_failure);
+    // SAFETY: kill(2) on the PID of a child we have not reaped.
+    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while child.try_wait().unwrap().is_none() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "netram nbd did not stop"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let mounts = std::fs::read_to_string("/proc/mounts").unwrap();
+    assert!(
+        !mounts.contains(mount.to_str().unwrap()),
+        "still mounted after netram nbd stopped"
+    );
+}
+
+/// On a failed assertion: kill the process and detach its mount.
+fn scopeguard<'a>(mount: &'a Path, child: &'a mut Child) -> impl Drop + 'a {
+    struct Guard<'a>(&'a Path, &'a mut Child);
+    impl Drop for Guard<'_> {
+        fn drop(&mut self) {
+            if std::thread::panicking() {
+                let _ = self.1.kill();
+                let _ = self.1.wait();
+                let _ = Command::new("umount").arg("-l").arg(self.0).status();
+            }
+        }
+    }
+    Guard(mount, child)
+}

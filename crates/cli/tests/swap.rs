@@ -1,5 +1,6 @@
 //! The kernel's swap on netram, on a machine without an NBD driver: `netram nbd` → nbdfuse
-//! exposes the export as a file → a loop device on that file → `mkswap` + `swapon`. A program in
+//! exposes the export as a file (or `netram nbd --fuse` exposes the device as a file itself) →
+//! a loop device on that file → `mkswap` + `swapon`. A program in
 //! a cgroup-v1 memory cgroup limited to a quarter of its working set writes and verifies every
 //! page, while /proc/swaps shows the device in use. Needs root; everything it sets up is undone
 //! in reverse order by a guard, also when the test fails.
@@ -65,6 +66,9 @@ fn missing_prerequisite() -> Option<String> {
     {
         return Some(format!("no cgroup-v1 memory controller at {CGROUP_ROOT}"));
     }
+    if !Path::new("/dev/fuse").exists() {
+        return Some("no /dev/fuse".into());
+    }
     for tool in ["nbdfuse", "losetup", "mkswap", "swapon", "swapoff"] {
         if sh("sh", &["-c", &format!("command -v {tool}")]).is_err() {
             return Some(format!("{tool} is not installed"));
@@ -92,9 +96,32 @@ fn wait_for(what: &str, timeout: Duration, mut ok: impl FnMut() -> bool) {
     }
 }
 
+/// How the device becomes a file for the loop device.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Via {
+    /// `netram nbd` on a unix socket, nbdfuse as its client.
+    Nbdfuse,
+    /// `netram nbd --fuse`: the device is a file itself.
+    Fuse,
+}
+
+/// Asks a process to stop and waits for it; SIGKILL after `grace`.
+fn stop_child(mut c: Child, grace: Duration) {
+    // SAFETY: kill(2) on the PID of a child we have not reaped yet.
+    unsafe { libc::kill(c.id() as i32, libc::SIGTERM) };
+    let deadline = Instant::now() + grace;
+    while Instant::now() < deadline {
+        if let Ok(Some(_)) = c.try_wait() {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    kill_child(c);
+}
+
 /// Sets up swap on netram and runs the workload; with `kill_server`, SIGKILLs a page server
 /// once the device is in use.
-fn swap_through_netram(backing: &str, kill_server: bool) {
+fn swap_through_netram(via: Via, backing: &str, kill_server: bool) {
     if let Some(why) = missing_prerequisite() {
         eprintln!("SKIPPED: {why}");
         return;
@@ -108,47 +135,67 @@ fn swap_through_netram(backing: &str, kill_server: bool) {
         .collect();
     let dir = tempfile::tempdir().unwrap();
     let socket = dir.path().join("nbd.sock");
+    let mount: PathBuf = dir.path().join("mnt");
+    std::fs::create_dir(&mount).unwrap();
     let list = servers
         .iter()
         .map(|s| s.addr.clone())
         .collect::<Vec<_>>()
         .join(",");
-    let (nbd, _) = spawn_reporting(
-        &[
-            "nbd",
-            "--size",
-            "512M",
-            "--cache",
-            "16M",
-            "--backing",
-            backing,
-            "--servers",
-            &list,
-            "--socket",
-            socket.to_str().unwrap(),
-        ],
-        "netram nbd: serving ",
-    );
-    cleanup.push("stop netram nbd", move || kill_child(nbd));
-
-    let mount: PathBuf = dir.path().join("mnt");
-    std::fs::create_dir(&mount).unwrap();
-    let file = mount.join("nbd");
-    let nbdfuse = Command::new("nbdfuse")
-        .arg(&file)
-        .arg(format!("nbd+unix:///?socket={}", socket.display()))
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("start nbdfuse");
+    let mut args = vec![
+        "nbd",
+        "--size",
+        "512M",
+        "--cache",
+        "16M",
+        "--backing",
+        backing,
+        "--servers",
+        &list,
+    ];
+    match via {
+        Via::Nbdfuse => args.extend(["--socket", socket.to_str().unwrap()]),
+        Via::Fuse => args.extend(["--fuse", mount.to_str().unwrap()]),
+    }
+    let (nbd, _) = spawn_reporting(&args, "netram nbd: serving ");
     {
         let m = mount.clone();
-        cleanup.push("unmount nbdfuse and stop it", move || {
-            let _ = Command::new("umount").arg(&m).status();
-            kill_child(nbdfuse);
+        cleanup.push("stop netram nbd", move || {
+            // Given time to flush and unmount; if it had to be killed, its FUSE mount is left
+            // dead and is detached here.
+            stop_child(nbd, Duration::from_secs(10));
+            if via == Via::Fuse {
+                let _ = Command::new("umount")
+                    .arg("-l")
+                    .arg(&m)
+                    .stderr(Stdio::null())
+                    .status();
+            }
         });
     }
-    wait_for("nbdfuse's file", Duration::from_secs(10), || file.exists());
+
+    let file = match via {
+        Via::Fuse => mount.join("device"),
+        Via::Nbdfuse => {
+            let file = mount.join("nbd");
+            let nbdfuse = Command::new("nbdfuse")
+                .arg(&file)
+                .arg(format!("nbd+unix:///?socket={}", socket.display()))
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .expect("start nbdfuse");
+            let m = mount.clone();
+            cleanup.push("unmount nbdfuse and stop it", move || {
+                let _ = Command::new("umount").arg(&m).status();
+                kill_child(nbdfuse);
+            });
+            file
+        }
+    };
+    wait_for("the device's file", Duration::from_secs(10), || {
+        file.exists()
+    });
 
     let lo = sh(
         "losetup",
@@ -230,7 +277,7 @@ fn swap_through_netram(backing: &str, kill_server: bool) {
         assert!(killed, "a server was killed while the device was in use");
     }
     eprintln!(
-        "{backing}: {:?}, swap used at most {} MiB",
+        "{via:?}, {backing}: {:?}, swap used at most {} MiB",
         started.elapsed(),
         used_max >> 20
     );
@@ -238,10 +285,12 @@ fn swap_through_netram(backing: &str, kill_server: bool) {
     drop(servers);
 }
 
-/// One test, the two runs in turn: two swap devices at the same priority would be used
+/// One test, the runs in turn: two swap devices at the same priority would be used
 /// round-robin by both workloads, each reaching into the other's device.
 #[test]
-fn kernel_swap_through_nbdfuse_and_a_loop_device() {
-    swap_through_netram("cluster", false);
-    swap_through_netram("cluster+disk", true);
+fn kernel_swap_through_a_loop_device() {
+    swap_through_netram(Via::Nbdfuse, "cluster", false);
+    swap_through_netram(Via::Nbdfuse, "cluster+disk", true);
+    swap_through_netram(Via::Fuse, "cluster", false);
+    swap_through_netram(Via::Fuse, "cluster+disk", true);
 }

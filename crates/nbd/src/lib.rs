@@ -8,7 +8,9 @@
 //! * [`wire`]: the NBD protocol's bytes, I/O-free;
 //! * [`device`]: byte ranges over the pager (read-modify-write, discards, block status);
 //! * [`server`]: the handshake and the transmission phase of one connection;
-//! * [`serve`]: the accept loop, one thread per connection, all sharing one device.
+//! * [`serve`]: the accept loop, one thread per connection, all sharing one device;
+//! * [`fuse`]: the same device as one file through FUSE, for a loop device where the kernel
+//!   has no NBD client.
 //!
 //! # Why the protocol is written here
 //!
@@ -19,6 +21,7 @@
 //! specified, so it is written by hand, with its parsers I/O-free so they can be fuzzed.
 
 pub mod device;
+pub mod fuse;
 pub mod server;
 pub mod wire;
 
