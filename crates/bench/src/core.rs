@@ -6,8 +6,9 @@
 
 use crate::cluster::LocalCluster;
 use crate::machine::Machine;
+use crate::process::{rss_of, ChildGuard};
 use crate::raw::{self, RawPeer, Wait};
-use crate::{page_content, pin_to, restore_affinity, Placement, Summary};
+use crate::{page_content, pin_to, restore_affinity, target, Placement, Summary, Target};
 use netram_node::client::{ClientConfig, TcpTransport};
 use netram_node::latency::PmQos;
 use netram_pager::{MemDisk, Pager, PagerConfig};
@@ -24,16 +25,6 @@ pub struct Options {
     pub out: PathBuf,
     /// The `netram` executable, to measure a real `netram serve` process's memory.
     pub netram_exe: PathBuf,
-}
-
-#[derive(Debug, Serialize)]
-pub struct Target {
-    pub name: &'static str,
-    pub ratio: f64,
-    pub limit: f64,
-    /// "le": the ratio must be at most the limit; "ge": at least.
-    pub sense: &'static str,
-    pub met: bool,
 }
 
 #[derive(Debug, Serialize)]
@@ -232,46 +223,15 @@ fn server_meta_per_page(frames: usize) -> f64 {
     store.meta_bytes() as f64 / frames as f64
 }
 
-/// A `netram serve` child process, killed by its PID when dropped.
-struct Daemon(std::process::Child);
-
-impl Drop for Daemon {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn rss_of(pid: u32) -> anyhow::Result<u64> {
-    let statm = std::fs::read_to_string(format!("/proc/{pid}/statm"))?;
-    let pages: u64 = statm.split_whitespace().nth(1).unwrap_or("0").parse()?;
-    Ok(pages * rustix::param::page_size() as u64)
-}
-
 /// The resident memory of a real `netram serve` process filled to capacity, per stored page:
 /// frames, metadata, index, code and stacks, everything the daemon costs.
 fn daemon_resident_per_page(exe: &std::path::Path, frames: u64) -> anyhow::Result<f64> {
-    use std::io::BufRead;
-    let mut child = std::process::Command::new(exe)
-        .args([
-            "serve",
-            "--listen",
-            "127.0.0.1:0",
-            "--capacity",
-            &(frames * PAGE_SIZE as u64).to_string(),
-        ])
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::null())
-        .spawn()?;
-    let stdout = child.stdout.take().expect("piped");
-    let daemon = Daemon(child);
-    let mut line = String::new();
-    std::io::BufReader::new(stdout).read_line(&mut line)?;
-    let addr = line
-        .trim()
-        .strip_prefix("netram serve: listening on ")
-        .ok_or_else(|| anyhow::anyhow!("unexpected first line from netram serve: {line:?}"))?
-        .to_string();
+    let capacity = (frames * PAGE_SIZE as u64).to_string();
+    let (daemon, addr) = ChildGuard::netram(
+        exe,
+        &["serve", "--listen", "127.0.0.1:0", "--capacity", &capacity],
+        "netram serve: listening on ",
+    )?;
     let t = TcpTransport::connect(&[addr], &client(false));
     let mut pager = Pager::new(
         PagerConfig {
@@ -292,7 +252,7 @@ fn daemon_resident_per_page(exe: &std::path::Path, frames: u64) -> anyhow::Resul
         pager.pages_on_disk_only() == 0,
         "the daemon refused pages it should have room for"
     );
-    let rss = rss_of(daemon.0.id())?;
+    let rss = rss_of(daemon.pid());
     drop(pager);
     Ok(rss as f64 / frames as f64)
 }
@@ -397,21 +357,6 @@ pub fn run(opts: &Options) -> anyhow::Result<String> {
     let md = markdown(&r);
     std::fs::write(opts.out.join("core.md"), &md)?;
     Ok(md)
-}
-
-fn target(name: &'static str, ratio: f64, limit: f64, sense: &'static str) -> Target {
-    let met = if sense == "le" {
-        ratio <= limit
-    } else {
-        ratio >= limit
-    };
-    Target {
-        name,
-        ratio,
-        limit,
-        sense,
-        met,
-    }
 }
 
 fn markdown(r: &CoreResult) -> String {

@@ -9,7 +9,10 @@
 pub mod cluster;
 pub mod core;
 pub mod machine;
+pub mod nbd;
+pub mod process;
 pub mod raw;
+pub mod workload;
 
 use serde::Serialize;
 
@@ -37,6 +40,32 @@ impl Summary {
             p99_us: at(0.99),
             mean_us: mean,
         }
+    }
+}
+
+/// A target of a benchmark: a ratio measured in one run and the limit it is held to.
+#[derive(Debug, Serialize)]
+pub struct Target {
+    pub name: &'static str,
+    pub ratio: f64,
+    pub limit: f64,
+    /// "le": the ratio must be at most the limit; "ge": at least.
+    pub sense: &'static str,
+    pub met: bool,
+}
+
+pub fn target(name: &'static str, ratio: f64, limit: f64, sense: &'static str) -> Target {
+    let met = if sense == "le" {
+        ratio <= limit
+    } else {
+        ratio >= limit
+    };
+    Target {
+        name,
+        ratio,
+        limit,
+        sense,
+        met,
     }
 }
 

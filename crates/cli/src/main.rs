@@ -49,10 +49,44 @@ enum Command {
     /// Benchmarks that hold netram to the limits of this machine.
     #[command(subcommand)]
     Bench(BenchCommand),
+    /// The bundled workload programs the benchmarks run under memory limits (touch, random,
+    /// qsort; see `netram workload --help`).
+    #[command(hide = true)]
+    Workload {
+        /// touch SIZE SEED | random SIZE SEED SECONDS | qsort SIZE SEED
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
+    },
 }
 
 #[derive(Debug, Subcommand)]
 enum BenchCommand {
+    /// The block device: fio against `netram nbd` and `nbdkit memory`, and the kernel's swap on
+    /// netram (through nbdfuse and through its FUSE file) against nbdkit, a local swap file,
+    /// zram and no limit; writes nbd.json, nbd.md and nbd.svg. The swap part needs root; it
+    /// takes about an hour at the default working set of 2 GiB.
+    Nbd {
+        /// A shorter run: a 256 MiB working set, one fio round of 2 s per job.
+        #[arg(long)]
+        quick: bool,
+        /// The swap workloads' working set W (the memory cgroup gets W/4) [default: 2G, 256M
+        /// with --quick].
+        #[arg(long)]
+        working_set: Option<String>,
+        /// Seconds of random read-modify-writes after the working set is filled [default: 20, 3
+        /// with --quick].
+        #[arg(long)]
+        seconds: Option<u64>,
+        /// Only the fio part.
+        #[arg(long, conflicts_with = "swap_only")]
+        fio_only: bool,
+        /// Only the swap part.
+        #[arg(long)]
+        swap_only: bool,
+        /// Where to write nbd.json, nbd.md and nbd.svg.
+        #[arg(long, default_value = "bench-results")]
+        out: PathBuf,
+    },
     /// The core: netram's GET/PUT latency and throughput against the raw loopback TCP round
     /// trip, measured side by side; writes core.json and core.md.
     Core {
@@ -122,5 +156,49 @@ fn main() -> anyhow::Result<()> {
             println!("wrote {0}/core.json and {0}/core.md", out.display());
             Ok(())
         }
+        Command::Bench(BenchCommand::Nbd {
+            quick,
+            working_set,
+            seconds,
+            fio_only,
+            swap_only,
+            out,
+        }) => {
+            init_logging("warn");
+            let working_set = working_set
+                .map(|w| {
+                    parse_size::Config::new()
+                        .with_binary()
+                        .parse_size(&w)
+                        .map_err(|e| anyhow::anyhow!("--working-set {w:?}: {e}"))
+                })
+                .transpose()?;
+            let opts = netram_bench::nbd::Options {
+                quick,
+                out: out.clone(),
+                netram_exe: std::env::current_exe()?,
+                working_set,
+                seconds,
+                fio: !swap_only,
+                swap: !fio_only,
+            };
+            let report = netram_bench::nbd::run(&opts)?;
+            println!("{report}");
+            println!(
+                "wrote {0}/nbd.json, {0}/nbd.md and {0}/nbd.svg",
+                out.display()
+            );
+            Ok(())
+        }
+        Command::Workload { args } => match netram_bench::workload::run(&args) {
+            Ok(line) => {
+                println!("{line}");
+                Ok(())
+            }
+            Err(why) => {
+                eprintln!("{why}");
+                std::process::exit(if why.starts_with("usage") { 2 } else { 1 });
+            }
+        },
     }
 }

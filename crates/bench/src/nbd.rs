@@ -1,0 +1,915 @@
+//! `netram bench nbd`: netram's block device against what users would otherwise pick, in one
+//! run on one machine (Distributed Anemone §4's comparison with disk, brought up to date).
+//!
+//! Two parts, each measured side by side:
+//! * fio 4k random reads and writes at depth 1 and 32 against `netram nbd` on three
+//!   `netram serve` processes and against `nbdkit memory`, the same job file for both,
+//!   alternating between them round by round;
+//! * the kernel's swap: a random-access program and a quicksort, each working set W in a
+//!   memory cgroup limited to W/4, swapping to netram (through nbdfuse and through its own
+//!   FUSE file), to nbdkit's memory plugin through nbdfuse, to a swap file on the local disk,
+//!   to zram, and with no limit at all; with the memory each configuration really freed.
+//!
+//! netram runs in its low-latency mode (servers and device), the mode the targets are set
+//! for. Its PM QoS request keeps the CPUs out of deep idle, which speeds up every wake-up on
+//! the machine, so the benchmark holds the same request for its whole run: every
+//! configuration, nbdkit's, the disk's and zram's included, runs on the same machine state.
+//!
+//! Writes `nbd.json`, `nbd.md` and `nbd.svg`. Needs root for the swap part and fio, nbdkit
+//! and nbdfuse for the rest; what cannot run is listed as skipped, with why.
+
+use crate::machine::Machine;
+use crate::process::{have, rss_of, sh, wait_for, ChildGuard, Cleanup};
+use crate::raw::{RawPeer, Wait};
+use crate::workload::figure;
+use crate::{target, Summary, Target};
+use netram_node::latency::PmQos;
+use serde::Serialize;
+use serde_json::{json, Value};
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+#[derive(Debug, Clone)]
+pub struct Options {
+    pub quick: bool,
+    pub out: PathBuf,
+    /// The `netram` executable: servers, the NBD device and the workload run as its children.
+    pub netram_exe: PathBuf,
+    /// The swap workloads' working set; `None`: 2 GiB (256 MiB with `quick`).
+    pub working_set: Option<u64>,
+    /// How long the random workload runs after filling its memory; `None`: 20 s (3 s quick).
+    pub seconds: Option<u64>,
+    /// Which parts to run.
+    pub fio: bool,
+    pub swap: bool,
+}
+
+const CGROUP_ROOT: &str = "/sys/fs/cgroup/memory";
+/// Higher than any swap a machine is likely to have, so the device under test takes every page.
+const SWAP_PRIORITY: &str = "32000";
+const FIO_DEVICE: &str = "256M";
+
+#[derive(Debug, Clone, Copy, Serialize)]
+struct FioFigure {
+    iops: f64,
+    p50_us: f64,
+    p99_us: f64,
+}
+
+pub fn run(opts: &Options) -> anyhow::Result<String> {
+    let machine = Machine::describe();
+    eprintln!("bench nbd on {}", machine.one_line());
+    let mut skipped: Vec<String> = Vec::new();
+    let root = rustix::process::geteuid().is_root();
+
+    eprintln!("raw loopback round trip, depth 1 ...");
+    let (raw, raw_fast) = raw_rtts(if opts.quick { 3_000 } else { 20_000 })?;
+    let qos = PmQos::hold();
+    let pm_qos_held = qos.is_some();
+
+    let mut fio = BTreeMap::new();
+    let missing: Vec<&str> = ["fio", "nbdkit"].into_iter().filter(|t| !have(t)).collect();
+    if !opts.fio {
+        skipped.push("fio: not asked for".into());
+    } else if !missing.is_empty() {
+        skipped.push(format!("fio: {} not installed", missing.join(", ")));
+    } else {
+        fio = fio_matrix(opts)?;
+    }
+
+    let mut swap: BTreeMap<&'static str, BTreeMap<&'static str, Value>> = BTreeMap::new();
+    let missing: Vec<&str> = [
+        "nbdfuse", "nbdkit", "losetup", "mkswap", "swapon", "swapoff",
+    ]
+    .into_iter()
+    .filter(|t| !have(t))
+    .collect();
+    if !opts.swap {
+        skipped.push("swap: not asked for".into());
+    } else if !root {
+        skipped.push("swap: needs root (swapon, losetup, cgroups)".into());
+    } else if !Path::new(CGROUP_ROOT)
+        .join("memory.limit_in_bytes")
+        .exists()
+    {
+        skipped.push(format!(
+            "swap: no cgroup-v1 memory controller at {CGROUP_ROOT}"
+        ));
+    } else if !missing.is_empty() {
+        skipped.push(format!("swap: {} not installed", missing.join(", ")));
+    } else {
+        swap = swap_matrix(opts, &mut skipped)?;
+    }
+
+    drop(qos);
+    let targets = targets(&fio, &swap, raw_fast.p50_us);
+    let w = working_set(opts);
+    let result = json!({
+        "machine": machine,
+        "quick": opts.quick,
+        "working_set_bytes": w,
+        "raw_rtt_p50_us": raw.p50_us,
+        "raw_rtt_fast_p50_us": raw_fast.p50_us,
+        "pm_qos_held": pm_qos_held,
+        "fio": fio,
+        "swap": swap,
+        "targets": targets,
+        "skipped": skipped,
+    });
+    std::fs::create_dir_all(&opts.out)?;
+    std::fs::write(
+        opts.out.join("nbd.json"),
+        serde_json::to_string_pretty(&result)? + "\n",
+    )?;
+    let plotted = plot(&swap, &opts.out.join("nbd.svg"));
+    if let Err(e) = &plotted {
+        skipped.push(format!("plot: {e}"));
+    }
+    let md = markdown(&result, &targets, &skipped, plotted.is_ok());
+    std::fs::write(opts.out.join("nbd.md"), &md)?;
+    Ok(md)
+}
+
+fn working_set(opts: &Options) -> u64 {
+    opts.working_set
+        .unwrap_or(if opts.quick { 256 << 20 } else { 2 << 30 })
+}
+
+/// The raw loopback round trip plainly and in the low-latency mode (PM QoS held, polling).
+fn raw_rtts(n: usize) -> anyhow::Result<(Summary, Summary)> {
+    let mut samples = Vec::with_capacity(n);
+    RawPeer::start(Wait::Block)?.exchange(n, &mut samples)?;
+    let plain = Summary::of_ns(&mut samples);
+    samples.clear();
+    let qos = PmQos::hold();
+    RawPeer::start(Wait::Poll)?.exchange(n, &mut samples)?;
+    drop(qos);
+    Ok((plain, Summary::of_ns(&mut samples)))
+}
+
+/// Three page servers, as `netram serve` processes in the low-latency mode.
+fn start_servers(exe: &Path, capacity: &str) -> anyhow::Result<(Vec<ChildGuard>, String)> {
+    let mut servers = Vec::new();
+    let mut addrs = Vec::new();
+    for _ in 0..3 {
+        let (s, addr) = ChildGuard::netram(
+            exe,
+            &[
+                "serve",
+                "--listen",
+                "127.0.0.1:0",
+                "--capacity",
+                capacity,
+                "--low-latency",
+            ],
+            "netram serve: listening on ",
+        )?;
+        servers.push(s);
+        addrs.push(addr);
+    }
+    Ok((servers, addrs.join(",")))
+}
+
+fn start_nbdkit(socket: &Path, size: &str) -> anyhow::Result<ChildGuard> {
+    let g = ChildGuard::spawn(
+        Command::new("nbdkit")
+            .args(["-f", "-U"])
+            .arg(socket)
+            .args(["memory", size]),
+    )?;
+    wait_for("nbdkit's socket", Duration::from_secs(10), || {
+        socket.exists()
+    })?;
+    Ok(g)
+}
+
+fn fio_job(uri: &str, rw: &str, depth: u32, seconds: u64) -> anyhow::Result<FioFigure> {
+    let out = sh(
+        "fio",
+        &[
+            "--name=bench",
+            "--ioengine=nbd",
+            &format!("--uri={uri}"),
+            &format!("--rw={rw}"),
+            "--bs=4k",
+            &format!("--iodepth={depth}"),
+            &format!("--size={FIO_DEVICE}"),
+            &format!("--runtime={seconds}"),
+            "--time_based",
+            "--norandommap",
+            "--randrepeat=0",
+            "--output-format=json",
+        ],
+    )?;
+    // fio may print notes before its JSON.
+    let json = out.find('{').map_or(out.as_str(), |at| &out[at..]);
+    let v: Value = serde_json::from_str(json)
+        .map_err(|e| anyhow::anyhow!("fio's output is not JSON ({e}): {out}"))?;
+    let dir = if rw.contains("read") { "read" } else { "write" };
+    let j = &v["jobs"][0][dir];
+    let pct = |p: &str| j["clat_ns"]["percentile"][p].as_f64().unwrap_or(f64::NAN) / 1000.0;
+    Ok(FioFigure {
+        iops: j["iops"].as_f64().unwrap_or(f64::NAN),
+        p50_us: pct("50.000000"),
+        p99_us: pct("99.000000"),
+    })
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// fio against netram and nbdkit, the two alternating job by job; the median of the rounds.
+fn fio_matrix(
+    opts: &Options,
+) -> anyhow::Result<BTreeMap<&'static str, BTreeMap<String, FioFigure>>> {
+    let (rounds, seconds) = if opts.quick { (1, 2) } else { (3, 5) };
+    let dir = tempfile_dir("netram-bench-fio")?;
+    let (servers, list) = start_servers(&opts.netram_exe, "1G")?;
+    let nbd_sock = dir.join("netram.sock");
+    let (nbd, netram_uri) = ChildGuard::netram(
+        &opts.netram_exe,
+        &[
+            "nbd",
+            "--size",
+            FIO_DEVICE,
+            "--servers",
+            &list,
+            "--low-latency",
+            "--socket",
+            nbd_sock.to_str().expect("utf-8 temp dir"),
+        ],
+        "netram nbd: serving ",
+    )?;
+    let netram_uri = netram_uri
+        .split(" on ")
+        .nth(1)
+        .unwrap_or_default()
+        .to_string();
+    let kit_sock = dir.join("nbdkit.sock");
+    let kit = start_nbdkit(&kit_sock, FIO_DEVICE)?;
+    let kit_uri = format!("nbd+unix:///?socket={}", kit_sock.display());
+    let targets = [
+        ("netram", netram_uri.as_str()),
+        ("nbdkit", kit_uri.as_str()),
+    ];
+    // Random reads of never-written blocks would read holes: both devices are filled first.
+    for (name, uri) in targets {
+        eprintln!("fio: filling {name} ...");
+        sh(
+            "fio",
+            &[
+                "--name=fill",
+                "--ioengine=nbd",
+                &format!("--uri={uri}"),
+                "--rw=write",
+                "--bs=1M",
+                "--iodepth=8",
+                &format!("--size={FIO_DEVICE}"),
+                "--output-format=json",
+            ],
+        )?;
+    }
+    let mut samples: BTreeMap<(&str, String), Vec<FioFigure>> = BTreeMap::new();
+    for round in 0..rounds {
+        for rw in ["randread", "randwrite"] {
+            for depth in [1u32, 32] {
+                let mut order = targets;
+                if round % 2 == 1 {
+                    order.reverse();
+                }
+                for (name, uri) in order {
+                    eprintln!("fio: round {round}, {name} {rw} depth {depth} ...");
+                    let f = fio_job(uri, rw, depth, seconds)?;
+                    samples
+                        .entry((name, format!("{rw}_qd{depth}")))
+                        .or_default()
+                        .push(f);
+                }
+            }
+        }
+    }
+    let mut out: BTreeMap<&'static str, BTreeMap<String, FioFigure>> = BTreeMap::new();
+    for ((name, key), figs) in samples {
+        let name = if name == "netram" { "netram" } else { "nbdkit" };
+        out.entry(name).or_default().insert(
+            key,
+            FioFigure {
+                iops: median(figs.iter().map(|f| f.iops).collect()),
+                p50_us: median(figs.iter().map(|f| f.p50_us).collect()),
+                p99_us: median(figs.iter().map(|f| f.p99_us).collect()),
+            },
+        );
+    }
+    nbd.stop(Duration::from_secs(10));
+    drop(kit);
+    drop(servers);
+    let _ = std::fs::remove_dir_all(&dir);
+    Ok(out)
+}
+
+fn tempfile_dir(prefix: &str) -> anyhow::Result<PathBuf> {
+    let dir = std::env::temp_dir().join(format!("{prefix}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    Ok(dir)
+}
+
+/// The swap configurations, in the order of the report.
+const CONFIGS: [&str; 6] = [
+    "local",
+    "zram",
+    "disk",
+    "nbdkit_nbdfuse",
+    "netram_nbdfuse",
+    "netram_fuse",
+];
+
+/// A swap device set up for one configuration, and the processes whose memory it costs on this
+/// machine.
+struct SwapDevice {
+    /// The device or file as /proc/swaps names it; `None` for `local`.
+    name: Option<String>,
+    /// Processes that hold the swapped pages or serve them from this machine.
+    local_pids: Vec<u32>,
+    /// zram's own count of the memory it uses.
+    zram: Option<String>,
+    /// Page servers: remote in a real cluster, on loopback here.
+    server_pids: Vec<u32>,
+    cleanup: Cleanup,
+}
+
+impl SwapDevice {
+    /// Memory this configuration holds on this machine, beyond the workload's own.
+    fn local_bytes(&self) -> u64 {
+        let zram = self.zram.as_ref().map_or(0, |dev| {
+            std::fs::read_to_string(format!("/sys/block/{dev}/mm_stat"))
+                .ok()
+                .and_then(|s| s.split_whitespace().nth(2)?.parse::<u64>().ok())
+                .unwrap_or(0)
+        });
+        zram + self.local_pids.iter().map(|&p| rss_of(p)).sum::<u64>()
+    }
+
+    fn server_bytes(&self) -> u64 {
+        self.server_pids.iter().map(|&p| rss_of(p)).sum()
+    }
+}
+
+fn swapon(cleanup: &mut Cleanup, dev: &str) -> anyhow::Result<()> {
+    sh("mkswap", &[dev])?;
+    sh("swapon", &["-p", SWAP_PRIORITY, "--discard", dev])?;
+    let d = dev.to_string();
+    cleanup.push("swapoff", move || {
+        if let Err(e) = sh("swapoff", &[&d]) {
+            eprintln!("swapoff {d}: {e}");
+        }
+    });
+    Ok(())
+}
+
+fn loop_on(cleanup: &mut Cleanup, file: &Path) -> anyhow::Result<String> {
+    let lo = sh(
+        "losetup",
+        &[
+            "--find",
+            "--show",
+            "--direct-io=on",
+            file.to_str().expect("utf-8 path"),
+        ],
+    )?;
+    let l = lo.clone();
+    cleanup.push("detach the loop device", move || {
+        let _ = sh("losetup", &["-d", &l]);
+    });
+    Ok(lo)
+}
+
+fn nbdfuse(cleanup: &mut Cleanup, mount: &Path, uri: &str) -> anyhow::Result<(PathBuf, u32)> {
+    let file = mount.join("nbd");
+    let g = ChildGuard::spawn(Command::new("nbdfuse").arg(&file).arg(uri))?;
+    let pid = g.pid();
+    let m = mount.to_path_buf();
+    cleanup.push("unmount nbdfuse", move || {
+        let _ = sh("umount", &[m.to_str().unwrap_or_default()]);
+        g.stop(Duration::from_secs(5));
+    });
+    wait_for("nbdfuse's file", Duration::from_secs(10), || file.exists())?;
+    Ok((file, pid))
+}
+
+fn setup(config: &str, opts: &Options, dir: &Path) -> anyhow::Result<SwapDevice> {
+    let w = working_set(opts);
+    // Room for the whole working set and swap's own header.
+    let size = (w + (64 << 20)).to_string();
+    let mut c = Cleanup::default();
+    let mut dev = SwapDevice {
+        name: None,
+        local_pids: Vec::new(),
+        zram: None,
+        server_pids: Vec::new(),
+        cleanup: Cleanup::default(),
+    };
+    let mount = dir.join(format!("mnt-{config}"));
+    match config {
+        "local" => {}
+        "zram" => {
+            if !Path::new("/sys/class/zram-control").exists() {
+                let _ = sh("modprobe", &["zram", "num_devices=0"]);
+            }
+            let n = std::fs::read_to_string("/sys/class/zram-control/hot_add")?
+                .trim()
+                .to_string();
+            let name = format!("zram{n}");
+            c.push("remove the zram device", move || {
+                let _ = std::fs::write("/sys/class/zram-control/hot_remove", &n);
+            });
+            let _ = std::fs::write(format!("/sys/block/{name}/comp_algorithm"), "lz4");
+            std::fs::write(format!("/sys/block/{name}/disksize"), &size)?;
+            let path = format!("/dev/{name}");
+            swapon(&mut c, &path)?;
+            dev.name = Some(path);
+            dev.zram = Some(name);
+        }
+        "disk" => {
+            // Not the temp dir: it may be a tmpfs, which cannot hold swap.
+            let file = PathBuf::from(format!("/var/tmp/netram-bench-swap-{}", std::process::id()));
+            sh("fallocate", &["-l", &size, file.to_str().expect("utf-8")])?;
+            let f = file.clone();
+            c.push("remove the swap file", move || {
+                let _ = std::fs::remove_file(&f);
+            });
+            std::fs::set_permissions(&file, std::os::unix::fs::PermissionsExt::from_mode(0o600))?;
+            let path = file.to_string_lossy().into_owned();
+            swapon(&mut c, &path)?;
+            dev.name = Some(path);
+        }
+        "nbdkit_nbdfuse" => {
+            std::fs::create_dir_all(&mount)?;
+            let sock = dir.join("nbdkit.sock");
+            let kit = start_nbdkit(&sock, &size)?;
+            dev.local_pids.push(kit.pid());
+            c.push("stop nbdkit", move || drop(kit));
+            let uri = format!("nbd+unix:///?socket={}", sock.display());
+            let (file, pid) = nbdfuse(&mut c, &mount, &uri)?;
+            dev.local_pids.push(pid);
+            let lo = loop_on(&mut c, &file)?;
+            swapon(&mut c, &lo)?;
+            dev.name = Some(lo);
+        }
+        "netram_nbdfuse" | "netram_fuse" => {
+            std::fs::create_dir_all(&mount)?;
+            let capacity = ((w / 2) + (64 << 20)).to_string();
+            let (servers, list) = start_servers(&opts.netram_exe, &capacity)?;
+            dev.server_pids = servers.iter().map(ChildGuard::pid).collect();
+            c.push("stop the page servers", move || drop(servers));
+            let sock = dir.join("netram.sock");
+            let mut args = vec!["nbd", "--size", &size, "--servers", &list, "--low-latency"];
+            let sock_s = sock.to_string_lossy().into_owned();
+            let mount_s = mount.to_string_lossy().into_owned();
+            if config == "netram_fuse" {
+                args.extend(["--fuse", &mount_s]);
+            } else {
+                args.extend(["--socket", &sock_s]);
+            }
+            let (nbd, _) = ChildGuard::netram(&opts.netram_exe, &args, "netram nbd: serving ")?;
+            dev.local_pids.push(nbd.pid());
+            let fuse = config == "netram_fuse";
+            let m = mount.clone();
+            c.push("stop netram nbd", move || {
+                nbd.stop(Duration::from_secs(20));
+                if fuse {
+                    let _ = sh("umount", &["-l", m.to_str().unwrap_or_default()]);
+                }
+            });
+            let file = if fuse {
+                mount.join("device")
+            } else {
+                let uri = format!("nbd+unix:///?socket={}", sock.display());
+                let (file, pid) = nbdfuse(&mut c, &mount, &uri)?;
+                dev.local_pids.push(pid);
+                file
+            };
+            let lo = loop_on(&mut c, &file)?;
+            swapon(&mut c, &lo)?;
+            dev.name = Some(lo);
+        }
+        other => anyhow::bail!("unknown configuration {other}"),
+    }
+    dev.cleanup = c;
+    Ok(dev)
+}
+
+fn swap_used(device: &str) -> u64 {
+    std::fs::read_to_string("/proc/swaps")
+        .unwrap_or_default()
+        .lines()
+        .find(|l| l.split_whitespace().next() == Some(device))
+        .and_then(|l| l.split_whitespace().nth(3)?.parse::<u64>().ok())
+        .map_or(0, |kib| kib * 1024)
+}
+
+/// Runs one workload in a fresh memory cgroup (limited to W/4 unless `local`), sampling the
+/// configuration's memory while it runs.
+fn run_workload(
+    opts: &Options,
+    config: &str,
+    dev: &SwapDevice,
+    args: &[String],
+    timeout: Duration,
+) -> anyhow::Result<Value> {
+    let w = working_set(opts);
+    let cg = Path::new(CGROUP_ROOT).join(format!("netram-bench-{}", std::process::id()));
+    std::fs::create_dir(&cg)?;
+    let mut c = Cleanup::default();
+    {
+        let cg = cg.clone();
+        c.push("remove the cgroup", move || {
+            for _ in 0..200 {
+                if std::fs::remove_dir(&cg).is_ok() {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        });
+    }
+    if config != "local" {
+        std::fs::write(cg.join("memory.limit_in_bytes"), (w / 4).to_string())?;
+    }
+    let exe = opts.netram_exe.display().to_string();
+    let mut child = ChildGuard::spawn(Command::new("sh").arg("-c").arg(format!(
+        "echo $$ > {}/cgroup.procs && exec {exe} workload {}",
+        cg.display(),
+        args.join(" ")
+    )))?;
+    let started = Instant::now();
+    let (mut local_max, mut server_max, mut swap_max) = (0u64, 0u64, 0u64);
+    let status = loop {
+        if let Some(status) = child.0.try_wait()? {
+            break status;
+        }
+        local_max = local_max.max(dev.local_bytes());
+        server_max = server_max.max(dev.server_bytes());
+        if let Some(name) = &dev.name {
+            swap_max = swap_max.max(swap_used(name));
+        }
+        anyhow::ensure!(
+            started.elapsed() < timeout,
+            "{config}: {args:?} did not finish in {timeout:?}"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    let mut line = String::new();
+    if let Some(mut out) = child.0.stdout.take() {
+        std::io::Read::read_to_string(&mut out, &mut line)?;
+    }
+    anyhow::ensure!(
+        status.success(),
+        "{config}: {args:?} failed: {status} {line}"
+    );
+    anyhow::ensure!(line.contains("verified=yes"), "{config}: {line}");
+    let peak: u64 = std::fs::read_to_string(cg.join("memory.max_usage_in_bytes"))?
+        .trim()
+        .parse()?;
+    // What the machine saved: the working set, less what the program kept resident, less what
+    // the swap backing holds on this machine (zram's compressed pages, nbdkit's RAM, netram's
+    // cache and tables).
+    let freed = w as i64 - peak as i64 - local_max as i64;
+    let mut v = json!({
+        "cgroup_peak_bytes": peak,
+        "backing_local_bytes": local_max,
+        "freed_bytes": freed.max(0),
+        "swap_used_max_bytes": swap_max,
+        "elapsed_seconds": started.elapsed().as_secs_f64(),
+    });
+    if server_max > 0 {
+        v["servers_bytes"] = json!(server_max);
+    }
+    for key in [
+        "us_per_op",
+        "seconds",
+        "ops",
+        "fill_seconds",
+        "verify_seconds",
+    ] {
+        if let Some(x) = figure(&line, key) {
+            v[key] = json!(x);
+        }
+    }
+    drop(c);
+    Ok(v)
+}
+
+fn swap_matrix(
+    opts: &Options,
+    skipped: &mut Vec<String>,
+) -> anyhow::Result<BTreeMap<&'static str, BTreeMap<&'static str, Value>>> {
+    let w = working_set(opts);
+    let seconds = opts.seconds.unwrap_or(if opts.quick { 3 } else { 20 });
+    let dir = tempfile_dir("netram-bench-swap")?;
+    let mut out: BTreeMap<&'static str, BTreeMap<&'static str, Value>> = BTreeMap::new();
+    // Generous bounds: a slow backing must not hang the benchmark forever.
+    let timeout = Duration::from_secs(if opts.quick { 600 } else { 3600 });
+    for config in CONFIGS {
+        eprintln!("swap: setting up {config} ...");
+        let dev = match setup(config, opts, &dir) {
+            Ok(d) => d,
+            Err(e) => {
+                skipped.push(format!("swap.{config}: {e:#}"));
+                continue;
+            }
+        };
+        for (workload, args) in [
+            (
+                "random",
+                vec![
+                    "random".to_string(),
+                    w.to_string(),
+                    "7".into(),
+                    seconds.to_string(),
+                ],
+            ),
+            (
+                "qsort",
+                vec!["qsort".to_string(), w.to_string(), "7".into()],
+            ),
+        ] {
+            eprintln!("swap: {config}, {workload} over {} MiB ...", w >> 20);
+            // The cgroup-v1 memory controller OOM-kills a program whose swap-ins it cannot
+            // charge fast enough, whatever the swap device (seen here with a local swap file
+            // and zram as with FUSE devices, mostly in the quicksort): up to three attempts,
+            // and the kills are reported.
+            let mut kills = 0;
+            let result = loop {
+                match run_workload(opts, config, &dev, &args, timeout) {
+                    Err(e) if kills < 2 && format!("{e:#}").contains("SIGKILL") => {
+                        eprintln!("  OOM-killed by the memory cgroup; again");
+                        kills += 1;
+                    }
+                    other => break other,
+                }
+            };
+            match result {
+                Ok(mut v) => {
+                    v["oom_kills"] = json!(kills);
+                    eprintln!("  {v}");
+                    out.entry(workload).or_default().insert(config, v);
+                }
+                Err(e) => skipped.push(format!(
+                    "swap.{workload}.{config}: {e:#} (after {kills} OOM kills)"
+                )),
+            }
+        }
+        drop(dev.cleanup);
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    Ok(out)
+}
+
+fn targets(
+    fio: &BTreeMap<&'static str, BTreeMap<String, FioFigure>>,
+    swap: &BTreeMap<&'static str, BTreeMap<&'static str, Value>>,
+    raw_fast_p50: f64,
+) -> Vec<Target> {
+    let mut t = Vec::new();
+    let f = |target: &str, key: &str| fio.get(target).and_then(|m| m.get(key)).copied();
+    if let (Some(n), Some(k)) = (f("netram", "randread_qd32"), f("nbdkit", "randread_qd32")) {
+        t.push(target(
+            "fio randread qd32 iops: netram / nbdkit",
+            n.iops / k.iops,
+            1.0,
+            "ge",
+        ));
+    }
+    if let (Some(n), Some(k)) = (f("netram", "randread_qd1"), f("nbdkit", "randread_qd1")) {
+        t.push(target(
+            "fio randread qd1 p50: netram / (nbdkit + 1.3 × raw fast RTT)",
+            n.p50_us / (k.p50_us + 1.3 * raw_fast_p50),
+            1.0,
+            "le",
+        ));
+    }
+    let s = |w: &str, c: &str, key: &str| swap.get(w)?.get(c)?.get(key)?.as_f64();
+    let base = s("random", "nbdkit_nbdfuse", "us_per_op");
+    if let (Some(n), Some(b)) = (s("random", "netram_nbdfuse", "us_per_op"), base) {
+        t.push(target(
+            "swap.random: netram_nbdfuse / nbdkit_nbdfuse",
+            n / b,
+            1.0,
+            "le",
+        ));
+    }
+    if let (Some(n), Some(b)) = (s("random", "netram_fuse", "us_per_op"), base) {
+        t.push(target(
+            "swap.random: netram_fuse / nbdkit_nbdfuse",
+            n / b,
+            0.5,
+            "le",
+        ));
+    }
+    let disk = s("qsort", "disk", "seconds");
+    if let (Some(n), Some(d)) = (s("qsort", "netram_nbdfuse", "seconds"), disk) {
+        t.push(target(
+            "swap.qsort: netram_nbdfuse / disk",
+            n / d,
+            1.0,
+            "le",
+        ));
+    }
+    if let (Some(n), Some(d)) = (s("qsort", "netram_fuse", "seconds"), disk) {
+        t.push(target("swap.qsort: netram_fuse / disk", n / d, 1.0, "le"));
+    }
+    t
+}
+
+/// Two bar charts on a log scale: µs per random operation and seconds per sort, by
+/// configuration.
+fn plot(
+    swap: &BTreeMap<&'static str, BTreeMap<&'static str, Value>>,
+    path: &Path,
+) -> anyhow::Result<()> {
+    use plotters::prelude::*;
+    anyhow::ensure!(!swap.is_empty(), "no swap figures to plot");
+    let root = SVGBackend::new(path, (900, 420)).into_drawing_area();
+    root.fill(&WHITE)?;
+    let panels = root.split_evenly((1, 2));
+    for (area, (workload, key, label)) in panels.iter().zip([
+        (
+            "random",
+            "us_per_op",
+            "random 4 KiB read-modify-write: µs per op",
+        ),
+        ("qsort", "seconds", "quicksort: seconds"),
+    ]) {
+        let bars: Vec<(usize, f64)> = CONFIGS
+            .iter()
+            .enumerate()
+            .filter_map(|(i, c)| Some((i, swap.get(workload)?.get(c)?.get(key)?.as_f64()?)))
+            .filter(|&(_, v)| v > 0.0)
+            .collect();
+        let lo = bars.iter().map(|b| b.1).fold(f64::INFINITY, f64::min) / 2.0;
+        let hi = bars.iter().map(|b| b.1).fold(0.0, f64::max) * 2.0;
+        if bars.is_empty() {
+            continue;
+        }
+        let mut chart = ChartBuilder::on(area)
+            .caption(label, ("sans-serif", 16))
+            .margin(10)
+            .x_label_area_size(70)
+            .y_label_area_size(50)
+            .build_cartesian_2d(-0.5f64..CONFIGS.len() as f64 - 0.5, (lo..hi).log_scale())?;
+        chart
+            .configure_mesh()
+            .disable_x_mesh()
+            .x_labels(CONFIGS.len())
+            .x_label_formatter(&|x| {
+                let i = x.round();
+                if (x - i).abs() < 0.01 && i >= 0.0 {
+                    CONFIGS.get(i as usize).copied().unwrap_or("").to_string()
+                } else {
+                    String::new()
+                }
+            })
+            .x_label_style(
+                ("sans-serif", 11)
+                    .into_font()
+                    .transform(FontTransform::Rotate90),
+            )
+            .draw()?;
+        chart.draw_series(bars.iter().map(|&(i, v)| {
+            let color = if CONFIGS[i].starts_with("netram") {
+                BLUE
+            } else {
+                RGBColor(150, 150, 150)
+            };
+            Rectangle::new(
+                [(i as f64 - 0.35, lo), (i as f64 + 0.35, v)],
+                color.filled(),
+            )
+        }))?;
+    }
+    root.present()?;
+    Ok(())
+}
+
+fn markdown(r: &Value, targets: &[Target], skipped: &[String], plotted: bool) -> String {
+    let mut s = String::new();
+    let _ = writeln!(s, "# netram bench nbd\n");
+    let _ = writeln!(
+        s,
+        "Machine: {} · {} · {} CPUs · {} MiB · kernel {}{}\n",
+        r["machine"]["hostname"].as_str().unwrap_or("?"),
+        r["machine"]["date_utc"].as_str().unwrap_or("?"),
+        r["machine"]["cpus"],
+        r["machine"]["mem_total_kib"].as_u64().unwrap_or(0) / 1024,
+        r["machine"]["kernel"].as_str().unwrap_or("?"),
+        if r["quick"].as_bool() == Some(true) {
+            " · quick run"
+        } else {
+            ""
+        },
+    );
+    let _ = writeln!(
+        s,
+        "Raw loopback round trip p50: {:.1} µs, {:.1} µs in the low-latency mode. netram in \
+         its low-latency mode; PM QoS request held for every configuration: {}.\n",
+        r["raw_rtt_p50_us"].as_f64().unwrap_or(f64::NAN),
+        r["raw_rtt_fast_p50_us"].as_f64().unwrap_or(f64::NAN),
+        r["pm_qos_held"]
+    );
+    if let Some(fio) = r["fio"].as_object().filter(|m| !m.is_empty()) {
+        let _ = writeln!(s, "## fio, 4 KiB, nbd engine, device {FIO_DEVICE}\n");
+        let _ = writeln!(s, "| job | netram IOPS | nbdkit IOPS | ratio | netram p50 / p99 µs | nbdkit p50 / p99 µs |");
+        let _ = writeln!(s, "|---|---|---|---|---|---|");
+        for job in [
+            "randread_qd1",
+            "randread_qd32",
+            "randwrite_qd1",
+            "randwrite_qd32",
+        ] {
+            let n = &fio["netram"][job];
+            let k = &fio["nbdkit"][job];
+            let g = |v: &Value, f: &str| v[f].as_f64().unwrap_or(f64::NAN);
+            let _ = writeln!(
+                s,
+                "| {job} | {:.0} | {:.0} | {:.2} | {:.1} / {:.1} | {:.1} / {:.1} |",
+                g(n, "iops"),
+                g(k, "iops"),
+                g(n, "iops") / g(k, "iops"),
+                g(n, "p50_us"),
+                g(n, "p99_us"),
+                g(k, "p50_us"),
+                g(k, "p99_us"),
+            );
+        }
+        let _ = writeln!(s);
+    }
+    if let Some(swap) = r["swap"].as_object().filter(|m| !m.is_empty()) {
+        let w = r["working_set_bytes"].as_u64().unwrap_or(0);
+        let _ = writeln!(
+            s,
+            "## Kernel swap, working set {} MiB, memory cgroup limit {} MiB\n",
+            w >> 20,
+            w >> 22
+        );
+        let _ = writeln!(s, "| configuration | random µs/op | qsort s | freed MiB (random) | backing on this machine MiB | page servers MiB |");
+        let _ = writeln!(s, "|---|---|---|---|---|---|");
+        for c in CONFIGS {
+            let rnd = &swap
+                .get("random")
+                .map(|m| m[c].clone())
+                .unwrap_or(Value::Null);
+            let qs = &swap
+                .get("qsort")
+                .map(|m| m[c].clone())
+                .unwrap_or(Value::Null);
+            let mib = |v: &Value| {
+                v.as_f64()
+                    .map_or("–".to_string(), |x| format!("{:.0}", x / 1048576.0))
+            };
+            let num =
+                |v: &Value, p: usize| v.as_f64().map_or("–".to_string(), |x| format!("{x:.p$}"));
+            let _ = writeln!(
+                s,
+                "| {c} | {} | {} | {} | {} | {} |",
+                num(&rnd["us_per_op"], 2),
+                num(&qs["seconds"], 1),
+                mib(&rnd["freed_bytes"]),
+                mib(&rnd["backing_local_bytes"]),
+                mib(&rnd["servers_bytes"]),
+            );
+        }
+        let _ = writeln!(s);
+        if plotted {
+            let _ = writeln!(s, "![swap figures](nbd.svg)\n");
+        }
+    }
+    if !targets.is_empty() {
+        let _ = writeln!(
+            s,
+            "## Targets\n\n| target | ratio | limit | met |\n|---|---|---|---|"
+        );
+        for t in targets {
+            let _ = writeln!(
+                s,
+                "| {} | {:.3} | {} {} | {} |",
+                t.name,
+                t.ratio,
+                if t.sense == "le" { "≤" } else { "≥" },
+                t.limit,
+                if t.met { "yes" } else { "**no**" }
+            );
+        }
+        let _ = writeln!(s);
+    }
+    if !skipped.is_empty() {
+        let _ = writeln!(s, "## Not measured\n");
+        for k in skipped {
+            let _ = writeln!(s, "- {k}");
+        }
+    }
+    s
+}
