@@ -45,6 +45,8 @@ pub struct Options {
     /// Which parts to run.
     pub fio: bool,
     pub swap: bool,
+    /// The swap configurations to measure; empty: all of them.
+    pub configs: Vec<String>,
 }
 
 const CGROUP_ROOT: &str = "/sys/fs/cgroup/memory";
@@ -614,6 +616,9 @@ fn swap_matrix(
     // Generous bounds: a slow backing must not hang the benchmark forever.
     let timeout = Duration::from_secs(if opts.quick { 600 } else { 3600 });
     for config in CONFIGS {
+        if !opts.configs.is_empty() && !opts.configs.iter().any(|c| c == config) {
+            continue;
+        }
         eprintln!("swap: setting up {config} ...");
         let dev = match setup(config, opts, &dir) {
             Ok(d) => d,

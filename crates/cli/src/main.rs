@@ -83,6 +83,10 @@ enum BenchCommand {
         /// Only the swap part.
         #[arg(long)]
         swap_only: bool,
+        /// Only these swap configurations (comma-separated: local, zram, disk, nbdkit_nbdfuse,
+        /// netram_nbdfuse, netram_fuse) [default: all].
+        #[arg(long, value_delimiter = ',')]
+        configs: Vec<String>,
         /// Where to write nbd.json, nbd.md and nbd.svg.
         #[arg(long, default_value = "bench-results")]
         out: PathBuf,
@@ -162,8 +166,20 @@ fn main() -> anyhow::Result<()> {
             seconds,
             fio_only,
             swap_only,
+            configs,
             out,
         }) => {
+            const KNOWN: [&str; 6] = [
+                "local",
+                "zram",
+                "disk",
+                "nbdkit_nbdfuse",
+                "netram_nbdfuse",
+                "netram_fuse",
+            ];
+            if let Some(bad) = configs.iter().find(|c| !KNOWN.contains(&c.as_str())) {
+                anyhow::bail!("--configs: unknown configuration {bad:?} (known: {KNOWN:?})");
+            }
             init_logging("warn");
             let working_set = working_set
                 .map(|w| {
@@ -181,6 +197,7 @@ fn main() -> anyhow::Result<()> {
                 seconds,
                 fio: !swap_only,
                 swap: !fio_only,
+                configs,
             };
             let report = netram_bench::nbd::run(&opts)?;
             println!("{report}");

@@ -498,7 +498,10 @@ impl<T: Transport, D: Disk> Pager<T, D> {
     }
 
     /// Writes many pages from `data`, one PAGE_SIZE chunk per page. With a cache the pages stay
-    /// local until evicted or flushed; without one they are written out before this returns.
+    /// local until evicted or flushed, and the write-back of evicted pages is sent but not waited
+    /// for: their acknowledgements are collected by later calls (at the latest by `flush`),
+    /// while their data stays in staging slots, readable and ready to be placed elsewhere should
+    /// their server fail. Without a cache the pages are written out before this returns.
     pub fn write_many(&mut self, pages: &[u64], data: &[u8]) -> Result<(), PagerError> {
         if data.len() != pages.len() * PAGE_SIZE {
             return Err(PagerError::BadBuffer {
@@ -525,7 +528,15 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                 self.write_back(page, slot)?;
             }
         }
-        self.drain()
+        if self.cfg.cache_pages > 0 {
+            // A swap device's writes are evictions of evictions: waiting here for the servers
+            // would put a network round trip into every write, and, behind the device's lock,
+            // into the reads queued after it. The staging slots bound what is in flight.
+            self.send_all_batches();
+            Ok(())
+        } else {
+            self.drain()
+        }
     }
 
     /// Writes every dirty cached page to its backing and waits until all are acknowledged.
