@@ -96,19 +96,41 @@ impl<T: Transport, D: Disk> Device<T, D> {
     /// Reads several ranges with one pipelined pager read of all their pages; returns their
     /// bytes one after the other.
     pub fn read_ranges(&self, ranges: &[(u64, u32)]) -> Result<Vec<u8>, DeviceError> {
-        let pages: Vec<(u64, usize, usize)> = ranges
+        let mut data = Vec::new();
+        self.read_ranges_into(ranges, &mut data)?;
+        Ok(data)
+    }
+
+    /// [`Device::read_ranges`] into a buffer the caller keeps from one request to the next,
+    /// so that serving reads allocates nothing once the buffer has grown to its working size.
+    pub fn read_ranges_into(
+        &self,
+        ranges: &[(u64, u32)],
+        data: &mut Vec<u8>,
+    ) -> Result<(), DeviceError> {
+        let total: usize = ranges.iter().map(|&(_, l)| l as usize).sum();
+        data.clear();
+        let aligned = ranges
             .iter()
-            .flat_map(|&(o, l)| pages_of(o, u64::from(l)))
+            .all(|&(o, l)| o % PAGE == 0 && u64::from(l) % PAGE == 0);
+        let numbers: Vec<u64> = ranges
+            .iter()
+            .flat_map(|&(o, l)| pages_of(o, u64::from(l)).map(|p| p.0))
             .collect();
-        let numbers: Vec<u64> = pages.iter().map(|p| p.0).collect();
+        if aligned {
+            // Whole pages, the kernel's and fio's case: straight into the caller's buffer.
+            data.resize(total, 0);
+            self.pager().read_many(&numbers, data)?;
+            return Ok(());
+        }
         let mut buf = vec![0u8; numbers.len() * PAGE_SIZE];
         self.pager().read_many(&numbers, &mut buf)?;
-        let total: usize = ranges.iter().map(|&(_, l)| l as usize).sum();
-        let mut out = Vec::with_capacity(total);
-        for (i, &(_, start, stop)) in pages.iter().enumerate() {
-            out.extend_from_slice(&buf[i * PAGE_SIZE + start..i * PAGE_SIZE + stop]);
+        data.reserve(total);
+        let parts = ranges.iter().flat_map(|&(o, l)| pages_of(o, u64::from(l)));
+        for (i, (_, start, stop)) in parts.enumerate() {
+            data.extend_from_slice(&buf[i * PAGE_SIZE + start..i * PAGE_SIZE + stop]);
         }
-        Ok(out)
+        Ok(())
     }
 
     /// Applies writes in order: each is `data` at `offset` (`Some`) or `len` zeros (`None`).
@@ -117,6 +139,9 @@ impl<T: Transport, D: Disk> Device<T, D> {
     /// of the pages with data, one batched discard of the pages that are all zeros. With `fua`,
     /// everything is on its backing before this returns.
     fn put_many(&self, writes: &[(u64, u64, Option<&[u8]>)], fua: bool) -> Result<(), DeviceError> {
+        if let Some(result) = self.put_whole_pages(writes, fua) {
+            return result;
+        }
         let mut pager = self.pager();
         // page -> its new content; None: all zeros, so the page is discarded, not stored.
         let mut staged: BTreeMap<u64, Option<Vec<u8>>> = BTreeMap::new();
@@ -167,11 +192,72 @@ impl<T: Transport, D: Disk> Device<T, D> {
             }
         }
         pager.write_many(&data_pages, &data_buf)?;
-        pager.discard_many(&zero_pages)?;
+        if !zero_pages.is_empty() {
+            pager.discard_many(&zero_pages)?;
+        }
         if fua {
             pager.flush()?;
         }
         Ok(())
+    }
+
+    /// The common case of [`Device::put_many`] without staging: writes of whole, aligned pages,
+    /// no page written twice. Each run of non-zero pages goes to the pager straight from the
+    /// request's buffer. `None` if the writes are not of that kind.
+    fn put_whole_pages(
+        &self,
+        writes: &[(u64, u64, Option<&[u8]>)],
+        fua: bool,
+    ) -> Option<Result<(), DeviceError>> {
+        let aligned = writes
+            .iter()
+            .all(|&(o, l, d)| o % PAGE == 0 && l % PAGE == 0 && d.is_some());
+        if !aligned {
+            return None;
+        }
+        let mut spans: Vec<(u64, u64)> = writes.iter().map(|&(o, l, _)| (o, o + l)).collect();
+        spans.sort_unstable();
+        if spans.windows(2).any(|w| w[1].0 < w[0].1) {
+            return None;
+        }
+        let mut pager = self.pager();
+        let result = (|| {
+            let mut zero_pages = Vec::new();
+            let mut numbers = Vec::new();
+            for &(offset, len, data) in writes {
+                let data = data.expect("checked above");
+                let first = offset / PAGE;
+                let mut run_start = 0usize;
+                numbers.clear();
+                for i in 0..(len / PAGE) as usize {
+                    let page = &data[i * PAGE_SIZE..(i + 1) * PAGE_SIZE];
+                    if page.iter().all(|&b| b == 0) {
+                        if !numbers.is_empty() {
+                            pager.write_many(
+                                &numbers,
+                                &data[run_start * PAGE_SIZE..i * PAGE_SIZE],
+                            )?;
+                            numbers.clear();
+                        }
+                        zero_pages.push(first + i as u64);
+                        run_start = i + 1;
+                    } else {
+                        numbers.push(first + i as u64);
+                    }
+                }
+                if !numbers.is_empty() {
+                    pager.write_many(&numbers, &data[run_start * PAGE_SIZE..])?;
+                }
+            }
+            if !zero_pages.is_empty() {
+                pager.discard_many(&zero_pages)?;
+            }
+            if fua {
+                pager.flush()?;
+            }
+            Ok(())
+        })();
+        Some(result)
     }
 
     pub fn write(&self, offset: u64, data: &[u8], fua: bool) -> Result<(), DeviceError> {

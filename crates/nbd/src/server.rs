@@ -282,6 +282,8 @@ fn allowed_flags(kind: u16) -> u16 {
 /// Requests taken at once from what the client has already sent (and their write data at most).
 const PIPELINE_MAX: usize = 64;
 const PIPELINE_BYTES_MAX: usize = 64 << 20;
+/// The starting size of a connection's request and read buffers.
+const CONN_BUFFER: usize = 2 << 20;
 /// Bytes of consecutive writes staged together (a single larger write goes alone).
 const WRITE_GROUP_BYTES_MAX: usize = 8 << 20;
 
@@ -319,7 +321,12 @@ fn transmission<S: Socket, T: Transport, D: Disk>(
     session: &Session,
     shutdown: &AtomicBool,
 ) -> Result<(), ConnError> {
-    let mut payload: Vec<u8> = Vec::new();
+    // Buffers live as long as the connection and are reused by every batch, so a connection
+    // in its steady state allocates nothing (a swap device must not wait for memory). They
+    // start at what a kernel's swap traffic needs (requests of up to 512 KiB, a few in
+    // flight) and grow only for larger batches; under mlockall they are locked as they grow.
+    let mut payload: Vec<u8> = Vec::with_capacity(CONN_BUFFER);
+    let mut data: Vec<u8> = Vec::with_capacity(CONN_BUFFER);
     let mut batch = Vec::with_capacity(PIPELINE_MAX);
     loop {
         if shutdown.load(Ordering::SeqCst) {
@@ -355,6 +362,7 @@ fn transmission<S: Socket, T: Transport, D: Disk>(
             session,
             &batch[..disc.unwrap_or(batch.len())],
             &payload,
+            &mut data,
             &mut c.out,
         );
         c.send()?;
@@ -388,6 +396,7 @@ fn run_batch<T: Transport, D: Disk>(
     session: &Session,
     batch: &[(Request, std::ops::Range<usize>)],
     payload: &[u8],
+    data: &mut Vec<u8>,
     out: &mut Vec<u8>,
 ) {
     let is_read = |r: &Request| r.kind == CMD_READ && check(device, r).is_ok();
@@ -442,8 +451,8 @@ fn run_batch<T: Transport, D: Disk>(
         }
         let group = &batch[i..i + reads];
         let ranges: Vec<(u64, u32)> = group.iter().map(|(r, _)| (r.offset, r.len)).collect();
-        match device.read_ranges(&ranges) {
-            Ok(data) => {
+        match device.read_ranges_into(&ranges, data) {
+            Ok(()) => {
                 let mut at = 0;
                 for (req, _) in group {
                     let n = req.len as usize;

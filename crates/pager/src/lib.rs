@@ -566,7 +566,8 @@ impl<T: Transport, D: Disk> Pager<T, D> {
     }
 
     /// Forgets many pages, with their remote copies deleted in batched DELETEs, one per server
-    /// and up to `MAX_BATCH` keys each.
+    /// and up to `MAX_BATCH` keys each. With a cache, the DELETEs' acknowledgements are not
+    /// waited for (see `write_many`).
     pub fn discard_many(&mut self, pages: &[u64]) -> Result<(), PagerError> {
         pages.iter().try_for_each(|&p| self.check(p))?;
         let mut deletes: Vec<Vec<PageKey>> = vec![Vec::new(); self.servers.len()];
@@ -592,7 +593,14 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                 self.submit(s, Op::Delete, &Request::Delete(chunk.to_vec()));
             }
         }
-        self.drain()
+        if self.cfg.cache_pages > 0 {
+            // As with write-back, not waited for: a connection applies its requests in order,
+            // so a later PUT of the same page to the same server lands after the DELETE.
+            self.send_all_batches();
+            Ok(())
+        } else {
+            self.drain()
+        }
     }
 
     /// Whether a page holds data: written (perhaps only into the cache so far) and not

@@ -446,7 +446,11 @@ fn run_actions(
             Action::Kill(s) if kills => p.transport.servers[s].dead = true,
             Action::Kill(_) => {}
         }
-        check_settled(p, kills, matches!(a, Action::Write(..) | Action::Kill(_)))?;
+        check_settled(
+            p,
+            kills,
+            matches!(a, Action::Write(..) | Action::Kill(_) | Action::Discard(_)),
+        )?;
     }
     // Whatever writes left in flight, a flush settles.
     p.flush().unwrap();
