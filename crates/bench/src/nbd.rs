@@ -21,7 +21,7 @@
 //! and nbdfuse for the rest; what cannot run is listed as skipped, with why.
 
 use crate::machine::Machine;
-use crate::process::{have, rss_of, sh, wait_for, ChildGuard, Cleanup};
+use crate::process::{cpu_seconds_of, have, rss_of, sh, wait_for, ChildGuard, Cleanup};
 use crate::raw::{RawPeer, Wait};
 use crate::workload::figure;
 use crate::{pin_to, restore_affinity, target, Placement, Summary, Target};
@@ -61,6 +61,15 @@ struct FioFigure {
     iops: f64,
     p50_us: f64,
     p99_us: f64,
+    /// CPU time of the serving process per I/O: `netram nbd`, or nbdkit.
+    device_cpu_us_per_io: f64,
+    /// CPU time of netram's three page servers per I/O (none for nbdkit).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    servers_cpu_us_per_io: Option<f64>,
+}
+
+fn cpu_of(pids: &[u32]) -> f64 {
+    pids.iter().map(|&p| cpu_seconds_of(p)).sum()
 }
 
 pub fn run(opts: &Options) -> anyhow::Result<String> {
@@ -230,6 +239,8 @@ fn fio_job(uri: &str, rw: &str, depth: u32, seconds: u64) -> anyhow::Result<FioF
         iops: j["iops"].as_f64().unwrap_or(f64::NAN),
         p50_us: pct("50.000000"),
         p99_us: pct("99.000000"),
+        device_cpu_us_per_io: f64::NAN,
+        servers_cpu_us_per_io: None,
     })
 }
 
@@ -246,6 +257,8 @@ fn fio_matrix(
     let dir = tempfile_dir("netram-bench-fio")?;
     let mut guards = Vec::new();
     let mut uris = Vec::new();
+    // Per target: the device's PID and its servers' PIDs, for the CPU each I/O costs them.
+    let mut pids: BTreeMap<&'static str, (u32, Vec<u32>)> = BTreeMap::new();
     for (name, polling) in [("netram", false), ("netram_polling", true)] {
         let (servers, list) = start_servers(&opts.netram_exe, "1G", polling)?;
         let sock = dir.join(format!("{name}.sock"));
@@ -259,10 +272,15 @@ fn fio_matrix(
             name,
             line.split(" on ").nth(1).unwrap_or_default().to_string(),
         ));
+        pids.insert(
+            name,
+            (nbd.pid(), servers.iter().map(ChildGuard::pid).collect()),
+        );
         guards.push((nbd, servers));
     }
     let kit_sock = dir.join("nbdkit.sock");
     let kit = start_nbdkit(&kit_sock, FIO_DEVICE)?;
+    pids.insert("nbdkit", (kit.pid(), Vec::new()));
     uris.push((
         "nbdkit",
         format!("nbd+unix:///?socket={}", kit_sock.display()),
@@ -295,7 +313,14 @@ fn fio_matrix(
                 }
                 for &(name, uri) in &order {
                     eprintln!("fio: round {round}, {name} {rw} depth {depth} ...");
-                    let f = fio_job(uri, rw, depth, seconds)?;
+                    let (device, servers) = &pids[name];
+                    let (d0, s0) = (cpu_of(&[*device]), cpu_of(servers));
+                    let mut f = fio_job(uri, rw, depth, seconds)?;
+                    let ios = f.iops * seconds as f64;
+                    f.device_cpu_us_per_io = (cpu_of(&[*device]) - d0) * 1e6 / ios;
+                    if !servers.is_empty() {
+                        f.servers_cpu_us_per_io = Some((cpu_of(servers) - s0) * 1e6 / ios);
+                    }
                     samples
                         .entry((name, format!("{rw}_qd{depth}")))
                         .or_default()
@@ -312,6 +337,14 @@ fn fio_matrix(
                 iops: median(figs.iter().map(|f| f.iops).collect()),
                 p50_us: median(figs.iter().map(|f| f.p50_us).collect()),
                 p99_us: median(figs.iter().map(|f| f.p99_us).collect()),
+                device_cpu_us_per_io: median(figs.iter().map(|f| f.device_cpu_us_per_io).collect()),
+                servers_cpu_us_per_io: figs[0].servers_cpu_us_per_io.map(|_| {
+                    median(
+                        figs.iter()
+                            .filter_map(|f| f.servers_cpu_us_per_io)
+                            .collect(),
+                    )
+                }),
             },
         );
     }
@@ -558,6 +591,7 @@ fn run_workload(
         args.join(" ")
     )))?;
     let started = Instant::now();
+    let (local_cpu0, server_cpu0) = (cpu_of(&dev.local_pids), cpu_of(&dev.server_pids));
     let (mut local_max, mut server_max, mut swap_max) = (0u64, 0u64, 0u64);
     let status = loop {
         if let Some(status) = child.0.try_wait()? {
@@ -574,6 +608,8 @@ fn run_workload(
         );
         std::thread::sleep(Duration::from_millis(200));
     };
+    let local_cpu = cpu_of(&dev.local_pids) - local_cpu0;
+    let server_cpu = cpu_of(&dev.server_pids) - server_cpu0;
     let mut line = String::new();
     if let Some(mut out) = child.0.stdout.take() {
         std::io::Read::read_to_string(&mut out, &mut line)?;
@@ -597,8 +633,12 @@ fn run_workload(
         "swap_used_max_bytes": swap_max,
         "elapsed_seconds": started.elapsed().as_secs_f64(),
     });
+    if !dev.local_pids.is_empty() {
+        v["backing_cpu_seconds"] = json!(local_cpu);
+    }
     if server_max > 0 {
         v["servers_bytes"] = json!(server_max);
+        v["servers_cpu_seconds"] = json!(server_cpu);
     }
     for key in [
         "us_per_op",
@@ -865,6 +905,44 @@ fn markdown(r: &Value, targets: &[Target], skipped: &[String], plotted: bool) ->
             );
         }
         let _ = writeln!(s);
+        let _ = writeln!(
+            s,
+            "Where the CPU goes (a profile by process, from /proc/PID/stat around each job): \
+             CPU µs per I/O of the serving processes; fio's own is not counted.\n"
+        );
+        let _ = writeln!(
+            s,
+            "| job | netram nbd | netram's 3 servers | netram total | nbdkit |\n|---|---|---|---|---|"
+        );
+        for job in [
+            "randread_qd1",
+            "randread_qd32",
+            "randwrite_qd1",
+            "randwrite_qd32",
+        ] {
+            let n = &fio["netram"][job];
+            let d = n["device_cpu_us_per_io"].as_f64().unwrap_or(f64::NAN);
+            let sv = n["servers_cpu_us_per_io"].as_f64().unwrap_or(f64::NAN);
+            let k = fio["nbdkit"][job]["device_cpu_us_per_io"]
+                .as_f64()
+                .unwrap_or(f64::NAN);
+            let _ = writeln!(s, "| {job} | {d:.1} | {sv:.1} | {:.1} | {k:.1} |", d + sv);
+        }
+        let n = &fio["netram"]["randread_qd32"];
+        let d = n["device_cpu_us_per_io"].as_f64().unwrap_or(f64::NAN);
+        let sv = n["servers_cpu_us_per_io"].as_f64().unwrap_or(f64::NAN);
+        let k = fio["nbdkit"]["randread_qd32"]["device_cpu_us_per_io"]
+            .as_f64()
+            .unwrap_or(f64::NAN);
+        let _ = writeln!(
+            s,
+            "\nAt depth 32 the machine's CPUs are the limit. Per random read, `netram nbd` \
+             alone costs {:.2}× nbdkit's CPU; the page servers, which in a cluster run on \
+             other machines but here share this one's CPUs, add {:.2}× more.",
+            d / k,
+            sv / k
+        );
+        let _ = writeln!(s);
     }
     if let Some(swap) = r["swap"].as_object().filter(|m| !m.is_empty()) {
         let w = r["working_set_bytes"].as_u64().unwrap_or(0);
@@ -874,8 +952,8 @@ fn markdown(r: &Value, targets: &[Target], skipped: &[String], plotted: bool) ->
             w >> 20,
             w >> 22
         );
-        let _ = writeln!(s, "| configuration | random µs/op | qsort s | freed MiB (random) | backing on this machine MiB | page servers MiB |");
-        let _ = writeln!(s, "|---|---|---|---|---|---|");
+        let _ = writeln!(s, "| configuration | random µs/op | qsort s | freed MiB (random) | backing on this machine MiB | page servers MiB | backing CPU s (random) | servers CPU s (random) |");
+        let _ = writeln!(s, "|---|---|---|---|---|---|---|---|");
         for c in CONFIGS {
             let rnd = &swap
                 .get("random")
@@ -893,12 +971,14 @@ fn markdown(r: &Value, targets: &[Target], skipped: &[String], plotted: bool) ->
                 |v: &Value, p: usize| v.as_f64().map_or("–".to_string(), |x| format!("{x:.p$}"));
             let _ = writeln!(
                 s,
-                "| {c} | {} | {} | {} | {} | {} |",
+                "| {c} | {} | {} | {} | {} | {} | {} | {} |",
                 num(&rnd["us_per_op"], 2),
                 num(&qs["seconds"], 1),
                 mib(&rnd["freed_bytes"]),
                 mib(&rnd["backing_local_bytes"]),
                 mib(&rnd["servers_bytes"]),
+                num(&rnd["backing_cpu_seconds"], 1),
+                num(&rnd["servers_cpu_seconds"], 1),
             );
         }
         let _ = writeln!(s);

@@ -82,6 +82,24 @@ pub fn rss_of(pid: u32) -> u64 {
         .map_or(0, |pages| pages * rustix::param::page_size() as u64)
 }
 
+/// CPU time a process has used so far, user and system, all its threads (0 once it is gone).
+pub fn cpu_seconds_of(pid: u32) -> f64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    // Fields after the command name, which is in parentheses and may hold spaces: utime and
+    // stime are the 12th and 13th of them.
+    let ticks: u64 = stat
+        .rsplit_once(')')
+        .map(|(_, rest)| {
+            rest.split_whitespace()
+                .skip(11)
+                .take(2)
+                .filter_map(|t| t.parse::<u64>().ok())
+                .sum()
+        })
+        .unwrap_or(0);
+    ticks as f64 / rustix::param::clock_ticks_per_second() as f64
+}
+
 /// Undo actions, run last-in first-out when the guard drops.
 #[derive(Default)]
 pub struct Cleanup(Vec<(String, Box<dyn FnOnce()>)>);
