@@ -196,10 +196,17 @@ where
         }
         // Past the end a file reads short, as any file does.
         let len = self.clip(offset, u64::from(size.min(MAX_REQUEST)));
-        match self.device.read_ranges(&[(offset, len as u32)]) {
-            Ok(bytes) => reply.data(&bytes),
-            Err(e) => reply.error(io_error("read", e)),
+        // Each event-loop thread keeps its read buffer: no allocation per request once it has
+        // grown to the largest read (see ARCHITECTURE.md, "Safe under memory pressure").
+        thread_local! {
+            static BUF: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
         }
+        BUF.with_borrow_mut(|buf| {
+            match self.device.read_ranges_into(&[(offset, len as u32)], buf) {
+                Ok(()) => reply.data(buf),
+                Err(e) => reply.error(io_error("read", e)),
+            }
+        })
     }
 
     #[allow(clippy::too_many_arguments)] // the trait's signature
