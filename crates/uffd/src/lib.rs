@@ -1,0 +1,504 @@
+//! netram's userfaultfd front end: a region of this process's memory whose pages live in the
+//! cluster, paged in on first touch and out when the region holds more than its local budget.
+//!
+//! This is how netram reaches programs without root or the kernel's swap (the Anemone paper's
+//! remark, §2.2, that remote memory can be mapped by programs that know of it; Dodo and AIFM
+//! which it cites). A [`Region`] maps anonymous memory and registers it with userfaultfd; a
+//! handler thread serves its faults through the core's pager:
+//!
+//! * a page never written is installed as the zero page, without a network round trip;
+//! * a page that was evicted is fetched from its server and installed with `UFFDIO_COPY`;
+//! * when more than `budget` pages are resident, the oldest resident page is evicted: it is
+//!   write-protected first (`UFFDIO_WRITEPROTECT`), so that a write racing with the copy-out
+//!   blocks instead of being lost, then copied to the pager (an all-zero page is discarded:
+//!   stored as nothing), then dropped with `MADV_DONTNEED`; the writer, woken afterwards,
+//!   faults again and gets the page back.
+//!
+//! Hazards handled here: `EEXIST` from `UFFDIO_COPY`/`ZEROPAGE` (two threads faulted the same
+//! page; the first fault installed it: the second is only woken); `EAGAIN` (the region is
+//! changing under the handler: the fault is woken and retried by the kernel); faults from any
+//! number of threads (one handler serves them in order); a write-protect fault on a page being
+//! evicted (woken after the eviction, it becomes a missing fault). The userfaultfd is created
+//! with `UFFD_USER_MODE_ONLY`, so it works for ordinary users where
+//! `vm.unprivileged_userfaultfd` is 0, as for root.
+//!
+//! Not done yet (issue 5 goes on): victims are chosen first in, first out, not by an
+//! approximation of LRU; clean pages are written back like dirty ones; no prefetching; the
+//! program's `munmap`, `madvise(DONTNEED)`, `mremap` and `fork` are not tracked; a handler that
+//! dies leaves its faulting threads waiting; no allocator, C ABI or `netram run`.
+
+use netram_pager::{Disk, Pager, Transport};
+use netram_proto::PAGE_SIZE;
+use rustix::event::{eventfd, poll, EventfdFlags, PollFd, PollFlags};
+use rustix::fd::OwnedFd;
+use std::collections::VecDeque;
+use std::ffi::c_void;
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use userfaultfd::{Event, FaultKind, RegisterMode, Uffd, UffdBuilder};
+
+#[derive(Debug, thiserror::Error)]
+pub enum RegionError {
+    #[error("a region needs a size above zero and a budget of at least one page")]
+    BadSize,
+    #[error("the region ({pages} pages) is larger than its pager ({pager_pages} pages)")]
+    LargerThanPager { pages: u64, pager_pages: u64 },
+    #[error("cannot map the region: {0}")]
+    Map(rustix::io::Errno),
+    #[error("cannot open userfaultfd: {0}")]
+    Userfaultfd(userfaultfd::Error),
+    #[error(
+        "cannot open userfaultfd: {0} (as an ordinary user this needs UFFD_USER_MODE_ONLY, \
+         Linux 5.11 or later)"
+    )]
+    UserfaultfdSyscall(rustix::io::Errno),
+    #[error("cannot register the region with userfaultfd: {0}")]
+    Register(userfaultfd::Error),
+    #[error("cannot start the fault handler: {0}")]
+    Handler(std::io::Error),
+}
+
+/// What the handler has done, for tests, benchmarks and `netram run`'s report.
+#[derive(Debug, Default)]
+pub struct RegionCounters {
+    /// Missing-page faults served.
+    pub faults: AtomicU64,
+    /// ... of which by installing the zero page (never written: no I/O).
+    pub zero_fills: AtomicU64,
+    /// ... of which by fetching the page from the pager.
+    pub fetches: AtomicU64,
+    /// Faults that found their page already installed by an earlier fault (EEXIST).
+    pub already_present: AtomicU64,
+    /// Write-protect faults (a write that raced with an eviction).
+    pub write_protect_faults: AtomicU64,
+    /// Pages evicted to the pager.
+    pub evictions: AtomicU64,
+    /// ... of which all zeros, discarded instead of stored.
+    pub evicted_zero: AtomicU64,
+    /// Faults the handler could not serve (the pager failed): the faulting thread is woken and
+    /// faults again; the error is logged.
+    pub errors: AtomicU64,
+}
+
+impl RegionCounters {
+    pub fn get(c: &AtomicU64) -> u64 {
+        c.load(Ordering::Relaxed)
+    }
+}
+
+/// A userfaultfd for faults from user mode (`UFFD_USER_MODE_ONLY`, allowed to ordinary users
+/// where `vm.unprivileged_userfaultfd` is 0), non-blocking, with write-protect faults.
+fn open_userfaultfd() -> Result<Uffd, RegionError> {
+    let created = UffdBuilder::new()
+        .close_on_exec(true)
+        .non_blocking(true)
+        .user_mode_only(true)
+        .require_features(userfaultfd::FeatureFlags::PAGEFAULT_FLAG_WP)
+        .create();
+    match created {
+        // The crate tries /dev/userfaultfd first and does not fall back to the system call
+        // when the device exists but is root's only (as here): do the system call and the
+        // API handshake ourselves, then hand the descriptor to the crate.
+        Err(userfaultfd::Error::OpenDevUserfaultfd(e))
+            if e.kind() == std::io::ErrorKind::PermissionDenied =>
+        {
+            userfaultfd_by_syscall()
+        }
+        other => other.map_err(RegionError::Userfaultfd),
+    }
+}
+
+fn userfaultfd_by_syscall() -> Result<Uffd, RegionError> {
+    use rustix::fd::IntoRawFd;
+    use std::os::fd::FromRawFd;
+    const UFFD_USER_MODE_ONLY: u32 = 1;
+    const UFFD_API: u64 = 0xaa;
+    const UFFD_FEATURE_PAGEFAULT_FLAG_WP: u64 = 1 << 0;
+    /// `struct uffdio_api` of linux/userfaultfd.h.
+    #[repr(C)]
+    struct UffdioApi {
+        api: u64,
+        features: u64,
+        ioctls: u64,
+    }
+    let flags = rustix::mm::UserfaultfdFlags::CLOEXEC
+        | rustix::mm::UserfaultfdFlags::NONBLOCK
+        | rustix::mm::UserfaultfdFlags::from_bits_retain(UFFD_USER_MODE_ONLY);
+    let io = RegionError::UserfaultfdSyscall;
+    // SAFETY: userfaultfd(2) only creates a descriptor; the flags are the kernel's.
+    let fd = unsafe { rustix::mm::userfaultfd(flags) }.map_err(io)?;
+    let mut api = UffdioApi {
+        api: UFFD_API,
+        features: UFFD_FEATURE_PAGEFAULT_FLAG_WP,
+        ioctls: 0,
+    };
+    // SAFETY: UFFDIO_API (_IOWR(0xAA, 0x3F, struct uffdio_api)) reads and writes exactly one
+    // struct uffdio_api, which `UffdioApi` lays out.
+    unsafe {
+        const OP: rustix::ioctl::Opcode =
+            rustix::ioctl::opcode::read_write::<UffdioApi>(0xaa, 0x3f);
+        rustix::ioctl::ioctl(&fd, rustix::ioctl::Updater::<OP, UffdioApi>::new(&mut api))
+    }
+    .map_err(io)?;
+    // SAFETY: a userfaultfd descriptor that we own and give up here.
+    Ok(unsafe { Uffd::from_raw_fd(fd.into_raw_fd()) })
+}
+
+/// The mapping's base address, sent to the handler thread. A plain address: the handler only
+/// passes it to the kernel and copies pages through it while they are write-protected.
+#[derive(Debug, Clone, Copy)]
+struct Base(NonNull<u8>);
+// SAFETY: the address is only dereferenced by the handler, for pages of a mapping the Region
+// keeps alive until the handler has been joined.
+unsafe impl Send for Base {}
+
+/// A region of memory paged from the cluster.
+pub struct Region<T: Transport, D: Disk> {
+    base: Base,
+    len: usize,
+    uffd: Arc<Uffd>,
+    pager: Arc<Mutex<Pager<T, D>>>,
+    counters: Arc<RegionCounters>,
+    stop: Arc<OwnedFd>,
+    handler: Option<JoinHandle<()>>,
+}
+
+impl<T: Transport, D: Disk> std::fmt::Debug for Region<T, D> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Region")
+            .field("base", &self.base.0)
+            .field("len", &self.len)
+            .field("counters", &self.counters)
+            .finish()
+    }
+}
+
+impl<T, D> Region<T, D>
+where
+    T: Transport + Send + 'static,
+    D: Disk + Send + 'static,
+{
+    /// Maps `size` bytes (rounded up to whole pages) backed by `pager`'s pages 0.., of which at
+    /// most `budget` bytes (at least one page) are resident at a time.
+    pub fn new(pager: Pager<T, D>, size: usize, budget: usize) -> Result<Self, RegionError> {
+        let pages = size.div_ceil(PAGE_SIZE);
+        let budget_pages = budget / PAGE_SIZE;
+        if pages == 0 || budget_pages == 0 {
+            return Err(RegionError::BadSize);
+        }
+        if pages as u64 > pager.config().pages {
+            return Err(RegionError::LargerThanPager {
+                pages: pages as u64,
+                pager_pages: pager.config().pages,
+            });
+        }
+        let len = pages * PAGE_SIZE;
+        // SAFETY: a fresh anonymous private mapping at an address the kernel chooses; it
+        // aliases nothing, and it is unmapped only in Drop after the handler has stopped.
+        let ptr = unsafe {
+            rustix::mm::mmap_anonymous(
+                std::ptr::null_mut(),
+                len,
+                rustix::mm::ProtFlags::READ | rustix::mm::ProtFlags::WRITE,
+                rustix::mm::MapFlags::PRIVATE | rustix::mm::MapFlags::NORESERVE,
+            )
+        }
+        .map_err(RegionError::Map)?;
+        let base = Base(NonNull::new(ptr.cast()).expect("mmap does not return null"));
+        let unmap = |e| {
+            // SAFETY: the mapping made above, not yet handed to anyone.
+            let _ = unsafe { rustix::mm::munmap(ptr, len) };
+            e
+        };
+        let uffd = open_userfaultfd().map_err(unmap)?;
+        uffd.register_with_mode(
+            ptr,
+            len,
+            RegisterMode::MISSING | RegisterMode::WRITE_PROTECT,
+        )
+        .map_err(|e| unmap(RegionError::Register(e)))?;
+        let uffd = Arc::new(uffd);
+        let stop = Arc::new(
+            eventfd(0, EventfdFlags::CLOEXEC | EventfdFlags::NONBLOCK)
+                .map_err(|e| unmap(RegionError::Handler(e.into())))?,
+        );
+        let pager = Arc::new(Mutex::new(pager));
+        let counters = Arc::new(RegionCounters::default());
+        let handler = Handler {
+            base,
+            pages,
+            budget: budget_pages,
+            uffd: uffd.clone(),
+            pager: pager.clone(),
+            counters: counters.clone(),
+            resident: VecDeque::with_capacity(budget_pages),
+            is_resident: vec![false; pages],
+            buf: vec![0u8; PAGE_SIZE],
+        };
+        let stop_fd = stop.clone();
+        let thread = std::thread::Builder::new()
+            .name("netram-uffd".into())
+            .spawn(move || handler.run(&stop_fd))
+            .map_err(|e| unmap(RegionError::Handler(e)))?;
+        Ok(Self {
+            base,
+            len,
+            uffd,
+            pager,
+            counters,
+            stop,
+            handler: Some(thread),
+        })
+    }
+}
+
+impl<T: Transport, D: Disk> Region<T, D> {
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.base.0.as_ptr()
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The region as bytes. Reading faults pages in as needed.
+    pub fn as_slice(&self) -> &[u8] {
+        // SAFETY: the mapping is `len` bytes, readable, and lives as long as `self`. Its
+        // contents change behind the slice only by the handler reinstalling exactly the bytes
+        // that were there (a page in or out is invisible to the program).
+        unsafe { std::slice::from_raw_parts(self.as_ptr(), self.len) }
+    }
+
+    /// The region as mutable bytes.
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        // SAFETY: as in `as_slice`; `&mut self` makes this the only slice.
+        unsafe { std::slice::from_raw_parts_mut(self.as_ptr(), self.len) }
+    }
+
+    pub fn counters(&self) -> &RegionCounters {
+        &self.counters
+    }
+
+    /// Runs `f` on the region's pager (its counters, its servers).
+    pub fn with_pager<R>(&self, f: impl FnOnce(&mut Pager<T, D>) -> R) -> R {
+        f(&mut self.pager.lock().unwrap_or_else(|p| p.into_inner()))
+    }
+}
+
+impl<T: Transport, D: Disk> Drop for Region<T, D> {
+    fn drop(&mut self) {
+        let _ = rustix::io::write(&*self.stop, &1u64.to_ne_bytes());
+        if let Some(h) = self.handler.take() {
+            let _ = h.join();
+        }
+        let _ = self.uffd.unregister(self.base.0.as_ptr().cast(), self.len);
+        // SAFETY: our mapping; the handler has stopped and no slice of it outlives `self`.
+        let _ = unsafe { rustix::mm::munmap(self.base.0.as_ptr().cast(), self.len) };
+        // The region's pages are garbage now: free them on their servers at once rather than
+        // when the pager's session ends.
+        let mut pager = self.pager.lock().unwrap_or_else(|p| p.into_inner());
+        let written: Vec<u64> = (0..(self.len / PAGE_SIZE) as u64)
+            .filter(|&p| pager.is_written(p))
+            .collect();
+        // Flushing waits for the DELETEs' acknowledgements.
+        if let Err(e) = pager.discard_many(&written).and_then(|()| pager.flush()) {
+            tracing::warn!("freeing a dropped region's pages: {e}");
+        }
+    }
+}
+
+/// The fault handler's state; lives on its thread.
+struct Handler<T: Transport, D: Disk> {
+    base: Base,
+    pages: usize,
+    budget: usize,
+    uffd: Arc<Uffd>,
+    pager: Arc<Mutex<Pager<T, D>>>,
+    counters: Arc<RegionCounters>,
+    /// Resident pages, oldest first.
+    resident: VecDeque<usize>,
+    is_resident: Vec<bool>,
+    buf: Vec<u8>,
+}
+
+impl<T: Transport, D: Disk> Handler<T, D> {
+    fn run(mut self, stop: &OwnedFd) {
+        loop {
+            let mut fds = [
+                PollFd::new(&*self.uffd, PollFlags::IN),
+                PollFd::new(stop, PollFlags::IN),
+            ];
+            match poll(&mut fds, None) {
+                Ok(_) => {}
+                Err(rustix::io::Errno::INTR) => continue,
+                Err(e) => {
+                    tracing::error!("userfaultfd handler: poll: {e}");
+                    return;
+                }
+            }
+            if !fds[1].revents().is_empty() {
+                return;
+            }
+            // Non-blocking: drain every event that has arrived.
+            loop {
+                match self.uffd.read_event() {
+                    Ok(Some(event)) => self.handle(event),
+                    Ok(None) => break,
+                    Err(e) => {
+                        tracing::error!("userfaultfd handler: read: {e}");
+                        return;
+                    }
+                }
+            }
+        }
+    }
+
+    fn page_addr(&self, page: usize) -> *mut c_void {
+        // SAFETY: `page` < pages, so the address lies within the mapping.
+        unsafe { self.base.0.as_ptr().add(page * PAGE_SIZE).cast() }
+    }
+
+    fn handle(&mut self, event: Event) {
+        let Event::Pagefault { kind, addr, .. } = event else {
+            // Only page faults were asked for (no fork, remap, remove or unmap events).
+            return;
+        };
+        let page = (addr as usize - self.base.0.as_ptr() as usize) / PAGE_SIZE;
+        debug_assert!(page < self.pages);
+        match kind {
+            FaultKind::Missing => self.missing(page),
+            FaultKind::WriteProtected => {
+                // Only pages being evicted are write-protected, and an eviction completes
+                // before the next event is read: the page is gone now, and the woken writer
+                // faults again as a missing page.
+                self.counters
+                    .write_protect_faults
+                    .fetch_add(1, Ordering::Relaxed);
+                let _ = self.uffd.wake(self.page_addr(page), PAGE_SIZE);
+            }
+        }
+    }
+
+    fn missing(&mut self, page: usize) {
+        self.counters.faults.fetch_add(1, Ordering::Relaxed);
+        if self.is_resident[page] {
+            // Installed by an earlier fault of another thread: only wake this one.
+            self.counters
+                .already_present
+                .fetch_add(1, Ordering::Relaxed);
+            let _ = self.uffd.wake(self.page_addr(page), PAGE_SIZE);
+            return;
+        }
+        while self.resident.len() >= self.budget {
+            if let Err(e) = self.evict_oldest() {
+                self.counters.errors.fetch_add(1, Ordering::Relaxed);
+                tracing::error!("evicting a page: {e}");
+                break;
+            }
+        }
+        let addr = self.page_addr(page);
+        let written = {
+            let mut pager = self.pager.lock().unwrap_or_else(|p| p.into_inner());
+            let written = pager.is_written(page as u64);
+            if written {
+                if let Err(e) = pager.read(page as u64, &mut self.buf) {
+                    drop(pager);
+                    self.counters.errors.fetch_add(1, Ordering::Relaxed);
+                    tracing::error!("fetching page {page}: {e}");
+                    // Woken without a page, the thread faults again and is retried.
+                    let _ = self.uffd.wake(addr, PAGE_SIZE);
+                    return;
+                }
+            }
+            written
+        };
+        let result = if written {
+            self.counters.fetches.fetch_add(1, Ordering::Relaxed);
+            // SAFETY: `buf` holds one page; `addr` is a page of the registered range.
+            unsafe {
+                self.uffd
+                    .copy(self.buf.as_ptr().cast(), addr, PAGE_SIZE, true)
+                    .map(|_| ())
+            }
+        } else {
+            self.counters.zero_fills.fetch_add(1, Ordering::Relaxed);
+            // SAFETY: `addr` is a page of the registered range.
+            unsafe { self.uffd.zeropage(addr, PAGE_SIZE, true).map(|_| ()) }
+        };
+        match result {
+            Ok(()) => {}
+            // Installed meanwhile (by a fault this handler has not read yet, or the program
+            // wrote through a kernel path): present now, so resident.
+            Err(userfaultfd::Error::CopyFailed(e) | userfaultfd::Error::ZeropageFailed(e))
+                if e as i32 == rustix::io::Errno::EXIST.raw_os_error() =>
+            {
+                self.counters
+                    .already_present
+                    .fetch_add(1, Ordering::Relaxed);
+                let _ = self.uffd.wake(addr, PAGE_SIZE);
+            }
+            Err(e) => {
+                // EAGAIN: the mapping is changing; the woken thread faults again.
+                self.counters.errors.fetch_add(1, Ordering::Relaxed);
+                tracing::debug!("installing page {page}: {e}");
+                let _ = self.uffd.wake(addr, PAGE_SIZE);
+                return;
+            }
+        }
+        self.is_resident[page] = true;
+        self.resident.push_back(page);
+    }
+
+    /// Evicts the oldest resident page: write-protect, copy out, store, drop. On failure the
+    /// page stays resident and writable.
+    fn evict_oldest(&mut self) -> Result<(), String> {
+        let Some(page) = self.resident.pop_front() else {
+            return Ok(());
+        };
+        let addr = self.page_addr(page);
+        // A write after this blocks in a write-protect fault until the page is gone.
+        self.uffd
+            .write_protect(addr, PAGE_SIZE)
+            .map_err(|e| format!("write-protecting page {page}: {e}"))?;
+        // SAFETY: the page is mapped (resident) and write-protected: no thread changes it
+        // while it is copied.
+        unsafe {
+            std::ptr::copy_nonoverlapping(addr.cast::<u8>(), self.buf.as_mut_ptr(), PAGE_SIZE)
+        };
+        let stored = {
+            let mut pager = self.pager.lock().unwrap_or_else(|p| p.into_inner());
+            if self.buf.iter().all(|&b| b == 0) {
+                self.counters.evicted_zero.fetch_add(1, Ordering::Relaxed);
+                pager.discard(page as u64)
+            } else {
+                pager.write(page as u64, &self.buf)
+            }
+        };
+        let dropped = stored
+            .map_err(|e| format!("storing page {page}: {e}"))
+            .and_then(|()| {
+                // SAFETY: `addr` is a page of our mapping; dropping it is what eviction means,
+                // and the next access faults it back in through this handler.
+                unsafe { rustix::mm::madvise(addr, PAGE_SIZE, rustix::mm::Advice::LinuxDontNeed) }
+                    .map_err(|e| format!("dropping page {page}: {e}"))
+            });
+        if let Err(e) = dropped {
+            // Keep the page: writable again, and the writers blocked on it woken.
+            let _ = self.uffd.remove_write_protection(addr, PAGE_SIZE, true);
+            self.resident.push_front(page);
+            return Err(e);
+        }
+        self.is_resident[page] = false;
+        self.counters.evictions.fetch_add(1, Ordering::Relaxed);
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,166 @@
+//! Regions over a real local cluster: more pages than the budget, written and read back
+//! through evictions and fetches, from one thread and from several.
+
+use super::*;
+use netram_bench::cluster::LocalCluster;
+use netram_node::client::{ClientConfig, TcpTransport};
+use netram_pager::{MemDisk, PagerConfig};
+
+const PAGES: usize = 512;
+
+fn region(cluster: &LocalCluster, budget_pages: usize) -> Region<TcpTransport, MemDisk> {
+    let t = TcpTransport::connect(&cluster.addrs(), &ClientConfig::new());
+    let cfg = PagerConfig {
+        pages: PAGES as u64,
+        cache_pages: 8,
+        ..Default::default()
+    };
+    let pager = Pager::new(cfg, t, MemDisk::default());
+    Region::new(pager, PAGES * PAGE_SIZE, budget_pages * PAGE_SIZE).expect("a region")
+}
+
+fn fill(page: usize, round: u8) -> u8 {
+    (page as u8).wrapping_mul(31).wrapping_add(round) | 1
+}
+
+#[test]
+fn pages_survive_eviction_and_come_back() {
+    let cluster = LocalCluster::start(2, 8 << 20, false).unwrap();
+    let mut r = region(&cluster, 32);
+    let mem = r.as_mut_slice();
+    // Untouched pages read as zeros without any I/O.
+    assert!(mem[..4 * PAGE_SIZE].iter().all(|&b| b == 0));
+    for p in 0..PAGES {
+        mem[p * PAGE_SIZE..(p + 1) * PAGE_SIZE].fill(fill(p, 1));
+    }
+    for p in (0..PAGES).rev() {
+        let page = &mem[p * PAGE_SIZE..(p + 1) * PAGE_SIZE];
+        assert!(page.iter().all(|&b| b == fill(p, 1)), "page {p}");
+    }
+    let c = r.counters();
+    let evictions = RegionCounters::get(&c.evictions);
+    let fetches = RegionCounters::get(&c.fetches);
+    assert!(evictions >= (PAGES - 32) as u64, "{c:?}");
+    assert!(fetches >= (PAGES - 64) as u64, "{c:?}");
+    assert_eq!(RegionCounters::get(&c.errors), 0, "{c:?}");
+    let stored = (0..2).map(|s| cluster.stat(s, "stored_pages")).sum::<u64>();
+    assert!(stored > 0, "evicted pages live on the servers");
+    drop(r);
+    // A dropped region's pages are freed on their servers.
+    let stored = (0..2).map(|s| cluster.stat(s, "stored_pages")).sum::<u64>();
+    assert_eq!(stored, 0);
+}
+
+#[test]
+fn zero_pages_are_not_stored() {
+    let cluster = LocalCluster::start(1, 8 << 20, false).unwrap();
+    let r = region(&cluster, 4);
+    // Read every page: all zero fills, and their evictions store nothing.
+    let sum: u64 = r
+        .as_slice()
+        .iter()
+        .step_by(PAGE_SIZE)
+        .map(|&b| b as u64)
+        .sum();
+    assert_eq!(sum, 0);
+    let c = r.counters();
+    assert_eq!(RegionCounters::get(&c.zero_fills), PAGES as u64, "{c:?}");
+    assert_eq!(RegionCounters::get(&c.fetches), 0, "{c:?}");
+    assert_eq!(cluster.stat(0, "stored_pages"), 0);
+}
+
+#[test]
+fn threads_fault_at_once() {
+    let cluster = LocalCluster::start(2, 8 << 20, false).unwrap();
+    let r = region(&cluster, 16);
+    let base = r.as_ptr() as usize;
+    let threads: Vec<_> = (0..4)
+        .map(|t| {
+            std::thread::spawn(move || {
+                for round in 0..3u8 {
+                    // Every thread walks all pages; each writes only its own quarter of every
+                    // page, so they race on the same pages, never on the same bytes.
+                    for p in 0..PAGES {
+                        let at = base + p * PAGE_SIZE + t * (PAGE_SIZE / 4);
+                        // SAFETY: within the region, which outlives the threads (joined
+                        // below); this thread is the only writer of these bytes.
+                        let part =
+                            unsafe { std::slice::from_raw_parts_mut(at as *mut u8, PAGE_SIZE / 4) };
+                        if round > 0 {
+                            assert!(part.iter().all(|&b| b == fill(p, round - 1) ^ t as u8));
+                        }
+                        part.fill(fill(p, round) ^ t as u8);
+                    }
+                }
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().expect("a faulting thread failed");
+    }
+    let c = r.counters();
+    assert_eq!(RegionCounters::get(&c.errors), 0, "{c:?}");
+    assert!(RegionCounters::get(&c.evictions) > PAGES as u64, "{c:?}");
+}
+
+#[test]
+fn bad_sizes_are_refused() {
+    let cluster = LocalCluster::start(1, 1 << 20, false).unwrap();
+    let t = TcpTransport::connect(&cluster.addrs(), &ClientConfig::new());
+    let cfg = PagerConfig {
+        pages: 4,
+        ..Default::default()
+    };
+    let pager = Pager::new(cfg, t, MemDisk::default());
+    assert!(matches!(
+        Region::new(pager, 8 * PAGE_SIZE, PAGE_SIZE),
+        Err(RegionError::LargerThanPager { .. })
+    ));
+}
+
+/// As root, runs `pages_survive_eviction_and_come_back` again as the user nobody: the path of
+/// an ordinary user, whose userfaultfd must be opened with UFFD_USER_MODE_ONLY through the
+/// system call (`vm.unprivileged_userfaultfd` is 0, /dev/userfaultfd is root's).
+#[test]
+fn works_for_an_ordinary_user() {
+    if !rustix::process::geteuid().is_root() {
+        eprintln!("not root: the other tests already ran as an ordinary user");
+        return;
+    }
+    let have_setpriv = std::process::Command::new("setpriv")
+        .arg("--version")
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !have_setpriv {
+        eprintln!("SKIPPED: setpriv (util-linux) is not installed");
+        return;
+    }
+    // A copy of this test binary where nobody may run it.
+    let dir = std::env::temp_dir().join(format!("netram-uffd-test-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let exe = dir.join("test");
+    std::fs::copy(std::env::current_exe().unwrap(), &exe).unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755)).unwrap();
+    std::fs::set_permissions(&exe, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let out = std::process::Command::new("timeout")
+        .args([
+            "120",
+            "setpriv",
+            "--reuid=65534",
+            "--regid=65534",
+            "--clear-groups",
+        ])
+        .arg(&exe)
+        .args(["tests::pages_survive_eviction_and_come_back", "--exact"])
+        .output()
+        .unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && stdout.contains("1 passed"),
+        "as nobody: {}\n{stdout}{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
