@@ -12,7 +12,10 @@
 //!   write-protected first (`UFFDIO_WRITEPROTECT`), so that a write racing with the copy-out
 //!   blocks instead of being lost, then copied to the pager (an all-zero page is discarded:
 //!   stored as nothing), then dropped with `MADV_DONTNEED`; the writer, woken afterwards,
-//!   faults again and gets the page back.
+//!   faults again and gets the page back;
+//! * a fetched page is installed write-protected: its first write is a write-protect fault that
+//!   marks it dirty and lifts the protection, and a page never written since its fetch is
+//!   evicted by dropping it, without copying or sending anything (its remote copy is current).
 //!
 //! Hazards handled here: `EEXIST` from `UFFDIO_COPY`/`ZEROPAGE` (two threads faulted the same
 //! page; the first fault installed it: the second is only woken); `EAGAIN` (the region is
@@ -23,7 +26,7 @@
 //! `vm.unprivileged_userfaultfd` is 0, as for root.
 //!
 //! Not done yet (issue 5 goes on): victims are chosen first in, first out, not by an
-//! approximation of LRU; clean pages are written back like dirty ones; no prefetching; the
+//! approximation of LRU; no prefetching; the
 //! program's `munmap`, `madvise(DONTNEED)`, `mremap` and `fork` are not tracked; a handler that
 //! dies leaves its faulting threads waiting; no allocator, C ABI or `netram run`.
 
@@ -77,6 +80,10 @@ pub struct RegionCounters {
     pub evictions: AtomicU64,
     /// ... of which all zeros, discarded instead of stored.
     pub evicted_zero: AtomicU64,
+    /// ... of which clean (fetched and never written since): dropped without any I/O.
+    pub evicted_clean: AtomicU64,
+    /// First writes to fetched pages (write-protect faults that mark a page dirty).
+    pub first_writes: AtomicU64,
     /// Faults the handler could not serve (the pager failed): the faulting thread is woken and
     /// faults again; the error is logged.
     pub errors: AtomicU64,
@@ -144,6 +151,48 @@ fn userfaultfd_by_syscall() -> Result<Uffd, RegionError> {
     .map_err(io)?;
     // SAFETY: a userfaultfd descriptor that we own and give up here.
     Ok(unsafe { Uffd::from_raw_fd(fd.into_raw_fd()) })
+}
+
+/// Installs `page` at `dst` write-protected and wakes the faulting threads, in one
+/// `UFFDIO_COPY` with `UFFDIO_COPY_MODE_WP`. Protecting it afterwards would leave a window in
+/// which any thread's write lands unseen and the page, believed clean, is later dropped with
+/// it (a test caught exactly that). The `userfaultfd` crate's `copy` has no WP mode, hence the
+/// ioctl here.
+fn copy_write_protected(
+    uffd: &Uffd,
+    page: &[u8],
+    dst: *mut c_void,
+) -> Result<(), rustix::io::Errno> {
+    use std::os::fd::AsRawFd;
+    const UFFDIO_COPY_MODE_WP: u64 = 1 << 1;
+    /// `struct uffdio_copy` of linux/userfaultfd.h.
+    #[repr(C)]
+    struct UffdioCopy {
+        dst: u64,
+        src: u64,
+        len: u64,
+        mode: u64,
+        copy: i64,
+    }
+    assert_eq!(page.len(), PAGE_SIZE);
+    let mut copy = UffdioCopy {
+        dst: dst as u64,
+        src: page.as_ptr() as u64,
+        len: PAGE_SIZE as u64,
+        mode: UFFDIO_COPY_MODE_WP,
+        copy: 0,
+    };
+    // SAFETY: the descriptor is the Uffd's, open for the call.
+    let fd = unsafe { rustix::fd::BorrowedFd::borrow_raw(uffd.as_raw_fd()) };
+    // SAFETY: UFFDIO_COPY (_IOWR(0xAA, 0x03, struct uffdio_copy)) reads and writes one struct
+    // uffdio_copy, laid out by `UffdioCopy`; `src` is one readable page, `dst` a page of a
+    // range registered with this userfaultfd.
+    let r = unsafe {
+        const OP: rustix::ioctl::Opcode =
+            rustix::ioctl::opcode::read_write::<UffdioCopy>(0xaa, 0x03);
+        rustix::ioctl::ioctl(fd, rustix::ioctl::Updater::<OP, UffdioCopy>::new(&mut copy))
+    };
+    r
 }
 
 /// The mapping's base address, sent to the handler thread. A plain address: the handler only
@@ -235,6 +284,7 @@ where
             counters: counters.clone(),
             resident: VecDeque::with_capacity(budget_pages),
             is_resident: vec![false; pages],
+            dirty: vec![false; pages],
             buf: vec![0u8; PAGE_SIZE],
         };
         let stop_fd = stop.clone();
@@ -324,6 +374,8 @@ struct Handler<T: Transport, D: Disk> {
     /// Resident pages, oldest first.
     resident: VecDeque<usize>,
     is_resident: Vec<bool>,
+    /// Whether a resident page may differ from its remote copy.
+    dirty: Vec<bool>,
     buf: Vec<u8>,
 }
 
@@ -373,10 +425,23 @@ impl<T: Transport, D: Disk> Handler<T, D> {
         debug_assert!(page < self.pages);
         match kind {
             FaultKind::Missing => self.missing(page),
+            FaultKind::WriteProtected if self.is_resident[page] => {
+                // The first write to a fetched page, which was installed write-protected: from
+                // now on it differs from its remote copy.
+                self.counters.first_writes.fetch_add(1, Ordering::Relaxed);
+                self.dirty[page] = true;
+                if let Err(e) =
+                    self.uffd
+                        .remove_write_protection(self.page_addr(page), PAGE_SIZE, true)
+                {
+                    tracing::error!("unprotecting page {page}: {e}");
+                    self.counters.errors.fetch_add(1, Ordering::Relaxed);
+                }
+            }
             FaultKind::WriteProtected => {
-                // Only pages being evicted are write-protected, and an eviction completes
-                // before the next event is read: the page is gone now, and the woken writer
-                // faults again as a missing page.
+                // A write that raced with the page's eviction: an eviction completes before the
+                // next event is read, so the page is gone now, and the woken writer faults
+                // again as a missing page.
                 self.counters
                     .write_protect_faults
                     .fetch_add(1, Ordering::Relaxed);
@@ -418,26 +483,25 @@ impl<T: Transport, D: Disk> Handler<T, D> {
             }
             written
         };
-        let result = if written {
+        // The errno of a failed install.
+        let result: Result<(), i32> = if written {
             self.counters.fetches.fetch_add(1, Ordering::Relaxed);
-            // SAFETY: `buf` holds one page; `addr` is a page of the registered range.
-            unsafe {
-                self.uffd
-                    .copy(self.buf.as_ptr().cast(), addr, PAGE_SIZE, true)
-                    .map(|_| ())
-            }
+            copy_write_protected(&self.uffd, &self.buf, addr).map_err(|e| e.raw_os_error())
         } else {
             self.counters.zero_fills.fetch_add(1, Ordering::Relaxed);
             // SAFETY: `addr` is a page of the registered range.
-            unsafe { self.uffd.zeropage(addr, PAGE_SIZE, true).map(|_| ()) }
+            unsafe { self.uffd.zeropage(addr, PAGE_SIZE, true) }
+                .map(|_| ())
+                .map_err(|e| match e {
+                    userfaultfd::Error::ZeropageFailed(errno) => errno as i32,
+                    _ => rustix::io::Errno::IO.raw_os_error(),
+                })
         };
         match result {
             Ok(()) => {}
             // Installed meanwhile (by a fault this handler has not read yet, or the program
             // wrote through a kernel path): present now, so resident.
-            Err(userfaultfd::Error::CopyFailed(e) | userfaultfd::Error::ZeropageFailed(e))
-                if e as i32 == rustix::io::Errno::EXIST.raw_os_error() =>
-            {
+            Err(e) if e == rustix::io::Errno::EXIST.raw_os_error() => {
                 self.counters
                     .already_present
                     .fetch_add(1, Ordering::Relaxed);
@@ -446,11 +510,16 @@ impl<T: Transport, D: Disk> Handler<T, D> {
             Err(e) => {
                 // EAGAIN: the mapping is changing; the woken thread faults again.
                 self.counters.errors.fetch_add(1, Ordering::Relaxed);
-                tracing::debug!("installing page {page}: {e}");
+                tracing::debug!("installing page {page}: errno {e}");
                 let _ = self.uffd.wake(addr, PAGE_SIZE);
                 return;
             }
         }
+        // A fetched page equals its remote copy until written: it was installed
+        // write-protected, so that the first write is seen and an unwritten page is evicted
+        // without I/O. (A zero fill needs no tracking: the kernel maps the shared zero page, a
+        // write replaces it, and eviction finds out by looking whether it is still all zeros.)
+        self.dirty[page] = !written;
         self.is_resident[page] = true;
         self.resident.push_back(page);
     }
@@ -462,10 +531,25 @@ impl<T: Transport, D: Disk> Handler<T, D> {
             return Ok(());
         };
         let addr = self.page_addr(page);
+        if !self.dirty[page] {
+            // Fetched and never written since: its remote copy is current, and it is still
+            // write-protected, so no write can slip in before it is dropped.
+            // SAFETY: as below.
+            unsafe { rustix::mm::madvise(addr, PAGE_SIZE, rustix::mm::Advice::LinuxDontNeed) }
+                .map_err(|e| {
+                    self.resident.push_front(page);
+                    format!("dropping page {page}: {e}")
+                })?;
+            self.is_resident[page] = false;
+            self.counters.evictions.fetch_add(1, Ordering::Relaxed);
+            self.counters.evicted_clean.fetch_add(1, Ordering::Relaxed);
+            return Ok(());
+        }
         // A write after this blocks in a write-protect fault until the page is gone.
-        self.uffd
-            .write_protect(addr, PAGE_SIZE)
-            .map_err(|e| format!("write-protecting page {page}: {e}"))?;
+        self.uffd.write_protect(addr, PAGE_SIZE).map_err(|e| {
+            self.resident.push_front(page);
+            format!("write-protecting page {page}: {e}")
+        })?;
         // SAFETY: the page is mapped (resident) and write-protected: no thread changes it
         // while it is copied.
         unsafe {
@@ -495,6 +579,7 @@ impl<T: Transport, D: Disk> Handler<T, D> {
             return Err(e);
         }
         self.is_resident[page] = false;
+        self.dirty[page] = false;
         self.counters.evictions.fetch_add(1, Ordering::Relaxed);
         Ok(())
     }

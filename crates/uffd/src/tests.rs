@@ -52,6 +52,49 @@ fn pages_survive_eviction_and_come_back() {
 }
 
 #[test]
+fn pages_only_read_are_evicted_without_io() {
+    let cluster = LocalCluster::start(2, 8 << 20, false).unwrap();
+    let mut r = region(&cluster, 32);
+    let mem = r.as_mut_slice();
+    for p in 0..PAGES {
+        mem[p * PAGE_SIZE] = fill(p, 1);
+    }
+    let want: u64 = (0..PAGES).map(|p| fill(p, 1) as u64).sum();
+    let read_all = |r: &Region<TcpTransport, MemDisk>| -> u64 {
+        r.as_slice()
+            .iter()
+            .step_by(PAGE_SIZE)
+            .map(|&b| b as u64)
+            .sum()
+    };
+    // The first pass evicts the last written pages (dirty: stored); the second reads pages
+    // that were fetched and evicted untouched.
+    assert_eq!(read_all(&r), want);
+    let writes_before = r.with_pager(|p| p.counters().writes);
+    let clean_before = RegionCounters::get(&r.counters().evicted_clean);
+    assert_eq!(read_all(&r), want);
+    let c = r.counters();
+    assert!(
+        RegionCounters::get(&c.evicted_clean) - clean_before >= (PAGES - 32) as u64,
+        "{c:?}"
+    );
+    assert_eq!(
+        r.with_pager(|p| p.counters().writes),
+        writes_before,
+        "clean pages are dropped, not stored"
+    );
+    // A write to a fetched page is seen: that page is stored again when evicted.
+    let mem = r.as_mut_slice();
+    mem[0] = 0xee;
+    for p in 1..PAGES {
+        std::hint::black_box(mem[p * PAGE_SIZE]);
+    }
+    assert!(RegionCounters::get(&r.counters().first_writes) >= 1);
+    assert!(r.with_pager(|p| p.counters().writes) > writes_before);
+    assert_eq!(r.as_slice()[0], 0xee);
+}
+
+#[test]
 fn zero_pages_are_not_stored() {
     let cluster = LocalCluster::start(1, 8 << 20, false).unwrap();
     let r = region(&cluster, 4);
