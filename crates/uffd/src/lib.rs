@@ -15,7 +15,10 @@
 //!   faults again and gets the page back;
 //! * a fetched page is installed write-protected: its first write is a write-protect fault that
 //!   marks it dirty and lifts the protection, and a page never written since its fetch is
-//!   evicted by dropping it, without copying or sending anything (its remote copy is current).
+//!   evicted by dropping it, without copying or sending anything (its remote copy is current);
+//! * after each fault, the pages a trend detector (`netram_policy::prefetch`, after Leap)
+//!   expects next are fetched into the pager's cache with one pipelined read, so that
+//!   sequential and strided scans fault without waiting for the network; hits are counted.
 //!
 //! Hazards handled here: `EEXIST` from `UFFDIO_COPY`/`ZEROPAGE` (two threads faulted the same
 //! page; the first fault installed it: the second is only woken); `EAGAIN` (the region is
@@ -26,15 +29,16 @@
 //! `vm.unprivileged_userfaultfd` is 0, as for root.
 //!
 //! Not done yet (issue 5 goes on): victims are chosen first in, first out, not by an
-//! approximation of LRU; no prefetching; the
+//! approximation of LRU; the
 //! program's `munmap`, `madvise(DONTNEED)`, `mremap` and `fork` are not tracked; a handler that
 //! dies leaves its faulting threads waiting; no allocator, C ABI or `netram run`.
 
 use netram_pager::{Disk, Pager, Transport};
+use netram_policy::prefetch::Prefetcher;
 use netram_proto::PAGE_SIZE;
 use rustix::event::{eventfd, poll, EventfdFlags, PollFd, PollFlags};
 use rustix::fd::OwnedFd;
-use std::collections::VecDeque;
+use std::collections::{HashSet, VecDeque};
 use std::ffi::c_void;
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -84,6 +88,10 @@ pub struct RegionCounters {
     pub evicted_clean: AtomicU64,
     /// First writes to fetched pages (write-protect faults that mark a page dirty).
     pub first_writes: AtomicU64,
+    /// Pages fetched ahead of their fault by the prefetcher.
+    pub prefetched: AtomicU64,
+    /// ... of which faulted on later (served from the pager's cache).
+    pub prefetch_hits: AtomicU64,
     /// Faults the handler could not serve (the pager failed): the faulting thread is woken and
     /// faults again; the error is logged.
     pub errors: AtomicU64,
@@ -93,7 +101,16 @@ impl RegionCounters {
     pub fn get(c: &AtomicU64) -> u64 {
         c.load(Ordering::Relaxed)
     }
+
+    /// The share of prefetched pages that were used; `None` before any prefetch.
+    pub fn prefetch_hit_rate(&self) -> Option<f64> {
+        let n = Self::get(&self.prefetched);
+        (n > 0).then(|| Self::get(&self.prefetch_hits) as f64 / n as f64)
+    }
 }
+
+/// The most pages fetched ahead at one fault.
+const MAX_PREFETCH: usize = 16;
 
 /// A userfaultfd for faults from user mode (`UFFD_USER_MODE_ONLY`, allowed to ordinary users
 /// where `vm.unprivileged_userfaultfd` is 0), non-blocking, with write-protect faults.
@@ -273,6 +290,8 @@ where
             eventfd(0, EventfdFlags::CLOEXEC | EventfdFlags::NONBLOCK)
                 .map_err(|e| unmap(RegionError::Handler(e.into())))?,
         );
+        // Prefetched pages wait in the pager's cache: no cache, no prefetching.
+        let prefetch_window = pager.config().cache_pages;
         let pager = Arc::new(Mutex::new(pager));
         let counters = Arc::new(RegionCounters::default());
         let handler = Handler {
@@ -286,6 +305,11 @@ where
             is_resident: vec![false; pages],
             dirty: vec![false; pages],
             buf: vec![0u8; PAGE_SIZE],
+            prefetcher: Prefetcher::new(MAX_PREFETCH.min(prefetch_window / 2)),
+            prefetched: HashSet::new(),
+            prefetch_order: VecDeque::new(),
+            prefetch_window,
+            pbuf: Vec::new(),
         };
         let stop_fd = stop.clone();
         let thread = std::thread::Builder::new()
@@ -377,6 +401,13 @@ struct Handler<T: Transport, D: Disk> {
     /// Whether a resident page may differ from its remote copy.
     dirty: Vec<bool>,
     buf: Vec<u8>,
+    prefetcher: Prefetcher,
+    /// Pages fetched ahead into the pager's cache and not faulted on yet, oldest first.
+    prefetched: HashSet<u64>,
+    prefetch_order: VecDeque<u64>,
+    /// How many guesses the pager's cache is taken to hold.
+    prefetch_window: usize,
+    pbuf: Vec<u8>,
 }
 
 impl<T: Transport, D: Disk> Handler<T, D> {
@@ -468,6 +499,11 @@ impl<T: Transport, D: Disk> Handler<T, D> {
             }
         }
         let addr = self.page_addr(page);
+        if self.prefetched.remove(&(page as u64)) {
+            // Fetched ahead: the pager serves it from its cache, without a round trip.
+            self.counters.prefetch_hits.fetch_add(1, Ordering::Relaxed);
+            self.prefetcher.hit();
+        }
         let written = {
             let mut pager = self.pager.lock().unwrap_or_else(|p| p.into_inner());
             let written = pager.is_written(page as u64);
@@ -522,6 +558,51 @@ impl<T: Transport, D: Disk> Handler<T, D> {
         self.dirty[page] = !written;
         self.is_resident[page] = true;
         self.resident.push_back(page);
+        // The faulting thread runs again; meanwhile fetch what the trend says comes next.
+        self.prefetch(page);
+    }
+
+    /// Fetches the pages the prefetcher proposes after a fault on `page` into the pager's
+    /// cache, with one pipelined read: a later fault on one of them costs no round trip.
+    fn prefetch(&mut self, page: usize) {
+        let proposed = self.prefetcher.on_fault(page as u64, self.pages as u64);
+        if proposed.is_empty() {
+            return;
+        }
+        let mut pager = self.pager.lock().unwrap_or_else(|p| p.into_inner());
+        let wanted: Vec<u64> = proposed
+            .into_iter()
+            .filter(|&p| {
+                !self.is_resident[p as usize]
+                    && !self.prefetched.contains(&p)
+                    && pager.is_written(p)
+            })
+            .collect();
+        if wanted.is_empty() {
+            return;
+        }
+        self.pbuf.resize(wanted.len() * PAGE_SIZE, 0);
+        if let Err(e) = pager.read_many(&wanted, &mut self.pbuf) {
+            // Only a guess failed: the page's own fault will report a real error.
+            tracing::debug!("prefetching {wanted:?}: {e}");
+            return;
+        }
+        drop(pager);
+        self.counters
+            .prefetched
+            .fetch_add(wanted.len() as u64, Ordering::Relaxed);
+        for p in wanted {
+            self.prefetched.insert(p);
+            self.prefetch_order.push_back(p);
+        }
+        // The pager's cache holds only so many: older guesses not used by now are taken as
+        // wasted (the cache has probably evicted them).
+        while self.prefetch_order.len() > self.prefetch_window {
+            let old = self.prefetch_order.pop_front().expect("not empty");
+            if self.prefetched.remove(&old) {
+                self.prefetcher.wasted();
+            }
+        }
     }
 
     /// Evicts the oldest resident page: write-protect, copy out, store, drop. On failure the

@@ -12,7 +12,7 @@ fn region(cluster: &LocalCluster, budget_pages: usize) -> Region<TcpTransport, M
     let t = TcpTransport::connect(&cluster.addrs(), &ClientConfig::new());
     let cfg = PagerConfig {
         pages: PAGES as u64,
-        cache_pages: 8,
+        cache_pages: 32,
         ..Default::default()
     };
     let pager = Pager::new(cfg, t, MemDisk::default());
@@ -92,6 +92,45 @@ fn pages_only_read_are_evicted_without_io() {
     assert!(RegionCounters::get(&r.counters().first_writes) >= 1);
     assert!(r.with_pager(|p| p.counters().writes) > writes_before);
     assert_eq!(r.as_slice()[0], 0xee);
+}
+
+#[test]
+fn scans_are_prefetched_random_access_is_not() {
+    let cluster = LocalCluster::start(2, 8 << 20, false).unwrap();
+    let mut r = region(&cluster, 32);
+    let mem = r.as_mut_slice();
+    for p in 0..PAGES {
+        mem[p * PAGE_SIZE] = fill(p, 1);
+    }
+    // A forward scan, then a backward one with stride 2: nearly every fetch was prefetched.
+    let mut seen = 0u64;
+    for p in (0..PAGES).chain((0..PAGES).rev().step_by(2)) {
+        seen += u64::from(r.as_slice()[p * PAGE_SIZE] == fill(p, 1));
+    }
+    assert_eq!(seen, (PAGES + PAGES / 2) as u64);
+    let c = r.counters();
+    let rate = c.prefetch_hit_rate().expect("something was prefetched");
+    assert!(rate >= 0.8, "hit rate {rate:.2}: {c:?}");
+    assert!(
+        RegionCounters::get(&c.prefetch_hits) * 10 >= RegionCounters::get(&c.fetches) * 8,
+        "most fetches were hits: {c:?}"
+    );
+    // Random faults: no trend, (almost) nothing fetched ahead once the scan's trend has left
+    // the detector's history.
+    let mut rng = 0x9e37_79b9u64;
+    let mut before = 0;
+    for i in 0..400 {
+        if i == 20 {
+            before = RegionCounters::get(&r.counters().prefetched);
+        }
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        let p = (rng % PAGES as u64) as usize;
+        std::hint::black_box(r.as_slice()[p * PAGE_SIZE]);
+    }
+    let extra = RegionCounters::get(&r.counters().prefetched) - before;
+    assert!(extra < 40, "{extra} pages prefetched for random access");
 }
 
 #[test]
