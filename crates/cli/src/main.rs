@@ -64,7 +64,7 @@ enum BenchCommand {
     /// The block device: fio against `netram nbd` and `nbdkit memory`, and the kernel's swap on
     /// netram (through nbdfuse and through its FUSE file) against nbdkit, a local swap file,
     /// zram and no limit; writes nbd.json, nbd.md and nbd.svg. The swap part needs root; it
-    /// takes about an hour at the default working set of 2 GiB.
+    /// takes about 20 minutes at the default working set of 2 GiB.
     Nbd {
         /// A shorter run: a 256 MiB working set, one fio round of 2 s per job.
         #[arg(long)]
