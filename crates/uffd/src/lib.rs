@@ -30,8 +30,12 @@
 //!
 //! Not done yet (issue 5 goes on): victims are chosen first in, first out, not by an
 //! approximation of LRU; the
-//! program's `munmap`, `madvise(DONTNEED)`, `mremap` and `fork` are not tracked; a handler that
-//! dies leaves its faulting threads waiting; no allocator, C ABI or `netram run`.
+//! program's `munmap`, `madvise(DONTNEED)`, `mremap` and `fork` are not tracked; no allocator,
+//! C ABI or `netram run`.
+//!
+//! A handler that dies (an error reading the userfaultfd, a panic) does not leave the program
+//! hanging: the region is made inaccessible and the waiting threads are woken, so they die of
+//! SIGSEGV, loudly, rather than wait forever or read zeros.
 
 use netram_pager::{Disk, Pager, Transport};
 use netram_policy::prefetch::Prefetcher;
@@ -359,6 +363,13 @@ impl<T: Transport, D: Disk> Region<T, D> {
         &self.counters
     }
 
+    /// Fault point: the handler thread ends as if it had failed.
+    #[cfg(test)]
+    fn kill_handler(&self) {
+        let _ = rustix::io::write(&*self.stop, &DIE.to_ne_bytes());
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+
     /// Runs `f` on the region's pager (its counters, its servers).
     pub fn with_pager<R>(&self, f: impl FnOnce(&mut Pager<T, D>) -> R) -> R {
         f(&mut self.pager.lock().unwrap_or_else(|p| p.into_inner()))
@@ -367,7 +378,7 @@ impl<T: Transport, D: Disk> Region<T, D> {
 
 impl<T: Transport, D: Disk> Drop for Region<T, D> {
     fn drop(&mut self) {
-        let _ = rustix::io::write(&*self.stop, &1u64.to_ne_bytes());
+        let _ = rustix::io::write(&*self.stop, &STOP.to_ne_bytes());
         if let Some(h) = self.handler.take() {
             let _ = h.join();
         }
@@ -384,6 +395,38 @@ impl<T: Transport, D: Disk> Drop for Region<T, D> {
         if let Err(e) = pager.discard_many(&written).and_then(|()| pager.flush()) {
             tracing::warn!("freeing a dropped region's pages: {e}");
         }
+    }
+}
+
+/// Written to the stop eventfd: stop (the region is dropped), or die as if the handler had
+/// failed (tests only).
+const STOP: u64 = 1;
+const DIE: u64 = 2;
+
+/// See `Handler::run`.
+struct DeadHandler {
+    base: Base,
+    len: usize,
+    uffd: Arc<Uffd>,
+    armed: bool,
+}
+
+impl Drop for DeadHandler {
+    fn drop(&mut self) {
+        if !self.armed {
+            return;
+        }
+        tracing::error!("userfaultfd handler gone: the region is made inaccessible");
+        // SAFETY: the region's own mapping, alive until the Region is dropped (which joins
+        // this thread first); no memory is freed, only access is removed.
+        let _ = unsafe {
+            rustix::mm::mprotect(
+                self.base.0.as_ptr().cast(),
+                self.len,
+                rustix::mm::MprotectFlags::empty(),
+            )
+        };
+        let _ = self.uffd.wake(self.base.0.as_ptr().cast(), self.len);
     }
 }
 
@@ -412,6 +455,15 @@ struct Handler<T: Transport, D: Disk> {
 
 impl<T: Transport, D: Disk> Handler<T, D> {
     fn run(mut self, stop: &OwnedFd) {
+        // However this thread ends other than by the region's drop (an error, a panic), the
+        // guard makes the region inaccessible and wakes every waiting thread: they die of
+        // SIGSEGV instead of waiting forever for a handler that is gone.
+        let mut guard = DeadHandler {
+            base: self.base,
+            len: self.pages * PAGE_SIZE,
+            uffd: self.uffd.clone(),
+            armed: true,
+        };
         loop {
             let mut fds = [
                 PollFd::new(&*self.uffd, PollFlags::IN),
@@ -426,6 +478,14 @@ impl<T: Transport, D: Disk> Handler<T, D> {
                 }
             }
             if !fds[1].revents().is_empty() {
+                let mut word = [0u8; 8];
+                let _ = rustix::io::read(stop, &mut word);
+                if u64::from_ne_bytes(word) == DIE {
+                    // The fault point of the test for a handler that dies.
+                    tracing::error!("userfaultfd handler: told to die");
+                    return;
+                }
+                guard.armed = false;
                 return;
             }
             // Non-blocking: drain every event that has arrived.

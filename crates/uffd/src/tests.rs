@@ -246,3 +246,54 @@ fn works_for_an_ordinary_user() {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+/// When the handler dies, a thread touching a missing page dies of SIGSEGV instead of
+/// waiting forever. Runs itself as a child process (the child is meant to crash).
+#[test]
+fn a_dead_handler_does_not_leave_threads_hanging() {
+    if std::env::var_os("NETRAM_UFFD_DEAD_HANDLER_CHILD").is_some() {
+        let cluster = LocalCluster::start(1, 8 << 20, false).unwrap();
+        let mut r = region(&cluster, 4);
+        let mem = r.as_mut_slice();
+        for p in 0..8 {
+            mem[p * PAGE_SIZE] = 1; // pages 0..4 are evicted by the later ones
+        }
+        r.kill_handler();
+        let v = std::hint::black_box(r.as_slice()[0]);
+        // Not reached if the region behaves.
+        println!("CHILD READ {v}");
+        std::process::exit(3);
+    }
+    use std::os::unix::process::ExitStatusExt;
+    let mut child = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([
+            "tests::a_dead_handler_does_not_leave_threads_hanging",
+            "--exact",
+        ])
+        .env("NETRAM_UFFD_DEAD_HANDLER_CHILD", "1")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if std::time::Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("the faulting thread hung after its handler died");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    };
+    assert_eq!(
+        status.signal(),
+        Some(libc_sigsegv()),
+        "the child should die of SIGSEGV: {status}"
+    );
+}
+
+fn libc_sigsegv() -> i32 {
+    rustix::process::Signal::SEGV.as_raw()
+}
