@@ -21,7 +21,7 @@
 //! and nbdfuse for the rest; what cannot run is listed as skipped, with why.
 
 use crate::machine::Machine;
-use crate::process::{cpu_seconds_of, have, rss_of, sh, wait_for, ChildGuard, Cleanup};
+use crate::process::{cpu_seconds_of, have, rss_of, sh, swap_used, wait_for, ChildGuard, Cleanup};
 use crate::raw::{RawPeer, Wait};
 use crate::workload::figure;
 use crate::{pin_to, restore_affinity, target, Placement, Summary, Target};
@@ -364,7 +364,7 @@ fn tempfile_dir(prefix: &str) -> anyhow::Result<PathBuf> {
 }
 
 /// The swap configurations, in the order of the report.
-const CONFIGS: [&str; 6] = [
+pub const CONFIGS: [&str; 6] = [
     "local",
     "zram",
     "disk",
@@ -546,15 +546,6 @@ fn setup(config: &str, opts: &Options, dir: &Path) -> anyhow::Result<SwapDevice>
     }
     dev.cleanup = c;
     Ok(dev)
-}
-
-fn swap_used(device: &str) -> u64 {
-    std::fs::read_to_string("/proc/swaps")
-        .unwrap_or_default()
-        .lines()
-        .find(|l| l.split_whitespace().next() == Some(device))
-        .and_then(|l| l.split_whitespace().nth(3)?.parse::<u64>().ok())
-        .map_or(0, |kib| kib * 1024)
 }
 
 /// Runs one workload in a fresh memory cgroup (limited to W/4 unless `local`), sampling the

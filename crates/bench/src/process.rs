@@ -156,3 +156,13 @@ pub fn wait_for(what: &str, timeout: Duration, mut ok: impl FnMut() -> bool) -> 
     }
     Ok(())
 }
+
+/// Bytes of swap in use on `device` (as /proc/swaps names it).
+pub fn swap_used(device: &str) -> u64 {
+    std::fs::read_to_string("/proc/swaps")
+        .unwrap_or_default()
+        .lines()
+        .find(|l| l.split_whitespace().next() == Some(device))
+        .and_then(|l| l.split_whitespace().nth(3)?.parse::<u64>().ok())
+        .map_or(0, |kib| kib * 1024)
+}

@@ -169,14 +169,7 @@ fn main() -> anyhow::Result<()> {
             configs,
             out,
         }) => {
-            const KNOWN: [&str; 6] = [
-                "local",
-                "zram",
-                "disk",
-                "nbdkit_nbdfuse",
-                "netram_nbdfuse",
-                "netram_fuse",
-            ];
+            const KNOWN: [&str; 6] = netram_bench::nbd::CONFIGS;
             if let Some(bad) = configs.iter().find(|c| !KNOWN.contains(&c.as_str())) {
                 anyhow::bail!("--configs: unknown configuration {bad:?} (known: {KNOWN:?})");
             }

@@ -6,6 +6,7 @@
 //! in reverse order by a guard, also when the test fails.
 
 use common::{spawn_reporting, ServerProcess};
+use netram_bench::process::{sh, swap_used, wait_for, Cleanup};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -14,40 +15,6 @@ mod common;
 
 const WORKLOAD: &str = env!("CARGO_BIN_EXE_netram-workload");
 const CGROUP_ROOT: &str = "/sys/fs/cgroup/memory";
-
-/// Undo actions, run last-in first-out when the guard drops.
-#[derive(Default)]
-struct Cleanup(Vec<(String, Box<dyn FnOnce()>)>);
-
-impl Cleanup {
-    fn push(&mut self, what: &str, undo: impl FnOnce() + 'static) {
-        self.0.push((what.to_string(), Box::new(undo)));
-    }
-}
-
-impl Drop for Cleanup {
-    fn drop(&mut self) {
-        while let Some((what, undo)) = self.0.pop() {
-            eprintln!("cleanup: {what}");
-            undo();
-        }
-    }
-}
-
-fn sh(cmd: &str, args: &[&str]) -> Result<String, String> {
-    let out = Command::new(cmd)
-        .args(args)
-        .output()
-        .map_err(|e| format!("{cmd}: {e}"))?;
-    if !out.status.success() {
-        return Err(format!(
-            "{cmd} {args:?}: {}: {}",
-            out.status,
-            String::from_utf8_lossy(&out.stderr)
-        ));
-    }
-    Ok(String::from_utf8_lossy(&out.stdout).trim().to_string())
-}
 
 fn kill_child(mut c: Child) {
     let _ = c.kill();
@@ -75,25 +42,6 @@ fn missing_prerequisite() -> Option<String> {
         }
     }
     None
-}
-
-/// Bytes of swap in use on `device`, from /proc/swaps.
-fn swap_used(device: &str) -> u64 {
-    std::fs::read_to_string("/proc/swaps")
-        .unwrap_or_default()
-        .lines()
-        .find(|l| l.split_whitespace().next() == Some(device))
-        .and_then(|l| l.split_whitespace().nth(3)?.parse::<u64>().ok())
-        .map(|kib| kib * 1024)
-        .unwrap_or(0)
-}
-
-fn wait_for(what: &str, timeout: Duration, mut ok: impl FnMut() -> bool) {
-    let deadline = Instant::now() + timeout;
-    while !ok() {
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        std::thread::sleep(Duration::from_millis(20));
-    }
 }
 
 /// How the device becomes a file for the loop device.
@@ -195,7 +143,8 @@ fn swap_through_netram(via: Via, backing: &str, kill_server: bool) {
     };
     wait_for("the device's file", Duration::from_secs(10), || {
         file.exists()
-    });
+    })
+    .unwrap();
 
     let lo = sh(
         "losetup",
