@@ -55,6 +55,13 @@ const CGROUP_ROOT: &str = "/sys/fs/cgroup/memory";
 /// Higher than any swap a machine is likely to have, so the device under test takes every page.
 const SWAP_PRIORITY: &str = "32000";
 const FIO_DEVICE: &str = "256M";
+/// The fio jobs of the report, as keyed in `fio.<target>`.
+const FIO_JOBS: [&str; 4] = [
+    "randread_qd1",
+    "randread_qd32",
+    "randwrite_qd1",
+    "randwrite_qd32",
+];
 
 #[derive(Debug, Clone, Copy, Serialize)]
 struct FioFigure {
@@ -871,12 +878,7 @@ fn markdown(r: &Value, targets: &[Target], skipped: &[String], plotted: bool) ->
         let _ = writeln!(s, "## fio, 4 KiB, nbd engine, device {FIO_DEVICE}\n");
         let _ = writeln!(s, "| job | netram IOPS | nbdkit IOPS | ratio | netram p50 / p99 µs | nbdkit p50 / p99 µs | netram_polling IOPS, p50 µs |");
         let _ = writeln!(s, "|---|---|---|---|---|---|---|");
-        for job in [
-            "randread_qd1",
-            "randread_qd32",
-            "randwrite_qd1",
-            "randwrite_qd32",
-        ] {
+        for job in FIO_JOBS {
             let n = &fio["netram"][job];
             let k = &fio["nbdkit"][job];
             let np = &fio["netram_polling"][job];
@@ -905,12 +907,7 @@ fn markdown(r: &Value, targets: &[Target], skipped: &[String], plotted: bool) ->
             s,
             "| job | netram nbd | netram's 3 servers | netram total | nbdkit |\n|---|---|---|---|---|"
         );
-        for job in [
-            "randread_qd1",
-            "randread_qd32",
-            "randwrite_qd1",
-            "randwrite_qd32",
-        ] {
+        for job in FIO_JOBS {
             let n = &fio["netram"][job];
             let d = n["device_cpu_us_per_io"].as_f64().unwrap_or(f64::NAN);
             let sv = n["servers_cpu_us_per_io"].as_f64().unwrap_or(f64::NAN);

@@ -201,12 +201,7 @@ fn handshake<S: Socket, T: Transport, D: Disk>(
                         return Ok(Some(session));
                     }
                 }
-                Ok(req) => refuse_option(
-                    &mut c.out,
-                    option,
-                    REP_ERR_UNKNOWN,
-                    &format!("no export {:?}", req.name),
-                ),
+                Ok(req) => refuse_unknown_export(&mut c.out, option, &req.name),
                 Err(e) => refuse_option(&mut c.out, option, REP_ERR_INVALID, &e.to_string()),
             },
             OPT_STRUCTURED_REPLY if data.is_empty() => {
@@ -238,12 +233,7 @@ fn handshake<S: Socket, T: Transport, D: Disk>(
                         }
                         option_reply(&mut c.out, option, REP_ACK, &[]);
                     }
-                    Ok(req) => refuse_option(
-                        &mut c.out,
-                        option,
-                        REP_ERR_UNKNOWN,
-                        &format!("no export {:?}", req.name),
-                    ),
+                    Ok(req) => refuse_unknown_export(&mut c.out, option, &req.name),
                     Err(e) => refuse_option(&mut c.out, option, REP_ERR_INVALID, &e.to_string()),
                 }
             }
@@ -373,6 +363,11 @@ fn transmission<S: Socket, T: Transport, D: Disk>(
             return Ok(());
         }
     }
+}
+
+/// The refusal of an option naming an export that does not exist.
+fn refuse_unknown_export(out: &mut Vec<u8>, option: u32, name: &str) {
+    refuse_option(out, option, REP_ERR_UNKNOWN, &format!("no export {name:?}"));
 }
 
 fn refuse(session: &Session, req: &Request, (errno, why): Refusal, out: &mut Vec<u8>) {
