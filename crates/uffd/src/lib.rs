@@ -8,11 +8,20 @@
 //!
 //! * a page never written is installed as the zero page, without a network round trip;
 //! * a page that was evicted is fetched from its server and installed with `UFFDIO_COPY`;
-//! * when more than `budget` pages are resident, the oldest resident page is evicted: it is
+//! * when more than `budget` pages are resident, a victim is evicted. Victims are chosen by
+//!   CLOCK over sampled accesses (`netram_policy::clock`; GMS §4.2 sampled by flushing TLB
+//!   entries): the hand *samples* a used page by moving it aside with `UFFDIO_MOVE` (page-table
+//!   entries only, no copy) into a shadow mapping; if the program touches it again, the fault
+//!   puts it back and it was referenced; if it is still aside when the hand comes round, it is
+//!   the victim, and since no thread can reach it there it is copied out and stored without
+//!   further ado. A victim still mapped (the hand samples at most 8 pages per victim) is
 //!   write-protected first (`UFFDIO_WRITEPROTECT`), so that a write racing with the copy-out
 //!   blocks instead of being lost, then copied to the pager (an all-zero page is discarded:
 //!   stored as nothing), then dropped with `MADV_DONTNEED`; the writer, woken afterwards,
-//!   faults again and gets the page back;
+//!   faults again and gets the page back. The price of sampling is one extra fault per
+//!   sampled page still in use (`sample_faults`), measured by `netram bench uffd`;
+//!   `victims_approximate_lru` in the tests compares the misses with exact LRU and FIFO on
+//!   one trace;
 //! * a fetched page is installed write-protected: its first write is a write-protect fault that
 //!   marks it dirty and lifts the protection, and a page never written since its fetch is
 //!   evicted by dropping it, without copying or sending anything (its remote copy is current);
@@ -28,16 +37,18 @@
 //! with `UFFD_USER_MODE_ONLY`, so it works for ordinary users where
 //! `vm.unprivileged_userfaultfd` is 0, as for root.
 //!
-//! Not done yet (issue 5 goes on): victims are chosen first in, first out, not by an
-//! approximation of LRU; the
-//! program's `munmap`, `madvise(DONTNEED)`, `mremap` and `fork` are not tracked; no allocator,
-//! C ABI or `netram run`.
+//! The program gives memory back with [`Region::release`] (what `free` and `munmap` become
+//! under `netram run`): its pages are dropped locally and deleted on their servers. The
+//! kernel's remove and unmap events are not used for that: they make the thread calling
+//! `madvise` or `munmap` wait until the handler has read the event, and the handler itself
+//! drops pages with `MADV_DONTNEED`, so it would wait for itself.
 //!
 //! A handler that dies (an error reading the userfaultfd, a panic) does not leave the program
 //! hanging: the region is made inaccessible and the waiting threads are woken, so they die of
 //! SIGSEGV, loudly, rather than wait forever or read zeros.
 
 use netram_pager::{Disk, Pager, Transport};
+use netram_policy::clock::Clock;
 use netram_policy::prefetch::Prefetcher;
 use netram_proto::PAGE_SIZE;
 use rustix::event::{eventfd, poll, EventfdFlags, PollFd, PollFlags};
@@ -46,9 +57,9 @@ use std::collections::{HashSet, VecDeque};
 use std::ffi::c_void;
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
-use userfaultfd::{Event, FaultKind, RegisterMode, Uffd, UffdBuilder};
+use userfaultfd::{Event, FaultKind, RegisterMode, Uffd};
 
 #[derive(Debug, thiserror::Error)]
 pub enum RegionError {
@@ -69,6 +80,10 @@ pub enum RegionError {
     Register(userfaultfd::Error),
     #[error("cannot start the fault handler: {0}")]
     Handler(std::io::Error),
+    #[error("{offset}+{len} is not a range of whole pages within the region")]
+    BadRange { offset: usize, len: usize },
+    #[error("releasing pages: {0}")]
+    Release(String),
 }
 
 /// What the handler has done, for tests, benchmarks and `netram run`'s report.
@@ -96,6 +111,15 @@ pub struct RegionCounters {
     pub prefetched: AtomicU64,
     /// ... of which faulted on later (served from the pager's cache).
     pub prefetch_hits: AtomicU64,
+    /// Pages taken out of the page tables to see whether they are used (`UFFDIO_MOVE`).
+    pub samples: AtomicU64,
+    /// ... that were touched again (a missing fault, counted in `faults` too): the price of
+    /// the LRU approximation.
+    pub sample_faults: AtomicU64,
+    /// Samples the kernel refused (the page stays mapped, counted as used).
+    pub sample_failures: AtomicU64,
+    /// Pages given back by the program (`release`).
+    pub released: AtomicU64,
     /// Faults the handler could not serve (the pager failed): the faulting thread is woken and
     /// faults again; the error is logged.
     pub errors: AtomicU64,
@@ -117,33 +141,36 @@ impl RegionCounters {
 const MAX_PREFETCH: usize = 16;
 
 /// A userfaultfd for faults from user mode (`UFFD_USER_MODE_ONLY`, allowed to ordinary users
-/// where `vm.unprivileged_userfaultfd` is 0), non-blocking, with write-protect faults.
-fn open_userfaultfd() -> Result<Uffd, RegionError> {
-    let created = UffdBuilder::new()
-        .close_on_exec(true)
-        .non_blocking(true)
-        .user_mode_only(true)
-        .require_features(userfaultfd::FeatureFlags::PAGEFAULT_FLAG_WP)
-        .create();
-    match created {
-        // The crate tries /dev/userfaultfd first and does not fall back to the system call
-        // when the device exists but is root's only (as here): do the system call and the
-        // API handshake ourselves, then hand the descriptor to the crate.
-        Err(userfaultfd::Error::OpenDevUserfaultfd(e))
-            if e.kind() == std::io::ErrorKind::PermissionDenied =>
-        {
-            userfaultfd_by_syscall()
+/// where `vm.unprivileged_userfaultfd` is 0), non-blocking, with write-protect faults and, where
+/// the kernel has it (6.8 on), `UFFDIO_MOVE`: the second value says whether it does.
+///
+/// Made with the system call and the API handshake here rather than by the `userfaultfd`
+/// crate: the crate opens /dev/userfaultfd when it exists and does not fall back to the system
+/// call when that device is root's only (as here), and it knows no `UFFD_FEATURE_MOVE`. The
+/// descriptor is then handed to the crate, whose ioctls are used for the rest.
+fn open_userfaultfd() -> Result<(Uffd, bool), RegionError> {
+    const UFFD_FEATURE_PAGEFAULT_FLAG_WP: u64 = 1 << 0;
+    const UFFD_FEATURE_MOVE: u64 = 1 << 16;
+    match userfaultfd_by_syscall(UFFD_FEATURE_PAGEFAULT_FLAG_WP | UFFD_FEATURE_MOVE) {
+        Ok(uffd) => Ok((uffd, true)),
+        // A kernel without UFFDIO_MOVE refuses the handshake: the region works without
+        // access sampling (first in, first out).
+        Err(RegionError::UserfaultfdSyscall(rustix::io::Errno::INVAL)) => {
+            tracing::debug!("no UFFDIO_MOVE: regions evict first in, first out");
+            Ok((
+                userfaultfd_by_syscall(UFFD_FEATURE_PAGEFAULT_FLAG_WP)?,
+                false,
+            ))
         }
-        other => other.map_err(RegionError::Userfaultfd),
+        Err(e) => Err(e),
     }
 }
 
-fn userfaultfd_by_syscall() -> Result<Uffd, RegionError> {
+fn userfaultfd_by_syscall(features: u64) -> Result<Uffd, RegionError> {
     use rustix::fd::IntoRawFd;
     use std::os::fd::FromRawFd;
     const UFFD_USER_MODE_ONLY: u32 = 1;
     const UFFD_API: u64 = 0xaa;
-    const UFFD_FEATURE_PAGEFAULT_FLAG_WP: u64 = 1 << 0;
     /// `struct uffdio_api` of linux/userfaultfd.h.
     #[repr(C)]
     struct UffdioApi {
@@ -159,7 +186,7 @@ fn userfaultfd_by_syscall() -> Result<Uffd, RegionError> {
     let fd = unsafe { rustix::mm::userfaultfd(flags) }.map_err(io)?;
     let mut api = UffdioApi {
         api: UFFD_API,
-        features: UFFD_FEATURE_PAGEFAULT_FLAG_WP,
+        features,
         ioctls: 0,
     };
     // SAFETY: UFFDIO_API (_IOWR(0xAA, 0x3F, struct uffdio_api)) reads and writes exactly one
@@ -172,6 +199,41 @@ fn userfaultfd_by_syscall() -> Result<Uffd, RegionError> {
     .map_err(io)?;
     // SAFETY: a userfaultfd descriptor that we own and give up here.
     Ok(unsafe { Uffd::from_raw_fd(fd.into_raw_fd()) })
+}
+
+/// Moves the page at `src` to `dst` (page-table entries only, no copy) with `UFFDIO_MOVE`,
+/// without waking anyone. Both are pages of ranges registered with `uffd`; `dst` must be empty.
+fn move_page(uffd: &Uffd, src: *mut c_void, dst: *mut c_void) -> Result<(), rustix::io::Errno> {
+    use std::os::fd::AsRawFd;
+    const UFFDIO_MOVE_MODE_DONTWAKE: u64 = 1 << 0;
+    /// `struct uffdio_move` of linux/userfaultfd.h.
+    #[repr(C)]
+    struct UffdioMove {
+        dst: u64,
+        src: u64,
+        len: u64,
+        mode: u64,
+        moved: i64,
+    }
+    let mut mv = UffdioMove {
+        dst: dst as u64,
+        src: src as u64,
+        len: PAGE_SIZE as u64,
+        mode: UFFDIO_MOVE_MODE_DONTWAKE,
+        moved: 0,
+    };
+    // SAFETY: the descriptor is the Uffd's, open for the call.
+    let fd = unsafe { rustix::fd::BorrowedFd::borrow_raw(uffd.as_raw_fd()) };
+    // SAFETY: UFFDIO_MOVE (_IOWR(0xAA, 0x05, struct uffdio_move)) reads and writes one struct
+    // uffdio_move, laid out by `UffdioMove`. The kernel checks both ranges; it changes only
+    // page-table entries of this process's own mappings, whose contents are not referenced by
+    // any Rust value while they move (the region's bytes are only reached through raw pointers
+    // and slices whose contents a move does not change).
+    unsafe {
+        const OP: rustix::ioctl::Opcode =
+            rustix::ioctl::opcode::read_write::<UffdioMove>(0xaa, 0x05);
+        rustix::ioctl::ioctl(fd, rustix::ioctl::Updater::<OP, UffdioMove>::new(&mut mv))
+    }
 }
 
 /// Installs `page` at `dst` write-protected and wakes the faulting threads, in one
@@ -216,21 +278,70 @@ fn copy_write_protected(
     r
 }
 
-/// The mapping's base address, sent to the handler thread. A plain address: the handler only
-/// passes it to the kernel and copies pages through it while they are write-protected.
+/// A mapping's base address, shared with the handler thread. A plain address: the handler
+/// only passes it to the kernel and copies pages through it while nothing else can change them.
 #[derive(Debug, Clone, Copy)]
 struct Base(NonNull<u8>);
-// SAFETY: the address is only dereferenced by the handler, for pages of a mapping the Region
-// keeps alive until the handler has been joined.
+// SAFETY: the address is only dereferenced for pages of a mapping the Region keeps alive until
+// the handler has been joined, under the rules stated where it is dereferenced.
 unsafe impl Send for Base {}
+// SAFETY: as above; the address itself is immutable.
+unsafe impl Sync for Base {}
+
+impl Base {
+    fn page(self, page: usize) -> *mut c_void {
+        self.0.as_ptr().wrapping_add(page * PAGE_SIZE).cast()
+    }
+}
+
+/// Maps `len` bytes of private anonymous memory, without huge pages (the region moves single
+/// pages in and out), not inherited by a child process.
+///
+/// `fork`: without `MADV_DONTFORK` the child would get the region unregistered (no
+/// `UFFD_FEATURE_EVENT_FORK` is asked for), its resident pages copied and every evicted page
+/// silently reading as zeros. With it, the child has no mapping there, and touching it is a
+/// SIGSEGV: refused loudly rather than wrong quietly. (Following a fork would mean a second
+/// handler and copy-on-write of remote pages; not done.)
+fn map_anonymous(len: usize) -> Result<Base, RegionError> {
+    // SAFETY: a fresh anonymous private mapping at an address the kernel chooses; it aliases
+    // nothing, and it is unmapped only in Region's Drop after the handler has stopped.
+    let ptr = unsafe {
+        rustix::mm::mmap_anonymous(
+            std::ptr::null_mut(),
+            len,
+            rustix::mm::ProtFlags::READ | rustix::mm::ProtFlags::WRITE,
+            rustix::mm::MapFlags::PRIVATE | rustix::mm::MapFlags::NORESERVE,
+        )
+    }
+    .map_err(RegionError::Map)?;
+    // SAFETY: our fresh mapping; advice changes no contents.
+    let _ = unsafe { rustix::mm::madvise(ptr, len, rustix::mm::Advice::LinuxNoHugepage) };
+    // SAFETY: as above.
+    if let Err(e) = unsafe { rustix::mm::madvise(ptr, len, rustix::mm::Advice::LinuxDontFork) } {
+        unmap(Base(NonNull::new(ptr.cast()).expect("not null")), len);
+        return Err(RegionError::Map(e));
+    }
+    Ok(Base(
+        NonNull::new(ptr.cast()).expect("mmap does not return null"),
+    ))
+}
+
+fn unmap(base: Base, len: usize) {
+    // SAFETY: a mapping made by `map_anonymous` whose users are gone (see callers).
+    let _ = unsafe { rustix::mm::munmap(base.0.as_ptr().cast(), len) };
+}
+
+/// Drops pages of our own mappings (their contents are stored or garbage: see callers).
+fn drop_pages(addr: *mut c_void, len: usize) -> Result<(), rustix::io::Errno> {
+    // SAFETY: callers pass pages of the region or its shadow whose contents are no longer
+    // needed; the region's next access faults them back in through the handler. No event is
+    // registered for MADV_DONTNEED, so this does not wait for the handler (which calls it).
+    unsafe { rustix::mm::madvise(addr, len, rustix::mm::Advice::LinuxDontNeed) }
+}
 
 /// A region of memory paged from the cluster.
 pub struct Region<T: Transport, D: Disk> {
-    base: Base,
-    len: usize,
-    uffd: Arc<Uffd>,
-    pager: Arc<Mutex<Pager<T, D>>>,
-    counters: Arc<RegionCounters>,
+    shared: Arc<Shared<T, D>>,
     stop: Arc<OwnedFd>,
     handler: Option<JoinHandle<()>>,
 }
@@ -238,12 +349,15 @@ pub struct Region<T: Transport, D: Disk> {
 impl<T: Transport, D: Disk> std::fmt::Debug for Region<T, D> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Region")
-            .field("base", &self.base.0)
-            .field("len", &self.len)
-            .field("counters", &self.counters)
+            .field("base", &self.shared.base.0)
+            .field("pages", &self.shared.pages)
+            .field("counters", &self.shared.counters)
             .finish()
     }
 }
+
+/// The most pages sampled to find one victim (see `netram_policy::clock`).
+const MAX_SAMPLES: usize = 8;
 
 impl<T, D> Region<T, D>
 where
@@ -265,67 +379,65 @@ where
             });
         }
         let len = pages * PAGE_SIZE;
-        // SAFETY: a fresh anonymous private mapping at an address the kernel chooses; it
-        // aliases nothing, and it is unmapped only in Drop after the handler has stopped.
-        let ptr = unsafe {
-            rustix::mm::mmap_anonymous(
-                std::ptr::null_mut(),
-                len,
-                rustix::mm::ProtFlags::READ | rustix::mm::ProtFlags::WRITE,
-                rustix::mm::MapFlags::PRIVATE | rustix::mm::MapFlags::NORESERVE,
-            )
+        let (uffd, can_move) = open_userfaultfd()?;
+        let base = map_anonymous(len)?;
+        let mode = RegisterMode::MISSING | RegisterMode::WRITE_PROTECT;
+        if let Err(e) = uffd.register_with_mode(base.page(0), len, mode) {
+            unmap(base, len);
+            return Err(RegionError::Register(e));
         }
-        .map_err(RegionError::Map)?;
-        let base = Base(NonNull::new(ptr.cast()).expect("mmap does not return null"));
-        let unmap = |e| {
-            // SAFETY: the mapping made above, not yet handed to anyone.
-            let _ = unsafe { rustix::mm::munmap(ptr, len) };
+        // Sampled pages wait in the shadow, at the same offsets. UFFDIO_MOVE wants its
+        // destination registered, and both mappings alike; nothing ever faults there.
+        let shadow = if can_move {
+            let shadow = map_anonymous(len).inspect_err(|_| unmap(base, len))?;
+            if let Err(e) = uffd.register_with_mode(shadow.page(0), len, mode) {
+                unmap(base, len);
+                unmap(shadow, len);
+                return Err(RegionError::Register(e));
+            }
+            Some(shadow)
+        } else {
+            None
+        };
+        let unmap_both = |e| {
+            unmap(base, len);
+            if let Some(s) = shadow {
+                unmap(s, len);
+            }
             e
         };
-        let uffd = open_userfaultfd().map_err(unmap)?;
-        uffd.register_with_mode(
-            ptr,
-            len,
-            RegisterMode::MISSING | RegisterMode::WRITE_PROTECT,
-        )
-        .map_err(|e| unmap(RegionError::Register(e)))?;
-        let uffd = Arc::new(uffd);
         let stop = Arc::new(
             eventfd(0, EventfdFlags::CLOEXEC | EventfdFlags::NONBLOCK)
-                .map_err(|e| unmap(RegionError::Handler(e.into())))?,
+                .map_err(|e| unmap_both(RegionError::Handler(e.into())))?,
         );
         // Prefetched pages wait in the pager's cache: no cache, no prefetching.
         let prefetch_window = pager.config().cache_pages;
-        let pager = Arc::new(Mutex::new(pager));
-        let counters = Arc::new(RegionCounters::default());
-        let handler = Handler {
+        let shared = Arc::new(Shared {
             base,
+            shadow,
             pages,
-            budget: budget_pages,
-            uffd: uffd.clone(),
-            pager: pager.clone(),
-            counters: counters.clone(),
-            resident: VecDeque::with_capacity(budget_pages),
-            is_resident: vec![false; pages],
-            dirty: vec![false; pages],
-            buf: vec![0u8; PAGE_SIZE],
-            prefetcher: Prefetcher::new(MAX_PREFETCH.min(prefetch_window / 2)),
-            prefetched: HashSet::new(),
-            prefetch_order: VecDeque::new(),
-            prefetch_window,
-            pbuf: Vec::new(),
-        };
-        let stop_fd = stop.clone();
+            uffd,
+            counters: RegionCounters::default(),
+            state: Mutex::new(State {
+                pager,
+                clock: Clock::new(pages, if can_move { MAX_SAMPLES } else { 0 }),
+                dirty: vec![false; pages],
+                budget: budget_pages,
+                buf: vec![0u8; PAGE_SIZE],
+                prefetcher: Prefetcher::new(MAX_PREFETCH.min(prefetch_window / 2)),
+                prefetched: HashSet::new(),
+                prefetch_order: VecDeque::new(),
+                prefetch_window,
+                pbuf: Vec::new(),
+            }),
+        });
+        let (s, stop_fd) = (shared.clone(), stop.clone());
         let thread = std::thread::Builder::new()
             .name("netram-uffd".into())
-            .spawn(move || handler.run(&stop_fd))
-            .map_err(|e| unmap(RegionError::Handler(e)))?;
+            .spawn(move || s.run(&stop_fd))
+            .map_err(|e| unmap_both(RegionError::Handler(e)))?;
         Ok(Self {
-            base,
-            len,
-            uffd,
-            pager,
-            counters,
+            shared,
             stop,
             handler: Some(thread),
         })
@@ -334,15 +446,15 @@ where
 
 impl<T: Transport, D: Disk> Region<T, D> {
     pub fn as_ptr(&self) -> *mut u8 {
-        self.base.0.as_ptr()
+        self.shared.base.0.as_ptr()
     }
 
     pub fn len(&self) -> usize {
-        self.len
+        self.shared.pages * PAGE_SIZE
     }
 
     pub fn is_empty(&self) -> bool {
-        self.len == 0
+        self.shared.pages == 0
     }
 
     /// The region as bytes. Reading faults pages in as needed.
@@ -350,17 +462,51 @@ impl<T: Transport, D: Disk> Region<T, D> {
         // SAFETY: the mapping is `len` bytes, readable, and lives as long as `self`. Its
         // contents change behind the slice only by the handler reinstalling exactly the bytes
         // that were there (a page in or out is invisible to the program).
-        unsafe { std::slice::from_raw_parts(self.as_ptr(), self.len) }
+        unsafe { std::slice::from_raw_parts(self.as_ptr(), self.len()) }
     }
 
     /// The region as mutable bytes.
     pub fn as_mut_slice(&mut self) -> &mut [u8] {
         // SAFETY: as in `as_slice`; `&mut self` makes this the only slice.
-        unsafe { std::slice::from_raw_parts_mut(self.as_ptr(), self.len) }
+        unsafe { std::slice::from_raw_parts_mut(self.as_ptr(), self.len()) }
     }
 
     pub fn counters(&self) -> &RegionCounters {
-        &self.counters
+        &self.shared.counters
+    }
+
+    /// Pages held in local memory now (mapped or sampled).
+    pub fn resident_pages(&self) -> usize {
+        self.shared.lock().clock.len()
+    }
+
+    /// The local budget in bytes.
+    pub fn budget(&self) -> usize {
+        self.shared.lock().budget * PAGE_SIZE
+    }
+
+    /// Changes the local budget (at least one page); lowering it evicts at once.
+    pub fn set_budget(&self, bytes: usize) {
+        let mut st = self.shared.lock();
+        st.budget = (bytes / PAGE_SIZE).max(1);
+        let keep = st.budget;
+        self.shared.make_room(&mut st, keep);
+    }
+
+    /// Gives back the whole pages of `offset..offset + len` (both multiples of the page size
+    /// within the region): their local memory is freed, their remote copies are deleted, and
+    /// they read as zeros afterwards. What `free` and `munmap` of memory in a region mean.
+    pub fn release(&self, offset: usize, len: usize) -> Result<(), RegionError> {
+        if !offset.is_multiple_of(PAGE_SIZE)
+            || !len.is_multiple_of(PAGE_SIZE)
+            || offset.checked_add(len).is_none_or(|end| end > self.len())
+        {
+            return Err(RegionError::BadRange { offset, len });
+        }
+        let mut st = self.shared.lock();
+        self.shared
+            .release(&mut st, offset / PAGE_SIZE, len / PAGE_SIZE)
+            .map_err(RegionError::Release)
     }
 
     /// Fault point: the handler thread ends as if it had failed.
@@ -372,7 +518,7 @@ impl<T: Transport, D: Disk> Region<T, D> {
 
     /// Runs `f` on the region's pager (its counters, its servers).
     pub fn with_pager<R>(&self, f: impl FnOnce(&mut Pager<T, D>) -> R) -> R {
-        f(&mut self.pager.lock().unwrap_or_else(|p| p.into_inner()))
+        f(&mut self.shared.lock().pager)
     }
 }
 
@@ -382,13 +528,19 @@ impl<T: Transport, D: Disk> Drop for Region<T, D> {
         if let Some(h) = self.handler.take() {
             let _ = h.join();
         }
-        let _ = self.uffd.unregister(self.base.0.as_ptr().cast(), self.len);
-        // SAFETY: our mapping; the handler has stopped and no slice of it outlives `self`.
-        let _ = unsafe { rustix::mm::munmap(self.base.0.as_ptr().cast(), self.len) };
+        let sh = &self.shared;
+        let len = self.len();
+        let _ = sh.uffd.unregister(sh.base.page(0), len);
+        unmap(sh.base, len);
+        if let Some(shadow) = sh.shadow {
+            let _ = sh.uffd.unregister(shadow.page(0), len);
+            unmap(shadow, len);
+        }
         // The region's pages are garbage now: free them on their servers at once rather than
         // when the pager's session ends.
-        let mut pager = self.pager.lock().unwrap_or_else(|p| p.into_inner());
-        let written: Vec<u64> = (0..(self.len / PAGE_SIZE) as u64)
+        let mut st = sh.lock();
+        let pager = &mut st.pager;
+        let written: Vec<u64> = (0..sh.pages as u64)
             .filter(|&p| pager.is_written(p))
             .collect();
         // Flushing waits for the DELETEs' acknowledgements.
@@ -403,15 +555,15 @@ impl<T: Transport, D: Disk> Drop for Region<T, D> {
 const STOP: u64 = 1;
 const DIE: u64 = 2;
 
-/// See `Handler::run`.
-struct DeadHandler {
+/// See `Shared::run`.
+struct DeadHandler<'a> {
     base: Base,
     len: usize,
-    uffd: Arc<Uffd>,
+    uffd: &'a Uffd,
     armed: bool,
 }
 
-impl Drop for DeadHandler {
+impl Drop for DeadHandler<'_> {
     fn drop(&mut self) {
         if !self.armed {
             return;
@@ -426,23 +578,31 @@ impl Drop for DeadHandler {
                 rustix::mm::MprotectFlags::empty(),
             )
         };
-        let _ = self.uffd.wake(self.base.0.as_ptr().cast(), self.len);
+        let _ = self.uffd.wake(self.base.page(0), self.len);
     }
 }
 
-/// The fault handler's state; lives on its thread.
-struct Handler<T: Transport, D: Disk> {
+/// What the handler thread and the region's owner share.
+struct Shared<T: Transport, D: Disk> {
     base: Base,
+    /// Where sampled pages wait, page for page; `None` without `UFFDIO_MOVE` (no sampling).
+    shadow: Option<Base>,
     pages: usize,
-    budget: usize,
-    uffd: Arc<Uffd>,
-    pager: Arc<Mutex<Pager<T, D>>>,
-    counters: Arc<RegionCounters>,
-    /// Resident pages, oldest first.
-    resident: VecDeque<usize>,
-    is_resident: Vec<bool>,
+    uffd: Uffd,
+    counters: RegionCounters,
+    /// Everything that changes. The handler takes it for one event; `set_budget` and
+    /// `release` take it from the program's threads.
+    state: Mutex<State<T, D>>,
+}
+
+struct State<T: Transport, D: Disk> {
+    pager: Pager<T, D>,
+    /// Resident pages and which of them are sampled: the LRU approximation.
+    clock: Clock,
     /// Whether a resident page may differ from its remote copy.
     dirty: Vec<bool>,
+    /// Resident pages at most.
+    budget: usize,
     buf: Vec<u8>,
     prefetcher: Prefetcher,
     /// Pages fetched ahead into the pager's cache and not faulted on yet, oldest first.
@@ -453,20 +613,24 @@ struct Handler<T: Transport, D: Disk> {
     pbuf: Vec<u8>,
 }
 
-impl<T: Transport, D: Disk> Handler<T, D> {
-    fn run(mut self, stop: &OwnedFd) {
+impl<T: Transport, D: Disk> Shared<T, D> {
+    fn lock(&self) -> MutexGuard<'_, State<T, D>> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn run(&self, stop: &OwnedFd) {
         // However this thread ends other than by the region's drop (an error, a panic), the
         // guard makes the region inaccessible and wakes every waiting thread: they die of
         // SIGSEGV instead of waiting forever for a handler that is gone.
         let mut guard = DeadHandler {
             base: self.base,
             len: self.pages * PAGE_SIZE,
-            uffd: self.uffd.clone(),
+            uffd: &self.uffd,
             armed: true,
         };
         loop {
             let mut fds = [
-                PollFd::new(&*self.uffd, PollFlags::IN),
+                PollFd::new(&self.uffd, PollFlags::IN),
                 PollFd::new(stop, PollFlags::IN),
             ];
             match poll(&mut fds, None) {
@@ -491,7 +655,10 @@ impl<T: Transport, D: Disk> Handler<T, D> {
             // Non-blocking: drain every event that has arrived.
             loop {
                 match self.uffd.read_event() {
-                    Ok(Some(event)) => self.handle(event),
+                    Ok(Some(event)) => {
+                        let mut st = self.lock();
+                        self.handle(&mut st, event);
+                    }
                     Ok(None) => break,
                     Err(e) => {
                         tracing::error!("userfaultfd handler: read: {e}");
@@ -502,29 +669,30 @@ impl<T: Transport, D: Disk> Handler<T, D> {
         }
     }
 
-    fn page_addr(&self, page: usize) -> *mut c_void {
-        // SAFETY: `page` < pages, so the address lies within the mapping.
-        unsafe { self.base.0.as_ptr().add(page * PAGE_SIZE).cast() }
-    }
-
-    fn handle(&mut self, event: Event) {
+    fn handle(&self, st: &mut State<T, D>, event: Event) {
         let Event::Pagefault { kind, addr, .. } = event else {
             // Only page faults were asked for (no fork, remap, remove or unmap events).
             return;
         };
         let page = (addr as usize - self.base.0.as_ptr() as usize) / PAGE_SIZE;
         debug_assert!(page < self.pages);
+        let addr = self.base.page(page);
         match kind {
-            FaultKind::Missing => self.missing(page),
-            FaultKind::WriteProtected if self.is_resident[page] => {
+            FaultKind::Missing => self.missing(st, page),
+            FaultKind::WriteProtected if st.clock.is_sampled(page as u64) => {
+                // A write to a clean page that was sampled after the fault was raised: the
+                // page is aside now. Dirty from now on; the woken writer faults again and gets
+                // it back writable.
+                self.counters.first_writes.fetch_add(1, Ordering::Relaxed);
+                st.dirty[page] = true;
+                let _ = self.uffd.wake(addr, PAGE_SIZE);
+            }
+            FaultKind::WriteProtected if st.clock.is_resident(page as u64) => {
                 // The first write to a fetched page, which was installed write-protected: from
                 // now on it differs from its remote copy.
                 self.counters.first_writes.fetch_add(1, Ordering::Relaxed);
-                self.dirty[page] = true;
-                if let Err(e) =
-                    self.uffd
-                        .remove_write_protection(self.page_addr(page), PAGE_SIZE, true)
-                {
+                st.dirty[page] = true;
+                if let Err(e) = self.uffd.remove_write_protection(addr, PAGE_SIZE, true) {
                     tracing::error!("unprotecting page {page}: {e}");
                     self.counters.errors.fetch_add(1, Ordering::Relaxed);
                 }
@@ -536,53 +704,46 @@ impl<T: Transport, D: Disk> Handler<T, D> {
                 self.counters
                     .write_protect_faults
                     .fetch_add(1, Ordering::Relaxed);
-                let _ = self.uffd.wake(self.page_addr(page), PAGE_SIZE);
+                let _ = self.uffd.wake(addr, PAGE_SIZE);
             }
         }
     }
 
-    fn missing(&mut self, page: usize) {
+    fn missing(&self, st: &mut State<T, D>, page: usize) {
         self.counters.faults.fetch_add(1, Ordering::Relaxed);
-        if self.is_resident[page] {
+        let addr = self.base.page(page);
+        if st.clock.is_sampled(page as u64) {
+            return self.sampled_fault(st, page);
+        }
+        if st.clock.is_resident(page as u64) {
             // Installed by an earlier fault of another thread: only wake this one.
             self.counters
                 .already_present
                 .fetch_add(1, Ordering::Relaxed);
-            let _ = self.uffd.wake(self.page_addr(page), PAGE_SIZE);
+            let _ = self.uffd.wake(addr, PAGE_SIZE);
             return;
         }
-        while self.resident.len() >= self.budget {
-            if let Err(e) = self.evict_oldest() {
-                self.counters.errors.fetch_add(1, Ordering::Relaxed);
-                tracing::error!("evicting a page: {e}");
-                break;
-            }
-        }
-        let addr = self.page_addr(page);
-        if self.prefetched.remove(&(page as u64)) {
+        let keep = st.budget - 1;
+        self.make_room(st, keep);
+        if st.prefetched.remove(&(page as u64)) {
             // Fetched ahead: the pager serves it from its cache, without a round trip.
             self.counters.prefetch_hits.fetch_add(1, Ordering::Relaxed);
-            self.prefetcher.hit();
+            st.prefetcher.hit();
         }
-        let written = {
-            let mut pager = self.pager.lock().unwrap_or_else(|p| p.into_inner());
-            let written = pager.is_written(page as u64);
-            if written {
-                if let Err(e) = pager.read(page as u64, &mut self.buf) {
-                    drop(pager);
-                    self.counters.errors.fetch_add(1, Ordering::Relaxed);
-                    tracing::error!("fetching page {page}: {e}");
-                    // Woken without a page, the thread faults again and is retried.
-                    let _ = self.uffd.wake(addr, PAGE_SIZE);
-                    return;
-                }
+        let written = st.pager.is_written(page as u64);
+        if written {
+            if let Err(e) = st.pager.read(page as u64, &mut st.buf) {
+                self.counters.errors.fetch_add(1, Ordering::Relaxed);
+                tracing::error!("fetching page {page}: {e}");
+                // Woken without a page, the thread faults again and is retried.
+                let _ = self.uffd.wake(addr, PAGE_SIZE);
+                return;
             }
-            written
-        };
+        }
         // The errno of a failed install.
         let result: Result<(), i32> = if written {
             self.counters.fetches.fetch_add(1, Ordering::Relaxed);
-            copy_write_protected(&self.uffd, &self.buf, addr).map_err(|e| e.raw_os_error())
+            copy_write_protected(&self.uffd, &st.buf, addr).map_err(|e| e.raw_os_error())
         } else {
             self.counters.zero_fills.fetch_add(1, Ordering::Relaxed);
             // SAFETY: `addr` is a page of the registered range.
@@ -615,114 +776,235 @@ impl<T: Transport, D: Disk> Handler<T, D> {
         // write-protected, so that the first write is seen and an unwritten page is evicted
         // without I/O. (A zero fill needs no tracking: the kernel maps the shared zero page, a
         // write replaces it, and eviction finds out by looking whether it is still all zeros.)
-        self.dirty[page] = !written;
-        self.is_resident[page] = true;
-        self.resident.push_back(page);
+        st.dirty[page] = !written;
+        st.clock.insert(page as u64);
         // The faulting thread runs again; meanwhile fetch what the trend says comes next.
-        self.prefetch(page);
+        self.prefetch(st, page);
     }
 
-    /// Fetches the pages the prefetcher proposes after a fault on `page` into the pager's
-    /// cache, with one pipelined read: a later fault on one of them costs no round trip.
-    fn prefetch(&mut self, page: usize) {
-        let proposed = self.prefetcher.on_fault(page as u64, self.pages as u64);
-        if proposed.is_empty() {
-            return;
-        }
-        let mut pager = self.pager.lock().unwrap_or_else(|p| p.into_inner());
-        let wanted: Vec<u64> = proposed
-            .into_iter()
-            .filter(|&p| {
-                !self.is_resident[p as usize]
-                    && !self.prefetched.contains(&p)
-                    && pager.is_written(p)
-            })
-            .collect();
-        if wanted.is_empty() {
-            return;
-        }
-        self.pbuf.resize(wanted.len() * PAGE_SIZE, 0);
-        if let Err(e) = pager.read_many(&wanted, &mut self.pbuf) {
-            // Only a guess failed: the page's own fault will report a real error.
-            tracing::debug!("prefetching {wanted:?}: {e}");
-            return;
-        }
-        drop(pager);
-        self.counters
-            .prefetched
-            .fetch_add(wanted.len() as u64, Ordering::Relaxed);
-        for p in wanted {
-            self.prefetched.insert(p);
-            self.prefetch_order.push_back(p);
-        }
-        // The pager's cache holds only so many: older guesses not used by now are taken as
-        // wasted (the cache has probably evicted them).
-        while self.prefetch_order.len() > self.prefetch_window {
-            let old = self.prefetch_order.pop_front().expect("not empty");
-            if self.prefetched.remove(&old) {
-                self.prefetcher.wasted();
+    /// A sampled page was touched: it was in use after all. Put it back where it was.
+    fn sampled_fault(&self, st: &mut State<T, D>, page: usize) {
+        self.counters.sample_faults.fetch_add(1, Ordering::Relaxed);
+        let shadow = self.shadow.expect("sampled pages live in the shadow");
+        let (aside, addr) = (shadow.page(page), self.base.page(page));
+        // SAFETY: a sampled page is present in the shadow, which nothing but this handler
+        // touches, and this handler holds the state: the page does not change while read.
+        let contents = unsafe { std::slice::from_raw_parts(aside.cast::<u8>(), PAGE_SIZE) };
+        // Ok(true): copied back, and the copy aside is to be dropped.
+        let back = if st.dirty[page] {
+            // Moving it back maps it writable, as a dirty page should be.
+            match move_page(&self.uffd, aside, addr) {
+                Ok(()) => {
+                    let _ = self.uffd.wake(addr, PAGE_SIZE);
+                    Ok(false)
+                }
+                Err(_) => copy_write_protected(&self.uffd, contents, addr).map(|()| true),
+            }
+        } else {
+            // Moved back it would be writable, and a write by another thread before it was
+            // protected again would go unseen: copy it back write-protected in one ioctl.
+            copy_write_protected(&self.uffd, contents, addr).map(|()| true)
+        };
+        match back {
+            Ok(copied) => {
+                if copied {
+                    let _ = drop_pages(aside, PAGE_SIZE);
+                }
+                st.clock.touched(page as u64);
+            }
+            Err(e) => {
+                // The page stays aside, sampled; the woken thread faults again.
+                self.counters.errors.fetch_add(1, Ordering::Relaxed);
+                tracing::error!("putting back sampled page {page}: {e}");
+                let _ = self.uffd.wake(addr, PAGE_SIZE);
             }
         }
     }
 
-    /// Evicts the oldest resident page: write-protect, copy out, store, drop. On failure the
-    /// page stays resident and writable.
-    fn evict_oldest(&mut self) -> Result<(), String> {
-        let Some(page) = self.resident.pop_front() else {
-            return Ok(());
-        };
-        let addr = self.page_addr(page);
-        if !self.dirty[page] {
+    /// Evicts until at most `keep` pages are resident, sampling on the way; stops at the first
+    /// failure (logged and counted).
+    fn make_room(&self, st: &mut State<T, D>, keep: usize) {
+        while st.clock.len() > keep {
+            let Some(victim) = st.clock.victim() else {
+                break;
+            };
+            for &p in &victim.sample {
+                match self.sample(p as usize) {
+                    Ok(()) => {
+                        self.counters.samples.fetch_add(1, Ordering::Relaxed);
+                    }
+                    Err(e) => {
+                        self.counters
+                            .sample_failures
+                            .fetch_add(1, Ordering::Relaxed);
+                        tracing::debug!("sampling page {p}: {e}");
+                        st.clock.unsample(p);
+                    }
+                }
+            }
+            let page = victim.page as usize;
+            let evicted = if victim.sampled {
+                self.evict_sampled(st, page)
+            } else {
+                self.evict_mapped(st, page)
+            };
+            if let Err(e) = evicted {
+                self.counters.errors.fetch_add(1, Ordering::Relaxed);
+                tracing::error!("evicting a page: {e}");
+                break;
+            }
+        }
+    }
+
+    /// Takes `page` out of the program's page tables, keeping it aside: its next access
+    /// faults, which tells the clock that it is in use.
+    fn sample(&self, page: usize) -> Result<(), rustix::io::Errno> {
+        let shadow = self.shadow.expect("sampling only with a shadow");
+        move_page(&self.uffd, self.base.page(page), shadow.page(page))
+    }
+
+    /// Evicts a sampled page: it is aside, out of reach of the program, so it is copied and
+    /// stored without any write-protection. On failure it goes back into the region.
+    fn evict_sampled(&self, st: &mut State<T, D>, page: usize) -> Result<(), String> {
+        let aside = self
+            .shadow
+            .expect("sampled pages live in the shadow")
+            .page(page);
+        if st.dirty[page] {
+            // SAFETY: a sampled page is present in the shadow, touched only by this handler.
+            unsafe {
+                std::ptr::copy_nonoverlapping(aside.cast::<u8>(), st.buf.as_mut_ptr(), PAGE_SIZE)
+            };
+            if let Err(e) = self.store(st, page) {
+                let back = move_page(&self.uffd, aside, self.base.page(page));
+                st.clock.insert(page as u64);
+                return Err(format!("storing page {page}: {e} (kept: {back:?})"));
+            }
+        } else {
+            self.counters.evicted_clean.fetch_add(1, Ordering::Relaxed);
+        }
+        drop_pages(aside, PAGE_SIZE).map_err(|e| format!("dropping page {page}: {e}"))?;
+        st.dirty[page] = false;
+        self.counters.evictions.fetch_add(1, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Stores the page in `st.buf` as page `page` (an all-zero page is discarded instead).
+    fn store(&self, st: &mut State<T, D>, page: usize) -> Result<(), netram_pager::PagerError> {
+        if st.buf.iter().all(|&b| b == 0) {
+            self.counters.evicted_zero.fetch_add(1, Ordering::Relaxed);
+            st.pager.discard(page as u64)
+        } else {
+            st.pager.write(page as u64, &st.buf)
+        }
+    }
+
+    /// Evicts a page still mapped: write-protect, copy out, store, drop. On failure the page
+    /// stays resident and writable.
+    fn evict_mapped(&self, st: &mut State<T, D>, page: usize) -> Result<(), String> {
+        let addr = self.base.page(page);
+        let keep = |st: &mut State<T, D>| st.clock.insert(page as u64);
+        if !st.dirty[page] {
             // Fetched and never written since: its remote copy is current, and it is still
             // write-protected, so no write can slip in before it is dropped.
-            // SAFETY: as below.
-            unsafe { rustix::mm::madvise(addr, PAGE_SIZE, rustix::mm::Advice::LinuxDontNeed) }
-                .map_err(|e| {
-                    self.resident.push_front(page);
-                    format!("dropping page {page}: {e}")
-                })?;
-            self.is_resident[page] = false;
+            if let Err(e) = drop_pages(addr, PAGE_SIZE) {
+                keep(st);
+                return Err(format!("dropping page {page}: {e}"));
+            }
             self.counters.evictions.fetch_add(1, Ordering::Relaxed);
             self.counters.evicted_clean.fetch_add(1, Ordering::Relaxed);
             return Ok(());
         }
         // A write after this blocks in a write-protect fault until the page is gone.
-        self.uffd.write_protect(addr, PAGE_SIZE).map_err(|e| {
-            self.resident.push_front(page);
-            format!("write-protecting page {page}: {e}")
-        })?;
+        if let Err(e) = self.uffd.write_protect(addr, PAGE_SIZE) {
+            keep(st);
+            return Err(format!("write-protecting page {page}: {e}"));
+        }
         // SAFETY: the page is mapped (resident) and write-protected: no thread changes it
         // while it is copied.
-        unsafe {
-            std::ptr::copy_nonoverlapping(addr.cast::<u8>(), self.buf.as_mut_ptr(), PAGE_SIZE)
-        };
-        let stored = {
-            let mut pager = self.pager.lock().unwrap_or_else(|p| p.into_inner());
-            if self.buf.iter().all(|&b| b == 0) {
-                self.counters.evicted_zero.fetch_add(1, Ordering::Relaxed);
-                pager.discard(page as u64)
-            } else {
-                pager.write(page as u64, &self.buf)
-            }
-        };
-        let dropped = stored
+        unsafe { std::ptr::copy_nonoverlapping(addr.cast::<u8>(), st.buf.as_mut_ptr(), PAGE_SIZE) };
+        let dropped = self
+            .store(st, page)
             .map_err(|e| format!("storing page {page}: {e}"))
             .and_then(|()| {
-                // SAFETY: `addr` is a page of our mapping; dropping it is what eviction means,
-                // and the next access faults it back in through this handler.
-                unsafe { rustix::mm::madvise(addr, PAGE_SIZE, rustix::mm::Advice::LinuxDontNeed) }
-                    .map_err(|e| format!("dropping page {page}: {e}"))
+                drop_pages(addr, PAGE_SIZE).map_err(|e| format!("dropping page {page}: {e}"))
             });
         if let Err(e) = dropped {
             // Keep the page: writable again, and the writers blocked on it woken.
             let _ = self.uffd.remove_write_protection(addr, PAGE_SIZE, true);
-            self.resident.push_front(page);
+            keep(st);
             return Err(e);
         }
-        self.is_resident[page] = false;
-        self.dirty[page] = false;
+        st.dirty[page] = false;
         self.counters.evictions.fetch_add(1, Ordering::Relaxed);
         Ok(())
+    }
+
+    /// Pages `first..first + count` are given back by the program (see `Region::release`).
+    fn release(&self, st: &mut State<T, D>, first: usize, count: usize) -> Result<(), String> {
+        // One call drops every mapped page of the range (and the zero page's mappings).
+        drop_pages(self.base.page(first), count * PAGE_SIZE)
+            .map_err(|e| format!("dropping pages: {e}"))?;
+        let mut written = Vec::new();
+        for page in first..first + count {
+            let p = page as u64;
+            if st.clock.is_sampled(p) {
+                let aside = self.shadow.expect("sampled pages live in the shadow");
+                let _ = drop_pages(aside.page(page), PAGE_SIZE);
+            }
+            st.clock.remove(p);
+            st.dirty[page] = false;
+            st.prefetched.remove(&p);
+            if st.pager.is_written(p) {
+                written.push(p);
+            }
+        }
+        self.counters
+            .released
+            .fetch_add(count as u64, Ordering::Relaxed);
+        st.pager
+            .discard_many(&written)
+            .map_err(|e| format!("deleting released pages: {e}"))
+    }
+
+    /// Fetches the pages the prefetcher proposes after a fault on `page` into the pager's
+    /// cache, with one pipelined read: a later fault on one of them costs no round trip.
+    fn prefetch(&self, st: &mut State<T, D>, page: usize) {
+        let proposed = st.prefetcher.on_fault(page as u64, self.pages as u64);
+        if proposed.is_empty() {
+            return;
+        }
+        let wanted: Vec<u64> = proposed
+            .into_iter()
+            .filter(|&p| {
+                !st.clock.is_resident(p) && !st.prefetched.contains(&p) && st.pager.is_written(p)
+            })
+            .collect();
+        if wanted.is_empty() {
+            return;
+        }
+        st.pbuf.resize(wanted.len() * PAGE_SIZE, 0);
+        let State { pager, pbuf, .. } = st;
+        if let Err(e) = pager.read_many(&wanted, pbuf) {
+            // Only a guess failed: the page's own fault will report a real error.
+            tracing::debug!("prefetching {wanted:?}: {e}");
+            return;
+        }
+        self.counters
+            .prefetched
+            .fetch_add(wanted.len() as u64, Ordering::Relaxed);
+        for p in wanted {
+            st.prefetched.insert(p);
+            st.prefetch_order.push_back(p);
+        }
+        // The pager's cache holds only so many: older guesses not used by now are taken as
+        // wasted (the cache has probably evicted them).
+        while st.prefetch_order.len() > st.prefetch_window {
+            let old = st.prefetch_order.pop_front().expect("not empty");
+            if st.prefetched.remove(&old) {
+                st.prefetcher.wasted();
+            }
+        }
     }
 }
 

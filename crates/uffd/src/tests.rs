@@ -5,6 +5,7 @@ use super::*;
 use netram_bench::cluster::LocalCluster;
 use netram_node::client::{ClientConfig, TcpTransport};
 use netram_pager::{MemDisk, PagerConfig};
+use std::collections::{HashSet, VecDeque};
 
 const PAGES: usize = 512;
 
@@ -296,4 +297,148 @@ fn a_dead_handler_does_not_leave_threads_hanging() {
 
 fn libc_sigsegv() -> i32 {
     rustix::process::Signal::SEGV.as_raw()
+}
+
+/// Misses of exact LRU with `frames` frames on `trace`.
+fn lru_misses(trace: &[usize], frames: usize) -> u64 {
+    let mut lru = lru::LruCache::<usize, ()>::unbounded();
+    let mut misses = 0;
+    for &p in trace {
+        if lru.get(&p).is_none() {
+            misses += 1;
+            if lru.len() == frames {
+                lru.pop_lru();
+            }
+            lru.put(p, ());
+        }
+    }
+    misses
+}
+
+fn fifo_misses(trace: &[usize], frames: usize) -> u64 {
+    let mut q = VecDeque::new();
+    let mut set = HashSet::new();
+    let mut misses = 0;
+    for &p in trace {
+        if set.insert(p) {
+            misses += 1;
+            if q.len() == frames {
+                set.remove(&q.pop_front().unwrap());
+            }
+            q.push_back(p);
+        }
+    }
+    misses
+}
+
+/// The sampled clock against exact LRU and FIFO on the same trace (a hot set used all the
+/// time, interleaved with a cold scan), on the real region: its misses are its faults that
+/// were not sampling faults.
+#[test]
+fn victims_approximate_lru() {
+    let cluster = LocalCluster::start(2, 8 << 20, false).unwrap();
+    let budget = 64;
+    let mut r = region(&cluster, budget);
+    let mem = r.as_mut_slice();
+    for p in 0..PAGES {
+        mem[p * PAGE_SIZE] = fill(p, 1);
+    }
+    let (hot, mut cold, mut rng) = (32usize, 32usize, 0x2545_f491_4f6c_dd1du64);
+    let trace: Vec<usize> = (0..15_000)
+        .map(|i| {
+            rng ^= rng << 13;
+            rng ^= rng >> 7;
+            rng ^= rng << 17;
+            if i % 3 == 0 {
+                cold = if cold + 1 == PAGES { hot } else { cold + 1 };
+                cold
+            } else {
+                (rng % hot as u64) as usize
+            }
+        })
+        .collect();
+    let before = |c: &RegionCounters| {
+        RegionCounters::get(&c.faults)
+            - RegionCounters::get(&c.sample_faults)
+            - RegionCounters::get(&c.already_present)
+    };
+    let start = before(r.counters());
+    for &p in &trace {
+        assert_eq!(r.as_slice()[p * PAGE_SIZE], fill(p, 1), "page {p}");
+    }
+    let c = r.counters();
+    let misses = before(c) - start;
+    let (lru, fifo) = (lru_misses(&trace, budget), fifo_misses(&trace, budget));
+    eprintln!("region {misses} misses, exact LRU {lru}, FIFO {fifo}: {c:?}");
+    assert!(RegionCounters::get(&c.samples) > 0, "{c:?}");
+    assert_eq!(RegionCounters::get(&c.sample_failures), 0, "{c:?}");
+    assert_eq!(RegionCounters::get(&c.errors), 0, "{c:?}");
+    assert!(
+        misses as f64 <= lru as f64 * 1.15,
+        "region {misses}, LRU {lru}"
+    );
+    assert!(
+        (misses - lru) * 2 < fifo - lru,
+        "region {misses}, LRU {lru}, FIFO {fifo}"
+    );
+}
+
+#[test]
+fn released_pages_read_as_zeros_and_leave_their_servers() {
+    let cluster = LocalCluster::start(1, 8 << 20, false).unwrap();
+    let mut r = region(&cluster, 16);
+    let mem = r.as_mut_slice();
+    for p in 0..64 {
+        mem[p * PAGE_SIZE..(p + 1) * PAGE_SIZE].fill(fill(p, 1));
+    }
+    r.with_pager(|p| p.flush()).unwrap();
+    assert!(cluster.stat(0, "stored_pages") >= 48);
+    r.release(0, 64 * PAGE_SIZE).unwrap();
+    r.with_pager(|p| p.flush()).unwrap();
+    assert_eq!(cluster.stat(0, "stored_pages"), 0);
+    assert_eq!(r.resident_pages(), 0);
+    assert!(r.as_slice()[..64 * PAGE_SIZE].iter().all(|&b| b == 0));
+    assert!(matches!(
+        r.release(1, PAGE_SIZE),
+        Err(RegionError::BadRange { .. })
+    ));
+    // A lower budget evicts at once.
+    let mem = r.as_mut_slice();
+    for p in 0..16 {
+        mem[p * PAGE_SIZE] = 7;
+    }
+    r.set_budget(4 * PAGE_SIZE);
+    assert!(r.resident_pages() <= 4);
+    assert!((0..16).all(|p| r.as_slice()[p * PAGE_SIZE] == 7));
+}
+
+/// A forked child does not inherit the region: touching it there is SIGSEGV, not zeros.
+#[test]
+fn a_forked_child_does_not_see_the_region() {
+    let cluster = LocalCluster::start(1, 8 << 20, false).unwrap();
+    let mut r = region(&cluster, 4);
+    let mem = r.as_mut_slice();
+    for p in 0..16 {
+        mem[p * PAGE_SIZE] = 9; // pages 0..12 are evicted
+    }
+    let at = r.as_ptr() as usize;
+    // SAFETY: the child only reads memory and exits (async-signal-safe) before anything else.
+    let pid = unsafe { libc::fork() };
+    assert!(pid >= 0, "fork failed");
+    if pid == 0 {
+        // SAFETY: in the child the mapping is gone: the read faults with SIGSEGV. If it were
+        // still there (the bug this guards against), the child exits with what it read.
+        let v = unsafe { std::ptr::read_volatile(at as *const u8) };
+        // SAFETY: _exit is async-signal-safe.
+        unsafe { libc::_exit(i32::from(v) + 10) };
+    }
+    let mut status = 0;
+    // SAFETY: waiting for our own child.
+    let waited = unsafe { libc::waitpid(pid, &mut status, 0) };
+    assert_eq!(waited, pid);
+    assert!(
+        libc::WIFSIGNALED(status) && libc::WTERMSIG(status) == libc::SIGSEGV,
+        "child status {status:#x}"
+    );
+    assert_eq!(r.as_slice()[0], 9, "the parent's region is untouched");
 }
