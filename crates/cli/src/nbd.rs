@@ -3,9 +3,10 @@
 
 use anyhow::{bail, Context};
 use netram_nbd::{Device, Listener};
-use netram_node::client::{ClientConfig, TcpTransport};
+use netram_node::client::TcpTransport;
 use netram_node::disk::FileDisk;
-use netram_pager::{Backing, Pager, PagerConfig};
+use netram_node::open::{open_pager, OpenOptions};
+use netram_pager::Backing;
 use netram_proto::PAGE_SIZE;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -94,31 +95,15 @@ pub fn run(args: NbdArgs) -> anyhow::Result<()> {
             args.backing
         );
     }
-    let client = ClientConfig {
-        low_latency: args.low_latency,
-        ..ClientConfig::new()
-    };
-    let transport = TcpTransport::connect(&args.servers, &client);
-    let dead: Vec<String> = transport
-        .servers_unreachable()
-        .into_iter()
-        .map(|(name, why)| format!("{name} ({why})"))
-        .collect();
-    if !args.servers.is_empty() && dead.len() == args.servers.len() {
-        bail!("no page server could be reached: {}", dead.join(", "));
-    }
-    for d in &dead {
-        tracing::warn!("page server unreachable, going on without it: {d}");
-    }
-    let dir = args.spill_dir.clone().unwrap_or_else(std::env::temp_dir);
-    let disk = FileDisk::create_in(&dir)?;
-    let cfg = PagerConfig {
+    let pager = open_pager(&OpenOptions {
+        servers: args.servers.clone(),
+        backing: args.backing,
         pages,
         cache_pages,
-        backing: args.backing,
-        ..Default::default()
-    };
-    let device = Arc::new(Device::new(Pager::new(cfg, transport, disk), bytes));
+        spill_dir: args.spill_dir.clone(),
+        low_latency: args.low_latency,
+    })?;
+    let device = Arc::new(Device::new(pager, bytes));
     let shutdown = Arc::new(AtomicBool::new(false));
     for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
         signal_hook::flag::register(sig, shutdown.clone())

@@ -47,6 +47,11 @@
 //! hanging: the region is made inaccessible and the waiting threads are woken, so they die of
 //! SIGSEGV, loudly, rather than wait forever or read zeros.
 
+pub mod alloc;
+pub mod heap;
+
+pub use alloc::NetramAlloc;
+pub use heap::RegionHeap;
 use netram_pager::{Disk, Pager, Transport};
 use netram_policy::clock::Clock;
 use netram_policy::prefetch::Prefetcher;

@@ -1,0 +1,65 @@
+//! A client pager from what a user types: servers, a backing, a size. Shared by every front
+//! end (`netram nbd`, the C ABI, `netram run`'s preload library) so that they refuse the same
+//! bad input with the same words.
+
+use crate::client::{ClientConfig, TcpTransport};
+use crate::disk::FileDisk;
+use anyhow::{bail, Context};
+use netram_pager::{Backing, Pager, PagerConfig};
+use std::path::PathBuf;
+
+/// A pager that front ends open: TCP to the page servers, a spill file on local disk.
+pub type ClientPager = Pager<TcpTransport, FileDisk>;
+
+#[derive(Debug, Clone)]
+pub struct OpenOptions {
+    /// `netram serve` addresses.
+    pub servers: Vec<String>,
+    pub backing: Backing,
+    /// Pages in the pager's address space.
+    pub pages: u64,
+    pub cache_pages: usize,
+    /// Directory of the spill file [default: the temp dir].
+    pub spill_dir: Option<PathBuf>,
+    pub low_latency: bool,
+}
+
+/// Connects to the servers (going on without those that cannot be reached, with a warning,
+/// as long as one can) and creates the spill file.
+pub fn open_pager(o: &OpenOptions) -> anyhow::Result<ClientPager> {
+    if o.pages == 0 {
+        bail!("the size must be above zero");
+    }
+    if o.servers.is_empty() && o.backing != Backing::Disk {
+        bail!(
+            "page servers are needed with backing {} (or use backing disk)",
+            o.backing
+        );
+    }
+    let client = ClientConfig {
+        low_latency: o.low_latency,
+        ..ClientConfig::new()
+    };
+    let transport = TcpTransport::connect(&o.servers, &client);
+    let dead: Vec<String> = transport
+        .servers_unreachable()
+        .into_iter()
+        .map(|(name, why)| format!("{name} ({why})"))
+        .collect();
+    if !o.servers.is_empty() && dead.len() == o.servers.len() {
+        bail!("no page server could be reached: {}", dead.join(", "));
+    }
+    for d in &dead {
+        tracing::warn!("page server unreachable, going on without it: {d}");
+    }
+    let dir = o.spill_dir.clone().unwrap_or_else(std::env::temp_dir);
+    let disk = FileDisk::create_in(&dir)
+        .with_context(|| format!("cannot create a spill file in {}", dir.display()))?;
+    let cfg = PagerConfig {
+        pages: o.pages,
+        cache_pages: o.cache_pages,
+        backing: o.backing,
+        ..Default::default()
+    };
+    Ok(Pager::new(cfg, transport, disk))
+}
