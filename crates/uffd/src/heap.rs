@@ -87,8 +87,8 @@ pub struct RegionHeap<T: Transport, D: Disk> {
 
 #[derive(Debug, thiserror::Error)]
 pub enum FreeError {
-    #[error("{0:p} was not allocated from this heap")]
-    NotAllocated(*const u8),
+    #[error("{0:#x} was not allocated from this heap")]
+    NotAllocated(usize),
     #[error(transparent)]
     Release(#[from] crate::RegionError),
 }
@@ -140,9 +140,13 @@ impl<T: Transport, D: Disk> RegionHeap<T, D> {
     /// Frees the allocation at `ptr`: its pages are released (see [`Region::release`]) before
     /// they can be handed out again.
     pub fn free(&self, ptr: *const u8) -> Result<usize, FreeError> {
-        let start = self.start_of(ptr).ok_or(FreeError::NotAllocated(ptr))?;
+        let start = self
+            .start_of(ptr)
+            .ok_or(FreeError::NotAllocated(ptr as usize))?;
         let mut ext = self.extents();
-        let pages = ext.len_of(start).ok_or(FreeError::NotAllocated(ptr))?;
+        let pages = ext
+            .len_of(start)
+            .ok_or(FreeError::NotAllocated(ptr as usize))?;
         // Released under the heap's lock: the range cannot be handed out again meanwhile.
         self.region.release(start * PAGE_SIZE, pages * PAGE_SIZE)?;
         ext.free(start);

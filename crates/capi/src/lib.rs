@@ -1,0 +1,273 @@
+//! netram's C ABI (`libnetram.so`, `include/netram.h`): userfaultfd regions of cluster memory
+//! (`netram-uffd`) for programs in any language, the API that Anemone §2.2 says programs that
+//! know about remote memory can use.
+//!
+//! The header is the contract; every function here is its definition. Nothing unwinds into C:
+//! each entry point catches panics and turns them, like every error, into a return value and a
+//! message for `netram_last_error`.
+
+use netram_node::client::TcpTransport;
+use netram_node::disk::FileDisk;
+use netram_node::open::{open_pager, OpenOptions};
+use netram_pager::Backing;
+use netram_proto::PAGE_SIZE;
+use netram_uffd::{Region, RegionCounters, RegionHeap};
+use std::cell::RefCell;
+use std::ffi::{c_char, c_int, c_void, CStr, CString};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+
+/// Pages of the pager's cache in front of a region: where prefetched pages wait and evicted
+/// ones are batched. Local memory beyond the budget, so kept small.
+pub const CACHE_PAGES: usize = 64;
+
+/// A region for C: a heap over it.
+#[allow(non_camel_case_types)]
+#[derive(Debug)]
+pub struct netram_region {
+    heap: RegionHeap<TcpTransport, FileDisk>,
+}
+
+/// `struct netram_counters` of netram.h.
+#[repr(C)]
+#[derive(Debug, Default)]
+pub struct NetramCounters {
+    pub faults: u64,
+    pub zero_fills: u64,
+    pub fetches: u64,
+    pub evictions: u64,
+    pub evicted_clean: u64,
+    pub samples: u64,
+    pub sample_faults: u64,
+    pub prefetched: u64,
+    pub prefetch_hits: u64,
+    pub released: u64,
+    pub errors: u64,
+    pub resident_bytes: u64,
+    pub budget_bytes: u64,
+}
+
+thread_local! {
+    static LAST_ERROR: RefCell<CString> = RefCell::new(CString::default());
+}
+
+fn set_error(msg: impl std::fmt::Display) {
+    let msg = CString::new(msg.to_string().replace('\0', " ")).unwrap_or_default();
+    let _ = LAST_ERROR.try_with(|e| *e.borrow_mut() = msg);
+}
+
+/// Runs `f`, turning an error or a panic into `fail` and a message.
+fn guarded<R>(fail: R, f: impl FnOnce() -> anyhow::Result<R>) -> R {
+    match catch_unwind(AssertUnwindSafe(f)) {
+        Ok(Ok(r)) => r,
+        Ok(Err(e)) => {
+            set_error(format!("{e:#}"));
+            fail
+        }
+        Err(_) => {
+            set_error("internal error (a panic; see the log)");
+            fail
+        }
+    }
+}
+
+/// A C string argument, or `None` for NULL.
+///
+/// # Safety
+/// `s` is NULL or a NUL-terminated string alive for the call.
+unsafe fn opt_str<'a>(s: *const c_char, what: &str) -> anyhow::Result<Option<&'a str>> {
+    if s.is_null() {
+        return Ok(None);
+    }
+    // SAFETY: the caller's contract.
+    let s = unsafe { CStr::from_ptr(s) };
+    s.to_str()
+        .map(Some)
+        .map_err(|_| anyhow::anyhow!("{what} is not UTF-8"))
+}
+
+/// Creates a region from the arguments of `netram_region_create`, or the environment
+/// (`NETRAM_SERVERS`, `NETRAM_LOW_LATENCY`) for what they leave out. Used by the preload
+/// library too.
+pub fn create_region(
+    servers: Option<&str>,
+    backing: Option<&str>,
+    size: u64,
+    budget: u64,
+) -> anyhow::Result<RegionHeap<TcpTransport, FileDisk>> {
+    let servers = match servers {
+        Some(s) => s.to_owned(),
+        None => std::env::var("NETRAM_SERVERS").unwrap_or_default(),
+    };
+    let servers: Vec<String> = servers
+        .split(',')
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .map(str::to_owned)
+        .collect();
+    let backing: Backing = backing
+        .unwrap_or("cluster")
+        .parse()
+        .map_err(|e: String| anyhow::anyhow!(e))?;
+    if size == 0 {
+        anyhow::bail!("a region needs a size above zero");
+    }
+    if budget < PAGE_SIZE as u64 {
+        anyhow::bail!("the budget must be at least one page ({PAGE_SIZE} bytes)");
+    }
+    let pager = open_pager(&OpenOptions {
+        servers,
+        backing,
+        pages: size.div_ceil(PAGE_SIZE as u64),
+        cache_pages: CACHE_PAGES,
+        spill_dir: std::env::var_os("NETRAM_SPILL_DIR").map(Into::into),
+        low_latency: std::env::var_os("NETRAM_LOW_LATENCY").is_some_and(|v| v != "0"),
+    })?;
+    let size = usize::try_from(size)?;
+    let budget = usize::try_from(budget)?;
+    Ok(RegionHeap::new(Region::new(pager, size, budget)?))
+}
+
+/// See netram.h.
+///
+/// # Safety
+/// `servers` and `backing` are NULL or NUL-terminated strings.
+#[no_mangle]
+pub unsafe extern "C" fn netram_region_create(
+    servers: *const c_char,
+    backing: *const c_char,
+    size: u64,
+    budget: u64,
+) -> *mut netram_region {
+    guarded(std::ptr::null_mut(), || {
+        // SAFETY: the caller's contract.
+        let (servers, backing) =
+            unsafe { (opt_str(servers, "servers")?, opt_str(backing, "backing")?) };
+        let heap = create_region(servers, backing, size, budget)?;
+        Ok(Box::into_raw(Box::new(netram_region { heap })))
+    })
+}
+
+/// # Safety
+/// `region` is NULL or a region from `netram_region_create`, not used again.
+#[no_mangle]
+pub unsafe extern "C" fn netram_region_destroy(region: *mut netram_region) {
+    if region.is_null() {
+        return;
+    }
+    guarded((), || {
+        // SAFETY: the caller's contract: ours, from Box::into_raw, given back once.
+        drop(unsafe { Box::from_raw(region) });
+        Ok(())
+    })
+}
+
+/// The region behind a pointer from C.
+///
+/// # Safety
+/// `region` is NULL or a live region from `netram_region_create`.
+unsafe fn region_ref<'a>(region: *mut netram_region) -> anyhow::Result<&'a netram_region> {
+    // SAFETY: the caller's contract.
+    unsafe { region.as_ref() }.ok_or_else(|| anyhow::anyhow!("the region is NULL"))
+}
+
+/// # Safety
+/// `region` is NULL or a live region.
+#[no_mangle]
+pub unsafe extern "C" fn netram_region_base(region: *mut netram_region) -> *mut c_void {
+    guarded(std::ptr::null_mut(), || {
+        // SAFETY: the caller's contract.
+        Ok(unsafe { region_ref(region) }?.heap.region().as_ptr().cast())
+    })
+}
+
+/// # Safety
+/// `region` is NULL or a live region.
+#[no_mangle]
+pub unsafe extern "C" fn netram_alloc(region: *mut netram_region, size: usize) -> *mut c_void {
+    guarded(std::ptr::null_mut(), || {
+        // SAFETY: the caller's contract.
+        let r = unsafe { region_ref(region) }?;
+        match r.heap.alloc(size, PAGE_SIZE) {
+            Some(p) => Ok(p.as_ptr().cast()),
+            None => anyhow::bail!("no free range of {size} bytes in the region"),
+        }
+    })
+}
+
+/// # Safety
+/// `region` is NULL or a live region; `ptr` is NULL or was returned by `netram_alloc` on it
+/// and is not used afterwards.
+#[no_mangle]
+pub unsafe extern "C" fn netram_free(region: *mut netram_region, ptr: *mut c_void) -> c_int {
+    if ptr.is_null() {
+        return 0;
+    }
+    guarded(-1, || {
+        // SAFETY: the caller's contract.
+        let r = unsafe { region_ref(region) }?;
+        r.heap.free(ptr.cast())?;
+        Ok(0)
+    })
+}
+
+/// # Safety
+/// `region` is NULL or a live region.
+#[no_mangle]
+pub unsafe extern "C" fn netram_set_budget(region: *mut netram_region, budget: u64) -> c_int {
+    guarded(-1, || {
+        // SAFETY: the caller's contract.
+        let r = unsafe { region_ref(region) }?;
+        r.heap.region().set_budget(usize::try_from(budget)?);
+        Ok(0)
+    })
+}
+
+/// # Safety
+/// `region` is NULL or a live region; `out` is NULL or points to a writable
+/// `struct netram_counters`.
+#[no_mangle]
+pub unsafe extern "C" fn netram_counters(
+    region: *mut netram_region,
+    out: *mut NetramCounters,
+) -> c_int {
+    guarded(-1, || {
+        // SAFETY: the caller's contract.
+        let r = unsafe { region_ref(region) }?;
+        // SAFETY: the caller's contract.
+        let out = unsafe { out.as_mut() }.ok_or_else(|| anyhow::anyhow!("out is NULL"))?;
+        *out = counters_of(r.heap.region());
+        Ok(0)
+    })
+}
+
+/// The counters of netram.h for `region`.
+pub fn counters_of<T, D>(region: &Region<T, D>) -> NetramCounters
+where
+    T: netram_pager::Transport,
+    D: netram_pager::Disk,
+{
+    let c = region.counters();
+    let g = RegionCounters::get;
+    NetramCounters {
+        faults: g(&c.faults),
+        zero_fills: g(&c.zero_fills),
+        fetches: g(&c.fetches),
+        evictions: g(&c.evictions),
+        evicted_clean: g(&c.evicted_clean),
+        samples: g(&c.samples),
+        sample_faults: g(&c.sample_faults),
+        prefetched: g(&c.prefetched),
+        prefetch_hits: g(&c.prefetch_hits),
+        released: g(&c.released),
+        errors: g(&c.errors),
+        resident_bytes: (region.resident_pages() * PAGE_SIZE) as u64,
+        budget_bytes: region.budget() as u64,
+    }
+}
+
+#[no_mangle]
+pub extern "C" fn netram_last_error() -> *const c_char {
+    LAST_ERROR
+        .try_with(|e| e.borrow().as_ptr())
+        .unwrap_or(c"".as_ptr())
+}

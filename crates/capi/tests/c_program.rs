@@ -1,0 +1,64 @@
+//! The C ABI from C: `tests/region.c` is compiled against `include/netram.h`, linked with
+//! `libnetram.so` and run against a local cluster.
+
+use netram_bench::cluster::LocalCluster;
+use std::path::PathBuf;
+use std::process::Command;
+
+/// The directory holding `libnetram.so` (cargo builds it next to the test's `deps/`).
+fn lib_dir() -> PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    let deps = exe.parent().unwrap().to_path_buf();
+    let dir = [deps.parent().unwrap().to_path_buf(), deps]
+        .into_iter()
+        .find(|d| d.join("libnetram.so").exists());
+    dir.expect("libnetram.so is built with the tests")
+}
+
+#[test]
+fn a_c_program_uses_netram_h() {
+    let have_cc = Command::new("cc").arg("--version").output().is_ok();
+    if !have_cc {
+        eprintln!("SKIPPED: no C compiler (cc)");
+        return;
+    }
+    let here = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    let out = std::env::temp_dir().join(format!("netram-capi-test-{}", std::process::id()));
+    let lib = lib_dir();
+    let built = Command::new("cc")
+        .args(["-std=c11", "-Wall", "-Wextra", "-Werror", "-O1"])
+        .arg("-I")
+        .arg(here.join("include"))
+        .arg(here.join("tests/region.c"))
+        .arg("-o")
+        .arg(&out)
+        .arg("-L")
+        .arg(&lib)
+        .arg("-lnetram")
+        .output()
+        .unwrap();
+    assert!(
+        built.status.success(),
+        "cc: {}",
+        String::from_utf8_lossy(&built.stderr)
+    );
+    let cluster = LocalCluster::start(2, 64 << 20, false).unwrap();
+    let run = Command::new("timeout")
+        .arg("120")
+        .arg(&out)
+        .arg(cluster.addrs().join(","))
+        .env("LD_LIBRARY_PATH", &lib)
+        .output()
+        .unwrap();
+    let _ = std::fs::remove_file(&out);
+    let stdout = String::from_utf8_lossy(&run.stdout);
+    assert!(
+        run.status.success() && stdout.contains("all checks passed"),
+        "{}\n{stdout}{}",
+        run.status,
+        String::from_utf8_lossy(&run.stderr)
+    );
+    // The destroyed region's pages left the servers.
+    let stored: u64 = (0..2).map(|s| cluster.stat(s, "stored_pages")).sum();
+    assert_eq!(stored, 0);
+}
