@@ -1,7 +1,6 @@
 //! `netram demo`: a local cluster on loopback, a working set several times larger than the
 //! pager's cache paged through it, then the same through the local disk, and the comparison.
 
-use anyhow::Context;
 use indicatif::{ProgressBar, ProgressStyle};
 use netram_bench::cluster::LocalCluster;
 use netram_bench::{page_content, Summary};
@@ -37,13 +36,6 @@ struct Run {
     read_pages_per_s: f64,
     read: Summary,
     verified: u64,
-}
-
-fn size(what: &str, s: &str) -> anyhow::Result<u64> {
-    parse_size::Config::new()
-        .with_binary()
-        .parse_size(s)
-        .with_context(|| format!("{what} {s:?} is not a size (try 128M or 1G)"))
 }
 
 fn bar(len: u64, msg: String) -> ProgressBar {
@@ -134,8 +126,8 @@ fn run_one(
 }
 
 pub fn run(args: DemoArgs) -> anyhow::Result<()> {
-    let bytes = size("size", &args.size)?;
-    let cache = size("cache", &args.cache)?;
+    let bytes = crate::size("size", &args.size)?;
+    let cache = crate::size("cache", &args.cache)?;
     let pages = bytes / PAGE_SIZE as u64;
     let cache_pages = (cache / PAGE_SIZE as u64) as usize;
     anyhow::ensure!(pages > 0, "size must be at least one page");

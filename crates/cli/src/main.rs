@@ -3,6 +3,7 @@
 
 mod demo;
 mod nbd;
+mod run;
 mod serve;
 
 use clap::{Parser, Subcommand};
@@ -43,6 +44,15 @@ enum Command {
     /// plus a loop device where the kernel has no NBD driver, or with any NBD tool (qemu-img,
     /// nbdcopy, fio). The device lives as long as this process: it is memory, not storage.
     Nbd(nbd::NbdArgs),
+    /// Run an unmodified program with its large allocations on cluster memory.
+    ///
+    /// A preload library puts the program's large allocations (malloc family and anonymous
+    /// mmap above --threshold) on a netram region: at most --local-mem of them in local memory,
+    /// the rest on the page servers, paged through userfaultfd. Dynamically linked programs
+    /// only. As an ordinary user, a system call that reads or writes a page of that memory
+    /// which is not resident fails with EFAULT (root has no such limit). A forked child
+    /// does not inherit that memory (exec is fine). Exits with the program's status.
+    Run(run::RunArgs),
     /// Start a local cluster on loopback and page a working set through it, then through the
     /// local disk, and compare (under a minute by default).
     Demo(demo::DemoArgs),
@@ -103,6 +113,15 @@ enum BenchCommand {
     },
 }
 
+/// A size flag: 512M, 4G, 4GiB, 4096 (K, M, G are powers of 1024).
+fn size(what: &str, s: &str) -> anyhow::Result<u64> {
+    use anyhow::Context;
+    parse_size::Config::new()
+        .with_binary()
+        .parse_size(s)
+        .with_context(|| format!("{what} {s:?} is not a size (try 512M or 4G)"))
+}
+
 fn init_logging(default: &str) {
     // fuser warns about every operation a file system leaves to its defaults (xattrs the kernel
     // probes once) and about the unmount it retries after netram's own: noise for users.
@@ -144,6 +163,11 @@ fn main() -> anyhow::Result<()> {
             init_logging("info");
             nbd::run(args)
         }
+        Command::Run(args) => {
+            init_logging("warn");
+            let code = run::run(args)?;
+            std::process::exit(code);
+        }
         Command::Demo(args) => {
             init_logging("warn");
             demo::run(args)
@@ -174,14 +198,7 @@ fn main() -> anyhow::Result<()> {
                 anyhow::bail!("--configs: unknown configuration {bad:?} (known: {KNOWN:?})");
             }
             init_logging("warn");
-            let working_set = working_set
-                .map(|w| {
-                    parse_size::Config::new()
-                        .with_binary()
-                        .parse_size(&w)
-                        .map_err(|e| anyhow::anyhow!("--working-set {w:?}: {e}"))
-                })
-                .transpose()?;
+            let working_set = working_set.map(|w| size("--working-set", &w)).transpose()?;
             let opts = netram_bench::nbd::Options {
                 quick,
                 out: out.clone(),

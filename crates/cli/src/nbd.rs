@@ -61,13 +61,6 @@ pub struct NbdArgs {
     no_lock_memory: bool,
 }
 
-fn size(what: &str, s: &str) -> anyhow::Result<u64> {
-    parse_size::Config::new()
-        .with_binary()
-        .parse_size(s)
-        .with_context(|| format!("{what} {s:?} is not a size (try 8G or 512M)"))
-}
-
 pub fn run(args: NbdArgs) -> anyhow::Result<()> {
     if !args.no_lock_memory {
         let h = netram_node::pressure::prepare_for_swap();
@@ -83,12 +76,12 @@ pub fn run(args: NbdArgs) -> anyhow::Result<()> {
             }
         }
     }
-    let bytes = size("size", &args.size)?;
+    let bytes = crate::size("size", &args.size)?;
     if bytes == 0 {
         bail!("the device needs a size above zero");
     }
     let pages = bytes.div_ceil(PAGE_SIZE as u64);
-    let cache_pages = (size("cache", &args.cache)? / PAGE_SIZE as u64) as usize;
+    let cache_pages = (crate::size("cache", &args.cache)? / PAGE_SIZE as u64) as usize;
     if args.servers.is_empty() && args.backing != Backing::Disk {
         bail!(
             "--servers is needed with --backing {} (or use --backing disk)",

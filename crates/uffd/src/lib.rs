@@ -33,9 +33,10 @@
 //! page; the first fault installed it: the second is only woken); `EAGAIN` (the region is
 //! changing under the handler: the fault is woken and retried by the kernel); faults from any
 //! number of threads (one handler serves them in order); a write-protect fault on a page being
-//! evicted (woken after the eviction, it becomes a missing fault). The userfaultfd is created
-//! with `UFFD_USER_MODE_ONLY`, so it works for ordinary users where
-//! `vm.unprivileged_userfaultfd` is 0, as for root.
+//! evicted (woken after the eviction, it becomes a missing fault). Root's userfaultfd serves
+//! faults raised inside system calls too; an ordinary user's is created with
+//! `UFFD_USER_MODE_ONLY` (allowed where `vm.unprivileged_userfaultfd` is 0), so there a system
+//! call reading or writing a page that is not resident fails with EFAULT.
 //!
 //! The program gives memory back with [`Region::release`] (what `free` and `munmap` become
 //! under `netram run`): its pages are dropped locally and deleted on their servers. The
@@ -145,9 +146,14 @@ impl RegionCounters {
 /// The most pages fetched ahead at one fault.
 const MAX_PREFETCH: usize = 16;
 
-/// A userfaultfd for faults from user mode (`UFFD_USER_MODE_ONLY`, allowed to ordinary users
-/// where `vm.unprivileged_userfaultfd` is 0), non-blocking, with write-protect faults and, where
-/// the kernel has it (6.8 on), `UFFDIO_MOVE`: the second value says whether it does.
+/// A non-blocking userfaultfd with write-protect faults and, where the kernel has it (6.8 on),
+/// `UFFDIO_MOVE`: the second value says whether it does.
+///
+/// Faults raised by the kernel itself (a `read(2)` into region memory, a `write(2)` from it)
+/// are served too when the process may ask for that (root, `CAP_SYS_PTRACE`, or
+/// `vm.unprivileged_userfaultfd` = 1). Otherwise the userfaultfd is for user-mode faults only
+/// (`UFFD_USER_MODE_ONLY`, allowed to everyone): the program still works, but a system call
+/// that touches a page of the region which is not resident fails with EFAULT.
 ///
 /// Made with the system call and the API handshake here rather than by the `userfaultfd`
 /// crate: the crate opens /dev/userfaultfd when it exists and does not fall back to the system
@@ -156,22 +162,26 @@ const MAX_PREFETCH: usize = 16;
 fn open_userfaultfd() -> Result<(Uffd, bool), RegionError> {
     const UFFD_FEATURE_PAGEFAULT_FLAG_WP: u64 = 1 << 0;
     const UFFD_FEATURE_MOVE: u64 = 1 << 16;
-    match userfaultfd_by_syscall(UFFD_FEATURE_PAGEFAULT_FLAG_WP | UFFD_FEATURE_MOVE) {
+    const WP: u64 = UFFD_FEATURE_PAGEFAULT_FLAG_WP;
+    let open = |features| match userfaultfd_by_syscall(features, false) {
+        Err(RegionError::UserfaultfdSyscall(rustix::io::Errno::PERM)) => {
+            userfaultfd_by_syscall(features, true)
+        }
+        other => other,
+    };
+    match open(WP | UFFD_FEATURE_MOVE) {
         Ok(uffd) => Ok((uffd, true)),
         // A kernel without UFFDIO_MOVE refuses the handshake: the region works without
         // access sampling (first in, first out).
         Err(RegionError::UserfaultfdSyscall(rustix::io::Errno::INVAL)) => {
             tracing::debug!("no UFFDIO_MOVE: regions evict first in, first out");
-            Ok((
-                userfaultfd_by_syscall(UFFD_FEATURE_PAGEFAULT_FLAG_WP)?,
-                false,
-            ))
+            Ok((open(WP)?, false))
         }
         Err(e) => Err(e),
     }
 }
 
-fn userfaultfd_by_syscall(features: u64) -> Result<Uffd, RegionError> {
+fn userfaultfd_by_syscall(features: u64, user_mode_only: bool) -> Result<Uffd, RegionError> {
     use rustix::fd::IntoRawFd;
     use std::os::fd::FromRawFd;
     const UFFD_USER_MODE_ONLY: u32 = 1;
@@ -183,9 +193,10 @@ fn userfaultfd_by_syscall(features: u64) -> Result<Uffd, RegionError> {
         features: u64,
         ioctls: u64,
     }
-    let flags = rustix::mm::UserfaultfdFlags::CLOEXEC
-        | rustix::mm::UserfaultfdFlags::NONBLOCK
-        | rustix::mm::UserfaultfdFlags::from_bits_retain(UFFD_USER_MODE_ONLY);
+    let mut flags = rustix::mm::UserfaultfdFlags::CLOEXEC | rustix::mm::UserfaultfdFlags::NONBLOCK;
+    if user_mode_only {
+        flags |= rustix::mm::UserfaultfdFlags::from_bits_retain(UFFD_USER_MODE_ONLY);
+    }
     let io = RegionError::UserfaultfdSyscall;
     // SAFETY: userfaultfd(2) only creates a descriptor; the flags are the kernel's.
     let fd = unsafe { rustix::mm::userfaultfd(flags) }.map_err(io)?;

@@ -442,3 +442,35 @@ fn a_forked_child_does_not_see_the_region() {
     );
     assert_eq!(r.as_slice()[0], 9, "the parent's region is untouched");
 }
+
+/// A system call reading evicted region pages (write(2) to a file) is served by the handler,
+/// as for root (a user-mode-only userfaultfd would make it fail with EFAULT).
+#[test]
+fn system_calls_fault_pages_in() {
+    if !rustix::process::geteuid().is_root() {
+        eprintln!("SKIPPED: kernel-mode faults need root (or CAP_SYS_PTRACE)");
+        return;
+    }
+    let cluster = LocalCluster::start(1, 8 << 20, false).unwrap();
+    let mut r = region(&cluster, 4);
+    let mem = r.as_mut_slice();
+    for p in 0..64 {
+        mem[p * PAGE_SIZE..(p + 1) * PAGE_SIZE].fill(fill(p, 1));
+    }
+    let path = std::env::temp_dir().join(format!("netram-uffd-syscall-{}", std::process::id()));
+    std::fs::write(&path, &r.as_slice()[..64 * PAGE_SIZE]).expect("write(2) from the region");
+    // read(2) into evicted pages too.
+    let back = std::fs::read(&path).unwrap();
+    let mut f = std::fs::File::open(&path).unwrap();
+    for p in 0..64 {
+        r.as_mut_slice()[p * PAGE_SIZE] = 0;
+    }
+    std::io::Read::read_exact(&mut f, &mut r.as_mut_slice()[..64 * PAGE_SIZE]).unwrap();
+    let _ = std::fs::remove_file(&path);
+    for p in 0..64 {
+        assert!(back[p * PAGE_SIZE..(p + 1) * PAGE_SIZE]
+            .iter()
+            .all(|&b| b == fill(p, 1)));
+        assert_eq!(r.as_slice()[p * PAGE_SIZE + 7], fill(p, 1));
+    }
+}

@@ -1,0 +1,241 @@
+//! `netram run`: an unmodified program with its large allocations on cluster memory, through
+//! the preload library (`crates/preload`), and a summary of what netram did for it.
+
+use anyhow::{bail, Context};
+use netram_pager::Backing;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+#[derive(Debug, clap::Args)]
+pub struct RunArgs {
+    /// Local memory for the program's large allocations, e.g. 256M; the rest of them lives on
+    /// the page servers (or the local disk with --backing disk).
+    #[arg(long, value_name = "SIZE")]
+    local_mem: String,
+    /// Page servers, comma-separated (`netram serve` addresses) [default: $NETRAM_SERVERS].
+    /// Not needed with --backing disk.
+    #[arg(long, value_delimiter = ',')]
+    servers: Vec<String>,
+    /// Where pages that do not fit locally go: cluster (the local disk only when the cluster
+    /// is full), disk (local disk only), cluster+disk (a copy on disk too).
+    #[arg(long, default_value = "cluster")]
+    backing: Backing,
+    /// The most the program can keep on netram at once (the size of its region) [default: 8
+    /// times --local-mem, at least 1G]. Large allocations beyond it stay in local memory.
+    #[arg(long, value_name = "SIZE")]
+    max_mem: Option<String>,
+    /// Allocations (malloc family, anonymous mmap) of at least this size go to netram;
+    /// smaller ones, file mappings and stacks stay as they are.
+    #[arg(long, default_value = "128K", value_name = "SIZE")]
+    threshold: String,
+    /// Keep CPUs out of deep idle while the program runs (PM QoS; needs root): page faults
+    /// are served several times faster on machines whose idle CPUs sleep deeply.
+    #[arg(long)]
+    low_latency: bool,
+    /// Write netram's counters, summed over the program's processes, to this JSON file.
+    #[arg(long)]
+    report: Option<PathBuf>,
+    /// Print no summary.
+    #[arg(long, short)]
+    quiet: bool,
+    /// Directory of the spill file [default: the temp dir].
+    #[arg(long)]
+    spill_dir: Option<PathBuf>,
+    /// The program and its arguments (after `--`).
+    #[arg(trailing_var_arg = true, required = true, value_name = "PROGRAM")]
+    command: Vec<String>,
+}
+
+/// Where `libnetram_preload.so` is: `$NETRAM_PRELOAD`, or next to this executable (cargo puts
+/// it in `target/<profile>/` when the workspace is built and in `target/<profile>/deps/` when
+/// only this binary is; the newest wins).
+pub fn preload_library() -> anyhow::Result<PathBuf> {
+    const NAME: &str = "libnetram_preload.so";
+    if let Some(p) = std::env::var_os("NETRAM_PRELOAD") {
+        let p = PathBuf::from(p);
+        if !p.is_file() {
+            bail!("NETRAM_PRELOAD={}: no such file", p.display());
+        }
+        return Ok(p);
+    }
+    let exe = std::env::current_exe()?;
+    let dir = exe.parent().context("the executable has no directory")?;
+    let candidates = [
+        dir.join(NAME),
+        dir.join("deps").join(NAME),
+        dir.join("../lib/netram").join(NAME),
+    ];
+    candidates
+        .iter()
+        .filter_map(|p| Some((p.metadata().ok()?.modified().ok()?, p)))
+        .max()
+        .map(|(_, p)| p.clone())
+        .with_context(|| {
+            format!(
+                "{NAME} not found (looked in {}, {} and {}): build it with `cargo build \
+                 --release` in the netram workspace, or set NETRAM_PRELOAD",
+                candidates[0].display(),
+                candidates[1].display(),
+                candidates[2].display()
+            )
+        })
+}
+
+/// Runs the program; returns its exit status as this process's (128 + signal if killed).
+pub fn run(args: RunArgs) -> anyhow::Result<i32> {
+    let local_mem = crate::size("--local-mem", &args.local_mem)?;
+    if local_mem < 4096 {
+        bail!("--local-mem must be at least one page (4K)");
+    }
+    let threshold = crate::size("--threshold", &args.threshold)?;
+    let max_mem = args
+        .max_mem
+        .as_deref()
+        .map(|m| crate::size("--max-mem", m))
+        .transpose()?;
+    let servers = if args.servers.is_empty() {
+        std::env::var("NETRAM_SERVERS").unwrap_or_default()
+    } else {
+        args.servers.join(",")
+    };
+    if servers.trim().is_empty() && args.backing != Backing::Disk {
+        bail!(
+            "--servers (or NETRAM_SERVERS) is needed with --backing {}",
+            args.backing
+        );
+    }
+    let lib = preload_library()?;
+    let reports = tempdir()?;
+    let preload = match std::env::var("LD_PRELOAD") {
+        Ok(old) if !old.is_empty() => format!("{}:{old}", lib.display()),
+        _ => lib.display().to_string(),
+    };
+    let mut cmd = Command::new(&args.command[0]);
+    cmd.args(&args.command[1..])
+        .env("LD_PRELOAD", preload)
+        .env("NETRAM_LOCAL_MEM", local_mem.to_string())
+        .env("NETRAM_SERVERS", &servers)
+        .env("NETRAM_BACKING", args.backing.to_string())
+        .env("NETRAM_THRESHOLD", threshold.to_string())
+        .env("NETRAM_REPORT", &reports.0)
+        .env("NETRAM_REQUIRED", "1");
+    if let Some(m) = max_mem {
+        cmd.env("NETRAM_MAX_MEM", m.to_string());
+    }
+    if let Some(d) = &args.spill_dir {
+        cmd.env("NETRAM_SPILL_DIR", d);
+    }
+    // The program's own PM QoS request would do, but it would be the preload library's; held
+    // here it covers every process of the program.
+    let _qos = if args.low_latency {
+        let q = netram_node::latency::PmQos::hold();
+        if q.is_none() {
+            eprintln!("netram: --low-latency: cannot hold the PM QoS request (needs root)");
+        }
+        q
+    } else {
+        None
+    };
+    // Ctrl-C reaches the program (same process group); this process waits for it to end.
+    let interrupted = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
+        signal_hook::flag::register(sig, interrupted.clone())?;
+    }
+    let started = std::time::Instant::now();
+    let status = cmd
+        .status()
+        .with_context(|| format!("cannot run {}", args.command[0]))?;
+    let elapsed = started.elapsed();
+    use std::os::unix::process::ExitStatusExt;
+    let code = status
+        .code()
+        .unwrap_or_else(|| 128 + status.signal().unwrap_or(0));
+    if code == 70 && status.code() == Some(70) && read_reports(&reports.0)?.1 == 0 {
+        // The preload library refuses to run the program without netram (NETRAM_REQUIRED)
+        // and has said why on stderr.
+        bail!("netram could not start for {}", args.command[0]);
+    }
+    let (totals, processes) = read_reports(&reports.0)?;
+    if let Some(path) = &args.report {
+        let mut doc = totals.clone();
+        doc.insert("processes".into(), processes.into());
+        doc.insert("seconds".into(), elapsed.as_secs_f64().into());
+        doc.insert("exit_code".into(), code.into());
+        std::fs::write(path, serde_json::to_string_pretty(&doc)?)
+            .with_context(|| format!("cannot write {}", path.display()))?;
+    }
+    if !args.quiet && processes == 0 {
+        eprintln!(
+            "netram: {} exited with {code} after {:.1} s (no process reported netram's \
+             counters: none reached exit(3) normally)",
+            args.command[0],
+            elapsed.as_secs_f64()
+        );
+    } else if !args.quiet {
+        let g = |k: &str| totals.get(k).and_then(|v| v.as_u64()).unwrap_or(0);
+        eprintln!(
+            "netram: {} exited with {code} after {:.1} s; {} process(es) on netram: {} faults \
+             ({} fetched, {} zero-filled, {} sampled back), {} evictions ({} clean), \
+             prefetched {} ({} used), {} pages stored remotely, {} spilled to disk",
+            args.command[0],
+            elapsed.as_secs_f64(),
+            processes,
+            g("faults"),
+            g("fetches"),
+            g("zero_fills"),
+            g("sample_faults"),
+            g("evictions"),
+            g("evicted_clean"),
+            g("prefetched"),
+            g("prefetch_hits"),
+            g("puts"),
+            g("spills"),
+        );
+    }
+    Ok(code)
+}
+
+/// The per-process reports summed, and how many processes wrote one.
+fn read_reports(dir: &Path) -> anyhow::Result<(serde_json::Map<String, serde_json::Value>, u64)> {
+    let mut totals = serde_json::Map::new();
+    let mut n = 0;
+    for entry in std::fs::read_dir(dir)? {
+        let path = entry?.path();
+        let Ok(text) = std::fs::read_to_string(&path) else {
+            continue;
+        };
+        let Ok(serde_json::Value::Object(m)) = serde_json::from_str(&text) else {
+            eprintln!("netram: ignoring a malformed report {}", path.display());
+            continue;
+        };
+        n += 1;
+        for (k, v) in m {
+            if k == "pid" {
+                continue;
+            }
+            let sum =
+                totals.get(&k).and_then(|t| t.as_u64()).unwrap_or(0) + v.as_u64().unwrap_or(0);
+            totals.insert(k, sum.into());
+        }
+    }
+    Ok((totals, n))
+}
+
+/// A private directory removed on drop.
+struct TempDir(PathBuf);
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn tempdir() -> anyhow::Result<TempDir> {
+    let dir = std::env::temp_dir().join(format!(
+        "netram-run-{}-{}",
+        std::process::id(),
+        fastrand::u32(..)
+    ));
+    std::fs::create_dir(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
+    Ok(TempDir(dir))
+}

@@ -1,0 +1,276 @@
+//! `netram run`: unmodified programs (a C program calling every interposed function, GNU
+//! sort, the bundled quicksort) with their large allocations on real `netram serve`
+//! processes, as root and as an ordinary user; and the refusals.
+
+use common::{ServerProcess, NETRAM};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+mod common;
+
+const WORKLOAD: &str = env!("CARGO_BIN_EXE_netram-workload");
+
+fn cluster(n: usize) -> (Vec<ServerProcess>, String) {
+    let s: Vec<ServerProcess> = (0..n)
+        .map(|_| ServerProcess::start(&["--capacity", "256M"]))
+        .collect();
+    let addrs = s
+        .iter()
+        .map(|s| s.addr.clone())
+        .collect::<Vec<_>>()
+        .join(",");
+    (s, addrs)
+}
+
+/// A scratch directory removed on drop.
+struct Scratch(PathBuf);
+
+impl Scratch {
+    fn new(name: &str) -> Self {
+        let dir = std::env::temp_dir().join(format!("netram-run-{name}-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        Self(dir)
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// `netram run ARGS -- PROGRAM...` bounded by `timeout`.
+fn netram_run(args: &[&str], program: &[&str]) -> Output {
+    Command::new("timeout")
+        .args(["300", NETRAM, "run"])
+        .args(args)
+        .arg("--")
+        .args(program)
+        .output()
+        .unwrap()
+}
+
+fn report(path: &Path) -> serde_json::Value {
+    serde_json::from_str(&std::fs::read_to_string(path).expect("the report")).unwrap()
+}
+
+fn compile_alloc_mix(dir: &Path) -> Option<PathBuf> {
+    if Command::new("cc").arg("--version").output().is_err() {
+        eprintln!("SKIPPED: no C compiler (cc)");
+        return None;
+    }
+    let exe = dir.join("alloc_mix");
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/c/alloc_mix.c");
+    let out = Command::new("cc")
+        .args(["-std=c11", "-Wall", "-Wextra", "-Werror", "-O1", "-o"])
+        .arg(&exe)
+        .arg(&src)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "cc: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Some(exe)
+}
+
+fn assert_ran(out: &Output, what: &str) {
+    assert!(
+        out.status.success(),
+        "{what}: {}\nstdout: {}\nstderr: {}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+#[test]
+fn a_c_program_runs_on_netram() {
+    let dir = Scratch::new("c");
+    let Some(exe) = compile_alloc_mix(&dir.0) else {
+        return;
+    };
+    let (_servers, addrs) = cluster(2);
+    let rep = dir.0.join("report.json");
+    let out = netram_run(
+        &[
+            "--local-mem",
+            "4M",
+            "--servers",
+            &addrs,
+            "--report",
+            rep.to_str().unwrap(),
+        ],
+        &[exe.to_str().unwrap()],
+    );
+    assert_ran(&out, "alloc_mix");
+    assert!(String::from_utf8_lossy(&out.stdout).contains("alloc_mix: ok"));
+    let r = report(&rep);
+    let g = |k: &str| r[k].as_u64().unwrap_or_else(|| panic!("{k} in {r}"));
+    // 24 + 24 + 8 + 8 + 16 MiB written through a 4 MiB budget: most of it went out and came
+    // back.
+    assert!(g("evictions") > 10_000, "{r}");
+    assert!(g("fetches") > 5_000, "{r}");
+    assert!(g("puts") > 5_000, "{r}");
+    assert!(g("released") > 0, "{r}");
+    assert_eq!(g("errors"), 0, "{r}");
+    assert_eq!(g("exit_code"), 0);
+}
+
+/// GNU sort keeps its buffer in one large malloc: sorted under netram with a quarter of it
+/// local, the output is the same as without.
+#[test]
+fn gnu_sort_gives_the_same_output() {
+    let dir = Scratch::new("sort");
+    let input = dir.0.join("in.txt");
+    let mut rng = fastrand::Rng::with_seed(7);
+    let text: String = (0..300_000)
+        .map(|_| format!("{:016x} {}\n", rng.u64(..), rng.u32(..)))
+        .collect();
+    std::fs::write(&input, text).unwrap();
+    let plain = Command::new("sort")
+        .args(["-S", "32M", "--parallel=1"])
+        .arg(&input)
+        .env("LC_ALL", "C")
+        .output()
+        .unwrap();
+    assert_ran(&plain, "sort");
+    let (_servers, addrs) = cluster(2);
+    let rep = dir.0.join("report.json");
+    let out = Command::new("timeout")
+        .args([
+            "300",
+            NETRAM,
+            "run",
+            "--local-mem",
+            "8M",
+            "--servers",
+            &addrs,
+        ])
+        .args(["--report", rep.to_str().unwrap(), "--", "sort"])
+        .args(["-S", "32M", "--parallel=1"])
+        .arg(&input)
+        .env("LC_ALL", "C")
+        .output()
+        .unwrap();
+    assert_ran(&out, "sort under netram run");
+    assert!(
+        out.stdout == plain.stdout,
+        "sort's output differs under netram"
+    );
+    let r = report(&rep);
+    assert!(r["evictions"].as_u64().unwrap() > 100, "{r}");
+    assert!(r["fetches"].as_u64().unwrap() > 100, "{r}");
+}
+
+/// The bundled quicksort (a Rust program: its vector is one large malloc), on the cluster and
+/// on the local disk only; it verifies its own result.
+#[test]
+fn the_quicksort_workload_runs_on_cluster_and_disk() {
+    let (_servers, addrs) = cluster(2);
+    for (backing, servers) in [("cluster", addrs.as_str()), ("disk", "")] {
+        let mut args = vec!["--local-mem", "8M", "--backing", backing];
+        if !servers.is_empty() {
+            args.extend(["--servers", servers]);
+        }
+        let out = netram_run(&args, &[WORKLOAD, "qsort", "33554432", "5"]);
+        assert_ran(&out, backing);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains("1 process(es) on netram"), "{err}");
+    }
+}
+
+#[test]
+fn bad_configurations_are_refused_clearly() {
+    let cases: [(&[&str], &str); 4] = [
+        (
+            &["--local-mem", "8M", "--servers", "127.0.0.1:1"],
+            "no page server could be reached",
+        ),
+        (
+            &["--local-mem", "lots", "--servers", "x:1"],
+            "is not a size",
+        ),
+        (
+            &["--local-mem", "8M"],
+            "--servers (or NETRAM_SERVERS) is needed",
+        ),
+        (
+            &["--local-mem", "1", "--backing", "disk"],
+            "at least one page",
+        ),
+    ];
+    for (args, want) in cases {
+        let out = Command::new(NETRAM)
+            .arg("run")
+            .args(args)
+            .args(["--", "true"])
+            .env_remove("NETRAM_SERVERS")
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{args:?} should fail");
+        assert!(err.contains(want), "{args:?}: {err}");
+    }
+    // The program's own exit status comes through.
+    let out = netram_run(
+        &["--local-mem", "8M", "--backing", "disk", "-q"],
+        &["sh", "-c", "exit 3"],
+    );
+    assert_eq!(out.status.code(), Some(3));
+}
+
+/// As root, the C program again as the user nobody: the preload library's region uses a
+/// user-mode-only userfaultfd there.
+#[test]
+fn works_for_an_ordinary_user() {
+    if !rustix::process::geteuid().is_root() {
+        eprintln!("not root: the other tests already ran as an ordinary user");
+        return;
+    }
+    if Command::new("setpriv").arg("--version").output().is_err() {
+        eprintln!("SKIPPED: setpriv (util-linux) is not installed");
+        return;
+    }
+    let dir = Scratch::new("nobody");
+    let Some(exe) = compile_alloc_mix(&dir.0) else {
+        return;
+    };
+    // Copies that nobody may read and run.
+    let netram = dir.0.join("netram");
+    std::fs::copy(NETRAM, &netram).unwrap();
+    let lib = dir.0.join("libnetram_preload.so");
+    let built = Path::new(NETRAM).parent().unwrap();
+    let src = [
+        built.join("libnetram_preload.so"),
+        built.join("deps/libnetram_preload.so"),
+    ]
+    .into_iter()
+    .filter(|p| p.exists())
+    .max_by_key(|p| p.metadata().unwrap().modified().unwrap())
+    .expect("the preload library is built with the binary");
+    std::fs::copy(src, &lib).unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    for p in [&dir.0, &netram, &lib, &exe] {
+        std::fs::set_permissions(p, std::fs::Permissions::from_mode(0o755)).unwrap();
+    }
+    let (_servers, addrs) = cluster(2);
+    let out = Command::new("timeout")
+        .args([
+            "300",
+            "setpriv",
+            "--reuid=65534",
+            "--regid=65534",
+            "--clear-groups",
+        ])
+        .arg(&netram)
+        .args(["run", "--local-mem", "4M", "--servers", &addrs, "--"])
+        .arg(&exe)
+        .env("NETRAM_PRELOAD", &lib)
+        .env("TMPDIR", "/tmp")
+        .output()
+        .unwrap();
+    assert_ran(&out, "alloc_mix as nobody");
+    assert!(String::from_utf8_lossy(&out.stdout).contains("alloc_mix: ok"));
+}

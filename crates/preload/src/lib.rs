@@ -1,0 +1,690 @@
+//! `netram run`'s preload library (`libnetram_preload.so`): an unmodified, dynamically linked
+//! program's large allocations on one netram region, with the local budget `netram run` gives
+//! (Anemone §2.1's goal, transparency to programs, reached without the kernel's swap).
+//!
+//! Interposed: the `malloc` family (`malloc`, `calloc`, `realloc`, `free`, `posix_memalign`,
+//! `aligned_alloc`, `memalign`, `valloc`, `pvalloc`, `malloc_usable_size`) for blocks of at
+//! least the threshold, and anonymous private read-write `mmap` of at least the threshold, with
+//! the `munmap`, `mremap` and `madvise(DONTNEED/FREE/REMOVE)` that give such memory back.
+//! glibc's `malloc` reaches its own internal `mmap` without passing through the interposed one,
+//! which is why `malloc` itself is interposed. Everything else (small blocks, file mappings,
+//! shared or fixed mappings, stacks, `PROT_NONE` reservations) goes to the C library
+//! untouched: small blocks through `__libc_malloc` and friends, mappings through the system
+//! call.
+//!
+//! Configuration comes from the environment that `netram run` sets: `NETRAM_LOCAL_MEM` (the
+//! budget; without it the library stays out of the way), `NETRAM_SERVERS`, `NETRAM_BACKING`,
+//! `NETRAM_MAX_MEM` (the region's size: the most the program can keep on netram),
+//! `NETRAM_THRESHOLD`, `NETRAM_REPORT` (a directory where each process writes its counters at
+//! exit), `NETRAM_REQUIRED` (exit with status 70 rather than run without netram).
+//!
+//! Hazards: the library's own Rust allocations go straight to `__libc_malloc` (its global
+//! allocator), and a thread already inside the region's heap is sent to the C library for
+//! anything else it allocates, so the heap's lock is never taken twice. After `fork` the child
+//! has no region (it is not inherited, see `netram-uffd`): in the child every call goes to the
+//! C library, and freeing a block inherited from the parent's region does nothing.
+
+use netram_node::client::TcpTransport;
+use netram_node::disk::FileDisk;
+use netram_proto::PAGE_SIZE;
+use netram_uffd::RegionHeap;
+use std::alloc::{GlobalAlloc, Layout};
+use std::cell::Cell;
+use std::ffi::{c_int, c_void};
+use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU8, AtomicUsize, Ordering};
+use std::sync::OnceLock;
+
+type Heap = RegionHeap<TcpTransport, FileDisk>;
+
+extern "C" {
+    fn __libc_malloc(size: usize) -> *mut c_void;
+    fn __libc_free(ptr: *mut c_void);
+    fn __libc_calloc(n: usize, size: usize) -> *mut c_void;
+    fn __libc_realloc(ptr: *mut c_void, size: usize) -> *mut c_void;
+    fn __libc_memalign(align: usize, size: usize) -> *mut c_void;
+}
+
+/// The alignment `__libc_malloc` guarantees.
+const LIBC_ALIGN: usize = 16;
+
+/// This library's own allocations, straight to the C library (never into the interposed
+/// functions below).
+struct LibcAlloc;
+
+// SAFETY: forwards to glibc's allocator, which returns blocks of at least the size asked,
+// aligned to 16 (malloc) or to the alignment asked (memalign), and frees them with free.
+unsafe impl GlobalAlloc for LibcAlloc {
+    unsafe fn alloc(&self, l: Layout) -> *mut u8 {
+        // SAFETY: plain calls into the C library's allocator.
+        unsafe {
+            if l.align() <= LIBC_ALIGN {
+                __libc_malloc(l.size()).cast()
+            } else {
+                __libc_memalign(l.align(), l.size()).cast()
+            }
+        }
+    }
+
+    unsafe fn alloc_zeroed(&self, l: Layout) -> *mut u8 {
+        if l.align() <= LIBC_ALIGN {
+            // SAFETY: as above.
+            unsafe { __libc_calloc(1, l.size()).cast() }
+        } else {
+            // SAFETY: as above; the block is l.size() bytes.
+            unsafe {
+                let p = self.alloc(l);
+                if !p.is_null() {
+                    std::ptr::write_bytes(p, 0, l.size());
+                }
+                p
+            }
+        }
+    }
+
+    unsafe fn dealloc(&self, p: *mut u8, _: Layout) {
+        // SAFETY: a block from this allocator.
+        unsafe { __libc_free(p.cast()) }
+    }
+
+    unsafe fn realloc(&self, p: *mut u8, l: Layout, new: usize) -> *mut u8 {
+        if l.align() <= LIBC_ALIGN {
+            // SAFETY: a block from __libc_malloc.
+            return unsafe { __libc_realloc(p.cast(), new).cast() };
+        }
+        // SAFETY: the default: allocate, copy the smaller size, free.
+        unsafe {
+            let n = self.alloc(Layout::from_size_align_unchecked(new, l.align()));
+            if !n.is_null() {
+                std::ptr::copy_nonoverlapping(p, n, l.size().min(new));
+                self.dealloc(p, l);
+            }
+            n
+        }
+    }
+}
+
+#[global_allocator]
+static ALLOC: LibcAlloc = LibcAlloc;
+
+const UNINIT: u8 = 0;
+const INITIALIZING: u8 = 1;
+const READY: u8 = 2;
+const OFF: u8 = 3;
+
+static STATE: AtomicU8 = AtomicU8::new(UNINIT);
+static HEAP: OnceLock<Heap> = OnceLock::new();
+static THRESHOLD: AtomicUsize = AtomicUsize::new(usize::MAX);
+/// Set in a child after fork: it has no region.
+static IN_CHILD: AtomicBool = AtomicBool::new(false);
+static WARNED_FULL: AtomicBool = AtomicBool::new(false);
+
+thread_local! {
+    /// Set while this thread is inside the heap (or starting it).
+    static INSIDE: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Runs `f` marked as inside the heap; `None` if this thread already is (or is exiting).
+fn enter<R>(f: impl FnOnce() -> R) -> Option<R> {
+    let was = INSIDE.try_with(|i| i.replace(true)).ok()?;
+    if was {
+        return None;
+    }
+    let r = f();
+    let _ = INSIDE.try_with(|i| i.set(false));
+    Some(r)
+}
+
+#[derive(Debug)]
+struct Config {
+    servers: Option<String>,
+    backing: Option<String>,
+    budget: u64,
+    size: u64,
+    threshold: usize,
+}
+
+fn env_size(name: &str) -> anyhow::Result<Option<u64>> {
+    match std::env::var(name) {
+        Ok(v) => parse_size::Config::new()
+            .with_binary()
+            .parse_size(v.trim())
+            .map(Some)
+            .map_err(|e| anyhow::anyhow!("{name}={v}: {e}")),
+        Err(_) => Ok(None),
+    }
+}
+
+/// `None` without `NETRAM_LOCAL_MEM`: not asked to do anything.
+fn config() -> anyhow::Result<Option<Config>> {
+    let Some(budget) = env_size("NETRAM_LOCAL_MEM")? else {
+        return Ok(None);
+    };
+    let size = env_size("NETRAM_MAX_MEM")?.unwrap_or((8 * budget).max(1 << 30));
+    let threshold = env_size("NETRAM_THRESHOLD")?.unwrap_or(128 << 10);
+    Ok(Some(Config {
+        servers: std::env::var("NETRAM_SERVERS").ok(),
+        backing: std::env::var("NETRAM_BACKING").ok(),
+        budget,
+        size,
+        threshold: usize::try_from(threshold)?.max(PAGE_SIZE),
+    }))
+}
+
+fn start() -> anyhow::Result<bool> {
+    let Some(cfg) = config()? else {
+        return Ok(false);
+    };
+    if std::env::var_os("NETRAM_LOG").is_some() {
+        let _ = tracing_subscriber::fmt()
+            .with_writer(std::io::stderr)
+            .with_env_filter(tracing_subscriber::EnvFilter::from_env("NETRAM_LOG"))
+            .try_init();
+    } else {
+        let _ = tracing_subscriber::fmt()
+            .with_writer(std::io::stderr)
+            .with_max_level(tracing::Level::WARN)
+            .try_init();
+    }
+    let heap = netram::create_region(
+        cfg.servers.as_deref(),
+        cfg.backing.as_deref(),
+        cfg.size,
+        cfg.budget,
+    )?;
+    let _ = HEAP.set(heap);
+    THRESHOLD.store(cfg.threshold, Ordering::Release);
+    // SAFETY: registering plain functions with the C library; they only touch atomics and
+    // (at exit) write a file.
+    unsafe {
+        libc::pthread_atfork(None, None, Some(after_fork_in_child));
+        libc::atexit(at_exit);
+    }
+    Ok(true)
+}
+
+extern "C" fn after_fork_in_child() {
+    IN_CHILD.store(true, Ordering::Relaxed);
+}
+
+/// Writes this process's counters to `$NETRAM_REPORT/<pid>.json`.
+extern "C" fn at_exit() {
+    let (Some(dir), Some(heap)) = (std::env::var_os("NETRAM_REPORT"), HEAP.get()) else {
+        return;
+    };
+    if IN_CHILD.load(Ordering::Relaxed) {
+        return;
+    }
+    let _ = enter(|| {
+        let c = netram::counters_of(heap.region());
+        let pager = heap.region().with_pager(|p| p.counters().clone());
+        let report = serde_json::json!({
+            "pid": std::process::id(),
+            "faults": c.faults,
+            "zero_fills": c.zero_fills,
+            "fetches": c.fetches,
+            "evictions": c.evictions,
+            "evicted_clean": c.evicted_clean,
+            "samples": c.samples,
+            "sample_faults": c.sample_faults,
+            "prefetched": c.prefetched,
+            "prefetch_hits": c.prefetch_hits,
+            "released": c.released,
+            "errors": c.errors,
+            "resident_bytes": c.resident_bytes,
+            "budget_bytes": c.budget_bytes,
+            "allocated_bytes": heap.allocated(),
+            "gets": pager.gets,
+            "puts": pager.puts,
+            "spills": pager.spills,
+            "disk_writes": pager.disk_writes,
+        });
+        let path = std::path::Path::new(&dir).join(format!("{}.json", std::process::id()));
+        if let Err(e) = std::fs::write(&path, report.to_string()) {
+            eprintln!("netram: cannot write {}: {e}", path.display());
+        }
+    });
+}
+
+/// Runs when the library is loaded, before the program's `main`: connects to the servers
+/// and maps the region, so that a bad configuration is reported at once.
+extern "C" fn on_load() {
+    let _ = enter(|| {
+        if STATE
+            .compare_exchange(UNINIT, INITIALIZING, Ordering::AcqRel, Ordering::Acquire)
+            .is_err()
+        {
+            return;
+        }
+        match start() {
+            Ok(true) => STATE.store(READY, Ordering::Release),
+            Ok(false) => STATE.store(OFF, Ordering::Release),
+            Err(e) => {
+                STATE.store(OFF, Ordering::Release);
+                eprintln!("netram: {e:#}");
+                if std::env::var_os("NETRAM_REQUIRED").is_some() {
+                    // SAFETY: ends the process before main; nothing to unwind.
+                    unsafe { libc::_exit(70) };
+                }
+                eprintln!("netram: the program runs without netram");
+            }
+        }
+    });
+}
+
+#[used]
+#[link_section = ".init_array"]
+static ON_LOAD: extern "C" fn() = on_load;
+
+/// The heap, if `size` bytes should go there.
+fn heap_for(size: usize) -> Option<&'static Heap> {
+    if size < THRESHOLD.load(Ordering::Relaxed)
+        || STATE.load(Ordering::Acquire) != READY
+        || IN_CHILD.load(Ordering::Relaxed)
+    {
+        return None;
+    }
+    HEAP.get()
+}
+
+/// The heap, if `ptr` points into its region.
+fn owner(ptr: *const c_void) -> Option<&'static Heap> {
+    HEAP.get().filter(|h| h.contains(ptr.cast()))
+}
+
+/// A block of the heap, or null (the caller falls back to the C library).
+fn heap_alloc(h: &Heap, size: usize, align: usize) -> *mut c_void {
+    match enter(|| h.alloc(size, align)).flatten() {
+        Some(p) => p.as_ptr().cast(),
+        None => {
+            if !WARNED_FULL.swap(true, Ordering::Relaxed) {
+                eprintln!(
+                    "netram: the region ({} MiB) has no room for {size} bytes; large \
+                     allocations that do not fit stay in local memory (raise --max-mem)",
+                    h.region().len() >> 20
+                );
+            }
+            std::ptr::null_mut()
+        }
+    }
+}
+
+fn heap_free(h: &Heap, ptr: *mut c_void) {
+    if IN_CHILD.load(Ordering::Relaxed) {
+        // Not mapped in this process: nothing to give back.
+        return;
+    }
+    match enter(|| h.free(ptr.cast())) {
+        Some(Ok(_)) => {}
+        Some(Err(e)) => eprintln!("netram: free({ptr:p}): {e}"),
+        None => eprintln!("netram: free({ptr:p}) from inside netram ignored"),
+    }
+}
+
+fn set_errno(e: c_int) {
+    // SAFETY: __errno_location returns this thread's errno.
+    unsafe { *libc::__errno_location() = e };
+}
+
+/// # Safety
+/// The C library's contract for `malloc`.
+#[no_mangle]
+pub unsafe extern "C" fn malloc(size: usize) -> *mut c_void {
+    if let Some(h) = heap_for(size) {
+        let p = heap_alloc(h, size, PAGE_SIZE);
+        if !p.is_null() {
+            return p;
+        }
+    }
+    // SAFETY: forwarded.
+    unsafe { __libc_malloc(size) }
+}
+
+/// # Safety
+/// The C library's contract for `free`.
+#[no_mangle]
+pub unsafe extern "C" fn free(ptr: *mut c_void) {
+    if ptr.is_null() {
+        return;
+    }
+    if let Some(h) = owner(ptr) {
+        return heap_free(h, ptr);
+    }
+    // SAFETY: not ours, so the C library's.
+    unsafe { __libc_free(ptr) }
+}
+
+/// # Safety
+/// The C library's contract for `calloc`.
+#[no_mangle]
+pub unsafe extern "C" fn calloc(n: usize, size: usize) -> *mut c_void {
+    let Some(total) = n.checked_mul(size) else {
+        set_errno(libc::ENOMEM);
+        return std::ptr::null_mut();
+    };
+    if let Some(h) = heap_for(total) {
+        // Heap blocks read as zeros.
+        let p = heap_alloc(h, total, PAGE_SIZE);
+        if !p.is_null() {
+            return p;
+        }
+    }
+    // SAFETY: forwarded.
+    unsafe { __libc_calloc(n, size) }
+}
+
+/// `malloc_usable_size` of the C library, found once with `dlsym`.
+fn libc_usable_size(ptr: *mut c_void) -> usize {
+    static REAL: AtomicPtr<c_void> = AtomicPtr::new(std::ptr::null_mut());
+    let mut f = REAL.load(Ordering::Acquire);
+    if f.is_null() {
+        // SAFETY: a lookup of a symbol of the libraries after this one.
+        f = unsafe { libc::dlsym(libc::RTLD_NEXT, c"malloc_usable_size".as_ptr()) };
+        REAL.store(f, Ordering::Release);
+    }
+    if f.is_null() {
+        return 0;
+    }
+    // SAFETY: the C library's malloc_usable_size has this signature; `ptr` is its block.
+    let f: unsafe extern "C" fn(*mut c_void) -> usize = unsafe { std::mem::transmute(f) };
+    // SAFETY: as above.
+    unsafe { f(ptr) }
+}
+
+/// # Safety
+/// The C library's contract for `realloc`.
+#[no_mangle]
+pub unsafe extern "C" fn realloc(ptr: *mut c_void, size: usize) -> *mut c_void {
+    if ptr.is_null() {
+        // SAFETY: the contract of malloc.
+        return unsafe { malloc(size) };
+    }
+    if size == 0 {
+        // glibc's behaviour: free, and return NULL.
+        // SAFETY: the contract of free.
+        unsafe { free(ptr) };
+        return std::ptr::null_mut();
+    }
+    if let Some(h) = owner(ptr) {
+        if IN_CHILD.load(Ordering::Relaxed) {
+            set_errno(libc::ENOMEM);
+            return std::ptr::null_mut();
+        }
+        let old = h.size_of(ptr.cast()).unwrap_or(0);
+        if size <= old {
+            return ptr;
+        }
+        // SAFETY: the contract of malloc.
+        let new = unsafe { malloc(size) };
+        if !new.is_null() {
+            // SAFETY: `old` bytes of the old block into a new one of `size` > `old` bytes.
+            unsafe { std::ptr::copy_nonoverlapping(ptr.cast::<u8>(), new.cast::<u8>(), old) };
+            heap_free(h, ptr);
+        }
+        return new;
+    }
+    if let Some(h) = heap_for(size) {
+        // A C library block grown past the threshold moves to the region.
+        let new = heap_alloc(h, size, PAGE_SIZE);
+        if !new.is_null() {
+            let old = libc_usable_size(ptr).min(size);
+            // SAFETY: `old` bytes of the C library's block, which holds at least that many.
+            unsafe {
+                std::ptr::copy_nonoverlapping(ptr.cast::<u8>(), new.cast::<u8>(), old);
+                __libc_free(ptr);
+            }
+            return new;
+        }
+    }
+    // SAFETY: forwarded.
+    unsafe { __libc_realloc(ptr, size) }
+}
+
+/// An aligned block: from the heap when large, else from the C library.
+fn aligned(align: usize, size: usize) -> *mut c_void {
+    if let Some(h) = heap_for(size) {
+        let p = heap_alloc(h, size, align);
+        if !p.is_null() {
+            return p;
+        }
+    }
+    // SAFETY: forwarded.
+    unsafe { __libc_memalign(align, size) }
+}
+
+/// # Safety
+/// The C library's contract for `posix_memalign`.
+#[no_mangle]
+pub unsafe extern "C" fn posix_memalign(out: *mut *mut c_void, align: usize, size: usize) -> c_int {
+    if !align.is_power_of_two() || !align.is_multiple_of(std::mem::size_of::<usize>()) {
+        return libc::EINVAL;
+    }
+    let p = aligned(align, size);
+    if p.is_null() {
+        return libc::ENOMEM;
+    }
+    // SAFETY: the caller's pointer to write to.
+    unsafe { *out = p };
+    0
+}
+
+/// # Safety
+/// The C library's contract for `aligned_alloc`.
+#[no_mangle]
+pub unsafe extern "C" fn aligned_alloc(align: usize, size: usize) -> *mut c_void {
+    if !align.is_power_of_two() {
+        set_errno(libc::EINVAL);
+        return std::ptr::null_mut();
+    }
+    aligned(align, size)
+}
+
+/// # Safety
+/// The C library's contract for `memalign`.
+#[no_mangle]
+pub unsafe extern "C" fn memalign(align: usize, size: usize) -> *mut c_void {
+    if !align.is_power_of_two() {
+        set_errno(libc::EINVAL);
+        return std::ptr::null_mut();
+    }
+    aligned(align, size)
+}
+
+/// # Safety
+/// The C library's contract for `valloc`.
+#[no_mangle]
+pub unsafe extern "C" fn valloc(size: usize) -> *mut c_void {
+    aligned(PAGE_SIZE, size)
+}
+
+/// # Safety
+/// The C library's contract for `pvalloc`.
+#[no_mangle]
+pub unsafe extern "C" fn pvalloc(size: usize) -> *mut c_void {
+    aligned(PAGE_SIZE, size.max(1).next_multiple_of(PAGE_SIZE))
+}
+
+/// # Safety
+/// The C library's contract for `malloc_usable_size`.
+#[no_mangle]
+pub unsafe extern "C" fn malloc_usable_size(ptr: *mut c_void) -> usize {
+    if ptr.is_null() {
+        return 0;
+    }
+    match owner(ptr) {
+        Some(h) => h.size_of(ptr.cast()).unwrap_or(0),
+        None => libc_usable_size(ptr),
+    }
+}
+
+/// Whether an `mmap` call asks for plain private anonymous memory of `len` bytes that the
+/// region can stand in for.
+fn is_plain_anonymous(addr: *mut c_void, prot: c_int, flags: c_int) -> bool {
+    let refused = libc::MAP_SHARED
+        | libc::MAP_SHARED_VALIDATE
+        | libc::MAP_FIXED
+        | libc::MAP_FIXED_NOREPLACE
+        | libc::MAP_GROWSDOWN
+        | libc::MAP_STACK
+        | libc::MAP_HUGETLB;
+    addr.is_null()
+        && flags & libc::MAP_ANONYMOUS != 0
+        && flags & libc::MAP_PRIVATE != 0
+        && flags & refused == 0
+        && prot == libc::PROT_READ | libc::PROT_WRITE
+}
+
+/// # Safety
+/// The C library's contract for `mmap`.
+#[no_mangle]
+pub unsafe extern "C" fn mmap(
+    addr: *mut c_void,
+    len: usize,
+    prot: c_int,
+    flags: c_int,
+    fd: c_int,
+    off: libc::off_t,
+) -> *mut c_void {
+    if is_plain_anonymous(addr, prot, flags) {
+        if let Some(h) = heap_for(len) {
+            let p = heap_alloc(h, len, PAGE_SIZE);
+            if !p.is_null() {
+                return p;
+            }
+        }
+    }
+    // SAFETY: the system call itself, with the caller's arguments (not the C library's
+    // wrapper, which is the symbol this function replaces).
+    unsafe { libc::syscall(libc::SYS_mmap, addr, len, prot, flags, fd, off) as *mut c_void }
+}
+
+/// # Safety
+/// The C library's contract for `mmap64` (the same call on 64-bit Linux).
+#[no_mangle]
+pub unsafe extern "C" fn mmap64(
+    addr: *mut c_void,
+    len: usize,
+    prot: c_int,
+    flags: c_int,
+    fd: c_int,
+    off: libc::off_t,
+) -> *mut c_void {
+    // SAFETY: the same contract.
+    unsafe { mmap(addr, len, prot, flags, fd, off) }
+}
+
+/// Gives back the whole pages of `addr..addr + len` inside a heap block without freeing the
+/// block (a partial `munmap`, `madvise(DONTNEED)`): they read as zeros afterwards.
+fn release_within(h: &Heap, addr: *mut c_void, len: usize) -> c_int {
+    let base = h.region().as_ptr() as usize;
+    let (start, end) = (addr as usize, (addr as usize).saturating_add(len));
+    if !start.is_multiple_of(PAGE_SIZE) {
+        set_errno(libc::EINVAL);
+        return -1;
+    }
+    let end = end.next_multiple_of(PAGE_SIZE).min(base + h.region().len());
+    if IN_CHILD.load(Ordering::Relaxed) || end <= start {
+        return 0;
+    }
+    match enter(|| h.region().release(start - base, end - start)) {
+        Some(Ok(())) => 0,
+        Some(Err(e)) => {
+            eprintln!("netram: releasing {addr:p}+{len}: {e}");
+            set_errno(libc::EINVAL);
+            -1
+        }
+        None => 0,
+    }
+}
+
+/// # Safety
+/// The C library's contract for `munmap`.
+#[no_mangle]
+pub unsafe extern "C" fn munmap(addr: *mut c_void, len: usize) -> c_int {
+    if let Some(h) = owner(addr) {
+        let whole = h.size_of(addr.cast());
+        if whole.is_some_and(|w| len.next_multiple_of(PAGE_SIZE) >= w) {
+            heap_free(h, addr);
+            return 0;
+        }
+        // Part of a block: its pages are given back, its addresses stay reserved.
+        return release_within(h, addr, len);
+    }
+    // SAFETY: the system call with the caller's arguments.
+    unsafe { libc::syscall(libc::SYS_munmap, addr, len) as c_int }
+}
+
+/// `mremap` is variadic in C (a fifth argument with `MREMAP_FIXED`); Rust cannot define
+/// variadic functions, so the fifth argument is always taken: on x86-64 and aarch64 variadic
+/// integer arguments travel in the same registers as fixed ones, and it is read only when
+/// `MREMAP_FIXED` says the caller passed it.
+///
+/// # Safety
+/// The C library's contract for `mremap`.
+#[no_mangle]
+pub unsafe extern "C" fn mremap(
+    old: *mut c_void,
+    old_len: usize,
+    new_len: usize,
+    flags: c_int,
+    new_addr: *mut c_void,
+) -> *mut c_void {
+    if let Some(h) = owner(old) {
+        let Some(size) = h.size_of(old.cast()) else {
+            set_errno(libc::EINVAL);
+            return libc::MAP_FAILED;
+        };
+        if new_len <= size {
+            // Shrinking (or growing within the block's pages): give back the tail.
+            let keep = new_len.next_multiple_of(PAGE_SIZE);
+            if keep < size {
+                release_within(h, old.cast::<u8>().wrapping_add(keep).cast(), size - keep);
+            }
+            return old;
+        }
+        if flags & libc::MREMAP_FIXED != 0 || flags & libc::MREMAP_MAYMOVE == 0 {
+            set_errno(libc::ENOMEM);
+            return libc::MAP_FAILED;
+        }
+        // SAFETY: an anonymous mapping request, served by the region if it has room.
+        let new = unsafe {
+            mmap(
+                std::ptr::null_mut(),
+                new_len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        if new == libc::MAP_FAILED {
+            return new;
+        }
+        // SAFETY: the old block's bytes (at most `size`) into the new, larger one.
+        unsafe {
+            std::ptr::copy_nonoverlapping(old.cast::<u8>(), new.cast::<u8>(), old_len.min(size))
+        };
+        heap_free(h, old);
+        return new;
+    }
+    // SAFETY: the system call with the caller's arguments.
+    unsafe {
+        libc::syscall(libc::SYS_mremap, old, old_len, new_len, flags, new_addr) as *mut c_void
+    }
+}
+
+/// # Safety
+/// The C library's contract for `madvise`.
+#[no_mangle]
+pub unsafe extern "C" fn madvise(addr: *mut c_void, len: usize, advice: c_int) -> c_int {
+    if let Some(h) = owner(addr) {
+        return match advice {
+            libc::MADV_DONTNEED | libc::MADV_FREE | libc::MADV_REMOVE => {
+                release_within(h, addr, len)
+            }
+            // Other advice does not change what the region's memory holds.
+            _ => 0,
+        };
+    }
+    // SAFETY: the system call with the caller's arguments.
+    unsafe { libc::syscall(libc::SYS_madvise, addr, len, advice) as c_int }
+}
