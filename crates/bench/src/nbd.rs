@@ -51,7 +51,7 @@ pub struct Options {
     pub configs: Vec<String>,
 }
 
-const CGROUP_ROOT: &str = "/sys/fs/cgroup/memory";
+pub(crate) const CGROUP_ROOT: &str = "/sys/fs/cgroup/memory";
 /// Higher than any swap a machine is likely to have, so the device under test takes every page.
 const SWAP_PRIORITY: &str = "32000";
 const FIO_DEVICE: &str = "256M";
@@ -160,7 +160,7 @@ fn working_set(opts: &Options) -> u64 {
 
 /// The raw loopback round trip plainly and in the low-latency mode (PM QoS held, polling),
 /// measured as `bench core` does: server thread pinned to one CPU, client to another.
-fn raw_rtts(n: usize) -> anyhow::Result<(Summary, Summary)> {
+pub(crate) fn raw_rtts(n: usize) -> anyhow::Result<(Summary, Summary)> {
     let placement = Placement::choose();
     let measure = |wait: Wait| -> anyhow::Result<Summary> {
         let prev = placement.and_then(|p| pin_to(p.server_cpu));
@@ -185,7 +185,7 @@ fn raw_rtts(n: usize) -> anyhow::Result<(Summary, Summary)> {
 }
 
 /// Three page servers, as `netram serve` processes, polling or not.
-fn start_servers(
+pub(crate) fn start_servers(
     exe: &Path,
     capacity: &str,
     polling: bool,
@@ -364,7 +364,7 @@ fn fio_matrix(
     Ok(out)
 }
 
-fn tempfile_dir(prefix: &str) -> anyhow::Result<PathBuf> {
+pub(crate) fn tempfile_dir(prefix: &str) -> anyhow::Result<PathBuf> {
     let dir = std::env::temp_dir().join(format!("{prefix}-{}", std::process::id()));
     std::fs::create_dir_all(&dir)?;
     Ok(dir)
@@ -382,7 +382,7 @@ pub const CONFIGS: [&str; 6] = [
 
 /// A swap device set up for one configuration, and the processes whose memory it costs on this
 /// machine.
-struct SwapDevice {
+pub(crate) struct SwapDevice {
     /// The device or file as /proc/swaps names it; `None` for `local`.
     name: Option<String>,
     /// Processes that hold the swapped pages or serve them from this machine.
@@ -453,8 +453,8 @@ fn nbdfuse(cleanup: &mut Cleanup, mount: &Path, uri: &str) -> anyhow::Result<(Pa
     Ok((file, pid))
 }
 
-fn setup(config: &str, opts: &Options, dir: &Path) -> anyhow::Result<SwapDevice> {
-    let w = working_set(opts);
+/// Sets up swap configuration `config` for a working set of `w` bytes; `exe` is netram.
+pub(crate) fn setup(config: &str, w: u64, exe: &Path, dir: &Path) -> anyhow::Result<SwapDevice> {
     // Room for the whole working set and swap's own header.
     let size = (w + (64 << 20)).to_string();
     let mut c = Cleanup::default();
@@ -515,7 +515,7 @@ fn setup(config: &str, opts: &Options, dir: &Path) -> anyhow::Result<SwapDevice>
         "netram_nbdfuse" | "netram_fuse" => {
             std::fs::create_dir_all(&mount)?;
             let capacity = ((w / 2) + (64 << 20)).to_string();
-            let (servers, list) = start_servers(&opts.netram_exe, &capacity, false)?;
+            let (servers, list) = start_servers(exe, &capacity, false)?;
             dev.server_pids = servers.iter().map(ChildGuard::pid).collect();
             c.push("stop the page servers", move || drop(servers));
             let sock = dir.join("netram.sock");
@@ -527,7 +527,7 @@ fn setup(config: &str, opts: &Options, dir: &Path) -> anyhow::Result<SwapDevice>
             } else {
                 args.extend(["--socket", &sock_s]);
             }
-            let (nbd, _) = ChildGuard::netram(&opts.netram_exe, &args, "netram nbd: serving ")?;
+            let (nbd, _) = ChildGuard::netram(exe, &args, "netram nbd: serving ")?;
             dev.local_pids.push(nbd.pid());
             let fuse = config == "netram_fuse";
             let m = mount.clone();
@@ -557,14 +557,14 @@ fn setup(config: &str, opts: &Options, dir: &Path) -> anyhow::Result<SwapDevice>
 
 /// Runs one workload in a fresh memory cgroup (limited to W/4 unless `local`), sampling the
 /// configuration's memory while it runs.
-fn run_workload(
-    opts: &Options,
+pub(crate) fn run_workload(
+    exe: &Path,
+    w: u64,
     config: &str,
     dev: &SwapDevice,
     args: &[String],
     timeout: Duration,
 ) -> anyhow::Result<Value> {
-    let w = working_set(opts);
     let cg = Path::new(CGROUP_ROOT).join(format!("netram-bench-{}", std::process::id()));
     std::fs::create_dir(&cg)?;
     let mut c = Cleanup::default();
@@ -582,7 +582,7 @@ fn run_workload(
     if config != "local" {
         std::fs::write(cg.join("memory.limit_in_bytes"), (w / 4).to_string())?;
     }
-    let exe = opts.netram_exe.display().to_string();
+    let exe = exe.display().to_string();
     let mut child = ChildGuard::spawn(Command::new("sh").arg("-c").arg(format!(
         "echo $$ > {}/cgroup.procs && exec {exe} workload {}",
         cg.display(),
@@ -644,6 +644,7 @@ fn run_workload(
         "ops",
         "fill_seconds",
         "verify_seconds",
+        "total_seconds",
     ] {
         if let Some(x) = figure(&line, key) {
             v[key] = json!(x);
@@ -668,7 +669,7 @@ fn swap_matrix(
             continue;
         }
         eprintln!("swap: setting up {config} ...");
-        let dev = match setup(config, opts, &dir) {
+        let dev = match setup(config, working_set(opts), &opts.netram_exe, &dir) {
             Ok(d) => d,
             Err(e) => {
                 skipped.push(format!("swap.{config}: {e:#}"));
@@ -697,7 +698,14 @@ fn swap_matrix(
             // and the kills are reported.
             let mut kills = 0;
             let result = loop {
-                match run_workload(opts, config, &dev, &args, timeout) {
+                match run_workload(
+                    &opts.netram_exe,
+                    working_set(opts),
+                    config,
+                    &dev,
+                    &args,
+                    timeout,
+                ) {
                     Err(e) if kills < 2 && format!("{e:#}").contains("SIGKILL") => {
                         eprintln!("  OOM-killed by the memory cgroup; again");
                         kills += 1;

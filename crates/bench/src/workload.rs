@@ -3,8 +3,9 @@
 //!
 //! * `touch SIZE SEED`: fills SIZE bytes page by page in a random order, reads every page back
 //!   in another random order and verifies it.
-//! * `random SIZE SEED SECONDS`: fills SIZE bytes, then does random 4 KiB read-modify-writes
-//!   (add 1 to a random word of a random page) for SECONDS, then verifies every page: a page's
+//! * `random SIZE SEED SECONDS [OPS]`: fills SIZE bytes, then does random 4 KiB
+//!   read-modify-writes (add 1 to a random word of a random page) for SECONDS (or until OPS
+//!   operations, rounded up to 1,024, are done), then verifies every page: a page's
 //!   words must differ from their initial contents by exactly the number of increments it got.
 //!   Nswap's and Markatos' random-access workloads, and MACHINE-NOTES' baseline.
 //! * `qsort SIZE SEED`: quicksorts SIZE bytes of random 64-bit integers (Anemone's Table 1
@@ -62,7 +63,7 @@ fn touch(size: usize, seed: u64) -> Result<String, String> {
     Ok(format!("{pages} pages written and verified"))
 }
 
-fn random(size: usize, seed: u64, run_for: Duration) -> Result<String, String> {
+fn random(size: usize, seed: u64, run_for: Duration, max_ops: u64) -> Result<String, String> {
     let pages = size / PAGE;
     if pages == 0 {
         return Err("SIZE is below one page".into());
@@ -93,7 +94,7 @@ fn random(size: usize, seed: u64, run_for: Duration) -> Result<String, String> {
             counts[p] = counts[p].wrapping_add(1);
         }
         ops += 1024;
-        if t0.elapsed() >= run_for {
+        if ops >= max_ops || t0.elapsed() >= run_for {
             break;
         }
     }
@@ -115,9 +116,10 @@ fn random(size: usize, seed: u64, run_for: Duration) -> Result<String, String> {
         return Err(format!("{bad} of {pages} pages came back wrong"));
     }
     Ok(format!(
-        "random pages={pages} ops={ops} seconds={run_s:.3} us_per_op={:.4} fill_seconds={fill_s:.3} verify_seconds={:.3} verified=yes",
+        "random pages={pages} ops={ops} seconds={run_s:.3} us_per_op={:.4} fill_seconds={fill_s:.3} verify_seconds={:.3} total_seconds={:.3} verified=yes",
         run_s * 1e6 / ops as f64,
-        t1.elapsed().as_secs_f64()
+        t1.elapsed().as_secs_f64(),
+        started.elapsed().as_secs_f64()
     ))
 }
 
@@ -150,7 +152,7 @@ fn qsort(size: usize, seed: u64) -> Result<String, String> {
 }
 
 const USAGE: &str = "usage: netram-workload touch SIZE_BYTES SEED\n       \
-                     netram-workload random SIZE_BYTES SEED SECONDS\n       \
+                     netram-workload random SIZE_BYTES SEED SECONDS [OPS]\n       \
                      netram-workload qsort SIZE_BYTES SEED";
 
 /// Runs the workload the arguments (without the program name) name; the line to print, or why
@@ -168,6 +170,11 @@ pub fn run(args: &[String]) -> Result<String, String> {
             num(1, "SIZE_BYTES")? as usize,
             num(2, "SEED")?,
             Duration::from_secs(num(3, "SECONDS")?),
+            if args.len() > 4 {
+                num(4, "OPS")?
+            } else {
+                u64::MAX
+            },
         ),
         Some("qsort") => qsort(num(1, "SIZE_BYTES")? as usize, num(2, "SEED")?),
         _ => Err(USAGE.to_string()),
@@ -197,6 +204,8 @@ mod tests {
         let line = run(&args("qsort 1048576 7")).unwrap();
         assert_eq!(figure(&line, "integers"), Some(131072.0));
         assert!(run(&args("random 10 7 1")).is_err());
+        let line = run(&args("random 1048576 7 60 3000")).unwrap();
+        assert_eq!(figure(&line, "ops"), Some(3072.0), "{line}");
         assert!(run(&args("qsort x 7")).unwrap_err().starts_with("usage"));
         assert!(run(&args("dance")).unwrap_err().starts_with("usage"));
     }

@@ -11,7 +11,7 @@ use netram_node::disk::FileDisk;
 use netram_node::open::{open_pager, OpenOptions};
 use netram_pager::Backing;
 use netram_proto::PAGE_SIZE;
-use netram_uffd::{Region, RegionCounters, RegionHeap};
+use netram_uffd::{Region, RegionCounters, RegionHeap, RegionOptions};
 use std::cell::RefCell;
 use std::ffi::{c_char, c_int, c_void, CStr, CString};
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -86,8 +86,9 @@ unsafe fn opt_str<'a>(s: *const c_char, what: &str) -> anyhow::Result<Option<&'a
 }
 
 /// Creates a region from the arguments of `netram_region_create`, or the environment
-/// (`NETRAM_SERVERS`, `NETRAM_LOW_LATENCY`) for what they leave out. Used by the preload
-/// library too.
+/// (`NETRAM_SERVERS`, `NETRAM_LOW_LATENCY`, `NETRAM_SPILL_DIR`, and `NETRAM_SAMPLES`: pages
+/// sampled per victim, 0 for first in, first out) for what they leave out. Used by the
+/// preload library too.
 pub fn create_region(
     servers: Option<&str>,
     backing: Option<&str>,
@@ -124,7 +125,15 @@ pub fn create_region(
     })?;
     let size = usize::try_from(size)?;
     let budget = usize::try_from(budget)?;
-    Ok(RegionHeap::new(Region::new(pager, size, budget)?))
+    let mut options = RegionOptions::default();
+    if let Ok(v) = std::env::var("NETRAM_SAMPLES") {
+        options.max_samples = v
+            .parse()
+            .map_err(|_| anyhow::anyhow!("NETRAM_SAMPLES={v}: not a number"))?;
+    }
+    Ok(RegionHeap::new(Region::with_options(
+        pager, size, budget, options,
+    )?))
 }
 
 /// See netram.h.

@@ -63,7 +63,7 @@ enum Command {
     /// qsort; see `netram workload --help`).
     #[command(hide = true)]
     Workload {
-        /// touch SIZE SEED | random SIZE SEED SECONDS | qsort SIZE SEED
+        /// touch SIZE SEED | random SIZE SEED SECONDS [OPS] | qsort SIZE SEED
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<String>,
     },
@@ -98,6 +98,21 @@ enum BenchCommand {
         #[arg(long, value_delimiter = ',')]
         configs: Vec<String>,
         /// Where to write nbd.json, nbd.md and nbd.svg.
+        #[arg(long, default_value = "bench-results")]
+        out: PathBuf,
+    },
+    /// Userfaultfd regions and `netram run`: fault latencies against the raw loopback round
+    /// trip, and the workloads at 25 % local memory against all-local, disk backing and (as
+    /// root) the kernel's swap to disk and to zram; writes uffd.json, uffd.md and uffd.svg.
+    Uffd {
+        /// A shorter run: a 32 MiB working set and fewer latency samples.
+        #[arg(long)]
+        quick: bool,
+        /// The workloads' working set (a quarter of it is local) [default: 256M, 32M with
+        /// --quick].
+        #[arg(long)]
+        working_set: Option<String>,
+        /// Where to write uffd.json, uffd.md and uffd.svg.
         #[arg(long, default_value = "bench-results")]
         out: PathBuf,
     },
@@ -182,6 +197,26 @@ fn main() -> anyhow::Result<()> {
             let report = netram_bench::core::run(&opts)?;
             println!("{report}");
             println!("wrote {0}/core.json and {0}/core.md", out.display());
+            Ok(())
+        }
+        Command::Bench(BenchCommand::Uffd {
+            quick,
+            working_set,
+            out,
+        }) => {
+            init_logging("warn");
+            let opts = netram_bench::uffd::Options {
+                quick,
+                out: out.clone(),
+                netram_exe: std::env::current_exe()?,
+                working_set: working_set.map(|w| size("--working-set", &w)).transpose()?,
+            };
+            let report = netram_bench::uffd::run(&opts)?;
+            println!("{report}");
+            println!(
+                "wrote {0}/uffd.json, {0}/uffd.md and {0}/uffd.svg",
+                out.display()
+            );
             Ok(())
         }
         Command::Bench(BenchCommand::Nbd {

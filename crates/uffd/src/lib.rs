@@ -372,8 +372,19 @@ impl<T: Transport, D: Disk> std::fmt::Debug for Region<T, D> {
     }
 }
 
-/// The most pages sampled to find one victim (see `netram_policy::clock`).
-const MAX_SAMPLES: usize = 8;
+/// How a region chooses its victims.
+#[derive(Debug, Clone)]
+pub struct RegionOptions {
+    /// The most pages sampled to find one victim (see `netram_policy::clock`); 0 turns
+    /// sampling off: victims are then chosen first in, first out.
+    pub max_samples: usize,
+}
+
+impl Default for RegionOptions {
+    fn default() -> Self {
+        Self { max_samples: 8 }
+    }
+}
 
 impl<T, D> Region<T, D>
 where
@@ -383,6 +394,16 @@ where
     /// Maps `size` bytes (rounded up to whole pages) backed by `pager`'s pages 0.., of which at
     /// most `budget` bytes (at least one page) are resident at a time.
     pub fn new(pager: Pager<T, D>, size: usize, budget: usize) -> Result<Self, RegionError> {
+        Self::with_options(pager, size, budget, RegionOptions::default())
+    }
+
+    /// As [`Region::new`], with options.
+    pub fn with_options(
+        pager: Pager<T, D>,
+        size: usize,
+        budget: usize,
+        options: RegionOptions,
+    ) -> Result<Self, RegionError> {
         let pages = size.div_ceil(PAGE_SIZE);
         let budget_pages = budget / PAGE_SIZE;
         if pages == 0 || budget_pages == 0 {
@@ -404,7 +425,8 @@ where
         }
         // Sampled pages wait in the shadow, at the same offsets. UFFDIO_MOVE wants its
         // destination registered, and both mappings alike; nothing ever faults there.
-        let shadow = if can_move {
+        let sampling = can_move && options.max_samples > 0;
+        let shadow = if sampling {
             let shadow = map_anonymous(len).inspect_err(|_| unmap(base, len))?;
             if let Err(e) = uffd.register_with_mode(shadow.page(0), len, mode) {
                 unmap(base, len);
@@ -436,7 +458,7 @@ where
             counters: RegionCounters::default(),
             state: Mutex::new(State {
                 pager,
-                clock: Clock::new(pages, if can_move { MAX_SAMPLES } else { 0 }),
+                clock: Clock::new(pages, if sampling { options.max_samples } else { 0 }),
                 dirty: vec![false; pages],
                 budget: budget_pages,
                 buf: vec![0u8; PAGE_SIZE],
@@ -739,8 +761,6 @@ impl<T: Transport, D: Disk> Shared<T, D> {
             let _ = self.uffd.wake(addr, PAGE_SIZE);
             return;
         }
-        let keep = st.budget - 1;
-        self.make_room(st, keep);
         if st.prefetched.remove(&(page as u64)) {
             // Fetched ahead: the pager serves it from its cache, without a round trip.
             self.counters.prefetch_hits.fetch_add(1, Ordering::Relaxed);
@@ -794,7 +814,10 @@ impl<T: Transport, D: Disk> Shared<T, D> {
         // write replaces it, and eviction finds out by looking whether it is still all zeros.)
         st.dirty[page] = !written;
         st.clock.insert(page as u64);
-        // The faulting thread runs again; meanwhile fetch what the trend says comes next.
+        // The faulting thread runs again: evicting is off its path (the region holds one page
+        // over its budget meanwhile), and so is fetching what the trend says comes next.
+        let keep = st.budget;
+        self.make_room(st, keep);
         self.prefetch(st, page);
     }
 
@@ -991,12 +1014,17 @@ impl<T: Transport, D: Disk> Shared<T, D> {
             return;
         }
         let wanted: Vec<u64> = proposed
-            .into_iter()
+            .iter()
+            .copied()
             .filter(|&p| {
                 !st.clock.is_resident(p) && !st.prefetched.contains(&p) && st.pager.is_written(p)
             })
             .collect();
-        if wanted.is_empty() {
+        // Fetch in batches: while the next page is on its way or here and at least half of
+        // the window ahead is covered, wait. Topping the window up by one page at every fault
+        // would cost the handler a round trip per fault, during which the next fault waits.
+        let next_covered = wanted.first() != proposed.first();
+        if wanted.is_empty() || (next_covered && wanted.len() * 2 < proposed.len()) {
             return;
         }
         st.pbuf.resize(wanted.len() * PAGE_SIZE, 0);

@@ -1,0 +1,635 @@
+//! `netram bench uffd`: userfaultfd regions and `netram run` against the limits of this machine
+//! and against what users would otherwise pick, in one run (Anemone §4's comparison with disk;
+//! GMS §5's fault costs).
+//!
+//! * latencies, each plainly and in the low-latency mode (PM QoS held; servers and client
+//!   polling): a userfaultfd fault served from local memory (a zero fill: the handler round
+//!   trip without I/O), the raw loopback TCP round trip with a 4 KiB reply, and a netram
+//!   remote fault (a random page of a region fetched from three in-process servers);
+//! * the bundled workloads (random read-modify-writes, quicksort) at 25 % local memory in the
+//!   low-latency mode, run ways: all local, `netram run` on three `netram serve` processes
+//!   (also with victims first in, first out: what access sampling buys), `netram run --backing
+//!   disk`, and as root the kernel's swap to a local disk file and to zram in a memory cgroup;
+//! * the prefetcher's hit rate on the quicksort.
+//!
+//! [`Way`] and [`run_way`] are shared with `netram demo`, which runs the same comparison
+//! smaller. Writes `uffd.json`, `uffd.md` and `uffd.svg`.
+
+use crate::machine::Machine;
+use crate::nbd::{raw_rtts, run_workload, setup, start_servers, tempfile_dir, CGROUP_ROOT};
+use crate::process::{have, ChildGuard};
+use crate::workload::figure;
+use crate::{target, Summary, Target};
+use netram_node::client::{ClientConfig, TcpTransport};
+use netram_node::latency::PmQos;
+use netram_pager::{Backing, MemDisk, Pager, PagerConfig};
+use netram_proto::PAGE_SIZE;
+use netram_uffd::{Region, RegionOptions};
+use serde_json::{json, Value};
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+#[derive(Debug, Clone)]
+pub struct Options {
+    pub quick: bool,
+    pub out: PathBuf,
+    /// The `netram` executable: servers, `netram run` and the workloads run as its children.
+    pub netram_exe: PathBuf,
+    /// The workloads' working set; `None`: 256 MiB (32 MiB with `quick`).
+    pub working_set: Option<u64>,
+}
+
+/// One way of running a workload with a quarter of its memory local (all of it for `Local`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Way {
+    Local,
+    /// `netram run` on the page servers.
+    Netram,
+    /// The same, victims first in, first out (no access sampling).
+    NetramFifo,
+    /// `netram run --backing disk`.
+    NetramDisk,
+    /// The kernel's swap to a file on the local disk, in a memory cgroup (root).
+    SwapDisk,
+    /// The kernel's swap to zram, in a memory cgroup (root).
+    Zram,
+}
+
+impl Way {
+    pub const ALL: [Way; 6] = [
+        Way::Local,
+        Way::Netram,
+        Way::NetramFifo,
+        Way::NetramDisk,
+        Way::SwapDisk,
+        Way::Zram,
+    ];
+
+    pub fn key(self) -> &'static str {
+        match self {
+            Way::Local => "local",
+            Way::Netram => "netram",
+            Way::NetramFifo => "netram_fifo",
+            Way::NetramDisk => "netram_disk",
+            Way::SwapDisk => "swap_disk",
+            Way::Zram => "zram",
+        }
+    }
+
+    /// Why this way cannot run here, if it cannot.
+    pub fn unavailable(self) -> Option<String> {
+        if !matches!(self, Way::SwapDisk | Way::Zram) {
+            return None;
+        }
+        if !rustix::process::geteuid().is_root() {
+            return Some("needs root (swapon, cgroups)".into());
+        }
+        if !Path::new(CGROUP_ROOT)
+            .join("memory.limit_in_bytes")
+            .exists()
+        {
+            return Some(format!("no cgroup-v1 memory controller at {CGROUP_ROOT}"));
+        }
+        let tools = ["mkswap", "swapon", "swapoff", "fallocate"];
+        let missing: Vec<&str> = tools.into_iter().filter(|t| !have(t)).collect();
+        (!missing.is_empty()).then(|| format!("{} not installed", missing.join(", ")))
+    }
+}
+
+/// What every way of a comparison shares.
+#[derive(Debug, Clone)]
+pub struct Ctx {
+    pub exe: PathBuf,
+    /// The working set; ways other than `Local` get a quarter of it locally.
+    pub working_set: u64,
+    /// The page servers (comma-separated addresses).
+    pub servers: String,
+    pub low_latency: bool,
+    /// Scratch space (reports, spill files).
+    pub dir: PathBuf,
+}
+
+/// The workload's arguments after `netram workload`.
+pub fn workload_args(workload: &str, working_set: u64, seed: u64) -> Vec<String> {
+    let w = working_set.to_string();
+    match workload {
+        // Four read-modify-writes per page on average, bounded at ten minutes.
+        "random" => vec![
+            "random".into(),
+            w,
+            seed.to_string(),
+            "600".into(),
+            (working_set / PAGE_SIZE as u64 * 4).to_string(),
+        ],
+        _ => vec!["qsort".into(), w, seed.to_string()],
+    }
+}
+
+/// Runs `netram workload ARGS` one way; the workload's figures (`seconds`: its whole run,
+/// fill and verification included) and, for netram, the counters `netram run` reports.
+pub fn run_way(ctx: &Ctx, way: Way, args: &[String]) -> anyhow::Result<Value> {
+    let timeout = Duration::from_secs(1800);
+    match way {
+        Way::Local => {
+            let out = bounded(Command::new(&ctx.exe).arg("workload").args(args), timeout)?;
+            figures(&out, json!({}))
+        }
+        Way::Netram | Way::NetramFifo | Way::NetramDisk => {
+            let report = ctx.dir.join(format!("run-{}.json", fastrand::u32(..)));
+            let mut cmd = Command::new(&ctx.exe);
+            cmd.arg("run")
+                .args(["--local-mem", &(ctx.working_set / 4).to_string(), "-q"])
+                .arg("--report")
+                .arg(&report)
+                .arg("--spill-dir")
+                .arg(&ctx.dir);
+            if way == Way::NetramDisk {
+                cmd.args(["--backing", "disk"]);
+            } else {
+                cmd.args(["--servers", &ctx.servers]);
+            }
+            if way == Way::NetramFifo {
+                cmd.env("NETRAM_SAMPLES", "0");
+            }
+            if ctx.low_latency {
+                cmd.arg("--low-latency");
+            }
+            cmd.arg("--").arg(&ctx.exe).arg("workload").args(args);
+            let out = bounded(&mut cmd, timeout)?;
+            let counters: Value = serde_json::from_str(&std::fs::read_to_string(&report)?)?;
+            let _ = std::fs::remove_file(&report);
+            figures(&out, counters)
+        }
+        Way::SwapDisk | Way::Zram => {
+            let config = if way == Way::SwapDisk { "disk" } else { "zram" };
+            // The cgroup-v1 controller sometimes OOM-kills a program whose swap-ins it cannot
+            // charge while reclaim waits on writeback (bench nbd saw it with every device):
+            // up to three tries, counted.
+            let mut last = None;
+            for attempt in 0..3 {
+                let dev = setup(config, ctx.working_set, &ctx.exe, &ctx.dir)?;
+                match run_workload(&ctx.exe, ctx.working_set, config, &dev, args, timeout) {
+                    Ok(mut v) => {
+                        v["oom_retries"] = json!(attempt);
+                        if let Some(t) = v.get("total_seconds").cloned() {
+                            v["seconds"] = t;
+                        }
+                        return Ok(v);
+                    }
+                    Err(e) => last = Some(e),
+                }
+            }
+            Err(last.expect("three attempts"))
+        }
+    }
+}
+
+/// Runs `cmd` with its output captured, killed by PID after `timeout`; its stdout, if it
+/// succeeded.
+fn bounded(cmd: &mut Command, timeout: Duration) -> anyhow::Result<String> {
+    let mut child = ChildGuard::spawn(cmd.stdout(Stdio::piped()).stderr(Stdio::piped()))?;
+    let started = Instant::now();
+    let status = loop {
+        if let Some(s) = child.0.try_wait()? {
+            break s;
+        }
+        anyhow::ensure!(started.elapsed() < timeout, "{cmd:?} ran over {timeout:?}");
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let mut out = String::new();
+    let mut err = String::new();
+    if let Some(mut o) = child.0.stdout.take() {
+        std::io::Read::read_to_string(&mut o, &mut out)?;
+    }
+    if let Some(mut e) = child.0.stderr.take() {
+        std::io::Read::read_to_string(&mut e, &mut err)?;
+    }
+    anyhow::ensure!(
+        status.success() && out.contains("verified=yes"),
+        "{cmd:?}: {status}: {out}{err}"
+    );
+    Ok(out)
+}
+
+/// The workload line's figures merged into `base`; `seconds` is the whole run.
+fn figures(line: &str, mut base: Value) -> anyhow::Result<Value> {
+    for key in ["total_seconds", "us_per_op", "ops", "fill_seconds"] {
+        if let Some(x) = figure(line, key) {
+            base[key] = json!(x);
+        }
+    }
+    base["seconds"] = base["total_seconds"].clone();
+    anyhow::ensure!(base["seconds"].is_number(), "no total_seconds in {line:?}");
+    Ok(base)
+}
+
+/// Runs `f` with the servers it starts on one CPU and, once it calls `to_client`, itself and
+/// the threads it starts (the region's handler) on another: client and servers apart as `bench
+/// core` places them, the handler beside the faulting thread as the kernel's own fault
+/// handling would be. Left to the scheduler, threads sometimes share a vCPU (a cheap local
+/// switch) and sometimes not (an idle exit), and whole runs differ by that.
+fn placed<R>(f: impl FnOnce(&dyn Fn()) -> R) -> R {
+    let placement = crate::Placement::choose();
+    let prev = placement.and_then(|p| crate::pin_to(p.server_cpu));
+    let to_client = move || {
+        if let Some(p) = placement {
+            crate::pin_to(p.client_cpu);
+        }
+    };
+    let r = f(&to_client);
+    crate::restore_affinity(prev);
+    r
+}
+
+/// p50 of zero-fill faults on a fresh region: the handler round trip with no I/O.
+fn local_fault_latency(n: usize) -> anyhow::Result<Summary> {
+    placed(|to_client| local_fault_latency_placed(n, to_client))
+}
+
+fn local_fault_latency_placed(n: usize, to_client: &dyn Fn()) -> anyhow::Result<Summary> {
+    let t = TcpTransport::connect::<&str>(&[], &ClientConfig::new());
+    let cfg = PagerConfig {
+        pages: n as u64,
+        backing: Backing::Disk,
+        cache_pages: 0,
+        ..Default::default()
+    };
+    to_client();
+    let r = Region::new(
+        Pager::new(cfg, t, MemDisk::default()),
+        n * PAGE_SIZE,
+        n * PAGE_SIZE,
+    )?;
+    let mut samples = Vec::with_capacity(n);
+    for p in 0..n {
+        let at = r.as_ptr().wrapping_add(p * PAGE_SIZE);
+        let t0 = Instant::now();
+        // SAFETY: a page of the region, which lives until the end of this function.
+        std::hint::black_box(unsafe { std::ptr::read_volatile(at) });
+        samples.push(t0.elapsed().as_nanos() as u64);
+    }
+    Ok(Summary::of_ns(&mut samples[n / 10..]))
+}
+
+/// Faults on random pages of a region whose pages all live on the servers at `addrs`: each is
+/// a fetch (no prefetching: no trend; no sampling: every fault is a miss).
+fn remote_fault_latency(low_latency: bool, n: usize) -> anyhow::Result<Summary> {
+    placed(|to_client| {
+        let cluster = crate::cluster::LocalCluster::start(3, 64 << 20, low_latency)?;
+        let r = remote_fault_latency_placed(&cluster.addrs(), low_latency, n, to_client);
+        cluster.stop();
+        r
+    })
+}
+
+fn remote_fault_latency_placed(
+    addrs: &[String],
+    low_latency: bool,
+    n: usize,
+    to_client: &dyn Fn(),
+) -> anyhow::Result<Summary> {
+    let pages = 8192usize;
+    let client = ClientConfig {
+        low_latency,
+        ..ClientConfig::new()
+    };
+    to_client();
+    let t = TcpTransport::connect(addrs, &client);
+    let cfg = PagerConfig {
+        pages: pages as u64,
+        cache_pages: 32,
+        ..Default::default()
+    };
+    let mut r = Region::with_options(
+        Pager::new(cfg, t, MemDisk::default()),
+        pages * PAGE_SIZE,
+        64 * PAGE_SIZE,
+        RegionOptions { max_samples: 0 },
+    )?;
+    for (p, page) in r.as_mut_slice().chunks_exact_mut(PAGE_SIZE).enumerate() {
+        page[..8].copy_from_slice(&(p as u64 + 1).to_le_bytes());
+    }
+    r.with_pager(|p| p.flush())?;
+    let mut rng = fastrand::Rng::with_seed(11);
+    let mut samples = Vec::with_capacity(n);
+    for i in 0..n + 200 {
+        let p = rng.usize(..pages);
+        let at = r.as_ptr().wrapping_add(p * PAGE_SIZE);
+        let t0 = Instant::now();
+        // SAFETY: a page of the region, alive for this function.
+        let v = unsafe { std::ptr::read_volatile(at) };
+        let dt = t0.elapsed().as_nanos() as u64;
+        anyhow::ensure!(v == (p as u64 + 1) as u8, "page {p} read back wrong");
+        if i >= 200 {
+            samples.push(dt);
+        }
+    }
+    Ok(Summary::of_ns(&mut samples))
+}
+
+pub fn run(opts: &Options) -> anyhow::Result<String> {
+    let machine = Machine::describe();
+    eprintln!("bench uffd on {}", machine.one_line());
+    let w = opts
+        .working_set
+        .unwrap_or(if opts.quick { 32 << 20 } else { 256 << 20 });
+    let n = if opts.quick { 2_000 } else { 10_000 };
+    let mut skipped = Vec::new();
+
+    eprintln!("latencies: raw loopback round trip ...");
+    let (raw, raw_fast) = raw_rtts(n)?;
+    eprintln!("latencies: userfaultfd fault served locally ...");
+    let local = local_fault_latency(n)?;
+    let qos = PmQos::hold();
+    let pm_qos_held = qos.is_some();
+    let local_fast = local_fault_latency(n)?;
+    drop(qos);
+    eprintln!("latencies: remote faults ...");
+    let remote = remote_fault_latency(false, n)?;
+    let qos = PmQos::hold();
+    let remote_fast = remote_fault_latency(true, n)?;
+
+    // The workloads, all in the low-latency mode (the PM QoS request is still held).
+    let dir = tempfile_dir("netram-bench-uffd")?;
+    let capacity = (w + (64 << 20)).to_string();
+    let (servers, list) = start_servers(&opts.netram_exe, &capacity, true)?;
+    let ctx = Ctx {
+        exe: opts.netram_exe.clone(),
+        working_set: w,
+        servers: list,
+        low_latency: true,
+        dir: dir.clone(),
+    };
+    let mut workloads: BTreeMap<&str, BTreeMap<&str, Value>> = BTreeMap::new();
+    for workload in ["random", "qsort"] {
+        let args = workload_args(workload, w, 42);
+        for way in Way::ALL {
+            if let Some(why) = way.unavailable() {
+                skipped.push(format!("{workload}.{}: {why}", way.key()));
+                continue;
+            }
+            eprintln!("workloads: {workload} {} ...", way.key());
+            match run_way(&ctx, way, &args) {
+                Ok(v) => {
+                    workloads.entry(workload).or_default().insert(way.key(), v);
+                }
+                Err(e) => skipped.push(format!("{workload}.{}: failed: {e:#}", way.key())),
+            }
+        }
+    }
+    drop(servers);
+    drop(qos);
+    let _ = std::fs::remove_dir_all(&dir);
+
+    let g = |wl: &str, way: &str, k: &str| workloads.get(wl)?.get(way)?.get(k)?.as_f64();
+    let prefetch_hit_rate = match (
+        g("qsort", "netram", "prefetch_hits"),
+        g("qsort", "netram", "prefetched"),
+    ) {
+        (Some(h), Some(p)) if p > 0.0 => Some(h / p),
+        _ => None,
+    };
+    let mut targets: Vec<Target> = vec![target(
+        "remote_fault_fast_p50 / (raw_rtt_fast_p50 + uffd_local_fault_fast_p50)",
+        remote_fast.p50_us / (raw_fast.p50_us + local_fast.p50_us),
+        1.2,
+        "le",
+    )];
+    for wl in ["random", "qsort"] {
+        if let (Some(n), Some(d)) = (g(wl, "netram", "seconds"), g(wl, "swap_disk", "seconds")) {
+            let name = if wl == "random" {
+                "workloads.random: netram / swap_disk"
+            } else {
+                "workloads.qsort: netram / swap_disk"
+            };
+            targets.push(target(name, n / d, 0.5, "le"));
+        }
+    }
+    if let (Some(n), Some(l)) = (
+        g("qsort", "netram", "seconds"),
+        g("qsort", "local", "seconds"),
+    ) {
+        targets.push(target("workloads.qsort: netram / local", n / l, 3.0, "le"));
+    }
+    if let Some(rate) = prefetch_hit_rate {
+        targets.push(target("prefetch_hit_rate (qsort)", rate, 0.8, "ge"));
+    }
+    let result = json!({
+        "machine": machine,
+        "quick": opts.quick,
+        "working_set_bytes": w,
+        "local_memory_bytes": w / 4,
+        "pm_qos_held": pm_qos_held,
+        "uffd_local_fault_p50_us": local.p50_us,
+        "uffd_local_fault_fast_p50_us": local_fast.p50_us,
+        "raw_rtt_p50_us": raw.p50_us,
+        "raw_rtt_fast_p50_us": raw_fast.p50_us,
+        "remote_fault_p50_us": remote.p50_us,
+        "remote_fault_p99_us": remote.p99_us,
+        "remote_fault_fast_p50_us": remote_fast.p50_us,
+        "remote_fault_fast_p99_us": remote_fast.p99_us,
+        "workloads": workloads,
+        "prefetch_hit_rate": prefetch_hit_rate,
+        "targets": targets,
+        "skipped": skipped,
+    });
+    std::fs::create_dir_all(&opts.out)?;
+    std::fs::write(
+        opts.out.join("uffd.json"),
+        serde_json::to_string_pretty(&result)? + "\n",
+    )?;
+    let plotted = plot_ways(&result["workloads"], &opts.out.join("uffd.svg"));
+    if let Err(e) = &plotted {
+        skipped.push(format!("plot: {e}"));
+    }
+    let md = markdown(&result, &targets, &skipped);
+    std::fs::write(opts.out.join("uffd.md"), &md)?;
+    Ok(md)
+}
+
+/// Seconds per way, one panel per workload, on a log scale (netram's ways in blue).
+pub fn plot_ways(workloads: &Value, path: &Path) -> anyhow::Result<()> {
+    use plotters::prelude::*;
+    /// Bars of one panel: position, way, seconds.
+    type Bars = Vec<(usize, &'static str, f64)>;
+    let panels: Vec<(&str, Bars)> = ["random", "qsort"]
+        .into_iter()
+        .map(|wl| {
+            let bars = Way::ALL
+                .iter()
+                .filter_map(|w| Some((w.key(), workloads[wl][w.key()]["seconds"].as_f64()?)))
+                .filter(|&(_, v)| v > 0.0)
+                .enumerate()
+                .map(|(i, (k, v))| (i, k, v))
+                .collect();
+            (wl, bars)
+        })
+        .filter(|(_, bars): &(_, Vec<_>)| !bars.is_empty())
+        .collect();
+    anyhow::ensure!(!panels.is_empty(), "no workload figures to plot");
+    let root = SVGBackend::new(path, (900, 420)).into_drawing_area();
+    root.fill(&WHITE)?;
+    let areas = root.split_evenly((1, panels.len()));
+    for (area, (wl, bars)) in areas.iter().zip(&panels) {
+        let lo = bars.iter().map(|b| b.2).fold(f64::INFINITY, f64::min) / 2.0;
+        let hi = bars.iter().map(|b| b.2).fold(0.0, f64::max) * 2.0;
+        let names: Vec<&str> = bars.iter().map(|b| b.1).collect();
+        let mut chart = ChartBuilder::on(area)
+            .caption(format!("{wl}: seconds (log scale)"), ("sans-serif", 16))
+            .margin(10)
+            .x_label_area_size(80)
+            .y_label_area_size(50)
+            .build_cartesian_2d(-0.5f64..bars.len() as f64 - 0.5, (lo..hi).log_scale())?;
+        chart
+            .configure_mesh()
+            .disable_x_mesh()
+            .x_labels(bars.len())
+            .x_label_formatter(&|x| {
+                let i = x.round();
+                if (x - i).abs() < 0.01 && i >= 0.0 {
+                    names.get(i as usize).copied().unwrap_or("").to_string()
+                } else {
+                    String::new()
+                }
+            })
+            .x_label_style(
+                ("sans-serif", 11)
+                    .into_font()
+                    .transform(FontTransform::Rotate90),
+            )
+            .draw()?;
+        chart.draw_series(bars.iter().map(|&(i, k, v)| {
+            let color = if k.starts_with("netram") {
+                BLUE
+            } else {
+                RGBColor(150, 150, 150)
+            };
+            Rectangle::new(
+                [(i as f64 - 0.35, lo), (i as f64 + 0.35, v)],
+                color.filled(),
+            )
+        }))?;
+    }
+    root.present()?;
+    Ok(())
+}
+
+/// The workloads' table in markdown: seconds per way, and the ratio to all-local.
+pub fn workloads_table(workloads: &Value) -> String {
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        "| workload | way | seconds | × local | µs per op | faults | fetched | sampled back | prefetch hits |"
+    );
+    let _ = writeln!(s, "|---|---|---|---|---|---|---|---|---|");
+    for wl in ["random", "qsort"] {
+        let local = workloads[wl]["local"]["seconds"].as_f64();
+        for way in Way::ALL {
+            let v = &workloads[wl][way.key()];
+            let Some(secs) = v["seconds"].as_f64() else {
+                continue;
+            };
+            let n = |k: &str| v[k].as_u64().map_or("–".to_string(), |x| x.to_string());
+            let _ = writeln!(
+                s,
+                "| {wl} | {} | {secs:.2} | {} | {} | {} | {} | {} | {} |",
+                way.key(),
+                local.map_or("–".into(), |l| format!("{:.1}", secs / l)),
+                v["us_per_op"]
+                    .as_f64()
+                    .map_or("–".into(), |x| format!("{x:.1}")),
+                n("faults"),
+                n("fetches"),
+                n("sample_faults"),
+                match (v["prefetch_hits"].as_u64(), v["prefetched"].as_u64()) {
+                    (Some(h), Some(p)) => format!("{h}/{p}"),
+                    _ => "–".into(),
+                },
+            );
+        }
+    }
+    s
+}
+
+fn markdown(r: &Value, targets: &[Target], skipped: &[String]) -> String {
+    let mut s = String::new();
+    let f = |k: &str| r[k].as_f64().unwrap_or(f64::NAN);
+    let _ = writeln!(s, "# netram bench uffd\n");
+    let _ = writeln!(
+        s,
+        "Machine: {} · {} · {} CPUs · {} MiB · kernel {}{}\n",
+        r["machine"]["hostname"].as_str().unwrap_or("?"),
+        r["machine"]["date_utc"].as_str().unwrap_or("?"),
+        r["machine"]["cpus"],
+        r["machine"]["mem_total_kib"].as_u64().unwrap_or(0) / 1024,
+        r["machine"]["kernel"].as_str().unwrap_or("?"),
+        if r["quick"].as_bool() == Some(true) {
+            " · quick run"
+        } else {
+            ""
+        },
+    );
+    let _ = writeln!(s, "## Latencies (p50, µs; fast: PM QoS held, polling)\n");
+    let _ = writeln!(s, "| | plain | fast |\n|---|---|---|");
+    let _ = writeln!(
+        s,
+        "| userfaultfd fault served locally (zero fill) | {:.1} | {:.1} |",
+        f("uffd_local_fault_p50_us"),
+        f("uffd_local_fault_fast_p50_us")
+    );
+    let _ = writeln!(
+        s,
+        "| raw loopback round trip, 4 KiB reply | {:.1} | {:.1} |",
+        f("raw_rtt_p50_us"),
+        f("raw_rtt_fast_p50_us")
+    );
+    let _ = writeln!(
+        s,
+        "| netram remote fault (p99) | {:.1} ({:.1}) | {:.1} ({:.1}) |\n",
+        f("remote_fault_p50_us"),
+        f("remote_fault_p99_us"),
+        f("remote_fault_fast_p50_us"),
+        f("remote_fault_fast_p99_us")
+    );
+    let _ = writeln!(
+        s,
+        "## Workloads, working set {} MiB, {} MiB local, low-latency mode\n",
+        r["working_set_bytes"].as_u64().unwrap_or(0) >> 20,
+        r["local_memory_bytes"].as_u64().unwrap_or(0) >> 20
+    );
+    s.push_str(&workloads_table(&r["workloads"]));
+    let _ = writeln!(
+        s,
+        "\n`seconds` is the workload's whole run: filling its memory, the work, verifying. \
+         `netram_fifo` is `netram run` with access sampling off (victims first in, first out). \
+         Prefetcher hit rate on the quicksort: {}.\n",
+        r["prefetch_hit_rate"]
+            .as_f64()
+            .map_or("–".into(), |x| format!("{x:.3}"))
+    );
+    let _ = writeln!(
+        s,
+        "## Targets\n\n| target | ratio | limit | met |\n|---|---|---|---|"
+    );
+    for t in targets {
+        let _ = writeln!(
+            s,
+            "| {} | {:.3} | {} {} | {} |",
+            t.name,
+            t.ratio,
+            if t.sense == "le" { "≤" } else { "≥" },
+            t.limit,
+            if t.met { "yes" } else { "**no**" }
+        );
+    }
+    if !skipped.is_empty() {
+        let _ = writeln!(s, "\nSkipped:\n");
+        for k in skipped {
+            let _ = writeln!(s, "- {k}");
+        }
+    }
+    s
+}
