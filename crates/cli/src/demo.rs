@@ -1,197 +1,148 @@
-//! `netram demo`: a local cluster on loopback, a working set several times larger than the
-//! pager's cache paged through it, then the same through the local disk, and the comparison.
+//! `netram demo`: a local cluster on loopback, and an unmodified program (the bundled random
+//! read-modify-write workload and Anemone's quicksort) run three ways: all in local memory,
+//! under `netram run` with a quarter of its memory local and the rest on the cluster, and
+//! under `netram run` with the local disk behind it; as root also under the kernel's swap to a
+//! local disk file in a memory cgroup. A table, a plot and a JSON file at the end.
 
 use indicatif::{ProgressBar, ProgressStyle};
 use netram_bench::cluster::LocalCluster;
-use netram_bench::{page_content, Summary};
-use netram_node::client::{ClientConfig, TcpTransport};
-use netram_node::disk::FileDisk;
-use netram_pager::{Backing, Pager, PagerConfig};
-use netram_proto::PAGE_SIZE;
+use netram_bench::uffd::{plot_ways, run_way, workload_args, workloads_table, Ctx, Way};
+use netram_node::latency::PmQos;
+use serde_json::{json, Value};
 use std::path::PathBuf;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 #[derive(Debug, clap::Args)]
 pub struct DemoArgs {
-    /// The working set paged through the cluster, e.g. 128M, 1G.
-    #[arg(long, default_value = "128M")]
+    /// The workload's working set; a quarter of it is local under netram.
+    #[arg(long, default_value = "32M")]
     size: String,
-    /// The pager's local cache; the rest of the working set lives on the servers.
-    #[arg(long, default_value = "16M")]
-    cache: String,
     /// Page servers to start on loopback.
     #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u16).range(1..=64))]
     servers: u16,
-    /// Run servers and pager in the low-latency mode (PM QoS when root, brief polling).
-    #[arg(long)]
-    low_latency: bool,
-    /// Directory of the spill file used by the disk run [default: the system temp dir].
-    #[arg(long)]
-    spill_dir: Option<PathBuf>,
+    /// Where to write demo.json and demo.svg.
+    #[arg(long, default_value = "demo-results")]
+    out: PathBuf,
 }
 
-struct Run {
-    backing: Backing,
-    write_pages_per_s: f64,
-    read_pages_per_s: f64,
-    read: Summary,
-    verified: u64,
-}
+/// The ways the demo compares, in order.
+const WAYS: [Way; 4] = [Way::Local, Way::Netram, Way::NetramDisk, Way::SwapDisk];
 
-fn bar(len: u64, msg: String) -> ProgressBar {
-    let pb = ProgressBar::new(len);
-    pb.set_style(
-        ProgressStyle::with_template("{msg:<28} [{bar:32}] {pos}/{len} pages {per_sec}")
-            .expect("valid template")
-            .progress_chars("=> "),
-    );
-    pb.set_message(msg);
-    pb
-}
-
-fn run_one(
-    backing: Backing,
-    pages: u64,
-    cache_pages: usize,
-    cluster: &LocalCluster,
-    args: &DemoArgs,
-) -> anyhow::Result<Run> {
-    let dir = args.spill_dir.clone().unwrap_or_else(std::env::temp_dir);
-    let disk = FileDisk::create_in(&dir)?;
-    let client = ClientConfig {
-        low_latency: args.low_latency,
-        ..ClientConfig::new()
-    };
-    let addrs = if backing == Backing::Disk {
-        Vec::new()
-    } else {
-        cluster.addrs()
-    };
-    let transport = TcpTransport::connect(&addrs, &client);
-    let cfg = PagerConfig {
-        pages,
-        cache_pages,
-        backing,
-        ..Default::default()
-    };
-    let mut pager = Pager::new(cfg, transport, disk);
-    let mut buf = vec![0u8; PAGE_SIZE];
-
-    let pb = bar(pages, format!("{backing}: writing"));
-    let start = Instant::now();
-    for p in 0..pages {
-        page_content(42, p, &mut buf);
-        pager.write(p, &buf)?;
-        if p % 256 == 0 {
-            pb.set_position(p);
-        }
+fn label(way: Way, local: u64) -> String {
+    let mib = local >> 20;
+    match way {
+        Way::Local => "all in local memory".into(),
+        Way::Netram => format!("netram run, {mib} MiB local"),
+        Way::NetramDisk => format!("netram run --backing disk, {mib} MiB"),
+        Way::SwapDisk => format!("kernel swap to disk, {mib} MiB"),
+        other => other.key().into(),
     }
-    pager.flush()?;
-    let write_pages_per_s = pages as f64 / start.elapsed().as_secs_f64();
-    pb.finish_and_clear();
-
-    let mut order: Vec<u64> = (0..pages).collect();
-    fastrand::Rng::with_seed(7).shuffle(&mut order);
-    let pb = bar(pages, format!("{backing}: reading, verifying"));
-    let mut want = vec![0u8; PAGE_SIZE];
-    let mut lat = Vec::with_capacity(pages as usize);
-    let mut verified = 0;
-    let start = Instant::now();
-    for (i, &p) in order.iter().enumerate() {
-        let t = Instant::now();
-        pager.read(p, &mut buf)?;
-        lat.push(t.elapsed().as_nanos() as u64);
-        page_content(42, p, &mut want);
-        anyhow::ensure!(
-            buf == want,
-            "page {p} read back wrong with {backing} backing"
-        );
-        verified += 1;
-        if i % 256 == 0 {
-            pb.set_position(i as u64);
-        }
-    }
-    let read_pages_per_s = pages as f64 / start.elapsed().as_secs_f64();
-    pb.finish_and_clear();
-    let c = pager.counters().clone();
-    tracing::info!(?c, "{backing} run");
-    pager.into_transport().close();
-    Ok(Run {
-        backing,
-        write_pages_per_s,
-        read_pages_per_s,
-        read: Summary::of_ns(&mut lat),
-        verified,
-    })
 }
 
 pub fn run(args: DemoArgs) -> anyhow::Result<()> {
-    let bytes = crate::size("size", &args.size)?;
-    let cache = crate::size("cache", &args.cache)?;
-    let pages = bytes / PAGE_SIZE as u64;
-    let cache_pages = (cache / PAGE_SIZE as u64) as usize;
-    anyhow::ensure!(pages > 0, "size must be at least one page");
-    anyhow::ensure!(
-        (cache_pages as u64) < pages,
-        "the cache ({}) must be smaller than the working set ({})",
-        args.cache,
-        args.size
-    );
+    let w = crate::size("--size", &args.size)?;
+    anyhow::ensure!(w >= 1 << 20, "--size must be at least 1M");
     let n = usize::from(args.servers);
-    // Room for the whole working set on any two servers, so the demo never spills.
-    let per_server = (bytes / n.min(2) as u64).max(PAGE_SIZE as u64) + (1 << 20);
+    // Faults are served several times faster when idle CPUs do not sleep deeply (PM QoS,
+    // root only); everything below runs in the same mode.
+    let qos = PmQos::hold();
+    let exe = std::env::current_exe()?;
+    crate::run::preload_library()?;
+    let cluster = LocalCluster::start(n, w / n.min(2) as u64 + (16 << 20), qos.is_some())?;
+    let dir = std::env::temp_dir().join(format!("netram-demo-{}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    let ctx = Ctx {
+        exe,
+        working_set: w,
+        servers: cluster.addrs().join(","),
+        low_latency: qos.is_some(),
+        dir: dir.clone(),
+    };
     println!(
-        "netram demo: {n} page servers on loopback, a {} working set through a {} local cache{}",
-        args.size,
-        args.cache,
-        if args.low_latency {
-            ", low-latency mode"
+        "netram demo: {n} page servers on loopback; a {} MiB working set, {} MiB of it local{}",
+        w >> 20,
+        (w / 4) >> 20,
+        if qos.is_some() {
+            " (low-latency mode)"
         } else {
-            ""
+            " (not root: no PM QoS, faults are slower)"
         }
     );
-    let cluster = LocalCluster::start(n, per_server, args.low_latency)?;
-    let runs = [
-        run_one(Backing::Cluster, pages, cache_pages, &cluster, &args)?,
-        run_one(Backing::Disk, pages, cache_pages, &cluster, &args)?,
-    ];
-    let spread: Vec<String> = (0..n)
-        .map(|i| cluster.stat(i, "pages_stored").to_string())
-        .collect();
-    cluster.stop();
-
-    println!(
-        "\n{:<10} {:>14} {:>14} {:>12} {:>12} {:>10}",
-        "backing", "write pages/s", "read pages/s", "read p50", "read p99", "verified"
-    );
-    for r in &runs {
-        println!(
-            "{:<10} {:>14.0} {:>14.0} {:>10.1}µs {:>10.1}µs {:>10}",
-            r.backing.to_string(),
-            r.write_pages_per_s,
-            r.read_pages_per_s,
-            r.read.p50_us,
-            r.read.p99_us,
-            r.verified
-        );
+    let mut results: serde_json::Map<String, Value> = serde_json::Map::new();
+    let mut skipped = Vec::new();
+    let started = Instant::now();
+    for workload in ["random", "qsort"] {
+        let wl_args = workload_args(workload, w, 7);
+        let mut row = serde_json::Map::new();
+        for way in WAYS {
+            let what = format!("{workload:<6} {}", label(way, w / 4));
+            if let Some(why) = way.unavailable() {
+                println!("  {what}: skipped ({why})");
+                skipped.push(format!("{workload}.{}: {why}", way.key()));
+                continue;
+            }
+            let pb = ProgressBar::new_spinner();
+            pb.set_style(
+                ProgressStyle::with_template("  {spinner} {msg} {elapsed}")
+                    .expect("valid template"),
+            );
+            pb.set_message(what.clone());
+            pb.enable_steady_tick(Duration::from_millis(100));
+            let result = run_way(&ctx, way, &wl_args);
+            pb.finish_and_clear();
+            match result {
+                Ok(v) => {
+                    println!(
+                        "  {what}: {:.2} s, verified",
+                        v["seconds"].as_f64().unwrap_or(f64::NAN)
+                    );
+                    row.insert(way.key().into(), v);
+                }
+                Err(e) => {
+                    println!("  {what}: FAILED: {e:#}");
+                    skipped.push(format!("{workload}.{}: failed: {e:#}", way.key()));
+                }
+            }
+        }
+        results.insert(workload.into(), Value::Object(row));
     }
-    let (c, d) = (&runs[0], &runs[1]);
-    println!(
-        "\ncluster memory vs local disk: reads {:.2}× the pages/s, p50 latency {:.2}× ({} pages checked, all correct)",
-        c.read_pages_per_s / d.read_pages_per_s,
-        c.read.p50_us / d.read.p50_us,
-        c.verified + d.verified
-    );
-    println!(
-        "pages stored per server during the cluster run: {}",
-        spread.join(", ")
-    );
-    println!(
-        "(disk run: an O_DIRECT spill file in {}; every server stopped, the spill files are gone)",
-        args.spill_dir
-            .clone()
-            .unwrap_or_else(std::env::temp_dir)
-            .display()
+    cluster.stop();
+    drop(qos);
+    let _ = std::fs::remove_dir_all(&dir);
+
+    let workloads = Value::Object(results);
+    println!("\n{}", workloads_table(&workloads));
+    for wl in ["random", "qsort"] {
+        let s = |way: &str| workloads[wl][way]["seconds"].as_f64();
+        if let (Some(n), Some(d)) = (s("netram"), s("netram_disk")) {
+            print!("{wl}: netram is {:.1}× faster than its disk backing", d / n);
+            match s("swap_disk") {
+                Some(k) => println!(", {:.1}× the kernel's swap to disk", k / n),
+                None => println!(),
+            }
+        }
+    }
+    std::fs::create_dir_all(&args.out)?;
+    let doc = json!({
+        "machine": netram_bench::machine::Machine::describe(),
+        "working_set_bytes": w,
+        "local_memory_bytes": w / 4,
+        "servers": n,
+        "low_latency": ctx.low_latency,
+        "workloads": workloads,
+        "skipped": skipped,
+        "seconds": started.elapsed().as_secs_f64(),
+    });
+    let json_path = args.out.join("demo.json");
+    std::fs::write(&json_path, serde_json::to_string_pretty(&doc)? + "\n")?;
+    let svg = args.out.join("demo.svg");
+    match plot_ways(&doc["workloads"], &svg) {
+        Ok(()) => println!("\nwrote {} and {}", json_path.display(), svg.display()),
+        Err(e) => println!("\nwrote {} (no plot: {e})", json_path.display()),
+    }
+    anyhow::ensure!(
+        !skipped.iter().any(|s| s.contains("failed")),
+        "some runs failed: {skipped:?}"
     );
     Ok(())
 }

@@ -53,8 +53,10 @@ enum Command {
     /// which is not resident fails with EFAULT (root has no such limit). A forked child
     /// does not inherit that memory (exec is fine). Exits with the program's status.
     Run(run::RunArgs),
-    /// Start a local cluster on loopback and page a working set through it, then through the
-    /// local disk, and compare (under a minute by default).
+    /// Start a local cluster on loopback and run an unmodified program (a random-access
+    /// workload and a quicksort) all in local memory, under `netram run` with a quarter of its
+    /// memory local, with disk backing, and (as root) under the kernel's swap to disk; compare
+    /// (under a minute by default).
     Demo(demo::DemoArgs),
     /// Benchmarks that hold netram to the limits of this machine.
     #[command(subcommand)]
