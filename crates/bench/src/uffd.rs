@@ -5,7 +5,7 @@
 //! * latencies, each plainly and in the low-latency mode (PM QoS held; servers and client
 //!   polling): a userfaultfd fault served from local memory (a zero fill: the handler round
 //!   trip without I/O), the raw loopback TCP round trip with a 4 KiB reply, and a netram
-//!   remote fault (a random page of a region fetched from three in-process servers);
+//!   remote fault (a random page of a region fetched from three `netram serve` processes);
 //! * the bundled workloads (random read-modify-writes, quicksort) at 25 % local memory in the
 //!   low-latency mode, run ways: all local, `netram run` on three `netram serve` processes
 //!   (also with victims first in, first out: what access sampling buys), `netram run --backing
@@ -276,11 +276,16 @@ fn local_fault_latency_placed(n: usize, to_client: &dyn Fn()) -> anyhow::Result<
 
 /// Faults on random pages of a region whose pages all live on the servers at `addrs`: each is
 /// a fetch (no prefetching: no trend; no sampling: every fault is a miss).
-fn remote_fault_latency(low_latency: bool, n: usize) -> anyhow::Result<Summary> {
+///
+/// The servers are `netram serve` processes, as in a cluster: in-process servers would share
+/// the region's address space, and every page leaving the region's page tables would then
+/// interrupt their CPU for a TLB shootdown.
+fn remote_fault_latency(exe: &Path, low_latency: bool, n: usize) -> anyhow::Result<Summary> {
     placed(|to_client| {
-        let cluster = crate::cluster::LocalCluster::start(3, 64 << 20, low_latency)?;
-        let r = remote_fault_latency_placed(&cluster.addrs(), low_latency, n, to_client);
-        cluster.stop();
+        let (servers, list) = start_servers(exe, "64M", low_latency)?;
+        let addrs: Vec<String> = list.split(',').map(str::to_owned).collect();
+        let r = remote_fault_latency_placed(&addrs, low_latency, n, to_client);
+        drop(servers);
         r
     })
 }
@@ -307,7 +312,15 @@ fn remote_fault_latency_placed(
         Pager::new(cfg, t, MemDisk::default()),
         pages * PAGE_SIZE,
         64 * PAGE_SIZE,
-        RegionOptions { max_samples: 0 },
+        RegionOptions {
+            max_samples: 0,
+            // As `netram run --low-latency` sets it.
+            spin: if low_latency {
+                Duration::from_micros(50)
+            } else {
+                Duration::ZERO
+            },
+        },
     )?;
     for (p, page) in r.as_mut_slice().chunks_exact_mut(PAGE_SIZE).enumerate() {
         page[..8].copy_from_slice(&(p as u64 + 1).to_le_bytes());
@@ -348,9 +361,9 @@ pub fn run(opts: &Options) -> anyhow::Result<String> {
     let local_fast = local_fault_latency(n)?;
     drop(qos);
     eprintln!("latencies: remote faults ...");
-    let remote = remote_fault_latency(false, n)?;
+    let remote = remote_fault_latency(&opts.netram_exe, false, n)?;
     let qos = PmQos::hold();
-    let remote_fast = remote_fault_latency(true, n)?;
+    let remote_fast = remote_fault_latency(&opts.netram_exe, true, n)?;
 
     // The workloads, all in the low-latency mode (the PM QoS request is still held).
     let dir = tempfile_dir("netram-bench-uffd")?;

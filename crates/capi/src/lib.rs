@@ -115,17 +115,22 @@ pub fn create_region(
     if budget < PAGE_SIZE as u64 {
         anyhow::bail!("the budget must be at least one page ({PAGE_SIZE} bytes)");
     }
+    let low_latency = std::env::var_os("NETRAM_LOW_LATENCY").is_some_and(|v| v != "0");
     let pager = open_pager(&OpenOptions {
         servers,
         backing,
         pages: size.div_ceil(PAGE_SIZE as u64),
         cache_pages: CACHE_PAGES,
         spill_dir: std::env::var_os("NETRAM_SPILL_DIR").map(Into::into),
-        low_latency: std::env::var_os("NETRAM_LOW_LATENCY").is_some_and(|v| v != "0"),
+        low_latency,
     })?;
     let size = usize::try_from(size)?;
     let budget = usize::try_from(budget)?;
     let mut options = RegionOptions::default();
+    if low_latency {
+        // As the pager's sockets do in the low-latency mode.
+        options.spin = std::time::Duration::from_micros(50);
+    }
     if let Ok(v) = std::env::var("NETRAM_SAMPLES") {
         options.max_samples = v
             .parse()

@@ -28,8 +28,9 @@ pub struct RunArgs {
     /// smaller ones, file mappings and stacks stay as they are.
     #[arg(long, default_value = "128K", value_name = "SIZE")]
     threshold: String,
-    /// Keep CPUs out of deep idle while the program runs (PM QoS; needs root): page faults
-    /// are served several times faster on machines whose idle CPUs sleep deeply.
+    /// Keep CPUs out of deep idle while the program runs (PM QoS; needs root) and poll for
+    /// faults and replies briefly before sleeping: page faults are served several times faster
+    /// on machines whose idle CPUs sleep deeply, for some CPU time.
     #[arg(long)]
     low_latency: bool,
     /// Write netram's counters, summed over the program's processes, to this JSON file.
@@ -121,6 +122,10 @@ pub fn run(args: RunArgs) -> anyhow::Result<i32> {
         .env("NETRAM_REQUIRED", "1");
     if let Some(m) = max_mem {
         cmd.env("NETRAM_MAX_MEM", m.to_string());
+    }
+    if args.low_latency {
+        // The program's pager polls its sockets and its fault handler polls for faults.
+        cmd.env("NETRAM_LOW_LATENCY", "1");
     }
     if let Some(d) = &args.spill_dir {
         cmd.env("NETRAM_SPILL_DIR", d);

@@ -143,6 +143,9 @@ impl RegionCounters {
     }
 }
 
+/// The most victims dropped together (see `Shared::make_room`).
+const EVICT_BATCH: usize = 32;
+
 /// The most pages fetched ahead at one fault.
 const MAX_PREFETCH: usize = 16;
 
@@ -378,11 +381,17 @@ pub struct RegionOptions {
     /// The most pages sampled to find one victim (see `netram_policy::clock`); 0 turns
     /// sampling off: victims are then chosen first in, first out.
     pub max_samples: usize,
+    /// How long the handler polls for the next fault before sleeping, while faults come that
+    /// close together (the low-latency mode; zero: never).
+    pub spin: std::time::Duration,
 }
 
 impl Default for RegionOptions {
     fn default() -> Self {
-        Self { max_samples: 8 }
+        Self {
+            max_samples: 8,
+            spin: std::time::Duration::ZERO,
+        }
     }
 }
 
@@ -467,7 +476,14 @@ where
                 prefetch_order: VecDeque::new(),
                 prefetch_window,
                 pbuf: Vec::new(),
+                drops: Vec::new(),
             }),
+            pidfd: rustix::process::pidfd_open(
+                rustix::process::getpid(),
+                rustix::process::PidfdFlags::empty(),
+            )
+            .ok(),
+            spin: options.spin,
         });
         let (s, stop_fd) = (shared.clone(), stop.clone());
         let thread = std::thread::Builder::new()
@@ -627,6 +643,9 @@ struct Shared<T: Transport, D: Disk> {
     shadow: Option<Base>,
     pages: usize,
     uffd: Uffd,
+    /// This process, for `process_madvise` (`None` where pidfds are not available).
+    pidfd: Option<OwnedFd>,
+    spin: std::time::Duration,
     counters: RegionCounters,
     /// Everything that changes. The handler takes it for one event; `set_budget` and
     /// `release` take it from the program's threads.
@@ -649,6 +668,8 @@ struct State<T: Transport, D: Disk> {
     /// How many guesses the pager's cache is taken to hold.
     prefetch_window: usize,
     pbuf: Vec<u8>,
+    /// Victims chosen and not dropped yet (see `make_room`), kept to reuse its allocation.
+    drops: Vec<(usize, usize, bool)>,
 }
 
 impl<T: Transport, D: Disk> Shared<T, D> {
@@ -666,12 +687,22 @@ impl<T: Transport, D: Disk> Shared<T, D> {
             uffd: &self.uffd,
             armed: true,
         };
+        // Whether to spin before sleeping: only while faults come closer together than the
+        // spin (a scan), not when the program computes between faults.
+        let mut spin_next = !self.spin.is_zero();
         loop {
+            let wait_started = std::time::Instant::now();
+            if spin_next && self.spin_for_event(wait_started) {
+                self.drain_events();
+                continue;
+            }
             let mut fds = [
                 PollFd::new(&self.uffd, PollFlags::IN),
                 PollFd::new(stop, PollFlags::IN),
             ];
-            match poll(&mut fds, None) {
+            let polled = poll(&mut fds, None);
+            spin_next = !self.spin.is_zero() && wait_started.elapsed() <= self.spin * 2;
+            match polled {
                 Ok(_) => {}
                 Err(rustix::io::Errno::INTR) => continue,
                 Err(e) => {
@@ -690,21 +721,47 @@ impl<T: Transport, D: Disk> Shared<T, D> {
                 guard.armed = false;
                 return;
             }
-            // Non-blocking: drain every event that has arrived.
-            loop {
-                match self.uffd.read_event() {
-                    Ok(Some(event)) => {
-                        let mut st = self.lock();
-                        self.handle(&mut st, event);
-                    }
-                    Ok(None) => break,
-                    Err(e) => {
-                        tracing::error!("userfaultfd handler: read: {e}");
-                        return;
-                    }
+            if !self.drain_events() {
+                return;
+            }
+        }
+    }
+
+    /// Handles every event that has arrived (the descriptor is non-blocking); false if the
+    /// userfaultfd failed.
+    fn drain_events(&self) -> bool {
+        loop {
+            match self.uffd.read_event() {
+                Ok(Some(event)) => {
+                    let mut st = self.lock();
+                    self.handle(&mut st, event);
+                }
+                Ok(None) => return true,
+                Err(e) => {
+                    tracing::error!("userfaultfd handler: read: {e}");
+                    return false;
                 }
             }
         }
+    }
+
+    /// Polls the userfaultfd without sleeping for up to the spin; true once an event is
+    /// waiting. Sleeping and being woken costs about as much as a fault here.
+    fn spin_for_event(&self, started: std::time::Instant) -> bool {
+        let mut fds = [PollFd::new(&self.uffd, PollFlags::IN)];
+        while started.elapsed() < self.spin {
+            let zero = rustix::event::Timespec {
+                tv_sec: 0,
+                tv_nsec: 0,
+            };
+            if let Ok(n) = poll(&mut fds, Some(&zero)) {
+                if n > 0 {
+                    return true;
+                }
+            }
+            std::hint::spin_loop();
+        }
+        false
     }
 
     fn handle(&self, st: &mut State<T, D>, event: Event) {
@@ -862,8 +919,21 @@ impl<T: Transport, D: Disk> Shared<T, D> {
 
     /// Evicts until at most `keep` pages are resident, sampling on the way; stops at the first
     /// failure (logged and counted).
+    ///
+    /// Victims go in batches: every page that leaves the program's page tables costs a TLB
+    /// shootdown (an interrupt to each CPU running the program), and the pages of one batch
+    /// leave with one `process_madvise` call, which the kernel (6.16 on) flushes once. A
+    /// victim chosen but not dropped yet stays mapped write-protected (or aside, if sampled):
+    /// a write to it blocks until the batch is gone and then faults it back in.
     fn make_room(&self, st: &mut State<T, D>, keep: usize) {
-        while st.clock.len() > keep {
+        if st.clock.len() <= keep {
+            return;
+        }
+        // A batch small next to the budget, so that residency stays close to it.
+        let batch = (st.budget / 16).clamp(1, EVICT_BATCH);
+        let target = keep.saturating_sub(batch - 1);
+        let mut drops = std::mem::take(&mut st.drops);
+        while st.clock.len() > target {
             let Some(victim) = st.clock.victim() else {
                 break;
             };
@@ -884,13 +954,69 @@ impl<T: Transport, D: Disk> Shared<T, D> {
             let page = victim.page as usize;
             let evicted = if victim.sampled {
                 self.evict_sampled(st, page)
+                    .map(|a| (page, a as usize, false))
             } else {
                 self.evict_mapped(st, page)
+                    .map(|a| (page, a as usize, true))
             };
-            if let Err(e) = evicted {
+            match evicted {
+                Ok(d) => drops.push(d),
+                Err(e) => {
+                    self.counters.errors.fetch_add(1, Ordering::Relaxed);
+                    tracing::error!("evicting a page: {e}");
+                    break;
+                }
+            }
+        }
+        self.drop_batch(st, &drops);
+        drops.clear();
+        st.drops = drops;
+    }
+
+    /// Drops the chosen victims' memory: `(page, address, whether in the region)`.
+    fn drop_batch(&self, st: &mut State<T, D>, drops: &[(usize, usize, bool)]) {
+        if drops.is_empty() {
+            return;
+        }
+        if let Some(pidfd) = &self.pidfd {
+            let iov: Vec<libc::iovec> = drops
+                .iter()
+                .map(|&(_, addr, _)| libc::iovec {
+                    iov_base: addr as *mut c_void,
+                    iov_len: PAGE_SIZE,
+                })
+                .collect();
+            use std::os::fd::AsRawFd;
+            // SAFETY: process_madvise(2) on this process's own pages, which are either stored
+            // or unchanged since fetched (see `drop_pages`); the iovecs are valid for the call.
+            let r = unsafe {
+                libc::syscall(
+                    libc::SYS_process_madvise,
+                    pidfd.as_raw_fd(),
+                    iov.as_ptr(),
+                    iov.len(),
+                    libc::MADV_DONTNEED,
+                    0,
+                )
+            };
+            if r == (drops.len() * PAGE_SIZE) as libc::c_long {
+                return;
+            }
+            // Refused (an older kernel) or cut short: the rest page by page; dropping a page
+            // twice is harmless.
+        }
+        for &(page, addr, in_region) in drops {
+            let addr = addr as *mut c_void;
+            if let Err(e) = drop_pages(addr, PAGE_SIZE) {
                 self.counters.errors.fetch_add(1, Ordering::Relaxed);
-                tracing::error!("evicting a page: {e}");
-                break;
+                tracing::error!("dropping page {page}: {e}");
+                if in_region {
+                    // Still mapped and write-protected: resident again, and taken as dirty
+                    // (its copy may have gone to the pager, or not).
+                    st.dirty[page] = true;
+                    st.clock.insert(page as u64);
+                    let _ = self.uffd.remove_write_protection(addr, PAGE_SIZE, true);
+                }
             }
         }
     }
@@ -903,8 +1029,9 @@ impl<T: Transport, D: Disk> Shared<T, D> {
     }
 
     /// Evicts a sampled page: it is aside, out of reach of the program, so it is copied and
-    /// stored without any write-protection. On failure it goes back into the region.
-    fn evict_sampled(&self, st: &mut State<T, D>, page: usize) -> Result<(), String> {
+    /// stored without any write-protection; the caller drops it. On failure it goes back into
+    /// the region.
+    fn evict_sampled(&self, st: &mut State<T, D>, page: usize) -> Result<*mut c_void, String> {
         let aside = self
             .shadow
             .expect("sampled pages live in the shadow")
@@ -922,10 +1049,9 @@ impl<T: Transport, D: Disk> Shared<T, D> {
         } else {
             self.counters.evicted_clean.fetch_add(1, Ordering::Relaxed);
         }
-        drop_pages(aside, PAGE_SIZE).map_err(|e| format!("dropping page {page}: {e}"))?;
         st.dirty[page] = false;
         self.counters.evictions.fetch_add(1, Ordering::Relaxed);
-        Ok(())
+        Ok(aside)
     }
 
     /// Stores the page in `st.buf` as page `page` (an all-zero page is discarded instead).
@@ -938,45 +1064,34 @@ impl<T: Transport, D: Disk> Shared<T, D> {
         }
     }
 
-    /// Evicts a page still mapped: write-protect, copy out, store, drop. On failure the page
-    /// stays resident and writable.
-    fn evict_mapped(&self, st: &mut State<T, D>, page: usize) -> Result<(), String> {
+    /// Evicts a page still mapped: write-protect, copy out, store; the caller drops it. On
+    /// failure the page stays resident and writable.
+    fn evict_mapped(&self, st: &mut State<T, D>, page: usize) -> Result<*mut c_void, String> {
         let addr = self.base.page(page);
-        let keep = |st: &mut State<T, D>| st.clock.insert(page as u64);
         if !st.dirty[page] {
             // Fetched and never written since: its remote copy is current, and it is still
             // write-protected, so no write can slip in before it is dropped.
-            if let Err(e) = drop_pages(addr, PAGE_SIZE) {
-                keep(st);
-                return Err(format!("dropping page {page}: {e}"));
-            }
             self.counters.evictions.fetch_add(1, Ordering::Relaxed);
             self.counters.evicted_clean.fetch_add(1, Ordering::Relaxed);
-            return Ok(());
+            return Ok(addr);
         }
         // A write after this blocks in a write-protect fault until the page is gone.
         if let Err(e) = self.uffd.write_protect(addr, PAGE_SIZE) {
-            keep(st);
+            st.clock.insert(page as u64);
             return Err(format!("write-protecting page {page}: {e}"));
         }
         // SAFETY: the page is mapped (resident) and write-protected: no thread changes it
         // while it is copied.
         unsafe { std::ptr::copy_nonoverlapping(addr.cast::<u8>(), st.buf.as_mut_ptr(), PAGE_SIZE) };
-        let dropped = self
-            .store(st, page)
-            .map_err(|e| format!("storing page {page}: {e}"))
-            .and_then(|()| {
-                drop_pages(addr, PAGE_SIZE).map_err(|e| format!("dropping page {page}: {e}"))
-            });
-        if let Err(e) = dropped {
+        if let Err(e) = self.store(st, page) {
             // Keep the page: writable again, and the writers blocked on it woken.
             let _ = self.uffd.remove_write_protection(addr, PAGE_SIZE, true);
-            keep(st);
-            return Err(e);
+            st.clock.insert(page as u64);
+            return Err(format!("storing page {page}: {e}"));
         }
         st.dirty[page] = false;
         self.counters.evictions.fetch_add(1, Ordering::Relaxed);
-        Ok(())
+        Ok(addr)
     }
 
     /// Pages `first..first + count` are given back by the program (see `Region::release`).

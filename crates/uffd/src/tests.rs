@@ -474,3 +474,40 @@ fn system_calls_fault_pages_in() {
         assert_eq!(r.as_slice()[p * PAGE_SIZE + 7], fill(p, 1));
     }
 }
+
+/// The low-latency handler (polling for the next fault before sleeping) serves the same.
+#[test]
+fn a_spinning_handler_serves_faults() {
+    let cluster = LocalCluster::start(2, 8 << 20, false).unwrap();
+    let t = TcpTransport::connect(&cluster.addrs(), &ClientConfig::new());
+    let cfg = PagerConfig {
+        pages: PAGES as u64,
+        cache_pages: 32,
+        ..Default::default()
+    };
+    let options = RegionOptions {
+        spin: std::time::Duration::from_micros(50),
+        ..Default::default()
+    };
+    let mut r = Region::with_options(
+        Pager::new(cfg, t, MemDisk::default()),
+        PAGES * PAGE_SIZE,
+        32 * PAGE_SIZE,
+        options,
+    )
+    .unwrap();
+    for round in 1..3u8 {
+        let mem = r.as_mut_slice();
+        for p in 0..PAGES {
+            mem[p * PAGE_SIZE + 100] = fill(p, round);
+        }
+        for p in (0..PAGES).rev() {
+            assert_eq!(
+                r.as_slice()[p * PAGE_SIZE + 100],
+                fill(p, round),
+                "page {p}"
+            );
+        }
+    }
+    assert_eq!(RegionCounters::get(&r.counters().errors), 0);
+}
