@@ -65,7 +65,7 @@ use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
-use userfaultfd::{Event, FaultKind, RegisterMode, Uffd};
+use userfaultfd::{Event, FaultKind, ReadWrite, RegisterMode, Uffd};
 
 #[derive(Debug, thiserror::Error)]
 pub enum RegionError {
@@ -142,6 +142,9 @@ impl RegionCounters {
         (n > 0).then(|| Self::get(&self.prefetch_hits) as f64 / n as f64)
     }
 }
+
+/// A page of zeros to install for a write to a page never written.
+static ZEROS: [u8; PAGE_SIZE] = [0; PAGE_SIZE];
 
 /// The most victims dropped together (see `Shared::make_room`).
 const EVICT_BATCH: usize = 32;
@@ -265,6 +268,16 @@ fn copy_write_protected(
     page: &[u8],
     dst: *mut c_void,
 ) -> Result<(), rustix::io::Errno> {
+    copy_page(uffd, page, dst, true)
+}
+
+/// Installs `page` at `dst` and wakes the faulting threads, write-protected or not.
+fn copy_page(
+    uffd: &Uffd,
+    page: &[u8],
+    dst: *mut c_void,
+    protect: bool,
+) -> Result<(), rustix::io::Errno> {
     use std::os::fd::AsRawFd;
     const UFFDIO_COPY_MODE_WP: u64 = 1 << 1;
     /// `struct uffdio_copy` of linux/userfaultfd.h.
@@ -281,7 +294,7 @@ fn copy_write_protected(
         dst: dst as u64,
         src: page.as_ptr() as u64,
         len: PAGE_SIZE as u64,
-        mode: UFFDIO_COPY_MODE_WP,
+        mode: if protect { UFFDIO_COPY_MODE_WP } else { 0 },
         copy: 0,
     };
     // SAFETY: the descriptor is the Uffd's, open for the call.
@@ -477,6 +490,9 @@ where
                 prefetch_window,
                 pbuf: Vec::new(),
                 drops: Vec::new(),
+                protected_fetches: 0,
+                written_after_fetch: 0,
+                skipped_protection: 0,
             }),
             pidfd: rustix::process::pidfd_open(
                 rustix::process::getpid(),
@@ -670,6 +686,31 @@ struct State<T: Transport, D: Disk> {
     pbuf: Vec<u8>,
     /// Victims chosen and not dropped yet (see `make_room`), kept to reuse its allocation.
     drops: Vec<(usize, usize, bool)>,
+    /// Fetched pages installed write-protected, and how many of them were written later:
+    /// whether protecting fetched pages pays (see `protect_fetched`). Halved now and then.
+    protected_fetches: u32,
+    written_after_fetch: u32,
+    skipped_protection: u32,
+}
+
+impl<T: Transport, D: Disk> State<T, D> {
+    /// Whether to install the next fetched page write-protected: while fewer than half of
+    /// the protected ones were written afterwards, and one in 16 otherwise, to notice when
+    /// that changes.
+    fn protect_fetched(&mut self) -> bool {
+        if self.protected_fetches >= 512 {
+            self.protected_fetches /= 2;
+            self.written_after_fetch /= 2;
+        }
+        self.skipped_protection = self.skipped_protection.wrapping_add(1);
+        let pays =
+            self.protected_fetches < 16 || self.written_after_fetch * 2 < self.protected_fetches;
+        let protect = pays || self.skipped_protection.is_multiple_of(16);
+        if protect {
+            self.protected_fetches += 1;
+        }
+        protect
+    }
 }
 
 impl<T: Transport, D: Disk> Shared<T, D> {
@@ -765,7 +806,7 @@ impl<T: Transport, D: Disk> Shared<T, D> {
     }
 
     fn handle(&self, st: &mut State<T, D>, event: Event) {
-        let Event::Pagefault { kind, addr, .. } = event else {
+        let Event::Pagefault { kind, rw, addr, .. } = event else {
             // Only page faults were asked for (no fork, remap, remove or unmap events).
             return;
         };
@@ -773,7 +814,7 @@ impl<T: Transport, D: Disk> Shared<T, D> {
         debug_assert!(page < self.pages);
         let addr = self.base.page(page);
         match kind {
-            FaultKind::Missing => self.missing(st, page),
+            FaultKind::Missing => self.missing(st, page, rw == ReadWrite::Write),
             FaultKind::WriteProtected if st.clock.is_sampled(page as u64) => {
                 // A write to a clean page that was sampled after the fault was raised: the
                 // page is aside now. Dirty from now on; the woken writer faults again and gets
@@ -787,6 +828,7 @@ impl<T: Transport, D: Disk> Shared<T, D> {
                 // now on it differs from its remote copy.
                 self.counters.first_writes.fetch_add(1, Ordering::Relaxed);
                 st.dirty[page] = true;
+                st.written_after_fetch += 1;
                 if let Err(e) = self.uffd.remove_write_protection(addr, PAGE_SIZE, true) {
                     tracing::error!("unprotecting page {page}: {e}");
                     self.counters.errors.fetch_add(1, Ordering::Relaxed);
@@ -804,11 +846,12 @@ impl<T: Transport, D: Disk> Shared<T, D> {
         }
     }
 
-    fn missing(&self, st: &mut State<T, D>, page: usize) {
+    /// A missing-page fault on `page`; `write`: the access was a write.
+    fn missing(&self, st: &mut State<T, D>, page: usize, write: bool) {
         self.counters.faults.fetch_add(1, Ordering::Relaxed);
         let addr = self.base.page(page);
         if st.clock.is_sampled(page as u64) {
-            return self.sampled_fault(st, page);
+            return self.sampled_fault(st, page, write);
         }
         if st.clock.is_resident(page as u64) {
             // Installed by an earlier fault of another thread: only wake this one.
@@ -833,10 +876,20 @@ impl<T: Transport, D: Disk> Shared<T, D> {
                 return;
             }
         }
+        // A fetched page equals its remote copy until written: installed write-protected, its
+        // first write is seen, and if there is none it is evicted without I/O. That costs a
+        // second fault for every page that is written after all, so it is done only while it
+        // pays: not for a write fault, and not while most fetched pages get written.
+        let protect = written && !write && st.protect_fetched();
         // The errno of a failed install.
         let result: Result<(), i32> = if written {
             self.counters.fetches.fetch_add(1, Ordering::Relaxed);
-            copy_write_protected(&self.uffd, &st.buf, addr).map_err(|e| e.raw_os_error())
+            copy_page(&self.uffd, &st.buf, addr, protect).map_err(|e| e.raw_os_error())
+        } else if write {
+            // Written at once: a page of zeros, writable, rather than the shared zero page and
+            // a copy-on-write fault right after.
+            self.counters.zero_fills.fetch_add(1, Ordering::Relaxed);
+            copy_page(&self.uffd, &ZEROS, addr, false).map_err(|e| e.raw_os_error())
         } else {
             self.counters.zero_fills.fetch_add(1, Ordering::Relaxed);
             // SAFETY: `addr` is a page of the registered range.
@@ -865,11 +918,10 @@ impl<T: Transport, D: Disk> Shared<T, D> {
                 return;
             }
         }
-        // A fetched page equals its remote copy until written: it was installed
-        // write-protected, so that the first write is seen and an unwritten page is evicted
-        // without I/O. (A zero fill needs no tracking: the kernel maps the shared zero page, a
-        // write replaces it, and eviction finds out by looking whether it is still all zeros.)
-        st.dirty[page] = !written;
+        // Only a protected page is known clean. (A zero fill needs no tracking: the kernel
+        // maps the shared zero page, a write replaces it, and eviction finds out by looking
+        // whether it is still all zeros.)
+        st.dirty[page] = !protect;
         st.clock.insert(page as u64);
         // The faulting thread runs again: evicting is off its path (the region holds one page
         // over its budget meanwhile), and so is fetching what the trend says comes next.
@@ -879,8 +931,12 @@ impl<T: Transport, D: Disk> Shared<T, D> {
     }
 
     /// A sampled page was touched: it was in use after all. Put it back where it was.
-    fn sampled_fault(&self, st: &mut State<T, D>, page: usize) {
+    fn sampled_fault(&self, st: &mut State<T, D>, page: usize, write: bool) {
         self.counters.sample_faults.fetch_add(1, Ordering::Relaxed);
+        if write {
+            // About to be written: back writable, dirty, without a write-protect fault.
+            st.dirty[page] = true;
+        }
         let shadow = self.shadow.expect("sampled pages live in the shadow");
         let (aside, addr) = (shadow.page(page), self.base.page(page));
         // SAFETY: a sampled page is present in the shadow, which nothing but this handler

@@ -84,8 +84,10 @@ fn pages_only_read_are_evicted_without_io() {
         writes_before,
         "clean pages are dropped, not stored"
     );
-    // A write to a fetched page is seen: that page is stored again when evicted.
+    // A write to a fetched page is seen (a write-protect fault: it was fetched by a read and
+    // installed protected): that page is stored again when evicted.
     let mem = r.as_mut_slice();
+    assert_eq!(std::hint::black_box(mem[0]), fill(0, 1));
     mem[0] = 0xee;
     for p in 1..PAGES {
         std::hint::black_box(mem[p * PAGE_SIZE]);
@@ -510,4 +512,30 @@ fn a_spinning_handler_serves_faults() {
         }
     }
     assert_eq!(RegionCounters::get(&r.counters().errors), 0);
+}
+
+/// When most fetched pages get written, fetched pages stop being installed write-protected
+/// (that would cost a second fault each), and every write still reaches the servers.
+#[test]
+fn write_protection_is_dropped_when_it_does_not_pay() {
+    let cluster = LocalCluster::start(2, 8 << 20, false).unwrap();
+    let mut r = region(&cluster, 32);
+    for round in 1..4u8 {
+        let mem = r.as_mut_slice();
+        for p in 0..PAGES {
+            // Read, then write: each fetch is a read fault.
+            let at = p * PAGE_SIZE + 8;
+            let was = mem[at];
+            assert!(round == 1 || was == fill(p, round - 1), "page {p}");
+            mem[at] = fill(p, round);
+        }
+    }
+    let c = r.counters();
+    let (fetches, first_writes) = (
+        RegionCounters::get(&c.fetches),
+        RegionCounters::get(&c.first_writes),
+    );
+    assert!(fetches > 900, "{c:?}");
+    assert!(first_writes * 4 < fetches, "{c:?}");
+    assert!((0..PAGES).all(|p| r.as_slice()[p * PAGE_SIZE + 8] == fill(p, 3)));
 }
