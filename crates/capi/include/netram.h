@@ -31,8 +31,9 @@ struct netram_counters {
     uint64_t evicted_clean;  /* ... of which unchanged since fetched: dropped, no I/O */
     uint64_t samples;        /* pages sampled for the LRU approximation */
     uint64_t sample_faults;  /* ... touched again (the approximation's cost) */
-    uint64_t prefetched;     /* pages fetched ahead of their fault */
-    uint64_t prefetch_hits;  /* ... that were then used */
+    uint64_t prefetched;     /* pages fetched ahead and left to be faulted on */
+    uint64_t prefetch_hits;  /* ... that were then used (the prefetcher's hit rate) */
+    uint64_t prefetch_installed; /* pages fetched ahead and mapped at once (no fault) */
     uint64_t released;       /* pages given back by netram_free */
     uint64_t errors;         /* faults that could not be served at once (retried) */
     uint64_t resident_bytes; /* in local memory now */

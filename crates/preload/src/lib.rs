@@ -228,6 +228,7 @@ extern "C" fn at_exit() {
             "sample_faults": c.sample_faults,
             "prefetched": c.prefetched,
             "prefetch_hits": c.prefetch_hits,
+            "prefetch_installed": c.prefetch_installed,
             "released": c.released,
             "errors": c.errors,
             "resident_bytes": c.resident_bytes,

@@ -113,10 +113,13 @@ pub struct RegionCounters {
     pub evicted_clean: AtomicU64,
     /// First writes to fetched pages (write-protect faults that mark a page dirty).
     pub first_writes: AtomicU64,
-    /// Pages fetched ahead of their fault by the prefetcher.
+    /// Pages fetched ahead by the prefetcher and left in the pager's cache to be faulted on.
     pub prefetched: AtomicU64,
-    /// ... of which faulted on later (served from the pager's cache).
+    /// ... of which faulted on later (served from the pager's cache): the hit rate.
     pub prefetch_hits: AtomicU64,
+    /// Pages fetched ahead and installed at once (three in four), so that a scan does not
+    /// fault on them.
+    pub prefetch_installed: AtomicU64,
     /// Pages taken out of the page tables to see whether they are used (`UFFDIO_MOVE`).
     pub samples: AtomicU64,
     /// ... that were touched again (a missing fault, counted in `faults` too): the price of
@@ -148,6 +151,10 @@ static ZEROS: [u8; PAGE_SIZE] = [0; PAGE_SIZE];
 
 /// The most victims dropped together (see `Shared::make_room`).
 const EVICT_BATCH: usize = 32;
+
+/// One prefetched page in this many is left to be faulted on, to measure the hit rate; the
+/// others are installed at once.
+const PREFETCH_CHECK: usize = 4;
 
 /// The most pages fetched ahead at one fault.
 const MAX_PREFETCH: usize = 16;
@@ -493,6 +500,7 @@ where
                 protected_fetches: 0,
                 written_after_fetch: 0,
                 skipped_protection: 0,
+                prefetch_seq: 0,
             }),
             pidfd: rustix::process::pidfd_open(
                 rustix::process::getpid(),
@@ -691,6 +699,8 @@ struct State<T: Transport, D: Disk> {
     protected_fetches: u32,
     written_after_fetch: u32,
     skipped_protection: u32,
+    /// Pages prefetched so far: every PREFETCH_CHECK-th is left to be faulted on.
+    prefetch_seq: u64,
 }
 
 impl<T: Transport, D: Disk> State<T, D> {
@@ -1205,12 +1215,40 @@ impl<T: Transport, D: Disk> Shared<T, D> {
             tracing::debug!("prefetching {wanted:?}: {e}");
             return;
         }
-        self.counters
-            .prefetched
-            .fetch_add(wanted.len() as u64, Ordering::Relaxed);
-        for p in wanted {
+        // Most fetched pages are installed at once, so that a scan along them does not fault
+        // at all (the kernel's swap readahead still takes a minor fault per page; a fault
+        // here is a round trip to this thread). One in PREFETCH_CHECK is left in the pager's
+        // cache to be faulted on: whether those are used is the prefetcher's hit rate, and its
+        // depth follows it.
+        let mut installed = 0;
+        for (i, &p) in wanted.iter().enumerate() {
+            st.prefetch_seq = st.prefetch_seq.wrapping_add(1);
+            if !st.prefetch_seq.is_multiple_of(PREFETCH_CHECK as u64) {
+                let protect = st.protect_fetched();
+                let data = &st.pbuf[i * PAGE_SIZE..(i + 1) * PAGE_SIZE];
+                match copy_page(&self.uffd, data, self.base.page(p as usize), protect) {
+                    Ok(()) => {
+                        st.dirty[p as usize] = !protect;
+                        st.clock.insert(p);
+                        installed += 1;
+                        continue;
+                    }
+                    // Faulted in meanwhile, or the mapping is changing: leave it to faults.
+                    Err(e) => tracing::debug!("installing prefetched page {p}: {e}"),
+                }
+            }
             st.prefetched.insert(p);
             st.prefetch_order.push_back(p);
+        }
+        self.counters
+            .prefetch_installed
+            .fetch_add(installed, Ordering::Relaxed);
+        self.counters
+            .prefetched
+            .fetch_add(wanted.len() as u64 - installed, Ordering::Relaxed);
+        if installed > 0 {
+            let keep = st.budget;
+            self.make_room(st, keep);
         }
         // The pager's cache holds only so many: older guesses not used by now are taken as
         // wasted (the cache has probably evicted them).
