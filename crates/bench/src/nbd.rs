@@ -80,6 +80,7 @@ fn cpu_of(pids: &[u32]) -> f64 {
 }
 
 pub fn run(opts: &Options) -> anyhow::Result<String> {
+    crate::process::catch_interrupts()?;
     let machine = Machine::describe();
     eprintln!("bench nbd on {}", machine.one_line());
     let mut skipped: Vec<String> = Vec::new();
@@ -580,6 +581,8 @@ pub(crate) fn run_workload(
         });
     }
     if config != "local" {
+        // (Its OOM killer stays on: with it off, a quicksort that reclaim could not keep up
+        // with waited in the cgroup's OOM state for good, nothing else there to free memory.)
         std::fs::write(cg.join("memory.limit_in_bytes"), (w / 4).to_string())?;
     }
     let exe = exe.display().to_string();
@@ -604,6 +607,7 @@ pub(crate) fn run_workload(
             started.elapsed() < timeout,
             "{config}: {args:?} did not finish in {timeout:?}"
         );
+        anyhow::ensure!(!crate::process::interrupted(), "interrupted");
         std::thread::sleep(Duration::from_millis(200));
     };
     let local_cpu = cpu_of(&dev.local_pids) - local_cpu0;
@@ -668,6 +672,7 @@ fn swap_matrix(
         if !opts.configs.is_empty() && !opts.configs.iter().any(|c| c == config) {
             continue;
         }
+        anyhow::ensure!(!crate::process::interrupted(), "interrupted");
         eprintln!("swap: setting up {config} ...");
         let dev = match setup(config, working_set(opts), &opts.netram_exe, &dir) {
             Ok(d) => d,

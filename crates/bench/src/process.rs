@@ -166,3 +166,24 @@ pub fn swap_used(device: &str) -> u64 {
         .and_then(|l| l.split_whitespace().nth(3)?.parse::<u64>().ok())
         .map_or(0, |kib| kib * 1024)
 }
+
+static INTERRUPTED: std::sync::OnceLock<std::sync::Arc<std::sync::atomic::AtomicBool>> =
+    std::sync::OnceLock::new();
+
+/// From now on SIGINT and SIGTERM only set a flag ([`interrupted`]) that the benchmarks'
+/// waiting loops check, so that they stop through their guards: swap devices, loop devices,
+/// mounts, cgroups and child processes are undone rather than left behind.
+pub fn catch_interrupts() -> anyhow::Result<()> {
+    let flag = INTERRUPTED.get_or_init(Default::default);
+    for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
+        signal_hook::flag::register(sig, flag.clone())?;
+    }
+    Ok(())
+}
+
+/// Whether SIGINT or SIGTERM arrived since [`catch_interrupts`].
+pub fn interrupted() -> bool {
+    INTERRUPTED
+        .get()
+        .is_some_and(|f| f.load(std::sync::atomic::Ordering::Relaxed))
+}

@@ -197,6 +197,7 @@ fn bounded(cmd: &mut Command, timeout: Duration) -> anyhow::Result<String> {
             break s;
         }
         anyhow::ensure!(started.elapsed() < timeout, "{cmd:?} ran over {timeout:?}");
+        anyhow::ensure!(!crate::process::interrupted(), "interrupted");
         std::thread::sleep(Duration::from_millis(20));
     };
     let mut out = String::new();
@@ -344,6 +345,7 @@ fn remote_fault_latency_placed(
 }
 
 pub fn run(opts: &Options) -> anyhow::Result<String> {
+    crate::process::catch_interrupts()?;
     let machine = Machine::describe();
     eprintln!("bench uffd on {}", machine.one_line());
     let w = opts
@@ -389,6 +391,8 @@ pub fn run(opts: &Options) -> anyhow::Result<String> {
                 Ok(v) => {
                     workloads.entry(workload).or_default().insert(way.key(), v);
                 }
+                // Stop at once, the guards undoing what was set up.
+                Err(_) if crate::process::interrupted() => anyhow::bail!("interrupted"),
                 Err(e) => skipped.push(format!("{workload}.{}: failed: {e:#}", way.key())),
             }
         }

@@ -106,6 +106,9 @@ fn a_c_program_runs_on_netram() {
     );
     assert_ran(&out, "alloc_mix");
     assert!(String::from_utf8_lossy(&out.stdout).contains("alloc_mix: ok"));
+    // Its forked child that touched netram memory was told why it died.
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("fork without exec is not supported"), "{err}");
     let r = report(&rep);
     let g = |k: &str| r[k].as_u64().unwrap_or_else(|| panic!("{k} in {r}"));
     // 24 + 24 + 8 + 8 + 16 MiB written through a 4 MiB budget: most of it went out and came

@@ -191,6 +191,9 @@ fn start() -> anyhow::Result<bool> {
         cfg.size,
         cfg.budget,
     )?;
+    let start = heap.region().as_ptr() as usize;
+    REGION_START.store(start, Ordering::Relaxed);
+    REGION_END.store(start + heap.region().len(), Ordering::Relaxed);
     let _ = HEAP.set(heap);
     THRESHOLD.store(cfg.threshold, Ordering::Release);
     // SAFETY: registering plain functions with the C library; they only touch atomics and
@@ -202,8 +205,55 @@ fn start() -> anyhow::Result<bool> {
     Ok(true)
 }
 
+/// The region's address range, for the SIGSEGV message of a forked child.
+static REGION_START: AtomicUsize = AtomicUsize::new(0);
+static REGION_END: AtomicUsize = AtomicUsize::new(0);
+
+/// The SIGSEGV action the child had before `after_fork_in_child`, restored by `on_segv`.
+static mut PREVIOUS_SEGV: std::mem::MaybeUninit<libc::sigaction> = std::mem::MaybeUninit::zeroed();
+
 extern "C" fn after_fork_in_child() {
     IN_CHILD.store(true, Ordering::Relaxed);
+    // The child has no region (it is not inherited): a touch of netram memory is a SIGSEGV.
+    // Say why before it ends the child.
+    // SAFETY: sigaction with a handler that only calls async-signal-safe functions; the
+    // previous action is written to PREVIOUS_SEGV, which only this child's signal handler
+    // reads, after this returns (fork handlers run on the child's only thread).
+    unsafe {
+        let mut sa: libc::sigaction = std::mem::zeroed();
+        sa.sa_sigaction = on_segv as *const () as usize;
+        sa.sa_flags = libc::SA_SIGINFO;
+        libc::sigemptyset(&mut sa.sa_mask);
+        libc::sigaction(
+            libc::SIGSEGV,
+            &sa,
+            std::ptr::addr_of_mut!(PREVIOUS_SEGV).cast(),
+        );
+    }
+}
+
+extern "C" fn on_segv(_: c_int, info: *mut libc::siginfo_t, _: *mut c_void) {
+    // SAFETY: the kernel passes a valid siginfo for SA_SIGINFO handlers.
+    let addr = unsafe { (*info).si_addr() } as usize;
+    let ours =
+        (REGION_START.load(Ordering::Relaxed)..REGION_END.load(Ordering::Relaxed)).contains(&addr);
+    if ours {
+        const MSG: &[u8] = b"netram: this process was forked from one whose memory is on netram, \
+and a forked child does not inherit that memory: fork without exec is not supported under \
+netram run (the child touched it and dies of SIGSEGV)\n";
+        // SAFETY: write(2) is async-signal-safe; MSG is static.
+        unsafe { libc::write(2, MSG.as_ptr().cast(), MSG.len()) };
+    }
+    // Back to the action the child had; returning re-runs the access, which then gets it
+    // (by default, death by SIGSEGV).
+    // SAFETY: PREVIOUS_SEGV was written by sigaction in after_fork_in_child.
+    unsafe {
+        libc::sigaction(
+            libc::SIGSEGV,
+            std::ptr::addr_of!(PREVIOUS_SEGV).cast(),
+            std::ptr::null_mut(),
+        )
+    };
 }
 
 /// Writes this process's counters to `$NETRAM_REPORT/<pid>.json`.

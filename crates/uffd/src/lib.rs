@@ -6,28 +6,34 @@
 //! which it cites). A [`Region`] maps anonymous memory and registers it with userfaultfd; a
 //! handler thread serves its faults through the core's pager:
 //!
-//! * a page never written is installed as the zero page, without a network round trip;
+//! * a page never written is installed as the zero page (or, for a write, a page of zeros),
+//!   without a network round trip;
 //! * a page that was evicted is fetched from its server and installed with `UFFDIO_COPY`;
-//! * when more than `budget` pages are resident, a victim is evicted. Victims are chosen by
-//!   CLOCK over sampled accesses (`netram_policy::clock`; GMS §4.2 sampled by flushing TLB
-//!   entries): the hand *samples* a used page by moving it aside with `UFFDIO_MOVE` (page-table
-//!   entries only, no copy) into a shadow mapping; if the program touches it again, the fault
-//!   puts it back and it was referenced; if it is still aside when the hand comes round, it is
-//!   the victim, and since no thread can reach it there it is copied out and stored without
-//!   further ado. A victim still mapped (the hand samples at most 8 pages per victim) is
-//!   write-protected first (`UFFDIO_WRITEPROTECT`), so that a write racing with the copy-out
-//!   blocks instead of being lost, then copied to the pager (an all-zero page is discarded:
-//!   stored as nothing), then dropped with `MADV_DONTNEED`; the writer, woken afterwards,
-//!   faults again and gets the page back. The price of sampling is one extra fault per
-//!   sampled page still in use (`sample_faults`), measured by `netram bench uffd`;
-//!   `victims_approximate_lru` in the tests compares the misses with exact LRU and FIFO on
-//!   one trace;
-//! * a fetched page is installed write-protected: its first write is a write-protect fault that
-//!   marks it dirty and lifts the protection, and a page never written since its fetch is
-//!   evicted by dropping it, without copying or sending anything (its remote copy is current);
+//! * when more than `budget` pages are resident, victims are evicted, after the faulting
+//!   thread is woken and in batches whose pages leave together (one `process_madvise`, one
+//!   TLB shootdown). Victims are chosen by CLOCK over sampled accesses
+//!   (`netram_policy::clock`; GMS §4.2 sampled by flushing TLB entries): the hand *samples* a
+//!   used page by moving it aside with `UFFDIO_MOVE` (page-table entries only, no copy) into
+//!   a shadow mapping; if the program touches it again, the fault puts it back and it was
+//!   referenced; if it is still aside when the hand comes round, it is the victim, and since
+//!   no thread can reach it there it is copied out and stored without further ado. A victim
+//!   still mapped (the hand samples at most 8 pages per victim) is write-protected first
+//!   (`UFFDIO_WRITEPROTECT`), so that a write racing with the copy-out blocks instead of being
+//!   lost, then copied to the pager (an all-zero page is discarded: stored as nothing), then
+//!   dropped; the writer, woken afterwards, faults again and gets the page back. The price of
+//!   sampling is one extra fault per sampled page still in use (`sample_faults`), measured by
+//!   `netram bench uffd`; `victims_approximate_lru` in the tests compares the misses with
+//!   exact LRU and FIFO on one trace;
+//! * a page fetched by a read is installed write-protected while that pays: its first write
+//!   is then a write-protect fault that marks it dirty and lifts the protection, and a page
+//!   never written since its fetch is evicted by dropping it, without copying or sending
+//!   anything (its remote copy is current). When most fetched pages get written anyway, the
+//!   second fault costs more than the write-backs it saves, and fetched pages are installed
+//!   writable (one in 16 still protected, to notice a change);
 //! * after each fault, the pages a trend detector (`netram_policy::prefetch`, after Leap)
-//!   expects next are fetched into the pager's cache with one pipelined read, so that
-//!   sequential and strided scans fault without waiting for the network; hits are counted.
+//!   expects next are fetched with one pipelined read; three in four are mapped at once, so
+//!   that a sequential or strided scan does not fault on them at all, and one in four waits
+//!   in the pager's cache to be faulted on: whether those are used is the hit rate, counted.
 //!
 //! Hazards handled here: `EEXIST` from `UFFDIO_COPY`/`ZEROPAGE` (two threads faulted the same
 //! page; the first fault installed it: the second is only woken); `EAGAIN` (the region is
@@ -129,6 +135,10 @@ pub struct RegionCounters {
     pub sample_failures: AtomicU64,
     /// Pages given back by the program (`release`).
     pub released: AtomicU64,
+    /// Resident pages the program dropped behind the region's back (`madvise(MADV_DONTNEED)`
+    /// by system call): found on their next fault, they read as zeros, as anonymous memory
+    /// does.
+    pub dropped_by_program: AtomicU64,
     /// Faults the handler could not serve (the pager failed): the faulting thread is woken and
     /// faults again; the error is logged.
     pub errors: AtomicU64,
@@ -864,12 +874,7 @@ impl<T: Transport, D: Disk> Shared<T, D> {
             return self.sampled_fault(st, page, write);
         }
         if st.clock.is_resident(page as u64) {
-            // Installed by an earlier fault of another thread: only wake this one.
-            self.counters
-                .already_present
-                .fetch_add(1, Ordering::Relaxed);
-            let _ = self.uffd.wake(addr, PAGE_SIZE);
-            return;
+            return self.resident_fault(st, page);
         }
         if st.prefetched.remove(&(page as u64)) {
             // Fetched ahead: the pager serves it from its cache, without a round trip.
@@ -938,6 +943,37 @@ impl<T: Transport, D: Disk> Shared<T, D> {
         let keep = st.budget;
         self.make_room(st, keep);
         self.prefetch(st, page);
+    }
+
+    /// A missing fault on a page believed resident. Usually a second thread's fault on a page
+    /// the first one's brought in (the event was queued before the install): only wake it.
+    /// But the program may have dropped the page itself (`madvise(MADV_DONTNEED)` through a
+    /// raw system call, unseen by `release`): the page then reads as zeros, as anonymous
+    /// memory does, and its remote copy is stale. Installing zeros tells the two apart: the
+    /// kernel refuses (EEXIST) if the page is there. Without this, the thread would fault
+    /// forever on a page the handler believes present.
+    fn resident_fault(&self, st: &mut State<T, D>, page: usize) {
+        let addr = self.base.page(page);
+        // SAFETY: `addr` is a page of the registered range.
+        match unsafe { self.uffd.zeropage(addr, PAGE_SIZE, true) } {
+            Ok(_) => {
+                self.counters
+                    .dropped_by_program
+                    .fetch_add(1, Ordering::Relaxed);
+                st.dirty[page] = true;
+                if st.pager.is_written(page as u64) {
+                    if let Err(e) = st.pager.discard(page as u64) {
+                        tracing::warn!("deleting page {page} the program dropped: {e}");
+                    }
+                }
+            }
+            Err(_) => {
+                self.counters
+                    .already_present
+                    .fetch_add(1, Ordering::Relaxed);
+                let _ = self.uffd.wake(addr, PAGE_SIZE);
+            }
+        }
     }
 
     /// A sampled page was touched: it was in use after all. Put it back where it was.

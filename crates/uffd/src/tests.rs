@@ -552,3 +552,30 @@ fn write_protection_is_dropped_when_it_does_not_pay() {
     assert!(first_writes * 4 < fetches, "{c:?}");
     assert!((0..PAGES).all(|p| r.as_slice()[p * PAGE_SIZE + 8] == fill(p, 3)));
 }
+
+/// A page the program drops itself with madvise(MADV_DONTNEED) reads as zeros afterwards, as
+/// anonymous memory does, instead of faulting forever on a page the handler believes present.
+#[test]
+fn pages_the_program_drops_read_as_zeros() {
+    let cluster = LocalCluster::start(1, 8 << 20, false).unwrap();
+    let mut r = region(&cluster, 16);
+    let mem = r.as_mut_slice();
+    for p in 0..8 {
+        mem[p * PAGE_SIZE..(p + 1) * PAGE_SIZE].fill(fill(p, 1));
+    }
+    // SAFETY: pages 2..4 of the region, which this test owns; dropping them is the point.
+    unsafe {
+        rustix::mm::madvise(
+            r.as_ptr().add(2 * PAGE_SIZE).cast(),
+            2 * PAGE_SIZE,
+            rustix::mm::Advice::LinuxDontNeed,
+        )
+    }
+    .unwrap();
+    let mem = r.as_slice();
+    assert!(mem[2 * PAGE_SIZE..4 * PAGE_SIZE].iter().all(|&b| b == 0));
+    assert!(mem[4 * PAGE_SIZE..5 * PAGE_SIZE]
+        .iter()
+        .all(|&b| b == fill(4, 1)));
+    assert_eq!(RegionCounters::get(&r.counters().dropped_by_program), 2);
+}
