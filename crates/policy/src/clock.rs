@@ -18,6 +18,11 @@
 //! and names the page at the hand anyway (unsampled: the caller evicts it the plain way). That
 //! bounds the work of one eviction, at the price of FIFO behaviour when everything is hot.
 //!
+//! Sampling pays only when sampled pages are touched again often enough; [`SamplingGate`]
+//! turns it off while they are not (a uniform random or a scanning workload, where every
+//! sample is a page-table change and a tenth of them an extra fault, for no fewer misses) and
+//! tries again now and then.
+//!
 //! Pure: the caller moves pages and reports failures ([`Clock::unsample`]).
 
 use std::collections::VecDeque;
@@ -64,6 +69,15 @@ impl Clock {
             resident: 0,
             max_samples,
         }
+    }
+
+    /// Changes how many pages the hand may sample per victim (0: none, first in, first out).
+    pub fn set_max_samples(&mut self, max_samples: usize) {
+        self.max_samples = max_samples;
+    }
+
+    pub fn max_samples(&self) -> usize {
+        self.max_samples
     }
 
     /// Resident pages, sampled or not.
@@ -153,6 +167,62 @@ impl Clock {
                 }
             }
         }
+    }
+}
+
+/// Whether sampling pays: the share of sampled pages touched again, over windows of
+/// [`SamplingGate::WINDOW`] samples. Below [`SamplingGate::MIN_TOUCHED`] sampling goes off for
+/// `pause` evictions, then on again to measure anew.
+#[derive(Debug, Clone)]
+pub struct SamplingGate {
+    samples: u32,
+    touched: u32,
+    /// Evictions left before sampling resumes; 0 while it is on.
+    paused_for: usize,
+    pause: usize,
+}
+
+impl SamplingGate {
+    pub const WINDOW: u32 = 1024;
+    /// Touched again: per thousand samples.
+    pub const MIN_TOUCHED: u32 = 200;
+
+    /// `pause`: evictions without sampling after a window in which it did not pay.
+    pub fn new(pause: usize) -> Self {
+        Self {
+            samples: 0,
+            touched: 0,
+            paused_for: 0,
+            pause,
+        }
+    }
+
+    pub fn is_on(&self) -> bool {
+        self.paused_for == 0
+    }
+
+    pub fn sampled(&mut self) {
+        self.samples += 1;
+        if self.samples >= Self::WINDOW {
+            if self.touched * 1000 < self.samples * Self::MIN_TOUCHED {
+                self.paused_for = self.pause;
+            }
+            self.samples = 0;
+            self.touched = 0;
+        }
+    }
+
+    pub fn touched(&mut self) {
+        self.touched += 1;
+    }
+
+    /// An eviction; true when this one ends a pause.
+    pub fn evicted(&mut self) -> bool {
+        if self.paused_for == 0 {
+            return false;
+        }
+        self.paused_for -= 1;
+        self.paused_for == 0
     }
 }
 
@@ -275,6 +345,27 @@ mod tests {
         }
         assert_eq!(victims.len(), 99);
         assert!(victims.contains(&(0, true)));
+    }
+
+    #[test]
+    fn the_gate_pauses_sampling_that_does_not_pay() {
+        let mut g = SamplingGate::new(100);
+        // A hot set: half the samples are touched again; sampling stays on.
+        for i in 0..SamplingGate::WINDOW {
+            g.sampled();
+            if i % 2 == 0 {
+                g.touched();
+            }
+        }
+        assert!(g.is_on());
+        // A scan: nothing touched again; off for 100 evictions, then on again.
+        for _ in 0..SamplingGate::WINDOW {
+            g.sampled();
+        }
+        assert!(!g.is_on());
+        assert!((0..99).all(|_| !g.evicted()));
+        assert!(g.evicted());
+        assert!(g.is_on());
     }
 
     #[test]

@@ -60,7 +60,7 @@ pub mod heap;
 pub use alloc::NetramAlloc;
 pub use heap::RegionHeap;
 use netram_pager::{Disk, Pager, Transport};
-use netram_policy::clock::Clock;
+use netram_policy::clock::{Clock, SamplingGate};
 use netram_policy::prefetch::Prefetcher;
 use netram_proto::PAGE_SIZE;
 use rustix::event::{eventfd, poll, EventfdFlags, PollFd, PollFlags};
@@ -498,6 +498,9 @@ where
             state: Mutex::new(State {
                 pager,
                 clock: Clock::new(pages, if sampling { options.max_samples } else { 0 }),
+                // Paused for four turns of the budget.
+                gate: SamplingGate::new(4 * budget_pages),
+                max_samples: if sampling { options.max_samples } else { 0 },
                 dirty: vec![false; pages],
                 budget: budget_pages,
                 buf: vec![0u8; PAGE_SIZE],
@@ -690,6 +693,10 @@ struct State<T: Transport, D: Disk> {
     pager: Pager<T, D>,
     /// Resident pages and which of them are sampled: the LRU approximation.
     clock: Clock,
+    /// Whether sampling pays (see `netram_policy::clock::SamplingGate`), and how many pages
+    /// the hand samples per victim when it does.
+    gate: SamplingGate,
+    max_samples: usize,
     /// Whether a resident page may differ from its remote copy.
     dirty: Vec<bool>,
     /// Resident pages at most.
@@ -979,6 +986,7 @@ impl<T: Transport, D: Disk> Shared<T, D> {
     /// A sampled page was touched: it was in use after all. Put it back where it was.
     fn sampled_fault(&self, st: &mut State<T, D>, page: usize, write: bool) {
         self.counters.sample_faults.fetch_add(1, Ordering::Relaxed);
+        st.gate.touched();
         if write {
             // About to be written: back writable, dirty, without a write-protect fault.
             st.dirty[page] = true;
@@ -1043,6 +1051,10 @@ impl<T: Transport, D: Disk> Shared<T, D> {
                 match self.sample(p as usize) {
                     Ok(()) => {
                         self.counters.samples.fetch_add(1, Ordering::Relaxed);
+                        st.gate.sampled();
+                        if !st.gate.is_on() {
+                            st.clock.set_max_samples(0);
+                        }
                     }
                     Err(e) => {
                         self.counters
@@ -1061,6 +1073,10 @@ impl<T: Transport, D: Disk> Shared<T, D> {
                 self.evict_mapped(st, page)
                     .map(|a| (page, a as usize, true))
             };
+            if st.gate.evicted() {
+                let n = st.max_samples;
+                st.clock.set_max_samples(n);
+            }
             match evicted {
                 Ok(d) => drops.push(d),
                 Err(e) => {
