@@ -558,9 +558,11 @@ pub(crate) fn setup(config: &str, w: u64, exe: &Path, dir: &Path) -> anyhow::Res
 
 /// Runs one workload in a fresh memory cgroup (limited to W/4 unless `local`), sampling the
 /// configuration's memory while it runs.
+/// `limit`: the cgroup's memory limit; `None` for `local` (no limit).
 pub(crate) fn run_workload(
     exe: &Path,
     w: u64,
+    limit: Option<u64>,
     config: &str,
     dev: &SwapDevice,
     args: &[String],
@@ -580,10 +582,10 @@ pub(crate) fn run_workload(
             }
         });
     }
-    if config != "local" {
+    if let Some(limit) = limit {
         // (Its OOM killer stays on: with it off, a quicksort that reclaim could not keep up
         // with waited in the cgroup's OOM state for good, nothing else there to free memory.)
-        std::fs::write(cg.join("memory.limit_in_bytes"), (w / 4).to_string())?;
+        std::fs::write(cg.join("memory.limit_in_bytes"), limit.to_string())?;
     }
     let exe = exe.display().to_string();
     let mut child = ChildGuard::spawn(Command::new("sh").arg("-c").arg(format!(
@@ -706,6 +708,7 @@ fn swap_matrix(
                 match run_workload(
                     &opts.netram_exe,
                     working_set(opts),
+                    (config != "local").then_some(working_set(opts) / 4),
                     config,
                     &dev,
                     &args,

@@ -9,7 +9,8 @@
 //! * the bundled workloads (random read-modify-writes, quicksort) at 25 % local memory in the
 //!   low-latency mode, run ways: all local, `netram run` on three `netram serve` processes
 //!   (also with victims first in, first out: what access sampling buys), `netram run --backing
-//!   disk`, and as root the kernel's swap to a local disk file and to zram in a memory cgroup;
+//!   disk`, and as root the kernel's swap to a local disk file and to zram in a memory cgroup
+//!   (limited to a quarter of the working set plus what the process uses besides its data);
 //! * the prefetcher's hit rate on the quicksort.
 //!
 //! [`Way`] and [`run_way`] are shared with `netram demo`, which runs the same comparison
@@ -168,12 +169,23 @@ pub fn run_way(ctx: &Ctx, way: Way, args: &[String]) -> anyhow::Result<Value> {
             // The cgroup-v1 controller sometimes OOM-kills a program whose swap-ins it cannot
             // charge while reclaim waits on writeback (bench nbd saw it with every device):
             // up to three tries, counted.
+            let limit = ctx.working_set / 4 + workload_baseline(&ctx.exe, &ctx.dir)?;
             let mut last = None;
             for attempt in 0..3 {
                 let dev = setup(config, ctx.working_set, &ctx.exe, &ctx.dir)?;
-                match run_workload(&ctx.exe, ctx.working_set, config, &dev, args, timeout) {
+                let run = run_workload(
+                    &ctx.exe,
+                    ctx.working_set,
+                    Some(limit),
+                    config,
+                    &dev,
+                    args,
+                    timeout,
+                );
+                match run {
                     Ok(mut v) => {
                         v["oom_retries"] = json!(attempt);
+                        v["cgroup_limit_bytes"] = json!(limit);
                         if let Some(t) = v.get("total_seconds").cloned() {
                             v["seconds"] = t;
                         }
@@ -185,6 +197,29 @@ pub fn run_way(ctx: &Ctx, way: Way, args: &[String]) -> anyhow::Result<Value> {
             Err(last.expect("three attempts"))
         }
     }
+}
+
+/// The memory the workload process needs apart from its data (its peak in a cgroup when it
+/// sorts one page): added to the kernel swap's cgroup limit, so that the kernel has a quarter
+/// of the working set for data as `netram run` does (whose budget counts region pages only).
+fn workload_baseline(exe: &Path, dir: &Path) -> anyhow::Result<u64> {
+    static BASELINE: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    if let Some(&b) = BASELINE.get() {
+        return Ok(b);
+    }
+    let dev = setup("local", 0, exe, dir)?;
+    let args: Vec<String> = ["qsort", "4096", "1"].map(String::from).to_vec();
+    let v = run_workload(
+        exe,
+        4096,
+        None,
+        "local",
+        &dev,
+        &args,
+        Duration::from_secs(60),
+    )?;
+    let b = v["cgroup_peak_bytes"].as_u64().unwrap_or(0);
+    Ok(*BASELINE.get_or_init(|| b))
 }
 
 /// Runs `cmd` with its output captured, killed by PID after `timeout`; its stdout, if it

@@ -34,7 +34,7 @@ fn label(way: Way, local: u64) -> String {
         Way::Local => "all in local memory".into(),
         Way::Netram => format!("netram run, {mib} MiB local"),
         Way::NetramDisk => format!("netram run --backing disk, {mib} MiB"),
-        Way::SwapDisk => format!("kernel swap to disk, {mib} MiB"),
+        Way::SwapDisk => format!("kernel swap to disk, {mib} MiB for data"),
         other => other.key().into(),
     }
 }
@@ -140,9 +140,15 @@ pub fn run(args: DemoArgs) -> anyhow::Result<()> {
         Ok(()) => println!("\nwrote {} and {}", json_path.display(), svg.display()),
         Err(e) => println!("\nwrote {} (no plot: {e})", json_path.display()),
     }
+    // netram's own runs must succeed; the kernel's swap in a small memory cgroup is sometimes
+    // ended by the cgroup's OOM killer, which is reported above, not an error of the demo.
+    let netram_failed: Vec<&String> = skipped
+        .iter()
+        .filter(|s| s.contains("failed") && s.contains(".netram"))
+        .collect();
     anyhow::ensure!(
-        !skipped.iter().any(|s| s.contains("failed")),
-        "some runs failed: {skipped:?}"
+        netram_failed.is_empty(),
+        "netram runs failed: {netram_failed:?}"
     );
     Ok(())
 }
