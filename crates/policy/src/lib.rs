@@ -3,9 +3,11 @@
 //!
 //! For now: placement, which server takes a new page (Distributed Anemone, paper 001, §2.6);
 //! prefetching, which pages a userfaultfd region fetches before they fault (after Leap); and
-//! the clock, which resident page of a region goes out next (GMS, paper 002, §4.2). Later
-//! issues add GMS epochs and weights, recovery planning and capacity control here.
+//! the clock, which resident page of a region goes out next (GMS, paper 002, §4.2); and the
+//! redundancy schemes' arithmetic (Markatos, Nswap). Later issues add GMS epochs and weights,
+//! recovery planning and capacity control here.
 
 pub mod clock;
 pub mod placement;
 pub mod prefetch;
+pub mod redundancy;
