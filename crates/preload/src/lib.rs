@@ -29,7 +29,6 @@ use netram_node::disk::FileDisk;
 use netram_proto::PAGE_SIZE;
 use netram_uffd::RegionHeap;
 use std::alloc::{GlobalAlloc, Layout};
-use std::cell::Cell;
 use std::ffi::{c_int, c_void};
 use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU8, AtomicUsize, Ordering};
 use std::sync::OnceLock;
@@ -118,21 +117,8 @@ static THRESHOLD: AtomicUsize = AtomicUsize::new(usize::MAX);
 static IN_CHILD: AtomicBool = AtomicBool::new(false);
 static WARNED_FULL: AtomicBool = AtomicBool::new(false);
 
-thread_local! {
-    /// Set while this thread is inside the heap (or starting it).
-    static INSIDE: Cell<bool> = const { Cell::new(false) };
-}
-
-/// Runs `f` marked as inside the heap; `None` if this thread already is (or is exiting).
-fn enter<R>(f: impl FnOnce() -> R) -> Option<R> {
-    let was = INSIDE.try_with(|i| i.replace(true)).ok()?;
-    if was {
-        return None;
-    }
-    let r = f();
-    let _ = INSIDE.try_with(|i| i.set(false));
-    Some(r)
-}
+/// Inside the heap (or starting it), this thread's allocations go to the C library.
+use netram_uffd::alloc::enter;
 
 #[derive(Debug)]
 struct Config {

@@ -25,8 +25,10 @@ thread_local! {
     static INSIDE: Cell<bool> = const { Cell::new(false) };
 }
 
-/// Runs `f` marked as inside the heap; `None` if this thread already is.
-fn enter<R>(f: impl FnOnce() -> R) -> Option<R> {
+/// Runs `f` marked as inside the heap; `None` if this thread already is (or is exiting). An
+/// allocator that puts blocks on a region calls the heap through this, and sends the thread's
+/// other allocations elsewhere while it is inside (here and in `netram run`'s preload library).
+pub fn enter<R>(f: impl FnOnce() -> R) -> Option<R> {
     let was = INSIDE.try_with(|i| i.replace(true)).ok()?;
     if was {
         return None;
