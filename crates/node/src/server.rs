@@ -15,10 +15,10 @@
 use crate::framing::FrameBuffer;
 use crate::latency::{PmQos, DEFAULT_SPIN};
 use netram_proto::{
-    begin_get_reply, decode_request, get_reply_found, get_reply_missing, Counter, DecodeError,
-    DeleteStatus, ErrorCode, Hello, Load, PutStatus, Reply, Request, Welcome, WelcomeStatus,
-    HELLO_LEN, MAX_BATCH, MAX_FRAME_LEN, PAGE_SIZE, PROTOCOL_VERSION,
+    decode_request, DecodeError, Hello, Welcome, WelcomeStatus, HELLO_LEN, MAX_BATCH,
+    MAX_FRAME_LEN, PAGE_SIZE, PROTOCOL_VERSION,
 };
+use netram_store::serve::{self, Outcome};
 use netram_store::{SessionHandle, Store, StoreConfig, StoreError};
 use std::io::{self, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
@@ -278,18 +278,14 @@ impl Drop for Server {
 /// Gauges, the store's counters and the connection counters, in that order. The caller holds
 /// the store's lock (so a STATS request answers from inside its batch).
 fn stats_list(store: &Store<Arena>, shared: &Shared) -> Vec<(&'static str, u64)> {
-    let mut out = vec![
-        ("capacity_pages", store.capacity_pages()),
-        ("free_pages", store.free_pages()),
-        ("stored_pages", store.stored_pages()),
-        ("live_sessions", store.live_sessions() as u64),
-        ("meta_bytes", store.meta_bytes() as u64),
+    let mut out = serve::store_stats(store);
+    out.insert(
+        5,
         (
             "connections",
             shared.connections.load(Ordering::Relaxed) as u64,
         ),
-    ];
-    out.extend(store.counters().iter());
+    );
     out.extend(shared.counters.snapshot());
     out
 }
@@ -516,7 +512,8 @@ fn handle_frames(
         };
         served += 1;
         let rps = store.note_requests(1, now);
-        if handle_request(shared, &mut store, h, id, req, now, rps, out) {
+        let stats = |st: &Store<Arena>| stats_list(st, shared);
+        if serve::handle_request(&mut store, h, id, req, now, rps, out, stats) == Outcome::Closed {
             break Ok(true);
         }
     };
@@ -525,106 +522,4 @@ fn handle_frames(
         .requests_served
         .fetch_add(u64::from(served), Ordering::Relaxed);
     result
-}
-
-/// Runs one request and appends its reply. Returns true when the session was closed.
-#[allow(clippy::too_many_arguments)]
-fn handle_request(
-    shared: &Shared,
-    store: &mut Store<Arena>,
-    h: SessionHandle,
-    id: u64,
-    req: Request<'_>,
-    now: u64,
-    rps: u32,
-    out: &mut Vec<u8>,
-) -> bool {
-    let load = |s: &Store<Arena>| Load {
-        free_pages: s.free_pages(),
-        requests_per_s: rps,
-    };
-    let expired = |s: &Store<Arena>, out: &mut Vec<u8>| {
-        Reply::Error {
-            load: load(s),
-            code: ErrorCode::SessionExpired,
-            message: "the session's lease ran out; its pages were freed",
-        }
-        .encode(id, out);
-    };
-    match req {
-        Request::Put(pages) => {
-            let mut status = Vec::with_capacity(pages.len());
-            for p in &pages {
-                match store.put(h, p.key, p.version, p.crc, p.flags, p.data, now) {
-                    Ok(s) => status.push(s),
-                    Err(_) => {
-                        expired(store, out);
-                        return false;
-                    }
-                }
-            }
-            debug_assert!(status
-                .iter()
-                .all(|s| matches!(s, PutStatus::Stored | PutStatus::Full | PutStatus::BadKey)));
-            Reply::Put {
-                load: load(store),
-                status,
-            }
-            .encode(id, out);
-        }
-        Request::Get(keys) => {
-            if store.refresh(h, now).is_err() {
-                expired(store, out);
-                return false;
-            }
-            let l = load(store);
-            let mut w = begin_get_reply(out, id, l, keys.len());
-            for k in keys {
-                match store.get(h, k, now) {
-                    Ok(Some(p)) => get_reply_found(&mut w, &p.envelope(k)),
-                    _ => get_reply_missing(&mut w, k),
-                }
-            }
-            w.finish();
-        }
-        Request::Delete(keys) => {
-            let mut status = Vec::with_capacity(keys.len());
-            for k in keys {
-                match store.delete(h, k, now) {
-                    Ok(true) => status.push(DeleteStatus::Deleted),
-                    Ok(false) => status.push(DeleteStatus::Missing),
-                    Err(_) => {
-                        expired(store, out);
-                        return false;
-                    }
-                }
-            }
-            Reply::Delete {
-                load: load(store),
-                status,
-            }
-            .encode(id, out);
-        }
-        // One-way: an idle client does not read, so a reply would pile up in its socket.
-        Request::Refresh => {
-            let _ = store.refresh(h, now);
-        }
-        Request::Stats => {
-            let counters = stats_list(store, shared)
-                .into_iter()
-                .map(|(name, value)| Counter { name, value })
-                .collect();
-            Reply::Stats {
-                load: load(store),
-                counters,
-            }
-            .encode(id, out);
-        }
-        Request::Close => {
-            let _ = store.close(h);
-            Reply::Close { load: load(store) }.encode(id, out);
-            return true;
-        }
-    }
-    false
 }

@@ -3,10 +3,8 @@
 //! replies delivered out of order.
 
 use super::*;
-use netram_proto::{
-    begin_get_reply, decode_reply, decode_request, get_reply_found, get_reply_missing, Load,
-};
-use netram_store::{SessionHandle, Store, StoreConfig};
+use netram_proto::{decode_reply, decode_request};
+use netram_store::{serve, SessionHandle, Store, StoreConfig};
 use proptest::prelude::*;
 use std::collections::VecDeque;
 
@@ -51,64 +49,18 @@ impl MemCluster {
         }
     }
 
+    /// Runs a frame through the server's own request logic (`netram_store::serve`).
     fn serve(s: &mut MemServer, frame: &[u8]) -> Option<Vec<u8>> {
         let (id, req) = decode_request(frame).expect("the pager sends valid frames");
-        let h = s.session;
+        let is_get = matches!(req, Request::Get(_));
         let mut out = Vec::new();
-        let load = |st: &Store<Vec<u8>>| Load {
-            free_pages: st.free_pages(),
-            requests_per_s: 0,
-        };
-        match req {
-            Request::Put(pages) => {
-                let status = pages
-                    .iter()
-                    .map(|p| {
-                        s.store
-                            .put(h, p.key, p.version, p.crc, p.flags, p.data, 0)
-                            .unwrap()
-                    })
-                    .collect();
-                Reply::Put {
-                    load: load(&s.store),
-                    status,
-                }
-                .encode(id, &mut out);
-            }
-            Request::Get(keys) => {
-                let l = load(&s.store);
-                let mut w = begin_get_reply(&mut out, id, l, keys.len());
-                for k in keys {
-                    match s.store.get(h, k, 0).unwrap() {
-                        Some(p) => get_reply_found(&mut w, &p.envelope(k)),
-                        None => get_reply_missing(&mut w, k),
-                    }
-                }
-                w.finish();
-                if std::mem::take(&mut s.corrupt_next) {
-                    let n = out.len();
-                    out[n - 1] ^= 1;
-                }
-            }
-            Request::Delete(keys) => {
-                let status = keys
-                    .iter()
-                    .map(|&k| {
-                        if s.store.delete(h, k, 0).unwrap() {
-                            DeleteStatus::Deleted
-                        } else {
-                            DeleteStatus::Missing
-                        }
-                    })
-                    .collect();
-                Reply::Delete {
-                    load: load(&s.store),
-                    status,
-                }
-                .encode(id, &mut out);
-            }
-            Request::Refresh => return None,
-            Request::Stats | Request::Close => unreachable!("the pager does not send these"),
+        serve::handle_request(&mut s.store, s.session, id, req, 0, 0, &mut out, |_| vec![]);
+        if out.is_empty() {
+            return None;
+        }
+        if is_get && std::mem::take(&mut s.corrupt_next) {
+            let n = out.len();
+            out[n - 1] ^= 1;
         }
         Some(out)
     }

@@ -18,6 +18,8 @@
 //! Time comes in as `now_ms` arguments, so the daemon passes a monotonic clock and the simulator a
 //! virtual one. One counter per reason a page was stored, refused or freed ([`Counters`]).
 
+pub mod serve;
+
 use hashbrown::HashTable;
 use netram_proto::{NodeId, Page, PageFlags, PageKey, PutStatus, PAGE_SIZE};
 use std::hash::BuildHasher;
