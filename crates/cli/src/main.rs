@@ -5,6 +5,7 @@ mod demo;
 mod nbd;
 mod run;
 mod serve;
+mod sim;
 
 use clap::{Parser, Subcommand};
 use std::path::PathBuf;
@@ -58,6 +59,11 @@ enum Command {
     /// memory local, with disk backing, and (as root) under the kernel's swap to disk; compare
     /// (under a minute by default).
     Demo(demo::DemoArgs),
+    /// Run the deterministic simulator: a whole cluster (the real stores and pagers) on one
+    /// thread with a virtual clock, a faulty network, crashes and restarts, checked after
+    /// every step. A failure prints the command that replays it; `netram sim --seed S` alone
+    /// runs the default scenario with every fault enabled.
+    Sim(sim::SimArgs),
     /// Benchmarks that hold netram to the limits of this machine.
     #[command(subcommand)]
     Bench(BenchCommand),
@@ -184,6 +190,10 @@ fn main() -> anyhow::Result<()> {
             init_logging("warn");
             let code = run::run(args)?;
             std::process::exit(code);
+        }
+        Command::Sim(args) => {
+            init_logging("error");
+            sim::run_sim(args)
         }
         Command::Demo(args) => {
             init_logging("warn");

@@ -115,6 +115,17 @@ impl Default for PagerConfig {
     }
 }
 
+/// Where a page's current version lives, by the page table ([`Pager::location`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PageLocation {
+    pub version: u32,
+    /// Servers (by index) whose copy is the current version.
+    pub holders: Vec<usize>,
+    pub on_disk: bool,
+    /// The holders' copies are gone (their server came back empty).
+    pub lost: bool,
+}
+
 /// Pages that could not be read because the server holding them is dead.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LostPages {
@@ -205,6 +216,8 @@ counters! {
     /// Reads served from the disk copy because the server was dead or the copy bad.
     disk_fallbacks,
     servers_dead,
+    /// Dead servers reconnected (empty: what they held before is gone).
+    servers_revived,
 }
 
 /// One page of a batched GET: where its data goes.
@@ -394,6 +407,54 @@ impl<T: Transport, D: Disk> Pager<T, D> {
     /// Pages whose current version is only on the local disk (spilled or `disk` backing).
     pub fn pages_on_disk_only(&self) -> u64 {
         self.table.pages_on_disk_only()
+    }
+
+    /// Where the page table says a page's current version is, for checkers: `None` for a page
+    /// never written (or discarded), or whose write-back is in flight (its holders are changing).
+    pub fn location(&self, page: u64) -> Option<PageLocation> {
+        let e = self.table.get(page);
+        (e.present && !self.writeback.contains_key(&page)).then(|| PageLocation {
+            version: e.version,
+            holders: e.holders().collect(),
+            on_disk: e.on_disk,
+            lost: e.lost,
+        })
+    }
+
+    /// Tries to reconnect every server declared dead; returns how many came back. A server
+    /// that comes back is treated as empty (Nswap §IV-B3: a rebooted node has a new identity):
+    /// the copies it held count as lost, and it takes new pages from now on.
+    pub fn revive_dead_servers(&mut self) -> usize {
+        let mut revived = 0;
+        for s in 0..self.servers.len() {
+            if self.servers[s].alive {
+                continue;
+            }
+            let info = match self.transport.reconnect(s) {
+                Ok(info) => info,
+                Err(e) => {
+                    tracing::debug!(server = %self.servers[s].info.name, "still dead: {e}");
+                    continue;
+                }
+            };
+            for (_, e) in self.table.iter_mut() {
+                if e.holders().any(|h| h == s) {
+                    e.lost = true;
+                }
+            }
+            let st = &mut self.servers[s];
+            st.dead_reason = format!("restarted empty after: {}", st.dead_reason);
+            st.alive = true;
+            st.load = Candidate {
+                alive: true,
+                free_pages: info.free_pages,
+                requests_per_s: 0,
+            };
+            st.info = info;
+            self.counters.servers_revived += 1;
+            revived += 1;
+        }
+        revived
     }
 
     fn check(&self, page: u64) -> Result<(), PagerError> {
@@ -616,6 +677,9 @@ impl<T: Transport, D: Disk> Pager<T, D> {
     // ------------------------------------------------------------------------------------------
 
     fn alive_holder(&self, e: &Entry) -> Option<usize> {
+        if e.lost {
+            return None;
+        }
         e.holders().find(|&s| self.servers[s].alive)
     }
 

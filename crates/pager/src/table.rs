@@ -17,6 +17,9 @@ pub struct Entry {
     pub present: bool,
     /// The local disk holds the current version (spilled, `disk` or `cluster+disk` backing).
     pub on_disk: bool,
+    /// The holders' copies are gone (their server came back empty): reads fail as lost until
+    /// the page is written again. The holder is kept to name it in the error.
+    pub lost: bool,
 }
 
 impl Entry {
@@ -25,6 +28,7 @@ impl Entry {
         holders: [NONE; HOLDERS_MAX],
         present: false,
         on_disk: false,
+        lost: false,
     };
 
     pub fn holders(&self) -> impl Iterator<Item = usize> + '_ {
@@ -42,10 +46,12 @@ impl Entry {
         );
         self.holders = [NONE; HOLDERS_MAX];
         self.holders[0] = server as u16;
+        self.lost = false;
     }
 
     pub fn clear_holders(&mut self) {
         self.holders = [NONE; HOLDERS_MAX];
+        self.lost = false;
     }
 
     /// Advances the version for a new write-out; versions never go back, even across discards,
@@ -88,9 +94,17 @@ impl Table {
         &mut self.entries[page as usize]
     }
 
+    /// Every entry, by page number.
+    pub fn iter_mut(&mut self) -> impl Iterator<Item = (u64, &mut Entry)> {
+        self.entries
+            .iter_mut()
+            .enumerate()
+            .map(|(i, e)| (i as u64, e))
+    }
+
     pub fn pages_per_server(&self, servers: usize) -> Vec<u64> {
         let mut n = vec![0u64; servers];
-        for e in &self.entries {
+        for e in self.entries.iter().filter(|e| !e.lost) {
             for s in e.holders() {
                 n[s] += 1;
             }

@@ -40,6 +40,15 @@ pub trait Transport {
         -> Result<(), TransportError>;
     /// The reply borrows the transport's receive buffer until it is dropped.
     fn recv(&mut self, server: usize) -> Result<(u64, Reply<'_>), TransportError>;
+    /// Opens a new connection (and session) to a server the pager had declared dead, dropping
+    /// the old one. The server is treated as empty afterwards: whatever the old session held is
+    /// freed by its lease. A transport that cannot reconnect says so.
+    fn reconnect(&mut self, server: usize) -> Result<ServerInfo, TransportError> {
+        let _ = server;
+        Err(TransportError::Disconnected(
+            "this transport does not reconnect".into(),
+        ))
+    }
 }
 
 /// The local disk: one page-sized slot per page number.

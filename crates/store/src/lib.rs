@@ -577,25 +577,80 @@ impl<A: AsRef<[u8]> + AsMut<[u8]>> Store<A> {
     }
 
     /// Checks the store's invariants; for tests and the simulator (it walks every frame).
+    /// Panics unless the frame accounting, the index, the sessions and the free list agree.
     pub fn check_invariants(&self) {
+        if let Some(why) = self.invariant_violation() {
+            panic!("store invariant violated: {why}");
+        }
+    }
+
+    /// What is wrong with the store's accounting, if anything (for checkers that report rather
+    /// than panic, like the simulator's).
+    pub fn invariant_violation(&self) -> Option<String> {
         let used = self.meta.iter().filter(|m| m.owner != FREE).count() as u64;
-        assert_eq!(used + self.free_frames, self.capacity_pages());
-        assert_eq!(self.index.len() as u64, used, "index and frames agree");
+        if used + self.free_frames != self.capacity_pages() {
+            return Some(format!(
+                "{used} frames used + {} free != capacity {}",
+                self.free_frames,
+                self.capacity_pages()
+            ));
+        }
+        if self.index.len() as u64 != used {
+            return Some(format!(
+                "index has {} keys, {used} frames used",
+                self.index.len()
+            ));
+        }
         let per_session: u64 = self
             .sessions
             .iter()
             .filter(|s| s.live)
             .map(|s| s.pages)
             .sum();
-        assert_eq!(per_session, used, "session page counts add up");
+        if per_session != used {
+            return Some(format!(
+                "sessions count {per_session} pages, {used} frames used"
+            ));
+        }
         let mut free = 0;
         let mut f = self.free_head;
         while f != NIL {
-            assert_eq!(self.meta[f as usize].owner, FREE);
+            if self.meta[f as usize].owner != FREE || free > self.free_frames {
+                return Some(format!("free list broken at frame {f}"));
+            }
             f = self.meta[f as usize].key[0];
             free += 1;
         }
-        assert_eq!(free, self.free_frames, "free list length");
+        (free != self.free_frames)
+            .then(|| format!("free list has {free} frames, {} counted", self.free_frames))
+    }
+
+    /// Pages a live session holds (`None` for an ended or unknown session).
+    pub fn session_pages(&self, h: SessionHandle) -> Option<u64> {
+        match self.sessions.get(h.slot as usize) {
+            Some(s) if s.live && s.generation == h.generation => Some(s.pages),
+            _ => None,
+        }
+    }
+
+    /// A stored page, read without refreshing the session or counting a read: for checkers.
+    pub fn peek(&self, h: SessionHandle, key: PageKey) -> Option<StoredPage<'_>> {
+        match self.sessions.get(h.slot as usize) {
+            Some(s) if s.live && s.generation == h.generation => {}
+            _ => return None,
+        }
+        let f = pack(key).and_then(|p| self.find(h.slot, p))?;
+        let m = self.meta[f as usize];
+        Some(StoredPage {
+            version: m.version,
+            crc: m.crc,
+            flags: m.flags(),
+            data: if m.flags().is_zero() {
+                &[]
+            } else {
+                self.frame(f)
+            },
+        })
     }
 }
 

@@ -1,0 +1,185 @@
+//! The checkers: properties of the whole cluster, judged from outside the code under test
+//! (the model of what was written, and the servers' stores), after every step.
+
+use crate::transport::SimTransport;
+use crate::world::World;
+use netram_pager::{MemDisk, Pager, PagerError};
+use netram_proto::{PageKey, PAGE_SIZE};
+
+/// What a client last wrote to each of its pages (`None`: never written, or discarded).
+#[derive(Debug, Clone)]
+pub struct Model {
+    pub client: usize,
+    pub pages: Vec<Option<u64>>,
+}
+
+/// The contents written to a page under a tag: distinct for every (client, page, tag).
+pub fn content(client: usize, page: u64, tag: u64) -> Vec<u8> {
+    let mut x = (client as u64 + 1)
+        .wrapping_mul(0x9e37_79b9_7f4a_7c15)
+        .wrapping_add(page.wrapping_mul(0xbf58_476d_1ce4_e5b9))
+        .wrapping_add(tag.wrapping_mul(0x94d0_49bb_1331_11eb))
+        | 1;
+    let mut d = vec![0u8; PAGE_SIZE];
+    for chunk in d.chunks_mut(8) {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        chunk.copy_from_slice(&x.to_le_bytes());
+    }
+    d
+}
+
+impl Model {
+    pub fn expected(&self, page: u64) -> Vec<u8> {
+        match self.pages[page as usize] {
+            Some(tag) => content(self.client, page, tag),
+            None => vec![0u8; PAGE_SIZE],
+        }
+    }
+}
+
+/// Servers whose faults may have cost `client` its copies, against what its redundancy
+/// tolerates: beyond that, a read may fail (never return wrong data).
+pub fn loss_allowed(world: &World, client: usize, tolerated: usize) -> bool {
+    world.touched[client].iter().filter(|&&t| t).count() > tolerated
+}
+
+/// Whether a read may fail this way: lost or corrupt pages, only from servers whose faults
+/// touched this client, and only once more have than its redundancy tolerates.
+pub fn failure_allowed(world: &World, client: usize, tolerated: usize, e: &PagerError) -> bool {
+    let touched = |name: &str| {
+        name.strip_prefix("sim")
+            .and_then(|n| n.parse::<usize>().ok())
+            .is_some_and(|s| world.touched[client].get(s) == Some(&true))
+    };
+    loss_allowed(world, client, tolerated)
+        && match e {
+            PagerError::Lost(lost) => lost.iter().all(|l| touched(&l.server)),
+            PagerError::Corrupt { server, .. } => touched(server),
+            _ => false,
+        }
+}
+
+/// The stores keep their own accounting straight and within capacity.
+pub fn stores(world: &World) -> Result<(), String> {
+    if let Some(bad) = world.bad_frames.first() {
+        return Err(bad.clone());
+    }
+    for (i, s) in world.servers.iter().enumerate().filter(|(_, s)| s.up) {
+        if let Some(why) = s.store.invariant_violation() {
+            return Err(format!("server {i}: {why}"));
+        }
+        if s.store.stored_pages() > s.store.capacity_pages() {
+            return Err(format!(
+                "server {i} stores {} pages, over its capacity of {}",
+                s.store.stored_pages(),
+                s.store.capacity_pages()
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Every written page has a holder (a server or the local disk), and every holder the checker
+/// can inspect really has the page's current version.
+pub fn holders(
+    world: &World,
+    pager: &Pager<SimTransport, MemDisk>,
+    model: &Model,
+    tolerated: usize,
+) -> Result<(), String> {
+    let region = pager.config().region;
+    for (page, tag) in model.pages.iter().enumerate() {
+        let page = page as u64;
+        if tag.is_none() {
+            continue;
+        }
+        if !pager.is_written(page) {
+            return Err(format!(
+                "page {page} was written but the pager has no record of it"
+            ));
+        }
+        let Some(loc) = pager.location(page) else {
+            continue; // cached, or its write-back is in flight
+        };
+        if loc.lost {
+            if loss_allowed(world, model.client, tolerated) {
+                continue;
+            }
+            return Err(format!(
+                "page {page} is lost though its client saw too few failures to lose it"
+            ));
+        }
+        if loc.holders.is_empty() && !loc.on_disk {
+            return Err(format!(
+                "page {page} (version {}) has no holder",
+                loc.version
+            ));
+        }
+        for &h in &loc.holders {
+            let Some(conn) = pager.transport().conns[h] else {
+                continue;
+            };
+            if !world.inspectable(conn) {
+                continue;
+            }
+            let c = &world.conns[conn];
+            let stored = world.servers[h]
+                .store
+                .peek(c.session, PageKey::new(region, page));
+            match stored {
+                Some(p) if p.version == loc.version => {}
+                Some(p) => {
+                    return Err(format!(
+                        "page {page}: the pager expects version {} on server {h}, which has {}",
+                        loc.version, p.version
+                    ))
+                }
+                None => return Err(format!(
+                    "page {page}: the pager says server {h} holds version {}, which it does not",
+                    loc.version
+                )),
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Once everything is written back, each session holds exactly the pages the pager thinks it
+/// holds there: superseded and discarded copies were deleted (Nswap's garbage collection).
+pub fn no_garbage(world: &World, pager: &Pager<SimTransport, MemDisk>) -> Result<(), String> {
+    let expected = pager.pages_per_server();
+    for (s, &want) in expected.iter().enumerate() {
+        let Some(conn) = pager.transport().conns[s] else {
+            continue;
+        };
+        if !world.inspectable(conn) {
+            continue;
+        }
+        let have = world.servers[s]
+            .store
+            .session_pages(world.conns[conn].session)
+            .unwrap_or(0);
+        if have != want {
+            return Err(format!(
+                "server {s} holds {have} pages of this client, whose page table counts {want} there"
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// After every session has ended and its leases have run out, no server holds anything.
+pub fn nothing_left(world: &World) -> Result<(), String> {
+    for (i, s) in world.servers.iter().enumerate() {
+        if s.store.stored_pages() > 0 || s.store.live_sessions() > 0 {
+            return Err(format!(
+                "server {i} still holds {} pages in {} sessions after every client ended",
+                s.store.stored_pages(),
+                s.store.live_sessions()
+            ));
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,314 @@
+//! A scenario: the cluster's shape, the faults, the clients' random workload, all from one
+//! seed; [`run`] plays it and checks after every step.
+
+use crate::check::{self, content, Model};
+use crate::transport::SimTransport;
+use crate::world::{FaultLog, Faults, World, LEASE_PERIOD_MS};
+use netram_pager::{Backing, MemDisk, Pager, PagerConfig, PagerError};
+use netram_policy::redundancy::Scheme;
+use netram_proto::PAGE_SIZE;
+use std::cell::RefCell;
+use std::rc::Rc;
+
+#[derive(Debug, Clone)]
+pub struct Scenario {
+    pub seed: u64,
+    pub servers: usize,
+    pub clients: usize,
+    /// Pages of each client's pager.
+    pub pages: u64,
+    pub steps: u32,
+    pub scheme: Scheme,
+    pub faults: Faults,
+    /// Whether `faults` are the defaults (so the replay command need not spell them out).
+    pub default_faults: bool,
+}
+
+impl Scenario {
+    /// The default scenario: five servers, three clients, every fault enabled.
+    pub fn new(seed: u64) -> Self {
+        Self {
+            seed,
+            servers: 5,
+            clients: 3,
+            pages: 48,
+            steps: 1_500,
+            scheme: Scheme::None,
+            faults: Faults::all(),
+            default_faults: true,
+        }
+    }
+
+    /// The one command that replays this run.
+    pub fn replay_command(&self) -> String {
+        let d = Scenario::new(self.seed);
+        let mut cmd = format!("netram sim --seed {}", self.seed);
+        if self.scheme != d.scheme {
+            cmd += &format!(" --scheme {}", self.scheme);
+        }
+        if self.servers != d.servers {
+            cmd += &format!(" --servers {}", self.servers);
+        }
+        if self.clients != d.clients {
+            cmd += &format!(" --clients {}", self.clients);
+        }
+        if self.pages != d.pages {
+            cmd += &format!(" --pages {}", self.pages);
+        }
+        if self.steps != d.steps {
+            cmd += &format!(" --steps {}", self.steps);
+        }
+        if !self.default_faults {
+            cmd += " --no-faults";
+        }
+        cmd
+    }
+}
+
+/// What a run did.
+#[derive(Debug, Clone, Default)]
+pub struct Report {
+    pub steps: u32,
+    pub virtual_ms: u64,
+    pub writes: u64,
+    pub reads: u64,
+    pub discards: u64,
+    pub flushes: u64,
+    pub revived: u64,
+    /// Pages read back and found right.
+    pub pages_verified: u64,
+    /// Reads that failed where the faults allowed it (lost or corrupt beyond the redundancy).
+    pub reads_failed_allowed: u64,
+    pub faults: FaultLog,
+}
+
+/// A checker found a violation.
+#[derive(Debug, Clone, thiserror::Error)]
+#[error("seed {seed}, step {step}: {what}\n  replay with: {replay}")]
+pub struct Failure {
+    pub seed: u64,
+    pub step: u32,
+    pub what: String,
+    pub replay: String,
+}
+
+struct Client {
+    pager: Pager<SimTransport, MemDisk>,
+    model: Model,
+    backing: Backing,
+}
+
+/// Plays a scenario, checking after every step.
+pub fn run(sc: &Scenario) -> Result<Report, Failure> {
+    let fail = |step: u32, what: String| Failure {
+        seed: sc.seed,
+        step,
+        what,
+        replay: sc.replay_command(),
+    };
+    if sc.scheme != Scheme::None {
+        return Err(fail(
+            0,
+            format!("scheme {} is not simulated yet", sc.scheme),
+        ));
+    }
+    let mut rng = fastrand::Rng::with_seed(sc.seed);
+    // Room for all pages, give or take half: some servers fill up and refuse (Anemone's NACK).
+    let fair = (sc.pages as usize * sc.clients).div_ceil(sc.servers);
+    let capacities: Vec<usize> = (0..sc.servers)
+        .map(|_| (fair * rng.usize(50..=150) / 100).max(4))
+        .collect();
+    let world = Rc::new(RefCell::new(World::new(
+        rng.u64(..),
+        &capacities,
+        sc.clients,
+        sc.faults.clone(),
+    )));
+    let tolerated = sc.scheme.failures_tolerated();
+    let mut clients: Vec<Client> = (0..sc.clients)
+        .map(|c| {
+            let backing = match rng.u32(0..10) {
+                0 => Backing::Disk,
+                1..=3 => Backing::ClusterDisk,
+                _ => Backing::Cluster,
+            };
+            let cfg = PagerConfig {
+                pages: sc.pages,
+                region: 0,
+                backing,
+                cache_pages: [0, 1, 4, 16][rng.usize(0..4)],
+                writeback_batch: rng.usize(1..=4),
+                window: 8,
+                batch_max: rng.usize(1..=8),
+                seed: rng.u64(..),
+            };
+            Client {
+                pager: Pager::new(
+                    cfg,
+                    SimTransport::connect(world.clone(), c),
+                    MemDisk::default(),
+                ),
+                model: Model {
+                    client: c,
+                    pages: vec![None; sc.pages as usize],
+                },
+                backing,
+            }
+        })
+        .collect();
+    let mut report = Report::default();
+    let mut tag = 0u64;
+    let crash_chance = 2.0 * f64::from(sc.faults.crashes) / f64::from(sc.steps.max(1));
+
+    for step in 0..sc.steps {
+        report.steps = step + 1;
+        inject_faults(&mut world.borrow_mut(), sc, crash_chance);
+        let ci = rng.usize(0..clients.len());
+        let cl = &mut clients[ci];
+        // Judged after the operation: faults strike while it runs.
+        let may_lose = |cl: &Client, e: &PagerError| {
+            cl.backing == Backing::Cluster
+                && check::failure_allowed(&world.borrow(), ci, tolerated, e)
+        };
+        let pages: Vec<u64> = (0..rng.usize(1..=4))
+            .map(|_| rng.u64(0..sc.pages))
+            .collect();
+        match rng.u32(0..100) {
+            0..=39 => {
+                let mut data = Vec::with_capacity(pages.len() * PAGE_SIZE);
+                for &p in &pages {
+                    tag += 1;
+                    data.extend(content(ci, p, tag));
+                    cl.model.pages[p as usize] = Some(tag);
+                }
+                report.writes += 1;
+                cl.pager
+                    .write_many(&pages, &data)
+                    .map_err(|e| fail(step, format!("client {ci}: write {pages:?}: {e}")))?;
+            }
+            40..=79 => {
+                report.reads += 1;
+                let mut out = vec![0u8; pages.len() * PAGE_SIZE];
+                match cl.pager.read_many(&pages, &mut out) {
+                    Ok(()) => {
+                        for (i, &p) in pages.iter().enumerate() {
+                            if out[i * PAGE_SIZE..(i + 1) * PAGE_SIZE] != cl.model.expected(p)[..] {
+                                return Err(fail(
+                                    step,
+                                    format!("client {ci}: page {p} read back wrong contents"),
+                                ));
+                            }
+                            report.pages_verified += 1;
+                        }
+                    }
+                    Err(e) if may_lose(cl, &e) => {
+                        report.reads_failed_allowed += 1;
+                    }
+                    Err(e) => {
+                        return Err(fail(step, format!("client {ci}: read {pages:?}: {e}")));
+                    }
+                }
+            }
+            80..=87 => {
+                report.discards += 1;
+                for &p in &pages {
+                    cl.model.pages[p as usize] = None;
+                }
+                cl.pager
+                    .discard_many(&pages)
+                    .map_err(|e| fail(step, format!("client {ci}: discard {pages:?}: {e}")))?;
+            }
+            88..=91 => {
+                report.flushes += 1;
+                cl.pager
+                    .flush()
+                    .map_err(|e| fail(step, format!("client {ci}: flush: {e}")))?;
+            }
+            92..=95 => {
+                report.revived += cl.pager.revive_dead_servers() as u64;
+            }
+            _ => {
+                let d = rng.u64(0..50_000);
+                world.borrow_mut().run_for(d);
+            }
+        }
+        let d = rng.u64(0..2_000);
+        world.borrow_mut().run_for(d);
+        let w = world.borrow();
+        check::stores(&w).map_err(|e| fail(step, e))?;
+        for cl in &clients {
+            check::holders(&w, &cl.pager, &cl.model, tolerated)
+                .map_err(|e| fail(step, format!("client {}: {e}", cl.model.client)))?;
+        }
+    }
+
+    // The end: every server back and reachable, every page read back, every session ended.
+    let end = sc.steps;
+    world.borrow_mut().run_for(5_000_000);
+    for (ci, cl) in clients.iter_mut().enumerate() {
+        cl.pager.revive_dead_servers();
+        cl.pager
+            .flush()
+            .map_err(|e| fail(end, format!("client {ci}: final flush: {e}")))?;
+        let may_lose = |e: &PagerError| {
+            cl.backing == Backing::Cluster
+                && check::failure_allowed(&world.borrow(), ci, tolerated, e)
+        };
+        let mut out = vec![0u8; PAGE_SIZE];
+        for p in 0..sc.pages {
+            match cl.pager.read(p, &mut out) {
+                Ok(()) if out == cl.model.expected(p) => report.pages_verified += 1,
+                Ok(()) => {
+                    return Err(fail(
+                        end,
+                        format!("client {ci}: page {p} read back wrong contents at the end"),
+                    ))
+                }
+                Err(e) if may_lose(&e) => {
+                    report.reads_failed_allowed += 1;
+                }
+                Err(e) => return Err(fail(end, format!("client {ci}: final read of {p}: {e}"))),
+            }
+        }
+    }
+    let w = world.borrow();
+    for (ci, cl) in clients.iter().enumerate() {
+        check::no_garbage(&w, &cl.pager).map_err(|e| fail(end, format!("client {ci}: {e}")))?;
+    }
+    drop(w);
+    for cl in clients {
+        cl.pager.into_transport().close();
+    }
+    world
+        .borrow_mut()
+        .run_for(LEASE_PERIOD_MS * 1000 * (netram_store::LEASE_PERIODS + 2));
+    let w = world.borrow();
+    check::stores(&w).map_err(|e| fail(end, e))?;
+    check::nothing_left(&w).map_err(|e| fail(end, e))?;
+    report.virtual_ms = w.now / 1000;
+    report.faults = w.log;
+    Ok(report)
+}
+
+/// Crashes, partitions and slowdowns, drawn from the world's generator.
+fn inject_faults(w: &mut World, sc: &Scenario, crash_chance: f64) {
+    let f = sc.faults.clone();
+    if w.log.crashes < f.crashes && w.rng.f64() < crash_chance {
+        let up: Vec<usize> = (0..w.servers.len()).filter(|&s| w.servers[s].up).collect();
+        if !up.is_empty() {
+            let s = up[w.rng.usize(0..up.len())];
+            let downtime = w.rng.u64(200_000..3_000_000);
+            w.crash(s, downtime);
+        }
+    }
+    if f.partition > 0.0 && w.rng.f64() < f.partition {
+        let (c, s) = (w.rng.usize(0..sc.clients), w.rng.usize(0..sc.servers));
+        let d = w.rng.u64(50_000..2_000_000);
+        w.partition(c, s, d);
+    }
+    if f.slow > 0.0 && w.rng.f64() < f.slow {
+        let s = w.rng.usize(0..sc.servers);
+        let d = w.rng.u64(100_000..2_000_000);
+        w.slow_down(s, d);
+    }
+}

@@ -1,0 +1,131 @@
+//! The pager's [`Transport`] over the simulated network: what `TcpTransport` is in the daemon.
+//! A receive runs the world (other clients' messages, servers, crashes) until this
+//! connection's reply arrives or the virtual timeout passes.
+
+use crate::world::{Micros, World};
+use netram_pager::{ServerInfo, Transport, TransportError};
+use netram_proto::{decode_reply, Reply, Request};
+use std::cell::RefCell;
+use std::rc::Rc;
+
+/// How long a client waits for a reply before it declares the server dead.
+pub const REPLY_TIMEOUT_US: Micros = 1_000_000;
+
+#[derive(Debug)]
+pub struct SimTransport {
+    world: Rc<RefCell<World>>,
+    client: usize,
+    /// This client's current connection to each server (`None`: never connected).
+    pub conns: Vec<Option<usize>>,
+    infos: Vec<ServerInfo>,
+    last: Vec<u8>,
+}
+
+impl SimTransport {
+    /// Connects to every server, as `TcpTransport::connect` does; one that cannot be reached
+    /// starts out dead.
+    pub fn connect(world: Rc<RefCell<World>>, client: usize) -> Self {
+        let n = world.borrow().servers.len();
+        let mut conns = Vec::with_capacity(n);
+        let mut infos = Vec::with_capacity(n);
+        for s in 0..n {
+            let r = world.borrow_mut().connect(client, s);
+            match r {
+                Ok((c, info)) => {
+                    conns.push(Some(c));
+                    infos.push(info);
+                }
+                Err(e) => {
+                    conns.push(None);
+                    infos.push(ServerInfo {
+                        name: format!("sim{s}"),
+                        window: 1,
+                        capacity_pages: 0,
+                        free_pages: 0,
+                        connected: Err(e),
+                    });
+                }
+            }
+        }
+        Self {
+            world,
+            client,
+            conns,
+            infos,
+            last: Vec::new(),
+        }
+    }
+
+    /// Ends every session, as a client does when it exits cleanly.
+    pub fn close(&mut self) {
+        for s in 0..self.conns.len() {
+            let Some(c) = self.conns[s] else { continue };
+            let mut frame = Vec::new();
+            Request::Close.encode(u64::MAX, &mut frame);
+            let sent = self.world.borrow_mut().send(c, frame);
+            if sent.is_ok() {
+                let _ = self.recv(s);
+            }
+        }
+    }
+}
+
+impl Transport for SimTransport {
+    fn servers(&self) -> Vec<ServerInfo> {
+        self.infos.clone()
+    }
+
+    fn send(
+        &mut self,
+        server: usize,
+        req_id: u64,
+        req: &Request<'_>,
+    ) -> Result<(), TransportError> {
+        let Some(c) = self.conns[server] else {
+            return Err(TransportError::Disconnected("never connected".into()));
+        };
+        let mut frame = Vec::new();
+        req.encode(req_id, &mut frame);
+        self.world.borrow_mut().send(c, frame)
+    }
+
+    fn recv(&mut self, server: usize) -> Result<(u64, Reply<'_>), TransportError> {
+        let Some(c) = self.conns[server] else {
+            return Err(TransportError::Disconnected("never connected".into()));
+        };
+        let deadline = self.world.borrow().now + REPLY_TIMEOUT_US;
+        loop {
+            let mut w = self.world.borrow_mut();
+            if let Some(frame) = w.take_reply(c) {
+                self.last = frame;
+                break;
+            }
+            if w.conns[c].reset {
+                return Err(TransportError::Disconnected(
+                    "connection reset by peer".into(),
+                ));
+            }
+            if w.now >= deadline {
+                return Err(TransportError::Timeout(REPLY_TIMEOUT_US / 1000));
+            }
+            w.step_until(deadline);
+        }
+        decode_reply(&self.last).map_err(|e| TransportError::Protocol(e.to_string()))
+    }
+
+    fn reconnect(&mut self, server: usize) -> Result<ServerInfo, TransportError> {
+        let r = self.world.borrow_mut().connect(self.client, server);
+        match r {
+            Ok((c, info)) => {
+                if let Some(old) = self.conns[server] {
+                    // Abandoned: its session, if the server still has it, ends with its lease.
+                    self.world.borrow_mut().conns[old].closed = true;
+                }
+                self.conns[server] = Some(c);
+                self.infos[server] = info.clone();
+                Ok(info)
+            }
+            Err(e) => Err(TransportError::Disconnected(e)),
+        }
+    }
+}

@@ -1,0 +1,527 @@
+//! The simulated cluster: page servers running the real store and request logic
+//! (`netram_store::serve`), connections between clients and servers, and a network that delays,
+//! loses, duplicates and reorders messages, partitions, and crashes and restarts servers, all
+//! driven by one seeded random generator and one virtual clock.
+//!
+//! A connection behaves like TCP: requests arrive in the order they were sent; a message lost
+//! for good leaves the connection silent (the client times out); a reset is seen at the next
+//! send or receive. Replies may arrive in any order (the pager's transport contract allows it).
+//! A duplicated reply is a lying peer: the pager must survive it.
+
+use netram_pager::{ServerInfo, TransportError};
+use netram_proto::{decode_reply, decode_request, GetResult, Reply, PAGE_SIZE};
+use netram_store::serve::{self, Outcome};
+use netram_store::{SessionHandle, Store, StoreConfig};
+use std::cmp::Reverse;
+use std::collections::BinaryHeap;
+
+/// Virtual time, in microseconds.
+pub type Micros = u64;
+
+pub const LEASE_PERIOD_MS: u64 = 2_000;
+/// Credits each server announces.
+pub const WINDOW: u32 = 8;
+
+/// Which faults the network and the servers inject, and how often (per message or per step).
+#[derive(Debug, Clone)]
+pub struct Faults {
+    /// One-way delay of a message: uniform in this range.
+    pub delay_us: (Micros, Micros),
+    /// Probability that a message is lost for good (its connection falls silent).
+    pub lose: f64,
+    /// Probability that a message's connection is reset.
+    pub reset: f64,
+    /// Probability that a reply is delivered twice.
+    pub duplicate: f64,
+    /// Probability that a bit of a page in a GET reply is flipped.
+    pub bit_flip: f64,
+    /// Server crashes over a run, at most (the scenario keeps within what the scheme tolerates
+    /// where it checks that no page is lost).
+    pub crashes: u32,
+    /// Partitions between one client and one server, per step.
+    pub partition: f64,
+    /// A server that becomes ten times slower for a while, per step.
+    pub slow: f64,
+}
+
+impl Faults {
+    /// Nothing goes wrong: only delays and reordering.
+    pub fn none() -> Self {
+        Self {
+            delay_us: (20, 200),
+            lose: 0.0,
+            reset: 0.0,
+            duplicate: 0.0,
+            bit_flip: 0.0,
+            crashes: 0,
+            partition: 0.0,
+            slow: 0.0,
+        }
+    }
+
+    /// Every kind of fault, at rates that make several of each likely in a default run.
+    pub fn all() -> Self {
+        Self {
+            delay_us: (20, 2_000),
+            lose: 0.000_5,
+            reset: 0.000_5,
+            duplicate: 0.000_3,
+            bit_flip: 0.002,
+            crashes: 2,
+            partition: 0.002,
+            slow: 0.005,
+        }
+    }
+}
+
+#[derive(Debug)]
+pub struct SimServer {
+    pub store: Store<Vec<u8>>,
+    /// Incremented at every restart: a restarted server is a new machine with empty RAM.
+    pub incarnation: u64,
+    pub up: bool,
+    /// Service time multiplier (a slow node).
+    pub slow: u64,
+    slow_until: Micros,
+    capacity_pages: usize,
+}
+
+impl SimServer {
+    fn new(capacity_pages: usize) -> Self {
+        Self {
+            store: new_store(capacity_pages),
+            incarnation: 1,
+            up: true,
+            slow: 1,
+            slow_until: 0,
+            capacity_pages,
+        }
+    }
+}
+
+fn new_store(pages: usize) -> Store<Vec<u8>> {
+    Store::new(
+        vec![0u8; pages * PAGE_SIZE],
+        StoreConfig {
+            lease_period_ms: LEASE_PERIOD_MS,
+            max_sessions: 64,
+        },
+    )
+}
+
+/// One client's connection (and session) to one server.
+#[derive(Debug)]
+pub struct Conn {
+    pub client: usize,
+    pub server: usize,
+    pub session: SessionHandle,
+    /// The server's incarnation when the connection opened.
+    pub incarnation: u64,
+    /// Reset: the client sees an error at its next send or receive.
+    pub reset: bool,
+    /// A message was lost for good: nothing more arrives either way.
+    pub silent: bool,
+    pub closed: bool,
+    inbox: Vec<Vec<u8>>,
+    /// When the last request reaches the server: later ones arrive after it (TCP's order).
+    last_arrival: Micros,
+}
+
+impl Conn {
+    /// Whether messages still flow on this connection to the server that opened it.
+    pub fn working(&self) -> bool {
+        !self.reset && !self.silent && !self.closed
+    }
+}
+
+#[derive(Debug)]
+enum Event {
+    Request {
+        conn: usize,
+        frame: Vec<u8>,
+    },
+    Reply {
+        conn: usize,
+        frame: Vec<u8>,
+    },
+    Restart {
+        server: usize,
+    },
+    Heal {
+        client: usize,
+        server: usize,
+    },
+    /// The clients' keepalive (every half lease period) and the servers' lease reaper.
+    Tick,
+}
+
+#[derive(Debug)]
+struct Scheduled {
+    at: Micros,
+    seq: u64,
+    event: Event,
+}
+
+impl PartialEq for Scheduled {
+    fn eq(&self, o: &Self) -> bool {
+        (self.at, self.seq) == (o.at, o.seq)
+    }
+}
+impl Eq for Scheduled {}
+impl PartialOrd for Scheduled {
+    fn partial_cmp(&self, o: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(o))
+    }
+}
+impl Ord for Scheduled {
+    fn cmp(&self, o: &Self) -> std::cmp::Ordering {
+        (self.at, self.seq).cmp(&(o.at, o.seq))
+    }
+}
+
+/// Faults that touched a client's view of a server, so that checkers know what may be lost.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct FaultLog {
+    pub crashes: u32,
+    pub resets: u32,
+    pub losses: u32,
+    pub duplicates: u32,
+    pub bit_flips: u32,
+    pub partitions: u32,
+    pub slowdowns: u32,
+}
+
+/// The whole simulated cluster.
+#[derive(Debug)]
+pub struct World {
+    pub now: Micros,
+    pub rng: fastrand::Rng,
+    pub faults: Faults,
+    pub servers: Vec<SimServer>,
+    pub conns: Vec<Conn>,
+    /// `partitioned[client][server]`.
+    partitioned: Vec<Vec<bool>>,
+    /// `touched[client][server]`: faults that may have cost this client its copies there.
+    pub touched: Vec<Vec<bool>>,
+    pub log: FaultLog,
+    events: BinaryHeap<Reverse<Scheduled>>,
+    seq: u64,
+    next_session: u64,
+    /// A frame the code under test sent that does not decode: a bug, reported by the checker.
+    pub bad_frames: Vec<String>,
+}
+
+impl World {
+    pub fn new(seed: u64, servers: &[usize], clients: usize, faults: Faults) -> Self {
+        let mut w = Self {
+            now: 0,
+            rng: fastrand::Rng::with_seed(seed),
+            faults,
+            servers: servers.iter().map(|&c| SimServer::new(c)).collect(),
+            conns: Vec::new(),
+            partitioned: vec![vec![false; servers.len()]; clients],
+            touched: vec![vec![false; servers.len()]; clients],
+            log: FaultLog::default(),
+            events: BinaryHeap::new(),
+            seq: 0,
+            next_session: 1,
+            bad_frames: Vec::new(),
+        };
+        w.schedule(LEASE_PERIOD_MS * 500, Event::Tick);
+        w
+    }
+
+    fn schedule(&mut self, after: Micros, event: Event) {
+        self.seq += 1;
+        self.events.push(Reverse(Scheduled {
+            at: self.now + after,
+            seq: self.seq,
+            event,
+        }));
+    }
+
+    fn delay(&mut self) -> Micros {
+        let (lo, hi) = self.faults.delay_us;
+        self.rng.u64(lo..=hi)
+    }
+
+    fn chance(&mut self, p: f64) -> bool {
+        p > 0.0 && self.rng.f64() < p
+    }
+
+    fn touch(&mut self, client: usize, server: usize) {
+        self.touched[client][server] = true;
+    }
+
+    /// Opens a connection: the handshake, which takes a round trip. Fails like a real connect
+    /// when the server is down or unreachable.
+    pub fn connect(&mut self, client: usize, server: usize) -> Result<(usize, ServerInfo), String> {
+        let rtt = self.delay() + self.delay();
+        self.run_for(rtt);
+        if !self.servers[server].up {
+            return Err("connection refused: the server is down".into());
+        }
+        if self.partitioned[client][server] {
+            return Err("connect timed out: partitioned".into());
+        }
+        let session_id = self.next_session;
+        self.next_session += 1;
+        let now_ms = self.now / 1000;
+        let s = &mut self.servers[server];
+        let session = s
+            .store
+            .open_session(client as u64 + 1, 1, session_id, now_ms)
+            .map_err(|e| format!("handshake refused: {e}"))?;
+        let info = ServerInfo {
+            name: format!("sim{server}"),
+            window: WINDOW,
+            capacity_pages: s.store.capacity_pages(),
+            free_pages: s.store.free_pages(),
+            connected: Ok(()),
+        };
+        self.conns.push(Conn {
+            client,
+            server,
+            session,
+            incarnation: s.incarnation,
+            reset: false,
+            silent: false,
+            closed: false,
+            inbox: Vec::new(),
+            last_arrival: self.now,
+        });
+        Ok((self.conns.len() - 1, info))
+    }
+
+    /// A client sends a frame on a connection.
+    pub fn send(&mut self, conn: usize, frame: Vec<u8>) -> Result<(), TransportError> {
+        let (client, server) = (self.conns[conn].client, self.conns[conn].server);
+        if self.conns[conn].reset {
+            return Err(TransportError::Disconnected(
+                "connection reset by peer".into(),
+            ));
+        }
+        if self.conns[conn].closed {
+            return Err(TransportError::Disconnected("connection closed".into()));
+        }
+        if self.chance(self.faults.reset) {
+            self.conns[conn].reset = true;
+            self.log.resets += 1;
+            self.touch(client, server);
+            return Err(TransportError::Disconnected(
+                "connection reset by peer".into(),
+            ));
+        }
+        if self.chance(self.faults.lose) {
+            self.conns[conn].silent = true;
+            self.log.losses += 1;
+            self.touch(client, server);
+        }
+        if self.conns[conn].silent || self.partitioned[client][server] {
+            // Lost in the network: TCP keeps retransmitting; the client times out.
+            return Ok(());
+        }
+        let at = (self.now + self.delay()).max(self.conns[conn].last_arrival);
+        self.conns[conn].last_arrival = at;
+        self.schedule(at - self.now, Event::Request { conn, frame });
+        Ok(())
+    }
+
+    /// The next reply waiting on a connection (any of them, when replies are reordered).
+    pub fn take_reply(&mut self, conn: usize) -> Option<Vec<u8>> {
+        let inbox = &mut self.conns[conn].inbox;
+        if inbox.is_empty() {
+            return None;
+        }
+        let i = self.rng.usize(0..inbox.len());
+        Some(inbox.swap_remove(i))
+    }
+
+    /// Runs the next event, or lets time pass to `deadline` if none comes before it.
+    pub fn step_until(&mut self, deadline: Micros) {
+        match self.events.peek() {
+            Some(Reverse(s)) if s.at <= deadline => {
+                let Reverse(s) = self.events.pop().expect("peeked");
+                self.now = self.now.max(s.at);
+                self.handle(s.event);
+            }
+            _ => self.now = self.now.max(deadline),
+        }
+    }
+
+    /// Lets `d` of virtual time pass, running every event due.
+    pub fn run_for(&mut self, d: Micros) {
+        let deadline = self.now + d;
+        while self.now < deadline {
+            self.step_until(deadline);
+        }
+    }
+
+    fn handle(&mut self, event: Event) {
+        match event {
+            Event::Request { conn, frame } => self.serve(conn, frame),
+            Event::Reply { conn, frame } => {
+                let c = &mut self.conns[conn];
+                if !c.silent && !c.reset {
+                    c.inbox.push(frame);
+                }
+            }
+            Event::Restart { server } => {
+                let s = &mut self.servers[server];
+                s.up = true;
+                s.incarnation += 1;
+                s.store = new_store(s.capacity_pages);
+            }
+            Event::Heal { client, server } => self.partitioned[client][server] = false,
+            Event::Tick => {
+                let now_ms = self.now / 1000;
+                for c in &self.conns {
+                    let s = &mut self.servers[c.server];
+                    if c.working()
+                        && s.up
+                        && s.incarnation == c.incarnation
+                        && !self.partitioned[c.client][c.server]
+                    {
+                        let _ = s.store.refresh(c.session, now_ms);
+                    }
+                }
+                for s in self.servers.iter_mut().filter(|s| s.up) {
+                    s.store.expire(now_ms);
+                    if s.slow_until <= self.now {
+                        s.slow = 1;
+                    }
+                }
+                self.schedule(LEASE_PERIOD_MS * 500, Event::Tick);
+            }
+        }
+    }
+
+    /// A request reaches its server: the server's own request logic runs against its store.
+    fn serve(&mut self, conn: usize, frame: Vec<u8>) {
+        let (client, server) = (self.conns[conn].client, self.conns[conn].server);
+        let s = &self.servers[server];
+        if !s.up || s.incarnation != self.conns[conn].incarnation {
+            // The machine is gone or rebooted: the connection is reset.
+            self.conns[conn].reset = true;
+            return;
+        }
+        let (id, req) = match decode_request(&frame) {
+            Ok(r) => r,
+            Err(e) => {
+                self.bad_frames
+                    .push(format!("client {client} sent a bad frame: {e}"));
+                self.conns[conn].reset = true;
+                return;
+            }
+        };
+        let mut out = Vec::new();
+        let now_ms = self.now / 1000;
+        let session = self.conns[conn].session;
+        let s = &mut self.servers[server];
+        let outcome = serve::handle_request(
+            &mut s.store,
+            session,
+            id,
+            req,
+            now_ms,
+            0,
+            &mut out,
+            serve::store_stats,
+        );
+        let service = 5 * s.slow;
+        if outcome == Outcome::Closed {
+            self.conns[conn].closed = true;
+        }
+        if out.is_empty() {
+            return;
+        }
+        if self.chance(self.faults.bit_flip) && self.flip_a_page_bit(&mut out) {
+            self.log.bit_flips += 1;
+            self.touch(client, server);
+        }
+        if self.chance(self.faults.duplicate) {
+            self.log.duplicates += 1;
+            self.touch(client, server);
+            let d = service + self.delay();
+            self.schedule(
+                d,
+                Event::Reply {
+                    conn,
+                    frame: out.clone(),
+                },
+            );
+        }
+        let d = service + self.delay();
+        self.schedule(d, Event::Reply { conn, frame: out });
+    }
+
+    /// Flips one bit of one page's data in a GET reply (a bit flip in a server's RAM or on
+    /// the wire); false if the reply carries no page data.
+    fn flip_a_page_bit(&mut self, frame: &mut [u8]) -> bool {
+        let base = frame.as_ptr() as usize;
+        let offsets: Vec<usize> = match decode_reply(frame) {
+            Ok((_, Reply::Get { pages, .. })) => pages
+                .iter()
+                .filter_map(|p| match p {
+                    GetResult::Found(p) if !p.data.is_empty() => {
+                        Some(p.data.as_ptr() as usize - base)
+                    }
+                    _ => None,
+                })
+                .collect(),
+            _ => return false,
+        };
+        if offsets.is_empty() {
+            return false;
+        }
+        let at = offsets[self.rng.usize(0..offsets.len())] + self.rng.usize(0..PAGE_SIZE);
+        frame[at] ^= 1 << self.rng.u32(0..8);
+        true
+    }
+
+    /// Crashes a server now: its RAM is lost; it restarts empty, with a new incarnation,
+    /// after `downtime`. Clients see a reset, or silence until they time out.
+    pub fn crash(&mut self, server: usize, downtime: Micros) {
+        self.servers[server].up = false;
+        self.log.crashes += 1;
+        for i in 0..self.conns.len() {
+            if self.conns[i].server == server {
+                let client = self.conns[i].client;
+                self.touch(client, server);
+                if self.rng.bool() {
+                    self.conns[i].reset = true;
+                } else {
+                    self.conns[i].silent = true;
+                }
+                self.conns[i].inbox.clear();
+            }
+        }
+        self.schedule(downtime, Event::Restart { server });
+    }
+
+    /// Cuts a client off from a server for `d`.
+    pub fn partition(&mut self, client: usize, server: usize, d: Micros) {
+        if !self.partitioned[client][server] {
+            self.partitioned[client][server] = true;
+            self.log.partitions += 1;
+            self.touch(client, server);
+            self.schedule(d, Event::Heal { client, server });
+        }
+    }
+
+    /// Makes a server ten times slower for `d`.
+    pub fn slow_down(&mut self, server: usize, d: Micros) {
+        let s = &mut self.servers[server];
+        s.slow = 10;
+        s.slow_until = self.now + d;
+        self.log.slowdowns += 1;
+    }
+
+    /// Whether the checker can look at what a connection's session holds: the connection works
+    /// and its server has not rebooted since it opened.
+    pub fn inspectable(&self, conn: usize) -> bool {
+        let c = &self.conns[conn];
+        let s = &self.servers[c.server];
+        c.working() && s.up && s.incarnation == c.incarnation
+    }
+}
