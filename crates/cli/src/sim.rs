@@ -32,6 +32,9 @@ pub struct SimArgs {
     /// slow node.
     #[arg(long)]
     no_faults: bool,
+    /// Print every message, fault and step to stderr (for a replay).
+    #[arg(long)]
+    trace: bool,
 }
 
 pub fn run_sim(args: SimArgs) -> anyhow::Result<()> {
@@ -52,6 +55,7 @@ pub fn run_sim(args: SimArgs) -> anyhow::Result<()> {
                 Faults::all()
             },
             default_faults: !args.no_faults,
+            trace: args.trace,
             ..d
         }
     };

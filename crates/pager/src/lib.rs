@@ -30,17 +30,19 @@
 //! disk copy with `cluster+disk` backing or fail with [`PagerError::Lost`] naming the server and
 //! the pages. A page whose checksum or version does not match is never returned as data.
 
+mod recovery;
 mod table;
 mod transport;
 
 use lru::LruCache;
 use netram_policy::placement::{self, Candidate};
+pub use netram_policy::redundancy::Scheme;
 use netram_proto::{
     DeleteStatus, ErrorCode, GetResult, Page, PageKey, PutStatus, Reply, Request, PAGE_SIZE,
 };
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 use std::fmt;
-use table::{Entry, Table};
+use table::{Entry, Servers, Table};
 pub use transport::{Disk, MemDisk, ServerInfo, Transport, TransportError};
 
 /// Where a pager keeps its pages (Markatos' flexibility, paper 003 §2).
@@ -98,6 +100,9 @@ pub struct PagerConfig {
     pub batch_max: usize,
     /// Seed of the placement's random choices.
     pub seed: u64,
+    /// How pages survive the loss of servers (Markatos §2.1, Nswap §IV): `none` or `mirror:N`
+    /// today.
+    pub redundancy: Scheme,
 }
 
 impl Default for PagerConfig {
@@ -111,6 +116,7 @@ impl Default for PagerConfig {
             window: 32,
             batch_max: 16,
             seed: 0x6e65_7472_616d,
+            redundancy: Scheme::None,
         }
     }
 }
@@ -218,14 +224,45 @@ counters! {
     servers_dead,
     /// Dead servers reconnected (empty: what they held before is gone).
     servers_revived,
+    /// Reads served by another copy after the first failed (dead server, bad checksum, missing).
+    reads_from_other_copy,
+    /// Copies found bad (checksum, missing) and dropped, to be rebuilt from the others.
+    copies_dropped_bad,
+    /// Write-backs that ended with fewer copies than the scheme keeps (too few servers alive
+    /// or with room), the local disk making up for the missing ones.
+    writes_degraded,
+    /// Pages whose lost copies were rebuilt onto live servers (recovery).
+    pages_rebuilt,
+    /// Pages that recovery found without any surviving copy.
+    pages_unrecoverable,
 }
 
-/// One page of a batched GET: where its data goes.
+/// One page of a batched GET: where its data goes. `pos` is the page's place in the caller's
+/// buffer, or [`INTERNAL`] for the pager's own reads (recovery).
 #[derive(Debug, Clone, Copy)]
 struct GetItem {
     page: u64,
     slot: u32,
     pos: usize,
+}
+
+const INTERNAL: usize = usize::MAX;
+
+/// A page being written out: its data stays in `slot` until every copy is settled.
+#[derive(Debug, Clone, Copy)]
+struct Writeback {
+    slot: u32,
+    version: u32,
+    /// Copies acknowledged.
+    done: Servers,
+    /// PUTs in flight.
+    pending: Servers,
+    /// Servers that refused the page or failed while storing it.
+    refused: Servers,
+    /// Holders whose copy of this very version stays valid (recovery adds copies to them).
+    keep: Servers,
+    /// A recovery's write: counted as a rebuilt page when whole.
+    rebuild: bool,
 }
 
 /// One page of a batched PUT: its data is in `slot` until the server acknowledges it.
@@ -245,10 +282,11 @@ enum Op {
 }
 
 impl Op {
-    /// Credits the request takes from its server's window: one per page.
+    /// Credits the request takes from its server's window: one per page, and one for an
+    /// empty GET (a probe), so that it is waited for like any request.
     fn credits(&self) -> u32 {
         match self {
-            Op::Get(items) => items.len() as u32,
+            Op::Get(items) => items.len().max(1) as u32,
             Op::Put(items) => items.len() as u32,
             Op::Delete => 1,
         }
@@ -300,8 +338,19 @@ pub struct Pager<T: Transport, D: Disk> {
     free_slots: Vec<u32>,
     dirty: Vec<bool>,
     cache: LruCache<u64, u32>,
-    /// Pages whose write-back is in flight, and the slot holding their data.
-    writeback: HashMap<u64, u32>,
+    /// Pages whose write-back is in flight, with the slot holding their data.
+    writeback: HashMap<u64, Writeback>,
+    /// Copies the redundancy scheme keeps of every page.
+    copies: usize,
+    /// Pages with fewer copies than `copies` (a server died, a copy was bad): recovery's list.
+    degraded: BTreeSet<u64>,
+    /// Pages recovery could not give every copy (no server with room) and that the local disk
+    /// backs meanwhile: tried again when a server comes back.
+    short: BTreeSet<u64>,
+    /// GETs that failed on one copy, to be tried on another.
+    retry: Vec<GetItem>,
+    /// The pager's own finished reads (recovery): page and slot.
+    fetched: Vec<(u64, u32)>,
     inflight: Inflight,
     batches: Vec<Batches>,
     followups: Vec<Followup>,
@@ -326,6 +375,11 @@ impl<T: Transport, D: Disk> fmt::Debug for Pager<T, D> {
 impl<T: Transport, D: Disk> Pager<T, D> {
     pub fn new(cfg: PagerConfig, transport: T, disk: D) -> Self {
         assert!(cfg.window > 0 && cfg.writeback_batch > 0 && cfg.batch_max > 0);
+        let copies = match cfg.redundancy {
+            Scheme::None => 1,
+            Scheme::Mirror { copies } => usize::from(copies),
+            other => panic!("redundancy {other} is not implemented by the pager yet"),
+        };
         let batch_max = cfg
             .batch_max
             .min(cfg.window as usize)
@@ -355,7 +409,12 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         Self {
             transport,
             disk,
-            table: Table::new(cfg.pages),
+            table: Table::new(cfg.pages, copies),
+            copies,
+            degraded: BTreeSet::new(),
+            short: BTreeSet::new(),
+            retry: Vec::new(),
+            fetched: Vec::new(),
             inflight: Inflight {
                 ops: HashMap::default(),
                 per_server: vec![0; servers.len()],
@@ -402,7 +461,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
     }
     /// The servers (by index, in the transport's order) that hold a page's current version.
     pub fn holders(&self, page: u64) -> Vec<usize> {
-        self.table.get(page).holders().collect()
+        self.table.holders(page).to_vec()
     }
     /// Pages whose current version is only on the local disk (spilled or `disk` backing).
     pub fn pages_on_disk_only(&self) -> u64 {
@@ -415,10 +474,25 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         let e = self.table.get(page);
         (e.present && !self.writeback.contains_key(&page)).then(|| PageLocation {
             version: e.version,
-            holders: e.holders().collect(),
+            holders: self.table.holders(page).to_vec(),
             on_disk: e.on_disk,
             lost: e.lost,
         })
+    }
+
+    /// Asks every server it counts on for an empty GET and waits for the answers, so that a
+    /// server that died while nobody was asking it anything is found out now (Nswap §IV-B3:
+    /// recovery starts when a node discovers another is unreachable). Returns how many were
+    /// found dead.
+    pub fn probe_servers(&mut self) -> Result<usize, PagerError> {
+        let before = self.counters.servers_dead;
+        for s in 0..self.servers.len() {
+            if self.servers[s].alive {
+                self.submit(s, Op::Get(Vec::new()), &Request::Get(Vec::new()));
+            }
+        }
+        self.drain()?;
+        Ok((self.counters.servers_dead - before) as usize)
     }
 
     /// Tries to reconnect every server declared dead; returns how many came back. A server
@@ -437,9 +511,15 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                     continue;
                 }
             };
-            for (_, e) in self.table.iter_mut() {
-                if e.holders().any(|h| h == s) {
-                    e.lost = true;
+            for page in self.table.pages_on(s) {
+                let mut holders = self.table.holders(page);
+                if holders.len() > 1 {
+                    // Another copy survives: this one is gone, recovery makes a new one.
+                    holders.remove(s);
+                    self.table.set_holders(page, holders);
+                    self.degraded.insert(page);
+                } else {
+                    self.table.get_mut(page).lost = true;
                 }
             }
             let st = &mut self.servers[s];
@@ -453,6 +533,9 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             st.info = info;
             self.counters.servers_revived += 1;
             revived += 1;
+            // Room again, perhaps: what lacked copies for want of servers tries again.
+            let short = std::mem::take(&mut self.short);
+            self.degraded.extend(short);
         }
         revived
     }
@@ -508,8 +591,8 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             let cached = self
                 .cache
                 .get(&page)
-                .or_else(|| self.writeback.get(&page))
-                .copied();
+                .copied()
+                .or_else(|| self.writeback.get(&page).map(|w| w.slot));
             if let Some(slot) = cached {
                 self.counters.cache_hits += 1;
                 dst.copy_from_slice(self.slot(slot));
@@ -521,13 +604,13 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                 dst.fill(0);
                 continue;
             }
-            match self.alive_holder(&e) {
+            match self.alive_holder(page, &e, None) {
                 Some(server) => {
                     let slot = self.take_slot_for_read(out)?;
                     self.submit_get(server, page, slot, pos);
                 }
                 None if e.on_disk => {
-                    if e.holders().next().is_some() {
+                    if !self.table.holders(page).is_empty() {
                         self.counters.disk_fallbacks += 1;
                     }
                     self.counters.disk_reads += 1;
@@ -541,18 +624,21 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                     }
                 }
                 None => {
-                    let s = e
-                        .holders()
-                        .next()
+                    let s = self
+                        .table
+                        .holders(page)
+                        .first()
                         .expect("a present page is on a server or on disk");
                     self.lost.push((s, page));
                 }
             }
             self.copy_out_reads(out)?;
         }
-        // Copying out may insert into the cache and evict dirty pages: drain until both are done.
-        while !self.idle() || !self.reads_done.is_empty() {
+        // Copying out may insert into the cache and evict dirty pages, and a failed copy is
+        // retried on another: drain until all are done.
+        while !self.idle() || !self.reads_done.is_empty() || !self.retry.is_empty() {
             self.drain()?;
+            self.resubmit_retries();
             self.copy_out_reads(out)?;
         }
         self.read_outcome()
@@ -638,7 +724,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                 self.release_slot(slot);
             }
             let e = *self.table.get(page);
-            for s in e.holders() {
+            for s in self.table.holders(page).iter() {
                 if self.servers[s].alive {
                     deletes[s].push(self.key(page));
                 }
@@ -646,7 +732,9 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             if e.on_disk {
                 self.disk.discard(page)?;
             }
-            self.table.get_mut(page).forget();
+            self.table.forget(page);
+            self.degraded.remove(&page);
+            self.short.remove(&page);
         }
         for (s, keys) in deletes.into_iter().enumerate() {
             for chunk in keys.chunks(netram_proto::MAX_BATCH) {
@@ -676,17 +764,92 @@ impl<T: Transport, D: Disk> Pager<T, D> {
     // Reading
     // ------------------------------------------------------------------------------------------
 
-    fn alive_holder(&self, e: &Entry) -> Option<usize> {
+    /// The first live holder of a page's current version, other than `not`.
+    fn alive_holder(&self, page: u64, e: &Entry, not: Option<usize>) -> Option<usize> {
         if e.lost {
             return None;
         }
-        e.holders().find(|&s| self.servers[s].alive)
+        self.table
+            .holders(page)
+            .iter()
+            .find(|&s| self.servers[s].alive && Some(s) != not)
+    }
+
+    /// A GET that got no good copy from `server` (dead, bad checksum, missing). With another
+    /// copy it is tried there, and a bad copy is dropped for recovery to rebuild; otherwise the
+    /// disk copy, or the error.
+    fn get_failed(&mut self, server: usize, it: GetItem, what: Option<&'static str>) {
+        let e = *self.table.get(it.page);
+        let mut holders = self.table.holders(it.page);
+        if let Some(what) = what {
+            if holders.len() > 1 && holders.contains(server) {
+                tracing::warn!(server, page = it.page, what, "dropping a bad copy");
+                self.counters.copies_dropped_bad += 1;
+                holders.remove(server);
+                self.table.set_holders(it.page, holders);
+                self.degraded.insert(it.page);
+                if what != "missing on server" && self.servers[server].alive {
+                    self.counters.deletes += 1;
+                    self.submit(
+                        server,
+                        Op::Delete,
+                        &Request::Delete(vec![self.key(it.page)]),
+                    );
+                }
+            }
+        }
+        if self.alive_holder(it.page, &e, Some(server)).is_some() {
+            self.counters.reads_from_other_copy += 1;
+            self.retry.push(it);
+            return;
+        }
+        if e.on_disk {
+            self.counters.disk_fallbacks += 1;
+            self.counters.disk_reads += 1;
+            let at = it.slot as usize * PAGE_SIZE;
+            match self.disk.read(it.page, &mut self.slots[at..at + PAGE_SIZE]) {
+                Ok(()) => {
+                    return self.reads_done.push(ReadDone {
+                        pos: it.pos,
+                        page: it.page,
+                        slot: it.slot,
+                    })
+                }
+                Err(e) => tracing::error!(page = it.page, "disk read failed: {e}"),
+            }
+        }
+        if it.pos == INTERNAL {
+            // Recovery's own read: it finds the page unrecoverable by its absence.
+        } else if let Some(what) = what {
+            self.corrupt = Some((server, it.page, what));
+        } else {
+            self.lost.push((server, it.page));
+        }
+        self.release_slot(it.slot);
+    }
+
+    /// Sends the GETs that failed on one copy to another.
+    fn resubmit_retries(&mut self) {
+        for it in std::mem::take(&mut self.retry) {
+            let e = *self.table.get(it.page);
+            match self.alive_holder(it.page, &e, None) {
+                Some(s) => self.submit_get_item(s, it),
+                None => {
+                    let s = self.table.holders(it.page).first().unwrap_or(0);
+                    self.get_failed(s, it, None)
+                }
+            }
+        }
     }
 
     /// Queues a GET; it goes out with its server's batch.
     fn submit_get(&mut self, server: usize, page: u64, slot: u32, pos: usize) {
+        self.submit_get_item(server, GetItem { page, slot, pos });
+    }
+
+    fn submit_get_item(&mut self, server: usize, it: GetItem) {
         self.counters.gets += 1;
-        self.batches[server].gets.push(GetItem { page, slot, pos });
+        self.batches[server].gets.push(it);
         if self.batches[server].gets.len() >= self.cfg.batch_max {
             self.send_batches(server);
         }
@@ -695,6 +858,10 @@ impl<T: Transport, D: Disk> Pager<T, D> {
     /// Copies finished reads to the caller and hands their slots to the cache.
     fn copy_out_reads(&mut self, out: &mut [u8]) -> Result<(), PagerError> {
         while let Some(d) = self.reads_done.pop() {
+            if d.pos == INTERNAL {
+                self.fetched.push((d.page, d.slot));
+                continue;
+            }
             out[d.pos * PAGE_SIZE..(d.pos + 1) * PAGE_SIZE].copy_from_slice(self.slot(d.slot));
             if self.cfg.cache_pages > 0 && !self.cache.contains(&d.page) {
                 self.insert_clean(d.page, d.slot)?;
@@ -757,8 +924,19 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                     self.table.get_mut(page).on_disk = false;
                 }
                 self.table.get_mut(page).present = true;
-                self.writeback.insert(page, slot);
-                self.place(page, slot, version, &[])?;
+                self.writeback.insert(
+                    page,
+                    Writeback {
+                        slot,
+                        version,
+                        done: Servers::default(),
+                        pending: Servers::default(),
+                        refused: Servers::default(),
+                        keep: Servers::default(),
+                        rebuild: false,
+                    },
+                );
+                self.place_copies(page)?;
             }
         }
         Ok(())
@@ -771,64 +949,114 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         Ok(())
     }
 
-    /// Chooses a server for a page (its current holder if alive, else by placement) and sends
-    /// the PUT; with no server left, spills the page to the local disk.
-    fn place(
-        &mut self,
-        page: u64,
-        slot: u32,
-        version: u32,
-        refused: &[usize],
-    ) -> Result<(), PagerError> {
-        let e = *self.table.get(page);
-        let holder = e
-            .holders()
-            .find(|&s| self.servers[s].alive && !refused.contains(&s));
-        let target = holder.or_else(|| {
-            let candidates: Vec<Candidate> = self.servers.iter().map(|s| s.load).collect();
-            placement::choose(&candidates, refused, &mut self.rng)
-        });
-        match target {
-            Some(server) => {
-                self.counters.puts += 1;
-                self.batches[server].puts.push(PutItem {
-                    page,
-                    slot,
-                    version,
-                });
-                if self.batches[server].puts.len() >= self.cfg.batch_max {
-                    self.send_batches(server);
-                }
+    /// Sends the copies a page in write-back still lacks, each to a live server that holds no
+    /// other copy of it: its current holders first (an overwrite stays in place), then by
+    /// placement. Settles the write-back when nothing is left in flight.
+    fn place_copies(&mut self, page: u64) -> Result<(), PagerError> {
+        let mut wb = *self.writeback.get(&page).expect("page in write-back");
+        let busy = |wb: &Writeback, s: usize| {
+            wb.done.contains(s)
+                || wb.pending.contains(s)
+                || wb.refused.contains(s)
+                || wb.keep.contains(s)
+        };
+        let need = self
+            .copies
+            .saturating_sub(wb.done.len() + wb.pending.len() + wb.keep.len());
+        let mut full = Vec::new();
+        for _ in 0..need {
+            let holder = self
+                .table
+                .holders(page)
+                .iter()
+                .find(|&s| self.servers[s].alive && !busy(&wb, s));
+            let target = holder.or_else(|| {
+                let candidates: Vec<Candidate> = self.servers.iter().map(|s| s.load).collect();
+                let exclude: Vec<usize> =
+                    (0..self.servers.len()).filter(|&s| busy(&wb, s)).collect();
+                placement::choose(&candidates, &exclude, &mut self.rng)
+            });
+            let Some(server) = target else { break };
+            wb.pending.insert(server);
+            self.counters.puts += 1;
+            self.batches[server].puts.push(PutItem {
+                page,
+                slot: wb.slot,
+                version: wb.version,
+            });
+            if self.batches[server].puts.len() >= self.cfg.batch_max {
+                full.push(server);
             }
-            None => {
-                if !e.on_disk {
-                    self.counters.spills += 1;
-                    self.write_to_disk(page, slot)?;
-                }
-                self.set_location(page, None);
-                self.writeback.remove(&page);
-                self.release_slot(slot);
-            }
+        }
+        // Recorded before anything is sent: sending may wait for credits and complete PUTs of
+        // this very page.
+        self.writeback.insert(page, wb);
+        if wb.pending.is_empty() {
+            return self.finish_writeback(page);
+        }
+        for server in full {
+            self.send_batches(server);
         }
         Ok(())
     }
 
-    /// Records where the current version of a page lives; deletes a superseded remote copy.
-    fn set_location(&mut self, page: u64, server: Option<usize>) {
-        let old: Vec<usize> = self.table.get(page).holders().collect();
-        for s in old {
-            if Some(s) != server && self.servers[s].alive {
+    /// A copy that `server` refused or will never acknowledge: placed elsewhere if possible.
+    fn copy_failed(&mut self, page: u64, server: usize) -> Result<(), PagerError> {
+        let Some(wb) = self.writeback.get_mut(&page) else {
+            return Ok(());
+        };
+        wb.pending.remove(server);
+        wb.refused.insert(server);
+        self.place_copies(page)
+    }
+
+    /// Every copy of a write-back is acknowledged or failed: the page table learns where the
+    /// page is now, superseded copies are deleted and the slot is freed. No copy at all: the
+    /// page goes to the local disk (Markatos: the disk when the cluster is full).
+    fn finish_writeback(&mut self, page: u64) -> Result<(), PagerError> {
+        let wb = self.writeback.remove(&page).expect("page in write-back");
+        let holders: Servers = wb.keep.iter().chain(wb.done.iter()).collect();
+        if holders.len() < self.copies {
+            // Too few servers alive or with room for every copy: the local disk makes up
+            // for the missing ones (Markatos: the disk when the cluster is full). Recovery
+            // adds the missing copies when servers come back.
+            if !self.table.get(page).on_disk {
+                self.counters.spills += 1;
+                self.write_to_disk(page, wb.slot)?;
+                self.table.get_mut(page).on_disk = true;
+            }
+            self.degraded.remove(&page);
+            if holders.is_empty() {
+                self.short.remove(&page);
+            } else if wb.rebuild {
+                self.short.insert(page);
+            } else {
+                self.counters.writes_degraded += 1;
+                self.degraded.insert(page);
+            }
+        } else {
+            if wb.rebuild {
+                self.counters.pages_rebuilt += 1;
+            }
+            self.degraded.remove(&page);
+            self.short.remove(&page);
+        }
+        self.set_location(page, holders);
+        self.release_slot(wb.slot);
+        Ok(())
+    }
+
+    /// Records where the current version of a page lives; deletes superseded remote copies.
+    fn set_location(&mut self, page: u64, holders: Servers) {
+        for s in self.table.holders(page).iter() {
+            if !holders.contains(s) && self.servers[s].alive {
                 self.counters.deletes += 1;
                 self.submit(s, Op::Delete, &Request::Delete(vec![self.key(page)]));
             }
         }
-        let e = self.table.get_mut(page);
-        match server {
-            Some(s) => e.set_holder(s),
-            None => {
-                e.clear_holders();
-                e.on_disk = true;
-            }
+        self.table.set_holders(page, holders);
+        if holders.is_empty() {
+            self.table.get_mut(page).on_disk = true;
         }
     }
 
@@ -1068,7 +1296,6 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                     &mut self.counters,
                     &mut self.slots,
                     &mut self.reads_done,
-                    &mut self.corrupt,
                     &mut self.followups,
                     &self.table,
                     &self.cfg,
@@ -1105,7 +1332,6 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         counters: &mut PagerCounters,
         slots: &mut [u8],
         reads_done: &mut Vec<ReadDone>,
-        corrupt: &mut Option<(usize, u64, &'static str)>,
         followups: &mut Vec<Followup>,
         table: &Table,
         cfg: &PagerConfig,
@@ -1152,12 +1378,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                     };
                     if let Some(what) = what {
                         tracing::warn!(server, page, what, "bad page from server");
-                        if table.get(page).on_disk {
-                            followups.push(Followup::ReadDisk(it));
-                        } else {
-                            *corrupt = Some((server, page, what));
-                            followups.push(Followup::Release(slot));
-                        }
+                        followups.push(Followup::GetFailed(it, what));
                     }
                 }
             }
@@ -1199,28 +1420,20 @@ impl<T: Transport, D: Disk> Pager<T, D> {
 
     fn after_reply(&mut self, server: usize, f: Followup) -> Result<(), PagerError> {
         match f {
-            Followup::Release(slot) => self.release_slot(slot),
-            Followup::ReadDisk(it) => {
-                self.counters.disk_fallbacks += 1;
-                self.counters.disk_reads += 1;
-                let at = it.slot as usize * PAGE_SIZE;
-                self.disk
-                    .read(it.page, &mut self.slots[at..at + PAGE_SIZE])?;
-                self.reads_done.push(ReadDone {
-                    pos: it.pos,
-                    page: it.page,
-                    slot: it.slot,
-                });
-            }
+            Followup::GetFailed(it, what) => self.get_failed(server, it, Some(what)),
             Followup::Stored(it) => {
                 debug_assert_eq!(self.table.get(it.page).version, it.version);
-                self.set_location(it.page, Some(server));
-                self.writeback.remove(&it.page);
-                self.release_slot(it.slot);
+                if let Some(wb) = self.writeback.get_mut(&it.page) {
+                    wb.pending.remove(server);
+                    wb.done.insert(server);
+                    if wb.pending.is_empty() {
+                        self.finish_writeback(it.page)?;
+                    }
+                }
             }
             Followup::Replace(it) => {
                 self.servers[server].load.free_pages = 0;
-                self.place(it.page, it.slot, it.version, &[server])?;
+                self.copy_failed(it.page, server)?;
             }
             Followup::Dead(why, op) => {
                 self.mark_dead(server, TransportError::Protocol(why));
@@ -1236,6 +1449,11 @@ impl<T: Transport, D: Disk> Pager<T, D> {
     fn mark_dead(&mut self, server: usize, err: TransportError) {
         if self.servers[server].alive {
             tracing::warn!(server = %self.servers[server].info.name, "server marked dead: {err}");
+            tracing::debug!(
+                in_flight = self.inflight.per_server[server],
+                ops = ?self.inflight.ops.iter().filter(|(_, (s, _))| *s == server).collect::<Vec<_>>(),
+                "failing over"
+            );
             self.counters.servers_dead += 1;
             self.servers[server].alive = false;
             self.servers[server].load.alive = false;
@@ -1260,6 +1478,10 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         for op in ops {
             self.fail_op(server, op);
         }
+        if self.copies > 1 {
+            // Every page with a copy there has one copy fewer: recovery's work.
+            self.degraded.extend(self.table.pages_on(server));
+        }
     }
 
     /// An operation that will get no reply from `server`.
@@ -1267,32 +1489,13 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         match op {
             Op::Get(items) => {
                 for it in items {
-                    if self.table.get(it.page).on_disk {
-                        self.counters.disk_fallbacks += 1;
-                        self.counters.disk_reads += 1;
-                        let at = it.slot as usize * PAGE_SIZE;
-                        match self.disk.read(it.page, &mut self.slots[at..at + PAGE_SIZE]) {
-                            Ok(()) => self.reads_done.push(ReadDone {
-                                pos: it.pos,
-                                page: it.page,
-                                slot: it.slot,
-                            }),
-                            Err(e) => {
-                                tracing::error!(page = it.page, "disk read failed: {e}");
-                                self.lost.push((server, it.page));
-                                self.release_slot(it.slot);
-                            }
-                        }
-                    } else {
-                        self.lost.push((server, it.page));
-                        self.release_slot(it.slot);
-                    }
+                    self.get_failed(server, it, None);
                 }
             }
             Op::Put(items) => {
-                // The data is still in its slot: place it elsewhere.
+                // The data is still in its slot: place the copy elsewhere.
                 for it in items {
-                    if let Err(e) = self.place(it.page, it.slot, it.version, &[server]) {
+                    if let Err(e) = self.copy_failed(it.page, server) {
                         tracing::error!(
                             page = it.page,
                             "could not place page after server failure: {e}"
@@ -1308,8 +1511,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
 /// What to do after a reply, once the transport's buffer is no longer borrowed.
 #[derive(Debug)]
 enum Followup {
-    Release(u32),
-    ReadDisk(GetItem),
+    GetFailed(GetItem, &'static str),
     Stored(PutItem),
     Replace(PutItem),
     Dead(String, Option<Op>),

@@ -1,18 +1,17 @@
-//! The page table: for every page of the region, where its current version lives.
+//! The page table: for every page of the region, its version and which servers hold it.
 //!
-//! An entry is 12 bytes, so that a 64 GiB device (16 M pages) needs 192 MiB of table rather
-//! than a map with a heap node per page. It has room for [`HOLDERS_MAX`] servers per page, which
-//! mirroring (a later issue) fills; today one holder is set at a time.
+//! An entry is 8 bytes plus 2 bytes per copy the redundancy scheme keeps (one for `none`, N for
+//! `mirror:N`), kept in one flat array rather than a heap node per page, so that a 64 GiB device
+//! (16 M pages) needs 160 MiB of table without mirroring.
 
-/// Servers that may hold copies of one page.
-pub const HOLDERS_MAX: usize = 2;
+/// Copies of one page a table can record (`mirror:8` at most).
+pub const COPIES_MAX: usize = 8;
 const NONE: u16 = u16::MAX;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Entry {
     /// Incremented on every write-out (Nswap's version count); 0 before the first.
     pub version: u32,
-    holders: [u16; HOLDERS_MAX],
     /// The page has been written: before that it reads as zeros without any I/O.
     pub present: bool,
     /// The local disk holds the current version (spilled, `disk` or `cluster+disk` backing).
@@ -25,34 +24,10 @@ pub struct Entry {
 impl Entry {
     const EMPTY: Entry = Entry {
         version: 0,
-        holders: [NONE; HOLDERS_MAX],
         present: false,
         on_disk: false,
         lost: false,
     };
-
-    pub fn holders(&self) -> impl Iterator<Item = usize> + '_ {
-        self.holders
-            .iter()
-            .filter(|&&h| h != NONE)
-            .map(|&h| usize::from(h))
-    }
-
-    /// Makes `server` the only holder of the current version.
-    pub fn set_holder(&mut self, server: usize) {
-        assert!(
-            server < usize::from(NONE),
-            "server index {server} does not fit the table"
-        );
-        self.holders = [NONE; HOLDERS_MAX];
-        self.holders[0] = server as u16;
-        self.lost = false;
-    }
-
-    pub fn clear_holders(&mut self) {
-        self.holders = [NONE; HOLDERS_MAX];
-        self.lost = false;
-    }
 
     /// Advances the version for a new write-out; versions never go back, even across discards,
     /// so a copy left behind somewhere can never pass for the current one.
@@ -63,26 +38,89 @@ impl Entry {
             .expect("2^32 write-outs of one page");
         self.version
     }
+}
 
-    /// The page was discarded: it reads as zeros again. The version is kept.
-    pub fn forget(&mut self) {
-        *self = Entry {
-            version: self.version,
-            ..Entry::EMPTY
-        };
+/// A small set of servers (the holders of a page, the targets of a write-back), by index.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Servers {
+    ids: [u16; COPIES_MAX],
+    n: u8,
+}
+
+impl Servers {
+    pub fn iter(&self) -> impl Iterator<Item = usize> + '_ {
+        self.ids[..self.n as usize].iter().map(|&s| usize::from(s))
+    }
+    pub fn len(&self) -> usize {
+        self.n as usize
+    }
+    pub fn is_empty(&self) -> bool {
+        self.n == 0
+    }
+    pub fn contains(&self, s: usize) -> bool {
+        self.iter().any(|x| x == s)
+    }
+    pub fn first(&self) -> Option<usize> {
+        self.iter().next()
+    }
+    /// Adds a server (once); false when the set is full.
+    pub fn insert(&mut self, s: usize) -> bool {
+        assert!(
+            s < usize::from(NONE),
+            "server index {s} does not fit the table"
+        );
+        if self.contains(s) {
+            return true;
+        }
+        if self.len() == COPIES_MAX {
+            return false;
+        }
+        self.ids[self.n as usize] = s as u16;
+        self.n += 1;
+        true
+    }
+    pub fn remove(&mut self, s: usize) -> bool {
+        let at = self.iter().position(|x| x == s);
+        match at {
+            Some(i) => {
+                self.ids.copy_within(i + 1..self.n as usize, i);
+                self.n -= 1;
+                true
+            }
+            None => false,
+        }
+    }
+    pub fn to_vec(self) -> Vec<usize> {
+        self.iter().collect()
+    }
+}
+
+impl FromIterator<usize> for Servers {
+    fn from_iter<I: IntoIterator<Item = usize>>(it: I) -> Self {
+        let mut s = Servers::default();
+        for x in it {
+            s.insert(x);
+        }
+        s
     }
 }
 
 #[derive(Debug)]
 pub struct Table {
     entries: Vec<Entry>,
+    /// `copies` slots per page; unused ones are `NONE`.
+    holders: Vec<u16>,
+    copies: usize,
 }
 
 impl Table {
-    pub fn new(pages: u64) -> Self {
+    pub fn new(pages: u64, copies: usize) -> Self {
+        assert!((1..=COPIES_MAX).contains(&copies));
         let n = usize::try_from(pages).expect("page count fits in memory");
         Self {
             entries: vec![Entry::EMPTY; n],
+            holders: vec![NONE; n * copies],
+            copies,
         }
     }
 
@@ -94,28 +132,75 @@ impl Table {
         &mut self.entries[page as usize]
     }
 
-    /// Every entry, by page number.
-    pub fn iter_mut(&mut self) -> impl Iterator<Item = (u64, &mut Entry)> {
-        self.entries
-            .iter_mut()
+    fn slots(&self, page: u64) -> &[u16] {
+        let at = page as usize * self.copies;
+        &self.holders[at..at + self.copies]
+    }
+
+    pub fn holders(&self, page: u64) -> Servers {
+        self.slots(page)
+            .iter()
+            .filter(|&&h| h != NONE)
+            .map(|&h| usize::from(h))
+            .collect()
+    }
+
+    /// Makes `servers` the holders of the current version (none: on disk only, or lost).
+    pub fn set_holders(&mut self, page: u64, servers: Servers) {
+        assert!(servers.len() <= self.copies, "more holders than copies");
+        let at = page as usize * self.copies;
+        let slots = &mut self.holders[at..at + self.copies];
+        slots.fill(NONE);
+        for (slot, s) in slots.iter_mut().zip(servers.iter()) {
+            *slot = s as u16;
+        }
+        self.entries[page as usize].lost = false;
+    }
+
+    /// The page was discarded: it reads as zeros again. The version is kept.
+    pub fn forget(&mut self, page: u64) {
+        let version = self.entries[page as usize].version;
+        self.entries[page as usize] = Entry {
+            version,
+            ..Entry::EMPTY
+        };
+        self.set_holders(page, Servers::default());
+    }
+
+    /// Pages with a holder on `server`.
+    pub fn pages_on(&self, server: usize) -> Vec<u64> {
+        let s = server as u16;
+        self.holders
+            .chunks_exact(self.copies)
             .enumerate()
-            .map(|(i, e)| (i as u64, e))
+            .filter(|(_, h)| h.contains(&s))
+            .map(|(p, _)| p as u64)
+            .collect()
     }
 
     pub fn pages_per_server(&self, servers: usize) -> Vec<u64> {
         let mut n = vec![0u64; servers];
-        for e in self.entries.iter().filter(|e| !e.lost) {
-            for s in e.holders() {
-                n[s] += 1;
+        for (e, h) in self
+            .entries
+            .iter()
+            .zip(self.holders.chunks_exact(self.copies))
+        {
+            if e.lost {
+                continue;
+            }
+            for &s in h.iter().filter(|&&s| s != NONE) {
+                n[usize::from(s)] += 1;
             }
         }
         n
     }
 
     pub fn pages_on_disk_only(&self) -> u64 {
-        self.entries
-            .iter()
-            .filter(|e| e.present && e.on_disk && e.holders().next().is_none())
+        (0..self.entries.len() as u64)
+            .filter(|&p| {
+                let e = self.get(p);
+                e.present && e.on_disk && self.holders(p).is_empty()
+            })
             .count() as u64
     }
 }
@@ -126,15 +211,26 @@ mod tests {
 
     #[test]
     fn entry_is_small_and_versions_only_grow() {
-        assert_eq!(std::mem::size_of::<Entry>(), 12);
-        let mut t = Table::new(4);
+        assert_eq!(std::mem::size_of::<Entry>(), 8);
+        let mut t = Table::new(4, 2);
         let e = t.get_mut(1);
         assert_eq!(e.next_version(), 1);
         e.present = true;
-        e.set_holder(3);
-        assert_eq!(e.holders().collect::<Vec<_>>(), vec![3]);
-        e.forget();
-        assert!(!e.present && e.holders().next().is_none());
-        assert_eq!(e.next_version(), 2);
+        t.set_holders(1, [3, 5].into_iter().collect());
+        assert_eq!(t.holders(1).to_vec(), vec![3, 5]);
+        assert_eq!(t.pages_on(5), vec![1]);
+        t.forget(1);
+        assert!(!t.get(1).present && t.holders(1).is_empty());
+        assert_eq!(t.get_mut(1).next_version(), 2);
+    }
+
+    #[test]
+    fn server_sets_keep_order_and_refuse_overflow() {
+        let mut s: Servers = (0..COPIES_MAX).collect();
+        assert!(!s.insert(99));
+        assert!(s.insert(3), "already there");
+        assert!(s.remove(0) && !s.remove(0));
+        assert_eq!(s.first(), Some(1));
+        assert_eq!(s.len(), COPIES_MAX - 1);
     }
 }

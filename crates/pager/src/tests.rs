@@ -215,7 +215,7 @@ fn a_dead_server_loses_exactly_its_pages_with_cluster_backing() {
     for page in 0..60 {
         p.write(page, &content(page, 3)).unwrap();
     }
-    let holders: Vec<Option<usize>> = (0..60).map(|pg| p.table.get(pg).holders().next()).collect();
+    let holders: Vec<Option<usize>> = (0..60).map(|pg| p.table.holders(pg).first()).collect();
     p.transport.servers[1].dead = true;
     let mut lost = Vec::new();
     for page in 0..60 {

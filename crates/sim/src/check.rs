@@ -104,7 +104,7 @@ pub fn holders(
             continue; // cached, or its write-back is in flight
         };
         if loc.lost {
-            if loss_allowed(world, model.client, tolerated) {
+            if loc.on_disk || loss_allowed(world, model.client, tolerated) {
                 continue;
             }
             return Err(format!(
@@ -136,21 +136,86 @@ pub fn holders(
                         loc.version, p.version
                     ))
                 }
-                None => return Err(format!(
+                None => {
+                    return Err(format!(
                     "page {page}: the pager says server {h} holds version {}, which it does not",
                     loc.version
-                )),
+                ))
+                }
             }
         }
     }
     Ok(())
 }
 
+/// Whether every written page has all the copies the scheme keeps, each on a server the
+/// checker can inspect and holding the current version (judged from the stores, not from the
+/// pager's word), and which the pager has not given up on.
+pub fn whole(world: &World, pager: &Pager<SimTransport, MemDisk>, model: &Model) -> bool {
+    not_whole(world, pager, model).is_none()
+}
+
+/// The first page that is not whole (see [`whole`]), and why.
+pub fn not_whole(
+    world: &World,
+    pager: &Pager<SimTransport, MemDisk>,
+    model: &Model,
+) -> Option<String> {
+    let copies = match pager.config().redundancy {
+        netram_pager::Scheme::Mirror { copies } => usize::from(copies),
+        _ => 1,
+    };
+    let region = pager.config().region;
+    let alive: Vec<bool> = pager.servers().map(|(_, alive)| alive).collect();
+    for (page, tag) in model.pages.iter().enumerate() {
+        let page = page as u64;
+        if tag.is_none() {
+            continue;
+        }
+        let Some(loc) = pager.location(page) else {
+            return Some(format!("page {page} is in flight"));
+        };
+        if loc.on_disk {
+            continue; // the local disk holds it too (spilled, or disk backing)
+        }
+        if loc.lost || loc.holders.len() < copies {
+            return Some(format!(
+                "page {page} has {} of {copies} copies (lost: {})",
+                loc.holders.len(),
+                loc.lost
+            ));
+        }
+        for &h in &loc.holders {
+            let ok = alive[h]
+                && pager.transport().conns[h].is_some_and(|c| {
+                    world.inspectable(c)
+                        && world.servers[h]
+                            .store
+                            .peek(world.conns[c].session, PageKey::new(region, page))
+                            .is_some_and(|p| p.version == loc.version)
+                });
+            if !ok {
+                return Some(format!(
+                    "page {page}: the copy on server {h} (alive to the pager: {}) is not there",
+                    alive[h]
+                ));
+            }
+        }
+    }
+    None
+}
+
 /// Once everything is written back, each session holds exactly the pages the pager thinks it
 /// holds there: superseded and discarded copies were deleted (Nswap's garbage collection).
 pub fn no_garbage(world: &World, pager: &Pager<SimTransport, MemDisk>) -> Result<(), String> {
     let expected = pager.pages_per_server();
+    let alive: Vec<bool> = pager.servers().map(|(_, alive)| alive).collect();
     for (s, &want) in expected.iter().enumerate() {
+        if !alive[s] {
+            // Given up on: what it still holds is the abandoned session's, freed by its lease
+            // once the client reconnects, or when the client ends.
+            continue;
+        }
         let Some(conn) = pager.transport().conns[s] else {
             continue;
         };

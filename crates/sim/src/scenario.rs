@@ -22,6 +22,8 @@ pub struct Scenario {
     pub faults: Faults,
     /// Whether `faults` are the defaults (so the replay command need not spell them out).
     pub default_faults: bool,
+    /// Print every message and fault to stderr.
+    pub trace: bool,
 }
 
 impl Scenario {
@@ -36,6 +38,7 @@ impl Scenario {
             scheme: Scheme::None,
             faults: Faults::all(),
             default_faults: true,
+            trace: false,
         }
     }
 
@@ -75,6 +78,8 @@ pub struct Report {
     pub discards: u64,
     pub flushes: u64,
     pub revived: u64,
+    /// Pages whose lost copies recovery set out to rebuild.
+    pub rebuilds_started: u64,
     /// Pages read back and found right.
     pub pages_verified: u64,
     /// Reads that failed where the faults allowed it (lost or corrupt beyond the redundancy).
@@ -106,7 +111,7 @@ pub fn run(sc: &Scenario) -> Result<Report, Failure> {
         what,
         replay: sc.replay_command(),
     };
-    if sc.scheme != Scheme::None {
+    if !matches!(sc.scheme, Scheme::None | Scheme::Mirror { .. }) {
         return Err(fail(
             0,
             format!("scheme {} is not simulated yet", sc.scheme),
@@ -114,7 +119,8 @@ pub fn run(sc: &Scenario) -> Result<Report, Failure> {
     }
     let mut rng = fastrand::Rng::with_seed(sc.seed);
     // Room for all pages, give or take half: some servers fill up and refuse (Anemone's NACK).
-    let fair = (sc.pages as usize * sc.clients).div_ceil(sc.servers);
+    let copies = sc.scheme.pages_per_page().ceil() as usize;
+    let fair = (sc.pages as usize * sc.clients * copies).div_ceil(sc.servers);
     let capacities: Vec<usize> = (0..sc.servers)
         .map(|_| (fair * rng.usize(50..=150) / 100).max(4))
         .collect();
@@ -124,6 +130,7 @@ pub fn run(sc: &Scenario) -> Result<Report, Failure> {
         sc.clients,
         sc.faults.clone(),
     )));
+    world.borrow_mut().trace = sc.trace;
     let tolerated = sc.scheme.failures_tolerated();
     let mut clients: Vec<Client> = (0..sc.clients)
         .map(|c| {
@@ -141,6 +148,7 @@ pub fn run(sc: &Scenario) -> Result<Report, Failure> {
                 window: 8,
                 batch_max: rng.usize(1..=8),
                 seed: rng.u64(..),
+                redundancy: sc.scheme,
             };
             Client {
                 pager: Pager::new(
@@ -164,6 +172,9 @@ pub fn run(sc: &Scenario) -> Result<Report, Failure> {
         report.steps = step + 1;
         inject_faults(&mut world.borrow_mut(), sc, crash_chance);
         let ci = rng.usize(0..clients.len());
+        if sc.trace {
+            eprintln!("--- step {step}: client {ci}");
+        }
         let cl = &mut clients[ci];
         // Judged after the operation: faults strike while it runs.
         let may_lose = |cl: &Client, e: &PagerError| {
@@ -224,8 +235,20 @@ pub fn run(sc: &Scenario) -> Result<Report, Failure> {
                     .flush()
                     .map_err(|e| fail(step, format!("client {ci}: flush: {e}")))?;
             }
-            92..=95 => {
+            92 => {
                 report.revived += cl.pager.revive_dead_servers() as u64;
+            }
+            93 => {
+                cl.pager
+                    .probe_servers()
+                    .map_err(|e| fail(step, format!("client {ci}: probe: {e}")))?;
+            }
+            94..=95 => {
+                let r = cl
+                    .pager
+                    .recover(rng.usize(1..=16))
+                    .map_err(|e| fail(step, format!("client {ci}: recover: {e}")))?;
+                report.rebuilds_started += r.started as u64;
             }
             _ => {
                 let d = rng.u64(0..50_000);
@@ -234,11 +257,17 @@ pub fn run(sc: &Scenario) -> Result<Report, Failure> {
         }
         let d = rng.u64(0..2_000);
         world.borrow_mut().run_for(d);
-        let w = world.borrow();
+        let mut w = world.borrow_mut();
         check::stores(&w).map_err(|e| fail(step, e))?;
         for cl in &clients {
             check::holders(&w, &cl.pager, &cl.model, tolerated)
                 .map_err(|e| fail(step, format!("client {}: {e}", cl.model.client)))?;
+            // A client whose every page is whole again on reachable servers has put its
+            // failures behind it: from now on, only new ones count against its redundancy.
+            if check::whole(&w, &cl.pager, &cl.model) {
+                let alive: Vec<bool> = cl.pager.servers().map(|(_, a)| a).collect();
+                w.forgive(cl.model.client, &cl.pager.transport().conns, &alive);
+            }
         }
     }
 
@@ -250,6 +279,40 @@ pub fn run(sc: &Scenario) -> Result<Report, Failure> {
         cl.pager
             .flush()
             .map_err(|e| fail(end, format!("client {ci}: final flush: {e}")))?;
+        // Recovery runs to the end: the redundancy is whole again.
+        for _ in 0..1_000 {
+            cl.pager
+                .probe_servers()
+                .map_err(|e| fail(end, format!("client {ci}: probe: {e}")))?;
+            cl.pager.revive_dead_servers();
+            let r = cl
+                .pager
+                .recover(16)
+                .map_err(|e| fail(end, format!("client {ci}: recover: {e}")))?;
+            report.rebuilds_started += r.started as u64;
+            cl.pager
+                .flush()
+                .map_err(|e| fail(end, format!("client {ci}: flush: {e}")))?;
+            // A connection that fell silent is only found out now: reconnect it.
+            cl.pager.revive_dead_servers();
+            if r.remaining == 0 && cl.pager.degraded_pages() == 0 {
+                break;
+            }
+        }
+        if cl.pager.degraded_pages() > 0 {
+            return Err(fail(
+                end,
+                format!(
+                    "client {ci}: recovery did not finish: {} pages degraded",
+                    cl.pager.degraded_pages()
+                ),
+            ));
+        }
+        let missing = check::not_whole(&world.borrow(), &cl.pager, &cl.model);
+        if let Some(why) = missing.filter(|_| !check::loss_allowed(&world.borrow(), ci, tolerated))
+        {
+            return Err(fail(end, format!("client {ci}: after recovery: {why}")));
+        }
         let may_lose = |e: &PagerError| {
             cl.backing == Backing::Cluster
                 && check::failure_allowed(&world.borrow(), ci, tolerated, e)

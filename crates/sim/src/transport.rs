@@ -94,6 +94,12 @@ impl Transport for SimTransport {
             return Err(TransportError::Disconnected("never connected".into()));
         };
         let deadline = self.world.borrow().now + REPLY_TIMEOUT_US;
+        if self.world.borrow().trace {
+            eprintln!(
+                "    client {} waits for server {server} (conn {c})",
+                self.client
+            );
+        }
         loop {
             let mut w = self.world.borrow_mut();
             if let Some(frame) = w.take_reply(c) {

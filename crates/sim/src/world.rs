@@ -122,7 +122,8 @@ pub struct Conn {
     /// A message was lost for good: nothing more arrives either way.
     pub silent: bool,
     pub closed: bool,
-    inbox: Vec<Vec<u8>>,
+    /// Replies waiting for the client, each with whether it is faulty (counted when taken).
+    inbox: Vec<(Vec<u8>, bool)>,
     /// When the last request reaches the server: later ones arrive after it (TCP's order).
     last_arrival: Micros,
 }
@@ -140,9 +141,11 @@ enum Event {
         conn: usize,
         frame: Vec<u8>,
     },
+    /// `faulty`: a duplicate or a flipped bit, which counts against the client once delivered.
     Reply {
         conn: usize,
         frame: Vec<u8>,
+        faulty: bool,
     },
     Restart {
         server: usize,
@@ -201,6 +204,9 @@ pub struct World {
     pub conns: Vec<Conn>,
     /// `partitioned[client][server]`.
     partitioned: Vec<Vec<bool>>,
+    /// When each partition heals: TCP delivers what was sent across it then (retransmission),
+    /// unless the client gave up first.
+    heals_at: Vec<Vec<Micros>>,
     /// `touched[client][server]`: faults that may have cost this client its copies there.
     pub touched: Vec<Vec<bool>>,
     pub log: FaultLog,
@@ -209,6 +215,8 @@ pub struct World {
     next_session: u64,
     /// A frame the code under test sent that does not decode: a bug, reported by the checker.
     pub bad_frames: Vec<String>,
+    /// Print every fault and message (`netram sim --trace`).
+    pub trace: bool,
 }
 
 impl World {
@@ -220,12 +228,14 @@ impl World {
             servers: servers.iter().map(|&c| SimServer::new(c)).collect(),
             conns: Vec::new(),
             partitioned: vec![vec![false; servers.len()]; clients],
+            heals_at: vec![vec![0; servers.len()]; clients],
             touched: vec![vec![false; servers.len()]; clients],
             log: FaultLog::default(),
             events: BinaryHeap::new(),
             seq: 0,
             next_session: 1,
             bad_frames: Vec::new(),
+            trace: false,
         };
         w.schedule(LEASE_PERIOD_MS * 500, Event::Tick);
         w
@@ -249,8 +259,32 @@ impl World {
         p > 0.0 && self.rng.f64() < p
     }
 
+    fn note(&self, what: std::fmt::Arguments<'_>) {
+        if self.trace {
+            eprintln!("[{:>10.3} ms] {what}", self.now as f64 / 1000.0);
+        }
+    }
+
     fn touch(&mut self, client: usize, server: usize) {
+        self.note(format_args!(
+            "fault touches client {client} / server {server}"
+        ));
         self.touched[client][server] = true;
+    }
+
+    /// The client's failures are behind it (its pages are whole again, by the checker): only
+    /// servers it still cannot reach count against its redundancy from now on.
+    /// `conns` are the client's current connections, by server; `alive`, whether the client
+    /// still counts on each server.
+    pub fn forgive(&mut self, client: usize, conns: &[Option<usize>], alive: &[bool]) {
+        for server in 0..self.servers.len() {
+            let reachable = alive[server]
+                && !self.partitioned[client][server]
+                && conns[server].is_some_and(|c| self.inspectable(c));
+            if reachable {
+                self.touched[client][server] = false;
+            }
+        }
     }
 
     /// Opens a connection: the handshake, which takes a round trip. Fails like a real connect
@@ -317,11 +351,20 @@ impl World {
             self.log.losses += 1;
             self.touch(client, server);
         }
-        if self.conns[conn].silent || self.partitioned[client][server] {
-            // Lost in the network: TCP keeps retransmitting; the client times out.
+        if self.conns[conn].silent {
+            // Lost for good: the client times out.
+            self.note(format_args!("client {client} -> server {server}: lost"));
             return Ok(());
         }
-        let at = (self.now + self.delay()).max(self.conns[conn].last_arrival);
+        self.note(format_args!(
+            "client {client} -> server {server} (conn {conn}): {} bytes",
+            frame.len()
+        ));
+        let mut at = (self.now + self.delay()).max(self.conns[conn].last_arrival);
+        if self.partitioned[client][server] {
+            // Retransmitted once the partition heals.
+            at = at.max(self.heals_at[client][server] + self.delay());
+        }
         self.conns[conn].last_arrival = at;
         self.schedule(at - self.now, Event::Request { conn, frame });
         Ok(())
@@ -334,7 +377,12 @@ impl World {
             return None;
         }
         let i = self.rng.usize(0..inbox.len());
-        Some(inbox.swap_remove(i))
+        let (frame, faulty) = inbox.swap_remove(i);
+        if faulty {
+            let (client, server) = (self.conns[conn].client, self.conns[conn].server);
+            self.touch(client, server);
+        }
+        Some(frame)
     }
 
     /// Runs the next event, or lets time pass to `deadline` if none comes before it.
@@ -360,10 +408,25 @@ impl World {
     fn handle(&mut self, event: Event) {
         match event {
             Event::Request { conn, frame } => self.serve(conn, frame),
-            Event::Reply { conn, frame } => {
+            Event::Reply {
+                conn,
+                frame,
+                faulty,
+            } => {
+                let (client, server) = (self.conns[conn].client, self.conns[conn].server);
+                if self.partitioned[client][server] {
+                    let at = self.heals_at[client][server] + self.delay();
+                    let event = Event::Reply {
+                        conn,
+                        frame,
+                        faulty,
+                    };
+                    return self.schedule(at - self.now, event);
+                }
+                self.note(format_args!("reply on conn {conn}: {} bytes", frame.len()));
                 let c = &mut self.conns[conn];
                 if !c.silent && !c.reset {
-                    c.inbox.push(frame);
+                    c.inbox.push((frame, faulty));
                 }
             }
             Event::Restart { server } => {
@@ -435,24 +498,34 @@ impl World {
         if out.is_empty() {
             return;
         }
+        let mut faulty = false;
         if self.chance(self.faults.bit_flip) && self.flip_a_page_bit(&mut out) {
             self.log.bit_flips += 1;
-            self.touch(client, server);
+            faulty = true;
         }
         if self.chance(self.faults.duplicate) {
+            // Both copies count: whichever the client takes second is the one it chokes on.
+            faulty = true;
             self.log.duplicates += 1;
-            self.touch(client, server);
             let d = service + self.delay();
             self.schedule(
                 d,
                 Event::Reply {
                     conn,
                     frame: out.clone(),
+                    faulty: true,
                 },
             );
         }
         let d = service + self.delay();
-        self.schedule(d, Event::Reply { conn, frame: out });
+        self.schedule(
+            d,
+            Event::Reply {
+                conn,
+                frame: out,
+                faulty,
+            },
+        );
     }
 
     /// Flips one bit of one page's data in a GET reply (a bit flip in a server's RAM or on
@@ -482,6 +555,7 @@ impl World {
     /// Crashes a server now: its RAM is lost; it restarts empty, with a new incarnation,
     /// after `downtime`. Clients see a reset, or silence until they time out.
     pub fn crash(&mut self, server: usize, downtime: Micros) {
+        self.note(format_args!("server {server} crashes"));
         self.servers[server].up = false;
         self.log.crashes += 1;
         for i in 0..self.conns.len() {
@@ -503,6 +577,7 @@ impl World {
     pub fn partition(&mut self, client: usize, server: usize, d: Micros) {
         if !self.partitioned[client][server] {
             self.partitioned[client][server] = true;
+            self.heals_at[client][server] = self.now + d;
             self.log.partitions += 1;
             self.touch(client, server);
             self.schedule(d, Event::Heal { client, server });
