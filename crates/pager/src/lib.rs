@@ -533,6 +533,11 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             st.info = info;
             self.counters.servers_revived += 1;
             revived += 1;
+            // Copies it acknowledged on the old connection went with the old session.
+            for wb in self.writeback.values_mut() {
+                wb.done.remove(s);
+                wb.keep.remove(s);
+            }
             // Room again, perhaps: what lacked copies for want of servers tries again.
             let short = std::mem::take(&mut self.short);
             self.degraded.extend(short);
@@ -1015,7 +1020,13 @@ impl<T: Transport, D: Disk> Pager<T, D> {
     /// page goes to the local disk (Markatos: the disk when the cluster is full).
     fn finish_writeback(&mut self, page: u64) -> Result<(), PagerError> {
         let wb = self.writeback.remove(&page).expect("page in write-back");
-        let holders: Servers = wb.keep.iter().chain(wb.done.iter()).collect();
+        // A copy acknowledged by a server that has died since does not count.
+        let holders: Servers = wb
+            .keep
+            .iter()
+            .chain(wb.done.iter())
+            .filter(|&s| self.servers[s].alive)
+            .collect();
         if holders.len() < self.copies {
             // Too few servers alive or with room for every copy: the local disk makes up
             // for the missing ones (Markatos: the disk when the cluster is full). Recovery

@@ -90,13 +90,19 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         }
         let fetched = std::mem::take(&mut self.fetched);
         let got: Vec<u64> = fetched.iter().map(|&(p, _)| p).collect();
-        for &(page, alive) in &batch {
-            if !got.contains(&page) {
+        for &(page, _) in &batch {
+            if got.contains(&page) {
+                continue;
+            }
+            let e = *self.table.get(page);
+            if self.alive_holder(page, &e, None).is_some() {
+                // A read that failed on the way (a bad checksum in transit): try again later.
+                self.degraded.insert(page);
+            } else {
                 // Every copy failed while being read: gone.
                 step.unrecoverable += 1;
                 self.counters.pages_unrecoverable += 1;
                 self.table.get_mut(page).lost = true;
-                let _ = alive;
             }
         }
         for (page, slot) in fetched {

@@ -227,8 +227,19 @@ pub fn no_garbage(world: &World, pager: &Pager<SimTransport, MemDisk>) -> Result
             .session_pages(world.conns[conn].session)
             .unwrap_or(0);
         if have != want {
+            let extra: Vec<u64> = world.servers[s]
+                .store
+                .session_keys(world.conns[conn].session)
+                .into_iter()
+                .map(|k| k.page)
+                .filter(|&p| {
+                    !pager.holders(p).contains(&s) || pager.location(p).is_none_or(|l| l.lost)
+                })
+                .collect();
+            let locs: Vec<_> = extra.iter().map(|&p| (p, pager.location(p))).collect();
             return Err(format!(
-                "server {s} holds {have} pages of this client, whose page table counts {want} there"
+                "server {s} holds {have} pages of this client, whose page table counts {want} \
+                 there (pages not in the table: {locs:?})"
             ));
         }
     }

@@ -1,11 +1,13 @@
-//! The simulator's main test: many seeds of the default scenario (every fault enabled), and
-//! fault-free runs whose checkers must then allow no loss at all. A failure prints the one
-//! command that replays it.
+//! The simulator's main test: many seeds of the default scenario (every fault enabled) for
+//! each redundancy scheme, and runs whose faults stay within what the scheme tolerates, where
+//! the checkers then allow no loss at all. A failure prints the one command that replays it.
 
+use netram_policy::redundancy::Scheme;
 use netram_sim::world::Faults;
-use netram_sim::{run, Scenario};
+use netram_sim::{run, Report, Scenario};
 
-/// Seeds the test suite runs; `NETRAM_SIM_SEEDS` overrides (the 10,000-seed run).
+/// Seeds the test suite runs per scheme; `NETRAM_SIM_SEEDS` overrides (the issue's
+/// 10,000-seed run).
 fn seeds() -> u64 {
     std::env::var("NETRAM_SIM_SEEDS")
         .ok()
@@ -13,33 +15,54 @@ fn seeds() -> u64 {
         .unwrap_or(1_000)
 }
 
-#[test]
-fn default_scenario_holds_for_every_seed() {
+fn many(scheme: &str) {
+    let scheme: Scheme = scheme.parse().unwrap();
     let n = seeds();
     let mut failures = Vec::new();
-    let mut totals = netram_sim::Report::default();
+    let mut t = Report::default();
     for seed in 0..n {
-        match run(&Scenario::new(seed)) {
+        match run(&Scenario {
+            scheme,
+            ..Scenario::new(seed)
+        }) {
             Ok(r) => {
-                totals.pages_verified += r.pages_verified;
-                totals.reads_failed_allowed += r.reads_failed_allowed;
-                totals.faults.crashes += r.faults.crashes;
-                totals.faults.partitions += r.faults.partitions;
-                totals.faults.bit_flips += r.faults.bit_flips;
-                totals.faults.losses += r.faults.losses;
-                totals.faults.resets += r.faults.resets;
-                totals.faults.duplicates += r.faults.duplicates;
+                t.pages_verified += r.pages_verified;
+                t.reads_failed_allowed += r.reads_failed_allowed;
+                t.rebuilds_started += r.rebuilds_started;
+                t.faults.crashes += r.faults.crashes;
+                t.faults.partitions += r.faults.partitions;
+                t.faults.bit_flips += r.faults.bit_flips;
+                t.faults.losses += r.faults.losses;
+                t.faults.resets += r.faults.resets;
+                t.faults.duplicates += r.faults.duplicates;
             }
             Err(f) => failures.push(f.to_string()),
         }
     }
-    eprintln!("{n} seeds: {} failed; {totals:?}", failures.len());
+    eprintln!("{scheme}: {n} seeds, {} failed; {t:?}", failures.len());
     assert!(failures.is_empty(), "{}", failures.join("\n"));
     // The faults really happened: a simulator that injects nothing proves nothing.
-    assert!(
-        totals.faults.crashes > 0 && totals.faults.partitions > 0 && totals.faults.bit_flips > 0
-    );
-    assert!(totals.pages_verified > 0);
+    let f = &t.faults;
+    assert!(f.crashes > 0 && f.partitions > 0 && f.bit_flips > 0 && f.losses > 0);
+    assert!(f.resets > 0 && f.duplicates > 0 && t.pages_verified > 0);
+    if scheme != Scheme::None && n >= 100 {
+        assert!(t.rebuilds_started > 0, "recovery never ran");
+    }
+}
+
+#[test]
+fn every_seed_holds_without_redundancy() {
+    many("none");
+}
+
+#[test]
+fn every_seed_holds_with_two_copies() {
+    many("mirror:2");
+}
+
+#[test]
+fn every_seed_holds_with_three_copies() {
+    many("mirror:3");
 }
 
 #[test]
@@ -52,5 +75,34 @@ fn without_faults_nothing_is_lost() {
         };
         let r = run(&sc).unwrap_or_else(|f| panic!("{f}"));
         assert_eq!(r.reads_failed_allowed, 0, "seed {seed}");
+    }
+}
+
+/// Crashes up to what the scheme tolerates, and nothing else: the checker allows no read to
+/// fail, and the runs must really have crashed servers and rebuilt copies.
+#[test]
+fn mirrors_lose_nothing_to_crashes_they_tolerate() {
+    for (scheme, crashes) in [("mirror:2", 1), ("mirror:3", 2)] {
+        let mut rebuilt = 0;
+        let mut crashed = 0;
+        for seed in 0..100 {
+            let sc = Scenario {
+                scheme: scheme.parse().unwrap(),
+                faults: Faults {
+                    crashes,
+                    ..Faults::none()
+                },
+                default_faults: false,
+                ..Scenario::new(seed)
+            };
+            let r = run(&sc).unwrap_or_else(|f| panic!("{f}"));
+            assert_eq!(r.reads_failed_allowed, 0, "{scheme} seed {seed}");
+            rebuilt += r.rebuilds_started;
+            crashed += r.faults.crashes;
+        }
+        assert!(
+            crashed > 50 && rebuilt > 0,
+            "{scheme}: {crashed} crashes, {rebuilt} rebuilt"
+        );
     }
 }

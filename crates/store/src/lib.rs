@@ -633,6 +633,21 @@ impl<A: AsRef<[u8]> + AsMut<[u8]>> Store<A> {
         }
     }
 
+    /// The keys a live session holds, in frame order: for checkers (a scan of every frame).
+    pub fn session_keys(&self, h: SessionHandle) -> Vec<PageKey> {
+        if self.session_pages(h).is_none() {
+            return Vec::new();
+        }
+        self.meta
+            .iter()
+            .filter(|m| m.owner != FREE && m.slot() == h.slot)
+            .map(|m| {
+                let k = m.packed_key();
+                PageKey::new((k >> 40) as u32, k & PAGE_NUMBER_MAX)
+            })
+            .collect()
+    }
+
     /// A stored page, read without refreshing the session or counting a read: for checkers.
     pub fn peek(&self, h: SessionHandle, key: PageKey) -> Option<StoredPage<'_>> {
         match self.sessions.get(h.slot as usize) {
