@@ -31,6 +31,7 @@
 //! the pages. A page whose checksum or version does not match is never returned as data.
 
 mod recovery;
+mod stripe;
 mod table;
 mod transport;
 
@@ -121,6 +122,10 @@ impl Default for PagerConfig {
     }
 }
 
+/// What keeps a page safe, as [`Pager::pieces`] lists it: (server, key, version) of each copy
+/// or stripe piece.
+pub type Pieces = Vec<(usize, PageKey, u32)>;
+
 /// Where a page's current version lives, by the page table ([`Pager::location`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PageLocation {
@@ -201,6 +206,8 @@ counters! {
     cache_hits,
     /// Reads of pages never written: zeros, without a round trip.
     zero_reads,
+    /// Reads decoded from the rest of their Reed-Solomon stripe.
+    degraded_reads,
     gets,
     puts,
     deletes,
@@ -241,12 +248,24 @@ counters! {
 /// buffer, or [`INTERNAL`] for the pager's own reads (recovery).
 #[derive(Debug, Clone, Copy)]
 struct GetItem {
+    /// The page, or for a Reed-Solomon piece, its stripe.
     page: u64,
     slot: u32,
     pos: usize,
+    /// What is asked for, and the version that must come back.
+    key: PageKey,
+    version: u32,
+    /// The piece of a stripe ([`NOT_PIECE`] for a page).
+    piece: u8,
 }
 
+/// A [`GetItem`] or [`PutItem`] that carries a whole page, not a piece of a stripe.
+const NOT_PIECE: u8 = u8::MAX;
+
 const INTERNAL: usize = usize::MAX;
+
+/// The "server" a lost Reed-Solomon page names when no piece of it has a server left.
+const STRIPE_LOST: usize = usize::MAX;
 
 /// A page being written out: its data stays in `slot` until every copy is settled.
 #[derive(Debug, Clone, Copy)]
@@ -268,9 +287,12 @@ struct Writeback {
 /// One page of a batched PUT: its data is in `slot` until the server acknowledges it.
 #[derive(Debug, Clone, Copy)]
 struct PutItem {
+    /// The page, or for a Reed-Solomon piece, its stripe.
     page: u64,
     slot: u32,
     version: u32,
+    key: PageKey,
+    piece: u8,
 }
 
 /// What a request in flight is for. GETs and PUTs carry up to `batch_max` pages in one frame.
@@ -315,6 +337,8 @@ struct ReadDone {
     pos: usize,
     page: u64,
     slot: u32,
+    /// The piece of a stripe, for the pager's own reads of pieces.
+    piece: u8,
 }
 
 #[derive(Debug)]
@@ -351,6 +375,10 @@ pub struct Pager<T: Transport, D: Disk> {
     retry: Vec<GetItem>,
     /// The pager's own finished reads (recovery): page and slot.
     fetched: Vec<(u64, u32)>,
+    /// Reed-Solomon stripes, for an `rs:K+M` pager.
+    rs: Option<Box<stripe::Rs>>,
+    /// Reads whose piece is out of reach, to be decoded from the rest of their stripe.
+    reconstruct: Vec<GetItem>,
     inflight: Inflight,
     batches: Vec<Batches>,
     followups: Vec<Followup>,
@@ -375,9 +403,18 @@ impl<T: Transport, D: Disk> fmt::Debug for Pager<T, D> {
 impl<T: Transport, D: Disk> Pager<T, D> {
     pub fn new(cfg: PagerConfig, transport: T, disk: D) -> Self {
         assert!(cfg.window > 0 && cfg.writeback_batch > 0 && cfg.batch_max > 0);
-        let copies = match cfg.redundancy {
-            Scheme::None => 1,
-            Scheme::Mirror { copies } => usize::from(copies),
+        let (copies, rs) = match cfg.redundancy {
+            Scheme::None => (1, None),
+            Scheme::Mirror { copies } => (usize::from(copies), None),
+            Scheme::ReedSolomon { data, parity } => {
+                assert!(
+                    cfg.region < stripe::PIECE_REGION,
+                    "region {} leaves no room for stripe pieces",
+                    cfg.region
+                );
+                let rs = stripe::Rs::new(usize::from(data), usize::from(parity), cfg.pages);
+                (1, Some(Box::new(rs)))
+            }
             other => panic!("redundancy {other} is not implemented by the pager yet"),
         };
         let batch_max = cfg
@@ -415,6 +452,8 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             short: BTreeSet::new(),
             retry: Vec::new(),
             fetched: Vec::new(),
+            rs,
+            reconstruct: Vec::new(),
             inflight: Inflight {
                 ops: HashMap::default(),
                 per_server: vec![0; servers.len()],
@@ -457,7 +496,23 @@ impl<T: Transport, D: Disk> Pager<T, D> {
     }
     /// How many of this pager's pages each server holds, by the page table.
     pub fn pages_per_server(&self) -> Vec<u64> {
+        if self.rs.is_some() {
+            return self.rs_pieces_per_server();
+        }
         self.table.pages_per_server(self.servers.len())
+    }
+
+    /// What keeps a page safe, for checkers: (server, key, version) of every piece the page
+    /// table counts (its copies, or its stripe's pieces), and how many the scheme wants.
+    /// `None` while its write-back is in flight.
+    pub fn pieces(&self, page: u64) -> Option<(Pieces, usize)> {
+        let loc = self.location(page)?;
+        if let Some(p) = self.rs_pieces(page) {
+            return Some(p);
+        }
+        let key = self.key(page);
+        let pieces = loc.holders.iter().map(|&s| (s, key, loc.version)).collect();
+        Some((pieces, self.copies))
     }
     /// The servers (by index, in the transport's order) that hold a page's current version.
     pub fn holders(&self, page: u64) -> Vec<usize> {
@@ -511,7 +566,15 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                     continue;
                 }
             };
-            for page in self.table.pages_on(s) {
+            if self.rs.is_some() {
+                self.rs_server_revived(s);
+            }
+            for page in self
+                .table
+                .pages_on(s)
+                .into_iter()
+                .filter(|_| self.rs.is_none())
+            {
                 let mut holders = self.table.holders(page);
                 if holders.len() > 1 {
                     // Another copy survives: this one is gone, recovery makes a new one.
@@ -614,6 +677,11 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                     let slot = self.take_slot_for_read(out)?;
                     self.submit_get(server, page, slot, pos);
                 }
+                None if !e.on_disk && self.rs_reconstructible(page) => {
+                    let slot = self.take_slot_for_read(out)?;
+                    let it = self.page_get_item(page, slot, pos);
+                    self.reconstruct.push(it);
+                }
                 None if e.on_disk => {
                     if !self.table.holders(page).is_empty() {
                         self.counters.disk_fallbacks += 1;
@@ -629,11 +697,8 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                     }
                 }
                 None => {
-                    let s = self
-                        .table
-                        .holders(page)
-                        .first()
-                        .expect("a present page is on a server or on disk");
+                    // A Reed-Solomon page whose stripe lost too many pieces has no holder.
+                    let s = self.table.holders(page).first().unwrap_or(STRIPE_LOST);
                     self.lost.push((s, page));
                 }
             }
@@ -641,10 +706,17 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         }
         // Copying out may insert into the cache and evict dirty pages, and a failed copy is
         // retried on another: drain until all are done.
-        while !self.idle() || !self.reads_done.is_empty() || !self.retry.is_empty() {
+        while !self.idle()
+            || !self.reads_done.is_empty()
+            || !self.retry.is_empty()
+            || !self.reconstruct.is_empty()
+        {
             self.drain()?;
             self.resubmit_retries();
             self.copy_out_reads(out)?;
+            if self.idle() && self.reads_done.is_empty() {
+                self.run_reconstructions()?;
+            }
         }
         self.read_outcome()
     }
@@ -708,6 +780,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             self.dirty[slot as usize] = false;
             self.write_back(page, copy)?;
         }
+        self.rs_seal()?;
         self.drain()
     }
 
@@ -729,9 +802,14 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                 self.release_slot(slot);
             }
             let e = *self.table.get(page);
-            for s in self.table.holders(page).iter() {
-                if self.servers[s].alive {
-                    deletes[s].push(self.key(page));
+            if self.rs.is_some() {
+                // Its piece stays while its stripe has other live members.
+                self.rs_member_dead(page);
+            } else {
+                for s in self.table.holders(page).iter() {
+                    if self.servers[s].alive {
+                        deletes[s].push(self.key(page));
+                    }
                 }
             }
             if e.on_disk {
@@ -774,6 +852,9 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         if e.lost {
             return None;
         }
+        if let Some(data) = self.rs_data_server(page) {
+            return data.filter(|&s| self.servers[s].alive && Some(s) != not);
+        }
         self.table
             .holders(page)
             .iter()
@@ -784,6 +865,16 @@ impl<T: Transport, D: Disk> Pager<T, D> {
     /// copy it is tried there, and a bad copy is dropped for recovery to rebuild; otherwise the
     /// disk copy, or the error.
     fn get_failed(&mut self, server: usize, it: GetItem, what: Option<&'static str>) {
+        if it.piece != NOT_PIECE {
+            // The pager's own read of a stripe's piece: its caller sees it missing.
+            if let Some(what) = what {
+                self.rs_bad_piece(it.page as u32, it.piece, server, what);
+            }
+            return self.release_slot(it.slot);
+        }
+        if self.rs.is_some() {
+            return self.rs_get_failed(server, it, what);
+        }
         let e = *self.table.get(it.page);
         let mut holders = self.table.holders(it.page);
         if let Some(what) = what {
@@ -818,6 +909,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                         pos: it.pos,
                         page: it.page,
                         slot: it.slot,
+                        piece: NOT_PIECE,
                     })
                 }
                 Err(e) => tracing::error!(page = it.page, "disk read failed: {e}"),
@@ -831,6 +923,70 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             self.lost.push((server, it.page));
         }
         self.release_slot(it.slot);
+    }
+
+    /// A page's data piece could not be read: from the disk copy if there is one, else
+    /// decoded from the rest of its stripe.
+    fn rs_get_failed(&mut self, server: usize, it: GetItem, what: Option<&'static str>) {
+        if let (Some(what), Some(key)) = (what, self.rs_key(it.page)) {
+            let (id, piece) = ((key.page / 32) as u32, (key.page % 32) as u8);
+            self.rs_bad_piece(id, piece, server, what);
+        }
+        let e = *self.table.get(it.page);
+        if it.pos != INTERNAL && !e.on_disk && self.rs_reconstructible(it.page) {
+            self.reconstruct.push(it);
+            return;
+        }
+        if e.on_disk {
+            self.counters.disk_fallbacks += 1;
+            self.counters.disk_reads += 1;
+            let at = it.slot as usize * PAGE_SIZE;
+            if self
+                .disk
+                .read(it.page, &mut self.slots[at..at + PAGE_SIZE])
+                .is_ok()
+            {
+                return self.reads_done.push(ReadDone {
+                    pos: it.pos,
+                    page: it.page,
+                    slot: it.slot,
+                    piece: NOT_PIECE,
+                });
+            }
+        }
+        if it.pos != INTERNAL {
+            match what {
+                Some(what) => self.corrupt = Some((server, it.page, what)),
+                None => self.lost.push((server, it.page)),
+            }
+        }
+        self.release_slot(it.slot);
+    }
+
+    /// Decodes the reads whose piece was out of reach (degraded reads).
+    fn run_reconstructions(&mut self) -> Result<(), PagerError> {
+        for it in std::mem::take(&mut self.reconstruct) {
+            let e = *self.table.get(it.page);
+            if let Some(s) = self.alive_holder(it.page, &e, None) {
+                // Its data piece was rebuilt meanwhile: read it.
+                let it = self.page_get_item(it.page, it.slot, it.pos);
+                self.submit_get_item(s, it);
+                continue;
+            }
+            if self.rs_reconstruct(it.page, it.slot)? {
+                self.reads_done.push(ReadDone {
+                    pos: it.pos,
+                    page: it.page,
+                    slot: it.slot,
+                    piece: NOT_PIECE,
+                });
+            } else {
+                let s = self.table.holders(it.page).first().unwrap_or(STRIPE_LOST);
+                self.lost.push((s, it.page));
+                self.release_slot(it.slot);
+            }
+        }
+        Ok(())
     }
 
     /// Sends the GETs that failed on one copy to another.
@@ -849,7 +1005,20 @@ impl<T: Transport, D: Disk> Pager<T, D> {
 
     /// Queues a GET; it goes out with its server's batch.
     fn submit_get(&mut self, server: usize, page: u64, slot: u32, pos: usize) {
-        self.submit_get_item(server, GetItem { page, slot, pos });
+        let it = self.page_get_item(page, slot, pos);
+        self.submit_get_item(server, it);
+    }
+
+    /// A GET of a page's current version (its stripe's data piece under Reed-Solomon).
+    fn page_get_item(&self, page: u64, slot: u32, pos: usize) -> GetItem {
+        GetItem {
+            page,
+            slot,
+            pos,
+            key: self.stored_key(page),
+            version: self.table.get(page).version,
+            piece: NOT_PIECE,
+        }
     }
 
     fn submit_get_item(&mut self, server: usize, it: GetItem) {
@@ -890,12 +1059,18 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         }
         let mut by_server: Vec<LostPages> = Vec::new();
         for &(s, page) in &self.lost {
-            let name = &self.servers[s].info.name;
-            match by_server.iter_mut().find(|l| &l.server == name) {
+            let (name, reason) = match self.servers.get(s) {
+                Some(st) => (st.info.name.clone(), st.dead_reason.clone()),
+                None => (
+                    "(its stripe's servers)".to_string(),
+                    "fewer pieces of its stripe survive than it needs".to_string(),
+                ),
+            };
+            match by_server.iter_mut().find(|l| l.server == name) {
                 Some(l) => l.pages.push(page),
                 None => by_server.push(LostPages {
-                    server: name.clone(),
-                    reason: self.servers[s].dead_reason.clone(),
+                    server: name,
+                    reason,
                     pages: vec![page],
                 }),
             }
@@ -941,7 +1116,11 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                         rebuild: false,
                     },
                 );
-                self.place_copies(page)?;
+                if self.rs.is_some() {
+                    self.rs_write(page)?;
+                } else {
+                    self.place_copies(page)?;
+                }
             }
         }
         Ok(())
@@ -984,10 +1163,13 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             let Some(server) = target else { break };
             wb.pending.insert(server);
             self.counters.puts += 1;
+            let key = self.key(page);
             self.batches[server].puts.push(PutItem {
                 page,
                 slot: wb.slot,
                 version: wb.version,
+                key,
+                piece: NOT_PIECE,
             });
             if self.batches[server].puts.len() >= self.cfg.batch_max {
                 full.push(server);
@@ -1072,6 +1254,10 @@ impl<T: Transport, D: Disk> Pager<T, D> {
     }
 
     fn wait_writeback(&mut self, page: u64) -> Result<(), PagerError> {
+        if self.rs.as_deref().is_some_and(|rs| rs.is_open(page)) {
+            // Its stripe is not sealed: nothing is in flight for it yet.
+            self.rs_seal()?;
+        }
         while self.writeback.contains_key(&page) {
             self.complete_one()?;
         }
@@ -1168,6 +1354,11 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         PageKey::new(self.cfg.region, page)
     }
 
+    /// The key a page's current version is stored under.
+    fn stored_key(&self, page: u64) -> PageKey {
+        self.rs_key(page).unwrap_or_else(|| self.key(page))
+    }
+
     fn window(&self, s: usize) -> u32 {
         self.servers[s].info.window.min(self.cfg.window).max(1)
     }
@@ -1209,7 +1400,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
     fn send_batches(&mut self, server: usize) {
         let gets = std::mem::take(&mut self.batches[server].gets);
         if !gets.is_empty() {
-            let keys = gets.iter().map(|g| self.key(g.page)).collect();
+            let keys = gets.iter().map(|g| g.key).collect();
             self.submit(server, Op::Get(gets), &Request::Get(keys));
         }
         let puts = std::mem::take(&mut self.batches[server].puts);
@@ -1222,16 +1413,12 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             let Op::Put(items) = &op else { unreachable!() };
             // Sealed (checksummed) straight from the slots; the slots and the transport are
             // disjoint fields, so the pages are borrowed, not copied, until the frame is encoded.
-            let (slots, region) = (&self.slots, self.cfg.region);
+            let slots = &self.slots;
             let pages = items
                 .iter()
                 .map(|it| {
                     let at = it.slot as usize * PAGE_SIZE;
-                    Page::seal(
-                        PageKey::new(region, it.page),
-                        it.version,
-                        &slots[at..at + PAGE_SIZE],
-                    )
+                    Page::seal(it.key, it.version, &slots[at..at + PAGE_SIZE])
                 })
                 .collect();
             let sent = self.transport.send(server, id, &Request::Put(pages));
@@ -1308,8 +1495,6 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                     &mut self.slots,
                     &mut self.reads_done,
                     &mut self.followups,
-                    &self.table,
-                    &self.cfg,
                     server,
                     op,
                     &reply,
@@ -1344,8 +1529,6 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         slots: &mut [u8],
         reads_done: &mut Vec<ReadDone>,
         followups: &mut Vec<Followup>,
-        table: &Table,
-        cfg: &PagerConfig,
         server: usize,
         op: Op,
         reply: &Reply<'_>,
@@ -1356,16 +1539,13 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                     let (page, slot) = (it.page, it.slot);
                     let dst =
                         &mut slots[slot as usize * PAGE_SIZE..(slot as usize + 1) * PAGE_SIZE];
-                    let expected = table.get(page).version;
                     let what = match got {
-                        GetResult::Found(p) if p.key != PageKey::new(cfg.region, page) => {
-                            Some("wrong key")
-                        }
+                        GetResult::Found(p) if p.key != it.key => Some("wrong key"),
                         GetResult::Found(p) if !p.verify() => {
                             counters.checksum_failures += 1;
                             Some("checksum mismatch")
                         }
-                        GetResult::Found(p) if p.version != expected => {
+                        GetResult::Found(p) if p.version != it.version => {
                             counters.version_mismatches += 1;
                             Some("stale version")
                         }
@@ -1379,6 +1559,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                                 pos: it.pos,
                                 page,
                                 slot,
+                                piece: it.piece,
                             });
                             None
                         }
@@ -1432,6 +1613,13 @@ impl<T: Transport, D: Disk> Pager<T, D> {
     fn after_reply(&mut self, server: usize, f: Followup) -> Result<(), PagerError> {
         match f {
             Followup::GetFailed(it, what) => self.get_failed(server, it, Some(what)),
+            Followup::Stored(it) if it.piece != NOT_PIECE => {
+                self.rs_stored(it.page as u32, it.piece, server)?;
+            }
+            Followup::Replace(it) if it.piece != NOT_PIECE => {
+                self.servers[server].load.free_pages = 0;
+                self.rs_piece_failed(it.page as u32, it.piece, server)?;
+            }
             Followup::Stored(it) => {
                 debug_assert_eq!(self.table.get(it.page).version, it.version);
                 if let Some(wb) = self.writeback.get_mut(&it.page) {
@@ -1493,6 +1681,9 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             // Every page with a copy there has one copy fewer: recovery's work.
             self.degraded.extend(self.table.pages_on(server));
         }
+        if self.rs.is_some() {
+            self.rs_server_dead(server);
+        }
     }
 
     /// An operation that will get no reply from `server`.
@@ -1506,7 +1697,12 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             Op::Put(items) => {
                 // The data is still in its slot: place the copy elsewhere.
                 for it in items {
-                    if let Err(e) = self.copy_failed(it.page, server) {
+                    let placed = if it.piece == NOT_PIECE {
+                        self.copy_failed(it.page, server)
+                    } else {
+                        self.rs_piece_failed(it.page as u32, it.piece, server)
+                    };
+                    if let Err(e) = placed {
                         tracing::error!(
                             page = it.page,
                             "could not place page after server failure: {e}"

@@ -19,20 +19,30 @@ pub struct RecoveryStep {
 impl<T: Transport, D: Disk> Pager<T, D> {
     /// Pages with fewer copies than the redundancy scheme keeps, which recovery still has to
     /// look at.
+    /// (Under Reed-Solomon: stripes with pieces missing.)
     pub fn degraded_pages(&self) -> usize {
+        if self.rs.is_some() {
+            return self.rs_degraded();
+        }
         self.degraded.len()
     }
 
     /// Pages recovery could not give every copy for want of servers with room; the local disk
     /// backs them meanwhile. They are tried again when a server comes back.
     pub fn pages_short_of_copies(&self) -> usize {
-        self.short.len()
+        match &self.rs {
+            Some(rs) => rs.short.len(),
+            None => self.short.len(),
+        }
     }
 
     /// Rebuilds the missing copies of up to `max_pages` degraded pages: reads each from a
     /// surviving copy (pipelined), then writes the copies it lacks to servers that hold none.
     /// The writes are not waited for; a read of such a page meanwhile is served from memory.
     pub fn recover(&mut self, max_pages: usize) -> Result<RecoveryStep, PagerError> {
+        if self.rs.is_some() {
+            return self.rs_recover(max_pages);
+        }
         let mut step = RecoveryStep::default();
         // Each page holds a slot from its read to its last acknowledgement: stay well inside
         // the staging slots.
@@ -67,11 +77,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         // Read every page of the batch from a surviving copy (or the disk copy).
         for &(page, alive) in &batch {
             let slot = self.take_slot()?;
-            let it = crate::GetItem {
-                page,
-                slot,
-                pos: INTERNAL,
-            };
+            let it = self.page_get_item(page, slot, INTERNAL);
             match alive.first() {
                 Some(s) => self.submit_get_item(s, it),
                 None => {

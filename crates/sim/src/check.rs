@@ -55,7 +55,10 @@ pub fn failure_allowed(world: &World, client: usize, tolerated: usize, e: &Pager
     };
     loss_allowed(world, client, tolerated)
         && match e {
-            PagerError::Lost(lost) => lost.iter().all(|l| touched(&l.server)),
+            // A stripe with too few pieces names no one server.
+            PagerError::Lost(lost) => lost
+                .iter()
+                .all(|l| touched(&l.server) || !l.server.starts_with("sim")),
             PagerError::Corrupt { server, .. } => touched(server),
             _ => false,
         }
@@ -89,7 +92,6 @@ pub fn holders(
     model: &Model,
     tolerated: usize,
 ) -> Result<(), String> {
-    let region = pager.config().region;
     for (page, tag) in model.pages.iter().enumerate() {
         let page = page as u64;
         if tag.is_none() {
@@ -103,6 +105,11 @@ pub fn holders(
         let Some(loc) = pager.location(page) else {
             continue; // cached, or its write-back is in flight
         };
+        let Some((pieces, needed)) = pager.pieces(page) else {
+            continue;
+        };
+        // Pieces it cannot do without: one copy, or K pieces of a stripe.
+        let least = needed.saturating_sub(tolerated).max(1);
         if loc.lost {
             if loc.on_disk || loss_allowed(world, model.client, tolerated) {
                 continue;
@@ -111,41 +118,54 @@ pub fn holders(
                 "page {page} is lost though its client saw too few failures to lose it"
             ));
         }
-        if loc.holders.is_empty() && !loc.on_disk {
+        if pieces.len() < least && !loc.on_disk && !loss_allowed(world, model.client, tolerated) {
             return Err(format!(
-                "page {page} (version {}) has no holder",
-                loc.version
+                "page {page} (version {}) has {} of the {least} pieces it needs at least",
+                loc.version,
+                pieces.len()
             ));
         }
-        for &h in &loc.holders {
-            let Some(conn) = pager.transport().conns[h] else {
-                continue;
-            };
-            if !world.inspectable(conn) {
-                continue;
-            }
-            let c = &world.conns[conn];
-            let stored = world.servers[h]
-                .store
-                .peek(c.session, PageKey::new(region, page));
-            match stored {
-                Some(p) if p.version == loc.version => {}
-                Some(p) => {
-                    return Err(format!(
-                        "page {page}: the pager expects version {} on server {h}, which has {}",
-                        loc.version, p.version
-                    ))
-                }
-                None => {
-                    return Err(format!(
-                    "page {page}: the pager says server {h} holds version {}, which it does not",
-                    loc.version
-                ))
-                }
+        let mut servers: Vec<usize> = pieces.iter().map(|p| p.0).collect();
+        servers.sort_unstable();
+        servers.dedup();
+        if servers.len() < pieces.len() {
+            return Err(format!(
+                "page {page}: two pieces of its group on one server: {pieces:?}"
+            ));
+        }
+        for &(h, key, version) in &pieces {
+            if let Some(why) = missing_piece(world, pager, h, key, version) {
+                return Err(format!("page {page}: {why}"));
             }
         }
     }
     Ok(())
+}
+
+/// Why a piece (a copy, or a piece of a stripe) the pager counts on is not where it says,
+/// if it is not; `None` also when the checker cannot look (the connection or server failed).
+fn missing_piece(
+    world: &World,
+    pager: &Pager<SimTransport, MemDisk>,
+    h: usize,
+    key: PageKey,
+    version: u32,
+) -> Option<String> {
+    let conn = pager.transport().conns[h]?;
+    if !world.inspectable(conn) {
+        return None;
+    }
+    let stored = world.servers[h].store.peek(world.conns[conn].session, key);
+    match stored {
+        Some(p) if p.version == version => None,
+        Some(p) => Some(format!(
+            "the pager expects version {version} of {key:?} on server {h}, which has {}",
+            p.version
+        )),
+        None => Some(format!(
+            "the pager says server {h} holds version {version} of {key:?}, which it does not"
+        )),
+    }
 }
 
 /// Whether every written page has all the copies the scheme keeps, each on a server the
@@ -161,44 +181,34 @@ pub fn not_whole(
     pager: &Pager<SimTransport, MemDisk>,
     model: &Model,
 ) -> Option<String> {
-    let copies = match pager.config().redundancy {
-        netram_pager::Scheme::Mirror { copies } => usize::from(copies),
-        _ => 1,
-    };
-    let region = pager.config().region;
     let alive: Vec<bool> = pager.servers().map(|(_, alive)| alive).collect();
     for (page, tag) in model.pages.iter().enumerate() {
         let page = page as u64;
         if tag.is_none() {
             continue;
         }
-        let Some(loc) = pager.location(page) else {
+        let (Some(loc), Some((pieces, needed))) = (pager.location(page), pager.pieces(page)) else {
             return Some(format!("page {page} is in flight"));
         };
         if loc.on_disk {
             continue; // the local disk holds it too (spilled, or disk backing)
         }
-        if loc.lost || loc.holders.len() < copies {
+        if loc.lost || pieces.len() < needed {
             return Some(format!(
-                "page {page} has {} of {copies} copies (lost: {})",
-                loc.holders.len(),
+                "page {page} has {} of {needed} pieces (lost: {})",
+                pieces.len(),
                 loc.lost
             ));
         }
-        for &h in &loc.holders {
-            let ok = alive[h]
-                && pager.transport().conns[h].is_some_and(|c| {
-                    world.inspectable(c)
-                        && world.servers[h]
-                            .store
-                            .peek(world.conns[c].session, PageKey::new(region, page))
-                            .is_some_and(|p| p.version == loc.version)
-                });
-            if !ok {
+        for &(h, key, version) in &pieces {
+            let inspectable = pager.transport().conns[h].is_some_and(|c| world.inspectable(c));
+            if !alive[h] || !inspectable {
                 return Some(format!(
-                    "page {page}: the copy on server {h} (alive to the pager: {}) is not there",
-                    alive[h]
+                    "page {page}: server {h} of its piece {key:?} is out of reach"
                 ));
+            }
+            if let Some(why) = missing_piece(world, pager, h, key, version) {
+                return Some(format!("page {page}: {why}"));
             }
         }
     }

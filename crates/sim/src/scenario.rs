@@ -111,7 +111,7 @@ pub fn run(sc: &Scenario) -> Result<Report, Failure> {
         what,
         replay: sc.replay_command(),
     };
-    if !matches!(sc.scheme, Scheme::None | Scheme::Mirror { .. }) {
+    if matches!(sc.scheme, Scheme::Parity { .. }) {
         return Err(fail(
             0,
             format!("scheme {} is not simulated yet", sc.scheme),

@@ -1,0 +1,819 @@
+//! Reed-Solomon stripes (`rs:K+M`): K pages written out together form a stripe with M parity
+//! pieces computed by `reed-solomon-simd`, each of the K+M pieces on its own server, so that any
+//! M servers may die (the erasure-coded far memory of Carbink and Hydra, after Markatos' and
+//! Nswap's parity, paper 003 §2.1 and paper 004 §IV).
+//!
+//! A normal read touches one server: a page's data piece is the page itself, stored under the
+//! stripe's piece key. A read whose piece is gone reconstructs the page from K other pieces
+//! (a degraded read). Stripes are log-structured: a page written again joins a new stripe, and
+//! its old piece stays as long as its old stripe has another live member that may need it for
+//! a reconstruction; a stripe whose members are all dead is deleted. Recovery rebuilds the
+//! lost pieces of a stripe from K survivors onto servers the stripe does not use yet.
+//!
+//! Left out: compaction of stripes whose members are mostly dead (their pieces are kept until
+//! the last member dies), and parity logging for overwrites in place (Nswap's `parity:N`).
+
+use crate::recovery::RecoveryStep;
+use crate::table::Servers;
+use crate::{Disk, GetItem, Op, PagerError, PutItem, Transport, INTERNAL, NOT_PIECE, PAGE_SIZE};
+use crate::{Pager, Request};
+use netram_policy::placement::{self, Candidate};
+use netram_proto::PageKey;
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+
+/// Region bit that sets pieces apart from pages on a server (the store keeps 24-bit regions).
+pub(crate) const PIECE_REGION: u32 = 1 << 23;
+/// Piece numbers per stripe in the key space (K + M is at most 32).
+const KEY_STRIDE: u64 = 32;
+const NO_SERVER: u16 = u16::MAX;
+pub(crate) const NO_STRIPE: u32 = u32::MAX;
+
+#[derive(Debug, Default)]
+pub(crate) struct Stripe {
+    /// Member pages (data piece `i` is member `i`) and the version each was sealed with.
+    members: Vec<(u64, u32)>,
+    /// Whether member `i` is still its page's current version.
+    live: Vec<bool>,
+    /// The server of each piece, data pieces first; [`NO_SERVER`] when lost or never placed.
+    servers: Vec<u16>,
+    /// The parity pieces' version: new at every sealing, so a stale piece never passes.
+    gen: u32,
+}
+
+impl Stripe {
+    fn k(&self) -> usize {
+        self.members.len()
+    }
+    fn version(&self, piece: usize) -> u32 {
+        self.members.get(piece).map_or(self.gen, |m| m.1)
+    }
+    fn in_use(&self) -> bool {
+        self.live.iter().any(|&l| l)
+    }
+}
+
+/// The pieces of a stripe on their way out.
+#[derive(Debug)]
+pub(crate) struct StripeWrite {
+    /// The slot holding each piece's bytes, or `u32::MAX` for a piece not being written.
+    slots: Vec<u32>,
+    /// Slots this write owns and frees (parity, rebuilt pieces); members' slots belong to their
+    /// write-back.
+    owned: Vec<u32>,
+    /// The server a piece's PUT is in flight to.
+    target: Vec<u16>,
+    refused: Servers,
+    rebuild: bool,
+    /// For a rebuild: every data piece's slot (among `owned`), to put live members on the
+    /// local disk should the stripe stay short.
+    data: Vec<u32>,
+}
+
+#[derive(Debug)]
+pub(crate) struct Rs {
+    pub k: usize,
+    pub m: usize,
+    /// Pages written back and waiting to fill a stripe; their data is in write-back slots.
+    open: Vec<u64>,
+    stripes: Vec<Stripe>,
+    free_ids: Vec<u32>,
+    /// Per page: the stripe holding its current version, and its piece there.
+    stripe_of: Vec<u32>,
+    index_of: Vec<u8>,
+    writing: HashMap<u32, StripeWrite>,
+    /// Stripes missing pieces: recovery's list.
+    pub degraded: BTreeSet<u32>,
+    /// Stripes recovery could not complete for want of servers: retried when one comes back.
+    pub short: BTreeSet<u32>,
+    /// Stripes being decoded: while their pieces are read, replies may kill their last live
+    /// member, and the stripe must not be freed (or its number reused) under the decoder.
+    pinned: BTreeSet<u32>,
+    next_gen: u32,
+}
+
+impl Rs {
+    pub fn new(k: usize, m: usize, pages: u64) -> Self {
+        assert!(k >= 1 && m >= 1 && (k + m) as u64 <= KEY_STRIDE);
+        let n = usize::try_from(pages).expect("page count fits in memory");
+        Self {
+            k,
+            m,
+            open: Vec::new(),
+            stripes: Vec::new(),
+            free_ids: Vec::new(),
+            stripe_of: vec![NO_STRIPE; n],
+            index_of: vec![0; n],
+            writing: HashMap::new(),
+            degraded: BTreeSet::new(),
+            short: BTreeSet::new(),
+            pinned: BTreeSet::new(),
+            next_gen: 1,
+        }
+    }
+
+    pub fn is_open(&self, page: u64) -> bool {
+        self.open.contains(&page)
+    }
+}
+
+impl<T: Transport, D: Disk> Pager<T, D> {
+    fn rs(&self) -> &Rs {
+        self.rs.as_deref().expect("a Reed-Solomon pager")
+    }
+    fn rs_mut(&mut self) -> &mut Rs {
+        self.rs.as_deref_mut().expect("a Reed-Solomon pager")
+    }
+
+    pub(crate) fn piece_key(&self, id: u32, piece: usize) -> PageKey {
+        PageKey::new(
+            self.cfg.region | PIECE_REGION,
+            u64::from(id) * KEY_STRIDE + piece as u64,
+        )
+    }
+
+    /// The key of a page's data piece, if the page lives in a stripe.
+    pub(crate) fn rs_key(&self, page: u64) -> Option<PageKey> {
+        let rs = self.rs.as_deref()?;
+        let id = rs.stripe_of[page as usize];
+        (id != NO_STRIPE).then(|| self.piece_key(id, usize::from(rs.index_of[page as usize])))
+    }
+
+    /// A page written back joins the open stripe, sealed when it has K members.
+    pub(crate) fn rs_write(&mut self, page: u64) -> Result<(), PagerError> {
+        let rs = self.rs_mut();
+        rs.open.push(page);
+        if rs.open.len() >= rs.k {
+            self.rs_seal()?;
+        }
+        Ok(())
+    }
+
+    /// Seals the open stripe, full or not (a flush, or a page of it that must be waited for):
+    /// computes the parity and sends every piece.
+    pub(crate) fn rs_seal(&mut self) -> Result<(), PagerError> {
+        let Some(rs) = self.rs.as_deref_mut() else {
+            return Ok(());
+        };
+        if rs.open.is_empty() {
+            return Ok(());
+        }
+        let pages = std::mem::take(&mut rs.open);
+        let m = rs.m;
+        let gen = rs.next_gen;
+        rs.next_gen = rs.next_gen.wrapping_add(1).max(1);
+        let id = match rs.free_ids.pop() {
+            Some(id) => id,
+            None => {
+                rs.stripes.push(Stripe::default());
+                (rs.stripes.len() - 1) as u32
+            }
+        };
+        let member_slots: Vec<u32> = pages.iter().map(|p| self.writeback[p].slot).collect();
+        let parity =
+            reed_solomon_simd::encode(pages.len(), m, member_slots.iter().map(|&s| self.slot(s)))
+                .expect("page-sized shards and at most 32 pieces are valid");
+        let mut owned = Vec::with_capacity(m);
+        for shard in &parity {
+            let slot = self.take_slot()?;
+            self.slot_mut(slot).copy_from_slice(shard);
+            owned.push(slot);
+        }
+        let members: Vec<(u64, u32)> = pages
+            .iter()
+            .map(|&p| (p, self.writeback[&p].version))
+            .collect();
+        let total = pages.len() + m;
+        let rs = self.rs_mut();
+        rs.stripes[id as usize] = Stripe {
+            live: vec![true; pages.len()],
+            members,
+            servers: vec![NO_SERVER; total],
+            gen,
+        };
+        let mut slots = member_slots;
+        slots.extend(&owned);
+        rs.writing.insert(
+            id,
+            StripeWrite {
+                slots,
+                owned,
+                target: vec![NO_SERVER; total],
+                refused: Servers::default(),
+                rebuild: false,
+                data: Vec::new(),
+            },
+        );
+        self.rs_place(id)
+    }
+
+    /// Sends every piece of a stripe being written that has no server and none in flight, each
+    /// to a live server holding no other piece of the stripe. Settles the stripe when nothing
+    /// is left in flight.
+    fn rs_place(&mut self, id: u32) -> Result<(), PagerError> {
+        let mut full = Vec::new();
+        let total = self.rs().stripes[id as usize].servers.len();
+        for piece in 0..total {
+            let rs = self.rs();
+            let w = &rs.writing[&id];
+            let stripe = &rs.stripes[id as usize];
+            if w.slots[piece] == u32::MAX
+                || w.target[piece] != NO_SERVER
+                || stripe.servers[piece] != NO_SERVER
+            {
+                continue;
+            }
+            let mut exclude: Vec<usize> = w.refused.iter().collect();
+            exclude.extend(
+                stripe
+                    .servers
+                    .iter()
+                    .chain(&w.target)
+                    .filter(|&&s| s != NO_SERVER)
+                    .map(|&s| usize::from(s)),
+            );
+            let (slot, version) = (w.slots[piece], stripe.version(piece));
+            let candidates: Vec<Candidate> = self.servers.iter().map(|s| s.load).collect();
+            let Some(server) = placement::choose(&candidates, &exclude, &mut self.rng) else {
+                continue;
+            };
+            let key = self.piece_key(id, piece);
+            self.rs_mut().writing.get_mut(&id).expect("writing").target[piece] = server as u16;
+            self.counters.puts += 1;
+            self.batches[server].puts.push(PutItem {
+                page: u64::from(id),
+                slot,
+                version,
+                key,
+                piece: piece as u8,
+            });
+            if self.batches[server].puts.len() >= self.cfg.batch_max {
+                full.push(server);
+            }
+        }
+        if self.rs().writing[&id]
+            .target
+            .iter()
+            .all(|&t| t == NO_SERVER)
+        {
+            return self.rs_finish(id);
+        }
+        for server in full {
+            self.send_batches(server);
+        }
+        Ok(())
+    }
+
+    pub(crate) fn rs_stored(
+        &mut self,
+        id: u32,
+        piece: u8,
+        server: usize,
+    ) -> Result<(), PagerError> {
+        let rs = self.rs_mut();
+        let Some(w) = rs.writing.get_mut(&id) else {
+            return Ok(());
+        };
+        w.target[usize::from(piece)] = NO_SERVER;
+        rs.stripes[id as usize].servers[usize::from(piece)] = server as u16;
+        if w.target.iter().all(|&t| t == NO_SERVER) {
+            self.rs_finish(id)?;
+        }
+        Ok(())
+    }
+
+    /// A piece `server` refused or will never acknowledge: placed elsewhere if possible.
+    pub(crate) fn rs_piece_failed(
+        &mut self,
+        id: u32,
+        piece: u8,
+        server: usize,
+    ) -> Result<(), PagerError> {
+        let Some(w) = self.rs_mut().writing.get_mut(&id) else {
+            return Ok(());
+        };
+        w.target[usize::from(piece)] = NO_SERVER;
+        w.refused.insert(server);
+        self.rs_place(id)
+    }
+
+    /// Every piece is acknowledged or could not be placed. A new stripe becomes its members'
+    /// home (their old stripes lose a live member); pieces that found no server leave the
+    /// stripe degraded, and its members go to the local disk too, so that nothing rests on
+    /// fewer pieces than the scheme promises.
+    fn rs_finish(&mut self, id: u32) -> Result<(), PagerError> {
+        let w = self
+            .rs_mut()
+            .writing
+            .remove(&id)
+            .expect("stripe being written");
+        let stripe = &self.rs().stripes[id as usize];
+        let up: Vec<bool> = self.servers.iter().map(|s| s.alive).collect();
+        let alive = move |s: u16| s != NO_SERVER && up[usize::from(s)];
+        let whole = stripe.servers.iter().all(|&s| alive(s));
+        let members = stripe.members.clone();
+        let servers = stripe.servers.clone();
+        for (i, &(page, version)) in members.iter().enumerate() {
+            if w.rebuild {
+                let rs = self.rs();
+                let current = rs.stripe_of[page as usize] == id
+                    && rs.stripes[id as usize].live[i]
+                    && self.table.get(page).version == version;
+                if current && w.slots[i] != u32::MAX && alive(servers[i]) {
+                    self.table
+                        .set_holders(page, Servers::from_iter([usize::from(servers[i])]));
+                }
+                if current && !whole && !self.table.get(page).on_disk {
+                    self.counters.spills += 1;
+                    self.write_to_disk(page, w.data[i])?;
+                    self.table.get_mut(page).on_disk = true;
+                }
+                continue;
+            }
+            let wb = self.writeback.remove(&page).expect("member in write-back");
+            debug_assert_eq!(wb.version, version);
+            self.rs_member_dead(page);
+            let rs = self.rs_mut();
+            rs.stripe_of[page as usize] = id;
+            rs.index_of[page as usize] = i as u8;
+            let holders: Servers = Some(servers[i])
+                .filter(|&s| alive(s))
+                .map(usize::from)
+                .into_iter()
+                .collect();
+            if !whole && !self.table.get(page).on_disk {
+                self.counters.spills += 1;
+                self.write_to_disk(page, wb.slot)?;
+                self.table.get_mut(page).on_disk = true;
+            }
+            self.table.set_holders(page, holders);
+            self.release_slot(wb.slot);
+        }
+        if w.rebuild {
+            let rebuilt = w
+                .slots
+                .iter()
+                .zip(&servers)
+                .filter(|&(&slot, &s)| slot != u32::MAX && alive(s))
+                .count();
+            self.counters.pages_rebuilt += rebuilt as u64;
+        }
+        for slot in w.owned {
+            self.release_slot(slot);
+        }
+        let in_use = self.rs().stripes[id as usize].in_use();
+        if !in_use {
+            self.rs_free(id);
+        } else if whole {
+            let rs = self.rs_mut();
+            rs.degraded.remove(&id);
+            rs.short.remove(&id);
+        } else if w.rebuild {
+            self.rs_mut().short.insert(id);
+        } else {
+            self.counters.writes_degraded += 1;
+            self.rs_mut().degraded.insert(id);
+        }
+        Ok(())
+    }
+
+    /// A page's version in its stripe is superseded or discarded. The last live member takes
+    /// the whole stripe with it.
+    pub(crate) fn rs_member_dead(&mut self, page: u64) {
+        let rs = self.rs_mut();
+        let id = rs.stripe_of[page as usize];
+        if id == NO_STRIPE {
+            return;
+        }
+        rs.stripe_of[page as usize] = NO_STRIPE;
+        let i = usize::from(rs.index_of[page as usize]);
+        let stripe = &mut rs.stripes[id as usize];
+        stripe.live[i] = false;
+        if !stripe.in_use() && !rs.writing.contains_key(&id) && !rs.pinned.contains(&id) {
+            self.rs_free(id);
+        }
+    }
+
+    /// Deletes every piece of a stripe no member needs and frees its number.
+    fn rs_free(&mut self, id: u32) {
+        let servers = std::mem::take(&mut self.rs_mut().stripes[id as usize].servers);
+        for (piece, &s) in servers.iter().enumerate() {
+            let s = usize::from(s);
+            if s != usize::from(NO_SERVER) && self.servers[s].alive {
+                self.counters.deletes += 1;
+                let key = self.piece_key(id, piece);
+                self.submit(s, Op::Delete, &Request::Delete(vec![key]));
+            }
+        }
+        let rs = self.rs_mut();
+        rs.stripes[id as usize] = Stripe::default();
+        rs.degraded.remove(&id);
+        rs.short.remove(&id);
+        rs.free_ids.push(id);
+    }
+
+    /// Reads pieces of a stripe into fresh slots, pipelined; returns those that came back
+    /// good, as (piece, slot).
+    fn rs_fetch(&mut self, id: u32, pieces: &[usize]) -> Result<Vec<(usize, u32)>, PagerError> {
+        for &piece in pieces {
+            let slot = self.take_slot()?;
+            let stripe = &self.rs().stripes[id as usize];
+            let server = usize::from(stripe.servers[piece]);
+            let it = GetItem {
+                page: u64::from(id),
+                slot,
+                pos: INTERNAL,
+                key: self.piece_key(id, piece),
+                version: stripe.version(piece),
+                piece: piece as u8,
+            };
+            self.submit_get_item(server, it);
+        }
+        while !self.idle() {
+            self.complete_one()?;
+        }
+        let mut got = Vec::new();
+        let mut rest = Vec::new();
+        for d in std::mem::take(&mut self.reads_done) {
+            if d.pos == INTERNAL && d.page == u64::from(id) && d.piece != NOT_PIECE {
+                got.push((usize::from(d.piece), d.slot));
+            } else {
+                rest.push(d);
+            }
+        }
+        self.reads_done = rest;
+        Ok(got)
+    }
+
+    /// Decodes a stripe's data pieces from any K of its live pieces (not those in `avoid`):
+    /// returns the data pieces `wanted` as (piece, slot), or `None` when too few pieces
+    /// answered.
+    fn rs_decode(
+        &mut self,
+        id: u32,
+        wanted: &[usize],
+        avoid: &[usize],
+    ) -> Result<Option<Vec<(usize, u32)>>, PagerError> {
+        self.rs_mut().pinned.insert(id);
+        let decoded = self.rs_decode_pinned(id, wanted, avoid);
+        self.rs_mut().pinned.remove(&id);
+        let decoded = decoded?;
+        let rs = self.rs();
+        if !rs.stripes[id as usize].in_use() && !rs.writing.contains_key(&id) {
+            // Its last member died meanwhile: nothing to rebuild or read.
+            if let Some(v) = &decoded {
+                for &(_, slot) in v {
+                    self.release_slot(slot);
+                }
+            }
+            self.rs_free(id);
+            return Ok(None);
+        }
+        Ok(decoded)
+    }
+
+    fn rs_decode_pinned(
+        &mut self,
+        id: u32,
+        wanted: &[usize],
+        avoid: &[usize],
+    ) -> Result<Option<Vec<(usize, u32)>>, PagerError> {
+        let stripe = &self.rs().stripes[id as usize];
+        let (k, m) = (stripe.k(), stripe.servers.len() - stripe.k());
+        let mut candidates: Vec<usize> = (0..stripe.servers.len())
+            .filter(|&j| {
+                let s = stripe.servers[j];
+                !avoid.contains(&j) && s != NO_SERVER && self.servers[usize::from(s)].alive
+            })
+            .collect();
+        let mut have: Vec<(usize, u32)> = Vec::new();
+        while have.len() < k && !candidates.is_empty() {
+            let n = (k - have.len()).min(candidates.len());
+            let batch: Vec<usize> = candidates.drain(..n).collect();
+            have.extend(self.rs_fetch(id, &batch)?);
+        }
+        if have.len() < k {
+            for (_, slot) in have {
+                self.release_slot(slot);
+            }
+            return Ok(None);
+        }
+        have.truncate(k);
+        let restored = {
+            let slots = &self.slots;
+            let shard =
+                |slot: u32| &slots[slot as usize * PAGE_SIZE..(slot as usize + 1) * PAGE_SIZE];
+            let originals = have
+                .iter()
+                .filter(|(j, _)| *j < k)
+                .map(|&(j, s)| (j, shard(s)));
+            let recovery = have
+                .iter()
+                .filter(|(j, _)| *j >= k)
+                .map(|&(j, s)| (j - k, shard(s)));
+            if have.iter().all(|(j, _)| *j < k) {
+                // Every data piece came back: nothing to decode.
+                BTreeMap::new()
+            } else {
+                reed_solomon_simd::decode(k, m, originals, recovery)
+                    .expect("K pieces of page size decode")
+            }
+        };
+        let mut out = Vec::with_capacity(wanted.len());
+        for &j in wanted {
+            let slot = self.take_slot()?;
+            let src = match have.iter().find(|(i, _)| *i == j) {
+                Some(&(_, s)) => self.slot(s).to_vec(),
+                None => restored
+                    .get(&j)
+                    .expect("decoded every missing data piece")
+                    .clone(),
+            };
+            self.slot_mut(slot).copy_from_slice(&src);
+            out.push((j, slot));
+        }
+        // Parity wanted back is computed from the data pieces, all known by now.
+        for (_, slot) in have {
+            self.release_slot(slot);
+        }
+        Ok(Some(out))
+    }
+
+    /// A degraded read: the page's data piece is out of reach, so it is decoded from K other
+    /// pieces of its stripe into `slot`. False when too few pieces answered.
+    pub(crate) fn rs_reconstruct(&mut self, page: u64, slot: u32) -> Result<bool, PagerError> {
+        let rs = self.rs();
+        let id = rs.stripe_of[page as usize];
+        if id == NO_STRIPE {
+            return Ok(false);
+        }
+        let i = usize::from(rs.index_of[page as usize]);
+        match self.rs_decode(id, &[i], &[i])? {
+            Some(v) => {
+                let (_, s) = v[0];
+                let at = s as usize * PAGE_SIZE;
+                self.slots
+                    .copy_within(at..at + PAGE_SIZE, slot as usize * PAGE_SIZE);
+                self.release_slot(s);
+                self.counters.degraded_reads += 1;
+                self.rs_mut().degraded.insert(id);
+                Ok(true)
+            }
+            None => Ok(false),
+        }
+    }
+
+    /// The server of a page's data piece, if the page lives in a stripe and the piece has
+    /// one: the stripe, not the page table, is the authority.
+    pub(crate) fn rs_data_server(&self, page: u64) -> Option<Option<usize>> {
+        let rs = self.rs.as_deref()?;
+        let id = rs.stripe_of[page as usize];
+        if id == NO_STRIPE {
+            return Some(None);
+        }
+        let s = rs.stripes[id as usize].servers[usize::from(rs.index_of[page as usize])];
+        Some((s != NO_SERVER).then_some(usize::from(s)))
+    }
+
+    /// Whether a page that lives in a stripe can be read by reconstruction.
+    pub(crate) fn rs_reconstructible(&self, page: u64) -> bool {
+        self.rs.as_deref().is_some_and(|rs| {
+            let id = rs.stripe_of[page as usize];
+            id != NO_STRIPE && {
+                let st = &rs.stripes[id as usize];
+                let up = st
+                    .servers
+                    .iter()
+                    .filter(|&&s| s != NO_SERVER && self.servers[usize::from(s)].alive)
+                    .count();
+                up >= st.k()
+            }
+        })
+    }
+
+    /// A piece found bad (checksum, missing) on `server`: it counts as lost, and is deleted.
+    pub(crate) fn rs_bad_piece(&mut self, id: u32, piece: u8, server: usize, what: &'static str) {
+        let rs = self.rs_mut();
+        let Some(stripe) = rs.stripes.get_mut(id as usize) else {
+            return;
+        };
+        let piece = usize::from(piece);
+        if stripe.servers.get(piece) != Some(&(server as u16)) {
+            return;
+        }
+        stripe.servers[piece] = NO_SERVER;
+        rs.degraded.insert(id);
+        if piece < stripe.k() {
+            let page = stripe.members[piece].0;
+            if rs.stripe_of[page as usize] == id {
+                self.table.set_holders(page, Servers::default());
+            }
+        }
+        self.counters.copies_dropped_bad += 1;
+        if what != "missing on server" && self.servers[server].alive {
+            self.counters.deletes += 1;
+            let key = self.piece_key(id, piece);
+            self.submit(server, Op::Delete, &Request::Delete(vec![key]));
+        }
+    }
+
+    /// A server is dead: every stripe with a piece there is degraded.
+    pub(crate) fn rs_server_dead(&mut self, server: usize) {
+        let rs = self.rs_mut();
+        let s = server as u16;
+        let hit: Vec<u32> = rs
+            .stripes
+            .iter()
+            .enumerate()
+            .filter(|(_, st)| st.servers.contains(&s))
+            .map(|(id, _)| id as u32)
+            .collect();
+        rs.degraded.extend(hit);
+    }
+
+    /// A server came back empty: its pieces are gone.
+    pub(crate) fn rs_server_revived(&mut self, server: usize) {
+        let s = server as u16;
+        let rs = self.rs_mut();
+        let mut lost_data = Vec::new();
+        for (id, st) in rs.stripes.iter_mut().enumerate() {
+            for (j, piece) in st.servers.iter_mut().enumerate() {
+                if *piece == s {
+                    *piece = NO_SERVER;
+                    rs.degraded.insert(id as u32);
+                    if let Some(&(page, _)) = st.members.get(j) {
+                        if rs.stripe_of[page as usize] == id as u32 {
+                            lost_data.push(page);
+                        }
+                    }
+                }
+            }
+        }
+        let short = std::mem::take(&mut rs.short);
+        rs.degraded.extend(short);
+        for w in rs.writing.values_mut() {
+            w.refused.remove(server);
+        }
+        for page in lost_data {
+            self.table.set_holders(page, Servers::default());
+        }
+    }
+
+    /// Rebuilds the lost pieces of up to `max` degraded stripes from K survivors each.
+    pub(crate) fn rs_recover(&mut self, max: usize) -> Result<RecoveryStep, PagerError> {
+        let mut step = RecoveryStep::default();
+        let mut done = 0;
+        while done < max {
+            let up: Vec<bool> = self.servers.iter().map(|s| s.alive).collect();
+            let free_slots = self.free_slots.len();
+            let rs = self.rs_mut();
+            let Some(id) = rs.degraded.pop_first() else {
+                break;
+            };
+            if rs.writing.contains_key(&id) {
+                continue; // its write settles it
+            }
+            let st = &rs.stripes[id as usize];
+            if !st.in_use() {
+                continue;
+            }
+            let k = st.k();
+            let lost: Vec<usize> = (0..st.servers.len())
+                .filter(|&j| {
+                    let s = st.servers[j];
+                    s == NO_SERVER || !up[usize::from(s)]
+                })
+                .collect();
+            if lost.is_empty() {
+                continue;
+            }
+            // A slot per piece read and per piece rebuilt: stay well inside the staging slots.
+            if free_slots < 2 * st.servers.len() + 2 {
+                rs.degraded.insert(id);
+                break;
+            }
+            done += 1;
+            let members = st.members.clone();
+            let live = st.live.clone();
+            let lost_data: Vec<usize> = lost.iter().copied().filter(|&j| j < k).collect();
+            let parity_lost = lost.iter().any(|&j| j >= k);
+            // Parity is recomputed from all data pieces; data from any K pieces.
+            let _ = lost_data;
+            // Every data piece: parity is recomputed from them, and should the rebuilt pieces
+            // find too few servers, the live members go to the local disk from them.
+            let wanted: Vec<usize> = (0..k).collect();
+            let Some(restored) = self.rs_decode(id, &wanted, &lost)? else {
+                // Fewer than K pieces answered. If K are still out there (a read failed on
+                // the way), try again later; otherwise the members whose data piece is gone
+                // and that have no disk copy are lost: their reads fail from now on.
+                let rs = self.rs();
+                let st = &rs.stripes[id as usize];
+                let up = st
+                    .servers
+                    .iter()
+                    .filter(|&&s| s != NO_SERVER && self.servers[usize::from(s)].alive)
+                    .count();
+                if st.in_use() && up >= st.k() {
+                    self.rs_mut().degraded.insert(id);
+                    break;
+                }
+                for (i, &(page, _)) in members.iter().enumerate() {
+                    let rs = self.rs();
+                    if live[i]
+                        && rs.stripe_of[page as usize] == id
+                        && lost.contains(&i)
+                        && !self.table.get(page).on_disk
+                    {
+                        step.unrecoverable += 1;
+                        self.counters.pages_unrecoverable += 1;
+                    }
+                }
+                continue;
+            };
+            let total = self.rs().stripes[id as usize].servers.len();
+            let mut slots = vec![u32::MAX; total];
+            let mut owned = Vec::new();
+            for &(j, slot) in &restored {
+                if lost.contains(&j) {
+                    slots[j] = slot;
+                    owned.push(slot);
+                }
+            }
+            if parity_lost {
+                let m = total - k;
+                let parity = {
+                    let data: Vec<&[u8]> = restored.iter().map(|&(_, s)| self.slot(s)).collect();
+                    reed_solomon_simd::encode(k, m, data).expect("valid stripe")
+                };
+                for (p, shard) in parity.iter().enumerate() {
+                    if lost.contains(&(k + p)) {
+                        let slot = self.take_slot()?;
+                        self.slot_mut(slot).copy_from_slice(shard);
+                        slots[k + p] = slot;
+                        owned.push(slot);
+                    }
+                }
+            }
+            let data: Vec<u32> = restored.iter().map(|&(_, s)| s).collect();
+            for &(j, slot) in &restored {
+                if !lost.contains(&j) {
+                    owned.push(slot);
+                }
+            }
+            let rs = self.rs_mut();
+            for &j in &lost {
+                rs.stripes[id as usize].servers[j] = NO_SERVER;
+            }
+            rs.writing.insert(
+                id,
+                StripeWrite {
+                    slots,
+                    owned,
+                    target: vec![NO_SERVER; total],
+                    refused: Servers::default(),
+                    rebuild: true,
+                    data,
+                },
+            );
+            step.started += lost.len();
+            self.rs_place(id)?;
+        }
+        self.send_all_batches();
+        step.remaining = self.rs().degraded.len();
+        Ok(step)
+    }
+
+    /// The pieces that make a page safe, for checkers: (server, key, version) of each piece
+    /// of its stripe that has a server, and how many pieces the stripe has.
+    pub(crate) fn rs_pieces(&self, page: u64) -> Option<(crate::Pieces, usize)> {
+        let rs = self.rs.as_deref()?;
+        let id = rs.stripe_of[page as usize];
+        if id == NO_STRIPE {
+            return Some((Vec::new(), 0));
+        }
+        let st = &rs.stripes[id as usize];
+        let pieces = st
+            .servers
+            .iter()
+            .enumerate()
+            .filter(|(_, &s)| s != NO_SERVER)
+            .map(|(j, &s)| (usize::from(s), self.piece_key(id, j), st.version(j)))
+            .collect();
+        Some((pieces, st.servers.len()))
+    }
+
+    /// Pieces each server holds, by the stripes.
+    pub(crate) fn rs_pieces_per_server(&self) -> Vec<u64> {
+        let mut n = vec![0u64; self.servers.len()];
+        for st in &self.rs().stripes {
+            for &s in st.servers.iter().filter(|&&s| s != NO_SERVER) {
+                n[usize::from(s)] += 1;
+            }
+        }
+        n
+    }
+
+    /// Stripes with pieces missing, which recovery still has to look at.
+    pub(crate) fn rs_degraded(&self) -> usize {
+        self.rs().degraded.len()
+    }
+}
