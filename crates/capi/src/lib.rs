@@ -87,9 +87,9 @@ unsafe fn opt_str<'a>(s: *const c_char, what: &str) -> anyhow::Result<Option<&'a
 }
 
 /// Creates a region from the arguments of `netram_region_create`, or the environment
-/// (`NETRAM_SERVERS`, `NETRAM_LOW_LATENCY`, `NETRAM_SPILL_DIR`, and `NETRAM_SAMPLES`: pages
-/// sampled per victim, 0 for first in, first out) for what they leave out. Used by the
-/// preload library too.
+/// (`NETRAM_SERVERS`, `NETRAM_LOW_LATENCY`, `NETRAM_SPILL_DIR`, `NETRAM_REDUNDANCY`: none,
+/// mirror:N or rs:K+M, and `NETRAM_SAMPLES`: pages sampled per victim, 0 for first in, first
+/// out) for what they leave out. Used by the preload library too.
 pub fn create_region(
     servers: Option<&str>,
     backing: Option<&str>,
@@ -117,6 +117,12 @@ pub fn create_region(
         anyhow::bail!("the budget must be at least one page ({PAGE_SIZE} bytes)");
     }
     let low_latency = std::env::var_os("NETRAM_LOW_LATENCY").is_some_and(|v| v != "0");
+    let redundancy = match std::env::var("NETRAM_REDUNDANCY") {
+        Ok(v) => v
+            .parse()
+            .map_err(|e: String| anyhow::anyhow!("NETRAM_REDUNDANCY={v}: {e}"))?,
+        Err(_) => Default::default(),
+    };
     let pager = open_pager(&OpenOptions {
         servers,
         backing,
@@ -124,6 +130,7 @@ pub fn create_region(
         cache_pages: CACHE_PAGES,
         spill_dir: std::env::var_os("NETRAM_SPILL_DIR").map(Into::into),
         low_latency,
+        redundancy,
     })?;
     let size = usize::try_from(size)?;
     let budget = usize::try_from(budget)?;

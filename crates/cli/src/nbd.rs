@@ -6,7 +6,7 @@ use netram_nbd::{Device, Listener};
 use netram_node::client::TcpTransport;
 use netram_node::disk::FileDisk;
 use netram_node::open::{open_pager, OpenOptions};
-use netram_pager::Backing;
+use netram_pager::{Backing, Scheme};
 use netram_proto::PAGE_SIZE;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -42,6 +42,15 @@ pub struct NbdArgs {
     /// server may die).
     #[arg(long, default_value = "cluster")]
     backing: Backing,
+    /// How the device's pages survive the death of servers: none, mirror:N (N copies on
+    /// distinct servers), or rs:K+M (Reed-Solomon: K pages and M parity pieces on K+M
+    /// distinct servers, any M of which may die). Lost copies are rebuilt in the background.
+    #[arg(long, default_value = "none")]
+    redundancy: Scheme,
+    /// Pages rebuilt per second at most after a server dies (recovery runs while the device
+    /// serves, in steps that hold the device for a moment each).
+    #[arg(long, default_value_t = 100_000)]
+    recovery_rate: u64,
     /// The local write-back cache in front of the cluster (Anemone's client cache).
     #[arg(long, default_value = "16M")]
     cache: String,
@@ -95,8 +104,19 @@ pub fn run(args: NbdArgs) -> anyhow::Result<()> {
         cache_pages,
         spill_dir: args.spill_dir.clone(),
         low_latency: args.low_latency,
+        redundancy: args.redundancy,
     })?;
     let device = Arc::new(Device::new(pager, bytes));
+    let maintenance = {
+        let device = device.clone();
+        netram_node::maintain::spawn(
+            move |f| device.with_pager(|p| f(p)),
+            netram_node::maintain::MaintainConfig {
+                pages_per_s: args.recovery_rate,
+                ..Default::default()
+            },
+        )
+    };
     let shutdown = Arc::new(AtomicBool::new(false));
     for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
         signal_hook::flag::register(sig, shutdown.clone())
@@ -106,6 +126,7 @@ pub fn run(args: NbdArgs) -> anyhow::Result<()> {
         Some(mountpoint) => serve_fuse(&device, mountpoint, bytes, &shutdown)?,
         None => serve_nbd(&args, &device, bytes, shutdown)?,
     }
+    drop(maintenance);
     device.with_pager(|p| {
         if let Err(e) = p.flush() {
             tracing::error!("final flush: {e}");

@@ -2,7 +2,7 @@
 //! the preload library (`crates/preload`), and a summary of what netram did for it.
 
 use anyhow::{bail, Context};
-use netram_pager::Backing;
+use netram_pager::{Backing, Scheme};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -20,6 +20,12 @@ pub struct RunArgs {
     /// is full), disk (local disk only), cluster+disk (a copy on disk too).
     #[arg(long, default_value = "cluster")]
     backing: Backing,
+    /// How its pages survive the death of servers: none, mirror:N or rs:K+M (reads of pages
+    /// whose server died are served from another copy, or decoded from their stripe). The
+    /// lost copies are not rebuilt while the program runs (that needs `netram nbd`'s
+    /// background recovery, not yet in the preload library).
+    #[arg(long, default_value = "none")]
+    redundancy: Scheme,
     /// The most the program can keep on netram at once (the size of its region) [default: 8
     /// times --local-mem, at least 1G]. Large allocations beyond it stay in local memory.
     #[arg(long, value_name = "SIZE")]
@@ -117,6 +123,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<i32> {
         .env("NETRAM_LOCAL_MEM", local_mem.to_string())
         .env("NETRAM_SERVERS", &servers)
         .env("NETRAM_BACKING", args.backing.to_string())
+        .env("NETRAM_REDUNDANCY", args.redundancy.to_string())
         .env("NETRAM_THRESHOLD", threshold.to_string())
         .env("NETRAM_REPORT", &reports.0)
         .env("NETRAM_REQUIRED", "1");

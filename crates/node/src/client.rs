@@ -92,6 +92,10 @@ pub struct TcpTransport {
     reply_timeout: Duration,
     stop: Arc<AtomicBool>,
     keepalive: Option<JoinHandle<()>>,
+    /// The connections the keepalive thread refreshes.
+    refreshed: Arc<Mutex<Vec<Arc<Shared>>>>,
+    /// For reconnections: the same node and incarnation, a new session each time.
+    cfg: ClientConfig,
     _qos: Option<PmQos>,
 }
 
@@ -140,61 +144,22 @@ impl TcpTransport {
         let epoch = Instant::now();
         let conns: Vec<Conn> = servers
             .iter()
-            .map(|name| {
-                let name = name.as_ref().to_string();
-                let result = resolve(&name).and_then(|a| handshake(a, cfg));
-                let (reader, shared, info) = match result {
-                    Ok((stream, w)) => {
-                        let setup = stream
-                            .set_read_timeout(Some(cfg.reply_timeout))
-                            .and_then(|()| stream.try_clone());
-                        match setup {
-                            Ok(writer) => (
-                                Some(stream),
-                                Some(Arc::new(Shared {
-                                    writer: Mutex::new(writer),
-                                    last_send_ms: AtomicU64::new(0),
-                                    lease_period_ms: u64::from(w.lease_period_ms).max(1),
-                                })),
-                                ServerInfo {
-                                    name,
-                                    window: w.window,
-                                    capacity_pages: w.capacity_pages,
-                                    free_pages: w.free_pages,
-                                    connected: Ok(()),
-                                },
-                            ),
-                            Err(e) => (None, None, dead_info(name, e.to_string())),
-                        }
-                    }
-                    Err(reason) => {
-                        tracing::warn!(server = %name, "server unreachable: {reason}");
-                        (None, None, dead_info(name, reason))
-                    }
-                };
-                Conn {
-                    broken: info
-                        .connected
-                        .clone()
-                        .err()
-                        .map(TransportError::Disconnected),
-                    info,
-                    reader,
-                    shared,
-                    wbuf: Vec::new(),
-                    rbuf: FrameBuffer::new(),
-                }
-            })
+            .map(|name| open_conn(name.as_ref().to_string(), cfg))
             .collect();
         let stop = Arc::new(AtomicBool::new(false));
-        let shared: Vec<Arc<Shared>> = conns.iter().filter_map(|c| c.shared.clone()).collect();
-        let keepalive = (!shared.is_empty()).then(|| {
-            let stop = stop.clone();
+        let refreshed = Arc::new(Mutex::new(
+            conns
+                .iter()
+                .filter_map(|c| c.shared.clone())
+                .collect::<Vec<_>>(),
+        ));
+        let keepalive = {
+            let (stop, refreshed) = (stop.clone(), refreshed.clone());
             std::thread::Builder::new()
                 .name("netram-keepalive".into())
-                .spawn(move || keepalive_loop(shared, epoch, stop))
+                .spawn(move || keepalive_loop(refreshed, epoch, stop))
                 .expect("spawn keepalive thread")
-        });
+        };
         Self {
             conns,
             epoch,
@@ -205,7 +170,9 @@ impl TcpTransport {
             },
             reply_timeout: cfg.reply_timeout,
             stop,
-            keepalive,
+            keepalive: Some(keepalive),
+            refreshed,
+            cfg: cfg.clone(),
             _qos: if cfg.low_latency { PmQos::hold() } else { None },
         }
     }
@@ -268,6 +235,52 @@ impl TcpTransport {
     }
 }
 
+/// Connects to one server; a failure gives a connection that starts out broken.
+fn open_conn(name: String, cfg: &ClientConfig) -> Conn {
+    let result = resolve(&name).and_then(|a| handshake(a, cfg));
+    let (reader, shared, info) = match result {
+        Ok((stream, w)) => {
+            let setup = stream
+                .set_read_timeout(Some(cfg.reply_timeout))
+                .and_then(|()| stream.try_clone());
+            match setup {
+                Ok(writer) => (
+                    Some(stream),
+                    Some(Arc::new(Shared {
+                        writer: Mutex::new(writer),
+                        last_send_ms: AtomicU64::new(0),
+                        lease_period_ms: u64::from(w.lease_period_ms).max(1),
+                    })),
+                    ServerInfo {
+                        name,
+                        window: w.window,
+                        capacity_pages: w.capacity_pages,
+                        free_pages: w.free_pages,
+                        connected: Ok(()),
+                    },
+                ),
+                Err(e) => (None, None, dead_info(name, e.to_string())),
+            }
+        }
+        Err(reason) => {
+            tracing::warn!(server = %name, "server unreachable: {reason}");
+            (None, None, dead_info(name, reason))
+        }
+    };
+    Conn {
+        broken: info
+            .connected
+            .clone()
+            .err()
+            .map(TransportError::Disconnected),
+        info,
+        reader,
+        shared,
+        wbuf: Vec::new(),
+        rbuf: FrameBuffer::new(),
+    }
+}
+
 fn dead_info(name: String, reason: String) -> ServerInfo {
     ServerInfo {
         name,
@@ -278,16 +291,19 @@ fn dead_info(name: String, reason: String) -> ServerInfo {
     }
 }
 
-fn keepalive_loop(conns: Vec<Arc<Shared>>, epoch: Instant, stop: Arc<AtomicBool>) {
+/// Refreshes the session of every connection in `refreshed` (the list changes when a server is
+/// reconnected) that has sent nothing for half a lease period.
+fn keepalive_loop(refreshed: Arc<Mutex<Vec<Arc<Shared>>>>, epoch: Instant, stop: Arc<AtomicBool>) {
     let mut frame = Vec::new();
     Request::Refresh.encode(0, &mut frame);
-    let tick = conns
-        .iter()
-        .map(|c| c.lease_period_ms / 4)
-        .min()
-        .unwrap_or(250)
-        .clamp(5, 250);
     while !stop.load(Ordering::SeqCst) {
+        let conns = refreshed.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        let tick = conns
+            .iter()
+            .map(|c| c.lease_period_ms / 4)
+            .min()
+            .unwrap_or(250)
+            .clamp(5, 250);
         std::thread::park_timeout(Duration::from_millis(tick));
         let now = epoch.elapsed().as_millis() as u64;
         for c in &conns {
@@ -385,6 +401,31 @@ impl Transport for TcpTransport {
             tracing::warn!(server = %c.info.name, "bad reply: {e}");
             err
         })
+    }
+
+    /// A new connection and session to a server the pager gave up on; the old connection is
+    /// shut down, and the old session's pages are freed by its lease.
+    fn reconnect(&mut self, server: usize) -> Result<ServerInfo, TransportError> {
+        let cfg = ClientConfig {
+            session: fastrand::u64(..),
+            ..self.cfg.clone()
+        };
+        let name = self.conns[server].info.name.clone();
+        let conn = open_conn(name, &cfg);
+        if let Some(e) = &conn.broken {
+            return Err(e.clone());
+        }
+        let old = std::mem::replace(&mut self.conns[server], conn);
+        let mut refreshed = self.refreshed.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(old) = &old.shared {
+            refreshed.retain(|s| !Arc::ptr_eq(s, old));
+        }
+        refreshed.extend(self.conns[server].shared.clone());
+        if let Some(r) = &old.reader {
+            let _ = r.shutdown(Shutdown::Both);
+        }
+        tracing::info!(server = %self.conns[server].info.name, "reconnected");
+        Ok(self.conns[server].info.clone())
     }
 }
 

@@ -6,7 +6,9 @@
 //! * [`client`]: the TCP [`netram_pager::Transport`], with soft-state refresh (Anemone §2.5);
 //! * [`disk`]: the local spill file behind [`netram_pager::Disk`] (Markatos, paper 003);
 //! * [`latency`]: the low-latency mode (PM QoS request, adaptive polling);
-//! * [`open`]: a client pager from servers, backing and size, for every front end;
+//! * [`open`]: a client pager from servers, backing, size and redundancy, for every front end;
+//! * [`maintain`]: the background thread that probes servers, reconnects them and runs
+//!   recovery at a bounded rate (Nswap §IV-B3);
 //! * [`pressure`]: locking memory and PR_SET_IO_FLUSHER for a process that serves swap.
 //!
 //! # Why threads and blocking sockets, not an async runtime
@@ -31,6 +33,7 @@ pub mod client;
 pub mod disk;
 mod framing;
 pub mod latency;
+pub mod maintain;
 pub mod open;
 pub mod pressure;
 pub mod server;

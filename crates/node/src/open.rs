@@ -5,7 +5,7 @@
 use crate::client::{ClientConfig, TcpTransport};
 use crate::disk::FileDisk;
 use anyhow::{bail, Context};
-use netram_pager::{Backing, Pager, PagerConfig};
+use netram_pager::{Backing, Pager, PagerConfig, Scheme};
 use std::path::PathBuf;
 
 /// A pager that front ends open: TCP to the page servers, a spill file on local disk.
@@ -22,6 +22,8 @@ pub struct OpenOptions {
     /// Directory of the spill file [default: the temp dir].
     pub spill_dir: Option<PathBuf>,
     pub low_latency: bool,
+    /// How pages survive servers' deaths: none, mirror:N, rs:K+M.
+    pub redundancy: Scheme,
 }
 
 /// Connects to the servers (going on without those that cannot be reached, with a warning,
@@ -34,6 +36,26 @@ pub fn open_pager(o: &OpenOptions) -> anyhow::Result<ClientPager> {
         bail!(
             "page servers are needed with backing {} (or use backing disk)",
             o.backing
+        );
+    }
+    if matches!(o.redundancy, Scheme::Parity { .. }) {
+        bail!(
+            "redundancy {} is not implemented yet: use mirror:N or rs:K+M",
+            o.redundancy
+        );
+    }
+    if o.redundancy != Scheme::None && o.backing == Backing::Disk {
+        bail!(
+            "redundancy {} needs page servers: it means nothing with backing disk",
+            o.redundancy
+        );
+    }
+    let needed = o.redundancy.servers_needed();
+    if o.backing != Backing::Disk && o.servers.len() < needed {
+        bail!(
+            "redundancy {} puts its pieces on {needed} distinct servers, and {} were given",
+            o.redundancy,
+            o.servers.len()
         );
     }
     let client = ClientConfig {
@@ -59,6 +81,7 @@ pub fn open_pager(o: &OpenOptions) -> anyhow::Result<ClientPager> {
         pages: o.pages,
         cache_pages: o.cache_pages,
         backing: o.backing,
+        redundancy: o.redundancy,
         ..Default::default()
     };
     Ok(Pager::new(cfg, transport, disk))

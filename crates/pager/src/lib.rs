@@ -759,6 +759,8 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             self.send_all_batches();
             Ok(())
         } else {
+            // Written means stored: a stripe still open is sealed, full or not.
+            self.rs_seal()?;
             self.drain()
         }
     }

@@ -58,6 +58,14 @@ impl ServerProcess {
         Self { child, addr }
     }
 
+    /// Starts a server on a given address (a restart on the address of one that died).
+    pub fn start_at(addr: &str, args: &[&str]) -> Self {
+        let mut all = vec!["serve", "--listen", addr];
+        all.extend_from_slice(args);
+        let (child, addr) = spawn_reporting(&all, "netram serve: listening on ");
+        Self { child, addr }
+    }
+
     pub fn pid(&self) -> i32 {
         self.child.id() as i32
     }

@@ -1,0 +1,117 @@
+//! The background half of reliability (Nswap §IV-B3): a thread that, while the program keeps
+//! running, finds servers that died while nobody asked them anything (a probe), reconnects
+//! those that come back (empty: a new incarnation), and rebuilds lost copies and pieces at a
+//! bounded rate, so that recovery takes a bounded share of the pager (Nswap Table III).
+//!
+//! The pager is single-threaded and its owner (the NBD device, a region) holds it under a lock;
+//! the thread takes that lock for one bounded step at a time.
+
+use crate::open::ClientPager;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+#[derive(Debug, Clone, Copy)]
+pub struct MaintainConfig {
+    /// Pages (Reed-Solomon: stripes) rebuilt per step, under one hold of the pager's lock.
+    pub batch: usize,
+    /// Pages rebuilt per second at most: steps are spaced to keep below it.
+    pub pages_per_s: u64,
+    /// How often every server is asked for an empty reply.
+    pub probe_every: Duration,
+    /// How often dead servers are tried again.
+    pub reconnect_every: Duration,
+}
+
+impl Default for MaintainConfig {
+    fn default() -> Self {
+        Self {
+            batch: 64,
+            pages_per_s: 100_000,
+            probe_every: Duration::from_secs(2),
+            reconnect_every: Duration::from_secs(1),
+        }
+    }
+}
+
+/// The running thread; stops when dropped.
+#[derive(Debug)]
+pub struct Maintenance {
+    stop: Arc<AtomicBool>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl Drop for Maintenance {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+        if let Some(t) = self.thread.take() {
+            t.thread().unpark();
+            let _ = t.join();
+        }
+    }
+}
+
+/// Starts the thread. `with_pager` runs a closure on the pager under its owner's lock.
+pub fn spawn<F>(with_pager: F, cfg: MaintainConfig) -> Maintenance
+where
+    F: Fn(&mut dyn FnMut(&mut ClientPager)) + Send + 'static,
+{
+    let stop = Arc::new(AtomicBool::new(false));
+    let thread = {
+        let stop = stop.clone();
+        std::thread::Builder::new()
+            .name("netram-maintain".into())
+            .spawn(move || run(with_pager, cfg, &stop))
+            .expect("spawn maintenance thread")
+    };
+    Maintenance {
+        stop,
+        thread: Some(thread),
+    }
+}
+
+fn run<F>(with_pager: F, cfg: MaintainConfig, stop: &AtomicBool)
+where
+    F: Fn(&mut dyn FnMut(&mut ClientPager)),
+{
+    let (mut last_probe, mut last_reconnect) = (Instant::now(), Instant::now());
+    while !stop.load(Ordering::SeqCst) {
+        let started = Instant::now();
+        let mut rebuilt = 0;
+        with_pager(&mut |p| {
+            if last_reconnect.elapsed() >= cfg.reconnect_every {
+                last_reconnect = Instant::now();
+                let n = p.revive_dead_servers();
+                if n > 0 {
+                    tracing::info!("{n} server(s) reconnected (empty)");
+                }
+            }
+            if last_probe.elapsed() >= cfg.probe_every {
+                last_probe = Instant::now();
+                if let Err(e) = p.probe_servers() {
+                    tracing::warn!("probe: {e}");
+                }
+            }
+            if p.degraded_pages() > 0 {
+                match p.recover(cfg.batch) {
+                    Ok(step) => {
+                        rebuilt = step.started;
+                        if step.unrecoverable > 0 {
+                            tracing::error!("{} page(s) lost for good", step.unrecoverable);
+                        }
+                    }
+                    Err(e) => tracing::warn!("recovery step: {e}"),
+                }
+            }
+        });
+        let pause = if rebuilt > 0 {
+            // Spaced so that `pages_per_s` holds; the step itself counts.
+            let due = Duration::from_secs_f64(rebuilt as f64 / cfg.pages_per_s.max(1) as f64);
+            due.saturating_sub(started.elapsed())
+        } else {
+            Duration::from_millis(50)
+        };
+        std::thread::park_timeout(pause);
+    }
+}
