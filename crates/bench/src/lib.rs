@@ -12,6 +12,7 @@ pub mod machine;
 pub mod nbd;
 pub mod process;
 pub mod raw;
+pub mod reliability;
 pub mod uffd;
 pub mod workload;
 

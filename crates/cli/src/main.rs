@@ -124,6 +124,18 @@ enum BenchCommand {
         #[arg(long, default_value = "bench-results")]
         out: PathBuf,
     },
+    /// Redundancy: GET/PUT latency, throughput and memory per page of none, mirror:2 and
+    /// rs:4+2 (parity:4 is not implemented yet), the recovery rate after a SIGKILL and the
+    /// slowdown of a program's reads while recovery runs, against seven `netram serve`
+    /// processes; writes reliability.json and reliability.md.
+    Reliability {
+        /// A shorter run: 8,192 pages per scheme.
+        #[arg(long)]
+        quick: bool,
+        /// Where to write reliability.json and reliability.md.
+        #[arg(long, default_value = "bench-results")]
+        out: PathBuf,
+    },
     /// The core: netram's GET/PUT latency and throughput against the raw loopback TCP round
     /// trip, measured side by side; writes core.json and core.md.
     Core {
@@ -198,6 +210,21 @@ fn main() -> anyhow::Result<()> {
         Command::Demo(args) => {
             init_logging("warn");
             demo::run(args)
+        }
+        Command::Bench(BenchCommand::Reliability { quick, out }) => {
+            init_logging("warn");
+            let opts = netram_bench::reliability::Options {
+                quick,
+                out: out.clone(),
+                netram_exe: std::env::current_exe()?,
+            };
+            let report = netram_bench::reliability::run(&opts)?;
+            println!("{report}");
+            println!(
+                "wrote {0}/reliability.json and {0}/reliability.md",
+                out.display()
+            );
+            Ok(())
         }
         Command::Bench(BenchCommand::Core { quick, out }) => {
             init_logging("warn");

@@ -33,6 +33,8 @@ pub struct ClientConfig {
     pub reply_timeout: Duration,
     /// Hold the PM QoS request and poll before sleeping (see [`crate::latency`]).
     pub low_latency: bool,
+    /// Log a server that cannot be reached (off for reconnection attempts).
+    pub warn_unreachable: bool,
 }
 
 impl ClientConfig {
@@ -55,6 +57,7 @@ impl ClientConfig {
             connect_timeout: Duration::from_secs(3),
             reply_timeout: Duration::from_secs(5),
             low_latency: false,
+            warn_unreachable: true,
         }
     }
 }
@@ -263,7 +266,10 @@ fn open_conn(name: String, cfg: &ClientConfig) -> Conn {
             }
         }
         Err(reason) => {
-            tracing::warn!(server = %name, "server unreachable: {reason}");
+            // Reconnection attempts repeat every second or so: only the first connect warns.
+            if cfg.warn_unreachable {
+                tracing::warn!(server = %name, "server unreachable: {reason}");
+            }
             (None, None, dead_info(name, reason))
         }
     };
@@ -408,6 +414,7 @@ impl Transport for TcpTransport {
     fn reconnect(&mut self, server: usize) -> Result<ServerInfo, TransportError> {
         let cfg = ClientConfig {
             session: fastrand::u64(..),
+            warn_unreachable: false,
             ..self.cfg.clone()
         };
         let name = self.conns[server].info.name.clone();

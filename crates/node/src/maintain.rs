@@ -18,6 +18,10 @@ pub struct MaintainConfig {
     pub batch: usize,
     /// Pages rebuilt per second at most: steps are spaced to keep below it.
     pub pages_per_s: u64,
+    /// The share of the pager's time recovery may take: after a step that held the pager
+    /// for `t`, the thread waits `t · (1 − duty) / duty`, so that the program keeps most of
+    /// it (Nswap Table III: recovery must not slow programs down).
+    pub duty: f64,
     /// How often every server is asked for an empty reply.
     pub probe_every: Duration,
     /// How often dead servers are tried again.
@@ -29,6 +33,7 @@ impl Default for MaintainConfig {
         Self {
             batch: 64,
             pages_per_s: 100_000,
+            duty: 0.05,
             probe_every: Duration::from_secs(2),
             reconnect_every: Duration::from_secs(1),
         }
@@ -106,9 +111,12 @@ where
             }
         });
         let pause = if rebuilt > 0 {
-            // Spaced so that `pages_per_s` holds; the step itself counts.
-            let due = Duration::from_secs_f64(rebuilt as f64 / cfg.pages_per_s.max(1) as f64);
-            due.saturating_sub(started.elapsed())
+            // Spaced so that `pages_per_s` and `duty` hold; the step itself counts.
+            let held = started.elapsed();
+            let rate = Duration::from_secs_f64(rebuilt as f64 / cfg.pages_per_s.max(1) as f64);
+            let duty = cfg.duty.clamp(0.01, 1.0);
+            let share = held.mul_f64((1.0 - duty) / duty);
+            rate.saturating_sub(held).max(share)
         } else {
             Duration::from_millis(50)
         };

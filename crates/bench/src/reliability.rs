@@ -1,0 +1,477 @@
+//! `netram bench reliability`: what each redundancy scheme costs and how fast a cluster heals
+//! (Nswap §V, Tables III and IV; Markatos §3), measured side by side in one run against the
+//! same `netram serve` processes on loopback.
+//!
+//! For each scheme: GET and PUT latency at depth 1 (no cache: every PUT is stored before it
+//! returns, which under Reed-Solomon seals a one-page stripe), GET throughput at depth 32, the
+//! cluster memory per stored page (the servers' own count after a batched fill), the recovery
+//! rate after a SIGKILL (flat out), and the slowdown of the program's own reads while the
+//! background recovery runs at its default pace. Writes `reliability.json` and
+//! `reliability.md`.
+
+use crate::machine::Machine;
+use crate::process::ChildGuard;
+use crate::{page_content, target, Summary, Target};
+use netram_node::client::query_stats;
+use netram_node::maintain::{self, MaintainConfig};
+use netram_node::open::{open_pager, ClientPager, OpenOptions};
+use netram_pager::{Backing, Scheme};
+use netram_proto::PAGE_SIZE;
+use serde::Serialize;
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+#[derive(Debug, Clone)]
+pub struct Options {
+    pub quick: bool,
+    pub out: PathBuf,
+    pub netram_exe: PathBuf,
+}
+
+/// Seven servers: `rs:4+2` spans six, and one more lets it become whole again after a death.
+const SERVERS: usize = 7;
+const SCHEMES: [(&str, &str); 4] = [
+    ("none", "none"),
+    ("mirror2", "mirror:2"),
+    ("parity4", "parity:4"),
+    ("rs4_2", "rs:4+2"),
+];
+
+#[derive(Debug, Default, Serialize)]
+pub struct SchemeResult {
+    pub scheme: String,
+    /// False for a scheme the pager does not implement yet: its figures are absent.
+    pub implemented: bool,
+    pub get_p50_us: Option<f64>,
+    pub get_p99_us: Option<f64>,
+    pub put_p50_us: Option<f64>,
+    pub put_p99_us: Option<f64>,
+    pub get_depth32_ops_per_s: Option<f64>,
+    /// Server memory (frames) per stored 4 KiB page, after a batched fill.
+    pub bytes_per_page: Option<f64>,
+    /// Pages (Reed-Solomon: pieces) rebuilt per second after a SIGKILL, recovery flat out.
+    pub recovery_pages_per_s: Option<f64>,
+    /// 1 − (reads per second while recovery runs at its default pace) / (reads per second
+    /// before the kill).
+    pub recovery_slowdown: Option<f64>,
+    pub pages_rebuilt: Option<u64>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct ReliabilityResult {
+    pub machine: Machine,
+    pub quick: bool,
+    pub servers: usize,
+    pub pages: u64,
+    pub schemes: BTreeMap<&'static str, SchemeResult>,
+    /// `rs:4+2`'s, the scheme the targets name.
+    pub recovery_pages_per_s: Option<f64>,
+    pub recovery_slowdown: Option<f64>,
+    pub targets: Vec<Target>,
+}
+
+struct Cluster {
+    exe: PathBuf,
+    servers: Vec<ChildGuard>,
+    addrs: Vec<String>,
+    capacity: String,
+}
+
+impl Cluster {
+    fn start(exe: &Path, capacity: &str) -> anyhow::Result<Self> {
+        let mut c = Cluster {
+            exe: exe.to_path_buf(),
+            servers: Vec::new(),
+            addrs: Vec::new(),
+            capacity: capacity.to_string(),
+        };
+        for _ in 0..SERVERS {
+            let (s, addr) = c.spawn("127.0.0.1:0")?;
+            c.servers.push(s);
+            c.addrs.push(addr);
+        }
+        Ok(c)
+    }
+
+    fn spawn(&self, listen: &str) -> anyhow::Result<(ChildGuard, String)> {
+        ChildGuard::netram(
+            &self.exe,
+            &["serve", "--listen", listen, "--capacity", &self.capacity],
+            "netram serve: listening on ",
+        )
+    }
+
+    fn kill(&mut self, i: usize) {
+        let _ = self.servers[i].0.kill();
+        let _ = self.servers[i].0.wait();
+    }
+
+    fn restart(&mut self, i: usize) -> anyhow::Result<()> {
+        let (s, _) = self.spawn(&self.addrs[i].clone())?;
+        self.servers[i] = s;
+        Ok(())
+    }
+
+    fn stored_pages(&self) -> anyhow::Result<u64> {
+        let mut n = 0;
+        for a in &self.addrs {
+            let stats = query_stats(a, Duration::from_secs(5))?;
+            n += stats
+                .iter()
+                .find(|(k, _)| k == "stored_pages")
+                .map_or(0, |(_, v)| *v);
+        }
+        Ok(n)
+    }
+}
+
+/// The pagers' spill directory, removed when done.
+struct SpillDir(PathBuf);
+
+impl Drop for SpillDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn lock(p: &Mutex<ClientPager>) -> std::sync::MutexGuard<'_, ClientPager> {
+    p.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Depth-1 GETs of random pages for `d`, verified; returns the latencies.
+fn gets(
+    p: &mut ClientPager,
+    pages: u64,
+    n: usize,
+    rng: &mut fastrand::Rng,
+) -> anyhow::Result<Vec<u64>> {
+    let (mut buf, mut want) = (vec![0u8; PAGE_SIZE], vec![0u8; PAGE_SIZE]);
+    let mut ns = Vec::with_capacity(n);
+    for _ in 0..n {
+        let pg = rng.u64(0..pages);
+        let t = Instant::now();
+        p.read(pg, &mut buf)?;
+        ns.push(t.elapsed().as_nanos() as u64);
+        page_content(3, pg, &mut want);
+        anyhow::ensure!(buf == want, "page {pg} read back wrong");
+    }
+    Ok(ns)
+}
+
+fn measure(
+    cluster: &mut Cluster,
+    scheme: Scheme,
+    pages: u64,
+    iters: usize,
+    dur: Duration,
+    victim: usize,
+) -> anyhow::Result<SchemeResult> {
+    let spill = SpillDir(crate::nbd::tempfile_dir("netram-bench-reliability")?);
+    // Pages 0..pages are filled in batches (whole stripes); depth-1 PUTs go above them.
+    let pager = open_pager(&OpenOptions {
+        servers: cluster.addrs.clone(),
+        backing: Backing::Cluster,
+        pages: pages + iters as u64,
+        cache_pages: 0,
+        spill_dir: Some(spill.0.clone()),
+        low_latency: false,
+        redundancy: scheme,
+    })?;
+    let pager = Arc::new(Mutex::new(pager));
+    let mut r = SchemeResult {
+        scheme: scheme.to_string(),
+        implemented: true,
+        ..Default::default()
+    };
+    let mut rng = fastrand::Rng::with_seed(11);
+    {
+        let mut p = lock(&pager);
+        let mut buf = vec![0u8; 64 * PAGE_SIZE];
+        for start in (0..pages).step_by(64) {
+            let batch: Vec<u64> = (start..(start + 64).min(pages)).collect();
+            for (i, &pg) in batch.iter().enumerate() {
+                page_content(3, pg, &mut buf[i * PAGE_SIZE..(i + 1) * PAGE_SIZE]);
+            }
+            p.write_many(&batch, &buf[..batch.len() * PAGE_SIZE])?;
+        }
+        p.flush()?;
+    }
+    r.bytes_per_page = Some(cluster.stored_pages()? as f64 * PAGE_SIZE as f64 / pages as f64);
+    {
+        let mut p = lock(&pager);
+        let get = Summary::of_ns(&mut gets(&mut p, pages, iters, &mut rng)?);
+        r.get_p50_us = Some(get.p50_us);
+        r.get_p99_us = Some(get.p99_us);
+        let mut buf = vec![0u8; 32 * PAGE_SIZE];
+        let t = Instant::now();
+        let mut n = 0u64;
+        while t.elapsed() < dur {
+            let batch: Vec<u64> = (0..32).map(|_| rng.u64(0..pages)).collect();
+            p.read_many(&batch, &mut buf)?;
+            n += 32;
+        }
+        r.get_depth32_ops_per_s = Some(n as f64 / t.elapsed().as_secs_f64());
+        let mut put_ns = Vec::with_capacity(iters);
+        let mut page = vec![0u8; PAGE_SIZE];
+        for i in 0..iters as u64 {
+            page_content(4, pages + i, &mut page);
+            let t = Instant::now();
+            p.write(pages + i, &page)?;
+            put_ns.push(t.elapsed().as_nanos() as u64);
+        }
+        let put = Summary::of_ns(&mut put_ns);
+        r.put_p50_us = Some(put.p50_us);
+        r.put_p99_us = Some(put.p99_us);
+    }
+    if scheme == Scheme::None {
+        lock(&pager).flush()?;
+        let p = Arc::try_unwrap(pager).map_err(|_| anyhow::anyhow!("pager still shared"))?;
+        p.into_inner()
+            .unwrap_or_else(|e| e.into_inner())
+            .into_transport()
+            .close();
+        return Ok(r);
+    }
+
+    // The program's reads per second before any failure, over `dur` ...
+    let reads = |p: &Arc<Mutex<ClientPager>>, until: &dyn Fn() -> bool| -> anyhow::Result<f64> {
+        let mut rng = fastrand::Rng::with_seed(5);
+        let t = Instant::now();
+        let mut n = 0u64;
+        while !until() {
+            let mut g = lock(p);
+            gets(&mut g, pages, 16, &mut rng)?;
+            n += 16;
+        }
+        Ok(n as f64 / t.elapsed().as_secs_f64())
+    };
+    let t0 = Instant::now();
+    let before = reads(&pager, &|| t0.elapsed() >= dur)?;
+
+    // ... then a SIGKILL: recovery flat out, timed from the death's discovery to the end.
+    cluster.kill(victim);
+    let rebuilt0 = lock(&pager).counters().pages_rebuilt;
+    lock(&pager).probe_servers()?;
+    let t = Instant::now();
+    loop {
+        let mut p = lock(&pager);
+        let step = p.recover(256)?;
+        if step.remaining == 0 {
+            p.flush()?;
+            if p.degraded_pages() == 0 {
+                break;
+            }
+        }
+        anyhow::ensure!(
+            t.elapsed() < Duration::from_secs(120),
+            "recovery did not finish"
+        );
+    }
+    let secs = t.elapsed().as_secs_f64();
+    let rebuilt = lock(&pager).counters().pages_rebuilt - rebuilt0;
+    r.recovery_pages_per_s = Some(rebuilt as f64 / secs);
+    r.pages_rebuilt = Some(rebuilt);
+
+    // Again, with the background recovery at its default pace while the program reads: the
+    // server comes back empty, the pager reconnects it ... and a second one dies.
+    cluster.restart(victim)?;
+    let second = (victim + 1) % SERVERS;
+    let maintenance = {
+        let pager = pager.clone();
+        maintain::spawn(
+            move |f| f(&mut lock(&pager)),
+            MaintainConfig {
+                probe_every: Duration::from_millis(100),
+                reconnect_every: Duration::from_millis(100),
+                ..Default::default()
+            },
+        )
+    };
+    let revived = Instant::now();
+    while lock(&pager).servers().any(|(_, alive)| !alive) {
+        anyhow::ensure!(
+            revived.elapsed() < Duration::from_secs(10),
+            "no reconnection"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    cluster.kill(second);
+    lock(&pager).probe_servers()?;
+    let busy = Arc::new(AtomicBool::new(true));
+    let done_at = Arc::new(AtomicU64::new(0));
+    let watch = {
+        let (pager, busy, done_at) = (pager.clone(), busy.clone(), done_at.clone());
+        let t = Instant::now();
+        std::thread::spawn(move || {
+            while busy.load(Ordering::SeqCst) {
+                std::thread::sleep(Duration::from_millis(5));
+                if lock(&pager).degraded_pages() == 0 {
+                    done_at.store(t.elapsed().as_nanos() as u64, Ordering::SeqCst);
+                    busy.store(false, Ordering::SeqCst);
+                }
+            }
+        })
+    };
+    let t1 = Instant::now();
+    let during = reads(&pager, &|| {
+        !busy.load(Ordering::SeqCst) || t1.elapsed() >= Duration::from_secs(60)
+    })?;
+    busy.store(false, Ordering::SeqCst);
+    let _ = watch.join();
+    drop(maintenance);
+    r.recovery_slowdown = Some(1.0 - during / before);
+    cluster.restart(second)?;
+    let p = Arc::try_unwrap(pager).map_err(|_| anyhow::anyhow!("pager still shared"))?;
+    let mut p = p.into_inner().unwrap_or_else(|e| e.into_inner());
+    p.revive_dead_servers();
+    p.into_transport().close();
+    Ok(r)
+}
+
+pub fn run(opts: &Options) -> anyhow::Result<String> {
+    let (pages, iters, dur, capacity) = if opts.quick {
+        (8_192u64, 2_000, Duration::from_millis(1000), "128M")
+    } else {
+        (65_536, 10_000, Duration::from_secs(3), "512M")
+    };
+    let machine = Machine::describe();
+    eprintln!("bench reliability on {}", machine.one_line());
+    let mut cluster = Cluster::start(&opts.netram_exe, capacity)?;
+    let mut schemes = BTreeMap::new();
+    for (i, (key, name)) in SCHEMES.iter().enumerate() {
+        let scheme: Scheme = name.parse().map_err(|e: String| anyhow::anyhow!(e))?;
+        if matches!(scheme, Scheme::Parity { .. }) {
+            eprintln!("{name}: not implemented yet, skipped");
+            schemes.insert(
+                *key,
+                SchemeResult {
+                    scheme: name.to_string(),
+                    ..Default::default()
+                },
+            );
+            continue;
+        }
+        eprintln!("{name} ...");
+        let r = measure(&mut cluster, scheme, pages, iters, dur, i % SERVERS)?;
+        schemes.insert(*key, r);
+    }
+    drop(cluster);
+    let none = &schemes["none"];
+    let rs = &schemes["rs4_2"];
+    let ratio = |a: Option<f64>, b: Option<f64>| match (a, b) {
+        (Some(a), Some(b)) if b > 0.0 => a / b,
+        _ => f64::NAN,
+    };
+    let targets = vec![
+        target(
+            "rs4_2.get_p50_us / none.get_p50_us",
+            ratio(rs.get_p50_us, none.get_p50_us),
+            1.15,
+            "le",
+        ),
+        target(
+            "rs4_2.bytes_per_page / none.bytes_per_page",
+            ratio(rs.bytes_per_page, none.bytes_per_page),
+            1.6,
+            "le",
+        ),
+        target(
+            "recovery_pages_per_s / 50000",
+            rs.recovery_pages_per_s.unwrap_or(0.0) / 50_000.0,
+            1.0,
+            "ge",
+        ),
+        target(
+            "recovery_slowdown / 0.10",
+            rs.recovery_slowdown.unwrap_or(f64::INFINITY) / 0.10,
+            1.0,
+            "le",
+        ),
+    ];
+    let r = ReliabilityResult {
+        machine,
+        quick: opts.quick,
+        servers: SERVERS,
+        pages,
+        recovery_pages_per_s: rs.recovery_pages_per_s,
+        recovery_slowdown: rs.recovery_slowdown,
+        schemes,
+        targets,
+    };
+    std::fs::create_dir_all(&opts.out)?;
+    std::fs::write(
+        opts.out.join("reliability.json"),
+        serde_json::to_string_pretty(&r)? + "\n",
+    )?;
+    let md = markdown(&r);
+    std::fs::write(opts.out.join("reliability.md"), &md)?;
+    Ok(md)
+}
+
+fn fmt(v: Option<f64>, digits: usize) -> String {
+    v.map_or("—".into(), |v| format!("{v:.digits$}"))
+}
+
+fn markdown(r: &ReliabilityResult) -> String {
+    let mut s = String::new();
+    let _ = writeln!(s, "# netram bench reliability\n");
+    let _ = writeln!(
+        s,
+        "{} · {} `netram serve` processes on loopback · {} pages per scheme{}\n",
+        r.machine.one_line(),
+        r.servers,
+        r.pages,
+        if r.quick { " · quick run" } else { "" }
+    );
+    let _ = writeln!(
+        s,
+        "| scheme | GET p50 µs | GET p99 µs | PUT p50 µs | PUT p99 µs | GET depth 32 /s | \
+         bytes/page | recovery pages/s | slowdown during recovery |"
+    );
+    let _ = writeln!(s, "|---|---|---|---|---|---|---|---|---|");
+    for v in r.schemes.values() {
+        if !v.implemented {
+            let _ = writeln!(s, "| {} | not implemented yet | | | | | | | |", v.scheme);
+            continue;
+        }
+        let _ = writeln!(
+            s,
+            "| {} | {} | {} | {} | {} | {} | {} | {} | {} |",
+            v.scheme,
+            fmt(v.get_p50_us, 1),
+            fmt(v.get_p99_us, 1),
+            fmt(v.put_p50_us, 1),
+            fmt(v.put_p99_us, 1),
+            fmt(v.get_depth32_ops_per_s, 0),
+            fmt(v.bytes_per_page, 0),
+            fmt(v.recovery_pages_per_s, 0),
+            fmt(v.recovery_slowdown, 3),
+        );
+    }
+    let _ = writeln!(s, "\n| target | ratio | limit | met |\n|---|---|---|---|");
+    for t in &r.targets {
+        let _ = writeln!(
+            s,
+            "| {} | {:.3} | {} {} | {} |",
+            t.name,
+            t.ratio,
+            if t.sense == "le" { "≤" } else { "≥" },
+            t.limit,
+            if t.met { "yes" } else { "**no**" }
+        );
+    }
+    let _ = writeln!(
+        s,
+        "\nPUT at depth 1 has no cache, so it returns once stored: every copy (mirror) or a \
+         one-page stripe with its parity pieces (Reed-Solomon). Memory per page is the servers' \
+         frames after a batched fill (whole stripes). Recovery: one server SIGKILLed, rebuilt \
+         flat out; the slowdown is the program's own reads while the background recovery \
+         (`netram_node::maintain`, default pace) rebuilds after a second kill, against its reads \
+         before."
+    );
+    s
+}
