@@ -162,81 +162,121 @@ fn gets(
     Ok(ns)
 }
 
-fn measure(
-    cluster: &mut Cluster,
+/// Rounds of alternating blocks, one per scheme: every scheme's figures see the same machine
+/// state (on these VMs, depth-1 latency moves by half from one minute to the next).
+const ROUNDS: usize = 10;
+
+/// A pager of `scheme` on the cluster, with pages `0..pages` written in batches (whole
+/// stripes) and flushed; depth-1 PUTs go above them. Returns it with the servers' frames it
+/// took.
+fn filled(
+    cluster: &Cluster,
     scheme: Scheme,
     pages: u64,
-    iters: usize,
-    dur: Duration,
-    victim: usize,
-) -> anyhow::Result<SchemeResult> {
-    let spill = SpillDir(crate::nbd::tempfile_dir("netram-bench-reliability")?);
-    // Pages 0..pages are filled in batches (whole stripes); depth-1 PUTs go above them.
-    let pager = open_pager(&OpenOptions {
+    extra: u64,
+    spill: &Path,
+) -> anyhow::Result<(ClientPager, u64)> {
+    let before = cluster.stored_pages()?;
+    let mut p = open_pager(&OpenOptions {
         servers: cluster.addrs.clone(),
         backing: Backing::Cluster,
-        pages: pages + iters as u64,
+        pages: pages + extra,
         cache_pages: 0,
-        spill_dir: Some(spill.0.clone()),
+        spill_dir: Some(spill.to_path_buf()),
         low_latency: false,
         redundancy: scheme,
     })?;
-    let pager = Arc::new(Mutex::new(pager));
-    let mut r = SchemeResult {
-        scheme: scheme.to_string(),
-        implemented: true,
-        ..Default::default()
-    };
-    let mut rng = fastrand::Rng::with_seed(11);
-    {
-        let mut p = lock(&pager);
-        let mut buf = vec![0u8; 64 * PAGE_SIZE];
-        for start in (0..pages).step_by(64) {
-            let batch: Vec<u64> = (start..(start + 64).min(pages)).collect();
-            for (i, &pg) in batch.iter().enumerate() {
-                page_content(3, pg, &mut buf[i * PAGE_SIZE..(i + 1) * PAGE_SIZE]);
-            }
-            p.write_many(&batch, &buf[..batch.len() * PAGE_SIZE])?;
+    let mut buf = vec![0u8; 64 * PAGE_SIZE];
+    for start in (0..pages).step_by(64) {
+        let batch: Vec<u64> = (start..(start + 64).min(pages)).collect();
+        for (i, &pg) in batch.iter().enumerate() {
+            page_content(3, pg, &mut buf[i * PAGE_SIZE..(i + 1) * PAGE_SIZE]);
         }
-        p.flush()?;
+        p.write_many(&batch, &buf[..batch.len() * PAGE_SIZE])?;
     }
-    r.bytes_per_page = Some(cluster.stored_pages()? as f64 * PAGE_SIZE as f64 / pages as f64);
-    {
-        let mut p = lock(&pager);
-        let get = Summary::of_ns(&mut gets(&mut p, pages, iters, &mut rng)?);
+    p.flush()?;
+    let frames = cluster.stored_pages()?.saturating_sub(before);
+    Ok((p, frames))
+}
+
+/// Latency, throughput and memory of every scheme, side by side: all pagers open on the same
+/// servers, blocks of each measurement alternating between them.
+fn side_by_side(
+    cluster: &Cluster,
+    schemes: &[Scheme],
+    pages: u64,
+    iters: usize,
+    dur: Duration,
+    spill: &Path,
+) -> anyhow::Result<Vec<SchemeResult>> {
+    let mut pagers = Vec::new();
+    let mut results = Vec::new();
+    for &scheme in schemes {
+        eprintln!("{scheme}: filling {pages} pages ...");
+        let (p, frames) = filled(cluster, scheme, pages, iters as u64, spill)?;
+        pagers.push(p);
+        results.push(SchemeResult {
+            scheme: scheme.to_string(),
+            implemented: true,
+            bytes_per_page: Some(frames as f64 * PAGE_SIZE as f64 / pages as f64),
+            ..Default::default()
+        });
+    }
+    eprintln!("GET and PUT at depth 1, GET at depth 32, schemes alternating ...");
+    let n = schemes.len();
+    let (mut get_ns, mut put_ns) = (vec![Vec::new(); n], vec![Vec::new(); n]);
+    let (mut d32_pages, mut d32_time) = (vec![0u64; n], vec![Duration::ZERO; n]);
+    let mut rng = fastrand::Rng::with_seed(11);
+    let mut buf = vec![0u8; 32 * PAGE_SIZE];
+    let mut page = vec![0u8; PAGE_SIZE];
+    for round in 0..ROUNDS {
+        for (i, p) in pagers.iter_mut().enumerate() {
+            get_ns[i].extend(gets(p, pages, iters / ROUNDS, &mut rng)?);
+            let t = Instant::now();
+            while t.elapsed() < dur / ROUNDS as u32 {
+                let batch: Vec<u64> = (0..32).map(|_| rng.u64(0..pages)).collect();
+                p.read_many(&batch, &mut buf)?;
+                d32_pages[i] += 32;
+            }
+            d32_time[i] += t.elapsed();
+            for j in 0..(iters / ROUNDS) as u64 {
+                let pg = pages + round as u64 * (iters / ROUNDS) as u64 + j;
+                page_content(4, pg, &mut page);
+                let t = Instant::now();
+                p.write(pg, &page)?;
+                put_ns[i].push(t.elapsed().as_nanos() as u64);
+            }
+        }
+    }
+    for (i, r) in results.iter_mut().enumerate() {
+        let get = Summary::of_ns(&mut get_ns[i]);
+        let put = Summary::of_ns(&mut put_ns[i]);
         r.get_p50_us = Some(get.p50_us);
         r.get_p99_us = Some(get.p99_us);
-        let mut buf = vec![0u8; 32 * PAGE_SIZE];
-        let t = Instant::now();
-        let mut n = 0u64;
-        while t.elapsed() < dur {
-            let batch: Vec<u64> = (0..32).map(|_| rng.u64(0..pages)).collect();
-            p.read_many(&batch, &mut buf)?;
-            n += 32;
-        }
-        r.get_depth32_ops_per_s = Some(n as f64 / t.elapsed().as_secs_f64());
-        let mut put_ns = Vec::with_capacity(iters);
-        let mut page = vec![0u8; PAGE_SIZE];
-        for i in 0..iters as u64 {
-            page_content(4, pages + i, &mut page);
-            let t = Instant::now();
-            p.write(pages + i, &page)?;
-            put_ns.push(t.elapsed().as_nanos() as u64);
-        }
-        let put = Summary::of_ns(&mut put_ns);
         r.put_p50_us = Some(put.p50_us);
         r.put_p99_us = Some(put.p99_us);
+        r.get_depth32_ops_per_s = Some(d32_pages[i] as f64 / d32_time[i].as_secs_f64());
     }
-    if scheme == Scheme::None {
-        lock(&pager).flush()?;
-        let p = Arc::try_unwrap(pager).map_err(|_| anyhow::anyhow!("pager still shared"))?;
-        p.into_inner()
-            .unwrap_or_else(|e| e.into_inner())
-            .into_transport()
-            .close();
-        return Ok(r);
+    for p in pagers {
+        p.into_transport().close();
     }
+    Ok(results)
+}
 
+/// The recovery rate after a SIGKILL (flat out), and the slowdown of the program's reads
+/// while the background recovery runs at its default pace after a second one; on a pager of
+/// its own, so that no other scheme's losses mix in.
+fn recovery(
+    cluster: &mut Cluster,
+    scheme: Scheme,
+    pages: u64,
+    dur: Duration,
+    victim: usize,
+    spill: &Path,
+    r: &mut SchemeResult,
+) -> anyhow::Result<()> {
+    let (p, _) = filled(cluster, scheme, pages, 0, spill)?;
+    let pager = Arc::new(Mutex::new(p));
     // The program's reads per second before any failure, over `dur` ...
     let reads = |p: &Arc<Mutex<ClientPager>>, until: &dyn Fn() -> bool| -> anyhow::Result<f64> {
         let mut rng = fastrand::Rng::with_seed(5);
@@ -329,7 +369,7 @@ fn measure(
     let mut p = p.into_inner().unwrap_or_else(|e| e.into_inner());
     p.revive_dead_servers();
     p.into_transport().close();
-    Ok(r)
+    Ok(())
 }
 
 pub fn run(opts: &Options) -> anyhow::Result<String> {
@@ -341,23 +381,32 @@ pub fn run(opts: &Options) -> anyhow::Result<String> {
     let machine = Machine::describe();
     eprintln!("bench reliability on {}", machine.one_line());
     let mut cluster = Cluster::start(&opts.netram_exe, capacity)?;
-    let mut schemes = BTreeMap::new();
-    for (i, (key, name)) in SCHEMES.iter().enumerate() {
+    let spill = SpillDir(crate::nbd::tempfile_dir("netram-bench-reliability")?);
+    let mut implemented = Vec::new();
+    for (key, name) in SCHEMES {
         let scheme: Scheme = name.parse().map_err(|e: String| anyhow::anyhow!(e))?;
         if matches!(scheme, Scheme::Parity { .. }) {
             eprintln!("{name}: not implemented yet, skipped");
-            schemes.insert(
-                *key,
-                SchemeResult {
-                    scheme: name.to_string(),
-                    ..Default::default()
-                },
-            );
-            continue;
+        } else {
+            implemented.push((key, scheme));
         }
-        eprintln!("{name} ...");
-        let r = measure(&mut cluster, scheme, pages, iters, dur, i % SERVERS)?;
-        schemes.insert(*key, r);
+    }
+    let list: Vec<Scheme> = implemented.iter().map(|&(_, s)| s).collect();
+    let results = side_by_side(&cluster, &list, pages, iters, dur, &spill.0)?;
+    let mut schemes = BTreeMap::new();
+    for (&(key, scheme), mut r) in implemented.iter().zip(results) {
+        if scheme != Scheme::None {
+            eprintln!("{scheme}: recovery after a SIGKILL ...");
+            let victim = schemes.len() % SERVERS;
+            recovery(&mut cluster, scheme, pages, dur, victim, &spill.0, &mut r)?;
+        }
+        schemes.insert(key, r);
+    }
+    for (key, name) in SCHEMES {
+        schemes.entry(key).or_insert_with(|| SchemeResult {
+            scheme: name.to_string(),
+            ..Default::default()
+        });
     }
     drop(cluster);
     let none = &schemes["none"];
