@@ -72,6 +72,22 @@ pub fn target(name: &'static str, ratio: f64, limit: f64, sense: &'static str) -
 }
 
 /// Deterministic page contents, so a reader can verify a page without keeping a copy.
+/// The markdown rows of a targets table (after its header), one per target.
+pub fn target_rows(targets: &[Target]) -> String {
+    let mut s = String::new();
+    for t in targets {
+        s += &format!(
+            "| {} | {:.3} | {} {} | {} |\n",
+            t.name,
+            t.ratio,
+            if t.sense == "le" { "≤" } else { "≥" },
+            t.limit,
+            if t.met { "yes" } else { "**no**" }
+        );
+    }
+    s
+}
+
 pub fn page_content(seed: u64, page: u64, out: &mut [u8]) {
     let mut rng = fastrand::Rng::with_seed(seed ^ page.wrapping_mul(0x9e37_79b9_7f4a_7c15));
     for chunk in out.chunks_exact_mut(8) {

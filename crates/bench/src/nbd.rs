@@ -995,17 +995,7 @@ fn markdown(r: &Value, targets: &[Target], skipped: &[String], plotted: bool) ->
             s,
             "## Targets\n\n| target | ratio | limit | met |\n|---|---|---|---|"
         );
-        for t in targets {
-            let _ = writeln!(
-                s,
-                "| {} | {:.3} | {} {} | {} |",
-                t.name,
-                t.ratio,
-                if t.sense == "le" { "≤" } else { "≥" },
-                t.limit,
-                if t.met { "yes" } else { "**no**" }
-            );
-        }
+        s += &crate::target_rows(targets);
         let _ = writeln!(s);
     }
     if !skipped.is_empty() {

@@ -502,17 +502,7 @@ fn markdown(r: &ReliabilityResult) -> String {
         );
     }
     let _ = writeln!(s, "\n| target | ratio | limit | met |\n|---|---|---|---|");
-    for t in &r.targets {
-        let _ = writeln!(
-            s,
-            "| {} | {:.3} | {} {} | {} |",
-            t.name,
-            t.ratio,
-            if t.sense == "le" { "≤" } else { "≥" },
-            t.limit,
-            if t.met { "yes" } else { "**no**" }
-        );
-    }
+    s += &crate::target_rows(&r.targets);
     let _ = writeln!(
         s,
         "\nPUT at depth 1 has no cache, so it returns once stored: every copy (mirror) or a \

@@ -669,17 +669,7 @@ fn markdown(r: &Value, targets: &[Target], skipped: &[String]) -> String {
         s,
         "## Targets\n\n| target | ratio | limit | met |\n|---|---|---|---|"
     );
-    for t in targets {
-        let _ = writeln!(
-            s,
-            "| {} | {:.3} | {} {} | {} |",
-            t.name,
-            t.ratio,
-            if t.sense == "le" { "≤" } else { "≥" },
-            t.limit,
-            if t.met { "yes" } else { "**no**" }
-        );
-    }
+    s += &crate::target_rows(targets);
     if !skipped.is_empty() {
         let _ = writeln!(s, "\nSkipped:\n");
         for k in skipped {

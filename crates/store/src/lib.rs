@@ -465,8 +465,12 @@ impl<A: AsRef<[u8]> + AsMut<[u8]>> Store<A> {
             return Ok(None);
         };
         self.counters.pages_read += 1;
+        Ok(Some(self.stored_page(f)))
+    }
+
+    fn stored_page(&self, f: u32) -> StoredPage<'_> {
         let m = self.meta[f as usize];
-        Ok(Some(StoredPage {
+        StoredPage {
             version: m.version,
             crc: m.crc,
             flags: m.flags(),
@@ -475,7 +479,7 @@ impl<A: AsRef<[u8]> + AsMut<[u8]>> Store<A> {
             } else {
                 self.frame(f)
             },
-        }))
+        }
     }
 
     pub fn delete(
@@ -655,17 +659,7 @@ impl<A: AsRef<[u8]> + AsMut<[u8]>> Store<A> {
             _ => return None,
         }
         let f = pack(key).and_then(|p| self.find(h.slot, p))?;
-        let m = self.meta[f as usize];
-        Some(StoredPage {
-            version: m.version,
-            crc: m.crc,
-            flags: m.flags(),
-            data: if m.flags().is_zero() {
-                &[]
-            } else {
-                self.frame(f)
-            },
-        })
+        Some(self.stored_page(f))
     }
 }
 
