@@ -84,7 +84,17 @@ struct Conn {
     wbuf: Vec<u8>,
     rbuf: FrameBuffer,
     broken: Option<TransportError>,
+    /// Reconnection attempts back off: not before this, and the wait doubles each failure.
+    retry_at: Option<Instant>,
+    retry_wait: Duration,
 }
+
+/// A reconnection attempt waits at most this long for the server: the caller holds the pager
+/// (and its owner's lock) meanwhile, and a host that is gone would hold it for the whole
+/// connect timeout.
+const RECONNECT_TIMEOUT: Duration = Duration::from_millis(250);
+/// The longest wait between two reconnection attempts to one server.
+const RECONNECT_BACKOFF_MAX: Duration = Duration::from_secs(30);
 
 /// Connections to every server of a pager.
 #[derive(Debug)]
@@ -284,6 +294,8 @@ fn open_conn(name: String, cfg: &ClientConfig) -> Conn {
         shared,
         wbuf: Vec::new(),
         rbuf: FrameBuffer::new(),
+        retry_at: None,
+        retry_wait: Duration::from_millis(500),
     }
 }
 
@@ -412,14 +424,24 @@ impl Transport for TcpTransport {
     /// A new connection and session to a server the pager gave up on; the old connection is
     /// shut down, and the old session's pages are freed by its lease.
     fn reconnect(&mut self, server: usize) -> Result<ServerInfo, TransportError> {
+        let now = Instant::now();
+        let c = &mut self.conns[server];
+        if c.retry_at.is_some_and(|t| now < t) {
+            return Err(TransportError::Disconnected(
+                "not yet: reconnection attempts back off".into(),
+            ));
+        }
         let cfg = ClientConfig {
             session: fastrand::u64(..),
             warn_unreachable: false,
+            connect_timeout: self.cfg.connect_timeout.min(RECONNECT_TIMEOUT),
             ..self.cfg.clone()
         };
-        let name = self.conns[server].info.name.clone();
+        let name = c.info.name.clone();
         let conn = open_conn(name, &cfg);
         if let Some(e) = &conn.broken {
+            c.retry_at = Some(now + c.retry_wait);
+            c.retry_wait = (c.retry_wait * 2).min(RECONNECT_BACKOFF_MAX);
             return Err(e.clone());
         }
         let old = std::mem::replace(&mut self.conns[server], conn);
