@@ -71,7 +71,7 @@ pub fn run_sim(args: SimArgs) -> anyhow::Result<()> {
                 if args.seeds == 1 {
                     print_report(&format!("seed {seed}"), &r);
                 }
-                add(&mut total, &r);
+                total.add(&r);
             }
             Err(f) => {
                 failed += 1;
@@ -92,26 +92,6 @@ pub fn run_sim(args: SimArgs) -> anyhow::Result<()> {
         anyhow::bail!("{failed} of {} seeds failed", args.seeds);
     }
     Ok(())
-}
-
-fn add(t: &mut Report, r: &Report) {
-    t.steps += r.steps;
-    t.virtual_ms += r.virtual_ms;
-    t.writes += r.writes;
-    t.reads += r.reads;
-    t.discards += r.discards;
-    t.flushes += r.flushes;
-    t.revived += r.revived;
-    t.pages_verified += r.pages_verified;
-    t.reads_failed_allowed += r.reads_failed_allowed;
-    let (a, b) = (&mut t.faults, &r.faults);
-    a.crashes += b.crashes;
-    a.resets += b.resets;
-    a.losses += b.losses;
-    a.duplicates += b.duplicates;
-    a.bit_flips += b.bit_flips;
-    a.partitions += b.partitions;
-    a.slowdowns += b.slowdowns;
 }
 
 fn print_report(label: &str, r: &Report) {

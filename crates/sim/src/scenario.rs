@@ -87,6 +87,30 @@ pub struct Report {
     pub faults: FaultLog,
 }
 
+impl Report {
+    /// Adds another run's figures to these (totals over many seeds).
+    pub fn add(&mut self, r: &Report) {
+        self.steps += r.steps;
+        self.virtual_ms += r.virtual_ms;
+        self.writes += r.writes;
+        self.reads += r.reads;
+        self.discards += r.discards;
+        self.flushes += r.flushes;
+        self.revived += r.revived;
+        self.rebuilds_started += r.rebuilds_started;
+        self.pages_verified += r.pages_verified;
+        self.reads_failed_allowed += r.reads_failed_allowed;
+        let (a, b) = (&mut self.faults, &r.faults);
+        a.crashes += b.crashes;
+        a.resets += b.resets;
+        a.losses += b.losses;
+        a.duplicates += b.duplicates;
+        a.bit_flips += b.bit_flips;
+        a.partitions += b.partitions;
+        a.slowdowns += b.slowdowns;
+    }
+}
+
 /// A checker found a violation.
 #[derive(Debug, Clone, thiserror::Error)]
 #[error("seed {seed}, step {step}: {what}\n  replay with: {replay}")]

@@ -28,17 +28,7 @@ fn many(scheme: &str, first: u64, step: u64) {
             scheme,
             ..Scenario::new(seed)
         }) {
-            Ok(r) => {
-                t.pages_verified += r.pages_verified;
-                t.reads_failed_allowed += r.reads_failed_allowed;
-                t.rebuilds_started += r.rebuilds_started;
-                t.faults.crashes += r.faults.crashes;
-                t.faults.partitions += r.faults.partitions;
-                t.faults.bit_flips += r.faults.bit_flips;
-                t.faults.losses += r.faults.losses;
-                t.faults.resets += r.faults.resets;
-                t.faults.duplicates += r.faults.duplicates;
-            }
+            Ok(r) => t.add(&r),
             Err(f) => failures.push(f.to_string()),
         }
     }
