@@ -116,7 +116,10 @@ pub struct TcpTransport {
 const WBUF_FLUSH: usize = 256 * 1024;
 
 /// Opens a connection and performs the handshake.
-fn handshake(addr: SocketAddr, cfg: &ClientConfig) -> Result<(TcpStream, Welcome), String> {
+pub(crate) fn handshake(
+    addr: SocketAddr,
+    cfg: &ClientConfig,
+) -> Result<(TcpStream, Welcome), String> {
     let mut s = TcpStream::connect_timeout(&addr, cfg.connect_timeout)
         .map_err(|e| format!("connect: {e}"))?;
     s.set_nodelay(true).map_err(|e| e.to_string())?;

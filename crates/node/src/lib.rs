@@ -7,6 +7,8 @@
 //! * [`disk`]: the local spill file behind [`netram_pager::Disk`] (Markatos, paper 003);
 //! * [`latency`]: the low-latency mode (PM QoS request, adaptive polling);
 //! * [`open`]: a client pager from servers, backing, size and redundancy, for every front end;
+//! * [`peers`]: server-to-server connections that carry parity deltas to holders (Nswap
+//!   §IV-B2 and IV-C);
 //! * [`maintain`]: the background thread that probes servers, reconnects them and runs
 //!   recovery at a bounded rate (Nswap §IV-B3);
 //! * [`pressure`]: locking memory and PR_SET_IO_FLUSHER for a process that serves swap.
@@ -35,5 +37,6 @@ mod framing;
 pub mod latency;
 pub mod maintain;
 pub mod open;
+pub mod peers;
 pub mod pressure;
 pub mod server;

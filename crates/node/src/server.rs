@@ -10,10 +10,16 @@
 //! malformed, truncated, oversized or wrong-version frame closes that connection, with the reason
 //! logged and counted (one counter per reason, exported by STATS).
 //!
-//! Lock order: only the store's mutex exists; it is never held across socket I/O.
+//! Under dynamic parity, an overwrite or delete of a member page waits for its group's holder
+//! ([`crate::peers`]): the connection thread lets go of the store, makes the round trip to the
+//! holder, then takes the store again to finish the request.
+//!
+//! Lock order: the store's mutex is never held across socket I/O, nor while a peer connection's
+//! lock is taken.
 
 use crate::framing::FrameBuffer;
 use crate::latency::{PmQos, DEFAULT_SPIN};
+use crate::peers::Peers;
 use netram_proto::{
     decode_request, DecodeError, Hello, Welcome, WelcomeStatus, HELLO_LEN, MAX_BATCH,
     MAX_FRAME_LEN, PAGE_SIZE, PROTOCOL_VERSION,
@@ -114,6 +120,7 @@ node_counters! {
 
 struct Shared {
     store: Mutex<Store<Arena>>,
+    peers: Peers,
     counters: NodeCounters,
     shutdown: Arc<AtomicBool>,
     cfg: ServerConfig,
@@ -209,16 +216,18 @@ impl Server {
             );
         }
         tracing::info!(%addr, capacity_pages = frames, lease_ms = cfg.lease_period.as_millis() as u64, "serving");
+        let incarnation = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos() as u64)
+            .unwrap_or(1);
         let shared = Arc::new(Shared {
             store: Mutex::new(store),
+            peers: Peers::new(cfg.node, incarnation, addr),
             counters: NodeCounters::default(),
             shutdown,
             cfg,
             start: Instant::now(),
-            incarnation: std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map(|d| d.as_nanos() as u64)
-                .unwrap_or(1),
+            incarnation,
             connections: AtomicUsize::new(0),
         });
         let accept = {
@@ -489,15 +498,16 @@ fn serve_connection(mut stream: TcpStream, shared: &Shared, busy: bool) -> Resul
     }
 }
 
-/// Runs every whole frame in the buffer against the store, under one lock acquisition, and
-/// appends the replies to `out`. Returns true when the client closed its session.
+/// Runs every whole frame in the buffer against the store, under one lock acquisition (let go
+/// only while a request waits for parity holders), and appends the replies to `out`. Returns
+/// true when the client closed its session.
 fn handle_frames(
     rbuf: &mut FrameBuffer,
     out: &mut Vec<u8>,
     shared: &Shared,
     h: SessionHandle,
 ) -> Result<bool, DecodeError> {
-    let now = shared.now_ms();
+    let mut now = shared.now_ms();
     let mut store = shared.store();
     let mut served = 0u32;
     let result = loop {
@@ -513,8 +523,16 @@ fn handle_frames(
         served += 1;
         let rps = store.note_requests(1, now);
         let stats = |st: &Store<Arena>| stats_list(st, shared);
-        if serve::handle_request(&mut store, h, id, req, now, rps, out, stats) == Outcome::Closed {
-            break Ok(true);
+        match serve::handle_request(&mut store, h, id, req, now, rps, out, stats) {
+            Outcome::Open => {}
+            Outcome::Closed => break Ok(true),
+            Outcome::Forward(fwd) => {
+                drop(store);
+                let outcomes = shared.peers.forward(&fwd.deltas);
+                store = shared.store();
+                now = shared.now_ms();
+                serve::finish_forward(&mut store, h, fwd, &outcomes, now, rps, out);
+            }
         }
     };
     shared

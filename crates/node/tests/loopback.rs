@@ -3,7 +3,7 @@
 use netram_node::client::{query_stats, ClientConfig, TcpTransport};
 use netram_node::server::{Server, ServerConfig};
 use netram_pager::{MemDisk, Pager, PagerConfig};
-use netram_proto::{Hello, Request, PAGE_SIZE};
+use netram_proto::{decode_reply, Hello, PutStatus, Reply, Request, PAGE_SIZE};
 use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::sync::atomic::AtomicBool;
@@ -153,4 +153,117 @@ fn bad_frames_close_one_connection_and_the_server_serves_on() {
     let mut out = vec![0u8; PAGE_SIZE];
     good.read(1, &mut out).unwrap();
     assert_eq!(out, page(1), "the good client is still served");
+}
+
+/// A raw client connection: one request, one reply.
+struct Raw {
+    s: TcpStream,
+    next: u64,
+}
+
+impl Raw {
+    fn open(addr: std::net::SocketAddr, node: u64, session: u64) -> Self {
+        let mut s = TcpStream::connect(addr).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        s.write_all(&Hello::new(node, 1, session).encode()).unwrap();
+        let mut w = [0u8; netram_proto::WELCOME_LEN];
+        s.read_exact(&mut w).unwrap();
+        Self { s, next: 1 }
+    }
+
+    fn call(&mut self, req: &Request<'_>) -> Vec<u8> {
+        let mut f = Vec::new();
+        req.encode(self.next, &mut f);
+        self.next += 1;
+        self.s.write_all(&f).unwrap();
+        let mut len = [0u8; 4];
+        self.s.read_exact(&mut len).unwrap();
+        let mut frame = len.to_vec();
+        frame.resize(4 + u32::from_le_bytes(len) as usize, 0);
+        self.s.read_exact(&mut frame[4..]).unwrap();
+        frame
+    }
+
+    fn put(&mut self, page: netram_proto::Page<'_>, op: netram_proto::ParityOp) -> PutStatus {
+        let f = self.call(&Request::PutParity(vec![(page, op)]));
+        match decode_reply(&f).unwrap().1 {
+            Reply::Put { status, .. } => status[0],
+            r => panic!("{r:?}"),
+        }
+    }
+}
+
+#[test]
+fn a_member_overwrite_reaches_its_holder_over_tcp_before_it_is_acknowledged() {
+    use netram_proto::{Member, OwnedRecord, Page, PageKey, ParityOp, Record};
+    let data = page(1);
+    let key = PageKey::new(1, 1);
+    let (member, holder) = (
+        server(100, Duration::from_secs(2)),
+        server(100, Duration::from_secs(2)),
+    );
+    let mut m = Raw::open(member.addr(), 42, 7);
+    let mut h = Raw::open(holder.addr(), 42, 7);
+    let join = ParityOp::Join {
+        holder: holder.addr(),
+        group: 1,
+    };
+    assert_eq!(m.put(Page::seal(key, 1, &data), join), PutStatus::Stored);
+    let mut parity = OwnedRecord::default();
+    parity.xor(&Record::of(&Page::seal(key, 1, &data)));
+    let ship = Request::ParityShip {
+        group: 1,
+        max_members: 4,
+        members: vec![Member {
+            server: member.addr(),
+            key,
+            version: 1,
+        }],
+        record: parity.as_record(),
+    };
+    assert!(matches!(
+        decode_reply(&h.call(&ship)).unwrap().1,
+        Reply::Put { .. }
+    ));
+    let newer = page(2);
+    assert_eq!(
+        m.put(Page::seal(key, 2, &newer), ParityOp::Keep),
+        PutStatus::Stored
+    );
+    assert_eq!(stat(&holder, "parity_deltas_applied"), 1);
+    assert_eq!(stat(&member, "parity_forwards"), 1);
+    // The holder's parity now covers the new version: it alone rebuilds the page.
+    let scan = Request::ParityScan {
+        dead: member.addr(),
+        max: 8,
+    };
+    let f = h.call(&scan);
+    let Reply::ParityScan { groups, .. } = decode_reply(&f).unwrap().1 else {
+        panic!()
+    };
+    let rebuilt = groups[0].record.page(key);
+    assert!(rebuilt.verify());
+    assert_eq!((rebuilt.version, rebuilt.data), (2, &newer[..]));
+    // With the holder gone, the overwrite changes nothing and the client hears why.
+    let gone = holder.addr();
+    drop(h);
+    holder.stop();
+    assert_eq!(
+        m.put(Page::seal(key, 3, &data), ParityOp::Keep),
+        PutStatus::HolderUnreachable
+    );
+    let f = m.call(&Request::Get(vec![key]));
+    let Reply::Get { pages, .. } = decode_reply(&f).unwrap().1 else {
+        panic!()
+    };
+    assert!(matches!(pages[0], netram_proto::GetResult::Found(p) if p.version == 2));
+    let f = m.call(&Request::ParityScan { dead: gone, max: 8 });
+    let Reply::ParityScan { orphans, .. } = decode_reply(&f).unwrap().1 else {
+        panic!()
+    };
+    assert_eq!(orphans, vec![key]);
+    assert_eq!(
+        m.put(Page::seal(key, 3, &data), ParityOp::Keep),
+        PutStatus::Unprotected
+    );
 }

@@ -408,7 +408,8 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             Scheme::Mirror { copies } => (usize::from(copies), None),
             Scheme::ReedSolomon { data, parity } => {
                 assert!(
-                    cfg.region < stripe::PIECE_REGION,
+                    // The last region of all is the servers' parity frames.
+                    cfg.region < stripe::PIECE_REGION - 1,
                     "region {} leaves no room for stripe pieces",
                     cfg.region
                 );
@@ -1579,7 +1580,12 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             (Op::Put(items), Reply::Put { status, .. }) if status.len() == items.len() => {
                 for (it, st) in items.into_iter().zip(status) {
                     followups.push(match st {
-                        PutStatus::Stored => Followup::Stored(it),
+                        // Plain PUTs: the page is stored, and only parity pages have groups.
+                        PutStatus::Stored | PutStatus::Unprotected => Followup::Stored(it),
+                        PutStatus::HolderUnreachable => Followup::Dead(
+                            "a parity holder is unreachable for a page without parity".into(),
+                            Some(Op::Put(vec![it])),
+                        ),
                         PutStatus::Full => {
                             counters.puts_refused_full += 1;
                             Followup::Replace(it)
@@ -1592,14 +1598,16 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                 }
             }
             (Op::Delete, Reply::Delete { status, .. }) => {
-                debug_assert!(status
-                    .iter()
-                    .all(|s| matches!(s, DeleteStatus::Deleted | DeleteStatus::Missing)));
+                debug_assert!(status.iter().all(|s| matches!(
+                    s,
+                    DeleteStatus::Deleted | DeleteStatus::Missing | DeleteStatus::HolderUnreachable
+                )));
             }
             (op, Reply::Error { code, message, .. }) => {
                 let why = match code {
                     ErrorCode::SessionExpired => format!("session expired: {message}"),
                     ErrorCode::ShuttingDown => format!("shutting down: {message}"),
+                    ErrorCode::BadRequest => format!("request refused: {message}"),
                 };
                 followups.push(Followup::Dead(why, Some(op)));
             }

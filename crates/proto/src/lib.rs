@@ -26,6 +26,7 @@ mod codec;
 pub mod handshake;
 pub mod message;
 pub mod page;
+pub mod parity;
 
 pub use codec::{DecodeError, FrameBuilder};
 pub use handshake::{Hello, Welcome, WelcomeStatus, HELLO_LEN, WELCOME_LEN};
@@ -34,6 +35,10 @@ pub use message::{
     Counter, DeleteStatus, ErrorCode, GetResult, Kind, Load, PutStatus, Reply, Request,
 };
 pub use page::{page_checksum, Page, PageFlags, PageKey, ENVELOPE_LEN, TAG_LEN};
+pub use parity::{
+    Delta, DeltaStatus, GroupRecord, Member, OwnedRecord, Owner, ParityOp, Record,
+    MAX_GROUP_MEMBERS,
+};
 
 /// The size of every page netram moves: the x86-64 and arm64 base page.
 pub const PAGE_SIZE: usize = 4096;

@@ -10,10 +10,20 @@
 //! [`crate::message::PutStatus::Full`] for each page it could not take (Anemone's NACK); it never
 //! drops a page silently. REFRESH is one-way: a client that is idle does not read, so a reply
 //! would pile up in its socket.
+//!
+//! Nswap's dynamic parity adds four requests (see [`crate::parity`]): PUT_PARITY (pages with what
+//! they do to their parity group), PARITY_SHIP (a finished parity page), PARITY_DELTA (a change to
+//! a group's parity, from the server of a member or from the owner) and PARITY_SCAN (the owner
+//! asks what a dead server leaves behind).
 
 use crate::codec::{DecodeError, FrameBuilder, Reader};
 use crate::page::{Page, PageKey, ENVELOPE_LEN};
+use crate::parity::{
+    decode_addr, decode_members, encode_addr, encode_members, Delta, DeltaStatus, GroupRecord,
+    Member, ParityOp, Record,
+};
 use crate::{FRAME_HEADER_LEN, FRAME_VERSION, MAX_FRAME_LEN};
+use std::net::SocketAddr;
 
 /// The kind byte of a frame. Requests have the high bit clear, replies set.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -25,11 +35,17 @@ pub enum Kind {
     Refresh = 0x04,
     Stats = 0x05,
     Close = 0x06,
+    PutParity = 0x07,
+    ParityShip = 0x08,
+    ParityDelta = 0x09,
+    ParityScan = 0x0a,
     PutReply = 0x81,
     GetReply = 0x82,
     DeleteReply = 0x83,
     StatsReply = 0x85,
     CloseReply = 0x86,
+    ParityDeltaReply = 0x89,
+    ParityScanReply = 0x8a,
     Error = 0xff,
 }
 
@@ -44,6 +60,26 @@ pub enum Request<'a> {
     Stats,
     /// The session ends: the server frees its pages now instead of at lease expiry.
     Close,
+    /// PUT of pages under dynamic parity; answered like a PUT. One key may appear only once.
+    PutParity(Vec<(Page<'a>, ParityOp)>),
+    /// A parity page for `group`, covering `members`; the server becomes the group's holder.
+    /// `max_members` is the owner's N: the holder merges small groups up to it. Answered like a
+    /// PUT of one page.
+    ParityShip {
+        group: u64,
+        max_members: u8,
+        members: Vec<Member>,
+        record: Record<'a>,
+    },
+    /// Changes to groups this server holds.
+    ParityDelta(Vec<Delta<'a>>),
+    /// The owner asks, for its session, which groups held here have a member on the dead server
+    /// (at most `max`, with their parity), and which of its pages stored here had their parity
+    /// on it (their tags are dropped as they are reported: they are outside any group now).
+    ParityScan {
+        dead: SocketAddr,
+        max: u32,
+    },
 }
 
 /// What the server tells every reply about itself, so that clients place pages without asking.
@@ -75,6 +111,12 @@ pub enum PutStatus {
     Full = 1,
     /// The key is outside what this server can index (see `netram-store`'s key limits).
     BadKey = 2,
+    /// Stored, but outside any parity group (a Keep of a page the server did not have, or
+    /// whose group is gone): the client protects it again.
+    Unprotected = 3,
+    /// Not stored, nothing changed: the page's parity holder could not be told. The client
+    /// tries again, or declares the holder dead and scans.
+    HolderUnreachable = 4,
 }
 
 /// The fate of one page of a DELETE.
@@ -83,6 +125,8 @@ pub enum PutStatus {
 pub enum DeleteStatus {
     Deleted = 0,
     Missing = 1,
+    /// Not deleted: the page's parity holder could not be told (see [`PutStatus`]).
+    HolderUnreachable = 2,
 }
 
 /// One page of a GET reply.
@@ -108,6 +152,8 @@ pub enum ErrorCode {
     SessionExpired = 1,
     /// The server is shutting down.
     ShuttingDown = 2,
+    /// A well-formed request the server does not accept (one key twice in a PUT_PARITY).
+    BadRequest = 3,
 }
 
 /// A server's reply.
@@ -132,6 +178,15 @@ pub enum Reply<'a> {
     Close {
         load: Load,
     },
+    ParityDelta {
+        load: Load,
+        status: Vec<DeltaStatus>,
+    },
+    ParityScan {
+        load: Load,
+        groups: Vec<GroupRecord<'a>>,
+        orphans: Vec<PageKey>,
+    },
     Error {
         load: Load,
         code: ErrorCode,
@@ -147,6 +202,8 @@ impl Reply<'_> {
             | Reply::Delete { load, .. }
             | Reply::Stats { load, .. }
             | Reply::Close { load }
+            | Reply::ParityDelta { load, .. }
+            | Reply::ParityScan { load, .. }
             | Reply::Error { load, .. } => *load,
         }
     }
@@ -219,6 +276,32 @@ pub fn decode_request(frame: &[u8]) -> Result<(u64, Request<'_>), DecodeError> {
         k if k == Kind::Refresh as u8 => Request::Refresh,
         k if k == Kind::Stats as u8 => Request::Stats,
         k if k == Kind::Close as u8 => Request::Close,
+        k if k == Kind::PutParity as u8 => {
+            let n = r.count(ENVELOPE_LEN + 1)?;
+            Request::PutParity(
+                (0..n)
+                    .map(|_| Ok((Page::decode(&mut r)?, ParityOp::decode(&mut r)?)))
+                    .collect::<Result<_, DecodeError>>()?,
+            )
+        }
+        k if k == Kind::ParityShip as u8 => Request::ParityShip {
+            group: r.u64()?,
+            max_members: r.u8()?,
+            members: decode_members(&mut r)?,
+            record: Record::decode(&mut r)?,
+        },
+        k if k == Kind::ParityDelta as u8 => {
+            let n = r.count(Delta::MIN_WIRE_LEN)?;
+            Request::ParityDelta(
+                (0..n)
+                    .map(|_| Delta::decode(&mut r))
+                    .collect::<Result<_, _>>()?,
+            )
+        }
+        k if k == Kind::ParityScan as u8 => Request::ParityScan {
+            dead: decode_addr(&mut r)?,
+            max: r.u32()?,
+        },
         k => return Err(DecodeError::UnknownKind(k)),
     };
     r.finish()?;
@@ -234,6 +317,10 @@ impl Request<'_> {
             Request::Refresh => Kind::Refresh,
             Request::Stats => Kind::Stats,
             Request::Close => Kind::Close,
+            Request::PutParity(_) => Kind::PutParity,
+            Request::ParityShip { .. } => Kind::ParityShip,
+            Request::ParityDelta(_) => Kind::ParityDelta,
+            Request::ParityScan { .. } => Kind::ParityScan,
         }
     }
 
@@ -250,6 +337,31 @@ impl Request<'_> {
                 k.iter().for_each(|k| k.encode(&mut w));
             }
             Request::Refresh | Request::Stats | Request::Close => {}
+            Request::PutParity(pages) => {
+                w.u32(pages.len() as u32);
+                for (p, op) in pages {
+                    p.encode(&mut w);
+                    op.encode(&mut w);
+                }
+            }
+            Request::ParityShip {
+                group,
+                max_members,
+                members,
+                record,
+            } => {
+                w.u64(*group).u8(*max_members);
+                encode_members(members, &mut w);
+                record.encode(&mut w);
+            }
+            Request::ParityDelta(deltas) => {
+                w.u32(deltas.len() as u32);
+                deltas.iter().for_each(|d| d.encode(&mut w));
+            }
+            Request::ParityScan { dead, max } => {
+                encode_addr(dead, &mut w);
+                w.u32(*max);
+            }
         }
         w.finish();
     }
@@ -267,6 +379,14 @@ fn byte_enum<T>(
     })
 }
 
+/// A count, then one byte per page: the statuses of PUT, DELETE and PARITY_DELTA replies.
+fn status_bytes(w: &mut FrameBuilder<'_>, s: impl ExactSizeIterator<Item = u8>) {
+    w.u32(s.len() as u32);
+    s.for_each(|s| {
+        w.u8(s);
+    });
+}
+
 /// Decodes one whole frame (length prefix included) sent by a server.
 pub fn decode_reply(frame: &[u8]) -> Result<(u64, Reply<'_>), DecodeError> {
     let (kind, req_id, mut r) = split_frame(frame)?;
@@ -280,6 +400,8 @@ pub fn decode_reply(frame: &[u8]) -> Result<(u64, Reply<'_>), DecodeError> {
                         0 => Some(PutStatus::Stored),
                         1 => Some(PutStatus::Full),
                         2 => Some(PutStatus::BadKey),
+                        3 => Some(PutStatus::Unprotected),
+                        4 => Some(PutStatus::HolderUnreachable),
                         _ => None,
                     })
                 })
@@ -307,6 +429,7 @@ pub fn decode_reply(frame: &[u8]) -> Result<(u64, Reply<'_>), DecodeError> {
                     byte_enum(&mut r, "delete status", |v| match v {
                         0 => Some(DeleteStatus::Deleted),
                         1 => Some(DeleteStatus::Missing),
+                        2 => Some(DeleteStatus::HolderUnreachable),
                         _ => None,
                     })
                 })
@@ -333,10 +456,36 @@ pub fn decode_reply(frame: &[u8]) -> Result<(u64, Reply<'_>), DecodeError> {
             Reply::Stats { load, counters }
         }
         k if k == Kind::CloseReply as u8 => Reply::Close { load },
+        k if k == Kind::ParityDeltaReply as u8 => {
+            let n = r.count(1)?;
+            let status = (0..n)
+                .map(|_| {
+                    byte_enum(&mut r, "delta status", |v| match v {
+                        0 => Some(DeltaStatus::Applied),
+                        1 => Some(DeltaStatus::UnknownGroup),
+                        2 => Some(DeltaStatus::Stale),
+                        _ => None,
+                    })
+                })
+                .collect::<Result<_, _>>()?;
+            Reply::ParityDelta { load, status }
+        }
+        k if k == Kind::ParityScanReply as u8 => {
+            let n = r.count(GroupRecord::MIN_WIRE_LEN)?;
+            let groups = (0..n)
+                .map(|_| GroupRecord::decode(&mut r))
+                .collect::<Result<_, _>>()?;
+            Reply::ParityScan {
+                load,
+                groups,
+                orphans: keys(&mut r)?,
+            }
+        }
         k if k == Kind::Error as u8 => {
             let code = match r.u16()? {
                 1 => ErrorCode::SessionExpired,
                 2 => ErrorCode::ShuttingDown,
+                3 => ErrorCode::BadRequest,
                 v => {
                     return Err(DecodeError::BadValue {
                         field: "error code",
@@ -367,6 +516,8 @@ impl Reply<'_> {
             Reply::Delete { .. } => Kind::DeleteReply,
             Reply::Stats { .. } => Kind::StatsReply,
             Reply::Close { .. } => Kind::CloseReply,
+            Reply::ParityDelta { .. } => Kind::ParityDeltaReply,
+            Reply::ParityScan { .. } => Kind::ParityScanReply,
             Reply::Error { .. } => Kind::Error,
         }
     }
@@ -377,12 +528,7 @@ impl Reply<'_> {
         let mut w = FrameBuilder::begin(out, self.kind() as u8, req_id);
         self.load().encode(&mut w);
         match self {
-            Reply::Put { status, .. } => {
-                w.u32(status.len() as u32);
-                status.iter().for_each(|s| {
-                    w.u8(*s as u8);
-                });
-            }
+            Reply::Put { status, .. } => status_bytes(&mut w, status.iter().map(|s| *s as u8)),
             Reply::Get { pages, .. } => {
                 w.u32(pages.len() as u32);
                 for p in pages {
@@ -398,11 +544,17 @@ impl Reply<'_> {
                     }
                 }
             }
-            Reply::Delete { status, .. } => {
-                w.u32(status.len() as u32);
-                status.iter().for_each(|s| {
-                    w.u8(*s as u8);
-                });
+            Reply::Delete { status, .. } => status_bytes(&mut w, status.iter().map(|s| *s as u8)),
+            Reply::ParityDelta { status, .. } => {
+                status_bytes(&mut w, status.iter().map(|s| *s as u8))
+            }
+            Reply::ParityScan {
+                groups, orphans, ..
+            } => {
+                w.u32(groups.len() as u32);
+                groups.iter().for_each(|g| g.encode(&mut w));
+                w.u32(orphans.len() as u32);
+                orphans.iter().for_each(|k| k.encode(&mut w));
             }
             Reply::Stats { counters, .. } => {
                 w.u32(counters.len() as u32);
@@ -449,6 +601,7 @@ pub fn get_reply_missing(w: &mut FrameBuilder<'_>, key: PageKey) {
 mod tests {
     use super::*;
     use crate::page::{PageFlags, TAG_LEN};
+    use crate::parity::Owner;
     use crate::PAGE_SIZE;
     use proptest::prelude::*;
 
@@ -496,6 +649,21 @@ mod tests {
         assert_eq!(&got, rep);
     }
 
+    fn addr() -> impl Strategy<Value = SocketAddr> {
+        prop_oneof![
+            (any::<[u8; 4]>(), any::<u16>()).prop_map(|(ip, port)| SocketAddr::from((ip, port))),
+            (any::<[u8; 16]>(), any::<u16>()).prop_map(|(ip, port)| SocketAddr::from((ip, port))),
+        ]
+    }
+
+    fn member() -> impl Strategy<Value = Member> {
+        (addr(), key(), any::<u32>()).prop_map(|(server, key, version)| Member {
+            server,
+            key,
+            version,
+        })
+    }
+
     fn load() -> impl Strategy<Value = Load> {
         (any::<u64>(), any::<u32>()).prop_map(|(free_pages, requests_per_s)| Load {
             free_pages,
@@ -525,8 +693,9 @@ mod tests {
         }
 
         #[test]
-        fn put_reply_roundtrips(load in load(), s in prop::collection::vec(0u8..3, 0..crate::MAX_BATCH), id: u64) {
-            let status = s.iter().map(|v| [PutStatus::Stored, PutStatus::Full, PutStatus::BadKey][*v as usize]).collect();
+        fn put_reply_roundtrips(load in load(), s in prop::collection::vec(0u8..5, 0..crate::MAX_BATCH), id: u64) {
+            let all = [PutStatus::Stored, PutStatus::Full, PutStatus::BadKey, PutStatus::Unprotected, PutStatus::HolderUnreachable];
+            let status = s.iter().map(|v| all[*v as usize]).collect();
             roundtrip_reply(&Reply::Put { load, status }, id);
         }
 
@@ -550,9 +719,53 @@ mod tests {
         }
 
         #[test]
-        fn delete_reply_roundtrips(load in load(), s in prop::collection::vec(any::<bool>(), 0..crate::MAX_BATCH), id: u64) {
-            let status = s.iter().map(|d| if *d { DeleteStatus::Deleted } else { DeleteStatus::Missing }).collect();
+        fn delete_reply_roundtrips(load in load(), s in prop::collection::vec(0u8..3, 0..crate::MAX_BATCH), id: u64) {
+            let all = [DeleteStatus::Deleted, DeleteStatus::Missing, DeleteStatus::HolderUnreachable];
+            let status = s.iter().map(|d| all[*d as usize]).collect();
             roundtrip_reply(&Reply::Delete { load, status }, id);
+        }
+
+        #[test]
+        fn parity_requests_roundtrip(
+            parts in prop::collection::vec((page_parts(), prop::option::of((addr(), any::<u64>()))), 0..6),
+            members in prop::collection::vec(member(), 0..=crate::MAX_GROUP_MEMBERS),
+            owner in (any::<u64>(), any::<u64>(), any::<u64>()),
+            group: u64, n: u8, byte: u8, remove: bool, dead in addr(), max: u32, id: u64,
+        ) {
+            let datas: Vec<Vec<u8>> = parts.iter().map(|p| vec![p.0.5; PAGE_SIZE]).collect();
+            let pages = parts.iter().zip(&datas).map(|((p, join), d)| {
+                let op = match join {
+                    Some((holder, group)) => ParityOp::Join { holder: *holder, group: *group },
+                    None => ParityOp::Keep,
+                };
+                (page(p, d), op)
+            }).collect();
+            roundtrip_request(&Request::PutParity(pages), id);
+            let data = vec![byte; PAGE_SIZE];
+            let record = Record { version: group as u32, crc: max, flags: n.into(), data: &data };
+            roundtrip_request(&Request::ParityShip { group, max_members: n, members: members.clone(), record }, id);
+            let owner = Owner { node: owner.0, incarnation: owner.1, session: owner.2 };
+            let deltas = members.iter().map(|m| Delta { owner, group, key: m.key, from: m.version, to: max, remove, record }).collect();
+            roundtrip_request(&Request::ParityDelta(deltas), id);
+            roundtrip_request(&Request::ParityScan { dead, max }, id);
+        }
+
+        #[test]
+        fn parity_replies_roundtrip(
+            load in load(),
+            s in prop::collection::vec(0u8..3, 0..crate::MAX_BATCH),
+            groups in prop::collection::vec((any::<u64>(), prop::collection::vec(member(), 0..4)), 0..4),
+            orphans in prop::collection::vec(key(), 0..20),
+            id: u64,
+        ) {
+            let all = [DeltaStatus::Applied, DeltaStatus::UnknownGroup, DeltaStatus::Stale];
+            let status = s.iter().map(|a| all[*a as usize]).collect();
+            roundtrip_reply(&Reply::ParityDelta { load, status }, id);
+            let data = vec![7u8; PAGE_SIZE];
+            let groups = groups.into_iter().map(|(group, members)| GroupRecord {
+                group, members, record: Record { version: 1, crc: 2, flags: 3, data: &data },
+            }).collect();
+            roundtrip_reply(&Reply::ParityScan { load, groups, orphans }, id);
         }
 
         #[test]

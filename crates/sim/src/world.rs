@@ -7,13 +7,21 @@
 //! for good leaves the connection silent (the client times out); a reset is seen at the next
 //! send or receive. Replies may arrive in any order (the pager's transport contract allows it).
 //! A duplicated reply is a lying peer: the pager must survive it.
+//!
+//! Servers talk to each other too: an overwrite or delete of a parity member waits while its
+//! server sends the delta to the group's holder (`netram_store::serve`'s forward, which the
+//! daemon carries over `netram_node::peers`). Those messages are delayed like any other; a lost
+//! one costs the sender its reply timeout and a second try (deltas are safe to repeat); a holder
+//! that is down answers nothing and the sender reports it unreachable. Frames that reach a
+//! connection while it waits for holders wait behind it, as on the daemon's connection thread.
 
 use netram_pager::{ServerInfo, TransportError};
-use netram_proto::{decode_reply, decode_request, GetResult, Reply, PAGE_SIZE};
-use netram_store::serve::{self, Outcome};
+use netram_proto::{decode_reply, decode_request, DeltaStatus, GetResult, Reply, PAGE_SIZE};
+use netram_store::serve::{self, DeltaOutcome, Forward, Outcome};
 use netram_store::{SessionHandle, Store, StoreConfig};
 use std::cmp::Reverse;
-use std::collections::BinaryHeap;
+use std::collections::{BinaryHeap, VecDeque};
+use std::net::SocketAddr;
 
 /// Virtual time, in microseconds.
 pub type Micros = u64;
@@ -21,6 +29,14 @@ pub type Micros = u64;
 pub const LEASE_PERIOD_MS: u64 = 2_000;
 /// Credits each server announces.
 pub const WINDOW: u32 = 8;
+/// How long a server waits for a parity holder's answer before it tries again (the daemon's
+/// `peers` reply timeout).
+pub const PEER_TIMEOUT_US: Micros = 2_000_000;
+
+/// The address clients and servers know server `i` by.
+pub fn server_addr(i: usize) -> SocketAddr {
+    SocketAddr::from(([10, 0, (i >> 8) as u8, i as u8 + 1], 7077))
+}
 
 /// Which faults the network and the servers inject, and how often (per message or per step).
 #[derive(Debug, Clone)]
@@ -126,6 +142,16 @@ pub struct Conn {
     inbox: Vec<(Vec<u8>, bool)>,
     /// When the last request reaches the server: later ones arrive after it (TCP's order).
     last_arrival: Micros,
+    /// A request waiting for parity holders, and the frames that arrived behind it.
+    forward: Option<Box<Waiting>>,
+    queued: VecDeque<Vec<u8>>,
+}
+
+/// A request of a connection whose deltas are on their way to holders.
+#[derive(Debug)]
+struct Waiting {
+    fwd: Forward,
+    outcomes: Vec<Option<DeltaOutcome>>,
 }
 
 impl Conn {
@@ -149,6 +175,17 @@ enum Event {
     },
     Restart {
         server: usize,
+    },
+    /// Deltas `idx` of the request waiting on `conn` reach `holder`.
+    Delta {
+        conn: usize,
+        holder: usize,
+        idx: Vec<usize>,
+    },
+    /// The holder's answers reach the connection's server.
+    DeltaAnswer {
+        conn: usize,
+        answers: Vec<(usize, DeltaOutcome)>,
     },
     Heal {
         client: usize,
@@ -323,6 +360,8 @@ impl World {
             closed: false,
             inbox: Vec::new(),
             last_arrival: self.now,
+            forward: None,
+            queued: VecDeque::new(),
         });
         Ok((self.conns.len() - 1, info))
     }
@@ -436,6 +475,8 @@ impl World {
                 s.store = new_store(s.capacity_pages);
             }
             Event::Heal { client, server } => self.partitioned[client][server] = false,
+            Event::Delta { conn, holder, idx } => self.delta_arrives(conn, holder, idx),
+            Event::DeltaAnswer { conn, answers } => self.delta_answered(conn, answers),
             Event::Tick => {
                 let now_ms = self.now / 1000;
                 for c in &self.conns {
@@ -468,6 +509,10 @@ impl World {
             self.conns[conn].reset = true;
             return;
         }
+        if self.conns[conn].forward.is_some() {
+            self.conns[conn].queued.push_back(frame);
+            return;
+        }
         let (id, req) = match decode_request(&frame) {
             Ok(r) => r,
             Err(e) => {
@@ -492,9 +537,116 @@ impl World {
             serve::store_stats,
         );
         let service = 5 * s.slow;
-        if outcome == Outcome::Closed {
-            self.conns[conn].closed = true;
+        match outcome {
+            Outcome::Open => {}
+            Outcome::Closed => self.conns[conn].closed = true,
+            Outcome::Forward(fwd) => return self.forward(conn, fwd),
         }
+        self.reply(conn, out, service);
+    }
+
+    /// Sends the deltas of a waiting request to their holders.
+    fn forward(&mut self, conn: usize, fwd: Forward) {
+        let mut by_holder: Vec<(usize, Vec<usize>)> = Vec::new();
+        let mut unknown = Vec::new();
+        for (i, (addr, _)) in fwd.deltas.iter().enumerate() {
+            match (0..self.servers.len()).find(|&s| server_addr(s) == *addr) {
+                Some(h) => match by_holder.iter_mut().find(|(x, _)| *x == h) {
+                    Some((_, idx)) => idx.push(i),
+                    None => by_holder.push((h, vec![i])),
+                },
+                None => unknown.push(i),
+            }
+        }
+        let n = fwd.deltas.len();
+        self.note(format_args!(
+            "server {} forwards {n} deltas for conn {conn}",
+            self.conns[conn].server
+        ));
+        self.conns[conn].forward = Some(Box::new(Waiting {
+            fwd,
+            outcomes: vec![None; n],
+        }));
+        if !unknown.is_empty() {
+            let answers = unknown
+                .into_iter()
+                .map(|i| (i, DeltaOutcome::Unreachable))
+                .collect();
+            self.schedule(0, Event::DeltaAnswer { conn, answers });
+        }
+        for (holder, idx) in by_holder {
+            let mut d = self.delay();
+            if self.chance(self.faults.lose) {
+                // Lost: the sender times out and sends again on a new connection.
+                self.log.losses += 1;
+                d += PEER_TIMEOUT_US + self.delay();
+            }
+            self.schedule(d, Event::Delta { conn, holder, idx });
+        }
+    }
+
+    fn delta_arrives(&mut self, conn: usize, holder: usize, idx: Vec<usize>) {
+        let Some(w) = self.conns[conn].forward.as_ref() else {
+            return;
+        };
+        let answers: Vec<(usize, DeltaOutcome)> = if !self.servers[holder].up {
+            idx.into_iter()
+                .map(|i| (i, DeltaOutcome::Unreachable))
+                .collect()
+        } else {
+            let store = &mut self.servers[holder].store;
+            idx.into_iter()
+                .map(|i| {
+                    let o = match store.apply_delta(&w.fwd.deltas[i].1.as_delta()) {
+                        DeltaStatus::Applied => DeltaOutcome::Applied,
+                        DeltaStatus::UnknownGroup | DeltaStatus::Stale => {
+                            DeltaOutcome::UnknownGroup
+                        }
+                    };
+                    (i, o)
+                })
+                .collect()
+        };
+        let d = self.delay() * self.servers[holder].slow;
+        self.schedule(d, Event::DeltaAnswer { conn, answers });
+    }
+
+    fn delta_answered(&mut self, conn: usize, answers: Vec<(usize, DeltaOutcome)>) {
+        let Some(w) = self.conns[conn].forward.as_mut() else {
+            return;
+        };
+        for (i, o) in answers {
+            w.outcomes[i] = Some(o);
+        }
+        if w.outcomes.iter().any(Option::is_none) {
+            return;
+        }
+        let w = self.conns[conn].forward.take().expect("checked");
+        let server = self.conns[conn].server;
+        let s = &self.servers[server];
+        if !s.up || s.incarnation != self.conns[conn].incarnation {
+            self.conns[conn].queued.clear();
+            return;
+        }
+        let outcomes: Vec<DeltaOutcome> = w.outcomes.iter().map(|o| o.expect("all")).collect();
+        let mut out = Vec::new();
+        let now_ms = self.now / 1000;
+        let session = self.conns[conn].session;
+        let s = &mut self.servers[server];
+        serve::finish_forward(&mut s.store, session, w.fwd, &outcomes, now_ms, 0, &mut out);
+        let service = 5 * s.slow;
+        self.reply(conn, out, service);
+        // The frames that waited behind it, until one waits again.
+        while self.conns[conn].forward.is_none() {
+            let Some(frame) = self.conns[conn].queued.pop_front() else {
+                break;
+            };
+            self.serve(conn, frame);
+        }
+    }
+
+    /// Sends a reply back to the client, with the network's faults.
+    fn reply(&mut self, conn: usize, mut out: Vec<u8>, service: Micros) {
         if out.is_empty() {
             return;
         }

@@ -18,7 +18,10 @@
 //! Time comes in as `now_ms` arguments, so the daemon passes a monotonic clock and the simulator a
 //! virtual one. One counter per reason a page was stored, refused or freed ([`Counters`]).
 
+mod parity;
 pub mod serve;
+
+pub use parity::PARITY_REGION;
 
 use hashbrown::HashTable;
 use netram_proto::{NodeId, Page, PageFlags, PageKey, PutStatus, PAGE_SIZE};
@@ -27,8 +30,9 @@ use std::hash::BuildHasher;
 /// A session silent for this many lease periods is expired (Anemone §2.5: three periods).
 pub const LEASE_PERIODS: u64 = 3;
 
-/// The largest region number the index can hold (24 bits)...
-pub const REGION_MAX: u32 = (1 << 24) - 1;
+/// The largest region number a client may use (24 bits, the last one being the holder's parity
+/// frames, [`PARITY_REGION`])...
+pub const REGION_MAX: u32 = (1 << 24) - 2;
 /// ... and the largest page number inside a region (40 bits: 4 PiB of 4 KiB pages).
 pub const PAGE_NUMBER_MAX: u64 = (1 << 40) - 1;
 
@@ -182,6 +186,33 @@ counters! {
     sessions_refused_stale,
     /// Pages freed by expiry, supersession or close, rather than by DELETE.
     pages_freed_with_session,
+    /// Parity pages received: groups this server became the holder of.
+    parity_groups_shipped,
+    /// Deltas XORed into a group held here.
+    parity_deltas_applied,
+    /// Deltas for a group (or owner) this server does not hold.
+    parity_deltas_unknown,
+    /// Members that left a group held here.
+    parity_members_removed,
+    /// Small groups folded into another.
+    parity_groups_merged,
+    /// Deltas answered as applied without applying them again (a sender that lost the answer).
+    parity_deltas_repeated,
+    /// Deltas that did not match the version the parity covers: the group is damaged.
+    parity_deltas_stale,
+    /// Groups freed when their last member left.
+    parity_groups_freed,
+    /// Damaged groups (see `parity_deltas_stale`) freed.
+    parity_groups_damaged,
+    /// Groups whose parity was not zero when their last member left: a delta was lost or
+    /// applied twice. Must stay zero.
+    parity_groups_inconsistent,
+    /// Member pages reported to their owner because their parity holder died.
+    parity_orphans_reported,
+    /// Overwrites and deletes of member pages that waited for their holder.
+    parity_forwards,
+    /// ... and found it unreachable: nothing was changed, the client was told.
+    parity_holder_unreachable,
 }
 
 /// The page store. `A` is the arena: the daemon passes an mmap, tests a `Vec<u8>`.
@@ -196,6 +227,7 @@ pub struct Store<A> {
     free_slots: Vec<u32>,
     cfg: StoreConfig,
     counters: Counters,
+    parity: parity::ParityState,
     load_window_s: u64,
     load_count: u32,
     load_last: u32,
@@ -237,6 +269,7 @@ impl<A: AsRef<[u8]> + AsMut<[u8]>> Store<A> {
             free_slots: Vec::new(),
             cfg,
             counters: Counters::default(),
+            parity: parity::ParityState::default(),
             load_window_s: 0,
             load_count: 0,
             load_last: 0,
@@ -422,17 +455,10 @@ impl<A: AsRef<[u8]> + AsMut<[u8]>> Store<A> {
                 f
             }
             None => {
-                let Some(f) = self.take_free_frame() else {
+                let Some(f) = self.insert_frame(h.slot, packed) else {
                     self.counters.puts_refused_full += 1;
                     return Ok(PutStatus::Full);
                 };
-                let hash = self.hash(h.slot, packed);
-                let meta = &self.meta;
-                self.index.insert_unique(hash, f, |&g| {
-                    let m = &meta[g as usize];
-                    self.hasher.hash_one((m.slot(), m.packed_key()))
-                });
-                self.sessions[h.slot as usize].pages += 1;
                 self.counters.pages_stored += 1;
                 f
             }
@@ -544,12 +570,29 @@ impl<A: AsRef<[u8]> + AsMut<[u8]>> Store<A> {
             }
         }
         debug_assert_eq!(pages, 0, "a session's page count disagrees with its frames");
+        self.parity.end_sessions(slots);
         for &s in slots {
             let session = &mut self.sessions[s as usize];
             session.live = false;
             session.pages = 0;
             self.free_slots.push(s);
         }
+    }
+
+    /// Takes a free frame for a new key of the session and indexes it; the caller fills in its
+    /// metadata.
+    fn insert_frame(&mut self, slot: u32, packed: u64) -> Option<u32> {
+        let f = self.take_free_frame()?;
+        self.meta[f as usize].key = [packed as u32, (packed >> 32) as u32];
+        self.meta[f as usize].owner = slot;
+        let hash = self.hash(slot, packed);
+        let meta = &self.meta;
+        self.index.insert_unique(hash, f, |&g| {
+            let m = &meta[g as usize];
+            self.hasher.hash_one((m.slot(), m.packed_key()))
+        });
+        self.sessions[slot as usize].pages += 1;
+        Some(f)
     }
 
     fn take_free_frame(&mut self) -> Option<u32> {
@@ -570,6 +613,7 @@ impl<A: AsRef<[u8]> + AsMut<[u8]>> Store<A> {
         let hash = self.hash(m.slot(), m.packed_key());
         let entry = self.index.find_entry(hash, |&g| g == f);
         entry.expect("a used frame is in the index").remove();
+        self.parity.frame_released(f);
         self.meta[f as usize] = FrameMeta {
             key: [self.free_head, 0],
             owner: FREE,
@@ -637,7 +681,8 @@ impl<A: AsRef<[u8]> + AsMut<[u8]>> Store<A> {
         }
     }
 
-    /// The keys a live session holds, in frame order: for checkers (a scan of every frame).
+    /// The keys a live session holds, in frame order, parity frames left out: for checkers (a
+    /// scan of every frame).
     pub fn session_keys(&self, h: SessionHandle) -> Vec<PageKey> {
         if self.session_pages(h).is_none() {
             return Vec::new();
@@ -649,6 +694,7 @@ impl<A: AsRef<[u8]> + AsMut<[u8]>> Store<A> {
                 let k = m.packed_key();
                 PageKey::new((k >> 40) as u32, k & PAGE_NUMBER_MAX)
             })
+            .filter(|k| k.region != PARITY_REGION)
             .collect()
     }
 
@@ -663,5 +709,7 @@ impl<A: AsRef<[u8]> + AsMut<[u8]>> Store<A> {
     }
 }
 
+#[cfg(test)]
+mod parity_tests;
 #[cfg(test)]
 mod tests;

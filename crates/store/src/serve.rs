@@ -1,20 +1,95 @@
 //! One request against the store, one reply appended: the server's whole protocol logic, with
 //! no socket, so that `netram serve`, the pager's tests and the simulator run the same code
 //! (Anemone §2.1's server module; Nswap §III's swap-out, swap-in and garbage collection).
+//!
+//! Under dynamic parity (Nswap §IV-B, Fig. 4) an overwrite or a delete of a member page must
+//! reach its group's holder before it happens here. Such a request comes back as
+//! [`Outcome::Forward`]: the caller (the daemon, the simulator) sends the deltas, with no lock
+//! held, then hands the holders' answers to [`finish_forward`], which changes the store and
+//! writes the reply. Nothing changes before the holders have answered, so a holder that cannot
+//! be reached leaves the page as it was, and the client is told.
 
 use crate::{SessionHandle, Store};
 use netram_proto::{
-    begin_get_reply, get_reply_found, get_reply_missing, Counter, DeleteStatus, ErrorCode, Load,
-    PutStatus, Reply, Request,
+    begin_get_reply, get_reply_found, get_reply_missing, Counter, DeleteStatus, Delta, ErrorCode,
+    Load, OwnedRecord, Owner, PageFlags, PageKey, ParityOp, PutStatus, Record, Reply, Request,
+    MAX_BATCH,
 };
+use std::net::SocketAddr;
 
 /// What became of the session after a request.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug)]
 pub enum Outcome {
     /// The connection carries on.
     Open,
     /// The client closed its session: reply, then close the connection.
     Closed,
+    /// No reply yet: the deltas must reach their holders first.
+    Forward(Forward),
+}
+
+/// A request waiting for parity holders. `deltas` go out, each to its holder; their outcomes,
+/// in the same order, go to [`finish_forward`].
+#[derive(Debug)]
+pub struct Forward {
+    id: u64,
+    pub deltas: Vec<(SocketAddr, OwnedDelta)>,
+    pending: Pending,
+}
+
+/// A delta that outlives the request it came from.
+#[derive(Debug, Clone)]
+pub struct OwnedDelta {
+    pub owner: Owner,
+    pub group: u64,
+    pub key: PageKey,
+    pub from: u32,
+    pub to: u32,
+    pub remove: bool,
+    pub record: OwnedRecord,
+}
+
+impl OwnedDelta {
+    pub fn as_delta(&self) -> Delta<'_> {
+        Delta {
+            owner: self.owner,
+            group: self.group,
+            key: self.key,
+            from: self.from,
+            to: self.to,
+            remove: self.remove,
+            record: self.record.as_record(),
+        }
+    }
+}
+
+/// What a holder made of a delta.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DeltaOutcome {
+    Applied,
+    /// The holder has no such group, or its parity covers another version of the page (it is
+    /// damaged): there is nothing to keep consistent, the page leaves the group.
+    UnknownGroup,
+    /// No answer (connection refused, timed out, a malformed reply).
+    Unreachable,
+}
+
+#[derive(Debug)]
+enum Pending {
+    Put(Vec<PendingPut>),
+    Delete(Vec<(PageKey, Option<usize>)>),
+}
+
+#[derive(Debug)]
+struct PendingPut {
+    key: PageKey,
+    version: u32,
+    crc: u32,
+    flags: PageFlags,
+    data: Vec<u8>,
+    /// `None` for a plain PUT.
+    op: Option<ParityOp>,
+    delta: Option<usize>,
 }
 
 /// Runs one request from the session `h` and appends its reply (if it has one) to `out`.
@@ -44,6 +119,92 @@ pub fn handle_request<A: AsRef<[u8]> + AsMut<[u8]>>(
         .encode(id, out);
     };
     match req {
+        Request::Put(pages) if pages.iter().any(|p| store.tagged(h, p.key)) => {
+            return plan_put(
+                store,
+                h,
+                id,
+                pages.iter().map(|p| (*p, None)),
+                now_ms,
+                rps,
+                out,
+            );
+        }
+        Request::PutParity(pages) => {
+            return plan_put(
+                store,
+                h,
+                id,
+                pages.iter().map(|(p, op)| (*p, Some(*op))),
+                now_ms,
+                rps,
+                out,
+            );
+        }
+        Request::Delete(keys) if keys.iter().any(|k| store.tagged(h, *k)) => {
+            if store.refresh(h, now_ms).is_err() {
+                expired(store, out);
+                return Outcome::Open;
+            }
+            let owner = store.owner(h);
+            let mut deltas = Vec::new();
+            let mut seen = std::collections::HashSet::new();
+            let pending = keys
+                .iter()
+                .map(|&k| {
+                    // A key deleted twice in one request is deleted once.
+                    let delta = seen
+                        .insert(k)
+                        .then(|| removal(store, h, k, owner, &mut deltas));
+                    (k, delta.flatten())
+                })
+                .collect();
+            return forward(
+                store,
+                h,
+                id,
+                deltas,
+                Pending::Delete(pending),
+                now_ms,
+                rps,
+                out,
+            );
+        }
+        Request::ParityShip {
+            group,
+            max_members,
+            members,
+            record,
+        } => match store.ship_group(h, group, max_members, &members, &record, now_ms) {
+            Ok(s) => Reply::Put {
+                load: load(store),
+                status: vec![s],
+            }
+            .encode(id, out),
+            Err(_) => expired(store, out),
+        },
+        Request::ParityDelta(deltas) => {
+            let status = deltas.iter().map(|d| store.apply_delta(d)).collect();
+            Reply::ParityDelta {
+                load: load(store),
+                status,
+            }
+            .encode(id, out);
+        }
+        Request::ParityScan { dead, max } => {
+            let max = (max as usize).min(MAX_BATCH);
+            let Ok(orphans) = store.orphans(h, dead, max) else {
+                expired(store, out);
+                return Outcome::Open;
+            };
+            let l = load(store);
+            Reply::ParityScan {
+                load: l,
+                groups: store.groups_with_member_on(h, dead, max),
+                orphans,
+            }
+            .encode(id, out);
+        }
         Request::Put(pages) => {
             let mut status = Vec::with_capacity(pages.len());
             for p in &pages {
@@ -119,6 +280,246 @@ pub fn handle_request<A: AsRef<[u8]> + AsMut<[u8]>>(
         }
     }
     Outcome::Open
+}
+
+fn expired_reply<A: AsRef<[u8]> + AsMut<[u8]>>(
+    store: &Store<A>,
+    id: u64,
+    rps: u32,
+    out: &mut Vec<u8>,
+) {
+    Reply::Error {
+        load: Load {
+            free_pages: store.free_pages(),
+            requests_per_s: rps,
+        },
+        code: ErrorCode::SessionExpired,
+        message: "the session's lease ran out; its pages were freed",
+    }
+    .encode(id, out);
+}
+
+/// The delta that takes the stored `key` out of its group, if it is in one.
+fn removal<A: AsRef<[u8]> + AsMut<[u8]>>(
+    store: &Store<A>,
+    h: SessionHandle,
+    key: PageKey,
+    owner: Owner,
+    deltas: &mut Vec<(SocketAddr, OwnedDelta)>,
+) -> Option<usize> {
+    let (holder, group) = store.tag(h, key)?;
+    let mut record = OwnedRecord::default();
+    let old = store.record(h, key)?;
+    record.xor(&old);
+    deltas.push((
+        holder,
+        OwnedDelta {
+            owner,
+            group,
+            key,
+            from: old.version,
+            to: old.version,
+            remove: true,
+            record,
+        },
+    ));
+    Some(deltas.len() - 1)
+}
+
+/// Phase one of a PUT that touches parity: works out the deltas, changes nothing.
+fn plan_put<'a, A: AsRef<[u8]> + AsMut<[u8]>>(
+    store: &mut Store<A>,
+    h: SessionHandle,
+    id: u64,
+    pages: impl ExactSizeIterator<Item = (netram_proto::Page<'a>, Option<ParityOp>)>,
+    now_ms: u64,
+    rps: u32,
+    out: &mut Vec<u8>,
+) -> Outcome {
+    if store.refresh(h, now_ms).is_err() {
+        expired_reply(store, id, rps, out);
+        return Outcome::Open;
+    }
+    let owner = store.owner(h);
+    let mut deltas = Vec::new();
+    let mut seen = std::collections::HashSet::new();
+    let mut pending = Vec::with_capacity(pages.len());
+    for (p, op) in pages {
+        if !seen.insert(p.key) {
+            // Both deltas would be worked out against the same old page.
+            Reply::Error {
+                load: Load {
+                    free_pages: store.free_pages(),
+                    requests_per_s: rps,
+                },
+                code: ErrorCode::BadRequest,
+                message: "a key appears twice in one PUT of parity pages",
+            }
+            .encode(id, out);
+            return Outcome::Open;
+        }
+        let delta = match op {
+            Some(ParityOp::Join { .. }) => removal(store, h, p.key, owner, &mut deltas),
+            None | Some(ParityOp::Keep) => store.tag(h, p.key).and_then(|(holder, group)| {
+                let mut record = OwnedRecord::default();
+                let old = store.record(h, p.key)?;
+                record.xor(&old);
+                record.xor(&Record::of(&p));
+                deltas.push((
+                    holder,
+                    OwnedDelta {
+                        owner,
+                        group,
+                        key: p.key,
+                        from: old.version,
+                        to: p.version,
+                        remove: false,
+                        record,
+                    },
+                ));
+                Some(deltas.len() - 1)
+            }),
+        };
+        pending.push(PendingPut {
+            key: p.key,
+            version: p.version,
+            crc: p.crc,
+            flags: p.flags,
+            data: p.data.to_vec(),
+            op,
+            delta,
+        });
+    }
+    forward(
+        store,
+        h,
+        id,
+        deltas,
+        Pending::Put(pending),
+        now_ms,
+        rps,
+        out,
+    )
+}
+
+/// Hands the deltas to the caller, or finishes at once when there are none.
+#[allow(clippy::too_many_arguments)]
+fn forward<A: AsRef<[u8]> + AsMut<[u8]>>(
+    store: &mut Store<A>,
+    h: SessionHandle,
+    id: u64,
+    deltas: Vec<(SocketAddr, OwnedDelta)>,
+    pending: Pending,
+    now_ms: u64,
+    rps: u32,
+    out: &mut Vec<u8>,
+) -> Outcome {
+    let fwd = Forward {
+        id,
+        deltas,
+        pending,
+    };
+    if fwd.deltas.is_empty() {
+        finish_forward(store, h, fwd, &[], now_ms, rps, out);
+        return Outcome::Open;
+    }
+    store.counters.parity_forwards += 1;
+    Outcome::Forward(fwd)
+}
+
+/// Phase two: the holders have answered (`outcomes[i]` for `fwd.deltas[i]`); changes the store
+/// and appends the reply.
+pub fn finish_forward<A: AsRef<[u8]> + AsMut<[u8]>>(
+    store: &mut Store<A>,
+    h: SessionHandle,
+    fwd: Forward,
+    outcomes: &[DeltaOutcome],
+    now_ms: u64,
+    rps: u32,
+    out: &mut Vec<u8>,
+) {
+    let outcome = |d: Option<usize>| {
+        d.map(|i| {
+            outcomes
+                .get(i)
+                .copied()
+                .unwrap_or(DeltaOutcome::Unreachable)
+        })
+    };
+    let unreachable = outcomes
+        .iter()
+        .filter(|o| **o == DeltaOutcome::Unreachable)
+        .count();
+    store.counters.parity_holder_unreachable += unreachable as u64;
+    let load = |s: &Store<A>| Load {
+        free_pages: s.free_pages(),
+        requests_per_s: rps,
+    };
+    match fwd.pending {
+        Pending::Put(pages) => {
+            let mut status = Vec::with_capacity(pages.len());
+            for p in pages {
+                let o = outcome(p.delta);
+                if o == Some(DeltaOutcome::Unreachable) {
+                    status.push(PutStatus::HolderUnreachable);
+                    continue;
+                }
+                let s = match store.put(h, p.key, p.version, p.crc, p.flags, &p.data, now_ms) {
+                    Ok(s) => s,
+                    Err(_) => return expired_reply(store, fwd.id, rps, out),
+                };
+                if s != PutStatus::Stored {
+                    // An overwrite in place cannot fail; a page that left its group for
+                    // another one and then found no room stays as it was, outside any group.
+                    if o == Some(DeltaOutcome::Applied) {
+                        store.set_tag(h, p.key, None);
+                    }
+                    status.push(s);
+                    continue;
+                }
+                status.push(match (p.op, o) {
+                    (Some(ParityOp::Join { holder, group }), _) => {
+                        store.set_tag(h, p.key, Some((holder, group)));
+                        PutStatus::Stored
+                    }
+                    (_, Some(DeltaOutcome::UnknownGroup)) => {
+                        store.set_tag(h, p.key, None);
+                        if p.op.is_some() {
+                            PutStatus::Unprotected
+                        } else {
+                            PutStatus::Stored
+                        }
+                    }
+                    (Some(ParityOp::Keep), None) => PutStatus::Unprotected,
+                    _ => PutStatus::Stored,
+                });
+            }
+            Reply::Put {
+                load: load(store),
+                status,
+            }
+            .encode(fwd.id, out);
+        }
+        Pending::Delete(keys) => {
+            let mut status = Vec::with_capacity(keys.len());
+            for (k, d) in keys {
+                if outcome(d) == Some(DeltaOutcome::Unreachable) {
+                    status.push(DeleteStatus::HolderUnreachable);
+                    continue;
+                }
+                match store.delete(h, k, now_ms) {
+                    Ok(true) => status.push(DeleteStatus::Deleted),
+                    Ok(false) => status.push(DeleteStatus::Missing),
+                    Err(_) => return expired_reply(store, fwd.id, rps, out),
+                }
+            }
+            Reply::Delete {
+                load: load(store),
+                status,
+            }
+            .encode(fwd.id, out);
+        }
+    }
 }
 
 /// The gauges every STATS reply opens with, then the store's counters.

@@ -1,0 +1,184 @@
+//! Server-to-server connections: how a page server tells a parity holder about an overwrite or a
+//! delete of a member page before it answers the client (Nswap §IV-B2, Fig. 4, decentralized as
+//! in §IV-C: any server may be any group's holder).
+//!
+//! One connection per holder, opened on first use and kept; a request on it is a blocking round
+//! trip made by the connection thread that serves the client, with no lock of the store held
+//! (so two servers forwarding to each other cannot deadlock). A holder that cannot be reached is
+//! remembered for a short while, so that a dead host costs one connect timeout, not one per
+//! request; its deltas come back [`DeltaOutcome::Unreachable`] and the client is told.
+//!
+//! Peers open sessions at holders under their own node id with [`PEER_NODE`] and their listening
+//! address mixed in, so that a server whose machine also runs a client never supersedes that
+//! client's sessions, and two servers of one machine never supersede each other's.
+
+use crate::client::{handshake, ClientConfig};
+use crate::framing::FrameBuffer;
+use netram_proto::{decode_reply, DeltaStatus, ErrorCode, Reply, Request, MAX_BATCH};
+use netram_store::serve::{DeltaOutcome, OwnedDelta};
+use std::collections::HashMap;
+use std::io::{self, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// Mixed into a server's node id for its sessions at other servers ("PEER").
+pub const PEER_NODE: u64 = 0x5045_4552_0000_0000;
+
+/// How long a holder has to accept a connection, and to answer a delta.
+const CONNECT_TIMEOUT: Duration = Duration::from_millis(250);
+const REPLY_TIMEOUT: Duration = Duration::from_secs(2);
+/// After a failure, requests to that holder fail at once for this long.
+const UNREACHABLE_FOR: Duration = Duration::from_millis(500);
+
+#[derive(Debug, Default)]
+struct Peer {
+    conn: Option<(TcpStream, FrameBuffer)>,
+    failed_at: Option<Instant>,
+    next_id: u64,
+}
+
+/// The connections of one server to the holders it forwards to.
+#[derive(Debug)]
+pub struct Peers {
+    node: u64,
+    incarnation: u64,
+    peers: Mutex<HashMap<SocketAddr, Arc<Mutex<Peer>>>>,
+}
+
+impl Peers {
+    pub fn new(node: u64, incarnation: u64, listen: SocketAddr) -> Self {
+        let addr = match listen.ip() {
+            std::net::IpAddr::V4(ip) => u64::from(u32::from(ip)),
+            std::net::IpAddr::V6(ip) => {
+                let b = u128::from(ip);
+                (b as u64) ^ ((b >> 64) as u64)
+            }
+        };
+        Self {
+            node: node ^ PEER_NODE ^ (addr << 16) ^ u64::from(listen.port()),
+            incarnation,
+            peers: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// Sends every delta to its holder and returns what became of each, in order.
+    pub fn forward(&self, deltas: &[(SocketAddr, OwnedDelta)]) -> Vec<DeltaOutcome> {
+        let mut out = vec![DeltaOutcome::Unreachable; deltas.len()];
+        let mut by_holder: HashMap<SocketAddr, Vec<usize>> = HashMap::new();
+        for (i, (holder, _)) in deltas.iter().enumerate() {
+            by_holder.entry(*holder).or_default().push(i);
+        }
+        for (holder, idx) in by_holder {
+            let peer = self
+                .peers
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .entry(holder)
+                .or_default()
+                .clone();
+            let mut peer = peer.lock().unwrap_or_else(|p| p.into_inner());
+            for chunk in idx.chunks(MAX_BATCH) {
+                let batch: Vec<_> = chunk.iter().map(|&i| deltas[i].1.as_delta()).collect();
+                let req = Request::ParityDelta(batch);
+                // Deltas are safe to repeat: a connection that broke gets one more try.
+                let sent = self.send(&mut peer, holder, &req).or_else(|e| {
+                    tracing::debug!(%holder, "parity holder: {e}; trying once more");
+                    peer.conn = None;
+                    self.send(&mut peer, holder, &req)
+                });
+                match sent {
+                    Ok(status) => {
+                        for (&i, s) in chunk.iter().zip(status) {
+                            out[i] = match s {
+                                DeltaStatus::Applied => DeltaOutcome::Applied,
+                                DeltaStatus::UnknownGroup | DeltaStatus::Stale => {
+                                    DeltaOutcome::UnknownGroup
+                                }
+                            };
+                        }
+                    }
+                    Err(e) => {
+                        tracing::warn!(%holder, "parity holder unreachable: {e}");
+                        peer.conn = None;
+                        peer.failed_at = Some(Instant::now());
+                        break;
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    /// One round trip; reconnects once if the holder expired this server's session.
+    fn send(
+        &self,
+        peer: &mut Peer,
+        holder: SocketAddr,
+        req: &Request<'_>,
+    ) -> Result<Vec<DeltaStatus>, String> {
+        let n = match req {
+            Request::ParityDelta(d) => d.len(),
+            _ => unreachable!("peers only send deltas"),
+        };
+        for attempt in 0..2 {
+            if peer.conn.is_none() {
+                if peer
+                    .failed_at
+                    .is_some_and(|t| t.elapsed() < UNREACHABLE_FOR)
+                {
+                    return Err("failed moments ago".into());
+                }
+                let cfg = ClientConfig {
+                    node: self.node,
+                    incarnation: self.incarnation,
+                    session: fastrand::u64(..),
+                    connect_timeout: CONNECT_TIMEOUT,
+                    reply_timeout: REPLY_TIMEOUT,
+                    low_latency: false,
+                    warn_unreachable: false,
+                };
+                let (s, _) = handshake(holder, &cfg)?;
+                s.set_read_timeout(Some(REPLY_TIMEOUT))
+                    .map_err(|e| e.to_string())?;
+                peer.conn = Some((s, FrameBuffer::new()));
+            }
+            peer.next_id += 1;
+            let id = peer.next_id;
+            let (s, rbuf) = peer.conn.as_mut().unwrap();
+            let mut wbuf = Vec::new();
+            req.encode(id, &mut wbuf);
+            s.write_all(&wbuf).map_err(|e| format!("send: {e}"))?;
+            let deadline = Instant::now() + REPLY_TIMEOUT;
+            let frame = loop {
+                if let Some(f) = rbuf.next_frame().map_err(|e| e.to_string())? {
+                    break f.to_vec();
+                }
+                if Instant::now() > deadline {
+                    return Err("no reply in time".into());
+                }
+                match rbuf.fill(s, Duration::ZERO) {
+                    Ok(0) => return Err("connection closed".into()),
+                    Ok(_) => {}
+                    Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                    Err(e) => return Err(format!("receive: {e}")),
+                }
+            };
+            let (got, reply) = decode_reply(&frame).map_err(|e| format!("bad reply: {e}"))?;
+            if got != id {
+                return Err(format!("reply to request {got}, expected {id}"));
+            }
+            match reply {
+                Reply::ParityDelta { status, .. } if status.len() == n => return Ok(status),
+                Reply::Error {
+                    code: ErrorCode::SessionExpired,
+                    ..
+                } if attempt == 0 => {
+                    peer.conn = None;
+                }
+                other => return Err(format!("unexpected reply {:?}", other.kind())),
+            }
+        }
+        Err("session expired twice".into())
+    }
+}

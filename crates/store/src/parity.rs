@@ -1,0 +1,487 @@
+//! The store's part of Nswap's decentralized dynamic parity (paper 004, §IV-B and IV-C): every
+//! server is both a page server and a parity server.
+//!
+//! * As a **page server** it keeps, beside a member page, the page's *tag*: which holder has its
+//!   group's parity and the group's id. The request logic ([`crate::serve`]) turns an overwrite or
+//!   a delete of a tagged page into a delta for that holder before anything changes here.
+//! * As a **holder** it keeps groups: a parity frame (owned by the owner's session, so that it
+//!   counts against the same capacity and dies with the session), the XOR of the members'
+//!   envelope fields, and the member list. Deltas XOR into the parity; a removed member leaves
+//!   the list; an emptied group is freed, and its parity must then be all zeros — anything else
+//!   means a delta was lost or applied twice, and is counted (`parity_groups_inconsistent`), which
+//!   the simulator checks stays at zero. Groups left small by removals are merged with another
+//!   small group of the same owner whose members are on other servers (§IV-B2's merging); the
+//!   absorbed group's id stays valid as an alias, so that the tags on its members need no update.
+//!
+//! Only the owner knows which servers are dead: it asks with a scan ([`Store::orphans`],
+//! [`Store::groups_with_member_on`]) and repairs what the scan reports.
+
+use crate::{pack, SessionHandle, Store, StoreError, PAGE_NUMBER_MAX};
+use netram_proto::{
+    Delta, DeltaStatus, GroupRecord, Member, Owner, PageKey, PutStatus, Record, PAGE_SIZE,
+};
+use std::collections::HashMap;
+use std::net::SocketAddr;
+
+/// The region under which a holder files parity frames in the owner's session: the last of the
+/// index's 24 bits, outside what a client may PUT or GET (one above [`crate::REGION_MAX`]).
+pub const PARITY_REGION: u32 = crate::REGION_MAX + 1;
+const _: () = assert!(PARITY_REGION == (1 << 24) - 1);
+
+/// A member page's parity: holder (interned address) and group.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Tag {
+    holder: u16,
+    group: u64,
+}
+
+/// A group this server holds the parity of.
+#[derive(Debug, Clone)]
+pub(crate) struct Group {
+    frame: u32,
+    version: u32,
+    crc: u32,
+    flags: u16,
+    max_members: u8,
+    /// Server, key, and the version the parity covers.
+    members: Vec<(u16, PageKey, u32)>,
+    /// A delta did not match the member it was for: the parity cannot be trusted to rebuild.
+    damaged: bool,
+    /// Ids of groups merged into this one, which still name it.
+    aliases: Vec<u64>,
+}
+
+/// Parity state: tags of member pages stored here, groups held here.
+#[derive(Debug, Default)]
+pub(crate) struct ParityState {
+    addrs: Vec<SocketAddr>,
+    addr_ids: HashMap<SocketAddr, u16>,
+    /// By frame number of the member page.
+    tags: HashMap<u32, Tag>,
+    /// By (session slot, group id).
+    groups: HashMap<(u32, u64), Group>,
+    alias: HashMap<(u32, u64), u64>,
+    /// Per session slot, groups at most half full: merge candidates.
+    small: HashMap<u32, Vec<u64>>,
+}
+
+/// How many small groups a merge looks at: bounded, so that a removal stays cheap.
+const MERGE_CANDIDATES: usize = 8;
+
+impl ParityState {
+    fn intern(&mut self, a: SocketAddr) -> u16 {
+        if let Some(&i) = self.addr_ids.get(&a) {
+            return i;
+        }
+        // A cluster has far fewer than 65,536 servers; past that, the last id is shared (and
+        // merging becomes conservative for those addresses, never wrong for the others).
+        let i = self.addrs.len().min(u16::MAX as usize) as u16;
+        if self.addrs.len() < u16::MAX as usize {
+            self.addrs.push(a);
+            self.addr_ids.insert(a, i);
+        }
+        i
+    }
+
+    fn resolve(&self, slot: u32, group: u64) -> u64 {
+        self.alias.get(&(slot, group)).copied().unwrap_or(group)
+    }
+
+    /// Forgets a session's groups and tags (its frames are being freed).
+    pub(crate) fn end_sessions(&mut self, slots: &[u32]) {
+        self.groups.retain(|(s, _), _| !slots.contains(s));
+        self.alias.retain(|(s, _), _| !slots.contains(s));
+        self.small.retain(|s, _| !slots.contains(s));
+    }
+
+    pub(crate) fn frame_released(&mut self, f: u32) {
+        self.tags.remove(&f);
+    }
+}
+
+fn packed_parity_key(group: u64) -> u64 {
+    (u64::from(PARITY_REGION) << 40) | group
+}
+
+impl<A: AsRef<[u8]> + AsMut<[u8]>> Store<A> {
+    /// Who owns a session, as deltas name it to holders.
+    pub fn owner(&self, h: SessionHandle) -> Owner {
+        let s = &self.sessions[h.slot as usize];
+        Owner {
+            node: s.node,
+            incarnation: s.incarnation,
+            session: s.id,
+        }
+    }
+
+    /// The tag of a stored page: its group's holder and id.
+    pub fn tag(&self, h: SessionHandle, key: PageKey) -> Option<(SocketAddr, u64)> {
+        let f = self.live_frame(h, key)?;
+        let t = self.parity.tags.get(&f)?;
+        Some((self.parity.addrs[usize::from(t.holder)], t.group))
+    }
+
+    /// Whether a stored page is in a group (cheap when the server holds no member pages).
+    pub fn tagged(&self, h: SessionHandle, key: PageKey) -> bool {
+        !self.parity.tags.is_empty() && self.tag(h, key).is_some()
+    }
+
+    /// Tags a stored page (or, with `None`, takes it out of any group).
+    pub fn set_tag(&mut self, h: SessionHandle, key: PageKey, tag: Option<(SocketAddr, u64)>) {
+        let Some(f) = self.live_frame(h, key) else {
+            return;
+        };
+        match tag {
+            Some((holder, group)) => {
+                let holder = self.parity.intern(holder);
+                self.parity.tags.insert(f, Tag { holder, group });
+            }
+            None => {
+                self.parity.tags.remove(&f);
+            }
+        }
+    }
+
+    /// The record of a stored page, for the delta its overwrite or deletion sends.
+    pub fn record(&self, h: SessionHandle, key: PageKey) -> Option<Record<'_>> {
+        let f = self.live_frame(h, key)?;
+        let m = self.meta[f as usize];
+        Some(Record {
+            version: m.version,
+            crc: m.crc,
+            flags: m.flags().0,
+            data: self.frame(f),
+        })
+    }
+
+    fn live_frame(&self, h: SessionHandle, key: PageKey) -> Option<u32> {
+        match self.sessions.get(h.slot as usize) {
+            Some(s) if s.live && s.generation == h.generation => {}
+            _ => return None,
+        }
+        pack(key).and_then(|p| self.find(h.slot, p))
+    }
+
+    /// A parity page arrives: this server becomes the holder of `group` (Nswap Fig. 3). A group
+    /// shipped again (a retry whose reply was lost) replaces the earlier one.
+    pub fn ship_group(
+        &mut self,
+        h: SessionHandle,
+        group: u64,
+        max_members: u8,
+        members: &[Member],
+        record: &Record<'_>,
+        now_ms: u64,
+    ) -> Result<PutStatus, StoreError> {
+        self.session(h, now_ms)?;
+        if group > PAGE_NUMBER_MAX || record.data.len() != PAGE_SIZE {
+            self.counters.puts_refused_bad_key += 1;
+            return Ok(PutStatus::BadKey);
+        }
+        let packed = packed_parity_key(group);
+        let f = match self.find(h.slot, packed) {
+            Some(f) => f,
+            None => {
+                let Some(f) = self.insert_frame(h.slot, packed) else {
+                    self.counters.puts_refused_full += 1;
+                    return Ok(PutStatus::Full);
+                };
+                f
+            }
+        };
+        self.meta[f as usize].owner = h.slot; // flags 0: the frame always holds PAGE_SIZE bytes
+        let at = f as usize * PAGE_SIZE;
+        self.arena.as_mut()[at..at + PAGE_SIZE].copy_from_slice(record.data);
+        let members = members
+            .iter()
+            .map(|m| (self.parity.intern(m.server), m.key, m.version))
+            .collect();
+        let old = self.parity.groups.insert(
+            (h.slot, group),
+            Group {
+                frame: f,
+                version: record.version,
+                crc: record.crc,
+                flags: record.flags,
+                max_members: max_members.max(1),
+                members,
+                damaged: false,
+                aliases: Vec::new(),
+            },
+        );
+        if let Some(old) = old {
+            self.parity
+                .groups
+                .get_mut(&(h.slot, group))
+                .unwrap()
+                .aliases = old.aliases;
+        }
+        self.counters.parity_groups_shipped += 1;
+        self.maybe_merge(h.slot, group);
+        Ok(PutStatus::Stored)
+    }
+
+    /// Applies one change to a group held here (Nswap Fig. 4, garbage collection, recovery);
+    /// a repeated one is answered without being applied twice (see [`Delta`]).
+    pub fn apply_delta(&mut self, d: &Delta<'_>) -> DeltaStatus {
+        let Delta {
+            owner,
+            group,
+            key,
+            from,
+            to,
+            remove,
+            ref record,
+        } = *d;
+        let slot = self.sessions.iter().position(|s| {
+            s.live
+                && s.node == owner.node
+                && s.incarnation == owner.incarnation
+                && s.id == owner.session
+        });
+        let Some(slot) = slot.map(|s| s as u32) else {
+            self.counters.parity_deltas_unknown += 1;
+            return DeltaStatus::UnknownGroup;
+        };
+        let id = self.parity.resolve(slot, group);
+        let Some(g) = self.parity.groups.get_mut(&(slot, id)) else {
+            self.counters.parity_deltas_unknown += 1;
+            return DeltaStatus::UnknownGroup;
+        };
+        if record.data.len() != PAGE_SIZE {
+            self.counters.parity_deltas_unknown += 1;
+            return DeltaStatus::UnknownGroup;
+        }
+        let member = g.members.iter().position(|m| m.1 == key);
+        match member.map(|i| g.members[i].2) {
+            // Already gone: a repeated removal.
+            None if remove => {
+                self.counters.parity_deltas_repeated += 1;
+                return DeltaStatus::Applied;
+            }
+            Some(v) if v == from => {}
+            Some(v) if !remove && v == to => {
+                self.counters.parity_deltas_repeated += 1;
+                return DeltaStatus::Applied;
+            }
+            _ => {
+                g.damaged = true;
+                self.counters.parity_deltas_stale += 1;
+                return DeltaStatus::Stale;
+            }
+        }
+        let i = member.expect("matched above");
+        g.version ^= record.version;
+        g.crc ^= record.crc;
+        g.flags ^= record.flags;
+        let at = g.frame as usize * PAGE_SIZE;
+        netram_proto::parity::xor_into(&mut self.arena.as_mut()[at..at + PAGE_SIZE], record.data);
+        self.counters.parity_deltas_applied += 1;
+        if !remove {
+            g.members[i].2 = to;
+        } else {
+            g.members.swap_remove(i);
+            self.counters.parity_members_removed += 1;
+            if g.members.is_empty() {
+                self.free_group(slot, id);
+            } else {
+                self.maybe_merge(slot, id);
+            }
+        }
+        DeltaStatus::Applied
+    }
+
+    fn free_group(&mut self, slot: u32, id: u64) {
+        let Some(g) = self.parity.groups.remove(&(slot, id)) else {
+            return;
+        };
+        let zero = g.version == 0
+            && g.crc == 0
+            && g.flags == 0
+            && self.frame(g.frame).iter().all(|&b| b == 0);
+        if g.damaged {
+            self.counters.parity_groups_damaged += 1;
+        } else if !zero {
+            self.counters.parity_groups_inconsistent += 1;
+        }
+        for a in &g.aliases {
+            self.parity.alias.remove(&(slot, *a));
+        }
+        if let Some(small) = self.parity.small.get_mut(&slot) {
+            small.retain(|&s| s != id);
+        }
+        self.release_frame(g.frame);
+        self.sessions[slot as usize].pages -= 1;
+        self.counters.parity_groups_freed += 1;
+    }
+
+    /// Merges `id`, if it is at most half full, with another small group of the session whose
+    /// members are all on other servers (so that no server holds two pieces of the result).
+    fn maybe_merge(&mut self, slot: u32, id: u64) {
+        let Some(g) = self.parity.groups.get(&(slot, id)) else {
+            return;
+        };
+        let (n, max) = (g.members.len(), usize::from(g.max_members));
+        let small = self.parity.small.entry(slot).or_default();
+        small.retain(|&s| s != id);
+        if n * 2 > max {
+            return;
+        }
+        let partner = small
+            .iter()
+            .rev()
+            .take(MERGE_CANDIDATES)
+            .copied()
+            .find(|&o| {
+                self.parity.groups.get(&(slot, o)).is_some_and(|og| {
+                    og.members.len() + n <= max
+                        && og
+                            .members
+                            .iter()
+                            .all(|(s, ..)| g.members.iter().all(|(t, ..)| s != t))
+                })
+            });
+        let Some(keep) = partner else {
+            small.push(id);
+            return;
+        };
+        small.retain(|&s| s != keep);
+        // Fold `id` into `keep`.
+        let gone = self.parity.groups.remove(&(slot, id)).unwrap();
+        let src = gone.frame as usize * PAGE_SIZE;
+        let kept = self.parity.groups.get_mut(&(slot, keep)).unwrap();
+        let dst = kept.frame as usize * PAGE_SIZE;
+        let arena = self.arena.as_mut();
+        let (lo, hi) = arena.split_at_mut(src.max(dst));
+        let (a, b) = if dst < src {
+            (&mut lo[dst..dst + PAGE_SIZE], &hi[..PAGE_SIZE])
+        } else {
+            (&mut hi[..PAGE_SIZE], &lo[src..src + PAGE_SIZE])
+        };
+        netram_proto::parity::xor_into(a, b);
+        kept.version ^= gone.version;
+        kept.crc ^= gone.crc;
+        kept.flags ^= gone.flags;
+        kept.members.extend_from_slice(&gone.members);
+        kept.damaged |= gone.damaged;
+        kept.aliases.push(id);
+        kept.aliases.extend_from_slice(&gone.aliases);
+        for a in std::iter::once(id).chain(gone.aliases.iter().copied()) {
+            self.parity.alias.insert((slot, a), keep);
+        }
+        let still_small = kept.members.len() * 2 <= usize::from(kept.max_members);
+        self.release_frame(gone.frame);
+        self.sessions[slot as usize].pages -= 1;
+        self.counters.parity_groups_merged += 1;
+        if still_small {
+            self.parity.small.entry(slot).or_default().push(keep);
+        }
+    }
+
+    /// Pages of the session stored here whose parity was on `dead`: their tags are dropped (they
+    /// are outside any group from now on) and at most `max` of their keys returned. The owner
+    /// protects them again and asks until none are left.
+    pub fn orphans(
+        &mut self,
+        h: SessionHandle,
+        dead: SocketAddr,
+        max: usize,
+    ) -> Result<Vec<PageKey>, StoreError> {
+        self.session(h, 0)?;
+        let Some(&dead) = self.parity.addr_ids.get(&dead) else {
+            return Ok(Vec::new());
+        };
+        let frames: Vec<u32> = self
+            .parity
+            .tags
+            .iter()
+            .filter(|(&f, t)| t.holder == dead && self.meta[f as usize].slot() == h.slot)
+            .map(|(&f, _)| f)
+            .take(max)
+            .collect();
+        let keys = frames
+            .iter()
+            .map(|&f| {
+                self.parity.tags.remove(&f);
+                let k = self.meta[f as usize].packed_key();
+                PageKey::new((k >> 40) as u32, k & PAGE_NUMBER_MAX)
+            })
+            .collect::<Vec<_>>();
+        self.counters.parity_orphans_reported += keys.len() as u64;
+        Ok(keys)
+    }
+
+    /// Groups of the session held here with a member on `dead`, at most `max`, with their
+    /// parity: what the owner reconstructs the dead server's pages from.
+    pub fn groups_with_member_on(
+        &self,
+        h: SessionHandle,
+        dead: SocketAddr,
+        max: usize,
+    ) -> Vec<GroupRecord<'_>> {
+        match self.sessions.get(h.slot as usize) {
+            Some(s) if s.live && s.generation == h.generation => {}
+            _ => return Vec::new(),
+        }
+        let Some(&dead) = self.parity.addr_ids.get(&dead) else {
+            return Vec::new();
+        };
+        self.parity
+            .groups
+            .iter()
+            .filter(|((slot, _), g)| *slot == h.slot && g.members.iter().any(|m| m.0 == dead))
+            .take(max)
+            .map(|((_, id), g)| GroupRecord {
+                group: *id,
+                members: g
+                    .members
+                    .iter()
+                    .map(|&(s, key, version)| Member {
+                        server: self.parity.addrs[usize::from(s)],
+                        key,
+                        version,
+                    })
+                    .collect(),
+                record: Record {
+                    version: g.version,
+                    crc: g.crc,
+                    flags: g.flags,
+                    data: self.frame(g.frame),
+                },
+            })
+            .collect()
+    }
+
+    /// Every group held here, for checkers: owner, group id, members and parity.
+    pub fn held_groups(&self) -> Vec<(Owner, u64, Vec<Member>, Record<'_>)> {
+        self.parity
+            .groups
+            .iter()
+            .map(|(&(slot, id), g)| {
+                let s = &self.sessions[slot as usize];
+                (
+                    Owner {
+                        node: s.node,
+                        incarnation: s.incarnation,
+                        session: s.id,
+                    },
+                    id,
+                    g.members
+                        .iter()
+                        .map(|&(s, key, version)| Member {
+                            server: self.parity.addrs[usize::from(s)],
+                            key,
+                            version,
+                        })
+                        .collect(),
+                    Record {
+                        version: g.version,
+                        crc: g.crc,
+                        flags: g.flags,
+                        data: self.frame(g.frame),
+                    },
+                )
+            })
+            .collect()
+    }
+}

@@ -1,0 +1,390 @@
+//! Dynamic parity across a few stores wired together by hand: the request logic of
+//! [`crate::serve`] on every node, deltas carried from member servers to holders the way the
+//! daemon and the simulator carry them, and reconstructions checked against what was written.
+
+use crate::serve::{finish_forward, handle_request, store_stats, DeltaOutcome, Outcome};
+use crate::{SessionHandle, Store, StoreConfig};
+use netram_proto::{
+    decode_reply, DeleteStatus, DeltaStatus, ErrorCode, GetResult, Member, OwnedRecord, Page,
+    PageKey, ParityOp, PutStatus, Record, Reply, Request, PAGE_SIZE,
+};
+use std::collections::HashSet;
+use std::net::SocketAddr;
+
+struct Node {
+    addr: SocketAddr,
+    store: Store<Vec<u8>>,
+    /// The client's session here.
+    h: SessionHandle,
+}
+
+/// Five servers, one client with a session on each; `down` servers do not answer deltas.
+struct Cluster {
+    nodes: Vec<Node>,
+    down: HashSet<usize>,
+    next_id: u64,
+}
+
+fn addr(i: usize) -> SocketAddr {
+    SocketAddr::from(([10, 0, 0, i as u8 + 1], 7077))
+}
+
+fn data(b: u8) -> Vec<u8> {
+    (0..PAGE_SIZE).map(|i| b.wrapping_add(i as u8)).collect()
+}
+
+fn key(p: u64) -> PageKey {
+    PageKey::new(1, p)
+}
+
+impl Cluster {
+    fn new() -> Self {
+        let nodes = (0..5)
+            .map(|i| {
+                let mut store = Store::new(vec![0u8; 64 * PAGE_SIZE], StoreConfig::default());
+                let h = store.open_session(7, 1, 1, 0).unwrap();
+                // The servers' own sessions at each other, which deltas travel on.
+                store.open_session(100 + i as u64, 1, 1, 0).unwrap();
+                Node {
+                    addr: addr(i),
+                    store,
+                    h,
+                }
+            })
+            .collect();
+        Self {
+            nodes,
+            down: HashSet::new(),
+            next_id: 1,
+        }
+    }
+
+    fn index(&self, a: SocketAddr) -> usize {
+        self.nodes.iter().position(|n| n.addr == a).unwrap()
+    }
+
+    /// Runs a request of the client on node `i`, carrying deltas to holders; returns the reply.
+    fn request(&mut self, i: usize, req: Request<'_>) -> Vec<u8> {
+        let id = self.next_id;
+        self.next_id += 1;
+        let mut out = Vec::new();
+        let h = self.nodes[i].h;
+        let o = handle_request(
+            &mut self.nodes[i].store,
+            h,
+            id,
+            req,
+            0,
+            0,
+            &mut out,
+            store_stats,
+        );
+        if let Outcome::Forward(fwd) = o {
+            let outcomes: Vec<DeltaOutcome> = fwd
+                .deltas
+                .iter()
+                .map(|(holder, d)| {
+                    let j = self.index(*holder);
+                    if self.down.contains(&j) {
+                        return DeltaOutcome::Unreachable;
+                    }
+                    match self.nodes[j].store.apply_delta(&d.as_delta()) {
+                        DeltaStatus::Applied => DeltaOutcome::Applied,
+                        DeltaStatus::UnknownGroup | DeltaStatus::Stale => {
+                            DeltaOutcome::UnknownGroup
+                        }
+                    }
+                })
+                .collect();
+            finish_forward(&mut self.nodes[i].store, h, fwd, &outcomes, 0, 0, &mut out);
+        }
+        out
+    }
+
+    fn put(&mut self, i: usize, p: u64, version: u32, b: u8, op: ParityOp) -> PutStatus {
+        let d = data(b);
+        let page = Page::seal(key(p), version, &d);
+        let out = self.request(i, Request::PutParity(vec![(page, op)]));
+        match decode_reply(&out).unwrap().1 {
+            Reply::Put { status, .. } => status[0],
+            r => panic!("{r:?}"),
+        }
+    }
+
+    fn delete(&mut self, i: usize, p: u64) -> DeleteStatus {
+        let out = self.request(i, Request::Delete(vec![key(p)]));
+        match decode_reply(&out).unwrap().1 {
+            Reply::Delete { status, .. } => status[0],
+            r => panic!("{r:?}"),
+        }
+    }
+
+    fn record(&mut self, i: usize, p: u64) -> OwnedRecord {
+        let out = self.request(i, Request::Get(vec![key(p)]));
+        let mut r = OwnedRecord::default();
+        match decode_reply(&out).unwrap().1 {
+            Reply::Get { pages, .. } => match pages[0] {
+                GetResult::Found(page) => r.xor(&Record::of(&page)),
+                m => panic!("{m:?}"),
+            },
+            r => panic!("{r:?}"),
+        }
+        r
+    }
+
+    /// Ships the parity of `members` ((node, page)) to `holder` as `group`.
+    fn ship(&mut self, holder: usize, group: u64, max: u8, members: &[(usize, u64)]) -> PutStatus {
+        let mut parity = OwnedRecord::default();
+        for &(i, p) in members {
+            let r = self.record(i, p);
+            parity.xor(&r.as_record());
+        }
+        let members = members
+            .iter()
+            .map(|&(i, p)| Member {
+                server: addr(i),
+                key: key(p),
+                version: self.record(i, p).version,
+            })
+            .collect();
+        let out = self.request(
+            holder,
+            Request::ParityShip {
+                group,
+                max_members: max,
+                members,
+                record: parity.as_record(),
+            },
+        );
+        match decode_reply(&out).unwrap().1 {
+            Reply::Put { status, .. } => status[0],
+            r => panic!("{r:?}"),
+        }
+    }
+
+    /// Rebuilds the page that `dead` held from the group `holder` reports and the survivors,
+    /// as the owner does after a crash; returns the page's data and version.
+    fn reconstruct(&mut self, holder: usize, dead: usize) -> (PageKey, u32, Vec<u8>) {
+        let out = self.request(
+            holder,
+            Request::ParityScan {
+                dead: addr(dead),
+                max: 10,
+            },
+        );
+        let Reply::ParityScan { groups, .. } = decode_reply(&out).unwrap().1 else {
+            panic!()
+        };
+        assert_eq!(groups.len(), 1, "one group has a member on the dead server");
+        let g = &groups[0];
+        let mut r = OwnedRecord::default();
+        r.xor(&g.record);
+        let mut lost = None;
+        for m in &g.members {
+            if m.server == addr(dead) {
+                lost = Some(m.key);
+                continue;
+            }
+            let other = self.record(self.index(m.server), m.key.page);
+            r.xor(&other.as_record());
+        }
+        let k = lost.unwrap();
+        let page = r.as_record().page(k);
+        assert!(page.verify(), "the reconstruction carries a valid checksum");
+        (k, page.version, page.data.to_vec())
+    }
+
+    fn check(&self) {
+        for n in &self.nodes {
+            n.store.check_invariants();
+            assert_eq!(n.store.counters().parity_groups_inconsistent, 0);
+        }
+    }
+}
+
+fn join(holder: usize, group: u64) -> ParityOp {
+    ParityOp::Join {
+        holder: addr(holder),
+        group,
+    }
+}
+
+#[test]
+fn overwrites_reach_the_holder_and_a_lost_member_is_rebuilt() {
+    let mut c = Cluster::new();
+    for (i, p) in [(0, 10), (1, 11), (2, 12)] {
+        assert_eq!(c.put(i, p, 1, p as u8, join(3, 5)), PutStatus::Stored);
+    }
+    assert_eq!(
+        c.ship(3, 5, 4, &[(0, 10), (1, 11), (2, 12)]),
+        PutStatus::Stored
+    );
+    // Overwrite in place: node 1 sends old ⊕ new to node 3 before it answers.
+    assert_eq!(c.put(1, 11, 2, 99, ParityOp::Keep), PutStatus::Stored);
+    assert_eq!(c.nodes[3].store.counters().parity_deltas_applied, 1);
+    for dead in 0..3 {
+        let (k, v, d) = c.reconstruct(3, dead);
+        let want = [(10, 1, 10u8), (11, 2, 99), (12, 1, 12)][dead];
+        assert_eq!(
+            (k.page, v, d),
+            (want.0, want.1, data(want.2)),
+            "member on {dead}"
+        );
+    }
+    // Garbage collection takes a page out of its group; the others still rebuild.
+    assert_eq!(c.delete(0, 10), DeleteStatus::Deleted);
+    let (k, v, d) = c.reconstruct(3, 2);
+    assert_eq!((k.page, v, d), (12, 1, data(12)));
+    // A holder that cannot be told: nothing changes, the client learns why.
+    c.down.insert(3);
+    assert_eq!(
+        c.put(2, 12, 2, 50, ParityOp::Keep),
+        PutStatus::HolderUnreachable
+    );
+    assert_eq!(c.delete(2, 12), DeleteStatus::HolderUnreachable);
+    assert_eq!(c.record(2, 12).data[..], data(12)[..]);
+    // Once the owner declares the holder dead, the scan hands back its orphans, untagged.
+    let out = c.request(
+        2,
+        Request::ParityScan {
+            dead: addr(3),
+            max: 10,
+        },
+    );
+    let Reply::ParityScan {
+        orphans, groups, ..
+    } = decode_reply(&out).unwrap().1
+    else {
+        panic!()
+    };
+    assert_eq!((orphans, groups.len()), (vec![key(12)], 0));
+    assert_eq!(c.put(2, 12, 2, 50, ParityOp::Keep), PutStatus::Unprotected);
+    assert_eq!(c.delete(2, 12), DeleteStatus::Deleted);
+    c.check();
+}
+
+#[test]
+fn small_groups_merge_and_old_ids_still_reach_them() {
+    let mut c = Cluster::new();
+    for (i, p) in [(0, 1), (1, 2)] {
+        c.put(i, p, 1, p as u8, join(4, 100));
+    }
+    for (i, p) in [(2, 3), (3, 4)] {
+        c.put(i, p, 1, p as u8, join(4, 200));
+    }
+    c.ship(4, 100, 4, &[(0, 1), (1, 2)]);
+    c.ship(4, 200, 4, &[(2, 3), (3, 4)]);
+    let held = &c.nodes[4].store;
+    assert_eq!(held.counters().parity_groups_merged, 1);
+    assert_eq!(held.held_groups().len(), 1);
+    assert_eq!(held.stored_pages(), 1, "one parity frame for both");
+    // A member tagged with the absorbed group's id still updates the merged parity.
+    c.put(2, 3, 2, 77, ParityOp::Keep);
+    c.put(0, 1, 2, 66, ParityOp::Keep);
+    assert_eq!(c.reconstruct(4, 2).2, data(77));
+    assert_eq!(c.reconstruct(4, 0).2, data(66));
+    assert_eq!(c.reconstruct(4, 3).2, data(4));
+    // A page that joins another group leaves its old one first.
+    assert_eq!(c.put(3, 4, 2, 40, join(0, 300)), PutStatus::Stored);
+    assert_eq!(c.nodes[4].store.held_groups()[0].2.len(), 3);
+    for (i, p) in [(0, 1), (1, 2), (2, 3)] {
+        assert_eq!(c.delete(i, p), DeleteStatus::Deleted);
+    }
+    let held = &c.nodes[4].store;
+    assert_eq!(held.counters().parity_groups_freed, 1);
+    assert_eq!(held.stored_pages(), 0, "the emptied group's frame is free");
+    c.check();
+}
+
+#[test]
+fn groups_that_share_a_server_do_not_merge() {
+    let mut c = Cluster::new();
+    c.put(0, 1, 1, 1, join(4, 1));
+    c.put(0, 2, 1, 2, join(4, 2));
+    c.ship(4, 1, 4, &[(0, 1)]);
+    c.ship(4, 2, 4, &[(0, 2)]);
+    assert_eq!(c.nodes[4].store.held_groups().len(), 2);
+    c.check();
+}
+
+#[test]
+fn a_key_twice_in_one_parity_put_is_refused_and_changes_nothing() {
+    let mut c = Cluster::new();
+    let d = data(1);
+    let p = Page::seal(key(1), 1, &d);
+    let out = c.request(
+        0,
+        Request::PutParity(vec![(p, ParityOp::Keep), (p, join(1, 1))]),
+    );
+    match decode_reply(&out).unwrap().1 {
+        Reply::Error { code, .. } => assert_eq!(code, ErrorCode::BadRequest),
+        r => panic!("{r:?}"),
+    }
+    assert_eq!(c.nodes[0].store.stored_pages(), 0);
+}
+
+#[test]
+fn a_holder_whose_owner_session_ended_forgets_its_groups() {
+    let mut c = Cluster::new();
+    c.put(0, 1, 1, 1, join(4, 1));
+    c.ship(4, 1, 4, &[(0, 1)]);
+    let h = c.nodes[4].h;
+    c.nodes[4].store.close(h).unwrap();
+    assert!(c.nodes[4].store.held_groups().is_empty());
+    // The member's server hears that the group is gone and stores the page outside any group.
+    assert_eq!(c.put(0, 1, 2, 9, ParityOp::Keep), PutStatus::Unprotected);
+    assert!(!c.nodes[0].store.tagged(c.nodes[0].h, key(1)));
+    c.check();
+}
+
+#[test]
+fn a_repeated_delta_is_answered_without_being_applied_twice() {
+    let mut c = Cluster::new();
+    for (i, p) in [(0, 1), (1, 2)] {
+        c.put(i, p, 1, p as u8, join(2, 9));
+    }
+    c.ship(2, 9, 4, &[(0, 1), (1, 2)]);
+    // Node 0 works out the overwrite's delta; it reaches the holder twice (an answer was lost
+    // and the sender tried again).
+    let d = data(50);
+    let page = Page::seal(key(1), 2, &d);
+    let h = c.nodes[0].h;
+    let mut out = Vec::new();
+    let req = Request::PutParity(vec![(page, ParityOp::Keep)]);
+    let Outcome::Forward(fwd) = handle_request(
+        &mut c.nodes[0].store,
+        h,
+        1,
+        req,
+        0,
+        0,
+        &mut out,
+        store_stats,
+    ) else {
+        panic!("an overwrite of a member waits for its holder")
+    };
+    let owned = fwd.deltas[0].1.clone();
+    let delta = owned.as_delta();
+    assert_eq!(c.nodes[2].store.apply_delta(&delta), DeltaStatus::Applied);
+    assert_eq!(c.nodes[2].store.apply_delta(&delta), DeltaStatus::Applied);
+    assert_eq!(c.nodes[2].store.counters().parity_deltas_repeated, 1);
+    finish_forward(
+        &mut c.nodes[0].store,
+        h,
+        fwd,
+        &[DeltaOutcome::Applied],
+        0,
+        0,
+        &mut out,
+    );
+    assert_eq!(c.reconstruct(2, 0).2, data(50));
+    // A delta from a version the parity does not cover is refused and marks the group.
+    let stale = netram_proto::Delta {
+        from: 7,
+        to: 8,
+        ..delta
+    };
+    assert_eq!(c.nodes[2].store.apply_delta(&stale), DeltaStatus::Stale);
+    assert_eq!(c.nodes[2].store.counters().parity_deltas_stale, 1);
+    c.check();
+}
