@@ -253,8 +253,9 @@ impl TcpTransport {
 
 /// Connects to one server; a failure gives a connection that starts out broken.
 fn open_conn(name: String, cfg: &ClientConfig) -> Conn {
+    let addr = resolve(&name).ok();
     let result = resolve(&name).and_then(|a| handshake(a, cfg));
-    let (reader, shared, info) = match result {
+    let (reader, shared, mut info) = match result {
         Ok((stream, w)) => {
             let setup = stream
                 .set_read_timeout(Some(cfg.reply_timeout))
@@ -269,6 +270,7 @@ fn open_conn(name: String, cfg: &ClientConfig) -> Conn {
                     })),
                     ServerInfo {
                         name,
+                        addr: None,
                         window: w.window,
                         capacity_pages: w.capacity_pages,
                         free_pages: w.free_pages,
@@ -286,6 +288,7 @@ fn open_conn(name: String, cfg: &ClientConfig) -> Conn {
             (None, None, dead_info(name, reason))
         }
     };
+    info.addr = addr;
     Conn {
         broken: info
             .connected
@@ -305,6 +308,7 @@ fn open_conn(name: String, cfg: &ClientConfig) -> Conn {
 fn dead_info(name: String, reason: String) -> ServerInfo {
     ServerInfo {
         name,
+        addr: None,
         window: 1,
         capacity_pages: 0,
         free_pages: 0,

@@ -73,6 +73,7 @@ impl Transport for MemCluster {
             .enumerate()
             .map(|(i, s)| ServerInfo {
                 name: format!("mem{i}"),
+                addr: Some(std::net::SocketAddr::from(([10, 0, 0, i as u8 + 1], 7077))),
                 window: self.window,
                 capacity_pages: s.store.capacity_pages(),
                 free_pages: s.store.free_pages(),

@@ -10,6 +10,9 @@ use std::collections::HashMap;
 pub struct ServerInfo {
     /// How the server is named in errors and logs (its address).
     pub name: String,
+    /// The address other servers reach it at: dynamic parity names holders and members by it.
+    /// `None` when the name did not resolve.
+    pub addr: Option<std::net::SocketAddr>,
     /// Requests the server lets this client have outstanding.
     pub window: u32,
     pub capacity_pages: u64,

@@ -105,6 +105,16 @@ pub struct Owner {
     pub session: u64,
 }
 
+impl Owner {
+    /// How an owner names itself in a delta it sends (taking a rebuilt page out of its group):
+    /// the holder reads it as the session the delta came on.
+    pub const SELF: Owner = Owner {
+        node: 0,
+        incarnation: 0,
+        session: 0,
+    };
+}
+
 /// The XOR-able image of a stored page (or of a parity page: the XOR of its members' images).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Record<'a> {

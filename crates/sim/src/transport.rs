@@ -39,6 +39,7 @@ impl SimTransport {
                     conns.push(None);
                     infos.push(ServerInfo {
                         name: format!("sim{s}"),
+                        addr: Some(crate::world::server_addr(s)),
                         window: 1,
                         capacity_pages: 0,
                         free_pages: 0,

@@ -345,6 +345,7 @@ impl World {
             .map_err(|e| format!("handshake refused: {e}"))?;
         let info = ServerInfo {
             name: format!("sim{server}"),
+            addr: Some(server_addr(server)),
             window: WINDOW,
             capacity_pages: s.store.capacity_pages(),
             free_pages: s.store.free_pages(),

@@ -231,6 +231,25 @@ fn overwrites_reach_the_holder_and_a_lost_member_is_rebuilt() {
             "member on {dead}"
         );
     }
+    // The owner takes a rebuilt page out of its group itself, naming itself as SELF.
+    let (k, v, d) = c.reconstruct(3, 1);
+    let mut record = OwnedRecord::default();
+    record.xor(&Record::of(&Page::seal(k, v, &d)));
+    let removal = netram_proto::Delta {
+        owner: netram_proto::Owner::SELF,
+        group: 5,
+        key: k,
+        from: v,
+        to: v,
+        remove: true,
+        record: record.as_record(),
+    };
+    let out = c.request(3, Request::ParityDelta(vec![removal]));
+    match decode_reply(&out).unwrap().1 {
+        Reply::ParityDelta { status, .. } => assert_eq!(status, vec![DeltaStatus::Applied]),
+        r => panic!("{r:?}"),
+    }
+    assert_eq!(c.nodes[3].store.held_groups()[0].2.len(), 2);
     // Garbage collection takes a page out of its group; the others still rebuild.
     assert_eq!(c.delete(0, 10), DeleteStatus::Deleted);
     let (k, v, d) = c.reconstruct(3, 2);

@@ -184,7 +184,18 @@ pub fn handle_request<A: AsRef<[u8]> + AsMut<[u8]>>(
             Err(_) => expired(store, out),
         },
         Request::ParityDelta(deltas) => {
-            let status = deltas.iter().map(|d| store.apply_delta(d)).collect();
+            if store.refresh(h, now_ms).is_err() {
+                expired(store, out);
+                return Outcome::Open;
+            }
+            let me = store.owner(h);
+            let status = deltas
+                .iter()
+                .map(|d| {
+                    let owner = if d.owner == Owner::SELF { me } else { d.owner };
+                    store.apply_delta(&Delta { owner, ..*d })
+                })
+                .collect();
             Reply::ParityDelta {
                 load: load(store),
                 status,
