@@ -36,7 +36,7 @@ pub use message::{
 };
 pub use page::{page_checksum, Page, PageFlags, PageKey, ENVELOPE_LEN, TAG_LEN};
 pub use parity::{
-    Delta, DeltaStatus, GroupRecord, Member, OwnedRecord, Owner, ParityOp, Record,
+    Delta, DeltaKind, DeltaStatus, GroupRecord, Member, OwnedRecord, Owner, ParityOp, Record,
     MAX_GROUP_MEMBERS,
 };
 

@@ -730,7 +730,7 @@ mod tests {
             parts in prop::collection::vec((page_parts(), prop::option::of((addr(), any::<u64>()))), 0..6),
             members in prop::collection::vec(member(), 0..=crate::MAX_GROUP_MEMBERS),
             owner in (any::<u64>(), any::<u64>(), any::<u64>()),
-            group: u64, n: u8, byte: u8, remove: bool, dead in addr(), max: u32, id: u64,
+            group: u64, n: u8, byte: u8, kind in 0u8..3, dead in addr(), max: u32, id: u64,
         ) {
             let datas: Vec<Vec<u8>> = parts.iter().map(|p| vec![p.0.5; PAGE_SIZE]).collect();
             let pages = parts.iter().zip(&datas).map(|((p, join), d)| {
@@ -745,7 +745,8 @@ mod tests {
             let record = Record { version: group as u32, crc: max, flags: n.into(), data: &data };
             roundtrip_request(&Request::ParityShip { group, max_members: n, members: members.clone(), record }, id);
             let owner = Owner { node: owner.0, incarnation: owner.1, session: owner.2 };
-            let deltas = members.iter().map(|m| Delta { owner, group, key: m.key, from: m.version, to: max, remove, record }).collect();
+            let kind = [crate::DeltaKind::Update, crate::DeltaKind::Remove, crate::DeltaKind::Drop][kind as usize];
+            let deltas = members.iter().map(|m| Delta { owner, group, key: m.key, from: m.version, to: max, kind, record }).collect();
             roundtrip_request(&Request::ParityDelta(deltas), id);
             roundtrip_request(&Request::ParityScan { dead, max }, id);
         }

@@ -283,10 +283,22 @@ pub struct Delta<'a> {
     pub key: PageKey,
     pub from: u32,
     pub to: u32,
-    /// The member leaves the group: `record` is its last image (garbage collection, a page
-    /// moving to another group, a reconstructed page). Otherwise `record` is old ⊕ new.
-    pub remove: bool,
+    pub kind: DeltaKind,
     pub record: Record<'a>,
+}
+
+/// What a delta does to its member.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub enum DeltaKind {
+    /// An overwrite: `record` is old ⊕ new.
+    Update = 0,
+    /// The member leaves the group: `record` is its last image (garbage collection, a page
+    /// moving to another group, a reconstructed page).
+    Remove = 1,
+    /// The member leaves a group that could not rebuild it (more of the group was lost than the
+    /// parity covers): nothing is XORed, and the group is damaged from now on.
+    Drop = 2,
 }
 
 impl<'a> Delta<'a> {
@@ -298,7 +310,7 @@ impl<'a> Delta<'a> {
             .u64(self.owner.session)
             .u64(self.group);
         self.key.encode(w);
-        w.u32(self.from).u32(self.to).u8(self.remove.into());
+        w.u32(self.from).u32(self.to).u8(self.kind as u8);
         self.record.encode(w);
     }
     pub(crate) fn decode(r: &mut Reader<'a>) -> Result<Self, DecodeError> {
@@ -310,12 +322,13 @@ impl<'a> Delta<'a> {
         let group = r.u64()?;
         let key = PageKey::decode(r)?;
         let (from, to) = (r.u32()?, r.u32()?);
-        let remove = match r.u8()? {
-            0 => false,
-            1 => true,
+        let kind = match r.u8()? {
+            0 => DeltaKind::Update,
+            1 => DeltaKind::Remove,
+            2 => DeltaKind::Drop,
             v => {
                 return Err(DecodeError::BadValue {
-                    field: "delta remove flag",
+                    field: "delta kind",
                     value: v.into(),
                 })
             }
@@ -326,7 +339,7 @@ impl<'a> Delta<'a> {
             key,
             from,
             to,
-            remove,
+            kind,
             record: Record::decode(r)?,
         })
     }

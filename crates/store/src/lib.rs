@@ -202,6 +202,8 @@ counters! {
     parity_deltas_stale,
     /// Groups freed when their last member left.
     parity_groups_freed,
+    /// Members dropped by their owner from a group that could not rebuild them.
+    parity_members_dropped,
     /// Damaged groups (see `parity_deltas_stale`) freed.
     parity_groups_damaged,
     /// Groups whose parity was not zero when their last member left: a delta was lost or

@@ -18,7 +18,8 @@
 
 use crate::{pack, SessionHandle, Store, StoreError, PAGE_NUMBER_MAX};
 use netram_proto::{
-    Delta, DeltaStatus, GroupRecord, Member, Owner, PageKey, PutStatus, Record, PAGE_SIZE,
+    Delta, DeltaKind, DeltaStatus, GroupRecord, Member, Owner, PageKey, PutStatus, Record,
+    PAGE_SIZE,
 };
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -230,9 +231,10 @@ impl<A: AsRef<[u8]> + AsMut<[u8]>> Store<A> {
             key,
             from,
             to,
-            remove,
+            kind,
             ref record,
         } = *d;
+        let remove = kind != DeltaKind::Update;
         let slot = self.sessions.iter().position(|s| {
             s.live
                 && s.node == owner.node
@@ -253,6 +255,17 @@ impl<A: AsRef<[u8]> + AsMut<[u8]>> Store<A> {
             return DeltaStatus::UnknownGroup;
         }
         let member = g.members.iter().position(|m| m.1 == key);
+        if kind == DeltaKind::Drop {
+            if let Some(i) = member {
+                g.members.swap_remove(i);
+                g.damaged = true;
+                self.counters.parity_members_dropped += 1;
+                if g.members.is_empty() {
+                    self.free_group(slot, id);
+                }
+            }
+            return DeltaStatus::Applied;
+        }
         match member.map(|i| g.members[i].2) {
             // Already gone: a repeated removal.
             None if remove => {
@@ -324,7 +337,8 @@ impl<A: AsRef<[u8]> + AsMut<[u8]>> Store<A> {
         let (n, max) = (g.members.len(), usize::from(g.max_members));
         let small = self.parity.small.entry(slot).or_default();
         small.retain(|&s| s != id);
-        if n * 2 > max {
+        if n * 2 > max || g.damaged {
+            // A damaged group's parity would damage its partner.
             return;
         }
         let partner = small
@@ -334,7 +348,8 @@ impl<A: AsRef<[u8]> + AsMut<[u8]>> Store<A> {
             .copied()
             .find(|&o| {
                 self.parity.groups.get(&(slot, o)).is_some_and(|og| {
-                    og.members.len() + n <= max
+                    !og.damaged
+                        && og.members.len() + n <= max
                         && og
                             .members
                             .iter()

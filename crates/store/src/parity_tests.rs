@@ -241,7 +241,7 @@ fn overwrites_reach_the_holder_and_a_lost_member_is_rebuilt() {
         key: k,
         from: v,
         to: v,
-        remove: true,
+        kind: netram_proto::DeltaKind::Remove,
         record: record.as_record(),
     };
     let out = c.request(3, Request::ParityDelta(vec![removal]));
@@ -405,5 +405,34 @@ fn a_repeated_delta_is_answered_without_being_applied_twice() {
     };
     assert_eq!(c.nodes[2].store.apply_delta(&stale), DeltaStatus::Stale);
     assert_eq!(c.nodes[2].store.counters().parity_deltas_stale, 1);
+    c.check();
+}
+
+#[test]
+fn a_dropped_member_damages_its_group_which_then_never_merges_or_counts_as_inconsistent() {
+    let mut c = Cluster::new();
+    for (i, p) in [(0, 1), (1, 2)] {
+        c.put(i, p, 1, p as u8, join(4, 1));
+    }
+    c.ship(4, 1, 4, &[(0, 1), (1, 2)]);
+    let zero = OwnedRecord::default();
+    let drop = netram_proto::Delta {
+        owner: netram_proto::Owner::SELF,
+        group: 1,
+        key: key(1),
+        from: 1,
+        to: 1,
+        kind: netram_proto::DeltaKind::Drop,
+        record: zero.as_record(),
+    };
+    c.request(4, Request::ParityDelta(vec![drop]));
+    assert_eq!(c.nodes[4].store.counters().parity_members_dropped, 1);
+    // A small healthy group on other servers does not merge into it.
+    c.put(2, 3, 1, 3, join(4, 2));
+    c.ship(4, 2, 4, &[(2, 3)]);
+    assert_eq!(c.nodes[4].store.held_groups().len(), 2);
+    assert_eq!(c.delete(1, 2), DeleteStatus::Deleted);
+    let counters = c.nodes[4].store.counters();
+    assert_eq!(counters.parity_groups_damaged, 1);
     c.check();
 }

@@ -11,9 +11,9 @@
 
 use crate::{SessionHandle, Store};
 use netram_proto::{
-    begin_get_reply, get_reply_found, get_reply_missing, Counter, DeleteStatus, Delta, ErrorCode,
-    Load, OwnedRecord, Owner, PageFlags, PageKey, ParityOp, PutStatus, Record, Reply, Request,
-    MAX_BATCH,
+    begin_get_reply, get_reply_found, get_reply_missing, Counter, DeleteStatus, Delta, DeltaKind,
+    ErrorCode, Load, OwnedRecord, Owner, PageFlags, PageKey, ParityOp, PutStatus, Record, Reply,
+    Request, MAX_BATCH,
 };
 use std::net::SocketAddr;
 
@@ -45,7 +45,7 @@ pub struct OwnedDelta {
     pub key: PageKey,
     pub from: u32,
     pub to: u32,
-    pub remove: bool,
+    pub kind: DeltaKind,
     pub record: OwnedRecord,
 }
 
@@ -57,7 +57,7 @@ impl OwnedDelta {
             key: self.key,
             from: self.from,
             to: self.to,
-            remove: self.remove,
+            kind: self.kind,
             record: self.record.as_record(),
         }
     }
@@ -330,7 +330,7 @@ fn removal<A: AsRef<[u8]> + AsMut<[u8]>>(
             key,
             from: old.version,
             to: old.version,
-            remove: true,
+            kind: DeltaKind::Remove,
             record,
         },
     ));
@@ -384,7 +384,7 @@ fn plan_put<'a, A: AsRef<[u8]> + AsMut<[u8]>>(
                         key: p.key,
                         from: old.version,
                         to: p.version,
-                        remove: false,
+                        kind: DeltaKind::Update,
                         record,
                     },
                 ));
