@@ -30,6 +30,7 @@
 //! disk copy with `cluster+disk` backing or fail with [`PagerError::Lost`] naming the server and
 //! the pages. A page whose checksum or version does not match is never returned as data.
 
+mod parity;
 mod recovery;
 mod stripe;
 mod table;
@@ -41,6 +42,7 @@ pub use netram_policy::redundancy::Scheme;
 use netram_proto::{
     DeleteStatus, ErrorCode, GetResult, Page, PageKey, PutStatus, Reply, Request, PAGE_SIZE,
 };
+use parity::PutOp;
 use std::collections::{BTreeSet, HashMap};
 use std::fmt;
 use table::{Entry, Servers, Table};
@@ -242,6 +244,18 @@ counters! {
     pages_rebuilt,
     /// Pages that recovery found without any surviving copy.
     pages_unrecoverable,
+    /// Parity groups opened, shipped to their holders, and failed to ship (their members
+    /// joined other groups).
+    parity_groups_opened,
+    parity_ships,
+    parity_groups_shipped,
+    parity_ships_failed,
+    /// Pages that joined a new group where they were (their old group was gone).
+    parity_rejoins,
+    /// Members rebuilt from their group's parity and the survivors.
+    parity_members_rebuilt,
+    /// Pages protected again after their parity holder died or their group was damaged.
+    parity_reprotected,
 }
 
 /// One page of a batched GET: where its data goes. `pos` is the page's place in the caller's
@@ -282,6 +296,8 @@ struct Writeback {
     keep: Servers,
     /// A recovery's write: counted as a rebuilt page when whole.
     rebuild: bool,
+    /// Under parity: the page joins a new group even where it is (its old one is gone).
+    join: bool,
 }
 
 /// One page of a batched PUT: its data is in `slot` until the server acknowledges it.
@@ -293,6 +309,8 @@ struct PutItem {
     version: u32,
     key: PageKey,
     piece: u8,
+    /// What the PUT does to the page's parity group.
+    op: PutOp,
 }
 
 /// What a request in flight is for. GETs and PUTs carry up to `batch_max` pages in one frame.
@@ -301,6 +319,14 @@ enum Op {
     Get(Vec<GetItem>),
     Put(Vec<PutItem>),
     Delete,
+    /// A parity pager's DELETE: keys the server could not delete (their holder could not be
+    /// told) are tried again later.
+    Gc(Vec<PageKey>),
+    /// A parity page to its holder (the open group's id).
+    Ship(u64),
+    /// Deltas the owner sends itself (rebuilt members leaving their groups).
+    Delta,
+    Scan,
 }
 
 impl Op {
@@ -310,7 +336,7 @@ impl Op {
         match self {
             Op::Get(items) => items.len().max(1) as u32,
             Op::Put(items) => items.len() as u32,
-            Op::Delete => 1,
+            Op::Delete | Op::Gc(_) | Op::Ship(_) | Op::Delta | Op::Scan => 1,
         }
     }
 }
@@ -377,6 +403,8 @@ pub struct Pager<T: Transport, D: Disk> {
     fetched: Vec<(u64, u32)>,
     /// Reed-Solomon stripes, for an `rs:K+M` pager.
     rs: Option<Box<stripe::Rs>>,
+    /// Open parity groups and recovery state, for a `parity:N` pager.
+    par: Option<Box<parity::Par>>,
     /// Reads whose piece is out of reach, to be decoded from the rest of their stripe.
     reconstruct: Vec<GetItem>,
     inflight: Inflight,
@@ -416,7 +444,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                 let rs = stripe::Rs::new(usize::from(data), usize::from(parity), cfg.pages);
                 (1, Some(Box::new(rs)))
             }
-            other => panic!("redundancy {other} is not implemented by the pager yet"),
+            Scheme::Parity { .. } => (1, None),
         };
         let batch_max = cfg
             .batch_max
@@ -454,6 +482,24 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             retry: Vec::new(),
             fetched: Vec::new(),
             rs,
+            par: match cfg.redundancy {
+                Scheme::Parity { group } => {
+                    let addrs = servers
+                        .iter()
+                        .map(|s| {
+                            s.info.addr.unwrap_or_else(|| {
+                                panic!("parity needs every server's address ({})", s.info.name)
+                            })
+                        })
+                        .collect();
+                    Some(Box::new(parity::Par::new(
+                        usize::from(group),
+                        addrs,
+                        cfg.seed,
+                    )))
+                }
+                _ => None,
+            },
             reconstruct: Vec::new(),
             inflight: Inflight {
                 ops: HashMap::default(),
@@ -488,6 +534,9 @@ impl<T: Transport, D: Disk> Pager<T, D> {
     }
     /// Flushes nothing: gives back the transport, e.g. to close its sessions. Call
     /// [`Pager::flush`] first to keep dirty pages.
+    pub fn transport_mut(&mut self) -> &mut T {
+        &mut self.transport
+    }
     pub fn into_transport(self) -> T {
         self.transport
     }
@@ -574,7 +623,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                 .table
                 .pages_on(s)
                 .into_iter()
-                .filter(|_| self.rs.is_none())
+                .filter(|_| self.rs.is_none() && self.par.is_none())
             {
                 let mut holders = self.table.holders(page);
                 if holders.len() > 1 {
@@ -678,7 +727,9 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                     let slot = self.take_slot_for_read(out)?;
                     self.submit_get(server, page, slot, pos);
                 }
-                None if !e.on_disk && self.rs_reconstructible(page) => {
+                None if !e.on_disk
+                    && (self.rs_reconstructible(page) || self.par_reconstructible(page)) =>
+                {
                     let slot = self.take_slot_for_read(out)?;
                     let it = self.page_get_item(page, slot, pos);
                     self.reconstruct.push(it);
@@ -760,8 +811,10 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             self.send_all_batches();
             Ok(())
         } else {
-            // Written means stored: a stripe still open is sealed, full or not.
+            // Written means stored: a stripe still open is sealed, full or not, and an open
+            // parity group shipped.
             self.rs_seal()?;
+            self.par_seal(None)?;
             self.drain()
         }
     }
@@ -784,6 +837,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             self.write_back(page, copy)?;
         }
         self.rs_seal()?;
+        self.par_seal(None)?;
         self.drain()
     }
 
@@ -825,7 +879,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         for (s, keys) in deletes.into_iter().enumerate() {
             for chunk in keys.chunks(netram_proto::MAX_BATCH) {
                 self.counters.deletes += chunk.len() as u64;
-                self.submit(s, Op::Delete, &Request::Delete(chunk.to_vec()));
+                self.delete(s, chunk.to_vec());
             }
         }
         if self.cfg.cache_pages > 0 {
@@ -868,6 +922,12 @@ impl<T: Transport, D: Disk> Pager<T, D> {
     /// copy it is tried there, and a bad copy is dropped for recovery to rebuild; otherwise the
     /// disk copy, or the error.
     fn get_failed(&mut self, server: usize, it: GetItem, what: Option<&'static str>) {
+        if it.piece == parity::PARITY_READ {
+            // A survivor of a parity group, or a page to protect again: recovery looks at
+            // what came back.
+            self.par_read_failed(it.page, what == Some("checksum mismatch"));
+            return self.release_slot(it.slot);
+        }
         if it.piece != NOT_PIECE {
             // The pager's own read of a stripe's piece: its caller sees it missing.
             if let Some(what) = what {
@@ -877,6 +937,20 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         }
         if self.rs.is_some() {
             return self.rs_get_failed(server, it, what);
+        }
+        if self.par.is_some() && it.pos != INTERNAL {
+            if what == Some("checksum mismatch") && self.par_retry(it.page) {
+                self.retry.push(it);
+                return;
+            }
+            if self.par_reconstructible(it.page)
+                && self
+                    .alive_holder(it.page, &self.table.get(it.page).clone(), None)
+                    .is_none()
+            {
+                self.reconstruct.push(it);
+                return;
+            }
         }
         let e = *self.table.get(it.page);
         let mut holders = self.table.holders(it.page);
@@ -976,7 +1050,12 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                 self.submit_get_item(s, it);
                 continue;
             }
-            if self.rs_reconstruct(it.page, it.slot)? {
+            let rebuilt = if self.par.is_some() {
+                self.par_reconstruct(it.page, it.slot)?
+            } else {
+                self.rs_reconstruct(it.page, it.slot)?
+            };
+            if rebuilt {
                 self.reads_done.push(ReadDone {
                     pos: it.pos,
                     page: it.page,
@@ -1117,6 +1196,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                         refused: Servers::default(),
                         keep: Servers::default(),
                         rebuild: false,
+                        join: false,
                     },
                 );
                 if self.rs.is_some() {
@@ -1140,6 +1220,9 @@ impl<T: Transport, D: Disk> Pager<T, D> {
     /// other copy of it: its current holders first (an overwrite stays in place), then by
     /// placement. Settles the write-back when nothing is left in flight.
     fn place_copies(&mut self, page: u64) -> Result<(), PagerError> {
+        if self.par.is_some() {
+            return self.par_place(page);
+        }
         let mut wb = *self.writeback.get(&page).expect("page in write-back");
         let busy = |wb: &Writeback, s: usize| {
             wb.done.contains(s)
@@ -1173,6 +1256,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                 version: wb.version,
                 key,
                 piece: NOT_PIECE,
+                op: PutOp::Plain,
             });
             if self.batches[server].puts.len() >= self.cfg.batch_max {
                 full.push(server);
@@ -1247,7 +1331,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         for s in self.table.holders(page).iter() {
             if !holders.contains(s) && self.servers[s].alive {
                 self.counters.deletes += 1;
-                self.submit(s, Op::Delete, &Request::Delete(vec![self.key(page)]));
+                self.delete(s, vec![self.key(page)]);
             }
         }
         self.table.set_holders(page, holders);
@@ -1262,6 +1346,11 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             self.rs_seal()?;
         }
         while self.writeback.contains_key(&page) {
+            if self.par.as_deref().is_some_and(|p| p.is_open(page)) {
+                // Its group's parity has not gone out: it goes now, full or not (checked each
+                // time: a page may join a group while it waits).
+                self.par_seal(Some(page))?;
+            }
             self.complete_one()?;
         }
         Ok(())
@@ -1308,6 +1397,14 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             if let Some(s) = self.free_slots.pop() {
                 return Ok(s);
             }
+            if self.idle() && self.cache.is_empty() {
+                // Every slot waits in an open parity group: ship them.
+                self.par_seal(None)?;
+                if self.idle() {
+                    panic!("no slot free, cached or in flight");
+                }
+                continue;
+            }
             if self.idle() {
                 // Only cached slots remain: make room.
                 let (page, slot) = self.cache.pop_lru().expect("slots are cached or in flight");
@@ -1352,6 +1449,16 @@ impl<T: Transport, D: Disk> Pager<T, D> {
     // ------------------------------------------------------------------------------------------
     // Requests in flight
     // ------------------------------------------------------------------------------------------
+
+    /// Deletes copies on a server (a parity pager's deletes are tracked, see [`Op::Gc`]).
+    fn delete(&mut self, server: usize, keys: Vec<PageKey>) {
+        let req = Request::Delete(keys);
+        let op = match (&self.par, &req) {
+            (Some(_), Request::Delete(keys)) => Op::Gc(keys.clone()),
+            _ => Op::Delete,
+        };
+        self.submit(server, op, &req);
+    }
 
     fn key(&self, page: u64) -> PageKey {
         PageKey::new(self.cfg.region, page)
@@ -1417,14 +1524,31 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             // Sealed (checksummed) straight from the slots; the slots and the transport are
             // disjoint fields, so the pages are borrowed, not copied, until the frame is encoded.
             let slots = &self.slots;
-            let pages = items
-                .iter()
-                .map(|it| {
-                    let at = it.slot as usize * PAGE_SIZE;
-                    Page::seal(it.key, it.version, &slots[at..at + PAGE_SIZE])
-                })
-                .collect();
-            let sent = self.transport.send(server, id, &Request::Put(pages));
+            let seal = |it: &PutItem| {
+                let at = it.slot as usize * PAGE_SIZE;
+                Page::seal(it.key, it.version, &slots[at..at + PAGE_SIZE])
+            };
+            let req = if items.iter().all(|it| it.op == PutOp::Plain) {
+                Request::Put(items.iter().map(seal).collect())
+            } else {
+                let addrs = |h: u16| self.servers[usize::from(h)].info.addr.expect("checked");
+                Request::PutParity(
+                    items
+                        .iter()
+                        .map(|it| {
+                            let op = match it.op {
+                                PutOp::Join { group, holder } => netram_proto::ParityOp::Join {
+                                    holder: addrs(holder),
+                                    group,
+                                },
+                                _ => netram_proto::ParityOp::Keep,
+                            };
+                            (seal(it), op)
+                        })
+                        .collect(),
+                )
+            };
+            let sent = self.transport.send(server, id, &req);
             self.sent(server, id, op, sent);
         }
     }
@@ -1580,12 +1704,14 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             (Op::Put(items), Reply::Put { status, .. }) if status.len() == items.len() => {
                 for (it, st) in items.into_iter().zip(status) {
                     followups.push(match st {
-                        // Plain PUTs: the page is stored, and only parity pages have groups.
-                        PutStatus::Stored | PutStatus::Unprotected => Followup::Stored(it),
-                        PutStatus::HolderUnreachable => Followup::Dead(
-                            "a parity holder is unreachable for a page without parity".into(),
-                            Some(Op::Put(vec![it])),
-                        ),
+                        PutStatus::Stored => Followup::Stored(it),
+                        // Stored outside any group: it joins a new one.
+                        PutStatus::Unprotected if it.op != PutOp::Plain => {
+                            Followup::Unprotected(it)
+                        }
+                        PutStatus::Unprotected => Followup::Stored(it),
+                        // Nothing changed: the page goes elsewhere.
+                        PutStatus::HolderUnreachable => Followup::Refused(it),
                         PutStatus::Full => {
                             counters.puts_refused_full += 1;
                             Followup::Replace(it)
@@ -1595,6 +1721,45 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                             Some(Op::Put(vec![it])),
                         ),
                     });
+                }
+            }
+            (Op::Ship(id), Reply::Put { status, .. }) => {
+                followups.push(if status.first() == Some(&PutStatus::Stored) {
+                    Followup::Shipped(id)
+                } else {
+                    Followup::ShipFailed(id)
+                });
+            }
+            (Op::Delta, Reply::ParityDelta { .. }) => {}
+            (
+                Op::Scan,
+                Reply::ParityScan {
+                    groups, orphans, ..
+                },
+            ) => {
+                let groups = groups
+                    .iter()
+                    .map(|g| {
+                        let mut parity = netram_proto::OwnedRecord::default();
+                        parity.xor(&g.record);
+                        parity::ScannedGroup {
+                            group: g.group,
+                            members: g.members.clone(),
+                            parity,
+                        }
+                    })
+                    .collect();
+                followups.push(Followup::Scanned(groups, orphans.clone()));
+            }
+            (Op::Gc(keys), Reply::Delete { status, .. }) if status.len() == keys.len() => {
+                let stale: Vec<PageKey> = keys
+                    .iter()
+                    .zip(status)
+                    .filter(|(_, s)| **s == DeleteStatus::HolderUnreachable)
+                    .map(|(k, _)| *k)
+                    .collect();
+                if !stale.is_empty() {
+                    followups.push(Followup::Stale(stale));
                 }
             }
             (Op::Delete, Reply::Delete { status, .. }) => {
@@ -1623,6 +1788,18 @@ impl<T: Transport, D: Disk> Pager<T, D> {
     fn after_reply(&mut self, server: usize, f: Followup) -> Result<(), PagerError> {
         match f {
             Followup::GetFailed(it, what) => self.get_failed(server, it, Some(what)),
+            Followup::Stored(it) if it.op != PutOp::Plain => self.par_stored(it, server)?,
+            Followup::Replace(it) if it.op != PutOp::Plain => {
+                self.servers[server].load.free_pages = 0;
+                self.par_put_failed(it, server)?;
+            }
+            Followup::Refused(it) if it.op != PutOp::Plain => self.par_put_failed(it, server)?,
+            Followup::Refused(it) => self.copy_failed(it.page, server)?,
+            Followup::Unprotected(it) => self.par_unprotected(it, server)?,
+            Followup::Shipped(id) => self.par_shipped(id)?,
+            Followup::ShipFailed(id) => self.par_ship_failed(id)?,
+            Followup::Scanned(groups, orphans) => self.par_scanned(server, groups, orphans),
+            Followup::Stale(keys) => self.par_stale(server, keys),
             Followup::Stored(it) if it.piece != NOT_PIECE => {
                 self.rs_stored(it.page as u32, it.piece, server)?;
             }
@@ -1667,6 +1844,11 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             self.servers[server].alive = false;
             self.servers[server].load.alive = false;
             self.servers[server].dead_reason = err.to_string();
+            if self.par.is_some() {
+                // Before its requests fail over: a read that failed there is rebuilt from
+                // parity, and the pages it held wait for recovery.
+                self.par_server_dead(server);
+            }
         }
         let ids: Vec<u64> = self
             .inflight
@@ -1707,7 +1889,9 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             Op::Put(items) => {
                 // The data is still in its slot: place the copy elsewhere.
                 for it in items {
-                    let placed = if it.piece == NOT_PIECE {
+                    let placed = if it.op != PutOp::Plain {
+                        self.par_put_failed(it, server)
+                    } else if it.piece == NOT_PIECE {
                         self.copy_failed(it.page, server)
                     } else {
                         self.rs_piece_failed(it.page as u32, it.piece, server)
@@ -1720,7 +1904,12 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                     }
                 }
             }
-            Op::Delete => {}
+            Op::Delete | Op::Gc(_) | Op::Delta | Op::Scan => {}
+            Op::Ship(id) => {
+                if let Err(e) = self.par_ship_failed(id) {
+                    tracing::error!("could not place pages after a holder failed: {e}");
+                }
+            }
         }
     }
 }
@@ -1731,6 +1920,15 @@ enum Followup {
     GetFailed(GetItem, &'static str),
     Stored(PutItem),
     Replace(PutItem),
+    /// Not stored and nothing changed (a parity holder could not be told): placed elsewhere.
+    Refused(PutItem),
+    /// Stored outside any parity group.
+    Unprotected(PutItem),
+    Shipped(u64),
+    ShipFailed(u64),
+    Scanned(Vec<parity::ScannedGroup>, Vec<PageKey>),
+    /// Copies a parity pager could not delete yet.
+    Stale(Vec<PageKey>),
     Dead(String, Option<Op>),
 }
 

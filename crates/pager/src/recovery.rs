@@ -24,6 +24,9 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         if self.rs.is_some() {
             return self.rs_degraded();
         }
+        if let Some(p) = self.par.as_deref() {
+            return p.pending();
+        }
         self.degraded.len()
     }
 
@@ -42,6 +45,9 @@ impl<T: Transport, D: Disk> Pager<T, D> {
     pub fn recover(&mut self, max_pages: usize) -> Result<RecoveryStep, PagerError> {
         if self.rs.is_some() {
             return self.rs_recover(max_pages);
+        }
+        if self.par.is_some() {
+            return self.par_recover(max_pages);
         }
         let mut step = RecoveryStep::default();
         // Each page holds a slot from its read to its last acknowledgement: stay well inside
@@ -129,6 +135,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                     refused: Servers::default(),
                     keep,
                     rebuild: true,
+                    join: false,
                 },
             );
             step.started += 1;

@@ -252,6 +252,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                 version,
                 key,
                 piece: piece as u8,
+                op: crate::PutOp::Plain,
             });
             if self.batches[server].puts.len() >= self.cfg.batch_max {
                 full.push(server);

@@ -96,8 +96,9 @@ impl Member {
     }
 }
 
-/// Whose group a delta is for: the owning client's handshake identity, which the holder's
-/// session table knows it by.
+/// Whose group a delta is for: the owning client's handshake identity. Holders look groups up by
+/// node and incarnation (a client's sessions at different servers have different ids; its
+/// group ids are unique across them); the session id is carried for the logs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Owner {
     pub node: NodeId,

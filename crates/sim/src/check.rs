@@ -2,8 +2,8 @@
 //! (the model of what was written, and the servers' stores), after every step.
 
 use crate::transport::SimTransport;
-use crate::world::World;
-use netram_pager::{MemDisk, Pager, PagerError};
+use crate::world::{server_addr, World};
+use netram_pager::{MemDisk, Pager, PagerError, Scheme};
 use netram_proto::{PageKey, PAGE_SIZE};
 
 /// What a client last wrote to each of its pages (`None`: never written, or discarded).
@@ -73,6 +73,23 @@ pub fn stores(world: &World) -> Result<(), String> {
         if let Some(why) = s.store.invariant_violation() {
             return Err(format!("server {i}: {why}"));
         }
+        if s.store.counters().parity_groups_inconsistent > 0 {
+            return Err(format!(
+                "server {i} freed a parity group whose parity was not zero: a delta was lost \
+                 or applied twice"
+            ));
+        }
+        for (owner, id, members, _) in s.store.held_groups() {
+            let mut servers: Vec<_> = members.iter().map(|m| m.server).collect();
+            servers.sort_unstable();
+            servers.dedup();
+            if servers.len() < members.len() || servers.contains(&server_addr(i)) {
+                return Err(format!(
+                    "server {i} holds group {id} of {owner:?} with two pieces on one server: \
+                     {members:?}"
+                ));
+            }
+        }
         if s.store.stored_pages() > s.store.capacity_pages() {
             return Err(format!(
                 "server {i} stores {} pages, over its capacity of {}",
@@ -117,6 +134,27 @@ pub fn holders(
             return Err(format!(
                 "page {page} is lost though its client saw too few failures to lose it"
             ));
+        }
+        let parity = matches!(pager.config().redundancy, Scheme::Parity { .. });
+        if parity && pieces.is_empty() && !loc.on_disk {
+            // Its server is gone: a live holder's group must still cover it, to rebuild it.
+            if group_of(
+                world,
+                model.client,
+                pager.config().region,
+                page,
+                loc.version,
+                None,
+            )
+            .is_none()
+                && !loss_allowed(world, model.client, tolerated)
+            {
+                return Err(format!(
+                    "page {page} (version {}) has no copy and no group that covers it",
+                    loc.version
+                ));
+            }
+            continue;
         }
         if pieces.len() < least && !loc.on_disk && !loss_allowed(world, model.client, tolerated) {
             return Err(format!(
@@ -210,9 +248,50 @@ pub fn not_whole(
             if let Some(why) = missing_piece(world, pager, h, key, version) {
                 return Some(format!("page {page}: {why}"));
             }
+            let parity = matches!(pager.config().redundancy, Scheme::Parity { .. });
+            if parity && group_of(world, model.client, key.region, page, version, Some(h)).is_none()
+            {
+                return Some(format!(
+                    "page {page}: no live holder's parity group covers version {version} on \
+                     server {h}"
+                ));
+            }
         }
     }
     None
+}
+
+/// The live server whose parity group covers version `version` of a client's page (stored on
+/// `on`, if given), as the stores themselves say.
+fn group_of(
+    world: &World,
+    client: usize,
+    region: u32,
+    page: u64,
+    version: u32,
+    on: Option<usize>,
+) -> Option<usize> {
+    let key = PageKey::new(region, page);
+    world
+        .servers
+        .iter()
+        .enumerate()
+        .filter(|(_, s)| s.up)
+        .find_map(|(i, s)| {
+            s.store
+                .held_groups()
+                .iter()
+                .any(|(owner, _, members, _)| {
+                    // The simulator's clients are nodes 1, 2, ...
+                    owner.node == client as u64 + 1
+                        && members.iter().any(|m| {
+                            m.key == key
+                                && m.version == version
+                                && on.is_none_or(|h| m.server == server_addr(h))
+                        })
+                })
+                .then_some(i)
+        })
 }
 
 /// Once everything is written back, each session holds exactly the pages the pager thinks it
@@ -232,10 +311,11 @@ pub fn no_garbage(world: &World, pager: &Pager<SimTransport, MemDisk>) -> Result
         if !world.inspectable(conn) {
             continue;
         }
+        // Data pages only: a holder's parity frames are not in the page table.
         let have = world.servers[s]
             .store
-            .session_pages(world.conns[conn].session)
-            .unwrap_or(0);
+            .session_keys(world.conns[conn].session)
+            .len() as u64;
         if have != want {
             let extra: Vec<u64> = world.servers[s]
                 .store

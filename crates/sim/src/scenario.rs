@@ -135,12 +135,6 @@ pub fn run(sc: &Scenario) -> Result<Report, Failure> {
         what,
         replay: sc.replay_command(),
     };
-    if matches!(sc.scheme, Scheme::Parity { .. }) {
-        return Err(fail(
-            0,
-            format!("scheme {} is not simulated yet", sc.scheme),
-        ));
-    }
     let mut rng = fastrand::Rng::with_seed(sc.seed);
     // Room for all pages, give or take half: some servers fill up and refuse (Anemone's NACK).
     let copies = sc.scheme.pages_per_page().ceil() as usize;

@@ -29,9 +29,9 @@ pub type Micros = u64;
 pub const LEASE_PERIOD_MS: u64 = 2_000;
 /// Credits each server announces.
 pub const WINDOW: u32 = 8;
-/// How long a server waits for a parity holder's answer before it tries again (the daemon's
-/// `peers` reply timeout).
-pub const PEER_TIMEOUT_US: Micros = 2_000_000;
+/// How long a server waits for a parity holder's answer before it tries again: well inside
+/// the clients' reply timeout, as the daemon's `peers` timeout is inside its clients'.
+pub const PEER_TIMEOUT_US: Micros = 300_000;
 
 /// The address clients and servers know server `i` by.
 pub fn server_addr(i: usize) -> SocketAddr {

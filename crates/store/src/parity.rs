@@ -21,7 +21,7 @@ use netram_proto::{
     Delta, DeltaKind, DeltaStatus, GroupRecord, Member, Owner, PageKey, PutStatus, Record,
     PAGE_SIZE,
 };
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;
 
 /// The region under which a holder files parity frames in the owner's session: the last of the
@@ -57,10 +57,11 @@ pub(crate) struct Group {
 pub(crate) struct ParityState {
     addrs: Vec<SocketAddr>,
     addr_ids: HashMap<SocketAddr, u16>,
-    /// By frame number of the member page.
-    tags: HashMap<u32, Tag>,
+    /// By frame number of the member page. Ordered maps where scans walk them, so that what
+    /// a scan reports (and so the simulator's runs) does not depend on a hasher's seed.
+    tags: BTreeMap<u32, Tag>,
     /// By (session slot, group id).
-    groups: HashMap<(u32, u64), Group>,
+    groups: BTreeMap<(u32, u64), Group>,
     alias: HashMap<(u32, u64), u64>,
     /// Per session slot, groups at most half full: merge candidates.
     small: HashMap<u32, Vec<u64>>,
@@ -235,21 +236,29 @@ impl<A: AsRef<[u8]> + AsMut<[u8]>> Store<A> {
             ref record,
         } = *d;
         let remove = kind != DeltaKind::Update;
-        let slot = self.sessions.iter().position(|s| {
+        // The owner's session here, found by node and incarnation: a client's sessions with
+        // different servers (or after a reconnection) have different ids, and group ids are
+        // unique per node incarnation.
+        let slot = (0..self.sessions.len() as u32).find(|&i| {
+            let s = &self.sessions[i as usize];
             s.live
                 && s.node == owner.node
                 && s.incarnation == owner.incarnation
-                && s.id == owner.session
+                && self
+                    .parity
+                    .groups
+                    .contains_key(&(i, self.parity.resolve(i, group)))
         });
-        let Some(slot) = slot.map(|s| s as u32) else {
+        let Some(slot) = slot else {
             self.counters.parity_deltas_unknown += 1;
             return DeltaStatus::UnknownGroup;
         };
         let id = self.parity.resolve(slot, group);
-        let Some(g) = self.parity.groups.get_mut(&(slot, id)) else {
-            self.counters.parity_deltas_unknown += 1;
-            return DeltaStatus::UnknownGroup;
-        };
+        let g = self
+            .parity
+            .groups
+            .get_mut(&(slot, id))
+            .expect("found above");
         if record.data.len() != PAGE_SIZE {
             self.counters.parity_deltas_unknown += 1;
             return DeltaStatus::UnknownGroup;
