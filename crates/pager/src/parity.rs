@@ -727,6 +727,9 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         for (_, slot) in fetched {
             self.release_slot(slot);
         }
+        // Rebuilt pages are protected at once, not left in open groups for later writes to
+        // fill: ship the groups they joined, full or not (holders merge small ones).
+        self.par_seal(None)?;
         self.send_all_batches();
         step.remaining = self.par().pending();
         Ok(step)
@@ -878,6 +881,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                 self.par_mut().unprotected.insert(page);
             }
         }
+        self.par_seal(None)?;
         self.send_all_batches();
         Ok(())
     }

@@ -138,15 +138,7 @@ pub fn holders(
         let parity = matches!(pager.config().redundancy, Scheme::Parity { .. });
         if parity && pieces.is_empty() && !loc.on_disk {
             // Its server is gone: a live holder's group must still cover it, to rebuild it.
-            if group_of(
-                world,
-                model.client,
-                pager.config().region,
-                page,
-                loc.version,
-                None,
-            )
-            .is_none()
+            if group_of(world, pager, page, loc.version, None).is_none()
                 && !loss_allowed(world, model.client, tolerated)
             {
                 return Err(format!(
@@ -249,8 +241,7 @@ pub fn not_whole(
                 return Some(format!("page {page}: {why}"));
             }
             let parity = matches!(pager.config().redundancy, Scheme::Parity { .. });
-            if parity && group_of(world, model.client, key.region, page, version, Some(h)).is_none()
-            {
+            if parity && group_of(world, pager, page, version, Some(h)).is_none() {
                 return Some(format!(
                     "page {page}: no live holder's parity group covers version {version} on \
                      server {h}"
@@ -261,37 +252,34 @@ pub fn not_whole(
     None
 }
 
-/// The live server whose parity group covers version `version` of a client's page (stored on
-/// `on`, if given), as the stores themselves say.
+/// The server whose parity group covers version `version` of a pager's page (stored on `on`,
+/// if given), as the stores themselves say: only groups of the pager's current session there
+/// count (an abandoned session's groups are out of its reach, though they live until their
+/// lease runs out).
 fn group_of(
     world: &World,
-    client: usize,
-    region: u32,
+    pager: &Pager<SimTransport, MemDisk>,
     page: u64,
     version: u32,
     on: Option<usize>,
 ) -> Option<usize> {
-    let key = PageKey::new(region, page);
-    world
-        .servers
-        .iter()
-        .enumerate()
-        .filter(|(_, s)| s.up)
-        .find_map(|(i, s)| {
-            s.store
-                .held_groups()
-                .iter()
-                .any(|(owner, _, members, _)| {
-                    // The simulator's clients are nodes 1, 2, ...
-                    owner.node == client as u64 + 1
-                        && members.iter().any(|m| {
-                            m.key == key
-                                && m.version == version
-                                && on.is_none_or(|h| m.server == server_addr(h))
-                        })
+    let key = PageKey::new(pager.config().region, page);
+    (0..world.servers.len()).find(|&i| {
+        let Some(conn) = pager.transport().conns[i].filter(|&c| world.inspectable(c)) else {
+            return false;
+        };
+        world.servers[i]
+            .store
+            .session_groups(world.conns[conn].session)
+            .iter()
+            .any(|(_, members)| {
+                members.iter().any(|m| {
+                    m.key == key
+                        && m.version == version
+                        && on.is_none_or(|h| m.server == server_addr(h))
                 })
-                .then_some(i)
-        })
+            })
+    })
 }
 
 /// Once everything is written back, each session holds exactly the pages the pager thinks it

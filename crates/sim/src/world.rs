@@ -578,9 +578,13 @@ impl World {
         for (holder, idx) in by_holder {
             let mut d = self.delay();
             if self.chance(self.faults.lose) {
-                // Lost: the sender times out and sends again on a new connection.
+                // Lost: the sender times out and sends again on a new connection. Meanwhile
+                // the client waits for this server, and may give up on it: the fault touches
+                // that pair.
                 self.log.losses += 1;
                 d += PEER_TIMEOUT_US + self.delay();
+                let (client, server) = (self.conns[conn].client, self.conns[conn].server);
+                self.touch(client, server);
             }
             self.schedule(d, Event::Delta { conn, holder, idx });
         }

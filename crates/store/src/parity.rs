@@ -476,6 +476,30 @@ impl<A: AsRef<[u8]> + AsMut<[u8]>> Store<A> {
             .collect()
     }
 
+    /// The members of every group a live session owns here, for checkers.
+    pub fn session_groups(&self, h: SessionHandle) -> Vec<(u64, Vec<Member>)> {
+        match self.sessions.get(h.slot as usize) {
+            Some(s) if s.live && s.generation == h.generation => {}
+            _ => return Vec::new(),
+        }
+        self.parity
+            .groups
+            .range((h.slot, 0)..=(h.slot, u64::MAX))
+            .map(|(&(_, id), g)| {
+                let members = g
+                    .members
+                    .iter()
+                    .map(|&(s, key, version)| Member {
+                        server: self.parity.addrs[usize::from(s)],
+                        key,
+                        version,
+                    })
+                    .collect();
+                (id, members)
+            })
+            .collect()
+    }
+
     /// Every group held here, for checkers: owner, group id, members and parity.
     pub fn held_groups(&self) -> Vec<(Owner, u64, Vec<Member>, Record<'_>)> {
         self.parity
