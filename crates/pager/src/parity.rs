@@ -553,6 +553,13 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             if e.lost || !e.present {
                 return Ok(false);
             }
+            if e.on_disk {
+                // Rebuilt, but no server could take it: the local disk has it.
+                let at = slot as usize * PAGE_SIZE;
+                self.counters.disk_reads += 1;
+                self.disk.read(page, &mut self.slots[at..at + PAGE_SIZE])?;
+                return Ok(true);
+            }
             if let Some(s) = self.alive_holder(page, &e, None) {
                 // Rebuilt and already stored: read it.
                 let it = self.page_get_item(page, slot, INTERNAL);
