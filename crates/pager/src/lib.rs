@@ -814,8 +814,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             // Written means stored: a stripe still open is sealed, full or not, and an open
             // parity group shipped.
             self.rs_seal()?;
-            self.par_seal(None)?;
-            self.drain()
+            self.par_settle()
         }
     }
 
@@ -837,8 +836,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             self.write_back(page, copy)?;
         }
         self.rs_seal()?;
-        self.par_seal(None)?;
-        self.drain()
+        self.par_settle()
     }
 
     /// Forgets a page: drops it from the cache and deletes its copies (Nswap's garbage

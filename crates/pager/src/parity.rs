@@ -483,6 +483,20 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         Ok(())
     }
 
+    /// Ships every open group and completes everything in flight, again while settling it
+    /// opened new groups (a failed ship or member re-places pages): what a flush promises. A
+    /// group that cannot ship (no holder takes it) is left after a bounded number of rounds.
+    pub(crate) fn par_settle(&mut self) -> Result<(), PagerError> {
+        for _ in 0..64 {
+            self.par_seal(None)?;
+            self.drain()?;
+            if self.par.as_deref().is_none_or(|p| p.open.is_empty()) {
+                break;
+            }
+        }
+        Ok(())
+    }
+
     /// A server was declared dead: groups it was to hold find other holders, members it
     /// stored leave their open groups, and the pages the page table had there wait for
     /// recovery.
