@@ -457,23 +457,32 @@ impl<A: AsRef<[u8]> + AsMut<[u8]>> Store<A> {
             .take(max)
             .map(|((_, id), g)| GroupRecord {
                 group: *id,
-                members: g
-                    .members
-                    .iter()
-                    .map(|&(s, key, version)| Member {
-                        server: self.parity.addrs[usize::from(s)],
-                        key,
-                        version,
-                    })
-                    .collect(),
-                record: Record {
-                    version: g.version,
-                    crc: g.crc,
-                    flags: g.flags,
-                    data: self.frame(g.frame),
-                },
+                members: self.members(g),
+                record: self.parity_record(g),
             })
             .collect()
+    }
+
+    /// A group's members as the wire names them.
+    fn members(&self, g: &Group) -> Vec<Member> {
+        g.members
+            .iter()
+            .map(|&(s, key, version)| Member {
+                server: self.parity.addrs[usize::from(s)],
+                key,
+                version,
+            })
+            .collect()
+    }
+
+    /// A group's parity: its envelope fields' XOR and its frame.
+    fn parity_record(&self, g: &Group) -> Record<'_> {
+        Record {
+            version: g.version,
+            crc: g.crc,
+            flags: g.flags,
+            data: self.frame(g.frame),
+        }
     }
 
     /// The members of every group a live session owns here, for checkers.
@@ -485,18 +494,7 @@ impl<A: AsRef<[u8]> + AsMut<[u8]>> Store<A> {
         self.parity
             .groups
             .range((h.slot, 0)..=(h.slot, u64::MAX))
-            .map(|(&(_, id), g)| {
-                let members = g
-                    .members
-                    .iter()
-                    .map(|&(s, key, version)| Member {
-                        server: self.parity.addrs[usize::from(s)],
-                        key,
-                        version,
-                    })
-                    .collect();
-                (id, members)
-            })
+            .map(|(&(_, id), g)| (id, self.members(g)))
             .collect()
     }
 
@@ -514,20 +512,8 @@ impl<A: AsRef<[u8]> + AsMut<[u8]>> Store<A> {
                         session: s.id,
                     },
                     id,
-                    g.members
-                        .iter()
-                        .map(|&(s, key, version)| Member {
-                            server: self.parity.addrs[usize::from(s)],
-                            key,
-                            version,
-                        })
-                        .collect(),
-                    Record {
-                        version: g.version,
-                        crc: g.crc,
-                        flags: g.flags,
-                        data: self.frame(g.frame),
-                    },
+                    self.members(g),
+                    self.parity_record(g),
                 )
             })
             .collect()
