@@ -132,7 +132,10 @@ impl Par {
 
     /// Work recovery still has: servers to scan and pages to protect again.
     pub(crate) fn pending(&self) -> usize {
+        // A dead server counts until the scans report nothing more about it: its groups may
+        // still list superseded members there, which leave the rest of the group unprotected.
         self.lost_on.values().map(Vec::len).sum::<usize>()
+            + self.recovering.len()
             + self.unprotected.len()
             + self.stale.len()
     }

@@ -351,7 +351,10 @@ impl<'a> Delta<'a> {
 #[repr(u8)]
 pub enum DeltaStatus {
     Applied = 0,
-    /// The holder has no such group for that owner (its session ended, or the holder restarted).
+    /// The holder has no such group for that owner (its session ended, or the holder restarted),
+    /// or the group no longer lists the page (its owner took it out, for example after giving
+    /// up on the member's server, whose late write then arrives): the parity does not cover the
+    /// page, so the member's server takes it out of the group and the owner protects it again.
     UnknownGroup = 1,
     /// The group's parity covers another version of the member than the delta starts from: an
     /// earlier answer was lost after all. The holder marks the group damaged; the member's

@@ -37,6 +37,27 @@ impl Model {
             None => vec![0u8; PAGE_SIZE],
         }
     }
+
+    /// Says what wrong contents read back for `page` are: an older write's, zeros, or nothing
+    /// this client wrote (for the failure report).
+    pub fn explain(&self, page: u64, got: &[u8]) -> String {
+        let want = self.pages[page as usize];
+        let what = if got.iter().all(|&b| b == 0) {
+            "zeros".to_string()
+        } else {
+            match (1..=want.unwrap_or(0))
+                .rev()
+                .find(|&t| content(self.client, page, t) == got)
+            {
+                Some(t) => format!("the contents of write {t}"),
+                None => "contents of no write of this page".to_string(),
+            }
+        };
+        match want {
+            Some(t) => format!("{what}, not those of write {t}"),
+            None => format!("{what}, not zeros"),
+        }
+    }
 }
 
 /// Servers whose faults may have cost `client` its copies, against what its redundancy
@@ -200,7 +221,7 @@ fn missing_piece(
 
 /// Whether every written page has all the copies the scheme keeps, each on a server the
 /// checker can inspect and holding the current version (judged from the stores, not from the
-/// pager's word), and which the pager has not given up on.
+/// pager's word), and which the pager has not given up on; and recovery has nothing left.
 pub fn whole(world: &World, pager: &Pager<SimTransport, MemDisk>, model: &Model) -> bool {
     not_whole(world, pager, model).is_none()
 }
@@ -212,6 +233,14 @@ pub fn not_whole(
     model: &Model,
 ) -> Option<String> {
     let alive: Vec<bool> = pager.servers().map(|(_, alive)| alive).collect();
+    if pager.degraded_pages() > 0 {
+        // Recovery is not done: a parity group may still list a superseded member on a dead
+        // server, which leaves its other members exposed to one more failure.
+        return Some(format!(
+            "recovery still has {} pages or servers to look at",
+            pager.degraded_pages()
+        ));
+    }
     for (page, tag) in model.pages.iter().enumerate() {
         let page = page as u64;
         if tag.is_none() {

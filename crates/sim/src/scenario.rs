@@ -221,10 +221,14 @@ pub fn run(sc: &Scenario) -> Result<Report, Failure> {
                 match cl.pager.read_many(&pages, &mut out) {
                     Ok(()) => {
                         for (i, &p) in pages.iter().enumerate() {
-                            if out[i * PAGE_SIZE..(i + 1) * PAGE_SIZE] != cl.model.expected(p)[..] {
+                            let got = &out[i * PAGE_SIZE..(i + 1) * PAGE_SIZE];
+                            if got != &cl.model.expected(p)[..] {
                                 return Err(fail(
                                     step,
-                                    format!("client {ci}: page {p} read back wrong contents"),
+                                    format!(
+                                        "client {ci}: page {p} read back {}",
+                                        cl.model.explain(p, got)
+                                    ),
                                 ));
                             }
                             report.pages_verified += 1;
@@ -342,7 +346,10 @@ pub fn run(sc: &Scenario) -> Result<Report, Failure> {
                 Ok(()) => {
                     return Err(fail(
                         end,
-                        format!("client {ci}: page {p} read back wrong contents at the end"),
+                        format!(
+                            "client {ci}: page {p} read back {} at the end",
+                            cl.model.explain(p, &out)
+                        ),
                     ))
                 }
                 Err(e) if may_lose(&e) => {

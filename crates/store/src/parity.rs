@@ -286,7 +286,13 @@ impl<A: AsRef<[u8]> + AsMut<[u8]>> Store<A> {
                 self.counters.parity_deltas_repeated += 1;
                 return DeltaStatus::Applied;
             }
-            _ => {
+            // Not a member (any more): the parity does not cover the page, so the group is
+            // not hurt; the page leaves it (see `DeltaStatus::UnknownGroup`).
+            None => {
+                self.counters.parity_deltas_unknown += 1;
+                return DeltaStatus::UnknownGroup;
+            }
+            Some(_) => {
                 g.damaged = true;
                 self.counters.parity_deltas_stale += 1;
                 return DeltaStatus::Stale;
@@ -485,7 +491,9 @@ impl<A: AsRef<[u8]> + AsMut<[u8]>> Store<A> {
         }
     }
 
-    /// The members of every group a live session owns here, for checkers.
+    /// The members of every group a live session owns here that can still rebuild one of them,
+    /// for checkers: a damaged group (a stale delta, or a member its owner dropped) covers
+    /// nothing.
     pub fn session_groups(&self, h: SessionHandle) -> Vec<(u64, Vec<Member>)> {
         match self.sessions.get(h.slot as usize) {
             Some(s) if s.live && s.generation == h.generation => {}
@@ -494,6 +502,7 @@ impl<A: AsRef<[u8]> + AsMut<[u8]>> Store<A> {
         self.parity
             .groups
             .range((h.slot, 0)..=(h.slot, u64::MAX))
+            .filter(|(_, g)| !g.damaged)
             .map(|(&(_, id), g)| (id, self.members(g)))
             .collect()
     }

@@ -436,3 +436,35 @@ fn a_dropped_member_damages_its_group_which_then_never_merges_or_counts_as_incon
     assert_eq!(counters.parity_groups_damaged, 1);
     c.check();
 }
+
+#[test]
+fn a_late_overwrite_of_a_page_its_owner_took_out_leaves_the_group_whole() {
+    let mut c = Cluster::new();
+    for (i, p) in [(0, 1), (1, 2), (2, 3)] {
+        c.put(i, p, 1, p as u8, join(4, 5));
+    }
+    c.ship(4, 5, 4, &[(0, 1), (1, 2), (2, 3)]);
+    // The owner gave up on node 0 and rebuilt page 1 elsewhere, removing it from the group
+    // with the record it rebuilt.
+    let old = c.record(0, 1);
+    let remove = netram_proto::Delta {
+        owner: netram_proto::Owner::SELF,
+        group: 5,
+        key: key(1),
+        from: 1,
+        to: 1,
+        kind: netram_proto::DeltaKind::Remove,
+        record: old.as_record(),
+    };
+    c.request(4, Request::ParityDelta(vec![remove]));
+    // Node 0 was alive after all and now gets the owner's earlier overwrite in place.
+    assert_eq!(c.put(0, 1, 2, 77, ParityOp::Keep), PutStatus::Unprotected);
+    assert!(!c.nodes[0].store.tagged(c.nodes[0].h, key(1)));
+    let counters = c.nodes[4].store.counters();
+    assert_eq!(counters.parity_deltas_stale, 0, "the group is not damaged");
+    assert_eq!(counters.parity_deltas_unknown, 1);
+    // The group still rebuilds its other members.
+    c.down.insert(1);
+    assert_eq!(c.reconstruct(4, 1), (key(2), 1, data(2)));
+    c.check();
+}
