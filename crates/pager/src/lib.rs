@@ -923,7 +923,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         if it.piece == parity::PARITY_READ {
             // A survivor of a parity group, or a page to protect again: recovery looks at
             // what came back.
-            self.par_read_failed(it.page, what == Some("checksum mismatch"));
+            self.par_read_failed(it.page, it.slot, what == Some("checksum mismatch"));
             return self.release_slot(it.slot);
         }
         if it.piece != NOT_PIECE {

@@ -100,7 +100,8 @@ pub(crate) struct Par {
     /// Scan answers, by the server that gave them.
     scanned: Vec<(usize, Vec<ScannedGroup>, Vec<PageKey>)>,
     /// Survivor reads that failed, and whether only in transit (a bad checksum).
-    read_failed: Vec<(u64, bool)>,
+    /// Survivor reads that failed: page, slot, and whether trying again may help.
+    read_failed: Vec<(u64, u32, bool)>,
     /// Superseded copies a server could not delete (their holder could not be told), with
     /// the attempts so far: deleted again at each recovery round, for a while.
     stale: Vec<(usize, PageKey)>,
@@ -582,11 +583,8 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                 let it = self.page_get_item(page, slot, INTERNAL);
                 self.submit_get_item(s, it);
                 self.par_drain()?;
-                return Ok(self.fetched.iter().any(|&(p, _)| p == page) && {
-                    let i = self.fetched.iter().position(|&(p, _)| p == page).unwrap();
-                    self.fetched.swap_remove(i);
-                    true
-                });
+                let i = self.fetched.iter().position(|&f| f == (page, slot));
+                return Ok(i.map(|i| self.fetched.swap_remove(i)).is_some());
             }
             if self.par().recovering.is_empty() {
                 return Ok(false);
@@ -682,8 +680,10 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                 self.par_drop_group(h, &g, dead, &mut step);
                 continue;
             }
+            let mut slots = Vec::with_capacity(survivors.len());
             for &(s, m) in &survivors {
                 let slot = self.take_slot()?;
+                slots.push(slot);
                 self.submit_get_item(
                     s,
                     GetItem {
@@ -696,28 +696,34 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                     },
                 );
             }
-            planned.push((h, g));
+            planned.push((h, g, slots));
         }
         self.par_drain()?;
-        let fetched: std::collections::BTreeMap<u64, u32> =
-            std::mem::take(&mut self.fetched).into_iter().collect();
+        // Matched by slot, not by page: one page can be a survivor of two groups at two
+        // versions (a superseded copy not deleted yet), and the XOR of a page sealed at the
+        // wrong version would still pass the CRC, which is linear.
+        let fetched: BTreeSet<(u64, u32)> = std::mem::take(&mut self.fetched).into_iter().collect();
         let failed = std::mem::take(&mut self.par_mut().read_failed);
-        for (h, g) in planned {
+        for (h, g, slots) in planned {
             let lost = *g.members.iter().find(|m| m.server == dead).expect("one");
-            let survivors: Vec<&Member> = g.members.iter().filter(|m| m.server != dead).collect();
-            let all = survivors.iter().all(|m| fetched.contains_key(&m.key.page));
-            if !all {
-                let transient = survivors.iter().all(|m| {
-                    fetched.contains_key(&m.key.page) || failed.contains(&(m.key.page, true))
-                });
+            let survivors: Vec<(&Member, u32)> = g
+                .members
+                .iter()
+                .filter(|m| m.server != dead)
+                .zip(slots)
+                .collect();
+            let got = |m: &Member, slot: u32| fetched.contains(&(m.key.page, slot));
+            if !survivors.iter().all(|&(m, slot)| got(m, slot)) {
+                let transient = survivors
+                    .iter()
+                    .all(|&(m, slot)| got(m, slot) || failed.contains(&(m.key.page, slot, true)));
                 if !transient {
                     self.par_drop_group(h, &g, dead, &mut step);
                 }
                 continue;
             }
             let mut r = g.parity.clone();
-            for m in &survivors {
-                let slot = fetched[&m.key.page];
+            for &(m, slot) in &survivors {
                 let at = slot as usize * PAGE_SIZE;
                 let p = Page::seal(m.key, m.version, &self.slots[at..at + PAGE_SIZE]);
                 r.xor(&Record::of(&p));
@@ -874,8 +880,10 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         if batch.is_empty() {
             return Ok(());
         }
+        let mut asked = BTreeSet::new();
         for &(page, s) in &batch {
             let slot = self.take_slot()?;
+            asked.insert((page, slot));
             let it = self.page_get_item(page, slot, INTERNAL);
             self.submit_get_item(
                 s,
@@ -889,8 +897,11 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         self.par_mut().read_failed.clear();
         for (page, slot) in std::mem::take(&mut self.fetched) {
             let e = *self.table.get(page);
-            let asked = batch.iter().any(|&(p, _)| p == page);
-            if !asked || !e.present || e.lost || self.writeback.contains_key(&page) {
+            if !asked.contains(&(page, slot))
+                || !e.present
+                || e.lost
+                || self.writeback.contains_key(&page)
+            {
                 self.release_slot(slot);
                 continue;
             }
@@ -990,7 +1001,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
     }
 
     /// A survivor read failed.
-    pub(crate) fn par_read_failed(&mut self, page: u64, transient: bool) {
-        self.par_mut().read_failed.push((page, transient));
+    pub(crate) fn par_read_failed(&mut self, page: u64, slot: u32, transient: bool) {
+        self.par_mut().read_failed.push((page, slot, transient));
     }
 }

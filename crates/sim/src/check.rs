@@ -4,7 +4,7 @@
 use crate::transport::SimTransport;
 use crate::world::{server_addr, World};
 use netram_pager::{MemDisk, Pager, PagerError, Scheme};
-use netram_proto::{PageKey, PAGE_SIZE};
+use netram_proto::{OwnedRecord, PageKey, Record, PAGE_SIZE};
 
 /// What a client last wrote to each of its pages (`None`: never written, or discarded).
 #[derive(Debug, Clone)]
@@ -45,12 +45,18 @@ impl Model {
         let what = if got.iter().all(|&b| b == 0) {
             "zeros".to_string()
         } else {
-            match (1..=want.unwrap_or(0))
-                .rev()
-                .find(|&t| content(self.client, page, t) == got)
-            {
+            let last = self.pages.iter().flatten().max().copied().unwrap_or(0);
+            let of = |p: u64| {
+                (1..=last)
+                    .rev()
+                    .find(|&t| content(self.client, p, t) == got)
+            };
+            match of(page) {
                 Some(t) => format!("the contents of write {t}"),
-                None => "contents of no write of this page".to_string(),
+                None => match (0..self.pages.len() as u64).find_map(|p| Some((p, of(p)?))) {
+                    Some((p, t)) => format!("page {p}'s contents of write {t}"),
+                    None => "contents this client never wrote".to_string(),
+                },
             }
         };
         match want {
@@ -281,6 +287,47 @@ pub fn not_whole(
     None
 }
 
+/// Every parity group of the pager's current sessions is the XOR of its members, as far as
+/// the checker can see them all (each on a server it can inspect, at the version the group
+/// names): a group that does not would rebuild garbage, which a CRC cannot always catch (it is
+/// linear, so the XOR of three sealed pages verifies).
+pub fn groups(world: &World, pager: &Pager<SimTransport, MemDisk>) -> Result<(), String> {
+    let session = |i: usize| {
+        pager.transport().conns[i]
+            .filter(|&c| world.inspectable(c))
+            .map(|c| world.conns[c].session)
+    };
+    let n = world.servers.len();
+    for holder in 0..n {
+        let Some(h) = session(holder) else {
+            continue;
+        };
+        'group: for (id, members, parity) in world.servers[holder].store.session_groups(h) {
+            let mut x = OwnedRecord::default();
+            for m in &members {
+                let Some(s) = (0..n).find(|&s| server_addr(s) == m.server) else {
+                    continue 'group;
+                };
+                let page = session(s).and_then(|h| world.servers[s].store.peek(h, m.key));
+                match page {
+                    Some(p) if p.version == m.version => x.xor(&Record::of(&p.envelope(m.key))),
+                    _ => continue 'group,
+                }
+            }
+            let r = x.as_record();
+            if (r.version, r.crc, r.flags, r.data)
+                != (parity.version, parity.crc, parity.flags, parity.data)
+            {
+                return Err(format!(
+                    "server {holder} holds group {id} whose parity is not the XOR of its members \
+                     {members:?}"
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
 /// The server whose parity group covers version `version` of a pager's page (stored on `on`,
 /// if given), as the stores themselves say: only groups of the pager's current session there
 /// count (an abandoned session's groups are out of its reach, though they live until their
@@ -301,7 +348,7 @@ fn group_of(
             .store
             .session_groups(world.conns[conn].session)
             .iter()
-            .any(|(_, members)| {
+            .any(|(_, members, _)| {
                 members.iter().any(|m| {
                     m.key == key
                         && m.version == version

@@ -284,6 +284,8 @@ pub fn run(sc: &Scenario) -> Result<Report, Failure> {
         for cl in &clients {
             check::holders(&w, &cl.pager, &cl.model, tolerated)
                 .map_err(|e| fail(step, format!("client {}: {e}", cl.model.client)))?;
+            check::groups(&w, &cl.pager)
+                .map_err(|e| fail(step, format!("client {}: {e}", cl.model.client)))?;
             // A client whose every page is whole again on reachable servers has put its
             // failures behind it: from now on, only new ones count against its redundancy.
             if check::whole(&w, &cl.pager, &cl.model) {

@@ -494,7 +494,7 @@ impl<A: AsRef<[u8]> + AsMut<[u8]>> Store<A> {
     /// The members of every group a live session owns here that can still rebuild one of them,
     /// for checkers: a damaged group (a stale delta, or a member its owner dropped) covers
     /// nothing.
-    pub fn session_groups(&self, h: SessionHandle) -> Vec<(u64, Vec<Member>)> {
+    pub fn session_groups(&self, h: SessionHandle) -> Vec<(u64, Vec<Member>, Record<'_>)> {
         match self.sessions.get(h.slot as usize) {
             Some(s) if s.live && s.generation == h.generation => {}
             _ => return Vec::new(),
@@ -503,7 +503,7 @@ impl<A: AsRef<[u8]> + AsMut<[u8]>> Store<A> {
             .groups
             .range((h.slot, 0)..=(h.slot, u64::MAX))
             .filter(|(_, g)| !g.damaged)
-            .map(|(&(_, id), g)| (id, self.members(g)))
+            .map(|(&(_, id), g)| (id, self.members(g), self.parity_record(g)))
             .collect()
     }
 
