@@ -360,6 +360,10 @@ pub fn run(sc: &Scenario) -> Result<Report, Failure> {
                 Err(e) => return Err(fail(end, format!("client {ci}: final read of {p}: {e}"))),
             }
         }
+        // A read that found its server gone rebuilt the page and is writing it out again.
+        cl.pager
+            .flush()
+            .map_err(|e| fail(end, format!("client {ci}: flush after reading: {e}")))?;
     }
     let w = world.borrow();
     for (ci, cl) in clients.iter().enumerate() {
