@@ -116,6 +116,14 @@ pub fn stores(world: &World) -> Result<(), String> {
                      {members:?}"
                 ));
             }
+            let mut keys: Vec<_> = members.iter().map(|m| m.key).collect();
+            keys.sort_unstable();
+            keys.dedup();
+            if keys.len() < members.len() {
+                return Err(format!(
+                    "server {i} holds group {id} of {owner:?} with one page twice: {members:?}"
+                ));
+            }
         }
         if s.store.stored_pages() > s.store.capacity_pages() {
             return Err(format!(

@@ -365,10 +365,12 @@ impl<A: AsRef<[u8]> + AsMut<[u8]>> Store<A> {
                 self.parity.groups.get(&(slot, o)).is_some_and(|og| {
                     !og.damaged
                         && og.members.len() + n <= max
-                        && og
-                            .members
-                            .iter()
-                            .all(|(s, ..)| g.members.iter().all(|(t, ..)| s != t))
+                        && og.members.iter().all(|(s, k, _)| {
+                            // Deltas name a member by key: one page twice in a group (a copy
+                            // its owner gave up on and the copy that replaced it) would make
+                            // them ambiguous.
+                            g.members.iter().all(|(t, l, _)| s != t && k != l)
+                        })
                 })
             });
         let Some(keep) = partner else {

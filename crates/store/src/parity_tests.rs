@@ -468,3 +468,20 @@ fn a_late_overwrite_of_a_page_its_owner_took_out_leaves_the_group_whole() {
     assert_eq!(c.reconstruct(4, 1), (key(2), 1, data(2)));
     c.check();
 }
+
+#[test]
+fn groups_that_share_a_page_do_not_merge() {
+    // The owner gave up on node 0 while it stored page 1 after all; the copy it wrote
+    // instead is on node 1, in another group.
+    let mut c = Cluster::new();
+    c.put(0, 1, 1, 1, join(4, 1));
+    c.put(1, 1, 1, 1, join(4, 2));
+    c.ship(4, 1, 4, &[(0, 1)]);
+    c.ship(4, 2, 4, &[(1, 1)]);
+    assert_eq!(c.nodes[4].store.held_groups().len(), 2);
+    // Deleting the second copy takes it out of its own group, not the other.
+    assert_eq!(c.delete(1, 1), DeleteStatus::Deleted);
+    c.down.insert(0);
+    assert_eq!(c.reconstruct(4, 0), (key(1), 1, data(1)));
+    c.check();
+}
