@@ -43,32 +43,37 @@ fn many(scheme: &str, first: u64, step: u64) {
     }
 }
 
-/// The default scenario's seeds, five schemes taking turns (1,000 seeds in all by default).
-const SCHEMES: [&str; 5] = ["none", "mirror:2", "mirror:3", "rs:3+2", "rs:4+2"];
+/// The default scenario's seeds, six schemes taking turns (1,000 seeds in all by default).
+const SCHEMES: [&str; 6] = ["none", "mirror:2", "mirror:3", "rs:3+2", "rs:4+2", "parity:4"];
 
 #[test]
 fn every_seed_holds_without_redundancy() {
-    many(SCHEMES[0], 0, 5);
+    many(SCHEMES[0], 0, 6);
 }
 
 #[test]
 fn every_seed_holds_with_two_copies() {
-    many(SCHEMES[1], 1, 5);
+    many(SCHEMES[1], 1, 6);
 }
 
 #[test]
 fn every_seed_holds_with_three_copies() {
-    many(SCHEMES[2], 2, 5);
+    many(SCHEMES[2], 2, 6);
 }
 
 #[test]
 fn every_seed_holds_with_reed_solomon_3_2() {
-    many(SCHEMES[3], 3, 5);
+    many(SCHEMES[3], 3, 6);
 }
 
 #[test]
 fn every_seed_holds_with_reed_solomon_4_2() {
-    many(SCHEMES[4], 4, 5);
+    many(SCHEMES[4], 4, 6);
+}
+
+#[test]
+fn every_seed_holds_with_dynamic_parity() {
+    many(SCHEMES[5], 5, 6);
 }
 
 #[test]
@@ -93,6 +98,7 @@ fn redundancy_loses_nothing_to_crashes_it_tolerates() {
         ("mirror:3", 2),
         ("rs:3+2", 2),
         ("rs:4+2", 2),
+        ("parity:4", 1),
     ] {
         let mut rebuilt = 0;
         let mut crashed = 0;
