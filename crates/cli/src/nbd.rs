@@ -43,8 +43,11 @@ pub struct NbdArgs {
     #[arg(long, default_value = "cluster")]
     backing: Backing,
     /// How the device's pages survive the death of servers: none, mirror:N (N copies on
-    /// distinct servers), or rs:K+M (Reed-Solomon: K pages and M parity pieces on K+M
-    /// distinct servers, any M of which may die). Lost copies are rebuilt in the background.
+    /// distinct servers), parity:N (Nswap's dynamic parity: one XOR parity page per N pages
+    /// written out, held by another server; one server may die; the servers must reach each
+    /// other at the addresses given here), or rs:K+M (Reed-Solomon: K pages and M parity
+    /// pieces on K+M distinct servers, any M of which may die). Lost copies are rebuilt in
+    /// the background.
     #[arg(long, default_value = "none")]
     redundancy: Scheme,
     /// Pages rebuilt per second at most after a server dies (recovery runs while the device

@@ -20,8 +20,9 @@ pub struct RunArgs {
     /// is full), disk (local disk only), cluster+disk (a copy on disk too).
     #[arg(long, default_value = "cluster")]
     backing: Backing,
-    /// How its pages survive the death of servers: none, mirror:N or rs:K+M (reads of pages
-    /// whose server died are served from another copy, or decoded from their stripe). The
+    /// How its pages survive the death of servers: none, mirror:N, parity:N or rs:K+M (reads
+    /// of pages whose server died are served from another copy, or decoded from their stripe
+    /// or parity group). The
     /// lost copies are not rebuilt while the program runs (that needs `netram nbd`'s
     /// background recovery, not yet in the preload library).
     #[arg(long, default_value = "none")]

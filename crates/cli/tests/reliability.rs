@@ -174,3 +174,9 @@ fn reed_solomon_3_2_survives_two_killed_servers() {
     survive("rs:3+2", &[(150, 1), (155, 4)]);
     survive("rs:3+2", &[(250, 2), (420, 0)]);
 }
+
+#[test]
+fn dynamic_parity_survives_a_killed_server() {
+    survive("parity:4", &[(150, 2)]);
+    survive("parity:4", &[(400, 0)]);
+}

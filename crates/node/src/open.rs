@@ -6,6 +6,7 @@ use crate::client::{ClientConfig, TcpTransport};
 use crate::disk::FileDisk;
 use anyhow::{bail, Context};
 use netram_pager::{Backing, Pager, PagerConfig, Scheme};
+use std::net::ToSocketAddrs;
 use std::path::PathBuf;
 
 /// A pager that front ends open: TCP to the page servers, a spill file on local disk.
@@ -22,7 +23,7 @@ pub struct OpenOptions {
     /// Directory of the spill file [default: the temp dir].
     pub spill_dir: Option<PathBuf>,
     pub low_latency: bool,
-    /// How pages survive servers' deaths: none, mirror:N, rs:K+M.
+    /// How pages survive servers' deaths: none, mirror:N, parity:N, rs:K+M.
     pub redundancy: Scheme,
 }
 
@@ -38,12 +39,6 @@ pub fn open_pager(o: &OpenOptions) -> anyhow::Result<ClientPager> {
             o.backing
         );
     }
-    if matches!(o.redundancy, Scheme::Parity { .. }) {
-        bail!(
-            "redundancy {} is not implemented yet: use mirror:N or rs:K+M",
-            o.redundancy
-        );
-    }
     if o.redundancy != Scheme::None && o.backing == Backing::Disk {
         bail!(
             "redundancy {} needs page servers: it means nothing with backing disk",
@@ -57,6 +52,18 @@ pub fn open_pager(o: &OpenOptions) -> anyhow::Result<ClientPager> {
             o.redundancy,
             o.servers.len()
         );
+    }
+    if matches!(o.redundancy, Scheme::Parity { .. }) {
+        // Servers tell each other about overwrites by the addresses the client names them
+        // by: each must be one address that every server can reach.
+        for s in &o.servers {
+            let mut addrs = s
+                .to_socket_addrs()
+                .with_context(|| format!("redundancy {}: cannot resolve {s}", o.redundancy))?;
+            if addrs.next().is_none() {
+                bail!("redundancy {}: {s} resolves to no address", o.redundancy);
+            }
+        }
     }
     let client = ClientConfig {
         low_latency: o.low_latency,
@@ -82,6 +89,9 @@ pub fn open_pager(o: &OpenOptions) -> anyhow::Result<ClientPager> {
         cache_pages: o.cache_pages,
         backing: o.backing,
         redundancy: o.redundancy,
+        // Parity group ids start at a point drawn from the seed: pagers of one process share
+        // its identity at the holders, so each needs its own.
+        seed: fastrand::u64(..),
         ..Default::default()
     };
     Ok(Pager::new(cfg, transport, disk))

@@ -208,7 +208,8 @@ counters! {
     cache_hits,
     /// Reads of pages never written: zeros, without a round trip.
     zero_reads,
-    /// Reads decoded from the rest of their Reed-Solomon stripe.
+    /// Reads decoded from the rest of their Reed-Solomon stripe or parity group (or that
+    /// waited for recovery to bring their page back).
     degraded_reads,
     gets,
     puts,
@@ -1049,7 +1050,9 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                 continue;
             }
             let rebuilt = if self.par.is_some() {
-                self.par_reconstruct(it.page, it.slot)?
+                let rebuilt = self.par_reconstruct(it.page, it.slot)?;
+                self.counters.degraded_reads += u64::from(rebuilt);
+                rebuilt
             } else {
                 self.rs_reconstruct(it.page, it.slot)?
             };

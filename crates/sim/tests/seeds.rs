@@ -44,7 +44,9 @@ fn many(scheme: &str, first: u64, step: u64) {
 }
 
 /// The default scenario's seeds, six schemes taking turns (1,000 seeds in all by default).
-const SCHEMES: [&str; 6] = ["none", "mirror:2", "mirror:3", "rs:3+2", "rs:4+2", "parity:4"];
+const SCHEMES: [&str; 6] = [
+    "none", "mirror:2", "mirror:3", "rs:3+2", "rs:4+2", "parity:4",
+];
 
 #[test]
 fn every_seed_holds_without_redundancy() {
