@@ -44,8 +44,6 @@ const SCHEMES: [(&str, &str); 4] = [
 #[derive(Debug, Default, Serialize)]
 pub struct SchemeResult {
     pub scheme: String,
-    /// False for a scheme the pager does not implement yet: its figures are absent.
-    pub implemented: bool,
     pub get_p50_us: Option<f64>,
     pub get_p99_us: Option<f64>,
     pub put_p50_us: Option<f64>,
@@ -217,7 +215,6 @@ fn side_by_side(
         pagers.push(p);
         results.push(SchemeResult {
             scheme: scheme.to_string(),
-            implemented: true,
             bytes_per_page: Some(frames as f64 * PAGE_SIZE as f64 / pages as f64),
             ..Default::default()
         });
@@ -382,31 +379,21 @@ pub fn run(opts: &Options) -> anyhow::Result<String> {
     eprintln!("bench reliability on {}", machine.one_line());
     let mut cluster = Cluster::start(&opts.netram_exe, capacity)?;
     let spill = SpillDir(crate::nbd::tempfile_dir("netram-bench-reliability")?);
-    let mut implemented = Vec::new();
+    let mut all = Vec::new();
     for (key, name) in SCHEMES {
         let scheme: Scheme = name.parse().map_err(|e: String| anyhow::anyhow!(e))?;
-        if matches!(scheme, Scheme::Parity { .. }) {
-            eprintln!("{name}: not implemented yet, skipped");
-        } else {
-            implemented.push((key, scheme));
-        }
+        all.push((key, scheme));
     }
-    let list: Vec<Scheme> = implemented.iter().map(|&(_, s)| s).collect();
+    let list: Vec<Scheme> = all.iter().map(|&(_, s)| s).collect();
     let results = side_by_side(&cluster, &list, pages, iters, dur, &spill.0)?;
     let mut schemes = BTreeMap::new();
-    for (&(key, scheme), mut r) in implemented.iter().zip(results) {
+    for (&(key, scheme), mut r) in all.iter().zip(results) {
         if scheme != Scheme::None {
             eprintln!("{scheme}: recovery after a SIGKILL ...");
             let victim = schemes.len() % SERVERS;
             recovery(&mut cluster, scheme, pages, dur, victim, &spill.0, &mut r)?;
         }
         schemes.insert(key, r);
-    }
-    for (key, name) in SCHEMES {
-        schemes.entry(key).or_insert_with(|| SchemeResult {
-            scheme: name.to_string(),
-            ..Default::default()
-        });
     }
     drop(cluster);
     let none = &schemes["none"];
@@ -483,10 +470,6 @@ fn markdown(r: &ReliabilityResult) -> String {
     );
     let _ = writeln!(s, "|---|---|---|---|---|---|---|---|---|");
     for v in r.schemes.values() {
-        if !v.implemented {
-            let _ = writeln!(s, "| {} | not implemented yet | | | | | | | |", v.scheme);
-            continue;
-        }
         let _ = writeln!(
             s,
             "| {} | {} | {} | {} | {} | {} | {} | {} | {} |",
@@ -506,8 +489,10 @@ fn markdown(r: &ReliabilityResult) -> String {
     let _ = writeln!(
         s,
         "\nPUT at depth 1 has no cache, so it returns once stored: every copy (mirror) or a \
-         one-page stripe with its parity pieces (Reed-Solomon). Memory per page is the servers' \
-         frames after a batched fill (whole stripes). Recovery: one server SIGKILLed, rebuilt \
+         one-page stripe with its parity pieces (Reed-Solomon), or the page and then its group's \
+         parity page, shipped at once since the write waits for it (dynamic parity; the holder \
+         merges such small groups). Memory per page is the servers' frames after a batched fill \
+         (whole stripes and groups). Recovery: one server SIGKILLed, rebuilt \
          flat out; the slowdown is the program's own reads while the background recovery \
          (`netram_node::maintain`, default pace) rebuilds after a second kill, against its reads \
          before."

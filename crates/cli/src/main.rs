@@ -124,8 +124,8 @@ enum BenchCommand {
         #[arg(long, default_value = "bench-results")]
         out: PathBuf,
     },
-    /// Redundancy: GET/PUT latency, throughput and memory per page of none, mirror:2 and
-    /// rs:4+2 (parity:4 is not implemented yet), the recovery rate after a SIGKILL and the
+    /// Redundancy: GET/PUT latency, throughput and memory per page of none, mirror:2,
+    /// parity:4 and rs:4+2, the recovery rate after a SIGKILL and the
     /// slowdown of a program's reads while recovery runs, against seven `netram serve`
     /// processes; writes reliability.json and reliability.md.
     Reliability {
