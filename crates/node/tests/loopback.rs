@@ -207,6 +207,7 @@ fn a_member_overwrite_reaches_its_holder_over_tcp_before_it_is_acknowledged() {
     let join = ParityOp::Join {
         holder: holder.addr(),
         group: 1,
+        member: member.addr(),
     };
     assert_eq!(m.put(Page::seal(key, 1, &data), join), PutStatus::Stored);
     let mut parity = OwnedRecord::default();

@@ -1541,6 +1541,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                                 PutOp::Join { group, holder } => netram_proto::ParityOp::Join {
                                     holder: addrs(holder),
                                     group,
+                                    member: addrs(server as u16),
                                 },
                                 _ => netram_proto::ParityOp::Keep,
                             };

@@ -738,6 +738,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             let delta = Delta {
                 owner: Owner::SELF,
                 group: g.group,
+                member: lost.server,
                 key: lost.key,
                 from: lost.version,
                 to: lost.version,
@@ -820,6 +821,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             drops.push(Delta {
                 owner: Owner::SELF,
                 group: g.group,
+                member: m.server,
                 key: m.key,
                 from: m.version,
                 to: m.version,

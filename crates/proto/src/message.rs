@@ -727,7 +727,7 @@ mod tests {
 
         #[test]
         fn parity_requests_roundtrip(
-            parts in prop::collection::vec((page_parts(), prop::option::of((addr(), any::<u64>()))), 0..6),
+            parts in prop::collection::vec((page_parts(), prop::option::of((addr(), any::<u64>(), addr()))), 0..6),
             members in prop::collection::vec(member(), 0..=crate::MAX_GROUP_MEMBERS),
             owner in (any::<u64>(), any::<u64>(), any::<u64>()),
             group: u64, n: u8, byte: u8, kind in 0u8..3, dead in addr(), max: u32, id: u64,
@@ -735,7 +735,7 @@ mod tests {
             let datas: Vec<Vec<u8>> = parts.iter().map(|p| vec![p.0.5; PAGE_SIZE]).collect();
             let pages = parts.iter().zip(&datas).map(|((p, join), d)| {
                 let op = match join {
-                    Some((holder, group)) => ParityOp::Join { holder: *holder, group: *group },
+                    Some((holder, group, member)) => ParityOp::Join { holder: *holder, group: *group, member: *member },
                     None => ParityOp::Keep,
                 };
                 (page(p, d), op)
@@ -746,7 +746,7 @@ mod tests {
             roundtrip_request(&Request::ParityShip { group, max_members: n, members: members.clone(), record }, id);
             let owner = Owner { node: owner.0, incarnation: owner.1, session: owner.2 };
             let kind = [crate::DeltaKind::Update, crate::DeltaKind::Remove, crate::DeltaKind::Drop][kind as usize];
-            let deltas = members.iter().map(|m| Delta { owner, group, key: m.key, from: m.version, to: max, kind, record }).collect();
+            let deltas = members.iter().map(|m| Delta { owner, group, member: m.server, key: m.key, from: m.version, to: max, kind, record }).collect();
             roundtrip_request(&Request::ParityDelta(deltas), id);
             roundtrip_request(&Request::ParityScan { dead, max }, id);
         }

@@ -241,7 +241,14 @@ pub enum ParityOp {
     Keep,
     /// The page becomes a member of `group`, whose parity page the client will ship to
     /// `holder` (Nswap Fig. 3). An older version under the key leaves its old group first.
-    Join { holder: SocketAddr, group: u64 },
+    /// `member` is the address the client reaches this server at, as the group's member list
+    /// names it: the server's deltas carry it, so that the holder tells this copy from another
+    /// copy of the same page elsewhere.
+    Join {
+        holder: SocketAddr,
+        group: u64,
+        member: SocketAddr,
+    },
 }
 
 impl ParityOp {
@@ -250,10 +257,15 @@ impl ParityOp {
             ParityOp::Keep => {
                 w.u8(0);
             }
-            ParityOp::Join { holder, group } => {
+            ParityOp::Join {
+                holder,
+                group,
+                member,
+            } => {
                 w.u8(1);
                 encode_addr(holder, w);
                 w.u64(*group);
+                encode_addr(member, w);
             }
         }
     }
@@ -263,6 +275,7 @@ impl ParityOp {
             1 => Ok(ParityOp::Join {
                 holder: decode_addr(r)?,
                 group: r.u64()?,
+                member: decode_addr(r)?,
             }),
             v => Err(DecodeError::BadValue {
                 field: "parity op",
@@ -272,15 +285,18 @@ impl ParityOp {
     }
 }
 
-/// One change to a group's parity, sent to its holder. The member is named by its key alone (a
-/// page is in a group at most once) and by the version the parity must cover now (`from`); an
-/// update leaves it covering `to`. A holder that already covers `to` answers a repeated update
+/// One change to a group's parity, sent to its holder. The member is named by its server (as
+/// the group's member list names it) and key, and by the version the parity must cover now
+/// (`from`); an update leaves it covering `to`. A copy of the page on another server (one its
+/// owner gave up on, whose late request arrives now) is not the member, and its delta leaves
+/// the group alone. A holder that already covers `to` answers a repeated update
 /// as applied without applying it again, and a repeated removal of a member no longer there
 /// likewise, so a sender that lost the answer can safely send again.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Delta<'a> {
     pub owner: Owner,
     pub group: u64,
+    pub member: SocketAddr,
     pub key: PageKey,
     pub from: u32,
     pub to: u32,
@@ -303,13 +319,14 @@ pub enum DeltaKind {
 }
 
 impl<'a> Delta<'a> {
-    pub const MIN_WIRE_LEN: usize = 24 + 8 + PageKey::WIRE_LEN + 8 + 1 + RECORD_LEN;
+    pub const MIN_WIRE_LEN: usize = 24 + 8 + ADDR_LEN + PageKey::WIRE_LEN + 8 + 1 + RECORD_LEN;
 
     pub(crate) fn encode(&self, w: &mut FrameBuilder<'_>) {
         w.u64(self.owner.node)
             .u64(self.owner.incarnation)
             .u64(self.owner.session)
             .u64(self.group);
+        encode_addr(&self.member, w);
         self.key.encode(w);
         w.u32(self.from).u32(self.to).u8(self.kind as u8);
         self.record.encode(w);
@@ -321,6 +338,7 @@ impl<'a> Delta<'a> {
             session: r.u64()?,
         };
         let group = r.u64()?;
+        let member = decode_addr(r)?;
         let key = PageKey::decode(r)?;
         let (from, to) = (r.u32()?, r.u32()?);
         let kind = match r.u8()? {
@@ -337,6 +355,7 @@ impl<'a> Delta<'a> {
         Ok(Self {
             owner,
             group,
+            member,
             key,
             from,
             to,

@@ -21,7 +21,7 @@
 mod parity;
 pub mod serve;
 
-pub use parity::PARITY_REGION;
+pub use parity::{ParityTag, PARITY_REGION};
 
 use hashbrown::HashTable;
 use netram_proto::{NodeId, Page, PageFlags, PageKey, PutStatus, PAGE_SIZE};

@@ -29,11 +29,22 @@ use std::net::SocketAddr;
 pub const PARITY_REGION: u32 = crate::REGION_MAX + 1;
 const _: () = assert!(PARITY_REGION == (1 << 24) - 1);
 
-/// A member page's parity: holder (interned address) and group.
+/// A member page's parity: holder and group, and the address its group names this server by
+/// (addresses interned).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Tag {
     holder: u16,
     group: u64,
+    member: u16,
+}
+
+/// A stored page's group, as its deltas name it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ParityTag {
+    pub holder: SocketAddr,
+    pub group: u64,
+    /// This server, as the group's member list names it.
+    pub member: SocketAddr,
 }
 
 /// A group this server holds the parity of.
@@ -117,10 +128,15 @@ impl<A: AsRef<[u8]> + AsMut<[u8]>> Store<A> {
     }
 
     /// The tag of a stored page: its group's holder and id.
-    pub fn tag(&self, h: SessionHandle, key: PageKey) -> Option<(SocketAddr, u64)> {
+    pub fn tag(&self, h: SessionHandle, key: PageKey) -> Option<ParityTag> {
         let f = self.live_frame(h, key)?;
         let t = self.parity.tags.get(&f)?;
-        Some((self.parity.addrs[usize::from(t.holder)], t.group))
+        let addr = |i: u16| self.parity.addrs[usize::from(i)];
+        Some(ParityTag {
+            holder: addr(t.holder),
+            group: t.group,
+            member: addr(t.member),
+        })
     }
 
     /// Whether a stored page is in a group (cheap when the server holds no member pages).
@@ -129,14 +145,18 @@ impl<A: AsRef<[u8]> + AsMut<[u8]>> Store<A> {
     }
 
     /// Tags a stored page (or, with `None`, takes it out of any group).
-    pub fn set_tag(&mut self, h: SessionHandle, key: PageKey, tag: Option<(SocketAddr, u64)>) {
+    pub fn set_tag(&mut self, h: SessionHandle, key: PageKey, tag: Option<ParityTag>) {
         let Some(f) = self.live_frame(h, key) else {
             return;
         };
         match tag {
-            Some((holder, group)) => {
-                let holder = self.parity.intern(holder);
-                self.parity.tags.insert(f, Tag { holder, group });
+            Some(t) => {
+                let tag = Tag {
+                    holder: self.parity.intern(t.holder),
+                    group: t.group,
+                    member: self.parity.intern(t.member),
+                };
+                self.parity.tags.insert(f, tag);
             }
             None => {
                 self.parity.tags.remove(&f);
@@ -229,6 +249,7 @@ impl<A: AsRef<[u8]> + AsMut<[u8]>> Store<A> {
         let Delta {
             owner,
             group,
+            member: server,
             key,
             from,
             to,
@@ -263,7 +284,13 @@ impl<A: AsRef<[u8]> + AsMut<[u8]>> Store<A> {
             self.counters.parity_deltas_unknown += 1;
             return DeltaStatus::UnknownGroup;
         }
-        let member = g.members.iter().position(|m| m.1 == key);
+        // The member is this copy of the page: another copy elsewhere (one its owner gave up
+        // on) is not what the parity covers.
+        let server = self.parity.addr_ids.get(&server).copied();
+        let member = g
+            .members
+            .iter()
+            .position(|m| Some(m.0) == server && m.1 == key);
         if kind == DeltaKind::Drop {
             if let Some(i) = member {
                 g.members.swap_remove(i);

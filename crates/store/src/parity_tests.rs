@@ -102,6 +102,15 @@ impl Cluster {
     }
 
     fn put(&mut self, i: usize, p: u64, version: u32, b: u8, op: ParityOp) -> PutStatus {
+        // The client names node i by its address.
+        let op = match op {
+            ParityOp::Join { holder, group, .. } => ParityOp::Join {
+                holder,
+                group,
+                member: addr(i),
+            },
+            keep => keep,
+        };
         let d = data(b);
         let page = Page::seal(key(p), version, &d);
         let out = self.request(i, Request::PutParity(vec![(page, op)]));
@@ -202,10 +211,12 @@ impl Cluster {
     }
 }
 
+/// A join of node `holder`'s group `group` (`Cluster::put` fills in the member's address).
 fn join(holder: usize, group: u64) -> ParityOp {
     ParityOp::Join {
         holder: addr(holder),
         group,
+        member: addr(holder),
     }
 }
 
@@ -238,6 +249,7 @@ fn overwrites_reach_the_holder_and_a_lost_member_is_rebuilt() {
     let removal = netram_proto::Delta {
         owner: netram_proto::Owner::SELF,
         group: 5,
+        member: addr(1),
         key: k,
         from: v,
         to: v,
@@ -419,6 +431,7 @@ fn a_dropped_member_damages_its_group_which_then_never_merges_or_counts_as_incon
     let drop = netram_proto::Delta {
         owner: netram_proto::Owner::SELF,
         group: 1,
+        member: addr(0),
         key: key(1),
         from: 1,
         to: 1,
@@ -450,6 +463,7 @@ fn a_late_overwrite_of_a_page_its_owner_took_out_leaves_the_group_whole() {
     let remove = netram_proto::Delta {
         owner: netram_proto::Owner::SELF,
         group: 5,
+        member: addr(0),
         key: key(1),
         from: 1,
         to: 1,
@@ -483,5 +497,37 @@ fn groups_that_share_a_page_do_not_merge() {
     assert_eq!(c.delete(1, 1), DeleteStatus::Deleted);
     c.down.insert(0);
     assert_eq!(c.reconstruct(4, 0), (key(1), 1, data(1)));
+    c.check();
+}
+
+#[test]
+fn a_late_delete_of_a_copy_given_up_on_leaves_the_newer_copy_in_the_group() {
+    let mut c = Cluster::new();
+    c.put(0, 1, 1, 1, join(4, 5));
+    c.put(1, 2, 1, 2, join(4, 5));
+    c.ship(4, 5, 4, &[(0, 1), (1, 2)]);
+    // The owner gave up on node 0: it took page 1 out of the group with the image it rebuilt,
+    // and wrote the page's next version to node 2, in a group the holder merges into group 5.
+    let old = c.record(0, 1);
+    let remove = netram_proto::Delta {
+        owner: netram_proto::Owner::SELF,
+        group: 5,
+        member: addr(0),
+        key: key(1),
+        from: 1,
+        to: 1,
+        kind: netram_proto::DeltaKind::Remove,
+        record: old.as_record(),
+    };
+    c.request(4, Request::ParityDelta(vec![remove]));
+    c.put(2, 1, 2, 21, join(4, 6));
+    c.ship(4, 6, 4, &[(2, 1)]);
+    assert_eq!(c.nodes[4].store.counters().parity_groups_merged, 1);
+    // Node 0 was alive after all, and now gets the owner's delete of the old copy.
+    assert_eq!(c.delete(0, 1), DeleteStatus::Deleted);
+    let counters = c.nodes[4].store.counters();
+    assert_eq!(counters.parity_deltas_stale, 0, "the group is not damaged");
+    c.down.insert(2);
+    assert_eq!(c.reconstruct(4, 2), (key(1), 2, data(21)));
     c.check();
 }

@@ -9,7 +9,7 @@
 //! writes the reply. Nothing changes before the holders have answered, so a holder that cannot
 //! be reached leaves the page as it was, and the client is told.
 
-use crate::{SessionHandle, Store};
+use crate::{ParityTag, SessionHandle, Store};
 use netram_proto::{
     begin_get_reply, get_reply_found, get_reply_missing, Counter, DeleteStatus, Delta, DeltaKind,
     ErrorCode, Load, OwnedRecord, Owner, PageFlags, PageKey, ParityOp, PutStatus, Record, Reply,
@@ -42,6 +42,7 @@ pub struct Forward {
 pub struct OwnedDelta {
     pub owner: Owner,
     pub group: u64,
+    pub member: SocketAddr,
     pub key: PageKey,
     pub from: u32,
     pub to: u32,
@@ -54,6 +55,7 @@ impl OwnedDelta {
         Delta {
             owner: self.owner,
             group: self.group,
+            member: self.member,
             key: self.key,
             from: self.from,
             to: self.to,
@@ -318,15 +320,16 @@ fn removal<A: AsRef<[u8]> + AsMut<[u8]>>(
     owner: Owner,
     deltas: &mut Vec<(SocketAddr, OwnedDelta)>,
 ) -> Option<usize> {
-    let (holder, group) = store.tag(h, key)?;
+    let tag = store.tag(h, key)?;
     let mut record = OwnedRecord::default();
     let old = store.record(h, key)?;
     record.xor(&old);
     deltas.push((
-        holder,
+        tag.holder,
         OwnedDelta {
             owner,
-            group,
+            group: tag.group,
+            member: tag.member,
             key,
             from: old.version,
             to: old.version,
@@ -371,16 +374,17 @@ fn plan_put<'a, A: AsRef<[u8]> + AsMut<[u8]>>(
         }
         let delta = match op {
             Some(ParityOp::Join { .. }) => removal(store, h, p.key, owner, &mut deltas),
-            None | Some(ParityOp::Keep) => store.tag(h, p.key).and_then(|(holder, group)| {
+            None | Some(ParityOp::Keep) => store.tag(h, p.key).and_then(|tag| {
                 let mut record = OwnedRecord::default();
                 let old = store.record(h, p.key)?;
                 record.xor(&old);
                 record.xor(&Record::of(&p));
                 deltas.push((
-                    holder,
+                    tag.holder,
                     OwnedDelta {
                         owner,
-                        group,
+                        group: tag.group,
+                        member: tag.member,
                         key: p.key,
                         from: old.version,
                         to: p.version,
@@ -489,8 +493,20 @@ pub fn finish_forward<A: AsRef<[u8]> + AsMut<[u8]>>(
                     continue;
                 }
                 status.push(match (p.op, o) {
-                    (Some(ParityOp::Join { holder, group }), _) => {
-                        store.set_tag(h, p.key, Some((holder, group)));
+                    (
+                        Some(ParityOp::Join {
+                            holder,
+                            group,
+                            member,
+                        }),
+                        _,
+                    ) => {
+                        let tag = ParityTag {
+                            holder,
+                            group,
+                            member,
+                        };
+                        store.set_tag(h, p.key, Some(tag));
                         PutStatus::Stored
                     }
                     (_, Some(DeltaOutcome::UnknownGroup)) => {

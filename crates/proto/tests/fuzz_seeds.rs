@@ -1,0 +1,100 @@
+//! The fuzz targets' committed starting inputs (`fuzz/seeds/`): a stream of well-formed parity
+//! frames, which random bytes rarely reach. The seeds are generated here, so that they follow
+//! the wire format: the test fails when a committed seed no longer matches, and
+//! `NETRAM_WRITE_FUZZ_SEEDS=1 cargo test -p netram-proto --test fuzz_seeds` writes them anew.
+
+use netram_proto::{
+    decode_request, frame_len, Delta, DeltaKind, Member, OwnedRecord, Owner, Page, PageKey,
+    ParityOp, Record, Request, PAGE_SIZE,
+};
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+fn addr(i: u8) -> SocketAddr {
+    SocketAddr::from(([10, 0, 0, i], 7077))
+}
+
+/// Pages joining a group, its parity shipped, an overwrite in place, a delta, a delete and a
+/// scan: one request of each kind the parity code has, in the order a client sends them.
+fn seed() -> Vec<u8> {
+    let datas: Vec<Vec<u8>> = (1..=3u8).map(|b| vec![b; PAGE_SIZE]).collect();
+    let key = |p: u64| PageKey::new(0, p);
+    let pages: Vec<Page<'_>> = datas
+        .iter()
+        .enumerate()
+        .map(|(i, d)| Page::seal(key(i as u64), 1, d))
+        .collect();
+    let mut parity = OwnedRecord::default();
+    for p in &pages {
+        parity.xor(&Record::of(p));
+    }
+    let join = ParityOp::Join {
+        holder: addr(4),
+        group: 1,
+        member: addr(1),
+    };
+    let newer = vec![9u8; PAGE_SIZE];
+    let requests = vec![
+        Request::PutParity(pages.iter().map(|&p| (p, join)).collect()),
+        Request::ParityShip {
+            group: 1,
+            max_members: 4,
+            members: (0..3)
+                .map(|p| Member {
+                    server: addr(1),
+                    key: key(p),
+                    version: 1,
+                })
+                .collect(),
+            record: parity.as_record(),
+        },
+        Request::PutParity(vec![(Page::seal(key(0), 2, &newer), ParityOp::Keep)]),
+        Request::ParityDelta(vec![Delta {
+            owner: Owner::SELF,
+            group: 1,
+            member: addr(1),
+            key: key(1),
+            from: 1,
+            to: 1,
+            kind: DeltaKind::Remove,
+            record: Record::of(&pages[1]),
+        }]),
+        Request::Delete(vec![key(2)]),
+        Request::ParityScan {
+            dead: addr(1),
+            max: 8,
+        },
+    ];
+    let mut out = Vec::new();
+    for (id, r) in requests.iter().enumerate() {
+        r.encode(id as u64 + 1, &mut out);
+    }
+    out
+}
+
+#[test]
+fn committed_fuzz_seeds_follow_the_wire_format() {
+    let seed = seed();
+    // Every frame of the seed decodes.
+    let mut rest = &seed[..];
+    while !rest.is_empty() {
+        let len = frame_len(rest).unwrap().expect("a whole frame");
+        decode_request(&rest[..len]).expect("a well-formed request");
+        rest = &rest[len..];
+    }
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fuzz/seeds");
+    for target in ["decode", "store_requests"] {
+        let path = root.join(target).join("parity-seed");
+        if std::env::var_os("NETRAM_WRITE_FUZZ_SEEDS").is_some() {
+            std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+            std::fs::write(&path, &seed).unwrap();
+        }
+        let committed = std::fs::read(&path).unwrap_or_default();
+        assert!(
+            committed == seed,
+            "{} is not the current seed: run NETRAM_WRITE_FUZZ_SEEDS=1 cargo test -p \
+             netram-proto --test fuzz_seeds",
+            path.display()
+        );
+    }
+}
