@@ -2,7 +2,8 @@
 //! server is both a page server and a parity server.
 //!
 //! * As a **page server** it keeps, beside a member page, the page's *tag*: which holder has its
-//!   group's parity and the group's id. The request logic ([`crate::serve`]) turns an overwrite or
+//!   group's parity, the group's id, and the address the group names this server by (a delta
+//!   names its member by server and key: another copy of the page elsewhere is not the member). The request logic ([`crate::serve`]) turns an overwrite or
 //!   a delete of a tagged page into a delta for that holder before anything changes here.
 //! * As a **holder** it keeps groups: a parity frame (owned by the owner's session, so that it
 //!   counts against the same capacity and dies with the session), the XOR of the members'
@@ -10,7 +11,8 @@
 //!   the list; an emptied group is freed, and its parity must then be all zeros — anything else
 //!   means a delta was lost or applied twice, and is counted (`parity_groups_inconsistent`), which
 //!   the simulator checks stays at zero. Groups left small by removals are merged with another
-//!   small group of the same owner whose members are on other servers (§IV-B2's merging); the
+//!   small group of the same owner whose members are on other servers and are other pages
+//!   (§IV-B2's merging); the
 //!   absorbed group's id stays valid as an alias, so that the tags on its members need no update.
 //!
 //! Only the owner knows which servers are dead: it asks with a scan ([`Store::orphans`],
