@@ -34,7 +34,7 @@ fn seed() -> Vec<u8> {
         member: addr(1),
     };
     let newer = vec![9u8; PAGE_SIZE];
-    let requests = vec![
+    let requests = [
         Request::PutParity(pages.iter().map(|&p| (p, join)).collect()),
         Request::ParityShip {
             group: 1,
