@@ -1713,7 +1713,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                         }
                         PutStatus::Unprotected => Followup::Stored(it),
                         // Nothing changed: the page goes elsewhere.
-                        PutStatus::HolderUnreachable => Followup::HolderUnreachable(it),
+                        PutStatus::HolderUnreachable => Followup::Refused(it),
                         PutStatus::Full => {
                             counters.puts_refused_full += 1;
                             Followup::Replace(it)
@@ -1795,11 +1795,8 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                 self.servers[server].load.free_pages = 0;
                 self.par_put_failed(it, server)?;
             }
-            Followup::HolderUnreachable(it) if self.par.is_some() => {
-                self.par_holder_unreachable(it, server)?
-            }
-            // Only parity pages have holders: from any other pager's server, a refusal.
-            Followup::HolderUnreachable(it) => self.copy_failed(it.page, server)?,
+            Followup::Refused(it) if it.op != PutOp::Plain => self.par_put_failed(it, server)?,
+            Followup::Refused(it) => self.copy_failed(it.page, server)?,
             Followup::Unprotected(it) => self.par_unprotected(it, server)?,
             Followup::Shipped(id) => self.par_shipped(id)?,
             Followup::ShipFailed(id) => self.par_ship_failed(id)?,
@@ -1925,8 +1922,8 @@ enum Followup {
     GetFailed(GetItem, &'static str),
     Stored(PutItem),
     Replace(PutItem),
-    /// Not stored and nothing changed at the server: it could not tell a parity holder.
-    HolderUnreachable(PutItem),
+    /// Not stored and nothing changed (a parity holder could not be told): placed elsewhere.
+    Refused(PutItem),
     /// Stored outside any parity group.
     Unprotected(PutItem),
     Shipped(u64),

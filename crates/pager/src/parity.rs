@@ -50,10 +50,6 @@ const GROUP_IDS: u64 = 1 << 40;
 /// Rounds of recovery a superseded copy is deleted again before it is left to its session's end.
 const STALE_TRIES: u32 = 50;
 
-/// How often a write whose server could not tell the holder is sent to that server again
-/// before it goes elsewhere.
-const HOLDER_TRIES: u8 = 3;
-
 /// Open groups at most: a write finding none with room ships the fullest one.
 const MAX_OPEN: usize = 64;
 
@@ -112,8 +108,6 @@ pub(crate) struct Par {
     stale_tries: HashMap<(usize, PageKey), u32>,
     /// Reads tried again after a bad checksum, by page.
     retries: HashMap<u64, u8>,
-    /// Writes sent again to the same server after its holder could not be told, by page.
-    put_retries: HashMap<u64, u8>,
 }
 
 impl Par {
@@ -134,7 +128,6 @@ impl Par {
             stale: Vec::new(),
             stale_tries: HashMap::new(),
             retries: HashMap::new(),
-            put_retries: HashMap::new(),
         }
     }
 
@@ -296,7 +289,6 @@ impl<T: Transport, D: Disk> Pager<T, D> {
 
     /// A PUT of a parity page was stored.
     pub(crate) fn par_stored(&mut self, it: PutItem, server: usize) -> Result<(), PagerError> {
-        self.par_mut().put_retries.remove(&it.page);
         let Some(wb) = self.writeback.get_mut(&it.page) else {
             return Ok(());
         };
@@ -356,31 +348,6 @@ impl<T: Transport, D: Disk> Pager<T, D> {
 
     /// A PUT that will not be stored (refused, holder unreachable, server dead): the page leaves
     /// the open group it was joining, and is placed elsewhere.
-    /// The server could not tell the holder of the page's group about the write, and changed
-    /// nothing. The holder may have applied the delta and lost its answer: the same write to
-    /// the same server again is answered as a repeat and leaves the group consistent, while the
-    /// page placed elsewhere would leave the group covering a version no server has. So it is
-    /// sent there again a few times before it goes elsewhere.
-    pub(crate) fn par_holder_unreachable(
-        &mut self,
-        it: PutItem,
-        server: usize,
-    ) -> Result<(), PagerError> {
-        let current = self
-            .writeback
-            .get(&it.page)
-            .is_some_and(|wb| wb.version == it.version && wb.pending.contains(server));
-        let tries = self.par_mut().put_retries.entry(it.page).or_insert(0);
-        *tries += 1;
-        if current && *tries <= HOLDER_TRIES && self.servers[server].alive {
-            self.counters.puts += 1;
-            self.batches[server].puts.push(it);
-            return Ok(());
-        }
-        self.par_mut().put_retries.remove(&it.page);
-        self.par_put_failed(it, server)
-    }
-
     pub(crate) fn par_put_failed(&mut self, it: PutItem, server: usize) -> Result<(), PagerError> {
         if let PutOp::Join { group, .. } = it.op {
             self.par_leave(group, it.page);
