@@ -103,9 +103,14 @@ pub struct PagerConfig {
     pub batch_max: usize,
     /// Seed of the placement's random choices.
     pub seed: u64,
-    /// How pages survive the loss of servers (Markatos §2.1, Nswap §IV): `none` or `mirror:N`
-    /// today.
+    /// How pages survive the loss of servers (Markatos §2.1, Nswap §IV): `none`, `mirror:N`,
+    /// `parity:N` or `rs:K+M`.
     pub redundancy: Scheme,
+    /// Page buffers added for rebuilding under `rs:K+M` and `parity:N`, where one rebuilt
+    /// piece takes K (N) pieces read: recovery works in waves, a round trip and (Reed-Solomon)
+    /// a decoder's fixed cost per wave, so its rate grows with the wave (Nswap Table IV).
+    /// 2048 slots are 8 MiB.
+    pub recovery_slots: usize,
 }
 
 impl Default for PagerConfig {
@@ -120,6 +125,7 @@ impl Default for PagerConfig {
             batch_max: 16,
             seed: 0x6e65_7472_616d,
             redundancy: Scheme::None,
+            recovery_slots: 2048,
         }
     }
 }
@@ -245,6 +251,10 @@ counters! {
     pages_rebuilt,
     /// Pages that recovery found without any surviving copy.
     pages_unrecoverable,
+    /// Reed-Solomon pieces restored as the XOR of their stripe's other pieces, and runs of the
+    /// decoder (each for one stripe, or for a batch of stripes with one erasure pattern).
+    pieces_restored_by_xor,
+    decoder_runs,
     /// Parity groups opened, shipped to their holders, and failed to ship (their members
     /// joined other groups).
     parity_groups_opened,
@@ -472,7 +482,11 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             .sum::<usize>()
             .max(cfg.writeback_batch)
             .max(1);
-        let nslots = cfg.cache_pages + staging;
+        let rebuilding = match cfg.redundancy {
+            Scheme::ReedSolomon { .. } | Scheme::Parity { .. } => cfg.recovery_slots,
+            Scheme::None | Scheme::Mirror { .. } => 0,
+        };
+        let nslots = cfg.cache_pages + staging + rebuilding;
         Self {
             transport,
             disk,

@@ -609,3 +609,60 @@ fn a_dead_servers_pages_come_back_from_parity_on_read_and_by_recovery() {
     assert_eq!(p.counters().pages_unrecoverable, 0);
     parity_consistent(&p);
 }
+
+fn rs_pager(servers: usize, pages: u64, scheme: &str) -> Pager<MemCluster, MemDisk> {
+    Pager::new(
+        PagerConfig {
+            pages,
+            cache_pages: 0,
+            writeback_batch: 4,
+            redundancy: scheme.parse().unwrap(),
+            ..Default::default()
+        },
+        MemCluster::new(&vec![256; servers]),
+        MemDisk::default(),
+    )
+}
+
+fn reads_back(p: &mut Pager<MemCluster, MemDisk>, pages: u64, round: u8) {
+    for page in 0..pages {
+        assert_eq!(read(p, page).unwrap(), content(page, round), "page {page}");
+    }
+}
+
+#[test]
+fn the_codes_in_use_have_the_xor_check_and_others_are_told_apart() {
+    // `rs:3+2`, `rs:4+2` and `rs:8+4` take the XOR path for one lost piece ...
+    assert!(stripe::xor_code(3, 2) && stripe::xor_code(4, 2) && stripe::xor_code(8, 4));
+    // ... a one-page stripe of M = 2, or M = 3, go through the decoder.
+    assert!(!stripe::xor_code(1, 2));
+    assert!(!stripe::xor_code(4, 3));
+}
+
+#[test]
+fn one_lost_piece_comes_back_by_xor_and_two_by_the_decoder() {
+    let mut p = rs_pager(7, 64, "rs:4+2");
+    let pages: Vec<u64> = (0..64).collect();
+    let data: Vec<u8> = pages.iter().flat_map(|&pg| content(pg, 1)).collect();
+    p.write_many(&pages, &data).unwrap();
+    p.flush().unwrap();
+    p.transport_mut().servers[0].dead = true;
+    reads_back(&mut p, 64, 1);
+    let c = p.counters().clone();
+    assert!(c.degraded_reads > 0, "server 0 held data pieces");
+    assert_eq!(c.pieces_restored_by_xor, c.degraded_reads);
+    assert_eq!(c.decoder_runs, 0);
+    recover_all(&mut p);
+    assert!(p.counters().pieces_restored_by_xor > c.pieces_restored_by_xor);
+    assert_eq!(p.counters().decoder_runs, 0);
+    assert_eq!(p.pages_per_server()[0], 0);
+    reads_back(&mut p, 64, 1);
+    // Two more die: within the scheme's tolerance, but one lost piece is no longer the rule.
+    p.transport_mut().servers[1].dead = true;
+    p.transport_mut().servers[2].dead = true;
+    reads_back(&mut p, 64, 1);
+    assert!(p.counters().decoder_runs > 0);
+    recover_all(&mut p);
+    reads_back(&mut p, 64, 1);
+    assert_eq!(p.counters().pages_unrecoverable, 0);
+}

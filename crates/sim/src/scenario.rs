@@ -167,6 +167,7 @@ pub fn run(sc: &Scenario) -> Result<Report, Failure> {
                 batch_max: rng.usize(1..=8),
                 seed: rng.u64(..),
                 redundancy: sc.scheme,
+                recovery_slots: [0, 8, 64][rng.usize(0..3)],
             };
             Client {
                 pager: Pager::new(
