@@ -946,6 +946,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             if let Some(what) = what {
                 self.rs_bad_piece(it.page as u32, it.piece, server, what);
             }
+            self.rs_read_settled(it.page as u32);
             return self.release_slot(it.slot);
         }
         if self.rs.is_some() {

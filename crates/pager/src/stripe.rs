@@ -93,9 +93,24 @@ pub(crate) struct Rs {
     prefetched: HashMap<(u32, usize), u32>,
     /// Data pieces decoded ahead for the same batch, by (stripe, piece).
     restored: HashMap<(u32, usize), u32>,
+    /// Stripes being rebuilt whose piece reads are out, and how many.
+    reading: HashMap<u32, u32>,
+    /// Stripes being rebuilt whose piece reads are all back or failed.
+    read: Vec<u32>,
     next_gen: u32,
     /// Per member count: whether the pieces of such a stripe XOR to zero ([`xor_code`]).
     xor: Vec<bool>,
+    /// Kept from stripe to stripe: a new one per stripe allocates and clears its work space.
+    encoder: Option<Encoder>,
+}
+
+/// `reed-solomon-simd`'s encoder, which has no `Debug`.
+pub(crate) struct Encoder(reed_solomon_simd::ReedSolomonEncoder);
+
+impl std::fmt::Debug for Encoder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Encoder")
+    }
 }
 
 impl Rs {
@@ -116,8 +131,11 @@ impl Rs {
             pinned: BTreeSet::new(),
             prefetched: HashMap::new(),
             restored: HashMap::new(),
+            reading: HashMap::new(),
+            read: Vec::new(),
             next_gen: 1,
             xor: (0..=k).map(|j| j > 0 && xor_code(j, m)).collect(),
+            encoder: None,
         }
     }
 
@@ -214,15 +232,11 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             }
         };
         let member_slots: Vec<u32> = pages.iter().map(|p| self.writeback[p].slot).collect();
-        let parity =
-            reed_solomon_simd::encode(pages.len(), m, member_slots.iter().map(|&s| self.slot(s)))
-                .expect("page-sized shards and at most 32 pieces are valid");
         let mut owned = Vec::with_capacity(m);
-        for shard in &parity {
-            let slot = self.take_slot()?;
-            self.slot_mut(slot).copy_from_slice(shard);
-            owned.push(slot);
+        for _ in 0..m {
+            owned.push(self.take_slot()?);
         }
+        self.rs_encode(&member_slots, &owned);
         let members: Vec<(u64, u32)> = pages
             .iter()
             .map(|&p| (p, self.writeback[&p].version))
@@ -619,22 +633,42 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         Ok(Some(out))
     }
 
+    /// Computes the parity pieces of the data pieces in slots `data` into slots `parity`.
+    fn rs_encode(&mut self, data: &[u32], parity: &[u32]) {
+        let (k, m) = (data.len(), parity.len());
+        let rs = self.rs.as_deref_mut().expect("a Reed-Solomon pager");
+        let enc = match &mut rs.encoder {
+            Some(Encoder(enc)) => {
+                enc.reset(k, m, PAGE_SIZE).expect("a valid stripe shape");
+                enc
+            }
+            None => {
+                &mut rs
+                    .encoder
+                    .insert(Encoder(
+                        reed_solomon_simd::ReedSolomonEncoder::new(k, m, PAGE_SIZE)
+                            .expect("a valid stripe shape"),
+                    ))
+                    .0
+            }
+        };
+        let at = |s: u32| s as usize * PAGE_SIZE..(s as usize + 1) * PAGE_SIZE;
+        for &s in data {
+            enc.add_original_shard(&self.slots[at(s)])
+                .expect("page-sized shards, K of them");
+        }
+        let out = enc.encode().expect("K shards added");
+        for (shard, &s) in out.recovery_iter().zip(parity) {
+            self.slots[at(s)].copy_from_slice(shard);
+        }
+    }
+
     /// `dst` = the XOR of the pieces in `pieces`' slots (none of them `dst`).
     fn rs_xor_of(&mut self, dst: u32, pieces: &[(usize, u32)]) {
-        let at = dst as usize * PAGE_SIZE;
-        let (before, rest) = self.slots.split_at_mut(at);
-        let (out, after) = rest.split_at_mut(PAGE_SIZE);
-        out.fill(0);
-        for &(_, s) in pieces {
-            let from = s as usize * PAGE_SIZE;
-            let src = if from < at {
-                &before[from..from + PAGE_SIZE]
-            } else {
-                let o = from - at - PAGE_SIZE;
-                &after[o..o + PAGE_SIZE]
-            };
-            netram_proto::parity::xor_into(out, src);
-        }
+        let mut out = [0u8; PAGE_SIZE];
+        let srcs: Vec<&[u8]> = pieces.iter().map(|&(_, s)| self.slot(s)).collect();
+        netram_proto::parity::xor_of(&mut out, &srcs);
+        self.slot_mut(dst).copy_from_slice(&out);
     }
 
     /// A degraded read: the page's data piece is out of reach, so it is decoded from K other
@@ -757,75 +791,67 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         }
     }
 
-    /// Rebuilds the lost pieces of up to `max` degraded stripes from K survivors each.
-    /// Reads, in one pipelined round, K live pieces of each of the first stripes recovery will
-    /// rebuild (as many as the staging slots allow), for `rs_decode` to find.
-    fn rs_prefetch(&mut self, max: usize) -> Result<(), PagerError> {
+    /// The pieces of `id` lost (no server, or a dead one), and the live ones to read to
+    /// rebuild them: every other piece where one lost data piece is their XOR
+    /// ([`xor_code`]), otherwise K (the K data pieces where only parity is lost). `None` when
+    /// nothing is to be done: the stripe is being written, unused, or whole.
+    fn rs_read_plan(&self, id: u32) -> Option<(Vec<usize>, Vec<usize>)> {
         let rs = self.rs();
-        // Per stripe: K pieces read, and up to M pieces decoded or encoded; what is left must
-        // let `rs_recover` go on with a stripe the wave missed.
-        let (per_stripe, reserve) = (rs.k + rs.m, 2 * (rs.k + rs.m) + 2);
-        let want = max.min(rs.degraded.len()) * per_stripe + reserve;
-        // The last wave's pieces are on their way out and hold slots until acknowledged; the
-        // reads of this one overlap the rest of them.
-        while self.free_slots.len() < want && !self.idle() {
-            self.complete_one()?;
+        if rs.writing.contains_key(&id) {
+            return None; // its write settles it
         }
-        let up: Vec<bool> = self.servers.iter().map(|s| s.alive).collect();
-        let rs = self.rs();
-        let room = self.free_slots.len().saturating_sub(reserve) / per_stripe;
-        let mut plan: Vec<(u32, usize, usize, u32)> = Vec::new();
-        for &id in rs.degraded.iter().take(max.min(room)) {
-            if rs.writing.contains_key(&id) {
-                continue;
-            }
-            let st = &rs.stripes[id as usize];
-            let (k, total) = (st.k(), st.servers.len());
-            let mut live: Vec<usize> = (0..total)
-                .filter(|&j| st.servers[j] != NO_SERVER && up[usize::from(st.servers[j])])
-                .collect();
-            // A lost data piece comes back by XOR from all the others where the code allows
-            // (`rs_decode_batch`), by the decoder from K otherwise; a lost parity piece is
-            // encoded again from the K data pieces.
-            let lost_data = (0..k).any(|j| !live.contains(&j));
-            if !(lost_data && live.len() + 1 == total && rs.xor_code(k)) {
-                live.truncate(k);
-            }
-            if live.len() < total && live.len() >= k {
-                for j in live {
-                    plan.push((id, j, usize::from(st.servers[j]), st.version(j)));
-                }
-            }
+        let st = &rs.stripes[id as usize];
+        if !st.in_use() {
+            return None;
         }
-        for &(id, piece, server, version) in &plan {
-            let slot = self.take_slot()?;
-            let it = GetItem {
-                page: u64::from(id),
-                slot,
-                pos: INTERNAL,
-                key: self.piece_key(id, piece),
-                version,
-                piece: piece as u8,
-            };
-            self.submit_get_item(server, it);
+        let (k, total) = (st.k(), st.servers.len());
+        let up =
+            |j: usize| st.servers[j] != NO_SERVER && self.servers[usize::from(st.servers[j])].alive;
+        let (mut live, lost): (Vec<usize>, Vec<usize>) = (0..total).partition(|&j| up(j));
+        if lost.is_empty() {
+            return None;
         }
-        while !self.idle() {
-            self.complete_one()?;
+        let lost_data = lost.iter().any(|&j| j < k);
+        if !(lost_data && lost.len() == 1 && rs.xor_code(k)) {
+            live.truncate(k);
         }
+        Some((lost, live))
+    }
+
+    /// Piece reads that came back for stripes being rebuilt, put where `rs_decode` finds them.
+    fn rs_harvest(&mut self) {
         let mut rest = Vec::new();
         for d in std::mem::take(&mut self.reads_done) {
-            if d.pos == INTERNAL && d.piece != NOT_PIECE {
-                let key = (d.page as u32, usize::from(d.piece));
-                if let Some(old) = self.rs_mut().prefetched.insert(key, d.slot) {
-                    self.release_slot(old);
+            let id = d.page as u32;
+            let rs = self.rs_mut();
+            match rs.reading.get_mut(&id) {
+                Some(n) if d.pos == INTERNAL && d.piece != NOT_PIECE => {
+                    *n -= 1;
+                    if *n == 0 {
+                        rs.reading.remove(&id);
+                        rs.read.push(id);
+                    }
+                    if let Some(old) = rs.prefetched.insert((id, usize::from(d.piece)), d.slot) {
+                        self.release_slot(old);
+                    }
                 }
-            } else {
-                rest.push(d);
+                _ => rest.push(d),
             }
         }
         self.reads_done = rest;
-        let ids: BTreeSet<u32> = plan.iter().map(|p| p.0).collect();
-        self.rs_decode_batch(&ids)
+    }
+
+    /// A piece read for a stripe being rebuilt that will not come back.
+    pub(crate) fn rs_read_settled(&mut self, id: u32) {
+        if let Some(rs) = self.rs.as_deref_mut() {
+            if let Some(n) = rs.reading.get_mut(&id) {
+                *n -= 1;
+                if *n == 0 {
+                    rs.reading.remove(&id);
+                    rs.read.push(id);
+                }
+            }
+        }
     }
 
     /// Restores the missing data pieces of the prefetched stripes: by XOR where every other
@@ -892,129 +918,94 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         Ok(())
     }
 
+    /// Rebuilds the lost pieces of up to `max` degraded stripes, streaming: the reads of the
+    /// next stripes go out while the pieces of those already read are restored and written,
+    /// as far as the slots allow, so that neither the servers nor the pager wait on each
+    /// other's turn. Stripes that need the decoder wait for a batch (`rs_decode_batch`).
     pub(crate) fn rs_recover(&mut self, max: usize) -> Result<RecoveryStep, PagerError> {
         let mut step = RecoveryStep::default();
-        let mut done = 0;
-        while done < max {
-            if self.rs().prefetched.is_empty() && self.rs().restored.is_empty() {
-                // A new wave: the pieces of as many stripes as the slots allow, in one round.
-                self.rs_prefetch(max - done)?;
-            }
-            let up: Vec<bool> = self.servers.iter().map(|s| s.alive).collect();
-            let free_slots = self.free_slots.len();
-            let rs = self.rs_mut();
-            let Some(id) = rs.degraded.pop_first() else {
+        let rs = self.rs();
+        let total = rs.k + rs.m;
+        // Per stripe: up to K+M−1 pieces read and M restored; what is left lets a stripe whose
+        // reads failed fetch others (`rs_decode`).
+        let (per_stripe, reserve) = (total + rs.m, 2 * total + 2);
+        let mut plan: std::collections::VecDeque<u32> = std::collections::VecDeque::new();
+        while plan.len() < max {
+            let Some(id) = self.rs_mut().degraded.pop_first() else {
                 break;
             };
-            if rs.writing.contains_key(&id) {
-                continue; // its write settles it
-            }
-            let st = &rs.stripes[id as usize];
-            if !st.in_use() {
-                continue;
-            }
-            let k = st.k();
-            let lost: Vec<usize> = (0..st.servers.len())
-                .filter(|&j| {
-                    let s = st.servers[j];
-                    s == NO_SERVER || !up[usize::from(s)]
-                })
-                .collect();
-            if lost.is_empty() {
-                continue;
-            }
-            // A slot per piece read and per piece rebuilt: stay well inside the staging slots.
-            if free_slots < 2 * st.servers.len() + 2 {
-                rs.degraded.insert(id);
-                break;
-            }
-            done += 1;
-            let members = st.members.clone();
-            let live = st.live.clone();
-            let lost_data: Vec<usize> = lost.iter().copied().filter(|&j| j < k).collect();
-            let parity_lost = lost.iter().any(|&j| j >= k);
-            // Parity is recomputed from all data pieces; data from any K pieces.
-            let _ = lost_data;
-            // Every data piece: parity is recomputed from them, and should the rebuilt pieces
-            // find too few servers, the live members go to the local disk from them.
-            let wanted: Vec<usize> = (0..k).collect();
-            let Some(restored) = self.rs_decode(id, &wanted, &lost)? else {
-                // Fewer than K pieces answered. If K are still out there (a read failed on
-                // the way), try again later; otherwise the members whose data piece is gone
-                // and that have no disk copy are lost: their reads fail from now on.
-                let rs = self.rs();
-                let st = &rs.stripes[id as usize];
-                let up = st
-                    .servers
-                    .iter()
-                    .filter(|&&s| s != NO_SERVER && self.servers[usize::from(s)].alive)
-                    .count();
-                if st.in_use() && up >= st.k() {
-                    self.rs_mut().degraded.insert(id);
+            plan.push_back(id);
+        }
+        let mut decode_wait: Vec<u32> = Vec::new();
+        loop {
+            while let Some(&id) = plan.front() {
+                if self.free_slots.len() < reserve + per_stripe {
                     break;
                 }
-                for (i, &(page, _)) in members.iter().enumerate() {
-                    let rs = self.rs();
-                    if live[i]
-                        && rs.stripe_of[page as usize] == id
-                        && lost.contains(&i)
-                        && !self.table.get(page).on_disk
-                    {
-                        step.unrecoverable += 1;
-                        self.counters.pages_unrecoverable += 1;
-                    }
+                plan.pop_front();
+                let Some((_, read)) = self.rs_read_plan(id) else {
+                    continue;
+                };
+                let rs = self.rs_mut();
+                rs.pinned.insert(id);
+                if read.is_empty() {
+                    rs.read.push(id);
+                } else {
+                    rs.reading.insert(id, read.len() as u32);
+                }
+                for j in read {
+                    let slot = self.take_slot()?;
+                    let st = &self.rs().stripes[id as usize];
+                    let it = GetItem {
+                        page: u64::from(id),
+                        slot,
+                        pos: INTERNAL,
+                        key: self.piece_key(id, j),
+                        version: st.version(j),
+                        piece: j as u8,
+                    };
+                    self.submit_get_item(usize::from(st.servers[j]), it);
+                }
+            }
+            self.send_all_batches();
+            self.rs_harvest();
+            for id in std::mem::take(&mut self.rs_mut().read) {
+                let rs = self.rs_mut();
+                rs.pinned.remove(&id);
+                let st = &rs.stripes[id as usize];
+                let k = st.k();
+                let by_decoder = (0..k).any(|j| !rs.prefetched.contains_key(&(id, j)))
+                    && (k..st.servers.len()).any(|j| rs.prefetched.contains_key(&(id, j)))
+                    && !rs.xor_code(k);
+                if by_decoder {
+                    decode_wait.push(id);
+                } else {
+                    self.rs_rebuild(id, &mut step)?;
+                }
+            }
+            let rs = self.rs();
+            let busy = !rs.reading.is_empty() || !rs.read.is_empty();
+            if decode_wait.len() >= 64 || (!busy && !decode_wait.is_empty()) {
+                let ids: BTreeSet<u32> = decode_wait.iter().copied().collect();
+                self.rs_decode_batch(&ids)?;
+                for id in std::mem::take(&mut decode_wait) {
+                    self.rs_rebuild(id, &mut step)?;
                 }
                 continue;
-            };
-            let total = self.rs().stripes[id as usize].servers.len();
-            let mut slots = vec![u32::MAX; total];
-            let mut owned = Vec::new();
-            for &(j, slot) in &restored {
-                if lost.contains(&j) {
-                    slots[j] = slot;
-                    owned.push(slot);
-                }
             }
-            if parity_lost {
-                let m = total - k;
-                let parity = {
-                    let data: Vec<&[u8]> = restored.iter().map(|&(_, s)| self.slot(s)).collect();
-                    reed_solomon_simd::encode(k, m, data).expect("valid stripe")
-                };
-                for (p, shard) in parity.iter().enumerate() {
-                    if lost.contains(&(k + p)) {
-                        let slot = self.take_slot()?;
-                        self.slot_mut(slot).copy_from_slice(shard);
-                        slots[k + p] = slot;
-                        owned.push(slot);
-                    }
-                }
+            if plan.is_empty() && !busy {
+                break;
             }
-            let data: Vec<u32> = restored.iter().map(|&(_, s)| s).collect();
-            for &(j, slot) in &restored {
-                if !lost.contains(&j) {
-                    owned.push(slot);
-                }
+            if !busy && self.idle() && self.free_slots.len() < reserve + per_stripe {
+                // No room, and nothing under way to make some: the rest waits for a later call.
+                self.rs_mut().degraded.extend(plan.drain(..));
+                break;
             }
-            let rs = self.rs_mut();
-            for &j in &lost {
-                rs.stripes[id as usize].servers[j] = NO_SERVER;
+            if self.rs().read.is_empty() {
+                self.complete_one()?;
             }
-            rs.writing.insert(
-                id,
-                StripeWrite {
-                    slots,
-                    owned,
-                    target: vec![NO_SERVER; total],
-                    refused: Servers::default(),
-                    rebuild: true,
-                    data,
-                },
-            );
-            step.started += lost.len();
-            self.rs_place(id)?;
         }
-        // Pieces read ahead for stripes this call did not reach.
+        // Pieces read for stripes that did not need them after all.
         let rs = self.rs_mut();
         let left: Vec<u32> = rs
             .prefetched
@@ -1028,6 +1019,105 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         self.send_all_batches();
         step.remaining = self.rs().degraded.len();
         Ok(step)
+    }
+
+    /// Restores and writes out the lost pieces of one stripe whose reads are back (in
+    /// `prefetched` and `restored`; `rs_decode` fetches what is missing).
+    fn rs_rebuild(&mut self, id: u32, step: &mut RecoveryStep) -> Result<(), PagerError> {
+        let Some((lost, _)) = self.rs_read_plan(id) else {
+            // Written meanwhile, or its last member gone while it was pinned.
+            let rs = self.rs();
+            if !rs.stripes[id as usize].in_use() && !rs.writing.contains_key(&id) {
+                self.rs_free(id);
+            }
+            return Ok(());
+        };
+        let rs = self.rs();
+        let st = &rs.stripes[id as usize];
+        let k = st.k();
+        let members = st.members.clone();
+        let live = st.live.clone();
+        let parity_lost = lost.iter().any(|&j| j >= k);
+        // Every data piece: parity is recomputed from them, and should the rebuilt pieces
+        // find too few servers, the live members go to the local disk from them.
+        let wanted: Vec<usize> = (0..k).collect();
+        let Some(restored) = self.rs_decode(id, &wanted, &lost)? else {
+            // Fewer than K pieces answered. If K are still out there (a read failed on
+            // the way), try again later; otherwise the members whose data piece is gone
+            // and that have no disk copy are lost: their reads fail from now on.
+            let rs = self.rs();
+            let st = &rs.stripes[id as usize];
+            let up = st
+                .servers
+                .iter()
+                .filter(|&&s| s != NO_SERVER && self.servers[usize::from(s)].alive)
+                .count();
+            if st.in_use() && up >= st.k() {
+                self.rs_mut().degraded.insert(id);
+                return Ok(());
+            }
+            for (i, &(page, _)) in members.iter().enumerate() {
+                let rs = self.rs();
+                if live[i]
+                    && rs.stripe_of[page as usize] == id
+                    && lost.contains(&i)
+                    && !self.table.get(page).on_disk
+                {
+                    step.unrecoverable += 1;
+                    self.counters.pages_unrecoverable += 1;
+                }
+            }
+            return Ok(());
+        };
+        let total = self.rs().stripes[id as usize].servers.len();
+        let mut slots = vec![u32::MAX; total];
+        let mut owned = Vec::new();
+        for &(j, slot) in &restored {
+            if lost.contains(&j) {
+                slots[j] = slot;
+                owned.push(slot);
+            }
+        }
+        if parity_lost {
+            let mut parity = Vec::with_capacity(total - k);
+            for _ in k..total {
+                parity.push(self.take_slot()?);
+            }
+            let data: Vec<u32> = restored.iter().map(|&(_, s)| s).collect();
+            self.rs_encode(&data, &parity);
+            for (p, slot) in parity.into_iter().enumerate() {
+                if lost.contains(&(k + p)) {
+                    slots[k + p] = slot;
+                    owned.push(slot);
+                } else {
+                    self.release_slot(slot);
+                }
+            }
+        }
+        let data: Vec<u32> = restored.iter().map(|&(_, s)| s).collect();
+        for &(j, slot) in &restored {
+            if !lost.contains(&j) {
+                owned.push(slot);
+            }
+        }
+        let rs = self.rs_mut();
+        for &j in &lost {
+            rs.stripes[id as usize].servers[j] = NO_SERVER;
+        }
+        rs.writing.insert(
+            id,
+            StripeWrite {
+                slots,
+                owned,
+                target: vec![NO_SERVER; total],
+                refused: Servers::default(),
+                rebuild: true,
+                data,
+            },
+        );
+        step.started += lost.len();
+        self.rs_place(id)?;
+        Ok(())
     }
 
     /// The pieces that make a page safe, for checkers: (server, key, version) of each piece
