@@ -44,7 +44,20 @@ impl Default for MaintainConfig {
 #[derive(Debug)]
 pub struct Maintenance {
     stop: Arc<AtomicBool>,
+    paused: Arc<AtomicBool>,
     thread: Option<JoinHandle<()>>,
+}
+
+impl Maintenance {
+    /// Holds the thread (no probes, reconnections or recovery) until resumed: for a phase
+    /// that must not share the pager, and for measuring what recovery costs a program, side
+    /// by side with the same failure ([`netram bench reliability`]).
+    pub fn pause(&self, paused: bool) {
+        self.paused.store(paused, Ordering::SeqCst);
+        if let Some(t) = &self.thread {
+            t.thread().unpark();
+        }
+    }
 }
 
 impl Drop for Maintenance {
@@ -63,25 +76,31 @@ where
     F: Fn(&mut dyn FnMut(&mut ClientPager)) + Send + 'static,
 {
     let stop = Arc::new(AtomicBool::new(false));
+    let paused = Arc::new(AtomicBool::new(false));
     let thread = {
-        let stop = stop.clone();
+        let (stop, paused) = (stop.clone(), paused.clone());
         std::thread::Builder::new()
             .name("netram-maintain".into())
-            .spawn(move || run(with_pager, cfg, &stop))
+            .spawn(move || run(with_pager, cfg, &stop, &paused))
             .expect("spawn maintenance thread")
     };
     Maintenance {
         stop,
+        paused,
         thread: Some(thread),
     }
 }
 
-fn run<F>(with_pager: F, cfg: MaintainConfig, stop: &AtomicBool)
+fn run<F>(with_pager: F, cfg: MaintainConfig, stop: &AtomicBool, paused: &AtomicBool)
 where
     F: Fn(&mut dyn FnMut(&mut ClientPager)),
 {
     let (mut last_probe, mut last_reconnect) = (Instant::now(), Instant::now());
     while !stop.load(Ordering::SeqCst) {
+        if paused.load(Ordering::SeqCst) {
+            std::thread::park_timeout(Duration::from_millis(50));
+            continue;
+        }
         let started = Instant::now();
         let mut rebuilt = 0;
         with_pager(&mut |p| {

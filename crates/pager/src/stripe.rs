@@ -19,7 +19,11 @@ use crate::{Disk, GetItem, Op, PagerError, PutItem, Transport, INTERNAL, NOT_PIE
 use crate::{Pager, Request};
 use netram_policy::placement::{self, Candidate};
 use netram_proto::PageKey;
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet};
+
+/// The stripe maps are looked up per piece read and written: a fast hash, and a fixed one, so
+/// that a simulated run does the same at every replay.
+type HashMap<K, V> = std::collections::HashMap<K, V, foldhash::fast::FixedState>;
 
 /// Region bit that sets pieces apart from pages on a server (the store keeps 24-bit regions).
 pub(crate) const PIECE_REGION: u32 = 1 << 23;
@@ -125,13 +129,13 @@ impl Rs {
             free_ids: Vec::new(),
             stripe_of: vec![NO_STRIPE; n],
             index_of: vec![0; n],
-            writing: HashMap::new(),
+            writing: HashMap::default(),
             degraded: BTreeSet::new(),
             short: BTreeSet::new(),
             pinned: BTreeSet::new(),
-            prefetched: HashMap::new(),
-            restored: HashMap::new(),
-            reading: HashMap::new(),
+            prefetched: HashMap::default(),
+            restored: HashMap::default(),
+            reading: HashMap::default(),
             read: Vec::new(),
             next_gen: 1,
             xor: (0..=k).map(|j| j > 0 && xor_code(j, m)).collect(),
@@ -270,6 +274,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
     /// is left in flight.
     fn rs_place(&mut self, id: u32) -> Result<(), PagerError> {
         let mut full = Vec::new();
+        let mut candidates = None;
         let total = self.rs().stripes[id as usize].servers.len();
         for piece in 0..total {
             let rs = self.rs();
@@ -291,8 +296,13 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                     .map(|&s| usize::from(s)),
             );
             let (slot, version) = (w.slots[piece], stripe.version(piece));
-            let candidates: Vec<Candidate> = self.servers.iter().map(|s| s.load).collect();
-            let Some(server) = placement::choose(&candidates, &exclude, &mut self.rng) else {
+            let candidates = candidates.get_or_insert_with(|| {
+                self.servers
+                    .iter()
+                    .map(|s| s.load)
+                    .collect::<Vec<Candidate>>()
+            });
+            let Some(server) = placement::choose(candidates, &exclude, &mut self.rng) else {
                 continue;
             };
             let key = self.piece_key(id, piece);
@@ -567,19 +577,21 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                 }
             }
         }
-        let missing = |have: &[(usize, u32)]| -> Vec<usize> {
-            wanted
+        // The wanted pieces not at hand: how many, and the first.
+        let missing = |have: &[(usize, u32)]| -> (usize, Option<usize>) {
+            let mut absent = wanted
                 .iter()
                 .copied()
-                .filter(|&j| !have.iter().any(|&(i, _)| i == j))
-                .collect()
+                .filter(|&j| !have.iter().any(|&(i, _)| i == j));
+            let first = absent.next();
+            (first.map_or(0, |_| 1 + absent.count()), first)
         };
-        while !missing(&have).is_empty() && have.len() < need && !candidates.is_empty() {
+        while missing(&have).0 > 0 && have.len() < need && !candidates.is_empty() {
             let n = (need - have.len()).min(candidates.len());
             let batch: Vec<usize> = candidates.drain(..n).collect();
             have.extend(self.rs_fetch(id, &batch)?);
         }
-        if let [x] = missing(&have)[..] {
+        if let (1, Some(x)) = missing(&have) {
             if xor && have.len() == total - 1 {
                 let slot = self.take_slot()?;
                 self.rs_xor_of(slot, &have);
@@ -587,14 +599,14 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                 have.push((x, slot));
             }
         }
-        let absent = missing(&have);
-        if !absent.is_empty() && have.len() < k {
+        let absent = missing(&have).0 > 0;
+        if absent && have.len() < k {
             for (_, slot) in have {
                 self.release_slot(slot);
             }
             return Ok(None);
         }
-        let decoded = if absent.is_empty() {
+        let decoded = if !absent {
             BTreeMap::new()
         } else {
             // Any K pieces, data first: the decoder gives back the data pieces missing.
@@ -854,12 +866,11 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         }
     }
 
-    /// Restores the missing data pieces of the prefetched stripes: by XOR where every other
-    /// piece was read ([`xor_code`]), otherwise one `reed-solomon-simd` call per erasure
-    /// pattern for all the stripes that share it: its decoder has a fixed cost (an evaluation
-    /// over the whole field, ~0.25 ms here) that would otherwise be paid per stripe. Bytes at
-    /// the same offset of different stripes never mix in Reed-Solomon, so stripes laid end to
-    /// end decode as one.
+    /// Decodes the missing data pieces of the prefetched stripes, one `reed-solomon-simd` call
+    /// per erasure pattern for all the stripes that share it: its decoder has a fixed cost (an
+    /// evaluation over the whole field, ~0.25 ms here) that would otherwise be paid per
+    /// stripe. Bytes at the same offset of different stripes never mix in Reed-Solomon, so
+    /// stripes laid end to end decode as one.
     fn rs_decode_batch(&mut self, ids: &BTreeSet<u32>) -> Result<(), PagerError> {
         let mut groups: BTreeMap<(usize, usize, Vec<usize>), Vec<u32>> = BTreeMap::new();
         for &id in ids {
@@ -869,19 +880,10 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             let present: Vec<(usize, u32)> = (0..total)
                 .filter_map(|j| rs.prefetched.get(&(id, j)).map(|&s| (j, s)))
                 .collect();
-            let absent = (0..k).find(|&j| !present.iter().any(|&(i, _)| i == j));
-            match absent {
-                Some(x) if present.len() + 1 == total && rs.xor_code(k) => {
-                    let slot = self.take_slot()?;
-                    self.rs_xor_of(slot, &present);
-                    self.counters.pieces_restored_by_xor += 1;
-                    self.rs_mut().restored.insert((id, x), slot);
-                }
-                Some(_) if present.len() == k => {
-                    let present = present.iter().map(|&(j, _)| j).collect();
-                    groups.entry((k, total - k, present)).or_default().push(id);
-                }
-                _ => {}
+            let absent = (0..k).any(|j| !present.iter().any(|&(i, _)| i == j));
+            if absent && present.len() == k {
+                let present = present.iter().map(|&(j, _)| j).collect();
+                groups.entry((k, total - k, present)).or_default().push(id);
             }
         }
         for ((k, m, present), ids) in groups {
