@@ -19,7 +19,7 @@ use crate::{Disk, GetItem, Op, PagerError, PutItem, Transport, INTERNAL, NOT_PIE
 use crate::{Pager, Request};
 use netram_policy::placement::{self, Candidate};
 use netram_proto::PageKey;
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
 /// The stripe maps are looked up per piece read and written: a fast hash, and a fixed one, so
 /// that a simulated run does the same at every replay.
@@ -523,9 +523,11 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         wanted: &[usize],
         avoid: &[usize],
     ) -> Result<Option<Vec<(usize, u32)>>, PagerError> {
-        self.rs_mut().pinned.insert(id);
+        let pinned_here = self.rs_mut().pinned.insert(id);
         let decoded = self.rs_decode_pinned(id, wanted, avoid);
-        self.rs_mut().pinned.remove(&id);
+        if pinned_here {
+            self.rs_mut().pinned.remove(&id);
+        }
         let decoded = decoded?;
         let rs = self.rs();
         if !rs.stripes[id as usize].in_use() && !rs.writing.contains_key(&id) {
@@ -926,12 +928,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
     /// other's turn. Stripes that need the decoder wait for a batch (`rs_decode_batch`).
     pub(crate) fn rs_recover(&mut self, max: usize) -> Result<RecoveryStep, PagerError> {
         let mut step = RecoveryStep::default();
-        let rs = self.rs();
-        let total = rs.k + rs.m;
-        // Per stripe: up to K+M−1 pieces read and M restored; what is left lets a stripe whose
-        // reads failed fetch others (`rs_decode`).
-        let (per_stripe, reserve) = (total + rs.m, 2 * total + 2);
-        let mut plan: std::collections::VecDeque<u32> = std::collections::VecDeque::new();
+        let mut plan: VecDeque<u32> = VecDeque::new();
         while plan.len() < max {
             let Some(id) = self.rs_mut().degraded.pop_first() else {
                 break;
@@ -939,6 +936,64 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             plan.push_back(id);
         }
         let mut decode_wait: Vec<u32> = Vec::new();
+        let streamed = self.rs_stream(&mut plan, &mut decode_wait, &mut step);
+        // Whatever was not rebuilt (the rest after an error, or for want of room) goes back on
+        // the list, unpinned; pieces read for stripes that did not need them are let go.
+        let rs = self.rs_mut();
+        let unfinished: Vec<u32> = rs
+            .reading
+            .drain()
+            .map(|(id, _)| id)
+            .chain(rs.read.drain(..))
+            .chain(decode_wait)
+            .collect();
+        for id in unfinished {
+            self.rs_release_pin(id);
+            self.rs_mut().degraded.insert(id);
+        }
+        let rs = self.rs_mut();
+        rs.degraded.extend(plan);
+        let left: Vec<u32> = rs
+            .prefetched
+            .drain()
+            .chain(rs.restored.drain())
+            .map(|(_, s)| s)
+            .collect();
+        for slot in left {
+            self.release_slot(slot);
+        }
+        streamed?;
+        self.send_all_batches();
+        step.remaining = self.rs().degraded.len();
+        Ok(step)
+    }
+
+    /// Unpins a stripe, and frees it if its last member died while it was pinned.
+    fn rs_release_pin(&mut self, id: u32) {
+        let rs = self.rs_mut();
+        rs.pinned.remove(&id);
+        let st = &rs.stripes[id as usize];
+        // A freed stripe has no servers: freed once only.
+        if !st.in_use() && !st.servers.is_empty() && !rs.writing.contains_key(&id) {
+            self.rs_free(id);
+        }
+    }
+
+    /// The loop of [`Pager::rs_recover`]: stripes leave `plan` as their reads go out, are
+    /// pinned until rebuilt (a write-back that kills their last member must not free them,
+    /// and their number be reused, under the reads), and wait in `decode_wait` for the
+    /// decoder.
+    fn rs_stream(
+        &mut self,
+        plan: &mut VecDeque<u32>,
+        decode_wait: &mut Vec<u32>,
+        step: &mut RecoveryStep,
+    ) -> Result<(), PagerError> {
+        let rs = self.rs();
+        let total = rs.k + rs.m;
+        // Per stripe: up to K+M−1 pieces read and M restored; what is left lets a stripe whose
+        // reads failed fetch others (`rs_decode`).
+        let (per_stripe, reserve) = (total + rs.m, 2 * total + 2);
         loop {
             while let Some(&id) = plan.front() {
                 if self.free_slots.len() < reserve + per_stripe {
@@ -971,9 +1026,8 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             }
             self.send_all_batches();
             self.rs_harvest();
-            for id in std::mem::take(&mut self.rs_mut().read) {
-                let rs = self.rs_mut();
-                rs.pinned.remove(&id);
+            while let Some(id) = self.rs_mut().read.pop() {
+                let rs = self.rs();
                 let st = &rs.stripes[id as usize];
                 let k = st.k();
                 let by_decoder = (0..k).any(|j| !rs.prefetched.contains_key(&(id, j)))
@@ -982,7 +1036,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                 if by_decoder {
                     decode_wait.push(id);
                 } else {
-                    self.rs_rebuild(id, &mut step)?;
+                    self.rs_rebuild(id, step)?;
                 }
             }
             let rs = self.rs();
@@ -990,49 +1044,35 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             if decode_wait.len() >= 64 || (!busy && !decode_wait.is_empty()) {
                 let ids: BTreeSet<u32> = decode_wait.iter().copied().collect();
                 self.rs_decode_batch(&ids)?;
-                for id in std::mem::take(&mut decode_wait) {
-                    self.rs_rebuild(id, &mut step)?;
+                while let Some(id) = decode_wait.pop() {
+                    self.rs_rebuild(id, step)?;
                 }
                 continue;
             }
             if plan.is_empty() && !busy {
-                break;
+                return Ok(());
             }
             if !busy && self.idle() && self.free_slots.len() < reserve + per_stripe {
                 // No room, and nothing under way to make some: the rest waits for a later call.
-                self.rs_mut().degraded.extend(plan.drain(..));
-                break;
+                return Ok(());
             }
             if self.rs().read.is_empty() {
                 self.complete_one()?;
             }
         }
-        // Pieces read for stripes that did not need them after all.
-        let rs = self.rs_mut();
-        let left: Vec<u32> = rs
-            .prefetched
-            .drain()
-            .chain(rs.restored.drain())
-            .map(|(_, s)| s)
-            .collect();
-        for slot in left {
-            self.release_slot(slot);
-        }
-        self.send_all_batches();
-        step.remaining = self.rs().degraded.len();
-        Ok(step)
     }
 
     /// Restores and writes out the lost pieces of one stripe whose reads are back (in
     /// `prefetched` and `restored`; `rs_decode` fetches what is missing).
     fn rs_rebuild(&mut self, id: u32, step: &mut RecoveryStep) -> Result<(), PagerError> {
+        let r = self.rs_rebuild_pinned(id, step);
+        self.rs_release_pin(id);
+        r
+    }
+
+    fn rs_rebuild_pinned(&mut self, id: u32, step: &mut RecoveryStep) -> Result<(), PagerError> {
         let Some((lost, _)) = self.rs_read_plan(id) else {
-            // Written meanwhile, or its last member gone while it was pinned.
-            let rs = self.rs();
-            if !rs.stripes[id as usize].in_use() && !rs.writing.contains_key(&id) {
-                self.rs_free(id);
-            }
-            return Ok(());
+            return Ok(()); // its last member died while it was read
         };
         let rs = self.rs();
         let st = &rs.stripes[id as usize];

@@ -127,8 +127,28 @@ struct Client {
     backing: Backing,
 }
 
-/// Plays a scenario, checking after every step.
+/// Plays a scenario, checking after every step. A panic in the code under test is a failure
+/// of its seed like any other, so that a sweep names the seed and goes on.
 pub fn run(sc: &Scenario) -> Result<Report, Failure> {
+    let step = std::cell::Cell::new(0);
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| play(sc, &step))).unwrap_or_else(
+        |panic| {
+            let what = panic
+                .downcast_ref::<String>()
+                .map(String::as_str)
+                .or_else(|| panic.downcast_ref::<&str>().copied())
+                .unwrap_or("a panic");
+            Err(Failure {
+                seed: sc.seed,
+                step: step.get(),
+                what: format!("panicked: {what}"),
+                replay: sc.replay_command(),
+            })
+        },
+    )
+}
+
+fn play(sc: &Scenario, at: &std::cell::Cell<u32>) -> Result<Report, Failure> {
     let fail = |step: u32, what: String| Failure {
         seed: sc.seed,
         step,
@@ -188,6 +208,7 @@ pub fn run(sc: &Scenario) -> Result<Report, Failure> {
     let crash_chance = 2.0 * f64::from(sc.faults.crashes) / f64::from(sc.steps.max(1));
 
     for step in 0..sc.steps {
+        at.set(step);
         report.steps = step + 1;
         inject_faults(&mut world.borrow_mut(), sc, crash_chance);
         let ci = rng.usize(0..clients.len());
