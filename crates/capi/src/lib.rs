@@ -8,9 +8,11 @@
 
 use netram_node::client::TcpTransport;
 use netram_node::disk::FileDisk;
+use netram_node::maintain::{self, MaintainConfig, Maintenance};
 use netram_node::open::{open_pager, OpenOptions};
 use netram_pager::Backing;
 use netram_proto::PAGE_SIZE;
+use netram_uffd::alloc::enter;
 use netram_uffd::{Region, RegionCounters, RegionHeap, RegionOptions};
 use std::cell::RefCell;
 use std::ffi::{c_char, c_int, c_void, CStr, CString};
@@ -20,11 +22,30 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 /// ones are batched. Local memory beyond the budget, so kept small.
 pub const CACHE_PAGES: usize = 64;
 
-/// A region for C: a heap over it.
+/// A region for C: a heap over it, and the thread that probes its servers and rebuilds lost
+/// copies in the background (declared first: it stops before the region goes).
 #[allow(non_camel_case_types)]
 #[derive(Debug)]
 pub struct netram_region {
+    _maintenance: Maintenance,
     heap: RegionHeap<TcpTransport, FileDisk>,
+}
+
+/// Starts the background half of reliability for a region (Nswap §IV-B3): servers probed,
+/// dead ones reconnected when they come back, lost copies and pieces rebuilt at a bounded
+/// pace. The thread's own allocations stay off the region (`enter`): it holds the pager's
+/// lock, which a fault on the region would wait for.
+pub fn start_maintenance(
+    heap: &RegionHeap<TcpTransport, FileDisk>,
+    cfg: MaintainConfig,
+) -> Maintenance {
+    let pager = heap.region().pager_handle();
+    maintain::spawn(
+        move |f| {
+            let _ = enter(|| pager.with(|p| f(p)));
+        },
+        cfg,
+    )
 }
 
 /// `struct netram_counters` of netram.h.
@@ -96,6 +117,23 @@ pub fn create_region(
     size: u64,
     budget: u64,
 ) -> anyhow::Result<RegionHeap<TcpTransport, FileDisk>> {
+    let redundancy = match std::env::var("NETRAM_REDUNDANCY") {
+        Ok(v) => v
+            .parse()
+            .map_err(|e: String| anyhow::anyhow!("NETRAM_REDUNDANCY={v}: {e}"))?,
+        Err(_) => Default::default(),
+    };
+    create_region_with(servers, backing, size, budget, redundancy)
+}
+
+/// [`create_region`] with the redundancy given rather than read from `NETRAM_REDUNDANCY`.
+pub fn create_region_with(
+    servers: Option<&str>,
+    backing: Option<&str>,
+    size: u64,
+    budget: u64,
+    redundancy: netram_pager::Scheme,
+) -> anyhow::Result<RegionHeap<TcpTransport, FileDisk>> {
     let servers = match servers {
         Some(s) => s.to_owned(),
         None => std::env::var("NETRAM_SERVERS").unwrap_or_default(),
@@ -117,12 +155,6 @@ pub fn create_region(
         anyhow::bail!("the budget must be at least one page ({PAGE_SIZE} bytes)");
     }
     let low_latency = std::env::var_os("NETRAM_LOW_LATENCY").is_some_and(|v| v != "0");
-    let redundancy = match std::env::var("NETRAM_REDUNDANCY") {
-        Ok(v) => v
-            .parse()
-            .map_err(|e: String| anyhow::anyhow!("NETRAM_REDUNDANCY={v}: {e}"))?,
-        Err(_) => Default::default(),
-    };
     let pager = open_pager(&OpenOptions {
         servers,
         backing,
@@ -165,7 +197,11 @@ pub unsafe extern "C" fn netram_region_create(
         let (servers, backing) =
             unsafe { (opt_str(servers, "servers")?, opt_str(backing, "backing")?) };
         let heap = create_region(servers, backing, size, budget)?;
-        Ok(Box::into_raw(Box::new(netram_region { heap })))
+        let maintenance = start_maintenance(&heap, MaintainConfig::default());
+        Ok(Box::into_raw(Box::new(netram_region {
+            _maintenance: maintenance,
+            heap,
+        })))
     })
 }
 

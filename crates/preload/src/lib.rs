@@ -112,6 +112,8 @@ const OFF: u8 = 3;
 
 static STATE: AtomicU8 = AtomicU8::new(UNINIT);
 static HEAP: OnceLock<Heap> = OnceLock::new();
+/// The region's background thread (see `netram::start_maintenance`).
+static MAINTENANCE: OnceLock<netram_node::maintain::Maintenance> = OnceLock::new();
 static THRESHOLD: AtomicUsize = AtomicUsize::new(usize::MAX);
 /// Set in a child after fork: it has no region.
 static IN_CHILD: AtomicBool = AtomicBool::new(false);
@@ -181,6 +183,10 @@ fn start() -> anyhow::Result<bool> {
     REGION_START.store(start, Ordering::Relaxed);
     REGION_END.store(start + heap.region().len(), Ordering::Relaxed);
     let _ = HEAP.set(heap);
+    if let Some(h) = HEAP.get() {
+        // Probes, reconnections and recovery in the background, for the process's lifetime.
+        let _ = MAINTENANCE.set(netram::start_maintenance(h, Default::default()));
+    }
     THRESHOLD.store(cfg.threshold, Ordering::Release);
     // SAFETY: registering plain functions with the C library; they only touch atomics and
     // (at exit) write a file.

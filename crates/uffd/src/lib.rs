@@ -611,6 +611,35 @@ impl<T: Transport, D: Disk> Region<T, D> {
     pub fn with_pager<R>(&self, f: impl FnOnce(&mut Pager<T, D>) -> R) -> R {
         f(&mut self.shared.lock().pager)
     }
+
+    /// A handle on the region's pager for another thread (the background recovery): it takes
+    /// the lock the fault handler takes, one call at a time.
+    pub fn pager_handle(&self) -> PagerHandle<T, D> {
+        PagerHandle(self.shared.clone())
+    }
+}
+
+/// See [`Region::pager_handle`]. It keeps the pager (not the mapping) alive: drop it before
+/// the region's servers go away.
+pub struct PagerHandle<T: Transport, D: Disk>(Arc<Shared<T, D>>);
+
+impl<T: Transport, D: Disk> Clone for PagerHandle<T, D> {
+    fn clone(&self) -> Self {
+        Self(self.0.clone())
+    }
+}
+
+impl<T: Transport, D: Disk> std::fmt::Debug for PagerHandle<T, D> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("PagerHandle")
+    }
+}
+
+impl<T: Transport, D: Disk> PagerHandle<T, D> {
+    /// Runs `f` on the pager, under the region's lock.
+    pub fn with<R>(&self, f: impl FnOnce(&mut Pager<T, D>) -> R) -> R {
+        f(&mut self.0.lock().pager)
+    }
 }
 
 impl<T: Transport, D: Disk> Drop for Region<T, D> {
