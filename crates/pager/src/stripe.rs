@@ -73,6 +73,22 @@ pub(crate) struct StripeWrite {
     data: Vec<u32>,
 }
 
+impl StripeWrite {
+    /// Every piece of `slots` (one per piece, `u32::MAX` for a piece not written) still to
+    /// place.
+    fn new(slots: Vec<u32>, owned: Vec<u32>, rebuild: bool, data: Vec<u32>) -> Self {
+        let target = vec![NO_SERVER; slots.len()];
+        Self {
+            slots,
+            owned,
+            target,
+            refused: Servers::default(),
+            rebuild,
+            data,
+        }
+    }
+}
+
 #[derive(Debug)]
 pub(crate) struct Rs {
     pub k: usize,
@@ -255,17 +271,8 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         };
         let mut slots = member_slots;
         slots.extend(&owned);
-        rs.writing.insert(
-            id,
-            StripeWrite {
-                slots,
-                owned,
-                target: vec![NO_SERVER; total],
-                refused: Servers::default(),
-                rebuild: false,
-                data: Vec::new(),
-            },
-        );
+        rs.writing
+            .insert(id, StripeWrite::new(slots, owned, false, Vec::new()));
         self.rs_place(id)
     }
 
@@ -1146,17 +1153,8 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         for &j in &lost {
             rs.stripes[id as usize].servers[j] = NO_SERVER;
         }
-        rs.writing.insert(
-            id,
-            StripeWrite {
-                slots,
-                owned,
-                target: vec![NO_SERVER; total],
-                refused: Servers::default(),
-                rebuild: true,
-                data,
-            },
-        );
+        rs.writing
+            .insert(id, StripeWrite::new(slots, owned, true, data));
         step.started += lost.len();
         self.rs_place(id)?;
         Ok(())
