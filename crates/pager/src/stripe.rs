@@ -164,6 +164,17 @@ impl Rs {
         self.xor.get(k).copied().unwrap_or(false)
     }
 
+    /// One of a stripe's piece reads is back or failed; the last makes it ready to rebuild.
+    fn settle(&mut self, id: u32) {
+        if let Some(n) = self.reading.get_mut(&id) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                self.reading.remove(&id);
+                self.read.push(id);
+            }
+        }
+    }
+
     pub fn is_open(&self, page: u64) -> bool {
         self.open.contains(&page)
     }
@@ -845,18 +856,13 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         for d in std::mem::take(&mut self.reads_done) {
             let id = d.page as u32;
             let rs = self.rs_mut();
-            match rs.reading.get_mut(&id) {
-                Some(n) if d.pos == INTERNAL && d.piece != NOT_PIECE => {
-                    *n -= 1;
-                    if *n == 0 {
-                        rs.reading.remove(&id);
-                        rs.read.push(id);
-                    }
-                    if let Some(old) = rs.prefetched.insert((id, usize::from(d.piece)), d.slot) {
-                        self.release_slot(old);
-                    }
+            if d.pos == INTERNAL && d.piece != NOT_PIECE && rs.reading.contains_key(&id) {
+                rs.settle(id);
+                if let Some(old) = rs.prefetched.insert((id, usize::from(d.piece)), d.slot) {
+                    self.release_slot(old);
                 }
-                _ => rest.push(d),
+            } else {
+                rest.push(d);
             }
         }
         self.reads_done = rest;
@@ -865,13 +871,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
     /// A piece read for a stripe being rebuilt that will not come back.
     pub(crate) fn rs_read_settled(&mut self, id: u32) {
         if let Some(rs) = self.rs.as_deref_mut() {
-            if let Some(n) = rs.reading.get_mut(&id) {
-                *n -= 1;
-                if *n == 0 {
-                    rs.reading.remove(&id);
-                    rs.read.push(id);
-                }
-            }
+            rs.settle(id);
         }
     }
 
@@ -1064,6 +1064,18 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                 return Ok(());
             }
             if self.rs().read.is_empty() {
+                if self.idle() {
+                    // Nothing in flight: what came back is in `reads_done`. Reads still counted
+                    // out after that will never be answered: rebuild with what came back
+                    // (`rs_decode` fetches the rest) rather than wait forever.
+                    self.rs_harvest();
+                    let rs = self.rs_mut();
+                    if rs.read.is_empty() {
+                        let stuck: Vec<u32> = rs.reading.drain().map(|(id, _)| id).collect();
+                        rs.read.extend(stuck);
+                    }
+                    continue;
+                }
                 self.complete_one()?;
             }
         }
