@@ -116,22 +116,30 @@ fn survive(scheme: &str, kills: &[(u32, usize)]) {
     // Recovery runs in the background until the redundancy is whole again.
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
-        let (degraded, short, whole) = {
+        let (degraded, short, broken) = {
             let p = lock(&pager);
             let alive: Vec<bool> = p.servers().map(|(_, a)| a).collect();
-            let whole = (0..PAGES).filter(|&pg| model[pg as usize] != 0).all(|pg| {
-                p.pieces(pg).is_some_and(|(pieces, needed)| {
-                    pieces.len() == needed && pieces.iter().all(|&(s, _, _)| alive[s])
+            // Pages whose redundancy is not whole, with where the pager thinks they are.
+            let broken: Vec<String> = (0..PAGES)
+                .filter(|&pg| model[pg as usize] != 0)
+                .filter(|&pg| {
+                    !p.pieces(pg).is_some_and(|(pieces, needed)| {
+                        pieces.len() == needed && pieces.iter().all(|&(s, _, _)| alive[s])
+                    })
                 })
-            });
-            (p.degraded_pages(), p.pages_short_of_copies(), whole)
+                .map(|pg| format!("page {pg}: {:?}, {:?}", p.location(pg), p.pieces(pg)))
+                .collect();
+            (p.degraded_pages(), p.pages_short_of_copies(), broken)
         };
-        if degraded == 0 && short == 0 && whole {
+        if degraded == 0 && short == 0 && broken.is_empty() {
             break;
         }
         assert!(
             Instant::now() < deadline,
-            "{scheme}: recovery did not finish: {degraded} degraded, {short} short, whole: {whole}"
+            "{scheme}: recovery did not finish: {degraded} degraded, {short} short, {} pages \
+             not whole, first: {:?}",
+            broken.len(),
+            &broken[..broken.len().min(5)]
         );
         std::thread::sleep(Duration::from_millis(50));
     }

@@ -70,6 +70,10 @@ struct OpenGroup {
     /// Ship as soon as every member is acknowledged, full or not.
     force: bool,
     shipping: bool,
+    /// Holds a page no caller waits for (written by recovery, or placed again after a
+    /// failure): recovery work until shipped, so that it is not left waiting for later
+    /// writes to fill its group — which may never come.
+    unattended: bool,
 }
 
 /// A group as a scan reported it.
@@ -139,6 +143,7 @@ impl Par {
             + self.recovering.len()
             + self.unprotected.len()
             + self.stale.len()
+            + self.open.iter().filter(|g| g.unattended).count()
     }
 
     pub(crate) fn is_open(&self, page: u64) -> bool {
@@ -189,6 +194,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                 let rec = self.par_record(page, wb.version, wb.slot);
                 let (group, holder) = {
                     let g = &mut self.par_mut().open[gi];
+                    g.unattended |= wb.join || wb.rebuild;
                     g.parity.xor(&rec.as_record());
                     g.members.push(OpenMember {
                         page,
@@ -278,6 +284,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             parity: OwnedRecord::default(),
             force: false,
             shipping: false,
+            unattended: false,
         });
         self.counters.parity_groups_opened += 1;
         Some((self.par().open.len() - 1, server))
@@ -605,6 +612,9 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         self.drain()?;
         self.par_reprotect(max, &mut step)?;
         let Some(&x) = self.par().recovering.first() else {
+            // Pages placed again since the last round wait in open groups: ship them.
+            self.par_seal(None)?;
+            self.send_all_batches();
             step.remaining = self.par().pending();
             return Ok(step);
         };
