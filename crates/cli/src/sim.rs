@@ -111,7 +111,14 @@ fn print_report(label: &str, r: &Report) {
     );
     println!(
         "faults: {} crashes, {} partitions, {} lost messages, {} resets, {} duplicated replies, \
-         {} bit flips, {} slow periods",
-        f.crashes, f.partitions, f.losses, f.resets, f.duplicates, f.bit_flips, f.slowdowns
+         {} bit flips, {} slow periods, {} parity deltas applied but unanswered",
+        f.crashes,
+        f.partitions,
+        f.losses,
+        f.resets,
+        f.duplicates,
+        f.bit_flips,
+        f.slowdowns,
+        f.unanswered
     );
 }

@@ -311,7 +311,7 @@ fn malformed_frames_close_one_connection_and_the_daemon_serves_on() {
     Request::Stats.encode(1, &mut f);
     f[4] = 9; // wrong frame version
     evil(&f);
-    f[4] = 1;
+    f[4] = netram_proto::FRAME_VERSION;
     f[5] = 0x77; // unknown kind
     evil(&f);
     let mut f = Vec::new();

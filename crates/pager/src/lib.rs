@@ -267,6 +267,13 @@ counters! {
     parity_members_rebuilt,
     /// Pages protected again after their parity holder died or their group was damaged.
     parity_reprotected,
+    /// Parity PUTs sent again to the same server after it could not tell the group's holder
+    /// (the holder may have changed the group and lost its answer).
+    parity_puts_retried,
+    /// Rounds that asked every server for damaged groups, and the groups found damaged and
+    /// dissolved (their members protected again).
+    parity_audits,
+    parity_groups_dissolved,
 }
 
 /// One page of a batched GET: where its data goes. `pos` is the page's place in the caller's
@@ -1727,7 +1734,6 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                             Followup::Unprotected(it)
                         }
                         PutStatus::Unprotected => Followup::Stored(it),
-                        // Nothing changed: the page goes elsewhere.
                         PutStatus::HolderUnreachable => Followup::Refused(it),
                         PutStatus::Full => {
                             counters.puts_refused_full += 1;
@@ -1761,6 +1767,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                         parity.xor(&g.record);
                         parity::ScannedGroup {
                             group: g.group,
+                            damaged: g.damaged,
                             members: g.members.clone(),
                             parity,
                         }
@@ -1810,7 +1817,9 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                 self.servers[server].load.free_pages = 0;
                 self.par_put_failed(it, server)?;
             }
-            Followup::Refused(it) if it.op != PutOp::Plain => self.par_put_failed(it, server)?,
+            Followup::Refused(it) if it.op != PutOp::Plain => {
+                self.par_holder_unreachable(it, server)?
+            }
             Followup::Refused(it) => self.copy_failed(it.page, server)?,
             Followup::Unprotected(it) => self.par_unprotected(it, server)?,
             Followup::Shipped(id) => self.par_shipped(id)?,
@@ -1937,7 +1946,8 @@ enum Followup {
     GetFailed(GetItem, &'static str),
     Stored(PutItem),
     Replace(PutItem),
-    /// Not stored and nothing changed (a parity holder could not be told): placed elsewhere.
+    /// Not stored: the server could not tell the page's parity holder (which may have changed
+    /// its group all the same). Sent again, or placed elsewhere.
     Refused(PutItem),
     /// Stored outside any parity group.
     Unprotected(PutItem),

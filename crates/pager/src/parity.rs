@@ -50,6 +50,10 @@ const GROUP_IDS: u64 = 1 << 40;
 /// Rounds of recovery a superseded copy is deleted again before it is left to its session's end.
 const STALE_TRIES: u32 = 50;
 
+/// How often a parity PUT whose server could not tell the holder is sent to that server again
+/// before the page goes elsewhere.
+const HOLDER_TRIES: u8 = 3;
+
 /// Open groups at most: a write finding none with room ships the fullest one.
 const MAX_OPEN: usize = 64;
 
@@ -80,6 +84,8 @@ struct OpenGroup {
 #[derive(Debug)]
 pub(crate) struct ScannedGroup {
     pub group: u64,
+    /// Its parity rebuilds nothing (see [`netram_proto::GroupRecord::damaged`]).
+    pub damaged: bool,
     pub members: Vec<Member>,
     pub parity: OwnedRecord,
 }
@@ -112,6 +118,12 @@ pub(crate) struct Par {
     stale_tries: HashMap<(usize, PageKey), u32>,
     /// Reads tried again after a bad checksum, by page.
     retries: HashMap<u64, u8>,
+    /// PUTs sent again to the same server after it could not tell the holder, by page.
+    put_retries: HashMap<u64, u8>,
+    /// Overwrites that went elsewhere after their server could not tell the holder: (page,
+    /// server). The holder may have applied the delta, leaving its group covering a version
+    /// that server never stored; an audit finds and dissolves such groups.
+    suspects: Vec<(u64, usize)>,
 }
 
 impl Par {
@@ -132,6 +144,8 @@ impl Par {
             stale: Vec::new(),
             stale_tries: HashMap::new(),
             retries: HashMap::new(),
+            put_retries: HashMap::new(),
+            suspects: Vec::new(),
         }
     }
 
@@ -144,6 +158,7 @@ impl Par {
             + self.unprotected.len()
             + self.stale.len()
             + self.open.iter().filter(|g| g.unattended).count()
+            + self.suspects.len()
     }
 
     pub(crate) fn is_open(&self, page: u64) -> bool {
@@ -296,6 +311,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
 
     /// A PUT of a parity page was stored.
     pub(crate) fn par_stored(&mut self, it: PutItem, server: usize) -> Result<(), PagerError> {
+        self.par_mut().put_retries.remove(&it.page);
         let Some(wb) = self.writeback.get_mut(&it.page) else {
             return Ok(());
         };
@@ -351,6 +367,35 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         let mut at = Servers::default();
         at.insert(server);
         self.set_location(page, at);
+    }
+
+    /// The server could not tell the holder of the page's group about the PUT, and stored
+    /// nothing. The holder may have applied the delta and lost its answer: the same PUT to the
+    /// same server again is answered as a repeat and leaves the group consistent, whereas the
+    /// page placed elsewhere may leave the group covering a version no server has. So it is
+    /// sent there again a few times; an overwrite that then goes elsewhere is audited.
+    pub(crate) fn par_holder_unreachable(
+        &mut self,
+        it: PutItem,
+        server: usize,
+    ) -> Result<(), PagerError> {
+        let current = self
+            .writeback
+            .get(&it.page)
+            .is_some_and(|wb| wb.version == it.version && wb.pending.contains(server));
+        let tries = self.par_mut().put_retries.entry(it.page).or_insert(0);
+        *tries += 1;
+        if current && *tries <= HOLDER_TRIES && self.servers[server].alive {
+            self.counters.puts += 1;
+            self.counters.parity_puts_retried += 1;
+            self.batches[server].puts.push(it);
+            return Ok(());
+        }
+        self.par_mut().put_retries.remove(&it.page);
+        if it.op == PutOp::Keep {
+            self.par_mut().suspects.push((it.page, server));
+        }
+        self.par_put_failed(it, server)
     }
 
     /// A PUT that will not be stored (refused, holder unreachable, server dead): the page leaves
@@ -611,6 +656,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         self.par_retry_stale();
         self.drain()?;
         self.par_reprotect(max, &mut step)?;
+        self.par_audit(&mut step)?;
         let Some(&x) = self.par().recovering.first() else {
             // Pages placed again since the last round wait in open groups: ship them.
             self.par_seal(None)?;
@@ -675,6 +721,10 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         }
         let mut planned = Vec::new();
         for (h, g) in work {
+            if g.damaged {
+                self.par_dissolve(h, &g, Some(dead), &mut step);
+                continue;
+            }
             let index = |a: SocketAddr| self.par().addrs.iter().position(|&b| b == a);
             let lost: Vec<&Member> = g.members.iter().filter(|m| m.server == dead).collect();
             let survivors: Vec<(usize, Member)> = g
@@ -854,6 +904,104 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             .map(|m| m.key.page)
             .collect();
         self.par_mut().unprotected.extend(others);
+    }
+
+    /// A damaged group (its parity covers a version some member's server does not have): every
+    /// member is dropped from it, so that its holder frees it, and the members still wanted
+    /// join new groups where they are; one on the dead server, if still wanted, is lost.
+    fn par_dissolve(
+        &mut self,
+        h: usize,
+        g: &ScannedGroup,
+        dead: Option<SocketAddr>,
+        step: &mut RecoveryStep,
+    ) {
+        self.counters.parity_groups_dissolved += 1;
+        let zero = OwnedRecord::default();
+        let drops = g
+            .members
+            .iter()
+            .map(|m| Delta {
+                owner: Owner::SELF,
+                group: g.group,
+                member: m.server,
+                key: m.key,
+                from: m.version,
+                to: m.version,
+                kind: DeltaKind::Drop,
+                record: zero.as_record(),
+            })
+            .collect();
+        self.submit(h, Op::Delta, &Request::ParityDelta(drops));
+        for m in &g.members {
+            if m.key.region != self.cfg.region || m.key.page >= self.cfg.pages {
+                continue;
+            }
+            if Some(m.server) == dead {
+                if self.par_wanted(m.key.page, m.version) {
+                    self.table.get_mut(m.key.page).lost = true;
+                    self.counters.pages_unrecoverable += 1;
+                    step.unrecoverable += 1;
+                }
+            } else {
+                self.par_mut().unprotected.insert(m.key.page);
+            }
+        }
+    }
+
+    /// Audits the groups that overwrites sent elsewhere may have damaged (see
+    /// [`Par::suspects`]). It waits until the page's copy on that server has been deleted:
+    /// the holder then finds the delete stale, marks the group damaged and reports it to a
+    /// scan that names no dead server. Until the audit, the group's other members have no
+    /// working parity.
+    fn par_audit(&mut self, step: &mut RecoveryStep) -> Result<(), PagerError> {
+        let settled = |p: &Self, page: u64, s: usize| {
+            !p.writeback.contains_key(&page) && !p.par().stale.contains(&(s, p.key(page)))
+        };
+        if !self
+            .par()
+            .suspects
+            .iter()
+            .any(|&(page, s)| settled(self, page, s))
+        {
+            return Ok(());
+        }
+        self.counters.parity_audits += 1;
+        let asked: Vec<usize> = (0..self.servers.len())
+            .filter(|&s| self.servers[s].alive)
+            .collect();
+        // No server listens on port 0: only damaged groups are reported.
+        let nobody = SocketAddr::from(([0, 0, 0, 0], 0));
+        for &s in &asked {
+            self.submit(
+                s,
+                Op::Scan,
+                &Request::ParityScan {
+                    dead: nobody,
+                    max: netram_proto::MAX_BATCH as u32,
+                },
+            );
+        }
+        self.drain()?;
+        let scanned = std::mem::take(&mut self.par_mut().scanned);
+        let answered = scanned.len() == asked.len() && asked.iter().all(|s| self.servers[*s].alive);
+        let mut found = false;
+        for (h, groups, _) in scanned {
+            for g in groups.iter().filter(|g| g.damaged) {
+                found = true;
+                self.par_dissolve(h, g, None, step);
+            }
+        }
+        if answered && !found {
+            let suspects = std::mem::take(&mut self.par_mut().suspects);
+            let left = suspects
+                .into_iter()
+                .filter(|&(page, s)| !settled(self, page, s))
+                .collect();
+            self.par_mut().suspects = left;
+        }
+        self.send_all_batches();
+        Ok(())
     }
 
     /// The scans report nothing more about `x`: what the page table still had there and nobody

@@ -74,8 +74,10 @@ pub enum Request<'a> {
     /// Changes to groups this server holds.
     ParityDelta(Vec<Delta<'a>>),
     /// The owner asks, for its session, which groups held here have a member on the dead server
-    /// (at most `max`, with their parity), and which of its pages stored here had their parity
-    /// on it (their tags are dropped as they are reported: they are outside any group now).
+    /// or are damaged (at most `max`, with their parity), and which of its pages stored here had
+    /// their parity on it (their tags are dropped as they are reported: they are outside any
+    /// group now). `dead` may name no server at all: then only damaged groups are reported —
+    /// the owner's audit after a write whose holder may or may not have changed its group.
     ParityScan {
         dead: SocketAddr,
         max: u32,
@@ -755,7 +757,7 @@ mod tests {
         fn parity_replies_roundtrip(
             load in load(),
             s in prop::collection::vec(0u8..3, 0..crate::MAX_BATCH),
-            groups in prop::collection::vec((any::<u64>(), prop::collection::vec(member(), 0..4)), 0..4),
+            groups in prop::collection::vec((any::<u64>(), any::<bool>(), prop::collection::vec(member(), 0..4)), 0..4),
             orphans in prop::collection::vec(key(), 0..20),
             id: u64,
         ) {
@@ -763,8 +765,8 @@ mod tests {
             let status = s.iter().map(|a| all[*a as usize]).collect();
             roundtrip_reply(&Reply::ParityDelta { load, status }, id);
             let data = vec![7u8; PAGE_SIZE];
-            let groups = groups.into_iter().map(|(group, members)| GroupRecord {
-                group, members, record: Record { version: 1, crc: 2, flags: 3, data: &data },
+            let groups = groups.into_iter().map(|(group, damaged, members)| GroupRecord {
+                group, damaged, members, record: Record { version: 1, crc: 2, flags: 3, data: &data },
             }).collect();
             roundtrip_reply(&Reply::ParityScan { load, groups, orphans }, id);
         }

@@ -411,21 +411,37 @@ pub enum DeltaStatus {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct GroupRecord<'a> {
     pub group: u64,
+    /// A delta did not match the member it was for ([`DeltaStatus::Stale`]), or the owner
+    /// dropped a member: the parity rebuilds nothing, and the owner must protect the members
+    /// again elsewhere.
+    pub damaged: bool,
     pub members: Vec<Member>,
     pub record: Record<'a>,
 }
 
 impl<'a> GroupRecord<'a> {
-    pub const MIN_WIRE_LEN: usize = 8 + 4 + RECORD_LEN;
+    pub const MIN_WIRE_LEN: usize = 8 + 1 + 4 + RECORD_LEN;
 
     pub(crate) fn encode(&self, w: &mut FrameBuilder<'_>) {
-        w.u64(self.group);
+        w.u64(self.group).u8(u8::from(self.damaged));
         encode_members(&self.members, w);
         self.record.encode(w);
     }
     pub(crate) fn decode(r: &mut Reader<'a>) -> Result<Self, DecodeError> {
+        let group = r.u64()?;
+        let damaged = match r.u8()? {
+            0 => false,
+            1 => true,
+            v => {
+                return Err(DecodeError::Reserved {
+                    field: "group flags",
+                    value: v.into(),
+                })
+            }
+        };
         Ok(Self {
-            group: r.u64()?,
+            group,
+            damaged,
             members: decode_members(r)?,
             record: Record::decode(r)?,
         })

@@ -108,6 +108,7 @@ impl Report {
         a.bit_flips += b.bit_flips;
         a.partitions += b.partitions;
         a.slowdowns += b.slowdowns;
+        a.unanswered += b.unanswered;
     }
 }
 

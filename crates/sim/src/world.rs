@@ -58,6 +58,10 @@ pub struct Faults {
     pub partition: f64,
     /// A server that becomes ten times slower for a while, per step.
     pub slow: f64,
+    /// Probability that a holder applies the deltas a server forwards but its answer is lost
+    /// on every try (the daemon's peers try twice): the server reports the holder unreachable
+    /// and the client cannot tell whether the group changed.
+    pub unanswered: f64,
 }
 
 impl Faults {
@@ -72,6 +76,7 @@ impl Faults {
             crashes: 0,
             partition: 0.0,
             slow: 0.0,
+            unanswered: 0.0,
         }
     }
 
@@ -86,6 +91,7 @@ impl Faults {
             crashes: 2,
             partition: 0.002,
             slow: 0.005,
+            unanswered: 0.01,
         }
     }
 }
@@ -229,6 +235,7 @@ pub struct FaultLog {
     pub bit_flips: u32,
     pub partitions: u32,
     pub slowdowns: u32,
+    pub unanswered: u32,
 }
 
 /// The whole simulated cluster.
@@ -611,6 +618,15 @@ impl World {
                     (i, o)
                 })
                 .collect()
+        };
+        let answers = if self.servers[holder].up && self.chance(self.faults.unanswered) {
+            self.log.unanswered += 1;
+            answers
+                .into_iter()
+                .map(|(i, _)| (i, DeltaOutcome::Unreachable))
+                .collect()
+        } else {
+            answers
         };
         let d = self.delay() * self.servers[holder].slow;
         self.schedule(d, Event::DeltaAnswer { conn, answers });

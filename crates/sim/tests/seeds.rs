@@ -41,6 +41,9 @@ fn many(scheme: &str, first: u64, step: u64) {
     if scheme != Scheme::None && runs >= 100 {
         assert!(t.rebuilds_started > 0, "recovery never ran");
     }
+    if matches!(scheme, Scheme::Parity { .. }) {
+        assert!(f.unanswered > 0, "no holder ever applied a delta unheard");
+    }
 }
 
 /// The default scenario's seeds, six schemes taking turns (1,000 seeds in all by default).

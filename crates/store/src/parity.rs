@@ -472,8 +472,9 @@ impl<A: AsRef<[u8]> + AsMut<[u8]>> Store<A> {
         Ok(keys)
     }
 
-    /// Groups of the session held here with a member on `dead`, at most `max`, with their
-    /// parity: what the owner reconstructs the dead server's pages from.
+    /// Groups of the session held here with a member on `dead`, or damaged, at most `max`,
+    /// with their parity: what the owner reconstructs the dead server's pages from, or
+    /// dissolves (a damaged group rebuilds nothing). `dead` may be no server at all.
     pub fn groups_with_member_on(
         &self,
         h: SessionHandle,
@@ -484,16 +485,15 @@ impl<A: AsRef<[u8]> + AsMut<[u8]>> Store<A> {
             Some(s) if s.live && s.generation == h.generation => {}
             _ => return Vec::new(),
         }
-        let Some(&dead) = self.parity.addr_ids.get(&dead) else {
-            return Vec::new();
-        };
+        let dead = self.parity.addr_ids.get(&dead).copied();
         self.parity
             .groups
-            .iter()
-            .filter(|((slot, _), g)| *slot == h.slot && g.members.iter().any(|m| m.0 == dead))
+            .range((h.slot, 0)..=(h.slot, u64::MAX))
+            .filter(|(_, g)| g.damaged || g.members.iter().any(|m| Some(m.0) == dead))
             .take(max)
             .map(|((_, id), g)| GroupRecord {
                 group: *id,
+                damaged: g.damaged,
                 members: self.members(g),
                 record: self.parity_record(g),
             })

@@ -531,3 +531,90 @@ fn a_late_delete_of_a_copy_given_up_on_leaves_the_newer_copy_in_the_group() {
     assert_eq!(c.reconstruct(4, 2), (key(1), 2, data(21)));
     c.check();
 }
+
+#[test]
+fn an_overwrite_whose_holder_applied_it_but_was_unheard_leaves_a_damaged_group_a_scan_reports() {
+    let mut c = Cluster::new();
+    for (i, p) in [(0, 1), (1, 2), (2, 3)] {
+        c.put(i, p, 1, p as u8, join(4, 6));
+    }
+    c.ship(4, 6, 4, &[(0, 1), (1, 2), (2, 3)]);
+    // The holder applies node 0's overwrite of page 1, but node 0 never hears back: it stores
+    // nothing and tells its client the holder was unreachable.
+    let new = data(60);
+    let page = Page::seal(key(1), 2, &new);
+    let h = c.nodes[0].h;
+    let mut out = Vec::new();
+    let req = Request::PutParity(vec![(page, ParityOp::Keep)]);
+    let Outcome::Forward(fwd) = handle_request(
+        &mut c.nodes[0].store,
+        h,
+        1,
+        req,
+        0,
+        0,
+        &mut out,
+        store_stats,
+    ) else {
+        panic!("an overwrite of a member waits for its holder")
+    };
+    let delta = fwd.deltas[0].1.clone();
+    assert_eq!(
+        c.nodes[4].store.apply_delta(&delta.as_delta()),
+        DeltaStatus::Applied
+    );
+    finish_forward(
+        &mut c.nodes[0].store,
+        h,
+        fwd,
+        &[DeltaOutcome::Unreachable],
+        0,
+        0,
+        &mut out,
+    );
+    match decode_reply(&out).unwrap().1 {
+        Reply::Put { status, .. } => assert_eq!(status, [PutStatus::HolderUnreachable]),
+        r => panic!("{r:?}"),
+    }
+    // The group now covers a version 2 that node 0 does not have, and nothing says so yet.
+    let nobody = SocketAddr::from(([0, 0, 0, 0], 0));
+    let scan = |c: &mut Cluster| {
+        let out = c.request(
+            4,
+            Request::ParityScan {
+                dead: nobody,
+                max: 8,
+            },
+        );
+        match decode_reply(&out).unwrap().1 {
+            Reply::ParityScan {
+                groups, orphans, ..
+            } => {
+                assert!(orphans.is_empty());
+                groups
+                    .iter()
+                    .map(|g| (g.group, g.damaged))
+                    .collect::<Vec<_>>()
+            }
+            r => panic!("{r:?}"),
+        }
+    };
+    assert_eq!(scan(&mut c), []);
+    // The client wrote version 2 elsewhere and deletes the copy on node 0: its delta is stale
+    // at the holder, which marks the group; a scan that names no dead server reports it.
+    assert_eq!(c.delete(0, 1), DeleteStatus::Deleted);
+    assert_eq!(c.nodes[4].store.counters().parity_deltas_stale, 1);
+    assert_eq!(scan(&mut c), [(6, true)]);
+    // Scans about a dead server report it too, whether or not a member was there.
+    let out = c.request(
+        4,
+        Request::ParityScan {
+            dead: addr(3),
+            max: 8,
+        },
+    );
+    match decode_reply(&out).unwrap().1 {
+        Reply::ParityScan { groups, .. } => assert!(groups.len() == 1 && groups[0].damaged),
+        r => panic!("{r:?}"),
+    }
+}
