@@ -743,16 +743,17 @@ impl<T: Transport, D: Disk> Pager<T, D> {
     pub(crate) fn rs_reconstructible(&self, page: u64) -> bool {
         self.rs.as_deref().is_some_and(|rs| {
             let id = rs.stripe_of[page as usize];
-            id != NO_STRIPE && {
-                let st = &rs.stripes[id as usize];
-                let up = st
-                    .servers
-                    .iter()
-                    .filter(|&&s| s != NO_SERVER && self.servers[usize::from(s)].alive)
-                    .count();
-                up >= st.k()
-            }
+            id != NO_STRIPE && self.rs_live_pieces(id) >= rs.stripes[id as usize].k()
         })
+    }
+
+    /// Pieces of a stripe on live servers.
+    fn rs_live_pieces(&self, id: u32) -> usize {
+        self.rs().stripes[id as usize]
+            .servers
+            .iter()
+            .filter(|&&s| s != NO_SERVER && self.servers[usize::from(s)].alive)
+            .count()
     }
 
     /// A piece found bad (checksum, missing) on `server`: it counts as lost, and is deleted.
@@ -1106,14 +1107,8 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             // Fewer than K pieces answered. If K are still out there (a read failed on
             // the way), try again later; otherwise the members whose data piece is gone
             // and that have no disk copy are lost: their reads fail from now on.
-            let rs = self.rs();
-            let st = &rs.stripes[id as usize];
-            let up = st
-                .servers
-                .iter()
-                .filter(|&&s| s != NO_SERVER && self.servers[usize::from(s)].alive)
-                .count();
-            if st.in_use() && up >= st.k() {
+            let st = &self.rs().stripes[id as usize];
+            if st.in_use() && self.rs_live_pieces(id) >= st.k() {
                 self.rs_mut().degraded.insert(id);
                 return Ok(());
             }
