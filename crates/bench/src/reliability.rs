@@ -64,7 +64,15 @@ pub struct SchemeResult {
     /// How long the background recovery ran at its default pace, while the program read
     /// (the phases it was held are not counted).
     pub background_recovery_s: Option<f64>,
+    /// What the flat-out recovery did: pages (pieces) it started to write out again (under
+    /// parity also pages whose group was lost with its holder, protected again), those rebuilt
+    /// onto live servers, pages it had to put on the local disk instead, and servers the pager
+    /// counted dead by its end (1: only the one killed). Where these disagree beyond what the
+    /// scheme explains, the rate above needs a second look.
+    pub recovery_started: Option<u64>,
     pub pages_rebuilt: Option<u64>,
+    pub recovery_spills: Option<u64>,
+    pub recovery_servers_dead: Option<u64>,
 }
 
 #[derive(Debug, Serialize)]
@@ -319,12 +327,14 @@ fn recovery(
 
     // A SIGKILL: recovery flat out, timed from the death's discovery to the end.
     cluster.kill(victim);
-    let rebuilt0 = lock(&pager).counters().pages_rebuilt;
+    let c0 = lock(&pager).counters().clone();
     lock(&pager).probe_servers()?;
     let t = Instant::now();
+    let mut started = 0;
     loop {
         let mut p = lock(&pager);
         let step = p.recover(256)?;
+        started += step.started as u64;
         if step.remaining == 0 {
             p.flush()?;
             if p.degraded_pages() == 0 {
@@ -337,9 +347,13 @@ fn recovery(
         );
     }
     let secs = t.elapsed().as_secs_f64();
-    let rebuilt = lock(&pager).counters().pages_rebuilt - rebuilt0;
+    let c = lock(&pager).counters().clone();
+    let rebuilt = c.pages_rebuilt - c0.pages_rebuilt;
     r.recovery_pages_per_s = Some(rebuilt as f64 / secs);
+    r.recovery_started = Some(started);
     r.pages_rebuilt = Some(rebuilt);
+    r.recovery_spills = Some(c.spills - c0.spills);
+    r.recovery_servers_dead = Some(c.servers_dead - c0.servers_dead);
 
     // Again, with the background recovery at its default pace while the program reads: the
     // server comes back empty, the pager reconnects it, the program reads for `dur` ... and
@@ -549,6 +563,22 @@ fn markdown(r: &ReliabilityResult) -> String {
             fmt(v.recovery_slowdown_any_page, 3),
             fmt(v.background_recovery_s, 2),
         );
+    }
+    for v in r.schemes.values() {
+        let n = |x: Option<u64>| x.map_or("—".to_string(), |x| x.to_string());
+        if v.recovery_pages_per_s.is_some() {
+            let _ = writeln!(
+                s,
+                "\n{}: the flat-out recovery started {} write-outs (under parity also pages \
+                 protected again after their holder died), rebuilt {} onto live servers, put {} \
+                 on the local disk; servers dead at its end: {}.",
+                v.scheme,
+                n(v.recovery_started),
+                n(v.pages_rebuilt),
+                n(v.recovery_spills),
+                n(v.recovery_servers_dead),
+            );
+        }
     }
     let _ = writeln!(s, "\n| target | ratio | limit | met |\n|---|---|---|---|");
     s += &crate::target_rows(&r.targets);
