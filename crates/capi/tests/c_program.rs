@@ -17,9 +17,7 @@ fn lib_dir() -> PathBuf {
 
 #[test]
 fn a_c_program_uses_netram_h() {
-    let have_cc = Command::new("cc").arg("--version").output().is_ok();
-    if !have_cc {
-        eprintln!("SKIPPED: no C compiler (cc)");
+    if !netram_testkit::have_tools(&[("cc", "gcc")]) {
         return;
     }
     let here = PathBuf::from(env!("CARGO_MANIFEST_DIR"));

@@ -47,20 +47,11 @@ impl Drop for NbdProcess {
     }
 }
 
-/// Whether a tool is installed; if not, the caller skips, saying so. CI installs every one.
-fn have(tool: &str) -> bool {
-    let found = Command::new("sh")
-        .args(["-c", &format!("command -v {tool}")])
-        .output()
-        .map(|o| o.status.success())
-        .unwrap_or(false);
-    if !found {
-        eprintln!(
-            "SKIPPED: {tool} is not installed (apt-get install nbdkit libnbd-bin fio qemu-utils)"
-        );
-    }
-    found
-}
+/// The Debian package of each NBD peer the tests use.
+const NBDINFO: (&str, &str) = ("nbdinfo", "libnbd-bin");
+const NBDCOPY: (&str, &str) = ("nbdcopy", "libnbd-bin");
+const QEMU_IMG: (&str, &str) = ("qemu-img", "qemu-utils");
+const FIO: (&str, &str) = ("fio", "fio");
 
 fn run(cmd: &str, args: &[&str]) -> String {
     let out = Command::new("timeout")
@@ -88,10 +79,7 @@ fn random_file(dir: &Path, name: &str, bytes: usize) -> PathBuf {
 
 #[test]
 fn real_nbd_tools_agree() {
-    if !["nbdinfo", "nbdcopy", "qemu-img", "fio"]
-        .iter()
-        .all(|t| have(t))
-    {
+    if !netram_testkit::have_tools(&[NBDINFO, NBDCOPY, QEMU_IMG, FIO]) {
         return;
     }
     let servers: Vec<ServerProcess> = (0..3)
@@ -211,7 +199,7 @@ fn real_nbd_tools_agree() {
 
 #[test]
 fn a_killed_server_loses_nothing_with_cluster_disk_backing() {
-    if !have("nbdcopy") {
+    if !netram_testkit::have_tools(&[NBDCOPY]) {
         return;
     }
     let servers: Vec<ServerProcess> = (0..3)
@@ -403,9 +391,14 @@ fn bad_requests_get_nbd_errors_and_other_clients_are_served() {
 fn the_fuse_file_is_the_device() {
     use std::os::unix::fs::FileExt;
     use std::os::unix::io::AsRawFd;
-    // SAFETY: geteuid(2) has no preconditions and cannot fail.
-    if unsafe { libc::geteuid() } != 0 || !Path::new("/dev/fuse").exists() {
-        eprintln!("SKIPPED: mounting FUSE needs root and /dev/fuse (CI runs as root)");
+    if !netram_testkit::have_root("mounting FUSE") {
+        return;
+    }
+    if !Path::new("/dev/fuse").exists() {
+        netram_testkit::skip("no /dev/fuse (the kernel has no FUSE)", None);
+        return;
+    }
+    if !netram_testkit::have_tools(&[("fusermount3", "fuse3")]) {
         return;
     }
     let servers: Vec<ServerProcess> = (0..2).map(|_| ServerProcess::start(&[])).collect();

@@ -55,8 +55,7 @@ fn report(path: &Path) -> serde_json::Value {
 }
 
 fn compile_alloc_mix(dir: &Path) -> Option<PathBuf> {
-    if Command::new("cc").arg("--version").output().is_err() {
-        eprintln!("SKIPPED: no C compiler (cc)");
+    if !netram_testkit::have_tools(&[("cc", "gcc")]) {
         return None;
     }
     let exe = dir.join("alloc_mix");
@@ -234,8 +233,7 @@ fn works_for_an_ordinary_user() {
         eprintln!("not root: the other tests already ran as an ordinary user");
         return;
     }
-    if Command::new("setpriv").arg("--version").output().is_err() {
-        eprintln!("SKIPPED: setpriv (util-linux) is not installed");
+    if !netram_testkit::have_tools(&[("setpriv", "util-linux")]) {
         return;
     }
     let dir = Scratch::new("nobody");

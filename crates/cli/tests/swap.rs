@@ -22,26 +22,31 @@ fn kill_child(mut c: Child) {
 }
 
 /// Why this machine cannot run the swap test, if it cannot.
-fn missing_prerequisite() -> Option<String> {
-    // SAFETY: geteuid(2) has no preconditions and cannot fail.
-    if unsafe { libc::geteuid() } != 0 {
-        return Some("not root (swapon, losetup and cgroups need it; CI runs as root)".into());
+/// Whether this machine can run the swap tests; if not, the test is skipped, saying why.
+fn prerequisites_met() -> bool {
+    if !netram_testkit::have_root("swapon, losetup and memory cgroups") {
+        return false;
     }
     if !Path::new(CGROUP_ROOT)
         .join("memory.limit_in_bytes")
         .exists()
     {
-        return Some(format!("no cgroup-v1 memory controller at {CGROUP_ROOT}"));
+        let why = format!("no cgroup-v1 memory controller at {CGROUP_ROOT}");
+        netram_testkit::skip(&why, None);
+        return false;
     }
     if !Path::new("/dev/fuse").exists() {
-        return Some("no /dev/fuse".into());
+        netram_testkit::skip("no /dev/fuse (the kernel has no FUSE)", None);
+        return false;
     }
-    for tool in ["nbdfuse", "losetup", "mkswap", "swapon", "swapoff"] {
-        if sh("sh", &["-c", &format!("command -v {tool}")]).is_err() {
-            return Some(format!("{tool} is not installed"));
-        }
-    }
-    None
+    netram_testkit::have_tools(&[
+        ("nbdfuse", "libnbd-bin"),
+        ("fusermount3", "fuse3"),
+        ("losetup", "util-linux"),
+        ("mkswap", "util-linux"),
+        ("swapon", "util-linux"),
+        ("swapoff", "util-linux"),
+    ])
 }
 
 /// How the device becomes a file for the loop device.
@@ -70,8 +75,7 @@ fn stop_child(mut c: Child, grace: Duration) {
 /// Sets up swap on netram and runs the workload; with `kill_server`, SIGKILLs a page server
 /// once the device is in use.
 fn swap_through_netram(via: Via, backing: &str, kill_server: bool) {
-    if let Some(why) = missing_prerequisite() {
-        eprintln!("SKIPPED: {why}");
+    if !prerequisites_met() {
         return;
     }
     let working_set: u64 = 256 << 20;

@@ -56,6 +56,7 @@
 
 pub mod alloc;
 pub mod heap;
+mod sys;
 
 pub use alloc::NetramAlloc;
 pub use heap::RegionHeap;
@@ -71,7 +72,7 @@ use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
-use userfaultfd::{Event, FaultKind, ReadWrite, RegisterMode, Uffd};
+use sys::{Event, Uffd};
 
 #[derive(Debug, thiserror::Error)]
 pub enum RegionError {
@@ -81,15 +82,13 @@ pub enum RegionError {
     LargerThanPager { pages: u64, pager_pages: u64 },
     #[error("cannot map the region: {0}")]
     Map(rustix::io::Errno),
-    #[error("cannot open userfaultfd: {0}")]
-    Userfaultfd(userfaultfd::Error),
     #[error(
         "cannot open userfaultfd: {0} (as an ordinary user this needs UFFD_USER_MODE_ONLY, \
          Linux 5.11 or later)"
     )]
     UserfaultfdSyscall(rustix::io::Errno),
     #[error("cannot register the region with userfaultfd: {0}")]
-    Register(userfaultfd::Error),
+    Register(rustix::io::Errno),
     #[error("cannot start the fault handler: {0}")]
     Handler(std::io::Error),
     #[error("{offset}+{len} is not a range of whole pages within the region")]
@@ -176,155 +175,25 @@ const MAX_PREFETCH: usize = 16;
 /// are served too when the process may ask for that (root, `CAP_SYS_PTRACE`, or
 /// `vm.unprivileged_userfaultfd` = 1). Otherwise the userfaultfd is for user-mode faults only
 /// (`UFFD_USER_MODE_ONLY`, allowed to everyone): the program still works, but a system call
-/// that touches a page of the region which is not resident fails with EFAULT.
-///
-/// Made with the system call and the API handshake here rather than by the `userfaultfd`
-/// crate: the crate opens /dev/userfaultfd when it exists and does not fall back to the system
-/// call when that device is root's only (as here), and it knows no `UFFD_FEATURE_MOVE`. The
-/// descriptor is then handed to the crate, whose ioctls are used for the rest.
+/// that touches a page of the region which is not resident fails with EFAULT. Always by the
+/// system call, never /dev/userfaultfd, which is root's only on many machines.
 fn open_userfaultfd() -> Result<(Uffd, bool), RegionError> {
-    const UFFD_FEATURE_PAGEFAULT_FLAG_WP: u64 = 1 << 0;
-    const UFFD_FEATURE_MOVE: u64 = 1 << 16;
-    const WP: u64 = UFFD_FEATURE_PAGEFAULT_FLAG_WP;
-    let open = |features| match userfaultfd_by_syscall(features, false) {
-        Err(RegionError::UserfaultfdSyscall(rustix::io::Errno::PERM)) => {
-            userfaultfd_by_syscall(features, true)
-        }
+    const WP: u64 = linux_raw_sys::general::UFFD_FEATURE_PAGEFAULT_FLAG_WP as u64;
+    const MOVE: u64 = linux_raw_sys::general::UFFD_FEATURE_MOVE as u64;
+    let open = |features| match Uffd::open(features, false) {
+        Err(rustix::io::Errno::PERM) => Uffd::open(features, true),
         other => other,
     };
-    match open(WP | UFFD_FEATURE_MOVE) {
+    match open(WP | MOVE) {
         Ok(uffd) => Ok((uffd, true)),
         // A kernel without UFFDIO_MOVE refuses the handshake: the region works without
         // access sampling (first in, first out).
-        Err(RegionError::UserfaultfdSyscall(rustix::io::Errno::INVAL)) => {
+        Err(rustix::io::Errno::INVAL) => {
             tracing::debug!("no UFFDIO_MOVE: regions evict first in, first out");
-            Ok((open(WP)?, false))
+            Ok((open(WP).map_err(RegionError::UserfaultfdSyscall)?, false))
         }
-        Err(e) => Err(e),
+        Err(e) => Err(RegionError::UserfaultfdSyscall(e)),
     }
-}
-
-fn userfaultfd_by_syscall(features: u64, user_mode_only: bool) -> Result<Uffd, RegionError> {
-    use rustix::fd::IntoRawFd;
-    use std::os::fd::FromRawFd;
-    const UFFD_USER_MODE_ONLY: u32 = 1;
-    const UFFD_API: u64 = 0xaa;
-    /// `struct uffdio_api` of linux/userfaultfd.h.
-    #[repr(C)]
-    struct UffdioApi {
-        api: u64,
-        features: u64,
-        ioctls: u64,
-    }
-    let mut flags = rustix::mm::UserfaultfdFlags::CLOEXEC | rustix::mm::UserfaultfdFlags::NONBLOCK;
-    if user_mode_only {
-        flags |= rustix::mm::UserfaultfdFlags::from_bits_retain(UFFD_USER_MODE_ONLY);
-    }
-    let io = RegionError::UserfaultfdSyscall;
-    // SAFETY: userfaultfd(2) only creates a descriptor; the flags are the kernel's.
-    let fd = unsafe { rustix::mm::userfaultfd(flags) }.map_err(io)?;
-    let mut api = UffdioApi {
-        api: UFFD_API,
-        features,
-        ioctls: 0,
-    };
-    // SAFETY: UFFDIO_API (_IOWR(0xAA, 0x3F, struct uffdio_api)) reads and writes exactly one
-    // struct uffdio_api, which `UffdioApi` lays out.
-    unsafe {
-        const OP: rustix::ioctl::Opcode =
-            rustix::ioctl::opcode::read_write::<UffdioApi>(0xaa, 0x3f);
-        rustix::ioctl::ioctl(&fd, rustix::ioctl::Updater::<OP, UffdioApi>::new(&mut api))
-    }
-    .map_err(io)?;
-    // SAFETY: a userfaultfd descriptor that we own and give up here.
-    Ok(unsafe { Uffd::from_raw_fd(fd.into_raw_fd()) })
-}
-
-/// Moves the page at `src` to `dst` (page-table entries only, no copy) with `UFFDIO_MOVE`,
-/// without waking anyone. Both are pages of ranges registered with `uffd`; `dst` must be empty.
-fn move_page(uffd: &Uffd, src: *mut c_void, dst: *mut c_void) -> Result<(), rustix::io::Errno> {
-    use std::os::fd::AsRawFd;
-    const UFFDIO_MOVE_MODE_DONTWAKE: u64 = 1 << 0;
-    /// `struct uffdio_move` of linux/userfaultfd.h.
-    #[repr(C)]
-    struct UffdioMove {
-        dst: u64,
-        src: u64,
-        len: u64,
-        mode: u64,
-        moved: i64,
-    }
-    let mut mv = UffdioMove {
-        dst: dst as u64,
-        src: src as u64,
-        len: PAGE_SIZE as u64,
-        mode: UFFDIO_MOVE_MODE_DONTWAKE,
-        moved: 0,
-    };
-    // SAFETY: the descriptor is the Uffd's, open for the call.
-    let fd = unsafe { rustix::fd::BorrowedFd::borrow_raw(uffd.as_raw_fd()) };
-    // SAFETY: UFFDIO_MOVE (_IOWR(0xAA, 0x05, struct uffdio_move)) reads and writes one struct
-    // uffdio_move, laid out by `UffdioMove`. The kernel checks both ranges; it changes only
-    // page-table entries of this process's own mappings, whose contents are not referenced by
-    // any Rust value while they move (the region's bytes are only reached through raw pointers
-    // and slices whose contents a move does not change).
-    unsafe {
-        const OP: rustix::ioctl::Opcode =
-            rustix::ioctl::opcode::read_write::<UffdioMove>(0xaa, 0x05);
-        rustix::ioctl::ioctl(fd, rustix::ioctl::Updater::<OP, UffdioMove>::new(&mut mv))
-    }
-}
-
-/// Installs `page` at `dst` write-protected and wakes the faulting threads, in one
-/// `UFFDIO_COPY` with `UFFDIO_COPY_MODE_WP`. Protecting it afterwards would leave a window in
-/// which any thread's write lands unseen and the page, believed clean, is later dropped with
-/// it (a test caught exactly that). The `userfaultfd` crate's `copy` has no WP mode, hence the
-/// ioctl here.
-fn copy_write_protected(
-    uffd: &Uffd,
-    page: &[u8],
-    dst: *mut c_void,
-) -> Result<(), rustix::io::Errno> {
-    copy_page(uffd, page, dst, true)
-}
-
-/// Installs `page` at `dst` and wakes the faulting threads, write-protected or not.
-fn copy_page(
-    uffd: &Uffd,
-    page: &[u8],
-    dst: *mut c_void,
-    protect: bool,
-) -> Result<(), rustix::io::Errno> {
-    use std::os::fd::AsRawFd;
-    const UFFDIO_COPY_MODE_WP: u64 = 1 << 1;
-    /// `struct uffdio_copy` of linux/userfaultfd.h.
-    #[repr(C)]
-    struct UffdioCopy {
-        dst: u64,
-        src: u64,
-        len: u64,
-        mode: u64,
-        copy: i64,
-    }
-    assert_eq!(page.len(), PAGE_SIZE);
-    let mut copy = UffdioCopy {
-        dst: dst as u64,
-        src: page.as_ptr() as u64,
-        len: PAGE_SIZE as u64,
-        mode: if protect { UFFDIO_COPY_MODE_WP } else { 0 },
-        copy: 0,
-    };
-    // SAFETY: the descriptor is the Uffd's, open for the call.
-    let fd = unsafe { rustix::fd::BorrowedFd::borrow_raw(uffd.as_raw_fd()) };
-    // SAFETY: UFFDIO_COPY (_IOWR(0xAA, 0x03, struct uffdio_copy)) reads and writes one struct
-    // uffdio_copy, laid out by `UffdioCopy`; `src` is one readable page, `dst` a page of a
-    // range registered with this userfaultfd.
-    let r = unsafe {
-        const OP: rustix::ioctl::Opcode =
-            rustix::ioctl::opcode::read_write::<UffdioCopy>(0xaa, 0x03);
-        rustix::ioctl::ioctl(fd, rustix::ioctl::Updater::<OP, UffdioCopy>::new(&mut copy))
-    };
-    r
 }
 
 /// A mapping's base address, shared with the handler thread. A plain address: the handler
@@ -457,8 +326,7 @@ where
         let len = pages * PAGE_SIZE;
         let (uffd, can_move) = open_userfaultfd()?;
         let base = map_anonymous(len)?;
-        let mode = RegisterMode::MISSING | RegisterMode::WRITE_PROTECT;
-        if let Err(e) = uffd.register_with_mode(base.page(0), len, mode) {
+        if let Err(e) = uffd.register(base.page(0), len, true) {
             unmap(base, len);
             return Err(RegionError::Register(e));
         }
@@ -467,7 +335,7 @@ where
         let sampling = can_move && options.max_samples > 0;
         let shadow = if sampling {
             let shadow = map_anonymous(len).inspect_err(|_| unmap(base, len))?;
-            if let Err(e) = uffd.register_with_mode(shadow.page(0), len, mode) {
+            if let Err(e) = uffd.register(shadow.page(0), len, true) {
                 unmap(base, len);
                 unmap(shadow, len);
                 return Err(RegionError::Register(e));
@@ -862,16 +730,16 @@ impl<T: Transport, D: Disk> Shared<T, D> {
     }
 
     fn handle(&self, st: &mut State<T, D>, event: Event) {
-        let Event::Pagefault { kind, rw, addr, .. } = event else {
+        let Event::Pagefault { addr, write, wp } = event else {
             // Only page faults were asked for (no fork, remap, remove or unmap events).
             return;
         };
-        let page = (addr as usize - self.base.0.as_ptr() as usize) / PAGE_SIZE;
+        let page = (addr - self.base.0.as_ptr() as usize) / PAGE_SIZE;
         debug_assert!(page < self.pages);
         let addr = self.base.page(page);
-        match kind {
-            FaultKind::Missing => self.missing(st, page, rw == ReadWrite::Write),
-            FaultKind::WriteProtected if st.clock.is_sampled(page as u64) => {
+        match wp {
+            false => self.missing(st, page, write),
+            true if st.clock.is_sampled(page as u64) => {
                 // A write to a clean page that was sampled after the fault was raised: the
                 // page is aside now. Dirty from now on; the woken writer faults again and gets
                 // it back writable.
@@ -879,18 +747,18 @@ impl<T: Transport, D: Disk> Shared<T, D> {
                 st.dirty[page] = true;
                 let _ = self.uffd.wake(addr, PAGE_SIZE);
             }
-            FaultKind::WriteProtected if st.clock.is_resident(page as u64) => {
+            true if st.clock.is_resident(page as u64) => {
                 // The first write to a fetched page, which was installed write-protected: from
                 // now on it differs from its remote copy.
                 self.counters.first_writes.fetch_add(1, Ordering::Relaxed);
                 st.dirty[page] = true;
                 st.written_after_fetch += 1;
-                if let Err(e) = self.uffd.remove_write_protection(addr, PAGE_SIZE, true) {
+                if let Err(e) = self.uffd.set_write_protect(addr, false, true) {
                     tracing::error!("unprotecting page {page}: {e}");
                     self.counters.errors.fetch_add(1, Ordering::Relaxed);
                 }
             }
-            FaultKind::WriteProtected => {
+            true => {
                 // A write that raced with the page's eviction: an eviction completes before the
                 // next event is read, so the page is gone now, and the woken writer faults
                 // again as a missing page.
@@ -932,30 +800,23 @@ impl<T: Transport, D: Disk> Shared<T, D> {
         // second fault for every page that is written after all, so it is done only while it
         // pays: not for a write fault, and not while most fetched pages get written.
         let protect = written && !write && st.protect_fetched();
-        // The errno of a failed install.
-        let result: Result<(), i32> = if written {
+        let result = if written {
             self.counters.fetches.fetch_add(1, Ordering::Relaxed);
-            copy_page(&self.uffd, &st.buf, addr, protect).map_err(|e| e.raw_os_error())
+            self.uffd.copy(&st.buf, addr, protect)
         } else if write {
             // Written at once: a page of zeros, writable, rather than the shared zero page and
             // a copy-on-write fault right after.
             self.counters.zero_fills.fetch_add(1, Ordering::Relaxed);
-            copy_page(&self.uffd, &ZEROS, addr, false).map_err(|e| e.raw_os_error())
+            self.uffd.copy(&ZEROS, addr, false)
         } else {
             self.counters.zero_fills.fetch_add(1, Ordering::Relaxed);
-            // SAFETY: `addr` is a page of the registered range.
-            unsafe { self.uffd.zeropage(addr, PAGE_SIZE, true) }
-                .map(|_| ())
-                .map_err(|e| match e {
-                    userfaultfd::Error::ZeropageFailed(errno) => errno as i32,
-                    _ => rustix::io::Errno::IO.raw_os_error(),
-                })
+            self.uffd.zeropage(addr)
         };
         match result {
             Ok(()) => {}
             // Installed meanwhile (by a fault this handler has not read yet, or the program
             // wrote through a kernel path): present now, so resident.
-            Err(e) if e == rustix::io::Errno::EXIST.raw_os_error() => {
+            Err(rustix::io::Errno::EXIST) => {
                 self.counters
                     .already_present
                     .fetch_add(1, Ordering::Relaxed);
@@ -990,8 +851,7 @@ impl<T: Transport, D: Disk> Shared<T, D> {
     /// forever on a page the handler believes present.
     fn resident_fault(&self, st: &mut State<T, D>, page: usize) {
         let addr = self.base.page(page);
-        // SAFETY: `addr` is a page of the registered range.
-        match unsafe { self.uffd.zeropage(addr, PAGE_SIZE, true) } {
+        match self.uffd.zeropage(addr) {
             Ok(_) => {
                 self.counters
                     .dropped_by_program
@@ -1028,17 +888,17 @@ impl<T: Transport, D: Disk> Shared<T, D> {
         // Ok(true): copied back, and the copy aside is to be dropped.
         let back = if st.dirty[page] {
             // Moving it back maps it writable, as a dirty page should be.
-            match move_page(&self.uffd, aside, addr) {
+            match self.uffd.move_page(aside, addr) {
                 Ok(()) => {
                     let _ = self.uffd.wake(addr, PAGE_SIZE);
                     Ok(false)
                 }
-                Err(_) => copy_write_protected(&self.uffd, contents, addr).map(|()| true),
+                Err(_) => self.uffd.copy(contents, addr, true).map(|()| true),
             }
         } else {
             // Moved back it would be writable, and a write by another thread before it was
             // protected again would go unseen: copy it back write-protected in one ioctl.
-            copy_write_protected(&self.uffd, contents, addr).map(|()| true)
+            self.uffd.copy(contents, addr, true).map(|()| true)
         };
         match back {
             Ok(copied) => {
@@ -1162,7 +1022,7 @@ impl<T: Transport, D: Disk> Shared<T, D> {
                     // (its copy may have gone to the pager, or not).
                     st.dirty[page] = true;
                     st.clock.insert(page as u64);
-                    let _ = self.uffd.remove_write_protection(addr, PAGE_SIZE, true);
+                    let _ = self.uffd.set_write_protect(addr, false, true);
                 }
             }
         }
@@ -1172,7 +1032,7 @@ impl<T: Transport, D: Disk> Shared<T, D> {
     /// faults, which tells the clock that it is in use.
     fn sample(&self, page: usize) -> Result<(), rustix::io::Errno> {
         let shadow = self.shadow.expect("sampling only with a shadow");
-        move_page(&self.uffd, self.base.page(page), shadow.page(page))
+        self.uffd.move_page(self.base.page(page), shadow.page(page))
     }
 
     /// Evicts a sampled page: it is aside, out of reach of the program, so it is copied and
@@ -1189,7 +1049,7 @@ impl<T: Transport, D: Disk> Shared<T, D> {
                 std::ptr::copy_nonoverlapping(aside.cast::<u8>(), st.buf.as_mut_ptr(), PAGE_SIZE)
             };
             if let Err(e) = self.store(st, page) {
-                let back = move_page(&self.uffd, aside, self.base.page(page));
+                let back = self.uffd.move_page(aside, self.base.page(page));
                 st.clock.insert(page as u64);
                 return Err(format!("storing page {page}: {e} (kept: {back:?})"));
             }
@@ -1223,7 +1083,7 @@ impl<T: Transport, D: Disk> Shared<T, D> {
             return Ok(addr);
         }
         // A write after this blocks in a write-protect fault until the page is gone.
-        if let Err(e) = self.uffd.write_protect(addr, PAGE_SIZE) {
+        if let Err(e) = self.uffd.set_write_protect(addr, true, true) {
             st.clock.insert(page as u64);
             return Err(format!("write-protecting page {page}: {e}"));
         }
@@ -1232,7 +1092,7 @@ impl<T: Transport, D: Disk> Shared<T, D> {
         unsafe { std::ptr::copy_nonoverlapping(addr.cast::<u8>(), st.buf.as_mut_ptr(), PAGE_SIZE) };
         if let Err(e) = self.store(st, page) {
             // Keep the page: writable again, and the writers blocked on it woken.
-            let _ = self.uffd.remove_write_protection(addr, PAGE_SIZE, true);
+            let _ = self.uffd.set_write_protect(addr, false, true);
             st.clock.insert(page as u64);
             return Err(format!("storing page {page}: {e}"));
         }
@@ -1307,7 +1167,7 @@ impl<T: Transport, D: Disk> Shared<T, D> {
             if !st.prefetch_seq.is_multiple_of(PREFETCH_CHECK as u64) {
                 let protect = st.protect_fetched();
                 let data = &st.pbuf[i * PAGE_SIZE..(i + 1) * PAGE_SIZE];
-                match copy_page(&self.uffd, data, self.base.page(p as usize), protect) {
+                match self.uffd.copy(data, self.base.page(p as usize), protect) {
                     Ok(()) => {
                         st.dirty[p as usize] = !protect;
                         st.clock.insert(p);

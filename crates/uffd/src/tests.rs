@@ -224,12 +224,7 @@ fn works_for_an_ordinary_user() {
         eprintln!("not root: the other tests already ran as an ordinary user");
         return;
     }
-    let have_setpriv = std::process::Command::new("setpriv")
-        .arg("--version")
-        .output()
-        .is_ok_and(|o| o.status.success());
-    if !have_setpriv {
-        eprintln!("SKIPPED: setpriv (util-linux) is not installed");
+    if !netram_testkit::have_tools(&[("setpriv", "util-linux")]) {
         return;
     }
     // A copy of this test binary where nobody may run it.
@@ -462,8 +457,7 @@ fn a_forked_child_does_not_see_the_region() {
 /// as for root (a user-mode-only userfaultfd would make it fail with EFAULT).
 #[test]
 fn system_calls_fault_pages_in() {
-    if !rustix::process::geteuid().is_root() {
-        eprintln!("SKIPPED: kernel-mode faults need root (or CAP_SYS_PTRACE)");
+    if !netram_testkit::have_root("serving faults raised inside system calls") {
         return;
     }
     let cluster = LocalCluster::start(1, 8 << 20, false).unwrap();

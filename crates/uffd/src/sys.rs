@@ -1,0 +1,317 @@
+//! The kernel's userfaultfd interface, as much of it as a region uses: the system call, the
+//! API handshake, and the ioctls that register ranges and install, move, protect and wake pages.
+//!
+//! Written here rather than taken from the `userfaultfd` crate: that crate generates its
+//! bindings with bindgen at build time, which needs libclang, and the build must need nothing
+//! but the Rust toolchain. The ABI is small and stable; its structures and constants come from
+//! `linux-raw-sys` (which rustix already brings in), the ioctl numbers are computed from them
+//! by rustix, exactly as `_IOWR(UFFDIO, nr, struct …)` does in `linux/userfaultfd.h`.
+//!
+//! Every ioctl here changes only page-table entries (or the contents of pages not yet present)
+//! of ranges registered with this descriptor; the kernel refuses any other range. The region's
+//! bytes are reached only through raw pointers, so no Rust reference sees them change.
+
+use linux_raw_sys::general as k;
+use rustix::fd::{AsFd, BorrowedFd, OwnedFd};
+use rustix::io::Errno;
+use rustix::ioctl::{opcode, Opcode, Updater};
+use std::ffi::c_void;
+
+/// One page, the unit of every operation here.
+const PAGE: u64 = netram_proto::PAGE_SIZE as u64;
+
+/// `_IOWR(UFFDIO, nr, T)`.
+const fn op<T>(nr: u32) -> Opcode {
+    opcode::read_write::<T>(k::UFFDIO as u8, nr as u8)
+}
+
+/// The `uffd_msg` the kernel hands `read(2)`: 32 bytes.
+const MSG_LEN: usize = std::mem::size_of::<k::uffd_msg>();
+const _: () = assert!(MSG_LEN == 32);
+
+/// A userfaultfd descriptor, non-blocking and close-on-exec.
+#[derive(Debug)]
+pub(crate) struct Uffd(OwnedFd);
+
+/// An event read from the descriptor.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Event {
+    /// A thread faulted at `addr`: on a missing page, or (`wp`) on a write-protected one;
+    /// `write` if the access was a write.
+    Pagefault { addr: usize, write: bool, wp: bool },
+    /// Anything else (fork, remap, remove, unmap: not asked for).
+    Other(u8),
+}
+
+impl AsFd for Uffd {
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        self.0.as_fd()
+    }
+}
+
+fn range(start: *mut c_void, len: usize) -> k::uffdio_range {
+    k::uffdio_range {
+        start: start as u64,
+        len: len as u64,
+    }
+}
+
+impl Uffd {
+    /// Creates a userfaultfd and makes the API handshake asking for `features`
+    /// (`UFFD_FEATURE_*`). `user_mode_only`: faults raised inside system calls are not
+    /// delivered (what an ordinary user may ask for when `vm.unprivileged_userfaultfd` is 0).
+    /// EINVAL from the handshake means a feature is unknown to this kernel.
+    pub(crate) fn open(features: u64, user_mode_only: bool) -> Result<Uffd, Errno> {
+        let mut flags =
+            rustix::mm::UserfaultfdFlags::CLOEXEC | rustix::mm::UserfaultfdFlags::NONBLOCK;
+        if user_mode_only {
+            flags |= rustix::mm::UserfaultfdFlags::from_bits_retain(k::UFFD_USER_MODE_ONLY);
+        }
+        // SAFETY: userfaultfd(2) only creates a descriptor; the flags are the kernel's.
+        let fd = unsafe { rustix::mm::userfaultfd(flags) }?;
+        let mut api = k::uffdio_api {
+            api: u64::from(k::UFFD_API),
+            features,
+            ioctls: 0,
+        };
+        // SAFETY: UFFDIO_API reads and writes exactly one struct uffdio_api.
+        unsafe {
+            rustix::ioctl::ioctl(
+                &fd,
+                Updater::<{ op::<k::uffdio_api>(k::_UFFDIO_API) }, _>::new(&mut api),
+            )
+        }?;
+        Ok(Uffd(fd))
+    }
+
+    /// Registers `len` bytes at `start` for missing-page faults and, if `wp`, write-protect
+    /// faults.
+    pub(crate) fn register(&self, start: *mut c_void, len: usize, wp: bool) -> Result<(), Errno> {
+        let mut mode = u64::from(k::UFFDIO_REGISTER_MODE_MISSING);
+        if wp {
+            mode |= u64::from(k::UFFDIO_REGISTER_MODE_WP);
+        }
+        let mut reg = k::uffdio_register {
+            range: range(start, len),
+            mode,
+            ioctls: 0,
+        };
+        // SAFETY: UFFDIO_REGISTER reads and writes one struct uffdio_register; it changes no
+        // memory, only how faults in the range are handled.
+        unsafe {
+            rustix::ioctl::ioctl(
+                self,
+                Updater::<{ op::<k::uffdio_register>(k::_UFFDIO_REGISTER) }, _>::new(&mut reg),
+            )
+        }
+    }
+
+    /// Undoes [`Uffd::register`] (also waking every thread blocked on a fault in the range).
+    pub(crate) fn unregister(&self, start: *mut c_void, len: usize) -> Result<(), Errno> {
+        let mut r = range(start, len);
+        // SAFETY: UFFDIO_UNREGISTER reads one struct uffdio_range (declared _IOR; the kernel
+        // does not write it back, so passing it as read-write only over-approximates).
+        unsafe {
+            rustix::ioctl::ioctl(
+                self,
+                Updater::<
+                    {
+                        opcode::read::<k::uffdio_range>(
+                            k::UFFDIO as u8,
+                            k::_UFFDIO_UNREGISTER as u8,
+                        )
+                    },
+                    _,
+                >::new(&mut r),
+            )
+        }
+    }
+
+    /// Wakes the threads blocked on faults in the range (they retry their access).
+    pub(crate) fn wake(&self, start: *mut c_void, len: usize) -> Result<(), Errno> {
+        let mut r = range(start, len);
+        // SAFETY: UFFDIO_WAKE reads one struct uffdio_range and changes no memory.
+        unsafe {
+            rustix::ioctl::ioctl(
+                self,
+                Updater::<
+                    { opcode::read::<k::uffdio_range>(k::UFFDIO as u8, k::_UFFDIO_WAKE as u8) },
+                    _,
+                >::new(&mut r),
+            )
+        }
+    }
+
+    /// Maps the shared zero page at `dst` (one page of a registered range) and wakes the
+    /// faulting threads. EEXIST: a page is already there.
+    pub(crate) fn zeropage(&self, dst: *mut c_void) -> Result<(), Errno> {
+        let mut z = k::uffdio_zeropage {
+            range: range(dst, PAGE as usize),
+            mode: 0,
+            zeropage: 0,
+        };
+        // SAFETY: UFFDIO_ZEROPAGE reads and writes one struct uffdio_zeropage; it fills only a
+        // page that is not present, of a range registered here (module comment).
+        unsafe {
+            rustix::ioctl::ioctl(
+                self,
+                Updater::<{ op::<k::uffdio_zeropage>(k::_UFFDIO_ZEROPAGE) }, _>::new(&mut z),
+            )
+        }
+    }
+
+    /// Installs a copy of `page` at `dst` and wakes the faulting threads; write-protected if
+    /// `protect`, in the same step (protecting it afterwards would let a write slip in unseen).
+    /// EEXIST: a page is already there.
+    pub(crate) fn copy(&self, page: &[u8], dst: *mut c_void, protect: bool) -> Result<(), Errno> {
+        assert_eq!(page.len() as u64, PAGE);
+        let mut c = k::uffdio_copy {
+            dst: dst as u64,
+            src: page.as_ptr() as u64,
+            len: PAGE,
+            mode: if protect {
+                u64::from(k::UFFDIO_COPY_MODE_WP)
+            } else {
+                0
+            },
+            copy: 0,
+        };
+        // SAFETY: UFFDIO_COPY reads and writes one struct uffdio_copy; `src` is one readable
+        // page (the slice), `dst` a page not present in a range registered here.
+        unsafe {
+            rustix::ioctl::ioctl(
+                self,
+                Updater::<{ op::<k::uffdio_copy>(k::_UFFDIO_COPY) }, _>::new(&mut c),
+            )
+        }
+    }
+
+    /// Moves the page at `src` to `dst` (page-table entries only, no copy) without waking
+    /// anyone. Both are pages of ranges registered here; `dst` must be empty. Needs
+    /// `UFFD_FEATURE_MOVE` (Linux 6.8).
+    pub(crate) fn move_page(&self, src: *mut c_void, dst: *mut c_void) -> Result<(), Errno> {
+        const UFFDIO_MOVE_MODE_DONTWAKE: u64 = 1 << 0;
+        let mut m = k::uffdio_move {
+            dst: dst as u64,
+            src: src as u64,
+            len: PAGE,
+            mode: UFFDIO_MOVE_MODE_DONTWAKE,
+            move_: 0,
+        };
+        // SAFETY: UFFDIO_MOVE reads and writes one struct uffdio_move. It changes only
+        // page-table entries of this process's registered mappings, whose contents no Rust
+        // value refers to while they move (module comment).
+        unsafe {
+            rustix::ioctl::ioctl(
+                self,
+                Updater::<{ op::<k::uffdio_move>(k::_UFFDIO_MOVE) }, _>::new(&mut m),
+            )
+        }
+    }
+
+    /// Write-protects one page at `addr`, or (`protect` false) lifts the protection and, if
+    /// `wake`, wakes the writers blocked on it.
+    pub(crate) fn set_write_protect(
+        &self,
+        addr: *mut c_void,
+        protect: bool,
+        wake: bool,
+    ) -> Result<(), Errno> {
+        const UFFDIO_WRITEPROTECT_MODE_WP: u64 = 1 << 0;
+        const UFFDIO_WRITEPROTECT_MODE_DONTWAKE: u64 = 1 << 1;
+        let mut mode = 0;
+        if protect {
+            mode |= UFFDIO_WRITEPROTECT_MODE_WP;
+        }
+        if !wake {
+            mode |= UFFDIO_WRITEPROTECT_MODE_DONTWAKE;
+        }
+        let mut w = k::uffdio_writeprotect {
+            range: range(addr, PAGE as usize),
+            mode,
+        };
+        // SAFETY: UFFDIO_WRITEPROTECT reads one struct uffdio_writeprotect; it changes only
+        // the protection of a page of a range registered here.
+        unsafe {
+            rustix::ioctl::ioctl(
+                self,
+                Updater::<{ op::<k::uffdio_writeprotect>(k::_UFFDIO_WRITEPROTECT) }, _>::new(
+                    &mut w,
+                ),
+            )
+        }
+    }
+
+    /// The next event, or `None` if none is waiting (the descriptor is non-blocking).
+    pub(crate) fn read_event(&self) -> Result<Option<Event>, Errno> {
+        let mut msg = [0u8; MSG_LEN];
+        loop {
+            match rustix::io::read(self, &mut msg) {
+                Ok(MSG_LEN) => return Ok(Some(parse(&msg))),
+                // The kernel hands out whole messages only.
+                Ok(_) => return Err(Errno::IO),
+                Err(Errno::AGAIN) => return Ok(None),
+                Err(Errno::INTR) => continue,
+                Err(e) => return Err(e),
+            }
+        }
+    }
+}
+
+/// Decodes a `struct uffd_msg` (host byte order: the kernel's own ABI, not a wire format):
+/// `event` at byte 0, for a page fault `flags` at 8 and `address` at 16.
+fn parse(msg: &[u8; MSG_LEN]) -> Event {
+    let u64_at = |at: usize| u64::from_ne_bytes(msg[at..at + 8].try_into().expect("8 bytes"));
+    if u32::from(msg[0]) != k::UFFD_EVENT_PAGEFAULT {
+        return Event::Other(msg[0]);
+    }
+    let flags = u64_at(8);
+    Event::Pagefault {
+        addr: u64_at(16) as usize,
+        write: flags & u64::from(k::UFFD_PAGEFAULT_FLAG_WRITE) != 0,
+        wp: flags & u64::from(k::UFFD_PAGEFAULT_FLAG_WP) != 0,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_pagefault_message_decodes_as_the_kernel_lays_it_out() {
+        let mut msg = [0u8; MSG_LEN];
+        msg[0] = k::UFFD_EVENT_PAGEFAULT as u8;
+        let flags = u64::from(k::UFFD_PAGEFAULT_FLAG_WRITE | k::UFFD_PAGEFAULT_FLAG_WP);
+        msg[8..16].copy_from_slice(&flags.to_ne_bytes());
+        msg[16..24].copy_from_slice(&0x7f00_1234_5000u64.to_ne_bytes());
+        assert_eq!(
+            parse(&msg),
+            Event::Pagefault {
+                addr: 0x7f00_1234_5000,
+                write: true,
+                wp: true
+            }
+        );
+        msg[0] = k::UFFD_EVENT_FORK as u8;
+        assert_eq!(parse(&msg), Event::Other(k::UFFD_EVENT_FORK as u8));
+    }
+
+    #[test]
+    fn ioctl_numbers_match_the_kernel_headers() {
+        // The values of linux/userfaultfd.h's _IOWR/_IOR macros on x86_64 (and every
+        // architecture with the generic ioctl encoding).
+        assert_eq!(op::<k::uffdio_api>(k::_UFFDIO_API), 0xc018_aa3f);
+        assert_eq!(op::<k::uffdio_register>(k::_UFFDIO_REGISTER), 0xc020_aa00);
+        assert_eq!(op::<k::uffdio_copy>(k::_UFFDIO_COPY), 0xc028_aa03);
+        assert_eq!(op::<k::uffdio_zeropage>(k::_UFFDIO_ZEROPAGE), 0xc020_aa04);
+        assert_eq!(
+            op::<k::uffdio_writeprotect>(k::_UFFDIO_WRITEPROTECT),
+            0xc018_aa06
+        );
+        assert_eq!(op::<k::uffdio_move>(k::_UFFDIO_MOVE), 0xc028_aa05);
+        assert_eq!(
+            opcode::read::<k::uffdio_range>(k::UFFDIO as u8, k::_UFFDIO_WAKE as u8),
+            0x8010_aa02
+        );
+    }
+}

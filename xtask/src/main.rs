@@ -1,0 +1,177 @@
+//! `cargo xtask …`: netram's chores in one command (foyer's `cargo x`, STYLE example 13).
+//!
+//! `cargo xtask test [--no-skip] [-- ARGS]` runs the whole test suite: `cargo test --workspace
+//! --release ARGS`, with the tools the tests talk to installed first when it runs as root on a
+//! Debian machine (otherwise it names the packages). A test that cannot run here says so on
+//! stderr and is recorded by `netram_testkit::skip`; at the end every skipped test is listed
+//! with its reason and counted. `--no-skip` (what CI passes) makes any skip a failure.
+//!
+//! Standard library only: it must build on a fresh machine before anything else does.
+
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+use std::process::{Command, ExitCode};
+
+/// The tools the full suite uses, and the Debian package each comes from.
+const TOOLS: &[(&str, &str)] = &[
+    ("nbdinfo", "libnbd-bin"),
+    ("nbdcopy", "libnbd-bin"),
+    ("nbdfuse", "libnbd-bin"),
+    ("nbdkit", "nbdkit"),
+    ("fio", "fio"),
+    ("qemu-img", "qemu-utils"),
+    ("fusermount3", "fuse3"),
+    ("losetup", "util-linux"),
+    ("mkswap", "util-linux"),
+    ("swapon", "util-linux"),
+    ("setpriv", "util-linux"),
+    ("cc", "gcc"),
+];
+
+const USAGE: &str = "\
+usage: cargo xtask test [--no-skip] [--no-install] [-- ARGS for cargo test]
+
+  test          the whole test suite (cargo test --workspace --release), then the list of
+                tests that could not run here and why
+  --no-skip     fail if any test was skipped (CI)
+  --no-install  do not install missing packages, even as root";
+
+fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let (ours, passed) = match args.iter().position(|a| a == "--") {
+        Some(i) => (&args[..i], &args[i + 1..]),
+        None => (&args[..], &[][..]),
+    };
+    match ours.first().map(String::as_str) {
+        Some("test") => {}
+        Some("-h" | "--help") => {
+            println!("{USAGE}");
+            return ExitCode::SUCCESS;
+        }
+        _ => {
+            eprintln!("{USAGE}");
+            return ExitCode::from(2);
+        }
+    }
+    let mut no_skip = false;
+    let mut install = true;
+    for a in &ours[1..] {
+        match a.as_str() {
+            "--no-skip" => no_skip = true,
+            "--no-install" => install = false,
+            other => {
+                eprintln!("unknown option {other}\n{USAGE}");
+                return ExitCode::from(2);
+            }
+        }
+    }
+    match test(no_skip, install, passed) {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("xtask: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn test(no_skip: bool, install: bool, passed: &[String]) -> Result<ExitCode, String> {
+    let missing = missing_packages();
+    if !missing.is_empty() {
+        let list = missing.iter().cloned().collect::<Vec<_>>().join(" ");
+        if install && is_root() && has("apt-get") {
+            eprintln!("xtask: installing what the tests use: {list}");
+            run(Command::new("apt-get").arg("update"))?;
+            run(Command::new("apt-get")
+                .args(["install", "-y"])
+                .args(&missing)
+                .env("DEBIAN_FRONTEND", "noninteractive"))?;
+        } else {
+            eprintln!(
+                "xtask: not installed: {list}; the tests that need them will be skipped \
+                 (as root: apt-get install {list})"
+            );
+        }
+    }
+    let log = target_dir().join("skipped-tests.txt");
+    std::fs::create_dir_all(log.parent().expect("a file in a directory"))
+        .map_err(|e| format!("creating {}: {e}", log.display()))?;
+    // A fresh log per run: only this run's skips count.
+    let _ = std::fs::remove_file(&log);
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let status = Command::new(cargo)
+        .args(["test", "--workspace", "--release"])
+        .args(passed)
+        .env("NETRAM_SKIP_LOG", &log)
+        .status()
+        .map_err(|e| format!("running cargo test: {e}"))?;
+    let skipped: Vec<String> = std::fs::read_to_string(&log)
+        .unwrap_or_default()
+        .lines()
+        .map(str::to_owned)
+        .collect();
+    println!();
+    if skipped.is_empty() {
+        println!("xtask: no test was skipped");
+    } else {
+        println!("xtask: {} test(s) skipped on this machine:", skipped.len());
+        for line in &skipped {
+            let (name, why) = line.split_once('\t').unwrap_or((line, ""));
+            println!("  {name}: {why}");
+        }
+    }
+    if !status.success() {
+        return Ok(ExitCode::FAILURE);
+    }
+    if no_skip && !skipped.is_empty() {
+        println!("xtask: --no-skip: a skipped test is a failure here");
+        return Ok(ExitCode::FAILURE);
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// The packages of the tools that are not on the PATH.
+fn missing_packages() -> BTreeSet<String> {
+    TOOLS
+        .iter()
+        .filter(|(tool, _)| !has(tool))
+        .map(|(_, package)| (*package).to_owned())
+        .collect()
+}
+
+fn has(tool: &str) -> bool {
+    Command::new("sh")
+        .args(["-c", &format!("command -v {tool} >/dev/null")])
+        .status()
+        .is_ok_and(|s| s.success())
+}
+
+fn is_root() -> bool {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("Uid:"))
+                .and_then(|l| l.split_whitespace().nth(2).map(|u| u == "0"))
+        })
+        .unwrap_or(false)
+}
+
+fn run(cmd: &mut Command) -> Result<(), String> {
+    let status = cmd.status().map_err(|e| format!("{cmd:?}: {e}"))?;
+    if status.success() {
+        Ok(())
+    } else {
+        Err(format!("{cmd:?} failed: {status}"))
+    }
+}
+
+/// The workspace's target directory (`CARGO_TARGET_DIR` if set).
+fn target_dir() -> PathBuf {
+    if let Some(dir) = std::env::var_os("CARGO_TARGET_DIR") {
+        return PathBuf::from(dir);
+    }
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("xtask lives in the workspace")
+        .join("target")
+}
