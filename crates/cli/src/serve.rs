@@ -18,17 +18,36 @@ pub struct ServeArgs {
     /// Memory to offer, e.g. 512M, 4GiB [default: 256M]. Mapped at start.
     #[arg(long)]
     capacity: Option<String>,
-    /// A TOML file with any of: listen, capacity, lease_period, max_connections, window,
-    /// low_latency, lock_memory, node_id.
+    /// A TOML file with any of: listen, capacity, lease_period, max_connections,
+    /// max_connections_per_client, max_sessions_per_client, max_client_memory, idle_timeout,
+    /// write_timeout, window, low_latency, lock_memory, node_id.
     #[arg(long)]
     config: Option<PathBuf>,
     /// How often clients must refresh their session, e.g. 2s [default: 2s]. A session silent
     /// for three periods is expired and its pages freed.
     #[arg(long)]
     lease_period: Option<String>,
-    /// Connections served at once; more are refused at the handshake [default: 256].
+    /// Connections served at once; more are answered Busy and closed [default: 256].
     #[arg(long)]
     max_connections: Option<usize>,
+    /// Connections from one client address at once [default: 64].
+    #[arg(long)]
+    max_connections_per_client: Option<usize>,
+    /// Live sessions one client address may hold [default: 64].
+    #[arg(long)]
+    max_sessions_per_client: Option<u32>,
+    /// Memory one client address may fill, e.g. 1G; a PUT over it is refused as if the server
+    /// were full, so that no client can starve the others [default: 3/4 of the capacity].
+    #[arg(long)]
+    max_client_memory: Option<String>,
+    /// Close a connection that sends no whole request for this long, e.g. 30s [default: three
+    /// lease periods; live clients refresh every half period].
+    #[arg(long)]
+    idle_timeout: Option<String>,
+    /// Close a connection whose replies cannot be written for this long (a client that does
+    /// not read them), e.g. 10s [default: 10s].
+    #[arg(long)]
+    write_timeout: Option<String>,
     /// Requests a client may have in flight per connection [default: 64].
     #[arg(long)]
     window: Option<u32>,
@@ -39,6 +58,10 @@ pub struct ServeArgs {
     /// Lock the arena in RAM so stored pages are never swapped out.
     #[arg(long)]
     lock_memory: bool,
+    /// Test-only fault point: a STATS request panics inside the daemon, to check that a panic
+    /// ends only its connection. Never use it in production.
+    #[arg(long, hide = true)]
+    fault_panic_on_stats: bool,
 }
 
 /// The TOML file's fields; each is optional and a flag overrides it.
@@ -49,6 +72,11 @@ struct FileConfig {
     capacity: Option<String>,
     lease_period: Option<String>,
     max_connections: Option<usize>,
+    max_connections_per_client: Option<usize>,
+    max_sessions_per_client: Option<u32>,
+    max_client_memory: Option<String>,
+    idle_timeout: Option<String>,
+    write_timeout: Option<String>,
     window: Option<u32>,
     low_latency: Option<bool>,
     lock_memory: Option<bool>,
@@ -104,6 +132,56 @@ fn check(args: ServeArgs) -> anyhow::Result<ServerConfig> {
     if max_connections == 0 {
         bail!("max-connections must be at least 1");
     }
+    let max_connections_per_peer = args
+        .max_connections_per_client
+        .or(file.max_connections_per_client)
+        .unwrap_or(d.max_connections_per_peer);
+    if max_connections_per_peer == 0 {
+        bail!("max-connections-per-client must be at least 1");
+    }
+    let max_peer_sessions = args
+        .max_sessions_per_client
+        .or(file.max_sessions_per_client)
+        .unwrap_or(d.max_peer_sessions);
+    if max_peer_sessions == 0 {
+        bail!("max-sessions-per-client must be at least 1");
+    }
+    let max_client_bytes = match args
+        .max_client_memory
+        .as_deref()
+        .or(file.max_client_memory.as_deref())
+    {
+        Some(s) => Some(parse_size("max client memory", s)?),
+        None => None,
+    };
+    if max_client_bytes.is_some_and(|b| b < netram_proto::PAGE_SIZE as u64) {
+        bail!("max-client-memory must be at least one 4 KiB page");
+    }
+    let idle_timeout = match args
+        .idle_timeout
+        .as_deref()
+        .or(file.idle_timeout.as_deref())
+    {
+        Some(s) => Some(parse_duration("idle timeout", s)?),
+        None => None,
+    };
+    if let Some(t) = idle_timeout {
+        // A client refreshes every half lease period: a shorter timeout would cut live ones.
+        if t < lease_period {
+            bail!("idle timeout {t:?} is shorter than the lease period {lease_period:?}");
+        }
+    }
+    let write_timeout = match args
+        .write_timeout
+        .as_deref()
+        .or(file.write_timeout.as_deref())
+    {
+        Some(s) => parse_duration("write timeout", s)?,
+        None => d.write_timeout,
+    };
+    if write_timeout.is_zero() {
+        bail!("write timeout must be above zero");
+    }
     let window = args.window.or(file.window).unwrap_or(d.window);
     if !(1..=4096).contains(&window) {
         bail!("window {window} is outside 1..=4096");
@@ -113,6 +191,12 @@ fn check(args: ServeArgs) -> anyhow::Result<ServerConfig> {
         capacity_bytes,
         lease_period,
         max_connections,
+        max_connections_per_peer,
+        max_peer_sessions,
+        max_client_bytes,
+        idle_timeout,
+        write_timeout,
+        fault_panic_on_stats: args.fault_panic_on_stats,
         window,
         low_latency: args.low_latency || file.low_latency.unwrap_or(false),
         lock_memory: args.lock_memory || file.lock_memory.unwrap_or(false),

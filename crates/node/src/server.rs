@@ -10,6 +10,26 @@
 //! malformed, truncated, oversized or wrong-version frame closes that connection, with the reason
 //! logged and counted (one counter per reason, exported by STATS).
 //!
+//! **Limits, each enforced by the side that pays for it** (TigerBeetle's "a limit on
+//! everything"). Nothing a peer sends can make the daemon hold more than these:
+//!
+//! * connections: at most `max_connections` in all and `max_connections_per_peer` from one
+//!   address, checked in the accept thread *before* a thread is started; a connection over a
+//!   limit is answered Busy there, without a thread, and closed;
+//! * the handshake: one deadline for all of it (`handshake_timeout`), not one per read, so a
+//!   byte at a time does not keep a slot;
+//! * an established connection with no whole frame for `idle_timeout` (three lease periods by
+//!   default: a live client refreshes every half period, and a silent one's session is dead by
+//!   then) is closed, and so is one whose replies cannot be written for `write_timeout`;
+//! * buffered work per connection: frames are served at most `window` at a time (the credit
+//!   window the handshake announces) and the replies written before more requests are read, and
+//!   never more than [`REPLY_BUFFER_MAX`] bytes of replies wait: a client that sends and never
+//!   reads is held back by TCP, not buffered for;
+//! * sessions and frames per client (the store's `max_peer_sessions`, `max_peer_pages`);
+//! * a panic in one connection's code (a bug) ends that connection only: its slot is given back
+//!   by a guard, and the store, whose lock it poisoned, has its invariants checked before it is
+//!   used again (if they do not hold, the daemon stops rather than serve from a broken store).
+//!
 //! Under dynamic parity, an overwrite or delete of a member page waits for its group's holder
 //! ([`crate::peers`]): the connection thread lets go of the store, makes the round trip to the
 //! holder, then takes the store again to finish the request.
@@ -26,17 +46,18 @@ use netram_proto::{
 };
 use netram_store::serve::{self, Outcome};
 use netram_store::{SessionHandle, Store, StoreConfig, StoreError};
+use std::collections::HashMap;
 use std::io::{self, Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-/// How long a new connection has to send its handshake.
-const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
 /// How often blocked threads look at the shutdown flag.
 const POLL_INTERVAL: Duration = Duration::from_millis(100);
+/// Reply bytes a connection buffers before it stops serving requests and writes them.
+pub const REPLY_BUFFER_MAX: usize = 2 * MAX_FRAME_LEN;
 
 #[derive(Debug, Clone)]
 pub struct ServerConfig {
@@ -52,6 +73,36 @@ pub struct ServerConfig {
     pub lock_memory: bool,
     /// This server's node id, announced in the handshake.
     pub node: u64,
+    /// Connections from one address at most.
+    pub max_connections_per_peer: usize,
+    /// Live sessions one client (address) may hold.
+    pub max_peer_sessions: u32,
+    /// Bytes of frames one client (address) may hold; `None`: three quarters of the capacity,
+    /// so that one client can never fill the arena and starve the others.
+    pub max_client_bytes: Option<u64>,
+    /// The whole handshake must arrive within this.
+    pub handshake_timeout: Duration,
+    /// A connection with no whole frame for this long is closed; `None`: three lease periods.
+    pub idle_timeout: Option<Duration>,
+    /// A connection whose replies cannot be written for this long is closed.
+    pub write_timeout: Duration,
+    /// Test-only fault point: a STATS request panics while the store's lock is held (to test
+    /// that a panic is contained to its connection). Never set it in production.
+    pub fault_panic_on_stats: bool,
+}
+
+impl ServerConfig {
+    /// The frames one client may hold, with the default applied.
+    pub fn max_peer_pages(&self) -> u64 {
+        let bytes = self.max_client_bytes.unwrap_or(self.capacity_bytes / 4 * 3);
+        (bytes / PAGE_SIZE as u64).max(1)
+    }
+
+    /// The idle timeout, with the default applied.
+    pub fn idle_timeout(&self) -> Duration {
+        self.idle_timeout
+            .unwrap_or(self.lease_period * netram_store::LEASE_PERIODS as u32)
+    }
 }
 
 impl Default for ServerConfig {
@@ -66,6 +117,13 @@ impl Default for ServerConfig {
             low_latency: false,
             lock_memory: false,
             node: 0,
+            max_connections_per_peer: 64,
+            max_peer_sessions: 64,
+            max_client_bytes: None,
+            handshake_timeout: Duration::from_secs(5),
+            idle_timeout: None,
+            write_timeout: Duration::from_secs(10),
+            fault_panic_on_stats: false,
         }
     }
 }
@@ -99,14 +157,27 @@ macro_rules! node_counters {
 
 node_counters! {
     connections_accepted,
-    /// Refused at the handshake: `max_connections` reached.
+    /// Refused (answered Busy) at accept: `max_connections` reached.
     connections_refused_busy,
+    /// Refused (answered Busy) at accept: `max_connections_per_peer` reached for its address.
+    connections_refused_peer_limit,
+    /// Closed: no whole frame for `idle_timeout`.
+    connections_closed_idle,
+    /// Closed: replies could not be written for `write_timeout` (a client that does not read).
+    connections_closed_write_timeout,
+    /// Connections ended by a panic in their code (a bug), contained to them.
+    connection_panics,
+    /// Times a connection stopped serving requests to write replies first (a full window or
+    /// `REPLY_BUFFER_MAX` bytes of replies).
+    replies_flushed_early,
     /// The peer sent no complete handshake in time, or hung up during it.
     handshakes_incomplete,
     /// Not a netram peer (wrong magic).
     handshakes_bad_magic,
     handshakes_bad_version,
     handshakes_refused_sessions_full,
+    /// Refused: the client's address holds `max_peer_sessions` sessions.
+    handshakes_refused_peer_sessions,
     handshakes_refused_stale_incarnation,
     /// Frames refused, by reason; each closed its connection.
     frames_rejected_bad_length,
@@ -128,16 +199,96 @@ struct Shared {
     /// Wall-clock nanoseconds at start: grows across restarts of this server.
     incarnation: u64,
     connections: AtomicUsize,
+    /// Connections per peer address (an entry only while it has some).
+    per_peer: Mutex<HashMap<IpAddr, usize>>,
+}
+
+/// Why a connection was refused at accept.
+#[derive(Debug, Clone, Copy)]
+enum Refusal {
+    Busy,
+    PeerLimit,
+}
+
+/// A connection's place in the limits, given back when it is dropped — also when the
+/// connection's thread panics, or cannot be started.
+struct ConnSlot {
+    shared: Arc<Shared>,
+    ip: IpAddr,
+}
+
+impl Drop for ConnSlot {
+    fn drop(&mut self) {
+        let mut per_peer = lock(&self.shared.per_peer);
+        if let Some(n) = per_peer.get_mut(&self.ip) {
+            *n -= 1;
+            if *n == 0 {
+                per_peer.remove(&self.ip);
+            }
+        }
+        self.shared.connections.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// A lock whose data stays consistent whatever a panicking holder did (counters, maps of
+/// counts updated in one step).
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 impl Shared {
     fn now_ms(&self) -> u64 {
         self.start.elapsed().as_millis() as u64
     }
+
+    /// The store. If a connection panicked while holding it (a bug), the store may be half
+    /// way through a change: its invariants are checked before anyone uses it again, and if
+    /// they do not hold the daemon stops rather than serve wrong pages.
     fn store(&self) -> MutexGuard<'_, Store<Arena>> {
-        // A panic while holding the lock would be a bug in the store; the data it guards is
-        // plain memory, so carrying on with it is no worse than the bug itself.
-        self.store.lock().unwrap_or_else(|p| p.into_inner())
+        match self.store.lock() {
+            Ok(g) => g,
+            Err(poisoned) => {
+                let g = poisoned.into_inner();
+                match g.invariant_violation() {
+                    None => {
+                        tracing::warn!(
+                            "a connection panicked holding the store; its invariants hold, \
+                             serving on"
+                        );
+                        self.store.clear_poison();
+                    }
+                    Some(why) => {
+                        tracing::error!(
+                            "a connection panicked holding the store and left it inconsistent \
+                             ({why}): stopping"
+                        );
+                        self.shutdown.store(true, Ordering::SeqCst);
+                    }
+                }
+                g
+            }
+        }
+    }
+
+    /// Takes a connection slot for a peer at `ip`, or says which limit refuses it.
+    fn take_slot(self: &Arc<Self>, ip: IpAddr) -> Result<ConnSlot, Refusal> {
+        let mut per_peer = lock(&self.per_peer);
+        if self.connections.load(Ordering::SeqCst) >= self.cfg.max_connections {
+            return Err(Refusal::Busy);
+        }
+        let n = per_peer.entry(ip).or_insert(0);
+        if *n >= self.cfg.max_connections_per_peer {
+            if *n == 0 {
+                per_peer.remove(&ip);
+            }
+            return Err(Refusal::PeerLimit);
+        }
+        *n += 1;
+        self.connections.fetch_add(1, Ordering::SeqCst);
+        Ok(ConnSlot {
+            shared: self.clone(),
+            ip,
+        })
     }
     fn bump(c: &AtomicU64) {
         c.fetch_add(1, Ordering::Relaxed);
@@ -197,6 +348,8 @@ impl Server {
             StoreConfig {
                 lease_period_ms: cfg.lease_period.as_millis() as u64,
                 max_sessions: cfg.max_sessions,
+                max_peer_sessions: cfg.max_peer_sessions,
+                max_peer_pages: cfg.max_peer_pages(),
             },
         );
         let listener = TcpListener::bind(cfg.listen).map_err(|source| ServerError::Listen {
@@ -229,6 +382,7 @@ impl Server {
             start: Instant::now(),
             incarnation,
             connections: AtomicUsize::new(0),
+            per_peer: Mutex::new(HashMap::new()),
         });
         let accept = {
             let shared = shared.clone();
@@ -326,22 +480,98 @@ fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
             }
         };
         Shared::bump(&shared.counters.connections_accepted);
-        let n = shared.connections.fetch_add(1, Ordering::SeqCst);
-        let conn_shared = shared.clone();
+        let slot = match shared.take_slot(peer.ip()) {
+            Ok(slot) => slot,
+            Err(why) => {
+                refuse(stream, &shared, peer, why);
+                continue;
+            }
+        };
         let spawned = std::thread::Builder::new()
             .name(format!("netram-conn-{peer}"))
             .spawn(move || {
-                let busy = n >= conn_shared.cfg.max_connections;
-                if let Err(e) = serve_connection(stream, &conn_shared, busy) {
-                    tracing::debug!(%peer, "connection ended: {e}");
+                let shared = &slot.shared;
+                // A panic is a bug; it ends this connection only. The slot goes back when
+                // `slot` is dropped, whichever way this ends.
+                let served = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    serve_connection(stream, shared)
+                }));
+                match served {
+                    Ok(Ok(())) => {}
+                    Ok(Err(e)) => tracing::debug!(%peer, "connection ended: {e}"),
+                    Err(panic) => {
+                        Shared::bump(&shared.counters.connection_panics);
+                        let what = panic
+                            .downcast_ref::<&str>()
+                            .map(|s| s.to_string())
+                            .or_else(|| panic.downcast_ref::<String>().cloned())
+                            .unwrap_or_default();
+                        tracing::error!(%peer, "connection closed by a panic in its code: {what}");
+                    }
                 }
-                conn_shared.connections.fetch_sub(1, Ordering::SeqCst);
+                drop(slot);
             });
         if let Err(e) = spawned {
+            // The closure, and the slot in it, are dropped: the slot is given back.
             tracing::error!("cannot start a connection thread: {e}");
-            shared.connections.fetch_sub(1, Ordering::SeqCst);
         }
     }
+}
+
+/// Answers a connection over a limit with a Busy welcome from the accept thread itself (no
+/// thread, no blocking: the welcome fits any socket buffer) and closes it.
+fn refuse(stream: TcpStream, shared: &Shared, peer: SocketAddr, why: Refusal) {
+    let c = &shared.counters;
+    Shared::bump(match why {
+        Refusal::Busy => &c.connections_refused_busy,
+        Refusal::PeerLimit => &c.connections_refused_peer_limit,
+    });
+    match why {
+        Refusal::Busy => {
+            tracing::warn!(%peer, "refusing connection: {} connections is the limit", shared.cfg.max_connections)
+        }
+        Refusal::PeerLimit => {
+            tracing::warn!(%peer, "refusing connection: {} connections from one address is the limit", shared.cfg.max_connections_per_peer)
+        }
+    }
+    let welcome = Welcome {
+        version: PROTOCOL_VERSION,
+        status: WelcomeStatus::Busy,
+        window: 0,
+        server_node: shared.cfg.node,
+        server_incarnation: shared.incarnation,
+        capacity_pages: 0,
+        free_pages: 0,
+        lease_period_ms: 0,
+        max_frame_len: MAX_FRAME_LEN as u32,
+        max_batch: MAX_BATCH as u32,
+    };
+    if stream.set_nonblocking(true).is_ok() {
+        let _ = (&stream).write(&welcome.encode());
+        // Whatever of the hello has arrived is read, so that closing sends FIN, not a reset
+        // that could overtake the welcome.
+        let mut sink = [0u8; HELLO_LEN];
+        let _ = (&stream).read(&mut sink);
+    }
+}
+
+/// Reads exactly `buf.len()` bytes by `deadline`, however the peer spreads them out.
+fn read_by(stream: &mut TcpStream, buf: &mut [u8], deadline: Instant) -> io::Result<()> {
+    let mut got = 0;
+    while got < buf.len() {
+        let left = deadline
+            .checked_duration_since(Instant::now())
+            .filter(|d| !d.is_zero())
+            .ok_or_else(|| io::Error::new(io::ErrorKind::TimedOut, "handshake deadline"))?;
+        stream.set_read_timeout(Some(left))?;
+        match stream.read(&mut buf[got..]) {
+            Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
+            Ok(n) => got += n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
 }
 
 fn reaper_loop(shared: Arc<Shared>) {
@@ -373,12 +603,13 @@ enum ConnError {
     Handshake(DecodeError),
 }
 
-fn serve_connection(mut stream: TcpStream, shared: &Shared, busy: bool) -> Result<(), ConnError> {
+fn serve_connection(mut stream: TcpStream, shared: &Shared) -> Result<(), ConnError> {
     stream.set_nodelay(true)?;
-    stream.set_read_timeout(Some(HANDSHAKE_TIMEOUT))?;
+    stream.set_write_timeout(Some(shared.cfg.write_timeout))?;
     let peer = stream.peer_addr()?;
     let mut hello = [0u8; HELLO_LEN];
-    if let Err(e) = stream.read_exact(&mut hello) {
+    let deadline = Instant::now() + shared.cfg.handshake_timeout;
+    if let Err(e) = read_by(&mut stream, &mut hello, deadline) {
         Shared::bump(&shared.counters.handshakes_incomplete);
         return Err(e.into());
     }
@@ -394,12 +625,9 @@ fn serve_connection(mut stream: TcpStream, shared: &Shared, busy: bool) -> Resul
         Shared::bump(&shared.counters.handshakes_bad_version);
         tracing::warn!(%peer, "closing connection: protocol version {} (this server speaks {PROTOCOL_VERSION})", hello.version);
         (WelcomeStatus::VersionUnsupported, None)
-    } else if busy {
-        Shared::bump(&shared.counters.connections_refused_busy);
-        tracing::warn!(%peer, "refusing connection: {} connections is the limit", shared.cfg.max_connections);
-        (WelcomeStatus::Busy, None)
     } else {
-        match shared.store().open_session(
+        match shared.store().open_session_from(
+            peer.ip(),
             hello.node,
             hello.incarnation,
             hello.session,
@@ -409,6 +637,11 @@ fn serve_connection(mut stream: TcpStream, shared: &Shared, busy: bool) -> Resul
             Err(StoreError::StaleIncarnation { .. }) => {
                 Shared::bump(&shared.counters.handshakes_refused_stale_incarnation);
                 (WelcomeStatus::StaleIncarnation, None)
+            }
+            Err(e @ StoreError::TooManyPeerSessions { .. }) => {
+                Shared::bump(&shared.counters.handshakes_refused_peer_sessions);
+                tracing::warn!(%peer, "refusing session: {e}");
+                (WelcomeStatus::TooManySessions, None)
             }
             Err(_) => {
                 Shared::bump(&shared.counters.handshakes_refused_sessions_full);
@@ -450,31 +683,42 @@ fn serve_connection(mut stream: TcpStream, shared: &Shared, busy: bool) -> Resul
     stream.set_read_timeout(Some(POLL_INTERVAL))?;
     let mut rbuf = FrameBuffer::new();
     let mut wbuf: Vec<u8> = Vec::with_capacity(64 * 1024);
+    let idle_timeout = shared.cfg.idle_timeout();
+    let mut last_frame = Instant::now();
     loop {
-        match rbuf.fill(&mut stream, spin) {
-            Ok(0) => {
-                if rbuf.pending() > 0 {
-                    Shared::bump(&shared.counters.frames_truncated_at_close);
-                    tracing::warn!(%peer, "connection closed in the middle of a frame ({} bytes pending)", rbuf.pending());
-                }
+        // Requests already received are served (a window's worth at a time, their replies
+        // written in between) before anything more is read.
+        if matches!(rbuf.has_frame(), Ok(false)) {
+            if last_frame.elapsed() > idle_timeout {
+                Shared::bump(&shared.counters.connections_closed_idle);
+                tracing::info!(%peer, "closing connection: no whole request for {idle_timeout:?}");
                 return Ok(());
             }
-            Ok(_) => {}
-            Err(e)
-                if matches!(
-                    e.kind(),
-                    io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
-                ) =>
-            {
-                if shared.shutdown.load(Ordering::SeqCst) {
+            match rbuf.fill(&mut stream, spin) {
+                Ok(0) => {
+                    if rbuf.pending() > 0 {
+                        Shared::bump(&shared.counters.frames_truncated_at_close);
+                        tracing::warn!(%peer, "connection closed in the middle of a frame ({} bytes pending)", rbuf.pending());
+                    }
                     return Ok(());
                 }
-                continue;
+                Ok(_) => {}
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+                    ) =>
+                {
+                    if shared.shutdown.load(Ordering::SeqCst) {
+                        return Ok(());
+                    }
+                    continue;
+                }
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) => return Err(e.into()),
             }
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-            Err(e) => return Err(e.into()),
         }
-        let closed = handle_frames(&mut rbuf, &mut wbuf, shared, session).map_err(|e| {
+        let served = handle_frames(&mut rbuf, &mut wbuf, shared, session).map_err(|e| {
             let c = &shared.counters;
             Shared::bump(match e {
                 DecodeError::BadLength { .. } => &c.frames_rejected_bad_length,
@@ -485,32 +729,59 @@ fn serve_connection(mut stream: TcpStream, shared: &Shared, busy: bool) -> Resul
             tracing::warn!(%peer, "closing connection: rejected frame: {e}");
             e
         });
+        if matches!(served, Ok(Served { frames, .. }) if frames > 0) {
+            last_frame = Instant::now();
+        }
         // Replies to the frames before a bad one are still owed.
         if !wbuf.is_empty() {
-            stream.write_all(&wbuf)?;
+            if let Err(e) = stream.write_all(&wbuf) {
+                if matches!(
+                    e.kind(),
+                    io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+                ) {
+                    Shared::bump(&shared.counters.connections_closed_write_timeout);
+                    tracing::warn!(%peer, "closing connection: its replies could not be written for {:?} (it does not read)", shared.cfg.write_timeout);
+                }
+                return Err(e.into());
+            }
             wbuf.clear();
         }
-        match closed {
-            Ok(true) => return Ok(()),
-            Ok(false) => {}
+        match served {
+            Ok(Served { closed: true, .. }) => return Ok(()),
+            Ok(_) => {}
             Err(e) => return Err(ConnError::Frame(e)),
         }
     }
 }
 
-/// Runs every whole frame in the buffer against the store, under one lock acquisition (let go
-/// only while a request waits for parity holders), and appends the replies to `out`. Returns
-/// true when the client closed its session.
+/// What one call of [`handle_frames`] did.
+#[derive(Debug, Clone, Copy)]
+struct Served {
+    frames: u32,
+    /// The client closed its session.
+    closed: bool,
+}
+
+/// Runs the whole frames in the buffer against the store, under one lock acquisition (let go
+/// only while a request waits for parity holders), and appends the replies to `out`: at most
+/// a window's worth of frames, and no more once `out` holds [`REPLY_BUFFER_MAX`] bytes, so
+/// that the replies are written before more requests are served.
 fn handle_frames(
     rbuf: &mut FrameBuffer,
     out: &mut Vec<u8>,
     shared: &Shared,
     h: SessionHandle,
-) -> Result<bool, DecodeError> {
+) -> Result<Served, DecodeError> {
     let mut now = shared.now_ms();
     let mut store = shared.store();
     let mut served = 0u32;
     let result = loop {
+        if served >= shared.cfg.window || out.len() >= REPLY_BUFFER_MAX {
+            if rbuf.has_frame().unwrap_or(true) {
+                Shared::bump(&shared.counters.replies_flushed_early);
+            }
+            break Ok(false);
+        }
         let frame = match rbuf.next_frame() {
             Ok(Some(f)) => f,
             Ok(None) => break Ok(false),
@@ -522,7 +793,15 @@ fn handle_frames(
         };
         served += 1;
         let rps = store.note_requests(1, now);
-        let stats = |st: &Store<Arena>| stats_list(st, shared);
+        let fault = shared.cfg.fault_panic_on_stats && matches!(req, netram_proto::Request::Stats);
+        let stats = |st: &Store<Arena>| {
+            // Test-only fault point (see `ServerConfig::fault_panic_on_stats`).
+            assert!(
+                !fault,
+                "fault point: a STATS request panics (fault_panic_on_stats)"
+            );
+            stats_list(st, shared)
+        };
         match serve::handle_request(&mut store, h, id, req, now, rps, out, stats) {
             Outcome::Open => {}
             Outcome::Closed => break Ok(true),
@@ -539,5 +818,8 @@ fn handle_frames(
         .counters
         .requests_served
         .fetch_add(u64::from(served), Ordering::Relaxed);
-    result
+    result.map(|closed| Served {
+        frames: served,
+        closed,
+    })
 }

@@ -422,6 +422,11 @@ pub struct GroupRecord<'a> {
 impl<'a> GroupRecord<'a> {
     pub const MIN_WIRE_LEN: usize = 8 + 1 + 4 + RECORD_LEN;
 
+    /// Its length on the wire.
+    pub fn wire_len(&self) -> usize {
+        Self::MIN_WIRE_LEN + self.members.len() * Member::WIRE_LEN
+    }
+
     pub(crate) fn encode(&self, w: &mut FrameBuilder<'_>) {
         w.u64(self.group).u8(u8::from(self.damaged));
         encode_members(&self.members, w);

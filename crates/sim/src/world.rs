@@ -127,6 +127,7 @@ fn new_store(pages: usize) -> Store<Vec<u8>> {
         StoreConfig {
             lease_period_ms: LEASE_PERIOD_MS,
             max_sessions: 64,
+            ..StoreConfig::default()
         },
     )
 }

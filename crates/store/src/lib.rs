@@ -15,6 +15,13 @@
 //!   periods is expired and its pages freed; a newer incarnation of a node supersedes the older
 //!   ones at once, because a rebooted client can never ask for its old pages again.
 //!
+//! * **Limits per client** (the side that pays enforces them): a client, known by the address
+//!   its connections come from (until clients authenticate, issue "Trust nobody on the wire"),
+//!   holds at most [`StoreConfig::max_peer_sessions`] sessions and
+//!   [`StoreConfig::max_peer_pages`] frames, so that no client can take every session slot or
+//!   fill the arena and starve the others. A PUT over the quota is refused as `Full` (the client
+//!   goes elsewhere, as for a full server) and counted apart (`puts_refused_quota`).
+//!
 //! Time comes in as `now_ms` arguments, so the daemon passes a monotonic clock and the simulator a
 //! virtual one. One counter per reason a page was stored, refused or freed ([`Counters`]).
 
@@ -25,7 +32,14 @@ pub use parity::{ParityTag, PARITY_REGION};
 
 use hashbrown::HashTable;
 use netram_proto::{NodeId, Page, PageFlags, PageKey, PutStatus, PAGE_SIZE};
+use std::collections::HashMap;
 use std::hash::BuildHasher;
+use std::net::{IpAddr, Ipv4Addr};
+
+/// Who a session belongs to, for the limits per client: the address its connections come from.
+pub type Peer = IpAddr;
+/// The peer of sessions opened without a network address (tests, the simulator's defaults).
+pub const NO_PEER: Peer = IpAddr::V4(Ipv4Addr::UNSPECIFIED);
 
 /// A session silent for this many lease periods is expired (Anemone §2.5: three periods).
 pub const LEASE_PERIODS: u64 = 3;
@@ -82,6 +96,7 @@ pub struct SessionHandle {
 
 #[derive(Debug, Clone)]
 struct Session {
+    peer: Peer,
     node: NodeId,
     incarnation: u64,
     id: u64,
@@ -122,6 +137,9 @@ pub enum StoreError {
     /// Every session slot is taken.
     #[error("too many sessions ({0} is the limit)")]
     TooManySessions(usize),
+    /// The client already holds as many sessions as one client may.
+    #[error("too many sessions from {peer} ({limit} is the limit per client)")]
+    TooManyPeerSessions { peer: Peer, limit: u32 },
     /// A newer incarnation of this node has connected: this one is dead.
     #[error("stale incarnation {got} of node {node:#x}: incarnation {newest} has connected since")]
     StaleIncarnation { node: NodeId, got: u64, newest: u64 },
@@ -132,6 +150,10 @@ pub enum StoreError {
 pub struct StoreConfig {
     pub lease_period_ms: u64,
     pub max_sessions: usize,
+    /// Live sessions one client (peer) may hold.
+    pub max_peer_sessions: u32,
+    /// Frames (pages and parity pages) one client may hold.
+    pub max_peer_pages: u64,
 }
 
 impl Default for StoreConfig {
@@ -139,8 +161,17 @@ impl Default for StoreConfig {
         Self {
             lease_period_ms: 2_000,
             max_sessions: 4096,
+            max_peer_sessions: 64,
+            max_peer_pages: u64::MAX,
         }
     }
+}
+
+/// What one client holds, for its limits.
+#[derive(Debug, Clone, Copy, Default)]
+struct PeerUse {
+    sessions: u32,
+    pages: u64,
 }
 
 macro_rules! counters {
@@ -171,6 +202,10 @@ counters! {
     deletes_missing,
     /// PUTs refused because no frame was free (Anemone's NACK).
     puts_refused_full,
+    /// PUTs (and parity pages) refused because their client holds its quota of frames.
+    puts_refused_quota,
+    /// Handshakes refused because their client holds its quota of sessions.
+    sessions_refused_peer_limit,
     /// PUTs refused because the key is beyond the index's limits.
     puts_refused_bad_key,
     /// Requests on a session whose lease had run out.
@@ -206,6 +241,8 @@ counters! {
     parity_members_dropped,
     /// Damaged groups (see `parity_deltas_stale`) freed.
     parity_groups_damaged,
+    /// Parity pages and tags refused because the table of server addresses was full.
+    parity_addresses_refused,
     /// Groups whose parity was not zero when their last member left: a delta was lost or
     /// applied twice. Must stay zero.
     parity_groups_inconsistent,
@@ -227,6 +264,7 @@ pub struct Store<A> {
     free_frames: u64,
     sessions: Vec<Session>,
     free_slots: Vec<u32>,
+    peers: HashMap<Peer, PeerUse>,
     cfg: StoreConfig,
     counters: Counters,
     parity: parity::ParityState,
@@ -269,6 +307,7 @@ impl<A: AsRef<[u8]> + AsMut<[u8]>> Store<A> {
             free_frames: frames as u64,
             sessions: Vec::new(),
             free_slots: Vec::new(),
+            peers: HashMap::new(),
             cfg,
             counters: Counters::default(),
             parity: parity::ParityState::default(),
@@ -319,9 +358,23 @@ impl<A: AsRef<[u8]> + AsMut<[u8]>> Store<A> {
         self.load_last
     }
 
-    /// Opens (or resumes, after a reconnect) the session of a client's handshake.
+    /// Opens (or resumes) a session for a client without a network address (see
+    /// [`Store::open_session_from`]).
     pub fn open_session(
         &mut self,
+        node: NodeId,
+        incarnation: u64,
+        id: u64,
+        now_ms: u64,
+    ) -> Result<SessionHandle, StoreError> {
+        self.open_session_from(NO_PEER, node, incarnation, id, now_ms)
+    }
+
+    /// Opens (or resumes, after a reconnect) the session of a client's handshake, which came
+    /// from `peer`.
+    pub fn open_session_from(
+        &mut self,
+        peer: Peer,
         node: NodeId,
         incarnation: u64,
         id: u64,
@@ -341,6 +394,8 @@ impl<A: AsRef<[u8]> + AsMut<[u8]>> Store<A> {
                 newest,
             });
         }
+        // Resumed from wherever it reconnects from (a client's address may change); binding a
+        // session to its client is the subject of authentication, not of these limits.
         if let Some(slot) = self
             .sessions
             .iter()
@@ -364,10 +419,19 @@ impl<A: AsRef<[u8]> + AsMut<[u8]>> Store<A> {
         self.counters.sessions_superseded += dead.len() as u64;
         self.end_sessions(&dead);
 
+        let used = self.peers.get(&peer).map_or(0, |u| u.sessions);
+        if used >= self.cfg.max_peer_sessions {
+            self.counters.sessions_refused_peer_limit += 1;
+            return Err(StoreError::TooManyPeerSessions {
+                peer,
+                limit: self.cfg.max_peer_sessions,
+            });
+        }
         let slot = match self.free_slots.pop() {
             Some(slot) => slot,
             None if self.sessions.len() < self.cfg.max_sessions => {
                 self.sessions.push(Session {
+                    peer,
                     node,
                     incarnation,
                     id,
@@ -382,6 +446,7 @@ impl<A: AsRef<[u8]> + AsMut<[u8]>> Store<A> {
         };
         let s = &mut self.sessions[slot as usize];
         *s = Session {
+            peer,
             node,
             incarnation,
             id,
@@ -390,6 +455,7 @@ impl<A: AsRef<[u8]> + AsMut<[u8]>> Store<A> {
             live: true,
             pages: 0,
         };
+        self.peers.entry(peer).or_default().sessions += 1;
         self.counters.sessions_opened += 1;
         Ok(SessionHandle {
             slot,
@@ -456,14 +522,13 @@ impl<A: AsRef<[u8]> + AsMut<[u8]>> Store<A> {
                 self.counters.pages_overwritten += 1;
                 f
             }
-            None => {
-                let Some(f) = self.insert_frame(h.slot, packed) else {
-                    self.counters.puts_refused_full += 1;
-                    return Ok(PutStatus::Full);
-                };
-                self.counters.pages_stored += 1;
-                f
-            }
+            None => match self.insert_frame(h.slot, packed) {
+                Ok(f) => {
+                    self.counters.pages_stored += 1;
+                    f
+                }
+                Err(refused) => return Ok(refused),
+            },
         };
         self.meta[f as usize] = FrameMeta {
             key: [packed as u32, (packed >> 32) as u32],
@@ -521,7 +586,7 @@ impl<A: AsRef<[u8]> + AsMut<[u8]>> Store<A> {
         match found {
             Some(f) => {
                 self.release_frame(f);
-                self.sessions[h.slot as usize].pages -= 1;
+                self.page_freed(h.slot);
                 self.counters.pages_deleted += 1;
                 Ok(true)
             }
@@ -575,6 +640,13 @@ impl<A: AsRef<[u8]> + AsMut<[u8]>> Store<A> {
         self.parity.end_sessions(slots);
         for &s in slots {
             let session = &mut self.sessions[s as usize];
+            let use_ = self.peers.entry(session.peer).or_default();
+            use_.sessions -= 1;
+            use_.pages -= session.pages;
+            if use_.sessions == 0 {
+                debug_assert_eq!(use_.pages, 0);
+                self.peers.remove(&session.peer);
+            }
             session.live = false;
             session.pages = 0;
             self.free_slots.push(s);
@@ -582,9 +654,18 @@ impl<A: AsRef<[u8]> + AsMut<[u8]>> Store<A> {
     }
 
     /// Takes a free frame for a new key of the session and indexes it; the caller fills in its
-    /// metadata.
-    fn insert_frame(&mut self, slot: u32, packed: u64) -> Option<u32> {
-        let f = self.take_free_frame()?;
+    /// metadata. Refused (with the status and the counter) when no frame is free or the
+    /// session's client holds its quota.
+    fn insert_frame(&mut self, slot: u32, packed: u64) -> Result<u32, PutStatus> {
+        let peer = self.sessions[slot as usize].peer;
+        if self.peers.get(&peer).map_or(0, |u| u.pages) >= self.cfg.max_peer_pages {
+            self.counters.puts_refused_quota += 1;
+            return Err(PutStatus::Full);
+        }
+        let Some(f) = self.take_free_frame() else {
+            self.counters.puts_refused_full += 1;
+            return Err(PutStatus::Full);
+        };
         self.meta[f as usize].key = [packed as u32, (packed >> 32) as u32];
         self.meta[f as usize].owner = slot;
         let hash = self.hash(slot, packed);
@@ -594,7 +675,17 @@ impl<A: AsRef<[u8]> + AsMut<[u8]>> Store<A> {
             self.hasher.hash_one((m.slot(), m.packed_key()))
         });
         self.sessions[slot as usize].pages += 1;
-        Some(f)
+        self.peers.entry(peer).or_default().pages += 1;
+        Ok(f)
+    }
+
+    /// Accounts for a frame of the session's freed (its page deleted, a parity frame freed).
+    fn page_freed(&mut self, slot: u32) {
+        let s = &mut self.sessions[slot as usize];
+        s.pages -= 1;
+        if let Some(u) = self.peers.get_mut(&s.peer) {
+            u.pages -= 1;
+        }
     }
 
     fn take_free_frame(&mut self) -> Option<u32> {
@@ -662,6 +753,15 @@ impl<A: AsRef<[u8]> + AsMut<[u8]>> Store<A> {
                 "sessions count {per_session} pages, {used} frames used"
             ));
         }
+        let per_peer: u64 = self.peers.values().map(|u| u.pages).sum();
+        let peer_sessions: u64 = self.peers.values().map(|u| u64::from(u.sessions)).sum();
+        if per_peer != used || peer_sessions != self.live_sessions() as u64 {
+            return Some(format!(
+                "clients count {per_peer} pages and {peer_sessions} sessions, {used} frames \
+                 used and {} sessions live",
+                self.live_sessions()
+            ));
+        }
         let mut free = 0;
         let mut f = self.free_head;
         while f != NIL {
@@ -711,6 +811,8 @@ impl<A: AsRef<[u8]> + AsMut<[u8]>> Store<A> {
     }
 }
 
+#[cfg(test)]
+mod limits_tests;
 #[cfg(test)]
 mod parity_tests;
 #[cfg(test)]

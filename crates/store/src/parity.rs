@@ -15,10 +15,19 @@
 //!   (§IV-B2's merging); the
 //!   absorbed group's id stays valid as an alias, so that the tags on its members need no update.
 //!
+//! Server addresses are interned (a tag names two, a group its members' servers) with a count
+//! of references, and an address no tag or group names any more is forgotten: the table holds
+//! at most [`MAX_ADDRS`] addresses, and when it is full a new one is refused, never given an id
+//! it shares with another (a page that cannot be tagged is stored outside any group, a group
+//! that cannot be held is refused; both counted in `parity_addresses_refused`). Groups hold at
+//! most [`MAX_GROUP_MEMBERS`] members, merged or not, so that every group fits the frames that
+//! carry it, and a scan's reply is cut to fit one frame (the owner asks again for the rest).
+//!
 //! Only the owner knows which servers are dead: it asks with a scan ([`Store::orphans`],
 //! [`Store::groups_with_member_on`]) and repairs what the scan reports.
 
 use crate::{pack, SessionHandle, Store, StoreError, PAGE_NUMBER_MAX};
+use netram_proto::parity::MAX_GROUP_MEMBERS;
 use netram_proto::{
     Delta, DeltaKind, DeltaStatus, GroupRecord, Member, Owner, PageKey, PutStatus, Record,
     PAGE_SIZE,
@@ -68,8 +77,11 @@ pub(crate) struct Group {
 /// Parity state: tags of member pages stored here, groups held here.
 #[derive(Debug, Default)]
 pub(crate) struct ParityState {
-    addrs: Vec<SocketAddr>,
+    /// Interned addresses and how many tag and member entries name each.
+    addrs: Vec<(SocketAddr, u32)>,
     addr_ids: HashMap<SocketAddr, u16>,
+    /// Ids whose address nothing names any more, for reuse.
+    free_ids: Vec<u16>,
     /// By frame number of the member page. Ordered maps where scans walk them, so that what
     /// a scan reports (and so the simulator's runs) does not depend on a hasher's seed.
     tags: BTreeMap<u32, Tag>,
@@ -83,19 +95,69 @@ pub(crate) struct ParityState {
 /// How many small groups a merge looks at: bounded, so that a removal stays cheap.
 const MERGE_CANDIDATES: usize = 8;
 
+/// Addresses interned at most (ids are 16 bits). A cluster has far fewer servers.
+pub const MAX_ADDRS: usize = u16::MAX as usize;
+
 impl ParityState {
-    fn intern(&mut self, a: SocketAddr) -> u16 {
+    /// The id of `a`, with one more reference; `None` if the table is full.
+    fn intern(&mut self, a: SocketAddr) -> Option<u16> {
         if let Some(&i) = self.addr_ids.get(&a) {
-            return i;
+            self.addrs[usize::from(i)].1 += 1;
+            return Some(i);
         }
-        // A cluster has far fewer than 65,536 servers; past that, the last id is shared (and
-        // merging becomes conservative for those addresses, never wrong for the others).
-        let i = self.addrs.len().min(u16::MAX as usize) as u16;
-        if self.addrs.len() < u16::MAX as usize {
-            self.addrs.push(a);
-            self.addr_ids.insert(a, i);
+        let i = match self.free_ids.pop() {
+            Some(i) => {
+                self.addrs[usize::from(i)] = (a, 1);
+                i
+            }
+            None if self.addrs.len() < MAX_ADDRS => {
+                self.addrs.push((a, 1));
+                (self.addrs.len() - 1) as u16
+            }
+            None => return None,
+        };
+        self.addr_ids.insert(a, i);
+        Some(i)
+    }
+
+    /// Interns both addresses of a tag, or neither.
+    fn intern_pair(&mut self, a: SocketAddr, b: SocketAddr) -> Option<(u16, u16)> {
+        let i = self.intern(a)?;
+        match self.intern(b) {
+            Some(j) => Some((i, j)),
+            None => {
+                self.unref(i);
+                None
+            }
         }
-        i
+    }
+
+    /// Drops one reference to id `i`; the address is forgotten with its last one.
+    fn unref(&mut self, i: u16) {
+        let (addr, refs) = &mut self.addrs[usize::from(i)];
+        debug_assert!(*refs > 0, "address id {i} released once too often");
+        *refs -= 1;
+        if *refs == 0 {
+            self.addr_ids.remove(addr);
+            self.free_ids.push(i);
+        }
+    }
+
+    fn addr(&self, i: u16) -> SocketAddr {
+        self.addrs[usize::from(i)].0
+    }
+
+    fn remove_tag(&mut self, f: u32) -> Option<Tag> {
+        let t = self.tags.remove(&f)?;
+        self.unref(t.holder);
+        self.unref(t.member);
+        Some(t)
+    }
+
+    fn unref_members(&mut self, g: &Group) {
+        for m in &g.members {
+            self.unref(m.0);
+        }
     }
 
     fn resolve(&self, slot: u32, group: u64) -> u64 {
@@ -104,13 +166,22 @@ impl ParityState {
 
     /// Forgets a session's groups and tags (its frames are being freed).
     pub(crate) fn end_sessions(&mut self, slots: &[u32]) {
-        self.groups.retain(|(s, _), _| !slots.contains(s));
+        let gone: Vec<(u32, u64)> = self
+            .groups
+            .keys()
+            .filter(|(s, _)| slots.contains(s))
+            .copied()
+            .collect();
+        for k in gone {
+            let g = self.groups.remove(&k).expect("listed above");
+            self.unref_members(&g);
+        }
         self.alias.retain(|(s, _), _| !slots.contains(s));
         self.small.retain(|s, _| !slots.contains(s));
     }
 
     pub(crate) fn frame_released(&mut self, f: u32) {
-        self.tags.remove(&f);
+        self.remove_tag(f);
     }
 }
 
@@ -133,11 +204,10 @@ impl<A: AsRef<[u8]> + AsMut<[u8]>> Store<A> {
     pub fn tag(&self, h: SessionHandle, key: PageKey) -> Option<ParityTag> {
         let f = self.live_frame(h, key)?;
         let t = self.parity.tags.get(&f)?;
-        let addr = |i: u16| self.parity.addrs[usize::from(i)];
         Some(ParityTag {
-            holder: addr(t.holder),
+            holder: self.parity.addr(t.holder),
             group: t.group,
-            member: addr(t.member),
+            member: self.parity.addr(t.member),
         })
     }
 
@@ -146,24 +216,36 @@ impl<A: AsRef<[u8]> + AsMut<[u8]>> Store<A> {
         !self.parity.tags.is_empty() && self.tag(h, key).is_some()
     }
 
-    /// Tags a stored page (or, with `None`, takes it out of any group).
-    pub fn set_tag(&mut self, h: SessionHandle, key: PageKey, tag: Option<ParityTag>) {
+    /// Whether a tag naming `a` and `b` would find room in the table of addresses now.
+    pub fn can_intern(&self, a: SocketAddr, b: SocketAddr) -> bool {
+        let new = [a, b]
+            .iter()
+            .filter(|x| !self.parity.addr_ids.contains_key(x))
+            .count();
+        new <= self.parity.free_ids.len() + (MAX_ADDRS - self.parity.addrs.len())
+    }
+
+    /// Tags a stored page (or, with `None`, takes it out of any group). False if the page
+    /// could not be tagged (the address table is full): it is then outside any group.
+    pub fn set_tag(&mut self, h: SessionHandle, key: PageKey, tag: Option<ParityTag>) -> bool {
         let Some(f) = self.live_frame(h, key) else {
-            return;
+            return tag.is_none();
         };
-        match tag {
-            Some(t) => {
-                let tag = Tag {
-                    holder: self.parity.intern(t.holder),
-                    group: t.group,
-                    member: self.parity.intern(t.member),
-                };
-                self.parity.tags.insert(f, tag);
-            }
-            None => {
-                self.parity.tags.remove(&f);
-            }
-        }
+        self.parity.remove_tag(f);
+        let Some(t) = tag else {
+            return true;
+        };
+        let Some((holder, member)) = self.parity.intern_pair(t.holder, t.member) else {
+            self.counters.parity_addresses_refused += 1;
+            return false;
+        };
+        let tag = Tag {
+            holder,
+            group: t.group,
+            member,
+        };
+        self.parity.tags.insert(f, tag);
+        true
     }
 
     /// The record of a stored page, for the delta its overwrite or deletion sends.
@@ -198,27 +280,42 @@ impl<A: AsRef<[u8]> + AsMut<[u8]>> Store<A> {
         now_ms: u64,
     ) -> Result<PutStatus, StoreError> {
         self.session(h, now_ms)?;
-        if group > PAGE_NUMBER_MAX || record.data.len() != PAGE_SIZE {
+        if group > PAGE_NUMBER_MAX
+            || record.data.len() != PAGE_SIZE
+            || members.len() > MAX_GROUP_MEMBERS
+        {
             self.counters.puts_refused_bad_key += 1;
             return Ok(PutStatus::BadKey);
+        }
+        let mut ids = Vec::with_capacity(members.len());
+        for m in members {
+            match self.parity.intern(m.server) {
+                Some(i) => ids.push(i),
+                None => {
+                    ids.into_iter().for_each(|i| self.parity.unref(i));
+                    self.counters.parity_addresses_refused += 1;
+                    return Ok(PutStatus::Full);
+                }
+            }
         }
         let packed = packed_parity_key(group);
         let f = match self.find(h.slot, packed) {
             Some(f) => f,
-            None => {
-                let Some(f) = self.insert_frame(h.slot, packed) else {
-                    self.counters.puts_refused_full += 1;
-                    return Ok(PutStatus::Full);
-                };
-                f
-            }
+            None => match self.insert_frame(h.slot, packed) {
+                Ok(f) => f,
+                Err(refused) => {
+                    ids.into_iter().for_each(|i| self.parity.unref(i));
+                    return Ok(refused);
+                }
+            },
         };
         self.meta[f as usize].owner = h.slot; // flags 0: the frame always holds PAGE_SIZE bytes
         let at = f as usize * PAGE_SIZE;
         self.arena.as_mut()[at..at + PAGE_SIZE].copy_from_slice(record.data);
-        let members = members
-            .iter()
-            .map(|m| (self.parity.intern(m.server), m.key, m.version))
+        let members = ids
+            .into_iter()
+            .zip(members)
+            .map(|(i, m)| (i, m.key, m.version))
             .collect();
         let old = self.parity.groups.insert(
             (h.slot, group),
@@ -227,13 +324,15 @@ impl<A: AsRef<[u8]> + AsMut<[u8]>> Store<A> {
                 version: record.version,
                 crc: record.crc,
                 flags: record.flags,
-                max_members: max_members.max(1),
+                // Never more than a frame carries, whatever the owner asks for: merging stops there.
+                max_members: max_members.clamp(1, MAX_GROUP_MEMBERS as u8),
                 members,
                 damaged: false,
                 aliases: Vec::new(),
             },
         );
         if let Some(old) = old {
+            self.parity.unref_members(&old);
             self.parity
                 .groups
                 .get_mut(&(h.slot, group))
@@ -295,10 +394,12 @@ impl<A: AsRef<[u8]> + AsMut<[u8]>> Store<A> {
             .position(|m| Some(m.0) == server && m.1 == key);
         if kind == DeltaKind::Drop {
             if let Some(i) = member {
-                g.members.swap_remove(i);
+                let (gone, _, _) = g.members.swap_remove(i);
                 g.damaged = true;
+                let empty = g.members.is_empty();
+                self.parity.unref(gone);
                 self.counters.parity_members_dropped += 1;
-                if g.members.is_empty() {
+                if empty {
                     self.free_group(slot, id);
                 }
             }
@@ -337,9 +438,11 @@ impl<A: AsRef<[u8]> + AsMut<[u8]>> Store<A> {
         if !remove {
             g.members[i].2 = to;
         } else {
-            g.members.swap_remove(i);
+            let (gone, _, _) = g.members.swap_remove(i);
+            let empty = g.members.is_empty();
+            self.parity.unref(gone);
             self.counters.parity_members_removed += 1;
-            if g.members.is_empty() {
+            if empty {
                 self.free_group(slot, id);
             } else {
                 self.maybe_merge(slot, id);
@@ -356,6 +459,7 @@ impl<A: AsRef<[u8]> + AsMut<[u8]>> Store<A> {
             && g.crc == 0
             && g.flags == 0
             && self.frame(g.frame).iter().all(|&b| b == 0);
+        self.parity.unref_members(&g);
         if g.damaged {
             self.counters.parity_groups_damaged += 1;
         } else if !zero {
@@ -368,7 +472,7 @@ impl<A: AsRef<[u8]> + AsMut<[u8]>> Store<A> {
             small.retain(|&s| s != id);
         }
         self.release_frame(g.frame);
-        self.sessions[slot as usize].pages -= 1;
+        self.page_freed(slot);
         self.counters.parity_groups_freed += 1;
     }
 
@@ -432,7 +536,7 @@ impl<A: AsRef<[u8]> + AsMut<[u8]>> Store<A> {
         }
         let still_small = kept.members.len() * 2 <= usize::from(kept.max_members);
         self.release_frame(gone.frame);
-        self.sessions[slot as usize].pages -= 1;
+        self.page_freed(slot);
         self.counters.parity_groups_merged += 1;
         if still_small {
             self.parity.small.entry(slot).or_default().push(keep);
@@ -463,7 +567,7 @@ impl<A: AsRef<[u8]> + AsMut<[u8]>> Store<A> {
         let keys = frames
             .iter()
             .map(|&f| {
-                self.parity.tags.remove(&f);
+                self.parity.remove_tag(f);
                 let k = self.meta[f as usize].packed_key();
                 PageKey::new((k >> 40) as u32, k & PAGE_NUMBER_MAX)
             })
@@ -472,14 +576,17 @@ impl<A: AsRef<[u8]> + AsMut<[u8]>> Store<A> {
         Ok(keys)
     }
 
-    /// Groups of the session held here with a member on `dead`, or damaged, at most `max`,
-    /// with their parity: what the owner reconstructs the dead server's pages from, or
-    /// dissolves (a damaged group rebuilds nothing). `dead` may be no server at all.
+    /// Groups of the session held here with a member on `dead`, or damaged, at most `max` and
+    /// at most `max_bytes` of them on the wire, with their parity: what the owner reconstructs
+    /// the dead server's pages from, or dissolves (a damaged group rebuilds nothing). `dead`
+    /// may be no server at all. The owner asks again until a scan reports nothing, so a reply
+    /// cut short by the byte limit loses nothing.
     pub fn groups_with_member_on(
         &self,
         h: SessionHandle,
         dead: SocketAddr,
         max: usize,
+        max_bytes: usize,
     ) -> Vec<GroupRecord<'_>> {
         match self.sessions.get(h.slot as usize) {
             Some(s) if s.live && s.generation == h.generation => {}
@@ -497,6 +604,10 @@ impl<A: AsRef<[u8]> + AsMut<[u8]>> Store<A> {
                 members: self.members(g),
                 record: self.parity_record(g),
             })
+            .scan(0usize, |bytes, g| {
+                *bytes += g.wire_len();
+                (*bytes <= max_bytes).then_some(g)
+            })
             .collect()
     }
 
@@ -505,7 +616,7 @@ impl<A: AsRef<[u8]> + AsMut<[u8]>> Store<A> {
         g.members
             .iter()
             .map(|&(s, key, version)| Member {
-                server: self.parity.addrs[usize::from(s)],
+                server: self.parity.addr(s),
                 key,
                 version,
             })

@@ -17,6 +17,10 @@ use netram_proto::{
 };
 use std::net::SocketAddr;
 
+/// Bytes of groups a PARITY_SCAN reply carries at most: a frame less its header, the load and
+/// the two counts (with room to spare).
+const SCAN_REPLY_MAX: usize = netram_proto::MAX_FRAME_LEN - 256;
+
 /// What became of the session after a request.
 #[derive(Debug)]
 pub enum Outcome {
@@ -211,9 +215,12 @@ pub fn handle_request<A: AsRef<[u8]> + AsMut<[u8]>>(
                 return Outcome::Open;
             };
             let l = load(store);
+            // Whatever the groups held here, the reply fits one frame: what does not fit is
+            // reported to the next scan.
+            let budget = SCAN_REPLY_MAX - orphans.len() * PageKey::WIRE_LEN;
             Reply::ParityScan {
                 load: l,
-                groups: store.groups_with_member_on(h, dead, max),
+                groups: store.groups_with_member_on(h, dead, max, budget),
                 orphans,
             }
             .encode(id, out);
@@ -372,6 +379,22 @@ fn plan_put<'a, A: AsRef<[u8]> + AsMut<[u8]>>(
             .encode(id, out);
             return Outcome::Open;
         }
+        if let Some(ParityOp::Join { holder, member, .. }) = op {
+            if !store.can_intern(holder, member) {
+                // Refused before anything changes: a page stored but not tagged would leave
+                // its group's parity covering a page whose overwrites never reach it.
+                Reply::Error {
+                    load: Load {
+                        free_pages: store.free_pages(),
+                        requests_per_s: rps,
+                    },
+                    code: ErrorCode::BadRequest,
+                    message: "this server's table of server addresses is full",
+                }
+                .encode(id, out);
+                return Outcome::Open;
+            }
+        }
         let delta = match op {
             Some(ParityOp::Join { .. }) => removal(store, h, p.key, owner, &mut deltas),
             None | Some(ParityOp::Keep) => store.tag(h, p.key).and_then(|tag| {
@@ -506,8 +529,12 @@ pub fn finish_forward<A: AsRef<[u8]> + AsMut<[u8]>>(
                             group,
                             member,
                         };
-                        store.set_tag(h, p.key, Some(tag));
-                        PutStatus::Stored
+                        if store.set_tag(h, p.key, Some(tag)) {
+                            PutStatus::Stored
+                        } else {
+                            // No room to remember its group: stored, but outside any group.
+                            PutStatus::Unprotected
+                        }
                     }
                     (_, Some(DeltaOutcome::UnknownGroup)) => {
                         store.set_tag(h, p.key, None);

@@ -11,6 +11,7 @@ fn store(frames: usize) -> Store<Vec<u8>> {
         StoreConfig {
             lease_period_ms: 100,
             max_sessions: 8,
+            ..StoreConfig::default()
         },
     )
 }

@@ -1,0 +1,186 @@
+//! The limits that keep one client from taking a server from the others: sessions and frames
+//! per client, groups no larger than a frame carries, scans cut to fit a frame, and an address
+//! table that refuses rather than overflows and forgets what nothing names.
+
+use super::*;
+use netram_proto::parity::MAX_GROUP_MEMBERS;
+use netram_proto::{Member, Record};
+use std::net::SocketAddr;
+
+fn store(frames: usize, cfg: StoreConfig) -> Store<Vec<u8>> {
+    Store::new(vec![0u8; frames * PAGE_SIZE], cfg)
+}
+
+fn peer(i: u8) -> Peer {
+    IpAddr::from([10, 0, 0, i])
+}
+
+fn put(s: &mut Store<Vec<u8>>, h: SessionHandle, p: u64) -> PutStatus {
+    let data = vec![p as u8; PAGE_SIZE];
+    s.put(h, PageKey::new(1, p), 1, 0, PageFlags::default(), &data, 0)
+        .unwrap()
+}
+
+#[test]
+fn a_client_holds_at_most_its_quota_of_frames_and_others_are_still_served() {
+    let cfg = StoreConfig {
+        max_peer_pages: 3,
+        ..StoreConfig::default()
+    };
+    let mut s = store(8, cfg);
+    let a1 = s.open_session_from(peer(1), 1, 1, 1, 0).unwrap();
+    let a2 = s.open_session_from(peer(1), 2, 1, 1, 0).unwrap();
+    let b = s.open_session_from(peer(2), 3, 1, 1, 0).unwrap();
+    assert_eq!(put(&mut s, a1, 0), PutStatus::Stored);
+    assert_eq!(put(&mut s, a1, 1), PutStatus::Stored);
+    assert_eq!(put(&mut s, a2, 0), PutStatus::Stored);
+    // A second session of the same client shares the quota.
+    assert_eq!(put(&mut s, a2, 1), PutStatus::Full);
+    assert_eq!(put(&mut s, a1, 2), PutStatus::Full);
+    assert_eq!(s.counters().puts_refused_quota, 2);
+    assert_eq!(s.counters().puts_refused_full, 0);
+    // An overwrite takes no new frame.
+    assert_eq!(put(&mut s, a1, 1), PutStatus::Stored);
+    // The other client is served.
+    for p in 0..3 {
+        assert_eq!(put(&mut s, b, p), PutStatus::Stored);
+    }
+    // Room comes back with a delete and with the session's end.
+    assert!(s.delete(a1, PageKey::new(1, 0), 0).unwrap());
+    assert_eq!(put(&mut s, a2, 1), PutStatus::Stored);
+    s.close(a1).unwrap();
+    assert_eq!(put(&mut s, a2, 2), PutStatus::Stored);
+    s.check_invariants();
+}
+
+#[test]
+fn a_client_holds_at_most_its_quota_of_sessions() {
+    let cfg = StoreConfig {
+        max_peer_sessions: 2,
+        ..StoreConfig::default()
+    };
+    let mut s = store(4, cfg);
+    s.open_session_from(peer(1), 1, 1, 1, 0).unwrap();
+    let second = s.open_session_from(peer(1), 2, 1, 1, 0).unwrap();
+    assert!(matches!(
+        s.open_session_from(peer(1), 3, 1, 1, 0),
+        Err(StoreError::TooManyPeerSessions { limit: 2, .. })
+    ));
+    assert_eq!(s.counters().sessions_refused_peer_limit, 1);
+    // Resuming is not a new session; another client is not affected.
+    assert_eq!(s.open_session_from(peer(1), 2, 1, 1, 0).unwrap(), second);
+    s.open_session_from(peer(2), 3, 1, 1, 0).unwrap();
+    // A session that ends gives its place back.
+    s.close(second).unwrap();
+    s.open_session_from(peer(1), 3, 1, 1, 0).unwrap();
+    s.check_invariants();
+}
+
+fn server(i: u32) -> SocketAddr {
+    SocketAddr::from((std::net::Ipv4Addr::from(0x0a00_0000 + i), 7077))
+}
+
+fn ship(
+    s: &mut Store<Vec<u8>>,
+    h: SessionHandle,
+    group: u64,
+    max_members: u8,
+    members: &[Member],
+) -> PutStatus {
+    let data = vec![0u8; PAGE_SIZE];
+    let record = Record {
+        version: 0,
+        crc: 0,
+        flags: 0,
+        data: &data,
+    };
+    s.ship_group(h, group, max_members, members, &record, 0)
+        .unwrap()
+}
+
+#[test]
+fn merged_groups_never_outgrow_a_frame_and_scans_fit_one() {
+    let mut s = store(256, StoreConfig::default());
+    let h = s.open_session(1, 1, 1, 0).unwrap();
+    // Groups of one member each, every member on its own server: all small, all mergeable,
+    // and the owner asks for groups of 255.
+    for g in 0..100u32 {
+        let m = Member {
+            server: server(g),
+            key: PageKey::new(1, u64::from(g)),
+            version: 1,
+        };
+        assert_eq!(ship(&mut s, h, u64::from(g), 255, &[m]), PutStatus::Stored);
+    }
+    let groups = s.session_groups(h);
+    assert!(s.counters().parity_groups_merged > 0);
+    for (id, members, _) in &groups {
+        assert!(
+            members.len() <= MAX_GROUP_MEMBERS,
+            "group {id} has {} members",
+            members.len()
+        );
+    }
+    let dead = server(0);
+    let all = s.groups_with_member_on(h, dead, usize::MAX, usize::MAX);
+    assert_eq!(all.len(), 1);
+    // A byte budget smaller than one group's record gives none: the owner asks again.
+    assert!(s
+        .groups_with_member_on(h, dead, usize::MAX, all[0].wire_len() - 1)
+        .is_empty());
+    s.check_invariants();
+}
+
+#[test]
+fn the_address_table_refuses_when_full_and_forgets_what_nothing_names() {
+    let frames = parity::MAX_ADDRS / MAX_GROUP_MEMBERS + 8;
+    let mut s = store(frames, StoreConfig::default());
+    let h = s.open_session(1, 1, 1, 0).unwrap();
+    let mut next = 0u32;
+    let mut group = 0u64;
+    // Full groups (no merging) of new addresses until the table is full.
+    loop {
+        let members: Vec<Member> = (0..MAX_GROUP_MEMBERS as u32)
+            .map(|i| Member {
+                server: server(next + i),
+                key: PageKey::new(1, u64::from(next + i)),
+                version: 1,
+            })
+            .collect();
+        let st = ship(&mut s, h, group, MAX_GROUP_MEMBERS as u8, &members);
+        if st != PutStatus::Stored {
+            assert_eq!(st, PutStatus::Full);
+            break;
+        }
+        next += MAX_GROUP_MEMBERS as u32;
+        group += 1;
+        assert!(group < frames as u64, "the table never filled");
+    }
+    // The last few free ids, one group of one member each.
+    loop {
+        let m = Member {
+            server: server(next),
+            key: PageKey::new(1, u64::from(next)),
+            version: 1,
+        };
+        if ship(&mut s, h, group, MAX_GROUP_MEMBERS as u8, &[m]) != PutStatus::Stored {
+            break;
+        }
+        next += 1;
+        group += 1;
+    }
+    assert_eq!(s.counters().parity_addresses_refused, 2);
+    assert_eq!(next as usize, parity::MAX_ADDRS);
+    // A tag naming new addresses is refused too, and says so.
+    assert!(!s.can_intern(server(1 << 20), server((1 << 20) + 1)));
+    // The session ends: every address is forgotten, and another client can use the table.
+    s.close(h).unwrap();
+    let h2 = s.open_session(2, 1, 1, 0).unwrap();
+    let m = Member {
+        server: server(1 << 20),
+        key: PageKey::new(1, 0),
+        version: 1,
+    };
+    assert_eq!(ship(&mut s, h2, 0, 4, &[m]), PutStatus::Stored);
+    s.check_invariants();
+}
