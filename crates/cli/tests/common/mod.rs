@@ -16,7 +16,11 @@ pub fn spawn_reporting(args: &[&str], prefix: &str) -> (Child, String) {
     let mut child = Command::new(NETRAM)
         .args(args)
         .stdout(Stdio::piped())
-        .stderr(Stdio::null())
+        .stderr(if std::env::var_os("NETRAM_TEST_STDERR").is_some() {
+            Stdio::inherit()
+        } else {
+            Stdio::null()
+        })
         .spawn()
         .expect("start netram");
     let stdout = child.stdout.take().expect("piped stdout");
