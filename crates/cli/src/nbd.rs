@@ -63,6 +63,10 @@ pub struct NbdArgs {
     /// NBD connections served at once.
     #[arg(long, default_value_t = 16)]
     max_connections: usize,
+    /// NBD connections from one client at once (a TCP address, or a user on the unix
+    /// socket), so that one client cannot hold every place.
+    #[arg(long, default_value_t = 8)]
+    max_connections_per_client: usize,
     /// Keep CPUs out of deep idle and poll before sleeping (see `netram serve --help`).
     #[arg(long)]
     low_latency: bool,
@@ -224,6 +228,11 @@ fn serve_nbd(
     };
     // One line on stdout that scripts and tests can read the address from.
     println!("netram nbd: serving {bytes} bytes on {uri}");
-    netram_nbd::serve(listener, device.clone(), shutdown, args.max_connections)?;
+    let limits = netram_nbd::Limits {
+        max_connections: args.max_connections.max(1),
+        max_connections_per_client: args.max_connections_per_client.max(1),
+        ..netram_nbd::Limits::default()
+    };
+    netram_nbd::serve(listener, device.clone(), shutdown, limits)?;
     Ok(())
 }

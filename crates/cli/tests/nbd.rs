@@ -219,18 +219,27 @@ fn a_killed_server_loses_nothing_with_cluster_disk_backing() {
     assert!(std::fs::read(&output).unwrap()[..24 << 20] == std::fs::read(&input).unwrap()[..]);
 }
 
+/// A byte stream either way: a unix socket or a TCP connection.
+trait Rw: Read + Write {}
+impl<T: Read + Write> Rw for T {}
+
 /// A minimal NBD client, to send what real clients never send.
 struct RawClient {
-    s: UnixStream,
+    s: Box<dyn Rw>,
 }
 
 const OPT_REPLY_MAGIC: u64 = 0x0003_e889_0455_65a9;
 
 impl RawClient {
     fn connect(socket: &Path) -> Self {
-        let mut s = UnixStream::connect(socket).unwrap();
+        let s = UnixStream::connect(socket).unwrap();
         s.set_read_timeout(Some(std::time::Duration::from_secs(10)))
             .unwrap();
+        Self::greeted(Box::new(s))
+    }
+
+    /// Reads the server's greeting and answers it.
+    fn greeted(mut s: Box<dyn Rw>) -> Self {
         let mut greeting = [0u8; 18];
         s.read_exact(&mut greeting).unwrap();
         assert_eq!(&greeting[..8], b"NBDMAGIC");
@@ -496,4 +505,164 @@ fn scopeguard<'a>(mount: &'a Path, child: &'a mut Child) -> impl Drop + 'a {
         }
     }
     Guard(mount, child)
+}
+
+/// A TCP connection to `addr` from the local address `from` (another loopback address is
+/// another client as far as per-client limits go).
+fn tcp_from(from: [u8; 4], addr: &str) -> std::net::TcpStream {
+    use rustix::net::{AddressFamily, SocketType};
+    let to: std::net::SocketAddr = addr.parse().unwrap();
+    let fd = rustix::net::socket(AddressFamily::INET, SocketType::STREAM, None).unwrap();
+    rustix::net::bind(&fd, &std::net::SocketAddr::from((from, 0))).unwrap();
+    rustix::net::connect(&fd, &to).unwrap();
+    let s = std::net::TcpStream::from(fd);
+    s.set_read_timeout(Some(std::time::Duration::from_secs(15)))
+        .unwrap();
+    s
+}
+
+fn vm_rss(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    status
+        .lines()
+        .find(|l| l.starts_with("VmRSS:"))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|v| v.parse::<u64>().ok())
+        .unwrap()
+        * 1024
+}
+
+/// Whether the server closes `s` within `secs` seconds.
+fn closed_within(s: &mut std::net::TcpStream, secs: u64) -> bool {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(secs);
+    s.set_read_timeout(Some(std::time::Duration::from_millis(200)))
+        .unwrap();
+    let mut buf = [0u8; 4096];
+    while std::time::Instant::now() < deadline {
+        match s.read(&mut buf) {
+            Ok(0) => return true,
+            Ok(_) => {}
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ) => {}
+            Err(_) => return true,
+        }
+    }
+    false
+}
+
+/// Attacks on `netram nbd` (issue "No peer can take a daemon down"): idle connections used to
+/// lock the device out at 16, 64 pipelined 32 MiB READs made it hold ~4 GiB, and CACHE, TRIM
+/// and WRITE_ZEROES lengths were not bounded. Each is refused or bounded, and a well-behaved
+/// client is served throughout.
+#[test]
+fn hostile_nbd_clients_neither_lock_out_nor_grow_the_device() {
+    let servers: Vec<ServerProcess> = (0..2)
+        .map(|_| ServerProcess::start(&["--capacity", "512M"]))
+        .collect();
+    let list: Vec<&str> = servers.iter().map(|s| s.addr.as_str()).collect();
+    let (child, rest) = spawn_reporting(
+        &[
+            "nbd",
+            "--size",
+            "256M",
+            "--cache",
+            "4M",
+            "--listen",
+            "127.0.0.1:0",
+            "--servers",
+            &list.join(","),
+        ],
+        "netram nbd: serving ",
+    );
+    let mut nbd = scopeguard_child(child);
+    let uri = rest.split(" on ").nth(1).expect("an address").to_string();
+    let addr = uri
+        .trim_start_matches("nbd://")
+        .split('/')
+        .next()
+        .unwrap()
+        .to_string();
+    let honest = || {
+        let mut c = RawClient::greeted(Box::new(tcp_from([127, 0, 0, 1], &addr)));
+        c.go();
+        c
+    };
+
+    // Silent connections from one client take at most its share (8 of 16): the rest are
+    // closed at once, and another client is served.
+    let mut silent: Vec<std::net::TcpStream> =
+        (0..16).map(|_| tcp_from([127, 0, 0, 2], &addr)).collect();
+    let mut c = honest();
+    c.request(0, 1, 1, 0, 4096, &[5u8; 4096]);
+    assert_eq!(c.simple_reply(0).1, 0);
+    let refused = silent
+        .iter_mut()
+        .skip(8)
+        .filter(|s| closed_within(&mut s.try_clone().unwrap(), 2))
+        .count();
+    assert_eq!(
+        refused, 8,
+        "connections beyond one client's share are closed"
+    );
+    // Those that never finish the handshake are closed by its deadline (10 s).
+    for s in silent.iter_mut().take(8) {
+        assert!(
+            closed_within(s, 15),
+            "a silent connection outlived the handshake deadline"
+        );
+    }
+
+    // 64 pipelined READs of 32 MiB each, never read: the device holds a batch, not 2 GiB.
+    let before = vm_rss(nbd.0.id());
+    let mut greedy = RawClient::greeted(Box::new(tcp_from([127, 0, 0, 3], &addr)));
+    greedy.go();
+    for cookie in 0..64 {
+        greedy.request(0, 0, cookie, 0, 32 << 20, &[]);
+    }
+    std::thread::sleep(std::time::Duration::from_secs(3));
+    let grown = vm_rss(nbd.0.id()).saturating_sub(before);
+    assert!(
+        grown < 256 << 20,
+        "the device grew by {} MiB for 2 GiB of unread READs",
+        grown >> 20
+    );
+    drop(greedy);
+
+    // CACHE beyond the advertised maximum is refused; TRIM and WRITE_ZEROES of the whole
+    // device are served, in steps.
+    c.request(0, 5, 2, 0, 64 << 20, &[]);
+    assert_eq!(c.simple_reply(0).1, 22, "CACHE over the maximum: EINVAL");
+    c.request(0, 4, 3, 0, 256 << 20, &[]);
+    assert_eq!(c.simple_reply(0).1, 0, "TRIM of the whole device");
+    c.request(0, 6, 4, 0, 256 << 20, &[]);
+    assert_eq!(c.simple_reply(0).1, 0, "WRITE_ZEROES of the whole device");
+    c.request(0, 0, 5, 0, 4096, &[]);
+    assert_eq!(c.simple_reply(4096).2, vec![0u8; 4096]);
+    let mut fresh = honest();
+    fresh.request(0, 0, 6, 4096, 4096, &[]);
+    assert_eq!(fresh.simple_reply(4096).1, 0);
+    nbd.stop();
+}
+
+/// A child killed by PID when dropped.
+struct ChildGuard(Child);
+
+impl ChildGuard {
+    fn stop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+impl Drop for ChildGuard {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+fn scopeguard_child(c: Child) -> ChildGuard {
+    ChildGuard(c)
 }

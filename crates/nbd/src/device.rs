@@ -19,6 +19,25 @@ use std::sync::Mutex;
 /// block size).
 pub const MAX_REQUEST: u32 = 32 << 20;
 
+/// Bytes a TRIM, WRITE_ZEROES or CACHE works on per acquisition of the pager: a large range is
+/// done in steps, so that it holds neither the pager nor memory in proportion to its length,
+/// and other connections' requests run in between. A multiple of the page size.
+pub const STEP_BYTES: u64 = 8 << 20;
+
+/// `offset..offset + len` in pieces that end on multiples of [`STEP_BYTES`].
+fn steps(offset: u64, len: u64) -> impl Iterator<Item = (u64, u64)> {
+    let end = offset.saturating_add(len);
+    let mut at = offset;
+    std::iter::from_fn(move || {
+        (at < end).then(|| {
+            let next = ((at / STEP_BYTES + 1) * STEP_BYTES).min(end);
+            let piece = (at, next - at);
+            at = next;
+            piece
+        })
+    })
+}
+
 const PAGE: u64 = PAGE_SIZE as u64;
 
 #[derive(Debug, thiserror::Error)]
@@ -273,18 +292,28 @@ impl<T: Transport, D: Disk> Device<T, D> {
         self.put_many(&writes, fua)
     }
 
+    /// Zeroes the range, [`STEP_BYTES`] at a time (see there).
     pub fn write_zeroes(&self, offset: u64, len: u64, fua: bool) -> Result<(), DeviceError> {
-        self.put_many(&[(offset, len, None)], fua)
+        for (o, l) in steps(offset, len) {
+            self.put_many(&[(o, l, None)], false)?;
+        }
+        if fua {
+            self.flush()?;
+        }
+        Ok(())
     }
 
-    /// Discards the whole pages in the range. Partial pages are left as they are: after a TRIM
-    /// a client may assume nothing about the range until it writes it again.
+    /// Discards the whole pages in the range, [`STEP_BYTES`] at a time. Partial pages are left
+    /// as they are: after a TRIM a client may assume nothing about the range until it writes it
+    /// again.
     pub fn trim(&self, offset: u64, len: u64) -> Result<(), DeviceError> {
-        let whole: Vec<u64> = pages_of(offset, len)
-            .filter(|&(_, start, stop)| stop - start == PAGE_SIZE)
-            .map(|(p, _, _)| p)
-            .collect();
-        self.pager().discard_many(&whole)?;
+        for (o, l) in steps(offset, len) {
+            let whole: Vec<u64> = pages_of(o, l)
+                .filter(|&(_, start, stop)| stop - start == PAGE_SIZE)
+                .map(|(p, _, _)| p)
+                .collect();
+            self.pager().discard_many(&whole)?;
+        }
         Ok(())
     }
 
@@ -294,12 +323,14 @@ impl<T: Transport, D: Disk> Device<T, D> {
         Ok(())
     }
 
-    /// Brings the range into the pager's cache (NBD_CMD_CACHE).
+    /// Brings the range into the pager's cache (NBD_CMD_CACHE), [`STEP_BYTES`] at a time.
     pub fn cache(&self, offset: u64, len: u64) -> Result<(), DeviceError> {
         let mut buf = vec![0u8; PAGE_SIZE];
-        let mut pager = self.pager();
-        for (p, _, _) in pages_of(offset, len) {
-            pager.read(p, &mut buf)?;
+        for (o, l) in steps(offset, len) {
+            let mut pager = self.pager();
+            for (p, _, _) in pages_of(o, l) {
+                pager.read(p, &mut buf)?;
+            }
         }
         Ok(())
     }

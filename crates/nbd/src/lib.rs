@@ -31,9 +31,9 @@ use server::Socket;
 use std::io;
 use std::os::unix::net::UnixListener;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// Where `netram nbd` listens.
 #[derive(Debug)]
@@ -60,13 +60,40 @@ impl Drop for Listener {
     }
 }
 
-/// Serves NBD on `listener` until `shutdown` is set, with at most `max_connections` at once.
-/// Returns once every connection has ended.
+/// The limits of `netram nbd`'s connections, each enforced here, where the memory and threads
+/// they cost are paid.
+#[derive(Debug, Clone)]
+pub struct Limits {
+    /// Connections at once.
+    pub max_connections: usize,
+    /// Connections at once from one client (a TCP address, or a user on the unix socket), so
+    /// that one client's idle connections cannot lock the others out.
+    pub max_connections_per_client: usize,
+    /// The whole handshake (option haggling) must be over within this.
+    pub handshake_timeout: Duration,
+    /// A connection whose replies cannot be written for this long (a client that does not
+    /// read them) is closed.
+    pub write_timeout: Duration,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self {
+            max_connections: 16,
+            max_connections_per_client: 8,
+            handshake_timeout: Duration::from_secs(10),
+            write_timeout: Duration::from_secs(30),
+        }
+    }
+}
+
+/// Serves NBD on `listener` until `shutdown` is set, within `limits`. Returns once every
+/// connection has ended.
 pub fn serve<T, D>(
     listener: Listener,
     device: Arc<Device<T, D>>,
     shutdown: Arc<AtomicBool>,
-    max_connections: usize,
+    limits: Limits,
 ) -> io::Result<()>
 where
     T: Transport + Send + 'static,
@@ -74,13 +101,23 @@ where
 {
     use rustix::event::{poll, PollFd, PollFlags, Timespec};
     let open: Arc<Open> = Arc::default();
-    let live = Arc::new(AtomicUsize::new(0));
     let mut threads = Vec::new();
     let timeout = Timespec {
         tv_sec: 0,
         tv_nsec: 100_000_000,
     };
     while !shutdown.load(Ordering::SeqCst) {
+        // Connections still haggling past the deadline are closed: a client sending its
+        // options a byte at a time does not keep a place.
+        for c in lock(&open).values() {
+            if !c.negotiated.load(Ordering::SeqCst)
+                && c.started.elapsed() > limits.handshake_timeout
+                && !c.cut.swap(true, Ordering::SeqCst)
+            {
+                tracing::warn!(peer = %c.peer, "closing an NBD connection: no handshake within {:?}", limits.handshake_timeout);
+                (c.shut)();
+            }
+        }
         let mut fds = [PollFd::new(&listener, PollFlags::IN)];
         match poll(&mut fds, Some(&timeout)) {
             Ok(0) | Err(rustix::io::Errno::INTR) => continue,
@@ -90,10 +127,10 @@ where
         let spawned = match &listener {
             Listener::Unix(l, _) => l
                 .accept()
-                .map(|(s, _)| start(s, &device, &shutdown, &open, &live, max_connections)),
+                .map(|(s, _)| start(s, &device, &shutdown, &open, &limits)),
             Listener::Tcp(l) => l.accept().map(|(s, _)| {
                 let _ = s.set_nodelay(true);
-                start(s, &device, &shutdown, &open, &live, max_connections)
+                start(s, &device, &shutdown, &open, &limits)
             }),
         };
         match spawned {
@@ -107,8 +144,8 @@ where
         threads.retain(|t: &std::thread::JoinHandle<()>| !t.is_finished());
     }
     // Unblock connections waiting in `read`, then wait for them.
-    for shut in open.lock().unwrap_or_else(|p| p.into_inner()).values() {
-        shut();
+    for c in lock(&open).values() {
+        (c.shut)();
     }
     for t in threads {
         let _ = t.join();
@@ -116,51 +153,102 @@ where
     Ok(())
 }
 
-/// How to shut down each open connection, by connection number; an entry (and the socket
-/// handle it holds) goes away with its connection.
-type Open = Mutex<std::collections::HashMap<u64, Box<dyn Fn() + Send>>>;
+/// An open connection, as the accept loop sees it.
+struct OpenConn {
+    /// Shuts the socket down (holds a handle to it).
+    shut: Box<dyn Fn() + Send>,
+    peer: String,
+    started: Instant,
+    negotiated: Arc<AtomicBool>,
+    /// Already shut down for its handshake's deadline.
+    cut: AtomicBool,
+}
+
+/// The open connections by number; an entry goes away with its connection.
+type Open = Mutex<std::collections::HashMap<u64, OpenConn>>;
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Removes a connection's entry when dropped: when its thread ends, whichever way, or when the
+/// thread cannot be started.
+struct Registered {
+    open: Arc<Open>,
+    id: u64,
+}
+
+impl Drop for Registered {
+    fn drop(&mut self) {
+        lock(&self.open).remove(&self.id);
+    }
+}
 
 fn start<S: Socket, T, D>(
     socket: S,
     device: &Arc<Device<T, D>>,
     shutdown: &Arc<AtomicBool>,
     open: &Arc<Open>,
-    live: &Arc<AtomicUsize>,
-    max_connections: usize,
+    limits: &Limits,
 ) -> Option<std::thread::JoinHandle<()>>
 where
     T: Transport + Send + 'static,
     D: Disk + Send + 'static,
 {
-    if live.load(Ordering::SeqCst) >= max_connections {
-        tracing::warn!("refusing an NBD connection: {max_connections} is the limit");
-        return None; // dropping the socket closes it
-    }
+    let peer = socket.peer();
+    let handle = match socket.try_clone() {
+        Ok(h) => h,
+        Err(e) => {
+            tracing::warn!("refusing an NBD connection: {e}");
+            return None;
+        }
+    };
     static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
     let id = NEXT.fetch_add(1, Ordering::Relaxed);
-    if let Ok(handle) = socket.try_clone() {
-        open.lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .insert(id, Box::new(move || handle.shut()));
+    let negotiated = Arc::new(AtomicBool::new(false));
+    {
+        let mut conns = lock(open);
+        if conns.len() >= limits.max_connections {
+            tracing::warn!(%peer, "refusing an NBD connection: {} is the limit", limits.max_connections);
+            return None; // dropping the socket closes it
+        }
+        let from_peer = conns.values().filter(|c| c.peer == peer).count();
+        if from_peer >= limits.max_connections_per_client {
+            tracing::warn!(%peer, "refusing an NBD connection: {} from one client is the limit", limits.max_connections_per_client);
+            return None;
+        }
+        conns.insert(
+            id,
+            OpenConn {
+                shut: Box::new(move || handle.shut()),
+                peer,
+                started: Instant::now(),
+                negotiated: negotiated.clone(),
+                cut: AtomicBool::new(false),
+            },
+        );
     }
-    live.fetch_add(1, Ordering::SeqCst);
-    let (device, shutdown, live2, open2) =
-        (device.clone(), shutdown.clone(), live.clone(), open.clone());
+    let registered = Registered {
+        open: open.clone(),
+        id,
+    };
+    if let Err(e) = socket.set_write_timeout(Some(limits.write_timeout)) {
+        tracing::warn!("refusing an NBD connection: {e}");
+        return None;
+    }
+    let (device, shutdown) = (device.clone(), shutdown.clone());
     let spawned = std::thread::Builder::new()
         .name("netram-nbd-conn".into())
         .spawn(move || {
-            if let Err(e) = server::serve_connection(socket, &device, &shutdown) {
+            let _registered = registered;
+            if let Err(e) = server::serve_connection(socket, &device, &shutdown, &negotiated) {
                 tracing::info!("NBD connection ended: {e}");
             }
-            open2.lock().unwrap_or_else(|p| p.into_inner()).remove(&id);
-            live2.fetch_sub(1, Ordering::SeqCst);
         });
     match spawned {
         Ok(t) => Some(t),
         Err(e) => {
             tracing::error!("cannot start an NBD connection thread: {e}");
-            open.lock().unwrap_or_else(|p| p.into_inner()).remove(&id);
-            live.fetch_sub(1, Ordering::SeqCst);
             None
         }
     }

@@ -38,6 +38,10 @@ const TRANSMISSION_FLAGS: u16 = TFLAG_HAS_FLAGS
 pub trait Socket: Read + Write + Send + Sized + 'static {
     fn try_clone(&self) -> io::Result<Self>;
     fn shut(&self);
+    fn set_write_timeout(&self, t: Option<std::time::Duration>) -> io::Result<()>;
+    /// Who is at the other end, for the limit of connections per client: the address for TCP,
+    /// the user id for a unix socket.
+    fn peer(&self) -> String;
 }
 
 impl Socket for std::net::TcpStream {
@@ -47,6 +51,14 @@ impl Socket for std::net::TcpStream {
     fn shut(&self) {
         let _ = self.shutdown(std::net::Shutdown::Both);
     }
+    fn set_write_timeout(&self, t: Option<std::time::Duration>) -> io::Result<()> {
+        std::net::TcpStream::set_write_timeout(self, t)
+    }
+    fn peer(&self) -> String {
+        self.peer_addr()
+            .map(|a| a.ip().to_string())
+            .unwrap_or_default()
+    }
 }
 
 impl Socket for std::os::unix::net::UnixStream {
@@ -55,6 +67,14 @@ impl Socket for std::os::unix::net::UnixStream {
     }
     fn shut(&self) {
         let _ = self.shutdown(std::net::Shutdown::Both);
+    }
+    fn set_write_timeout(&self, t: Option<std::time::Duration>) -> io::Result<()> {
+        std::os::unix::net::UnixStream::set_write_timeout(self, t)
+    }
+    fn peer(&self) -> String {
+        rustix::net::sockopt::socket_peercred(self)
+            .map(|c| format!("uid {}", c.uid.as_raw()))
+            .unwrap_or_default()
     }
 }
 
@@ -93,11 +113,14 @@ impl<S: Socket> Conn<S> {
     }
 }
 
-/// Serves one connection until the client disconnects or `shutdown` is set.
+/// Serves one connection until the client disconnects or `shutdown` is set; sets `negotiated`
+/// once the handshake is over (the accept loop closes connections that take too long to get
+/// there).
 pub fn serve_connection<S, T, D>(
     socket: S,
     device: &Device<T, D>,
     shutdown: &AtomicBool,
+    negotiated: &AtomicBool,
 ) -> Result<(), ConnError>
 where
     S: Socket,
@@ -111,7 +134,10 @@ where
         out: Vec::with_capacity(64 * 1024),
     };
     match handshake(&mut c, device)? {
-        Some(session) => transmission(&mut c, device, &session, shutdown),
+        Some(session) => {
+            negotiated.store(true, Ordering::SeqCst);
+            transmission(&mut c, device, &session, shutdown)
+        }
         None => Ok(()),
     }
 }
@@ -269,9 +295,11 @@ fn allowed_flags(kind: u16) -> u16 {
     }
 }
 
-/// Requests taken at once from what the client has already sent (and their write data at most).
+/// Requests taken at once from what the client has already sent, and their bytes (write data
+/// and read lengths) at most: what one batch holds in memory is bounded by this plus one
+/// request, whatever the client pipelines; the rest waits in the socket.
 const PIPELINE_MAX: usize = 64;
-const PIPELINE_BYTES_MAX: usize = 64 << 20;
+const PIPELINE_BYTES_MAX: usize = 16 << 20;
 /// The starting size of a connection's request and read buffers.
 const CONN_BUFFER: usize = 2 << 20;
 /// Bytes of consecutive writes staged together (a single larger write goes alone).
@@ -331,12 +359,25 @@ fn transmission<S: Socket, T: Transport, D: Disk>(
             None => return Ok(()),
         }
         let mut ended = None;
+        let read_bytes = |batch: &[(Request, std::ops::Range<usize>)]| -> usize {
+            batch
+                .iter()
+                .filter(|(r, _)| r.kind == CMD_READ)
+                .map(|(r, _)| r.len as usize)
+                .sum()
+        };
+        let mut reads = read_bytes(&batch);
         while batch.len() < PIPELINE_MAX
-            && payload.len() < PIPELINE_BYTES_MAX
+            && payload.len() + reads < PIPELINE_BYTES_MAX
             && c.r.buffer().len() >= REQUEST_LEN
         {
             match read_request(c, &mut payload) {
-                Ok(Some(r)) => batch.push(r),
+                Ok(Some(r)) => {
+                    if r.0.kind == CMD_READ {
+                        reads += r.0.len as usize;
+                    }
+                    batch.push(r);
+                }
                 Ok(None) => break,
                 // Answer what came before the bad request, then close.
                 Err(e) => {
@@ -356,6 +397,14 @@ fn transmission<S: Socket, T: Transport, D: Disk>(
             &mut c.out,
         );
         c.send()?;
+        // A batch of large requests grew the buffers: give the memory back rather than keep it
+        // for the connection's life.
+        for buf in [&mut payload, &mut data, &mut c.out] {
+            if buf.capacity() > 4 * CONN_BUFFER {
+                buf.clear();
+                buf.shrink_to(CONN_BUFFER);
+            }
+        }
         if let Some(e) = ended {
             return Err(e);
         }
@@ -527,10 +576,20 @@ fn check<T: Transport, D: Disk>(device: &Device<T, D>, req: &Request) -> Result<
             ),
         ));
     }
-    if req.kind == CMD_READ && req.len > MAX_REQUEST {
+    // The advertised maximum block size. TRIM and WRITE_ZEROES of any length are served, in
+    // steps (`device::STEP_BYTES`); a CACHE beyond it would only churn the cache.
+    if matches!(req.kind, CMD_READ | CMD_CACHE) && req.len > MAX_REQUEST {
         return Err((
             Errno::Inval,
-            format!("read of {} bytes is larger than the limit", req.len),
+            format!(
+                "{} of {} bytes is larger than the {MAX_REQUEST}-byte limit",
+                if req.kind == CMD_READ {
+                    "read"
+                } else {
+                    "cache"
+                },
+                req.len
+            ),
         ));
     }
     Ok(())
