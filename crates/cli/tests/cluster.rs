@@ -103,8 +103,9 @@ fn hundred_thousand_pages_round_trip_through_three_servers() {
 
 #[test]
 fn full_servers_refuse_and_pages_go_to_the_others_then_to_disk() {
-    let small = ServerProcess::start(&["--capacity", "200K"]); // 50 pages
-    let mut others = servers(2, &["--capacity", "400K"]); // 100 pages each
+    // One client may fill each server here (by default it may fill three quarters).
+    let small = ServerProcess::start(&["--capacity", "200K", "--max-client-memory", "200K"]); // 50 pages
+    let mut others = servers(2, &["--capacity", "400K", "--max-client-memory", "400K"]); // 100 pages each
     others.insert(0, small);
     let s = others;
     let (mut p, _dir) = pager(&addrs(&s), 400, 0, Backing::Cluster, &ClientConfig::new());
