@@ -658,14 +658,16 @@ impl<A: AsRef<[u8]> + AsMut<[u8]>> Store<A> {
     /// session's client holds its quota.
     fn insert_frame(&mut self, slot: u32, packed: u64) -> Result<u32, PutStatus> {
         let peer = self.sessions[slot as usize].peer;
+        // A full server is full, whoever asks; the quota decides while frames remain.
+        if self.free_head == NIL {
+            self.counters.puts_refused_full += 1;
+            return Err(PutStatus::Full);
+        }
         if self.peers.get(&peer).map_or(0, |u| u.pages) >= self.cfg.max_peer_pages {
             self.counters.puts_refused_quota += 1;
             return Err(PutStatus::Full);
         }
-        let Some(f) = self.take_free_frame() else {
-            self.counters.puts_refused_full += 1;
-            return Err(PutStatus::Full);
-        };
+        let f = self.take_free_frame().expect("a free frame, checked above");
         self.meta[f as usize].key = [packed as u32, (packed >> 32) as u32];
         self.meta[f as usize].owner = slot;
         let hash = self.hash(slot, packed);
