@@ -229,7 +229,16 @@ fn daemon_resident_per_page(exe: &std::path::Path, frames: u64) -> anyhow::Resul
     let capacity = (frames * PAGE_SIZE as u64).to_string();
     let (daemon, addr) = ChildGuard::netram(
         exe,
-        &["serve", "--listen", "127.0.0.1:0", "--capacity", &capacity],
+        // One client fills the whole daemon here, past the default per-client quota.
+        &[
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--capacity",
+            &capacity,
+            "--max-client-memory",
+            &capacity,
+        ],
         "netram serve: listening on ",
     )?;
     let t = TcpTransport::connect(&[addr], &client(false));
