@@ -16,6 +16,9 @@ fuzz_target!(|data: &[u8]| {
     if let Ok((id, req)) = decode_request(data) {
         let mut again = Vec::new();
         req.encode(id, &mut again);
-        assert_eq!(again, data, "a decoded request re-encodes to the same bytes");
+        assert_eq!(
+            again, data,
+            "a decoded request re-encodes to the same bytes"
+        );
     }
 });

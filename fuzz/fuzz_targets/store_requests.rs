@@ -1,34 +1,208 @@
-//! A stream of frames from a hostile client, decoded and run against a small page store the
-//! way the daemon runs them (`netram_store::serve`): nothing panics, and the store's invariants
-//! hold after every frame. Requests that wait for parity holders have their deltas delivered to
-//! the same store (which holds groups too) or lost, as the request id decides.
+//! Hostile clients against one page store, run the way the daemon runs them
+//! (`netram_store::serve`): nothing panics, the store's invariants hold after every request,
+//! and every reply is a frame a client can read — within the frame limit, decodable, for the
+//! request it answers. Requests that wait for parity holders have their deltas delivered to the
+//! same store (which holds groups too) or lost, as the request id decides.
+//!
+//! The input is a list of operations rather than raw frames, so that a short input reaches a
+//! large store: thousands of pages, many sessions from several clients, parity groups of every
+//! size (up to and past the member limit) and scans whose answers would overflow a frame. Raw
+//! frames are one of the operations, so the decoder's paths stay in reach.
 #![no_main]
 
+use libfuzzer_sys::arbitrary::{self, Arbitrary};
 use libfuzzer_sys::fuzz_target;
-use netram_proto::{decode_request, frame_len, DeltaStatus, PAGE_SIZE};
+use netram_proto::{
+    decode_reply, decode_request, frame_len, Delta, DeltaKind, DeltaStatus, Member, Owner, Page,
+    PageKey, ParityOp, Record, Reply, Request, MAX_BATCH, MAX_FRAME_LEN, PAGE_SIZE,
+};
 use netram_store::serve::{finish_forward, handle_request, store_stats, DeltaOutcome, Outcome};
-use netram_store::{Store, StoreConfig};
+use netram_store::{SessionHandle, Store, StoreConfig};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 
-fuzz_target!(|data: &[u8]| {
-    let mut store = Store::new(vec![0u8; 8 * PAGE_SIZE], StoreConfig { lease_period_ms: 10, max_sessions: 4 });
-    let mut sessions = Vec::new();
-    for i in 0..3 {
-        sessions.push(store.open_session(i, 1, 1, 0).expect("room for three sessions"));
+#[derive(Arbitrary, Debug)]
+struct Input {
+    /// Frames in the arena: 1 to 4096 (16 MiB, zeroed lazily by the kernel).
+    frames: u16,
+    max_sessions: u8,
+    max_peer_sessions: u8,
+    /// Frames one client may hold; `None`: no quota.
+    max_peer_pages: Option<u16>,
+    ops: Vec<Op>,
+}
+
+#[derive(Arbitrary, Debug)]
+enum Op {
+    /// A handshake from client `peer` (one of eight addresses).
+    Open {
+        peer: u8,
+        node: u8,
+        incarnation: u8,
+        id: u8,
+    },
+    /// `n` pages from `first` on, in frames of at most `MAX_BATCH` pages.
+    Put {
+        s: u8,
+        region: u8,
+        first: u16,
+        n: u16,
+        version: u8,
+        zero: bool,
+    },
+    /// The same pages under dynamic parity, each joining `group` (or the next ones).
+    Join {
+        s: u8,
+        first: u16,
+        n: u16,
+        group: u16,
+        per_group: u8,
+        holder: u8,
+        member: u8,
+    },
+    /// Overwrites in place under parity.
+    Keep {
+        s: u8,
+        first: u16,
+        n: u16,
+        version: u8,
+    },
+    /// `count` parity pages shipped here, for groups `group..group + count`, each naming
+    /// `members` members spread over `servers` servers.
+    Ship {
+        s: u8,
+        group: u16,
+        count: u16,
+        max_members: u8,
+        members: u8,
+        servers: u8,
+    },
+    Delta {
+        s: u8,
+        own: bool,
+        group: u16,
+        member: u8,
+        key: u16,
+        from: u32,
+        to: u32,
+        kind: u8,
+    },
+    /// `dead`: a server's index, or `None` for "no server" (the owner's audit).
+    Scan {
+        s: u8,
+        dead: Option<u8>,
+        max: u32,
+    },
+    Get {
+        s: u8,
+        first: u16,
+        n: u16,
+    },
+    Delete {
+        s: u8,
+        first: u16,
+        n: u16,
+    },
+    Stats {
+        s: u8,
+    },
+    Refresh {
+        s: u8,
+    },
+    Close {
+        s: u8,
+    },
+    /// Time passes; leases may run out.
+    Advance {
+        ms: u16,
+    },
+    /// Any bytes as a frame: the decoder's errors, and requests no other operation builds.
+    Raw {
+        s: u8,
+        frame: Vec<u8>,
+    },
+}
+
+fn server(i: u8) -> SocketAddr {
+    SocketAddr::from(([10, 0, 0, i % 8 + 1], 7077))
+}
+
+const NO_SERVER: SocketAddr = SocketAddr::new(IpAddr::V4(Ipv4Addr::UNSPECIFIED), 0);
+
+/// A page's contents: the key's bytes repeated, so that a wrong page is a wrong page.
+fn contents(key: PageKey) -> Vec<u8> {
+    let seed = key.page.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ u64::from(key.region);
+    seed.to_le_bytes()
+        .iter()
+        .copied()
+        .cycle()
+        .take(PAGE_SIZE)
+        .collect()
+}
+
+/// Pages `first..first + n` as the keys of frames of at most `MAX_BATCH`, `n` capped so one
+/// operation stays cheap.
+fn batches(region: u32, first: u16, n: u16) -> impl Iterator<Item = Vec<PageKey>> {
+    let n = u64::from(n % 2048) + 1;
+    let keys: Vec<PageKey> = (0..n)
+        .map(|i| PageKey::new(region, u64::from(first) + i))
+        .collect();
+    keys.chunks(MAX_BATCH)
+        .map(<[PageKey]>::to_vec)
+        .collect::<Vec<_>>()
+        .into_iter()
+}
+
+struct Harness {
+    store: Store<Vec<u8>>,
+    sessions: Vec<SessionHandle>,
+    now: u64,
+    next_id: u64,
+    frame: Vec<u8>,
+    out: Vec<u8>,
+}
+
+impl Harness {
+    fn session(&self, s: u8) -> Option<SessionHandle> {
+        (!self.sessions.is_empty()).then(|| self.sessions[s as usize % self.sessions.len()])
     }
-    let mut rest = data;
-    let mut now = 0u64;
-    let mut out = Vec::new();
-    while let Ok(Some(len)) = frame_len(rest) {
-        if len > rest.len() {
-            break;
+
+    /// One request, encoded and decoded as on the wire, run, its reply checked.
+    fn request(&mut self, s: u8, req: &Request<'_>) {
+        let id = self.next_id;
+        self.next_id += 1;
+        self.frame.clear();
+        req.encode(id, &mut self.frame);
+        let frame = std::mem::take(&mut self.frame);
+        // What the decoder refuses (a group with more members than a frame may name) never
+        // reaches the store; the connection would be closed.
+        if let Ok((got, decoded)) = decode_request(&frame) {
+            assert_eq!(got, id);
+            self.run(s, id, decoded, req_limit(req));
         }
-        let (frame, tail) = rest.split_at(len);
-        rest = tail;
-        let Ok((id, req)) = decode_request(frame) else { break };
-        let h = sessions[(id % 3) as usize];
-        now += id % 7;
-        out.clear();
-        if let Outcome::Forward(fwd) = handle_request(&mut store, h, id, req, now, 0, &mut out, store_stats) {
+        self.frame = frame;
+    }
+
+    fn raw(&mut self, s: u8, frame: &[u8]) {
+        if let Ok((id, req)) = decode_request(frame) {
+            let limit = req_limit(&req);
+            self.run(s, id, req, limit);
+        }
+    }
+
+    fn run(&mut self, s: u8, id: u64, req: Request<'_>, limit: Limit) {
+        let Some(h) = self.session(s) else { return };
+        self.out.clear();
+        let outcome = handle_request(
+            &mut self.store,
+            h,
+            id,
+            req,
+            self.now,
+            0,
+            &mut self.out,
+            store_stats,
+        );
+        if let Outcome::Forward(fwd) = outcome {
             let outcomes: Vec<DeltaOutcome> = fwd
                 .deltas
                 .iter()
@@ -37,17 +211,283 @@ fuzz_target!(|data: &[u8]| {
                     if (id >> (i % 64)) & 1 == 1 {
                         return DeltaOutcome::Unreachable;
                     }
-                    match store.apply_delta(&d.as_delta()) {
+                    match self.store.apply_delta(&d.as_delta()) {
                         DeltaStatus::Applied => DeltaOutcome::Applied,
                         _ => DeltaOutcome::UnknownGroup,
                     }
                 })
                 .collect();
-            finish_forward(&mut store, h, fwd, &outcomes, now, 0, &mut out);
+            finish_forward(
+                &mut self.store,
+                h,
+                fwd,
+                &outcomes,
+                self.now,
+                0,
+                &mut self.out,
+            );
         }
-        if id % 11 == 0 {
-            store.expire(now);
+        check_replies(&self.out, id, limit);
+        self.store.check_invariants();
+    }
+}
+
+/// What a reply may hold at most, from its request.
+#[derive(Clone, Copy)]
+enum Limit {
+    /// One status or one page per key of the request.
+    Items(usize),
+    Groups(u32),
+    Any,
+}
+
+fn req_limit(req: &Request<'_>) -> Limit {
+    match req {
+        Request::Put(p) => Limit::Items(p.len()),
+        Request::PutParity(p) => Limit::Items(p.len()),
+        Request::Get(k) | Request::Delete(k) => Limit::Items(k.len()),
+        Request::ParityDelta(d) => Limit::Items(d.len()),
+        Request::ParityShip { .. } => Limit::Items(1),
+        Request::ParityScan { max, .. } => Limit::Groups(*max),
+        _ => Limit::Any,
+    }
+}
+
+/// Every reply the server wrote must reach the client whole: a frame within the limit that a
+/// client decodes, answering this request, no bigger than the request allows.
+fn check_replies(out: &[u8], id: u64, limit: Limit) {
+    let mut rest = out;
+    while !rest.is_empty() {
+        let len = frame_len(rest)
+            .expect("a reply's length is within the frame limit")
+            .expect("a whole length prefix");
+        assert!(
+            len <= MAX_FRAME_LEN && len <= rest.len(),
+            "reply of {len} bytes"
+        );
+        let (frame, tail) = rest.split_at(len);
+        rest = tail;
+        let (got, reply) = decode_reply(frame).expect("a client decodes every reply");
+        assert_eq!(got, id, "a reply answers its request");
+        match (limit, &reply) {
+            (Limit::Items(n), Reply::Put { status, .. }) => assert_eq!(status.len(), n),
+            (Limit::Items(n), Reply::Get { pages, .. }) => assert_eq!(pages.len(), n),
+            (Limit::Items(n), Reply::Delete { status, .. }) => assert_eq!(status.len(), n),
+            (Limit::Items(n), Reply::ParityDelta { status, .. }) => assert_eq!(status.len(), n),
+            (Limit::Groups(max), Reply::ParityScan { groups, .. }) => {
+                assert!(
+                    groups.len() <= max as usize,
+                    "{} groups for a max of {max}",
+                    groups.len()
+                )
+            }
+            _ => {}
         }
-        store.check_invariants();
+    }
+}
+
+fuzz_target!(|input: Input| {
+    let frames = usize::from(input.frames % 4096) + 1;
+    let cfg = StoreConfig {
+        lease_period_ms: 10,
+        max_sessions: usize::from(input.max_sessions % 64) + 1,
+        max_peer_sessions: u32::from(input.max_peer_sessions % 16) + 1,
+        max_peer_pages: input.max_peer_pages.map_or(u64::MAX, u64::from),
+    };
+    let mut h = Harness {
+        store: Store::new(vec![0u8; frames * PAGE_SIZE], cfg),
+        sessions: Vec::new(),
+        now: 0,
+        next_id: 1,
+        frame: Vec::new(),
+        out: Vec::new(),
+    };
+    let zeros = vec![0u8; PAGE_SIZE];
+    for op in input.ops.iter().take(256) {
+        match *op {
+            Op::Open {
+                peer,
+                node,
+                incarnation,
+                id,
+            } => {
+                let peer = IpAddr::V4(Ipv4Addr::new(127, 0, 0, peer % 8 + 1));
+                let r = h.store.open_session_from(
+                    peer,
+                    u64::from(node % 4),
+                    u64::from(incarnation % 3),
+                    u64::from(id),
+                    h.now,
+                );
+                if let Ok(s) = r {
+                    h.sessions.push(s);
+                }
+                h.store.check_invariants();
+            }
+            Op::Put {
+                s,
+                region,
+                first,
+                n,
+                version,
+                zero,
+            } => {
+                for keys in batches(u32::from(region % 3), first, n) {
+                    let data: Vec<Vec<u8>> = keys.iter().map(|&k| contents(k)).collect();
+                    let pages: Vec<Page<'_>> = keys
+                        .iter()
+                        .zip(&data)
+                        .map(|(&k, d)| {
+                            Page::seal(k, u32::from(version), if zero { &zeros } else { d })
+                        })
+                        .collect();
+                    h.request(s, &Request::Put(pages));
+                }
+            }
+            Op::Join {
+                s,
+                first,
+                n,
+                group,
+                per_group,
+                holder,
+                member,
+            } => {
+                let per_group = u64::from(per_group % 20) + 1;
+                for keys in batches(0, first, n) {
+                    let data: Vec<Vec<u8>> = keys.iter().map(|&k| contents(k)).collect();
+                    let pages: Vec<(Page<'_>, ParityOp)> = keys
+                        .iter()
+                        .zip(&data)
+                        .map(|(&k, d)| {
+                            let op = ParityOp::Join {
+                                holder: server(holder),
+                                group: u64::from(group) + k.page / per_group,
+                                member: server(member),
+                            };
+                            (Page::seal(k, 1, d), op)
+                        })
+                        .collect();
+                    h.request(s, &Request::PutParity(pages));
+                }
+            }
+            Op::Keep {
+                s,
+                first,
+                n,
+                version,
+            } => {
+                for keys in batches(0, first, n) {
+                    let data: Vec<Vec<u8>> = keys.iter().map(|&k| contents(k)).collect();
+                    let pages: Vec<(Page<'_>, ParityOp)> = keys
+                        .iter()
+                        .zip(&data)
+                        .map(|(&k, d)| (Page::seal(k, u32::from(version), d), ParityOp::Keep))
+                        .collect();
+                    h.request(s, &Request::PutParity(pages));
+                }
+            }
+            Op::Ship {
+                s,
+                group,
+                count,
+                max_members,
+                members,
+                servers,
+            } => {
+                let servers = servers % 8 + 1;
+                for g in 0..u64::from(count % 1024) + 1 {
+                    let group = u64::from(group) + g;
+                    let members: Vec<Member> = (0..u64::from(members % 40) + 1)
+                        .map(|m| Member {
+                            server: server((g + m) as u8 % servers),
+                            key: PageKey::new(0, group * 64 + m),
+                            version: 1,
+                        })
+                        .collect();
+                    let parity = contents(PageKey::new(7, group));
+                    let record = Record {
+                        version: 0,
+                        crc: 0,
+                        flags: 0,
+                        data: &parity,
+                    };
+                    h.request(
+                        s,
+                        &Request::ParityShip {
+                            group,
+                            max_members,
+                            members,
+                            record,
+                        },
+                    );
+                }
+            }
+            Op::Delta {
+                s,
+                own,
+                group,
+                member,
+                key,
+                from,
+                to,
+                kind,
+            } => {
+                let data = contents(PageKey::new(0, u64::from(key)));
+                let kind = match kind % 3 {
+                    0 => DeltaKind::Update,
+                    1 => DeltaKind::Remove,
+                    _ => DeltaKind::Drop,
+                };
+                let owner = if own {
+                    Owner::SELF
+                } else {
+                    Owner {
+                        node: u64::from(member % 4),
+                        incarnation: 1,
+                        session: u64::from(key % 4),
+                    }
+                };
+                let delta = Delta {
+                    owner,
+                    group: u64::from(group),
+                    member: server(member),
+                    key: PageKey::new(0, u64::from(key)),
+                    from,
+                    to,
+                    kind,
+                    record: Record {
+                        version: from ^ to,
+                        crc: 0,
+                        flags: 0,
+                        data: &data,
+                    },
+                };
+                h.request(s, &Request::ParityDelta(vec![delta]));
+            }
+            Op::Scan { s, dead, max } => {
+                let dead = dead.map_or(NO_SERVER, server);
+                h.request(s, &Request::ParityScan { dead, max });
+            }
+            Op::Get { s, first, n } => {
+                for keys in batches(0, first, n) {
+                    h.request(s, &Request::Get(keys));
+                }
+            }
+            Op::Delete { s, first, n } => {
+                for keys in batches(0, first, n) {
+                    h.request(s, &Request::Delete(keys));
+                }
+            }
+            Op::Stats { s } => h.request(s, &Request::Stats),
+            Op::Refresh { s } => h.request(s, &Request::Refresh),
+            Op::Close { s } => h.request(s, &Request::Close),
+            Op::Advance { ms } => {
+                h.now += u64::from(ms);
+                h.store.expire(h.now);
+                h.store.check_invariants();
+            }
+            Op::Raw { s, ref frame } => h.raw(s, frame),
+        }
     }
 });

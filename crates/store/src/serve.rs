@@ -116,14 +116,7 @@ pub fn handle_request<A: AsRef<[u8]> + AsMut<[u8]>>(
         free_pages: s.free_pages(),
         requests_per_s: rps,
     };
-    let expired = |s: &Store<A>, out: &mut Vec<u8>| {
-        Reply::Error {
-            load: load(s),
-            code: ErrorCode::SessionExpired,
-            message: "the session's lease ran out; its pages were freed",
-        }
-        .encode(id, out);
-    };
+    let expired = |s: &Store<A>, out: &mut Vec<u8>| expired_reply(s, id, rps, out);
     match req {
         Request::Put(pages) if pages.iter().any(|p| store.tagged(h, p.key)) => {
             return plan_put(
@@ -308,13 +301,31 @@ fn expired_reply<A: AsRef<[u8]> + AsMut<[u8]>>(
     rps: u32,
     out: &mut Vec<u8>,
 ) {
+    error_reply(
+        store,
+        id,
+        rps,
+        ErrorCode::SessionExpired,
+        "the session's lease ran out; its pages were freed",
+        out,
+    );
+}
+
+fn error_reply<A: AsRef<[u8]> + AsMut<[u8]>>(
+    store: &Store<A>,
+    id: u64,
+    rps: u32,
+    code: ErrorCode,
+    message: &str,
+    out: &mut Vec<u8>,
+) {
     Reply::Error {
         load: Load {
             free_pages: store.free_pages(),
             requests_per_s: rps,
         },
-        code: ErrorCode::SessionExpired,
-        message: "the session's lease ran out; its pages were freed",
+        code,
+        message,
     }
     .encode(id, out);
 }
@@ -368,30 +379,16 @@ fn plan_put<'a, A: AsRef<[u8]> + AsMut<[u8]>>(
     for (p, op) in pages {
         if !seen.insert(p.key) {
             // Both deltas would be worked out against the same old page.
-            Reply::Error {
-                load: Load {
-                    free_pages: store.free_pages(),
-                    requests_per_s: rps,
-                },
-                code: ErrorCode::BadRequest,
-                message: "a key appears twice in one PUT of parity pages",
-            }
-            .encode(id, out);
+            let why = "a key appears twice in one PUT of parity pages";
+            error_reply(store, id, rps, ErrorCode::BadRequest, why, out);
             return Outcome::Open;
         }
         if let Some(ParityOp::Join { holder, member, .. }) = op {
             if !store.can_intern(holder, member) {
                 // Refused before anything changes: a page stored but not tagged would leave
                 // its group's parity covering a page whose overwrites never reach it.
-                Reply::Error {
-                    load: Load {
-                        free_pages: store.free_pages(),
-                        requests_per_s: rps,
-                    },
-                    code: ErrorCode::BadRequest,
-                    message: "this server's table of server addresses is full",
-                }
-                .encode(id, out);
+                let why = "this server's table of server addresses is full";
+                error_reply(store, id, rps, ErrorCode::BadRequest, why, out);
                 return Outcome::Open;
             }
         }

@@ -42,18 +42,6 @@ pub fn skip(why: &str, package: Option<&str>) {
     }
 }
 
-/// Whether `tool` is on the PATH; if not, skips the calling test, naming `package`.
-pub fn have_tool(tool: &str, package: &str) -> bool {
-    let found = Command::new("sh")
-        .args(["-c", &format!("command -v {tool} >/dev/null")])
-        .status()
-        .is_ok_and(|s| s.success());
-    if !found {
-        skip(&format!("{tool} is not installed"), Some(package));
-    }
-    found
-}
-
 /// Whether every one of `tools` (tool, package) is on the PATH; skips naming the missing ones.
 pub fn have_tools(tools: &[(&str, &str)]) -> bool {
     let missing: Vec<&(&str, &str)> = tools

@@ -10,10 +10,17 @@ use std::time::{Duration, Instant};
 
 pub const NETRAM: &str = env!("CARGO_BIN_EXE_netram");
 
+/// The `netram` whose servers the tests start: this build, or the one `NETRAM_TEST_SERVER`
+/// names, to check that a test fails against a build without its fix (the clients, `netram
+/// stats` among them, stay this build's).
+fn server_exe() -> String {
+    std::env::var("NETRAM_TEST_SERVER").unwrap_or_else(|_| NETRAM.to_string())
+}
+
 /// Starts `netram ARGS` and reads the first line it prints, which must start with `prefix`;
 /// returns the child and the rest of that line.
 pub fn spawn_reporting(args: &[&str], prefix: &str) -> (Child, String) {
-    let mut child = Command::new(NETRAM)
+    let mut child = Command::new(server_exe())
         .args(args)
         .stdout(Stdio::piped())
         .stderr(if std::env::var_os("NETRAM_TEST_STDERR").is_some() {
