@@ -960,9 +960,19 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             return self.rs_get_failed(server, it, what);
         }
         if self.par.is_some() && it.pos != INTERNAL {
-            if what == Some("checksum mismatch") && self.par_retry(it.page) {
-                self.retry.push(it);
-                return;
+            if what == Some("checksum mismatch") {
+                if self.par_retry(it.page) {
+                    self.retry.push(it);
+                    return;
+                }
+                // The server sends the page bad again and again: it is broken or lying. Under
+                // parity a page has one copy, so the server is declared dead and what it held
+                // is rebuilt from the groups' parity (Nswap §IV-B) instead of being reported
+                // corrupt while its parity could rebuild it.
+                if self.servers[server].alive {
+                    let why = format!("page {} failed its checksum on every read", it.page);
+                    self.mark_dead(server, TransportError::Protocol(why));
+                }
             }
             if self.par_reconstructible(it.page)
                 && self

@@ -15,6 +15,8 @@ struct MemServer {
     dead: bool,
     /// Flip a bit in the next GET reply's data.
     corrupt_next: bool,
+    /// Flip a bit in every GET reply's data.
+    corrupt_always: bool,
 }
 
 struct MemCluster {
@@ -38,6 +40,7 @@ impl MemCluster {
                     replies: VecDeque::new(),
                     dead: false,
                     corrupt_next: false,
+                    corrupt_always: false,
                 }
             })
             .collect();
@@ -81,7 +84,7 @@ impl MemCluster {
         if out.is_empty() {
             return None;
         }
-        if is_get && std::mem::take(&mut s.corrupt_next) {
+        if is_get && (std::mem::take(&mut s.corrupt_next) || s.corrupt_always) {
             let n = out.len();
             out[n - 1] ^= 1;
         }
@@ -553,6 +556,31 @@ fn parity_groups_ship_to_holders_and_pages_read_back() {
     for page in 0..12 {
         assert_eq!(read(&mut p, page).unwrap(), content(page, 1));
     }
+    parity_consistent(&p);
+}
+
+/// Found by the `pager_replies` fuzz target: a server that sends every page back with a bad
+/// checksum made a page under parity "corrupt, no other copy" while its group could rebuild it.
+#[test]
+fn a_server_that_corrupts_every_page_is_declared_dead_and_its_pages_rebuilt_from_parity() {
+    let mut p = parity_pager(5, 40, 0);
+    for page in 0..30 {
+        p.write(page, &content(page, 3)).unwrap();
+    }
+    let victim = (0..30).find(|&pg| p.holders(pg) == vec![1]).unwrap();
+    p.transport_mut().servers[1].corrupt_always = true;
+    assert_eq!(read(&mut p, victim).unwrap(), content(victim, 3));
+    assert!(p.counters().checksum_failures >= 1);
+    assert_eq!(
+        p.counters().servers_dead,
+        1,
+        "the lying server is declared dead"
+    );
+    recover_all(&mut p);
+    for page in 0..30 {
+        assert_eq!(read(&mut p, page).unwrap(), content(page, 3), "page {page}");
+    }
+    assert_eq!(p.counters().pages_unrecoverable, 0);
     parity_consistent(&p);
 }
 
