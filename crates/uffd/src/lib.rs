@@ -50,6 +50,11 @@
 //! `madvise` or `munmap` wait until the handler has read the event, and the handler itself
 //! drops pages with `MADV_DONTNEED`, so it would wait for itself.
 //!
+//! A page that cannot be read at all (lost with more servers than its redundancy tolerates,
+//! bad on every copy, the local disk failing) makes the faulting thread die of SIGBUS, with the
+//! page and the reason on stderr, as the kernel answers a swap-in it cannot read: the handler
+//! knows the thread (`UFFD_FEATURE_THREAD_ID`) and signals it before waking it.
+//!
 //! A handler that dies (an error reading the userfaultfd, a panic) does not leave the program
 //! hanging: the region is made inaccessible and the waiting threads are woken, so they die of
 //! SIGSEGV, loudly, rather than wait forever or read zeros.
@@ -138,9 +143,13 @@ pub struct RegionCounters {
     /// by system call): found on their next fault, they read as zeros, as anonymous memory
     /// does.
     pub dropped_by_program: AtomicU64,
-    /// Faults the handler could not serve (the pager failed): the faulting thread is woken and
-    /// faults again; the error is logged.
+    /// Faults the handler could not serve: the pager failed, or the kernel refused to install
+    /// the page (the mapping was changing: the thread is woken and faults again). Logged.
     pub errors: AtomicU64,
+    /// Faults on pages that could not be read at all (lost with their servers, bad on every
+    /// copy, the local disk failing): the faulting thread got SIGBUS, as the kernel answers a
+    /// swap-in it cannot read.
+    pub sigbus: AtomicU64,
 }
 
 impl RegionCounters {
@@ -180,17 +189,22 @@ const MAX_PREFETCH: usize = 16;
 fn open_userfaultfd() -> Result<(Uffd, bool), RegionError> {
     const WP: u64 = linux_raw_sys::general::UFFD_FEATURE_PAGEFAULT_FLAG_WP as u64;
     const MOVE: u64 = linux_raw_sys::general::UFFD_FEATURE_MOVE as u64;
+    // The faulting thread's id, for the SIGBUS of a page that cannot be read (Linux 4.14).
+    const TID: u64 = linux_raw_sys::general::UFFD_FEATURE_THREAD_ID as u64;
     let open = |features| match Uffd::open(features, false) {
         Err(rustix::io::Errno::PERM) => Uffd::open(features, true),
         other => other,
     };
-    match open(WP | MOVE) {
+    match open(WP | MOVE | TID) {
         Ok(uffd) => Ok((uffd, true)),
         // A kernel without UFFDIO_MOVE refuses the handshake: the region works without
         // access sampling (first in, first out).
         Err(rustix::io::Errno::INVAL) => {
             tracing::debug!("no UFFDIO_MOVE: regions evict first in, first out");
-            Ok((open(WP).map_err(RegionError::UserfaultfdSyscall)?, false))
+            Ok((
+                open(WP | TID).map_err(RegionError::UserfaultfdSyscall)?,
+                false,
+            ))
         }
         Err(e) => Err(RegionError::UserfaultfdSyscall(e)),
     }
@@ -730,7 +744,13 @@ impl<T: Transport, D: Disk> Shared<T, D> {
     }
 
     fn handle(&self, st: &mut State<T, D>, event: Event) {
-        let Event::Pagefault { addr, write, wp } = event else {
+        let Event::Pagefault {
+            addr,
+            write,
+            wp,
+            tid,
+        } = event
+        else {
             // Only page faults were asked for (no fork, remap, remove or unmap events).
             return;
         };
@@ -738,7 +758,7 @@ impl<T: Transport, D: Disk> Shared<T, D> {
         debug_assert!(page < self.pages);
         let addr = self.base.page(page);
         match wp {
-            false => self.missing(st, page, write),
+            false => self.missing(st, page, write, tid),
             true if st.clock.is_sampled(page as u64) => {
                 // A write to a clean page that was sampled after the fault was raised: the
                 // page is aside now. Dirty from now on; the woken writer faults again and gets
@@ -770,8 +790,45 @@ impl<T: Transport, D: Disk> Shared<T, D> {
         }
     }
 
-    /// A missing-page fault on `page`; `write`: the access was a write.
-    fn missing(&self, st: &mut State<T, D>, page: usize, write: bool) {
+    /// A page the pager cannot read: the pager has already tried every copy (other servers,
+    /// parity, the disk), so waking the thread would only make it fault again, forever. It
+    /// gets SIGBUS, as the kernel answers a swap-in it cannot read: a program that does not
+    /// handle it dies at once, with the reason on stderr.
+    fn unreadable(&self, page: usize, tid: u32, e: &netram_pager::PagerError) {
+        let addr = self.base.page(page);
+        let n = self.counters.sigbus.fetch_add(1, Ordering::Relaxed);
+        tracing::error!("page {page} cannot be read: {e}");
+        if n < 8 {
+            // stderr even without a tracing subscriber (the preload library has none): the
+            // program's user must learn why it died.
+            eprintln!(
+                "netram: page {page} of a region (address {:#x}) cannot be read: {e}; \
+                 SIGBUS to thread {tid}",
+                addr as usize
+            );
+        }
+        // SAFETY: getpid and tgkill take no pointers; tgkill signals one thread of this
+        // process, the one blocked on the fault.
+        let sent = tid != 0
+            && unsafe {
+                libc::syscall(
+                    libc::SYS_tgkill,
+                    libc::getpid(),
+                    tid as libc::pid_t,
+                    libc::SIGBUS,
+                ) == 0
+            };
+        if !sent {
+            // No thread id from this kernel: the process, whichever thread takes it.
+            // SAFETY: kill(2) on this process's own PID, no pointers.
+            unsafe { libc::kill(libc::getpid(), libc::SIGBUS) };
+        }
+        // Woken with the signal pending, the thread takes it before it retries the access.
+        let _ = self.uffd.wake(addr, PAGE_SIZE);
+    }
+
+    /// A missing-page fault on `page` by thread `tid`; `write`: the access was a write.
+    fn missing(&self, st: &mut State<T, D>, page: usize, write: bool, tid: u32) {
         self.counters.faults.fetch_add(1, Ordering::Relaxed);
         let addr = self.base.page(page);
         if st.clock.is_sampled(page as u64) {
@@ -789,10 +846,7 @@ impl<T: Transport, D: Disk> Shared<T, D> {
         if written {
             if let Err(e) = st.pager.read(page as u64, &mut st.buf) {
                 self.counters.errors.fetch_add(1, Ordering::Relaxed);
-                tracing::error!("fetching page {page}: {e}");
-                // Woken without a page, the thread faults again and is retried.
-                let _ = self.uffd.wake(addr, PAGE_SIZE);
-                return;
+                return self.unreadable(page, tid, &e);
             }
         }
         // A fetched page equals its remote copy until written: installed write-protected, its

@@ -37,8 +37,14 @@ pub(crate) struct Uffd(OwnedFd);
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Event {
     /// A thread faulted at `addr`: on a missing page, or (`wp`) on a write-protected one;
-    /// `write` if the access was a write.
-    Pagefault { addr: usize, write: bool, wp: bool },
+    /// `write` if the access was a write. `tid`: the faulting thread (with
+    /// `UFFD_FEATURE_THREAD_ID`; 0 without).
+    Pagefault {
+        addr: usize,
+        write: bool,
+        wp: bool,
+        tid: u32,
+    },
     /// Anything else (fork, remap, remove, unmap: not asked for).
     Other(u8),
 }
@@ -259,7 +265,7 @@ impl Uffd {
 }
 
 /// Decodes a `struct uffd_msg` (host byte order: the kernel's own ABI, not a wire format):
-/// `event` at byte 0, for a page fault `flags` at 8 and `address` at 16.
+/// `event` at byte 0, for a page fault `flags` at 8, `address` at 16 and the thread id at 24.
 fn parse(msg: &[u8; MSG_LEN]) -> Event {
     let u64_at = |at: usize| u64::from_ne_bytes(msg[at..at + 8].try_into().expect("8 bytes"));
     if u32::from(msg[0]) != k::UFFD_EVENT_PAGEFAULT {
@@ -270,6 +276,7 @@ fn parse(msg: &[u8; MSG_LEN]) -> Event {
         addr: u64_at(16) as usize,
         write: flags & u64::from(k::UFFD_PAGEFAULT_FLAG_WRITE) != 0,
         wp: flags & u64::from(k::UFFD_PAGEFAULT_FLAG_WP) != 0,
+        tid: u32::from_ne_bytes(msg[24..28].try_into().expect("4 bytes")),
     }
 }
 
@@ -284,12 +291,14 @@ mod tests {
         let flags = u64::from(k::UFFD_PAGEFAULT_FLAG_WRITE | k::UFFD_PAGEFAULT_FLAG_WP);
         msg[8..16].copy_from_slice(&flags.to_ne_bytes());
         msg[16..24].copy_from_slice(&0x7f00_1234_5000u64.to_ne_bytes());
+        msg[24..28].copy_from_slice(&4242u32.to_ne_bytes());
         assert_eq!(
             parse(&msg),
             Event::Pagefault {
                 addr: 0x7f00_1234_5000,
                 write: true,
-                wp: true
+                wp: true,
+                tid: 4242,
             }
         );
         msg[0] = k::UFFD_EVENT_FORK as u8;

@@ -304,6 +304,68 @@ fn a_dead_handler_does_not_leave_threads_hanging() {
     );
 }
 
+/// A page lost with its only server makes the faulting thread die of SIGBUS, with the page and
+/// the reason on stderr, as the kernel answers a swap-in it cannot read; it used to be woken to
+/// fault again forever (a program spinning at 120 % CPU). Runs itself as a child process.
+#[test]
+fn a_lost_page_is_a_sigbus_not_a_fault_forever() {
+    if std::env::var_os("NETRAM_UFFD_LOST_PAGE_CHILD").is_some() {
+        let cluster = LocalCluster::start(1, 8 << 20, false).unwrap();
+        let mut r = region_with_cache(&cluster, 4, 0);
+        let mem = r.as_mut_slice();
+        for p in 0..16 {
+            mem[p * PAGE_SIZE] = 1; // pages 0..12 are evicted to the server
+        }
+        cluster.stop();
+        let v = std::hint::black_box(r.as_slice()[0]);
+        // Not reached if the region behaves.
+        println!("CHILD READ {v}");
+        std::process::exit(3);
+    }
+    use std::os::unix::process::ExitStatusExt;
+    let mut child = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([
+            "tests::a_lost_page_is_a_sigbus_not_a_fault_forever",
+            "--exact",
+            // The message comes from the handler thread, whose output the harness would
+            // otherwise capture and lose with the child.
+            "--nocapture",
+        ])
+        .env("NETRAM_UFFD_LOST_PAGE_CHILD", "1")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stderr = child.stderr.take().unwrap();
+    let reader = std::thread::spawn(move || {
+        let mut s = String::new();
+        let _ = std::io::Read::read_to_string(&mut stderr, &mut s);
+        s
+    });
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if std::time::Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("the thread faulting on a lost page neither got its page nor died");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    };
+    let stderr = reader.join().unwrap();
+    assert_eq!(
+        status.signal(),
+        Some(rustix::process::Signal::BUS.as_raw()),
+        "the child should die of SIGBUS: {status}; stderr: {stderr}"
+    );
+    assert!(
+        stderr.contains("netram: page 0 of a region") && stderr.contains("lost"),
+        "stderr names the page and why: {stderr}"
+    );
+}
+
 fn libc_sigsegv() -> i32 {
     rustix::process::Signal::SEGV.as_raw()
 }
