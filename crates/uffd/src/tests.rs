@@ -6,6 +6,7 @@ use netram_bench::cluster::LocalCluster;
 use netram_node::client::{ClientConfig, TcpTransport};
 use netram_pager::{MemDisk, PagerConfig};
 use std::collections::{HashSet, VecDeque};
+use std::os::unix::process::ExitStatusExt;
 
 const PAGES: usize = 512;
 
@@ -274,17 +275,36 @@ fn a_dead_handler_does_not_leave_threads_hanging() {
         println!("CHILD READ {v}");
         std::process::exit(3);
     }
-    use std::os::unix::process::ExitStatusExt;
+    let (status, _) = run_as_child(
+        "tests::a_dead_handler_does_not_leave_threads_hanging",
+        "NETRAM_UFFD_DEAD_HANDLER_CHILD",
+        "the faulting thread hung after its handler died",
+    );
+    assert_eq!(
+        status.signal(),
+        Some(libc_sigsegv()),
+        "the child should die of SIGSEGV: {status}"
+    );
+}
+
+/// Runs the test `name` of this binary again as a child process with `env` set (the child
+/// side of a test that is meant to crash), at most 60 s; its exit status and stderr.
+fn run_as_child(name: &str, env: &str, hung: &str) -> (std::process::ExitStatus, String) {
     let mut child = std::process::Command::new(std::env::current_exe().unwrap())
-        .args([
-            "tests::a_dead_handler_does_not_leave_threads_hanging",
-            "--exact",
-        ])
-        .env("NETRAM_UFFD_DEAD_HANDLER_CHILD", "1")
+        // The handler thread's messages would otherwise be captured by the harness and lost
+        // with the child.
+        .args([name, "--exact", "--nocapture"])
+        .env(env, "1")
         .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
         .spawn()
         .unwrap();
+    let mut stderr = child.stderr.take().unwrap();
+    let reader = std::thread::spawn(move || {
+        let mut s = String::new();
+        let _ = std::io::Read::read_to_string(&mut stderr, &mut s);
+        s
+    });
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
     let status = loop {
         if let Some(status) = child.try_wait().unwrap() {
@@ -293,15 +313,11 @@ fn a_dead_handler_does_not_leave_threads_hanging() {
         if std::time::Instant::now() > deadline {
             let _ = child.kill();
             let _ = child.wait();
-            panic!("the faulting thread hung after its handler died");
+            panic!("{hung}");
         }
         std::thread::sleep(std::time::Duration::from_millis(20));
     };
-    assert_eq!(
-        status.signal(),
-        Some(libc_sigsegv()),
-        "the child should die of SIGSEGV: {status}"
-    );
+    (status, reader.join().unwrap())
 }
 
 /// A page lost with its only server makes the faulting thread die of SIGBUS, with the page and
@@ -322,39 +338,11 @@ fn a_lost_page_is_a_sigbus_not_a_fault_forever() {
         println!("CHILD READ {v}");
         std::process::exit(3);
     }
-    use std::os::unix::process::ExitStatusExt;
-    let mut child = std::process::Command::new(std::env::current_exe().unwrap())
-        .args([
-            "tests::a_lost_page_is_a_sigbus_not_a_fault_forever",
-            "--exact",
-            // The message comes from the handler thread, whose output the harness would
-            // otherwise capture and lose with the child.
-            "--nocapture",
-        ])
-        .env("NETRAM_UFFD_LOST_PAGE_CHILD", "1")
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut stderr = child.stderr.take().unwrap();
-    let reader = std::thread::spawn(move || {
-        let mut s = String::new();
-        let _ = std::io::Read::read_to_string(&mut stderr, &mut s);
-        s
-    });
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
-    let status = loop {
-        if let Some(status) = child.try_wait().unwrap() {
-            break status;
-        }
-        if std::time::Instant::now() > deadline {
-            let _ = child.kill();
-            let _ = child.wait();
-            panic!("the thread faulting on a lost page neither got its page nor died");
-        }
-        std::thread::sleep(std::time::Duration::from_millis(20));
-    };
-    let stderr = reader.join().unwrap();
+    let (status, stderr) = run_as_child(
+        "tests::a_lost_page_is_a_sigbus_not_a_fault_forever",
+        "NETRAM_UFFD_LOST_PAGE_CHILD",
+        "the thread faulting on a lost page neither got its page nor died",
+    );
     assert_eq!(
         status.signal(),
         Some(rustix::process::Signal::BUS.as_raw()),
