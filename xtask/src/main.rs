@@ -26,6 +26,10 @@ const TOOLS: &[(&str, &str)] = &[
     ("swapon", "util-linux"),
     ("setpriv", "util-linux"),
     ("cc", "gcc"),
+    // A program linked with jemalloc (its headers and -ljemalloc), and Debian's Redis, which is.
+    ("jeprof", "libjemalloc-dev"),
+    ("redis-server", "redis-server"),
+    ("redis-cli", "redis-tools"),
 ];
 
 const USAGE: &str = "\

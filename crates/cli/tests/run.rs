@@ -121,6 +121,149 @@ fn a_c_program_runs_on_netram() {
     assert_eq!(g("exit_code"), 0);
 }
 
+/// A program linked with jemalloc keeps its allocator: it mixes `malloc` with jemalloc's own
+/// entry points (`mallocx`, `sdallocx`, `rallocx`...), which used to get netram's pointers and
+/// crash at start; its memory still goes to the cluster, through jemalloc's `mmap` calls.
+#[test]
+fn a_program_linked_with_jemalloc_keeps_its_allocator() {
+    if !netram_testkit::have_tools(&[("cc", "gcc"), ("jeprof", "libjemalloc-dev")]) {
+        return;
+    }
+    let dir = Scratch::new("jemalloc");
+    let exe = dir.0.join("jemalloc_mix");
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/c/jemalloc_mix.c");
+    let out = Command::new("cc")
+        .args(["-std=c11", "-Wall", "-Wextra", "-Werror", "-O1", "-o"])
+        .arg(&exe)
+        .arg(&src)
+        .arg("-ljemalloc")
+        .output()
+        .unwrap();
+    assert_ran(&out, "cc jemalloc_mix.c");
+    let (_servers, addrs) = cluster(2);
+    let rep = dir.0.join("report.json");
+    let out = netram_run(
+        &[
+            "--local-mem",
+            "8M",
+            "--servers",
+            &addrs,
+            "--report",
+            rep.to_str().unwrap(),
+        ],
+        &[exe.to_str().unwrap()],
+    );
+    assert_ran(&out, "jemalloc_mix under netram run");
+    assert!(String::from_utf8_lossy(&out.stdout).contains("jemalloc_mix: ok"));
+    let r = report(&rep);
+    let g = |k: &str| r[k].as_u64().unwrap_or_else(|| panic!("{k} in {r}"));
+    // 64 MiB of large blocks through an 8 MiB budget.
+    assert!(g("evictions") > 8_000, "{r}");
+    assert!(g("puts") > 8_000, "{r}");
+    assert_eq!(g("errors"), 0, "{r}");
+}
+
+/// `netram run redis-server`: on drop, Redis (by the PID in its pidfile: `netram run` waits for
+/// its program and would leave it behind) and `netram run` are killed, also when a test fails.
+struct Redis {
+    netram_run: std::process::Child,
+    pidfile: PathBuf,
+}
+
+impl Drop for Redis {
+    fn drop(&mut self) {
+        if let Some(pid) = std::fs::read_to_string(&self.pidfile)
+            .ok()
+            .and_then(|p| p.trim().parse::<i32>().ok())
+        {
+            // SAFETY: kill(2) on the PID Redis wrote for itself; no pointers.
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+        }
+        let _ = self.netram_run.kill();
+        let _ = self.netram_run.wait();
+    }
+}
+
+/// Debian's Redis (linked with jemalloc) under `netram run` with a sixth of its data local:
+/// every value written comes back, and most of its memory is on the servers.
+#[test]
+fn redis_runs_with_its_data_on_the_cluster() {
+    if !netram_testkit::have_tools(&[
+        ("redis-server", "redis-server"),
+        ("redis-cli", "redis-tools"),
+    ]) {
+        return;
+    }
+    let dir = Scratch::new("redis");
+    let (_servers, addrs) = cluster(2);
+    let rep = dir.0.join("report.json");
+    let port = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().port().to_string()
+    };
+    let pidfile = dir.0.join("redis.pid");
+    let mut redis = Redis {
+        netram_run: Command::new(NETRAM)
+            .args(["run", "--local-mem", "16M", "--servers", &addrs])
+            .args(["--report", rep.to_str().unwrap(), "--", "redis-server"])
+            .args(["--port", &port, "--bind", "127.0.0.1", "--save", ""])
+            .args(["--appendonly", "no", "--enable-debug-command", "yes"])
+            .arg("--dir")
+            .arg(&dir.0)
+            .arg("--pidfile")
+            .arg(&pidfile)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap(),
+        pidfile,
+    };
+    let cli = |args: &[&str]| {
+        Command::new("timeout")
+            .args(["60", "redis-cli", "-p", &port])
+            .args(args)
+            .output()
+            .unwrap()
+    };
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while cli(&["ping"]).stdout != b"PONG\n" {
+        assert!(std::time::Instant::now() < deadline, "redis did not start");
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    // 100,000 keys of 512-byte values (about 70 MiB with Redis's overheads).
+    assert_eq!(
+        cli(&["debug", "populate", "100000", "key", "512"]).stdout,
+        b"OK\n"
+    );
+    assert_eq!(cli(&["dbsize"]).stdout, b"100000\n");
+    for k in [0, 1, 4_242, 50_000, 99_999] {
+        let out = cli(&["get", &format!("key:{k}")]);
+        let want = format!("value:{k}");
+        assert!(
+            String::from_utf8_lossy(&out.stdout).starts_with(&want),
+            "key:{k} read back {:?}",
+            String::from_utf8_lossy(&out.stdout)
+        );
+    }
+    cli(&["shutdown", "nosave"]);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    let status = loop {
+        if let Some(status) = redis.netram_run.try_wait().unwrap() {
+            break status;
+        }
+        assert!(std::time::Instant::now() < deadline, "redis did not stop");
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    };
+    assert_eq!(status.code(), Some(0), "redis's exit");
+    let r = report(&rep);
+    let g = |k: &str| r[k].as_u64().unwrap_or_else(|| panic!("{k} in {r}"));
+    assert!(
+        g("puts") > 5_000,
+        "most of Redis's memory went to the servers: {r}"
+    );
+    assert_eq!(g("errors"), 0, "{r}");
+}
+
 /// GNU sort keeps its buffer in one large malloc: sorted under netram with a quarter of it
 /// local, the output is the same as without.
 #[test]

@@ -18,6 +18,10 @@
 //! `NETRAM_THRESHOLD`, `NETRAM_REPORT` (a directory where each process writes its counters at
 //! exit), `NETRAM_REQUIRED` (exit with status 70 rather than run without netram).
 //!
+//! A program that brings its own allocator as a shared library (jemalloc, tcmalloc, mimalloc)
+//! keeps it: the `malloc` family is passed through to it (see [`Foreign`]), and its memory
+//! reaches the region through the interposed `mmap`.
+//!
 //! Hazards: the library's own Rust allocations go straight to `__libc_malloc` (its global
 //! allocator), and a thread already inside the region's heap is sent to the C library for
 //! anything else it allocates, so the heap's lock is never taken twice. After `fork` the child
@@ -291,6 +295,10 @@ extern "C" fn at_exit() {
 /// Runs when the library is loaded, before the program's `main`: connects to the servers
 /// and maps the region, so that a bad configuration is reported at once.
 extern "C" fn on_load() {
+    // Before anything of the C library allocates on netram's behalf: every block from then on
+    // comes from, and goes back to, the allocator that will serve the program.
+    let _ = enter(find_brk_start);
+    let _ = foreign();
     let _ = enter(|| {
         if STATE
             .compare_exchange(UNINIT, INITIALIZING, Ordering::AcqRel, Ordering::Acquire)
@@ -368,10 +376,144 @@ fn set_errno(e: c_int) {
     unsafe { *libc::__errno_location() = e };
 }
 
+/// The allocator of a program that brings its own (jemalloc, tcmalloc or mimalloc as a shared
+/// library after this one: `LD_PRELOAD` puts this library first, so its `malloc` is the one
+/// everybody calls). Mixing the two would hand one allocator's pointers to the other — the
+/// program calls `sdallocx`, `mallocx` or `tc_free` on what came from here, or frees here what
+/// its allocator's own entry points returned — so with a foreign allocator present every call
+/// of the `malloc` family is passed through to it, and its memory reaches the region through
+/// `mmap`, which such allocators call for all of their memory.
+type MallocFn = unsafe extern "C" fn(usize) -> *mut c_void;
+type FreeFn = unsafe extern "C" fn(*mut c_void);
+type CallocFn = unsafe extern "C" fn(usize, usize) -> *mut c_void;
+type ReallocFn = unsafe extern "C" fn(*mut c_void, usize) -> *mut c_void;
+type PosixMemalignFn = unsafe extern "C" fn(*mut *mut c_void, usize, usize) -> c_int;
+type AlignedFn = unsafe extern "C" fn(usize, usize) -> *mut c_void;
+type UsableSizeFn = unsafe extern "C" fn(*mut c_void) -> usize;
+
+struct Foreign {
+    malloc: MallocFn,
+    free: FreeFn,
+    calloc: CallocFn,
+    realloc: ReallocFn,
+    posix_memalign: PosixMemalignFn,
+    /// Optional in the allocator: built from `posix_memalign` when it lacks them.
+    aligned_alloc: Option<AlignedFn>,
+    memalign: Option<AlignedFn>,
+    valloc: Option<MallocFn>,
+    pvalloc: Option<MallocFn>,
+    malloc_usable_size: Option<UsableSizeFn>,
+}
+
+/// Where the C library's main heap starts (`start_brk`), for [`in_libc_heap`].
+static BRK_START: AtomicUsize = AtomicUsize::new(usize::MAX);
+
+fn find_brk_start() {
+    // Field 47 of /proc/self/stat; the fields after the command's closing parenthesis start
+    // at field 3.
+    let start = std::fs::read_to_string("/proc/self/stat")
+        .ok()
+        .and_then(|s| {
+            let (_, rest) = s.rsplit_once(')')?;
+            rest.split_whitespace().nth(47 - 3)?.parse::<usize>().ok()
+        });
+    if let Some(start) = start {
+        BRK_START.store(start, Ordering::Relaxed);
+    }
+}
+
+/// Whether `p` is a block of the C library's main heap (the program break), which a foreign
+/// allocator never uses while `mmap` works (jemalloc's default `dss:secondary`): blocks that
+/// netram's code had the C library allocate on the program's thread (glibc registering a
+/// thread-local's destructor, the resolver) and that the C library frees later on the program's
+/// behalf, outside netram, must go back to it and not to the foreign allocator.
+fn in_libc_heap(p: *mut c_void) -> bool {
+    let a = p as usize;
+    // SAFETY: sbrk(0) only reads the current break.
+    a >= BRK_START.load(Ordering::Relaxed) && a < unsafe { libc::sbrk(0) } as usize
+}
+
+/// The foreign allocator, if there is one and this thread may use it: looked up at the first
+/// call of the `malloc` family. netram's own threads (and a thread inside netram) use the C
+/// library's allocator instead: the foreign allocator keeps its own bookkeeping in memory it
+/// maps, which is on the region, and the fault handler touching it would wait for itself.
+fn foreign() -> Option<&'static Foreign> {
+    static FOREIGN: OnceLock<Option<Foreign>> = OnceLock::new();
+    if let Some(f) = FOREIGN.get() {
+        return f.as_ref().filter(|_| !netram_uffd::alloc::is_inside());
+    }
+    // dlsym may allocate (through this library's malloc): inside `enter`, those calls go to
+    // the C library and do not come back here. None if this thread is already inside.
+    enter(|| FOREIGN.get_or_init(find_foreign).as_ref()).flatten()
+}
+
+fn find_foreign() -> Option<Foreign> {
+    fn next(name: &std::ffi::CStr) -> *mut c_void {
+        // SAFETY: a lookup of a symbol in the libraries loaded after this one.
+        unsafe { libc::dlsym(libc::RTLD_NEXT, name.as_ptr()) }
+    }
+    let malloc = next(c"malloc");
+    // glibc's `malloc` is an alias of `__libc_malloc`: the same address.
+    if malloc.is_null() || malloc == __libc_malloc as *mut c_void {
+        return None;
+    }
+    let (free, calloc, realloc, posix_memalign) = (
+        next(c"free"),
+        next(c"calloc"),
+        next(c"realloc"),
+        next(c"posix_memalign"),
+    );
+    if [free, calloc, realloc, posix_memalign]
+        .iter()
+        .any(|p| p.is_null())
+    {
+        return None;
+    }
+    let opt = |name: &std::ffi::CStr| Some(next(name)).filter(|p| !p.is_null());
+    // SAFETY: each symbol is the C function of that name, with the C library's signature
+    // (the ABI every malloc replacement keeps).
+    unsafe {
+        Some(Foreign {
+            malloc: std::mem::transmute::<*mut c_void, MallocFn>(malloc),
+            free: std::mem::transmute::<*mut c_void, FreeFn>(free),
+            calloc: std::mem::transmute::<*mut c_void, CallocFn>(calloc),
+            realloc: std::mem::transmute::<*mut c_void, ReallocFn>(realloc),
+            posix_memalign: std::mem::transmute::<*mut c_void, PosixMemalignFn>(posix_memalign),
+            aligned_alloc: opt(c"aligned_alloc")
+                .map(|p| std::mem::transmute::<*mut c_void, AlignedFn>(p)),
+            memalign: opt(c"memalign").map(|p| std::mem::transmute::<*mut c_void, AlignedFn>(p)),
+            valloc: opt(c"valloc").map(|p| std::mem::transmute::<*mut c_void, MallocFn>(p)),
+            pvalloc: opt(c"pvalloc").map(|p| std::mem::transmute::<*mut c_void, MallocFn>(p)),
+            malloc_usable_size: opt(c"malloc_usable_size")
+                .map(|p| std::mem::transmute::<*mut c_void, UsableSizeFn>(p)),
+        })
+    }
+}
+
+impl Foreign {
+    /// An aligned block from the foreign allocator, for the entry points it may lack.
+    fn aligned(&self, align: usize, size: usize) -> *mut c_void {
+        let mut p = std::ptr::null_mut();
+        let align = align.max(std::mem::size_of::<usize>());
+        // SAFETY: the allocator's posix_memalign, writing to a local.
+        match unsafe { (self.posix_memalign)(&mut p, align, size) } {
+            0 => p,
+            e => {
+                set_errno(e);
+                std::ptr::null_mut()
+            }
+        }
+    }
+}
+
 /// # Safety
 /// The C library's contract for `malloc`.
 #[no_mangle]
 pub unsafe extern "C" fn malloc(size: usize) -> *mut c_void {
+    if let Some(f) = foreign() {
+        // SAFETY: passed through.
+        return unsafe { (f.malloc)(size) };
+    }
     if let Some(h) = heap_for(size) {
         let p = heap_alloc(h, size, PAGE_SIZE);
         if !p.is_null() {
@@ -386,6 +528,12 @@ pub unsafe extern "C" fn malloc(size: usize) -> *mut c_void {
 /// The C library's contract for `free`.
 #[no_mangle]
 pub unsafe extern "C" fn free(ptr: *mut c_void) {
+    if let Some(f) = foreign() {
+        if !in_libc_heap(ptr) {
+            // SAFETY: passed through: the block is the foreign allocator's.
+            return unsafe { (f.free)(ptr) };
+        }
+    }
     if ptr.is_null() {
         return;
     }
@@ -400,6 +548,10 @@ pub unsafe extern "C" fn free(ptr: *mut c_void) {
 /// The C library's contract for `calloc`.
 #[no_mangle]
 pub unsafe extern "C" fn calloc(n: usize, size: usize) -> *mut c_void {
+    if let Some(f) = foreign() {
+        // SAFETY: passed through.
+        return unsafe { (f.calloc)(n, size) };
+    }
     let Some(total) = n.checked_mul(size) else {
         set_errno(libc::ENOMEM);
         return std::ptr::null_mut();
@@ -420,8 +572,18 @@ fn libc_usable_size(ptr: *mut c_void) -> usize {
     static REAL: AtomicPtr<c_void> = AtomicPtr::new(std::ptr::null_mut());
     let mut f = REAL.load(Ordering::Acquire);
     if f.is_null() {
-        // SAFETY: a lookup of a symbol of the libraries after this one.
-        f = unsafe { libc::dlsym(libc::RTLD_NEXT, c"malloc_usable_size".as_ptr()) };
+        // The C library's own, not the next library's (a foreign allocator's).
+        // SAFETY: dlopen of the already loaded C library (RTLD_NOLOAD: a handle, no loading)
+        // and a lookup in it.
+        f = unsafe {
+            let libc_handle =
+                libc::dlopen(c"libc.so.6".as_ptr(), libc::RTLD_LAZY | libc::RTLD_NOLOAD);
+            if libc_handle.is_null() {
+                libc::dlsym(libc::RTLD_NEXT, c"malloc_usable_size".as_ptr())
+            } else {
+                libc::dlsym(libc_handle, c"malloc_usable_size".as_ptr())
+            }
+        };
         REAL.store(f, Ordering::Release);
     }
     if f.is_null() {
@@ -437,6 +599,12 @@ fn libc_usable_size(ptr: *mut c_void) -> usize {
 /// The C library's contract for `realloc`.
 #[no_mangle]
 pub unsafe extern "C" fn realloc(ptr: *mut c_void, size: usize) -> *mut c_void {
+    if let Some(f) = foreign() {
+        if !in_libc_heap(ptr) {
+            // SAFETY: passed through: the block (or null) is the foreign allocator's.
+            return unsafe { (f.realloc)(ptr, size) };
+        }
+    }
     if ptr.is_null() {
         // SAFETY: the contract of malloc.
         return unsafe { malloc(size) };
@@ -498,6 +666,10 @@ fn aligned(align: usize, size: usize) -> *mut c_void {
 /// The C library's contract for `posix_memalign`.
 #[no_mangle]
 pub unsafe extern "C" fn posix_memalign(out: *mut *mut c_void, align: usize, size: usize) -> c_int {
+    if let Some(f) = foreign() {
+        // SAFETY: passed through.
+        return unsafe { (f.posix_memalign)(out, align, size) };
+    }
     if !align.is_power_of_two() || !align.is_multiple_of(std::mem::size_of::<usize>()) {
         return libc::EINVAL;
     }
@@ -514,6 +686,13 @@ pub unsafe extern "C" fn posix_memalign(out: *mut *mut c_void, align: usize, siz
 /// The C library's contract for `aligned_alloc`.
 #[no_mangle]
 pub unsafe extern "C" fn aligned_alloc(align: usize, size: usize) -> *mut c_void {
+    if let Some(f) = foreign() {
+        return match f.aligned_alloc {
+            // SAFETY: passed through.
+            Some(a) => unsafe { a(align, size) },
+            None => f.aligned(align, size),
+        };
+    }
     if !align.is_power_of_two() {
         set_errno(libc::EINVAL);
         return std::ptr::null_mut();
@@ -525,6 +704,13 @@ pub unsafe extern "C" fn aligned_alloc(align: usize, size: usize) -> *mut c_void
 /// The C library's contract for `memalign`.
 #[no_mangle]
 pub unsafe extern "C" fn memalign(align: usize, size: usize) -> *mut c_void {
+    if let Some(f) = foreign() {
+        return match f.memalign {
+            // SAFETY: passed through.
+            Some(m) => unsafe { m(align, size) },
+            None => f.aligned(align, size),
+        };
+    }
     if !align.is_power_of_two() {
         set_errno(libc::EINVAL);
         return std::ptr::null_mut();
@@ -536,6 +722,13 @@ pub unsafe extern "C" fn memalign(align: usize, size: usize) -> *mut c_void {
 /// The C library's contract for `valloc`.
 #[no_mangle]
 pub unsafe extern "C" fn valloc(size: usize) -> *mut c_void {
+    if let Some(f) = foreign() {
+        return match f.valloc {
+            // SAFETY: passed through.
+            Some(v) => unsafe { v(size) },
+            None => f.aligned(PAGE_SIZE, size),
+        };
+    }
     aligned(PAGE_SIZE, size)
 }
 
@@ -543,6 +736,13 @@ pub unsafe extern "C" fn valloc(size: usize) -> *mut c_void {
 /// The C library's contract for `pvalloc`.
 #[no_mangle]
 pub unsafe extern "C" fn pvalloc(size: usize) -> *mut c_void {
+    if let Some(f) = foreign() {
+        return match f.pvalloc {
+            // SAFETY: passed through.
+            Some(v) => unsafe { v(size) },
+            None => f.aligned(PAGE_SIZE, size.max(1).next_multiple_of(PAGE_SIZE)),
+        };
+    }
     aligned(PAGE_SIZE, size.max(1).next_multiple_of(PAGE_SIZE))
 }
 
@@ -550,6 +750,12 @@ pub unsafe extern "C" fn pvalloc(size: usize) -> *mut c_void {
 /// The C library's contract for `malloc_usable_size`.
 #[no_mangle]
 pub unsafe extern "C" fn malloc_usable_size(ptr: *mut c_void) -> usize {
+    if let Some(f) = foreign() {
+        if !in_libc_heap(ptr) {
+            // SAFETY: passed through: the block is the foreign allocator's.
+            return f.malloc_usable_size.map_or(0, |u| unsafe { u(ptr) });
+        }
+    }
     if ptr.is_null() {
         return 0;
     }
@@ -562,18 +768,72 @@ pub unsafe extern "C" fn malloc_usable_size(ptr: *mut c_void) -> usize {
 /// Whether an `mmap` call asks for plain private anonymous memory of `len` bytes that the
 /// region can stand in for.
 fn is_plain_anonymous(addr: *mut c_void, prot: c_int, flags: c_int) -> bool {
-    let refused = libc::MAP_SHARED
-        | libc::MAP_SHARED_VALIDATE
-        | libc::MAP_FIXED
+    // The mapping type is a field of the low bits, not a flag: MAP_SHARED_VALIDATE (3) shares
+    // a bit with MAP_PRIVATE (2). (Tested as flags, every private mapping was refused.)
+    const MAP_TYPE: c_int = 0x0f;
+    let refused = libc::MAP_FIXED
         | libc::MAP_FIXED_NOREPLACE
         | libc::MAP_GROWSDOWN
         | libc::MAP_STACK
         | libc::MAP_HUGETLB;
     addr.is_null()
+        && flags & MAP_TYPE == libc::MAP_PRIVATE
         && flags & libc::MAP_ANONYMOUS != 0
-        && flags & libc::MAP_PRIVATE != 0
         && flags & refused == 0
         && prot == libc::PROT_READ | libc::PROT_WRITE
+}
+
+type StartRoutine = extern "C" fn(*mut c_void) -> *mut c_void;
+
+/// A thread netram's code starts (inside `enter`: the fault handler, keepalive, maintenance):
+/// it is netram's own from its first instruction, so that nothing it allocates lands on the
+/// region or in a foreign allocator (see [`foreign`]).
+extern "C" fn internal_thread(arg: *mut c_void) -> *mut c_void {
+    // SAFETY: `arg` is the box `pthread_create` below made for this thread, taken once.
+    let start = unsafe { Box::from_raw(arg.cast::<(StartRoutine, usize)>()) };
+    netram_uffd::alloc::mark_internal_thread();
+    (start.0)(start.1 as *mut c_void)
+}
+
+/// # Safety
+/// The C library's contract for `pthread_create`.
+#[no_mangle]
+pub unsafe extern "C" fn pthread_create(
+    thread: *mut libc::pthread_t,
+    attr: *const libc::pthread_attr_t,
+    start: StartRoutine,
+    arg: *mut c_void,
+) -> c_int {
+    type Create = unsafe extern "C" fn(
+        *mut libc::pthread_t,
+        *const libc::pthread_attr_t,
+        StartRoutine,
+        *mut c_void,
+    ) -> c_int;
+    static REAL: AtomicPtr<c_void> = AtomicPtr::new(std::ptr::null_mut());
+    let mut f = REAL.load(Ordering::Acquire);
+    if f.is_null() {
+        // SAFETY: a lookup of the C library's pthread_create, after this library.
+        f = unsafe { libc::dlsym(libc::RTLD_NEXT, c"pthread_create".as_ptr()) };
+        if f.is_null() {
+            return libc::EAGAIN;
+        }
+        REAL.store(f, Ordering::Release);
+    }
+    // SAFETY: the symbol is pthread_create, with this signature.
+    let real: Create = unsafe { std::mem::transmute::<*mut c_void, Create>(f) };
+    if !netram_uffd::alloc::is_inside() {
+        // SAFETY: passed through.
+        return unsafe { real(thread, attr, start, arg) };
+    }
+    let boxed = Box::into_raw(Box::new((start, arg as usize)));
+    // SAFETY: passed through with the trampoline, which takes the box back.
+    let rc = unsafe { real(thread, attr, internal_thread, boxed.cast()) };
+    if rc != 0 {
+        // SAFETY: the thread was not created: the box is still ours.
+        drop(unsafe { Box::from_raw(boxed) });
+    }
+    rc
 }
 
 /// # Safety
@@ -730,4 +990,30 @@ pub unsafe extern "C" fn madvise(addr: *mut c_void, len: usize, advice: c_int) -
     }
     // SAFETY: the system call with the caller's arguments.
     unsafe { libc::syscall(libc::SYS_madvise, addr, len, advice) as c_int }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn plain_private_anonymous_mappings_are_taken_and_no_others() {
+        let rw = libc::PROT_READ | libc::PROT_WRITE;
+        let anon = libc::MAP_PRIVATE | libc::MAP_ANONYMOUS;
+        let null = std::ptr::null_mut();
+        assert!(is_plain_anonymous(null, rw, anon));
+        // What jemalloc asks for.
+        assert!(is_plain_anonymous(null, rw, anon | libc::MAP_NORESERVE));
+        assert!(is_plain_anonymous(null, rw, anon | libc::MAP_POPULATE));
+        let shared = libc::MAP_SHARED | libc::MAP_ANONYMOUS;
+        assert!(!is_plain_anonymous(null, rw, shared));
+        let validate = libc::MAP_SHARED_VALIDATE | libc::MAP_ANONYMOUS;
+        assert!(!is_plain_anonymous(null, rw, validate));
+        assert!(!is_plain_anonymous(null, rw, libc::MAP_PRIVATE));
+        assert!(!is_plain_anonymous(null, libc::PROT_NONE, anon));
+        assert!(!is_plain_anonymous(null, rw, anon | libc::MAP_STACK));
+        assert!(!is_plain_anonymous(null, rw, anon | libc::MAP_FIXED));
+        let hint = 0x7000_0000_0000usize as *mut c_void;
+        assert!(!is_plain_anonymous(hint, rw, anon));
+    }
 }

@@ -84,18 +84,16 @@ fn committed_fuzz_seeds_follow_the_wire_format() {
         rest = &rest[len..];
     }
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fuzz/seeds");
-    for target in ["decode"] {
-        let path = root.join(target).join("parity-seed");
-        if std::env::var_os("NETRAM_WRITE_FUZZ_SEEDS").is_some() {
-            std::fs::create_dir_all(path.parent().unwrap()).unwrap();
-            std::fs::write(&path, &seed).unwrap();
-        }
-        let committed = std::fs::read(&path).unwrap_or_default();
-        assert!(
-            committed == seed,
-            "{} is not the current seed: run NETRAM_WRITE_FUZZ_SEEDS=1 cargo test -p \
-             netram-proto --test fuzz_seeds",
-            path.display()
-        );
+    let path = root.join("decode").join("parity-seed");
+    if std::env::var_os("NETRAM_WRITE_FUZZ_SEEDS").is_some() {
+        std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+        std::fs::write(&path, &seed).unwrap();
     }
+    let committed = std::fs::read(&path).unwrap_or_default();
+    assert!(
+        committed == seed,
+        "{} is not the current seed: run NETRAM_WRITE_FUZZ_SEEDS=1 cargo test -p \
+         netram-proto --test fuzz_seeds",
+        path.display()
+    );
 }

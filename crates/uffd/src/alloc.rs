@@ -25,6 +25,20 @@ thread_local! {
     static INSIDE: Cell<bool> = const { Cell::new(false) };
 }
 
+/// Marks this thread as netram's own for the rest of its life, as if always inside the heap:
+/// its allocations never go to a region, nor (under `netram run`) to the program's allocator.
+/// A region's fault handler must never touch region memory, since it alone could serve that
+/// fault; the threads serving the pager (keepalive, maintenance) must not wait on a lock that a
+/// thread faulting on region memory holds (the program's allocator's).
+pub fn mark_internal_thread() {
+    let _ = INSIDE.try_with(|i| i.set(true));
+}
+
+/// Whether this thread is inside the heap or one of netram's own (`true` while it exits).
+pub fn is_inside() -> bool {
+    INSIDE.try_with(Cell::get).unwrap_or(true)
+}
+
 /// Runs `f` marked as inside the heap; `None` if this thread already is (or is exiting). An
 /// allocator that puts blocks on a region calls the heap through this, and sends the thread's
 /// other allocations elsewhere while it is inside (here and in `netram run`'s preload library).

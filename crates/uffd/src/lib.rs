@@ -407,7 +407,11 @@ where
         let (s, stop_fd) = (shared.clone(), stop.clone());
         let thread = std::thread::Builder::new()
             .name("netram-uffd".into())
-            .spawn(move || s.run(&stop_fd))
+            .spawn(move || {
+                // Its allocations must never land on the region it serves.
+                alloc::mark_internal_thread();
+                s.run(&stop_fd)
+            })
             .map_err(|e| unmap_both(RegionError::Handler(e)))?;
         Ok(Self {
             shared,
