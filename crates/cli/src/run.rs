@@ -169,6 +169,22 @@ pub fn run(args: RunArgs) -> anyhow::Result<i32> {
         bail!("netram could not start for {}", args.command[0]);
     }
     let (totals, processes) = read_reports(&reports.0)?;
+    // "exited with 135" says little: name the signal, as a shell would.
+    let ended = match status.signal() {
+        Some(sig) => {
+            let name = match sig {
+                signal_hook::consts::SIGBUS => " (SIGBUS: a page could not be read)",
+                signal_hook::consts::SIGSEGV => " (SIGSEGV)",
+                signal_hook::consts::SIGKILL => " (SIGKILL)",
+                signal_hook::consts::SIGTERM => " (SIGTERM)",
+                signal_hook::consts::SIGABRT => " (SIGABRT)",
+                signal_hook::consts::SIGINT => " (SIGINT)",
+                _ => "",
+            };
+            format!("was killed by signal {sig}{name}")
+        }
+        None => format!("exited with {code}"),
+    };
     if let Some(path) = &args.report {
         let mut doc = totals.clone();
         doc.insert("processes".into(), processes.into());
@@ -179,7 +195,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<i32> {
     }
     if !args.quiet && processes == 0 {
         eprintln!(
-            "netram: {} exited with {code} after {:.1} s (no process reported netram's \
+            "netram: {} {ended} after {:.1} s (no process reported netram's \
              counters: none reached exit(3) normally)",
             args.command[0],
             elapsed.as_secs_f64()
@@ -187,7 +203,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<i32> {
     } else if !args.quiet {
         let g = |k: &str| totals.get(k).and_then(|v| v.as_u64()).unwrap_or(0);
         eprintln!(
-            "netram: {} exited with {code} after {:.1} s; {} process(es) on netram: {} faults \
+            "netram: {} {ended} after {:.1} s; {} process(es) on netram: {} faults \
              ({} fetched, {} zero-filled, {} sampled back), {} evictions ({} clean), \
              prefetched {} ({} used), {} pages stored remotely, {} spilled to disk",
             args.command[0],

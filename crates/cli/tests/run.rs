@@ -264,6 +264,68 @@ fn redis_runs_with_its_data_on_the_cluster() {
     assert_eq!(g("errors"), 0, "{r}");
 }
 
+/// The program's only server is SIGKILLed while most of its memory is there: its next touch of
+/// a lost page ends it with SIGBUS and a message naming the page and the server, as the kernel
+/// ends a program whose swap-in cannot be read (it used to fault again forever, spinning).
+#[test]
+fn a_program_whose_pages_are_lost_dies_of_sigbus() {
+    if !netram_testkit::have_tools(&[("cc", "gcc")]) {
+        return;
+    }
+    let dir = Scratch::new("sigbus");
+    let exe = dir.0.join("touch_after_pause");
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/c/touch_after_pause.c");
+    let out = Command::new("cc")
+        .args(["-std=c11", "-Wall", "-Wextra", "-Werror", "-O1", "-o"])
+        .arg(&exe)
+        .arg(&src)
+        .output()
+        .unwrap();
+    assert_ran(&out, "cc touch_after_pause.c");
+    let server = ServerProcess::start(&["--capacity", "256M"]);
+    let mut run = Command::new("timeout")
+        .args(["120", NETRAM, "run", "--local-mem", "4M", "--servers"])
+        .arg(&server.addr)
+        .arg("--")
+        .arg(&exe)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdout = std::io::BufReader::new(run.stdout.take().unwrap());
+    let mut line = String::new();
+    std::io::BufRead::read_line(&mut stdout, &mut line).unwrap();
+    assert_eq!(line, "filled\n", "the program filled its memory");
+    server.signal(libc::SIGKILL);
+    // Dead (a zombie until its guard reaps it): its sockets are closed.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while !std::fs::read_to_string(format!("/proc/{}/stat", server.pid()))
+        .unwrap_or_default()
+        .rsplit_once(')')
+        .is_some_and(|(_, rest)| rest.trim_start().starts_with('Z'))
+    {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the server did not die"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    std::io::Write::write_all(&mut run.stdin.take().unwrap(), b"go\n").unwrap();
+    let out = run.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(
+        out.status.code(),
+        Some(128 + libc::SIGBUS),
+        "netram run reports death by SIGBUS: {err}"
+    );
+    assert!(
+        err.contains("cannot be read") && err.contains("lost with dead server"),
+        "the reason is on stderr: {err}"
+    );
+    assert!(err.contains("killed by signal 7 (SIGBUS"), "{err}");
+}
+
 /// GNU sort keeps its buffer in one large malloc: sorted under netram with a quarter of it
 /// local, the output is the same as without.
 #[test]

@@ -801,7 +801,8 @@ impl<T: Transport, D: Disk> Shared<T, D> {
     fn unreadable(&self, page: usize, tid: u32, e: &netram_pager::PagerError) {
         let addr = self.base.page(page);
         let n = self.counters.sigbus.fetch_add(1, Ordering::Relaxed);
-        tracing::error!("page {page} cannot be read: {e}");
+        // The message below is the user's; the log has it at debug level, not twice.
+        tracing::debug!("page {page} cannot be read: {e}");
         if n < 8 {
             // stderr even without a tracing subscriber (the preload library has none): the
             // program's user must learn why it died.
