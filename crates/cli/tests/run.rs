@@ -54,24 +54,31 @@ fn report(path: &Path) -> serde_json::Value {
     serde_json::from_str(&std::fs::read_to_string(path).expect("the report")).unwrap()
 }
 
-fn compile_alloc_mix(dir: &Path) -> Option<PathBuf> {
+/// `tests/c/NAME.c` compiled into `dir` (with `libs`), or `None` (the test skipped, said so)
+/// without a C compiler.
+fn compile_c(dir: &Path, name: &str, libs: &[&str]) -> Option<PathBuf> {
     if !netram_testkit::have_tools(&[("cc", "gcc")]) {
         return None;
     }
-    let exe = dir.join("alloc_mix");
-    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/c/alloc_mix.c");
+    let exe = dir.join(name);
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join(format!("tests/c/{name}.c"));
     let out = Command::new("cc")
         .args(["-std=c11", "-Wall", "-Wextra", "-Werror", "-O1", "-o"])
         .arg(&exe)
         .arg(&src)
+        .args(libs)
         .output()
         .unwrap();
     assert!(
         out.status.success(),
-        "cc: {}",
+        "cc {name}.c: {}",
         String::from_utf8_lossy(&out.stderr)
     );
     Some(exe)
+}
+
+fn compile_alloc_mix(dir: &Path) -> Option<PathBuf> {
+    compile_c(dir, "alloc_mix", &[])
 }
 
 fn assert_ran(out: &Output, what: &str) {
@@ -126,20 +133,13 @@ fn a_c_program_runs_on_netram() {
 /// crash at start; its memory still goes to the cluster, through jemalloc's `mmap` calls.
 #[test]
 fn a_program_linked_with_jemalloc_keeps_its_allocator() {
-    if !netram_testkit::have_tools(&[("cc", "gcc"), ("jeprof", "libjemalloc-dev")]) {
+    if !netram_testkit::have_tools(&[("jeprof", "libjemalloc-dev")]) {
         return;
     }
     let dir = Scratch::new("jemalloc");
-    let exe = dir.0.join("jemalloc_mix");
-    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/c/jemalloc_mix.c");
-    let out = Command::new("cc")
-        .args(["-std=c11", "-Wall", "-Wextra", "-Werror", "-O1", "-o"])
-        .arg(&exe)
-        .arg(&src)
-        .arg("-ljemalloc")
-        .output()
-        .unwrap();
-    assert_ran(&out, "cc jemalloc_mix.c");
+    let Some(exe) = compile_c(&dir.0, "jemalloc_mix", &["-ljemalloc"]) else {
+        return;
+    };
     let (_servers, addrs) = cluster(2);
     let rep = dir.0.join("report.json");
     let out = netram_run(
@@ -269,19 +269,10 @@ fn redis_runs_with_its_data_on_the_cluster() {
 /// ends a program whose swap-in cannot be read (it used to fault again forever, spinning).
 #[test]
 fn a_program_whose_pages_are_lost_dies_of_sigbus() {
-    if !netram_testkit::have_tools(&[("cc", "gcc")]) {
-        return;
-    }
     let dir = Scratch::new("sigbus");
-    let exe = dir.0.join("touch_after_pause");
-    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/c/touch_after_pause.c");
-    let out = Command::new("cc")
-        .args(["-std=c11", "-Wall", "-Wextra", "-Werror", "-O1", "-o"])
-        .arg(&exe)
-        .arg(&src)
-        .output()
-        .unwrap();
-    assert_ran(&out, "cc touch_after_pause.c");
+    let Some(exe) = compile_c(&dir.0, "touch_after_pause", &[]) else {
+        return;
+    };
     let server = ServerProcess::start(&["--capacity", "256M"]);
     let mut run = Command::new("timeout")
         .args(["120", NETRAM, "run", "--local-mem", "4M", "--servers"])
