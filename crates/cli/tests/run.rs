@@ -163,6 +163,50 @@ fn a_program_linked_with_jemalloc_keeps_its_allocator() {
     assert_eq!(g("errors"), 0, "{r}");
 }
 
+/// Programs linked with tcmalloc or mimalloc, which define glibc's own `__libc_malloc` too (so
+/// the preload library's small blocks are theirs): `malloc_usable_size` must be theirs as well.
+#[test]
+fn programs_linked_with_tcmalloc_or_mimalloc_run() {
+    let libs = [
+        (
+            "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4",
+            "libtcmalloc-minimal4",
+        ),
+        (
+            "/usr/lib/x86_64-linux-gnu/libmimalloc.so.2",
+            "libmimalloc2.0",
+        ),
+    ];
+    let missing: Vec<&str> = libs
+        .iter()
+        .filter(|(path, _)| !Path::new(path).exists())
+        .map(|(_, package)| *package)
+        .collect();
+    if !missing.is_empty() {
+        netram_testkit::skip(
+            "tcmalloc or mimalloc is not installed",
+            Some(&missing.join(" ")),
+        );
+        return;
+    }
+    let dir = Scratch::new("allocators");
+    let (_servers, addrs) = cluster(2);
+    for (lib, _) in libs {
+        let Some(exe) = compile_c(&dir.0, "plain_mix", &[lib]) else {
+            return;
+        };
+        let out = netram_run(
+            &["--local-mem", "8M", "--servers", &addrs],
+            &[exe.to_str().unwrap()],
+        );
+        assert_ran(&out, lib);
+        assert!(
+            String::from_utf8_lossy(&out.stdout).contains("plainmix: ok"),
+            "{lib}"
+        );
+    }
+}
+
 /// `netram run redis-server`: on drop, Redis (by the PID in its pidfile: `netram run` waits for
 /// its program and would leave it behind) and `netram run` are killed, also when a test fails.
 struct Redis {

@@ -567,21 +567,30 @@ pub unsafe extern "C" fn calloc(n: usize, size: usize) -> *mut c_void {
     unsafe { __libc_calloc(n, size) }
 }
 
-/// `malloc_usable_size` of the C library, found once with `dlsym`.
+/// `malloc_usable_size` of the allocator behind `__libc_malloc`, found once: glibc's, or that of
+/// an allocator that replaces glibc's own entry points too (tcmalloc and mimalloc define
+/// `__libc_malloc`, so this library's small blocks are theirs). It is looked up in the object
+/// that defines `__libc_malloc`, not as the next `malloc_usable_size`, which may be a foreign
+/// allocator's (jemalloc's) that knows nothing of these blocks.
 fn libc_usable_size(ptr: *mut c_void) -> usize {
     static REAL: AtomicPtr<c_void> = AtomicPtr::new(std::ptr::null_mut());
     let mut f = REAL.load(Ordering::Acquire);
     if f.is_null() {
-        // The C library's own, not the next library's (a foreign allocator's).
-        // SAFETY: dlopen of the already loaded C library (RTLD_NOLOAD: a handle, no loading)
-        // and a lookup in it.
+        // SAFETY: dladdr fills `info` for an address of a loaded object; dlopen with
+        // RTLD_NOLOAD only returns a handle of that already loaded object; dlsym looks up in it.
         f = unsafe {
-            let libc_handle =
-                libc::dlopen(c"libc.so.6".as_ptr(), libc::RTLD_LAZY | libc::RTLD_NOLOAD);
-            if libc_handle.is_null() {
+            let mut info: libc::Dl_info = std::mem::zeroed();
+            let owner = if libc::dladdr(__libc_malloc as *const c_void, &mut info) != 0
+                && !info.dli_fname.is_null()
+            {
+                libc::dlopen(info.dli_fname, libc::RTLD_LAZY | libc::RTLD_NOLOAD)
+            } else {
+                std::ptr::null_mut()
+            };
+            if owner.is_null() {
                 libc::dlsym(libc::RTLD_NEXT, c"malloc_usable_size".as_ptr())
             } else {
-                libc::dlsym(libc_handle, c"malloc_usable_size".as_ptr())
+                libc::dlsym(owner, c"malloc_usable_size".as_ptr())
             }
         };
         REAL.store(f, Ordering::Release);
@@ -589,8 +598,8 @@ fn libc_usable_size(ptr: *mut c_void) -> usize {
     if f.is_null() {
         return 0;
     }
-    // SAFETY: the C library's malloc_usable_size has this signature; `ptr` is its block.
-    let f: unsafe extern "C" fn(*mut c_void) -> usize = unsafe { std::mem::transmute(f) };
+    // SAFETY: a malloc_usable_size has this signature; `ptr` is a block of its allocator.
+    let f = unsafe { std::mem::transmute::<*mut c_void, UsableSizeFn>(f) };
     // SAFETY: as above.
     unsafe { f(ptr) }
 }
