@@ -125,46 +125,39 @@ fn check(args: ServeArgs) -> anyhow::Result<ServerConfig> {
     if lease_period < Duration::from_millis(10) || lease_period > Duration::from_secs(3600) {
         bail!("lease period {lease_period:?} is outside 10ms..1h");
     }
-    let max_connections = args
-        .max_connections
-        .or(file.max_connections)
-        .unwrap_or(d.max_connections);
-    if max_connections == 0 {
-        bail!("max-connections must be at least 1");
-    }
-    let max_connections_per_peer = args
-        .max_connections_per_client
-        .or(file.max_connections_per_client)
-        .unwrap_or(d.max_connections_per_peer);
-    if max_connections_per_peer == 0 {
-        bail!("max-connections-per-client must be at least 1");
-    }
-    let max_peer_sessions = args
-        .max_sessions_per_client
-        .or(file.max_sessions_per_client)
-        .unwrap_or(d.max_peer_sessions);
-    if max_peer_sessions == 0 {
-        bail!("max-sessions-per-client must be at least 1");
-    }
-    let max_client_bytes = match args
+    let max_connections = at_least_one(
+        "max-connections",
+        args.max_connections
+            .or(file.max_connections)
+            .unwrap_or(d.max_connections),
+    )?;
+    let max_connections_per_peer = at_least_one(
+        "max-connections-per-client",
+        args.max_connections_per_client
+            .or(file.max_connections_per_client)
+            .unwrap_or(d.max_connections_per_peer),
+    )?;
+    let max_peer_sessions = at_least_one(
+        "max-sessions-per-client",
+        args.max_sessions_per_client
+            .or(file.max_sessions_per_client)
+            .unwrap_or(d.max_peer_sessions),
+    )?;
+    let max_client_bytes = args
         .max_client_memory
         .as_deref()
         .or(file.max_client_memory.as_deref())
-    {
-        Some(s) => Some(parse_size("max client memory", s)?),
-        None => None,
-    };
+        .map(|s| parse_size("max client memory", s))
+        .transpose()?;
     if max_client_bytes.is_some_and(|b| b < netram_proto::PAGE_SIZE as u64) {
         bail!("max-client-memory must be at least one 4 KiB page");
     }
-    let idle_timeout = match args
+    let idle_timeout = args
         .idle_timeout
         .as_deref()
         .or(file.idle_timeout.as_deref())
-    {
-        Some(s) => Some(parse_duration("idle timeout", s)?),
-        None => None,
-    };
+        .map(|s| parse_duration("idle timeout", s))
+        .transpose()?;
     if let Some(t) = idle_timeout {
         // A client refreshes every half lease period: a shorter timeout would cut live ones.
         if t < lease_period {
@@ -203,6 +196,14 @@ fn check(args: ServeArgs) -> anyhow::Result<ServerConfig> {
         node: file.node_id.unwrap_or_else(|| fastrand::u64(..)),
         ..d
     })
+}
+
+/// A count that must be at least one.
+fn at_least_one<T: Copy + Default + PartialEq>(flag: &str, v: T) -> anyhow::Result<T> {
+    if v == T::default() {
+        bail!("{flag} must be at least 1");
+    }
+    Ok(v)
 }
 
 pub fn run(args: ServeArgs) -> anyhow::Result<()> {
