@@ -30,6 +30,8 @@ const TOOLS: &[(&str, &str)] = &[
     ("jeprof", "libjemalloc-dev"),
     ("redis-server", "redis-server"),
     ("redis-cli", "redis-tools"),
+    ("sqlite3", "sqlite3"),
+    ("perl", "perl"),
 ];
 
 const USAGE: &str = "\

@@ -45,14 +45,17 @@ enum Command {
     /// plus a loop device where the kernel has no NBD driver, or with any NBD tool (qemu-img,
     /// nbdcopy, fio). The device lives as long as this process: it is memory, not storage.
     Nbd(nbd::NbdArgs),
-    /// Run an unmodified program with its large allocations on cluster memory.
+    /// Run an unmodified program with its heap on cluster memory.
     ///
-    /// A preload library puts the program's large allocations (malloc family and anonymous
-    /// mmap above --threshold) on a netram region: at most --local-mem of them in local memory,
-    /// the rest on the page servers, paged through userfaultfd. Dynamically linked programs
-    /// only. As an ordinary user, a system call that reads or writes a page of that memory
-    /// which is not resident fails with EFAULT (root has no such limit). A forked child
-    /// does not inherit that memory (exec is fine). Exits with the program's status.
+    /// A preload library puts the program's heap (the malloc family from --threshold up, every
+    /// size with --threshold 0, and private anonymous mmap) on a netram region: at most
+    /// --local-mem of it in local memory, the rest on the page servers, paged through
+    /// userfaultfd. A program that brings its own allocator (jemalloc, tcmalloc, mimalloc)
+    /// keeps it, and that allocator's mappings go on netram. Dynamically linked programs only.
+    /// As an ordinary user (vm.unprivileged_userfaultfd = 0) a system call that reads or writes
+    /// a page of that memory which is not resident fails with EFAULT (root has no such limit).
+    /// A forked child does not inherit that memory (exec is fine). Exits with the program's
+    /// status.
     Run(run::RunArgs),
     /// Start a local cluster on loopback and run an unmodified program (a random-access
     /// workload and a quicksort) all in local memory, under `netram run` with a quarter of its

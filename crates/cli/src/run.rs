@@ -32,9 +32,13 @@ pub struct RunArgs {
     #[arg(long, value_name = "SIZE")]
     max_mem: Option<String>,
     /// Allocations (malloc family, anonymous mmap) of at least this size go to netram;
-    /// smaller ones, file mappings and stacks stay as they are.
-    #[arg(long, default_value = "128K", value_name = "SIZE")]
-    threshold: String,
+    /// smaller ones stay in the C library's heap, in local memory [default: 128K]. 0 puts
+    /// every allocation on netram (as root: an ordinary user's userfaultfd cannot serve the
+    /// faults of system calls on small buffers; and not for programs that fork without exec,
+    /// whose children do not get that memory yet). File mappings, shared memory and stacks
+    /// always stay as they are.
+    #[arg(long, value_name = "SIZE")]
+    threshold: Option<String>,
     /// Keep CPUs out of deep idle while the program runs (PM QoS; needs root) and poll for
     /// faults and replies briefly before sleeping: page faults are served several times faster
     /// on machines whose idle CPUs sleep deeply, for some CPU time.
@@ -95,7 +99,11 @@ pub fn run(args: RunArgs) -> anyhow::Result<i32> {
     if local_mem < 4096 {
         bail!("--local-mem must be at least one page (4K)");
     }
-    let threshold = crate::size("--threshold", &args.threshold)?;
+    let threshold = args
+        .threshold
+        .as_deref()
+        .map(|t| crate::size("--threshold", t))
+        .transpose()?;
     let max_mem = args
         .max_mem
         .as_deref()
@@ -125,9 +133,11 @@ pub fn run(args: RunArgs) -> anyhow::Result<i32> {
         .env("NETRAM_SERVERS", &servers)
         .env("NETRAM_BACKING", args.backing.to_string())
         .env("NETRAM_REDUNDANCY", args.redundancy.to_string())
-        .env("NETRAM_THRESHOLD", threshold.to_string())
         .env("NETRAM_REPORT", &reports.0)
         .env("NETRAM_REQUIRED", "1");
+    if let Some(t) = threshold {
+        cmd.env("NETRAM_THRESHOLD", t.to_string());
+    }
     if let Some(m) = max_mem {
         cmd.env("NETRAM_MAX_MEM", m.to_string());
     }
@@ -159,6 +169,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<i32> {
         .status()
         .with_context(|| format!("cannot run {}", args.command[0]))?;
     let elapsed = started.elapsed();
+    let peak_rss_kib = peak_rss_of_children_kib();
     use std::os::unix::process::ExitStatusExt;
     let code = status
         .code()
@@ -190,6 +201,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<i32> {
         doc.insert("processes".into(), processes.into());
         doc.insert("seconds".into(), elapsed.as_secs_f64().into());
         doc.insert("exit_code".into(), code.into());
+        doc.insert("peak_rss_kib".into(), peak_rss_kib.into());
         std::fs::write(path, serde_json::to_string_pretty(&doc)?)
             .with_context(|| format!("cannot write {}", path.display()))?;
     }
@@ -203,11 +215,12 @@ pub fn run(args: RunArgs) -> anyhow::Result<i32> {
     } else if !args.quiet {
         let g = |k: &str| totals.get(k).and_then(|v| v.as_u64()).unwrap_or(0);
         eprintln!(
-            "netram: {} {ended} after {:.1} s; {} process(es) on netram: {} faults \
-             ({} fetched, {} zero-filled, {} sampled back), {} evictions ({} clean), \
-             prefetched {} ({} used), {} pages stored remotely, {} spilled to disk",
+            "netram: {} {ended} after {:.1} s, at most {} MiB resident; {} process(es) on \
+             netram: {} faults ({} fetched, {} zero-filled, {} sampled back), {} evictions \
+             ({} clean), prefetched {} ({} used), {} pages stored remotely, {} spilled to disk",
             args.command[0],
             elapsed.as_secs_f64(),
+            peak_rss_kib / 1024,
             processes,
             g("faults"),
             g("fetches"),
@@ -222,6 +235,19 @@ pub fn run(args: RunArgs) -> anyhow::Result<i32> {
         );
     }
     Ok(code)
+}
+
+/// The peak resident memory of the largest of the processes waited for (the program, or the
+/// largest of its children that it waited for), as `getrusage` counts it: everything mapped,
+/// code and stacks included.
+fn peak_rss_of_children_kib() -> u64 {
+    // SAFETY: getrusage writes one struct rusage, which is plain data.
+    let usage = unsafe {
+        let mut u: libc::rusage = std::mem::zeroed();
+        libc::getrusage(libc::RUSAGE_CHILDREN, &mut u);
+        u
+    };
+    usage.ru_maxrss.max(0) as u64
 }
 
 /// The per-process reports summed, and how many processes wrote one.

@@ -408,6 +408,110 @@ fn gnu_sort_gives_the_same_output() {
     assert!(fetched > 100, "{r}");
 }
 
+/// `PROGRAM` with `stdin` run plainly and under `netram run --local-mem 8M --threshold 0`
+/// (every allocation on the cluster); the two outputs and the run's report.
+fn plain_and_on_netram(program: &[&str], stdin: &[u8]) -> (Output, Output, serde_json::Value) {
+    use std::io::Write;
+    let run = |cmd: &mut Command| {
+        let mut child = cmd
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        child.stdin.take().unwrap().write_all(stdin).unwrap();
+        child.wait_with_output().unwrap()
+    };
+    let plain = run(Command::new("timeout")
+        .arg("300")
+        .args(program)
+        .env("LC_ALL", "C"));
+    assert_ran(&plain, program[0]);
+    let (_servers, addrs) = cluster(2);
+    let dir = Scratch::new(&format!("small-{}", program[0]));
+    let rep = dir.0.join("report.json");
+    let out = run(Command::new("timeout")
+        .args([
+            "300",
+            NETRAM,
+            "run",
+            "--local-mem",
+            "8M",
+            "--threshold",
+            "0",
+        ])
+        .args(["--servers", &addrs, "--report", rep.to_str().unwrap(), "--"])
+        .args(program)
+        .env("LC_ALL", "C"));
+    assert_ran(&out, &format!("{} under netram run", program[0]));
+    (plain, out, report(&rep))
+}
+
+/// A program whose memory is all small blocks, run with `--threshold 0`, keeps to its local
+/// memory: its blocks live on the cluster (many pages written out), and its peak resident
+/// memory is the budget plus code and stacks, well under what it takes without netram.
+fn assert_heap_paged(what: &str, plain: &Output, out: &Output, r: &serde_json::Value) {
+    assert!(
+        out.stdout == plain.stdout,
+        "{what}'s output differs under netram:\n{}\nvs\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&plain.stdout)
+    );
+    let puts = r["puts"].as_u64().unwrap();
+    assert!(puts > 2000, "{what}: pages on the cluster: {r}");
+    assert!(
+        r["heap_spans"].as_u64().unwrap() > 0,
+        "{what}: small blocks on the region: {r}"
+    );
+    let peak = r["peak_rss_kib"].as_u64().unwrap();
+    assert!(
+        peak < (8 + 16) << 10,
+        "{what}: {peak} KiB resident with 8M local: {r}"
+    );
+}
+
+/// An in-memory SQL database (Debian's sqlite3): rows of a few hundred bytes and an index,
+/// every block small.
+#[test]
+fn an_in_memory_database_keeps_to_its_local_memory() {
+    if !netram_testkit::have_tools(&[("sqlite3", "sqlite3")]) {
+        return;
+    }
+    let sql = b"CREATE TABLE t(id INTEGER PRIMARY KEY, k TEXT, v TEXT);
+WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x+1 FROM c WHERE x<150000)
+INSERT INTO t SELECT x, printf('%08x', (x*2654435761) % 4294967296), printf('%0100d', x*7919) FROM c;
+CREATE INDEX tk ON t(k);
+SELECT count(*), sum(length(v)), count(DISTINCT substr(k,1,3)) FROM t;
+SELECT id, k FROM t WHERE k > 'f' ORDER BY k LIMIT 3;
+DELETE FROM t WHERE id % 3 = 0;
+SELECT count(*), min(k), max(k) FROM t;
+";
+    let (plain, out, r) = plain_and_on_netram(&["sqlite3", ":memory:"], sql);
+    assert!(
+        String::from_utf8_lossy(&plain.stdout).starts_with("150000|15000000|4096"),
+        "{}",
+        String::from_utf8_lossy(&plain.stdout)
+    );
+    assert_heap_paged("sqlite3", &plain, &out, &r);
+}
+
+/// An interpreter building many small objects (Debian's perl, whose values are `malloc`ed
+/// one by one).
+#[test]
+fn an_interpreter_full_of_small_objects_keeps_to_its_local_memory() {
+    if !netram_testkit::have_tools(&[("perl", "perl")]) {
+        return;
+    }
+    let script = br#"my %h; my @a;
+for my $i (1..30000) { $h{"k$i"} = [$i, "v" x ($i % 50)]; push @a, {n => $i}; }
+my $t = 0; for my $i (1..30000) { $t += $h{"k$i"}[0] + length($h{"k$i"}[1]) + $a[$i-1]{n}; }
+print scalar(keys %h), " $t\n";
+"#;
+    let (plain, out, r) = plain_and_on_netram(&["perl", "-"], script);
+    assert_eq!(String::from_utf8_lossy(&plain.stdout), "30000 900765000\n");
+    assert_heap_paged("perl", &plain, &out, &r);
+}
+
 /// The bundled quicksort (a Rust program: its vector is one large malloc), on the cluster and
 /// on the local disk only; it verifies its own result.
 #[test]

@@ -119,6 +119,10 @@ static HEAP: OnceLock<Heap> = OnceLock::new();
 /// The region's background thread (see `netram::start_maintenance`).
 static MAINTENANCE: OnceLock<netram_node::maintain::Maintenance> = OnceLock::new();
 static THRESHOLD: AtomicUsize = AtomicUsize::new(usize::MAX);
+/// The threshold where the region cannot serve the kernel's own accesses.
+const USER_MODE_THRESHOLD: usize = 128 << 10;
+/// Whether a forked child gets its memory (not yet).
+const FORK_SERVED: bool = false;
 /// Set in a child after fork: it has no region.
 static IN_CHILD: AtomicBool = AtomicBool::new(false);
 static WARNED_FULL: AtomicBool = AtomicBool::new(false);
@@ -132,7 +136,9 @@ struct Config {
     backing: Option<String>,
     budget: u64,
     size: u64,
-    threshold: usize,
+    /// `None`: every allocation (or, where the region cannot serve the kernel's own accesses,
+    /// see [`start`], the large ones).
+    threshold: Option<usize>,
 }
 
 fn env_size(name: &str) -> anyhow::Result<Option<u64>> {
@@ -152,13 +158,15 @@ fn config() -> anyhow::Result<Option<Config>> {
         return Ok(None);
     };
     let size = env_size("NETRAM_MAX_MEM")?.unwrap_or((8 * budget).max(1 << 30));
-    let threshold = env_size("NETRAM_THRESHOLD")?.unwrap_or(128 << 10);
+    let threshold = env_size("NETRAM_THRESHOLD")?
+        .map(usize::try_from)
+        .transpose()?;
     Ok(Some(Config {
         servers: std::env::var("NETRAM_SERVERS").ok(),
         backing: std::env::var("NETRAM_BACKING").ok(),
         budget,
         size,
-        threshold: usize::try_from(threshold)?.max(PAGE_SIZE),
+        threshold,
     }))
 }
 
@@ -191,7 +199,29 @@ fn start() -> anyhow::Result<bool> {
         // Probes, reconnections and recovery in the background, for the process's lifetime.
         let _ = MAINTENANCE.set(netram::start_maintenance(h, Default::default()));
     }
-    THRESHOLD.store(cfg.threshold, Ordering::Release);
+    // An ordinary user's userfaultfd does not serve faults raised inside system calls: a
+    // `read(2)` into a buffer whose page is not resident fails with EFAULT. Small blocks are
+    // what programs hand to system calls (stdio's buffers, lines read), so there only large
+    // allocations go on the region, which programs mostly compute in.
+    //
+    // Until a forked child is served its memory (it is not yet: see `after_fork_in_child`),
+    // small blocks stay local by default too: a shell or a `make` touches its heap between
+    // `fork` and `exec`.
+    let threshold = cfg.threshold.unwrap_or_else(|| {
+        if HEAP
+            .get()
+            .is_some_and(|h| h.region().serves_kernel_faults())
+            && FORK_SERVED
+        {
+            0
+        } else {
+            tracing::info!(
+                "userfaultfd for user-mode faults only: allocations under 128 KiB stay local"
+            );
+            USER_MODE_THRESHOLD
+        }
+    });
+    THRESHOLD.store(threshold, Ordering::Release);
     // SAFETY: registering plain functions with the C library; they only touch atomics and
     // (at exit) write a file.
     unsafe {
@@ -263,6 +293,7 @@ extern "C" fn at_exit() {
     let _ = enter(|| {
         let c = netram::counters_of(heap.region());
         let pager = heap.region().with_pager(|p| p.counters().clone());
+        let stats = heap.stats();
         let report = serde_json::json!({
             "pid": std::process::id(),
             "faults": c.faults,
@@ -280,6 +311,11 @@ extern "C" fn at_exit() {
             "resident_bytes": c.resident_bytes,
             "budget_bytes": c.budget_bytes,
             "allocated_bytes": heap.allocated(),
+            "heap_small_bytes": stats.small_bytes,
+            "heap_spans": stats.spans,
+            "heap_large_bytes": stats.large_bytes,
+            "heap_free_ranges": stats.free_ranges,
+            "heap_largest_free_bytes": stats.largest_free_bytes,
             "gets": pager.gets,
             "puts": pager.puts,
             "spills": pager.spills,
@@ -328,9 +364,11 @@ static ON_LOAD: extern "C" fn() = on_load;
 
 /// The heap, if `size` bytes should go there.
 fn heap_for(size: usize) -> Option<&'static Heap> {
+    // Inside: netram's own allocations (or an exiting thread's), which go to the C library.
     if size < THRESHOLD.load(Ordering::Relaxed)
         || STATE.load(Ordering::Acquire) != READY
         || IN_CHILD.load(Ordering::Relaxed)
+        || netram_uffd::alloc::is_inside()
     {
         return None;
     }
@@ -342,16 +380,24 @@ fn owner(ptr: *const c_void) -> Option<&'static Heap> {
     HEAP.get().filter(|h| h.contains(ptr.cast()))
 }
 
-/// A block of the heap, or null (the caller falls back to the C library).
-fn heap_alloc(h: &Heap, size: usize, align: usize) -> *mut c_void {
-    match enter(|| h.alloc(size, align)).flatten() {
+/// A block of the heap (reading as zeros if `zeroed`), or null (the caller falls back to the C
+/// library).
+fn heap_alloc(h: &Heap, size: usize, align: usize, zeroed: bool) -> *mut c_void {
+    let block = enter(|| {
+        if zeroed {
+            h.alloc_zeroed(size, align)
+        } else {
+            h.alloc(size, align)
+        }
+    });
+    match block.flatten() {
         Some(p) => p.as_ptr().cast(),
         None => {
             if !WARNED_FULL.swap(true, Ordering::Relaxed) {
                 eprintln!(
-                    "netram: the region ({} MiB) has no room for {size} bytes; large \
-                     allocations that do not fit stay in local memory (raise --max-mem)",
-                    h.region().len() >> 20
+                    "netram: the region ({} MiB) has no room for {size} bytes; allocations \
+                     that do not fit stay in local memory (raise --max-mem)",
+                    h.region().len() >> 20,
                 );
             }
             std::ptr::null_mut()
@@ -364,10 +410,12 @@ fn heap_free(h: &Heap, ptr: *mut c_void) {
         // Not mapped in this process: nothing to give back.
         return;
     }
-    match enter(|| h.free(ptr.cast())) {
-        Some(Ok(_)) => {}
-        Some(Err(e)) => eprintln!("netram: free({ptr:p}): {e}"),
-        None => eprintln!("netram: free({ptr:p}) from inside netram ignored"),
+    // A thread that is exiting counts as inside (its thread-locals are gone): its blocks are
+    // freed all the same, and whatever that allocates goes to the C library already. No code
+    // of netram's frees a block of the region, so no thread inside holds the heap's locks.
+    let r = enter(|| h.free(ptr.cast())).unwrap_or_else(|| h.free(ptr.cast()));
+    if let Err(e) = r {
+        eprintln!("netram: free({ptr:p}): {e}");
     }
 }
 
@@ -515,7 +563,7 @@ pub unsafe extern "C" fn malloc(size: usize) -> *mut c_void {
         return unsafe { (f.malloc)(size) };
     }
     if let Some(h) = heap_for(size) {
-        let p = heap_alloc(h, size, PAGE_SIZE);
+        let p = heap_alloc(h, size, LIBC_ALIGN, false);
         if !p.is_null() {
             return p;
         }
@@ -557,8 +605,7 @@ pub unsafe extern "C" fn calloc(n: usize, size: usize) -> *mut c_void {
         return std::ptr::null_mut();
     };
     if let Some(h) = heap_for(total) {
-        // Heap blocks read as zeros.
-        let p = heap_alloc(h, total, PAGE_SIZE);
+        let p = heap_alloc(h, total, LIBC_ALIGN, true);
         if !p.is_null() {
             return p;
         }
@@ -644,7 +691,7 @@ pub unsafe extern "C" fn realloc(ptr: *mut c_void, size: usize) -> *mut c_void {
     }
     if let Some(h) = heap_for(size) {
         // A C library block grown past the threshold moves to the region.
-        let new = heap_alloc(h, size, PAGE_SIZE);
+        let new = heap_alloc(h, size, LIBC_ALIGN, false);
         if !new.is_null() {
             let old = libc_usable_size(ptr).min(size);
             // SAFETY: `old` bytes of the C library's block, which holds at least that many.
@@ -662,7 +709,7 @@ pub unsafe extern "C" fn realloc(ptr: *mut c_void, size: usize) -> *mut c_void {
 /// An aligned block: from the heap when large, else from the C library.
 fn aligned(align: usize, size: usize) -> *mut c_void {
     if let Some(h) = heap_for(size) {
-        let p = heap_alloc(h, size, align);
+        let p = heap_alloc(h, size, align, false);
         if !p.is_null() {
             return p;
         }
@@ -858,7 +905,8 @@ pub unsafe extern "C" fn mmap(
 ) -> *mut c_void {
     if is_plain_anonymous(addr, prot, flags) {
         if let Some(h) = heap_for(len) {
-            let p = heap_alloc(h, len, PAGE_SIZE);
+            // Whole pages, reading as zeros, as a mapping does.
+            let p = heap_alloc(h, len.max(PAGE_SIZE), PAGE_SIZE, true);
             if !p.is_null() {
                 return p;
             }

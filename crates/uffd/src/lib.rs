@@ -493,6 +493,14 @@ impl<T: Transport, D: Disk> Region<T, D> {
         std::thread::sleep(std::time::Duration::from_millis(100));
     }
 
+    /// Whether the kernel's own accesses to the region (a `read(2)` into it, a `write(2)` from
+    /// it) are served when they fault. Not for an ordinary user where
+    /// `vm.unprivileged_userfaultfd` is 0: there such a call fails with EFAULT on a page that
+    /// is not resident (see [`open_userfaultfd`]).
+    pub fn serves_kernel_faults(&self) -> bool {
+        !self.shared.uffd.user_mode_only()
+    }
+
     /// Runs `f` on the region's pager (its counters, its servers).
     pub fn with_pager<R>(&self, f: impl FnOnce(&mut Pager<T, D>) -> R) -> R {
         f(&mut self.shared.lock().pager)

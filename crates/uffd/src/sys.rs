@@ -31,7 +31,7 @@ const _: () = assert!(MSG_LEN == 32);
 
 /// A userfaultfd descriptor, non-blocking and close-on-exec.
 #[derive(Debug)]
-pub(crate) struct Uffd(OwnedFd);
+pub(crate) struct Uffd(OwnedFd, bool);
 
 /// An event read from the descriptor.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -87,7 +87,12 @@ impl Uffd {
                 Updater::<{ op::<k::uffdio_api>(k::_UFFDIO_API) }, _>::new(&mut api),
             )
         }?;
-        Ok(Uffd(fd))
+        Ok(Uffd(fd, user_mode_only))
+    }
+
+    /// Whether faults raised inside system calls go unserved (see [`Uffd::open`]).
+    pub(crate) fn user_mode_only(&self) -> bool {
+        self.1
     }
 
     /// Registers `len` bytes at `start` for missing-page faults and, if `wp`, write-protect
