@@ -32,6 +32,7 @@ const TOOLS: &[(&str, &str)] = &[
     ("redis-cli", "redis-tools"),
     ("sqlite3", "sqlite3"),
     ("perl", "perl"),
+    ("python3", "python3"),
 ];
 
 const USAGE: &str = "\

@@ -47,15 +47,15 @@ enum Command {
     Nbd(nbd::NbdArgs),
     /// Run an unmodified program with its heap on cluster memory.
     ///
-    /// A preload library puts the program's heap (the malloc family from --threshold up, every
-    /// size with --threshold 0, and private anonymous mmap) on a netram region: at most
-    /// --local-mem of it in local memory, the rest on the page servers, paged through
-    /// userfaultfd. A program that brings its own allocator (jemalloc, tcmalloc, mimalloc)
-    /// keeps it, and that allocator's mappings go on netram. Dynamically linked programs only.
-    /// As an ordinary user (vm.unprivileged_userfaultfd = 0) a system call that reads or writes
-    /// a page of that memory which is not resident fails with EFAULT (root has no such limit).
-    /// A forked child does not inherit that memory (exec is fine). Exits with the program's
-    /// status.
+    /// A preload library puts the program's heap (the malloc family, every size, and private
+    /// anonymous mmap) on a netram region: at most --local-mem of it in local memory, the rest
+    /// on the page servers, paged through userfaultfd. A forked child sees the memory as it was
+    /// at the fork, served by its parent. A program that brings its own allocator (jemalloc,
+    /// tcmalloc, mimalloc) keeps it, and that allocator's mappings go on netram. Dynamically
+    /// linked programs only. As an ordinary user (vm.unprivileged_userfaultfd = 0) only
+    /// allocations from 128K go on netram, a system call that reads or writes a page of them
+    /// which is not resident fails with EFAULT, and a forked child does not inherit them (exec
+    /// is fine). Exits with the program's status.
     Run(run::RunArgs),
     /// Start a local cluster on loopback and run an unmodified program (a random-access
     /// workload and a quicksort) all in local memory, under `netram run` with a quarter of its

@@ -1,4 +1,4 @@
-//! `netram run`: an unmodified program with its large allocations on cluster memory, through
+//! `netram run`: an unmodified program with its heap on cluster memory, through
 //! the preload library (`crates/preload`), and a summary of what netram did for it.
 
 use anyhow::{bail, Context};
@@ -32,11 +32,10 @@ pub struct RunArgs {
     #[arg(long, value_name = "SIZE")]
     max_mem: Option<String>,
     /// Allocations (malloc family, anonymous mmap) of at least this size go to netram;
-    /// smaller ones stay in the C library's heap, in local memory [default: 128K]. 0 puts
-    /// every allocation on netram (as root: an ordinary user's userfaultfd cannot serve the
-    /// faults of system calls on small buffers; and not for programs that fork without exec,
-    /// whose children do not get that memory yet). File mappings, shared memory and stacks
-    /// always stay as they are.
+    /// smaller ones stay in the C library's heap, in local memory [default: 0 (every
+    /// allocation) as root; 128K for an ordinary user, whose userfaultfd can neither serve the
+    /// faults of system calls on small buffers nor follow forks]. File mappings, shared memory
+    /// and stacks always stay as they are.
     #[arg(long, value_name = "SIZE")]
     threshold: Option<String>,
     /// Keep CPUs out of deep idle while the program runs (PM QoS; needs root) and poll for

@@ -1,16 +1,16 @@
 //! `netram run`'s preload library (`libnetram_preload.so`): an unmodified, dynamically linked
-//! program's large allocations on one netram region, with the local budget `netram run` gives
+//! program's heap on one netram region, with the local budget `netram run` gives
 //! (Anemone §2.1's goal, transparency to programs, reached without the kernel's swap).
 //!
 //! Interposed: the `malloc` family (`malloc`, `calloc`, `realloc`, `free`, `posix_memalign`,
 //! `aligned_alloc`, `memalign`, `valloc`, `pvalloc`, `malloc_usable_size`) for blocks of at
-//! least the threshold, and anonymous private read-write `mmap` of at least the threshold, with
-//! the `munmap`, `mremap` and `madvise(DONTNEED/FREE/REMOVE)` that give such memory back.
-//! glibc's `malloc` reaches its own internal `mmap` without passing through the interposed one,
-//! which is why `malloc` itself is interposed. Everything else (small blocks, file mappings,
-//! shared or fixed mappings, stacks, `PROT_NONE` reservations) goes to the C library
-//! untouched: small blocks through `__libc_malloc` and friends, mappings through the system
-//! call.
+//! least the threshold (0 as root: every block; 128K for an ordinary user, see `start`), and
+//! anonymous private read-write `mmap` of at least the threshold, with the `munmap`, `mremap`
+//! and `madvise(DONTNEED/FREE/REMOVE)` that give such memory back; and `fork`. glibc's
+//! `malloc` reaches its own internal `mmap` without passing through the interposed one, which
+//! is why `malloc` itself is interposed. Everything else (blocks under the threshold, file
+//! mappings, shared or fixed mappings, stacks, `PROT_NONE` reservations) goes to the C library
+//! untouched: blocks through `__libc_malloc` and friends, mappings through the system call.
 //!
 //! Configuration comes from the environment that `netram run` sets: `NETRAM_LOCAL_MEM` (the
 //! budget; without it the library stays out of the way), `NETRAM_SERVERS`, `NETRAM_BACKING`,
@@ -22,17 +22,19 @@
 //! keeps it: the `malloc` family is passed through to it (see [`Foreign`]), and its memory
 //! reaches the region through the interposed `mmap`.
 //!
-//! Hazards: the library's own Rust allocations go straight to `__libc_malloc` (its global
-//! allocator), and a thread already inside the region's heap is sent to the C library for
-//! anything else it allocates, so the heap's lock is never taken twice. After `fork` the child
-//! has no region (it is not inherited, see `netram-uffd`): in the child every call goes to the
-//! C library, and freeing a block inherited from the parent's region does nothing.
+//! Hazards: the library's own Rust allocations come from memory it maps itself (talc, see
+//! `Mapped`), never from the C library's allocator, whose locks `fork` holds; a thread
+//! already inside the region's heap is sent to the C library for anything else it allocates,
+//! so the heap's lock is never taken twice. `fork` is announced to the region (see the
+//! interposed [`fork`]): as root the child inherits the region and is served its memory as it
+//! was at the fork; it allocates from the C library, and frees of inherited blocks do nothing.
+//! As an ordinary user the child has no region.
 
 use netram_node::client::TcpTransport;
 use netram_node::disk::FileDisk;
 use netram_proto::PAGE_SIZE;
 use netram_uffd::RegionHeap;
-use std::alloc::{GlobalAlloc, Layout};
+use std::alloc::Layout;
 use std::ffi::{c_int, c_void};
 use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU8, AtomicUsize, Ordering};
 use std::sync::OnceLock;
@@ -50,64 +52,89 @@ extern "C" {
 /// The alignment `__libc_malloc` guarantees.
 const LIBC_ALIGN: usize = 16;
 
-/// This library's own allocations, straight to the C library (never into the interposed
-/// functions below).
-struct LibcAlloc;
+/// Where this library's own allocations come from: memory it maps itself, managed by talc,
+/// under a lock of its own — never the C library's allocator.
+///
+/// The C library's `fork` holds every lock of its allocator across the system call, and with
+/// forks followed (see `netram_uffd::Region::prepare_fork`) the kernel makes `fork` wait until
+/// the region's handler thread has read the fork's event. A handler that allocated through
+/// the C library then would wait for `fork`, which waits for it. talc is a well-kept
+/// allocator that manages memory it is given: [`Mapped`] gives it chunks mapped with the
+/// system call (not the interposed `mmap`, which would put them on the region).
+#[derive(Debug)]
+struct Mapped;
 
-// SAFETY: forwards to glibc's allocator, which returns blocks of at least the size asked,
-// aligned to 16 (malloc) or to the alignment asked (memalign), and frees them with free.
-unsafe impl GlobalAlloc for LibcAlloc {
-    unsafe fn alloc(&self, l: Layout) -> *mut u8 {
-        // SAFETY: plain calls into the C library's allocator.
-        unsafe {
-            if l.align() <= LIBC_ALIGN {
-                __libc_malloc(l.size()).cast()
+/// Memory is mapped for this library in chunks of at least this much.
+const CHUNK: usize = 4 << 20;
+
+// SAFETY: `acquire` only maps fresh memory and gives it to talc; it allocates nothing.
+unsafe impl talc::source::Source for Mapped {
+    fn acquire<B: talc::base::binning::Binning>(
+        talc: &mut talc::base::Talc<Self, B>,
+        layout: Layout,
+    ) -> Result<(), ()> {
+        let len = (layout.size() + layout.align() + PAGE_SIZE)
+            .max(CHUNK)
+            .next_multiple_of(PAGE_SIZE);
+        // SAFETY: a fresh private anonymous mapping; the system call itself, so that it does
+        // not come back through this library's `mmap`.
+        let p = unsafe {
+            libc::syscall(
+                libc::SYS_mmap,
+                std::ptr::null_mut::<c_void>(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        } as *mut u8;
+        if p as *mut c_void == libc::MAP_FAILED {
+            return Err(());
+        }
+        // SAFETY: the mapping is ours, `len` bytes, and given to talc for good.
+        unsafe { talc.claim(p, len) }.map(|_| ()).ok_or(())
+    }
+}
+
+/// talc's lock: a flag, spun on briefly and then yielded on (its critical sections are short;
+/// written here because talc 5 ships no lock of its own for a global allocator, and a lock that
+/// allocates, or the C library's, would bring the deadlock back).
+struct InternalLock(AtomicBool);
+
+// SAFETY: a mutual-exclusion flag: `lock` returns only once this thread set it from false,
+// `unlock` clears it; Acquire/Release order the protected data.
+unsafe impl talc::lock_api::RawMutex for InternalLock {
+    #[allow(clippy::declare_interior_mutable_const)]
+    const INIT: Self = Self(AtomicBool::new(false));
+    type GuardMarker = talc::lock_api::GuardSend;
+
+    fn lock(&self) {
+        let mut spins = 0u32;
+        while !self.try_lock() {
+            spins += 1;
+            if spins < 100 {
+                std::hint::spin_loop();
             } else {
-                __libc_memalign(l.align(), l.size()).cast()
+                std::thread::yield_now();
             }
         }
     }
 
-    unsafe fn alloc_zeroed(&self, l: Layout) -> *mut u8 {
-        if l.align() <= LIBC_ALIGN {
-            // SAFETY: as above.
-            unsafe { __libc_calloc(1, l.size()).cast() }
-        } else {
-            // SAFETY: as above; the block is l.size() bytes.
-            unsafe {
-                let p = self.alloc(l);
-                if !p.is_null() {
-                    std::ptr::write_bytes(p, 0, l.size());
-                }
-                p
-            }
-        }
+    fn try_lock(&self) -> bool {
+        self.0
+            .compare_exchange_weak(false, true, Ordering::Acquire, Ordering::Relaxed)
+            .is_ok()
     }
 
-    unsafe fn dealloc(&self, p: *mut u8, _: Layout) {
-        // SAFETY: a block from this allocator.
-        unsafe { __libc_free(p.cast()) }
-    }
-
-    unsafe fn realloc(&self, p: *mut u8, l: Layout, new: usize) -> *mut u8 {
-        if l.align() <= LIBC_ALIGN {
-            // SAFETY: a block from __libc_malloc.
-            return unsafe { __libc_realloc(p.cast(), new).cast() };
-        }
-        // SAFETY: the default: allocate, copy the smaller size, free.
-        unsafe {
-            let n = self.alloc(Layout::from_size_align_unchecked(new, l.align()));
-            if !n.is_null() {
-                std::ptr::copy_nonoverlapping(p, n, l.size().min(new));
-                self.dealloc(p, l);
-            }
-            n
-        }
+    unsafe fn unlock(&self) {
+        self.0.store(false, Ordering::Release);
     }
 }
 
 #[global_allocator]
-static ALLOC: LibcAlloc = LibcAlloc;
+static ALLOC: talc::sync::TalcLock<InternalLock, Mapped, talc::DefaultBinning> =
+    talc::sync::TalcLock::new(Mapped);
 
 const UNINIT: u8 = 0;
 const INITIALIZING: u8 = 1;
@@ -121,8 +148,8 @@ static MAINTENANCE: OnceLock<netram_node::maintain::Maintenance> = OnceLock::new
 static THRESHOLD: AtomicUsize = AtomicUsize::new(usize::MAX);
 /// The threshold where the region cannot serve the kernel's own accesses.
 const USER_MODE_THRESHOLD: usize = 128 << 10;
-/// Whether a forked child gets its memory (not yet).
-const FORK_SERVED: bool = false;
+/// Whether a forked child inherits the region (see `netram_uffd::Region::follows_forks`).
+static FOLLOWS_FORKS: AtomicBool = AtomicBool::new(false);
 /// Set in a child after fork: it has no region.
 static IN_CHILD: AtomicBool = AtomicBool::new(false);
 static WARNED_FULL: AtomicBool = AtomicBool::new(false);
@@ -204,14 +231,16 @@ fn start() -> anyhow::Result<bool> {
     // what programs hand to system calls (stdio's buffers, lines read), so there only large
     // allocations go on the region, which programs mostly compute in.
     //
-    // Until a forked child is served its memory (it is not yet: see `after_fork_in_child`),
-    // small blocks stay local by default too: a shell or a `make` touches its heap between
-    // `fork` and `exec`.
+    // Nor where a forked child cannot inherit the region (the same ordinary user: following
+    // forks needs CAP_SYS_PTRACE): a shell or a `make` touches its heap between `fork` and
+    // `exec`.
+    let follows_forks = HEAP.get().is_some_and(|h| h.region().follows_forks());
+    FOLLOWS_FORKS.store(follows_forks, Ordering::Relaxed);
     let threshold = cfg.threshold.unwrap_or_else(|| {
         if HEAP
             .get()
             .is_some_and(|h| h.region().serves_kernel_faults())
-            && FORK_SERVED
+            && follows_forks
         {
             0
         } else {
@@ -240,6 +269,10 @@ static mut PREVIOUS_SEGV: std::mem::MaybeUninit<libc::sigaction> = std::mem::May
 
 extern "C" fn after_fork_in_child() {
     IN_CHILD.store(true, Ordering::Relaxed);
+    if FOLLOWS_FORKS.load(Ordering::Relaxed) {
+        // The child has the region, served by its parent's handler.
+        return;
+    }
     // The child has no region (it is not inherited): a touch of netram memory is a SIGSEGV.
     // Say why before it ends the child.
     // SAFETY: sigaction with a handler that only calls async-signal-safe functions; the
@@ -284,14 +317,19 @@ netram run (the child touched it and dies of SIGSEGV)\n";
 
 /// Writes this process's counters to `$NETRAM_REPORT/<pid>.json`.
 extern "C" fn at_exit() {
-    let (Some(dir), Some(heap)) = (std::env::var_os("NETRAM_REPORT"), HEAP.get()) else {
-        return;
-    };
     if IN_CHILD.load(Ordering::Relaxed) {
         return;
     }
+    if let Some(heap) = HEAP.get() {
+        // Children still running keep their memory after this process is gone.
+        let _ = enter(|| heap.region().hand_over_to_children());
+    }
+    let (Some(dir), Some(heap)) = (std::env::var_os("NETRAM_REPORT"), HEAP.get()) else {
+        return;
+    };
     let _ = enter(|| {
         let c = netram::counters_of(heap.region());
+        let (rc, get) = (heap.region().counters(), netram_uffd::RegionCounters::get);
         let pager = heap.region().with_pager(|p| p.counters().clone());
         let stats = heap.stats();
         let report = serde_json::json!({
@@ -307,6 +345,9 @@ extern "C" fn at_exit() {
             "prefetch_hits": c.prefetch_hits,
             "prefetch_installed": c.prefetch_installed,
             "released": c.released,
+            "forks": get(&rc.forks),
+            "child_faults": get(&rc.child_faults),
+            "child_copies": get(&rc.child_copies),
             "errors": c.errors,
             "resident_bytes": c.resident_bytes,
             "budget_bytes": c.budget_bytes,
@@ -673,8 +714,21 @@ pub unsafe extern "C" fn realloc(ptr: *mut c_void, size: usize) -> *mut c_void {
     }
     if let Some(h) = owner(ptr) {
         if IN_CHILD.load(Ordering::Relaxed) {
-            set_errno(libc::ENOMEM);
-            return std::ptr::null_mut();
+            // A forked child reallocating a block it inherited: the new block is the C
+            // library's (the child allocates nothing on the region), the old one stays. Its
+            // size is not asked (that takes the heap's locks, which the fork may have copied
+            // held): `size` bytes are copied, bounded by the region, and what lies past the
+            // old block fills only the part of the new one that realloc leaves unspecified.
+            // SAFETY: forwarded; the region is mapped (and served) in the child up to its end.
+            unsafe {
+                let new = __libc_malloc(size);
+                if !new.is_null() {
+                    let end = REGION_END.load(Ordering::Relaxed);
+                    let n = size.min(end.saturating_sub(ptr as usize));
+                    std::ptr::copy_nonoverlapping(ptr.cast::<u8>(), new.cast::<u8>(), n);
+                }
+                return new;
+            }
         }
         let old = h.size_of(ptr.cast()).unwrap_or(0);
         if size <= old {
@@ -837,6 +891,46 @@ fn is_plain_anonymous(addr: *mut c_void, prot: c_int, flags: c_int) -> bool {
         && flags & libc::MAP_ANONYMOUS != 0
         && flags & refused == 0
         && prot == libc::PROT_READ | libc::PROT_WRITE
+}
+
+/// `fork`, announced to the region first (see `netram_uffd::Region::prepare_fork`): the
+/// child then gets its memory as it was at the fork, whether resident or on the servers.
+///
+/// # Safety
+/// The C library's contract for `fork`.
+#[no_mangle]
+pub unsafe extern "C" fn fork() -> libc::pid_t {
+    type Fork = unsafe extern "C" fn() -> libc::pid_t;
+    static REAL: AtomicPtr<c_void> = AtomicPtr::new(std::ptr::null_mut());
+    let mut f = REAL.load(Ordering::Acquire);
+    if f.is_null() {
+        // SAFETY: a lookup of the C library's fork, after this library.
+        f = unsafe { libc::dlsym(libc::RTLD_NEXT, c"fork".as_ptr()) };
+        if f.is_null() {
+            set_errno(libc::ENOSYS);
+            return -1;
+        }
+        REAL.store(f, Ordering::Release);
+    }
+    // SAFETY: the symbol is fork, with this signature.
+    let real: Fork = unsafe { std::mem::transmute::<*mut c_void, Fork>(f) };
+    let heap = HEAP.get().filter(|_| {
+        STATE.load(Ordering::Acquire) == READY
+            && !IN_CHILD.load(Ordering::Relaxed)
+            && FOLLOWS_FORKS.load(Ordering::Relaxed)
+    });
+    let announced = heap.and_then(|h| enter(|| h.region().prepare_fork()));
+    // SAFETY: passed through.
+    let pid = unsafe { real() };
+    if pid < 0 {
+        if let (Some(h), Some(())) = (heap, announced) {
+            // SAFETY: this thread's errno, kept across the call.
+            let errno = unsafe { *libc::__errno_location() };
+            let _ = enter(|| h.region().fork_failed());
+            set_errno(errno);
+        }
+    }
+    pid
 }
 
 type StartRoutine = extern "C" fn(*mut c_void) -> *mut c_void;

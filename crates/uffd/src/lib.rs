@@ -44,6 +44,14 @@
 //! `UFFD_USER_MODE_ONLY` (allowed where `vm.unprivileged_userfaultfd` is 0), so there a system
 //! call reading or writing a page that is not resident fails with EFAULT.
 //!
+//! `fork`: as root the region follows forks (`UFFD_FEATURE_EVENT_FORK`). The child's page
+//! tables hold what was resident; its other pages fault to a descriptor of its own, which this
+//! handler serves from the pager; before the parent's side changes a page in the pager, the
+//! page is installed in every child that lacks it, so the child keeps its memory as it was at
+//! the fork (see `ForkChild`). [`Region::prepare_fork`] (what `netram run`'s `fork` calls
+//! first) makes the fork exact: nothing is evicted until its event arrives, and sampled pages
+//! come back first. An ordinary user's region is not inherited at all (`MADV_DONTFORK`).
+//!
 //! The program gives memory back with [`Region::release`] (what `free` and `munmap` become
 //! under `netram run`): its pages are dropped locally and deleted on their servers. The
 //! kernel's remove and unmap events are not used for that: they make the thread calling
@@ -74,8 +82,8 @@ use rustix::fd::OwnedFd;
 use std::collections::{HashSet, VecDeque};
 use std::ffi::c_void;
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use sys::{Event, Uffd};
 
@@ -150,6 +158,15 @@ pub struct RegionCounters {
     /// copy, the local disk failing): the faulting thread got SIGBUS, as the kernel answers a
     /// swap-in it cannot read.
     pub sigbus: AtomicU64,
+    /// Faults woken to be retried because the mapping was changing (a fork copying it).
+    pub retried: AtomicU64,
+    /// Forked children that inherited the region.
+    pub forks: AtomicU64,
+    /// Faults of forked children served (their pages installed in their memory).
+    pub child_faults: AtomicU64,
+    /// Pages installed in a child before the parent changed them in the pager (its
+    /// copy-on-write, done by the handler).
+    pub child_copies: AtomicU64,
 }
 
 impl RegionCounters {
@@ -186,23 +203,33 @@ const MAX_PREFETCH: usize = 16;
 /// (`UFFD_USER_MODE_ONLY`, allowed to everyone): the program still works, but a system call
 /// that touches a page of the region which is not resident fails with EFAULT. Always by the
 /// system call, never /dev/userfaultfd, which is root's only on many machines.
-fn open_userfaultfd() -> Result<(Uffd, bool), RegionError> {
+///
+/// The third value says whether forks are followed (`UFFD_FEATURE_EVENT_FORK`, which needs
+/// `CAP_SYS_PTRACE`: root): a child's copy of the region then faults to a descriptor of its own,
+/// which this process's handler serves (see [`Shared::fork_event`]).
+fn open_userfaultfd() -> Result<(Uffd, bool, bool), RegionError> {
     const WP: u64 = linux_raw_sys::general::UFFD_FEATURE_PAGEFAULT_FLAG_WP as u64;
     const MOVE: u64 = linux_raw_sys::general::UFFD_FEATURE_MOVE as u64;
     // The faulting thread's id, for the SIGBUS of a page that cannot be read (Linux 4.14).
     const TID: u64 = linux_raw_sys::general::UFFD_FEATURE_THREAD_ID as u64;
+    const FORK: u64 = linux_raw_sys::general::UFFD_FEATURE_EVENT_FORK as u64;
     let open = |features| match Uffd::open(features, false) {
         Err(rustix::io::Errno::PERM) => Uffd::open(features, true),
         other => other,
     };
+    match open(WP | MOVE | TID | FORK) {
+        Ok(uffd) => return Ok((uffd, true, true)),
+        Err(e) => tracing::debug!("userfaultfd without fork events: {e}"),
+    }
     match open(WP | MOVE | TID) {
-        Ok(uffd) => Ok((uffd, true)),
+        Ok(uffd) => Ok((uffd, true, false)),
         // A kernel without UFFDIO_MOVE refuses the handshake: the region works without
         // access sampling (first in, first out).
         Err(rustix::io::Errno::INVAL) => {
             tracing::debug!("no UFFDIO_MOVE: regions evict first in, first out");
             Ok((
                 open(WP | TID).map_err(RegionError::UserfaultfdSyscall)?,
+                false,
                 false,
             ))
         }
@@ -227,14 +254,15 @@ impl Base {
 }
 
 /// Maps `len` bytes of private anonymous memory, without huge pages (the region moves single
-/// pages in and out), not inherited by a child process.
+/// pages in and out); with `dontfork`, not inherited by a child process.
 ///
-/// `fork`: without `MADV_DONTFORK` the child would get the region unregistered (no
-/// `UFFD_FEATURE_EVENT_FORK` is asked for), its resident pages copied and every evicted page
-/// silently reading as zeros. With it, the child has no mapping there, and touching it is a
-/// SIGSEGV: refused loudly rather than wrong quietly. (Following a fork would mean a second
-/// handler and copy-on-write of remote pages; not done.)
-fn map_anonymous(len: usize) -> Result<Base, RegionError> {
+/// `fork`: where the handler follows forks (`UFFD_FEATURE_EVENT_FORK`), the child inherits the
+/// region and its faults come to the handler (see [`Shared::fork_event`]). Where it cannot
+/// (an ordinary user), `MADV_DONTFORK`: without it the child would get the region
+/// unregistered, its resident pages copied and every evicted page silently reading as zeros.
+/// With it, the child has no mapping there, and touching it is a SIGSEGV: refused loudly
+/// rather than wrong quietly.
+fn map_anonymous(len: usize, dontfork: bool) -> Result<Base, RegionError> {
     // SAFETY: a fresh anonymous private mapping at an address the kernel chooses; it aliases
     // nothing, and it is unmapped only in Region's Drop after the handler has stopped.
     let ptr = unsafe {
@@ -248,10 +276,13 @@ fn map_anonymous(len: usize) -> Result<Base, RegionError> {
     .map_err(RegionError::Map)?;
     // SAFETY: our fresh mapping; advice changes no contents.
     let _ = unsafe { rustix::mm::madvise(ptr, len, rustix::mm::Advice::LinuxNoHugepage) };
-    // SAFETY: as above.
-    if let Err(e) = unsafe { rustix::mm::madvise(ptr, len, rustix::mm::Advice::LinuxDontFork) } {
-        unmap(Base(NonNull::new(ptr.cast()).expect("not null")), len);
-        return Err(RegionError::Map(e));
+    if dontfork {
+        // SAFETY: as above.
+        if let Err(e) = unsafe { rustix::mm::madvise(ptr, len, rustix::mm::Advice::LinuxDontFork) }
+        {
+            unmap(Base(NonNull::new(ptr.cast()).expect("not null")), len);
+            return Err(RegionError::Map(e));
+        }
     }
     Ok(Base(
         NonNull::new(ptr.cast()).expect("mmap does not return null"),
@@ -338,8 +369,8 @@ where
             });
         }
         let len = pages * PAGE_SIZE;
-        let (uffd, can_move) = open_userfaultfd()?;
-        let base = map_anonymous(len)?;
+        let (uffd, can_move, follows_forks) = open_userfaultfd()?;
+        let base = map_anonymous(len, !follows_forks)?;
         if let Err(e) = uffd.register(base.page(0), len, true) {
             unmap(base, len);
             return Err(RegionError::Register(e));
@@ -348,7 +379,8 @@ where
         // destination registered, and both mappings alike; nothing ever faults there.
         let sampling = can_move && options.max_samples > 0;
         let shadow = if sampling {
-            let shadow = map_anonymous(len).inspect_err(|_| unmap(base, len))?;
+            // Never inherited: a child gets every page from the region (see `prepare_fork`).
+            let shadow = map_anonymous(len, true).inspect_err(|_| unmap(base, len))?;
             if let Err(e) = uffd.register(shadow.page(0), len, true) {
                 unmap(base, len);
                 unmap(shadow, len);
@@ -396,7 +428,16 @@ where
                 written_after_fetch: 0,
                 skipped_protection: 0,
                 prefetch_seq: 0,
+                child_buf: vec![0u8; PAGE_SIZE],
+                children: Vec::new(),
+                forking: 0,
+                fork_resident: None,
+                forking_since: None,
+                last_probe: std::time::Instant::now(),
             }),
+            follows_forks,
+            child_count: AtomicUsize::new(0),
+            forked: Condvar::new(),
             pidfd: rustix::process::pidfd_open(
                 rustix::process::getpid(),
                 rustix::process::PidfdFlags::empty(),
@@ -481,6 +522,15 @@ impl<T: Transport, D: Disk> Region<T, D> {
             return Err(RegionError::BadRange { offset, len });
         }
         let mut st = self.shared.lock();
+        while st.forking > 0 {
+            // The pages must not change in the pager before the child knows them.
+            st = self
+                .shared
+                .forked
+                .wait_timeout(st, std::time::Duration::from_millis(100))
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
         self.shared
             .release(&mut st, offset / PAGE_SIZE, len / PAGE_SIZE)
             .map_err(RegionError::Release)
@@ -491,6 +541,37 @@ impl<T: Transport, D: Disk> Region<T, D> {
     fn kill_handler(&self) {
         let _ = rustix::io::write(&*self.stop, &DIE.to_ne_bytes());
         std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+
+    /// Whether a forked child inherits the region (root: `UFFD_FEATURE_EVENT_FORK` needs
+    /// `CAP_SYS_PTRACE`). Where it does not, the region is not mapped in the child at all.
+    pub fn follows_forks(&self) -> bool {
+        self.shared.follows_forks
+    }
+
+    /// Called by a thread about to `fork` (`netram run`'s `fork`): until the child's event
+    /// arrives, nothing is evicted and no page changes in the pager, and the pages sampled
+    /// aside come back, so that the child gets every resident page with the fork and can be
+    /// served the others from the pager. Then [`Region::fork_failed`] if `fork` failed.
+    pub fn prepare_fork(&self) {
+        let mut st = self.shared.lock();
+        self.shared.prepare_fork(&mut st);
+    }
+
+    /// The `fork` announced by [`Region::prepare_fork`] failed.
+    pub fn fork_failed(&self) {
+        if self.shared.follows_forks {
+            let mut st = self.shared.lock();
+            self.shared.fork_done(&mut st);
+        }
+    }
+
+    /// Gives every live forked child the pages it still lacks and forgets the children:
+    /// called before the process exits, which takes the region (and the pager they are served
+    /// from) away.
+    pub fn hand_over_to_children(&self) {
+        let mut st = self.shared.lock();
+        self.shared.hand_over(&mut st);
     }
 
     /// Whether the kernel's own accesses to the region (a `read(2)` into it, a `write(2)` from
@@ -551,8 +632,9 @@ impl<T: Transport, D: Disk> Drop for Region<T, D> {
             unmap(shadow, len);
         }
         // The region's pages are garbage now: free them on their servers at once rather than
-        // when the pager's session ends.
+        // when the pager's session ends (forked children given theirs first).
         let mut st = sh.lock();
+        sh.hand_over(&mut st);
         let pager = &mut st.pager;
         let written: Vec<u64> = (0..sh.pages as u64)
             .filter(|&p| pager.is_written(p))
@@ -610,6 +692,41 @@ struct Shared<T: Transport, D: Disk> {
     /// Everything that changes. The handler takes it for one event; `set_budget` and
     /// `release` take it from the program's threads.
     state: Mutex<State<T, D>>,
+    /// Whether forked children inherit the region (see [`Shared::fork_event`]).
+    follows_forks: bool,
+    /// `state.children.len()`, read without the lock by the handler's loop.
+    child_count: AtomicUsize,
+    /// Signalled when no fork is pending any more (`release` waits for it).
+    forked: Condvar,
+}
+
+/// A forked child's copy of the region (Linux's fork semantics, kept across paging: the child
+/// sees the memory as it was at the fork; its writes and the parent's later ones are each
+/// their own).
+///
+/// The child's page tables hold what was resident at the fork (shared copy-on-write by the
+/// kernel); every other page faults to `uffd`, and is served from the pager, whose copy of a
+/// page the child has not got is kept equal to the fork-time contents: before the parent's
+/// side changes a page in the pager (a write-back, a delete), the page is first installed in
+/// every child that lacks it ([`Shared::settle`]). The child's pages are never evicted (its
+/// memory is not bounded by the budget) and never written to the servers; when it exits or
+/// execs, its descriptor reports that its memory is gone (ESRCH) and it is forgotten.
+struct ForkChild {
+    uffd: Uffd,
+    /// A bit per page: the child has its own copy (resident at the fork, or installed since).
+    settled: Vec<u64>,
+    /// Its memory is gone: forgotten at the handler's next turn.
+    gone: bool,
+}
+
+impl ForkChild {
+    fn is_settled(&self, page: usize) -> bool {
+        self.settled[page / 64] & (1 << (page % 64)) != 0
+    }
+
+    fn settle(&mut self, page: usize) {
+        self.settled[page / 64] |= 1 << (page % 64);
+    }
 }
 
 struct State<T: Transport, D: Disk> {
@@ -641,6 +758,19 @@ struct State<T: Transport, D: Disk> {
     skipped_protection: u32,
     /// Pages prefetched so far: every PREFETCH_CHECK-th is left to be faulted on.
     prefetch_seq: u64,
+    /// Forked children whose memory is still there, and a page buffer for them.
+    children: Vec<ForkChild>,
+    child_buf: Vec<u8>,
+    /// Forks announced by `prepare_fork` whose event has not arrived: meanwhile nothing is
+    /// evicted (so every page resident at the announcement is in the child) and no page
+    /// changes in the pager (so the child can be served the pages it lacks from there).
+    forking: u32,
+    /// Resident pages (a bit each) when the first pending fork was announced: the pages the
+    /// child will have.
+    fork_resident: Option<Vec<u64>>,
+    forking_since: Option<std::time::Instant>,
+    /// When the children were last asked whether their memory is still there.
+    last_probe: std::time::Instant,
 }
 
 impl<T: Transport, D: Disk> State<T, D> {
@@ -687,11 +817,35 @@ impl<T: Transport, D: Disk> Shared<T, D> {
                 self.drain_events();
                 continue;
             }
-            let mut fds = [
+            // The children's descriptors too, if there are any; then the wait is bounded, to
+            // notice children whose memory is gone (no event says so).
+            let children = if self.child_count.load(Ordering::Acquire) > 0 {
+                use std::os::fd::{AsFd, AsRawFd};
+                self.lock()
+                    .children
+                    .iter()
+                    .map(|c| c.uffd.as_fd().as_raw_fd())
+                    .collect()
+            } else {
+                Vec::new()
+            };
+            let mut fds = vec![
                 PollFd::new(&self.uffd, PollFlags::IN),
                 PollFd::new(stop, PollFlags::IN),
             ];
-            let polled = poll(&mut fds, None);
+            for &fd in &children {
+                // SAFETY: a child's descriptor is closed only by this thread (`serve_children`,
+                // after the poll) or after it has been joined.
+                fds.push(PollFd::from_borrowed_fd(
+                    unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) },
+                    PollFlags::IN,
+                ));
+            }
+            let timeout = rustix::event::Timespec {
+                tv_sec: 0,
+                tv_nsec: 100_000_000,
+            };
+            let polled = poll(&mut fds, (!children.is_empty()).then_some(&timeout));
             spin_next = !self.spin.is_zero() && wait_started.elapsed() <= self.spin * 2;
             match polled {
                 Ok(_) => {}
@@ -712,8 +866,13 @@ impl<T: Transport, D: Disk> Shared<T, D> {
                 guard.armed = false;
                 return;
             }
+            let children_ready = fds[2..].iter().any(|f| !f.revents().is_empty());
+            drop(fds);
             if !self.drain_events() {
                 return;
+            }
+            if !children.is_empty() || self.child_count.load(Ordering::Acquire) > 0 {
+                self.serve_children(children_ready);
             }
         }
     }
@@ -756,15 +915,16 @@ impl<T: Transport, D: Disk> Shared<T, D> {
     }
 
     fn handle(&self, st: &mut State<T, D>, event: Event) {
-        let Event::Pagefault {
-            addr,
-            write,
-            wp,
-            tid,
-        } = event
-        else {
-            // Only page faults were asked for (no fork, remap, remove or unmap events).
-            return;
+        let (addr, write, wp, tid) = match event {
+            Event::Pagefault {
+                addr,
+                write,
+                wp,
+                tid,
+            } => (addr, write, wp, tid),
+            Event::Fork(child) => return self.fork_event(st, child),
+            // Not asked for (no remap, remove or unmap events).
+            Event::Other(e) => return tracing::debug!("userfaultfd event {e} ignored"),
         };
         let page = (addr - self.base.0.as_ptr() as usize) / PAGE_SIZE;
         debug_assert!(page < self.pages);
@@ -800,6 +960,240 @@ impl<T: Transport, D: Disk> Shared<T, D> {
                 let _ = self.uffd.wake(addr, PAGE_SIZE);
             }
         }
+    }
+
+    /// The process forked: the child's copy of the region faults to `uffd` from now on.
+    fn fork_event(&self, st: &mut State<T, D>, uffd: Uffd) {
+        let words = self.pages.div_ceil(64);
+        let settled = if st.forking > 0 {
+            st.forking -= 1;
+            let resident = st.fork_resident.clone();
+            if st.forking == 0 {
+                st.fork_resident = None;
+                st.forking_since = None;
+                self.forked.notify_all();
+            }
+            resident.unwrap_or_else(|| vec![0; words])
+        } else {
+            // A fork nobody announced (a child forking in turn, a raw clone): nothing is known
+            // of the pages the child has, so any page the parent's side changes is installed
+            // in it first. A change between that fork and this event is not (see README).
+            tracing::debug!("a fork that was not announced");
+            vec![0; words]
+        };
+        self.counters.forks.fetch_add(1, Ordering::Relaxed);
+        st.clock.set_max_samples(0);
+        st.children.push(ForkChild {
+            uffd,
+            settled,
+            gone: false,
+        });
+        self.child_count.store(st.children.len(), Ordering::Release);
+    }
+
+    /// See [`Region::prepare_fork`].
+    fn prepare_fork(&self, st: &mut State<T, D>) {
+        if !self.follows_forks {
+            return;
+        }
+        // No sampling while a child lives: moving a page aside (`UFFDIO_MOVE`) after a fork
+        // was seen to leave the shadow's page missing (the handler then faulted on it and
+        // waited for itself). Resumed once the children are gone (`serve_children`).
+        st.clock.set_max_samples(0);
+        // Sampled pages wait in the shadow, which a child does not inherit: back into the
+        // region, where the child gets them with everything else resident.
+        for page in 0..self.pages {
+            if st.clock.is_sampled(page as u64) {
+                self.put_back(st, page);
+            }
+        }
+        if st.forking == 0 {
+            let mut resident = vec![0u64; self.pages.div_ceil(64)];
+            for page in 0..self.pages {
+                if st.clock.is_resident(page as u64) {
+                    resident[page / 64] |= 1 << (page % 64);
+                }
+            }
+            st.fork_resident = Some(resident);
+            st.forking_since = Some(std::time::Instant::now());
+        }
+        st.forking += 1;
+    }
+
+    /// An announced fork did not happen (or its event will never come).
+    fn fork_done(&self, st: &mut State<T, D>) {
+        st.forking = st.forking.saturating_sub(1);
+        if st.forking == 0 {
+            st.fork_resident = None;
+            st.forking_since = None;
+            self.forked.notify_all();
+        }
+    }
+
+    /// Moves a sampled page back into the region, untouched (not counted as a use).
+    fn put_back(&self, st: &mut State<T, D>, page: usize) {
+        let shadow = self.shadow.expect("sampled pages live in the shadow");
+        let (aside, addr) = (shadow.page(page), self.base.page(page));
+        let moved = st.dirty[page] && self.uffd.move_page(aside, addr).is_ok();
+        if !moved {
+            // SAFETY: a sampled page is present in the shadow, touched only by this handler,
+            // which holds the state.
+            let contents = unsafe { std::slice::from_raw_parts(aside.cast::<u8>(), PAGE_SIZE) };
+            // Clean pages go back write-protected, as fetched pages are.
+            let protect = !st.dirty[page];
+            if let Err(e) = self.uffd.copy(contents, addr, protect) {
+                self.counters.errors.fetch_add(1, Ordering::Relaxed);
+                tracing::error!("putting back sampled page {page} before a fork: {e}");
+                return;
+            }
+            let _ = drop_pages(aside, PAGE_SIZE);
+        }
+        st.clock.unsample(page as u64);
+    }
+
+    /// Before the parent's side changes `page` in the pager: installs its current contents in
+    /// every child that lacks it, since it is the child's too (see `ForkChild`).
+    fn settle(&self, st: &mut State<T, D>, page: usize) {
+        for i in 0..st.children.len() {
+            if !st.children[i].gone && !st.children[i].is_settled(page) {
+                self.counters.child_copies.fetch_add(1, Ordering::Relaxed);
+                self.install_in_child(st, i, page, 0);
+            }
+        }
+    }
+
+    /// Installs `page` as the pager has it in child `i` (for its thread `tid` if it faulted).
+    fn install_in_child(&self, st: &mut State<T, D>, i: usize, page: usize, tid: u32) {
+        let addr = self.base.page(page);
+        let State {
+            pager,
+            children,
+            child_buf,
+            ..
+        } = st;
+        let child = &mut children[i];
+        let installed = if pager.is_written(page as u64) {
+            if let Err(e) = pager.read(page as u64, child_buf) {
+                self.counters.errors.fetch_add(1, Ordering::Relaxed);
+                eprintln!(
+                    "netram: page {page} of a region (address {:#x}) cannot be read for a \
+                     forked child: {e}; SIGBUS to its thread {tid}",
+                    addr as usize
+                );
+                if tid != 0 {
+                    // SAFETY: kill(2) takes no pointers; the child's faulting thread is the
+                    // child itself (a forked child starts with one thread).
+                    unsafe { libc::kill(tid as libc::pid_t, libc::SIGBUS) };
+                }
+                let _ = child.uffd.wake(addr, PAGE_SIZE);
+                return;
+            }
+            child.uffd.copy(child_buf, addr, false)
+        } else {
+            child.uffd.zeropage(addr)
+        };
+        match installed {
+            Ok(()) | Err(rustix::io::Errno::EXIST) => child.settle(page),
+            // Its memory is gone (exited, or exec'd).
+            Err(rustix::io::Errno::SRCH) => child.gone = true,
+            Err(e) => {
+                // The mapping is changing in the child: it faults again.
+                tracing::debug!("installing page {page} in a child: {e}");
+                let _ = child.uffd.wake(addr, PAGE_SIZE);
+            }
+        }
+    }
+
+    /// Serves the children's faults (if `ready`), notices children whose memory is gone, and
+    /// forgets them.
+    fn serve_children(&self, ready: bool) {
+        let mut st = self.lock();
+        let now = std::time::Instant::now();
+        let probe = now.duration_since(st.last_probe) >= std::time::Duration::from_millis(100);
+        if probe {
+            st.last_probe = now;
+            if st
+                .forking_since
+                .is_some_and(|t| now.duration_since(t) > std::time::Duration::from_secs(5))
+            {
+                // Announced, and no event in 5 s: that fork failed unseen.
+                tracing::warn!("a fork announced 5 s ago never happened");
+                st.forking = 1;
+                self.fork_done(&mut st);
+            }
+        }
+        let mut i = 0;
+        while i < st.children.len() {
+            while ready && !st.children[i].gone {
+                match st.children[i].uffd.read_event() {
+                    Ok(Some(Event::Pagefault { addr, wp, tid, .. })) => {
+                        self.child_fault(&mut st, i, addr, wp, tid)
+                    }
+                    Ok(Some(Event::Fork(grandchild))) => self.fork_event(&mut st, grandchild),
+                    Ok(Some(Event::Other(_))) => {}
+                    Ok(None) => break,
+                    Err(e) => {
+                        tracing::debug!("a child's userfaultfd: {e}");
+                        st.children[i].gone = true;
+                    }
+                }
+            }
+            if probe && !st.children[i].gone {
+                // No event says that a child's memory is gone; an ioctl on it does (ESRCH).
+                // Lifting write-protection from its first page changes nothing it can see.
+                let first = self.base.page(0);
+                if let Err(rustix::io::Errno::SRCH) =
+                    st.children[i].uffd.set_write_protect(first, false, false)
+                {
+                    st.children[i].gone = true;
+                }
+            }
+            i += 1;
+        }
+        st.children.retain(|c| !c.gone);
+        self.child_count.store(st.children.len(), Ordering::Release);
+        if st.children.is_empty() && st.forking == 0 && st.gate.is_on() {
+            let n = st.max_samples;
+            st.clock.set_max_samples(n);
+        }
+    }
+
+    /// A fault of child `i` at `addr`.
+    fn child_fault(&self, st: &mut State<T, D>, i: usize, addr: usize, wp: bool, tid: u32) {
+        let page = (addr - self.base.0.as_ptr() as usize) / PAGE_SIZE;
+        let at = self.base.page(page);
+        if wp {
+            // A page the parent had write-protected: the child's own now, writable.
+            let _ = st.children[i].uffd.set_write_protect(at, false, true);
+            return;
+        }
+        self.counters.child_faults.fetch_add(1, Ordering::Relaxed);
+        if st.children[i].is_settled(page) {
+            // Its own copy, which it dropped (madvise): zeros, as anonymous memory reads.
+            if st.children[i].uffd.zeropage(at).is_err() {
+                let _ = st.children[i].uffd.wake(at, PAGE_SIZE);
+            }
+            return;
+        }
+        self.install_in_child(st, i, page, tid);
+    }
+
+    /// Installs every page the children lack and forgets them: the region is going away (the
+    /// process exits), and their memory must not depend on it. Pages never written need
+    /// nothing: once forgotten, the child's region is plain memory, which reads as zeros.
+    fn hand_over(&self, st: &mut State<T, D>) {
+        for i in 0..st.children.len() {
+            for page in 0..self.pages {
+                if st.children[i].gone {
+                    break;
+                }
+                if !st.children[i].is_settled(page) && st.pager.is_written(page as u64) {
+                    self.install_in_child(st, i, page, 0);
+                }
+            }
+        }
+        st.children.clear();
+        self.child_count.store(0, Ordering::Release);
     }
 
     /// A page the pager cannot read: the pager has already tried every copy (other servers,
@@ -889,8 +1283,13 @@ impl<T: Transport, D: Disk> Shared<T, D> {
                     .fetch_add(1, Ordering::Relaxed);
                 let _ = self.uffd.wake(addr, PAGE_SIZE);
             }
+            Err(rustix::io::Errno::AGAIN) => {
+                // The mapping is changing (a fork copying it): the woken thread faults again.
+                self.counters.retried.fetch_add(1, Ordering::Relaxed);
+                let _ = self.uffd.wake(addr, PAGE_SIZE);
+                return;
+            }
             Err(e) => {
-                // EAGAIN: the mapping is changing; the woken thread faults again.
                 self.counters.errors.fetch_add(1, Ordering::Relaxed);
                 tracing::debug!("installing page {page}: errno {e}");
                 let _ = self.uffd.wake(addr, PAGE_SIZE);
@@ -925,6 +1324,7 @@ impl<T: Transport, D: Disk> Shared<T, D> {
                     .fetch_add(1, Ordering::Relaxed);
                 st.dirty[page] = true;
                 if st.pager.is_written(page as u64) {
+                    self.settle(st, page);
                     if let Err(e) = st.pager.discard(page as u64) {
                         tracing::warn!("deleting page {page} the program dropped: {e}");
                     }
@@ -992,7 +1392,9 @@ impl<T: Transport, D: Disk> Shared<T, D> {
     /// victim chosen but not dropped yet stays mapped write-protected (or aside, if sampled):
     /// a write to it blocks until the batch is gone and then faults it back in.
     fn make_room(&self, st: &mut State<T, D>, keep: usize) {
-        if st.clock.len() <= keep {
+        if st.clock.len() <= keep || st.forking > 0 {
+            // While a fork is pending nothing leaves: the child gets every page resident at
+            // its announcement (see `prepare_fork`). The budget is caught up with afterwards.
             return;
         }
         // A batch small next to the budget, so that residency stays close to it.
@@ -1029,7 +1431,7 @@ impl<T: Transport, D: Disk> Shared<T, D> {
                 self.evict_mapped(st, page)
                     .map(|a| (page, a as usize, true))
             };
-            if st.gate.evicted() {
+            if st.gate.evicted() && st.children.is_empty() {
                 let n = st.max_samples;
                 st.clock.set_max_samples(n);
             }
@@ -1130,6 +1532,7 @@ impl<T: Transport, D: Disk> Shared<T, D> {
 
     /// Stores the page in `st.buf` as page `page` (an all-zero page is discarded instead).
     fn store(&self, st: &mut State<T, D>, page: usize) -> Result<(), netram_pager::PagerError> {
+        self.settle(st, page);
         if st.buf.iter().all(|&b| b == 0) {
             self.counters.evicted_zero.fetch_add(1, Ordering::Relaxed);
             st.pager.discard(page as u64)
@@ -1184,6 +1587,7 @@ impl<T: Transport, D: Disk> Shared<T, D> {
             st.dirty[page] = false;
             st.prefetched.remove(&p);
             if st.pager.is_written(p) {
+                self.settle(st, page);
                 written.push(p);
             }
         }

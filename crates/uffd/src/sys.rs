@@ -34,7 +34,7 @@ const _: () = assert!(MSG_LEN == 32);
 pub(crate) struct Uffd(OwnedFd, bool);
 
 /// An event read from the descriptor.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug)]
 pub(crate) enum Event {
     /// A thread faulted at `addr`: on a missing page, or (`wp`) on a write-protected one;
     /// `write` if the access was a write. `tid`: the faulting thread (with
@@ -45,7 +45,10 @@ pub(crate) enum Event {
         wp: bool,
         tid: u32,
     },
-    /// Anything else (fork, remap, remove, unmap: not asked for).
+    /// The process forked (with `UFFD_FEATURE_EVENT_FORK`): the child's copy of the registered
+    /// ranges faults to this new descriptor, which the kernel has just opened in this process.
+    Fork(Uffd),
+    /// Anything else (remap, remove, unmap: not asked for).
     Other(u8),
 }
 
@@ -258,7 +261,28 @@ impl Uffd {
         let mut msg = [0u8; MSG_LEN];
         loop {
             match rustix::io::read(self, &mut msg) {
-                Ok(MSG_LEN) => return Ok(Some(parse(&msg))),
+                Ok(MSG_LEN) => {
+                    return Ok(Some(match parse(&msg) {
+                        Parsed::Pagefault {
+                            addr,
+                            write,
+                            wp,
+                            tid,
+                        } => Event::Pagefault {
+                            addr,
+                            write,
+                            wp,
+                            tid,
+                        },
+                        Parsed::Other(e) => Event::Other(e),
+                        // SAFETY: the kernel opened this descriptor for us while handing out the
+                        // message (`resolve_userfault_fork`): it is ours alone, and taken once.
+                        Parsed::Fork(fd) => Event::Fork(Uffd(
+                            unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd) },
+                            self.1,
+                        )),
+                    }));
+                }
                 // The kernel hands out whole messages only.
                 Ok(_) => return Err(Errno::IO),
                 Err(Errno::AGAIN) => return Ok(None),
@@ -269,15 +293,33 @@ impl Uffd {
     }
 }
 
+/// A decoded message (see [`Event`]); a fork's descriptor still a number.
+#[derive(Debug, PartialEq, Eq)]
+enum Parsed {
+    Pagefault {
+        addr: usize,
+        write: bool,
+        wp: bool,
+        tid: u32,
+    },
+    Fork(i32),
+    Other(u8),
+}
+
 /// Decodes a `struct uffd_msg` (host byte order: the kernel's own ABI, not a wire format):
-/// `event` at byte 0, for a page fault `flags` at 8, `address` at 16 and the thread id at 24.
-fn parse(msg: &[u8; MSG_LEN]) -> Event {
+/// `event` at byte 0, for a page fault `flags` at 8, `address` at 16 and the thread id at 24;
+/// for a fork the new descriptor at 8.
+fn parse(msg: &[u8; MSG_LEN]) -> Parsed {
     let u64_at = |at: usize| u64::from_ne_bytes(msg[at..at + 8].try_into().expect("8 bytes"));
-    if u32::from(msg[0]) != k::UFFD_EVENT_PAGEFAULT {
-        return Event::Other(msg[0]);
+    match u32::from(msg[0]) {
+        k::UFFD_EVENT_PAGEFAULT => {}
+        k::UFFD_EVENT_FORK => {
+            return Parsed::Fork(i32::from_ne_bytes(msg[8..12].try_into().expect("4 bytes")))
+        }
+        _ => return Parsed::Other(msg[0]),
     }
     let flags = u64_at(8);
-    Event::Pagefault {
+    Parsed::Pagefault {
         addr: u64_at(16) as usize,
         write: flags & u64::from(k::UFFD_PAGEFAULT_FLAG_WRITE) != 0,
         wp: flags & u64::from(k::UFFD_PAGEFAULT_FLAG_WP) != 0,
@@ -299,7 +341,7 @@ mod tests {
         msg[24..28].copy_from_slice(&4242u32.to_ne_bytes());
         assert_eq!(
             parse(&msg),
-            Event::Pagefault {
+            Parsed::Pagefault {
                 addr: 0x7f00_1234_5000,
                 write: true,
                 wp: true,
@@ -307,7 +349,10 @@ mod tests {
             }
         );
         msg[0] = k::UFFD_EVENT_FORK as u8;
-        assert_eq!(parse(&msg), Event::Other(k::UFFD_EVENT_FORK as u8));
+        msg[8..12].copy_from_slice(&17i32.to_ne_bytes());
+        assert_eq!(parse(&msg), Parsed::Fork(17));
+        msg[0] = k::UFFD_EVENT_REMOVE as u8;
+        assert_eq!(parse(&msg), Parsed::Other(k::UFFD_EVENT_REMOVE as u8));
     }
 
     #[test]

@@ -472,9 +472,10 @@ fn released_pages_read_as_zeros_and_leave_their_servers() {
     assert!((0..16).all(|p| r.as_slice()[p * PAGE_SIZE] == 7));
 }
 
-/// A forked child does not inherit the region: touching it there is SIGSEGV, not zeros.
+/// A forked child either inherits the region with its contents (root: forks are followed)
+/// or has no region at all (SIGSEGV, never zeros).
 #[test]
-fn a_forked_child_does_not_see_the_region() {
+fn a_forked_child_gets_the_region_or_nothing() {
     let cluster = LocalCluster::start(1, 8 << 20, false).unwrap();
     let mut r = region(&cluster, 4);
     let mem = r.as_mut_slice();
@@ -482,8 +483,14 @@ fn a_forked_child_does_not_see_the_region() {
         mem[p * PAGE_SIZE] = 9; // pages 0..12 are evicted
     }
     let at = r.as_ptr() as usize;
+    if r.follows_forks() {
+        r.prepare_fork();
+    }
+    // The system call, not the C library's fork, which holds the allocator's locks across it:
+    // the handler thread serving the fork allocates. (netram run's own allocations do not use
+    // the C library's allocator, see `crates/preload`.)
     // SAFETY: the child only reads memory and exits (async-signal-safe) before anything else.
-    let pid = unsafe { libc::fork() };
+    let pid = unsafe { libc::syscall(libc::SYS_fork) } as libc::pid_t;
     assert!(pid >= 0, "fork failed");
     if pid == 0 {
         // SAFETY: in the child the mapping is gone: the read faults with SIGSEGV. If it were
@@ -496,10 +503,17 @@ fn a_forked_child_does_not_see_the_region() {
     // SAFETY: waiting for our own child.
     let waited = unsafe { libc::waitpid(pid, &mut status, 0) };
     assert_eq!(waited, pid);
-    assert!(
-        libc::WIFSIGNALED(status) && libc::WTERMSIG(status) == libc::SIGSEGV,
-        "child status {status:#x}"
-    );
+    if r.follows_forks() {
+        assert!(
+            libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 19,
+            "child status {status:#x}"
+        );
+    } else {
+        assert!(
+            libc::WIFSIGNALED(status) && libc::WTERMSIG(status) == libc::SIGSEGV,
+            "child status {status:#x}"
+        );
+    }
     assert_eq!(r.as_slice()[0], 9, "the parent's region is untouched");
 }
 
@@ -625,4 +639,108 @@ fn pages_the_program_drops_read_as_zeros() {
     // the sampled-fault path installs it (zeros, as asserted above) without counting it.
     let dropped = RegionCounters::get(&r.counters().dropped_by_program);
     assert!((1..=2).contains(&dropped), "{dropped} dropped pages found");
+}
+
+/// A forked child sees the region as it was at the fork — pages resident then and pages on
+/// the servers alike — while the parent overwrites every page at once (each written back, so
+/// each first installed in the child) and threads of the parent keep faulting; the child's own
+/// writes stay its own. Needs root (following forks needs CAP_SYS_PTRACE).
+#[test]
+fn a_forked_child_sees_its_memory_as_at_the_fork() {
+    if !netram_testkit::have_root("following forks (UFFD_FEATURE_EVENT_FORK)") {
+        return;
+    }
+    let _ = tracing_subscriber::fmt()
+        .with_test_writer()
+        .with_max_level(tracing::Level::WARN)
+        .try_init();
+    let cluster = LocalCluster::start(2, 16 << 20, false).unwrap();
+    let mut r = region(&cluster, 32);
+    assert!(r.follows_forks());
+    let mem = r.as_mut_slice();
+    for p in 0..PAGES {
+        mem[p * PAGE_SIZE..(p + 1) * PAGE_SIZE].fill(fill(p, 1));
+    }
+    let base = r.as_ptr() as usize;
+    // Threads faulting across the fork: reading the region's second half over and over.
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let readers: Vec<_> = (0..2)
+        .map(|t| {
+            let stop = stop.clone();
+            std::thread::spawn(move || {
+                let mut sum = 0u64;
+                let mut p = PAGES / 2 + t;
+                while !stop.load(Ordering::Relaxed) {
+                    // SAFETY: a page of the region, which outlives the threads.
+                    sum += u64::from(unsafe { *((base + p * PAGE_SIZE) as *const u8) });
+                    p = PAGES / 2 + (p * 7 + 3) % (PAGES / 2);
+                }
+                sum
+            })
+        })
+        .collect();
+    std::thread::sleep(std::time::Duration::from_millis(50));
+    r.prepare_fork();
+    // The system call (see `a_forked_child_gets_the_region_or_nothing`).
+    // SAFETY: the child only reads and writes the region and calls _exit: no allocation, no
+    // lock another thread of this process may hold.
+    let pid = unsafe { libc::syscall(libc::SYS_fork) } as libc::pid_t;
+    if pid == 0 {
+        let mut code = 0;
+        for p in 0..PAGES {
+            // SAFETY: the child's copy of the region, read and written by its only thread.
+            let page = unsafe {
+                std::slice::from_raw_parts_mut((base + p * PAGE_SIZE) as *mut u8, PAGE_SIZE)
+            };
+            if page.iter().any(|&b| b != fill(p, 1)) {
+                code = 1;
+            }
+            page.fill(fill(p, 3));
+        }
+        for p in 0..PAGES {
+            // SAFETY: as above.
+            let page = unsafe {
+                std::slice::from_raw_parts((base + p * PAGE_SIZE) as *const u8, PAGE_SIZE)
+            };
+            if page.iter().any(|&b| b != fill(p, 3)) {
+                code |= 2;
+            }
+        }
+        // SAFETY: ends the child without running the parent's exit handlers.
+        unsafe { libc::_exit(code) };
+    }
+    assert!(pid > 0, "fork: {}", std::io::Error::last_os_error());
+    // The parent changes everything at once, while the child reads.
+    let mem = r.as_mut_slice();
+    for p in 0..PAGES {
+        mem[p * PAGE_SIZE..(p + 1) * PAGE_SIZE].fill(fill(p, 2));
+    }
+    let mut status = 0;
+    // SAFETY: waiting for our own child.
+    assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
+    stop.store(true, Ordering::Relaxed);
+    for t in readers {
+        t.join().unwrap();
+    }
+    assert!(
+        libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0,
+        "the child saw other memory than at the fork (1), or lost its own writes (2): {status:#x}"
+    );
+    let mem = r.as_slice();
+    for p in 0..PAGES {
+        assert!(
+            mem[p * PAGE_SIZE..(p + 1) * PAGE_SIZE]
+                .iter()
+                .all(|&b| b == fill(p, 2)),
+            "the parent's page {p}"
+        );
+    }
+    let c = r.counters();
+    // At least this fork (another test's in the same process copies this region too).
+    assert!(RegionCounters::get(&c.forks) >= 1, "{c:?}");
+    // Most pages were on the servers at the fork: the child got them by fault or before the
+    // parent overwrote them.
+    let served = RegionCounters::get(&c.child_faults) + RegionCounters::get(&c.child_copies);
+    assert!(served > (PAGES / 2) as u64, "{c:?}");
+    assert_eq!(RegionCounters::get(&c.errors), 0, "{c:?}");
 }

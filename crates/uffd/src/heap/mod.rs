@@ -6,10 +6,10 @@
 //! `free` ever faults on a page of it (a remote page fetched only to be freed would be a
 //! network round trip for nothing):
 //!
-//! * blocks of up to 32 KiB ([`slabs`]): size classes in 256 KiB spans, a bitmap a span; the
+//! * blocks of up to 32 KiB (`slabs`): size classes in 256 KiB spans, a bitmap a span; the
 //!   spans are split among shards, each with its own lock, and a thread allocates from the
 //!   shard it was given at its first allocation (any thread frees into the span's shard);
-//! * larger blocks, and the spans themselves ([`extents`]): whole pages, first fit. Freeing
+//! * larger blocks, and the spans themselves (`extents`): whole pages, first fit. Freeing
 //!   one gives its pages back with [`Region::release`] (local memory dropped, remote copies
 //!   deleted) without touching its neighbours; so does a span whose last block is freed.
 //!
