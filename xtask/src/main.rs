@@ -33,6 +33,7 @@ const TOOLS: &[(&str, &str)] = &[
     ("sqlite3", "sqlite3"),
     ("perl", "perl"),
     ("python3", "python3"),
+    ("redis-benchmark", "redis-tools"),
 ];
 
 const USAGE: &str = "\

@@ -11,6 +11,7 @@ pub mod core;
 pub mod machine;
 pub mod nbd;
 pub mod process;
+pub mod programs;
 pub mod raw;
 pub mod reliability;
 pub mod uffd;

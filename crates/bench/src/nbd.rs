@@ -396,6 +396,11 @@ pub(crate) struct SwapDevice {
 }
 
 impl SwapDevice {
+    /// The device or file as /proc/swaps names it (`None` for `local`).
+    pub(crate) fn path(&self) -> Option<&str> {
+        self.name.as_deref()
+    }
+
     /// Memory this configuration holds on this machine, beyond the workload's own.
     fn local_bytes(&self) -> u64 {
         let zram = self.zram.as_ref().map_or(0, |dev| {

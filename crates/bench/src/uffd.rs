@@ -504,33 +504,55 @@ pub fn run(opts: &Options) -> anyhow::Result<String> {
 
 /// Seconds per way, one panel per workload, on a log scale (netram's ways in blue).
 pub fn plot_ways(workloads: &Value, path: &Path) -> anyhow::Result<()> {
-    use plotters::prelude::*;
-    /// Bars of one panel: position, way, seconds.
-    type Bars = Vec<(usize, &'static str, f64)>;
-    let panels: Vec<(&str, Bars)> = ["random", "qsort"]
+    let panels: Vec<Panel> = ["random", "qsort"]
         .into_iter()
         .map(|wl| {
             let bars = Way::ALL
                 .iter()
-                .filter_map(|w| Some((w.key(), workloads[wl][w.key()]["seconds"].as_f64()?)))
-                .filter(|&(_, v)| v > 0.0)
-                .enumerate()
-                .map(|(i, (k, v))| (i, k, v))
+                .filter_map(|w| {
+                    let v = workloads[wl][w.key()]["seconds"].as_f64()?;
+                    Some((w.key().to_string(), v))
+                })
                 .collect();
-            (wl, bars)
+            (format!("{wl}: seconds (log scale)"), bars)
+        })
+        .collect();
+    plot_panels(&panels, path)
+}
+
+/// A panel's caption, and its bars: a name (netram's start with "netram", drawn in blue) and a
+/// value.
+pub type Panel = (String, Vec<(String, f64)>);
+
+/// Bar charts side by side on a log scale; bars without a positive value are left out, and so
+/// are panels without bars.
+pub fn plot_panels(panels: &[Panel], path: &Path) -> anyhow::Result<()> {
+    use plotters::prelude::*;
+    /// Bars of one panel: position, name, value.
+    type Bars<'a> = Vec<(usize, &'a str, f64)>;
+    let panels: Vec<(&str, Bars)> = panels
+        .iter()
+        .map(|(caption, bars)| {
+            let bars = bars
+                .iter()
+                .filter(|(_, v)| *v > 0.0)
+                .enumerate()
+                .map(|(i, (k, v))| (i, k.as_str(), *v))
+                .collect();
+            (caption.as_str(), bars)
         })
         .filter(|(_, bars): &(_, Vec<_>)| !bars.is_empty())
         .collect();
-    anyhow::ensure!(!panels.is_empty(), "no workload figures to plot");
-    let root = SVGBackend::new(path, (900, 420)).into_drawing_area();
+    anyhow::ensure!(!panels.is_empty(), "no figures to plot");
+    let root = SVGBackend::new(path, (300 * panels.len() as u32 + 300, 420)).into_drawing_area();
     root.fill(&WHITE)?;
     let areas = root.split_evenly((1, panels.len()));
-    for (area, (wl, bars)) in areas.iter().zip(&panels) {
+    for (area, (caption, bars)) in areas.iter().zip(&panels) {
         let lo = bars.iter().map(|b| b.2).fold(f64::INFINITY, f64::min) / 2.0;
         let hi = bars.iter().map(|b| b.2).fold(0.0, f64::max) * 2.0;
         let names: Vec<&str> = bars.iter().map(|b| b.1).collect();
         let mut chart = ChartBuilder::on(area)
-            .caption(format!("{wl}: seconds (log scale)"), ("sans-serif", 16))
+            .caption(*caption, ("sans-serif", 16))
             .margin(10)
             .x_label_area_size(80)
             .y_label_area_size(50)

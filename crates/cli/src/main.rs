@@ -127,6 +127,21 @@ enum BenchCommand {
         #[arg(long, default_value = "bench-results")]
         out: PathBuf,
     },
+    /// Real programs from Debian (Redis with redis-benchmark, sqlite3, GNU sort, Python, a
+    /// forking Python), each all-local, under `netram run` with a quarter of its peak local,
+    /// and (as root) under the kernel's swap to the local disk in a cgroup of that size;
+    /// outputs checked; writes programs.json, programs.md and programs.svg.
+    Programs {
+        /// Small inputs (a few minutes in all).
+        #[arg(long)]
+        quick: bool,
+        /// Only these programs (comma-separated: redis, sqlite3, sort, python, python_fork).
+        #[arg(long, value_delimiter = ',')]
+        only: Vec<String>,
+        /// Where to write programs.json, programs.md and programs.svg.
+        #[arg(long, default_value = "bench-results")]
+        out: PathBuf,
+    },
     /// Redundancy: GET/PUT latency, throughput and memory per page of none, mirror:2,
     /// parity:4 and rs:4+2, the recovery rate after a SIGKILL and the
     /// slowdown of a program's reads while recovery runs, against seven `netram serve`
@@ -239,6 +254,22 @@ fn main() -> anyhow::Result<()> {
             let report = netram_bench::core::run(&opts)?;
             println!("{report}");
             println!("wrote {0}/core.json and {0}/core.md", out.display());
+            Ok(())
+        }
+        Command::Bench(BenchCommand::Programs { quick, only, out }) => {
+            init_logging("warn");
+            let opts = netram_bench::programs::Options {
+                quick,
+                out: out.clone(),
+                netram_exe: std::env::current_exe()?,
+                only,
+            };
+            let report = netram_bench::programs::run(&opts)?;
+            println!("{report}");
+            println!(
+                "wrote {0}/programs.json, {0}/programs.md and {0}/programs.svg",
+                out.display()
+            );
             Ok(())
         }
         Command::Bench(BenchCommand::Uffd {

@@ -1,0 +1,520 @@
+//! `netram bench programs`: real programs from Debian's packages — nobody wrote them for
+//! netram — each run three ways side by side: all in local memory, under `netram run` with a
+//! quarter of its peak memory local, and (as root) under the kernel's swap to a file on the
+//! local disk in a memory cgroup of that same size (what a user would pick instead). Every
+//! run's output is checked against the all-local run's. Anemone §4 and Nswap §V measure the
+//! same way: unmodified applications against the local disk.
+//!
+//! The programs: Redis (linked with jemalloc) loaded by `DEBUG POPULATE` and read by
+//! redis-benchmark; sqlite3 building an indexed in-memory table; GNU sort with two threads on a
+//! file larger than the local memory; Python building millions of small objects; Python
+//! forking a child that reads what the parent built while the parent rewrites it.
+//!
+//! Each run is `/usr/bin/time sh -c SCRIPT`: its wall time and the peak resident memory of the
+//! largest process of the run (code and stacks included, as `getrusage` counts it).
+
+use crate::machine::Machine;
+use crate::nbd::{setup, start_servers, tempfile_dir, CGROUP_ROOT};
+use crate::process::{have, ChildGuard, Cleanup};
+use serde_json::{json, Value};
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+#[derive(Debug, Clone)]
+pub struct Options {
+    pub quick: bool,
+    pub out: PathBuf,
+    /// The `netram` executable: servers and `netram run` are its children.
+    pub netram_exe: PathBuf,
+    /// Only these programs (by name) [default: all].
+    pub only: Vec<String>,
+}
+
+/// A program: its name, what it stands for, the Debian packages it needs, and its script
+/// (run by `sh -c` in `dir`, where `prepare` wrote its input).
+struct Program {
+    name: &'static str,
+    what: &'static str,
+    tools: &'static [&'static str],
+    prepare: fn(dir: &Path, quick: bool) -> anyhow::Result<String>,
+}
+
+const PROGRAMS: &[Program] = &[
+    Program {
+        name: "redis",
+        what: "Redis (jemalloc) filled by DEBUG POPULATE, read by redis-benchmark GETs",
+        tools: &["redis-server", "redis-cli", "redis-benchmark"],
+        prepare: redis,
+    },
+    Program {
+        name: "sqlite3",
+        what: "sqlite3: an in-memory table of short rows and its index",
+        tools: &["sqlite3"],
+        prepare: sqlite,
+    },
+    Program {
+        name: "sort",
+        what: "GNU sort --parallel=2 of a file larger than the local memory",
+        tools: &["sort", "cksum"],
+        prepare: sort,
+    },
+    Program {
+        name: "python",
+        what: "Python: a dict of millions of small tuples",
+        tools: &["python3"],
+        prepare: python_objects,
+    },
+    Program {
+        name: "python_fork",
+        what: "Python: a forked child reads the list its parent built while the parent rewrites it",
+        tools: &["python3"],
+        prepare: python_fork,
+    },
+];
+
+fn redis(dir: &Path, quick: bool) -> anyhow::Result<String> {
+    let keys = if quick { 100_000 } else { 1_000_000 };
+    let port = 20_000 + fastrand::u16(..20_000);
+    // The server in the background, the load generator, then the checks: the key count and a
+    // value's checksum.
+    Ok(format!(
+        "redis-server --port {port} --save '' --appendonly no --enable-debug-command yes \
+  --dir {dir} >/dev/null & S=$!
+for i in $(seq 200); do redis-cli -p {port} ping >/dev/null 2>&1 && break; sleep 0.05; done
+redis-cli -p {port} debug populate {keys} key 256 >/dev/null
+redis-benchmark -p {port} -n {n} -r {keys} -t get -q >/dev/null
+redis-cli -p {port} dbsize
+redis-cli -p {port} get key:12345 | cksum
+redis-cli -p {port} shutdown nosave >/dev/null; wait $S",
+        dir = dir.display(),
+        n = keys * 2,
+    ))
+}
+
+fn sqlite(dir: &Path, quick: bool) -> anyhow::Result<String> {
+    let rows = if quick { 150_000 } else { 1_500_000 };
+    let sql = dir.join("sqlite.sql");
+    std::fs::write(
+        &sql,
+        format!(
+            "CREATE TABLE t(id INTEGER PRIMARY KEY, k TEXT, v TEXT);
+WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x+1 FROM c WHERE x<{rows})
+INSERT INTO t SELECT x, printf('%08x', (x*2654435761) % 4294967296), printf('%0100d', x*7919) FROM c;
+CREATE INDEX tk ON t(k);
+SELECT count(*), sum(length(v)), count(DISTINCT substr(k,1,3)) FROM t;
+SELECT id, k FROM t WHERE k > 'f' ORDER BY k LIMIT 3;
+DELETE FROM t WHERE id % 3 = 0;
+SELECT count(*), min(k), max(k) FROM t;
+"
+        ),
+    )?;
+    Ok(format!("sqlite3 :memory: < {}", sql.display()))
+}
+
+fn sort(dir: &Path, quick: bool) -> anyhow::Result<String> {
+    let lines = if quick { 1_000_000 } else { 8_000_000 };
+    let input = dir.join("sort.txt");
+    let mut rng = fastrand::Rng::with_seed(7);
+    let mut text = String::with_capacity(lines * 33);
+    for _ in 0..lines {
+        let _ = writeln!(text, "{:016x} {:015}", rng.u64(..), rng.u64(..1 << 48));
+    }
+    std::fs::write(&input, &text)?;
+    // A buffer as large as the input: sort keeps it all in memory, in two threads.
+    let buffer = text.len() / (1 << 20) + 16;
+    // Sorted into a file, then summed: a sort that fails (or is killed) fails the run.
+    Ok(format!(
+        "LC_ALL=C sort --parallel=2 -S {buffer}M -T {dir} -o {dir}/sorted {input} && \
+         cksum < {dir}/sorted",
+        dir = dir.display(),
+        input = input.display()
+    ))
+}
+
+fn python_objects(dir: &Path, quick: bool) -> anyhow::Result<String> {
+    let n = if quick { 300_000 } else { 3_000_000 };
+    let script = dir.join("objects.py");
+    std::fs::write(
+        &script,
+        "import sys
+n = int(sys.argv[1])
+d = {}
+for i in range(n):
+    d[i] = ('k%d' % i, [i, i * 2])
+total = 0
+for i in range(0, n, 3):
+    total += d[i][1][1]
+print(len(d), total)
+",
+    )?;
+    Ok(format!("python3 {} {n}", script.display()))
+}
+
+fn python_fork(dir: &Path, quick: bool) -> anyhow::Result<String> {
+    let n = if quick { 300_000 } else { 2_000_000 };
+    let script = dir.join("fork.py");
+    std::fs::write(
+        &script,
+        "import os, sys
+n = int(sys.argv[1])
+data = [('k%d' % i, i * 3) for i in range(n)]
+r, w = os.pipe()
+pid = os.fork()
+if pid == 0:
+    os.close(r)
+    s = sum(v for _, v in data)
+    for i in range(0, n, 2):
+        data[i] = ('x', 0)
+    os.write(w, ('%d %d\\n' % (s, sum(v for _, v in data))).encode())
+    os._exit(0)
+os.close(w)
+for i in range(n):
+    data[i] = ('y', 1)
+got = os.read(r, 100).decode().strip()
+os.waitpid(pid, 0)
+print('child', got, 'parent', sum(v for _, v in data))
+",
+    )?;
+    Ok(format!("python3 {} {n}", script.display()))
+}
+
+/// What one run measured.
+struct Run {
+    stdout: String,
+    seconds: f64,
+    peak_rss_kib: u64,
+}
+
+/// Runs `prefix... sh -c SCRIPT` under `/usr/bin/time` (which reports the largest process's
+/// peak), bounded by `timeout`; killed by PID if it runs over.
+fn timed(prefix: &[String], script: &str, dir: &Path, timeout: Duration) -> anyhow::Result<Run> {
+    let err = dir.join(format!("time-{}.txt", fastrand::u32(..)));
+    let mut cmd = Command::new("/usr/bin/time");
+    cmd.args(["-o", err.to_str().expect("utf-8"), "-f", "%e %M"])
+        .args(prefix)
+        .args(["sh", "-c", script])
+        .current_dir(dir)
+        .stdin(Stdio::null());
+    let mut child = ChildGuard::spawn(cmd.stdout(Stdio::piped()).stderr(Stdio::piped()))?;
+    let started = Instant::now();
+    let status = loop {
+        if let Some(s) = child.0.try_wait()? {
+            break s;
+        }
+        anyhow::ensure!(started.elapsed() < timeout, "ran over {timeout:?}");
+        anyhow::ensure!(!crate::process::interrupted(), "interrupted");
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let mut out = String::new();
+    let mut stderr = String::new();
+    if let Some(mut o) = child.0.stdout.take() {
+        std::io::Read::read_to_string(&mut o, &mut out)?;
+    }
+    if let Some(mut e) = child.0.stderr.take() {
+        std::io::Read::read_to_string(&mut e, &mut stderr)?;
+    }
+    let times = std::fs::read_to_string(&err).unwrap_or_default();
+    let _ = std::fs::remove_file(&err);
+    anyhow::ensure!(status.success(), "{status}: {}", stderr.trim());
+    let last = times.lines().last().unwrap_or_default();
+    let mut f = last.split_whitespace();
+    let (Some(secs), Some(kib)) = (f.next(), f.next()) else {
+        anyhow::bail!("no figures from /usr/bin/time: {times:?}");
+    };
+    Ok(Run {
+        stdout: out,
+        seconds: secs.parse()?,
+        peak_rss_kib: kib.parse()?,
+    })
+}
+
+/// A memory cgroup limited to `limit` bytes, removed on drop.
+struct Cgroup {
+    path: PathBuf,
+    _removed_on_drop: Cleanup,
+}
+
+impl Cgroup {
+    fn new(limit: u64) -> anyhow::Result<Self> {
+        let path = Path::new(CGROUP_ROOT).join(format!(
+            "netram-bench-programs-{}-{}",
+            std::process::id(),
+            fastrand::u32(..)
+        ));
+        std::fs::create_dir(&path)?;
+        let mut c = Cleanup::default();
+        let p = path.clone();
+        c.push("remove the cgroup", move || {
+            for _ in 0..200 {
+                if std::fs::remove_dir(&p).is_ok() {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        });
+        std::fs::write(path.join("memory.limit_in_bytes"), limit.to_string())?;
+        Ok(Self {
+            path,
+            _removed_on_drop: c,
+        })
+    }
+}
+
+/// One program three ways; its figures, or why a way could not run.
+fn measure(
+    p: &Program,
+    opts: &Options,
+    servers: &str,
+    swap: Option<&Path>,
+    dir: &Path,
+) -> anyhow::Result<Value> {
+    let script = (p.prepare)(dir, opts.quick)?;
+    let timeout = Duration::from_secs(if opts.quick { 300 } else { 1800 });
+    eprintln!("programs: {} all local ...", p.name);
+    let local = timed(&[], &script, dir, timeout)?;
+    // A quarter of the peak, which includes code and stacks (not on netram): netram's budget
+    // is a quarter of everything, the cgroup's the same.
+    let quarter = (local.peak_rss_kib << 10) / 4;
+    let mut v = json!({
+        "what": p.what,
+        "local": { "seconds": local.seconds, "peak_rss_kib": local.peak_rss_kib },
+        "local_mem_bytes": quarter,
+    });
+    eprintln!("programs: {} under netram run ...", p.name);
+    let report = dir.join("netram-report.json");
+    let prefix: Vec<String> = [
+        opts.netram_exe.to_str().expect("utf-8"),
+        "run",
+        "-q",
+        "--local-mem",
+        &quarter.to_string(),
+        "--servers",
+        servers,
+        "--report",
+        report.to_str().expect("utf-8"),
+        "--spill-dir",
+        dir.to_str().expect("utf-8"),
+        "--",
+    ]
+    .map(String::from)
+    .to_vec();
+    v["netram"] = match timed(&prefix, &script, dir, timeout) {
+        Ok(run) => {
+            let r: Value = serde_json::from_str(&std::fs::read_to_string(&report)?)?;
+            json!({
+                "seconds": run.seconds,
+                "peak_rss_kib": run.peak_rss_kib,
+                "output_ok": run.stdout == local.stdout,
+                "faults": r["faults"],
+                "fetches": r["fetches"],
+                "prefetch_installed": r["prefetch_installed"],
+                "pages_written_out": r["puts"],
+                "evictions": r["evictions"],
+                "forks": r["forks"],
+                "child_faults": r["child_faults"],
+                "processes": r["processes"],
+            })
+        }
+        Err(e) => json!({ "error": format!("{e:#}") }),
+    };
+    if swap.is_some() {
+        eprintln!("programs: {} under the kernel's swap to disk ...", p.name);
+        // The kernel gets as much memory as netram's run held (a quarter, plus the code,
+        // stacks and netram's own tables that its budget does not count); in a smaller
+        // cgroup-v1 group it OOM-kills programs whose swap-ins it cannot charge while reclaim
+        // waits on writeback.
+        let limit = quarter.max(v["netram"]["peak_rss_kib"].as_u64().unwrap_or(0) << 10);
+        v["swap_disk"] = swap_run(&script, dir, limit, &local.stdout, timeout);
+    }
+    let ratio =
+        |a: &str, b: &str| Some(v[a]["seconds"].as_f64()? / v[b]["seconds"].as_f64()?.max(0.01));
+    let (over_local, over_swap) = (ratio("netram", "local"), ratio("netram", "swap_disk"));
+    v["netram_over_local"] = json!(over_local);
+    v["netram_over_swap_disk"] = json!(over_swap);
+    Ok(v)
+}
+
+/// The script in a memory cgroup of `limit` bytes with the swap file on: up to three tries
+/// when the kernel's OOM killer ends it (counted).
+fn swap_run(script: &str, dir: &Path, limit: u64, expected: &str, timeout: Duration) -> Value {
+    let mut last = String::new();
+    for attempt in 0..3 {
+        let cg = match Cgroup::new(limit) {
+            Ok(c) => c,
+            Err(e) => return json!({ "error": format!("{e:#}") }),
+        };
+        let enter = vec![
+            "sh".to_string(),
+            "-c".to_string(),
+            format!(
+                "echo $$ > {}/cgroup.procs && exec \"$@\"",
+                cg.path.display()
+            ),
+            "sh".to_string(),
+        ];
+        match timed(&enter, script, dir, timeout) {
+            Ok(run) => {
+                return json!({
+                    "seconds": run.seconds,
+                    "peak_rss_kib": run.peak_rss_kib,
+                    "output_ok": run.stdout == expected,
+                    "cgroup_limit_bytes": limit,
+                    "oom_retries": attempt,
+                })
+            }
+            Err(e) => last = format!("{e:#}"),
+        }
+    }
+    json!({ "error": last, "cgroup_limit_bytes": limit, "oom_retries": 3 })
+}
+
+pub fn run(opts: &Options) -> anyhow::Result<String> {
+    std::fs::create_dir_all(&opts.out)?;
+    crate::process::catch_interrupts()?;
+    anyhow::ensure!(
+        Path::new("/usr/bin/time").exists(),
+        "/usr/bin/time is needed (Debian package: time)"
+    );
+    let dir = tempfile_dir("netram-bench-programs")?;
+    let mut skipped = Vec::new();
+    let capacity = if opts.quick { "1G" } else { "4G" };
+    let (servers, list) = start_servers(&opts.netram_exe, capacity, false)?;
+    // The swap file, as root with a memory cgroup: the kernel's paging to the local disk.
+    let swap_dev = match crate::uffd::Way::SwapDisk.unavailable() {
+        Some(why) => {
+            skipped.push(format!("swap_disk: {why}"));
+            None
+        }
+        None => Some(setup(
+            "disk",
+            if opts.quick { 1 << 30 } else { 4 << 30 },
+            &opts.netram_exe,
+            &dir,
+        )?),
+    };
+    let swap_path = swap_dev.as_ref().and_then(|d| d.path().map(PathBuf::from));
+    let mut results = serde_json::Map::new();
+    for p in PROGRAMS {
+        if !opts.only.is_empty() && !opts.only.iter().any(|o| o == p.name) {
+            continue;
+        }
+        let missing: Vec<&str> = p.tools.iter().copied().filter(|t| !have(t)).collect();
+        if !missing.is_empty() {
+            skipped.push(format!("{}: not installed: {}", p.name, missing.join(", ")));
+            continue;
+        }
+        let pdir = dir.join(p.name);
+        std::fs::create_dir_all(&pdir)?;
+        match measure(p, opts, &list, swap_path.as_deref(), &pdir) {
+            Ok(v) => {
+                results.insert(p.name.into(), v);
+            }
+            Err(e) => skipped.push(format!("{}: {e:#}", p.name)),
+        }
+        let _ = std::fs::remove_dir_all(&pdir);
+    }
+    drop(swap_dev);
+    drop(servers);
+    let _ = std::fs::remove_dir_all(&dir);
+    let machine = Machine::describe();
+    let doc = json!({
+        "bench": "programs",
+        "machine": machine,
+        "machine_line": machine.one_line(),
+        "quick": opts.quick,
+        "programs": results,
+        "skipped": skipped,
+    });
+    std::fs::write(
+        opts.out.join("programs.json"),
+        serde_json::to_string_pretty(&doc)?,
+    )?;
+    let panels: Vec<crate::uffd::Panel> = results
+        .iter()
+        .map(|(name, v)| {
+            let bars = ["local", "netram", "swap_disk"]
+                .iter()
+                .filter_map(|w| Some((w.to_string(), v[*w]["seconds"].as_f64()?)))
+                .collect();
+            (format!("{name}: s (log)"), bars)
+        })
+        .collect();
+    if let Err(e) = crate::uffd::plot_panels(&panels, &opts.out.join("programs.svg")) {
+        eprintln!("programs: no plot: {e:#}");
+    }
+    let md = markdown(&doc);
+    std::fs::write(opts.out.join("programs.md"), &md)?;
+    Ok(md)
+}
+
+fn markdown(doc: &Value) -> String {
+    let mut s = String::new();
+    let _ = writeln!(s, "# netram bench programs\n");
+    let _ = writeln!(
+        s,
+        "{}\n\nEach program all in local memory, under `netram run` with a quarter of its peak \
+         resident memory local, and under the kernel's swap to a file on the local disk in a \
+         memory cgroup of that size; outputs checked against the all-local run's.\n",
+        doc["machine_line"].as_str().unwrap_or_default()
+    );
+    let _ = writeln!(
+        s,
+        "| program | local s | peak MiB | netram s | peak MiB | faults | pages out | output | swap s | peak MiB | output | netram/local | netram/swap |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+    );
+    let empty = serde_json::Map::new();
+    for (name, v) in doc["programs"].as_object().unwrap_or(&empty) {
+        let f = |w: &str, k: &str| {
+            v[w][k]
+                .as_f64()
+                .map_or("—".to_string(), |x| format!("{x:.1}"))
+        };
+        let mib = |w: &str| {
+            v[w]["peak_rss_kib"]
+                .as_u64()
+                .map_or("—".to_string(), |k| (k / 1024).to_string())
+        };
+        let ok = |w: &str| match v[w]["output_ok"].as_bool() {
+            Some(true) => "same".to_string(),
+            Some(false) => "**differs**".to_string(),
+            None => v[w]["error"].as_str().map_or("—".to_string(), |e| {
+                format!("failed: {}", e.lines().next().unwrap_or(""))
+            }),
+        };
+        let r = |k: &str| v[k].as_f64().map_or("—".to_string(), |x| format!("{x:.2}"));
+        let _ = writeln!(
+            s,
+            "| {name} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
+            f("local", "seconds"),
+            mib("local"),
+            f("netram", "seconds"),
+            mib("netram"),
+            v["netram"]["faults"]
+                .as_u64()
+                .map_or("—".into(), |x| x.to_string()),
+            v["netram"]["pages_written_out"]
+                .as_u64()
+                .map_or("—".into(), |x| x.to_string()),
+            ok("netram"),
+            f("swap_disk", "seconds"),
+            mib("swap_disk"),
+            ok("swap_disk"),
+            r("netram_over_local"),
+            r("netram_over_swap_disk"),
+        );
+    }
+    let skipped = doc["skipped"].as_array().cloned().unwrap_or_default();
+    if !skipped.is_empty() {
+        let _ = writeln!(s, "\nNot run:\n");
+        for k in skipped {
+            let _ = writeln!(s, "- {}", k.as_str().unwrap_or_default());
+        }
+    }
+    let _ = writeln!(
+        s,
+        "\nPeak resident memory is the largest process's, code and stacks included (a forked \
+         child's memory is not bounded by `--local-mem`)."
+    );
+    s
+}
