@@ -91,6 +91,30 @@ fn assert_ran(out: &Output, what: &str) {
     );
 }
 
+/// `tests/c/NAME.c` compiled (with `libs`) and run under `netram run --local-mem LOCAL` on two
+/// servers; it must succeed and print "NAME: ok". Its report, or `None` (skipped, said so)
+/// without a C compiler.
+fn c_program_on_netram(name: &str, libs: &[&str], local: &str) -> Option<serde_json::Value> {
+    let dir = Scratch::new(name);
+    let exe = compile_c(&dir.0, name, libs)?;
+    let (_servers, addrs) = cluster(2);
+    let rep = dir.0.join("report.json");
+    let out = netram_run(
+        &[
+            "--local-mem",
+            local,
+            "--servers",
+            &addrs,
+            "--report",
+            rep.to_str().unwrap(),
+        ],
+        &[exe.to_str().unwrap()],
+    );
+    assert_ran(&out, &format!("{name} under netram run"));
+    assert!(String::from_utf8_lossy(&out.stdout).contains(&format!("{name}: ok")));
+    Some(report(&rep))
+}
+
 #[test]
 fn a_c_program_runs_on_netram() {
     let dir = Scratch::new("c");
@@ -137,26 +161,9 @@ fn a_program_linked_with_jemalloc_keeps_its_allocator() {
     if !netram_testkit::have_tools(&[("jeprof", "libjemalloc-dev")]) {
         return;
     }
-    let dir = Scratch::new("jemalloc");
-    let Some(exe) = compile_c(&dir.0, "jemalloc_mix", &["-ljemalloc"]) else {
+    let Some(r) = c_program_on_netram("jemalloc_mix", &["-ljemalloc"], "8M") else {
         return;
     };
-    let (_servers, addrs) = cluster(2);
-    let rep = dir.0.join("report.json");
-    let out = netram_run(
-        &[
-            "--local-mem",
-            "8M",
-            "--servers",
-            &addrs,
-            "--report",
-            rep.to_str().unwrap(),
-        ],
-        &[exe.to_str().unwrap()],
-    );
-    assert_ran(&out, "jemalloc_mix under netram run");
-    assert!(String::from_utf8_lossy(&out.stdout).contains("jemalloc_mix: ok"));
-    let r = report(&rep);
     let g = |k: &str| r[k].as_u64().unwrap_or_else(|| panic!("{k} in {r}"));
     // 64 MiB of large blocks through an 8 MiB budget.
     assert!(g("evictions") > 8_000, "{r}");
@@ -518,28 +525,13 @@ print scalar(keys %h), " $t\n";
 /// rewrites all of it; the parent's memory stays its own.
 #[test]
 fn a_program_that_forks_while_its_threads_fault() {
-    let dir = Scratch::new("fork");
-    let Some(exe) = compile_c(&dir.0, "fork_while_faulting", &["-pthread"]) else {
+    // Following forks (and every allocation on the region) needs root.
+    if !netram_testkit::have_root("following forks (CAP_SYS_PTRACE)") {
+        return;
+    }
+    let Some(r) = c_program_on_netram("fork_while_faulting", &["-pthread"], "8M") else {
         return;
     };
-    let (_servers, addrs) = cluster(2);
-    let rep = dir.0.join("report.json");
-    let out = netram_run(
-        &[
-            "--local-mem",
-            "8M",
-            "--threshold",
-            "0",
-            "--servers",
-            &addrs,
-            "--report",
-            rep.to_str().unwrap(),
-        ],
-        &[exe.to_str().unwrap()],
-    );
-    assert_ran(&out, "fork_while_faulting");
-    assert!(String::from_utf8_lossy(&out.stdout).contains("fork_while_faulting: ok"));
-    let r = report(&rep);
     assert!(r["forks"].as_u64().unwrap() >= 3, "{r}");
     // The children were served pages that were on the servers at their fork, or given them
     // before the parent rewrote them.
@@ -554,7 +546,9 @@ fn a_program_that_forks_while_its_threads_fault() {
 /// substitutions fork subshells that read its arrays.
 #[test]
 fn python_and_bash_fork_under_netram() {
-    if !netram_testkit::have_tools(&[("python3", "python3"), ("bash", "bash")]) {
+    if !netram_testkit::have_root("following forks (CAP_SYS_PTRACE)")
+        || !netram_testkit::have_tools(&[("python3", "python3"), ("bash", "bash")])
+    {
         return;
     }
     let py = br#"import os
