@@ -152,12 +152,9 @@ print(len(d), total)
     Ok(format!("python3 {} {n}", script.display()))
 }
 
-fn python_fork(dir: &Path, quick: bool) -> anyhow::Result<String> {
-    let n = if quick { 300_000 } else { 2_000_000 };
-    let script = dir.join("fork.py");
-    std::fs::write(
-        &script,
-        "import os, sys
+/// A Python script that builds a list of `argv[1]` tuples, forks, and lets the child sum them
+/// (and change half) while the parent rewrites them all; it prints both sums.
+pub const FORK_SCRIPT: &str = "import os, sys
 n = int(sys.argv[1])
 data = [('k%d' % i, i * 3) for i in range(n)]
 r, w = os.pipe()
@@ -175,8 +172,12 @@ for i in range(n):
 got = os.read(r, 100).decode().strip()
 os.waitpid(pid, 0)
 print('child', got, 'parent', sum(v for _, v in data))
-",
-    )?;
+";
+
+fn python_fork(dir: &Path, quick: bool) -> anyhow::Result<String> {
+    let n = if quick { 300_000 } else { 2_000_000 };
+    let script = dir.join("fork.py");
+    std::fs::write(&script, FORK_SCRIPT)?;
     Ok(format!("python3 {} {n}", script.display()))
 }
 

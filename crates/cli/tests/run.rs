@@ -551,26 +551,9 @@ fn python_and_bash_fork_under_netram() {
     {
         return;
     }
-    let py = br#"import os
-n = 300000
-data = [("k%d" % i, i * 3) for i in range(n)]
-r, w = os.pipe()
-pid = os.fork()
-if pid == 0:
-    os.close(r)
-    s = sum(v for _, v in data)
-    for i in range(0, n, 2):
-        data[i] = ("x", 0)
-    os.write(w, ("%d %d\n" % (s, sum(v for _, v in data))).encode())
-    os._exit(0)
-os.close(w)
-for i in range(n):
-    data[i] = ("y", 1)
-got = os.read(r, 100).decode().strip()
-os.waitpid(pid, 0)
-print("child", got, "parent", sum(v for _, v in data))
-"#;
-    let (plain, out, r) = plain_and_on_netram(&["python3", "-"], py);
+    // The script `netram bench programs` runs, for 300,000 tuples.
+    let py = netram_bench::programs::FORK_SCRIPT.as_bytes();
+    let (plain, out, r) = plain_and_on_netram(&["python3", "-", "300000"], py);
     assert_eq!(
         String::from_utf8_lossy(&plain.stdout),
         "child 134999550000 67500000000 parent 300000\n"
