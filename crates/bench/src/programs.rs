@@ -93,13 +93,10 @@ redis-cli -p {port} shutdown nosave >/dev/null; wait $S",
     ))
 }
 
-fn sqlite(dir: &Path, quick: bool) -> anyhow::Result<String> {
-    let rows = if quick { 150_000 } else { 1_500_000 };
-    let sql = dir.join("sqlite.sql");
-    std::fs::write(
-        &sql,
-        format!(
-            "CREATE TABLE t(id INTEGER PRIMARY KEY, k TEXT, v TEXT);
+/// The SQL sqlite3 runs on `rows` rows: a table of short rows and its index, queries, a delete.
+pub fn sqlite_script(rows: usize) -> String {
+    format!(
+        "CREATE TABLE t(id INTEGER PRIMARY KEY, k TEXT, v TEXT);
 WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x+1 FROM c WHERE x<{rows})
 INSERT INTO t SELECT x, printf('%08x', (x*2654435761) % 4294967296), printf('%0100d', x*7919) FROM c;
 CREATE INDEX tk ON t(k);
@@ -108,8 +105,13 @@ SELECT id, k FROM t WHERE k > 'f' ORDER BY k LIMIT 3;
 DELETE FROM t WHERE id % 3 = 0;
 SELECT count(*), min(k), max(k) FROM t;
 "
-        ),
-    )?;
+    )
+}
+
+fn sqlite(dir: &Path, quick: bool) -> anyhow::Result<String> {
+    let rows = if quick { 150_000 } else { 1_500_000 };
+    let sql = dir.join("sqlite.sql");
+    std::fs::write(&sql, sqlite_script(rows))?;
     Ok(format!("sqlite3 :memory: < {}", sql.display()))
 }
 

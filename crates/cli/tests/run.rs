@@ -485,16 +485,9 @@ fn an_in_memory_database_keeps_to_its_local_memory() {
     if !netram_testkit::have_tools(&[("sqlite3", "sqlite3")]) {
         return;
     }
-    let sql = b"CREATE TABLE t(id INTEGER PRIMARY KEY, k TEXT, v TEXT);
-WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x+1 FROM c WHERE x<150000)
-INSERT INTO t SELECT x, printf('%08x', (x*2654435761) % 4294967296), printf('%0100d', x*7919) FROM c;
-CREATE INDEX tk ON t(k);
-SELECT count(*), sum(length(v)), count(DISTINCT substr(k,1,3)) FROM t;
-SELECT id, k FROM t WHERE k > 'f' ORDER BY k LIMIT 3;
-DELETE FROM t WHERE id % 3 = 0;
-SELECT count(*), min(k), max(k) FROM t;
-";
-    let (plain, out, r) = plain_and_on_netram(&["sqlite3", ":memory:"], sql);
+    // The SQL `netram bench programs` runs, on 150,000 rows.
+    let sql = netram_bench::programs::sqlite_script(150_000);
+    let (plain, out, r) = plain_and_on_netram(&["sqlite3", ":memory:"], sql.as_bytes());
     assert!(
         String::from_utf8_lossy(&plain.stdout).starts_with("150000|15000000|4096"),
         "{}",
