@@ -22,10 +22,11 @@
 //! keeps it: the `malloc` family is passed through to it (see [`Foreign`]), and its memory
 //! reaches the region through the interposed `mmap`.
 //!
-//! Hazards: the library's own Rust allocations come from memory it maps itself (talc, see
-//! `Mapped`), never from the C library's allocator, whose locks `fork` holds; a thread
-//! already inside the region's heap is sent to the C library for anything else it allocates,
-//! so the heap's lock is never taken twice. `fork` is announced to the region (see the
+//! Hazards: the library's own allocations come from memory it maps itself (talc, see
+//! `Mapped`), never from the C library's allocator, whose locks `fork` holds: its Rust
+//! allocations, and every block that a thread of netram's own or a thread already inside the
+//! region's heap asks of the `malloc` family (the C library asks for some by itself), so the
+//! heap's lock is never taken twice and no netram thread waits for a lock that `fork` holds. `fork` is announced to the region (see the
 //! interposed [`fork`]): as root the child inherits the region and is served its memory as it
 //! was at the fork; it allocates from the C library, and frees of inherited blocks do nothing.
 //! As an ordinary user the child has no region.
@@ -58,42 +59,168 @@ const LIBC_ALIGN: usize = 16;
 /// The C library's `fork` holds every lock of its allocator across the system call, and with
 /// forks followed (see `netram_uffd::Region::prepare_fork`) the kernel makes `fork` wait until
 /// the region's handler thread has read the fork's event. A handler that allocated through
-/// the C library then would wait for `fork`, which waits for it. talc is a well-kept
-/// allocator that manages memory it is given: [`Mapped`] gives it chunks mapped with the
-/// system call (not the interposed `mmap`, which would put them on the region).
+/// the C library then would wait for `fork`, which waits for it — and the C library allocates
+/// on netram's threads by itself (registering a thread-local's destructor, `__cxa_thread_atexit_impl`,
+/// calls `calloc`; so does the resolver), which is why those calls come here too (see
+/// [`internal`]). talc is a well-kept allocator that manages memory it is given: [`Mapped`]
+/// gives it chunks of one reserved address range, so that a block's owner is known from its
+/// address alone ([`internal::owns`]), mapped with the system call (not the interposed `mmap`,
+/// which would put them on the region).
 #[derive(Debug)]
 struct Mapped;
 
-/// Memory is mapped for this library in chunks of at least this much.
+/// Memory is given to talc in chunks of at least this much.
 const CHUNK: usize = 4 << 20;
+/// The range reserved for this library's own memory: address space only (`PROT_NONE`,
+/// `MAP_NORESERVE`) until a chunk of it is made read-write. Halved until the reservation
+/// succeeds (an address-space limit), down to [`MIN_ARENA`].
+const ARENA: usize = 1 << 40;
+const MIN_ARENA: usize = 64 << 20;
+/// The reserved range (start, length) and how much of it talc has; set under talc's lock.
+static ARENA_START: AtomicUsize = AtomicUsize::new(0);
+static ARENA_LEN: AtomicUsize = AtomicUsize::new(0);
+static ARENA_USED: AtomicUsize = AtomicUsize::new(0);
 
-// SAFETY: `acquire` only maps fresh memory and gives it to talc; it allocates nothing.
-unsafe impl talc::source::Source for Mapped {
-    fn acquire<B: talc::base::binning::Binning>(
-        talc: &mut talc::base::Talc<Self, B>,
-        layout: Layout,
-    ) -> Result<(), ()> {
-        let len = (layout.size() + layout.align() + PAGE_SIZE)
-            .max(CHUNK)
-            .next_multiple_of(PAGE_SIZE);
-        // SAFETY: a fresh private anonymous mapping; the system call itself, so that it does
-        // not come back through this library's `mmap`.
+fn reserve_arena() -> bool {
+    let mut len = ARENA;
+    while len >= MIN_ARENA {
+        // SAFETY: a fresh reservation of address space; the system call itself, so that it
+        // does not come back through this library's `mmap`.
         let p = unsafe {
             libc::syscall(
                 libc::SYS_mmap,
                 std::ptr::null_mut::<c_void>(),
                 len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                libc::PROT_NONE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
                 -1,
                 0,
             )
-        } as *mut u8;
-        if p as *mut c_void == libc::MAP_FAILED {
+        } as *mut c_void;
+        if p != libc::MAP_FAILED {
+            ARENA_LEN.store(len, Ordering::Relaxed);
+            ARENA_START.store(p as usize, Ordering::Release);
+            return true;
+        }
+        len /= 2;
+    }
+    false
+}
+
+// SAFETY: `acquire` only makes fresh memory of the reserved range usable and gives it to talc;
+// it allocates nothing.
+unsafe impl talc::source::Source for Mapped {
+    fn acquire<B: talc::base::binning::Binning>(
+        talc: &mut talc::base::Talc<Self, B>,
+        layout: Layout,
+    ) -> Result<(), ()> {
+        if ARENA_START.load(Ordering::Acquire) == 0 && !reserve_arena() {
             return Err(());
         }
-        // SAFETY: the mapping is ours, `len` bytes, and given to talc for good.
+        let len = (layout.size() + layout.align() + PAGE_SIZE)
+            .max(CHUNK)
+            .next_multiple_of(PAGE_SIZE);
+        let used = ARENA_USED.load(Ordering::Relaxed);
+        if used + len > ARENA_LEN.load(Ordering::Relaxed) {
+            return Err(());
+        }
+        let p = (ARENA_START.load(Ordering::Relaxed) + used) as *mut u8;
+        // SAFETY: `len` bytes of the reserved range that nothing uses yet (talc's lock is
+        // held, so nobody else takes them).
+        if unsafe { libc::mprotect(p.cast(), len, libc::PROT_READ | libc::PROT_WRITE) } != 0 {
+            return Err(());
+        }
+        ARENA_USED.store(used + len, Ordering::Relaxed);
+        // SAFETY: the chunk is ours, `len` bytes, and given to talc for good.
         unsafe { talc.claim(p, len) }.map(|_| ()).ok_or(())
+    }
+}
+
+/// Blocks of the `malloc` family for netram's own threads (and a thread inside the heap):
+/// from talc (see [`Mapped`]), each with a header that gives `free` its layout back.
+mod internal {
+    use super::{c_void, Layout, Ordering, ARENA_LEN, ARENA_START};
+
+    /// The header: the block's offset from the start of its allocation, and the allocation's
+    /// size. `malloc`'s alignment, so that the block after it keeps it.
+    const HEADER: usize = 16;
+
+    /// Whether `p` is a block from here (talc hands out nothing outside the reserved range).
+    pub fn owns(p: *mut c_void) -> bool {
+        let start = ARENA_START.load(Ordering::Acquire);
+        let a = p as usize;
+        start != 0 && a >= start && a < start + ARENA_LEN.load(Ordering::Relaxed)
+    }
+
+    pub fn alloc(size: usize, align: usize, zeroed: bool) -> *mut c_void {
+        let align = align.max(HEADER);
+        let Some(layout) = size
+            .checked_add(align)
+            .and_then(|total| Layout::from_size_align(total, align).ok())
+        else {
+            super::set_errno(libc::ENOMEM);
+            return std::ptr::null_mut();
+        };
+        // SAFETY: a layout of non-zero size, from the global allocator (talc).
+        let base = unsafe {
+            if zeroed {
+                std::alloc::alloc_zeroed(layout)
+            } else {
+                std::alloc::alloc(layout)
+            }
+        };
+        if base.is_null() {
+            super::set_errno(libc::ENOMEM);
+            return std::ptr::null_mut();
+        }
+        // SAFETY: `align` ≥ HEADER bytes precede the block, inside the allocation.
+        unsafe {
+            let block = base.add(align);
+            block.cast::<usize>().sub(2).write(align);
+            block.cast::<usize>().sub(1).write(layout.size());
+            block.cast()
+        }
+    }
+
+    /// (offset, allocation size) of a block from here.
+    fn header(p: *mut c_void) -> (usize, usize) {
+        // SAFETY: `p` is a block from `alloc`, whose header precedes it.
+        unsafe {
+            (
+                p.cast::<usize>().sub(2).read(),
+                p.cast::<usize>().sub(1).read(),
+            )
+        }
+    }
+
+    pub fn usable_size(p: *mut c_void) -> usize {
+        let (offset, size) = header(p);
+        size - offset
+    }
+
+    pub fn free(p: *mut c_void) {
+        let (offset, size) = header(p);
+        // SAFETY: the allocation `alloc` made, with its layout (validated when it was made).
+        unsafe {
+            std::alloc::dealloc(
+                p.cast::<u8>().sub(offset),
+                Layout::from_size_align_unchecked(size, offset),
+            )
+        }
+    }
+
+    pub fn realloc(p: *mut c_void, size: usize) -> *mut c_void {
+        let old = usable_size(p);
+        if size <= old {
+            return p;
+        }
+        let new = alloc(size, HEADER, false);
+        if !new.is_null() {
+            // SAFETY: `old` bytes of the old block into a new one of more.
+            unsafe { std::ptr::copy_nonoverlapping(p.cast::<u8>(), new.cast::<u8>(), old) };
+            free(p);
+        }
+        new
     }
 }
 
@@ -154,7 +281,7 @@ static FOLLOWS_FORKS: AtomicBool = AtomicBool::new(false);
 static IN_CHILD: AtomicBool = AtomicBool::new(false);
 static WARNED_FULL: AtomicBool = AtomicBool::new(false);
 
-/// Inside the heap (or starting it), this thread's allocations go to the C library.
+/// Inside the heap (or starting it), this thread's allocations go to talc (see [`internal`]).
 use netram_uffd::alloc::enter;
 
 #[derive(Debug)]
@@ -372,9 +499,8 @@ extern "C" fn at_exit() {
 /// Runs when the library is loaded, before the program's `main`: connects to the servers
 /// and maps the region, so that a bad configuration is reported at once.
 extern "C" fn on_load() {
-    // Before anything of the C library allocates on netram's behalf: every block from then on
-    // comes from, and goes back to, the allocator that will serve the program.
-    let _ = enter(find_brk_start);
+    // Look the program's allocator up before the program allocates, so that every block it
+    // gets comes from, and goes back to, the allocator that will serve it.
     let _ = foreign();
     let _ = enter(|| {
         if STATE
@@ -405,7 +531,7 @@ static ON_LOAD: extern "C" fn() = on_load;
 
 /// The heap, if `size` bytes should go there.
 fn heap_for(size: usize) -> Option<&'static Heap> {
-    // Inside: netram's own allocations (or an exiting thread's), which go to the C library.
+    // Inside: netram's own allocations (or an exiting thread's), which go to talc.
     if size < THRESHOLD.load(Ordering::Relaxed)
         || STATE.load(Ordering::Acquire) != READY
         || IN_CHILD.load(Ordering::Relaxed)
@@ -452,7 +578,7 @@ fn heap_free(h: &Heap, ptr: *mut c_void) {
         return;
     }
     // A thread that is exiting counts as inside (its thread-locals are gone): its blocks are
-    // freed all the same, and whatever that allocates goes to the C library already. No code
+    // freed all the same, and whatever that allocates goes to talc already. No code
     // of netram's frees a block of the region, so no thread inside holds the heap's locks.
     let r = enter(|| h.free(ptr.cast())).unwrap_or_else(|| h.free(ptr.cast()));
     if let Err(e) = r {
@@ -494,37 +620,9 @@ struct Foreign {
     malloc_usable_size: Option<UsableSizeFn>,
 }
 
-/// Where the C library's main heap starts (`start_brk`), for [`in_libc_heap`].
-static BRK_START: AtomicUsize = AtomicUsize::new(usize::MAX);
-
-fn find_brk_start() {
-    // Field 47 of /proc/self/stat; the fields after the command's closing parenthesis start
-    // at field 3.
-    let start = std::fs::read_to_string("/proc/self/stat")
-        .ok()
-        .and_then(|s| {
-            let (_, rest) = s.rsplit_once(')')?;
-            rest.split_whitespace().nth(47 - 3)?.parse::<usize>().ok()
-        });
-    if let Some(start) = start {
-        BRK_START.store(start, Ordering::Relaxed);
-    }
-}
-
-/// Whether `p` is a block of the C library's main heap (the program break), which a foreign
-/// allocator never uses while `mmap` works (jemalloc's default `dss:secondary`): blocks that
-/// netram's code had the C library allocate on the program's thread (glibc registering a
-/// thread-local's destructor, the resolver) and that the C library frees later on the program's
-/// behalf, outside netram, must go back to it and not to the foreign allocator.
-fn in_libc_heap(p: *mut c_void) -> bool {
-    let a = p as usize;
-    // SAFETY: sbrk(0) only reads the current break.
-    a >= BRK_START.load(Ordering::Relaxed) && a < unsafe { libc::sbrk(0) } as usize
-}
-
 /// The foreign allocator, if there is one and this thread may use it: looked up at the first
-/// call of the `malloc` family. netram's own threads (and a thread inside netram) use the C
-/// library's allocator instead: the foreign allocator keeps its own bookkeeping in memory it
+/// call of the `malloc` family. netram's own threads (and a thread inside netram) use talc
+/// instead (see [`internal`]): the foreign allocator keeps its own bookkeeping in memory it
 /// maps, which is on the region, and the fault handler touching it would wait for itself.
 fn foreign() -> Option<&'static Foreign> {
     static FOREIGN: OnceLock<Option<Foreign>> = OnceLock::new();
@@ -532,7 +630,7 @@ fn foreign() -> Option<&'static Foreign> {
         return f.as_ref().filter(|_| !netram_uffd::alloc::is_inside());
     }
     // dlsym may allocate (through this library's malloc): inside `enter`, those calls go to
-    // the C library and do not come back here. None if this thread is already inside.
+    // talc and do not come back here. None if this thread is already inside.
     enter(|| FOREIGN.get_or_init(find_foreign).as_ref()).flatten()
 }
 
@@ -599,6 +697,9 @@ impl Foreign {
 /// The C library's contract for `malloc`.
 #[no_mangle]
 pub unsafe extern "C" fn malloc(size: usize) -> *mut c_void {
+    if netram_uffd::alloc::is_inside() {
+        return internal::alloc(size, LIBC_ALIGN, false);
+    }
     if let Some(f) = foreign() {
         // SAFETY: passed through.
         return unsafe { (f.malloc)(size) };
@@ -617,11 +718,12 @@ pub unsafe extern "C" fn malloc(size: usize) -> *mut c_void {
 /// The C library's contract for `free`.
 #[no_mangle]
 pub unsafe extern "C" fn free(ptr: *mut c_void) {
+    if internal::owns(ptr) {
+        return internal::free(ptr);
+    }
     if let Some(f) = foreign() {
-        if !in_libc_heap(ptr) {
-            // SAFETY: passed through: the block is the foreign allocator's.
-            return unsafe { (f.free)(ptr) };
-        }
+        // SAFETY: passed through: the block is the foreign allocator's.
+        return unsafe { (f.free)(ptr) };
     }
     if ptr.is_null() {
         return;
@@ -637,14 +739,20 @@ pub unsafe extern "C" fn free(ptr: *mut c_void) {
 /// The C library's contract for `calloc`.
 #[no_mangle]
 pub unsafe extern "C" fn calloc(n: usize, size: usize) -> *mut c_void {
-    if let Some(f) = foreign() {
-        // SAFETY: passed through.
-        return unsafe { (f.calloc)(n, size) };
+    let inside = netram_uffd::alloc::is_inside();
+    if !inside {
+        if let Some(f) = foreign() {
+            // SAFETY: passed through.
+            return unsafe { (f.calloc)(n, size) };
+        }
     }
     let Some(total) = n.checked_mul(size) else {
         set_errno(libc::ENOMEM);
         return std::ptr::null_mut();
     };
+    if inside {
+        return internal::alloc(total, LIBC_ALIGN, true);
+    }
     if let Some(h) = heap_for(total) {
         let p = heap_alloc(h, total, LIBC_ALIGN, true);
         if !p.is_null() {
@@ -696,11 +804,16 @@ fn libc_usable_size(ptr: *mut c_void) -> usize {
 /// The C library's contract for `realloc`.
 #[no_mangle]
 pub unsafe extern "C" fn realloc(ptr: *mut c_void, size: usize) -> *mut c_void {
-    if let Some(f) = foreign() {
-        if !in_libc_heap(ptr) {
-            // SAFETY: passed through: the block (or null) is the foreign allocator's.
-            return unsafe { (f.realloc)(ptr, size) };
+    if internal::owns(ptr) {
+        if size == 0 {
+            internal::free(ptr);
+            return std::ptr::null_mut();
         }
+        return internal::realloc(ptr, size);
+    }
+    if let Some(f) = foreign() {
+        // SAFETY: passed through: the block (or null) is the foreign allocator's.
+        return unsafe { (f.realloc)(ptr, size) };
     }
     if ptr.is_null() {
         // SAFETY: the contract of malloc.
@@ -762,6 +875,9 @@ pub unsafe extern "C" fn realloc(ptr: *mut c_void, size: usize) -> *mut c_void {
 
 /// An aligned block: from the heap when large, else from the C library.
 fn aligned(align: usize, size: usize) -> *mut c_void {
+    if netram_uffd::alloc::is_inside() {
+        return internal::alloc(size, align, false);
+    }
     if let Some(h) = heap_for(size) {
         let p = heap_alloc(h, size, align, false);
         if !p.is_null() {
@@ -860,11 +976,12 @@ pub unsafe extern "C" fn pvalloc(size: usize) -> *mut c_void {
 /// The C library's contract for `malloc_usable_size`.
 #[no_mangle]
 pub unsafe extern "C" fn malloc_usable_size(ptr: *mut c_void) -> usize {
+    if internal::owns(ptr) {
+        return internal::usable_size(ptr);
+    }
     if let Some(f) = foreign() {
-        if !in_libc_heap(ptr) {
-            // SAFETY: passed through: the block is the foreign allocator's.
-            return f.malloc_usable_size.map_or(0, |u| unsafe { u(ptr) });
-        }
+        // SAFETY: passed through: the block is the foreign allocator's.
+        return f.malloc_usable_size.map_or(0, |u| unsafe { u(ptr) });
     }
     if ptr.is_null() {
         return 0;
@@ -1166,5 +1283,51 @@ mod tests {
         assert!(!is_plain_anonymous(null, rw, anon | libc::MAP_FIXED));
         let hint = 0x7000_0000_0000usize as *mut c_void;
         assert!(!is_plain_anonymous(hint, rw, anon));
+    }
+
+    /// What the C library allocates on netram's own threads comes from talc, never from the C
+    /// library's allocator (whose locks `fork` holds), and goes back there whoever frees it.
+    #[test]
+    fn netram_threads_never_allocate_from_the_c_library() {
+        let p = std::thread::spawn(|| {
+            netram_uffd::alloc::mark_internal_thread();
+            // SAFETY: the contracts of the malloc family, on blocks this test owns.
+            unsafe {
+                let p = malloc(100);
+                assert!(internal::owns(p));
+                assert!(malloc_usable_size(p) >= 100);
+                assert_eq!(p as usize % LIBC_ALIGN, 0);
+                p.cast::<u8>().write_bytes(7, 100);
+                let z = calloc(10, 30);
+                assert!(internal::owns(z));
+                assert!(std::slice::from_raw_parts(z.cast::<u8>(), 300)
+                    .iter()
+                    .all(|&b| b == 0));
+                free(z);
+                let a = aligned_alloc(4096, 4096);
+                assert!(internal::owns(a));
+                assert_eq!(a as usize % 4096, 0);
+                free(a);
+                let p = realloc(p, 10_000);
+                assert!(internal::owns(p));
+                assert!(std::slice::from_raw_parts(p.cast::<u8>(), 100)
+                    .iter()
+                    .all(|&b| b == 7));
+                p as usize
+            }
+        })
+        .join()
+        .unwrap();
+        // Freed by a thread of the program, as the C library does at a thread's exit.
+        // SAFETY: the block from above, freed once.
+        unsafe {
+            let q = malloc(100);
+            assert!(
+                !internal::owns(q),
+                "a program thread's block is the C library's"
+            );
+            free(q);
+            free(p as *mut c_void);
+        }
     }
 }

@@ -942,12 +942,23 @@ impl<T: Transport, D: Disk> Shared<T, D> {
             true if st.clock.is_resident(page as u64) => {
                 // The first write to a fetched page, which was installed write-protected: from
                 // now on it differs from its remote copy.
-                self.counters.first_writes.fetch_add(1, Ordering::Relaxed);
-                st.dirty[page] = true;
-                st.written_after_fetch += 1;
-                if let Err(e) = self.uffd.set_write_protect(addr, false, true) {
-                    tracing::error!("unprotecting page {page}: {e}");
-                    self.counters.errors.fetch_add(1, Ordering::Relaxed);
+                match self.uffd.set_write_protect(addr, false, true) {
+                    Ok(()) => {
+                        self.counters.first_writes.fetch_add(1, Ordering::Relaxed);
+                        st.dirty[page] = true;
+                        st.written_after_fetch += 1;
+                    }
+                    // The mapping is changing (a fork copying it): the writer, woken, faults
+                    // again and is served then. (Left asleep, it would never be.)
+                    Err(rustix::io::Errno::AGAIN) => {
+                        self.counters.retried.fetch_add(1, Ordering::Relaxed);
+                        let _ = self.uffd.wake(addr, PAGE_SIZE);
+                    }
+                    Err(e) => {
+                        tracing::error!("unprotecting page {page}: {e}");
+                        self.counters.errors.fetch_add(1, Ordering::Relaxed);
+                        let _ = self.uffd.wake(addr, PAGE_SIZE);
+                    }
                 }
             }
             true => {
@@ -1163,8 +1174,15 @@ impl<T: Transport, D: Disk> Shared<T, D> {
         let page = (addr - self.base.0.as_ptr() as usize) / PAGE_SIZE;
         let at = self.base.page(page);
         if wp {
-            // A page the parent had write-protected: the child's own now, writable.
-            let _ = st.children[i].uffd.set_write_protect(at, false, true);
+            // A page the parent had write-protected: the child's own now, writable. (If that
+            // fails, the writer is woken all the same, to fault again rather than sleep.)
+            if st.children[i]
+                .uffd
+                .set_write_protect(at, false, true)
+                .is_err()
+            {
+                let _ = st.children[i].uffd.wake(at, PAGE_SIZE);
+            }
             return;
         }
         self.counters.child_faults.fetch_add(1, Ordering::Relaxed);
