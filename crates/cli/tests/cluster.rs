@@ -226,12 +226,18 @@ fn a_hung_server_times_out_instead_of_hanging_the_client() {
 #[test]
 fn a_crashed_clients_pages_are_freed_when_its_lease_runs_out() {
     let s = ServerProcess::start(&["--capacity", "4M", "--lease-period", "300ms"]);
+    // A client whose connection's end says nothing (its machine died, the network was cut):
+    // only the lease frees its pages.
+    let silent = ClientConfig {
+        end_on_close: false,
+        ..ClientConfig::new()
+    };
     let (mut p, _dir) = pager(
         std::slice::from_ref(&s.addr),
         50,
         0,
         Backing::Cluster,
-        &ClientConfig::new(),
+        &silent,
     );
     write_all_then_verify(&mut p, 50);
     std::thread::sleep(Duration::from_millis(1500)); // idle for five periods: the keepalive holds it
@@ -247,9 +253,38 @@ fn a_crashed_clients_pages_are_freed_when_its_lease_runs_out() {
 }
 
 #[test]
+fn an_exited_clients_pages_are_freed_when_its_connection_closes() {
+    // A lease far longer than the test: only the connection's end can free the pages.
+    let s = ServerProcess::start(&["--capacity", "4M", "--lease-period", "60s"]);
+    let (mut p, _dir) = pager(
+        std::slice::from_ref(&s.addr),
+        50,
+        0,
+        Backing::Cluster,
+        &ClientConfig::new(),
+    );
+    write_all_then_verify(&mut p, 50);
+    assert_eq!(s.stat("stored_pages"), 50);
+    drop(p); // the process is gone: its sockets close, no CLOSE is sent
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while s.stat("stored_pages") > 0 && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(s.stat("stored_pages"), 0);
+    assert_eq!(s.stat("pages_freed_with_session"), 50);
+    assert_eq!(s.stat("sessions_expired"), 0);
+    // The one left is the session of the query asking.
+    assert_eq!(s.stat("live_sessions"), 1);
+}
+
+#[test]
 fn a_restarted_client_supersedes_its_old_incarnation() {
     let s = ServerProcess::start(&["--capacity", "4M", "--lease-period", "10s"]);
-    let first = ClientConfig::with_node(77);
+    // Its end went unseen (a crash), so only the new incarnation can free its pages early.
+    let first = ClientConfig {
+        end_on_close: false,
+        ..ClientConfig::with_node(77)
+    };
     let (mut p, _dir) = pager(
         std::slice::from_ref(&s.addr),
         50,

@@ -534,6 +534,39 @@ fn a_program_that_forks_while_its_threads_fault() {
     );
 }
 
+/// A shell script that runs many short commands: each one is a process of its own on netram
+/// (its own region and sessions on the servers), and each session ends with the process, not
+/// when its lease runs out. (Left to their leases, 64 commands in a few seconds filled the
+/// servers' session table for one address, and the next command could not start.)
+#[test]
+fn a_script_of_many_short_commands_runs() {
+    let (servers, addrs) = cluster(2);
+    let scratch = Scratch::new("script");
+    let rpath = scratch.0.join("report.json");
+    let out = netram_run(
+        &["--local-mem", "16M", "--servers", &addrs, "--report", rpath.to_str().unwrap()],
+        &[
+            "sh",
+            "-c",
+            "i=0; while [ $i -lt 200 ]; do /bin/true || exit 1; i=$((i+1)); done; echo $i",
+        ],
+    );
+    assert_ran(&out, "the script");
+    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "200");
+    let r = report(&rpath);
+    assert!(r["processes"].as_u64().unwrap() >= 200, "{r}");
+    for s in &servers {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        // The one left is the session of the query asking.
+        while s.stat("live_sessions") > 1 && std::time::Instant::now() < deadline {
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        assert_eq!(s.stat("live_sessions"), 1, "sessions outlived their processes");
+        assert_eq!(s.stat("handshakes_refused_peer_sessions"), 0);
+        assert!(s.stat("sessions_closed") > 200);
+    }
+}
+
 /// Programs nobody wrote for netram that fork: a Python script whose child sums a million
 /// tuples built by the parent (os.fork, as multiprocessing does), and bash, whose command
 /// substitutions fork subshells that read its arrays.

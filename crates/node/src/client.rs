@@ -13,7 +13,9 @@
 use crate::framing::FrameBuffer;
 use crate::latency::{PmQos, DEFAULT_SPIN};
 use netram_pager::{ServerInfo, Transport, TransportError};
-use netram_proto::{decode_reply, Hello, Reply, Request, Welcome, WelcomeStatus, WELCOME_LEN};
+use netram_proto::{
+    decode_reply, Hello, Reply, Request, Welcome, WelcomeStatus, HELLO_END_ON_CLOSE, WELCOME_LEN,
+};
 use std::io::{self, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpStream, ToSocketAddrs};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -35,6 +37,11 @@ pub struct ClientConfig {
     pub low_latency: bool,
     /// Log a server that cannot be reached (off for reconnection attempts).
     pub warn_unreachable: bool,
+    /// Ask the server to end the session when its connection closes (`HELLO_END_ON_CLOSE`):
+    /// this client never resumes a session (a reconnection opens a new one), so a session
+    /// whose connection is gone holds only dead pages. On by default; off, the session's
+    /// pages wait for its lease to run out (as for a client whose machine died).
+    pub end_on_close: bool,
 }
 
 impl ClientConfig {
@@ -58,6 +65,7 @@ impl ClientConfig {
             reply_timeout: Duration::from_secs(5),
             low_latency: false,
             warn_unreachable: true,
+            end_on_close: true,
         }
     }
 }
@@ -125,8 +133,17 @@ pub(crate) fn handshake(
     s.set_nodelay(true).map_err(|e| e.to_string())?;
     s.set_read_timeout(Some(cfg.connect_timeout))
         .map_err(|e| e.to_string())?;
-    s.write_all(&Hello::new(cfg.node, cfg.incarnation, cfg.session).encode())
-        .map_err(|e| format!("handshake: {e}"))?;
+    let flags = if cfg.end_on_close {
+        HELLO_END_ON_CLOSE
+    } else {
+        0
+    };
+    s.write_all(
+        &Hello::new(cfg.node, cfg.incarnation, cfg.session)
+            .with_flags(flags)
+            .encode(),
+    )
+    .map_err(|e| format!("handshake: {e}"))?;
     let mut buf = [0u8; WELCOME_LEN];
     s.read_exact(&mut buf)
         .map_err(|e| format!("handshake: {e}"))?;

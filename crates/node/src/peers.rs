@@ -137,6 +137,7 @@ impl Peers {
                     reply_timeout: REPLY_TIMEOUT,
                     low_latency: false,
                     warn_unreachable: false,
+                    end_on_close: true,
                 };
                 let (s, _) = handshake(holder, &cfg)?;
                 s.set_read_timeout(Some(REPLY_TIMEOUT))

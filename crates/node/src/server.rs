@@ -41,8 +41,8 @@ use crate::framing::FrameBuffer;
 use crate::latency::{PmQos, DEFAULT_SPIN};
 use crate::peers::Peers;
 use netram_proto::{
-    decode_request, DecodeError, Hello, Welcome, WelcomeStatus, HELLO_LEN, MAX_BATCH,
-    MAX_FRAME_LEN, PAGE_SIZE, PROTOCOL_VERSION,
+    decode_request, DecodeError, Hello, Welcome, WelcomeStatus, HELLO_END_ON_CLOSE, HELLO_LEN,
+    MAX_BATCH, MAX_FRAME_LEN, PAGE_SIZE, PROTOCOL_VERSION,
 };
 use netram_store::serve::{self, Outcome};
 use netram_store::{SessionHandle, Store, StoreConfig, StoreError};
@@ -669,7 +669,23 @@ fn serve_connection(mut stream: TcpStream, shared: &Shared) -> Result<(), ConnEr
         return Err(ConnError::Refused(status));
     };
     tracing::debug!(%peer, node = hello.node, incarnation = hello.incarnation, session = hello.session, "session open");
+    let served = serve_session(stream, shared, peer, session);
+    if hello.flags & HELLO_END_ON_CLOSE != 0 {
+        // However the connection ended (a CLOSE already ended the session: nothing to do).
+        if shared.store().close(session).is_ok() {
+            tracing::debug!(%peer, session = hello.session, "session ended with its connection");
+        }
+    }
+    served
+}
 
+/// Serves the requests of one session's connection until it closes.
+fn serve_session(
+    mut stream: TcpStream,
+    shared: &Shared,
+    peer: SocketAddr,
+    session: SessionHandle,
+) -> Result<(), ConnError> {
     let _qos = if shared.cfg.low_latency {
         PmQos::hold()
     } else {

@@ -12,6 +12,15 @@ use crate::{NodeId, MAGIC, PROTOCOL_VERSION};
 pub const HELLO_LEN: usize = 40;
 pub const WELCOME_LEN: usize = 60;
 
+/// [`Hello::flags`]: the session ends when this connection closes, however it closes (the
+/// client never resumes it: a client that reconnects opens a new session). Its pages are
+/// freed at once rather than when its lease runs out, so that the sessions of processes that
+/// exited (or exec'd) do not pile up; the lease is left for the connections that die without
+/// a word (a machine that crashed, a network cut).
+pub const HELLO_END_ON_CLOSE: u16 = 1;
+/// Every flag this version knows; any other bit set is refused.
+const HELLO_FLAGS: u16 = HELLO_END_ON_CLOSE;
+
 /// The client's opening message.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Hello {
@@ -21,6 +30,8 @@ pub struct Hello {
     /// frees every page of its older ones.
     pub incarnation: u64,
     pub session: u64,
+    /// [`HELLO_END_ON_CLOSE`] or nothing.
+    pub flags: u16,
 }
 
 impl Hello {
@@ -30,14 +41,20 @@ impl Hello {
             node,
             incarnation,
             session,
+            flags: 0,
         }
+    }
+
+    pub fn with_flags(self, flags: u16) -> Self {
+        Self { flags, ..self }
     }
 
     pub fn encode(&self) -> [u8; HELLO_LEN] {
         let mut b = [0u8; HELLO_LEN];
         b[0..8].copy_from_slice(&MAGIC);
         b[8..10].copy_from_slice(&self.version.to_le_bytes());
-        // 10..16: flags and reserved, zero.
+        b[10..12].copy_from_slice(&self.flags.to_le_bytes());
+        // 12..16: reserved, zero.
         b[16..24].copy_from_slice(&self.node.to_le_bytes());
         b[24..32].copy_from_slice(&self.incarnation.to_le_bytes());
         b[32..40].copy_from_slice(&self.session.to_le_bytes());
@@ -52,10 +69,17 @@ impl Hello {
             return Err(DecodeError::BadMagic);
         }
         let version = r.u16()?;
-        r.reserved_u16("hello flags")?;
+        let flags = r.u16()?;
+        if flags & !HELLO_FLAGS != 0 {
+            return Err(DecodeError::Reserved {
+                field: "hello flags",
+                value: flags.into(),
+            });
+        }
         r.reserved_u32("hello reserved")?;
         let hello = Self {
             version,
+            flags,
             node: r.u64()?,
             incarnation: r.u64()?,
             session: r.u64()?,
@@ -153,5 +177,25 @@ impl Welcome {
         };
         r.finish()?;
         Ok(w)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn unknown_hello_flags_are_refused() {
+        let h = Hello::new(1, 2, 3).with_flags(HELLO_END_ON_CLOSE);
+        assert_eq!(Hello::decode(&h.encode()), Ok(h));
+        let mut b = h.encode();
+        b[10] |= 2;
+        assert!(matches!(
+            Hello::decode(&b),
+            Err(DecodeError::Reserved {
+                field: "hello flags",
+                ..
+            })
+        ));
     }
 }

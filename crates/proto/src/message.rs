@@ -785,8 +785,9 @@ mod tests {
         }
 
         #[test]
-        fn handshake_roundtrips(node: u64, inc: u64, session: u64, window: u32, cap: u64, free: u64, lease: u32) {
-            let h = crate::Hello::new(node, inc, session);
+        fn handshake_roundtrips(node: u64, inc: u64, session: u64, end: bool, window: u32, cap: u64, free: u64, lease: u32) {
+            let h = crate::Hello::new(node, inc, session)
+                .with_flags(if end { crate::HELLO_END_ON_CLOSE } else { 0 });
             prop_assert_eq!(crate::Hello::decode(&h.encode()).unwrap(), h);
             let w = crate::Welcome { version: 1, status: crate::WelcomeStatus::Busy, window, server_node: node,
                 server_incarnation: inc, capacity_pages: cap, free_pages: free, lease_period_ms: lease,
