@@ -10,14 +10,15 @@
 //! file larger than the local memory; Python building millions of small objects; Python
 //! forking a child that reads what the parent built while the parent rewrites it.
 //!
-//! Each run is `/usr/bin/time sh -c SCRIPT`: its wall time and the peak resident memory of the
-//! largest process of the run (code and stacks included, as `getrusage` counts it).
+//! Each run is `sh -c SCRIPT`: its wall time and the peak resident memory of the largest
+//! process of the run (code and stacks included, as `wait4` reports it).
 
 use crate::machine::Machine;
 use crate::nbd::{setup, start_servers, tempfile_dir, CGROUP_ROOT};
-use crate::process::{have, ChildGuard, Cleanup};
+use crate::process::{have, Cleanup};
 use serde_json::{json, Value};
 use std::fmt::Write as _;
+use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -190,46 +191,76 @@ struct Run {
     peak_rss_kib: u64,
 }
 
-/// Runs `prefix... sh -c SCRIPT` under `/usr/bin/time` (which reports the largest process's
-/// peak), bounded by `timeout`; killed by PID if it runs over.
+/// Runs `prefix... sh -c SCRIPT` in `dir`, bounded by `timeout` (killed by PID if it runs
+/// over): its output, wall time and the peak resident memory of the largest process of the
+/// run, from `wait4` as `/usr/bin/time` reports it (the child's own and that of every
+/// descendant waited for; code and stacks included).
 fn timed(prefix: &[String], script: &str, dir: &Path, timeout: Duration) -> anyhow::Result<Run> {
-    let err = dir.join(format!("time-{}.txt", fastrand::u32(..)));
-    let mut cmd = Command::new("/usr/bin/time");
-    cmd.args(["-o", err.to_str().expect("utf-8"), "-f", "%e %M"])
-        .args(prefix)
-        .args(["sh", "-c", script])
+    let args: Vec<&str> = prefix
+        .iter()
+        .map(String::as_str)
+        .chain(["sh", "-c", script])
+        .collect();
+    let mut child = Command::new(args[0])
+        .args(&args[1..])
         .current_dir(dir)
-        .stdin(Stdio::null());
-    let mut child = ChildGuard::spawn(cmd.stdout(Stdio::piped()).stderr(Stdio::piped()))?;
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .map_err(|e| anyhow::anyhow!("cannot start {}: {e}", args[0]))?;
+    // Read while it runs: a full pipe would stop it.
+    let drain = |r: Option<Box<dyn std::io::Read + Send>>| {
+        std::thread::spawn(move || {
+            let mut s = String::new();
+            if let Some(mut r) = r {
+                let _ = r.read_to_string(&mut s);
+            }
+            s
+        })
+    };
+    let out = drain(child.stdout.take().map(|o| Box::new(o) as _));
+    let err = drain(child.stderr.take().map(|e| Box::new(e) as _));
+    let pid = child.id() as libc::pid_t;
     let started = Instant::now();
-    let status = loop {
-        if let Some(s) = child.0.try_wait()? {
-            break s;
+    let mut over = None;
+    let (status, usage) = loop {
+        let mut status = 0;
+        // SAFETY: a zeroed rusage is valid plain data; wait4 fills it.
+        let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
+        // SAFETY: waits for our own child, writing to the two locals.
+        let r = unsafe { libc::wait4(pid, &mut status, libc::WNOHANG, &mut usage) };
+        if r == pid {
+            break (status, usage);
         }
-        anyhow::ensure!(started.elapsed() < timeout, "ran over {timeout:?}");
-        anyhow::ensure!(!crate::process::interrupted(), "interrupted");
+        anyhow::ensure!(r == 0, "wait4: {}", std::io::Error::last_os_error());
+        if over.is_none() {
+            if started.elapsed() >= timeout {
+                over = Some(format!("ran over {timeout:?}"));
+            } else if crate::process::interrupted() {
+                over = Some("interrupted".into());
+            }
+            if over.is_some() {
+                // SAFETY: a signal to our own child, not reaped yet (so its PID is still its).
+                unsafe { libc::kill(pid, libc::SIGKILL) };
+            }
+        }
         std::thread::sleep(Duration::from_millis(20));
     };
-    let mut out = String::new();
-    let mut stderr = String::new();
-    if let Some(mut o) = child.0.stdout.take() {
-        std::io::Read::read_to_string(&mut o, &mut out)?;
+    let seconds = started.elapsed().as_secs_f64();
+    let (stdout, stderr) = (
+        out.join().unwrap_or_default(),
+        err.join().unwrap_or_default(),
+    );
+    if let Some(why) = over {
+        anyhow::bail!("{why}");
     }
-    if let Some(mut e) = child.0.stderr.take() {
-        std::io::Read::read_to_string(&mut e, &mut stderr)?;
-    }
-    let times = std::fs::read_to_string(&err).unwrap_or_default();
-    let _ = std::fs::remove_file(&err);
+    let status = std::process::ExitStatus::from_raw(status);
     anyhow::ensure!(status.success(), "{status}: {}", stderr.trim());
-    let last = times.lines().last().unwrap_or_default();
-    let mut f = last.split_whitespace();
-    let (Some(secs), Some(kib)) = (f.next(), f.next()) else {
-        anyhow::bail!("no figures from /usr/bin/time: {times:?}");
-    };
     Ok(Run {
-        stdout: out,
-        seconds: secs.parse()?,
-        peak_rss_kib: kib.parse()?,
+        stdout,
+        seconds,
+        peak_rss_kib: usage.ru_maxrss.max(0) as u64,
     })
 }
 
@@ -373,13 +404,40 @@ fn swap_run(script: &str, dir: &Path, limit: u64, expected: &str, timeout: Durat
     json!({ "error": last, "cgroup_limit_bytes": limit, "oom_retries": 3 })
 }
 
+/// One program (by name: `sort`, …) three ways on `servers`, as the demo runs GNU sort: its
+/// figures, as in `programs.json`. As root it sets up (and takes down) a swap file of its own
+/// for the kernel's way; without root that way is left out.
+pub fn run_one(name: &str, quick: bool, netram_exe: &Path, servers: &str) -> anyhow::Result<Value> {
+    let p = PROGRAMS
+        .iter()
+        .find(|p| p.name == name)
+        .ok_or_else(|| anyhow::anyhow!("no program {name}"))?;
+    let missing: Vec<&str> = p.tools.iter().copied().filter(|t| !have(t)).collect();
+    anyhow::ensure!(missing.is_empty(), "not installed: {}", missing.join(", "));
+    let dir = tempfile_dir("netram-program")?;
+    let result = (|| {
+        let swap_dev = match crate::uffd::Way::SwapDisk.unavailable() {
+            Some(_) => None,
+            None => Some(setup("disk", 1 << 30, netram_exe, &dir)?),
+        };
+        let swap_path = swap_dev.as_ref().and_then(|d| d.path().map(PathBuf::from));
+        let opts = Options {
+            quick,
+            out: dir.clone(),
+            netram_exe: netram_exe.into(),
+            only: Vec::new(),
+        };
+        let pdir = dir.join(name);
+        std::fs::create_dir_all(&pdir)?;
+        measure(p, &opts, servers, swap_path.as_deref(), &pdir)
+    })();
+    let _ = std::fs::remove_dir_all(&dir);
+    result
+}
+
 pub fn run(opts: &Options) -> anyhow::Result<String> {
     std::fs::create_dir_all(&opts.out)?;
     crate::process::catch_interrupts()?;
-    anyhow::ensure!(
-        Path::new("/usr/bin/time").exists(),
-        "/usr/bin/time is needed (Debian package: time)"
-    );
     let dir = tempfile_dir("netram-bench-programs")?;
     let mut skipped = Vec::new();
     let capacity = if opts.quick { "1G" } else { "4G" };

@@ -544,7 +544,14 @@ fn a_script_of_many_short_commands_runs() {
     let scratch = Scratch::new("script");
     let rpath = scratch.0.join("report.json");
     let out = netram_run(
-        &["--local-mem", "16M", "--servers", &addrs, "--report", rpath.to_str().unwrap()],
+        &[
+            "--local-mem",
+            "16M",
+            "--servers",
+            &addrs,
+            "--report",
+            rpath.to_str().unwrap(),
+        ],
         &[
             "sh",
             "-c",
@@ -561,7 +568,11 @@ fn a_script_of_many_short_commands_runs() {
         while s.stat("live_sessions") > 1 && std::time::Instant::now() < deadline {
             std::thread::sleep(std::time::Duration::from_millis(20));
         }
-        assert_eq!(s.stat("live_sessions"), 1, "sessions outlived their processes");
+        assert_eq!(
+            s.stat("live_sessions"),
+            1,
+            "sessions outlived their processes"
+        );
         assert_eq!(s.stat("handshakes_refused_peer_sessions"), 0);
         assert!(s.stat("sessions_closed") > 200);
     }
