@@ -174,6 +174,9 @@ impl TcpTransport {
     /// Connects to every server. A server that cannot be reached is not an error here: it
     /// starts out dead (the pager reports it), so that one missing server does not stop a client.
     pub fn connect<S: AsRef<str>>(servers: &[S], cfg: &ClientConfig) -> Self {
+        if cfg.low_latency {
+            crate::latency::prepare_polling();
+        }
         let epoch = Instant::now();
         let conns: Vec<Conn> = servers
             .iter()

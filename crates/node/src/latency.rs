@@ -63,6 +63,14 @@ pub fn polls_denied() -> u64 {
     DENIED.load(Ordering::Relaxed)
 }
 
+/// Reads the polling budget now (its environment variable and `/sys`), so that no later poll
+/// does: a region's fault handler must never read the environment, which a program may have
+/// moved into its heap — on the region (perl does) — and the handler would fault on it and wait
+/// for itself. [`crate::client::TcpTransport::connect`] calls this.
+pub fn prepare_polling() {
+    let _ = poll_budget();
+}
+
 /// One polling thread per online CPU. Not `available_parallelism()`: that follows the calling
 /// thread's affinity, so a thread pinned to one CPU would set the budget of the whole process to
 /// one (measured: a context switch per GET, 15 µs instead of 10).
