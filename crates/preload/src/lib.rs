@@ -472,6 +472,7 @@ extern "C" fn at_exit() {
             "prefetch_hits": c.prefetch_hits,
             "prefetch_installed": c.prefetch_installed,
             "released": c.released,
+            "batched_fetches": get(&rc.batched_fetches),
             "forks": get(&rc.forks),
             "child_faults": get(&rc.child_faults),
             "child_copies": get(&rc.child_copies),

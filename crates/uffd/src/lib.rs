@@ -119,6 +119,9 @@ pub struct RegionCounters {
     pub zero_fills: AtomicU64,
     /// ... of which by fetching the page from the pager.
     pub fetches: AtomicU64,
+    /// ... of which fetched together with other threads' faults waiting at the same time (one
+    /// pipelined read for all of them: see `Shared::drain_events`).
+    pub batched_fetches: AtomicU64,
     /// Faults that found their page already installed by an earlier fault (EEXIST).
     pub already_present: AtomicU64,
     /// Write-protect faults (a write that raced with an eviction).
@@ -186,6 +189,9 @@ static ZEROS: [u8; PAGE_SIZE] = [0; PAGE_SIZE];
 
 /// The most victims dropped together (see `Shared::make_room`).
 const EVICT_BATCH: usize = 32;
+/// At most this many faults wait to be fetched together (see `Shared::drain_events`): the
+/// pager's window per server, so that one `read_many` sends them all at once.
+const FETCH_BATCH: usize = 32;
 
 /// One prefetched page in this many is left to be faulted on, to measure the hit rate; the
 /// others are installed at once.
@@ -424,6 +430,8 @@ where
                 prefetch_window,
                 pbuf: Vec::new(),
                 drops: Vec::new(),
+                waiting: Vec::new(),
+                wbuf: Vec::new(),
                 protected_fetches: 0,
                 written_after_fetch: 0,
                 skipped_protection: 0,
@@ -751,6 +759,10 @@ struct State<T: Transport, D: Disk> {
     pbuf: Vec<u8>,
     /// Victims chosen and not dropped yet (see `make_room`), kept to reuse its allocation.
     drops: Vec<(usize, usize, bool)>,
+    /// Missing faults waiting to be fetched together: (page, write, thread); and their pages'
+    /// buffer (see `Shared::drain_events`).
+    waiting: Vec<(usize, bool, u32)>,
+    wbuf: Vec<u8>,
     /// Fetched pages installed write-protected, and how many of them were written later:
     /// whether protecting fetched pages pays (see `protect_fetched`). Halved now and then.
     protected_fetches: u32,
@@ -879,18 +891,129 @@ impl<T: Transport, D: Disk> Shared<T, D> {
 
     /// Handles every event that has arrived (the descriptor is non-blocking); false if the
     /// userfaultfd failed.
+    ///
+    /// Faults of several threads that wait at once are served together: a fault on a page
+    /// that must be fetched waits (in `waiting`) while the events behind it are read, and all
+    /// such pages are fetched with one pipelined `read_many` — one round trip for all of them
+    /// rather than one each, in turn. A second fault on a page already waiting is served by
+    /// the same install, which wakes every thread waiting on that page.
     fn drain_events(&self) -> bool {
         loop {
             match self.uffd.read_event() {
                 Ok(Some(event)) => {
                     let mut st = self.lock();
-                    self.handle(&mut st, event);
+                    if !self.wait_for_fetch(&mut st, &event) {
+                        self.fetch_waiting(&mut st);
+                        self.handle(&mut st, event);
+                    } else if st.waiting.len() >= FETCH_BATCH {
+                        self.fetch_waiting(&mut st);
+                    }
                 }
-                Ok(None) => return true,
+                Ok(None) => {
+                    self.fetch_waiting(&mut self.lock());
+                    return true;
+                }
                 Err(e) => {
                     tracing::error!("userfaultfd handler: read: {e}");
+                    self.fetch_waiting(&mut self.lock());
                     return false;
                 }
+            }
+        }
+    }
+
+    /// Puts a missing fault on a page to be fetched from the pager into `waiting`; false for
+    /// any other event (handled at once, after the waiting ones). Not while forks are pending
+    /// or children live: their bookkeeping goes fault by fault.
+    fn wait_for_fetch(&self, st: &mut State<T, D>, event: &Event) -> bool {
+        let Event::Pagefault {
+            addr,
+            write,
+            wp: false,
+            tid,
+        } = *event
+        else {
+            return false;
+        };
+        let page = (addr - self.base.0.as_ptr() as usize) / PAGE_SIZE;
+        if !self.fetchable(st, page) {
+            return false;
+        }
+        if st.waiting.iter().any(|w| w.0 == page) {
+            // Another thread's fault on the same page: its install wakes this one too.
+            self.counters.faults.fetch_add(1, Ordering::Relaxed);
+            self.counters
+                .already_present
+                .fetch_add(1, Ordering::Relaxed);
+            return true;
+        }
+        st.waiting.push((page, write, tid));
+        true
+    }
+
+    /// Whether a missing fault on `page` is served by fetching it from the pager, and may wait
+    /// for others to be fetched with it.
+    fn fetchable(&self, st: &State<T, D>, page: usize) -> bool {
+        let p = page as u64;
+        st.forking == 0
+            && st.children.is_empty()
+            && !st.clock.is_sampled(p)
+            && !st.clock.is_resident(p)
+            && !st.prefetched.contains(&p)
+            && st.pager.is_written(p)
+    }
+
+    /// Fetches and installs every page in `waiting`: one alone the usual way (`missing`,
+    /// with its prefetching), several with one `read_many`.
+    fn fetch_waiting(&self, st: &mut State<T, D>) {
+        match st.waiting.len() {
+            0 => {}
+            1 => {
+                let (page, write, tid) = st.waiting.pop().expect("one");
+                self.missing(st, page, write, tid);
+            }
+            _ => {
+                let mut waiting = std::mem::take(&mut st.waiting);
+                // The lock was let go between events: a page the program has released (or
+                // that a fork froze) meanwhile is served the usual way.
+                let mut i = 0;
+                while i < waiting.len() {
+                    let (page, write, tid) = waiting[i];
+                    if self.fetchable(st, page) {
+                        i += 1;
+                    } else {
+                        waiting.swap_remove(i);
+                        self.missing(st, page, write, tid);
+                    }
+                }
+                let n = waiting.len();
+                if n == 0 {
+                    st.waiting = waiting;
+                    return;
+                }
+                let pages: Vec<u64> = waiting.iter().map(|w| w.0 as u64).collect();
+                let mut buf = std::mem::take(&mut st.wbuf);
+                buf.resize(n * PAGE_SIZE, 0);
+                if st.pager.read_many(&pages, &mut buf).is_err() {
+                    // One by one, so that each page that cannot be read is named (SIGBUS).
+                    for &(page, write, tid) in &waiting {
+                        self.missing(st, page, write, tid);
+                    }
+                } else {
+                    self.counters.faults.fetch_add(n as u64, Ordering::Relaxed);
+                    self.counters
+                        .batched_fetches
+                        .fetch_add(n as u64, Ordering::Relaxed);
+                    for (i, &(page, write, _)) in waiting.iter().enumerate() {
+                        let data = &buf[i * PAGE_SIZE..(i + 1) * PAGE_SIZE];
+                        self.install_fetched(st, page, write, data);
+                    }
+                    let keep = st.budget;
+                    self.make_room(st, keep);
+                }
+                st.wbuf = buf;
+                st.waiting = waiting;
+                st.waiting.clear();
             }
         }
     }
@@ -1267,63 +1390,102 @@ impl<T: Transport, D: Disk> Shared<T, D> {
             self.counters.prefetch_hits.fetch_add(1, Ordering::Relaxed);
             st.prefetcher.hit();
         }
-        let written = st.pager.is_written(page as u64);
-        if written {
-            if let Err(e) = st.pager.read(page as u64, &mut st.buf) {
+        if st.pager.is_written(page as u64) {
+            let mut buf = std::mem::take(&mut st.buf);
+            let read = st.pager.read(page as u64, &mut buf);
+            let installed = read.is_ok() && self.install_fetched(st, page, write, &buf);
+            st.buf = buf;
+            if let Err(e) = read {
                 self.counters.errors.fetch_add(1, Ordering::Relaxed);
                 return self.unreadable(page, tid, &e);
             }
+            if installed {
+                // The faulting thread runs again: evicting is off its path (the region holds
+                // one page over its budget meanwhile), and so is fetching what the trend says
+                // comes next.
+                let keep = st.budget;
+                self.make_room(st, keep);
+                self.prefetch(st, page);
+            }
+            return;
         }
+        self.counters.zero_fills.fetch_add(1, Ordering::Relaxed);
+        let result = if write {
+            // Written at once: a page of zeros, writable, rather than the shared zero page and
+            // a copy-on-write fault right after.
+            self.uffd.copy(&ZEROS, addr, false)
+        } else {
+            self.uffd.zeropage(addr)
+        };
+        match result {
+            // A zero fill needs no tracking: the kernel maps the shared zero page, a write
+            // replaces it, and eviction finds out by looking whether it is still all zeros.
+            Ok(()) => {
+                st.dirty[page] = true;
+                st.clock.insert(page as u64);
+            }
+            Err(e) => {
+                if !self.install_failed(st, page, e) {
+                    return;
+                }
+            }
+        }
+        let keep = st.budget;
+        self.make_room(st, keep);
+        self.prefetch(st, page);
+    }
+
+    /// Installs a fetched page's `data` (waking the threads waiting on it) and makes it
+    /// resident; false if it was not installed (already there, or the kernel refused: the
+    /// woken thread faults again).
+    fn install_fetched(&self, st: &mut State<T, D>, page: usize, write: bool, data: &[u8]) -> bool {
+        let addr = self.base.page(page);
         // A fetched page equals its remote copy until written: installed write-protected, its
         // first write is seen, and if there is none it is evicted without I/O. That costs a
         // second fault for every page that is written after all, so it is done only while it
         // pays: not for a write fault, and not while most fetched pages get written.
-        let protect = written && !write && st.protect_fetched();
-        let result = if written {
-            self.counters.fetches.fetch_add(1, Ordering::Relaxed);
-            self.uffd.copy(&st.buf, addr, protect)
-        } else if write {
-            // Written at once: a page of zeros, writable, rather than the shared zero page and
-            // a copy-on-write fault right after.
-            self.counters.zero_fills.fetch_add(1, Ordering::Relaxed);
-            self.uffd.copy(&ZEROS, addr, false)
-        } else {
-            self.counters.zero_fills.fetch_add(1, Ordering::Relaxed);
-            self.uffd.zeropage(addr)
-        };
-        match result {
-            Ok(()) => {}
+        let protect = !write && st.protect_fetched();
+        self.counters.fetches.fetch_add(1, Ordering::Relaxed);
+        match self.uffd.copy(data, addr, protect) {
+            Ok(()) => {
+                // Only a protected page is known clean.
+                st.dirty[page] = !protect;
+                st.clock.insert(page as u64);
+                true
+            }
+            Err(e) => self.install_failed(st, page, e),
+        }
+    }
+
+    /// An install the kernel refused: the threads waiting on the page are woken; true if the
+    /// page is resident all the same (installed meanwhile), false if they will fault again.
+    fn install_failed(&self, st: &mut State<T, D>, page: usize, e: rustix::io::Errno) -> bool {
+        let addr = self.base.page(page);
+        match e {
             // Installed meanwhile (by a fault this handler has not read yet, or the program
             // wrote through a kernel path): present now, so resident.
-            Err(rustix::io::Errno::EXIST) => {
+            rustix::io::Errno::EXIST => {
                 self.counters
                     .already_present
                     .fetch_add(1, Ordering::Relaxed);
                 let _ = self.uffd.wake(addr, PAGE_SIZE);
+                st.dirty[page] = true;
+                st.clock.insert(page as u64);
+                true
             }
-            Err(rustix::io::Errno::AGAIN) => {
-                // The mapping is changing (a fork copying it): the woken thread faults again.
+            // The mapping is changing (a fork copying it): the woken thread faults again.
+            rustix::io::Errno::AGAIN => {
                 self.counters.retried.fetch_add(1, Ordering::Relaxed);
                 let _ = self.uffd.wake(addr, PAGE_SIZE);
-                return;
+                false
             }
-            Err(e) => {
+            e => {
                 self.counters.errors.fetch_add(1, Ordering::Relaxed);
                 tracing::debug!("installing page {page}: errno {e}");
                 let _ = self.uffd.wake(addr, PAGE_SIZE);
-                return;
+                false
             }
         }
-        // Only a protected page is known clean. (A zero fill needs no tracking: the kernel
-        // maps the shared zero page, a write replaces it, and eviction finds out by looking
-        // whether it is still all zeros.)
-        st.dirty[page] = !protect;
-        st.clock.insert(page as u64);
-        // The faulting thread runs again: evicting is off its path (the region holds one page
-        // over its budget meanwhile), and so is fetching what the trend says comes next.
-        let keep = st.budget;
-        self.make_room(st, keep);
-        self.prefetch(st, page);
     }
 
     /// A missing fault on a page believed resident. Usually a second thread's fault on a page
