@@ -34,6 +34,7 @@ const TOOLS: &[(&str, &str)] = &[
     ("perl", "perl"),
     ("python3", "python3"),
     ("redis-benchmark", "redis-tools"),
+    ("javac", "openjdk-17-jdk-headless"),
 ];
 
 const USAGE: &str = "\

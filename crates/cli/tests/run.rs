@@ -534,6 +534,65 @@ fn a_program_that_forks_while_its_threads_fault() {
     );
 }
 
+/// A JVM (Debian's OpenJDK) building a million-entry HashMap: its heap, which it reserves
+/// `PROT_NONE` (at an address of its choosing, for compressed pointers) and commits with
+/// `MAP_FIXED` mappings, is on netram, and its output is the same.
+#[test]
+fn a_jvm_keeps_its_heap_on_netram() {
+    if !netram_testkit::have_tools(&[("javac", "openjdk-17-jdk-headless")]) {
+        return;
+    }
+    let dir = Scratch::new("jvm");
+    let src = dir.0.join("Objs.java");
+    std::fs::write(
+        &src,
+        r#"import java.util.*;
+public class Objs {
+  public static void main(String[] a) {
+    int n = Integer.parseInt(a[0]);
+    HashMap<Integer, String> m = new HashMap<>();
+    for (int i = 0; i < n; i++) m.put(i, "v" + i);
+    long t = 0;
+    for (int i = 0; i < n; i += 3) t += m.get(i).length();
+    System.out.println(m.size() + " " + t);
+  }
+}
+"#,
+    )
+    .unwrap();
+    let java = ["java", "-Xmx512m", src.to_str().unwrap(), "1000000"];
+    let plain = Command::new("timeout")
+        .arg("300")
+        .args(java)
+        .output()
+        .unwrap();
+    assert_ran(&plain, "java");
+    assert_eq!(String::from_utf8_lossy(&plain.stdout), "1000000 2296298\n");
+    let (_servers, addrs) = cluster(2);
+    let rep = dir.0.join("report.json");
+    let out = netram_run(
+        &[
+            "--local-mem",
+            "64M",
+            "--max-mem",
+            "2G",
+            "--servers",
+            &addrs,
+            "--report",
+            rep.to_str().unwrap(),
+        ],
+        &java,
+    );
+    assert_ran(&out, "java under netram run");
+    assert_eq!(out.stdout, plain.stdout);
+    let r = report(&rep);
+    let g = |k: &str| r[k].as_u64().unwrap_or_else(|| panic!("{k} in {r}"));
+    // Its heap went out through a 64 MiB budget (all local, it peaks at ~230 MiB here).
+    assert!(g("puts") > 10_000, "{r}");
+    assert!(g("evictions") > 10_000, "{r}");
+    assert_eq!(g("errors"), 0, "{r}");
+}
+
 /// A shell script that runs many short commands: each one is a process of its own on netram
 /// (its own region and sessions on the servers), and each session ends with the process, not
 /// when its lease runs out. (Left to their leases, 64 commands in a few seconds filled the

@@ -6,7 +6,9 @@
 //! `aligned_alloc`, `memalign`, `valloc`, `pvalloc`, `malloc_usable_size`) for blocks of at
 //! least the threshold (0 as root: every block; 128K for an ordinary user, see `start`), and
 //! anonymous private read-write `mmap` of at least the threshold, with the `munmap`, `mremap`
-//! and `madvise(DONTNEED/FREE/REMOVE)` that give such memory back; and `fork`. glibc's
+//! and `madvise(DONTNEED/FREE/REMOVE)` that give such memory back; anonymous `PROT_NONE`
+//! reservations and the `MAP_FIXED` anonymous mappings that commit and uncommit inside them
+//! (a JVM's heap); and `fork`. glibc's
 //! `malloc` reaches its own internal `mmap` without passing through the interposed one, which
 //! is why `malloc` itself is interposed. Everything else (blocks under the threshold, file
 //! mappings, shared or fixed mappings, stacks, `PROT_NONE` reservations) goes to the C library
@@ -993,6 +995,84 @@ pub unsafe extern "C" fn malloc_usable_size(ptr: *mut c_void) -> usize {
     }
 }
 
+/// Whether an `mmap` call reserves address space for anonymous memory to be committed later
+/// (`PROT_NONE`, then `MAP_FIXED` read-write mappings inside it): how a JVM takes its heap. A
+/// hint (`addr` without `MAP_FIXED`) is not kept, as the kernel need not keep it: a JVM that
+/// wanted its heap at a low address for compressed pointers tries others, then takes any.
+fn is_anonymous_reservation(_addr: *mut c_void, prot: c_int, flags: c_int) -> bool {
+    const MAP_TYPE: c_int = 0x0f;
+    let refused = libc::MAP_FIXED
+        | libc::MAP_FIXED_NOREPLACE
+        | libc::MAP_GROWSDOWN
+        | libc::MAP_STACK
+        | libc::MAP_HUGETLB;
+    flags & MAP_TYPE == libc::MAP_PRIVATE
+        && flags & libc::MAP_ANONYMOUS != 0
+        && flags & refused == 0
+        && prot == libc::PROT_NONE
+}
+
+/// A reservation on the region: pages of the heap, none of them resident, `PROT_NONE` until
+/// committed ([`commit_in_region`]); null if the region has no room (then the kernel's).
+fn reserve(h: &Heap, len: usize) -> *mut c_void {
+    let len = len.max(1).next_multiple_of(PAGE_SIZE);
+    let Some(Some(p)) = enter(|| h.alloc(len, PAGE_SIZE)) else {
+        return std::ptr::null_mut();
+    };
+    let p = p.as_ptr().cast::<c_void>();
+    // Nothing of it resident (the handler must never copy a page the program cannot read),
+    // and nothing on the servers: it reads as zeros once committed.
+    // SAFETY: pages of the block just allocated, which nobody else uses.
+    if release_within(h, p, len) != 0 || unsafe { libc::mprotect(p, len, libc::PROT_NONE) } != 0 {
+        heap_free(h, p);
+        return std::ptr::null_mut();
+    }
+    p
+}
+
+/// The heap, if an `mmap` call maps private anonymous memory at a fixed address inside the
+/// region: a reservation's commit (read-write, or executable for a JIT's code) or uncommit
+/// (`PROT_NONE`).
+fn fixed_anonymous_in_region(addr: *mut c_void, len: usize, flags: c_int) -> Option<&'static Heap> {
+    const MAP_TYPE: c_int = 0x0f;
+    let fixed = flags & libc::MAP_FIXED != 0 && flags & libc::MAP_FIXED_NOREPLACE == 0;
+    let end = (addr as usize).checked_add(len)?;
+    let h = owner(addr)?;
+    (fixed
+        && flags & MAP_TYPE == libc::MAP_PRIVATE
+        && flags & libc::MAP_ANONYMOUS != 0
+        && flags & (libc::MAP_GROWSDOWN | libc::MAP_STACK | libc::MAP_HUGETLB) == 0
+        && (addr as usize).is_multiple_of(PAGE_SIZE)
+        && len > 0
+        && end <= h.region().as_ptr() as usize + h.region().len())
+    .then_some(h)
+}
+
+/// Whether `addr..addr + len` meets the region.
+fn overlaps_region(addr: *mut c_void, len: usize) -> bool {
+    let (start, end) = (
+        REGION_START.load(Ordering::Relaxed),
+        REGION_END.load(Ordering::Relaxed),
+    );
+    let a = addr as usize;
+    start < end && a < end && a.saturating_add(len) > start
+}
+
+/// A fresh anonymous mapping over part of the region, as the kernel would make it: the pages
+/// read as zeros (dropped here and on the servers), with `prot`. Replacing the mapping instead
+/// would take those pages off the region's userfaultfd.
+fn commit_in_region(h: &Heap, addr: *mut c_void, len: usize, prot: c_int) -> *mut c_void {
+    let len = len.next_multiple_of(PAGE_SIZE);
+    if release_within(h, addr, len) != 0 {
+        return libc::MAP_FAILED;
+    }
+    // SAFETY: pages of the region, which the caller owns (it maps over them).
+    if unsafe { libc::mprotect(addr, len, prot) } != 0 {
+        return libc::MAP_FAILED;
+    }
+    addr
+}
+
 /// Whether an `mmap` call asks for plain private anonymous memory of `len` bytes that the
 /// region can stand in for.
 fn is_plain_anonymous(addr: *mut c_void, prot: c_int, flags: c_int) -> bool {
@@ -1123,6 +1203,23 @@ pub unsafe extern "C" fn mmap(
                 return p;
             }
         }
+    } else if is_anonymous_reservation(addr, prot, flags) {
+        if let Some(h) = heap_for(len) {
+            let p = reserve(h, len);
+            if !p.is_null() {
+                return p;
+            }
+        }
+    } else if let Some(h) = fixed_anonymous_in_region(addr, len, flags) {
+        return commit_in_region(h, addr, len, prot);
+    } else if flags & (libc::MAP_FIXED | libc::MAP_FIXED_NOREPLACE) != 0
+        && overlaps_region(addr, len)
+    {
+        // Any other mapping there (a file's, shared memory) would replace part of the region
+        // under the heap, which would later hand those addresses out again: refused. (A JVM
+        // then maps its class-data archive elsewhere, or without it.)
+        set_errno(libc::EINVAL);
+        return libc::MAP_FAILED;
     }
     // SAFETY: the system call itself, with the caller's arguments (not the C library's
     // wrapper, which is the symbol this function replaces).
