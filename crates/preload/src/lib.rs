@@ -1204,7 +1204,9 @@ pub unsafe extern "C" fn mmap(
             }
         }
     } else if is_anonymous_reservation(addr, prot, flags) {
-        if let Some(h) = heap_for(len) {
+        // Only where the region serves the kernel's own accesses: what is committed in a
+        // reservation (a coroutine's stack, a JIT's buffers) is handed to system calls.
+        if let Some(h) = heap_for(len).filter(|h| h.region().serves_kernel_faults()) {
             let p = reserve(h, len);
             if !p.is_null() {
                 return p;
