@@ -1000,16 +1000,7 @@ pub unsafe extern "C" fn malloc_usable_size(ptr: *mut c_void) -> usize {
 /// hint (`addr` without `MAP_FIXED`) is not kept, as the kernel need not keep it: a JVM that
 /// wanted its heap at a low address for compressed pointers tries others, then takes any.
 fn is_anonymous_reservation(_addr: *mut c_void, prot: c_int, flags: c_int) -> bool {
-    const MAP_TYPE: c_int = 0x0f;
-    let refused = libc::MAP_FIXED
-        | libc::MAP_FIXED_NOREPLACE
-        | libc::MAP_GROWSDOWN
-        | libc::MAP_STACK
-        | libc::MAP_HUGETLB;
-    flags & MAP_TYPE == libc::MAP_PRIVATE
-        && flags & libc::MAP_ANONYMOUS != 0
-        && flags & refused == 0
-        && prot == libc::PROT_NONE
+    is_private_anonymous(flags) && prot == libc::PROT_NONE
 }
 
 /// A reservation on the region: pages of the heap, none of them resident, `PROT_NONE` until
@@ -1076,6 +1067,12 @@ fn commit_in_region(h: &Heap, addr: *mut c_void, len: usize, prot: c_int) -> *mu
 /// Whether an `mmap` call asks for plain private anonymous memory of `len` bytes that the
 /// region can stand in for.
 fn is_plain_anonymous(addr: *mut c_void, prot: c_int, flags: c_int) -> bool {
+    addr.is_null() && is_private_anonymous(flags) && prot == libc::PROT_READ | libc::PROT_WRITE
+}
+
+/// Whether `mmap` flags ask for private anonymous memory wherever the kernel puts it, and
+/// nothing the region cannot stand in for (a stack, huge pages).
+fn is_private_anonymous(flags: c_int) -> bool {
     // The mapping type is a field of the low bits, not a flag: MAP_SHARED_VALIDATE (3) shares
     // a bit with MAP_PRIVATE (2). (Tested as flags, every private mapping was refused.)
     const MAP_TYPE: c_int = 0x0f;
@@ -1084,11 +1081,9 @@ fn is_plain_anonymous(addr: *mut c_void, prot: c_int, flags: c_int) -> bool {
         | libc::MAP_GROWSDOWN
         | libc::MAP_STACK
         | libc::MAP_HUGETLB;
-    addr.is_null()
-        && flags & MAP_TYPE == libc::MAP_PRIVATE
+    flags & MAP_TYPE == libc::MAP_PRIVATE
         && flags & libc::MAP_ANONYMOUS != 0
         && flags & refused == 0
-        && prot == libc::PROT_READ | libc::PROT_WRITE
 }
 
 /// `fork`, announced to the region first (see `netram_uffd::Region::prepare_fork`): the
@@ -1383,6 +1378,20 @@ mod tests {
         assert!(!is_plain_anonymous(null, rw, anon | libc::MAP_FIXED));
         let hint = 0x7000_0000_0000usize as *mut c_void;
         assert!(!is_plain_anonymous(hint, rw, anon));
+        // A JVM's heap reservation, with its hint for compressed pointers.
+        let none = libc::PROT_NONE;
+        assert!(is_anonymous_reservation(
+            hint,
+            none,
+            anon | libc::MAP_NORESERVE
+        ));
+        assert!(!is_anonymous_reservation(null, rw, anon));
+        assert!(!is_anonymous_reservation(
+            hint,
+            none,
+            anon | libc::MAP_FIXED
+        ));
+        assert!(!is_anonymous_reservation(null, none, shared));
     }
 
     /// What the C library allocates on netram's own threads comes from talc, never from the C
