@@ -109,8 +109,8 @@ unsafe fn opt_str<'a>(s: *const c_char, what: &str) -> anyhow::Result<Option<&'a
 
 /// Creates a region from the arguments of `netram_region_create`, or the environment
 /// (`NETRAM_SERVERS`, `NETRAM_LOW_LATENCY`, `NETRAM_SPILL_DIR`, `NETRAM_REDUNDANCY`: none,
-/// mirror:N, parity:N or rs:K+M, and `NETRAM_SAMPLES`: pages sampled per victim, 0 for first in, first
-/// out) for what they leave out. Used by the preload library too.
+/// mirror:N, parity:N or rs:K+M, and `NETRAM_SAMPLES`: pages sampled per victim for CLOCK, 0 (the default)
+/// for first in, first out) for what they leave out. Used by the preload library too.
 pub fn create_region(
     servers: Option<&str>,
     backing: Option<&str>,

@@ -74,12 +74,12 @@ mod sys;
 pub use alloc::NetramAlloc;
 pub use heap::RegionHeap;
 use netram_pager::{Disk, Pager, Transport};
-use netram_policy::clock::{Clock, SamplingGate};
-use netram_policy::prefetch::Prefetcher;
+use netram_policy::clock::Clock;
+use netram_policy::prefetch::{Mode, Prefetcher, MAX_CLUSTER};
 use netram_proto::PAGE_SIZE;
 use rustix::event::{eventfd, poll, EventfdFlags, PollFd, PollFlags};
 use rustix::fd::OwnedFd;
-use std::collections::{HashSet, VecDeque};
+use std::collections::{HashMap, VecDeque};
 use std::ffi::c_void;
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -328,8 +328,9 @@ impl<T: Transport, D: Disk> std::fmt::Debug for Region<T, D> {
 /// How a region chooses its victims.
 #[derive(Debug, Clone)]
 pub struct RegionOptions {
-    /// The most pages sampled to find one victim (see `netram_policy::clock`); 0 turns
-    /// sampling off: victims are then chosen first in, first out.
+    /// The most pages sampled to find one victim (see `netram_policy::clock`); 0 (the
+    /// default: it did not pay on any real program measured) turns sampling off: victims are
+    /// then chosen first in, first out.
     pub max_samples: usize,
     /// How long the handler polls for the next fault before sleeping, while faults come that
     /// close together (the low-latency mode; zero: never).
@@ -339,7 +340,7 @@ pub struct RegionOptions {
 impl Default for RegionOptions {
     fn default() -> Self {
         Self {
-            max_samples: 8,
+            max_samples: 0,
             spin: std::time::Duration::ZERO,
         }
     }
@@ -418,14 +419,15 @@ where
             state: Mutex::new(State {
                 pager,
                 clock: Clock::new(pages, if sampling { options.max_samples } else { 0 }),
-                // Paused for four turns of the budget.
-                gate: SamplingGate::new(4 * budget_pages),
                 max_samples: if sampling { options.max_samples } else { 0 },
                 dirty: vec![false; pages],
                 budget: budget_pages,
                 buf: vec![0u8; PAGE_SIZE],
-                prefetcher: Prefetcher::new(MAX_PREFETCH.min(prefetch_window / 2)),
-                prefetched: HashSet::new(),
+                prefetcher: Prefetcher::new(
+                    MAX_PREFETCH.min(prefetch_window / 2),
+                    MAX_CLUSTER.min(prefetch_window / 2),
+                ),
+                prefetched: HashMap::new(),
                 prefetch_order: VecDeque::new(),
                 prefetch_window,
                 pbuf: Vec::new(),
@@ -743,7 +745,7 @@ struct State<T: Transport, D: Disk> {
     clock: Clock,
     /// Whether sampling pays (see `netram_policy::clock::SamplingGate`), and how many pages
     /// the hand samples per victim when it does.
-    gate: SamplingGate,
+    /// Pages sampled per victim when sampling is on (0: it never is).
     max_samples: usize,
     /// Whether a resident page may differ from its remote copy.
     dirty: Vec<bool>,
@@ -751,8 +753,9 @@ struct State<T: Transport, D: Disk> {
     budget: usize,
     buf: Vec<u8>,
     prefetcher: Prefetcher,
-    /// Pages fetched ahead into the pager's cache and not faulted on yet, oldest first.
-    prefetched: HashSet<u64>,
+    /// Pages fetched ahead into the pager's cache and not faulted on yet (and the rule that
+    /// proposed them), oldest first.
+    prefetched: HashMap<u64, Mode>,
     prefetch_order: VecDeque<u64>,
     /// How many guesses the pager's cache is taken to hold.
     prefetch_window: usize,
@@ -786,6 +789,14 @@ struct State<T: Transport, D: Disk> {
 }
 
 impl<T: Transport, D: Disk> State<T, D> {
+    /// Sets how many pages the hand samples per victim: none while a fork is pending or a
+    /// child lives (see `prepare_fork`).
+    fn apply_sampling(&mut self) {
+        let on = self.children.is_empty() && self.forking == 0;
+        self.clock
+            .set_max_samples(if on { self.max_samples } else { 0 });
+    }
+
     /// Whether to install the next fetched page write-protected: while fewer than half of
     /// the protected ones were written afterwards, and one in 16 otherwise, to notice when
     /// that changes.
@@ -910,7 +921,8 @@ impl<T: Transport, D: Disk> Shared<T, D> {
                     }
                 }
                 Ok(None) => {
-                    self.fetch_waiting(&mut self.lock());
+                    let mut st = self.lock();
+                    self.fetch_waiting(&mut st);
                     return true;
                 }
                 Err(e) => {
@@ -959,7 +971,7 @@ impl<T: Transport, D: Disk> Shared<T, D> {
             && st.children.is_empty()
             && !st.clock.is_sampled(p)
             && !st.clock.is_resident(p)
-            && !st.prefetched.contains(&p)
+            && !st.prefetched.contains_key(&p)
             && st.pager.is_written(p)
     }
 
@@ -1286,10 +1298,7 @@ impl<T: Transport, D: Disk> Shared<T, D> {
         }
         st.children.retain(|c| !c.gone);
         self.child_count.store(st.children.len(), Ordering::Release);
-        if st.children.is_empty() && st.forking == 0 && st.gate.is_on() {
-            let n = st.max_samples;
-            st.clock.set_max_samples(n);
-        }
+        st.apply_sampling();
     }
 
     /// A fault of child `i` at `addr`.
@@ -1385,28 +1394,42 @@ impl<T: Transport, D: Disk> Shared<T, D> {
         if st.clock.is_resident(page as u64) {
             return self.resident_fault(st, page);
         }
-        if st.prefetched.remove(&(page as u64)) {
+        if let Some(mode) = st.prefetched.remove(&(page as u64)) {
             // Fetched ahead: the pager serves it from its cache, without a round trip.
             self.counters.prefetch_hits.fetch_add(1, Ordering::Relaxed);
-            st.prefetcher.hit();
+            st.prefetcher.hit(mode);
         }
         if st.pager.is_written(page as u64) {
-            let mut buf = std::mem::take(&mut st.buf);
-            let read = st.pager.read(page as u64, &mut buf);
-            let installed = read.is_ok() && self.install_fetched(st, page, write, &buf);
-            st.buf = buf;
+            // The pages the prefetcher proposes travel in the same request as the faulting
+            // one: a page used soon costs no round trip of its own.
+            let (ahead, mode) = self.proposals(st, page);
+            // (Not `st.buf`: evictions below copy victims through it.)
+            let mut buf = std::mem::take(&mut st.pbuf);
+            buf.resize((1 + ahead.len()) * PAGE_SIZE, 0);
+            let mut pages = Vec::with_capacity(1 + ahead.len());
+            pages.push(page as u64);
+            pages.extend_from_slice(&ahead);
+            let mut read = st.pager.read_many(&pages, &mut buf);
+            if read.is_err() && !ahead.is_empty() {
+                // Only a guess may have failed: the faulting page alone says.
+                read = st.pager.read(page as u64, &mut buf[..PAGE_SIZE]);
+                pages.truncate(1);
+            }
+            let installed =
+                read.is_ok() && self.install_fetched(st, page, write, &buf[..PAGE_SIZE]);
             if let Err(e) = read {
+                st.pbuf = buf;
                 self.counters.errors.fetch_add(1, Ordering::Relaxed);
                 return self.unreadable(page, tid, &e);
             }
             if installed {
-                // The faulting thread runs again: evicting is off its path (the region holds
-                // one page over its budget meanwhile), and so is fetching what the trend says
-                // comes next.
+                // The faulting thread runs again: installing the others and evicting are off
+                // its path (the region holds pages over its budget meanwhile).
+                self.install_ahead(st, &pages[1..], mode, &buf[PAGE_SIZE..]);
                 let keep = st.budget;
                 self.make_room(st, keep);
-                self.prefetch(st, page);
             }
+            st.pbuf = buf;
             return;
         }
         self.counters.zero_fills.fetch_add(1, Ordering::Relaxed);
@@ -1522,7 +1545,6 @@ impl<T: Transport, D: Disk> Shared<T, D> {
     /// A sampled page was touched: it was in use after all. Put it back where it was.
     fn sampled_fault(&self, st: &mut State<T, D>, page: usize, write: bool) {
         self.counters.sample_faults.fetch_add(1, Ordering::Relaxed);
-        st.gate.touched();
         if write {
             // About to be written: back writable, dirty, without a write-protect fault.
             st.dirty[page] = true;
@@ -1589,10 +1611,6 @@ impl<T: Transport, D: Disk> Shared<T, D> {
                 match self.sample(p as usize) {
                     Ok(()) => {
                         self.counters.samples.fetch_add(1, Ordering::Relaxed);
-                        st.gate.sampled();
-                        if !st.gate.is_on() {
-                            st.clock.set_max_samples(0);
-                        }
                     }
                     Err(e) => {
                         self.counters
@@ -1611,10 +1629,6 @@ impl<T: Transport, D: Disk> Shared<T, D> {
                 self.evict_mapped(st, page)
                     .map(|a| (page, a as usize, true))
             };
-            if st.gate.evicted() && st.children.is_empty() {
-                let n = st.max_samples;
-                st.clock.set_max_samples(n);
-            }
             match evicted {
                 Ok(d) => drops.push(d),
                 Err(e) => {
@@ -1779,46 +1793,52 @@ impl<T: Transport, D: Disk> Shared<T, D> {
             .map_err(|e| format!("deleting released pages: {e}"))
     }
 
-    /// Fetches the pages the prefetcher proposes after a fault on `page` into the pager's
-    /// cache, with one pipelined read: a later fault on one of them costs no round trip.
+    /// The pages to fetch with `page`, which faults: what the prefetcher proposes that is
+    /// neither here nor on its way, and is stored somewhere (never-written pages are zero
+    /// fills, not fetches).
+    fn proposals(&self, st: &mut State<T, D>, page: usize) -> (Vec<u64>, Mode) {
+        let (mut proposed, mode) = st.prefetcher.on_fault(page as u64, self.pages as u64);
+        proposed.retain(|&p| {
+            !st.clock.is_resident(p) && !st.prefetched.contains_key(&p) && st.pager.is_written(p)
+        });
+        (proposed, mode)
+    }
+
+    /// After a zero fill of `page`: fetches the pages the prefetcher proposes (a trend that
+    /// runs on into written pages) with one pipelined read.
     fn prefetch(&self, st: &mut State<T, D>, page: usize) {
-        let proposed = st.prefetcher.on_fault(page as u64, self.pages as u64);
-        if proposed.is_empty() {
+        let (wanted, mode) = self.proposals(st, page);
+        if wanted.is_empty() {
             return;
         }
-        let wanted: Vec<u64> = proposed
-            .iter()
-            .copied()
-            .filter(|&p| {
-                !st.clock.is_resident(p) && !st.prefetched.contains(&p) && st.pager.is_written(p)
-            })
-            .collect();
-        // Fetch in batches: while the next page is on its way or here and at least half of
-        // the window ahead is covered, wait. Topping the window up by one page at every fault
-        // would cost the handler a round trip per fault, during which the next fault waits.
-        let next_covered = wanted.first() != proposed.first();
-        if wanted.is_empty() || (next_covered && wanted.len() * 2 < proposed.len()) {
-            return;
-        }
-        st.pbuf.resize(wanted.len() * PAGE_SIZE, 0);
-        let State { pager, pbuf, .. } = st;
-        if let Err(e) = pager.read_many(&wanted, pbuf) {
+        let mut buf = std::mem::take(&mut st.pbuf);
+        buf.resize(wanted.len() * PAGE_SIZE, 0);
+        match st.pager.read_many(&wanted, &mut buf) {
+            Ok(()) => {
+                self.install_ahead(st, &wanted, mode, &buf);
+                let keep = st.budget;
+                self.make_room(st, keep);
+            }
             // Only a guess failed: the page's own fault will report a real error.
-            tracing::debug!("prefetching {wanted:?}: {e}");
-            return;
+            Err(e) => tracing::debug!("prefetching {wanted:?}: {e}"),
         }
-        // Most fetched pages are installed at once, so that a scan along them does not fault
-        // at all (the kernel's swap readahead still takes a minor fault per page; a fault
-        // here is a round trip to this thread). One in PREFETCH_CHECK is left in the pager's
-        // cache to be faulted on: whether those are used is the prefetcher's hit rate, and its
-        // depth follows it.
+        st.pbuf = buf;
+    }
+
+    /// Installs `pages` fetched ahead (proposed by `mode`; their contents in `data`).
+    ///
+    /// Most are installed at once, so that a scan along them does not fault at all (the
+    /// kernel's swap readahead still takes a minor fault per page; a fault here is a round
+    /// trip to this thread). One in PREFETCH_CHECK is left in the pager's cache to be faulted
+    /// on: whether those are used is the prefetcher's hit rate, and its depths follow it.
+    fn install_ahead(&self, st: &mut State<T, D>, pages: &[u64], mode: Mode, data: &[u8]) {
         let mut installed = 0;
-        for (i, &p) in wanted.iter().enumerate() {
+        for (i, &p) in pages.iter().enumerate() {
             st.prefetch_seq = st.prefetch_seq.wrapping_add(1);
             if !st.prefetch_seq.is_multiple_of(PREFETCH_CHECK as u64) {
                 let protect = st.protect_fetched();
-                let data = &st.pbuf[i * PAGE_SIZE..(i + 1) * PAGE_SIZE];
-                match self.uffd.copy(data, self.base.page(p as usize), protect) {
+                let page = &data[i * PAGE_SIZE..(i + 1) * PAGE_SIZE];
+                match self.uffd.copy(page, self.base.page(p as usize), protect) {
                     Ok(()) => {
                         st.dirty[p as usize] = !protect;
                         st.clock.insert(p);
@@ -1829,7 +1849,7 @@ impl<T: Transport, D: Disk> Shared<T, D> {
                     Err(e) => tracing::debug!("installing prefetched page {p}: {e}"),
                 }
             }
-            st.prefetched.insert(p);
+            st.prefetched.insert(p, mode);
             st.prefetch_order.push_back(p);
         }
         self.counters
@@ -1837,17 +1857,13 @@ impl<T: Transport, D: Disk> Shared<T, D> {
             .fetch_add(installed, Ordering::Relaxed);
         self.counters
             .prefetched
-            .fetch_add(wanted.len() as u64 - installed, Ordering::Relaxed);
-        if installed > 0 {
-            let keep = st.budget;
-            self.make_room(st, keep);
-        }
+            .fetch_add(pages.len() as u64 - installed, Ordering::Relaxed);
         // The pager's cache holds only so many: older guesses not used by now are taken as
         // wasted (the cache has probably evicted them).
         while st.prefetch_order.len() > st.prefetch_window {
             let old = st.prefetch_order.pop_front().expect("not empty");
-            if st.prefetched.remove(&old) {
-                st.prefetcher.wasted();
+            if let Some(mode) = st.prefetched.remove(&old) {
+                st.prefetcher.wasted(mode);
             }
         }
     }

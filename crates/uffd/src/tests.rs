@@ -27,7 +27,13 @@ fn region_with_cache(
         ..Default::default()
     };
     let pager = Pager::new(cfg, t, MemDisk::default());
-    Region::new(pager, PAGES * PAGE_SIZE, budget_pages * PAGE_SIZE).expect("a region")
+    // Sampling on (it is off by default): these tests exercise its machinery.
+    let options = RegionOptions {
+        max_samples: 8,
+        ..Default::default()
+    };
+    Region::with_options(pager, PAGES * PAGE_SIZE, budget_pages * PAGE_SIZE, options)
+        .expect("a region")
 }
 
 fn fill(page: usize, round: u8) -> u8 {
