@@ -152,7 +152,18 @@ for i in range(0, n, 3):
 print(len(d), total)
 ",
     )?;
-    Ok(format!("python3 {} {n}", script.display()))
+    Ok(format!("{} {} {n}", python3(), script.display()))
+}
+
+/// Debian's Python where it is installed, rather than whatever `python3` is first on the path:
+/// a version manager's shim there (pyenv's is a bash script) starts several processes before
+/// Python, each of which `netram run` sets up, which measures the shim rather than Python.
+fn python3() -> &'static str {
+    if Path::new("/usr/bin/python3").exists() {
+        "/usr/bin/python3"
+    } else {
+        "python3"
+    }
 }
 
 /// A Python script that builds a list of `argv[1]` tuples, forks, and lets the child sum them
@@ -181,7 +192,7 @@ fn python_fork(dir: &Path, quick: bool) -> anyhow::Result<String> {
     let n = if quick { 300_000 } else { 2_000_000 };
     let script = dir.join("fork.py");
     std::fs::write(&script, FORK_SCRIPT)?;
-    Ok(format!("python3 {} {n}", script.display()))
+    Ok(format!("{} {} {n}", python3(), script.display()))
 }
 
 /// What one run measured.
