@@ -960,7 +960,11 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             return self.rs_get_failed(server, it, what);
         }
         if self.par.is_some() && it.pos != INTERNAL {
-            if what == Some("checksum mismatch") {
+            // Any bad answer, not only a checksum mismatch: a bit flipped in the reply's page
+            // key or version is as much a lie (found by the `pager_replies` fuzz target: a
+            // flipped key cost a page that parity could rebuild), and a page missing from the
+            // server that holds its only copy is lost there all the same.
+            if let Some(what) = what {
                 if self.par_retry(it.page) {
                     self.retry.push(it);
                     return;
@@ -970,7 +974,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                 // is rebuilt from the groups' parity (Nswap §IV-B) instead of being reported
                 // corrupt while its parity could rebuild it.
                 if self.servers[server].alive {
-                    let why = format!("page {} failed its checksum on every read", it.page);
+                    let why = format!("page {} came back bad on every read ({what})", it.page);
                     self.mark_dead(server, TransportError::Protocol(why));
                 }
             }

@@ -1112,13 +1112,8 @@ impl<T: Transport, D: Disk> Shared<T, D> {
     fn fork_event(&self, st: &mut State<T, D>, uffd: Uffd) {
         let words = self.pages.div_ceil(64);
         let settled = if st.forking > 0 {
-            st.forking -= 1;
             let resident = st.fork_resident.clone();
-            if st.forking == 0 {
-                st.fork_resident = None;
-                st.forking_since = None;
-                self.forked.notify_all();
-            }
+            self.fork_done(st);
             resident.unwrap_or_else(|| vec![0; words])
         } else {
             // A fork nobody announced (a child forking in turn, a raw clone): nothing is known
@@ -1166,7 +1161,8 @@ impl<T: Transport, D: Disk> Shared<T, D> {
         st.forking += 1;
     }
 
-    /// An announced fork did not happen (or its event will never come).
+    /// An announced fork happened (its event came), did not happen, or its event will never
+    /// come: once none is pending, evictions resume and `release` goes on.
     fn fork_done(&self, st: &mut State<T, D>) {
         st.forking = st.forking.saturating_sub(1);
         if st.forking == 0 {
