@@ -2,13 +2,17 @@
 //!
 //! An entry is 8 bytes plus 2 bytes per copy the redundancy scheme keeps (one for `none`, N for
 //! `mirror:N`), kept in one flat array rather than a heap node per page, so that a 64 GiB device
-//! (16 M pages) needs 160 MiB of table without mirroring.
+//! (16 M pages) needs 160 MiB of table without mirroring. Both arrays start as zeros (an empty
+//! entry, no holder), allocated zeroed: the allocator leaves their pages untouched until a page
+//! of the region is used, so a table costs resident memory for the part of the region in use,
+//! not for all of it (`netram run`'s region is eight times its local memory).
 
 /// Copies of one page a table can record (`mirror:8` at most).
 pub const COPIES_MAX: usize = 8;
-const NONE: u16 = u16::MAX;
+/// A holder slot with no server (slots hold the server's index plus one).
+const NONE: u16 = 0;
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, bytemuck::Zeroable)]
 pub struct Entry {
     /// Incremented on every write-out (Nswap's version count); 0 before the first.
     pub version: u32,
@@ -66,7 +70,7 @@ impl Servers {
     /// Adds a server (once); false when the set is full.
     pub fn insert(&mut self, s: usize) -> bool {
         assert!(
-            s < usize::from(NONE),
+            s < usize::from(u16::MAX),
             "server index {s} does not fit the table"
         );
         if self.contains(s) {
@@ -108,7 +112,7 @@ impl FromIterator<usize> for Servers {
 #[derive(Debug)]
 pub struct Table {
     entries: Vec<Entry>,
-    /// `copies` slots per page; unused ones are `NONE`.
+    /// `copies` slots per page: a holder's index plus one, unused ones `NONE`.
     holders: Vec<u16>,
     copies: usize,
 }
@@ -118,7 +122,7 @@ impl Table {
         assert!((1..=COPIES_MAX).contains(&copies));
         let n = usize::try_from(pages).expect("page count fits in memory");
         Self {
-            entries: vec![Entry::EMPTY; n],
+            entries: bytemuck::zeroed_vec(n),
             holders: vec![NONE; n * copies],
             copies,
         }
@@ -141,7 +145,7 @@ impl Table {
         self.slots(page)
             .iter()
             .filter(|&&h| h != NONE)
-            .map(|&h| usize::from(h))
+            .map(|&h| usize::from(h) - 1)
             .collect()
     }
 
@@ -152,7 +156,7 @@ impl Table {
         let slots = &mut self.holders[at..at + self.copies];
         slots.fill(NONE);
         for (slot, s) in slots.iter_mut().zip(servers.iter()) {
-            *slot = s as u16;
+            *slot = s as u16 + 1;
         }
         self.entries[page as usize].lost = false;
     }
@@ -169,7 +173,7 @@ impl Table {
 
     /// Pages with a holder on `server`.
     pub fn pages_on(&self, server: usize) -> Vec<u64> {
-        let s = server as u16;
+        let s = server as u16 + 1;
         self.holders
             .chunks_exact(self.copies)
             .enumerate()
@@ -189,7 +193,7 @@ impl Table {
                 continue;
             }
             for &s in h.iter().filter(|&&s| s != NONE) {
-                n[usize::from(s)] += 1;
+                n[usize::from(s) - 1] += 1;
             }
         }
         n
@@ -208,6 +212,13 @@ impl Table {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_zeroed_table_is_empty() {
+        assert_eq!(Entry::EMPTY, bytemuck::Zeroable::zeroed());
+        let t = Table::new(4, 2);
+        assert!((0..4).all(|p| *t.get(p) == Entry::EMPTY && t.holders(p).is_empty()));
+    }
 
     #[test]
     fn entry_is_small_and_versions_only_grow() {

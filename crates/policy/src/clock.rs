@@ -32,9 +32,11 @@
 
 use std::collections::VecDeque;
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// Zero is `Absent`: the table starts zeroed, untouched until pages are used.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, bytemuck::Zeroable)]
+#[repr(u8)]
 enum State {
-    Absent,
+    Absent = 0,
     /// Mapped in the program's page tables: used since it was last sampled (or never sampled).
     Referenced,
     /// Taken out of the page tables; still resident, aside.
@@ -69,7 +71,7 @@ impl Clock {
     pub fn new(pages: usize, max_samples: usize) -> Self {
         Self {
             ring: VecDeque::new(),
-            state: vec![State::Absent; pages],
+            state: bytemuck::zeroed_vec(pages),
             queued: vec![false; pages],
             resident: 0,
             max_samples,

@@ -37,7 +37,7 @@ use netram_node::client::TcpTransport;
 use netram_node::disk::FileDisk;
 use netram_proto::PAGE_SIZE;
 use netram_uffd::RegionHeap;
-use std::alloc::Layout;
+use std::alloc::{GlobalAlloc, Layout};
 use std::ffi::{c_int, c_void};
 use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU8, AtomicUsize, Ordering};
 use std::sync::OnceLock;
@@ -78,10 +78,102 @@ const CHUNK: usize = 4 << 20;
 /// succeeds (an address-space limit), down to [`MIN_ARENA`].
 const ARENA: usize = 1 << 40;
 const MIN_ARENA: usize = 64 << 20;
-/// The reserved range (start, length) and how much of it talc has; set under talc's lock.
+/// The reserved range (start, length) and how much of it has been handed out (to talc, or as
+/// a large block); taken from the front, never given back as address space.
 static ARENA_START: AtomicUsize = AtomicUsize::new(0);
 static ARENA_LEN: AtomicUsize = AtomicUsize::new(0);
 static ARENA_USED: AtomicUsize = AtomicUsize::new(0);
+static ARENA_RESERVED: std::sync::Once = std::sync::Once::new();
+
+/// `len` bytes (a multiple of the page size) of the reserved range never used before, aligned
+/// to `align`, made read-write: zeros, and not resident until touched.
+fn take_fresh(len: usize, align: usize) -> Option<*mut u8> {
+    ARENA_RESERVED.call_once(|| {
+        reserve_arena();
+    });
+    let start = ARENA_START.load(Ordering::Acquire);
+    if start == 0 {
+        return None;
+    }
+    let room = len + align.saturating_sub(PAGE_SIZE);
+    let used = ARENA_USED.fetch_add(room, Ordering::Relaxed);
+    if used + room > ARENA_LEN.load(Ordering::Relaxed) {
+        return None;
+    }
+    let p = (start + used).next_multiple_of(align) as *mut u8;
+    // SAFETY: `len` bytes of the reserved range that nobody else was given (the counter moved
+    // past them atomically).
+    let rw = unsafe { libc::mprotect(p.cast(), len, libc::PROT_READ | libc::PROT_WRITE) };
+    (rw == 0).then_some(p)
+}
+
+/// Allocations from this size up bypass talc: each is a fresh part of the reserved range,
+/// whose pages stay untouched until used — a zeroed table (the pager's, the clock's, one entry
+/// per page of a region eight times the local memory) costs resident memory only for the part
+/// in use, where talc's `alloc_zeroed` would write every byte. Freed, their memory goes back
+/// to the kernel at once (their address space is not reused: such blocks are few, and made
+/// once per region).
+const LARGE: usize = 256 << 10;
+
+/// This library's global allocator: talc for most blocks, the reserved range directly for
+/// [`LARGE`] ones; which one by the layout's size, which `dealloc` is given back.
+struct Internal(talc::sync::TalcLock<InternalLock, Mapped, talc::DefaultBinning>);
+
+// SAFETY: small blocks go to and from talc with their layouts unchanged; large ones are fresh
+// read-write ranges of at least the layout's size at its alignment, returned to `PROT_NONE`
+// (and their memory to the kernel) when freed with the same layout.
+unsafe impl GlobalAlloc for Internal {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        if layout.size() >= LARGE {
+            let len = layout.size().next_multiple_of(PAGE_SIZE);
+            return take_fresh(len, layout.align().max(PAGE_SIZE)).unwrap_or(std::ptr::null_mut());
+        }
+        // SAFETY: forwarded under the caller's contract.
+        unsafe { self.0.alloc(layout) }
+    }
+
+    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
+        if layout.size() >= LARGE {
+            // SAFETY: as `alloc`; fresh memory reads as zeros.
+            return unsafe { self.alloc(layout) };
+        }
+        // SAFETY: forwarded under the caller's contract.
+        unsafe { self.0.alloc_zeroed(layout) }
+    }
+
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        if layout.size() >= LARGE {
+            let len = layout.size().next_multiple_of(PAGE_SIZE);
+            // SAFETY: a large block of `len` bytes from `alloc`, no longer used: its memory
+            // goes back to the kernel, its range to PROT_NONE (system calls, not the
+            // interposed `madvise`).
+            unsafe {
+                libc::syscall(libc::SYS_madvise, ptr, len, libc::MADV_DONTNEED);
+                libc::mprotect(ptr.cast(), len, libc::PROT_NONE);
+            }
+            return;
+        }
+        // SAFETY: a small block, talc's, under the caller's contract.
+        unsafe { self.0.dealloc(ptr, layout) }
+    }
+
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        if layout.size() < LARGE && new_size < LARGE {
+            // SAFETY: both small: talc's, which may grow it in place.
+            return unsafe { self.0.realloc(ptr, layout, new_size) };
+        }
+        // SAFETY: the caller's contract; the new layout has the old alignment.
+        unsafe {
+            let new_layout = Layout::from_size_align_unchecked(new_size, layout.align());
+            let new = self.alloc(new_layout);
+            if !new.is_null() {
+                std::ptr::copy_nonoverlapping(ptr, new, layout.size().min(new_size));
+                self.dealloc(ptr, layout);
+            }
+            new
+        }
+    }
+}
 
 fn reserve_arena() -> bool {
     let mut len = ARENA;
@@ -116,23 +208,10 @@ unsafe impl talc::source::Source for Mapped {
         talc: &mut talc::base::Talc<Self, B>,
         layout: Layout,
     ) -> Result<(), ()> {
-        if ARENA_START.load(Ordering::Acquire) == 0 && !reserve_arena() {
-            return Err(());
-        }
         let len = (layout.size() + layout.align() + PAGE_SIZE)
             .max(CHUNK)
             .next_multiple_of(PAGE_SIZE);
-        let used = ARENA_USED.load(Ordering::Relaxed);
-        if used + len > ARENA_LEN.load(Ordering::Relaxed) {
-            return Err(());
-        }
-        let p = (ARENA_START.load(Ordering::Relaxed) + used) as *mut u8;
-        // SAFETY: `len` bytes of the reserved range that nothing uses yet (talc's lock is
-        // held, so nobody else takes them).
-        if unsafe { libc::mprotect(p.cast(), len, libc::PROT_READ | libc::PROT_WRITE) } != 0 {
-            return Err(());
-        }
-        ARENA_USED.store(used + len, Ordering::Relaxed);
+        let p = take_fresh(len, PAGE_SIZE).ok_or(())?;
         // SAFETY: the chunk is ours, `len` bytes, and given to talc for good.
         unsafe { talc.claim(p, len) }.map(|_| ()).ok_or(())
     }
@@ -262,8 +341,7 @@ unsafe impl talc::lock_api::RawMutex for InternalLock {
 }
 
 #[global_allocator]
-static ALLOC: talc::sync::TalcLock<InternalLock, Mapped, talc::DefaultBinning> =
-    talc::sync::TalcLock::new(Mapped);
+static ALLOC: Internal = Internal(talc::sync::TalcLock::new(Mapped));
 
 const UNINIT: u8 = 0;
 const INITIALIZING: u8 = 1;
