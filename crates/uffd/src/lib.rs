@@ -743,8 +743,6 @@ struct State<T: Transport, D: Disk> {
     pager: Pager<T, D>,
     /// Resident pages and which of them are sampled: the LRU approximation.
     clock: Clock,
-    /// Whether sampling pays (see `netram_policy::clock::SamplingGate`), and how many pages
-    /// the hand samples per victim when it does.
     /// Pages sampled per victim when sampling is on (0: it never is).
     max_samples: usize,
     /// Whether a resident page may differ from its remote copy.
@@ -921,8 +919,7 @@ impl<T: Transport, D: Disk> Shared<T, D> {
                     }
                 }
                 Ok(None) => {
-                    let mut st = self.lock();
-                    self.fetch_waiting(&mut st);
+                    self.fetch_waiting(&mut self.lock());
                     return true;
                 }
                 Err(e) => {
@@ -1123,12 +1120,12 @@ impl<T: Transport, D: Disk> Shared<T, D> {
             vec![0; words]
         };
         self.counters.forks.fetch_add(1, Ordering::Relaxed);
-        st.clock.set_max_samples(0);
         st.children.push(ForkChild {
             uffd,
             settled,
             gone: false,
         });
+        st.apply_sampling();
         self.child_count.store(st.children.len(), Ordering::Release);
     }
 
