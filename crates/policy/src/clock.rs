@@ -56,12 +56,16 @@ pub struct Victim {
 
 #[derive(Debug, Clone)]
 pub struct Clock {
-    /// Resident pages in hand order; may hold stale entries of pages removed meanwhile.
+    /// Resident pages in hand order, each with its page's generation at the time (see
+    /// [`entry`]); entries whose generation is not the page's any more are stale.
     ring: VecDeque<u64>,
     state: Vec<State>,
-    /// Whether the page has an entry in `ring` (stale or not), so that a page removed and
-    /// resident again is not queued twice.
-    queued: Vec<bool>,
+    /// Bumped whenever a page becomes resident: a page removed and resident again goes to
+    /// the back of the ring, as a new page, and its old entry is left stale (kept in place,
+    /// it would be chosen as soon as the hand got there: a page freed and used again was
+    /// evicted right after its new first touch). One byte: after 256 returns between two
+    /// sweeps an old entry counts again, which only misplaces that page in the ring.
+    generation: Vec<u8>,
     resident: usize,
     max_samples: usize,
 }
@@ -72,7 +76,7 @@ impl Clock {
         Self {
             ring: VecDeque::new(),
             state: bytemuck::zeroed_vec(pages),
-            queued: vec![false; pages],
+            generation: bytemuck::zeroed_vec(pages),
             resident: 0,
             max_samples,
         }
@@ -107,13 +111,21 @@ impl Clock {
     /// `page` became resident (faulted in).
     pub fn insert(&mut self, page: u64) {
         let i = page as usize;
-        if self.state[i] == State::Absent {
+        let was = std::mem::replace(&mut self.state[i], State::Referenced);
+        if was == State::Absent {
             self.resident += 1;
-        }
-        self.state[i] = State::Referenced;
-        if !self.queued[i] {
-            self.queued[i] = true;
-            self.ring.push_back(page);
+            self.generation[i] = self.generation[i].wrapping_add(1);
+            self.ring.push_back(entry(page, self.generation[i]));
+            if self.ring.len() > 2 * self.resident + 64 {
+                // Pages freed and used again leave stale entries behind, which the hand
+                // skips; where it seldom turns (a program under its budget) they are swept
+                // here, so that the ring stays within twice the resident pages.
+                let (state, generation) = (&self.state, &self.generation);
+                self.ring.retain(|&e| {
+                    let (p, g) = split(e);
+                    state[p as usize] != State::Absent && generation[p as usize] == g
+                });
+            }
         }
     }
 
@@ -145,12 +157,16 @@ impl Clock {
     pub fn victim(&mut self) -> Option<Victim> {
         let mut sample = Vec::new();
         loop {
-            let page = self.ring.pop_front()?;
+            let e = self.ring.pop_front()?;
+            let (page, g) = split(e);
             let i = page as usize;
+            if self.generation[i] != g {
+                // Stale: the page left, and came back with an entry of its own.
+                continue;
+            }
             match self.state[i] {
-                State::Absent => self.queued[i] = false,
+                State::Absent => {}
                 State::Sampled => {
-                    self.queued[i] = false;
                     self.remove(page);
                     return Some(Victim {
                         sample,
@@ -160,11 +176,10 @@ impl Clock {
                 }
                 State::Referenced if sample.len() < self.max_samples => {
                     self.state[i] = State::Sampled;
-                    self.ring.push_back(page);
+                    self.ring.push_back(e);
                     sample.push(page);
                 }
                 State::Referenced => {
-                    self.queued[i] = false;
                     self.remove(page);
                     return Some(Victim {
                         sample,
@@ -175,6 +190,16 @@ impl Clock {
             }
         }
     }
+}
+
+/// A ring entry: the page in the low 56 bits, its generation in the top 8.
+fn entry(page: u64, generation: u8) -> u64 {
+    debug_assert!(page < 1 << 56);
+    page | (generation as u64) << 56
+}
+
+fn split(e: u64) -> (u64, u8) {
+    (e & ((1 << 56) - 1), (e >> 56) as u8)
 }
 
 #[cfg(test)]
@@ -305,18 +330,52 @@ mod tests {
             c.insert(p);
         }
         c.remove(1);
-        c.insert(1); // back before the hand passed: one entry, referenced
+        c.insert(1); // back before the hand passed: a new page, at the back
         c.remove(2);
         assert_eq!(c.len(), 3);
         let v = c.victim().unwrap();
-        assert_eq!(v.sample, vec![0, 1, 3]);
+        assert_eq!(v.sample, vec![0, 3, 1]);
         assert_eq!((v.page, v.sampled), (0, true));
         c.touched(1);
         let v = c.victim().unwrap();
-        assert_eq!(v.sample, vec![1]);
+        assert!(v.sample.is_empty());
         assert_eq!((v.page, v.sampled), (3, true));
         assert_eq!(c.len(), 1);
         c.unsample(1);
         assert!(!c.is_sampled(1));
+    }
+
+    /// First in, first out means by the latest first touch: a page freed and used again is
+    /// as new as any (it used to keep its old place and go first).
+    #[test]
+    fn a_page_used_again_goes_last() {
+        let mut c = Clock::new(8, 0);
+        for p in 0..4 {
+            c.insert(p);
+        }
+        c.remove(1);
+        c.insert(1);
+        let order: Vec<u64> = std::iter::from_fn(|| c.victim().map(|v| v.page)).collect();
+        assert_eq!(order, vec![0, 2, 3, 1]);
+    }
+
+    /// Pages freed and used again while the hand stands still leave stale entries; the ring
+    /// stays within twice the resident pages all the same.
+    #[test]
+    fn churn_without_evictions_keeps_the_ring_small() {
+        let mut c = Clock::new(1000, 0);
+        for p in 0..100 {
+            c.insert(p);
+        }
+        for round in 0..10_000u64 {
+            let p = round % 100;
+            c.remove(p);
+            c.insert(p);
+            assert!(c.ring.len() <= 2 * c.len() + 64, "{}", c.ring.len());
+        }
+        assert_eq!(c.len(), 100);
+        let mut seen: Vec<u64> = std::iter::from_fn(|| c.victim().map(|v| v.page)).collect();
+        seen.sort_unstable();
+        assert_eq!(seen, (0..100).collect::<Vec<_>>());
     }
 }
