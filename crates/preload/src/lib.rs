@@ -8,7 +8,8 @@
 //! anonymous private read-write `mmap` of at least the threshold, with the `munmap`, `mremap`
 //! and `madvise(DONTNEED/FREE/REMOVE)` that give such memory back; anonymous `PROT_NONE`
 //! reservations and the `MAP_FIXED` anonymous mappings that commit and uncommit inside them
-//! (a JVM's heap); and `fork`. glibc's
+//! (a JVM's heap); `fork`; and, for an ordinary user's region, the calls that copy bulk data
+//! to or from the program's memory (`read`, `write`, `fread`..., see [`io`]). glibc's
 //! `malloc` reaches its own internal `mmap` without passing through the interposed one, which
 //! is why `malloc` itself is interposed. Everything else (blocks under the threshold, file
 //! mappings, shared or fixed mappings, stacks, `PROT_NONE` reservations) goes to the C library
@@ -41,6 +42,8 @@ use std::alloc::{GlobalAlloc, Layout};
 use std::ffi::{c_int, c_void};
 use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU8, AtomicUsize, Ordering};
 use std::sync::OnceLock;
+
+mod io;
 
 type Heap = RegionHeap<TcpTransport, FileDisk>;
 
@@ -458,6 +461,13 @@ fn start() -> anyhow::Result<bool> {
         }
     });
     THRESHOLD.store(threshold, Ordering::Release);
+    if HEAP
+        .get()
+        .is_some_and(|h| !h.region().serves_kernel_faults())
+    {
+        // What the kernel copies to or from the region is brought in first (see `io`).
+        io::arm(usize::try_from(cfg.budget).unwrap_or(usize::MAX));
+    }
     // SAFETY: registering plain functions with the C library; they only touch atomics and
     // (at exit) write a file.
     unsafe {
@@ -507,8 +517,9 @@ extern "C" fn on_segv(_: c_int, info: *mut libc::siginfo_t, _: *mut c_void) {
         const MSG: &[u8] = b"netram: this process was forked from one whose memory is on netram, \
 and a forked child does not inherit that memory: fork without exec is not supported under \
 netram run (the child touched it and dies of SIGSEGV)\n";
-        // SAFETY: write(2) is async-signal-safe; MSG is static.
-        unsafe { libc::write(2, MSG.as_ptr().cast(), MSG.len()) };
+        // SAFETY: the write system call is async-signal-safe; MSG is static. (Not the C
+        // library's `write`: that name is this library's interposer, see `io`.)
+        unsafe { libc::syscall(libc::SYS_write, 2, MSG.as_ptr(), MSG.len()) };
     }
     // Back to the action the child had; returning re-runs the access, which then gets it
     // (by default, death by SIGSEGV).
@@ -569,6 +580,8 @@ extern "C" fn at_exit() {
             "puts": pager.puts,
             "spills": pager.spills,
             "disk_writes": pager.disk_writes,
+            "io_guarded": io::GUARDED_CALLS.load(Ordering::Relaxed),
+            "io_refaults": io::REFAULTS.load(Ordering::Relaxed),
         });
         let path = std::path::Path::new(&dir).join(format!("{}.json", std::process::id()));
         if let Err(e) = std::fs::write(&path, report.to_string()) {
