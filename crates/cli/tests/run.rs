@@ -115,6 +115,20 @@ fn c_program_on_netram(name: &str, libs: &[&str], local: &str) -> Option<serde_j
     Some(report(&rep))
 }
 
+/// A program that makes part of its resident heap unreadable (guard pages) while it pages:
+/// the handler passes those victims over instead of dying on them, and their contents are
+/// intact afterwards.
+#[test]
+fn pages_the_program_protects_are_kept() {
+    let Some(r) = c_program_on_netram("protect_none", &[], "4M") else {
+        return;
+    };
+    let g = |k: &str| r[k].as_u64().unwrap_or_else(|| panic!("{k} in {r}"));
+    assert!(g("unreadable_victims") > 0, "{r}");
+    assert!(g("evictions") > 5_000, "{r}");
+    assert_eq!(g("errors"), 0, "{r}");
+}
+
 #[test]
 fn a_c_program_runs_on_netram() {
     let dir = Scratch::new("c");

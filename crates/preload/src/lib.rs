@@ -8,7 +8,8 @@
 //! anonymous private read-write `mmap` of at least the threshold, with the `munmap`, `mremap`
 //! and `madvise(DONTNEED/FREE/REMOVE)` that give such memory back; anonymous `PROT_NONE`
 //! reservations and the `MAP_FIXED` anonymous mappings that commit and uncommit inside them
-//! (a JVM's heap); `fork`; and, for an ordinary user's region, the calls that copy bulk data
+//! (a JVM's heap); `fork`; `mprotect` (a range of the region made unreadable is reported to
+//! it); and, for an ordinary user's region, the calls that copy bulk data
 //! to or from the program's memory (`read`, `write`, `fread`..., see [`io`]). glibc's
 //! `malloc` reaches its own internal `mmap` without passing through the interposed one, which
 //! is why `malloc` itself is interposed. Everything else (blocks under the threshold, file
@@ -564,6 +565,7 @@ extern "C" fn at_exit() {
             "prefetch_installed": c.prefetch_installed,
             "released": c.released,
             "batched_fetches": get(&rc.batched_fetches),
+            "unreadable_victims": get(&rc.unreadable_victims),
             "forks": get(&rc.forks),
             "child_faults": get(&rc.child_faults),
             "child_copies": get(&rc.child_copies),
@@ -1175,6 +1177,28 @@ fn is_private_anonymous(flags: c_int) -> bool {
     flags & MAP_TYPE == libc::MAP_PRIVATE
         && flags & libc::MAP_ANONYMOUS != 0
         && flags & refused == 0
+}
+
+/// `mprotect`: a range of the region made unreadable (guard pages in the heap) is reported
+/// to the region first, whose handler would otherwise die of SIGSEGV copying such a page out
+/// (see `netram_uffd::Region::pages_may_become_unreadable`).
+///
+/// # Safety
+/// The C library's contract for `mprotect`.
+#[no_mangle]
+pub unsafe extern "C" fn mprotect(addr: *mut c_void, len: usize, prot: c_int) -> c_int {
+    if prot & libc::PROT_READ == 0
+        && overlaps_region(addr, len)
+        && !IN_CHILD.load(Ordering::Relaxed)
+    {
+        if let Some(h) = HEAP.get() {
+            let _ = enter(|| h.region().pages_may_become_unreadable());
+        }
+    }
+    // SAFETY: the system call itself, with the caller's arguments (not the C library's
+    // wrapper, which is the symbol this function replaces).
+    let r = unsafe { libc::syscall(libc::SYS_mprotect, addr, len, prot) };
+    r as c_int
 }
 
 /// `fork`, announced to the region first (see `netram_uffd::Region::prepare_fork`): the
