@@ -431,18 +431,14 @@ pub unsafe extern "C" fn sendto(
         // SAFETY: passed through.
         return unsafe { real(fd, buf, n, flags, to, to_len) };
     }
-    // A datagram must leave whole: touched, then sent in one call.
-    let mut tries = 0;
-    loop {
-        touch(buf, n, false);
-        // SAFETY: passed through, its pages brought in.
-        let r = unsafe { real(fd, buf, n, flags, to, to_len) };
-        if r >= 0 || errno() != libc::EFAULT || tries == RETRIES {
-            return r;
-        }
-        REFAULTS.fetch_add(1, Ordering::Relaxed);
-        tries += 1;
-    }
+    // SAFETY: passed through, its pages brought in: a datagram leaves whole, in one call.
+    chunked(
+        buf.cast_mut(),
+        n,
+        false,
+        || Kind::Datagram,
+        |at, len, _| unsafe { real(fd, at, len, flags, to, to_len) },
+    )
 }
 
 /// `readv` or `writev` over `iov`: passed through unless a buffer is in the region; then, up
@@ -585,20 +581,17 @@ fn fwrite_with(
         // SAFETY: passed through.
         return unsafe { real(ptr, size, n, fp) };
     };
-    let chunk = CHUNK.load(Ordering::Relaxed);
-    let mut done = 0usize;
-    while done < len {
-        let want = (len - done).min(chunk);
-        let at = ptr.wrapping_byte_add(done);
-        touch(at, want, false);
-        // SAFETY: a part of the caller's buffer.
-        let put = unsafe { real(at, 1, want, fp) };
-        done += put;
-        if put < want {
-            break;
-        }
-    }
-    done / size
+    // Never made again on EFAULT (`fwrite` returns a count, not -1): what stdio buffered by
+    // then is its own.
+    // SAFETY: each call writes a part of the caller's buffer.
+    let done = chunked(
+        ptr.cast_mut(),
+        len,
+        false,
+        || Kind::File,
+        |at, want, _| unsafe { real(at, 1, want, fp) as isize },
+    );
+    done as usize / size
 }
 
 /// # Safety
