@@ -4,13 +4,13 @@
 //! TCP transport) to real page servers on loopback, in this process like the raw baseline's
 //! server, so that both sides pay the same wake-ups. Writes `core.json` and `core.md`.
 
-use crate::cluster::LocalCluster;
 use crate::machine::Machine;
 use crate::process::{rss_of, ChildGuard};
 use crate::raw::{self, RawPeer, Wait};
 use crate::{page_content, pin_to, restore_affinity, target, Placement, Summary, Target};
-use netram_node::client::{ClientConfig, TcpTransport};
-use netram_node::latency::PmQos;
+use netram_client::latency::PmQos;
+use netram_client::{ClientConfig, TcpTransport};
+use netram_cluster::LocalCluster;
 use netram_pager::{MemDisk, Pager, PagerConfig};
 use netram_proto::{PageFlags, PageKey, PAGE_SIZE};
 use netram_store::{Store, StoreConfig};

@@ -1,12 +1,11 @@
-//! netram's benchmarks, and the pieces the demo shares with them: an embedded local cluster
-//! ([`cluster`]), latency summaries ([`Summary`]) and a description of the machine a result came
-//! from ([`machine`]).
+//! netram's benchmarks, and the pieces the demo shares with them: latency summaries
+//! ([`Summary`]) and a description of the machine a result came from ([`machine`]). They run on
+//! `netram-cluster`'s embedded local cluster.
 //!
 //! Benchmarks report ratios to baselines measured side by side in the same run (the raw loopback
 //! round trip, first of all), because these machines are shared and noisy: an absolute figure
 //! from one run says little, a ratio from one run says what netram costs.
 
-pub mod cluster;
 pub mod core;
 pub mod machine;
 pub mod nbd;

@@ -25,7 +25,7 @@ use crate::process::{cpu_seconds_of, have, rss_of, sh, swap_used, wait_for, Chil
 use crate::raw::{RawPeer, Wait};
 use crate::workload::figure;
 use crate::{pin_to, restore_affinity, target, Placement, Summary, Target};
-use netram_node::latency::PmQos;
+use netram_client::latency::PmQos;
 use serde::Serialize;
 use serde_json::{json, Value};
 use std::collections::BTreeMap;

@@ -1,7 +1,7 @@
 //! The limit netram is held to: a plain TCP exchange on loopback, a 32-byte request and a
 //! 4 KiB reply, with blocking sockets and TCP_NODELAY, written the simple way.
 
-use netram_node::latency::{PmQos, DEFAULT_SPIN};
+use netram_client::latency::{PmQos, DEFAULT_SPIN};
 use std::io::{BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::thread::JoinHandle;
@@ -155,7 +155,7 @@ pub fn pipelined(depth: usize, duration: Duration) -> std::io::Result<f64> {
 /// The same depth-1 exchange through tokio: a multi-threaded runtime serving the connection and
 /// a current-thread runtime driving the client. It measures what an async runtime's hand-offs
 /// between the socket's readiness and the task cost here, to ground netram's choice of plain
-/// threads (`crates/node/src/lib.rs`).
+/// threads (`crates/server/src/lib.rs`).
 pub fn rtt_tokio(iters: usize, warmup: usize, pm_qos: bool) -> std::io::Result<Vec<u64>> {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let _qos = pm_qos.then(PmQos::hold).flatten();

@@ -12,9 +12,9 @@
 use crate::machine::Machine;
 use crate::process::ChildGuard;
 use crate::{page_content, target, Summary, Target};
-use netram_node::client::query_stats;
-use netram_node::maintain::{self, MaintainConfig};
-use netram_node::open::{open_pager, ClientPager, OpenOptions};
+use netram_client::maintain::{self, MaintainConfig};
+use netram_client::open::{open_pager, ClientPager, OpenOptions};
+use netram_client::query_stats;
 use netram_pager::{Backing, Scheme};
 use netram_proto::PAGE_SIZE;
 use serde::Serialize;
@@ -457,7 +457,7 @@ pub fn run(opts: &Options) -> anyhow::Result<String> {
     let spill = SpillDir(crate::nbd::tempfile_dir("netram-bench-reliability")?);
     let mut all = Vec::new();
     for (key, name) in SCHEMES {
-        let scheme: Scheme = name.parse().map_err(|e: String| anyhow::anyhow!(e))?;
+        let scheme: Scheme = name.parse()?;
         all.push((key, scheme));
     }
     let list: Vec<Scheme> = all.iter().map(|&(_, s)| s).collect();
@@ -590,7 +590,7 @@ fn markdown(r: &ReliabilityResult) -> String {
          merges such small groups). Memory per page is the servers' frames after a batched fill \
          (whole stripes and groups). Recovery: one server SIGKILLed, rebuilt \
          flat out (Reed-Solomon counts pieces). Slowdown: a second server SIGKILLed, the \
-         background recovery (`netram_node::maintain`, default pace) running and held in \
+         background recovery (`netram_client::maintain`, default pace) running and held in \
          alternating phases of 250 ms; as in Nswap Table III, the program reads pages whose \
          data survived, and the slowdown is 1 − its reads per second with recovery running / \
          held. Alongside, in alternating blocks, a program reading any page (lost ones are \

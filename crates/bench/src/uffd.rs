@@ -21,8 +21,8 @@ use crate::nbd::{raw_rtts, run_workload, setup, start_servers, tempfile_dir, CGR
 use crate::process::{have, ChildGuard};
 use crate::workload::figure;
 use crate::{target, Summary, Target};
-use netram_node::client::{ClientConfig, TcpTransport};
-use netram_node::latency::PmQos;
+use netram_client::latency::PmQos;
+use netram_client::{ClientConfig, TcpTransport};
 use netram_pager::{Backing, MemDisk, Pager, PagerConfig};
 use netram_proto::PAGE_SIZE;
 use netram_uffd::{Region, RegionOptions};

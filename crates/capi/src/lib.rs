@@ -6,14 +6,16 @@
 //! each entry point catches panics and turns them, like every error, into a return value and a
 //! message for `netram_last_error`.
 
-use netram_node::client::TcpTransport;
-use netram_node::disk::FileDisk;
-use netram_node::maintain::{self, MaintainConfig, Maintenance};
-use netram_node::open::{open_pager, OpenOptions};
-use netram_pager::Backing;
+use netram_client::disk::FileDisk;
+use netram_client::env::{EnvError, RunEnv};
+use netram_client::maintain::{self, MaintainConfig, Maintenance};
+use netram_client::open::{open_pager, OpenError, OpenOptions};
+use netram_client::TcpTransport;
+use netram_pager::{Backing, ParseBackingError};
 use netram_proto::PAGE_SIZE;
 use netram_uffd::alloc::enter;
-use netram_uffd::{Region, RegionCounters, RegionHeap, RegionOptions};
+use netram_uffd::heap::FreeError;
+use netram_uffd::{Region, RegionCounters, RegionError, RegionHeap, RegionOptions};
 use std::cell::RefCell;
 use std::ffi::{c_char, c_int, c_void, CStr, CString};
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -77,12 +79,27 @@ fn set_error(msg: impl std::fmt::Display) {
     let _ = LAST_ERROR.try_with(|e| *e.borrow_mut() = msg);
 }
 
+/// An error with its causes, as `anyhow`'s `{:#}` writes it: "outer: inner: innermost" (a
+/// transparent variant already shows its source's text, which is then not repeated).
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut msg = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        let text = s.to_string();
+        if !msg.ends_with(&text) {
+            msg = format!("{msg}: {text}");
+        }
+        source = s.source();
+    }
+    msg
+}
+
 /// Runs `f`, turning an error or a panic into `fail` and a message.
-fn guarded<R>(fail: R, f: impl FnOnce() -> anyhow::Result<R>) -> R {
+fn guarded<R>(fail: R, f: impl FnOnce() -> Result<R, CapiError>) -> R {
     match catch_unwind(AssertUnwindSafe(f)) {
         Ok(Ok(r)) => r,
         Ok(Err(e)) => {
-            set_error(format!("{e:#}"));
+            set_error(error_chain(&e));
             fail
         }
         Err(_) => {
@@ -96,34 +113,56 @@ fn guarded<R>(fail: R, f: impl FnOnce() -> anyhow::Result<R>) -> R {
 ///
 /// # Safety
 /// `s` is NULL or a NUL-terminated string alive for the call.
-unsafe fn opt_str<'a>(s: *const c_char, what: &str) -> anyhow::Result<Option<&'a str>> {
+unsafe fn opt_str<'a>(s: *const c_char, what: &'static str) -> Result<Option<&'a str>, CapiError> {
     if s.is_null() {
         return Ok(None);
     }
     // SAFETY: the caller's contract.
     let s = unsafe { CStr::from_ptr(s) };
-    s.to_str()
-        .map(Some)
-        .map_err(|_| anyhow::anyhow!("{what} is not UTF-8"))
+    s.to_str().map(Some).map_err(|_| CapiError::NotUtf8(what))
+}
+
+/// Why a C ABI call failed: the message `netram_last_error` returns.
+#[derive(Debug, thiserror::Error)]
+pub enum CapiError {
+    #[error("{0} is NULL")]
+    Null(&'static str),
+    #[error("{0} is not UTF-8")]
+    NotUtf8(&'static str),
+    #[error(transparent)]
+    Env(#[from] EnvError),
+    #[error(transparent)]
+    Backing(#[from] ParseBackingError),
+    #[error("a region needs a size above zero")]
+    NoSize,
+    #[error("the budget must be at least one page ({PAGE_SIZE} bytes)")]
+    BudgetTooSmall,
+    #[error("{0} does not fit this machine's address space")]
+    TooLarge(u64),
+    #[error(transparent)]
+    Open(#[from] OpenError),
+    #[error(transparent)]
+    Region(#[from] RegionError),
+    #[error("no free range of {0} bytes in the region")]
+    NoRange(usize),
+    #[error(transparent)]
+    Free(#[from] FreeError),
 }
 
 /// Creates a region from the arguments of `netram_region_create`, or the environment
-/// (`NETRAM_SERVERS`, `NETRAM_LOW_LATENCY`, `NETRAM_SPILL_DIR`, `NETRAM_REDUNDANCY`: none,
-/// mirror:N, parity:N or rs:K+M, and `NETRAM_SAMPLES`: pages sampled per victim for CLOCK, 0 (the default)
-/// for first in, first out) for what they leave out. Used by the preload library too.
+/// (`netram_client::env`: `NETRAM_SERVERS`, `NETRAM_LOW_LATENCY`, `NETRAM_SPILL_DIR`,
+/// `NETRAM_REDUNDANCY`: none, mirror:N, parity:N or rs:K+M, and `NETRAM_SAMPLES`: pages sampled
+/// per victim for CLOCK, 0 (the default) for first in, first out) for what they leave out. Used
+/// by the preload library too.
 pub fn create_region(
     servers: Option<&str>,
     backing: Option<&str>,
     size: u64,
     budget: u64,
-) -> anyhow::Result<RegionHeap<TcpTransport, FileDisk>> {
-    let redundancy = match std::env::var("NETRAM_REDUNDANCY") {
-        Ok(v) => v
-            .parse()
-            .map_err(|e: String| anyhow::anyhow!("NETRAM_REDUNDANCY={v}: {e}"))?,
-        Err(_) => Default::default(),
-    };
-    create_region_with(servers, backing, size, budget, redundancy)
+) -> Result<RegionHeap<TcpTransport, FileDisk>, CapiError> {
+    let env = RunEnv::from_env()?;
+    let redundancy = env.redundancy.unwrap_or_default();
+    region_from(servers, backing, size, budget, redundancy, &env)
 }
 
 /// [`create_region`] with the redundancy given rather than read from `NETRAM_REDUNDANCY`.
@@ -133,48 +172,60 @@ pub fn create_region_with(
     size: u64,
     budget: u64,
     redundancy: netram_pager::Scheme,
-) -> anyhow::Result<RegionHeap<TcpTransport, FileDisk>> {
-    let servers = match servers {
-        Some(s) => s.to_owned(),
-        None => std::env::var("NETRAM_SERVERS").unwrap_or_default(),
+) -> Result<RegionHeap<TcpTransport, FileDisk>, CapiError> {
+    region_from(
+        servers,
+        backing,
+        size,
+        budget,
+        redundancy,
+        &RunEnv::from_env()?,
+    )
+}
+
+/// A region from the arguments, with the environment `env` for what they leave out.
+pub fn region_from(
+    servers: Option<&str>,
+    backing: Option<&str>,
+    size: u64,
+    budget: u64,
+    redundancy: netram_pager::Scheme,
+    env: &RunEnv,
+) -> Result<RegionHeap<TcpTransport, FileDisk>, CapiError> {
+    let servers: Vec<String> = match servers {
+        Some(s) => s
+            .split(',')
+            .map(str::trim)
+            .filter(|s| !s.is_empty())
+            .map(str::to_owned)
+            .collect(),
+        None => env.servers.clone(),
     };
-    let servers: Vec<String> = servers
-        .split(',')
-        .map(str::trim)
-        .filter(|s| !s.is_empty())
-        .map(str::to_owned)
-        .collect();
-    let backing: Backing = backing
-        .unwrap_or("cluster")
-        .parse()
-        .map_err(|e: String| anyhow::anyhow!(e))?;
+    let backing: Backing = backing.unwrap_or("cluster").parse()?;
     if size == 0 {
-        anyhow::bail!("a region needs a size above zero");
+        return Err(CapiError::NoSize);
     }
     if budget < PAGE_SIZE as u64 {
-        anyhow::bail!("the budget must be at least one page ({PAGE_SIZE} bytes)");
+        return Err(CapiError::BudgetTooSmall);
     }
-    let low_latency = std::env::var_os("NETRAM_LOW_LATENCY").is_some_and(|v| v != "0");
     let pager = open_pager(&OpenOptions {
         servers,
         backing,
         pages: size.div_ceil(PAGE_SIZE as u64),
         cache_pages: CACHE_PAGES,
-        spill_dir: std::env::var_os("NETRAM_SPILL_DIR").map(Into::into),
-        low_latency,
+        spill_dir: env.spill_dir.clone(),
+        low_latency: env.low_latency,
         redundancy,
     })?;
-    let size = usize::try_from(size)?;
-    let budget = usize::try_from(budget)?;
+    let size = usize::try_from(size).map_err(|_| CapiError::TooLarge(size))?;
+    let budget = usize::try_from(budget).map_err(|_| CapiError::TooLarge(budget))?;
     let mut options = RegionOptions::default();
-    if low_latency {
+    if env.low_latency {
         // As the pager's sockets do in the low-latency mode.
-        options.spin = std::time::Duration::from_micros(50);
+        options.spin = netram_client::latency::DEFAULT_SPIN;
     }
-    if let Ok(v) = std::env::var("NETRAM_SAMPLES") {
-        options.max_samples = v
-            .parse()
-            .map_err(|_| anyhow::anyhow!("NETRAM_SAMPLES={v}: not a number"))?;
+    if let Some(samples) = env.samples {
+        options.max_samples = samples;
     }
     Ok(RegionHeap::new(Region::with_options(
         pager, size, budget, options,
@@ -223,9 +274,9 @@ pub unsafe extern "C" fn netram_region_destroy(region: *mut netram_region) {
 ///
 /// # Safety
 /// `region` is NULL or a live region from `netram_region_create`.
-unsafe fn region_ref<'a>(region: *mut netram_region) -> anyhow::Result<&'a netram_region> {
+unsafe fn region_ref<'a>(region: *mut netram_region) -> Result<&'a netram_region, CapiError> {
     // SAFETY: the caller's contract.
-    unsafe { region.as_ref() }.ok_or_else(|| anyhow::anyhow!("the region is NULL"))
+    unsafe { region.as_ref() }.ok_or(CapiError::Null("the region"))
 }
 
 /// # Safety
@@ -247,7 +298,7 @@ pub unsafe extern "C" fn netram_alloc(region: *mut netram_region, size: usize) -
         let r = unsafe { region_ref(region) }?;
         match r.heap.alloc(size, PAGE_SIZE) {
             Some(p) => Ok(p.as_ptr().cast()),
-            None => anyhow::bail!("no free range of {size} bytes in the region"),
+            None => Err(CapiError::NoRange(size)),
         }
     })
 }
@@ -275,7 +326,8 @@ pub unsafe extern "C" fn netram_set_budget(region: *mut netram_region, budget: u
     guarded(-1, || {
         // SAFETY: the caller's contract.
         let r = unsafe { region_ref(region) }?;
-        r.heap.region().set_budget(usize::try_from(budget)?);
+        let budget = usize::try_from(budget).map_err(|_| CapiError::TooLarge(budget))?;
+        r.heap.region().set_budget(budget);
         Ok(0)
     })
 }
@@ -292,7 +344,7 @@ pub unsafe extern "C" fn netram_counters(
         // SAFETY: the caller's contract.
         let r = unsafe { region_ref(region) }?;
         // SAFETY: the caller's contract.
-        let out = unsafe { out.as_mut() }.ok_or_else(|| anyhow::anyhow!("out is NULL"))?;
+        let out = unsafe { out.as_mut() }.ok_or(CapiError::Null("out"))?;
         *out = counters_of(r.heap.region());
         Ok(0)
     })

@@ -1,7 +1,7 @@
 //! The C ABI from C: `tests/region.c` is compiled against `include/netram.h`, linked with
 //! `libnetram.so` and run against a local cluster.
 
-use netram_bench::cluster::LocalCluster;
+use netram_cluster::LocalCluster;
 use std::path::PathBuf;
 use std::process::Command;
 

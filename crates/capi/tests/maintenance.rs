@@ -5,8 +5,8 @@
 //! which it would without the rebuild.
 
 use netram::{create_region_with, start_maintenance};
-use netram_node::maintain::MaintainConfig;
-use netram_node::server::{Server, ServerConfig};
+use netram_client::maintain::MaintainConfig;
+use netram_server::{Server, ServerConfig};
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 use std::time::{Duration, Instant};

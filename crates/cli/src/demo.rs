@@ -8,9 +8,9 @@
 //! end.
 
 use indicatif::{ProgressBar, ProgressStyle};
-use netram_bench::cluster::LocalCluster;
 use netram_bench::uffd::{plot_ways, run_way, workload_args, workloads_table, Ctx, Way};
-use netram_node::latency::PmQos;
+use netram_client::latency::PmQos;
+use netram_cluster::LocalCluster;
 use serde_json::{json, Value};
 use std::path::PathBuf;
 use std::time::{Duration, Instant};

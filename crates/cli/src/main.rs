@@ -199,7 +199,7 @@ fn main() -> anyhow::Result<()> {
             timeout,
         } => {
             init_logging("warn");
-            let counters = netram_node::client::query_stats(&addr, timeout)?;
+            let counters = netram_client::query_stats(&addr, timeout)?;
             if json {
                 let map: serde_json::Map<String, serde_json::Value> =
                     counters.into_iter().map(|(k, v)| (k, v.into())).collect();

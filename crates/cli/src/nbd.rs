@@ -2,10 +2,10 @@
 //! file).
 
 use anyhow::{bail, Context};
+use netram_client::disk::FileDisk;
+use netram_client::open::{open_pager, OpenOptions};
+use netram_client::TcpTransport;
 use netram_nbd::{Device, Listener};
-use netram_node::client::TcpTransport;
-use netram_node::disk::FileDisk;
-use netram_node::open::{open_pager, OpenOptions};
 use netram_pager::{Backing, Scheme};
 use netram_proto::PAGE_SIZE;
 use std::net::SocketAddr;
@@ -79,7 +79,7 @@ pub struct NbdArgs {
 
 pub fn run(args: NbdArgs) -> anyhow::Result<()> {
     if !args.no_lock_memory {
-        let h = netram_node::pressure::prepare_for_swap();
+        let h = netram_client::pressure::prepare_for_swap();
         match (&h.memory_locked, &h.io_flusher) {
             (Ok(()), Ok(())) => tracing::info!("memory locked; marked as an I/O flusher"),
             _ => {
@@ -116,9 +116,9 @@ pub fn run(args: NbdArgs) -> anyhow::Result<()> {
     let device = Arc::new(Device::new(pager, bytes));
     let maintenance = {
         let device = device.clone();
-        netram_node::maintain::spawn(
+        netram_client::maintain::spawn(
             move |f| device.with_pager(|p| f(p)),
-            netram_node::maintain::MaintainConfig {
+            netram_client::maintain::MaintainConfig {
                 pages_per_s: args.recovery_rate,
                 ..Default::default()
             },

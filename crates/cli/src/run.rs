@@ -2,6 +2,7 @@
 //! the preload library (`crates/preload`), and a summary of what netram did for it.
 
 use anyhow::{bail, Context};
+use netram_client::env::{var, RunEnv};
 use netram_pager::{Backing, Scheme};
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -114,12 +115,18 @@ pub fn run(args: RunArgs) -> anyhow::Result<i32> {
         .as_deref()
         .map(|m| crate::size("--max-mem", m))
         .transpose()?;
-    let servers = if args.servers.is_empty() {
-        std::env::var("NETRAM_SERVERS").unwrap_or_default()
+    let servers: Vec<String> = if args.servers.is_empty() {
+        std::env::var(var::SERVERS)
+            .unwrap_or_default()
+            .split(',')
+            .map(str::trim)
+            .filter(|s| !s.is_empty())
+            .map(str::to_owned)
+            .collect()
     } else {
-        args.servers.join(",")
+        args.servers.clone()
     };
-    if servers.trim().is_empty() && args.backing != Backing::Disk {
+    if servers.is_empty() && args.backing != Backing::Disk {
         bail!(
             "--servers (or NETRAM_SERVERS) is needed with --backing {}",
             args.backing
@@ -131,35 +138,32 @@ pub fn run(args: RunArgs) -> anyhow::Result<i32> {
         Ok(old) if !old.is_empty() => format!("{}:{old}", lib.display()),
         _ => lib.display().to_string(),
     };
-    let mut cmd = Command::new(&args.command[0]);
-    cmd.args(&args.command[1..])
-        .env("LD_PRELOAD", preload)
-        .env("NETRAM_LOCAL_MEM", local_mem.to_string())
-        .env("NETRAM_SERVERS", &servers)
-        .env("NETRAM_BACKING", args.backing.to_string())
-        .env("NETRAM_REDUNDANCY", args.redundancy.to_string())
-        .env("NETRAM_REPORT", &reports.0)
-        .env("NETRAM_REQUIRED", "1");
-    if let Some(t) = threshold {
-        cmd.env("NETRAM_THRESHOLD", t.to_string());
-    }
-    if let Some(m) = max_mem {
-        cmd.env("NETRAM_MAX_MEM", m.to_string());
-    }
     // SAFETY: geteuid only reads this process's effective user id.
     let root = unsafe { libc::geteuid() } == 0;
     let low_latency = !args.no_low_latency && (args.low_latency || root);
-    if low_latency {
+    // What the preload library reads (`netram_client::env`: one definition for both sides).
+    let env = RunEnv {
+        local_mem: Some(local_mem),
+        servers,
+        backing: Some(args.backing),
+        redundancy: Some(args.redundancy),
+        max_mem,
+        threshold,
         // The program's pager polls its sockets and its fault handler polls for faults.
-        cmd.env("NETRAM_LOW_LATENCY", "1");
-    }
-    if let Some(d) = &args.spill_dir {
-        cmd.env("NETRAM_SPILL_DIR", d);
-    }
+        low_latency,
+        spill_dir: args.spill_dir.clone(),
+        samples: None,
+        report: Some(reports.0.clone()),
+        required: true,
+    };
+    let mut cmd = Command::new(&args.command[0]);
+    cmd.args(&args.command[1..])
+        .env("LD_PRELOAD", preload)
+        .envs(env.to_vars());
     // The program's own PM QoS request would do, but it would be the preload library's; held
     // here it covers every process of the program.
     let qos = if low_latency {
-        let q = netram_node::latency::PmQos::hold();
+        let q = netram_client::latency::PmQos::hold();
         if q.is_none() && args.low_latency {
             eprintln!("netram: --low-latency: cannot hold the PM QoS request (needs root)");
         }

@@ -1,7 +1,7 @@
 //! `netram serve`: flags and the TOML file, checked into a [`ServerConfig`].
 
 use anyhow::{bail, Context};
-use netram_node::server::{Server, ServerConfig};
+use netram_server::{Server, ServerConfig};
 use serde::Deserialize;
 use std::net::SocketAddr;
 use std::path::PathBuf;

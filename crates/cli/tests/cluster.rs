@@ -2,8 +2,8 @@
 //! process, and the failures the core must survive. Every server process is killed by its PID
 //! when its guard drops, also when a test fails.
 
-use netram_node::client::{ClientConfig, TcpTransport};
-use netram_node::disk::FileDisk;
+use netram_client::disk::FileDisk;
+use netram_client::{ClientConfig, TcpTransport};
 use netram_pager::{Backing, Pager, PagerConfig, PagerError};
 use netram_proto::{Hello, Request, PAGE_SIZE, WELCOME_LEN};
 use std::io::{Read, Write};

@@ -5,8 +5,8 @@
 //! the background recovery has run. Each scheme is run with two timings of the kills. Every
 //! server process is killed by its PID when its guard drops, also when a test fails.
 
-use netram_node::maintain::{self, MaintainConfig};
-use netram_node::open::{open_pager, ClientPager, OpenOptions};
+use netram_client::maintain::{self, MaintainConfig};
+use netram_client::open::{open_pager, ClientPager, OpenOptions};
 use netram_pager::{Backing, Scheme};
 use netram_proto::PAGE_SIZE;
 use std::sync::{Arc, Mutex};

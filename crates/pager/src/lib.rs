@@ -38,7 +38,7 @@ mod transport;
 
 use lru::LruCache;
 use netram_policy::placement::{self, Candidate};
-pub use netram_policy::redundancy::Scheme;
+pub use netram_policy::redundancy::{ParseSchemeError, Scheme};
 use netram_proto::{
     DeleteStatus, ErrorCode, GetResult, Page, PageKey, PutStatus, Reply, Request, PAGE_SIZE,
 };
@@ -60,16 +60,19 @@ pub enum Backing {
     ClusterDisk,
 }
 
+/// A backing the user wrote that is none of the three.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("unknown backing {0:?}: expected cluster, disk or cluster+disk")]
+pub struct ParseBackingError(pub String);
+
 impl std::str::FromStr for Backing {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
+    type Err = ParseBackingError;
+    fn from_str(s: &str) -> Result<Self, ParseBackingError> {
         match s {
             "cluster" => Ok(Self::Cluster),
             "disk" => Ok(Self::Disk),
             "cluster+disk" => Ok(Self::ClusterDisk),
-            _ => Err(format!(
-                "unknown backing {s:?}: expected cluster, disk or cluster+disk"
-            )),
+            _ => Err(ParseBackingError(s.to_owned())),
         }
     }
 }

@@ -74,55 +74,73 @@ impl fmt::Display for Scheme {
     }
 }
 
-impl FromStr for Scheme {
-    type Err = String;
+/// Why a redundancy the user wrote is refused; each says what would be accepted.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ParseSchemeError {
+    #[error("unknown redundancy {0:?}: expected none, mirror:N, parity:N or rs:K+M")]
+    Unknown(String),
+    #[error("{scheme:?}: {what} must be a small number, not {value:?}")]
+    NotANumber {
+        scheme: String,
+        what: &'static str,
+        value: String,
+    },
+    #[error("{0:?}: mirror needs 2 to {MAX_COPIES} copies (mirror:1 is none)")]
+    Copies(String),
+    #[error("{0:?}: parity needs 2 to {MAX_PARITY_GROUP} data pages per parity page")]
+    Group(String),
+    #[error("{0:?}: Reed-Solomon is written rs:K+M, e.g. rs:4+2")]
+    RsForm(String),
+    #[error("{0:?}: rs:K+M needs K ≥ 1, M ≥ 1 and K + M ≤ {MAX_RS_PIECES}")]
+    RsPieces(String),
+}
 
-    fn from_str(s: &str) -> Result<Self, String> {
-        let usage =
-            || format!("unknown redundancy {s:?}: expected none, mirror:N, parity:N or rs:K+M");
-        let num = |v: &str, what: &str| -> Result<u8, String> {
-            v.parse::<u8>()
-                .map_err(|_| format!("{s:?}: {what} must be a small number, not {v:?}"))
+impl FromStr for Scheme {
+    type Err = ParseSchemeError;
+
+    fn from_str(s: &str) -> Result<Self, ParseSchemeError> {
+        let num = |v: &str, what: &'static str| -> Result<u8, ParseSchemeError> {
+            v.parse::<u8>().map_err(|_| ParseSchemeError::NotANumber {
+                scheme: s.to_owned(),
+                what,
+                value: v.to_owned(),
+            })
         };
         if s == "none" {
             return Ok(Scheme::None);
         }
-        let (kind, arg) = s.split_once(':').ok_or_else(usage)?;
+        let (kind, arg) = s
+            .split_once(':')
+            .ok_or_else(|| ParseSchemeError::Unknown(s.to_owned()))?;
         match kind {
             "mirror" => {
                 let copies = num(arg, "the number of copies")?;
                 if !(2..=MAX_COPIES).contains(&copies) {
-                    return Err(format!(
-                        "{s:?}: mirror needs 2 to {MAX_COPIES} copies (mirror:1 is none)"
-                    ));
+                    return Err(ParseSchemeError::Copies(s.to_owned()));
                 }
                 Ok(Scheme::Mirror { copies })
             }
             "parity" => {
                 let group = num(arg, "the group size")?;
                 if !(2..=MAX_PARITY_GROUP).contains(&group) {
-                    return Err(format!(
-                        "{s:?}: parity needs 2 to {MAX_PARITY_GROUP} data pages per parity page"
-                    ));
+                    return Err(ParseSchemeError::Group(s.to_owned()));
                 }
                 Ok(Scheme::Parity { group })
             }
             "rs" => {
                 let (k, m) = arg
                     .split_once('+')
-                    .ok_or_else(|| format!("{s:?}: Reed-Solomon is written rs:K+M, e.g. rs:4+2"))?;
+                    .ok_or_else(|| ParseSchemeError::RsForm(s.to_owned()))?;
                 let (data, parity) = (num(k, "K")?, num(m, "M")?);
                 if data == 0
                     || parity == 0
                     || u16::from(data) + u16::from(parity) > MAX_RS_PIECES.into()
                 {
-                    return Err(format!(
-                        "{s:?}: rs:K+M needs K ≥ 1, M ≥ 1 and K + M ≤ {MAX_RS_PIECES}"
-                    ));
+                    return Err(ParseSchemeError::RsPieces(s.to_owned()));
                 }
                 Ok(Scheme::ReedSolomon { data, parity })
             }
-            _ => Err(usage()),
+            _ => Err(ParseSchemeError::Unknown(s.to_owned())),
         }
     }
 }
@@ -160,7 +178,7 @@ mod tests {
             ("raid5", "expected none"),
             ("", "expected none"),
         ] {
-            let e = bad.parse::<Scheme>().unwrap_err();
+            let e = bad.parse::<Scheme>().unwrap_err().to_string();
             assert!(e.contains(why), "{bad:?}: {e}");
         }
     }

@@ -35,8 +35,9 @@
 //! was at the fork; it allocates from the C library, and frees of inherited blocks do nothing.
 //! As an ordinary user the child has no region.
 
-use netram_node::client::TcpTransport;
-use netram_node::disk::FileDisk;
+use netram_client::disk::FileDisk;
+use netram_client::env::{var, EnvError, RunEnv};
+use netram_client::TcpTransport;
 use netram_proto::PAGE_SIZE;
 use netram_uffd::RegionHeap;
 use std::alloc::{GlobalAlloc, Layout};
@@ -355,7 +356,7 @@ const OFF: u8 = 3;
 static STATE: AtomicU8 = AtomicU8::new(UNINIT);
 static HEAP: OnceLock<Heap> = OnceLock::new();
 /// The region's background thread (see `netram::start_maintenance`).
-static MAINTENANCE: OnceLock<netram_node::maintain::Maintenance> = OnceLock::new();
+static MAINTENANCE: OnceLock<netram_client::maintain::Maintenance> = OnceLock::new();
 static THRESHOLD: AtomicUsize = AtomicUsize::new(usize::MAX);
 /// The threshold where the region cannot serve the kernel's own accesses.
 const USER_MODE_THRESHOLD: usize = 128 << 10;
@@ -368,54 +369,49 @@ static WARNED_FULL: AtomicBool = AtomicBool::new(false);
 /// Inside the heap (or starting it), this thread's allocations go to talc (see [`internal`]).
 use netram_uffd::alloc::enter;
 
-#[derive(Debug)]
-struct Config {
-    servers: Option<String>,
-    backing: Option<String>,
-    budget: u64,
-    size: u64,
-    /// `None`: every allocation (or, where the region cannot serve the kernel's own accesses,
-    /// see [`start`], the large ones).
-    threshold: Option<usize>,
+/// Why the library could not start; the program then runs without netram (or, with
+/// `NETRAM_REQUIRED`, not at all).
+#[derive(Debug, thiserror::Error)]
+enum StartError {
+    #[error(transparent)]
+    Env(#[from] EnvError),
+    #[error(transparent)]
+    Region(#[from] netram::CapiError),
+    #[error("{0}={1}: too large for this machine")]
+    TooLarge(&'static str, u64),
 }
 
-fn env_size(name: &str) -> anyhow::Result<Option<u64>> {
-    match std::env::var(name) {
-        Ok(v) => parse_size::Config::new()
-            .with_binary()
-            .parse_size(v.trim())
-            .map(Some)
-            .map_err(|e| anyhow::anyhow!("{name}={v}: {e}")),
-        Err(_) => Ok(None),
+/// An error with its causes: "outer: inner: innermost".
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut msg = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        let text = s.to_string();
+        if !msg.ends_with(&text) {
+            msg = format!("{msg}: {text}");
+        }
+        source = s.source();
     }
+    msg
 }
 
-/// `None` without `NETRAM_LOCAL_MEM`: not asked to do anything.
-fn config() -> anyhow::Result<Option<Config>> {
-    let Some(budget) = env_size("NETRAM_LOCAL_MEM")? else {
-        return Ok(None);
-    };
-    let size = env_size("NETRAM_MAX_MEM")?.unwrap_or((8 * budget).max(1 << 30));
-    let threshold = env_size("NETRAM_THRESHOLD")?
-        .map(usize::try_from)
-        .transpose()?;
-    Ok(Some(Config {
-        servers: std::env::var("NETRAM_SERVERS").ok(),
-        backing: std::env::var("NETRAM_BACKING").ok(),
-        budget,
-        size,
-        threshold,
-    }))
-}
-
-fn start() -> anyhow::Result<bool> {
-    let Some(cfg) = config()? else {
+fn start() -> Result<bool, StartError> {
+    let env = RunEnv::from_env()?;
+    // Without a budget the library was not asked to do anything.
+    let Some(budget) = env.local_mem else {
         return Ok(false);
     };
-    if std::env::var_os("NETRAM_LOG").is_some() {
+    let size = env.max_mem.unwrap_or((8 * budget).max(1 << 30));
+    // `None`: every allocation (or, where the region cannot serve the kernel's own accesses,
+    // the large ones: see below).
+    let threshold = env
+        .threshold
+        .map(|t| usize::try_from(t).map_err(|_| StartError::TooLarge(var::THRESHOLD, t)))
+        .transpose()?;
+    if std::env::var_os(var::LOG).is_some() {
         let _ = tracing_subscriber::fmt()
             .with_writer(std::io::stderr)
-            .with_env_filter(tracing_subscriber::EnvFilter::from_env("NETRAM_LOG"))
+            .with_env_filter(tracing_subscriber::EnvFilter::from_env(var::LOG))
             .try_init();
     } else {
         let _ = tracing_subscriber::fmt()
@@ -423,12 +419,9 @@ fn start() -> anyhow::Result<bool> {
             .with_max_level(tracing::Level::WARN)
             .try_init();
     }
-    let heap = netram::create_region(
-        cfg.servers.as_deref(),
-        cfg.backing.as_deref(),
-        cfg.size,
-        cfg.budget,
-    )?;
+    let backing = env.backing.map(|b| b.to_string());
+    let redundancy = env.redundancy.unwrap_or_default();
+    let heap = netram::region_from(None, backing.as_deref(), size, budget, redundancy, &env)?;
     let start = heap.region().as_ptr() as usize;
     REGION_START.store(start, Ordering::Relaxed);
     REGION_END.store(start + heap.region().len(), Ordering::Relaxed);
@@ -447,7 +440,7 @@ fn start() -> anyhow::Result<bool> {
     // `exec`.
     let follows_forks = HEAP.get().is_some_and(|h| h.region().follows_forks());
     FOLLOWS_FORKS.store(follows_forks, Ordering::Relaxed);
-    let threshold = cfg.threshold.unwrap_or_else(|| {
+    let threshold = threshold.unwrap_or_else(|| {
         if HEAP
             .get()
             .is_some_and(|h| h.region().serves_kernel_faults())
@@ -467,7 +460,7 @@ fn start() -> anyhow::Result<bool> {
         .is_some_and(|h| !h.region().serves_kernel_faults())
     {
         // What the kernel copies to or from the region is brought in first (see `io`).
-        io::arm(usize::try_from(cfg.budget).unwrap_or(usize::MAX));
+        io::arm(usize::try_from(budget).unwrap_or(usize::MAX));
     }
     // SAFETY: registering plain functions with the C library; they only touch atomics and
     // (at exit) write a file.
@@ -543,7 +536,7 @@ extern "C" fn at_exit() {
         // Children still running keep their memory after this process is gone.
         let _ = enter(|| heap.region().hand_over_to_children());
     }
-    let (Some(dir), Some(heap)) = (std::env::var_os("NETRAM_REPORT"), HEAP.get()) else {
+    let (Some(dir), Some(heap)) = (std::env::var_os(var::REPORT), HEAP.get()) else {
         return;
     };
     let _ = enter(|| {
@@ -610,8 +603,8 @@ extern "C" fn on_load() {
             Ok(false) => STATE.store(OFF, Ordering::Release),
             Err(e) => {
                 STATE.store(OFF, Ordering::Release);
-                eprintln!("netram: {e:#}");
-                if std::env::var_os("NETRAM_REQUIRED").is_some() {
+                eprintln!("netram: {}", error_chain(&e));
+                if std::env::var_os(var::REQUIRED).is_some() {
                     // SAFETY: ends the process before main; nothing to unwind.
                     unsafe { libc::_exit(70) };
                 }

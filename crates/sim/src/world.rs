@@ -10,7 +10,7 @@
 //!
 //! Servers talk to each other too: an overwrite or delete of a parity member waits while its
 //! server sends the delta to the group's holder (`netram_store::serve`'s forward, which the
-//! daemon carries over `netram_node::peers`). Those messages are delayed like any other; a lost
+//! daemon carries over `netram_server::peers`). Those messages are delayed like any other; a lost
 //! one costs the sender its reply timeout and a second try (deltas are safe to repeat); a holder
 //! that is down answers nothing and the sender reports it unreachable. Frames that reach a
 //! connection while it waits for holders wait behind it, as on the daemon's connection thread.

@@ -107,7 +107,32 @@ pub enum RegionError {
     #[error("{offset}+{len} is not a range of whole pages within the region")]
     BadRange { offset: usize, len: usize },
     #[error("releasing pages: {0}")]
-    Release(String),
+    Release(#[source] PageError),
+}
+
+/// Why the handler could not evict or release a page; the page stays as it was.
+#[derive(Debug, thiserror::Error)]
+pub enum PageError {
+    #[error("write-protecting page {page}: {errno}")]
+    WriteProtect {
+        page: usize,
+        errno: rustix::io::Errno,
+    },
+    #[error("copying page {page}: {errno}")]
+    Copy {
+        page: usize,
+        errno: rustix::io::Errno,
+    },
+    #[error("storing page {page}: {source}")]
+    Store {
+        page: usize,
+        #[source]
+        source: netram_pager::PagerError,
+    },
+    #[error("dropping pages: {0}")]
+    Drop(rustix::io::Errno),
+    #[error("deleting released pages: {0}")]
+    Delete(#[source] netram_pager::PagerError),
 }
 
 /// What the handler has done, for tests, benchmarks and `netram run`'s report.
@@ -1730,7 +1755,7 @@ impl<T: Transport, D: Disk> Shared<T, D> {
     /// Evicts a sampled page: it is aside, out of reach of the program, so it is copied and
     /// stored without any write-protection; the caller drops it. On failure it goes back into
     /// the region.
-    fn evict_sampled(&self, st: &mut State<T, D>, page: usize) -> Result<*mut c_void, String> {
+    fn evict_sampled(&self, st: &mut State<T, D>, page: usize) -> Result<*mut c_void, PageError> {
         let aside = self
             .shadow
             .expect("sampled pages live in the shadow")
@@ -1740,10 +1765,12 @@ impl<T: Transport, D: Disk> Shared<T, D> {
             unsafe {
                 std::ptr::copy_nonoverlapping(aside.cast::<u8>(), st.buf.as_mut_ptr(), PAGE_SIZE)
             };
-            if let Err(e) = self.store(st, page) {
-                let back = self.uffd.move_page(aside, self.base.page(page));
+            if let Err(source) = self.store(st, page) {
+                if let Err(e) = self.uffd.move_page(aside, self.base.page(page)) {
+                    tracing::error!("page {page} could not be put back after a failed store: {e}");
+                }
                 st.clock.insert(page as u64);
-                return Err(format!("storing page {page}: {e} (kept: {back:?})"));
+                return Err(PageError::Store { page, source });
             }
         } else {
             self.counters.evicted_clean.fetch_add(1, Ordering::Relaxed);
@@ -1771,7 +1798,7 @@ impl<T: Transport, D: Disk> Shared<T, D> {
         &self,
         st: &mut State<T, D>,
         page: usize,
-    ) -> Result<Option<*mut c_void>, String> {
+    ) -> Result<Option<*mut c_void>, PageError> {
         let addr = self.base.page(page);
         if !st.dirty[page] {
             // Fetched and never written since: its remote copy is current, and it is still
@@ -1781,9 +1808,9 @@ impl<T: Transport, D: Disk> Shared<T, D> {
             return Ok(Some(addr));
         }
         // A write after this blocks in a write-protect fault until the page is gone.
-        if let Err(e) = self.uffd.set_write_protect(addr, true, true) {
+        if let Err(errno) = self.uffd.set_write_protect(addr, true, true) {
             st.clock.insert(page as u64);
-            return Err(format!("write-protecting page {page}: {e}"));
+            return Err(PageError::WriteProtect { page, errno });
         }
         let copied = if self.unreadable_possible.load(Ordering::Relaxed) {
             let mut buf = std::mem::take(&mut st.buf);
@@ -1810,17 +1837,17 @@ impl<T: Transport, D: Disk> Shared<T, D> {
                     .fetch_add(1, Ordering::Relaxed);
                 return Ok(None);
             }
-            Err(e) => {
+            Err(errno) => {
                 let _ = self.uffd.set_write_protect(addr, false, true);
                 st.clock.insert(page as u64);
-                return Err(format!("copying page {page}: {e}"));
+                return Err(PageError::Copy { page, errno });
             }
         }
-        if let Err(e) = self.store(st, page) {
+        if let Err(source) = self.store(st, page) {
             // Keep the page: writable again, and the writers blocked on it woken.
             let _ = self.uffd.set_write_protect(addr, false, true);
             st.clock.insert(page as u64);
-            return Err(format!("storing page {page}: {e}"));
+            return Err(PageError::Store { page, source });
         }
         st.dirty[page] = false;
         self.counters.evictions.fetch_add(1, Ordering::Relaxed);
@@ -1856,10 +1883,9 @@ impl<T: Transport, D: Disk> Shared<T, D> {
     }
 
     /// Pages `first..first + count` are given back by the program (see `Region::release`).
-    fn release(&self, st: &mut State<T, D>, first: usize, count: usize) -> Result<(), String> {
+    fn release(&self, st: &mut State<T, D>, first: usize, count: usize) -> Result<(), PageError> {
         // One call drops every mapped page of the range (and the zero page's mappings).
-        drop_pages(self.base.page(first), count * PAGE_SIZE)
-            .map_err(|e| format!("dropping pages: {e}"))?;
+        drop_pages(self.base.page(first), count * PAGE_SIZE).map_err(PageError::Drop)?;
         let mut written = Vec::new();
         for page in first..first + count {
             let p = page as u64;
@@ -1878,9 +1904,7 @@ impl<T: Transport, D: Disk> Shared<T, D> {
         self.counters
             .released
             .fetch_add(count as u64, Ordering::Relaxed);
-        st.pager
-            .discard_many(&written)
-            .map_err(|e| format!("deleting released pages: {e}"))
+        st.pager.discard_many(&written).map_err(PageError::Delete)
     }
 
     /// The pages to fetch with `page`, which faults: what the prefetcher proposes that is

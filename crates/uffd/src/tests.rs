@@ -2,8 +2,8 @@
 //! through evictions and fetches, from one thread and from several.
 
 use super::*;
-use netram_bench::cluster::LocalCluster;
-use netram_node::client::{ClientConfig, TcpTransport};
+use netram_client::{ClientConfig, TcpTransport};
+use netram_cluster::LocalCluster;
 use netram_pager::{MemDisk, PagerConfig};
 use std::collections::{HashSet, VecDeque};
 use std::os::unix::process::ExitStatusExt;

@@ -1,8 +1,8 @@
 //! A Rust program whose large allocations live on a region, through the global allocator
 //! adapter: a vector four times the local budget is filled, sorted and checked.
 
-use netram_bench::cluster::LocalCluster;
-use netram_node::client::{ClientConfig, TcpTransport};
+use netram_client::{ClientConfig, TcpTransport};
+use netram_cluster::LocalCluster;
 use netram_pager::{MemDisk, Pager, PagerConfig};
 use netram_uffd::{NetramAlloc, Region, RegionHeap};
 

@@ -14,7 +14,7 @@
 //!   deleted) without touching its neighbours; so does a span whose last block is freed.
 //!
 //! Measured against the crates that manage memory they are given (`cargo run --release -p
-//! netram-uffd --example heaps`, 2-vCPU development VM, 2 servers on loopback): 400,000 blocks
+//! netram-bench --example heaps`, 2-vCPU development VM, 2 servers on loopback): 400,000 blocks
 //! of 16-512 B with a fifth of them resident, then half freed and as many allocated again —
 //!
 //! | heap | ns per free + malloc (resident) | faults in the frees | in the mallocs | pages left on the servers once all is freed |

@@ -7,7 +7,7 @@
 //! A span of [`SPAN`] bytes is cut into blocks of one size class; a bitmap per span, kept in
 //! the C library's memory, says which blocks are taken.
 //!
-//! Why written here rather than taken from a crate (measured, `crates/uffd/examples/heaps.rs`,
+//! Why written here rather than taken from a crate (measured, `crates/bench/examples/heaps.rs`,
 //! figures in `heap`'s opening comment): the allocators that manage memory they are
 //! given (talc, rlsf's TLSF, linked lists) keep their free lists and boundary tags inside the
 //! blocks. On a region, where most pages of a large heap are remote, that makes `free` of a cold

@@ -12,9 +12,11 @@
 //! address mixed in, so that a server whose machine also runs a client never supersedes that
 //! client's sessions, and two servers of one machine never supersede each other's.
 
-use crate::client::{handshake, ClientConfig};
-use crate::framing::FrameBuffer;
-use netram_proto::{decode_reply, DeltaStatus, ErrorCode, Reply, Request, MAX_BATCH};
+use netram_net::{handshake, FrameBuffer, HandshakeError};
+use netram_proto::{
+    decode_reply, DecodeError, DeltaStatus, ErrorCode, Hello, Kind, Reply, Request,
+    HELLO_END_ON_CLOSE, MAX_BATCH,
+};
 use netram_store::serve::{DeltaOutcome, OwnedDelta};
 use std::collections::HashMap;
 use std::io::{self, Write};
@@ -30,6 +32,29 @@ const CONNECT_TIMEOUT: Duration = Duration::from_millis(250);
 const REPLY_TIMEOUT: Duration = Duration::from_secs(2);
 /// After a failure, requests to that holder fail at once for this long.
 const UNREACHABLE_FOR: Duration = Duration::from_millis(500);
+
+/// Why a delta did not reach its holder; the deltas come back unreachable.
+#[derive(Debug, thiserror::Error)]
+enum PeerError {
+    #[error("failed moments ago")]
+    FailedRecently,
+    #[error(transparent)]
+    Handshake(#[from] HandshakeError),
+    #[error("{0}: {1}")]
+    Io(&'static str, #[source] io::Error),
+    #[error("bad reply: {0}")]
+    Decode(#[from] DecodeError),
+    #[error("no reply in time")]
+    Timeout,
+    #[error("connection closed")]
+    Closed,
+    #[error("reply to request {got}, expected {expected}")]
+    WrongId { got: u64, expected: u64 },
+    #[error("unexpected reply {0:?}")]
+    Unexpected(Kind),
+    #[error("session expired twice")]
+    Expired,
+}
 
 #[derive(Debug, Default)]
 struct Peer {
@@ -116,7 +141,7 @@ impl Peers {
         peer: &mut Peer,
         holder: SocketAddr,
         req: &Request<'_>,
-    ) -> Result<Vec<DeltaStatus>, String> {
+    ) -> Result<Vec<DeltaStatus>, PeerError> {
         let n = match req {
             Request::ParityDelta(d) => d.len(),
             _ => unreachable!("peers only send deltas"),
@@ -127,21 +152,13 @@ impl Peers {
                     .failed_at
                     .is_some_and(|t| t.elapsed() < UNREACHABLE_FOR)
                 {
-                    return Err("failed moments ago".into());
+                    return Err(PeerError::FailedRecently);
                 }
-                let cfg = ClientConfig {
-                    node: self.node,
-                    incarnation: self.incarnation,
-                    session: fastrand::u64(..),
-                    connect_timeout: CONNECT_TIMEOUT,
-                    reply_timeout: REPLY_TIMEOUT,
-                    low_latency: false,
-                    warn_unreachable: false,
-                    end_on_close: true,
-                };
-                let (s, _) = handshake(holder, &cfg)?;
+                let hello = Hello::new(self.node, self.incarnation, fastrand::u64(..))
+                    .with_flags(HELLO_END_ON_CLOSE);
+                let (s, _) = handshake(holder, &hello, CONNECT_TIMEOUT)?;
                 s.set_read_timeout(Some(REPLY_TIMEOUT))
-                    .map_err(|e| e.to_string())?;
+                    .map_err(|e| PeerError::Io("socket", e))?;
                 peer.conn = Some((s, FrameBuffer::new()));
             }
             peer.next_id += 1;
@@ -149,25 +166,25 @@ impl Peers {
             let (s, rbuf) = peer.conn.as_mut().unwrap();
             let mut wbuf = Vec::new();
             req.encode(id, &mut wbuf);
-            s.write_all(&wbuf).map_err(|e| format!("send: {e}"))?;
+            s.write_all(&wbuf).map_err(|e| PeerError::Io("send", e))?;
             let deadline = Instant::now() + REPLY_TIMEOUT;
             let frame = loop {
-                if let Some(f) = rbuf.next_frame().map_err(|e| e.to_string())? {
+                if let Some(f) = rbuf.next_frame()? {
                     break f.to_vec();
                 }
                 if Instant::now() > deadline {
-                    return Err("no reply in time".into());
+                    return Err(PeerError::Timeout);
                 }
                 match rbuf.fill(s, Duration::ZERO) {
-                    Ok(0) => return Err("connection closed".into()),
+                    Ok(0) => return Err(PeerError::Closed),
                     Ok(_) => {}
                     Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                    Err(e) => return Err(format!("receive: {e}")),
+                    Err(e) => return Err(PeerError::Io("receive", e)),
                 }
             };
-            let (got, reply) = decode_reply(&frame).map_err(|e| format!("bad reply: {e}"))?;
+            let (got, reply) = decode_reply(&frame)?;
             if got != id {
-                return Err(format!("reply to request {got}, expected {id}"));
+                return Err(PeerError::WrongId { got, expected: id });
             }
             match reply {
                 Reply::ParityDelta { status, .. } if status.len() == n => return Ok(status),
@@ -177,9 +194,9 @@ impl Peers {
                 } if attempt == 0 => {
                     peer.conn = None;
                 }
-                other => return Err(format!("unexpected reply {:?}", other.kind())),
+                other => return Err(PeerError::Unexpected(other.kind())),
             }
         }
-        Err("session expired twice".into())
+        Err(PeerError::Expired)
     }
 }

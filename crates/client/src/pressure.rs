@@ -13,8 +13,19 @@ use rustix::process::{getrlimit, setrlimit, Resource, Rlimit};
 /// What [`prepare_for_swap`] managed, and why not where it did not.
 #[derive(Debug)]
 pub struct Hardening {
-    pub memory_locked: Result<(), String>,
-    pub io_flusher: Result<(), String>,
+    pub memory_locked: Result<(), HardenError>,
+    pub io_flusher: Result<(), HardenError>,
+}
+
+/// Why a process that serves swap could not be made safe under memory pressure.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum HardenError {
+    #[error("RLIMIT_MEMLOCK is {0} bytes; run as root or raise it (ulimit -l unlimited)")]
+    MemlockLimit(u64),
+    #[error("mlockall: {0}")]
+    Mlock(rustix::io::Errno),
+    #[error("PR_SET_IO_FLUSHER: {0} (needs CAP_SYS_RESOURCE)")]
+    IoFlusher(rustix::io::Errno),
 }
 
 /// Locks all present and future memory of this process and marks it an I/O flusher, where the
@@ -31,14 +42,12 @@ pub fn prepare_for_swap() -> Hardening {
     let memory_locked = match getrlimit(Resource::Memlock).current {
         // With a finite limit, MCL_FUTURE would make later allocations fail, and a failed
         // allocation aborts the process: worse than not locking. CAP_IPC_LOCK lifts the limit.
-        Some(limit) if !has_ipc_lock() => Err(format!(
-            "RLIMIT_MEMLOCK is {limit} bytes; run as root or raise it (ulimit -l unlimited)"
-        )),
+        Some(limit) if !has_ipc_lock() => Err(HardenError::MemlockLimit(limit)),
         _ => rustix::mm::mlockall(MlockAllFlags::CURRENT | MlockAllFlags::FUTURE)
-            .map_err(|e| format!("mlockall: {e}")),
+            .map_err(HardenError::Mlock),
     };
-    let io_flusher = rustix::process::configure_io_flusher_behavior(true)
-        .map_err(|e| format!("PR_SET_IO_FLUSHER: {e} (needs CAP_SYS_RESOURCE)"));
+    let io_flusher =
+        rustix::process::configure_io_flusher_behavior(true).map_err(HardenError::IoFlusher);
     Hardening {
         memory_locked,
         io_flusher,

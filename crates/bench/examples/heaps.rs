@@ -1,14 +1,14 @@
-//! Why the region's heap keeps its bookkeeping outside the region (`src/heap/slabs.rs`):
+//! Why the region's heap keeps its bookkeeping outside the region (`crates/uffd/src/heap/slabs.rs`):
 //! the same small-object workload on three heaps over the same kind of region — netram's
 //! `RegionHeap`, talc and rlsf (TLSF), the two crates that manage memory they are given —
 //! first with every page resident (the cost of an allocation), then with a local budget a
 //! fifth of the heap (the faults that `free` and `malloc` themselves cause, and what is left on
 //! the servers once everything is freed).
 //!
-//! `cargo run --release -p netram-uffd --example heaps` (prints a table; nothing is written).
+//! `cargo run --release -p netram-bench --example heaps` (prints a table; nothing is written).
 
-use netram_bench::cluster::LocalCluster;
-use netram_node::client::{ClientConfig, TcpTransport};
+use netram_client::{ClientConfig, TcpTransport};
+use netram_cluster::LocalCluster;
 use netram_pager::{MemDisk, Pager, PagerConfig};
 use netram_proto::PAGE_SIZE;
 use netram_uffd::{Region, RegionCounters, RegionHeap};

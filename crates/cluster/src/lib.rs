@@ -1,8 +1,9 @@
 //! An embedded local cluster: page servers on loopback ports, in this process. Used by
-//! `netram demo` and the benchmarks; the multi-process tests start real `netram serve`
-//! processes instead.
+//! `netram demo`, the benchmarks and the tests of the front ends (`netram-uffd`, `netram-capi`);
+//! the multi-process tests start real `netram serve` processes instead. Not part of the daemon
+//! nor of any client library: nothing but those links it.
 
-use netram_node::server::{Server, ServerConfig};
+use netram_server::{Server, ServerConfig, ServerError};
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 use std::time::Duration;
@@ -14,7 +15,7 @@ pub struct LocalCluster {
 
 impl LocalCluster {
     /// Starts `n` servers of `capacity_bytes` each on ephemeral loopback ports.
-    pub fn start(n: usize, capacity_bytes: u64, low_latency: bool) -> anyhow::Result<Self> {
+    pub fn start(n: usize, capacity_bytes: u64, low_latency: bool) -> Result<Self, ServerError> {
         let servers = (0..n)
             .map(|i| {
                 let cfg = ServerConfig {

@@ -1,9 +1,9 @@
 //! The daemon, the TCP transport and the pager together, in one process, over loopback.
 
-use netram_node::client::{query_stats, ClientConfig, TcpTransport};
-use netram_node::server::{Server, ServerConfig};
+use netram_client::{query_stats, ClientConfig, TcpTransport};
 use netram_pager::{MemDisk, Pager, PagerConfig};
 use netram_proto::{decode_reply, Hello, PutStatus, Reply, Request, PAGE_SIZE};
+use netram_server::{Server, ServerConfig};
 use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::sync::atomic::AtomicBool;

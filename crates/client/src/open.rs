@@ -2,9 +2,8 @@
 //! end (`netram nbd`, the C ABI, `netram run`'s preload library) so that they refuse the same
 //! bad input with the same words.
 
-use crate::client::{ClientConfig, TcpTransport};
 use crate::disk::FileDisk;
-use anyhow::{bail, Context};
+use crate::tcp::{ClientConfig, TcpTransport};
 use netram_pager::{Backing, Pager, PagerConfig, Scheme};
 use std::net::ToSocketAddrs;
 use std::path::PathBuf;
@@ -27,41 +26,77 @@ pub struct OpenOptions {
     pub redundancy: Scheme,
 }
 
+/// Why no pager could be opened: what the user asked for makes no sense, or nothing can be
+/// reached.
+#[derive(Debug, thiserror::Error)]
+pub enum OpenError {
+    #[error("the size must be above zero")]
+    NoPages,
+    #[error("page servers are needed with backing {0} (or use backing disk)")]
+    NoServers(Backing),
+    #[error("redundancy {0} needs page servers: it means nothing with backing disk")]
+    RedundancyWithoutServers(Scheme),
+    #[error(
+        "redundancy {scheme} puts its pieces on {needed} distinct servers, and {given} were given"
+    )]
+    TooFewServers {
+        scheme: Scheme,
+        needed: usize,
+        given: usize,
+    },
+    #[error("redundancy {scheme}: cannot resolve {server}: {source}")]
+    Resolve {
+        scheme: Scheme,
+        server: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("redundancy {scheme}: {server} resolves to no address")]
+    NoAddress { scheme: Scheme, server: String },
+    #[error("no page server could be reached: {}", .0.join(", "))]
+    Unreachable(Vec<String>),
+    #[error("cannot create a spill file in {}: {source}", .dir.display())]
+    SpillFile {
+        dir: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
 /// Connects to the servers (going on without those that cannot be reached, with a warning,
 /// as long as one can) and creates the spill file.
-pub fn open_pager(o: &OpenOptions) -> anyhow::Result<ClientPager> {
+pub fn open_pager(o: &OpenOptions) -> Result<ClientPager, OpenError> {
     if o.pages == 0 {
-        bail!("the size must be above zero");
+        return Err(OpenError::NoPages);
     }
     if o.servers.is_empty() && o.backing != Backing::Disk {
-        bail!(
-            "page servers are needed with backing {} (or use backing disk)",
-            o.backing
-        );
+        return Err(OpenError::NoServers(o.backing));
     }
     if o.redundancy != Scheme::None && o.backing == Backing::Disk {
-        bail!(
-            "redundancy {} needs page servers: it means nothing with backing disk",
-            o.redundancy
-        );
+        return Err(OpenError::RedundancyWithoutServers(o.redundancy));
     }
     let needed = o.redundancy.servers_needed();
     if o.backing != Backing::Disk && o.servers.len() < needed {
-        bail!(
-            "redundancy {} puts its pieces on {needed} distinct servers, and {} were given",
-            o.redundancy,
-            o.servers.len()
-        );
+        return Err(OpenError::TooFewServers {
+            scheme: o.redundancy,
+            needed,
+            given: o.servers.len(),
+        });
     }
     if matches!(o.redundancy, Scheme::Parity { .. }) {
         // Servers tell each other about overwrites by the addresses the client names them
         // by: each must be one address that every server can reach.
         for s in &o.servers {
-            let mut addrs = s
-                .to_socket_addrs()
-                .with_context(|| format!("redundancy {}: cannot resolve {s}", o.redundancy))?;
+            let mut addrs = s.to_socket_addrs().map_err(|source| OpenError::Resolve {
+                scheme: o.redundancy,
+                server: s.clone(),
+                source,
+            })?;
             if addrs.next().is_none() {
-                bail!("redundancy {}: {s} resolves to no address", o.redundancy);
+                return Err(OpenError::NoAddress {
+                    scheme: o.redundancy,
+                    server: s.clone(),
+                });
             }
         }
     }
@@ -76,14 +111,16 @@ pub fn open_pager(o: &OpenOptions) -> anyhow::Result<ClientPager> {
         .map(|(name, why)| format!("{name} ({why})"))
         .collect();
     if !o.servers.is_empty() && dead.len() == o.servers.len() {
-        bail!("no page server could be reached: {}", dead.join(", "));
+        return Err(OpenError::Unreachable(dead));
     }
     for d in &dead {
         tracing::warn!("page server unreachable, going on without it: {d}");
     }
     let dir = o.spill_dir.clone().unwrap_or_else(std::env::temp_dir);
-    let disk = FileDisk::create_in(&dir)
-        .with_context(|| format!("cannot create a spill file in {}", dir.display()))?;
+    let disk = FileDisk::create_in(&dir).map_err(|source| OpenError::SpillFile {
+        dir: dir.clone(),
+        source,
+    })?;
     let cfg = PagerConfig {
         pages: o.pages,
         cache_pages: o.cache_pages,

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 const INITIAL: usize = 64 * 1024;
 
 #[derive(Debug)]
-pub(crate) struct FrameBuffer {
+pub struct FrameBuffer {
     buf: Vec<u8>,
     start: usize,
     end: usize,
@@ -21,8 +21,14 @@ pub(crate) struct FrameBuffer {
     poll_next: bool,
 }
 
+impl Default for FrameBuffer {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
 impl FrameBuffer {
-    pub(crate) fn new() -> Self {
+    pub fn new() -> Self {
         Self {
             buf: vec![0u8; INITIAL],
             start: 0,
@@ -32,18 +38,18 @@ impl FrameBuffer {
     }
 
     /// Bytes received but not yet consumed as frames.
-    pub(crate) fn pending(&self) -> usize {
+    pub fn pending(&self) -> usize {
         self.end - self.start
     }
 
     /// Whether a whole frame has arrived; an error if the length prefix is invalid.
-    pub(crate) fn has_frame(&self) -> Result<bool, DecodeError> {
+    pub fn has_frame(&self) -> Result<bool, DecodeError> {
         let avail = &self.buf[self.start..self.end];
         Ok(matches!(frame_len(avail)?, Some(len) if len <= avail.len()))
     }
 
     /// The next whole frame, if one has arrived; an error if the length prefix is invalid.
-    pub(crate) fn next_frame(&mut self) -> Result<Option<&[u8]>, DecodeError> {
+    pub fn next_frame(&mut self) -> Result<Option<&[u8]>, DecodeError> {
         let avail = &self.buf[self.start..self.end];
         match frame_len(avail)? {
             Some(len) if len <= avail.len() => {
@@ -58,7 +64,7 @@ impl FrameBuffer {
     /// Reads more bytes from the stream: first polling without blocking for up to `spin`
     /// (the low-latency mode), then blocking, subject to the stream's read timeout.
     /// Returns 0 at end of stream.
-    pub(crate) fn fill(&mut self, stream: &mut TcpStream, spin: Duration) -> io::Result<usize> {
+    pub fn fill(&mut self, stream: &mut TcpStream, spin: Duration) -> io::Result<usize> {
         self.make_room();
         let started = Instant::now();
         // The token is held only while polling, never across the blocking read below: an idle

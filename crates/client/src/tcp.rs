@@ -10,13 +10,11 @@
 //! an idle pager keeps its pages. REFRESH is one-way, so the keepalive never leaves replies for
 //! an idle pager to read; it writes under the connection's write lock, between whole frames.
 
-use crate::framing::FrameBuffer;
-use crate::latency::{PmQos, DEFAULT_SPIN};
+use netram_net::latency::{PmQos, DEFAULT_SPIN};
+use netram_net::{handshake, FrameBuffer, HandshakeError};
 use netram_pager::{ServerInfo, Transport, TransportError};
-use netram_proto::{
-    decode_reply, Hello, Reply, Request, Welcome, WelcomeStatus, HELLO_END_ON_CLOSE, WELCOME_LEN,
-};
-use std::io::{self, Read, Write};
+use netram_proto::{decode_reply, Hello, Kind, Reply, Request, Welcome, HELLO_END_ON_CLOSE};
+use std::io::{self, Write};
 use std::net::{Shutdown, SocketAddr, TcpStream, ToSocketAddrs};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -123,51 +121,60 @@ pub struct TcpTransport {
 /// Writes beyond this many buffered bytes go out at once rather than at the next `recv`.
 const WBUF_FLUSH: usize = 256 * 1024;
 
+/// Why a server could not be connected to; the server starts out dead.
+#[derive(Debug, thiserror::Error)]
+pub enum ConnectError {
+    #[error("cannot resolve {addr}: {source}")]
+    Resolve {
+        addr: String,
+        #[source]
+        source: io::Error,
+    },
+    #[error("{0} resolves to no address")]
+    NoAddress(String),
+    #[error(transparent)]
+    Handshake(#[from] HandshakeError),
+    #[error("socket: {0}")]
+    Socket(#[from] io::Error),
+}
+
+/// Why `netram stats` got no counters.
+#[derive(Debug, thiserror::Error)]
+pub enum StatsError {
+    #[error("cannot reach {addr}: {reason}")]
+    Unreachable { addr: String, reason: String },
+    #[error("{addr}: {source}")]
+    Transport {
+        addr: String,
+        #[source]
+        source: TransportError,
+    },
+    #[error("{addr} answered STATS with {kind:?}")]
+    Unexpected { addr: String, kind: Kind },
+}
+
 /// Opens a connection and performs the handshake.
-pub(crate) fn handshake(
+fn connect_to(
     addr: SocketAddr,
     cfg: &ClientConfig,
-) -> Result<(TcpStream, Welcome), String> {
-    let mut s = TcpStream::connect_timeout(&addr, cfg.connect_timeout)
-        .map_err(|e| format!("connect: {e}"))?;
-    s.set_nodelay(true).map_err(|e| e.to_string())?;
-    s.set_read_timeout(Some(cfg.connect_timeout))
-        .map_err(|e| e.to_string())?;
+) -> Result<(TcpStream, Welcome), HandshakeError> {
     let flags = if cfg.end_on_close {
         HELLO_END_ON_CLOSE
     } else {
         0
     };
-    s.write_all(
-        &Hello::new(cfg.node, cfg.incarnation, cfg.session)
-            .with_flags(flags)
-            .encode(),
-    )
-    .map_err(|e| format!("handshake: {e}"))?;
-    let mut buf = [0u8; WELCOME_LEN];
-    s.read_exact(&mut buf)
-        .map_err(|e| format!("handshake: {e}"))?;
-    let w = Welcome::decode(&buf).map_err(|e| format!("handshake: {e}"))?;
-    match w.status {
-        WelcomeStatus::Ok => Ok((s, w)),
-        WelcomeStatus::VersionUnsupported => Err(format!(
-            "server speaks protocol version {}, this client {}",
-            w.version,
-            netram_proto::PROTOCOL_VERSION
-        )),
-        WelcomeStatus::Busy => Err("server is at its connection limit".into()),
-        WelcomeStatus::TooManySessions => Err("server's session table is full".into()),
-        WelcomeStatus::StaleIncarnation => {
-            Err("server has seen a newer incarnation of this node".into())
-        }
-    }
+    let hello = Hello::new(cfg.node, cfg.incarnation, cfg.session).with_flags(flags);
+    handshake(addr, &hello, cfg.connect_timeout)
 }
 
-fn resolve(addr: &str) -> Result<SocketAddr, String> {
+fn resolve(addr: &str) -> Result<SocketAddr, ConnectError> {
     addr.to_socket_addrs()
-        .map_err(|e| format!("cannot resolve {addr}: {e}"))?
+        .map_err(|source| ConnectError::Resolve {
+            addr: addr.to_owned(),
+            source,
+        })?
         .next()
-        .ok_or_else(|| format!("{addr} resolves to no address"))
+        .ok_or_else(|| ConnectError::NoAddress(addr.to_owned()))
 }
 
 impl TcpTransport {
@@ -175,7 +182,7 @@ impl TcpTransport {
     /// starts out dead (the pager reports it), so that one missing server does not stop a client.
     pub fn connect<S: AsRef<str>>(servers: &[S], cfg: &ClientConfig) -> Self {
         if cfg.low_latency {
-            crate::latency::prepare_polling();
+            netram_net::latency::prepare_polling();
         }
         let epoch = Instant::now();
         let conns: Vec<Conn> = servers
@@ -274,7 +281,7 @@ impl TcpTransport {
 /// Connects to one server; a failure gives a connection that starts out broken.
 fn open_conn(name: String, cfg: &ClientConfig) -> Conn {
     let addr = resolve(&name).ok();
-    let result = resolve(&name).and_then(|a| handshake(a, cfg));
+    let result = resolve(&name).and_then(|a| Ok(connect_to(a, cfg)?));
     let (reader, shared, mut info) = match result {
         Ok((stream, w)) => {
             let setup = stream
@@ -305,7 +312,7 @@ fn open_conn(name: String, cfg: &ClientConfig) -> Conn {
             if cfg.warn_unreachable {
                 tracing::warn!(server = %name, "server unreachable: {reason}");
             }
-            (None, None, dead_info(name, reason))
+            (None, None, dead_info(name, reason.to_string()))
         }
     };
     info.addr = addr;
@@ -486,7 +493,7 @@ impl Transport for TcpTransport {
 }
 
 /// Asks a server for its counters: `netram stats ADDR`.
-pub fn query_stats(addr: &str, timeout: Duration) -> anyhow::Result<Vec<(String, u64)>> {
+pub fn query_stats(addr: &str, timeout: Duration) -> Result<Vec<(String, u64)>, StatsError> {
     let cfg = ClientConfig {
         connect_timeout: timeout,
         reply_timeout: timeout,
@@ -494,15 +501,27 @@ pub fn query_stats(addr: &str, timeout: Duration) -> anyhow::Result<Vec<(String,
     };
     let mut t = TcpTransport::connect(&[addr], &cfg);
     if let Err(e) = &t.conns[0].info.connected {
-        anyhow::bail!("cannot reach {addr}: {e}");
+        return Err(StatsError::Unreachable {
+            addr: addr.to_owned(),
+            reason: e.clone(),
+        });
     }
-    t.send(0, 1, &Request::Stats)?;
-    let counters = match t.recv(0)? {
+    let failed = |source| StatsError::Transport {
+        addr: addr.to_owned(),
+        source,
+    };
+    t.send(0, 1, &Request::Stats).map_err(failed)?;
+    let counters = match t.recv(0).map_err(failed)? {
         (_, Reply::Stats { counters, .. }) => counters
             .iter()
             .map(|c| (c.name.to_string(), c.value))
             .collect(),
-        (_, other) => anyhow::bail!("{addr} answered STATS with {:?}", other.kind()),
+        (_, other) => {
+            return Err(StatsError::Unexpected {
+                addr: addr.to_owned(),
+                kind: other.kind(),
+            })
+        }
     };
     t.close();
     Ok(counters)

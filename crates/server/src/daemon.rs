@@ -37,9 +37,9 @@
 //! Lock order: the store's mutex is never held across socket I/O, nor while a peer connection's
 //! lock is taken.
 
-use crate::framing::FrameBuffer;
-use crate::latency::{PmQos, DEFAULT_SPIN};
 use crate::peers::Peers;
+use netram_net::latency::{PmQos, DEFAULT_SPIN};
+use netram_net::FrameBuffer;
 use netram_proto::{
     decode_request, DecodeError, Hello, Welcome, WelcomeStatus, HELLO_END_ON_CLOSE, HELLO_LEN,
     MAX_BATCH, MAX_FRAME_LEN, PAGE_SIZE, PROTOCOL_VERSION,

@@ -66,7 +66,7 @@ pub fn polls_denied() -> u64 {
 /// Reads the polling budget now (its environment variable and `/sys`), so that no later poll
 /// does: a region's fault handler must never read the environment, which a program may have
 /// moved into its heap — on the region (perl does) — and the handler would fault on it and wait
-/// for itself. [`crate::client::TcpTransport::connect`] calls this.
+/// for itself. `netram_client::TcpTransport::connect` calls this.
 pub fn prepare_polling() {
     let _ = poll_budget();
 }
