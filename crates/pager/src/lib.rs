@@ -30,6 +30,7 @@
 //! disk copy with `cluster+disk` backing or fail with [`PagerError::Lost`] naming the server and
 //! the pages. A page whose checksum or version does not match is never returned as data.
 
+mod invariants;
 mod parity;
 mod recovery;
 mod stripe;

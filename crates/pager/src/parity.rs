@@ -164,6 +164,12 @@ impl Par {
     pub(crate) fn is_open(&self, page: u64) -> bool {
         self.member_of.contains_key(&page)
     }
+
+    /// For [`Pager::check_invariants`]: the slots this scheme owns (survivor reads that
+    /// failed, waiting for recovery to look at them).
+    pub(crate) fn slots_held(&self, owned: &mut Vec<u32>) {
+        owned.extend(self.read_failed.iter().map(|&(_, slot, _)| slot));
+    }
 }
 
 impl<T: Transport, D: Disk> Pager<T, D> {

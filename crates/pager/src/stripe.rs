@@ -210,6 +210,20 @@ pub(crate) fn xor_code(k: usize, m: usize) -> bool {
     })
 }
 
+impl Rs {
+    /// For [`Pager::check_invariants`]: the slots this scheme owns (stripe writes' parity and
+    /// rebuilt pieces, pieces read ahead and decoded for recovery), and the slots each stripe
+    /// write reads from (its own and its members' write-back slots).
+    pub(crate) fn slots_held(&self, owned: &mut Vec<u32>, used: &mut Vec<u32>) {
+        for w in self.writing.values() {
+            owned.extend_from_slice(&w.owned);
+            used.extend(w.slots.iter().copied().filter(|&s| s != u32::MAX));
+        }
+        owned.extend(self.prefetched.values().copied());
+        owned.extend(self.restored.values().copied());
+    }
+}
+
 impl<T: Transport, D: Disk> Pager<T, D> {
     fn rs(&self) -> &Rs {
         self.rs.as_deref().expect("a Reed-Solomon pager")

@@ -170,6 +170,39 @@ fn pager(
     )
 }
 
+#[test]
+fn the_invariants_catch_a_lost_slot_a_slot_held_twice_and_stray_credits() {
+    let mut p = pager(MemCluster::new(&[8, 8]), 8, 2, Backing::Cluster);
+    for pg in 0..6 {
+        p.write(pg, &content(pg, 1)).unwrap();
+    }
+    p.flush().unwrap();
+    p.check_invariants().unwrap();
+
+    let lost = p.free_slots.pop().unwrap();
+    let e = p.check_invariants().unwrap_err();
+    assert!(e.contains(&format!("slot {lost} is lost")), "{e}");
+    p.free_slots.push(lost);
+
+    let cached = *p.cache.iter().next().unwrap().1;
+    p.free_slots.push(cached);
+    let e = p.check_invariants().unwrap_err();
+    assert!(e.contains(&format!("slot {cached} is both")), "{e}");
+    p.free_slots.pop();
+
+    p.inflight.per_server[1] += 1;
+    let e = p.check_invariants().unwrap_err();
+    assert!(e.contains("server 1: 1 credits taken"), "{e}");
+    p.inflight.per_server[1] -= 1;
+
+    let free = *p.free_slots.last().unwrap();
+    p.dirty[free as usize] = true;
+    let e = p.check_invariants().unwrap_err();
+    assert!(e.contains(&format!("slot {free} is dirty but free")), "{e}");
+    p.dirty[free as usize] = false;
+    p.check_invariants().unwrap();
+}
+
 fn read(p: &mut Pager<MemCluster, MemDisk>, page: u64) -> Result<Vec<u8>, PagerError> {
     let mut out = vec![0u8; PAGE_SIZE];
     p.read(page, &mut out).map(|()| out)
@@ -456,6 +489,9 @@ fn check_settled(
         p.dirty.len(),
         "no slot leaks"
     );
+    if let Err(e) = p.check_invariants() {
+        prop_assert!(false, "invariant broken: {}", e);
+    }
     if !kills && p.idle() {
         // Superseded remote copies are deleted: servers hold exactly the table's pages.
         let stored: u64 = p

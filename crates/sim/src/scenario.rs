@@ -305,6 +305,9 @@ fn play(sc: &Scenario, at: &std::cell::Cell<u32>) -> Result<Report, Failure> {
         let mut w = world.borrow_mut();
         check::stores(&w).map_err(|e| fail(step, e))?;
         for cl in &clients {
+            cl.pager
+                .check_invariants()
+                .map_err(|e| fail(step, format!("client {}: pager: {e}", cl.model.client)))?;
             check::holders(&w, &cl.pager, &cl.model, tolerated)
                 .map_err(|e| fail(step, format!("client {}: {e}", cl.model.client)))?;
             check::groups(&w, &cl.pager)

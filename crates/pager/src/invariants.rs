@@ -1,0 +1,227 @@
+//! What must hold of a pager between any two calls, checked from its own state: the simulator
+//! calls [`Pager::check_invariants`] after every step (as it checks the stores), so a bookkeeping
+//! slip is caught where it happens rather than pages later as a wrong read.
+//!
+//! * **Slots are conserved**: every page buffer is in exactly one place — free, cached, the
+//!   data of one write-back, carried by one GET (queued, in flight, to retry, to reconstruct,
+//!   done), or owned by the redundancy scheme — and a PUT carries a slot some write-back or
+//!   stripe write owns.
+//! * **Credits equal the operations in flight**: per server, the credits taken are the sum
+//!   of what its requests in flight hold, within its window (a batch larger than the window
+//!   goes out alone).
+//! * **Holders agree with the table**: holders are distinct servers the pager knows, never
+//!   more than the scheme keeps; a write-back's page is in the table; its copies in flight,
+//!   acknowledged and refused are distinct servers, and every copy in flight is carried by a
+//!   PUT of that page and version.
+//! * The cache holds at most its budget and only dirty slots are cached; recovery's lists
+//!   name pages the table has.
+
+use crate::{Disk, Op, Pager, Transport, NOT_PIECE};
+
+impl<T: Transport, D: Disk> Pager<T, D> {
+    /// Checks the pager's own bookkeeping; the first violation found, in words.
+    pub fn check_invariants(&self) -> Result<(), String> {
+        self.check_slots()?;
+        self.check_credits()?;
+        self.check_table()?;
+        Ok(())
+    }
+
+    fn check_slots(&self) -> Result<(), String> {
+        let nslots = self.dirty.len();
+        let mut owner: Vec<Option<&'static str>> = vec![None; nslots];
+        let mut claim = |slot: u32, by: &'static str| -> Result<(), String> {
+            match owner.get_mut(slot as usize) {
+                None => Err(format!(
+                    "slot {slot} ({by}) is not a slot: there are {nslots}"
+                )),
+                Some(Some(first)) => Err(format!("slot {slot} is both {first} and {by}")),
+                Some(o) => {
+                    *o = Some(by);
+                    Ok(())
+                }
+            }
+        };
+        for &s in &self.free_slots {
+            claim(s, "free")?;
+        }
+        for (_, &s) in self.cache.iter() {
+            claim(s, "cached")?;
+        }
+        for wb in self.writeback.values() {
+            claim(wb.slot, "a write-back's data")?;
+        }
+        let mut puts = Vec::new();
+        for (_, (_, op)) in self.inflight.ops.iter() {
+            match op {
+                Op::Get(items) => items
+                    .iter()
+                    .try_for_each(|it| claim(it.slot, "a GET in flight"))?,
+                Op::Put(items) => puts.extend(items.iter().map(|it| (it.page, it.slot, it.piece))),
+                _ => {}
+            }
+        }
+        for b in &self.batches {
+            b.gets
+                .iter()
+                .try_for_each(|it| claim(it.slot, "a GET queued"))?;
+            puts.extend(b.puts.iter().map(|it| (it.page, it.slot, it.piece)));
+        }
+        for it in self.retry.iter().chain(&self.reconstruct) {
+            claim(it.slot, "a GET to try again")?;
+        }
+        for d in &self.reads_done {
+            claim(d.slot, "a finished read")?;
+        }
+        for &(_, s) in &self.fetched {
+            claim(s, "recovery's read")?;
+        }
+        let (mut owned, mut used) = (Vec::new(), Vec::new());
+        if let Some(rs) = &self.rs {
+            rs.slots_held(&mut owned, &mut used);
+        }
+        if let Some(par) = &self.par {
+            par.slots_held(&mut owned);
+        }
+        for s in owned {
+            claim(s, "the redundancy scheme's")?;
+        }
+        if let Some(s) = owner.iter().position(Option::is_none) {
+            return Err(format!(
+                "slot {s} is lost: neither free nor held by anything"
+            ));
+        }
+        for &s in &used {
+            if !matches!(
+                owner[s as usize],
+                Some("the redundancy scheme's" | "a write-back's data")
+            ) {
+                return Err(format!(
+                    "a stripe write reads slot {s}, which is {}",
+                    owner[s as usize].unwrap_or("free")
+                ));
+            }
+        }
+        for (page, slot, piece) in puts {
+            let ok = if piece == NOT_PIECE {
+                self.writeback.get(&page).is_some_and(|wb| wb.slot == slot)
+            } else {
+                used.contains(&slot)
+            };
+            if !ok {
+                return Err(format!(
+                    "a PUT of page {page} carries slot {slot}, which is {}",
+                    owner[slot as usize].unwrap_or("free")
+                ));
+            }
+        }
+        if let Some((s, _)) = self
+            .dirty
+            .iter()
+            .enumerate()
+            .find(|&(s, &d)| d && owner[s] != Some("cached"))
+        {
+            return Err(format!(
+                "slot {s} is dirty but {}",
+                owner[s].unwrap_or("free")
+            ));
+        }
+        Ok(())
+    }
+
+    fn check_credits(&self) -> Result<(), String> {
+        let mut taken = vec![0u32; self.servers.len()];
+        let mut largest = vec![0u32; self.servers.len()];
+        for (id, (s, op)) in self.inflight.ops.iter() {
+            let Some(t) = taken.get_mut(*s) else {
+                return Err(format!(
+                    "request {id} is in flight to server {s}, which is unknown"
+                ));
+            };
+            *t += op.credits();
+            largest[*s] = largest[*s].max(op.credits());
+        }
+        for (s, (&t, &held)) in taken.iter().zip(&self.inflight.per_server).enumerate() {
+            if t != held {
+                return Err(format!(
+                    "server {s}: {held} credits taken, but its requests in flight hold {t}"
+                ));
+            }
+            // A batch larger than a small server's window goes out alone (its frame is one
+            // request to the server): the window bounds the rest.
+            let w = self.window(s);
+            if held > w + largest[s].saturating_sub(w) {
+                return Err(format!(
+                    "server {s}: {held} credits in flight, over its window of {w}"
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    fn check_table(&self) -> Result<(), String> {
+        let n = self.servers.len();
+        for page in 0..self.cfg.pages {
+            let holders = self.table.holders(page);
+            if holders.iter().any(|s| s >= n) {
+                return Err(format!("page {page}: a holder beyond the {n} servers"));
+            }
+            if self.rs.is_none() && holders.len() > self.copies {
+                return Err(format!(
+                    "page {page}: {} holders, the scheme keeps {}",
+                    holders.len(),
+                    self.copies
+                ));
+            }
+            if !self.table.get(page).present && !holders.is_empty() {
+                return Err(format!(
+                    "page {page}: never written (or discarded) yet held"
+                ));
+            }
+        }
+        // Every PUT of a whole page, queued or in flight: (server, page, version).
+        let mut carried = Vec::new();
+        for (_, (s, op)) in self.inflight.ops.iter() {
+            if let Op::Put(items) = op {
+                carried.extend(items.iter().map(|it| (*s, it.page, it.version, it.piece)));
+            }
+        }
+        for (s, b) in self.batches.iter().enumerate() {
+            carried.extend(b.puts.iter().map(|it| (s, it.page, it.version, it.piece)));
+        }
+        for (&page, wb) in &self.writeback {
+            if !self.table.get(page).present {
+                return Err(format!("page {page} is written back but not in the table"));
+            }
+            for s in wb.pending.iter() {
+                if wb.done.contains(s) || wb.refused.contains(s) {
+                    return Err(format!(
+                        "page {page}: server {s} is both in flight and settled"
+                    ));
+                }
+                if self.rs.is_none() && !carried.contains(&(s, page, wb.version, NOT_PIECE)) {
+                    return Err(format!(
+                        "page {page}: a copy of version {} is pending at server {s}, but no \
+                         PUT carries it there",
+                        wb.version
+                    ));
+                }
+            }
+        }
+        if self.cfg.cache_pages > 0 && self.cache.len() > self.cfg.cache_pages {
+            return Err(format!(
+                "{} pages cached, over the budget of {}",
+                self.cache.len(),
+                self.cfg.cache_pages
+            ));
+        }
+        for &page in self.degraded.iter().chain(&self.short) {
+            if page >= self.cfg.pages || !self.table.get(page).present {
+                return Err(format!(
+                    "recovery lists page {page}, which the table does not have"
+                ));
+            }
+        }
+        Ok(())
+    }
+}
