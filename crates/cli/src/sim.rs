@@ -111,13 +111,15 @@ fn print_report(label: &str, r: &Report) {
     );
     println!(
         "faults: {} crashes, {} partitions, {} lost messages, {} resets, {} duplicated replies, \
-         {} bit flips, {} slow periods, {} parity deltas applied but unanswered",
+         {} bit flips, {} hostile replies, {} slow periods, {} parity deltas applied but \
+         unanswered",
         f.crashes,
         f.partitions,
         f.losses,
         f.resets,
         f.duplicates,
         f.bit_flips,
+        f.hostile,
         f.slowdowns,
         f.unanswered
     );

@@ -109,6 +109,7 @@ impl Report {
         a.partitions += b.partitions;
         a.slowdowns += b.slowdowns;
         a.unanswered += b.unanswered;
+        a.hostile += b.hostile;
     }
 }
 

@@ -62,6 +62,9 @@ pub struct Faults {
     /// on every try (the daemon's peers try twice): the server reports the holder unreachable
     /// and the client cannot tell whether the group changed.
     pub unanswered: f64,
+    /// Probability that a reply is replaced by a hostile one: a bit flipped anywhere in the
+    /// frame (header, key, version, status), cut short, another request's id, or garbage.
+    pub hostile: f64,
 }
 
 impl Faults {
@@ -77,6 +80,7 @@ impl Faults {
             partition: 0.0,
             slow: 0.0,
             unanswered: 0.0,
+            hostile: 0.0,
         }
     }
 
@@ -92,6 +96,7 @@ impl Faults {
             partition: 0.002,
             slow: 0.005,
             unanswered: 0.01,
+            hostile: 0.000_5,
         }
     }
 }
@@ -237,6 +242,7 @@ pub struct FaultLog {
     pub partitions: u32,
     pub slowdowns: u32,
     pub unanswered: u32,
+    pub hostile: u32,
 }
 
 /// The whole simulated cluster.
@@ -677,6 +683,11 @@ impl World {
             self.log.bit_flips += 1;
             faulty = true;
         }
+        if self.chance(self.faults.hostile) {
+            self.make_hostile(&mut out);
+            self.log.hostile += 1;
+            faulty = true;
+        }
         if self.chance(self.faults.duplicate) {
             // Both copies count: whichever the client takes second is the one it chokes on.
             faulty = true;
@@ -700,6 +711,32 @@ impl World {
                 faulty,
             },
         );
+    }
+
+    /// Turns a reply into a lie the pager must survive (found out, counted, the server dropped;
+    /// never a wrong page returned, never a panic).
+    fn make_hostile(&mut self, frame: &mut Vec<u8>) {
+        match self.rng.u32(0..4) {
+            0 => {
+                let at = self.rng.usize(0..frame.len());
+                frame[at] ^= 1 << self.rng.u32(0..8);
+            }
+            1 => frame.truncate(self.rng.usize(0..frame.len())),
+            2 => {
+                // The request id follows the frame's length and kind (`netram_proto::codec`).
+                if let Ok((id, _)) = decode_reply(frame) {
+                    let other = id.wrapping_add(self.rng.u64(1..4));
+                    if let Some(at) = frame.windows(8).position(|w| w == id.to_le_bytes()) {
+                        frame[at..at + 8].copy_from_slice(&other.to_le_bytes());
+                    }
+                }
+            }
+            _ => {
+                let n = self.rng.usize(0..64);
+                let garbage: Vec<u8> = (0..n).map(|_| self.rng.u8(..)).collect();
+                *frame = garbage;
+            }
+        }
     }
 
     /// Flips one bit of one page's data in a GET reply (a bit flip in a server's RAM or on
