@@ -81,7 +81,7 @@ fn set_error(msg: impl std::fmt::Display) {
 
 /// An error with its causes, as `anyhow`'s `{:#}` writes it: "outer: inner: innermost" (a
 /// transparent variant already shows its source's text, which is then not repeated).
-fn error_chain(e: &dyn std::error::Error) -> String {
+pub fn error_chain(e: &dyn std::error::Error) -> String {
     let mut msg = e.to_string();
     let mut source = e.source();
     while let Some(s) = source {

@@ -381,20 +381,6 @@ enum StartError {
     TooLarge(&'static str, u64),
 }
 
-/// An error with its causes: "outer: inner: innermost".
-fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut msg = e.to_string();
-    let mut source = e.source();
-    while let Some(s) = source {
-        let text = s.to_string();
-        if !msg.ends_with(&text) {
-            msg = format!("{msg}: {text}");
-        }
-        source = s.source();
-    }
-    msg
-}
-
 fn start() -> Result<bool, StartError> {
     let env = RunEnv::from_env()?;
     // Without a budget the library was not asked to do anything.
@@ -603,7 +589,7 @@ extern "C" fn on_load() {
             Ok(false) => STATE.store(OFF, Ordering::Release),
             Err(e) => {
                 STATE.store(OFF, Ordering::Release);
-                eprintln!("netram: {}", error_chain(&e));
+                eprintln!("netram: {}", netram::error_chain(&e));
                 if std::env::var_os(var::REQUIRED).is_some() {
                     // SAFETY: ends the process before main; nothing to unwind.
                     unsafe { libc::_exit(70) };
