@@ -80,18 +80,7 @@ impl RunEnv {
                 }),
             }
         };
-        let parsed =
-            |name: &'static str, v: Option<String>, f: &dyn Fn(&str) -> Result<_, String>| {
-                v.map(|v| {
-                    f(v.trim()).map_err(|why| EnvError {
-                        name,
-                        value: v.clone(),
-                        why,
-                    })
-                })
-                .transpose()
-            };
-        let size = |name| parsed(name, text(name)?, &|v| parse_size(v));
+        let size = |name| parsed(name, text(name)?, parse_size);
         Ok(Self {
             local_mem: size(var::LOCAL_MEM)?,
             servers: text(var::SERVERS)?
@@ -103,41 +92,19 @@ impl RunEnv {
                         .collect()
                 })
                 .unwrap_or_default(),
-            backing: text(var::BACKING)?
-                .map(|v| {
-                    v.trim()
-                        .parse()
-                        .map_err(|e: netram_pager::ParseBackingError| EnvError {
-                            name: var::BACKING,
-                            value: v.clone(),
-                            why: e.to_string(),
-                        })
-                })
-                .transpose()?,
-            redundancy: text(var::REDUNDANCY)?
-                .map(|v| {
-                    v.trim()
-                        .parse()
-                        .map_err(|e: netram_pager::ParseSchemeError| EnvError {
-                            name: var::REDUNDANCY,
-                            value: v.clone(),
-                            why: e.to_string(),
-                        })
-                })
-                .transpose()?,
+            backing: parsed(var::BACKING, text(var::BACKING)?, str::parse::<Backing>)?,
+            redundancy: parsed(
+                var::REDUNDANCY,
+                text(var::REDUNDANCY)?,
+                str::parse::<Scheme>,
+            )?,
             max_mem: size(var::MAX_MEM)?,
             threshold: size(var::THRESHOLD)?,
             low_latency: get(var::LOW_LATENCY).is_some_and(|v| v != "0"),
             spill_dir: get(var::SPILL_DIR).map(Into::into),
-            samples: text(var::SAMPLES)?
-                .map(|v| {
-                    v.trim().parse().map_err(|_| EnvError {
-                        name: var::SAMPLES,
-                        value: v.clone(),
-                        why: "not a number".into(),
-                    })
-                })
-                .transpose()?,
+            samples: parsed(var::SAMPLES, text(var::SAMPLES)?, |v| {
+                v.parse::<usize>().map_err(|_| "not a number")
+            })?,
             report: get(var::REPORT).map(Into::into),
             required: get(var::REQUIRED).is_some(),
         })
@@ -182,6 +149,22 @@ impl RunEnv {
         }
         vars
     }
+}
+
+/// A set variable's value through `f`; a refusal names the variable and says why.
+fn parsed<T, E: std::fmt::Display>(
+    name: &'static str,
+    v: Option<String>,
+    f: impl Fn(&str) -> Result<T, E>,
+) -> Result<Option<T>, EnvError> {
+    v.map(|v| {
+        f(v.trim()).map_err(|why| EnvError {
+            name,
+            why: why.to_string(),
+            value: v,
+        })
+    })
+    .transpose()
 }
 
 /// A size as users write it: `4096`, `64K`, `256M`, `1G` (binary multiples).
