@@ -98,7 +98,8 @@ fn print_report(label: &str, r: &Report) {
     let f = &r.faults;
     println!(
         "{label}: {} steps, {:.1} s virtual: {} writes, {} reads, {} discards, {} flushes; \
-         {} pages verified, {} reads failed where the faults allowed it, {} servers reconnected",
+         {} pages verified, {} reads failed where the faults allowed it, {} servers reconnected; \
+         {} disk writes failed, {} reported",
         r.steps,
         r.virtual_ms as f64 / 1000.0,
         r.writes,
@@ -107,7 +108,9 @@ fn print_report(label: &str, r: &Report) {
         r.flushes,
         r.pages_verified,
         r.reads_failed_allowed,
-        r.revived
+        r.revived,
+        r.disk_write_failures,
+        r.disk_errors_reported
     );
     println!(
         "faults: {} crashes, {} partitions, {} lost messages, {} resets, {} duplicated replies, \

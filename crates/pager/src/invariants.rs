@@ -13,8 +13,9 @@
 //!   more than the scheme keeps; a write-back's page is in the table; its copies in flight,
 //!   acknowledged and refused are distinct servers, and every copy in flight is carried by a
 //!   PUT of that page and version.
-//! * The cache holds at most its budget and only dirty slots are cached; recovery's lists
-//!   name pages the table has.
+//! * The cache holds at most its budget, plus the pages whose disk write failed (each of
+//!   them cached and dirty); only cached slots are dirty; recovery's lists name pages the
+//!   table has.
 
 use crate::{Disk, Op, Pager, Transport, NOT_PIECE};
 
@@ -208,11 +209,22 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                 }
             }
         }
-        if self.cfg.cache_pages > 0 && self.cache.len() > self.cfg.cache_pages {
+        // Pages whose write the disk failed stay cached over the budget until written.
+        if self.cache.len() > self.cfg.cache_pages + self.rehomed.len() {
             return Err(format!(
-                "{} pages cached, over the budget of {}",
+                "{} pages cached, over the budget of {} and the {} the disk failed",
                 self.cache.len(),
-                self.cfg.cache_pages
+                self.cfg.cache_pages,
+                self.rehomed.len()
+            ));
+        }
+        if let Some(&page) = self
+            .rehomed
+            .iter()
+            .find(|&p| self.cache.peek(p).is_none_or(|&s| !self.dirty[s as usize]))
+        {
+            return Err(format!(
+                "page {page} waits to be written again but is not dirty in the cache"
             ));
         }
         for &page in self.degraded.iter().chain(&self.short) {

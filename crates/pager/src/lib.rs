@@ -233,6 +233,9 @@ counters! {
     spills,
     disk_reads,
     disk_writes,
+    /// Writes the local disk failed. The page stays in memory, dirty, and is written again at
+    /// the next eviction or flush; `flush` reports the error.
+    disk_write_errors,
     /// Pages whose checksum failed on the way back.
     checksum_failures,
     /// Pages that came back with another version than the page table expects.
@@ -419,6 +422,11 @@ pub struct Pager<T: Transport, D: Disk> {
     /// Pages recovery could not give every copy (no server with room) and that the local disk
     /// backs meanwhile: tried again when a server comes back.
     short: BTreeSet<u64>,
+    /// Pages kept in the cache, dirty, because the local disk failed to write them and no
+    /// server holds their current version: the cache may exceed its budget by these.
+    rehomed: BTreeSet<u64>,
+    /// The local disk's last failed write, reported by the next `flush` (as fsync does).
+    disk_failed: Option<std::io::Error>,
     /// GETs that failed on one copy, to be tried on another.
     retry: Vec<GetItem>,
     /// The pager's own finished reads (recovery): page and slot.
@@ -505,6 +513,8 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             copies,
             degraded: BTreeSet::new(),
             short: BTreeSet::new(),
+            rehomed: BTreeSet::new(),
+            disk_failed: None,
             retry: Vec::new(),
             fetched: Vec::new(),
             rs,
@@ -563,6 +573,10 @@ impl<T: Transport, D: Disk> Pager<T, D> {
     pub fn transport_mut(&mut self) -> &mut T {
         &mut self.transport
     }
+    /// The local disk, e.g. to tell a test disk to fail or heal.
+    pub fn disk_mut(&mut self) -> &mut D {
+        &mut self.disk
+    }
     pub fn into_transport(self) -> T {
         self.transport
     }
@@ -600,10 +614,12 @@ impl<T: Transport, D: Disk> Pager<T, D> {
     }
 
     /// Where the page table says a page's current version is, for checkers: `None` for a page
-    /// never written (or discarded), or whose write-back is in flight (its holders are changing).
+    /// never written (or discarded), or whose write-back is in flight or waits to be tried
+    /// again after the disk failed it (its holders are changing).
     pub fn location(&self, page: u64) -> Option<PageLocation> {
         let e = self.table.get(page);
-        (e.present && !self.writeback.contains_key(&page)).then(|| PageLocation {
+        let settled = !self.writeback.contains_key(&page) && !self.rehomed.contains(&page);
+        (e.present && settled).then(|| PageLocation {
             version: e.version,
             holders: self.table.holders(page).to_vec(),
             on_disk: e.on_disk,
@@ -729,6 +745,42 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         pages.iter().try_for_each(|&p| self.check(p))?;
         self.lost.clear();
         self.corrupt = None;
+        let read = self.read_into(pages, out);
+        if read.is_err() {
+            self.abandon_reads();
+        }
+        read
+    }
+
+    /// A read that ends early (the disk failed, no slot to be had) leaves GETs in flight whose
+    /// data was for its caller's buffer: they are completed and dropped here, so that a later
+    /// read never receives them at its own positions.
+    fn abandon_reads(&mut self) {
+        // Each round completes a reply or fails a server: this ends.
+        while !self.idle() {
+            if let Err(e) = self.complete_one() {
+                tracing::debug!("while abandoning a read: {e}");
+            }
+        }
+        // The caller's reads hold slots; the pager's own (recovery's) stay.
+        let mut callers: Vec<u32> = Vec::new();
+        let mut ours = |pos: usize, slot: u32| {
+            if pos != INTERNAL {
+                callers.push(slot);
+            }
+            pos == INTERNAL
+        };
+        self.retry.retain(|it| ours(it.pos, it.slot));
+        self.reconstruct.retain(|it| ours(it.pos, it.slot));
+        self.reads_done.retain(|d| ours(d.pos, d.slot));
+        for slot in callers {
+            self.release_slot(slot);
+        }
+        self.lost.clear();
+        self.corrupt = None;
+    }
+
+    fn read_into(&mut self, pages: &[u64], out: &mut [u8]) -> Result<(), PagerError> {
         for (pos, &page) in pages.iter().enumerate() {
             self.counters.reads += 1;
             let dst = &mut out[pos * PAGE_SIZE..(pos + 1) * PAGE_SIZE];
@@ -815,12 +867,21 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         for (pos, &page) in pages.iter().enumerate() {
             self.counters.writes += 1;
             let src = &data[pos * PAGE_SIZE..(pos + 1) * PAGE_SIZE];
-            if let Some(&slot) = self.cache.get(&page) {
+            let cached = self.cache.get(&page).copied();
+            if let Some(slot) = cached.filter(|_| self.cfg.cache_pages > 0) {
                 self.slot_mut(slot).copy_from_slice(src);
                 self.dirty[slot as usize] = true;
                 continue;
             }
-            let slot = self.take_slot()?;
+            // Without a cache, a page is cached only while its last write found no home: this
+            // write goes through in its place.
+            let slot = match cached {
+                Some(slot) => {
+                    self.cache.pop(&page);
+                    slot
+                }
+                None => self.take_slot()?,
+            };
             self.slot_mut(slot).copy_from_slice(src);
             if self.cfg.cache_pages > 0 {
                 self.dirty[slot as usize] = true;
@@ -840,7 +901,17 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             // Written means stored: a stripe still open is sealed, full or not, and an open
             // parity group shipped.
             self.rs_seal()?;
-            self.par_settle()
+            self.par_settle()?;
+            self.disk_outcome()
+        }
+    }
+
+    /// The local disk's failed write since the last report, if any (the pages it was writing
+    /// are still in memory and are written again later).
+    fn disk_outcome(&mut self) -> Result<(), PagerError> {
+        match self.disk_failed.take() {
+            Some(e) => Err(PagerError::Disk(e)),
+            None => Ok(()),
         }
     }
 
@@ -862,7 +933,12 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             self.write_back(page, copy)?;
         }
         self.rs_seal()?;
-        self.par_settle()
+        self.par_settle()?;
+        // Pages the disk had failed are written now: the cache returns to its budget.
+        self.evict_over_budget()?;
+        // As fsync does: a write the disk failed since the last flush is reported once, even
+        // if it succeeded when tried again.
+        self.disk_outcome()
     }
 
     /// Forgets a page: drops it from the cache and deletes its copies (Nswap's garbage
@@ -882,6 +958,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             if let Some(slot) = self.cache.pop(&page) {
                 self.release_slot(slot);
             }
+            self.rehomed.remove(&page);
             let e = *self.table.get(page);
             if self.rs.is_some() {
                 // Its piece stays while its stripe has other live members.
@@ -1209,52 +1286,80 @@ impl<T: Transport, D: Disk> Pager<T, D> {
     /// Sends a page to its backing. The slot is released when the write is acknowledged.
     fn write_back(&mut self, page: u64, slot: u32) -> Result<(), PagerError> {
         // One write-back per page at a time, so that versions land in order.
+        let cached_before = self.cache.contains(&page);
         self.wait_writeback(page)?;
-        let version = self.table.get_mut(page).next_version();
-        match self.cfg.backing {
-            Backing::Disk => {
-                self.write_to_disk(page, slot)?;
-                let e = self.table.get_mut(page);
-                e.present = true;
-                e.on_disk = true;
-                self.release_slot(slot);
-            }
-            Backing::Cluster | Backing::ClusterDisk => {
-                if self.cfg.backing == Backing::ClusterDisk {
-                    self.write_to_disk(page, slot)?;
-                    self.table.get_mut(page).on_disk = true;
-                } else {
-                    self.table.get_mut(page).on_disk = false;
-                }
-                self.table.get_mut(page).present = true;
-                self.writeback.insert(
-                    page,
-                    Writeback {
-                        slot,
-                        version,
-                        done: Servers::default(),
-                        pending: Servers::default(),
-                        refused: Servers::default(),
-                        keep: Servers::default(),
-                        rebuild: false,
-                        join: false,
-                    },
-                );
-                if self.rs.is_some() {
-                    self.rs_write(page)?;
-                } else {
-                    self.place_copies(page)?;
-                }
+        if self.rehomed.remove(&page) && !cached_before {
+            // The write-back waited for failed and came back to the cache: this write is newer.
+            if let Some(stale) = self.cache.pop(&page) {
+                self.release_slot(stale);
             }
         }
-        Ok(())
+        if self.cfg.backing != Backing::Cluster && !self.write_to_disk(page, slot) {
+            // A failed write may have torn the disk's copy: the page lives in memory until a
+            // write succeeds, and the version stays, so remote copies of it remain valid.
+            self.table.get_mut(page).on_disk = false;
+            self.rehome(page, slot);
+            return Ok(());
+        }
+        let version = self.table.get_mut(page).next_version();
+        let e = self.table.get_mut(page);
+        e.present = true;
+        e.on_disk = self.cfg.backing != Backing::Cluster;
+        if self.cfg.backing == Backing::Disk {
+            self.release_slot(slot);
+            return Ok(());
+        }
+        self.writeback.insert(
+            page,
+            Writeback {
+                slot,
+                version,
+                done: Servers::default(),
+                pending: Servers::default(),
+                refused: Servers::default(),
+                keep: Servers::default(),
+                rebuild: false,
+                join: false,
+            },
+        );
+        if self.rs.is_some() {
+            self.rs_write(page)
+        } else {
+            self.place_copies(page)
+        }
     }
 
-    fn write_to_disk(&mut self, page: u64, slot: u32) -> Result<(), PagerError> {
+    /// Writes a slot to the local disk. A failure is counted, logged and kept for the next
+    /// `flush` to report; the caller keeps the page in memory ([`Pager::rehome`]).
+    fn write_to_disk(&mut self, page: u64, slot: u32) -> bool {
         self.counters.disk_writes += 1;
         let at = slot as usize * PAGE_SIZE;
-        self.disk.write(page, &self.slots[at..at + PAGE_SIZE])?;
-        Ok(())
+        match self.disk.write(page, &self.slots[at..at + PAGE_SIZE]) {
+            Ok(()) => true,
+            Err(e) => {
+                self.counters.disk_write_errors += 1;
+                tracing::error!(page, "local disk write failed, page kept in memory: {e}");
+                self.disk_failed = Some(e);
+                false
+            }
+        }
+    }
+
+    /// A page whose write-back found no home (the local disk failed it) goes back to the
+    /// cache, dirty, so that nothing is lost: it is written again at its next eviction or
+    /// flush. A newer version cached meanwhile wins.
+    fn rehome(&mut self, page: u64, slot: u32) {
+        self.rehomed.insert(page);
+        match self.cache.peek(&page) {
+            Some(&cached) => {
+                self.dirty[cached as usize] = true;
+                self.release_slot(slot);
+            }
+            None => {
+                self.cache.put(page, slot);
+                self.dirty[slot as usize] = true;
+            }
+        }
     }
 
     /// Sends the copies a page in write-back still lacks, each to a live server that holds no
@@ -1343,7 +1448,16 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             // adds the missing copies when servers come back.
             if !self.table.get(page).on_disk {
                 self.counters.spills += 1;
-                self.write_to_disk(page, wb.slot)?;
+                if !self.write_to_disk(page, wb.slot) {
+                    // Fewer copies than promised and no disk to make up for them: the copies
+                    // made count, and the page stays in memory until it is written again.
+                    self.degraded.remove(&page);
+                    self.short.remove(&page);
+                    self.set_location(page, holders);
+                    self.table.get_mut(page).on_disk = false;
+                    self.rehome(page, wb.slot);
+                    return Ok(());
+                }
                 self.table.get_mut(page).on_disk = true;
             }
             self.degraded.remove(&page);
@@ -1410,12 +1524,20 @@ impl<T: Transport, D: Disk> Pager<T, D> {
     /// Evicts least recently used pages while the cache is over budget, a batch at a time, so
     /// that dirty pages go out as pipelined PUTs.
     fn evict_over_budget(&mut self) -> Result<(), PagerError> {
-        if self.cache.len() <= self.cfg.cache_pages {
+        // Pages the disk failed to write stay in memory on top of the budget: evicting others
+        // for them would only push more pages at the failing disk.
+        let budget = |p: &Self| p.cfg.cache_pages + p.rehomed.len();
+        if self.cache.len() <= budget(self) {
             return Ok(());
         }
-        let n = (self.cache.len() - self.cfg.cache_pages)
+        let n = (self.cache.len() - budget(self))
             .max(self.cfg.writeback_batch.min(self.cfg.cache_pages));
-        for _ in 0..n {
+        // A batch at least, and until within the budget: writing a failed page back shrinks
+        // the budget by one. Bounded, as a page the disk fails again comes back at the top.
+        for evicted in 0..n + self.cache.len() {
+            if evicted >= n && self.cache.len() <= budget(self) {
+                break;
+            }
             let Some((page, slot)) = self.cache.pop_lru() else {
                 break;
             };
@@ -1434,7 +1556,17 @@ impl<T: Transport, D: Disk> Pager<T, D> {
     /// A free slot, completing requests in flight until one is released. There is always one to
     /// wait for: slots not free are cached (at most `cache_pages`) or carry a request.
     fn take_slot(&mut self) -> Result<u32, PagerError> {
+        // Evictions go back to the cache when the disk fails them: once more have failed than
+        // pages are cached, there is no room to be had.
+        let failed_before = self.counters.disk_write_errors;
         loop {
+            if self.counters.disk_write_errors - failed_before > self.cache.len() as u64 {
+                return Err(self.disk_outcome().err().unwrap_or_else(|| {
+                    PagerError::Disk(std::io::Error::other(
+                        "every page in memory waits for a disk that fails its writes",
+                    ))
+                }));
+            }
             if let Some(s) = self.free_slots.pop() {
                 return Ok(s);
             }

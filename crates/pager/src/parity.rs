@@ -620,8 +620,14 @@ impl<T: Transport, D: Disk> Pager<T, D> {
     /// write-back slot) or known lost. True when `slot` holds the page.
     pub(crate) fn par_reconstruct(&mut self, page: u64, slot: u32) -> Result<bool, PagerError> {
         for _ in 0..10_000 {
-            if let Some(wb) = self.writeback.get(&page) {
-                let (from, to) = (wb.slot as usize * PAGE_SIZE, slot as usize * PAGE_SIZE);
+            // Rebuilt and in flight, or kept in memory because the disk failed to take it.
+            let rebuilt = self
+                .writeback
+                .get(&page)
+                .map(|wb| wb.slot)
+                .or_else(|| self.cache.peek(&page).copied());
+            if let Some(from) = rebuilt {
+                let (from, to) = (from as usize * PAGE_SIZE, slot as usize * PAGE_SIZE);
                 self.slots.copy_within(from..from + PAGE_SIZE, to);
                 return Ok(true);
             }

@@ -425,9 +425,10 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                         .set_holders(page, Servers::from_iter([usize::from(servers[i])]));
                 }
                 if current && !whole && !self.table.get(page).on_disk {
+                    // A failed write leaves the stripe short: recovery tries again.
                     self.counters.spills += 1;
-                    self.write_to_disk(page, w.data[i])?;
-                    self.table.get_mut(page).on_disk = true;
+                    let written = self.write_to_disk(page, w.data[i]);
+                    self.table.get_mut(page).on_disk = written;
                 }
                 continue;
             }
@@ -442,12 +443,17 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                 .map(usize::from)
                 .into_iter()
                 .collect();
+            self.table.set_holders(page, holders);
             if !whole && !self.table.get(page).on_disk {
                 self.counters.spills += 1;
-                self.write_to_disk(page, wb.slot)?;
+                if !self.write_to_disk(page, wb.slot) {
+                    // Its piece counts as far as it goes; the page stays in memory until it
+                    // is written again.
+                    self.rehome(page, wb.slot);
+                    continue;
+                }
                 self.table.get_mut(page).on_disk = true;
             }
-            self.table.set_holders(page, holders);
             self.release_slot(wb.slot);
         }
         if w.rebuild {

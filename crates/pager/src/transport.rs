@@ -62,23 +62,89 @@ pub trait Disk {
     fn discard(&mut self, page: u64) -> std::io::Result<()>;
 }
 
-/// A disk in memory, for tests and the simulator.
+/// A disk in memory, for tests and the simulator. It can be told to fail writes, as a disk
+/// that is full or broken does.
 #[derive(Debug, Default)]
 pub struct MemDisk {
     pages: HashMap<u64, Box<[u8]>>,
+    failures: Option<Failures>,
+    writes: u64,
+    failed: u64,
+}
+
+/// Which writes a [`MemDisk`] fails.
+#[derive(Debug)]
+enum Failures {
+    /// Each write with this probability, never two in a row (a disk that fails every write is
+    /// [`Failures::From`]).
+    Random {
+        rng: fastrand::Rng,
+        p: f64,
+        last: bool,
+    },
+    /// Every write from the Nth on (1-based).
+    From(u64),
 }
 
 impl MemDisk {
+    /// Fails each write with probability `p` (but never two writes in a row), drawn from
+    /// `seed`. A failed write leaves the page's old contents in place or torn: the pager
+    /// must not trust either.
+    pub fn failing_randomly(seed: u64, p: f64) -> Self {
+        Self {
+            failures: Some(Failures::Random {
+                rng: fastrand::Rng::with_seed(seed),
+                p,
+                last: false,
+            }),
+            ..Self::default()
+        }
+    }
+    /// Fails the Nth write (1-based) and every write after it.
+    pub fn failing_from(n: u64) -> Self {
+        Self {
+            failures: Some(Failures::From(n)),
+            ..Self::default()
+        }
+    }
+    /// Stops failing writes.
+    pub fn heal(&mut self) {
+        self.failures = None;
+    }
     pub fn len(&self) -> usize {
         self.pages.len()
     }
     pub fn is_empty(&self) -> bool {
         self.pages.is_empty()
     }
+    /// Writes tried, and how many of them failed.
+    pub fn writes(&self) -> (u64, u64) {
+        (self.writes, self.failed)
+    }
 }
 
 impl Disk for MemDisk {
     fn write(&mut self, page: u64, data: &[u8]) -> std::io::Result<()> {
+        self.writes += 1;
+        let fail = match &mut self.failures {
+            None => false,
+            Some(Failures::From(n)) => self.writes >= *n,
+            Some(Failures::Random { rng, p, last }) => {
+                *last = !*last && rng.f64() < *p;
+                *last
+            }
+        };
+        if fail {
+            self.failed += 1;
+            // Torn: half the page written, as a write cut off midway leaves it.
+            if let Some(old) = self.pages.get_mut(&page) {
+                old[..data.len() / 2].copy_from_slice(&data[..data.len() / 2]);
+            }
+            return Err(std::io::Error::other(format!(
+                "injected failure of disk write {}",
+                self.writes
+            )));
+        }
         self.pages.insert(page, data.into());
         Ok(())
     }

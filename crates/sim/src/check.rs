@@ -217,7 +217,10 @@ fn missing_piece(
     version: u32,
 ) -> Option<String> {
     let conn = pager.transport().conns[h]?;
-    if !world.inspectable(conn) {
+    if !world.inspectable(conn) || world.conns[conn].lied {
+        // A hostile reply may have told the pager "stored" for a PUT that was not (another
+        // request's id on a PUT reply): a lie it cannot see until replies are authenticated.
+        // It costs a copy, which the redundancy covers; the final checks read every page.
         return None;
     }
     let stored = world.servers[h].store.peek(world.conns[conn].session, key);
@@ -380,7 +383,9 @@ pub fn no_garbage(world: &World, pager: &Pager<SimTransport, MemDisk>) -> Result
         let Some(conn) = pager.transport().conns[s] else {
             continue;
         };
-        if !world.inspectable(conn) {
+        if !world.inspectable(conn) || world.conns[conn].lied {
+            // A lie about a PUT's fate (stored, said full) leaves a copy the client cannot
+            // know of: `nothing_left` sees it freed when the session ends.
             continue;
         }
         // Data pages only: a holder's parity frames are not in the page table.

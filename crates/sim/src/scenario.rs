@@ -84,6 +84,9 @@ pub struct Report {
     pub pages_verified: u64,
     /// Reads that failed where the faults allowed it (lost or corrupt beyond the redundancy).
     pub reads_failed_allowed: u64,
+    /// Writes the clients' local disks failed, and the operations that reported it.
+    pub disk_write_failures: u64,
+    pub disk_errors_reported: u64,
     pub faults: FaultLog,
 }
 
@@ -100,6 +103,8 @@ impl Report {
         self.rebuilds_started += r.rebuilds_started;
         self.pages_verified += r.pages_verified;
         self.reads_failed_allowed += r.reads_failed_allowed;
+        self.disk_write_failures += r.disk_write_failures;
+        self.disk_errors_reported += r.disk_errors_reported;
         let (a, b) = (&mut self.faults, &r.faults);
         a.crashes += b.crashes;
         a.resets += b.resets;
@@ -127,6 +132,55 @@ struct Client {
     pager: Pager<SimTransport, MemDisk>,
     model: Model,
     backing: Backing,
+    /// The pager's count of failed disk writes when it last reported one.
+    disk_failures_reported: u64,
+}
+
+impl Client {
+    /// Whether an error is the pager reporting its disk's failed writes, and a failure it had
+    /// not reported yet explains it (each report needs a failure of its own).
+    fn disk_failure_explains(&mut self, e: &PagerError) -> bool {
+        let failures = self.pager.counters().disk_write_errors;
+        let explained = matches!(e, PagerError::Disk(_)) && failures > self.disk_failures_reported;
+        if explained {
+            self.disk_failures_reported = failures;
+        }
+        explained
+    }
+
+    /// After an operation that failed midway (its disk could not make room), each page it
+    /// touched holds one of `candidates` (its contents before or one of the operation's): the
+    /// model learns which by reading it, and anything else is a failure.
+    fn pin(&mut self, candidates: &[(u64, Option<u64>)]) -> Result<(), String> {
+        let mut out = vec![0u8; PAGE_SIZE];
+        let pages: std::collections::BTreeSet<u64> = candidates.iter().map(|c| c.0).collect();
+        for page in pages {
+            match self.pager.read(page, &mut out) {
+                Ok(()) => {}
+                // Lost meanwhile (where the faults allow it): what it held no longer matters.
+                Err(PagerError::Lost(_)) if self.backing == Backing::Cluster => continue,
+                Err(e) => return Err(format!("reading back page {page} after a disk error: {e}")),
+            }
+            let tags = candidates.iter().filter(|c| c.0 == page).map(|c| c.1);
+            let mut found = None;
+            for tag in tags {
+                self.model.pages[page as usize] = tag;
+                if out == self.model.expected(page) {
+                    found = Some(tag);
+                }
+            }
+            match found {
+                Some(tag) => self.model.pages[page as usize] = tag,
+                None => {
+                    return Err(format!(
+                        "page {page} read back {} after a disk error",
+                        self.model.explain(page, &out)
+                    ))
+                }
+            }
+        }
+        Ok(())
+    }
 }
 
 /// Plays a scenario, checking after every step. A panic in the code under test is a failure
@@ -191,12 +245,13 @@ fn play(sc: &Scenario, at: &std::cell::Cell<u32>) -> Result<Report, Failure> {
                 redundancy: sc.scheme,
                 recovery_slots: [0, 8, 64][rng.usize(0..3)],
             };
+            let disk = match sc.faults.disk_write {
+                p if p > 0.0 => MemDisk::failing_randomly(rng.u64(..), p),
+                _ => MemDisk::default(),
+            };
             Client {
-                pager: Pager::new(
-                    cfg,
-                    SimTransport::connect(world.clone(), c),
-                    MemDisk::default(),
-                ),
+                disk_failures_reported: 0,
+                pager: Pager::new(cfg, SimTransport::connect(world.clone(), c), disk),
                 model: Model {
                     client: c,
                     pages: vec![None; sc.pages as usize],
@@ -229,15 +284,26 @@ fn play(sc: &Scenario, at: &std::cell::Cell<u32>) -> Result<Report, Failure> {
         match rng.u32(0..100) {
             0..=39 => {
                 let mut data = Vec::with_capacity(pages.len() * PAGE_SIZE);
+                let mut candidates: Vec<(u64, Option<u64>)> = pages
+                    .iter()
+                    .map(|&p| (p, cl.model.pages[p as usize]))
+                    .collect();
                 for &p in &pages {
                     tag += 1;
                     data.extend(content(ci, p, tag));
                     cl.model.pages[p as usize] = Some(tag);
+                    candidates.push((p, Some(tag)));
                 }
                 report.writes += 1;
-                cl.pager
-                    .write_many(&pages, &data)
-                    .map_err(|e| fail(step, format!("client {ci}: write {pages:?}: {e}")))?;
+                match cl.pager.write_many(&pages, &data) {
+                    Ok(()) => {}
+                    Err(e) if cl.disk_failure_explains(&e) => {
+                        report.disk_errors_reported += 1;
+                        cl.pin(&candidates)
+                            .map_err(|why| fail(step, format!("client {ci}: {why}")))?;
+                    }
+                    Err(e) => return Err(fail(step, format!("client {ci}: write {pages:?}: {e}"))),
+                }
             }
             40..=79 => {
                 report.reads += 1;
@@ -261,6 +327,9 @@ fn play(sc: &Scenario, at: &std::cell::Cell<u32>) -> Result<Report, Failure> {
                     Err(e) if may_lose(cl, &e) => {
                         report.reads_failed_allowed += 1;
                     }
+                    Err(e) if cl.disk_failure_explains(&e) => {
+                        report.disk_errors_reported += 1;
+                    }
                     Err(e) => {
                         return Err(fail(step, format!("client {ci}: read {pages:?}: {e}")));
                     }
@@ -268,34 +337,47 @@ fn play(sc: &Scenario, at: &std::cell::Cell<u32>) -> Result<Report, Failure> {
             }
             80..=87 => {
                 report.discards += 1;
+                let mut candidates: Vec<(u64, Option<u64>)> = pages
+                    .iter()
+                    .map(|&p| (p, cl.model.pages[p as usize]))
+                    .collect();
                 for &p in &pages {
                     cl.model.pages[p as usize] = None;
+                    candidates.push((p, None));
                 }
-                cl.pager
-                    .discard_many(&pages)
-                    .map_err(|e| fail(step, format!("client {ci}: discard {pages:?}: {e}")))?;
+                match cl.pager.discard_many(&pages) {
+                    Ok(()) => {}
+                    Err(e) if cl.disk_failure_explains(&e) => {
+                        report.disk_errors_reported += 1;
+                        cl.pin(&candidates)
+                            .map_err(|why| fail(step, format!("client {ci}: {why}")))?;
+                    }
+                    Err(e) => {
+                        return Err(fail(step, format!("client {ci}: discard {pages:?}: {e}")))
+                    }
+                }
             }
             88..=91 => {
                 report.flushes += 1;
-                cl.pager
-                    .flush()
-                    .map_err(|e| fail(step, format!("client {ci}: flush: {e}")))?;
+                match cl.pager.flush() {
+                    Ok(()) => {}
+                    Err(e) if cl.disk_failure_explains(&e) => report.disk_errors_reported += 1,
+                    Err(e) => return Err(fail(step, format!("client {ci}: flush: {e}"))),
+                }
             }
             92 => {
                 report.revived += cl.pager.revive_dead_servers() as u64;
             }
-            93 => {
-                cl.pager
-                    .probe_servers()
-                    .map_err(|e| fail(step, format!("client {ci}: probe: {e}")))?;
-            }
-            94..=95 => {
-                let r = cl
-                    .pager
-                    .recover(rng.usize(1..=16))
-                    .map_err(|e| fail(step, format!("client {ci}: recover: {e}")))?;
-                report.rebuilds_started += r.started as u64;
-            }
+            93 => match cl.pager.probe_servers() {
+                Ok(_) => {}
+                Err(e) if cl.disk_failure_explains(&e) => report.disk_errors_reported += 1,
+                Err(e) => return Err(fail(step, format!("client {ci}: probe: {e}"))),
+            },
+            94..=95 => match cl.pager.recover(rng.usize(1..=16)) {
+                Ok(r) => report.rebuilds_started += r.started as u64,
+                Err(e) if cl.disk_failure_explains(&e) => report.disk_errors_reported += 1,
+                Err(e) => return Err(fail(step, format!("client {ci}: recover: {e}"))),
+            },
             _ => {
                 let d = rng.u64(0..50_000);
                 world.borrow_mut().run_for(d);
@@ -327,9 +409,14 @@ fn play(sc: &Scenario, at: &std::cell::Cell<u32>) -> Result<Report, Failure> {
     world.borrow_mut().run_for(5_000_000);
     for (ci, cl) in clients.iter_mut().enumerate() {
         cl.pager.revive_dead_servers();
-        cl.pager
-            .flush()
-            .map_err(|e| fail(end, format!("client {ci}: final flush: {e}")))?;
+        // The disk is mended too; the first flush reports a failure not reported yet.
+        cl.pager.disk_mut().heal();
+        report.disk_write_failures += cl.pager.counters().disk_write_errors;
+        match cl.pager.flush() {
+            Ok(()) => {}
+            Err(e) if cl.disk_failure_explains(&e) => report.disk_errors_reported += 1,
+            Err(e) => return Err(fail(end, format!("client {ci}: final flush: {e}"))),
+        }
         // Recovery runs to the end: the redundancy is whole again.
         for _ in 0..1_000 {
             cl.pager

@@ -65,6 +65,9 @@ pub struct Faults {
     /// Probability that a reply is replaced by a hostile one: a bit flipped anywhere in the
     /// frame (header, key, version, status), cut short, another request's id, or garbage.
     pub hostile: f64,
+    /// Probability that a client's local disk fails a write (never two in a row; a failed
+    /// write may tear the page's old contents).
+    pub disk_write: f64,
 }
 
 impl Faults {
@@ -81,6 +84,7 @@ impl Faults {
             slow: 0.0,
             unanswered: 0.0,
             hostile: 0.0,
+            disk_write: 0.0,
         }
     }
 
@@ -97,6 +101,7 @@ impl Faults {
             slow: 0.005,
             unanswered: 0.01,
             hostile: 0.000_5,
+            disk_write: 0.02,
         }
     }
 }
@@ -150,6 +155,10 @@ pub struct Conn {
     /// A message was lost for good: nothing more arrives either way.
     pub silent: bool,
     pub closed: bool,
+    /// A hostile reply that still decodes went out on it (a flipped status, another request's
+    /// id): the client may believe a PUT stored that was not, or not stored that was, until it
+    /// drops the connection. Garbage and truncated frames it refuses are not lies it believes.
+    pub lied: bool,
     /// Replies waiting for the client, each with whether it is faulty (counted when taken).
     inbox: Vec<(Vec<u8>, bool)>,
     /// When the last request reaches the server: later ones arrive after it (TCP's order).
@@ -373,6 +382,7 @@ impl World {
             reset: false,
             silent: false,
             closed: false,
+            lied: false,
             inbox: Vec::new(),
             last_arrival: self.now,
             forward: None,
@@ -684,8 +694,9 @@ impl World {
             faulty = true;
         }
         if self.chance(self.faults.hostile) {
-            self.make_hostile(&mut out);
+            let believable = self.make_hostile(&mut out);
             self.log.hostile += 1;
+            self.conns[conn].lied |= believable;
             faulty = true;
         }
         if self.chance(self.faults.duplicate) {
@@ -715,13 +726,19 @@ impl World {
 
     /// Turns a reply into a lie the pager must survive (found out, counted, the server dropped;
     /// never a wrong page returned, never a panic).
-    fn make_hostile(&mut self, frame: &mut Vec<u8>) {
+    /// Returns whether the result may still decode as a plausible reply (a lie the client
+    /// cannot see through), rather than as a frame it refuses.
+    fn make_hostile(&mut self, frame: &mut Vec<u8>) -> bool {
         match self.rng.u32(0..4) {
             0 => {
                 let at = self.rng.usize(0..frame.len());
                 frame[at] ^= 1 << self.rng.u32(0..8);
+                true
             }
-            1 => frame.truncate(self.rng.usize(0..frame.len())),
+            1 => {
+                frame.truncate(self.rng.usize(0..frame.len()));
+                false
+            }
             2 => {
                 // The request id follows the frame's length and kind (`netram_proto::codec`).
                 if let Ok((id, _)) = decode_reply(frame) {
@@ -730,11 +747,13 @@ impl World {
                         frame[at..at + 8].copy_from_slice(&other.to_le_bytes());
                     }
                 }
+                true
             }
             _ => {
                 let n = self.rng.usize(0..64);
                 let garbage: Vec<u8> = (0..n).map(|_| self.rng.u8(..)).collect();
                 *frame = garbage;
+                false
             }
         }
     }

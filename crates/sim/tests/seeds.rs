@@ -37,7 +37,11 @@ fn many(scheme: &str, first: u64, step: u64) {
     // The faults really happened: a simulator that injects nothing proves nothing.
     let f = &t.faults;
     assert!(f.crashes > 0 && f.partitions > 0 && f.bit_flips > 0 && f.losses > 0);
-    assert!(f.resets > 0 && f.duplicates > 0 && t.pages_verified > 0);
+    assert!(f.resets > 0 && f.duplicates > 0 && f.hostile > 0 && t.pages_verified > 0);
+    assert!(
+        t.disk_write_failures > 0 && t.disk_errors_reported > 0,
+        "no local disk ever failed a write, or no failure was reported"
+    );
     if scheme != Scheme::None && runs >= 100 {
         assert!(t.rebuilds_started > 0, "recovery never ran");
     }
