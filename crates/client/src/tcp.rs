@@ -401,6 +401,18 @@ impl Transport for TcpTransport {
         Ok(())
     }
 
+    fn send_frame(&mut self, server: usize, frame: &[u8]) -> Result<(), TransportError> {
+        let c = &mut self.conns[server];
+        if let Some(e) = &c.broken {
+            return Err(e.clone());
+        }
+        c.wbuf.extend_from_slice(frame);
+        if c.wbuf.len() >= WBUF_FLUSH {
+            self.flush(server);
+        }
+        Ok(())
+    }
+
     fn recv(&mut self, server: usize) -> Result<(u64, Reply<'_>), TransportError> {
         for i in 0..self.conns.len() {
             self.flush(i);

@@ -13,6 +13,9 @@
 //!   more than the scheme keeps; a write-back's page is in the table; its copies in flight,
 //!   acknowledged and refused are distinct servers, and every copy in flight is carried by a
 //!   PUT of that page and version.
+//! * **Handling a reply never waits**: a request that finds no credit, or a slot taken while
+//!   a reply is handled, queues or is found without reading another reply, so that replies
+//!   can be delivered as events (one at a time, in any order, to any client).
 //! * The cache holds at most its budget, plus the pages whose disk write failed (each of
 //!   them cached and dirty); only cached slots are dirty; recovery's lists name pages the
 //!   table has.
@@ -22,10 +25,28 @@ use crate::{Disk, Op, Pager, Transport, NOT_PIECE};
 impl<T: Transport, D: Disk> Pager<T, D> {
     /// Checks the pager's own bookkeeping; the first violation found, in words.
     pub fn check_invariants(&self) -> Result<(), String> {
+        if self.waits_in_reply > 0 {
+            return Err(format!(
+                "handling a reply waited for another {} times: requests without credits must \
+                 queue, not wait",
+                self.waits_in_reply
+            ));
+        }
         self.check_slots()?;
         self.check_credits()?;
         self.check_table()?;
         Ok(())
+    }
+
+    /// Every request not answered yet: (server, what it is for, whether it was sent).
+    fn requests(&self) -> impl Iterator<Item = (usize, &Op, bool)> {
+        let sent = self.inflight.ops.values().map(|(s, op)| (*s, op, true));
+        let queued = self
+            .queues
+            .iter()
+            .enumerate()
+            .flat_map(|(s, q)| q.iter().map(move |q| (s, q.op(), false)));
+        sent.chain(queued)
     }
 
     fn check_slots(&self) -> Result<(), String> {
@@ -53,20 +74,21 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             claim(wb.slot, "a write-back's data")?;
         }
         let mut puts = Vec::new();
-        for (_, (_, op)) in self.inflight.ops.iter() {
+        for (_, op, sent) in self.requests() {
             match op {
-                Op::Get(items) => items
-                    .iter()
-                    .try_for_each(|it| claim(it.slot, "a GET in flight"))?,
+                Op::Get(items) => items.iter().try_for_each(|it| {
+                    claim(
+                        it.slot,
+                        if sent {
+                            "a GET in flight"
+                        } else {
+                            "a GET queued"
+                        },
+                    )
+                })?,
                 Op::Put(items) => puts.extend(items.iter().map(|it| (it.page, it.slot, it.piece))),
                 _ => {}
             }
-        }
-        for b in &self.batches {
-            b.gets
-                .iter()
-                .try_for_each(|it| claim(it.slot, "a GET queued"))?;
-            puts.extend(b.puts.iter().map(|it| (it.page, it.slot, it.piece)));
         }
         for it in self.retry.iter().chain(&self.reconstruct) {
             claim(it.slot, "a GET to try again")?;
@@ -182,13 +204,10 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         }
         // Every PUT of a whole page, queued or in flight: (server, page, version).
         let mut carried = Vec::new();
-        for (_, (s, op)) in self.inflight.ops.iter() {
+        for (s, op, _) in self.requests() {
             if let Op::Put(items) = op {
-                carried.extend(items.iter().map(|it| (*s, it.page, it.version, it.piece)));
+                carried.extend(items.iter().map(|it| (s, it.page, it.version, it.piece)));
             }
-        }
-        for (s, b) in self.batches.iter().enumerate() {
-            carried.extend(b.puts.iter().map(|it| (s, it.page, it.version, it.piece)));
         }
         for (&page, wb) in &self.writeback {
             if !self.table.get(page).present {

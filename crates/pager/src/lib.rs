@@ -44,7 +44,7 @@ use netram_proto::{
     DeleteStatus, ErrorCode, GetResult, Page, PageKey, PutStatus, Reply, Request, PAGE_SIZE,
 };
 use parity::PutOp;
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeSet, HashMap, VecDeque};
 use std::fmt;
 use table::{Entry, Servers, Table};
 pub use transport::{Disk, MemDisk, ServerInfo, Transport, TransportError};
@@ -372,14 +372,55 @@ impl Op {
 struct Inflight {
     ops: HashMap<u64, (usize, Op), foldhash::fast::FixedState>,
     per_server: Vec<u32>,
+    /// (request, server) in the order sent; answered ones are dropped lazily from the front.
+    /// The oldest request still in flight names the server whose reply to wait for: the one
+    /// most likely to be there already, so that every server's pipeline keeps moving.
+    order: VecDeque<(u64, usize)>,
 }
 
-/// Pages chosen for a server but not yet sent: they go out as one frame when the batch is full
-/// or before the pager waits for anything.
-#[derive(Debug, Default)]
-struct Batches {
-    gets: Vec<GetItem>,
-    puts: Vec<PutItem>,
+impl Inflight {
+    /// The server of the oldest request still in flight.
+    fn oldest(&mut self) -> Option<usize> {
+        while let Some(&(id, server)) = self.order.front() {
+            if self.ops.contains_key(&id) {
+                return Some(server);
+            }
+            self.order.pop_front();
+        }
+        None
+    }
+}
+
+/// A request waiting to be sent, in a per-server queue kept in the order the requests were
+/// made: a connection applies its requests in order, so a DELETE of a superseded copy is never
+/// overtaken by a later PUT of the same page. Requests wait there for their server's credits
+/// (nothing blocks to get one) and GETs and PUTs for the batch they fill.
+#[derive(Debug)]
+enum Queued {
+    /// GETs or PUTs filling one frame: built (PUTs sealed from their slots) when sent. A page
+    /// joins the last open batch of its kind that no other request follows.
+    Batch(Op),
+    /// Any other request, encoded when it was made (its id is in the frame).
+    Frame { id: u64, op: Op, frame: Vec<u8> },
+}
+
+impl Queued {
+    fn op(&self) -> &Op {
+        match self {
+            Queued::Batch(op) | Queued::Frame { op, .. } => op,
+        }
+    }
+
+    /// Whether it may go out now: a batch when full (or when everything must, `all`).
+    fn ready(&self, batch_max: usize, all: bool) -> bool {
+        let pages = match self {
+            Queued::Frame { .. } => return true,
+            Queued::Batch(Op::Get(items)) => items.len(),
+            Queued::Batch(Op::Put(items)) => items.len(),
+            Queued::Batch(_) => return true,
+        };
+        all || pages >= batch_max
+    }
 }
 
 /// A finished read, waiting to be copied out to the caller.
@@ -438,12 +479,18 @@ pub struct Pager<T: Transport, D: Disk> {
     /// Reads whose piece is out of reach, to be decoded from the rest of their stripe.
     reconstruct: Vec<GetItem>,
     inflight: Inflight,
-    batches: Vec<Batches>,
+    /// Per server: requests not sent yet, oldest first.
+    queues: Vec<VecDeque<Queued>>,
     followups: Vec<Followup>,
     reads_done: Vec<ReadDone>,
     lost: Vec<(usize, u64)>,
     corrupt: Option<(usize, u64, &'static str)>,
     next_req: u64,
+    /// Replies being handled (nested when handling one waits for another), and the waits
+    /// that happened while handling one: reply handling is to become an event that never
+    /// waits, and `check_invariants` counts what still does.
+    in_reply: u32,
+    waits_in_reply: u64,
     rng: fastrand::Rng,
     counters: PagerCounters,
 }
@@ -540,8 +587,9 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             inflight: Inflight {
                 ops: HashMap::default(),
                 per_server: vec![0; servers.len()],
+                order: VecDeque::new(),
             },
-            batches: (0..servers.len()).map(|_| Batches::default()).collect(),
+            queues: (0..servers.len()).map(|_| VecDeque::new()).collect(),
             followups: Vec::new(),
             servers,
             slots: vec![0u8; nslots * PAGE_SIZE],
@@ -553,6 +601,8 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             lost: Vec::new(),
             corrupt: None,
             next_req: 1,
+            in_reply: 0,
+            waits_in_reply: 0,
             rng: fastrand::Rng::with_seed(cfg.seed),
             counters: PagerCounters::default(),
             cfg: PagerConfig { batch_max, ..cfg },
@@ -895,8 +945,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             // A swap device's writes are evictions of evictions: waiting here for the servers
             // would put a network round trip into every write, and, behind the device's lock,
             // into the reads queued after it. The staging slots bound what is in flight.
-            self.send_all_batches();
-            Ok(())
+            self.send_everything()
         } else {
             // Written means stored: a stripe still open is sealed, full or not, and an open
             // parity group shipped.
@@ -986,8 +1035,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         if self.cfg.cache_pages > 0 {
             // As with write-back, not waited for: a connection applies its requests in order,
             // so a later PUT of the same page to the same server lands after the DELETE.
-            self.send_all_batches();
-            Ok(())
+            self.send_everything()
         } else {
             self.drain()
         }
@@ -1223,9 +1271,73 @@ impl<T: Transport, D: Disk> Pager<T, D> {
 
     fn submit_get_item(&mut self, server: usize, it: GetItem) {
         self.counters.gets += 1;
-        self.batches[server].gets.push(it);
-        if self.batches[server].gets.len() >= self.cfg.batch_max {
-            self.send_batches(server);
+        if !self.servers[server].alive {
+            return self.get_failed(server, it, None);
+        }
+        let batch_max = self.cfg.batch_max;
+        let open = self.queues[server]
+            .iter_mut()
+            .rev()
+            .take_while(|q| matches!(q, Queued::Batch(_)))
+            .find_map(|q| match q {
+                Queued::Batch(Op::Get(items)) if items.len() < batch_max => Some(items),
+                _ => None,
+            });
+        let full = match open {
+            Some(items) => {
+                items.push(it);
+                items.len() >= batch_max
+            }
+            None => {
+                self.queues[server].push_back(Queued::Batch(Op::Get(vec![it])));
+                batch_max == 1
+            }
+        };
+        if full {
+            self.pump_paced(server);
+        }
+    }
+
+    /// Sends a server's full batches; outside reply handling, also waits for that server's
+    /// replies until they have credits, as a pipeline should: a reader that filled a window
+    /// takes its answers before asking more, rather than filling every free slot first.
+    fn pump_paced(&mut self, server: usize) {
+        self.pump(server, false);
+        while self.in_reply == 0
+            && self.servers[server].alive
+            && self.queues[server]
+                .front()
+                .is_some_and(|q| q.ready(self.cfg.batch_max, false))
+        {
+            if let Err(e) = self.recv_from(server) {
+                // Errors of other operations surface through their own completions.
+                tracing::debug!("while waiting for a credit: {e}");
+            }
+            self.pump(server, false);
+        }
+    }
+
+    /// Queues one page of a PUT on its server's open batch; true when the batch is full (the
+    /// caller sends it once its own bookkeeping is done).
+    fn queue_put(&mut self, server: usize, it: PutItem) -> bool {
+        let batch_max = self.cfg.batch_max;
+        let open = self.queues[server]
+            .iter_mut()
+            .rev()
+            .take_while(|q| matches!(q, Queued::Batch(_)))
+            .find_map(|q| match q {
+                Queued::Batch(Op::Put(items)) if items.len() < batch_max => Some(items),
+                _ => None,
+            });
+        match open {
+            Some(items) => {
+                items.push(it);
+                items.len() >= batch_max
+            }
+            None => {
+                self.queues[server].push_back(Queued::Batch(Op::Put(vec![it])));
+                batch_max == 1
+            }
         }
     }
 
@@ -1396,15 +1508,15 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             wb.pending.insert(server);
             self.counters.puts += 1;
             let key = self.key(page);
-            self.batches[server].puts.push(PutItem {
+            let it = PutItem {
                 page,
                 slot: wb.slot,
                 version: wb.version,
                 key,
                 piece: NOT_PIECE,
                 op: PutOp::Plain,
-            });
-            if self.batches[server].puts.len() >= self.cfg.batch_max {
+            };
+            if self.queue_put(server, it) {
                 full.push(server);
             }
         }
@@ -1415,7 +1527,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             return self.finish_writeback(page);
         }
         for server in full {
-            self.send_batches(server);
+            self.pump_paced(server);
         }
         Ok(())
     }
@@ -1506,6 +1618,11 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                 // time: a page may join a group while it waits).
                 self.par_seal(Some(page))?;
             }
+            // Nothing under way can finish it: a bookkeeping slip, which must not spin forever.
+            assert!(
+                !(self.idle() && self.writeback.contains_key(&page)),
+                "page {page} waits in write-back with nothing in flight to finish it"
+            );
             self.complete_one()?;
         }
         Ok(())
@@ -1648,98 +1765,140 @@ impl<T: Transport, D: Disk> Pager<T, D> {
 
     /// Nothing is in flight and nothing is waiting to be sent.
     fn idle(&self) -> bool {
-        self.inflight.ops.is_empty()
-            && self
-                .batches
-                .iter()
-                .all(|b| b.gets.is_empty() && b.puts.is_empty())
+        self.inflight.ops.is_empty() && self.queues.iter().all(VecDeque::is_empty)
     }
 
-    /// Waits until `n` credits are free on a server's window; false if the server is dead.
-    fn credit(&mut self, server: usize, n: u32) -> bool {
-        let n = n.min(self.window(server));
-        while self.servers[server].alive
-            && self.inflight.per_server[server] + n > self.window(server)
-        {
-            if let Err(e) = self.recv_from(server) {
-                // Errors of other operations surface through their own completions.
-                tracing::debug!("while waiting for a credit: {e}");
-            }
-        }
-        self.servers[server].alive
+    fn next_id(&mut self) -> u64 {
+        let id = self.next_req;
+        self.next_req += 1;
+        id
     }
 
-    /// Sends a request whose body does not borrow the slots.
+    /// Whether `server`'s window has room for an operation taking `credits` (a batch larger
+    /// than a small server's whole window goes out alone).
+    fn has_credits(&self, server: usize, credits: u32) -> bool {
+        let window = self.window(server);
+        self.inflight.per_server[server] + credits.min(window) <= window
+    }
+
+    /// Sends a request whose body does not borrow the slots: at once when nothing queued is
+    /// ahead of it and its server has credits, else encoded into the server's queue. Never
+    /// waits, so that it may be called while a reply is handled.
     fn submit(&mut self, server: usize, op: Op, req: &Request<'_>) {
-        if !self.credit(server, op.credits()) {
+        if !self.servers[server].alive {
             return self.fail_op(server, op);
         }
-        let id = self.next_req;
-        let sent = self.transport.send(server, id, req);
+        let id = self.next_id();
+        if self.queues[server].is_empty() && self.has_credits(server, op.credits()) {
+            let sent = self.transport.send(server, id, req);
+            return self.sent(server, id, op, sent);
+        }
+        let mut frame = Vec::new();
+        req.encode(id, &mut frame);
+        self.queues[server].push_back(Queued::Frame { id, op, frame });
+    }
+
+    /// Sends a server's queued requests, oldest first, while its window has credits: batches
+    /// only when full unless `all` (before any wait, so that nothing waits on an unsent
+    /// request). Never waits.
+    fn pump(&mut self, server: usize, all: bool) {
+        if !self.servers[server].alive {
+            // Queued after `mark_dead` failed the rest over: fail these over too.
+            for q in std::mem::take(&mut self.queues[server]) {
+                let (Queued::Batch(op) | Queued::Frame { op, .. }) = q;
+                self.fail_op(server, op);
+            }
+            return;
+        }
+        while let Some(front) = self.queues[server].front() {
+            if !self.servers[server].alive {
+                // Died while sending (`mark_dead` failed the rest over).
+                break;
+            }
+            if !front.ready(self.cfg.batch_max, all)
+                || !self.has_credits(server, front.op().credits())
+            {
+                break;
+            }
+            match self.queues[server].pop_front().expect("front") {
+                Queued::Frame { id, op, frame } => {
+                    let sent = self.transport.send_frame(server, &frame);
+                    self.sent(server, id, op, sent);
+                }
+                Queued::Batch(op) => self.send_batch(server, op),
+            }
+        }
+    }
+
+    /// Sends one batch of GETs or PUTs as one frame.
+    fn send_batch(&mut self, server: usize, op: Op) {
+        let id = self.next_id();
+        let sent = match &op {
+            Op::Get(items) => {
+                let keys = items.iter().map(|g| g.key).collect();
+                self.transport.send(server, id, &Request::Get(keys))
+            }
+            Op::Put(items) => {
+                // Sealed (checksummed) straight from the slots; the slots and the transport are
+                // disjoint fields, so the pages are borrowed, not copied, until the frame is
+                // encoded.
+                let slots = &self.slots;
+                let seal = |it: &PutItem| {
+                    let at = it.slot as usize * PAGE_SIZE;
+                    Page::seal(it.key, it.version, &slots[at..at + PAGE_SIZE])
+                };
+                let req = if items.iter().all(|it| it.op == PutOp::Plain) {
+                    Request::Put(items.iter().map(seal).collect())
+                } else {
+                    let addrs = |h: u16| self.servers[usize::from(h)].info.addr.expect("checked");
+                    Request::PutParity(
+                        items
+                            .iter()
+                            .map(|it| {
+                                let op = match it.op {
+                                    PutOp::Join { group, holder } => netram_proto::ParityOp::Join {
+                                        holder: addrs(holder),
+                                        group,
+                                        member: addrs(server as u16),
+                                    },
+                                    _ => netram_proto::ParityOp::Keep,
+                                };
+                                (seal(it), op)
+                            })
+                            .collect(),
+                    )
+                };
+                self.transport.send(server, id, &req)
+            }
+            other => unreachable!("only GETs and PUTs are batched, not {other:?}"),
+        };
         self.sent(server, id, op, sent);
     }
 
-    /// Sends a server's queued GETs and PUTs, one frame each.
-    fn send_batches(&mut self, server: usize) {
-        let gets = std::mem::take(&mut self.batches[server].gets);
-        if !gets.is_empty() {
-            let keys = gets.iter().map(|g| g.key).collect();
-            self.submit(server, Op::Get(gets), &Request::Get(keys));
-        }
-        let puts = std::mem::take(&mut self.batches[server].puts);
-        if !puts.is_empty() {
-            let op = Op::Put(puts);
-            if !self.credit(server, op.credits()) {
-                return self.fail_op(server, op);
-            }
-            let id = self.next_req;
-            let Op::Put(items) = &op else { unreachable!() };
-            // Sealed (checksummed) straight from the slots; the slots and the transport are
-            // disjoint fields, so the pages are borrowed, not copied, until the frame is encoded.
-            let slots = &self.slots;
-            let seal = |it: &PutItem| {
-                let at = it.slot as usize * PAGE_SIZE;
-                Page::seal(it.key, it.version, &slots[at..at + PAGE_SIZE])
-            };
-            let req = if items.iter().all(|it| it.op == PutOp::Plain) {
-                Request::Put(items.iter().map(seal).collect())
-            } else {
-                let addrs = |h: u16| self.servers[usize::from(h)].info.addr.expect("checked");
-                Request::PutParity(
-                    items
-                        .iter()
-                        .map(|it| {
-                            let op = match it.op {
-                                PutOp::Join { group, holder } => netram_proto::ParityOp::Join {
-                                    holder: addrs(holder),
-                                    group,
-                                    member: addrs(server as u16),
-                                },
-                                _ => netram_proto::ParityOp::Keep,
-                            };
-                            (seal(it), op)
-                        })
-                        .collect(),
-                )
-            };
-            let sent = self.transport.send(server, id, &req);
-            self.sent(server, id, op, sent);
+    /// Sends whatever queued request the servers' credits allow, full batches or not. Never
+    /// waits: what finds no credit goes out as replies return them.
+    fn send_all_batches(&mut self) {
+        for s in 0..self.queues.len() {
+            self.pump(s, true);
         }
     }
 
-    /// Sends every queued batch: done before any wait, so nothing waits on an unsent request.
-    fn send_all_batches(&mut self) {
-        for s in 0..self.batches.len() {
-            self.send_batches(s);
+    /// Waits until every queued request is on the wire (not answered): a public operation
+    /// that does not wait for its writes still leaves nothing behind unsent.
+    fn send_everything(&mut self) -> Result<(), PagerError> {
+        self.send_all_batches();
+        while self.queues.iter().any(|q| !q.is_empty()) {
+            self.complete_one()?;
         }
+        Ok(())
     }
 
     fn sent(&mut self, server: usize, id: u64, op: Op, sent: Result<(), TransportError>) {
-        self.next_req += 1;
         match sent {
             Ok(()) => {
                 self.inflight.per_server[server] += op.credits();
                 self.inflight.ops.insert(id, (server, op));
+                self.inflight.order.push_back((id, server));
             }
             Err(e) => {
                 self.mark_dead(server, e);
@@ -1748,14 +1907,15 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         }
     }
 
-    /// Sends what is queued, then waits for one reply from the server with the most in flight.
+    /// Sends what is queued, then waits for one reply from the server whose request has waited
+    /// longest (the oldest in flight), so that every server's pipeline keeps moving.
     /// Returns without waiting when nothing is in flight (everything queued failed over).
     fn complete_one(&mut self) -> Result<(), PagerError> {
+        if self.in_reply > 0 {
+            self.waits_in_reply += 1;
+        }
         self.send_all_batches();
-        let busiest = (0..self.servers.len())
-            .max_by_key(|&s| self.inflight.per_server[s])
-            .filter(|&s| self.inflight.per_server[s] > 0);
-        match busiest {
+        match self.inflight.oldest() {
             Some(server) => self.recv_from(server),
             None => Ok(()),
         }
@@ -1810,11 +1970,13 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         // credit), which queue their own follow-ups; the buffer is put back to keep its capacity.
         let mut followups = std::mem::take(&mut self.followups);
         let mut result = Ok(());
+        self.in_reply += 1;
         for f in followups.drain(..) {
             if let Err(e) = self.after_reply(server, f) {
                 result = Err(e);
             }
         }
+        self.in_reply -= 1;
         if self.followups.is_empty() {
             self.followups = followups;
         }
@@ -1884,7 +2046,16 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                             Followup::Unprotected(it)
                         }
                         PutStatus::Unprotected => Followup::Stored(it),
-                        PutStatus::HolderUnreachable => Followup::Refused(it),
+                        PutStatus::HolderUnreachable if it.op != PutOp::Plain => {
+                            Followup::Refused(it)
+                        }
+                        // Only a parity PUT involves a holder: said of any other, it is a lie
+                        // (found by the simulator: a flipped status left a stripe's piece
+                        // waiting forever).
+                        PutStatus::HolderUnreachable => Followup::Dead(
+                            "the server said a plain PUT's parity holder was unreachable".into(),
+                            Some(Op::Put(vec![it])),
+                        ),
                         PutStatus::Full => {
                             counters.puts_refused_full += 1;
                             Followup::Replace(it)
@@ -1967,10 +2138,8 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                 self.servers[server].load.free_pages = 0;
                 self.par_put_failed(it, server)?;
             }
-            Followup::Refused(it) if it.op != PutOp::Plain => {
-                self.par_holder_unreachable(it, server)?
-            }
-            Followup::Refused(it) => self.copy_failed(it.page, server)?,
+            // Parity PUTs only (see `complete`).
+            Followup::Refused(it) => self.par_holder_unreachable(it, server)?,
             Followup::Unprotected(it) => self.par_unprotected(it, server)?,
             Followup::Shipped(id) => self.par_shipped(id)?,
             Followup::ShipFailed(id) => self.par_ship_failed(id)?,
@@ -2039,9 +2208,13 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             self.inflight.per_server[server] -= op.credits();
             ops.push(op);
         }
-        let queued = std::mem::take(&mut self.batches[server]);
-        ops.push(Op::Get(queued.gets));
-        ops.push(Op::Put(queued.puts));
+        ops.extend(
+            std::mem::take(&mut self.queues[server])
+                .into_iter()
+                .map(|q| match q {
+                    Queued::Batch(op) | Queued::Frame { op, .. } => op,
+                }),
+        );
         for op in ops {
             self.fail_op(server, op);
         }

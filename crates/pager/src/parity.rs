@@ -238,16 +238,16 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         let (slot, version) = (wb.slot, wb.version);
         self.counters.puts += 1;
         let key = self.key(page);
-        self.batches[server].puts.push(PutItem {
+        let it = PutItem {
             page,
             slot,
             version,
             key,
             piece: crate::NOT_PIECE,
             op,
-        });
-        if self.batches[server].puts.len() >= self.cfg.batch_max {
-            self.send_batches(server);
+        };
+        if self.queue_put(server, it) {
+            self.pump_paced(server);
         }
         Ok(())
     }
@@ -394,7 +394,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         if current && *tries <= HOLDER_TRIES && self.servers[server].alive {
             self.counters.puts += 1;
             self.counters.parity_puts_retried += 1;
-            self.batches[server].puts.push(it);
+            self.queue_put(server, it);
             return Ok(());
         }
         self.par_mut().put_retries.remove(&it.page);

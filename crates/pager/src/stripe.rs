@@ -259,14 +259,29 @@ impl<T: Transport, D: Disk> Pager<T, D> {
     /// Seals the open stripe, full or not (a flush, or a page of it that must be waited for):
     /// computes the parity and sends every piece.
     pub(crate) fn rs_seal(&mut self) -> Result<(), PagerError> {
-        let Some(rs) = self.rs.as_deref_mut() else {
-            return Ok(());
+        let m = match self.rs.as_deref() {
+            Some(rs) if !rs.open.is_empty() => rs.m,
+            _ => return Ok(()),
         };
+        // The parity pieces' slots first: taking one may wait, and may fail (a disk that fails
+        // every write), and what runs meanwhile may seal this very stripe. Taken after the
+        // open pages, a failure would leave those pages in write-back with nothing to finish it.
+        let mut owned = Vec::with_capacity(m);
+        for _ in 0..m {
+            match self.take_slot() {
+                Ok(slot) => owned.push(slot),
+                Err(e) => {
+                    owned.into_iter().for_each(|s| self.release_slot(s));
+                    return Err(e);
+                }
+            }
+        }
+        let rs = self.rs_mut();
         if rs.open.is_empty() {
+            owned.into_iter().for_each(|s| self.release_slot(s));
             return Ok(());
         }
         let pages = std::mem::take(&mut rs.open);
-        let m = rs.m;
         let gen = rs.next_gen;
         rs.next_gen = rs.next_gen.wrapping_add(1).max(1);
         let id = match rs.free_ids.pop() {
@@ -277,10 +292,6 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             }
         };
         let member_slots: Vec<u32> = pages.iter().map(|p| self.writeback[p].slot).collect();
-        let mut owned = Vec::with_capacity(m);
-        for _ in 0..m {
-            owned.push(self.take_slot()?);
-        }
         self.rs_encode(&member_slots, &owned);
         let members: Vec<(u64, u32)> = pages
             .iter()
@@ -340,15 +351,15 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             let key = self.piece_key(id, piece);
             self.rs_mut().writing.get_mut(&id).expect("writing").target[piece] = server as u16;
             self.counters.puts += 1;
-            self.batches[server].puts.push(PutItem {
+            let it = PutItem {
                 page: u64::from(id),
                 slot,
                 version,
                 key,
                 piece: piece as u8,
                 op: crate::PutOp::Plain,
-            });
-            if self.batches[server].puts.len() >= self.cfg.batch_max {
+            };
+            if self.queue_put(server, it) {
                 full.push(server);
             }
         }
@@ -360,7 +371,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             return self.rs_finish(id);
         }
         for server in full {
-            self.send_batches(server);
+            self.pump_paced(server);
         }
         Ok(())
     }

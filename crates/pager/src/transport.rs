@@ -41,6 +41,14 @@ pub trait Transport {
     fn servers(&self) -> Vec<ServerInfo>;
     fn send(&mut self, server: usize, req_id: u64, req: &Request<'_>)
         -> Result<(), TransportError>;
+    /// Sends a request encoded earlier (`Request::encode`, its id inside): one the pager
+    /// queued while its server had no credits. Transports that write frames to a byte stream
+    /// append it as it is.
+    fn send_frame(&mut self, server: usize, frame: &[u8]) -> Result<(), TransportError> {
+        let (id, req) = netram_proto::decode_request(frame)
+            .map_err(|e| TransportError::Protocol(format!("a queued request: {e}")))?;
+        self.send(server, id, &req)
+    }
     /// The reply borrows the transport's receive buffer until it is dropped.
     fn recv(&mut self, server: usize) -> Result<(u64, Reply<'_>), TransportError>;
     /// Opens a new connection (and session) to a server the pager had declared dead, dropping

@@ -90,6 +90,13 @@ impl Transport for SimTransport {
         self.world.borrow_mut().send(c, frame)
     }
 
+    fn send_frame(&mut self, server: usize, frame: &[u8]) -> Result<(), TransportError> {
+        let Some(c) = self.conns[server] else {
+            return Err(TransportError::Disconnected("never connected".into()));
+        };
+        self.world.borrow_mut().send(c, frame.to_vec())
+    }
+
     fn recv(&mut self, server: usize) -> Result<(u64, Reply<'_>), TransportError> {
         let Some(c) = self.conns[server] else {
             return Err(TransportError::Disconnected("never connected".into()));
