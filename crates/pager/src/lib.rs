@@ -30,109 +30,32 @@
 //! disk copy with `cluster+disk` backing or fail with [`PagerError::Lost`] naming the server and
 //! the pages. A page whose checksum or version does not match is never returned as data.
 
+mod config;
+mod counters;
+mod error;
 mod invariants;
 mod parity;
 mod recovery;
+mod requests;
 mod stripe;
 mod table;
 mod transport;
 
+pub use config::{Backing, PagerConfig, ParseBackingError};
+pub use counters::PagerCounters;
+pub use error::{LostPages, PagerError};
 use lru::LruCache;
 use netram_policy::placement::{self, Candidate};
 pub use netram_policy::redundancy::{ParseSchemeError, Scheme};
 use netram_proto::{
-    DeleteStatus, ErrorCode, GetResult, Page, PageKey, PutStatus, Reply, Request, PAGE_SIZE,
+    DeleteStatus, ErrorCode, GetResult, PageKey, PutStatus, Reply, Request, PAGE_SIZE,
 };
 use parity::PutOp;
+use requests::{Inflight, Op, Queued};
 use std::collections::{BTreeSet, HashMap, VecDeque};
 use std::fmt;
 use table::{Entry, Servers, Table};
 pub use transport::{Disk, MemDisk, ServerInfo, Transport, TransportError};
-
-/// Where a pager keeps its pages (Markatos' flexibility, paper 003 §2).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum Backing {
-    /// Remote memory; the local disk only when every server is full.
-    #[default]
-    Cluster,
-    /// The local disk only: the baseline users compare with.
-    Disk,
-    /// Remote memory with a write-through copy on the local disk, so any server may die.
-    ClusterDisk,
-}
-
-/// A backing the user wrote that is none of the three.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("unknown backing {0:?}: expected cluster, disk or cluster+disk")]
-pub struct ParseBackingError(pub String);
-
-impl std::str::FromStr for Backing {
-    type Err = ParseBackingError;
-    fn from_str(s: &str) -> Result<Self, ParseBackingError> {
-        match s {
-            "cluster" => Ok(Self::Cluster),
-            "disk" => Ok(Self::Disk),
-            "cluster+disk" => Ok(Self::ClusterDisk),
-            _ => Err(ParseBackingError(s.to_owned())),
-        }
-    }
-}
-
-impl fmt::Display for Backing {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            Self::Cluster => "cluster",
-            Self::Disk => "disk",
-            Self::ClusterDisk => "cluster+disk",
-        })
-    }
-}
-
-#[derive(Debug, Clone)]
-pub struct PagerConfig {
-    /// Pages in this pager's region; page numbers run from 0 to `pages - 1`.
-    pub pages: u64,
-    /// The region number under which this pager's pages are stored on servers.
-    pub region: u32,
-    pub backing: Backing,
-    /// Pages the local write-back cache holds (0: every read and write goes to its backing).
-    pub cache_pages: usize,
-    /// Dirty pages written back together when the cache must make room, so that write-backs
-    /// are pipelined rather than paid one round trip at a time.
-    pub writeback_batch: usize,
-    /// Pages in flight per server at most; the server's announced window lowers it further.
-    pub window: u32,
-    /// Pages per GET or PUT frame at most: batching amortizes a frame's fixed costs (a system
-    /// call and a wake-up on each side) over several pages.
-    pub batch_max: usize,
-    /// Seed of the placement's random choices.
-    pub seed: u64,
-    /// How pages survive the loss of servers (Markatos §2.1, Nswap §IV): `none`, `mirror:N`,
-    /// `parity:N` or `rs:K+M`.
-    pub redundancy: Scheme,
-    /// Page buffers added for rebuilding under `rs:K+M` and `parity:N`, where one rebuilt
-    /// piece takes K (N) pieces read: recovery works in waves, a round trip and (Reed-Solomon)
-    /// a decoder's fixed cost per wave, so its rate grows with the wave (Nswap Table IV).
-    /// 2048 slots are 8 MiB.
-    pub recovery_slots: usize,
-}
-
-impl Default for PagerConfig {
-    fn default() -> Self {
-        Self {
-            pages: 0,
-            region: 0,
-            backing: Backing::Cluster,
-            cache_pages: 1024,
-            writeback_batch: 32,
-            window: 32,
-            batch_max: 16,
-            seed: 0x6e65_7472_616d,
-            redundancy: Scheme::None,
-            recovery_slots: 2048,
-        }
-    }
-}
 
 /// What keeps a page safe, as [`Pager::pieces`] lists it: (server, key, version) of each copy
 /// or stripe piece.
@@ -147,140 +70,6 @@ pub struct PageLocation {
     pub on_disk: bool,
     /// The holders' copies are gone (their server came back empty).
     pub lost: bool,
-}
-
-/// Pages that could not be read because the server holding them is dead.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct LostPages {
-    pub server: String,
-    pub reason: String,
-    pub pages: Vec<u64>,
-}
-
-#[derive(Debug, thiserror::Error)]
-pub enum PagerError {
-    /// The servers that held these pages are dead and there is no other copy.
-    #[error("{}", lost_message(.0))]
-    Lost(Vec<LostPages>),
-    /// A page came back with a checksum or version that does not match, and there is no other
-    /// copy. The data was not returned.
-    #[error("page {page} from server {server} is corrupt ({what}); no other copy exists")]
-    Corrupt {
-        server: String,
-        page: u64,
-        what: &'static str,
-    },
-    #[error("page {page} is out of range: this pager has {pages} pages")]
-    OutOfRange { page: u64, pages: u64 },
-    #[error("buffer of {got} bytes for {pages} pages: expected {} bytes", .pages * PAGE_SIZE)]
-    BadBuffer { got: usize, pages: usize },
-    #[error("local disk: {0}")]
-    Disk(#[from] std::io::Error),
-}
-
-fn lost_message(lost: &[LostPages]) -> String {
-    lost.iter()
-        .map(|l| {
-            let shown: Vec<String> = l.pages.iter().take(8).map(u64::to_string).collect();
-            let more = if l.pages.len() > 8 {
-                format!(" and {} more", l.pages.len() - 8)
-            } else {
-                String::new()
-            };
-            format!(
-                "{} page(s) lost with dead server {} ({}): pages {}{more}",
-                l.pages.len(),
-                l.server,
-                l.reason,
-                shown.join(", ")
-            )
-        })
-        .collect::<Vec<_>>()
-        .join("; ")
-}
-
-macro_rules! counters {
-    ($($(#[doc = $doc:literal])* $name:ident),* $(,)?) => {
-        /// One counter per event and per reason (zswap style).
-        #[derive(Debug, Clone, Default, PartialEq, Eq)]
-        pub struct PagerCounters { $($(#[doc = $doc])* pub $name: u64,)* }
-        impl PagerCounters {
-            pub fn iter(&self) -> impl Iterator<Item = (&'static str, u64)> + '_ {
-                [$((stringify!($name), self.$name)),*].into_iter()
-            }
-        }
-    };
-}
-
-counters! {
-    reads,
-    writes,
-    cache_hits,
-    /// Reads of pages never written: zeros, without a round trip.
-    zero_reads,
-    /// Reads decoded from the rest of their Reed-Solomon stripe or parity group (or that
-    /// waited for recovery to bring their page back).
-    degraded_reads,
-    gets,
-    puts,
-    deletes,
-    /// Write-backs of dirty pages evicted from the cache.
-    evictions_dirty,
-    evictions_clean,
-    /// PUTs refused by a full server and placed again.
-    puts_refused_full,
-    /// Pages written to the local disk because no server had room or was alive.
-    spills,
-    disk_reads,
-    disk_writes,
-    /// Writes the local disk failed. The page stays in memory, dirty, and is written again at
-    /// the next eviction or flush; `flush` reports the error.
-    disk_write_errors,
-    /// Pages whose checksum failed on the way back.
-    checksum_failures,
-    /// Pages that came back with another version than the page table expects.
-    version_mismatches,
-    /// GETs answered "missing" by a server that should hold the page.
-    missing_pages,
-    /// Reads served from the disk copy because the server was dead or the copy bad.
-    disk_fallbacks,
-    servers_dead,
-    /// Dead servers reconnected (empty: what they held before is gone).
-    servers_revived,
-    /// Reads served by another copy after the first failed (dead server, bad checksum, missing).
-    reads_from_other_copy,
-    /// Copies found bad (checksum, missing) and dropped, to be rebuilt from the others.
-    copies_dropped_bad,
-    /// Write-backs that ended with fewer copies than the scheme keeps (too few servers alive
-    /// or with room), the local disk making up for the missing ones.
-    writes_degraded,
-    /// Pages whose lost copies were rebuilt onto live servers (recovery).
-    pages_rebuilt,
-    /// Pages that recovery found without any surviving copy.
-    pages_unrecoverable,
-    /// Reed-Solomon pieces restored as the XOR of their stripe's other pieces, and runs of the
-    /// decoder (each for one stripe, or for a batch of stripes with one erasure pattern).
-    pieces_restored_by_xor,
-    decoder_runs,
-    /// Parity groups opened, shipped to their holders, and failed to ship (their members
-    /// joined other groups).
-    parity_groups_opened,
-    parity_ships,
-    parity_groups_shipped,
-    parity_ships_failed,
-    /// Pages that joined a new group where they were (their old group was gone).
-    parity_rejoins,
-    /// Members rebuilt from their group's parity and the survivors.
-    parity_members_rebuilt,
-    /// Pages protected again after their parity holder died or their group was damaged.
-    parity_reprotected,
-    /// Parity PUTs sent again to the same server after it could not tell the group's holder
-    /// (the holder may have changed the group and lost its answer).
-    parity_puts_retried,
-    /// Rounds that asked every server for damaged groups, and the groups found damaged and
-    /// dissolved (their members protected again).
-    parity_audits,
-    parity_groups_dissolved,
 }
 
 /// One page of a batched GET: where its data goes. `pos` is the page's place in the caller's
@@ -336,91 +125,6 @@ struct PutItem {
     piece: u8,
     /// What the PUT does to the page's parity group.
     op: PutOp,
-}
-
-/// What a request in flight is for. GETs and PUTs carry up to `batch_max` pages in one frame.
-#[derive(Debug)]
-enum Op {
-    Get(Vec<GetItem>),
-    Put(Vec<PutItem>),
-    Delete,
-    /// A parity pager's DELETE: keys the server could not delete (their holder could not be
-    /// told) are tried again later.
-    Gc(Vec<PageKey>),
-    /// A parity page to its holder (the open group's id).
-    Ship(u64),
-    /// Deltas the owner sends itself (rebuilt members leaving their groups).
-    Delta,
-    Scan,
-}
-
-impl Op {
-    /// Credits the request takes from its server's window: one per page, and one for an
-    /// empty GET (a probe), so that it is waited for like any request.
-    fn credits(&self) -> u32 {
-        match self {
-            Op::Get(items) => items.len().max(1) as u32,
-            Op::Put(items) => items.len() as u32,
-            Op::Delete | Op::Gc(_) | Op::Ship(_) | Op::Delta | Op::Scan => 1,
-        }
-    }
-}
-
-/// Requests in flight, by request id, and the credits (pages) they hold per server. Request ids
-/// are ours, not a peer's, so a fast unkeyed hash is safe here.
-#[derive(Debug, Default)]
-struct Inflight {
-    ops: HashMap<u64, (usize, Op), foldhash::fast::FixedState>,
-    per_server: Vec<u32>,
-    /// (request, server) in the order sent; answered ones are dropped lazily from the front.
-    /// The oldest request still in flight names the server whose reply to wait for: the one
-    /// most likely to be there already, so that every server's pipeline keeps moving.
-    order: VecDeque<(u64, usize)>,
-}
-
-impl Inflight {
-    /// The server of the oldest request still in flight.
-    fn oldest(&mut self) -> Option<usize> {
-        while let Some(&(id, server)) = self.order.front() {
-            if self.ops.contains_key(&id) {
-                return Some(server);
-            }
-            self.order.pop_front();
-        }
-        None
-    }
-}
-
-/// A request waiting to be sent, in a per-server queue kept in the order the requests were
-/// made: a connection applies its requests in order, so a DELETE of a superseded copy is never
-/// overtaken by a later PUT of the same page. Requests wait there for their server's credits
-/// (nothing blocks to get one) and GETs and PUTs for the batch they fill.
-#[derive(Debug)]
-enum Queued {
-    /// GETs or PUTs filling one frame: built (PUTs sealed from their slots) when sent. A page
-    /// joins the last open batch of its kind that no other request follows.
-    Batch(Op),
-    /// Any other request, encoded when it was made (its id is in the frame).
-    Frame { id: u64, op: Op, frame: Vec<u8> },
-}
-
-impl Queued {
-    fn op(&self) -> &Op {
-        match self {
-            Queued::Batch(op) | Queued::Frame { op, .. } => op,
-        }
-    }
-
-    /// Whether it may go out now: a batch when full (or when everything must, `all`).
-    fn ready(&self, batch_max: usize, all: bool) -> bool {
-        let pages = match self {
-            Queued::Frame { .. } => return true,
-            Queued::Batch(Op::Get(items)) => items.len(),
-            Queued::Batch(Op::Put(items)) => items.len(),
-            Queued::Batch(_) => return true,
-        };
-        all || pages >= batch_max
-    }
 }
 
 /// A finished read, waiting to be copied out to the caller.
@@ -1269,78 +973,6 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         }
     }
 
-    fn submit_get_item(&mut self, server: usize, it: GetItem) {
-        self.counters.gets += 1;
-        if !self.servers[server].alive {
-            return self.get_failed(server, it, None);
-        }
-        let batch_max = self.cfg.batch_max;
-        let open = self.queues[server]
-            .iter_mut()
-            .rev()
-            .take_while(|q| matches!(q, Queued::Batch(_)))
-            .find_map(|q| match q {
-                Queued::Batch(Op::Get(items)) if items.len() < batch_max => Some(items),
-                _ => None,
-            });
-        let full = match open {
-            Some(items) => {
-                items.push(it);
-                items.len() >= batch_max
-            }
-            None => {
-                self.queues[server].push_back(Queued::Batch(Op::Get(vec![it])));
-                batch_max == 1
-            }
-        };
-        if full {
-            self.pump_paced(server);
-        }
-    }
-
-    /// Sends a server's full batches; outside reply handling, also waits for that server's
-    /// replies until they have credits, as a pipeline should: a reader that filled a window
-    /// takes its answers before asking more, rather than filling every free slot first.
-    fn pump_paced(&mut self, server: usize) {
-        self.pump(server, false);
-        while self.in_reply == 0
-            && self.servers[server].alive
-            && self.queues[server]
-                .front()
-                .is_some_and(|q| q.ready(self.cfg.batch_max, false))
-        {
-            if let Err(e) = self.recv_from(server) {
-                // Errors of other operations surface through their own completions.
-                tracing::debug!("while waiting for a credit: {e}");
-            }
-            self.pump(server, false);
-        }
-    }
-
-    /// Queues one page of a PUT on its server's open batch; true when the batch is full (the
-    /// caller sends it once its own bookkeeping is done).
-    fn queue_put(&mut self, server: usize, it: PutItem) -> bool {
-        let batch_max = self.cfg.batch_max;
-        let open = self.queues[server]
-            .iter_mut()
-            .rev()
-            .take_while(|q| matches!(q, Queued::Batch(_)))
-            .find_map(|q| match q {
-                Queued::Batch(Op::Put(items)) if items.len() < batch_max => Some(items),
-                _ => None,
-            });
-        match open {
-            Some(items) => {
-                items.push(it);
-                items.len() >= batch_max
-            }
-            None => {
-                self.queues[server].push_back(Queued::Batch(Op::Put(vec![it])));
-                batch_max == 1
-            }
-        }
-    }
-
     /// Copies finished reads to the caller and hands their slots to the cache.
     fn copy_out_reads(&mut self, out: &mut [u8]) -> Result<(), PagerError> {
         while let Some(d) = self.reads_done.pop() {
@@ -1757,176 +1389,6 @@ impl<T: Transport, D: Disk> Pager<T, D> {
     /// The key a page's current version is stored under.
     fn stored_key(&self, page: u64) -> PageKey {
         self.rs_key(page).unwrap_or_else(|| self.key(page))
-    }
-
-    fn window(&self, s: usize) -> u32 {
-        self.servers[s].info.window.min(self.cfg.window).max(1)
-    }
-
-    /// Nothing is in flight and nothing is waiting to be sent.
-    fn idle(&self) -> bool {
-        self.inflight.ops.is_empty() && self.queues.iter().all(VecDeque::is_empty)
-    }
-
-    fn next_id(&mut self) -> u64 {
-        let id = self.next_req;
-        self.next_req += 1;
-        id
-    }
-
-    /// Whether `server`'s window has room for an operation taking `credits` (a batch larger
-    /// than a small server's whole window goes out alone).
-    fn has_credits(&self, server: usize, credits: u32) -> bool {
-        let window = self.window(server);
-        self.inflight.per_server[server] + credits.min(window) <= window
-    }
-
-    /// Sends a request whose body does not borrow the slots: at once when nothing queued is
-    /// ahead of it and its server has credits, else encoded into the server's queue. Never
-    /// waits, so that it may be called while a reply is handled.
-    fn submit(&mut self, server: usize, op: Op, req: &Request<'_>) {
-        if !self.servers[server].alive {
-            return self.fail_op(server, op);
-        }
-        let id = self.next_id();
-        if self.queues[server].is_empty() && self.has_credits(server, op.credits()) {
-            let sent = self.transport.send(server, id, req);
-            return self.sent(server, id, op, sent);
-        }
-        let mut frame = Vec::new();
-        req.encode(id, &mut frame);
-        self.queues[server].push_back(Queued::Frame { id, op, frame });
-    }
-
-    /// Sends a server's queued requests, oldest first, while its window has credits: batches
-    /// only when full unless `all` (before any wait, so that nothing waits on an unsent
-    /// request). Never waits.
-    fn pump(&mut self, server: usize, all: bool) {
-        if !self.servers[server].alive {
-            // Queued after `mark_dead` failed the rest over: fail these over too.
-            for q in std::mem::take(&mut self.queues[server]) {
-                let (Queued::Batch(op) | Queued::Frame { op, .. }) = q;
-                self.fail_op(server, op);
-            }
-            return;
-        }
-        while let Some(front) = self.queues[server].front() {
-            if !self.servers[server].alive {
-                // Died while sending (`mark_dead` failed the rest over).
-                break;
-            }
-            if !front.ready(self.cfg.batch_max, all)
-                || !self.has_credits(server, front.op().credits())
-            {
-                break;
-            }
-            match self.queues[server].pop_front().expect("front") {
-                Queued::Frame { id, op, frame } => {
-                    let sent = self.transport.send_frame(server, &frame);
-                    self.sent(server, id, op, sent);
-                }
-                Queued::Batch(op) => self.send_batch(server, op),
-            }
-        }
-    }
-
-    /// Sends one batch of GETs or PUTs as one frame.
-    fn send_batch(&mut self, server: usize, op: Op) {
-        let id = self.next_id();
-        let sent = match &op {
-            Op::Get(items) => {
-                let keys = items.iter().map(|g| g.key).collect();
-                self.transport.send(server, id, &Request::Get(keys))
-            }
-            Op::Put(items) => {
-                // Sealed (checksummed) straight from the slots; the slots and the transport are
-                // disjoint fields, so the pages are borrowed, not copied, until the frame is
-                // encoded.
-                let slots = &self.slots;
-                let seal = |it: &PutItem| {
-                    let at = it.slot as usize * PAGE_SIZE;
-                    Page::seal(it.key, it.version, &slots[at..at + PAGE_SIZE])
-                };
-                let req = if items.iter().all(|it| it.op == PutOp::Plain) {
-                    Request::Put(items.iter().map(seal).collect())
-                } else {
-                    let addrs = |h: u16| self.servers[usize::from(h)].info.addr.expect("checked");
-                    Request::PutParity(
-                        items
-                            .iter()
-                            .map(|it| {
-                                let op = match it.op {
-                                    PutOp::Join { group, holder } => netram_proto::ParityOp::Join {
-                                        holder: addrs(holder),
-                                        group,
-                                        member: addrs(server as u16),
-                                    },
-                                    _ => netram_proto::ParityOp::Keep,
-                                };
-                                (seal(it), op)
-                            })
-                            .collect(),
-                    )
-                };
-                self.transport.send(server, id, &req)
-            }
-            other => unreachable!("only GETs and PUTs are batched, not {other:?}"),
-        };
-        self.sent(server, id, op, sent);
-    }
-
-    /// Sends whatever queued request the servers' credits allow, full batches or not. Never
-    /// waits: what finds no credit goes out as replies return them.
-    fn send_all_batches(&mut self) {
-        for s in 0..self.queues.len() {
-            self.pump(s, true);
-        }
-    }
-
-    /// Waits until every queued request is on the wire (not answered): a public operation
-    /// that does not wait for its writes still leaves nothing behind unsent.
-    fn send_everything(&mut self) -> Result<(), PagerError> {
-        self.send_all_batches();
-        while self.queues.iter().any(|q| !q.is_empty()) {
-            self.complete_one()?;
-        }
-        Ok(())
-    }
-
-    fn sent(&mut self, server: usize, id: u64, op: Op, sent: Result<(), TransportError>) {
-        match sent {
-            Ok(()) => {
-                self.inflight.per_server[server] += op.credits();
-                self.inflight.ops.insert(id, (server, op));
-                self.inflight.order.push_back((id, server));
-            }
-            Err(e) => {
-                self.mark_dead(server, e);
-                self.fail_op(server, op);
-            }
-        }
-    }
-
-    /// Sends what is queued, then waits for one reply from the server whose request has waited
-    /// longest (the oldest in flight), so that every server's pipeline keeps moving.
-    /// Returns without waiting when nothing is in flight (everything queued failed over).
-    fn complete_one(&mut self) -> Result<(), PagerError> {
-        if self.in_reply > 0 {
-            self.waits_in_reply += 1;
-        }
-        self.send_all_batches();
-        match self.inflight.oldest() {
-            Some(server) => self.recv_from(server),
-            None => Ok(()),
-        }
-    }
-
-    /// Completes everything queued and in flight.
-    fn drain(&mut self) -> Result<(), PagerError> {
-        while !self.idle() {
-            self.complete_one()?;
-        }
-        Ok(())
     }
 
     fn recv_from(&mut self, server: usize) -> Result<(), PagerError> {

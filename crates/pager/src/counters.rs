@@ -1,0 +1,86 @@
+//! The pager's counters: one per event and per reason, so that `netram stats` and the
+//! benchmarks say why something happened, not only how often.
+
+macro_rules! counters {
+    ($($(#[doc = $doc:literal])* $name:ident),* $(,)?) => {
+        /// One counter per event and per reason (zswap style).
+        #[derive(Debug, Clone, Default, PartialEq, Eq)]
+        pub struct PagerCounters { $($(#[doc = $doc])* pub $name: u64,)* }
+        impl PagerCounters {
+            pub fn iter(&self) -> impl Iterator<Item = (&'static str, u64)> + '_ {
+                [$((stringify!($name), self.$name)),*].into_iter()
+            }
+        }
+    };
+}
+
+counters! {
+    reads,
+    writes,
+    cache_hits,
+    /// Reads of pages never written: zeros, without a round trip.
+    zero_reads,
+    /// Reads decoded from the rest of their Reed-Solomon stripe or parity group (or that
+    /// waited for recovery to bring their page back).
+    degraded_reads,
+    gets,
+    puts,
+    deletes,
+    /// Write-backs of dirty pages evicted from the cache.
+    evictions_dirty,
+    evictions_clean,
+    /// PUTs refused by a full server and placed again.
+    puts_refused_full,
+    /// Pages written to the local disk because no server had room or was alive.
+    spills,
+    disk_reads,
+    disk_writes,
+    /// Writes the local disk failed. The page stays in memory, dirty, and is written again at
+    /// the next eviction or flush; `flush` reports the error.
+    disk_write_errors,
+    /// Pages whose checksum failed on the way back.
+    checksum_failures,
+    /// Pages that came back with another version than the page table expects.
+    version_mismatches,
+    /// GETs answered "missing" by a server that should hold the page.
+    missing_pages,
+    /// Reads served from the disk copy because the server was dead or the copy bad.
+    disk_fallbacks,
+    servers_dead,
+    /// Dead servers reconnected (empty: what they held before is gone).
+    servers_revived,
+    /// Reads served by another copy after the first failed (dead server, bad checksum, missing).
+    reads_from_other_copy,
+    /// Copies found bad (checksum, missing) and dropped, to be rebuilt from the others.
+    copies_dropped_bad,
+    /// Write-backs that ended with fewer copies than the scheme keeps (too few servers alive
+    /// or with room), the local disk making up for the missing ones.
+    writes_degraded,
+    /// Pages whose lost copies were rebuilt onto live servers (recovery).
+    pages_rebuilt,
+    /// Pages that recovery found without any surviving copy.
+    pages_unrecoverable,
+    /// Reed-Solomon pieces restored as the XOR of their stripe's other pieces, and runs of the
+    /// decoder (each for one stripe, or for a batch of stripes with one erasure pattern).
+    pieces_restored_by_xor,
+    decoder_runs,
+    /// Parity groups opened, shipped to their holders, and failed to ship (their members
+    /// joined other groups).
+    parity_groups_opened,
+    parity_ships,
+    parity_groups_shipped,
+    parity_ships_failed,
+    /// Pages that joined a new group where they were (their old group was gone).
+    parity_rejoins,
+    /// Members rebuilt from their group's parity and the survivors.
+    parity_members_rebuilt,
+    /// Pages protected again after their parity holder died or their group was damaged.
+    parity_reprotected,
+    /// Parity PUTs sent again to the same server after it could not tell the group's holder
+    /// (the holder may have changed the group and lost its answer).
+    parity_puts_retried,
+    /// Rounds that asked every server for damaged groups, and the groups found damaged and
+    /// dissolved (their members protected again).
+    parity_audits,
+    parity_groups_dissolved,
+}

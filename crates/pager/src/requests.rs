@@ -1,0 +1,347 @@
+//! Requests between a pager and its servers: what each is for ([`Op`]), the ones in flight and
+//! the credits they hold (Anemone's per-server window, paper 001 §2.1), and the per-server
+//! queues where requests wait, in the order they were made, for a full batch or for credits.
+//!
+//! Nothing here waits while a reply is being handled: a request without credits is queued and
+//! goes out when replies return them (`pump`). Only the public operations wait, through
+//! [`Pager::complete_one`], which reads one reply from the server of the oldest request in
+//! flight.
+
+use crate::{Disk, GetItem, Pager, PagerError, PutItem, PutOp, Transport, TransportError};
+use netram_proto::{Page, PageKey, Request, PAGE_SIZE};
+use std::collections::{HashMap, VecDeque};
+
+/// What a request in flight is for. GETs and PUTs carry up to `batch_max` pages in one frame.
+#[derive(Debug)]
+pub(crate) enum Op {
+    Get(Vec<GetItem>),
+    Put(Vec<PutItem>),
+    Delete,
+    /// A parity pager's DELETE: keys the server could not delete (their holder could not be
+    /// told) are tried again later.
+    Gc(Vec<PageKey>),
+    /// A parity page to its holder (the open group's id).
+    Ship(u64),
+    /// Deltas the owner sends itself (rebuilt members leaving their groups).
+    Delta,
+    Scan,
+}
+
+impl Op {
+    /// Credits the request takes from its server's window: one per page, and one for an
+    /// empty GET (a probe), so that it is waited for like any request.
+    pub(crate) fn credits(&self) -> u32 {
+        match self {
+            Op::Get(items) => items.len().max(1) as u32,
+            Op::Put(items) => items.len() as u32,
+            Op::Delete | Op::Gc(_) | Op::Ship(_) | Op::Delta | Op::Scan => 1,
+        }
+    }
+}
+
+/// Requests in flight, by request id, and the credits (pages) they hold per server. Request ids
+/// are ours, not a peer's, so a fast unkeyed hash is safe here.
+#[derive(Debug, Default)]
+pub(crate) struct Inflight {
+    pub(crate) ops: HashMap<u64, (usize, Op), foldhash::fast::FixedState>,
+    pub(crate) per_server: Vec<u32>,
+    /// (request, server) in the order sent; answered ones are dropped lazily from the front.
+    /// The oldest request still in flight names the server whose reply to wait for: the one
+    /// most likely to be there already, so that every server's pipeline keeps moving.
+    pub(crate) order: VecDeque<(u64, usize)>,
+}
+
+impl Inflight {
+    /// The server of the oldest request still in flight.
+    pub(crate) fn oldest(&mut self) -> Option<usize> {
+        while let Some(&(id, server)) = self.order.front() {
+            if self.ops.contains_key(&id) {
+                return Some(server);
+            }
+            self.order.pop_front();
+        }
+        None
+    }
+}
+
+/// A request waiting to be sent, in a per-server queue kept in the order the requests were
+/// made: a connection applies its requests in order, so a DELETE of a superseded copy is never
+/// overtaken by a later PUT of the same page. Requests wait there for their server's credits
+/// (nothing blocks to get one) and GETs and PUTs for the batch they fill.
+#[derive(Debug)]
+pub(crate) enum Queued {
+    /// GETs or PUTs filling one frame: built (PUTs sealed from their slots) when sent. A page
+    /// joins the last open batch of its kind that no other request follows.
+    Batch(Op),
+    /// Any other request, encoded when it was made (its id is in the frame).
+    Frame { id: u64, op: Op, frame: Vec<u8> },
+}
+
+impl Queued {
+    pub(crate) fn op(&self) -> &Op {
+        match self {
+            Queued::Batch(op) | Queued::Frame { op, .. } => op,
+        }
+    }
+
+    /// Whether it may go out now: a batch when full (or when everything must, `all`).
+    pub(crate) fn ready(&self, batch_max: usize, all: bool) -> bool {
+        let pages = match self {
+            Queued::Frame { .. } => return true,
+            Queued::Batch(Op::Get(items)) => items.len(),
+            Queued::Batch(Op::Put(items)) => items.len(),
+            Queued::Batch(_) => return true,
+        };
+        all || pages >= batch_max
+    }
+}
+
+impl<T: Transport, D: Disk> Pager<T, D> {
+    pub(crate) fn submit_get_item(&mut self, server: usize, it: GetItem) {
+        self.counters.gets += 1;
+        if !self.servers[server].alive {
+            return self.get_failed(server, it, None);
+        }
+        let batch_max = self.cfg.batch_max;
+        let open = self.queues[server]
+            .iter_mut()
+            .rev()
+            .take_while(|q| matches!(q, Queued::Batch(_)))
+            .find_map(|q| match q {
+                Queued::Batch(Op::Get(items)) if items.len() < batch_max => Some(items),
+                _ => None,
+            });
+        let full = match open {
+            Some(items) => {
+                items.push(it);
+                items.len() >= batch_max
+            }
+            None => {
+                self.queues[server].push_back(Queued::Batch(Op::Get(vec![it])));
+                batch_max == 1
+            }
+        };
+        if full {
+            self.pump_paced(server);
+        }
+    }
+
+    /// Sends a server's full batches; outside reply handling, also waits for that server's
+    /// replies until they have credits, as a pipeline should: a reader that filled a window
+    /// takes its answers before asking more, rather than filling every free slot first.
+    pub(crate) fn pump_paced(&mut self, server: usize) {
+        self.pump(server, false);
+        while self.in_reply == 0
+            && self.servers[server].alive
+            && self.queues[server]
+                .front()
+                .is_some_and(|q| q.ready(self.cfg.batch_max, false))
+        {
+            if let Err(e) = self.recv_from(server) {
+                // Errors of other operations surface through their own completions.
+                tracing::debug!("while waiting for a credit: {e}");
+            }
+            self.pump(server, false);
+        }
+    }
+
+    /// Queues one page of a PUT on its server's open batch; true when the batch is full (the
+    /// caller sends it once its own bookkeeping is done).
+    pub(crate) fn queue_put(&mut self, server: usize, it: PutItem) -> bool {
+        let batch_max = self.cfg.batch_max;
+        let open = self.queues[server]
+            .iter_mut()
+            .rev()
+            .take_while(|q| matches!(q, Queued::Batch(_)))
+            .find_map(|q| match q {
+                Queued::Batch(Op::Put(items)) if items.len() < batch_max => Some(items),
+                _ => None,
+            });
+        match open {
+            Some(items) => {
+                items.push(it);
+                items.len() >= batch_max
+            }
+            None => {
+                self.queues[server].push_back(Queued::Batch(Op::Put(vec![it])));
+                batch_max == 1
+            }
+        }
+    }
+
+    pub(crate) fn window(&self, s: usize) -> u32 {
+        self.servers[s].info.window.min(self.cfg.window).max(1)
+    }
+
+    /// Nothing is in flight and nothing is waiting to be sent.
+    pub(crate) fn idle(&self) -> bool {
+        self.inflight.ops.is_empty() && self.queues.iter().all(VecDeque::is_empty)
+    }
+
+    pub(crate) fn next_id(&mut self) -> u64 {
+        let id = self.next_req;
+        self.next_req += 1;
+        id
+    }
+
+    /// Whether `server`'s window has room for an operation taking `credits` (a batch larger
+    /// than a small server's whole window goes out alone).
+    pub(crate) fn has_credits(&self, server: usize, credits: u32) -> bool {
+        let window = self.window(server);
+        self.inflight.per_server[server] + credits.min(window) <= window
+    }
+
+    /// Sends a request whose body does not borrow the slots: at once when nothing queued is
+    /// ahead of it and its server has credits, else encoded into the server's queue. Never
+    /// waits, so that it may be called while a reply is handled.
+    pub(crate) fn submit(&mut self, server: usize, op: Op, req: &Request<'_>) {
+        if !self.servers[server].alive {
+            return self.fail_op(server, op);
+        }
+        let id = self.next_id();
+        if self.queues[server].is_empty() && self.has_credits(server, op.credits()) {
+            let sent = self.transport.send(server, id, req);
+            return self.sent(server, id, op, sent);
+        }
+        let mut frame = Vec::new();
+        req.encode(id, &mut frame);
+        self.queues[server].push_back(Queued::Frame { id, op, frame });
+    }
+
+    /// Sends a server's queued requests, oldest first, while its window has credits: batches
+    /// only when full unless `all` (before any wait, so that nothing waits on an unsent
+    /// request). Never waits.
+    pub(crate) fn pump(&mut self, server: usize, all: bool) {
+        if !self.servers[server].alive {
+            // Queued after `mark_dead` failed the rest over: fail these over too.
+            for q in std::mem::take(&mut self.queues[server]) {
+                let (Queued::Batch(op) | Queued::Frame { op, .. }) = q;
+                self.fail_op(server, op);
+            }
+            return;
+        }
+        while let Some(front) = self.queues[server].front() {
+            if !self.servers[server].alive {
+                // Died while sending (`mark_dead` failed the rest over).
+                break;
+            }
+            if !front.ready(self.cfg.batch_max, all)
+                || !self.has_credits(server, front.op().credits())
+            {
+                break;
+            }
+            match self.queues[server].pop_front().expect("front") {
+                Queued::Frame { id, op, frame } => {
+                    let sent = self.transport.send_frame(server, &frame);
+                    self.sent(server, id, op, sent);
+                }
+                Queued::Batch(op) => self.send_batch(server, op),
+            }
+        }
+    }
+
+    /// Sends one batch of GETs or PUTs as one frame.
+    pub(crate) fn send_batch(&mut self, server: usize, op: Op) {
+        let id = self.next_id();
+        let sent = match &op {
+            Op::Get(items) => {
+                let keys = items.iter().map(|g| g.key).collect();
+                self.transport.send(server, id, &Request::Get(keys))
+            }
+            Op::Put(items) => {
+                // Sealed (checksummed) straight from the slots; the slots and the transport are
+                // disjoint fields, so the pages are borrowed, not copied, until the frame is
+                // encoded.
+                let slots = &self.slots;
+                let seal = |it: &PutItem| {
+                    let at = it.slot as usize * PAGE_SIZE;
+                    Page::seal(it.key, it.version, &slots[at..at + PAGE_SIZE])
+                };
+                let req = if items.iter().all(|it| it.op == PutOp::Plain) {
+                    Request::Put(items.iter().map(seal).collect())
+                } else {
+                    let addrs = |h: u16| self.servers[usize::from(h)].info.addr.expect("checked");
+                    Request::PutParity(
+                        items
+                            .iter()
+                            .map(|it| {
+                                let op = match it.op {
+                                    PutOp::Join { group, holder } => netram_proto::ParityOp::Join {
+                                        holder: addrs(holder),
+                                        group,
+                                        member: addrs(server as u16),
+                                    },
+                                    _ => netram_proto::ParityOp::Keep,
+                                };
+                                (seal(it), op)
+                            })
+                            .collect(),
+                    )
+                };
+                self.transport.send(server, id, &req)
+            }
+            other => unreachable!("only GETs and PUTs are batched, not {other:?}"),
+        };
+        self.sent(server, id, op, sent);
+    }
+
+    /// Sends whatever queued request the servers' credits allow, full batches or not. Never
+    /// waits: what finds no credit goes out as replies return them.
+    pub(crate) fn send_all_batches(&mut self) {
+        for s in 0..self.queues.len() {
+            self.pump(s, true);
+        }
+    }
+
+    /// Waits until every queued request is on the wire (not answered): a public operation
+    /// that does not wait for its writes still leaves nothing behind unsent.
+    pub(crate) fn send_everything(&mut self) -> Result<(), PagerError> {
+        self.send_all_batches();
+        while self.queues.iter().any(|q| !q.is_empty()) {
+            self.complete_one()?;
+        }
+        Ok(())
+    }
+
+    pub(crate) fn sent(
+        &mut self,
+        server: usize,
+        id: u64,
+        op: Op,
+        sent: Result<(), TransportError>,
+    ) {
+        match sent {
+            Ok(()) => {
+                self.inflight.per_server[server] += op.credits();
+                self.inflight.ops.insert(id, (server, op));
+                self.inflight.order.push_back((id, server));
+            }
+            Err(e) => {
+                self.mark_dead(server, e);
+                self.fail_op(server, op);
+            }
+        }
+    }
+
+    /// Sends what is queued, then waits for one reply from the server whose request has waited
+    /// longest (the oldest in flight), so that every server's pipeline keeps moving.
+    /// Returns without waiting when nothing is in flight (everything queued failed over).
+    pub(crate) fn complete_one(&mut self) -> Result<(), PagerError> {
+        if self.in_reply > 0 {
+            self.waits_in_reply += 1;
+        }
+        self.send_all_batches();
+        match self.inflight.oldest() {
+            Some(server) => self.recv_from(server),
+            None => Ok(()),
+        }
+    }
+
+    /// Completes everything queued and in flight.
+    pub(crate) fn drain(&mut self) -> Result<(), PagerError> {
+        while !self.idle() {
+            self.complete_one()?;
+        }
+        Ok(())
+    }
+}
