@@ -96,31 +96,52 @@ impl Queued {
     }
 }
 
+/// Adds a page to the last open batch of its kind (`items_of`) that no other request follows,
+/// or to a new batch (`new`) at the tail; true when that batch is now full.
+fn add_to_batch<I>(
+    queue: &mut VecDeque<Queued>,
+    batch_max: usize,
+    item: I,
+    items_of: impl Fn(&mut Op) -> Option<&mut Vec<I>>,
+    new: impl FnOnce(Vec<I>) -> Op,
+) -> bool {
+    let open = queue
+        .iter_mut()
+        .rev()
+        .map_while(|q| match q {
+            Queued::Batch(op) => Some(op),
+            Queued::Frame { .. } => None,
+        })
+        .find_map(|op| items_of(op).filter(|items| items.len() < batch_max));
+    match open {
+        Some(items) => {
+            items.push(item);
+            items.len() >= batch_max
+        }
+        None => {
+            queue.push_back(Queued::Batch(new(vec![item])));
+            batch_max == 1
+        }
+    }
+}
+
 impl<T: Transport, D: Disk> Pager<T, D> {
+    /// Queues a GET on its server's open batch; a full batch goes out.
     pub(crate) fn submit_get_item(&mut self, server: usize, it: GetItem) {
         self.counters.gets += 1;
         if !self.servers[server].alive {
             return self.get_failed(server, it, None);
         }
-        let batch_max = self.cfg.batch_max;
-        let open = self.queues[server]
-            .iter_mut()
-            .rev()
-            .take_while(|q| matches!(q, Queued::Batch(_)))
-            .find_map(|q| match q {
-                Queued::Batch(Op::Get(items)) if items.len() < batch_max => Some(items),
+        let full = add_to_batch(
+            &mut self.queues[server],
+            self.cfg.batch_max,
+            it,
+            |op| match op {
+                Op::Get(items) => Some(items),
                 _ => None,
-            });
-        let full = match open {
-            Some(items) => {
-                items.push(it);
-                items.len() >= batch_max
-            }
-            None => {
-                self.queues[server].push_back(Queued::Batch(Op::Get(vec![it])));
-                batch_max == 1
-            }
-        };
+            },
+            Op::Get,
+        );
         if full {
             self.pump_paced(server);
         }
@@ -148,25 +169,16 @@ impl<T: Transport, D: Disk> Pager<T, D> {
     /// Queues one page of a PUT on its server's open batch; true when the batch is full (the
     /// caller sends it once its own bookkeeping is done).
     pub(crate) fn queue_put(&mut self, server: usize, it: PutItem) -> bool {
-        let batch_max = self.cfg.batch_max;
-        let open = self.queues[server]
-            .iter_mut()
-            .rev()
-            .take_while(|q| matches!(q, Queued::Batch(_)))
-            .find_map(|q| match q {
-                Queued::Batch(Op::Put(items)) if items.len() < batch_max => Some(items),
+        add_to_batch(
+            &mut self.queues[server],
+            self.cfg.batch_max,
+            it,
+            |op| match op {
+                Op::Put(items) => Some(items),
                 _ => None,
-            });
-        match open {
-            Some(items) => {
-                items.push(it);
-                items.len() >= batch_max
-            }
-            None => {
-                self.queues[server].push_back(Queued::Batch(Op::Put(vec![it])));
-                batch_max == 1
-            }
-        }
+            },
+            Op::Put,
+        )
     }
 
     pub(crate) fn window(&self, s: usize) -> u32 {
