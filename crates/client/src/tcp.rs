@@ -279,6 +279,23 @@ impl TcpTransport {
 }
 
 /// Connects to one server; a failure gives a connection that starts out broken.
+impl Conn {
+    /// The whole frame at the head of the read buffer, decoded.
+    fn take_reply(&mut self) -> Result<(u64, Reply<'_>), TransportError> {
+        let frame = self
+            .rbuf
+            .next_frame()
+            .ok()
+            .flatten()
+            .expect("a whole frame is buffered");
+        decode_reply(frame).map_err(|e| {
+            let err = TransportError::Protocol(e.to_string());
+            tracing::warn!(server = %self.info.name, "bad reply: {e}");
+            err
+        })
+    }
+}
+
 fn open_conn(name: String, cfg: &ClientConfig) -> Conn {
     let addr = resolve(&name).ok();
     let result = resolve(&name).and_then(|a| Ok(connect_to(a, cfg)?));
@@ -454,17 +471,39 @@ impl Transport for TcpTransport {
             c.broken = Some(err.clone());
             return Err(err);
         }
-        let frame = c
-            .rbuf
-            .next_frame()
-            .ok()
-            .flatten()
-            .expect("the frame found above");
-        decode_reply(frame).map_err(|e| {
-            let err = TransportError::Protocol(e.to_string());
-            tracing::warn!(server = %c.info.name, "bad reply: {e}");
-            err
-        })
+        c.take_reply()
+    }
+
+    fn try_recv(&mut self, server: usize) -> Option<Result<(u64, Reply<'_>), TransportError>> {
+        for i in 0..self.conns.len() {
+            self.flush(i);
+        }
+        let c = &mut self.conns[server];
+        if let Some(e) = &c.broken {
+            return Some(Err(e.clone()));
+        }
+        loop {
+            match c.rbuf.has_frame() {
+                Ok(true) => return Some(c.take_reply()),
+                Ok(false) => {}
+                Err(e) => {
+                    let err = TransportError::Protocol(e.to_string());
+                    c.broken = Some(err.clone());
+                    return Some(Err(err));
+                }
+            }
+            let reader = c.reader.as_ref()?;
+            let err = match c.rbuf.fill_now(reader) {
+                Ok(None) => return None,
+                Ok(Some(0)) => {
+                    TransportError::Disconnected("the server closed the connection".into())
+                }
+                Ok(Some(_)) => continue,
+                Err(e) => TransportError::Disconnected(e.to_string()),
+            };
+            c.broken = Some(err.clone());
+            return Some(Err(err));
+        }
     }
 
     /// A new connection and session to a server the pager gave up on; the old connection is

@@ -274,3 +274,40 @@ fn a_member_overwrite_reaches_its_holder_over_tcp_before_it_is_acknowledged() {
         PutStatus::Unprotected
     );
 }
+
+#[test]
+fn poll_takes_the_replies_that_have_arrived_without_waiting_for_more() {
+    let s = server(100, Duration::from_secs(2));
+    let t = TcpTransport::connect(&[s.addr().to_string()], &ClientConfig::new());
+    let cfg = PagerConfig {
+        pages: 64,
+        cache_pages: 4,
+        writeback_batch: 4,
+        ..Default::default()
+    };
+    let mut p = Pager::new(cfg, t, MemDisk::default());
+    // Twelve pages through a cache of four: two PUTs of four evicted pages go out, and the
+    // writes return without waiting for their answers.
+    for n in 0..12 {
+        p.write(n, &page(n)).unwrap();
+    }
+    assert_eq!(p.counters().evictions_dirty, 8);
+    let started = std::time::Instant::now();
+    let mut handled = 0;
+    while handled < 2 && started.elapsed() < Duration::from_secs(10) {
+        handled += p.poll().unwrap();
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    assert_eq!(handled, 2, "both PUTs' answers, once arrived");
+    assert_eq!(stat(&s, "stored_pages"), 8);
+    // Nothing is in flight any more: nothing to take, and no waiting for it.
+    let t0 = std::time::Instant::now();
+    assert_eq!(p.poll().unwrap(), 0);
+    assert!(t0.elapsed() < Duration::from_secs(1));
+    let mut out = vec![0u8; PAGE_SIZE];
+    for n in 0..12 {
+        p.read(n, &mut out).unwrap();
+        assert!(out == page(n), "page {n}");
+    }
+    p.into_transport().close();
+}

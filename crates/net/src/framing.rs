@@ -99,6 +99,26 @@ impl FrameBuffer {
         Ok(n)
     }
 
+    /// Reads what has arrived without waiting: `None` when nothing has (the read would block).
+    pub fn fill_now(&mut self, stream: &TcpStream) -> io::Result<Option<usize>> {
+        self.make_room();
+        loop {
+            match rustix::net::recv(
+                stream,
+                &mut self.buf[self.end..],
+                rustix::net::RecvFlags::DONTWAIT,
+            ) {
+                Ok((n, _)) => {
+                    self.end += n;
+                    return Ok(Some(n));
+                }
+                Err(rustix::io::Errno::AGAIN) => return Ok(None),
+                Err(rustix::io::Errno::INTR) => {}
+                Err(e) => return Err(e.into()),
+            }
+        }
+    }
+
     /// Moves unconsumed bytes to the front and makes sure a whole frame of the announced
     /// length (at most `MAX_FRAME_LEN`) fits.
     fn make_room(&mut self) {

@@ -1392,7 +1392,45 @@ impl<T: Transport, D: Disk> Pager<T, D> {
     }
 
     fn recv_from(&mut self, server: usize) -> Result<(), PagerError> {
-        match self.transport.recv(server) {
+        self.receive(server, true).map(|_| ())
+    }
+
+    /// Handles the replies that have already arrived, from every server, without waiting for
+    /// any, and sends what the credits they return allow: a program busy elsewhere (or a
+    /// maintenance thread) lets write-backs finish and their slots come back between its
+    /// operations. Returns how many replies it handled. A transport that cannot tell whether
+    /// a reply is there handles none.
+    pub fn poll(&mut self) -> Result<usize, PagerError> {
+        let mut handled = 0;
+        let mut result = Ok(());
+        for server in 0..self.servers.len() {
+            while self.inflight.per_server[server] > 0 {
+                match self.receive(server, false) {
+                    Ok(true) => handled += 1,
+                    Ok(false) => break,
+                    Err(e) => {
+                        handled += 1;
+                        result = Err(e);
+                    }
+                }
+            }
+        }
+        self.send_all_batches();
+        result.map(|()| handled)
+    }
+
+    /// Reads one reply from `server` and handles it: waiting for it, or only if it is there
+    /// already (false when it is not).
+    fn receive(&mut self, server: usize, wait: bool) -> Result<bool, PagerError> {
+        let got = if wait {
+            Some(self.transport.recv(server))
+        } else {
+            self.transport.try_recv(server)
+        };
+        let Some(got) = got else {
+            return Ok(false);
+        };
+        match got {
             Ok((id, reply)) => {
                 let load = reply.load();
                 self.servers[server].load.free_pages = load.free_pages;
@@ -1401,7 +1439,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                     drop(reply);
                     let err = TransportError::Protocol(format!("reply to unknown request {id}"));
                     self.mark_dead(server, err);
-                    return Ok(());
+                    return Ok(true);
                 };
                 if s != server {
                     // Not ours to complete: put it back and drop this connection as confused.
@@ -1410,7 +1448,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                     let err =
                         TransportError::Protocol(format!("reply to another server's request {id}"));
                     self.mark_dead(server, err);
-                    return Ok(());
+                    return Ok(true);
                 }
                 self.inflight.per_server[s] -= op.credits();
                 Self::complete(
@@ -1425,7 +1463,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             }
             Err(e) => {
                 self.mark_dead(server, e);
-                return Ok(());
+                return Ok(true);
             }
         }
         // Taken out because handling one may complete other replies (while waiting for a
@@ -1442,7 +1480,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         if self.followups.is_empty() {
             self.followups = followups;
         }
-        result
+        result.map(|()| true)
     }
 
     /// Handles one reply while the transport's receive buffer is still borrowed: only fields

@@ -51,6 +51,13 @@ pub trait Transport {
     }
     /// The reply borrows the transport's receive buffer until it is dropped.
     fn recv(&mut self, server: usize) -> Result<(u64, Reply<'_>), TransportError>;
+    /// The next reply from `server` if one has arrived, without waiting; `None` when none has
+    /// (or when the transport cannot tell without waiting, the default: its replies are then
+    /// read when the pager next waits).
+    fn try_recv(&mut self, server: usize) -> Option<Result<(u64, Reply<'_>), TransportError>> {
+        let _ = server;
+        None
+    }
     /// Opens a new connection (and session) to a server the pager had declared dead, dropping
     /// the old one. The server is treated as empty afterwards: whatever the old session held is
     /// freed by its lease. A transport that cannot reconnect says so.

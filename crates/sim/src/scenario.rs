@@ -87,6 +87,8 @@ pub struct Report {
     /// Writes the clients' local disks failed, and the operations that reported it.
     pub disk_write_failures: u64,
     pub disk_errors_reported: u64,
+    /// Replies idle clients handled between steps (`Pager::poll`).
+    pub replies_polled: u64,
     pub faults: FaultLog,
 }
 
@@ -105,6 +107,7 @@ impl Report {
         self.reads_failed_allowed += r.reads_failed_allowed;
         self.disk_write_failures += r.disk_write_failures;
         self.disk_errors_reported += r.disk_errors_reported;
+        self.replies_polled += r.replies_polled;
         let (a, b) = (&mut self.faults, &r.faults);
         a.crashes += b.crashes;
         a.resets += b.resets;
@@ -385,6 +388,19 @@ fn play(sc: &Scenario, at: &std::cell::Cell<u32>) -> Result<Report, Failure> {
         }
         let d = rng.u64(0..2_000);
         world.borrow_mut().run_for(d);
+        // Replies that reached the other clients meanwhile are handled now, between any two
+        // steps, not only when their own next operation waits: their write-backs finish (or
+        // fail over) interleaved with this client's work.
+        for (cj, other) in clients.iter_mut().enumerate() {
+            if cj == ci || !rng.bool() {
+                continue;
+            }
+            match other.pager.poll() {
+                Ok(n) => report.replies_polled += n as u64,
+                Err(e) if other.disk_failure_explains(&e) => report.disk_errors_reported += 1,
+                Err(e) => return Err(fail(step, format!("client {cj}: poll: {e}"))),
+            }
+        }
         let mut w = world.borrow_mut();
         check::stores(&w).map_err(|e| fail(step, e))?;
         for cl in &clients {

@@ -127,6 +127,23 @@ impl Transport for SimTransport {
         decode_reply(&self.last).map_err(|e| TransportError::Protocol(e.to_string()))
     }
 
+    fn try_recv(&mut self, server: usize) -> Option<Result<(u64, Reply<'_>), TransportError>> {
+        let c = self.conns[server]?;
+        let mut w = self.world.borrow_mut();
+        if let Some(frame) = w.take_reply(c) {
+            drop(w);
+            self.last = frame;
+            return Some(
+                decode_reply(&self.last).map_err(|e| TransportError::Protocol(e.to_string())),
+            );
+        }
+        w.conns[c].reset.then(|| {
+            Err(TransportError::Disconnected(
+                "connection reset by peer".into(),
+            ))
+        })
+    }
+
     fn reconnect(&mut self, server: usize) -> Result<ServerInfo, TransportError> {
         let r = self.world.borrow_mut().connect(self.client, server);
         match r {
