@@ -99,7 +99,8 @@ fn print_report(label: &str, r: &Report) {
     println!(
         "{label}: {} steps, {:.1} s virtual: {} writes, {} reads, {} discards, {} flushes; \
          {} pages verified, {} reads failed where the faults allowed it, {} servers reconnected; \
-         {} disk writes failed, {} reported; {} replies handled between steps",
+         {} disk writes failed, {} reported; {} replies handled between steps, {} maintenance \
+         ticks",
         r.steps,
         r.virtual_ms as f64 / 1000.0,
         r.writes,
@@ -111,7 +112,8 @@ fn print_report(label: &str, r: &Report) {
         r.revived,
         r.disk_write_failures,
         r.disk_errors_reported,
-        r.replies_polled
+        r.replies_polled,
+        r.ticks
     );
     println!(
         "faults: {} crashes, {} partitions, {} lost messages, {} resets, {} duplicated replies, \

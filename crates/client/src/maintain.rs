@@ -7,6 +7,7 @@
 //! the thread takes that lock for one bounded step at a time.
 
 use crate::open::ClientPager;
+use netram_pager::ScheduleConfig;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -95,7 +96,16 @@ fn run<F>(with_pager: F, cfg: MaintainConfig, stop: &AtomicBool, paused: &Atomic
 where
     F: Fn(&mut dyn FnMut(&mut ClientPager)),
 {
-    let (mut last_probe, mut last_reconnect) = (Instant::now(), Instant::now());
+    // The schedule itself (what is due when) is the pager's, run on this thread's clock; the
+    // simulator runs the same one on its virtual clock.
+    let epoch = Instant::now();
+    with_pager(&mut |p| {
+        p.set_schedule(ScheduleConfig {
+            probe_every_us: cfg.probe_every.as_micros() as u64,
+            reconnect_every_us: cfg.reconnect_every.as_micros() as u64,
+            recover_batch: cfg.batch,
+        })
+    });
     while !stop.load(Ordering::SeqCst) {
         if paused.load(Ordering::SeqCst) {
             std::thread::park_timeout(Duration::from_millis(50));
@@ -103,32 +113,20 @@ where
         }
         let started = Instant::now();
         let mut rebuilt = 0;
-        with_pager(&mut |p| {
-            if last_reconnect.elapsed() >= cfg.reconnect_every {
-                last_reconnect = Instant::now();
-                let n = p.revive_dead_servers();
-                if n > 0 {
-                    tracing::info!("{n} server(s) reconnected (empty)");
-                }
-            }
-            if last_probe.elapsed() >= cfg.probe_every {
-                last_probe = Instant::now();
-                if let Err(e) = p.probe_servers() {
-                    tracing::warn!("probe: {e}");
-                }
-            }
-            if p.degraded_pages() > 0 {
-                match p.recover(cfg.batch) {
-                    Ok(step) => {
-                        rebuilt = step.started;
-                        if step.unrecoverable > 0 {
-                            tracing::error!("{} page(s) lost for good", step.unrecoverable);
-                        }
+        with_pager(
+            &mut |p| match p.on_tick(epoch.elapsed().as_micros() as u64) {
+                Ok(tick) => {
+                    rebuilt = tick.rebuilt;
+                    if tick.revived > 0 {
+                        tracing::info!("{} server(s) reconnected (empty)", tick.revived);
                     }
-                    Err(e) => tracing::warn!("recovery step: {e}"),
+                    if tick.unrecoverable > 0 {
+                        tracing::error!("{} page(s) lost for good", tick.unrecoverable);
+                    }
                 }
-            }
-        });
+                Err(e) => tracing::warn!("maintenance: {e}"),
+            },
+        );
         let pause = if rebuilt > 0 {
             // Spaced so that `pages_per_s` and `duty` hold; the step itself counts.
             let held = started.elapsed();

@@ -34,6 +34,7 @@ mod config;
 mod counters;
 mod error;
 mod invariants;
+mod maintenance;
 mod parity;
 mod recovery;
 mod requests;
@@ -45,6 +46,7 @@ pub use config::{Backing, PagerConfig, ParseBackingError};
 pub use counters::PagerCounters;
 pub use error::{LostPages, PagerError};
 use lru::LruCache;
+pub use maintenance::{ScheduleConfig, Tick};
 use netram_policy::placement::{self, Candidate};
 pub use netram_policy::redundancy::{ParseSchemeError, Scheme};
 use netram_proto::{
@@ -195,6 +197,8 @@ pub struct Pager<T: Transport, D: Disk> {
     /// waits, and `check_invariants` counts what still does.
     in_reply: u32,
     waits_in_reply: u64,
+    /// When the maintenance tasks last ran ([`Pager::on_tick`]).
+    schedule: maintenance::Schedule,
     rng: fastrand::Rng,
     counters: PagerCounters,
 }
@@ -307,6 +311,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             next_req: 1,
             in_reply: 0,
             waits_in_reply: 0,
+            schedule: maintenance::Schedule::default(),
             rng: fastrand::Rng::with_seed(cfg.seed),
             counters: PagerCounters::default(),
             cfg: PagerConfig { batch_max, ..cfg },

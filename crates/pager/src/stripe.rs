@@ -421,6 +421,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             .expect("stripe being written");
         let stripe = &self.rs().stripes[id as usize];
         let up: Vec<bool> = self.servers.iter().map(|s| s.alive).collect();
+        let mut spill_failed = false;
         let alive = move |s: u16| s != NO_SERVER && up[usize::from(s)];
         let whole = stripe.servers.iter().all(|&s| alive(s));
         let members = stripe.members.clone();
@@ -440,6 +441,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                     self.counters.spills += 1;
                     let written = self.write_to_disk(page, w.data[i]);
                     self.table.get_mut(page).on_disk = written;
+                    spill_failed |= !written;
                 }
                 continue;
             }
@@ -486,8 +488,12 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             let rs = self.rs_mut();
             rs.degraded.remove(&id);
             rs.short.remove(&id);
-        } else if w.rebuild {
+        } else if w.rebuild && !spill_failed {
             self.rs_mut().short.insert(id);
+        } else if w.rebuild {
+            // Short of servers and the disk failed to back its members: recovery tries again
+            // at its next step, not only when a server comes back.
+            self.rs_mut().degraded.insert(id);
         } else {
             self.counters.writes_degraded += 1;
             self.rs_mut().degraded.insert(id);

@@ -471,6 +471,52 @@ fn a_dead_server_is_survived_with_cluster_disk_backing() {
 }
 
 #[test]
+fn the_maintenance_schedule_probes_finds_the_dead_and_rebuilds_on_the_clock_it_is_given() {
+    let mut p = Pager::new(
+        PagerConfig {
+            pages: 40,
+            cache_pages: 0,
+            redundancy: "mirror:2".parse().unwrap(),
+            ..Default::default()
+        },
+        MemCluster::new(&[100, 100, 100]),
+        MemDisk::default(),
+    );
+    p.set_schedule(ScheduleConfig {
+        probe_every_us: 1_000,
+        reconnect_every_us: 5_000,
+        recover_batch: 8,
+    });
+    for page in 0..40 {
+        p.write(page, &content(page, 1)).unwrap();
+    }
+    p.transport.servers[1].dead = true;
+    // The first tick starts the clocks; nothing is due before a period has passed.
+    assert_eq!(p.on_tick(10_000).unwrap(), Tick::default());
+    assert_eq!(p.on_tick(10_999).unwrap(), Tick::default());
+    assert_eq!(p.counters().servers_dead, 0, "nobody asked the dead server anything");
+    // The probe is due: it finds the dead server, and recovery starts in the same tick.
+    let t = p.on_tick(11_000).unwrap();
+    assert_eq!(t.found_dead, 1);
+    assert_eq!(t.rebuilt, 8, "one bounded step");
+    // Recovery goes on at every tick until every page has two copies again.
+    let mut now = 11_000;
+    while p.degraded_pages() > 0 {
+        now += 100;
+        p.on_tick(now).unwrap();
+        assert!(now < 1_000_000, "recovery does not end");
+    }
+    p.flush().unwrap();
+    for page in 0..40 {
+        let holders = p.holders(page);
+        assert_eq!(holders.len(), 2, "page {page}");
+        assert!(!holders.contains(&1), "page {page}");
+        assert_eq!(read(&mut p, page).unwrap(), content(page, 1));
+    }
+    p.check_invariants().unwrap();
+}
+
+#[test]
 fn writes_in_flight_to_a_dying_server_go_elsewhere() {
     let mut p = pager(MemCluster::new(&[100, 100]), 40, 0, Backing::Cluster);
     p.transport.servers[0].dead = true;

@@ -4,7 +4,7 @@
 use crate::check::{self, content, Model};
 use crate::transport::SimTransport;
 use crate::world::{FaultLog, Faults, World, LEASE_PERIOD_MS};
-use netram_pager::{Backing, MemDisk, Pager, PagerConfig, PagerError};
+use netram_pager::{Backing, MemDisk, Pager, PagerConfig, PagerError, ScheduleConfig};
 use netram_policy::redundancy::Scheme;
 use netram_proto::PAGE_SIZE;
 use std::cell::RefCell;
@@ -89,6 +89,8 @@ pub struct Report {
     pub disk_errors_reported: u64,
     /// Replies idle clients handled between steps (`Pager::poll`).
     pub replies_polled: u64,
+    /// Ticks of the clients' maintenance schedules (`Pager::on_tick`).
+    pub ticks: u64,
     pub faults: FaultLog,
 }
 
@@ -108,6 +110,7 @@ impl Report {
         self.disk_write_failures += r.disk_write_failures;
         self.disk_errors_reported += r.disk_errors_reported;
         self.replies_polled += r.replies_polled;
+        self.ticks += r.ticks;
         let (a, b) = (&mut self.faults, &r.faults);
         a.crashes += b.crashes;
         a.resets += b.resets;
@@ -252,9 +255,15 @@ fn play(sc: &Scenario, at: &std::cell::Cell<u32>) -> Result<Report, Failure> {
                 p if p > 0.0 => MemDisk::failing_randomly(rng.u64(..), p),
                 _ => MemDisk::default(),
             };
+            let mut pager = Pager::new(cfg, SimTransport::connect(world.clone(), c), disk);
+            pager.set_schedule(ScheduleConfig {
+                probe_every_us: rng.u64(200_000..3_000_000),
+                reconnect_every_us: rng.u64(200_000..2_000_000),
+                recover_batch: rng.usize(1..=16),
+            });
             Client {
                 disk_failures_reported: 0,
-                pager: Pager::new(cfg, SimTransport::connect(world.clone(), c), disk),
+                pager,
                 model: Model {
                     client: c,
                     pages: vec![None; sc.pages as usize],
@@ -368,19 +377,12 @@ fn play(sc: &Scenario, at: &std::cell::Cell<u32>) -> Result<Report, Failure> {
                     Err(e) => return Err(fail(step, format!("client {ci}: flush: {e}"))),
                 }
             }
-            92 => {
-                report.revived += cl.pager.revive_dead_servers() as u64;
+            // The maintenance schedule the daemon's thread runs (probes, reconnections,
+            // recovery steps), on the virtual clock.
+            92..=95 => {
+                let now = world.borrow().now;
+                tick(cl, now, &mut report).map_err(|e| fail(step, format!("client {ci}: {e}")))?;
             }
-            93 => match cl.pager.probe_servers() {
-                Ok(_) => {}
-                Err(e) if cl.disk_failure_explains(&e) => report.disk_errors_reported += 1,
-                Err(e) => return Err(fail(step, format!("client {ci}: probe: {e}"))),
-            },
-            94..=95 => match cl.pager.recover(rng.usize(1..=16)) {
-                Ok(r) => report.rebuilds_started += r.started as u64,
-                Err(e) if cl.disk_failure_explains(&e) => report.disk_errors_reported += 1,
-                Err(e) => return Err(fail(step, format!("client {ci}: recover: {e}"))),
-            },
             _ => {
                 let d = rng.u64(0..50_000);
                 world.borrow_mut().run_for(d);
@@ -399,6 +401,12 @@ fn play(sc: &Scenario, at: &std::cell::Cell<u32>) -> Result<Report, Failure> {
                 Ok(n) => report.replies_polled += n as u64,
                 Err(e) if other.disk_failure_explains(&e) => report.disk_errors_reported += 1,
                 Err(e) => return Err(fail(step, format!("client {cj}: poll: {e}"))),
+            }
+            // An idle client's maintenance runs too, as its thread would.
+            if rng.u32(0..8) == 0 {
+                let now = world.borrow().now;
+                tick(other, now, &mut report)
+                    .map_err(|e| fail(step, format!("client {cj}: {e}")))?;
             }
         }
         let mut w = world.borrow_mut();
@@ -512,6 +520,23 @@ fn play(sc: &Scenario, at: &std::cell::Cell<u32>) -> Result<Report, Failure> {
     report.virtual_ms = w.now / 1000;
     report.faults = w.log;
     Ok(report)
+}
+
+/// One tick of a client's maintenance schedule at virtual time `now`.
+fn tick(cl: &mut Client, now: u64, report: &mut Report) -> Result<(), String> {
+    match cl.pager.on_tick(now) {
+        Ok(t) => {
+            report.revived += t.revived as u64;
+            report.rebuilds_started += t.rebuilt as u64;
+            report.ticks += 1;
+            Ok(())
+        }
+        Err(e) if cl.disk_failure_explains(&e) => {
+            report.disk_errors_reported += 1;
+            Ok(())
+        }
+        Err(e) => Err(format!("maintenance: {e}")),
+    }
 }
 
 /// Crashes, partitions and slowdowns, drawn from the world's generator.
