@@ -1,7 +1,7 @@
 //! The maintenance schedule (Nswap §IV-B3: a node finds out that another is unreachable and
-//! recovery rebuilds what it held while programs keep running): when to probe the servers
-//! nobody has asked anything lately, when to try the dead ones again, and a bounded step of
-//! recovery whenever pages lack copies.
+//! recovery rebuilds what it held while programs keep running): the replies that arrived while
+//! the program was elsewhere, when to probe the servers nobody has asked anything lately, when
+//! to try the dead ones again, and a bounded step of recovery whenever pages lack copies.
 //!
 //! It keeps no clock of its own: [`Pager::on_tick`] is told the time, in microseconds from any
 //! origin, so that the same schedule runs in the daemon's maintenance thread
@@ -43,6 +43,9 @@ pub(crate) struct Schedule {
 /// What one tick did.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Tick {
+    /// Replies that had arrived and were handled (write-backs finished while the program
+    /// was elsewhere).
+    pub replies: usize,
     /// Dead servers that answered again (empty: a new incarnation).
     pub revived: usize,
     /// Servers a probe found dead.
@@ -75,13 +78,16 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         self.schedule.cfg = cfg;
     }
 
-    /// Runs the maintenance tasks due at `now` (µs): reconnecting dead servers, probing the
-    /// live ones, and one bounded step of recovery while pages lack copies. The first tick
-    /// only starts the clocks. A failed probe or step is returned; the tasks after it wait
-    /// for the next tick.
+    /// Runs the maintenance tasks due at `now` (µs): handling the replies already there
+    /// ([`Pager::poll`]), reconnecting dead servers, probing the live ones, and one bounded
+    /// step of recovery while pages lack copies. The first tick only starts the clocks. A
+    /// failed task is returned; the tasks after it wait for the next tick.
     pub fn on_tick(&mut self, now_us: u64) -> Result<Tick, PagerError> {
         let cfg = self.schedule.cfg;
-        let mut tick = Tick::default();
+        let mut tick = Tick {
+            replies: self.poll()?,
+            ..Tick::default()
+        };
         if Schedule::due(
             &mut self.schedule.last_reconnect,
             cfg.reconnect_every_us,

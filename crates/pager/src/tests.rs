@@ -491,10 +491,15 @@ fn the_maintenance_schedule_probes_finds_the_dead_and_rebuilds_on_the_clock_it_i
         p.write(page, &content(page, 1)).unwrap();
     }
     p.transport.servers[1].dead = true;
-    // The first tick starts the clocks; nothing is due before a period has passed.
+    // The first tick starts the clocks; nothing is due before a period has passed (the
+    // writes were acknowledged already: no reply waits).
     assert_eq!(p.on_tick(10_000).unwrap(), Tick::default());
     assert_eq!(p.on_tick(10_999).unwrap(), Tick::default());
-    assert_eq!(p.counters().servers_dead, 0, "nobody asked the dead server anything");
+    assert_eq!(
+        p.counters().servers_dead,
+        0,
+        "nobody asked the dead server anything"
+    );
     // The probe is due: it finds the dead server, and recovery starts in the same tick.
     let t = p.on_tick(11_000).unwrap();
     assert_eq!(t.found_dead, 1);

@@ -161,7 +161,16 @@ impl Client {
         let mut out = vec![0u8; PAGE_SIZE];
         let pages: std::collections::BTreeSet<u64> = candidates.iter().map(|c| c.0).collect();
         for page in pages {
-            match self.pager.read(page, &mut out) {
+            // A page flipped on the wire reads corrupt once: it is read again.
+            let mut tries = 0;
+            let read = loop {
+                tries += 1;
+                match self.pager.read(page, &mut out) {
+                    Err(PagerError::Corrupt { .. }) if tries < 5 => continue,
+                    r => break r,
+                }
+            };
+            match read {
                 Ok(()) => {}
                 // Lost meanwhile (where the faults allow it): what it held no longer matters.
                 Err(PagerError::Lost(_)) if self.backing == Backing::Cluster => continue,
@@ -526,6 +535,7 @@ fn play(sc: &Scenario, at: &std::cell::Cell<u32>) -> Result<Report, Failure> {
 fn tick(cl: &mut Client, now: u64, report: &mut Report) -> Result<(), String> {
     match cl.pager.on_tick(now) {
         Ok(t) => {
+            report.replies_polled += t.replies as u64;
             report.revived += t.revived as u64;
             report.rebuilds_started += t.rebuilt as u64;
             report.ticks += 1;
