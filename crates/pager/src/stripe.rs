@@ -1008,7 +1008,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             self.release_slot(slot);
         }
         streamed?;
-        self.send_all_batches();
+        self.send_everything()?;
         step.remaining = self.rs().degraded.len();
         Ok(step)
     }
@@ -1069,7 +1069,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                     self.submit_get_item(usize::from(st.servers[j]), it);
                 }
             }
-            self.send_all_batches();
+            self.send_everything()?;
             self.rs_harvest();
             while let Some(id) = self.rs_mut().read.pop() {
                 let rs = self.rs();
