@@ -1420,7 +1420,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                 }
             }
         }
-        self.send_all_batches();
+        self.pump_all();
         result.map(|()| handled)
     }
 
@@ -1471,8 +1471,8 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                 return Ok(true);
             }
         }
-        // Taken out because handling one may complete other replies (while waiting for a
-        // credit), which queue their own follow-ups; the buffer is put back to keep its capacity.
+        // Taken out to be handled with `&mut self` (handling one never reads another reply:
+        // `check_invariants` counts any wait); the buffer is put back to keep its capacity.
         let mut followups = std::mem::take(&mut self.followups);
         let mut result = Ok(());
         self.in_reply += 1;

@@ -672,7 +672,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         let Some(&x) = self.par().recovering.first() else {
             // Pages placed again since the last round wait in open groups: ship them.
             self.par_seal(None)?;
-            self.send_all_batches();
+            self.pump_all();
             step.remaining = self.par().pending();
             return Ok(step);
         };
@@ -833,7 +833,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         // Rebuilt pages are protected at once, not left in open groups for later writes to
         // fill: ship the groups they joined, full or not (holders merge small ones).
         self.par_seal(None)?;
-        self.send_all_batches();
+        self.pump_all();
         step.remaining = self.par().pending();
         Ok(step)
     }
@@ -1012,7 +1012,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                 .collect();
             self.par_mut().suspects = left;
         }
-        self.send_all_batches();
+        self.pump_all();
         Ok(())
     }
 
@@ -1089,7 +1089,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             }
         }
         self.par_seal(None)?;
-        self.send_all_batches();
+        self.pump_all();
         Ok(())
     }
 

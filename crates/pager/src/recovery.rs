@@ -141,7 +141,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             step.started += 1;
             self.place_copies(page)?;
         }
-        self.send_all_batches();
+        self.pump_all();
         step.remaining = self.degraded.len();
         Ok(step)
     }

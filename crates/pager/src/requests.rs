@@ -299,7 +299,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
 
     /// Sends whatever queued request the servers' credits allow, full batches or not. Never
     /// waits: what finds no credit goes out as replies return them.
-    pub(crate) fn send_all_batches(&mut self) {
+    pub(crate) fn pump_all(&mut self) {
         for s in 0..self.queues.len() {
             self.pump(s, true);
         }
@@ -308,7 +308,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
     /// Waits until every queued request is on the wire (not answered): a public operation
     /// that does not wait for its writes still leaves nothing behind unsent.
     pub(crate) fn send_everything(&mut self) -> Result<(), PagerError> {
-        self.send_all_batches();
+        self.pump_all();
         while self.queues.iter().any(|q| !q.is_empty()) {
             self.complete_one()?;
         }
@@ -342,7 +342,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         if self.in_reply > 0 {
             self.waits_in_reply += 1;
         }
-        self.send_all_batches();
+        self.pump_all();
         match self.inflight.oldest() {
             Some(server) => self.recv_from(server),
             None => Ok(()),
