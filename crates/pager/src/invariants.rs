@@ -20,7 +20,8 @@
 //!   them cached and dirty); only cached slots are dirty; recovery's lists name pages the
 //!   table has.
 
-use crate::{Disk, Op, Pager, Transport, NOT_PIECE};
+use crate::requests::PutKind;
+use crate::{Disk, Op, Pager, Transport};
 
 impl<T: Transport, D: Disk> Pager<T, D> {
     /// Checks the pager's own bookkeeping; the first violation found, in words.
@@ -86,7 +87,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                         },
                     )
                 })?,
-                Op::Put(items) => puts.extend(items.iter().map(|it| (it.page, it.slot, it.piece))),
+                Op::Put(items) => puts.extend(items.iter().map(|it| (it.page, it.slot, it.kind))),
                 _ => {}
             }
         }
@@ -100,10 +101,10 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             claim(s, "recovery's read")?;
         }
         let (mut owned, mut used) = (Vec::new(), Vec::new());
-        if let Some(rs) = &self.rs {
+        if let Some(rs) = self.scheme.stripe() {
             rs.slots_held(&mut owned, &mut used);
         }
-        if let Some(par) = &self.par {
+        if let Some(par) = self.scheme.parity() {
             par.slots_held(&mut owned);
         }
         for s in owned {
@@ -125,11 +126,12 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                 ));
             }
         }
-        for (page, slot, piece) in puts {
-            let ok = if piece == NOT_PIECE {
-                self.writeback.get(&page).is_some_and(|wb| wb.slot == slot)
-            } else {
-                used.contains(&slot)
+        for (page, slot, kind) in puts {
+            let ok = match kind {
+                PutKind::Piece(_) => used.contains(&slot),
+                PutKind::Copy | PutKind::Parity(_) => {
+                    self.writeback.get(&page).is_some_and(|wb| wb.slot == slot)
+                }
             };
             if !ok {
                 return Err(format!(
@@ -189,11 +191,11 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             if holders.iter().any(|s| s >= n) {
                 return Err(format!("page {page}: a holder beyond the {n} servers"));
             }
-            if self.rs.is_none() && holders.len() > self.copies {
+            if holders.len() > self.scheme.copies() {
                 return Err(format!(
                     "page {page}: {} holders, the scheme keeps {}",
                     holders.len(),
-                    self.copies
+                    self.scheme.copies()
                 ));
             }
             if !self.table.get(page).present && !holders.is_empty() {
@@ -206,7 +208,10 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         let mut carried = Vec::new();
         for (s, op, _) in self.requests() {
             if let Op::Put(items) = op {
-                carried.extend(items.iter().map(|it| (s, it.page, it.version, it.piece)));
+                let whole = items
+                    .iter()
+                    .filter(|it| !matches!(it.kind, PutKind::Piece(_)));
+                carried.extend(whole.map(|it| (s, it.page, it.version)));
             }
         }
         for (&page, wb) in &self.writeback {
@@ -219,7 +224,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                         "page {page}: server {s} is both in flight and settled"
                     ));
                 }
-                if self.rs.is_none() && !carried.contains(&(s, page, wb.version, NOT_PIECE)) {
+                if !carried.contains(&(s, page, wb.version)) {
                     return Err(format!(
                         "page {page}: a copy of version {} is pending at server {s}, but no \
                          PUT carries it there",

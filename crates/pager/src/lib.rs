@@ -35,10 +35,8 @@ mod counters;
 mod error;
 mod invariants;
 mod maintenance;
-mod parity;
-mod recovery;
 mod requests;
-mod stripe;
+mod scheme;
 mod table;
 mod transport;
 
@@ -47,16 +45,18 @@ pub use counters::PagerCounters;
 pub use error::{LostPages, PagerError};
 use lru::LruCache;
 pub use maintenance::{ScheduleConfig, Tick};
-use netram_policy::placement::{self, Candidate};
+use netram_policy::placement::Candidate;
 pub use netram_policy::redundancy::{ParseSchemeError, Scheme};
 use netram_proto::{
     DeleteStatus, ErrorCode, GetResult, PageKey, PutStatus, Reply, Request, PAGE_SIZE,
 };
-use parity::PutOp;
-use requests::{Inflight, Op, Queued};
+use requests::{GetItem, Inflight, Op, Part, PutItem, PutKind, Queued, ReadDone, INTERNAL};
+use scheme::parity;
+pub use scheme::RecoveryStep;
+use scheme::Redundancy;
 use std::collections::{BTreeSet, HashMap, VecDeque};
 use std::fmt;
-use table::{Entry, Servers, Table};
+use table::{Servers, Table};
 pub use transport::{Disk, MemDisk, ServerInfo, Transport, TransportError};
 
 /// What keeps a page safe, as [`Pager::pieces`] lists it: (server, key, version) of each copy
@@ -73,29 +73,6 @@ pub struct PageLocation {
     /// The holders' copies are gone (their server came back empty).
     pub lost: bool,
 }
-
-/// One page of a batched GET: where its data goes. `pos` is the page's place in the caller's
-/// buffer, or [`INTERNAL`] for the pager's own reads (recovery).
-#[derive(Debug, Clone, Copy)]
-struct GetItem {
-    /// The page, or for a Reed-Solomon piece, its stripe.
-    page: u64,
-    slot: u32,
-    pos: usize,
-    /// What is asked for, and the version that must come back.
-    key: PageKey,
-    version: u32,
-    /// The piece of a stripe ([`NOT_PIECE`] for a page).
-    piece: u8,
-}
-
-/// A [`GetItem`] or [`PutItem`] that carries a whole page, not a piece of a stripe.
-const NOT_PIECE: u8 = u8::MAX;
-
-const INTERNAL: usize = usize::MAX;
-
-/// The "server" a lost Reed-Solomon page names when no piece of it has a server left.
-const STRIPE_LOST: usize = usize::MAX;
 
 /// A page being written out: its data stays in `slot` until every copy is settled.
 #[derive(Debug, Clone, Copy)]
@@ -116,28 +93,8 @@ struct Writeback {
     join: bool,
 }
 
-/// One page of a batched PUT: its data is in `slot` until the server acknowledges it.
-#[derive(Debug, Clone, Copy)]
-struct PutItem {
-    /// The page, or for a Reed-Solomon piece, its stripe.
-    page: u64,
-    slot: u32,
-    version: u32,
-    key: PageKey,
-    piece: u8,
-    /// What the PUT does to the page's parity group.
-    op: PutOp,
-}
-
-/// A finished read, waiting to be copied out to the caller.
-#[derive(Debug)]
-struct ReadDone {
-    pos: usize,
-    page: u64,
-    slot: u32,
-    /// The piece of a stripe, for the pager's own reads of pieces.
-    piece: u8,
-}
+/// The "server" a lost Reed-Solomon page names when no piece of it has a server left.
+const STRIPE_LOST: usize = usize::MAX;
 
 #[derive(Debug)]
 struct ServerState {
@@ -162,8 +119,8 @@ pub struct Pager<T: Transport, D: Disk> {
     cache: LruCache<u64, u32>,
     /// Pages whose write-back is in flight, with the slot holding their data.
     writeback: HashMap<u64, Writeback>,
-    /// Copies the redundancy scheme keeps of every page.
-    copies: usize,
+    /// What keeps pages safe when a server dies, and its state ([`scheme`]).
+    scheme: Redundancy,
     /// Pages with fewer copies than `copies` (a server died, a copy was bad): recovery's list.
     degraded: BTreeSet<u64>,
     /// Pages recovery could not give every copy (no server with room) and that the local disk
@@ -178,10 +135,6 @@ pub struct Pager<T: Transport, D: Disk> {
     retry: Vec<GetItem>,
     /// The pager's own finished reads (recovery): page and slot.
     fetched: Vec<(u64, u32)>,
-    /// Reed-Solomon stripes, for an `rs:K+M` pager.
-    rs: Option<Box<stripe::Rs>>,
-    /// Open parity groups and recovery state, for a `parity:N` pager.
-    par: Option<Box<parity::Par>>,
     /// Reads whose piece is out of reach, to be decoded from the rest of their stripe.
     reconstruct: Vec<GetItem>,
     inflight: Inflight,
@@ -216,21 +169,6 @@ impl<T: Transport, D: Disk> fmt::Debug for Pager<T, D> {
 impl<T: Transport, D: Disk> Pager<T, D> {
     pub fn new(cfg: PagerConfig, transport: T, disk: D) -> Self {
         assert!(cfg.window > 0 && cfg.writeback_batch > 0 && cfg.batch_max > 0);
-        let (copies, rs) = match cfg.redundancy {
-            Scheme::None => (1, None),
-            Scheme::Mirror { copies } => (usize::from(copies), None),
-            Scheme::ReedSolomon { data, parity } => {
-                assert!(
-                    // The last region of all is the servers' parity frames.
-                    cfg.region < stripe::PIECE_REGION - 1,
-                    "region {} leaves no room for stripe pieces",
-                    cfg.region
-                );
-                let rs = stripe::Rs::new(usize::from(data), usize::from(parity), cfg.pages);
-                (1, Some(Box::new(rs)))
-            }
-            Scheme::Parity { .. } => (1, None),
-        };
         let batch_max = cfg
             .batch_max
             .min(cfg.window as usize)
@@ -256,41 +194,20 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             .sum::<usize>()
             .max(cfg.writeback_batch)
             .max(1);
-        let rebuilding = match cfg.redundancy {
-            Scheme::ReedSolomon { .. } | Scheme::Parity { .. } => cfg.recovery_slots,
-            Scheme::None | Scheme::Mirror { .. } => 0,
-        };
+        let scheme = Redundancy::new(&cfg, &servers);
+        let rebuilding = scheme.recovery_slots(&cfg);
         let nslots = cfg.cache_pages + staging + rebuilding;
         Self {
             transport,
             disk,
-            table: Table::new(cfg.pages, copies),
-            copies,
+            table: Table::new(cfg.pages, scheme.copies()),
+            scheme,
             degraded: BTreeSet::new(),
             short: BTreeSet::new(),
             rehomed: BTreeSet::new(),
             disk_failed: None,
             retry: Vec::new(),
             fetched: Vec::new(),
-            rs,
-            par: match cfg.redundancy {
-                Scheme::Parity { group } => {
-                    let addrs = servers
-                        .iter()
-                        .map(|s| {
-                            s.info.addr.unwrap_or_else(|| {
-                                panic!("parity needs every server's address ({})", s.info.name)
-                            })
-                        })
-                        .collect();
-                    Some(Box::new(parity::Par::new(
-                        usize::from(group),
-                        addrs,
-                        cfg.seed,
-                    )))
-                }
-                _ => None,
-            },
             reconstruct: Vec::new(),
             inflight: Inflight {
                 ops: HashMap::default(),
@@ -342,26 +259,6 @@ impl<T: Transport, D: Disk> Pager<T, D> {
     /// Names of the servers, with whether each is alive.
     pub fn servers(&self) -> impl Iterator<Item = (&str, bool)> {
         self.servers.iter().map(|s| (s.info.name.as_str(), s.alive))
-    }
-    /// How many of this pager's pages each server holds, by the page table.
-    pub fn pages_per_server(&self) -> Vec<u64> {
-        if self.rs.is_some() {
-            return self.rs_pieces_per_server();
-        }
-        self.table.pages_per_server(self.servers.len())
-    }
-
-    /// What keeps a page safe, for checkers: (server, key, version) of every piece the page
-    /// table counts (its copies, or its stripe's pieces), and how many the scheme wants.
-    /// `None` while its write-back is in flight.
-    pub fn pieces(&self, page: u64) -> Option<(Pieces, usize)> {
-        let loc = self.location(page)?;
-        if let Some(p) = self.rs_pieces(page) {
-            return Some(p);
-        }
-        let key = self.key(page);
-        let pieces = loc.holders.iter().map(|&s| (s, key, loc.version)).collect();
-        Some((pieces, self.copies))
     }
     /// The servers (by index, in the transport's order) that hold a page's current version.
     pub fn holders(&self, page: u64) -> Vec<usize> {
@@ -417,25 +314,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                     continue;
                 }
             };
-            if self.rs.is_some() {
-                self.rs_server_revived(s);
-            }
-            for page in self
-                .table
-                .pages_on(s)
-                .into_iter()
-                .filter(|_| self.rs.is_none() && self.par.is_none())
-            {
-                let mut holders = self.table.holders(page);
-                if holders.len() > 1 {
-                    // Another copy survives: this one is gone, recovery makes a new one.
-                    holders.remove(s);
-                    self.table.set_holders(page, holders);
-                    self.degraded.insert(page);
-                } else {
-                    self.table.get_mut(page).lost = true;
-                }
-            }
+            self.server_revived(s);
             let st = &mut self.servers[s];
             st.dead_reason = format!("restarted empty after: {}", st.dead_reason);
             st.alive = true;
@@ -559,14 +438,12 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                 dst.fill(0);
                 continue;
             }
-            match self.alive_holder(page, &e, None) {
+            match self.alive_holder(page, None) {
                 Some(server) => {
                     let slot = self.take_slot_for_read(out)?;
                     self.submit_get(server, page, slot, pos);
                 }
-                None if !e.on_disk
-                    && (self.rs_reconstructible(page) || self.par_reconstructible(page)) =>
-                {
+                None if !e.on_disk && self.reconstructible(page) => {
                     let slot = self.take_slot_for_read(out)?;
                     let it = self.page_get_item(page, slot, pos);
                     self.reconstruct.push(it);
@@ -658,8 +535,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         } else {
             // Written means stored: a stripe still open is sealed, full or not, and an open
             // parity group shipped.
-            self.rs_seal()?;
-            self.par_settle()?;
+            self.settle_writes()?;
             self.disk_outcome()
         }
     }
@@ -690,8 +566,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             self.dirty[slot as usize] = false;
             self.write_back(page, copy)?;
         }
-        self.rs_seal()?;
-        self.par_settle()?;
+        self.settle_writes()?;
         // Pages the disk had failed are written now: the cache returns to its budget.
         self.evict_over_budget()?;
         // As fsync does: a write the disk failed since the last flush is reported once, even
@@ -718,16 +593,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             }
             self.rehomed.remove(&page);
             let e = *self.table.get(page);
-            if self.rs.is_some() {
-                // Its piece stays while its stripe has other live members.
-                self.rs_member_dead(page);
-            } else {
-                for s in self.table.holders(page).iter() {
-                    if self.servers[s].alive {
-                        deletes[s].push(self.key(page));
-                    }
-                }
-            }
+            self.discarded(page, &mut deletes);
             if e.on_disk {
                 self.disk.discard(page)?;
             }
@@ -762,89 +628,17 @@ impl<T: Transport, D: Disk> Pager<T, D> {
     // Reading
     // ------------------------------------------------------------------------------------------
 
-    /// The first live holder of a page's current version, other than `not`.
-    fn alive_holder(&self, page: u64, e: &Entry, not: Option<usize>) -> Option<usize> {
-        if e.lost {
-            return None;
-        }
-        if let Some(data) = self.rs_data_server(page) {
-            return data.filter(|&s| self.servers[s].alive && Some(s) != not);
-        }
-        self.table
-            .holders(page)
-            .iter()
-            .find(|&s| self.servers[s].alive && Some(s) != not)
-    }
-
-    /// A GET that got no good copy from `server` (dead, bad checksum, missing). With another
-    /// copy it is tried there, and a bad copy is dropped for recovery to rebuild; otherwise the
-    /// disk copy, or the error.
-    fn get_failed(&mut self, server: usize, it: GetItem, what: Option<&'static str>) {
-        if it.piece == parity::PARITY_READ {
-            // A survivor of a parity group, or a page to protect again: recovery looks at
-            // what came back.
-            self.par_read_failed(it.page, it.slot, what == Some("checksum mismatch"));
-            return self.release_slot(it.slot);
-        }
-        if it.piece != NOT_PIECE {
-            // The pager's own read of a stripe's piece: its caller sees it missing.
-            if let Some(what) = what {
-                self.rs_bad_piece(it.page as u32, it.piece, server, what);
-            }
-            self.rs_read_settled(it.page as u32);
-            return self.release_slot(it.slot);
-        }
-        if self.rs.is_some() {
-            return self.rs_get_failed(server, it, what);
-        }
-        if self.par.is_some() && it.pos != INTERNAL {
-            // Any bad answer, not only a checksum mismatch: a bit flipped in the reply's page
-            // key or version is as much a lie (found by the `pager_replies` fuzz target: a
-            // flipped key cost a page that parity could rebuild), and a page missing from the
-            // server that holds its only copy is lost there all the same.
-            if let Some(what) = what {
-                if self.par_retry(it.page) {
-                    self.retry.push(it);
-                    return;
-                }
-                // The server sends the page bad again and again: it is broken or lying. Under
-                // parity a page has one copy, so the server is declared dead and what it held
-                // is rebuilt from the groups' parity (Nswap §IV-B) instead of being reported
-                // corrupt while its parity could rebuild it.
-                if self.servers[server].alive {
-                    let why = format!("page {} came back bad on every read ({what})", it.page);
-                    self.mark_dead(server, TransportError::Protocol(why));
-                }
-            }
-            if self.par_reconstructible(it.page)
-                && self
-                    .alive_holder(it.page, &self.table.get(it.page).clone(), None)
-                    .is_none()
-            {
-                self.reconstruct.push(it);
-                return;
-            }
-        }
+    /// A GET that got no good data from `server`, once its scheme has had its say: tried on
+    /// another copy, else read from the disk copy, else reported (lost or corrupt) to its
+    /// caller.
+    pub(crate) fn read_elsewhere(
+        &mut self,
+        server: usize,
+        it: GetItem,
+        what: Option<&'static str>,
+    ) {
         let e = *self.table.get(it.page);
-        let mut holders = self.table.holders(it.page);
-        if let Some(what) = what {
-            if holders.len() > 1 && holders.contains(server) {
-                tracing::warn!(server, page = it.page, what, "dropping a bad copy");
-                self.counters.copies_dropped_bad += 1;
-                holders.remove(server);
-                self.table.set_holders(it.page, holders);
-                self.degraded.insert(it.page);
-                if what != "missing on server" && self.servers[server].alive {
-                    self.counters.deletes += 1;
-                    self.submit(
-                        server,
-                        Op::Delete,
-                        &Request::Delete(vec![self.key(it.page)]),
-                    );
-                }
-            }
-        }
-        if self.alive_holder(it.page, &e, Some(server)).is_some() {
+        if self.alive_holder(it.page, Some(server)).is_some() {
             self.counters.reads_from_other_copy += 1;
             self.retry.push(it);
             return;
@@ -859,7 +653,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                         pos: it.pos,
                         page: it.page,
                         slot: it.slot,
-                        piece: NOT_PIECE,
+                        part: Part::Page,
                     })
                 }
                 Err(e) => tracing::error!(page = it.page, "disk read failed: {e}"),
@@ -875,67 +669,21 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         self.release_slot(it.slot);
     }
 
-    /// A page's data piece could not be read: from the disk copy if there is one, else
-    /// decoded from the rest of its stripe.
-    fn rs_get_failed(&mut self, server: usize, it: GetItem, what: Option<&'static str>) {
-        if let (Some(what), Some(key)) = (what, self.rs_key(it.page)) {
-            let (id, piece) = ((key.page / 32) as u32, (key.page % 32) as u8);
-            self.rs_bad_piece(id, piece, server, what);
-        }
-        let e = *self.table.get(it.page);
-        if it.pos != INTERNAL && !e.on_disk && self.rs_reconstructible(it.page) {
-            self.reconstruct.push(it);
-            return;
-        }
-        if e.on_disk {
-            self.counters.disk_fallbacks += 1;
-            self.counters.disk_reads += 1;
-            let at = it.slot as usize * PAGE_SIZE;
-            if self
-                .disk
-                .read(it.page, &mut self.slots[at..at + PAGE_SIZE])
-                .is_ok()
-            {
-                return self.reads_done.push(ReadDone {
-                    pos: it.pos,
-                    page: it.page,
-                    slot: it.slot,
-                    piece: NOT_PIECE,
-                });
-            }
-        }
-        if it.pos != INTERNAL {
-            match what {
-                Some(what) => self.corrupt = Some((server, it.page, what)),
-                None => self.lost.push((server, it.page)),
-            }
-        }
-        self.release_slot(it.slot);
-    }
-
     /// Decodes the reads whose piece was out of reach (degraded reads).
     fn run_reconstructions(&mut self) -> Result<(), PagerError> {
         for it in std::mem::take(&mut self.reconstruct) {
-            let e = *self.table.get(it.page);
-            if let Some(s) = self.alive_holder(it.page, &e, None) {
+            if let Some(s) = self.alive_holder(it.page, None) {
                 // Its data piece was rebuilt meanwhile: read it.
                 let it = self.page_get_item(it.page, it.slot, it.pos);
                 self.submit_get_item(s, it);
                 continue;
             }
-            let rebuilt = if self.par.is_some() {
-                let rebuilt = self.par_reconstruct(it.page, it.slot)?;
-                self.counters.degraded_reads += u64::from(rebuilt);
-                rebuilt
-            } else {
-                self.rs_reconstruct(it.page, it.slot)?
-            };
-            if rebuilt {
+            if self.reconstruct(it.page, it.slot)? {
                 self.reads_done.push(ReadDone {
                     pos: it.pos,
                     page: it.page,
                     slot: it.slot,
-                    piece: NOT_PIECE,
+                    part: Part::Page,
                 });
             } else {
                 let s = self.table.holders(it.page).first().unwrap_or(STRIPE_LOST);
@@ -949,8 +697,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
     /// Sends the GETs that failed on one copy to another.
     fn resubmit_retries(&mut self) {
         for it in std::mem::take(&mut self.retry) {
-            let e = *self.table.get(it.page);
-            match self.alive_holder(it.page, &e, None) {
+            match self.alive_holder(it.page, None) {
                 Some(s) => self.submit_get_item(s, it),
                 None => {
                     let s = self.table.holders(it.page).first().unwrap_or(0);
@@ -974,7 +721,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             pos,
             key: self.stored_key(page),
             version: self.table.get(page).version,
-            piece: NOT_PIECE,
+            part: Part::Page,
         }
     }
 
@@ -1071,11 +818,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                 join: false,
             },
         );
-        if self.rs.is_some() {
-            self.rs_write(page)
-        } else {
-            self.place_copies(page)
-        }
+        self.written_back(page)
     }
 
     /// Writes a slot to the local disk. A failure is counted, logged and kept for the next
@@ -1111,72 +854,14 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         }
     }
 
-    /// Sends the copies a page in write-back still lacks, each to a live server that holds no
-    /// other copy of it: its current holders first (an overwrite stays in place), then by
-    /// placement. Settles the write-back when nothing is left in flight.
-    fn place_copies(&mut self, page: u64) -> Result<(), PagerError> {
-        if self.par.is_some() {
-            return self.par_place(page);
-        }
-        let mut wb = *self.writeback.get(&page).expect("page in write-back");
-        let busy = |wb: &Writeback, s: usize| {
-            wb.done.contains(s)
-                || wb.pending.contains(s)
-                || wb.refused.contains(s)
-                || wb.keep.contains(s)
-        };
-        let need = self
-            .copies
-            .saturating_sub(wb.done.len() + wb.pending.len() + wb.keep.len());
-        let mut full = Vec::new();
-        for _ in 0..need {
-            let holder = self
-                .table
-                .holders(page)
-                .iter()
-                .find(|&s| self.servers[s].alive && !busy(&wb, s));
-            let target = holder.or_else(|| {
-                let candidates: Vec<Candidate> = self.servers.iter().map(|s| s.load).collect();
-                let exclude: Vec<usize> =
-                    (0..self.servers.len()).filter(|&s| busy(&wb, s)).collect();
-                placement::choose(&candidates, &exclude, &mut self.rng)
-            });
-            let Some(server) = target else { break };
-            wb.pending.insert(server);
-            self.counters.puts += 1;
-            let key = self.key(page);
-            let it = PutItem {
-                page,
-                slot: wb.slot,
-                version: wb.version,
-                key,
-                piece: NOT_PIECE,
-                op: PutOp::Plain,
-            };
-            if self.queue_put(server, it) {
-                full.push(server);
-            }
-        }
-        // Recorded before anything is sent: sending may wait for credits and complete PUTs of
-        // this very page.
-        self.writeback.insert(page, wb);
-        if wb.pending.is_empty() {
-            return self.finish_writeback(page);
-        }
-        for server in full {
-            self.pump_paced(server);
-        }
-        Ok(())
-    }
-
-    /// A copy that `server` refused or will never acknowledge: placed elsewhere if possible.
-    fn copy_failed(&mut self, page: u64, server: usize) -> Result<(), PagerError> {
+    /// A page that `server` refused or will never acknowledge: placed elsewhere if possible.
+    pub(crate) fn copy_failed(&mut self, page: u64, server: usize) -> Result<(), PagerError> {
         let Some(wb) = self.writeback.get_mut(&page) else {
             return Ok(());
         };
         wb.pending.remove(server);
         wb.refused.insert(server);
-        self.place_copies(page)
+        self.place(page)
     }
 
     /// Every copy of a write-back is acknowledged or failed: the page table learns where the
@@ -1191,7 +876,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             .chain(wb.done.iter())
             .filter(|&s| self.servers[s].alive)
             .collect();
-        if holders.len() < self.copies {
+        if holders.len() < self.scheme.copies() {
             // Too few servers alive or with room for every copy: the local disk makes up
             // for the missing ones (Markatos: the disk when the cluster is full). Recovery
             // adds the missing copies when servers come back.
@@ -1245,16 +930,11 @@ impl<T: Transport, D: Disk> Pager<T, D> {
     }
 
     fn wait_writeback(&mut self, page: u64) -> Result<(), PagerError> {
-        if self.rs.as_deref().is_some_and(|rs| rs.is_open(page)) {
-            // Its stripe is not sealed: nothing is in flight for it yet.
-            self.rs_seal()?;
-        }
         while self.writeback.contains_key(&page) {
-            if self.par.as_deref().is_some_and(|p| p.is_open(page)) {
-                // Its group's parity has not gone out: it goes now, full or not (checked each
-                // time: a page may join a group while it waits).
-                self.par_seal(Some(page))?;
-            }
+            // Its stripe or group may not be sealed, and so nothing be in flight for it yet: it
+            // goes now, full or not (checked each time: a page may join a group while it
+            // waits).
+            self.seal_open(Some(page))?;
             // Nothing under way can finish it: a bookkeeping slip, which must not spin forever.
             assert!(
                 !(self.idle() && self.writeback.contains_key(&page)),
@@ -1326,7 +1006,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             }
             if self.idle() && self.cache.is_empty() {
                 // Every slot waits in an open parity group: ship them.
-                self.par_seal(None)?;
+                self.seal_open(None)?;
                 if self.idle() {
                     panic!("no slot free, cached or in flight");
                 }
@@ -1377,23 +1057,14 @@ impl<T: Transport, D: Disk> Pager<T, D> {
     // Requests in flight
     // ------------------------------------------------------------------------------------------
 
-    /// Deletes copies on a server (a parity pager's deletes are tracked, see [`Op::Gc`]).
+    /// Deletes copies on a server.
     fn delete(&mut self, server: usize, keys: Vec<PageKey>) {
-        let req = Request::Delete(keys);
-        let op = match (&self.par, &req) {
-            (Some(_), Request::Delete(keys)) => Op::Gc(keys.clone()),
-            _ => Op::Delete,
-        };
-        self.submit(server, op, &req);
+        let op = self.delete_op(&keys);
+        self.submit(server, op, &Request::Delete(keys));
     }
 
     fn key(&self, page: u64) -> PageKey {
         PageKey::new(self.cfg.region, page)
-    }
-
-    /// The key a page's current version is stored under.
-    fn stored_key(&self, page: u64) -> PageKey {
-        self.rs_key(page).unwrap_or_else(|| self.key(page))
     }
 
     fn recv_from(&mut self, server: usize) -> Result<(), PagerError> {
@@ -1527,7 +1198,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                                 pos: it.pos,
                                 page,
                                 slot,
-                                piece: it.piece,
+                                part: it.part,
                             });
                             None
                         }
@@ -1547,11 +1218,11 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                     followups.push(match st {
                         PutStatus::Stored => Followup::Stored(it),
                         // Stored outside any group: it joins a new one.
-                        PutStatus::Unprotected if it.op != PutOp::Plain => {
+                        PutStatus::Unprotected if matches!(it.kind, PutKind::Parity(_)) => {
                             Followup::Unprotected(it)
                         }
                         PutStatus::Unprotected => Followup::Stored(it),
-                        PutStatus::HolderUnreachable if it.op != PutOp::Plain => {
+                        PutStatus::HolderUnreachable if matches!(it.kind, PutKind::Parity(_)) => {
                             Followup::Refused(it)
                         }
                         // Only a parity PUT involves a holder: said of any other, it is a lie
@@ -1638,39 +1309,18 @@ impl<T: Transport, D: Disk> Pager<T, D> {
     fn after_reply(&mut self, server: usize, f: Followup) -> Result<(), PagerError> {
         match f {
             Followup::GetFailed(it, what) => self.get_failed(server, it, Some(what)),
-            Followup::Stored(it) if it.op != PutOp::Plain => self.par_stored(it, server)?,
-            Followup::Replace(it) if it.op != PutOp::Plain => {
+            Followup::Stored(it) => self.stored(it, server)?,
+            Followup::Replace(it) => {
                 self.servers[server].load.free_pages = 0;
-                self.par_put_failed(it, server)?;
+                self.put_failed(it, server)?;
             }
-            // Parity PUTs only (see `complete`).
+            // Answers that only a parity pager's requests get (see `complete`).
             Followup::Refused(it) => self.par_holder_unreachable(it, server)?,
             Followup::Unprotected(it) => self.par_unprotected(it, server)?,
             Followup::Shipped(id) => self.par_shipped(id)?,
             Followup::ShipFailed(id) => self.par_ship_failed(id)?,
             Followup::Scanned(groups, orphans) => self.par_scanned(server, groups, orphans),
             Followup::Stale(keys) => self.par_stale(server, keys),
-            Followup::Stored(it) if it.piece != NOT_PIECE => {
-                self.rs_stored(it.page as u32, it.piece, server)?;
-            }
-            Followup::Replace(it) if it.piece != NOT_PIECE => {
-                self.servers[server].load.free_pages = 0;
-                self.rs_piece_failed(it.page as u32, it.piece, server)?;
-            }
-            Followup::Stored(it) => {
-                debug_assert_eq!(self.table.get(it.page).version, it.version);
-                if let Some(wb) = self.writeback.get_mut(&it.page) {
-                    wb.pending.remove(server);
-                    wb.done.insert(server);
-                    if wb.pending.is_empty() {
-                        self.finish_writeback(it.page)?;
-                    }
-                }
-            }
-            Followup::Replace(it) => {
-                self.servers[server].load.free_pages = 0;
-                self.copy_failed(it.page, server)?;
-            }
             Followup::Dead(why, op) => {
                 self.mark_dead(server, TransportError::Protocol(why));
                 if let Some(op) = op {
@@ -1694,11 +1344,8 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             self.servers[server].alive = false;
             self.servers[server].load.alive = false;
             self.servers[server].dead_reason = err.to_string();
-            if self.par.is_some() {
-                // Before its requests fail over: a read that failed there is rebuilt from
-                // parity, and the pages it held wait for recovery.
-                self.par_server_dead(server);
-            }
+            // Before its requests fail over (a parity pager rebuilds a read that failed there).
+            self.server_lost(server);
         }
         let ids: Vec<u64> = self
             .inflight
@@ -1723,13 +1370,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         for op in ops {
             self.fail_op(server, op);
         }
-        if self.copies > 1 {
-            // Every page with a copy there has one copy fewer: recovery's work.
-            self.degraded.extend(self.table.pages_on(server));
-        }
-        if self.rs.is_some() {
-            self.rs_server_dead(server);
-        }
+        self.server_failed_over(server);
     }
 
     /// An operation that will get no reply from `server`.
@@ -1743,13 +1384,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             Op::Put(items) => {
                 // The data is still in its slot: place the copy elsewhere.
                 for it in items {
-                    let placed = if it.op != PutOp::Plain {
-                        self.par_put_failed(it, server)
-                    } else if it.piece == NOT_PIECE {
-                        self.copy_failed(it.page, server)
-                    } else {
-                        self.rs_piece_failed(it.page as u32, it.piece, server)
-                    };
+                    let placed = self.put_failed(it, server);
                     if let Err(e) = placed {
                         tracing::error!(
                             page = it.page,

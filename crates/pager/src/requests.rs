@@ -7,9 +7,69 @@
 //! [`Pager::complete_one`], which reads one reply from the server of the oldest request in
 //! flight.
 
-use crate::{Disk, GetItem, Pager, PagerError, PutItem, PutOp, Transport, TransportError};
+use crate::scheme::parity::PutOp;
+use crate::{Disk, Pager, PagerError, Transport, TransportError};
 use netram_proto::{Page, PageKey, Request, PAGE_SIZE};
 use std::collections::{HashMap, VecDeque};
+
+/// One page of a batched GET: where its data goes. `pos` is the page's place in the caller's
+/// buffer, or [`INTERNAL`] for the pager's own reads (recovery).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct GetItem {
+    /// The page, or for a Reed-Solomon piece, its stripe.
+    pub(crate) page: u64,
+    pub(crate) slot: u32,
+    pub(crate) pos: usize,
+    /// What is asked for, and the version that must come back.
+    pub(crate) key: PageKey,
+    pub(crate) version: u32,
+    pub(crate) part: Part,
+}
+
+/// What a GET reads, and so which scheme a failed one goes back to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Part {
+    /// A page's current version (under Reed-Solomon, its stripe's data piece).
+    Page,
+    /// Piece `n` of a Reed-Solomon stripe, read by the pager itself.
+    Piece(u8),
+    /// A parity group's survivor or a page to protect again, read by parity recovery.
+    Survivor,
+}
+
+/// The `pos` of the pager's own reads (recovery), which go to no caller's buffer.
+pub(crate) const INTERNAL: usize = usize::MAX;
+
+/// One page of a batched PUT: its data is in `slot` until the server acknowledges it.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct PutItem {
+    /// The page, or for a Reed-Solomon piece, its stripe.
+    pub(crate) page: u64,
+    pub(crate) slot: u32,
+    pub(crate) version: u32,
+    pub(crate) key: PageKey,
+    pub(crate) kind: PutKind,
+}
+
+/// What a PUT stores, and so which scheme its answer goes back to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum PutKind {
+    /// One copy of a page (`none`, `mirror:N`).
+    Copy,
+    /// Piece `n` of a Reed-Solomon stripe.
+    Piece(u8),
+    /// A parity pager's page, with what it does to its group.
+    Parity(PutOp),
+}
+
+/// A finished read, waiting to be copied out to its caller.
+#[derive(Debug)]
+pub(crate) struct ReadDone {
+    pub(crate) pos: usize,
+    pub(crate) page: u64,
+    pub(crate) slot: u32,
+    pub(crate) part: Part,
+}
 
 /// What a request in flight is for. GETs and PUTs carry up to `batch_max` pages in one frame.
 #[derive(Debug)]
@@ -269,7 +329,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                     let at = it.slot as usize * PAGE_SIZE;
                     Page::seal(it.key, it.version, &slots[at..at + PAGE_SIZE])
                 };
-                let req = if items.iter().all(|it| it.op == PutOp::Plain) {
+                let req = if items.iter().all(|it| it.kind == PutKind::Copy) {
                     Request::Put(items.iter().map(seal).collect())
                 } else {
                     let addrs = |h: u16| self.servers[usize::from(h)].info.addr.expect("checked");
@@ -277,12 +337,14 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                         items
                             .iter()
                             .map(|it| {
-                                let op = match it.op {
-                                    PutOp::Join { group, holder } => netram_proto::ParityOp::Join {
-                                        holder: addrs(holder),
-                                        group,
-                                        member: addrs(server as u16),
-                                    },
+                                let op = match it.kind {
+                                    PutKind::Parity(PutOp::Join { group, holder }) => {
+                                        netram_proto::ParityOp::Join {
+                                            holder: addrs(holder),
+                                            group,
+                                            member: addrs(server as u16),
+                                        }
+                                    }
                                     _ => netram_proto::ParityOp::Keep,
                                 };
                                 (seal(it), op)

@@ -3,6 +3,7 @@
 //! replies delivered out of order.
 
 use super::*;
+use crate::scheme::stripe;
 use netram_proto::{decode_reply, decode_request};
 use netram_store::{serve, SessionHandle, Store, StoreConfig};
 use proptest::prelude::*;

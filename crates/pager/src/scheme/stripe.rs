@@ -13,9 +13,11 @@
 //! Left out: compaction of stripes whose members are mostly dead (their pieces are kept until
 //! the last member dies), and parity logging for overwrites in place (Nswap's `parity:N`).
 
-use crate::recovery::RecoveryStep;
+use crate::requests::ReadDone;
+use crate::requests::{GetItem, Op, Part, PutItem, PutKind, INTERNAL};
+use crate::scheme::RecoveryStep;
 use crate::table::Servers;
-use crate::{Disk, GetItem, Op, PagerError, PutItem, Transport, INTERNAL, NOT_PIECE, PAGE_SIZE};
+use crate::{Disk, PagerError, Transport, PAGE_SIZE};
 use crate::{Pager, Request};
 use netram_policy::placement::{self, Candidate};
 use netram_proto::PageKey;
@@ -226,10 +228,10 @@ impl Rs {
 
 impl<T: Transport, D: Disk> Pager<T, D> {
     fn rs(&self) -> &Rs {
-        self.rs.as_deref().expect("a Reed-Solomon pager")
+        self.scheme.stripe().expect("a Reed-Solomon pager")
     }
     fn rs_mut(&mut self) -> &mut Rs {
-        self.rs.as_deref_mut().expect("a Reed-Solomon pager")
+        self.scheme.stripe_mut().expect("a Reed-Solomon pager")
     }
 
     pub(crate) fn piece_key(&self, id: u32, piece: usize) -> PageKey {
@@ -241,7 +243,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
 
     /// The key of a page's data piece, if the page lives in a stripe.
     pub(crate) fn rs_key(&self, page: u64) -> Option<PageKey> {
-        let rs = self.rs.as_deref()?;
+        let rs = self.scheme.stripe()?;
         let id = rs.stripe_of[page as usize];
         (id != NO_STRIPE).then(|| self.piece_key(id, usize::from(rs.index_of[page as usize])))
     }
@@ -259,7 +261,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
     /// Seals the open stripe, full or not (a flush, or a page of it that must be waited for):
     /// computes the parity and sends every piece.
     pub(crate) fn rs_seal(&mut self) -> Result<(), PagerError> {
-        let m = match self.rs.as_deref() {
+        let m = match self.scheme.stripe() {
             Some(rs) if !rs.open.is_empty() => rs.m,
             _ => return Ok(()),
         };
@@ -356,8 +358,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                 slot,
                 version,
                 key,
-                piece: piece as u8,
-                op: crate::PutOp::Plain,
+                kind: PutKind::Piece(piece as u8),
             };
             if self.queue_put(server, it) {
                 full.push(server);
@@ -549,7 +550,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                 pos: INTERNAL,
                 key: self.piece_key(id, piece),
                 version: stripe.version(piece),
-                piece: piece as u8,
+                part: Part::Piece(piece as u8),
             };
             self.submit_get_item(server, it);
         }
@@ -559,10 +560,11 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         let mut got = Vec::new();
         let mut rest = Vec::new();
         for d in std::mem::take(&mut self.reads_done) {
-            if d.pos == INTERNAL && d.page == u64::from(id) && d.piece != NOT_PIECE {
-                got.push((usize::from(d.piece), d.slot));
-            } else {
-                rest.push(d);
+            match d.part {
+                Part::Piece(piece) if d.pos == INTERNAL && d.page == u64::from(id) => {
+                    got.push((usize::from(piece), d.slot));
+                }
+                _ => rest.push(d),
             }
         }
         self.reads_done = rest;
@@ -705,7 +707,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
     /// Computes the parity pieces of the data pieces in slots `data` into slots `parity`.
     fn rs_encode(&mut self, data: &[u32], parity: &[u32]) {
         let (k, m) = (data.len(), parity.len());
-        let rs = self.rs.as_deref_mut().expect("a Reed-Solomon pager");
+        let rs = self.scheme.stripe_mut().expect("a Reed-Solomon pager");
         let enc = match &mut rs.encoder {
             Some(Encoder(enc)) => {
                 enc.reset(k, m, PAGE_SIZE).expect("a valid stripe shape");
@@ -767,7 +769,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
     /// The server of a page's data piece, if the page lives in a stripe and the piece has
     /// one: the stripe, not the page table, is the authority.
     pub(crate) fn rs_data_server(&self, page: u64) -> Option<Option<usize>> {
-        let rs = self.rs.as_deref()?;
+        let rs = self.scheme.stripe()?;
         let id = rs.stripe_of[page as usize];
         if id == NO_STRIPE {
             return Some(None);
@@ -778,7 +780,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
 
     /// Whether a page that lives in a stripe can be read by reconstruction.
     pub(crate) fn rs_reconstructible(&self, page: u64) -> bool {
-        self.rs.as_deref().is_some_and(|rs| {
+        self.scheme.stripe().is_some_and(|rs| {
             let id = rs.stripe_of[page as usize];
             id != NO_STRIPE && self.rs_live_pieces(id) >= rs.stripes[id as usize].k()
         })
@@ -894,13 +896,14 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         for d in std::mem::take(&mut self.reads_done) {
             let id = d.page as u32;
             let rs = self.rs_mut();
-            if d.pos == INTERNAL && d.piece != NOT_PIECE && rs.reading.contains_key(&id) {
-                rs.settle(id);
-                if let Some(old) = rs.prefetched.insert((id, usize::from(d.piece)), d.slot) {
-                    self.release_slot(old);
+            match d.part {
+                Part::Piece(piece) if d.pos == INTERNAL && rs.reading.contains_key(&id) => {
+                    rs.settle(id);
+                    if let Some(old) = rs.prefetched.insert((id, usize::from(piece)), d.slot) {
+                        self.release_slot(old);
+                    }
                 }
-            } else {
-                rest.push(d);
+                _ => rest.push(d),
             }
         }
         self.reads_done = rest;
@@ -908,7 +911,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
 
     /// A piece read for a stripe being rebuilt that will not come back.
     pub(crate) fn rs_read_settled(&mut self, id: u32) {
-        if let Some(rs) = self.rs.as_deref_mut() {
+        if let Some(rs) = self.scheme.stripe_mut() {
             rs.settle(id);
         }
     }
@@ -1064,7 +1067,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                         pos: INTERNAL,
                         key: self.piece_key(id, j),
                         version: st.version(j),
-                        piece: j as u8,
+                        part: Part::Piece(j as u8),
                     };
                     self.submit_get_item(usize::from(st.servers[j]), it);
                 }
@@ -1207,7 +1210,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
     /// The pieces that make a page safe, for checkers: (server, key, version) of each piece
     /// of its stripe that has a server, and how many pieces the stripe has.
     pub(crate) fn rs_pieces(&self, page: u64) -> Option<(crate::Pieces, usize)> {
-        let rs = self.rs.as_deref()?;
+        let rs = self.scheme.stripe()?;
         let id = rs.stripe_of[page as usize];
         if id == NO_STRIPE {
             return Some((Vec::new(), 0));
@@ -1237,5 +1240,43 @@ impl<T: Transport, D: Disk> Pager<T, D> {
     /// Stripes with pieces missing, which recovery still has to look at.
     pub(crate) fn rs_degraded(&self) -> usize {
         self.rs().degraded.len()
+    }
+
+    /// A page's data piece could not be read: from the disk copy if there is one, else
+    /// decoded from the rest of its stripe.
+    pub(crate) fn rs_get_failed(&mut self, server: usize, it: GetItem, what: Option<&'static str>) {
+        if let (Some(what), Some(key)) = (what, self.rs_key(it.page)) {
+            let (id, piece) = ((key.page / 32) as u32, (key.page % 32) as u8);
+            self.rs_bad_piece(id, piece, server, what);
+        }
+        let e = *self.table.get(it.page);
+        if it.pos != INTERNAL && !e.on_disk && self.rs_reconstructible(it.page) {
+            self.reconstruct.push(it);
+            return;
+        }
+        if e.on_disk {
+            self.counters.disk_fallbacks += 1;
+            self.counters.disk_reads += 1;
+            let at = it.slot as usize * PAGE_SIZE;
+            if self
+                .disk
+                .read(it.page, &mut self.slots[at..at + PAGE_SIZE])
+                .is_ok()
+            {
+                return self.reads_done.push(ReadDone {
+                    pos: it.pos,
+                    page: it.page,
+                    slot: it.slot,
+                    part: Part::Page,
+                });
+            }
+        }
+        if it.pos != INTERNAL {
+            match what {
+                Some(what) => self.corrupt = Some((server, it.page, what)),
+                None => self.lost.push((server, it.page)),
+            }
+        }
+        self.release_slot(it.slot);
     }
 }

@@ -20,9 +20,10 @@
 //! same recovery until its page is back. A server being recovered takes no new pages, so that
 //! what a scan reports about it is all old.
 
-use crate::recovery::RecoveryStep;
+use crate::requests::{GetItem, Op, Part, PutItem, PutKind, INTERNAL};
+use crate::scheme::RecoveryStep;
 use crate::table::Servers;
-use crate::{Disk, GetItem, Op, Pager, PagerError, PutItem, Transport, Writeback, INTERNAL};
+use crate::{Disk, Pager, PagerError, Transport, TransportError, Writeback};
 use netram_policy::placement::{self, Candidate};
 use netram_proto::{
     Delta, DeltaKind, Member, OwnedRecord, Owner, Page, PageKey, Record, Request, PAGE_SIZE,
@@ -33,16 +34,11 @@ use std::net::SocketAddr;
 /// What a PUT does to the page's parity group.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum PutOp {
-    /// Not a parity page.
-    Plain,
     /// An overwrite in place: the page stays in its group.
     Keep,
     /// The page joins open group `group`, whose parity goes to server `holder`.
     Join { group: u64, holder: u16 },
 }
-
-/// The `piece` of a [`GetItem`] that reads a group's survivor for a reconstruction.
-pub(crate) const PARITY_READ: u8 = 254;
 
 /// Group ids are page numbers of the holder's parity frames: 40 bits.
 const GROUP_IDS: u64 = 1 << 40;
@@ -174,10 +170,10 @@ impl Par {
 
 impl<T: Transport, D: Disk> Pager<T, D> {
     fn par(&self) -> &Par {
-        self.par.as_deref().expect("a parity pager")
+        self.scheme.parity().expect("a parity pager")
     }
     fn par_mut(&mut self) -> &mut Par {
-        self.par.as_deref_mut().expect("a parity pager")
+        self.scheme.parity_mut().expect("a parity pager")
     }
 
     /// Whether a server may take pages or parity now.
@@ -207,7 +203,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             .first()
             .filter(|&s| self.par_usable(s) && !wb.refused.contains(s));
         if let (Some(s), false) = (cur, wb.join) {
-            return self.par_send(page, s, crate::parity::PutOp::Keep);
+            return self.par_send(page, s, PutOp::Keep);
         }
         let prefer = cur.filter(|_| wb.join);
         match self.par_choose(prefer, wb.refused) {
@@ -243,8 +239,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             slot,
             version,
             key,
-            piece: crate::NOT_PIECE,
-            op,
+            kind: PutKind::Parity(op),
         };
         if self.queue_put(server, it) {
             self.pump_paced(server);
@@ -326,8 +321,8 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         }
         wb.pending.remove(server);
         wb.done.insert(server);
-        match it.op {
-            PutOp::Join { group, .. } => {
+        match it.kind {
+            PutKind::Parity(PutOp::Join { group, .. }) => {
                 let member = self.par_group(group).and_then(|gi| {
                     let g = &mut self.par_mut().open[gi];
                     let m = g.members.iter_mut().find(|m| m.page == it.page)?;
@@ -398,7 +393,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             return Ok(());
         }
         self.par_mut().put_retries.remove(&it.page);
-        if it.op == PutOp::Keep {
+        if it.kind == PutKind::Parity(PutOp::Keep) {
             self.par_mut().suspects.push((it.page, server));
         }
         self.par_put_failed(it, server)
@@ -407,7 +402,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
     /// A PUT that will not be stored (refused, holder unreachable, server dead): the page leaves
     /// the open group it was joining, and is placed elsewhere.
     pub(crate) fn par_put_failed(&mut self, it: PutItem, server: usize) -> Result<(), PagerError> {
-        if let PutOp::Join { group, .. } = it.op {
+        if let PutKind::Parity(PutOp::Join { group, .. }) = it.kind {
             self.par_leave(group, it.page);
         }
         self.copy_failed(it.page, server)
@@ -529,9 +524,6 @@ impl<T: Transport, D: Disk> Pager<T, D> {
 
     /// Ships open groups now, full or not: all of them, or the one `page` is waiting in.
     pub(crate) fn par_seal(&mut self, page: Option<u64>) -> Result<(), PagerError> {
-        if self.par.is_none() {
-            return Ok(());
-        }
         let ids: Vec<u64> = match page {
             Some(p) => self.par().member_of.get(&p).copied().into_iter().collect(),
             None => self.par().open.iter().map(|g| g.id).collect(),
@@ -552,7 +544,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         for _ in 0..64 {
             self.par_seal(None)?;
             self.drain()?;
-            if self.par.as_deref().is_none_or(|p| p.open.is_empty()) {
+            if self.par().open.is_empty() {
                 break;
             }
         }
@@ -609,7 +601,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
 
     /// Whether a page with no live holder can come back through its group's parity.
     pub(crate) fn par_reconstructible(&self, page: u64) -> bool {
-        let Some(par) = self.par.as_deref() else {
+        let Some(par) = self.scheme.parity() else {
             return false;
         };
         let e = self.table.get(page);
@@ -642,7 +634,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                 self.disk.read(page, &mut self.slots[at..at + PAGE_SIZE])?;
                 return Ok(true);
             }
-            if let Some(s) = self.alive_holder(page, &e, None) {
+            if let Some(s) = self.alive_holder(page, None) {
                 // Rebuilt and already stored: read it.
                 let it = self.page_get_item(page, slot, INTERNAL);
                 self.submit_get_item(s, it);
@@ -764,7 +756,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                         pos: INTERNAL,
                         key: m.key,
                         version: m.version,
-                        piece: PARITY_READ,
+                        part: Part::Survivor,
                     },
                 );
             }
@@ -848,7 +840,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             && !e.lost
             && !e.on_disk
             && e.version == version
-            && self.alive_holder(page, e, None).is_none()
+            && self.alive_holder(page, None).is_none()
     }
 
     fn par_forget_lost(&mut self, x: usize, page: u64) {
@@ -1044,7 +1036,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             if !e.present || e.lost || self.writeback.contains_key(&page) {
                 continue;
             }
-            let Some(s) = self.alive_holder(page, &e, None) else {
+            let Some(s) = self.alive_holder(page, None) else {
                 continue;
             };
             batch.push((page, s));
@@ -1060,7 +1052,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             self.submit_get_item(
                 s,
                 GetItem {
-                    piece: PARITY_READ,
+                    part: Part::Survivor,
                     ..it
                 },
             );
@@ -1170,6 +1162,41 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         orphans: Vec<PageKey>,
     ) {
         self.par_mut().scanned.push((server, groups, orphans));
+    }
+
+    /// A page's GET that got no good data from `server`. Its one copy is the only one, so a
+    /// server that keeps sending it bad is declared dead and the page rebuilt from its group.
+    pub(crate) fn par_get_failed(
+        &mut self,
+        server: usize,
+        it: GetItem,
+        what: Option<&'static str>,
+    ) {
+        if it.pos != INTERNAL {
+            // Any bad answer, not only a checksum mismatch: a bit flipped in the reply's page
+            // key or version is as much a lie (found by the `pager_replies` fuzz target: a
+            // flipped key cost a page that parity could rebuild), and a page missing from the
+            // server that holds its only copy is lost there all the same.
+            if let Some(what) = what {
+                if self.par_retry(it.page) {
+                    self.retry.push(it);
+                    return;
+                }
+                // The server sends the page bad again and again: it is broken or lying. Under
+                // parity a page has one copy, so the server is declared dead and what it held
+                // is rebuilt from the groups' parity (Nswap §IV-B) instead of being reported
+                // corrupt while its parity could rebuild it.
+                if self.servers[server].alive {
+                    let why = format!("page {} came back bad on every read ({what})", it.page);
+                    self.mark_dead(server, TransportError::Protocol(why));
+                }
+            }
+            if self.par_reconstructible(it.page) && self.alive_holder(it.page, None).is_none() {
+                self.reconstruct.push(it);
+                return;
+            }
+        }
+        self.read_elsewhere(server, it, what)
     }
 
     /// A survivor read failed.
