@@ -112,7 +112,7 @@ fn print_report(label: &str, r: &Report) {
         r.revived,
         r.disk_write_failures,
         r.disk_errors_reported,
-        r.replies_polled,
+        r.replies_between_steps,
         r.ticks
     );
     println!(

@@ -4,7 +4,7 @@
 
 use super::*;
 use crate::scheme::stripe;
-use netram_proto::{decode_reply, decode_request};
+use netram_proto::{decode_reply, decode_request, Reply};
 use netram_store::{serve, SessionHandle, Store, StoreConfig};
 use proptest::prelude::*;
 use std::collections::VecDeque;
@@ -355,6 +355,116 @@ fn poll_finishes_write_backs_between_operations_without_waiting() {
     for pg in 0..12 {
         assert_eq!(read(&mut p, pg).unwrap(), content(pg, 1), "page {pg}");
     }
+}
+
+/// Takes every reply the servers have queued, as a runtime that owns the sockets would read
+/// them: (server, frame).
+fn take_replies(p: &mut Pager<MemCluster, MemDisk>) -> Vec<(usize, Vec<u8>)> {
+    let mut out = Vec::new();
+    for (s, srv) in p.transport_mut().servers.iter_mut().enumerate() {
+        out.extend(srv.replies.drain(..).map(|f| (s, f)));
+    }
+    out
+}
+
+#[test]
+fn replies_pushed_one_at_a_time_in_any_order_finish_the_write_backs() {
+    let mut p = pager(MemCluster::new(&[64, 64, 64]), 64, 4, Backing::Cluster);
+    let pages: Vec<u64> = (0..40).collect();
+    let data: Vec<u8> = pages.iter().flat_map(|&pg| content(pg, 1)).collect();
+    p.write_many(&pages, &data).unwrap();
+    assert!(!p.writeback.is_empty());
+    let mut rng = fastrand::Rng::with_seed(7);
+    let mut delivered = 0;
+    // Pushing a reply may send more requests (credits came back): deliver until none is left.
+    loop {
+        let mut replies = take_replies(&mut p);
+        if replies.is_empty() {
+            break;
+        }
+        rng.shuffle(&mut replies);
+        for (s, frame) in replies {
+            let (id, reply) = decode_reply(&frame).unwrap();
+            p.on_reply(s, id, &reply).unwrap();
+            p.check_invariants().unwrap();
+            delivered += 1;
+        }
+    }
+    assert!(delivered > 0);
+    assert!(p.writeback.is_empty() && p.inflight.ops.is_empty());
+    assert_eq!(p.counters().servers_dead, 0);
+    for pg in 0..40 {
+        assert_eq!(read(&mut p, pg).unwrap(), content(pg, 1), "page {pg}");
+    }
+}
+
+#[test]
+fn a_pushed_reply_that_answers_nothing_declares_its_server_dead() {
+    let cfg = PagerConfig {
+        pages: 32,
+        cache_pages: 4,
+        writeback_batch: 4,
+        redundancy: Scheme::Mirror { copies: 2 },
+        ..Default::default()
+    };
+    let mut p = Pager::new(cfg, MemCluster::new(&[64, 64, 64]), MemDisk::default());
+    let pages: Vec<u64> = (0..16).collect();
+    let data: Vec<u8> = pages.iter().flat_map(|&pg| content(pg, 1)).collect();
+    p.write_many(&pages, &data).unwrap();
+    let replies = take_replies(&mut p);
+    let (s, frame) = replies[0].clone();
+    let (id, reply) = decode_reply(&frame).unwrap();
+    // Claimed by another server: a confused (or lying) peer.
+    let claimant = (s + 1) % 3;
+    p.on_reply(claimant, id, &reply).unwrap();
+    assert_eq!(p.counters().servers_dead, 1);
+    assert!(
+        !p.servers().nth(claimant).unwrap().1,
+        "the claimant is dead"
+    );
+    assert!(
+        p.inflight.ops.contains_key(&id),
+        "the real request still waits"
+    );
+    p.on_reply(s, id, &reply).unwrap();
+    assert!(!p.inflight.ops.contains_key(&id));
+    // The rest of the replies, as they come.
+    for (s, frame) in replies.into_iter().skip(1) {
+        let (id, reply) = decode_reply(&frame).unwrap();
+        if p.inflight.ops.contains_key(&id) {
+            p.on_reply(s, id, &reply).unwrap();
+        }
+    }
+    p.flush().unwrap();
+    p.check_invariants().unwrap();
+    for pg in 0..16 {
+        assert_eq!(read(&mut p, pg).unwrap(), content(pg, 1), "page {pg}");
+    }
+    // The same answer again answers nothing any more: not believed either.
+    p.on_reply(s, id, &reply).unwrap();
+    assert_eq!(p.counters().servers_dead, 2);
+    p.check_invariants().unwrap();
+}
+
+#[test]
+fn a_pushed_failure_fails_over_what_was_in_flight() {
+    let mut p = pager(MemCluster::new(&[64, 64]), 32, 4, Backing::Cluster);
+    let pages: Vec<u64> = (0..16).collect();
+    let data: Vec<u8> = pages.iter().flat_map(|&pg| content(pg, 1)).collect();
+    p.write_many(&pages, &data).unwrap();
+    let in_flight_to_0 = p.inflight.per_server[0];
+    assert!(in_flight_to_0 > 0);
+    // Its answers never come: the runtime's timer says so.
+    p.transport_mut().servers[0].replies.clear();
+    p.transport_mut().servers[0].dead = true;
+    p.on_failure(0, TransportError::Timeout(1000));
+    assert_eq!(p.inflight.per_server[0], 0);
+    p.flush().unwrap();
+    p.check_invariants().unwrap();
+    for pg in 0..16 {
+        assert_eq!(read(&mut p, pg).unwrap(), content(pg, 1), "page {pg}");
+    }
+    assert!(p.holders(3).iter().all(|&s| s == 1));
 }
 
 #[test]

@@ -4,9 +4,11 @@
 use crate::check::{self, content, Model};
 use crate::transport::SimTransport;
 use crate::world::{FaultLog, Faults, World, LEASE_PERIOD_MS};
-use netram_pager::{Backing, MemDisk, Pager, PagerConfig, PagerError, ScheduleConfig};
+use netram_pager::{
+    Backing, MemDisk, Pager, PagerConfig, PagerError, ScheduleConfig, TransportError,
+};
 use netram_policy::redundancy::Scheme;
-use netram_proto::PAGE_SIZE;
+use netram_proto::{decode_reply, PAGE_SIZE};
 use std::cell::RefCell;
 use std::rc::Rc;
 
@@ -88,7 +90,7 @@ pub struct Report {
     pub disk_write_failures: u64,
     pub disk_errors_reported: u64,
     /// Replies idle clients handled between steps (`Pager::poll`).
-    pub replies_polled: u64,
+    pub replies_between_steps: u64,
     /// Ticks of the clients' maintenance schedules (`Pager::on_tick`).
     pub ticks: u64,
     pub faults: FaultLog,
@@ -109,7 +111,7 @@ impl Report {
         self.reads_failed_allowed += r.reads_failed_allowed;
         self.disk_write_failures += r.disk_write_failures;
         self.disk_errors_reported += r.disk_errors_reported;
-        self.replies_polled += r.replies_polled;
+        self.replies_between_steps += r.replies_between_steps;
         self.ticks += r.ticks;
         let (a, b) = (&mut self.faults, &r.faults);
         a.crashes += b.crashes;
@@ -140,6 +142,59 @@ struct Client {
     backing: Backing,
     /// The pager's count of failed disk writes when it last reported one.
     disk_failures_reported: u64,
+}
+
+/// Pushes the replies (and connection failures) waiting for the clients other than `busy` to
+/// their pagers, one message at a time in random order; about half the clients take theirs
+/// now, the others later (or in their own next wait).
+fn deliver(
+    clients: &mut [Client],
+    busy: usize,
+    rng: &mut fastrand::Rng,
+    report: &mut Report,
+) -> Result<(), String> {
+    let mut ready: Vec<(usize, usize)> = Vec::new();
+    for (cj, cl) in clients.iter().enumerate() {
+        if cj != busy && rng.bool() {
+            ready.extend((0..cl.pager.servers().count()).map(|s| (cj, s)));
+        }
+    }
+    while !ready.is_empty() {
+        let at = rng.usize(0..ready.len());
+        let (cj, s) = ready[at];
+        let cl = &mut clients[cj];
+        if cl.pager.in_flight(s) == 0 {
+            // Nothing asked of it: anything there waits for the pager's own look (a stray
+            // frame is then as unexpected as it should be).
+            ready.swap_remove(at);
+            continue;
+        }
+        let pushed = match cl.pager.transport_mut().take_frame(s) {
+            None => {
+                ready.swap_remove(at);
+                continue;
+            }
+            Some(Err(e)) => {
+                cl.pager.on_failure(s, e);
+                Ok(())
+            }
+            Some(Ok(frame)) => match decode_reply(&frame) {
+                Ok((id, reply)) => cl.pager.on_reply(s, id, &reply),
+                Err(e) => {
+                    cl.pager
+                        .on_failure(s, TransportError::Protocol(e.to_string()));
+                    Ok(())
+                }
+            },
+        };
+        report.replies_between_steps += 1;
+        match pushed {
+            Ok(()) => {}
+            Err(e) if cl.disk_failure_explains(&e) => report.disk_errors_reported += 1,
+            Err(e) => return Err(format!("client {cj}: a pushed reply: {e}")),
+        }
+    }
+    Ok(())
 }
 
 impl Client {
@@ -399,20 +454,15 @@ fn play(sc: &Scenario, at: &std::cell::Cell<u32>) -> Result<Report, Failure> {
         }
         let d = rng.u64(0..2_000);
         world.borrow_mut().run_for(d);
-        // Replies that reached the other clients meanwhile are handled now, between any two
-        // steps, not only when their own next operation waits: their write-backs finish (or
-        // fail over) interleaved with this client's work.
+        // Replies that reached the other clients meanwhile are pushed to them now, between any
+        // two steps, not only when their own next operation waits: one message at a time, to
+        // whichever client and from whichever server the dice pick, as a runtime that owns the
+        // sockets delivers them. Their write-backs finish (or fail over) interleaved with this
+        // client's work and with each other's.
+        deliver(&mut clients, ci, &mut rng, &mut report).map_err(|e| fail(step, e))?;
         for (cj, other) in clients.iter_mut().enumerate() {
-            if cj == ci || !rng.bool() {
-                continue;
-            }
-            match other.pager.poll() {
-                Ok(n) => report.replies_polled += n as u64,
-                Err(e) if other.disk_failure_explains(&e) => report.disk_errors_reported += 1,
-                Err(e) => return Err(fail(step, format!("client {cj}: poll: {e}"))),
-            }
             // An idle client's maintenance runs too, as its thread would.
-            if rng.u32(0..8) == 0 {
+            if cj != ci && rng.u32(0..16) == 0 {
                 let now = world.borrow().now;
                 tick(other, now, &mut report)
                     .map_err(|e| fail(step, format!("client {cj}: {e}")))?;
@@ -535,7 +585,7 @@ fn play(sc: &Scenario, at: &std::cell::Cell<u32>) -> Result<Report, Failure> {
 fn tick(cl: &mut Client, now: u64, report: &mut Report) -> Result<(), String> {
     match cl.pager.on_tick(now) {
         Ok(t) => {
-            report.replies_polled += t.replies as u64;
+            report.replies_between_steps += t.replies as u64;
             report.revived += t.revived as u64;
             report.rebuilds_started += t.rebuilt as u64;
             report.ticks += 1;

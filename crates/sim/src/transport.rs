@@ -57,6 +57,22 @@ impl SimTransport {
         }
     }
 
+    /// The next reply that reached this client from `server`, as a runtime that owns the
+    /// sockets reads it to push it to the pager ([`netram_pager::Pager::on_reply`]), or the
+    /// connection's failure; `None` when nothing is there.
+    pub fn take_frame(&mut self, server: usize) -> Option<Result<Vec<u8>, TransportError>> {
+        let c = self.conns[server]?;
+        let mut w = self.world.borrow_mut();
+        if let Some(frame) = w.take_reply(c) {
+            return Some(Ok(frame));
+        }
+        w.conns[c].reset.then(|| {
+            Err(TransportError::Disconnected(
+                "connection reset by peer".into(),
+            ))
+        })
+    }
+
     /// Ends every session, as a client does when it exits cleanly.
     pub fn close(&mut self) {
         for s in 0..self.conns.len() {
@@ -128,20 +144,13 @@ impl Transport for SimTransport {
     }
 
     fn try_recv(&mut self, server: usize) -> Option<Result<(u64, Reply<'_>), TransportError>> {
-        let c = self.conns[server]?;
-        let mut w = self.world.borrow_mut();
-        if let Some(frame) = w.take_reply(c) {
-            drop(w);
-            self.last = frame;
-            return Some(
-                decode_reply(&self.last).map_err(|e| TransportError::Protocol(e.to_string())),
-            );
+        match self.take_frame(server)? {
+            Ok(frame) => {
+                self.last = frame;
+                Some(decode_reply(&self.last).map_err(|e| TransportError::Protocol(e.to_string())))
+            }
+            Err(e) => Some(Err(e)),
         }
-        w.conns[c].reset.then(|| {
-            Err(TransportError::Disconnected(
-                "connection reset by peer".into(),
-            ))
-        })
     }
 
     fn reconnect(&mut self, server: usize) -> Result<ServerInfo, TransportError> {

@@ -5,7 +5,8 @@
 use crate::requests::{GetItem, PutItem, PutKind, INTERNAL};
 use crate::scheme::RecoveryStep;
 use crate::table::Servers;
-use crate::{Disk, Op, Pager, PagerError, Transport, Writeback};
+use crate::writeback::Writeback;
+use crate::{Disk, Op, Pager, PagerError, Transport};
 use netram_policy::placement::{self, Candidate};
 use netram_proto::Request;
 

@@ -23,7 +23,8 @@
 use crate::requests::{GetItem, Op, Part, PutItem, PutKind, INTERNAL};
 use crate::scheme::RecoveryStep;
 use crate::table::Servers;
-use crate::{Disk, Pager, PagerError, Transport, TransportError, Writeback};
+use crate::writeback::Writeback;
+use crate::{Disk, Pager, PagerError, Transport, TransportError};
 use netram_policy::placement::{self, Candidate};
 use netram_proto::{
     Delta, DeltaKind, Member, OwnedRecord, Owner, Page, PageKey, Record, Request, PAGE_SIZE,

@@ -1,0 +1,123 @@
+//! The slot pool and the LRU cache over it (Anemone's client cache, paper 001 §2.1): every page
+//! the pager touches lives in one of `cache_pages + staging` slots allocated at start. Taking a
+//! slot may evict (a dirty page goes to write-back) or wait for a request in flight to release
+//! one.
+
+use crate::{Disk, Pager, PagerError, Transport};
+use netram_proto::PAGE_SIZE;
+
+impl<T: Transport, D: Disk> Pager<T, D> {
+    pub(crate) fn slot(&self, slot: u32) -> &[u8] {
+        let at = slot as usize * PAGE_SIZE;
+        &self.slots[at..at + PAGE_SIZE]
+    }
+
+    pub(crate) fn slot_mut(&mut self, slot: u32) -> &mut [u8] {
+        let at = slot as usize * PAGE_SIZE;
+        &mut self.slots[at..at + PAGE_SIZE]
+    }
+
+    pub(crate) fn insert_clean(&mut self, page: u64, slot: u32) -> Result<(), PagerError> {
+        self.dirty[slot as usize] = false;
+        self.cache.put(page, slot);
+        self.evict_over_budget()
+    }
+
+    /// Evicts least recently used pages while the cache is over budget, a batch at a time, so
+    /// that dirty pages go out as pipelined PUTs.
+    pub(crate) fn evict_over_budget(&mut self) -> Result<(), PagerError> {
+        // Pages the disk failed to write stay in memory on top of the budget: evicting others
+        // for them would only push more pages at the failing disk.
+        let budget = |p: &Self| p.cfg.cache_pages + p.rehomed.len();
+        if self.cache.len() <= budget(self) {
+            return Ok(());
+        }
+        let n = (self.cache.len() - budget(self))
+            .max(self.cfg.writeback_batch.min(self.cfg.cache_pages));
+        // A batch at least, and until within the budget: writing a failed page back shrinks
+        // the budget by one. Bounded, as a page the disk fails again comes back at the top.
+        for evicted in 0..n + self.cache.len() {
+            if evicted >= n && self.cache.len() <= budget(self) {
+                break;
+            }
+            let Some((page, slot)) = self.cache.pop_lru() else {
+                break;
+            };
+            if self.dirty[slot as usize] {
+                self.counters.evictions_dirty += 1;
+                self.dirty[slot as usize] = false;
+                self.write_back(page, slot)?;
+            } else {
+                self.counters.evictions_clean += 1;
+                self.release_slot(slot);
+            }
+        }
+        Ok(())
+    }
+
+    /// A free slot, completing requests in flight until one is released. There is always one to
+    /// wait for: slots not free are cached (at most `cache_pages`) or carry a request.
+    pub(crate) fn take_slot(&mut self) -> Result<u32, PagerError> {
+        // Evictions go back to the cache when the disk fails them: once more have failed than
+        // pages are cached, there is no room to be had.
+        let failed_before = self.counters.disk_write_errors;
+        loop {
+            if self.counters.disk_write_errors - failed_before > self.cache.len() as u64 {
+                return Err(self.disk_outcome().err().unwrap_or_else(|| {
+                    PagerError::Disk(std::io::Error::other(
+                        "every page in memory waits for a disk that fails its writes",
+                    ))
+                }));
+            }
+            if let Some(s) = self.free_slots.pop() {
+                return Ok(s);
+            }
+            if self.idle() && self.cache.is_empty() {
+                // Every slot waits in an open parity group: ship them.
+                self.seal_open(None)?;
+                if self.idle() {
+                    panic!("no slot free, cached or in flight");
+                }
+                continue;
+            }
+            if self.idle() {
+                // Only cached slots remain: make room.
+                let (page, slot) = self.cache.pop_lru().expect("slots are cached or in flight");
+                if self.dirty[slot as usize] {
+                    self.dirty[slot as usize] = false;
+                    self.counters.evictions_dirty += 1;
+                    self.write_back(page, slot)?;
+                } else {
+                    self.counters.evictions_clean += 1;
+                    self.release_slot(slot);
+                }
+                continue;
+            }
+            self.complete_one()?;
+        }
+    }
+
+    /// A free slot for a read: like [`Pager::take_slot`], but finished reads hold slots until
+    /// they are copied out, so they are copied out while waiting.
+    pub(crate) fn take_slot_for_read(&mut self, out: &mut [u8]) -> Result<u32, PagerError> {
+        loop {
+            self.copy_out_reads(out)?;
+            if let Some(s) = self.free_slots.pop() {
+                return Ok(s);
+            }
+            if self.idle() {
+                return self.take_slot();
+            }
+            self.complete_one()?;
+        }
+    }
+
+    pub(crate) fn release_slot(&mut self, slot: u32) {
+        debug_assert!(
+            !self.free_slots.contains(&slot),
+            "slot {slot} released twice"
+        );
+        self.dirty[slot as usize] = false;
+        self.free_slots.push(slot);
+    }
+}

@@ -1,0 +1,278 @@
+//! Reads: a page from the cache, from a server that holds it (batched, pipelined GETs), from
+//! another copy or the local disk when that fails (Markatos' flexible backing store, paper 003
+//! §2), or decoded by its redundancy scheme; and what a read reports when none of that works
+//! (the lost pages by server, or a page that came back corrupt).
+
+use crate::requests::{GetItem, Part, ReadDone, INTERNAL};
+use crate::{Disk, LostPages, Pager, PagerError, Transport, STRIPE_LOST};
+use netram_proto::PAGE_SIZE;
+
+impl<T: Transport, D: Disk> Pager<T, D> {
+    /// Reads one page into `out` (PAGE_SIZE bytes).
+    pub fn read(&mut self, page: u64, out: &mut [u8]) -> Result<(), PagerError> {
+        self.read_many(&[page], out)
+    }
+
+    /// Reads many pages into `out`, one PAGE_SIZE chunk per page, with the misses' GETs
+    /// pipelined up to each server's window.
+    pub fn read_many(&mut self, pages: &[u64], out: &mut [u8]) -> Result<(), PagerError> {
+        if out.len() != pages.len() * PAGE_SIZE {
+            return Err(PagerError::BadBuffer {
+                got: out.len(),
+                pages: pages.len(),
+            });
+        }
+        pages.iter().try_for_each(|&p| self.check(p))?;
+        self.lost.clear();
+        self.corrupt = None;
+        let read = self.read_into(pages, out);
+        if read.is_err() {
+            self.abandon_reads();
+        }
+        read
+    }
+
+    /// A read that ends early (the disk failed, no slot to be had) leaves GETs in flight whose
+    /// data was for its caller's buffer: they are completed and dropped here, so that a later
+    /// read never receives them at its own positions.
+    pub(crate) fn abandon_reads(&mut self) {
+        // Each round completes a reply or fails a server: this ends.
+        while !self.idle() {
+            if let Err(e) = self.complete_one() {
+                tracing::debug!("while abandoning a read: {e}");
+            }
+        }
+        // The caller's reads hold slots; the pager's own (recovery's) stay.
+        let mut callers: Vec<u32> = Vec::new();
+        let mut ours = |pos: usize, slot: u32| {
+            if pos != INTERNAL {
+                callers.push(slot);
+            }
+            pos == INTERNAL
+        };
+        self.retry.retain(|it| ours(it.pos, it.slot));
+        self.reconstruct.retain(|it| ours(it.pos, it.slot));
+        self.reads_done.retain(|d| ours(d.pos, d.slot));
+        for slot in callers {
+            self.release_slot(slot);
+        }
+        self.lost.clear();
+        self.corrupt = None;
+    }
+
+    pub(crate) fn read_into(&mut self, pages: &[u64], out: &mut [u8]) -> Result<(), PagerError> {
+        for (pos, &page) in pages.iter().enumerate() {
+            self.counters.reads += 1;
+            let dst = &mut out[pos * PAGE_SIZE..(pos + 1) * PAGE_SIZE];
+            let cached = self
+                .cache
+                .get(&page)
+                .copied()
+                .or_else(|| self.writeback.get(&page).map(|w| w.slot));
+            if let Some(slot) = cached {
+                self.counters.cache_hits += 1;
+                dst.copy_from_slice(self.slot(slot));
+                continue;
+            }
+            let e = *self.table.get(page);
+            if !e.present {
+                self.counters.zero_reads += 1;
+                dst.fill(0);
+                continue;
+            }
+            match self.alive_holder(page, None) {
+                Some(server) => {
+                    let slot = self.take_slot_for_read(out)?;
+                    self.submit_get(server, page, slot, pos);
+                }
+                None if !e.on_disk && self.reconstructible(page) => {
+                    let slot = self.take_slot_for_read(out)?;
+                    let it = self.page_get_item(page, slot, pos);
+                    self.reconstruct.push(it);
+                }
+                None if e.on_disk => {
+                    if !self.table.holders(page).is_empty() {
+                        self.counters.disk_fallbacks += 1;
+                    }
+                    self.counters.disk_reads += 1;
+                    self.disk.read(page, dst)?;
+                    if self.cfg.cache_pages > 0 {
+                        let slot = self.take_slot_for_read(out)?;
+                        let at = slot as usize * PAGE_SIZE;
+                        self.slots[at..at + PAGE_SIZE]
+                            .copy_from_slice(&out[pos * PAGE_SIZE..(pos + 1) * PAGE_SIZE]);
+                        self.insert_clean(page, slot)?;
+                    }
+                }
+                None => {
+                    // A Reed-Solomon page whose stripe lost too many pieces has no holder.
+                    let s = self.table.holders(page).first().unwrap_or(STRIPE_LOST);
+                    self.lost.push((s, page));
+                }
+            }
+            self.copy_out_reads(out)?;
+        }
+        // Copying out may insert into the cache and evict dirty pages, and a failed copy is
+        // retried on another: drain until all are done.
+        while !self.idle()
+            || !self.reads_done.is_empty()
+            || !self.retry.is_empty()
+            || !self.reconstruct.is_empty()
+        {
+            self.drain()?;
+            self.resubmit_retries();
+            self.copy_out_reads(out)?;
+            if self.idle() && self.reads_done.is_empty() {
+                self.run_reconstructions()?;
+            }
+        }
+        self.read_outcome()
+    }
+
+    /// A GET that got no good data from `server`, once its scheme has had its say: tried on
+    /// another copy, else read from the disk copy, else reported (lost or corrupt) to its
+    /// caller.
+    pub(crate) fn read_elsewhere(
+        &mut self,
+        server: usize,
+        it: GetItem,
+        what: Option<&'static str>,
+    ) {
+        let e = *self.table.get(it.page);
+        if self.alive_holder(it.page, Some(server)).is_some() {
+            self.counters.reads_from_other_copy += 1;
+            self.retry.push(it);
+            return;
+        }
+        if e.on_disk {
+            self.counters.disk_fallbacks += 1;
+            self.counters.disk_reads += 1;
+            let at = it.slot as usize * PAGE_SIZE;
+            match self.disk.read(it.page, &mut self.slots[at..at + PAGE_SIZE]) {
+                Ok(()) => {
+                    return self.reads_done.push(ReadDone {
+                        pos: it.pos,
+                        page: it.page,
+                        slot: it.slot,
+                        part: Part::Page,
+                    })
+                }
+                Err(e) => tracing::error!(page = it.page, "disk read failed: {e}"),
+            }
+        }
+        if it.pos == INTERNAL {
+            // Recovery's own read: it finds the page unrecoverable by its absence.
+        } else if let Some(what) = what {
+            self.corrupt = Some((server, it.page, what));
+        } else {
+            self.lost.push((server, it.page));
+        }
+        self.release_slot(it.slot);
+    }
+
+    /// Decodes the reads whose piece was out of reach (degraded reads).
+    pub(crate) fn run_reconstructions(&mut self) -> Result<(), PagerError> {
+        for it in std::mem::take(&mut self.reconstruct) {
+            if let Some(s) = self.alive_holder(it.page, None) {
+                // Its data piece was rebuilt meanwhile: read it.
+                let it = self.page_get_item(it.page, it.slot, it.pos);
+                self.submit_get_item(s, it);
+                continue;
+            }
+            if self.reconstruct(it.page, it.slot)? {
+                self.reads_done.push(ReadDone {
+                    pos: it.pos,
+                    page: it.page,
+                    slot: it.slot,
+                    part: Part::Page,
+                });
+            } else {
+                let s = self.table.holders(it.page).first().unwrap_or(STRIPE_LOST);
+                self.lost.push((s, it.page));
+                self.release_slot(it.slot);
+            }
+        }
+        Ok(())
+    }
+
+    /// Sends the GETs that failed on one copy to another.
+    pub(crate) fn resubmit_retries(&mut self) {
+        for it in std::mem::take(&mut self.retry) {
+            match self.alive_holder(it.page, None) {
+                Some(s) => self.submit_get_item(s, it),
+                None => {
+                    let s = self.table.holders(it.page).first().unwrap_or(0);
+                    self.get_failed(s, it, None)
+                }
+            }
+        }
+    }
+
+    /// Queues a GET; it goes out with its server's batch.
+    pub(crate) fn submit_get(&mut self, server: usize, page: u64, slot: u32, pos: usize) {
+        let it = self.page_get_item(page, slot, pos);
+        self.submit_get_item(server, it);
+    }
+
+    /// A GET of a page's current version (its stripe's data piece under Reed-Solomon).
+    pub(crate) fn page_get_item(&self, page: u64, slot: u32, pos: usize) -> GetItem {
+        GetItem {
+            page,
+            slot,
+            pos,
+            key: self.stored_key(page),
+            version: self.table.get(page).version,
+            part: Part::Page,
+        }
+    }
+
+    /// Copies finished reads to the caller and hands their slots to the cache.
+    pub(crate) fn copy_out_reads(&mut self, out: &mut [u8]) -> Result<(), PagerError> {
+        while let Some(d) = self.reads_done.pop() {
+            if d.pos == INTERNAL {
+                self.fetched.push((d.page, d.slot));
+                continue;
+            }
+            out[d.pos * PAGE_SIZE..(d.pos + 1) * PAGE_SIZE].copy_from_slice(self.slot(d.slot));
+            if self.cfg.cache_pages > 0 && !self.cache.contains(&d.page) {
+                self.insert_clean(d.page, d.slot)?;
+            } else {
+                self.release_slot(d.slot);
+            }
+        }
+        Ok(())
+    }
+
+    pub(crate) fn read_outcome(&mut self) -> Result<(), PagerError> {
+        if let Some((s, page, what)) = self.corrupt.take() {
+            return Err(PagerError::Corrupt {
+                server: self.servers[s].info.name.clone(),
+                page,
+                what,
+            });
+        }
+        if self.lost.is_empty() {
+            return Ok(());
+        }
+        let mut by_server: Vec<LostPages> = Vec::new();
+        for &(s, page) in &self.lost {
+            let (name, reason) = match self.servers.get(s) {
+                Some(st) => (st.info.name.clone(), st.dead_reason.clone()),
+                None => (
+                    "(its stripe's servers)".to_string(),
+                    "fewer pieces of its stripe survive than it needs".to_string(),
+                ),
+            };
+            match by_server.iter_mut().find(|l| l.server == name) {
+                Some(l) => l.pages.push(page),
+                None => by_server.push(LostPages {
+                    server: name,
+                    reason,
+                    pages: vec![page],
+                }),
+            }
+        }
+        self.lost.clear();
+        Err(PagerError::Lost(by_server))
+    }
+}
