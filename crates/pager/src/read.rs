@@ -138,13 +138,23 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         it: GetItem,
         what: Option<&'static str>,
     ) {
-        let e = *self.table.get(it.page);
         if self.alive_holder(it.page, Some(server)).is_some() {
             self.counters.reads_from_other_copy += 1;
             self.retry.push(it);
             return;
         }
-        if e.on_disk {
+        self.disk_copy_or_report(server, it, what)
+    }
+
+    /// A page no server can give: from the disk copy if there is one; else its caller learns
+    /// it is lost (or came back corrupt), and recovery's own read finds it by its absence.
+    pub(crate) fn disk_copy_or_report(
+        &mut self,
+        server: usize,
+        it: GetItem,
+        what: Option<&'static str>,
+    ) {
+        if self.table.get(it.page).on_disk {
             self.counters.disk_fallbacks += 1;
             self.counters.disk_reads += 1;
             let at = it.slot as usize * PAGE_SIZE;

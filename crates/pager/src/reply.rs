@@ -13,6 +13,21 @@ use crate::scheme::parity;
 use crate::{Disk, Pager, PagerCounters, PagerError, ServerState, Transport, TransportError};
 use netram_proto::{DeleteStatus, ErrorCode, GetResult, PageKey, PutStatus, Reply, PAGE_SIZE};
 
+/// The fields a reply is read into, borrowed one by one: all disjoint from the transport,
+/// whose receive buffer the reply may still borrow (a method taking `&mut self` could not).
+macro_rules! inbox {
+    ($pager:expr) => {
+        Inbox {
+            servers: &mut $pager.servers,
+            inflight: &mut $pager.inflight,
+            counters: &mut $pager.counters,
+            slots: &mut $pager.slots,
+            reads_done: &mut $pager.reads_done,
+            followups: &mut $pager.followups,
+        }
+    };
+}
+
 impl<T: Transport, D: Disk> Pager<T, D> {
     pub(crate) fn recv_from(&mut self, server: usize) -> Result<(), PagerError> {
         self.receive(server, true).map(|_| ())
@@ -52,7 +67,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         id: u64,
         reply: &Reply<'_>,
     ) -> Result<(), PagerError> {
-        let accepted = self.inbox().accept(server, id, reply);
+        let accepted = inbox!(self).accept(server, id, reply);
         let handled = self.after_accept(server, accepted);
         self.pump_all();
         handled
@@ -67,19 +82,6 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         self.pump_all();
     }
 
-    /// The fields a reply is read into: all disjoint from the transport, whose receive buffer
-    /// the reply may still borrow.
-    fn inbox(&mut self) -> Inbox<'_> {
-        Inbox {
-            servers: &mut self.servers,
-            inflight: &mut self.inflight,
-            counters: &mut self.counters,
-            slots: &mut self.slots,
-            reads_done: &mut self.reads_done,
-            followups: &mut self.followups,
-        }
-    }
-
     /// Reads one reply from `server` and handles it: waiting for it, or only if it is there
     /// already (false when it is not).
     pub(crate) fn receive(&mut self, server: usize, wait: bool) -> Result<bool, PagerError> {
@@ -92,15 +94,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             None => return Ok(false),
             Some(Err(e)) => Err(e),
             // The reply borrows the transport: the inbox is built from the other fields.
-            Some(Ok((id, reply))) => Inbox {
-                servers: &mut self.servers,
-                inflight: &mut self.inflight,
-                counters: &mut self.counters,
-                slots: &mut self.slots,
-                reads_done: &mut self.reads_done,
-                followups: &mut self.followups,
-            }
-            .accept(server, id, &reply),
+            Some(Ok((id, reply))) => inbox!(self).accept(server, id, &reply),
         };
         self.after_accept(server, accepted).map(|()| true)
     }

@@ -13,7 +13,6 @@
 //! Left out: compaction of stripes whose members are mostly dead (their pieces are kept until
 //! the last member dies), and parity logging for overwrites in place (Nswap's `parity:N`).
 
-use crate::requests::ReadDone;
 use crate::requests::{GetItem, Op, Part, PutItem, PutKind, INTERNAL};
 use crate::scheme::RecoveryStep;
 use crate::table::Servers;
@@ -1242,8 +1241,8 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         self.rs().degraded.len()
     }
 
-    /// A page's data piece could not be read: from the disk copy if there is one, else
-    /// decoded from the rest of its stripe.
+    /// A page's data piece could not be read: decoded from the rest of its stripe, unless the
+    /// disk has a copy.
     pub(crate) fn rs_get_failed(&mut self, server: usize, it: GetItem, what: Option<&'static str>) {
         if let (Some(what), Some(key)) = (what, self.rs_key(it.page)) {
             let (id, piece) = ((key.page / 32) as u32, (key.page % 32) as u8);
@@ -1254,29 +1253,6 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             self.reconstruct.push(it);
             return;
         }
-        if e.on_disk {
-            self.counters.disk_fallbacks += 1;
-            self.counters.disk_reads += 1;
-            let at = it.slot as usize * PAGE_SIZE;
-            if self
-                .disk
-                .read(it.page, &mut self.slots[at..at + PAGE_SIZE])
-                .is_ok()
-            {
-                return self.reads_done.push(ReadDone {
-                    pos: it.pos,
-                    page: it.page,
-                    slot: it.slot,
-                    part: Part::Page,
-                });
-            }
-        }
-        if it.pos != INTERNAL {
-            match what {
-                Some(what) => self.corrupt = Some((server, it.page, what)),
-                None => self.lost.push((server, it.page)),
-            }
-        }
-        self.release_slot(it.slot);
+        self.disk_copy_or_report(server, it, what)
     }
 }
