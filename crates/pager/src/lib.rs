@@ -25,7 +25,8 @@
 //! * `reply.rs`: how the world reaches the pager ([`Pager::on_reply`], [`Pager::on_failure`])
 //!   and what a reply does;
 //! * `scheme/`: redundancy behind one seam, a module per scheme (`mirror.rs` for `none` and
-//!   `mirror:N`, `parity.rs`, `stripe.rs` for Reed-Solomon);
+//!   `mirror:N`, `parity/` for `parity:N`, `stripe/` for Reed-Solomon, each with its recovery
+//!   in `recover.rs`);
 //! * `maintenance.rs`: probes, reconnects and recovery on the clock it is told
 //!   ([`Pager::on_tick`]); `invariants.rs`: [`Pager::check_invariants`];
 //! * placement ([`netram_policy::placement`]): two weighted random choices by free capacity

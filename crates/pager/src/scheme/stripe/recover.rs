@@ -1,0 +1,579 @@
+//! Reed-Solomon recovery and degraded reads: pieces fetched from K survivors, decoded (one
+//! decoder per erasure pattern, a plain XOR where one lost piece allows it) and written to
+//! servers the stripe does not use yet, streamed so that the next stripes' reads are on the
+//! wire while these are rebuilt (paper 004 §IV-B3's recovery, for stripes). Kept apart from
+//! writing and sealing stripes (`mod.rs`): this half runs only when a piece is out of reach.
+
+use super::*;
+
+impl<T: Transport, D: Disk> Pager<T, D> {
+    /// Reads pieces of a stripe into fresh slots, pipelined; returns those that came back
+    /// good, as (piece, slot).
+    pub(super) fn rs_fetch(
+        &mut self,
+        id: u32,
+        pieces: &[usize],
+    ) -> Result<Vec<(usize, u32)>, PagerError> {
+        for &piece in pieces {
+            let slot = self.take_slot()?;
+            let stripe = &self.rs().stripes[id as usize];
+            let server = usize::from(stripe.servers[piece]);
+            let it = GetItem {
+                page: u64::from(id),
+                slot,
+                pos: INTERNAL,
+                key: self.piece_key(id, piece),
+                version: stripe.version(piece),
+                part: Part::Piece(piece as u8),
+            };
+            self.submit_get_item(server, it);
+        }
+        while !self.idle() {
+            self.complete_one()?;
+        }
+        let mut got = Vec::new();
+        let mut rest = Vec::new();
+        for d in std::mem::take(&mut self.reads_done) {
+            match d.part {
+                Part::Piece(piece) if d.pos == INTERNAL && d.page == u64::from(id) => {
+                    got.push((usize::from(piece), d.slot));
+                }
+                _ => rest.push(d),
+            }
+        }
+        self.reads_done = rest;
+        Ok(got)
+    }
+
+    /// Decodes a stripe's data pieces from any K of its live pieces (not those in `avoid`):
+    /// returns the data pieces `wanted` as (piece, slot), or `None` when too few pieces
+    /// answered.
+    pub(super) fn rs_decode(
+        &mut self,
+        id: u32,
+        wanted: &[usize],
+        avoid: &[usize],
+    ) -> Result<Option<Vec<(usize, u32)>>, PagerError> {
+        let pinned_here = self.rs_mut().pinned.insert(id);
+        let decoded = self.rs_decode_pinned(id, wanted, avoid);
+        if pinned_here {
+            self.rs_mut().pinned.remove(&id);
+        }
+        let decoded = decoded?;
+        let rs = self.rs();
+        if !rs.stripes[id as usize].in_use() && !rs.writing.contains_key(&id) {
+            // Its last member died meanwhile: nothing to rebuild or read.
+            if let Some(v) = &decoded {
+                for &(_, slot) in v {
+                    self.release_slot(slot);
+                }
+            }
+            self.rs_free(id);
+            return Ok(None);
+        }
+        Ok(decoded)
+    }
+
+    pub(super) fn rs_decode_pinned(
+        &mut self,
+        id: u32,
+        wanted: &[usize],
+        avoid: &[usize],
+    ) -> Result<Option<Vec<(usize, u32)>>, PagerError> {
+        let stripe = &self.rs().stripes[id as usize];
+        let (k, m) = (stripe.k(), stripe.servers.len() - stripe.k());
+        let total = stripe.servers.len();
+        let mut candidates: Vec<usize> = (0..total)
+            .filter(|&j| {
+                let s = stripe.servers[j];
+                !avoid.contains(&j) && s != NO_SERVER && self.servers[usize::from(s)].alive
+            })
+            .collect();
+        // One piece out of reach of a code whose pieces XOR to zero: the others give it by
+        // XOR, one read more than K but no decoder.
+        let xor = self.rs().xor_code(k) && candidates.len() + 1 == total;
+        let need = if xor { total - 1 } else { k };
+        let mut have: Vec<(usize, u32)> = Vec::new();
+        for j in 0..k {
+            if let Some(slot) = self.rs_mut().restored.remove(&(id, j)) {
+                candidates.retain(|&c| c != j);
+                have.push((j, slot));
+            }
+        }
+        for j in 0..total {
+            if let Some(slot) = self.rs_mut().prefetched.remove(&(id, j)) {
+                if have.len() < need && !avoid.contains(&j) {
+                    candidates.retain(|&c| c != j);
+                    have.push((j, slot));
+                } else {
+                    self.release_slot(slot);
+                }
+            }
+        }
+        // The wanted pieces not at hand: how many, and the first.
+        let missing = |have: &[(usize, u32)]| -> (usize, Option<usize>) {
+            let mut absent = wanted
+                .iter()
+                .copied()
+                .filter(|&j| !have.iter().any(|&(i, _)| i == j));
+            let first = absent.next();
+            (first.map_or(0, |_| 1 + absent.count()), first)
+        };
+        while missing(&have).0 > 0 && have.len() < need && !candidates.is_empty() {
+            let n = (need - have.len()).min(candidates.len());
+            let batch: Vec<usize> = candidates.drain(..n).collect();
+            have.extend(self.rs_fetch(id, &batch)?);
+        }
+        if let (1, Some(x)) = missing(&have) {
+            if xor && have.len() == total - 1 {
+                let slot = self.take_slot()?;
+                self.rs_xor_of(slot, &have);
+                self.counters.pieces_restored_by_xor += 1;
+                have.push((x, slot));
+            }
+        }
+        let absent = missing(&have).0 > 0;
+        if absent && have.len() < k {
+            for (_, slot) in have {
+                self.release_slot(slot);
+            }
+            return Ok(None);
+        }
+        let decoded = if !absent {
+            BTreeMap::new()
+        } else {
+            // Any K pieces, data first: the decoder gives back the data pieces missing.
+            have.sort_unstable_by_key(|&(j, _)| j);
+            let slots = &self.slots;
+            let shard =
+                |slot: u32| &slots[slot as usize * PAGE_SIZE..(slot as usize + 1) * PAGE_SIZE];
+            let originals = have[..k]
+                .iter()
+                .filter(|(j, _)| *j < k)
+                .map(|&(j, s)| (j, shard(s)));
+            let recovery = have[..k]
+                .iter()
+                .filter(|(j, _)| *j >= k)
+                .map(|&(j, s)| (j - k, shard(s)));
+            self.counters.decoder_runs += 1;
+            reed_solomon_simd::decode(k, m, originals, recovery)
+                .expect("K pieces of page size decode")
+        };
+        let mut out = Vec::with_capacity(wanted.len());
+        for &j in wanted {
+            // A piece that was read is handed over in its own slot; a decoded one is copied in.
+            if let Some(at) = have.iter().position(|&(i, _)| i == j) {
+                out.push(have.swap_remove(at));
+                continue;
+            }
+            let slot = self.take_slot()?;
+            self.slot_mut(slot)
+                .copy_from_slice(decoded.get(&j).expect("decoded every missing data piece"));
+            out.push((j, slot));
+        }
+        // Parity wanted back is computed from the data pieces, all known by now.
+        for (_, slot) in have {
+            self.release_slot(slot);
+        }
+        Ok(Some(out))
+    }
+
+    /// `dst` = the XOR of the pieces in `pieces`' slots (none of them `dst`).
+    pub(super) fn rs_xor_of(&mut self, dst: u32, pieces: &[(usize, u32)]) {
+        let mut out = [0u8; PAGE_SIZE];
+        let srcs: Vec<&[u8]> = pieces.iter().map(|&(_, s)| self.slot(s)).collect();
+        netram_proto::parity::xor_of(&mut out, &srcs);
+        self.slot_mut(dst).copy_from_slice(&out);
+    }
+
+    /// A degraded read: the page's data piece is out of reach, so it is decoded from K other
+    /// pieces of its stripe into `slot`. False when too few pieces answered.
+    pub(crate) fn rs_reconstruct(&mut self, page: u64, slot: u32) -> Result<bool, PagerError> {
+        let rs = self.rs();
+        let id = rs.stripe_of[page as usize];
+        if id == NO_STRIPE {
+            return Ok(false);
+        }
+        let i = usize::from(rs.index_of[page as usize]);
+        match self.rs_decode(id, &[i], &[i])? {
+            Some(v) => {
+                let (_, s) = v[0];
+                let at = s as usize * PAGE_SIZE;
+                self.slots
+                    .copy_within(at..at + PAGE_SIZE, slot as usize * PAGE_SIZE);
+                self.release_slot(s);
+                self.counters.degraded_reads += 1;
+                self.rs_mut().degraded.insert(id);
+                Ok(true)
+            }
+            None => Ok(false),
+        }
+    }
+
+    /// The pieces of `id` lost (no server, or a dead one), and the live ones to read to
+    /// rebuild them: every other piece where one lost data piece is their XOR
+    /// ([`xor_code`]), otherwise K (the K data pieces where only parity is lost). `None` when
+    /// nothing is to be done: the stripe is being written, unused, or whole.
+    pub(super) fn rs_read_plan(&self, id: u32) -> Option<(Vec<usize>, Vec<usize>)> {
+        let rs = self.rs();
+        if rs.writing.contains_key(&id) {
+            return None; // its write settles it
+        }
+        let st = &rs.stripes[id as usize];
+        if !st.in_use() {
+            return None;
+        }
+        let (k, total) = (st.k(), st.servers.len());
+        let up =
+            |j: usize| st.servers[j] != NO_SERVER && self.servers[usize::from(st.servers[j])].alive;
+        let (mut live, lost): (Vec<usize>, Vec<usize>) = (0..total).partition(|&j| up(j));
+        if lost.is_empty() {
+            return None;
+        }
+        let lost_data = lost.iter().any(|&j| j < k);
+        if !(lost_data && lost.len() == 1 && rs.xor_code(k)) {
+            live.truncate(k);
+        }
+        Some((lost, live))
+    }
+
+    /// Piece reads that came back for stripes being rebuilt, put where `rs_decode` finds them.
+    pub(super) fn rs_harvest(&mut self) {
+        let mut rest = Vec::new();
+        for d in std::mem::take(&mut self.reads_done) {
+            let id = d.page as u32;
+            let rs = self.rs_mut();
+            match d.part {
+                Part::Piece(piece) if d.pos == INTERNAL && rs.reading.contains_key(&id) => {
+                    rs.settle(id);
+                    if let Some(old) = rs.prefetched.insert((id, usize::from(piece)), d.slot) {
+                        self.release_slot(old);
+                    }
+                }
+                _ => rest.push(d),
+            }
+        }
+        self.reads_done = rest;
+    }
+
+    /// A piece read for a stripe being rebuilt that will not come back.
+    pub(crate) fn rs_read_settled(&mut self, id: u32) {
+        if let Some(rs) = self.scheme.stripe_mut() {
+            rs.settle(id);
+        }
+    }
+
+    /// Decodes the missing data pieces of the prefetched stripes, one `reed-solomon-simd` call
+    /// per erasure pattern for all the stripes that share it: its decoder has a fixed cost (an
+    /// evaluation over the whole field, ~0.25 ms here) that would otherwise be paid per
+    /// stripe. Bytes at the same offset of different stripes never mix in Reed-Solomon, so
+    /// stripes laid end to end decode as one.
+    pub(super) fn rs_decode_batch(&mut self, ids: &BTreeSet<u32>) -> Result<(), PagerError> {
+        let mut groups: BTreeMap<(usize, usize, Vec<usize>), Vec<u32>> = BTreeMap::new();
+        for &id in ids {
+            let rs = self.rs();
+            let st = &rs.stripes[id as usize];
+            let (k, total) = (st.k(), st.servers.len());
+            let present: Vec<(usize, u32)> = (0..total)
+                .filter_map(|j| rs.prefetched.get(&(id, j)).map(|&s| (j, s)))
+                .collect();
+            let absent = (0..k).any(|j| !present.iter().any(|&(i, _)| i == j));
+            if absent && present.len() == k {
+                let present = present.iter().map(|&(j, _)| j).collect();
+                groups.entry((k, total - k, present)).or_default().push(id);
+            }
+        }
+        for ((k, m, present), ids) in groups {
+            let n = ids.len();
+            let shard = |pager: &Self, j: usize| -> Vec<u8> {
+                let mut v = Vec::with_capacity(n * PAGE_SIZE);
+                for &id in &ids {
+                    v.extend_from_slice(pager.slot(pager.rs().prefetched[&(id, j)]));
+                }
+                v
+            };
+            let originals: Vec<(usize, Vec<u8>)> = present
+                .iter()
+                .filter(|&&j| j < k)
+                .map(|&j| (j, shard(self, j)))
+                .collect();
+            let recovery: Vec<(usize, Vec<u8>)> = present
+                .iter()
+                .filter(|&&j| j >= k)
+                .map(|&j| (j - k, shard(self, j)))
+                .collect();
+            self.counters.decoder_runs += 1;
+            let decoded = reed_solomon_simd::decode(k, m, originals, recovery)
+                .expect("K pieces of equal size decode");
+            for (j, bytes) in decoded {
+                for (t, &id) in ids.iter().enumerate() {
+                    let slot = self.take_slot()?;
+                    self.slot_mut(slot)
+                        .copy_from_slice(&bytes[t * PAGE_SIZE..(t + 1) * PAGE_SIZE]);
+                    self.rs_mut().restored.insert((id, j), slot);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Rebuilds the lost pieces of up to `max` degraded stripes, streaming: the reads of the
+    /// next stripes go out while the pieces of those already read are restored and written,
+    /// as far as the slots allow, so that neither the servers nor the pager wait on each
+    /// other's turn. Stripes that need the decoder wait for a batch (`rs_decode_batch`).
+    pub(crate) fn rs_recover(&mut self, max: usize) -> Result<RecoveryStep, PagerError> {
+        let mut step = RecoveryStep::default();
+        let mut plan: VecDeque<u32> = VecDeque::new();
+        while plan.len() < max {
+            let Some(id) = self.rs_mut().degraded.pop_first() else {
+                break;
+            };
+            plan.push_back(id);
+        }
+        let mut decode_wait: Vec<u32> = Vec::new();
+        let streamed = self.rs_stream(&mut plan, &mut decode_wait, &mut step);
+        // Whatever was not rebuilt (the rest after an error, or for want of room) goes back on
+        // the list, unpinned; pieces read for stripes that did not need them are let go.
+        let rs = self.rs_mut();
+        let unfinished: Vec<u32> = rs
+            .reading
+            .drain()
+            .map(|(id, _)| id)
+            .chain(rs.read.drain(..))
+            .chain(decode_wait)
+            .collect();
+        for id in unfinished {
+            self.rs_release_pin(id);
+            self.rs_mut().degraded.insert(id);
+        }
+        let rs = self.rs_mut();
+        rs.degraded.extend(plan);
+        let left: Vec<u32> = rs
+            .prefetched
+            .drain()
+            .chain(rs.restored.drain())
+            .map(|(_, s)| s)
+            .collect();
+        for slot in left {
+            self.release_slot(slot);
+        }
+        streamed?;
+        self.send_everything()?;
+        step.remaining = self.rs().degraded.len();
+        Ok(step)
+    }
+
+    /// Unpins a stripe, and frees it if its last member died while it was pinned.
+    pub(super) fn rs_release_pin(&mut self, id: u32) {
+        let rs = self.rs_mut();
+        rs.pinned.remove(&id);
+        let st = &rs.stripes[id as usize];
+        // A freed stripe has no servers: freed once only.
+        if !st.in_use() && !st.servers.is_empty() && !rs.writing.contains_key(&id) {
+            self.rs_free(id);
+        }
+    }
+
+    /// The loop of [`Pager::rs_recover`]: stripes leave `plan` as their reads go out, are
+    /// pinned until rebuilt (a write-back that kills their last member must not free them,
+    /// and their number be reused, under the reads), and wait in `decode_wait` for the
+    /// decoder.
+    pub(super) fn rs_stream(
+        &mut self,
+        plan: &mut VecDeque<u32>,
+        decode_wait: &mut Vec<u32>,
+        step: &mut RecoveryStep,
+    ) -> Result<(), PagerError> {
+        let rs = self.rs();
+        let total = rs.k + rs.m;
+        // Per stripe: up to K+M−1 pieces read and M restored; what is left lets a stripe whose
+        // reads failed fetch others (`rs_decode`).
+        let (per_stripe, reserve) = (total + rs.m, 2 * total + 2);
+        loop {
+            while let Some(&id) = plan.front() {
+                if self.free_slots.len() < reserve + per_stripe {
+                    break;
+                }
+                plan.pop_front();
+                let Some((_, read)) = self.rs_read_plan(id) else {
+                    continue;
+                };
+                let rs = self.rs_mut();
+                rs.pinned.insert(id);
+                if read.is_empty() {
+                    rs.read.push(id);
+                } else {
+                    rs.reading.insert(id, read.len() as u32);
+                }
+                for j in read {
+                    let slot = self.take_slot()?;
+                    let st = &self.rs().stripes[id as usize];
+                    let it = GetItem {
+                        page: u64::from(id),
+                        slot,
+                        pos: INTERNAL,
+                        key: self.piece_key(id, j),
+                        version: st.version(j),
+                        part: Part::Piece(j as u8),
+                    };
+                    self.submit_get_item(usize::from(st.servers[j]), it);
+                }
+            }
+            self.send_everything()?;
+            self.rs_harvest();
+            while let Some(id) = self.rs_mut().read.pop() {
+                let rs = self.rs();
+                let st = &rs.stripes[id as usize];
+                let k = st.k();
+                let by_decoder = (0..k).any(|j| !rs.prefetched.contains_key(&(id, j)))
+                    && (k..st.servers.len()).any(|j| rs.prefetched.contains_key(&(id, j)))
+                    && !rs.xor_code(k);
+                if by_decoder {
+                    decode_wait.push(id);
+                } else {
+                    self.rs_rebuild(id, step)?;
+                }
+            }
+            let rs = self.rs();
+            let busy = !rs.reading.is_empty() || !rs.read.is_empty();
+            if decode_wait.len() >= 64 || (!busy && !decode_wait.is_empty()) {
+                let ids: BTreeSet<u32> = decode_wait.iter().copied().collect();
+                self.rs_decode_batch(&ids)?;
+                while let Some(id) = decode_wait.pop() {
+                    self.rs_rebuild(id, step)?;
+                }
+                continue;
+            }
+            if plan.is_empty() && !busy {
+                return Ok(());
+            }
+            if !busy && self.idle() && self.free_slots.len() < reserve + per_stripe {
+                // No room, and nothing under way to make some: the rest waits for a later call.
+                return Ok(());
+            }
+            if self.rs().read.is_empty() {
+                if self.idle() {
+                    // Nothing in flight: what came back is in `reads_done`. Reads still counted
+                    // out after that will never be answered: rebuild with what came back
+                    // (`rs_decode` fetches the rest) rather than wait forever.
+                    self.rs_harvest();
+                    let rs = self.rs_mut();
+                    if rs.read.is_empty() {
+                        let stuck: Vec<u32> = rs.reading.drain().map(|(id, _)| id).collect();
+                        rs.read.extend(stuck);
+                    }
+                    continue;
+                }
+                self.complete_one()?;
+            }
+        }
+    }
+
+    /// Restores and writes out the lost pieces of one stripe whose reads are back (in
+    /// `prefetched` and `restored`; `rs_decode` fetches what is missing).
+    pub(super) fn rs_rebuild(
+        &mut self,
+        id: u32,
+        step: &mut RecoveryStep,
+    ) -> Result<(), PagerError> {
+        let r = self.rs_rebuild_pinned(id, step);
+        self.rs_release_pin(id);
+        r
+    }
+
+    pub(super) fn rs_rebuild_pinned(
+        &mut self,
+        id: u32,
+        step: &mut RecoveryStep,
+    ) -> Result<(), PagerError> {
+        let Some((lost, _)) = self.rs_read_plan(id) else {
+            return Ok(()); // its last member died while it was read
+        };
+        let rs = self.rs();
+        let st = &rs.stripes[id as usize];
+        let k = st.k();
+        let members = st.members.clone();
+        let live = st.live.clone();
+        let parity_lost = lost.iter().any(|&j| j >= k);
+        // Every data piece: parity is recomputed from them, and should the rebuilt pieces
+        // find too few servers, the live members go to the local disk from them.
+        let wanted: Vec<usize> = (0..k).collect();
+        let Some(restored) = self.rs_decode(id, &wanted, &lost)? else {
+            // Fewer than K pieces answered. If K are still out there (a read failed on
+            // the way), try again later; otherwise the members whose data piece is gone
+            // and that have no disk copy are lost: their reads fail from now on.
+            let st = &self.rs().stripes[id as usize];
+            if st.in_use() && self.rs_live_pieces(id) >= st.k() {
+                self.rs_mut().degraded.insert(id);
+                return Ok(());
+            }
+            for (i, &(page, _)) in members.iter().enumerate() {
+                let rs = self.rs();
+                if live[i]
+                    && rs.stripe_of[page as usize] == id
+                    && lost.contains(&i)
+                    && !self.table.get(page).on_disk
+                {
+                    step.unrecoverable += 1;
+                    self.counters.pages_unrecoverable += 1;
+                }
+            }
+            return Ok(());
+        };
+        let total = self.rs().stripes[id as usize].servers.len();
+        let mut slots = vec![u32::MAX; total];
+        let mut owned = Vec::new();
+        for &(j, slot) in &restored {
+            if lost.contains(&j) {
+                slots[j] = slot;
+                owned.push(slot);
+            }
+        }
+        if parity_lost {
+            let mut parity = Vec::with_capacity(total - k);
+            for _ in k..total {
+                parity.push(self.take_slot()?);
+            }
+            let data: Vec<u32> = restored.iter().map(|&(_, s)| s).collect();
+            self.rs_encode(&data, &parity);
+            for (p, slot) in parity.into_iter().enumerate() {
+                if lost.contains(&(k + p)) {
+                    slots[k + p] = slot;
+                    owned.push(slot);
+                } else {
+                    self.release_slot(slot);
+                }
+            }
+        }
+        let data: Vec<u32> = restored.iter().map(|&(_, s)| s).collect();
+        for &(j, slot) in &restored {
+            if !lost.contains(&j) {
+                owned.push(slot);
+            }
+        }
+        let rs = self.rs_mut();
+        for &j in &lost {
+            rs.stripes[id as usize].servers[j] = NO_SERVER;
+        }
+        rs.writing
+            .insert(id, StripeWrite::new(slots, owned, true, data));
+        step.started += lost.len();
+        self.rs_place(id)?;
+        Ok(())
+    }
+
+    /// A page's data piece could not be read: decoded from the rest of its stripe, unless the
+    /// disk has a copy.
+    pub(crate) fn rs_get_failed(&mut self, server: usize, it: GetItem, what: Option<&'static str>) {
+        if let (Some(what), Some(key)) = (what, self.rs_key(it.page)) {
+            let (id, piece) = ((key.page / 32) as u32, (key.page % 32) as u8);
+            self.rs_bad_piece(id, piece, server, what);
+        }
+        let e = *self.table.get(it.page);
+        if it.pos != INTERNAL && !e.on_disk && self.rs_reconstructible(it.page) {
+            self.reconstruct.push(it);
+            return;
+        }
+        self.disk_copy_or_report(server, it, what)
+    }
+}
