@@ -5,6 +5,13 @@
 //! Benchmarks report ratios to baselines measured side by side in the same run (the raw loopback
 //! round trip, first of all), because these machines are shared and noisy: an absolute figure
 //! from one run says little, a ratio from one run says what netram costs.
+//!
+//! Errors here are `anyhow`'s, the one library crate where they are: this crate is the body of
+//! the `netram bench` and `netram demo` commands, split from the binary only so that the CLI
+//! and the tests link the same code. Its failures (a tool that would not start, a page read back
+//! wrong, a program whose output differs from its plain run) are reports for the person running
+//! it, never matched on by a caller; a typed enum would be one `Failed(String)` variant at
+//! nearly every one of its ~90 sites.
 
 pub mod core;
 pub mod machine;
