@@ -215,8 +215,10 @@ fn server_meta_per_page(frames: usize) -> f64 {
     let h = store.open_session(1, 1, 1, 0).expect("a session");
     let data = vec![0xa5u8; PAGE_SIZE];
     for p in 0..frames as u64 {
+        let key = PageKey::new(0, p);
+        let crc = netram_proto::page_checksum(key, 1, PageFlags::default(), &data);
         store
-            .put(h, PageKey::new(0, p), 1, 0, PageFlags::default(), &data, 0)
+            .put(h, key, 1, crc, PageFlags::default(), &data, 0)
             .expect("session is live");
     }
     assert_eq!(store.stored_pages(), frames as u64);

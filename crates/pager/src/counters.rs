@@ -31,6 +31,8 @@ counters! {
     evictions_clean,
     /// PUTs refused by a full server and placed again.
     puts_refused_full,
+    /// PUTs a server found damaged on the way (checksum mismatch), placed again.
+    puts_refused_corrupt,
     /// Pages written to the local disk because no server had room or was alive.
     spills,
     disk_reads,

@@ -136,6 +136,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                 self.put_failed(it, server)?;
             }
             // Answers that only a parity pager's requests get (see `complete`).
+            Followup::Damaged(it) => self.put_failed(it, server)?,
             Followup::Refused(it) => self.par_holder_unreachable(it, server)?,
             Followup::Unprotected(it) => self.par_unprotected(it, server)?,
             Followup::Shipped(id) => self.par_shipped(id)?,
@@ -337,6 +338,13 @@ impl Inbox<'_> {
                             "the server refused a page key".into(),
                             Some(Op::Put(vec![it])),
                         ),
+                        // Damaged on the way there: the slot still holds it intact. Placed
+                        // again like a refused page (bounded: never to that server again for
+                        // this write-back, so a server that always says so cannot loop us).
+                        PutStatus::Corrupt => {
+                            counters.puts_refused_corrupt += 1;
+                            Followup::Damaged(it)
+                        }
                     });
                 }
             }
@@ -413,6 +421,8 @@ pub(crate) enum Followup {
     /// Not stored: the server could not tell the page's parity holder (which may have changed
     /// its group all the same). Sent again, or placed elsewhere.
     Refused(PutItem),
+    /// Not stored: damaged on the way (the server's checksum check failed).
+    Damaged(PutItem),
     /// Stored outside any parity group.
     Unprotected(PutItem),
     Shipped(u64),

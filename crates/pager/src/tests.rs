@@ -18,6 +18,8 @@ struct MemServer {
     corrupt_next: bool,
     /// Flip a bit in every GET reply's data.
     corrupt_always: bool,
+    /// Flip a bit in the last page of every PUT on its way here.
+    corrupt_puts: bool,
 }
 
 struct MemCluster {
@@ -42,6 +44,7 @@ impl MemCluster {
                     dead: false,
                     corrupt_next: false,
                     corrupt_always: false,
+                    corrupt_puts: false,
                 }
             })
             .collect();
@@ -120,6 +123,10 @@ impl Transport for MemCluster {
         }
         let mut frame = Vec::new();
         req.encode(req_id, &mut frame);
+        if self.servers[server].corrupt_puts && matches!(req, Request::Put(_)) {
+            let n = frame.len();
+            frame[n - 1] ^= 1;
+        }
         if let Some(r) = self.serve(server, &frame) {
             self.servers[server].replies.push_back(r);
         }
@@ -465,6 +472,37 @@ fn a_pushed_failure_fails_over_what_was_in_flight() {
         assert_eq!(read(&mut p, pg).unwrap(), content(pg, 1), "page {pg}");
     }
     assert!(p.holders(3).iter().all(|&s| s == 1));
+}
+
+#[test]
+fn a_page_damaged_on_its_way_to_a_server_is_placed_again_from_its_slot() {
+    let mut cluster = MemCluster::new(&[64, 64]);
+    cluster.servers[0].corrupt_puts = true;
+    let mut p = pager(cluster, 32, 4, Backing::Cluster);
+    let pages: Vec<u64> = (0..16).collect();
+    let data: Vec<u8> = pages.iter().flat_map(|&pg| content(pg, 1)).collect();
+    p.write_many(&pages, &data).unwrap();
+    p.flush().unwrap();
+    p.check_invariants().unwrap();
+    assert!(p.counters().puts_refused_corrupt > 0);
+    assert_eq!(
+        p.counters().servers_dead,
+        0,
+        "a damaged page is not the server's fault"
+    );
+    // Only the last page of each PUT was damaged: the others are where the table says.
+    let on_0 = (0..16).filter(|&pg| p.holders(pg) == vec![0]).count() as u64;
+    assert_eq!(p.transport().servers[0].store.stored_pages(), on_0);
+    assert_eq!(
+        p.transport().servers[0]
+            .store
+            .counters()
+            .puts_refused_corrupt,
+        p.counters().puts_refused_corrupt
+    );
+    for pg in 0..16 {
+        assert_eq!(read(&mut p, pg).unwrap(), content(pg, 1), "page {pg}");
+    }
 }
 
 #[test]

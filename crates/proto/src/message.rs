@@ -119,6 +119,9 @@ pub enum PutStatus {
     /// Not stored, nothing changed: the page's parity holder could not be told. The client
     /// tries again, or declares the holder dead and scans.
     HolderUnreachable = 4,
+    /// Not stored, nothing changed: the page's checksum does not match its contents (it was
+    /// damaged on the way). The client places it again, from its own intact copy.
+    Corrupt = 5,
 }
 
 /// The fate of one page of a DELETE.
@@ -404,6 +407,7 @@ pub fn decode_reply(frame: &[u8]) -> Result<(u64, Reply<'_>), DecodeError> {
                         2 => Some(PutStatus::BadKey),
                         3 => Some(PutStatus::Unprotected),
                         4 => Some(PutStatus::HolderUnreachable),
+                        5 => Some(PutStatus::Corrupt),
                         _ => None,
                     })
                 })
@@ -695,8 +699,8 @@ mod tests {
         }
 
         #[test]
-        fn put_reply_roundtrips(load in load(), s in prop::collection::vec(0u8..5, 0..crate::MAX_BATCH), id: u64) {
-            let all = [PutStatus::Stored, PutStatus::Full, PutStatus::BadKey, PutStatus::Unprotected, PutStatus::HolderUnreachable];
+        fn put_reply_roundtrips(load in load(), s in prop::collection::vec(0u8..6, 0..crate::MAX_BATCH), id: u64) {
+            let all = [PutStatus::Stored, PutStatus::Full, PutStatus::BadKey, PutStatus::Unprotected, PutStatus::HolderUnreachable, PutStatus::Corrupt];
             let status = s.iter().map(|v| all[*v as usize]).collect();
             roundtrip_reply(&Reply::Put { load, status }, id);
         }

@@ -208,6 +208,9 @@ counters! {
     sessions_refused_peer_limit,
     /// PUTs refused because the key is beyond the index's limits.
     puts_refused_bad_key,
+    /// PUTs refused because the page's checksum does not match its contents (damaged on the
+    /// way: stored, it would be found only when read back, perhaps as its only copy).
+    puts_refused_corrupt,
     /// Requests on a session whose lease had run out.
     requests_expired_session,
     sessions_opened,
@@ -517,6 +520,10 @@ impl<A: AsRef<[u8]> + AsMut<[u8]>> Store<A> {
             self.counters.puts_refused_bad_key += 1;
             return Ok(PutStatus::BadKey);
         };
+        if netram_proto::page_checksum(key, version, flags, data) != crc {
+            self.counters.puts_refused_corrupt += 1;
+            return Ok(PutStatus::Corrupt);
+        }
         let f = match self.find(h.slot, packed) {
             Some(f) => {
                 self.counters.pages_overwritten += 1;

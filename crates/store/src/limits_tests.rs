@@ -16,8 +16,9 @@ fn peer(i: u8) -> Peer {
 }
 
 fn put(s: &mut Store<Vec<u8>>, h: SessionHandle, p: u64) -> PutStatus {
-    let data = vec![p as u8; PAGE_SIZE];
-    s.put(h, PageKey::new(1, p), 1, 0, PageFlags::default(), &data, 0)
+    let (key, data) = (PageKey::new(1, p), vec![p as u8; PAGE_SIZE]);
+    let crc = netram_proto::page_checksum(key, 1, PageFlags::default(), &data);
+    s.put(h, key, 1, crc, PageFlags::default(), &data, 0)
         .unwrap()
 }
 

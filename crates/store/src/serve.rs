@@ -229,9 +229,10 @@ pub fn handle_request<A: AsRef<[u8]> + AsMut<[u8]>>(
                     }
                 }
             }
-            debug_assert!(status
-                .iter()
-                .all(|s| matches!(s, PutStatus::Stored | PutStatus::Full | PutStatus::BadKey)));
+            debug_assert!(status.iter().all(|s| matches!(
+                s,
+                PutStatus::Stored | PutStatus::Full | PutStatus::BadKey | PutStatus::Corrupt
+            )));
             Reply::Put {
                 load: load(store),
                 status,
@@ -393,6 +394,8 @@ fn plan_put<'a, A: AsRef<[u8]> + AsMut<[u8]>>(
             }
         }
         let delta = match op {
+            // Damaged on the way: `Store::put` refuses it, and no group may change for it.
+            _ if !p.verify() => None,
             Some(ParityOp::Join { .. }) => removal(store, h, p.key, owner, &mut deltas),
             None | Some(ParityOp::Keep) => store.tag(h, p.key).and_then(|tag| {
                 let mut record = OwnedRecord::default();

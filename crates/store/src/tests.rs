@@ -20,17 +20,16 @@ fn page(b: u8) -> Vec<u8> {
     vec![b; PAGE_SIZE]
 }
 
+/// The checksum a client seals a page with: the store refuses a page that does not match it.
+fn crc(key: PageKey, version: u32, data: &[u8]) -> u32 {
+    netram_proto::page_checksum(key, version, PageFlags::default(), data)
+}
+
 fn put(s: &mut Store<Vec<u8>>, h: SessionHandle, p: u64, b: u8) -> PutStatus {
-    s.put(
-        h,
-        PageKey::new(1, p),
-        u32::from(b),
-        0,
-        PageFlags::default(),
-        &page(b),
-        0,
-    )
-    .unwrap()
+    let (key, version) = (PageKey::new(1, p), u32::from(b));
+    let c = crc(key, version, &page(b));
+    s.put(h, key, version, c, PageFlags::default(), &page(b), 0)
+        .unwrap()
 }
 
 #[test]
@@ -143,8 +142,38 @@ fn keys_beyond_the_index_are_refused() {
     let bad = PageKey::new(0, PAGE_NUMBER_MAX + 1);
     assert_eq!(s.put(h, bad, 1, 0, f, &d, 0).unwrap(), PutStatus::BadKey);
     let edge = PageKey::new(REGION_MAX, PAGE_NUMBER_MAX);
-    assert_eq!(s.put(h, edge, 1, 0, f, &d, 0).unwrap(), PutStatus::Stored);
+    let c = crc(edge, 1, &d);
+    assert_eq!(s.put(h, edge, 1, c, f, &d, 0).unwrap(), PutStatus::Stored);
     assert!(s.get(h, edge, 0).unwrap().is_some());
+}
+
+#[test]
+fn a_page_damaged_on_the_way_is_refused_and_nothing_changes() {
+    let mut s = store(4);
+    let h = s.open_session(1, 1, 1, 0).unwrap();
+    assert_eq!(put(&mut s, h, 0, 1), PutStatus::Stored);
+    let key = PageKey::new(1, 0);
+    let mut damaged = page(2);
+    let c = crc(key, 2, &damaged);
+    damaged[100] ^= 0x10;
+    let st = s.put(h, key, 2, c, PageFlags::default(), &damaged, 0);
+    assert_eq!(st.unwrap(), PutStatus::Corrupt);
+    assert_eq!(s.counters().puts_refused_corrupt, 1);
+    // The old version stays, whole; a new page is not stored at all.
+    let p = s.get(h, key, 0).unwrap().unwrap();
+    assert_eq!((p.version, p.data), (1, &page(1)[..]));
+    let st = s.put(
+        h,
+        PageKey::new(1, 1),
+        1,
+        c,
+        PageFlags::default(),
+        &damaged,
+        0,
+    );
+    assert_eq!(st.unwrap(), PutStatus::Corrupt);
+    assert_eq!(s.stored_pages(), 1);
+    s.check_invariants();
 }
 
 #[test]
@@ -152,9 +181,10 @@ fn zero_pages_come_back_without_data() {
     let mut s = store(1);
     let h = s.open_session(1, 1, 1, 0).unwrap();
     let z = PageFlags(PageFlags::ZERO);
-    s.put(h, PageKey::new(0, 0), 1, 5, z, &[], 0).unwrap();
+    let c = netram_proto::page_checksum(PageKey::new(0, 0), 1, z, &[]);
+    s.put(h, PageKey::new(0, 0), 1, c, z, &[], 0).unwrap();
     let p = s.get(h, PageKey::new(0, 0), 0).unwrap().unwrap();
-    assert!(p.flags.is_zero() && p.data.is_empty() && p.crc == 5);
+    assert!(p.flags.is_zero() && p.data.is_empty() && p.crc == c);
 }
 
 #[test]
@@ -165,8 +195,9 @@ fn metadata_stays_under_32_bytes_per_page_when_full() {
         let h = s.open_session(1, 1, 1, 0).unwrap();
         let d = page(1);
         for p in 0..frames as u64 {
+            let key = PageKey::new(0, p);
             let st = s
-                .put(h, PageKey::new(0, p), 1, 0, PageFlags::default(), &d, 0)
+                .put(h, key, 1, crc(key, 1, &d), PageFlags::default(), &d, 0)
                 .unwrap();
             assert_eq!(st, PutStatus::Stored);
         }
@@ -263,14 +294,8 @@ proptest! {
 }
 
 fn put_at(s: &mut Store<Vec<u8>>, h: SessionHandle, p: u64, b: u8, now: u64) -> PutStatus {
-    s.put(
-        h,
-        PageKey::new(1, p),
-        1,
-        0,
-        PageFlags::default(),
-        &page(b),
-        now,
-    )
-    .unwrap()
+    let key = PageKey::new(1, p);
+    let c = crc(key, 1, &page(b));
+    s.put(h, key, 1, c, PageFlags::default(), &page(b), now)
+        .unwrap()
 }
