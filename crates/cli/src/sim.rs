@@ -99,8 +99,8 @@ fn print_report(label: &str, r: &Report) {
     println!(
         "{label}: {} steps, {:.1} s virtual: {} writes, {} reads, {} discards, {} flushes; \
          {} pages verified, {} reads failed where the faults allowed it, {} servers reconnected; \
-         {} disk writes failed, {} reported; {} replies handled between steps, {} maintenance \
-         ticks",
+         {} disk writes failed, {} reported; {} replies pushed to idle clients ({} while another \
+         client's operation waited), {} found by maintenance ticks ({} ticks)",
         r.steps,
         r.virtual_ms as f64 / 1000.0,
         r.writes,
@@ -112,7 +112,9 @@ fn print_report(label: &str, r: &Report) {
         r.revived,
         r.disk_write_failures,
         r.disk_errors_reported,
-        r.replies_between_steps,
+        r.replies_pushed,
+        r.replies_pushed_mid_operation,
+        r.replies_polled,
         r.ticks
     );
     println!(

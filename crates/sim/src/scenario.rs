@@ -2,13 +2,11 @@
 //! seed; [`run`] plays it and checks after every step.
 
 use crate::check::{self, content, Model};
-use crate::transport::SimTransport;
+use crate::transport::{deliver, Peers, SimPager, SimTransport};
 use crate::world::{FaultLog, Faults, World, LEASE_PERIOD_MS};
-use netram_pager::{
-    Backing, MemDisk, Pager, PagerConfig, PagerError, ScheduleConfig, TransportError,
-};
+use netram_pager::{Backing, MemDisk, Pager, PagerConfig, PagerError, ScheduleConfig};
 use netram_policy::redundancy::Scheme;
-use netram_proto::{decode_reply, PAGE_SIZE};
+use netram_proto::PAGE_SIZE;
 use std::cell::RefCell;
 use std::rc::Rc;
 
@@ -89,8 +87,13 @@ pub struct Report {
     /// Writes the clients' local disks failed, and the operations that reported it.
     pub disk_write_failures: u64,
     pub disk_errors_reported: u64,
-    /// Replies idle clients handled between steps (`Pager::poll`).
-    pub replies_between_steps: u64,
+    /// Replies (and connection failures) pushed to idle clients (`Pager::on_reply`,
+    /// `Pager::on_failure`), and of those, the ones pushed while another client's operation
+    /// was waiting for its own replies.
+    pub replies_pushed: u64,
+    pub replies_pushed_mid_operation: u64,
+    /// Replies a maintenance tick found waiting (`Pager::on_tick` polls first).
+    pub replies_polled: u64,
     /// Ticks of the clients' maintenance schedules (`Pager::on_tick`).
     pub ticks: u64,
     pub faults: FaultLog,
@@ -111,7 +114,9 @@ impl Report {
         self.reads_failed_allowed += r.reads_failed_allowed;
         self.disk_write_failures += r.disk_write_failures;
         self.disk_errors_reported += r.disk_errors_reported;
-        self.replies_between_steps += r.replies_between_steps;
+        self.replies_pushed += r.replies_pushed;
+        self.replies_pushed_mid_operation += r.replies_pushed_mid_operation;
+        self.replies_polled += r.replies_polled;
         self.ticks += r.ticks;
         let (a, b) = (&mut self.faults, &r.faults);
         a.crashes += b.crashes;
@@ -137,62 +142,28 @@ pub struct Failure {
 }
 
 struct Client {
-    pager: Pager<SimTransport, MemDisk>,
+    /// Shared with the other clients' transports, which push this pager its replies while
+    /// it is idle (see [`deliver`]); borrowed for each of its own operations.
+    pager: Rc<RefCell<SimPager>>,
     model: Model,
     backing: Backing,
     /// The pager's count of failed disk writes when it last reported one.
     disk_failures_reported: u64,
 }
 
-/// Pushes the replies (and connection failures) waiting for the clients other than `busy` to
-/// their pagers, one message at a time in random order; about half the clients take theirs
-/// now, the others later (or in their own next wait).
-fn deliver(
+/// Errors that pushed replies returned (see [`deliver`]): a disk failure the pager reports is
+/// expected of it (once per failure), anything else fails the run.
+fn judge_pushed(
+    peers: &Rc<RefCell<Peers>>,
     clients: &mut [Client],
-    busy: usize,
-    rng: &mut fastrand::Rng,
     report: &mut Report,
 ) -> Result<(), String> {
-    let mut ready: Vec<(usize, usize)> = Vec::new();
-    for (cj, cl) in clients.iter().enumerate() {
-        if cj != busy && rng.bool() {
-            ready.extend((0..cl.pager.servers().count()).map(|s| (cj, s)));
+    let errors = std::mem::take(&mut peers.borrow_mut().errors);
+    for (c, e) in errors {
+        if !clients[c].disk_failure_explains(&e) {
+            return Err(format!("client {c}: a pushed reply: {e}"));
         }
-    }
-    while !ready.is_empty() {
-        let at = rng.usize(0..ready.len());
-        let (cj, s) = ready[at];
-        let cl = &mut clients[cj];
-        if cl.pager.in_flight(s) == 0 {
-            // Nothing asked of it: anything there waits for the pager's own look (a stray
-            // frame is then as unexpected as it should be).
-            ready.swap_remove(at);
-            continue;
-        }
-        let pushed = match cl.pager.transport_mut().take_frame(s) {
-            None => {
-                ready.swap_remove(at);
-                continue;
-            }
-            Some(Err(e)) => {
-                cl.pager.on_failure(s, e);
-                Ok(())
-            }
-            Some(Ok(frame)) => match decode_reply(&frame) {
-                Ok((id, reply)) => cl.pager.on_reply(s, id, &reply),
-                Err(e) => {
-                    cl.pager
-                        .on_failure(s, TransportError::Protocol(e.to_string()));
-                    Ok(())
-                }
-            },
-        };
-        report.replies_between_steps += 1;
-        match pushed {
-            Ok(()) => {}
-            Err(e) if cl.disk_failure_explains(&e) => report.disk_errors_reported += 1,
-            Err(e) => return Err(format!("client {cj}: a pushed reply: {e}")),
-        }
+        report.disk_errors_reported += 1;
     }
     Ok(())
 }
@@ -201,7 +172,7 @@ impl Client {
     /// Whether an error is the pager reporting its disk's failed writes, and a failure it had
     /// not reported yet explains it (each report needs a failure of its own).
     fn disk_failure_explains(&mut self, e: &PagerError) -> bool {
-        let failures = self.pager.counters().disk_write_errors;
+        let failures = self.pager.borrow_mut().counters().disk_write_errors;
         let explained = matches!(e, PagerError::Disk(_)) && failures > self.disk_failures_reported;
         if explained {
             self.disk_failures_reported = failures;
@@ -220,7 +191,9 @@ impl Client {
             let mut tries = 0;
             let read = loop {
                 tries += 1;
-                match self.pager.read(page, &mut out) {
+                let result = self.pager.borrow_mut().read(page, &mut out);
+
+                match result {
                     Err(PagerError::Corrupt { .. }) if tries < 5 => continue,
                     r => break r,
                 }
@@ -327,7 +300,7 @@ fn play(sc: &Scenario, at: &std::cell::Cell<u32>) -> Result<Report, Failure> {
             });
             Client {
                 disk_failures_reported: 0,
-                pager,
+                pager: Rc::new(RefCell::new(pager)),
                 model: Model {
                     client: c,
                     pages: vec![None; sc.pages as usize],
@@ -336,6 +309,14 @@ fn play(sc: &Scenario, at: &std::cell::Cell<u32>) -> Result<Report, Failure> {
             }
         })
         .collect();
+    // Every transport can push replies to the other clients while its own client waits.
+    let peers = Rc::new(RefCell::new(Peers {
+        pagers: clients.iter().map(|cl| Rc::downgrade(&cl.pager)).collect(),
+        ..Peers::default()
+    }));
+    for cl in &clients {
+        cl.pager.borrow_mut().transport_mut().peers = Some(peers.clone());
+    }
     let mut report = Report::default();
     let mut tag = 0u64;
     let crash_chance = 2.0 * f64::from(sc.faults.crashes) / f64::from(sc.steps.max(1));
@@ -371,7 +352,9 @@ fn play(sc: &Scenario, at: &std::cell::Cell<u32>) -> Result<Report, Failure> {
                     candidates.push((p, Some(tag)));
                 }
                 report.writes += 1;
-                match cl.pager.write_many(&pages, &data) {
+                let result = cl.pager.borrow_mut().write_many(&pages, &data);
+
+                match result {
                     Ok(()) => {}
                     Err(e) if cl.disk_failure_explains(&e) => {
                         report.disk_errors_reported += 1;
@@ -384,7 +367,9 @@ fn play(sc: &Scenario, at: &std::cell::Cell<u32>) -> Result<Report, Failure> {
             40..=79 => {
                 report.reads += 1;
                 let mut out = vec![0u8; pages.len() * PAGE_SIZE];
-                match cl.pager.read_many(&pages, &mut out) {
+                let result = cl.pager.borrow_mut().read_many(&pages, &mut out);
+
+                match result {
                     Ok(()) => {
                         for (i, &p) in pages.iter().enumerate() {
                             let got = &out[i * PAGE_SIZE..(i + 1) * PAGE_SIZE];
@@ -421,7 +406,9 @@ fn play(sc: &Scenario, at: &std::cell::Cell<u32>) -> Result<Report, Failure> {
                     cl.model.pages[p as usize] = None;
                     candidates.push((p, None));
                 }
-                match cl.pager.discard_many(&pages) {
+                let result = cl.pager.borrow_mut().discard_many(&pages);
+
+                match result {
                     Ok(()) => {}
                     Err(e) if cl.disk_failure_explains(&e) => {
                         report.disk_errors_reported += 1;
@@ -435,7 +422,9 @@ fn play(sc: &Scenario, at: &std::cell::Cell<u32>) -> Result<Report, Failure> {
             }
             88..=91 => {
                 report.flushes += 1;
-                match cl.pager.flush() {
+                let result = cl.pager.borrow_mut().flush();
+
+                match result {
                     Ok(()) => {}
                     Err(e) if cl.disk_failure_explains(&e) => report.disk_errors_reported += 1,
                     Err(e) => return Err(fail(step, format!("client {ci}: flush: {e}"))),
@@ -459,7 +448,8 @@ fn play(sc: &Scenario, at: &std::cell::Cell<u32>) -> Result<Report, Failure> {
         // whichever client and from whichever server the dice pick, as a runtime that owns the
         // sockets delivers them. Their write-backs finish (or fail over) interleaved with this
         // client's work and with each other's.
-        deliver(&mut clients, ci, &mut rng, &mut report).map_err(|e| fail(step, e))?;
+        deliver(&peers, &world, false);
+        judge_pushed(&peers, &mut clients, &mut report).map_err(|e| fail(step, e))?;
         for (cj, other) in clients.iter_mut().enumerate() {
             // An idle client's maintenance runs too, as its thread would.
             if cj != ci && rng.u32(0..16) == 0 {
@@ -472,30 +462,46 @@ fn play(sc: &Scenario, at: &std::cell::Cell<u32>) -> Result<Report, Failure> {
         check::stores(&w).map_err(|e| fail(step, e))?;
         for cl in &clients {
             cl.pager
+                .borrow_mut()
                 .check_invariants()
                 .map_err(|e| fail(step, format!("client {}: pager: {e}", cl.model.client)))?;
-            check::holders(&w, &cl.pager, &cl.model, tolerated)
+            check::holders(&w, &cl.pager.borrow(), &cl.model, tolerated)
                 .map_err(|e| fail(step, format!("client {}: {e}", cl.model.client)))?;
-            check::groups(&w, &cl.pager)
+            check::groups(&w, &cl.pager.borrow())
                 .map_err(|e| fail(step, format!("client {}: {e}", cl.model.client)))?;
             // A client whose every page is whole again on reachable servers has put its
             // failures behind it: from now on, only new ones count against its redundancy.
-            if check::whole(&w, &cl.pager, &cl.model) {
-                let alive: Vec<bool> = cl.pager.servers().map(|(_, a)| a).collect();
-                w.forgive(cl.model.client, &cl.pager.transport().conns, &alive);
+            if check::whole(&w, &cl.pager.borrow(), &cl.model) {
+                let alive: Vec<bool> = cl.pager.borrow_mut().servers().map(|(_, a)| a).collect();
+                w.forgive(
+                    cl.model.client,
+                    &cl.pager.borrow_mut().transport().conns,
+                    &alive,
+                );
             }
         }
     }
 
     // The end: every server back and reachable, every page read back, every session ended.
     let end = sc.steps;
+    // The end runs one client at a time, as a program's last flush would: no more pushing.
+    for cl in &clients {
+        cl.pager.borrow_mut().transport_mut().peers = None;
+    }
+    {
+        let p = peers.borrow();
+        report.replies_pushed = p.pushed;
+        report.replies_pushed_mid_operation = p.pushed_mid_operation;
+    }
     world.borrow_mut().run_for(5_000_000);
     for (ci, cl) in clients.iter_mut().enumerate() {
-        cl.pager.revive_dead_servers();
+        cl.pager.borrow_mut().revive_dead_servers();
         // The disk is mended too; the first flush reports a failure not reported yet.
-        cl.pager.disk_mut().heal();
-        report.disk_write_failures += cl.pager.counters().disk_write_errors;
-        match cl.pager.flush() {
+        cl.pager.borrow_mut().disk_mut().heal();
+        report.disk_write_failures += cl.pager.borrow_mut().counters().disk_write_errors;
+        let result = cl.pager.borrow_mut().flush();
+
+        match result {
             Ok(()) => {}
             Err(e) if cl.disk_failure_explains(&e) => report.disk_errors_reported += 1,
             Err(e) => return Err(fail(end, format!("client {ci}: final flush: {e}"))),
@@ -503,33 +509,36 @@ fn play(sc: &Scenario, at: &std::cell::Cell<u32>) -> Result<Report, Failure> {
         // Recovery runs to the end: the redundancy is whole again.
         for _ in 0..1_000 {
             cl.pager
+                .borrow_mut()
                 .probe_servers()
                 .map_err(|e| fail(end, format!("client {ci}: probe: {e}")))?;
-            cl.pager.revive_dead_servers();
+            cl.pager.borrow_mut().revive_dead_servers();
             let r = cl
                 .pager
+                .borrow_mut()
                 .recover(16)
                 .map_err(|e| fail(end, format!("client {ci}: recover: {e}")))?;
             report.rebuilds_started += r.started as u64;
             cl.pager
+                .borrow_mut()
                 .flush()
                 .map_err(|e| fail(end, format!("client {ci}: flush: {e}")))?;
             // A connection that fell silent is only found out now: reconnect it.
-            cl.pager.revive_dead_servers();
-            if r.remaining == 0 && cl.pager.degraded_pages() == 0 {
+            cl.pager.borrow_mut().revive_dead_servers();
+            if r.remaining == 0 && cl.pager.borrow_mut().degraded_pages() == 0 {
                 break;
             }
         }
-        if cl.pager.degraded_pages() > 0 {
+        if cl.pager.borrow_mut().degraded_pages() > 0 {
             return Err(fail(
                 end,
                 format!(
                     "client {ci}: recovery did not finish: {} pages degraded",
-                    cl.pager.degraded_pages()
+                    cl.pager.borrow_mut().degraded_pages()
                 ),
             ));
         }
-        let missing = check::not_whole(&world.borrow(), &cl.pager, &cl.model);
+        let missing = check::not_whole(&world.borrow(), &cl.pager.borrow(), &cl.model);
         if let Some(why) = missing.filter(|_| !check::loss_allowed(&world.borrow(), ci, tolerated))
         {
             return Err(fail(end, format!("client {ci}: after recovery: {why}")));
@@ -540,7 +549,9 @@ fn play(sc: &Scenario, at: &std::cell::Cell<u32>) -> Result<Report, Failure> {
         };
         let mut out = vec![0u8; PAGE_SIZE];
         for p in 0..sc.pages {
-            match cl.pager.read(p, &mut out) {
+            let result = cl.pager.borrow_mut().read(p, &mut out);
+
+            match result {
                 Ok(()) if out == cl.model.expected(p) => report.pages_verified += 1,
                 Ok(()) => {
                     return Err(fail(
@@ -559,16 +570,18 @@ fn play(sc: &Scenario, at: &std::cell::Cell<u32>) -> Result<Report, Failure> {
         }
         // A read that found its server gone rebuilt the page and is writing it out again.
         cl.pager
+            .borrow_mut()
             .flush()
             .map_err(|e| fail(end, format!("client {ci}: flush after reading: {e}")))?;
     }
     let w = world.borrow();
     for (ci, cl) in clients.iter().enumerate() {
-        check::no_garbage(&w, &cl.pager).map_err(|e| fail(end, format!("client {ci}: {e}")))?;
+        check::no_garbage(&w, &cl.pager.borrow())
+            .map_err(|e| fail(end, format!("client {ci}: {e}")))?;
     }
     drop(w);
     for cl in clients {
-        cl.pager.into_transport().close();
+        cl.pager.borrow_mut().transport_mut().close();
     }
     world
         .borrow_mut()
@@ -583,9 +596,11 @@ fn play(sc: &Scenario, at: &std::cell::Cell<u32>) -> Result<Report, Failure> {
 
 /// One tick of a client's maintenance schedule at virtual time `now`.
 fn tick(cl: &mut Client, now: u64, report: &mut Report) -> Result<(), String> {
-    match cl.pager.on_tick(now) {
+    let result = cl.pager.borrow_mut().on_tick(now);
+
+    match result {
         Ok(t) => {
-            report.replies_between_steps += t.replies as u64;
+            report.replies_polled += t.replies as u64;
             report.revived += t.revived as u64;
             report.rebuilds_started += t.rebuilt as u64;
             report.ticks += 1;

@@ -1,12 +1,97 @@
 //! The pager's [`Transport`] over the simulated network: what `TcpTransport` is in the daemon.
 //! A receive runs the world (other clients' messages, servers, crashes) until this
-//! connection's reply arrives or the virtual timeout passes.
+//! connection's reply arrives or the virtual timeout passes; while it runs, the replies that
+//! reach the other clients are pushed to their pagers ([`deliver`]), one message at a time, as
+//! a runtime that owns every socket would: one client's operation and the others' replies
+//! interleave message by message (TigerBeetle's packet simulator delivers the same way).
 
 use crate::world::{Micros, World};
-use netram_pager::{ServerInfo, Transport, TransportError};
+use netram_pager::{MemDisk, Pager, PagerError, ServerInfo, Transport, TransportError};
 use netram_proto::{decode_reply, Reply, Request};
 use std::cell::RefCell;
-use std::rc::Rc;
+use std::rc::{Rc, Weak};
+
+/// A simulated client's pager.
+pub type SimPager = Pager<SimTransport, MemDisk>;
+
+/// Every client's pager, for pushing replies to the ones not busy, and what pushing found.
+#[derive(Debug, Default)]
+pub struct Peers {
+    /// By client. A pager in the middle of its own operation is borrowed, and skipped: it
+    /// reads its replies itself.
+    pub pagers: Vec<Weak<RefCell<SimPager>>>,
+    /// Errors a pushed reply returned (a disk failure reported), by client, for the scenario
+    /// to judge after the step.
+    pub errors: Vec<(usize, PagerError)>,
+    /// Replies (and failures) pushed, and how many of them while another client's operation
+    /// was waiting for its own.
+    pub pushed: u64,
+    pub pushed_mid_operation: u64,
+}
+
+/// Pushes the replies (and connection failures) waiting for idle clients to their pagers, one
+/// message at a time, to whichever client and from whichever server the world's dice pick;
+/// about half the clients take theirs now, the others later (or in their own next wait).
+/// `mid_operation`: called from inside a client's wait. Returns how many it pushed.
+pub fn deliver(peers: &Rc<RefCell<Peers>>, world: &Rc<RefCell<World>>, mid_operation: bool) {
+    let pagers: Vec<Weak<RefCell<SimPager>>> = peers.borrow().pagers.clone();
+    let mut ready: Vec<(usize, usize)> = Vec::new();
+    for (c, weak) in pagers.iter().enumerate() {
+        let Some(rc) = weak.upgrade() else { continue };
+        let Ok(p) = rc.try_borrow() else { continue };
+        if world.borrow_mut().rng.bool() {
+            ready.extend((0..p.servers().count()).map(|s| (c, s)));
+        }
+    }
+    let mut pushed = 0;
+    while !ready.is_empty() {
+        let at = world.borrow_mut().rng.usize(0..ready.len());
+        let (c, s) = ready[at];
+        let Some(rc) = pagers[c].upgrade() else {
+            ready.swap_remove(at);
+            continue;
+        };
+        // Busy since (a reply pushed to another pager never waits, so only its own
+        // operation can hold it).
+        let Ok(mut p) = rc.try_borrow_mut() else {
+            ready.swap_remove(at);
+            continue;
+        };
+        if p.in_flight(s) == 0 {
+            // Nothing asked of it: anything there waits for the pager's own look (a stray
+            // frame is then as unexpected as it should be).
+            ready.swap_remove(at);
+            continue;
+        }
+        let result = match p.transport_mut().take_frame(s) {
+            None => {
+                ready.swap_remove(at);
+                continue;
+            }
+            Some(Err(e)) => {
+                p.on_failure(s, e);
+                Ok(())
+            }
+            Some(Ok(frame)) => match decode_reply(&frame) {
+                Ok((id, reply)) => p.on_reply(s, id, &reply),
+                Err(e) => {
+                    p.on_failure(s, TransportError::Protocol(e.to_string()));
+                    Ok(())
+                }
+            },
+        };
+        drop(p);
+        pushed += 1;
+        if let Err(e) = result {
+            peers.borrow_mut().errors.push((c, e));
+        }
+    }
+    let mut peers = peers.borrow_mut();
+    peers.pushed += pushed;
+    if mid_operation {
+        peers.pushed_mid_operation += pushed;
+    }
+}
 
 /// How long a client waits for a reply before it declares the server dead.
 pub const REPLY_TIMEOUT_US: Micros = 1_000_000;
@@ -19,6 +104,8 @@ pub struct SimTransport {
     pub conns: Vec<Option<usize>>,
     infos: Vec<ServerInfo>,
     last: Vec<u8>,
+    /// The other clients, to push their replies to while this one waits (none: they wait).
+    pub peers: Option<Rc<RefCell<Peers>>>,
 }
 
 impl SimTransport {
@@ -54,6 +141,7 @@ impl SimTransport {
             conns,
             infos,
             last: Vec::new(),
+            peers: None,
         }
     }
 
@@ -139,6 +227,10 @@ impl Transport for SimTransport {
                 return Err(TransportError::Timeout(REPLY_TIMEOUT_US / 1000));
             }
             w.step_until(deadline);
+            drop(w);
+            if let Some(peers) = &self.peers {
+                deliver(peers, &self.world, true);
+            }
         }
         decode_reply(&self.last).map_err(|e| TransportError::Protocol(e.to_string()))
     }

@@ -45,6 +45,12 @@ fn many(scheme: &str, first: u64, step: u64) {
     if scheme != Scheme::None && runs >= 100 {
         assert!(t.rebuilds_started > 0, "recovery never ran");
     }
+    // Replies reached idle clients while another client's operation waited: the interleaving
+    // the pushes are there for really happened.
+    assert!(
+        t.replies_pushed_mid_operation > 0 && t.replies_pushed > t.replies_pushed_mid_operation,
+        "no reply was pushed while another client waited, or none between steps"
+    );
     if matches!(scheme, Scheme::Parity { .. }) {
         assert!(f.unanswered > 0, "no holder ever applied a delta unheard");
     }
