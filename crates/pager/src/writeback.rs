@@ -26,6 +26,22 @@ pub(crate) struct Writeback {
     pub(crate) join: bool,
 }
 
+impl Writeback {
+    /// The write-back of `version` from `slot`, nothing sent yet.
+    pub(crate) fn new(slot: u32, version: u32) -> Self {
+        Self {
+            slot,
+            version,
+            done: Servers::default(),
+            pending: Servers::default(),
+            refused: Servers::default(),
+            keep: Servers::default(),
+            rebuild: false,
+            join: false,
+        }
+    }
+}
+
 impl<T: Transport, D: Disk> Pager<T, D> {
     /// Sends a page to its backing. The slot is released when the write is acknowledged.
     pub(crate) fn write_back(&mut self, page: u64, slot: u32) -> Result<(), PagerError> {
@@ -53,19 +69,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             self.release_slot(slot);
             return Ok(());
         }
-        self.writeback.insert(
-            page,
-            Writeback {
-                slot,
-                version,
-                done: Servers::default(),
-                pending: Servers::default(),
-                refused: Servers::default(),
-                keep: Servers::default(),
-                rebuild: false,
-                join: false,
-            },
-        );
+        self.writeback.insert(page, Writeback::new(slot, version));
         self.written_back(page)
     }
 

@@ -212,14 +212,9 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             self.writeback.insert(
                 page,
                 Writeback {
-                    slot,
-                    version: e.version,
-                    done: Servers::default(),
-                    pending: Servers::default(),
-                    refused: Servers::default(),
                     keep,
                     rebuild: true,
-                    join: false,
+                    ..Writeback::new(slot, e.version)
                 },
             );
             step.started += 1;

@@ -218,14 +218,9 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         self.writeback.insert(
             page,
             Writeback {
-                slot,
-                version: e.version,
-                done: Servers::default(),
-                pending: Servers::default(),
-                refused: Servers::default(),
-                keep: Servers::default(),
                 rebuild,
                 join: true,
+                ..Writeback::new(slot, e.version)
             },
         );
         self.par_place(page)
@@ -244,16 +239,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         let zero = OwnedRecord::default();
         let mut drops = Vec::new();
         for m in g.members.iter().filter(|m| m.server == dead) {
-            drops.push(Delta {
-                owner: Owner::SELF,
-                group: g.group,
-                member: m.server,
-                key: m.key,
-                from: m.version,
-                to: m.version,
-                kind: DeltaKind::Drop,
-                record: zero.as_record(),
-            });
+            drops.push(drop_delta(g.group, m, &zero));
             if self.par_wanted(m.key.page, m.version) {
                 self.table.get_mut(m.key.page).lost = true;
                 self.counters.pages_unrecoverable += 1;
@@ -287,16 +273,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         let drops = g
             .members
             .iter()
-            .map(|m| Delta {
-                owner: Owner::SELF,
-                group: g.group,
-                member: m.server,
-                key: m.key,
-                from: m.version,
-                to: m.version,
-                kind: DeltaKind::Drop,
-                record: zero.as_record(),
-            })
+            .map(|m| drop_delta(g.group, m, &zero))
             .collect();
         self.submit(h, Op::Delta, &Request::ParityDelta(drops));
         for m in &g.members {
@@ -503,5 +480,20 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             self.counters.deletes += 1;
             self.delete(s, vec![k]);
         }
+    }
+}
+
+/// The owner's own delta taking member `m` out of `group` (its holder forgets it; `zero`: no
+/// data changes).
+fn drop_delta<'a>(group: u64, m: &Member, zero: &'a OwnedRecord) -> Delta<'a> {
+    Delta {
+        owner: Owner::SELF,
+        group,
+        member: m.server,
+        key: m.key,
+        from: m.version,
+        to: m.version,
+        kind: DeltaKind::Drop,
+        record: zero.as_record(),
     }
 }
