@@ -243,7 +243,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
     }
 
     /// Sends what waits to be sealed (an open stripe, an open parity group) before a page of it
-    /// is waited for, or (`None`) all of it.
+    /// is waited for; with `None` (every slot is waiting in one), every open parity group.
     pub(crate) fn seal_open(&mut self, page: Option<u64>) -> Result<(), PagerError> {
         match (&self.scheme, page) {
             (Redundancy::Stripe(rs), Some(p)) if !rs.is_open(p) => Ok(()),
