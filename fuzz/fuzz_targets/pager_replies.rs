@@ -1,8 +1,9 @@
 //! A pager whose first server lies: the pager's handling of replies (`netram_pager`'s
-//! `recv_from`, `complete`, `after_reply`, recovery) against a server that flips bits, cuts
-//! frames short, answers with another request's id, replays old answers as new ones, answers
-//! twice, late, or not at all. The other servers are honest `netram-store` stores spoken to
-//! through real frames, and carry parity deltas to each other as daemons do.
+//! `receive`, `Inbox::accept`, `after_reply`, recovery, and replies pushed through
+//! `Pager::on_reply` as a runtime that owns the sockets would) against a server that flips
+//! bits, cuts frames short, answers with another request's id, replays old answers as new
+//! ones, answers twice, late, or not at all. The other servers are honest `netram-store`
+//! stores spoken to through real frames, and carry parity deltas to each other as daemons do.
 //!
 //! What must hold: nothing panics (debug assertions included), every read that succeeds returns
 //! exactly what was last written (zeros for pages never written or discarded), and under a
@@ -66,6 +67,9 @@ enum Act {
     Discard { page: u8 },
     Flush,
     Recover,
+    // Every reply waiting, pushed to the pager one at a time (`on_reply`; `on_failure` for a
+    // frame that does not decode), as a runtime delivers them while the program is idle.
+    Push,
 }
 
 struct Server {
@@ -339,6 +343,26 @@ fuzz_target!(|input: Input| {
             }
             Act::Recover => {
                 let _ = pager.recover(16);
+            }
+            Act::Push => {
+                for s in 0..SERVERS {
+                    while pager.in_flight(s) > 0 {
+                        let Some(frame) = pager.transport_mut().servers[s].replies.pop_front()
+                        else {
+                            break;
+                        };
+                        match decode_reply(&frame) {
+                            // An error it returns is the pager's to report (as for Flush).
+                            Ok((id, reply)) => {
+                                let _ = pager.on_reply(s, id, &reply);
+                            }
+                            Err(e) => pager.on_failure(s, TransportError::Protocol(e.to_string())),
+                        }
+                        pager
+                            .check_invariants()
+                            .expect("invariants after a pushed reply");
+                    }
+                }
             }
         }
     }
