@@ -32,7 +32,7 @@ pub struct Peers {
 /// Pushes the replies (and connection failures) waiting for idle clients to their pagers, one
 /// message at a time, to whichever client and from whichever server the world's dice pick;
 /// about half the clients take theirs now, the others later (or in their own next wait).
-/// `mid_operation`: called from inside a client's wait. Returns how many it pushed.
+/// `mid_operation`: called from inside a client's wait (counted apart in [`Peers`]).
 pub fn deliver(peers: &Rc<RefCell<Peers>>, world: &Rc<RefCell<World>>, mid_operation: bool) {
     let pagers: Vec<Weak<RefCell<SimPager>>> = peers.borrow().pagers.clone();
     let mut ready: Vec<(usize, usize)> = Vec::new();
