@@ -118,6 +118,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             "slot {slot} released twice"
         );
         self.dirty[slot as usize] = false;
+        self.sealed[slot as usize] = false;
         self.free_slots.push(slot);
     }
 }

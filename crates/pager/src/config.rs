@@ -1,6 +1,7 @@
 //! What a pager is configured with: its backing (Markatos' flexible pager, paper 003 §2: remote
 //! memory, local disk, or both), its cache and window sizes, and its redundancy scheme.
 
+use crate::SealKey;
 use netram_policy::redundancy::Scheme;
 use std::fmt;
 
@@ -70,6 +71,11 @@ pub struct PagerConfig {
     /// a decoder's fixed cost per wave, so its rate grows with the wave (Nswap Table IV).
     /// 2048 slots are 8 MiB.
     pub recovery_slots: usize,
+    /// Seal every page end to end under this key (`seal.rs`): servers and the network see
+    /// only ciphertext, and a page that does not authenticate is never returned. The default
+    /// is a fresh random key. `None`: pages travel in clear with their crc32c (development,
+    /// or a network the operator trusts, and said so).
+    pub seal: Option<SealKey>,
 }
 
 impl Default for PagerConfig {
@@ -85,6 +91,7 @@ impl Default for PagerConfig {
             seed: 0x6e65_7472_616d,
             redundancy: Scheme::None,
             recovery_slots: 2048,
+            seal: Some(SealKey::random()),
         }
     }
 }

@@ -42,6 +42,9 @@ counters! {
     disk_write_errors,
     /// Pages whose checksum failed on the way back.
     checksum_failures,
+    /// Sealed pages that did not authenticate on the way back (damaged, another page, an old
+    /// version, forged): refused like a bad checksum.
+    page_auth_failures,
     /// Pages that came back with another version than the page table expects.
     version_mismatches,
     /// GETs answered "missing" by a server that should hold the page.

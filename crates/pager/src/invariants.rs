@@ -115,6 +115,18 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                 "slot {s} is lost: neither free nor held by anything"
             ));
         }
+        // Sealing (`seal.rs`): a write-back's slot holds ciphertext exactly when pages are
+        // sealed; nothing else is marked as ciphertext to be opened on the way out.
+        for (s, &sealed) in self.sealed.iter().enumerate() {
+            let wb = owner[s] == Some("a write-back's data");
+            if sealed != (wb && self.sealer.is_some()) {
+                return Err(format!(
+                    "slot {s} ({}) is {}sealed",
+                    owner[s].unwrap_or("free"),
+                    if sealed { "" } else { "not " }
+                ));
+            }
+        }
         for &s in &used {
             if !matches!(
                 owner[s as usize],

@@ -54,6 +54,7 @@ mod read;
 mod reply;
 mod requests;
 mod scheme;
+mod seal;
 mod table;
 mod transport;
 mod writeback;
@@ -70,6 +71,8 @@ use reply::Followup;
 use requests::{GetItem, Inflight, Op, Queued, ReadDone};
 pub use scheme::RecoveryStep;
 use scheme::Redundancy;
+use seal::Sealer;
+pub use seal::{SealKey, SEAL_KEY_LEN, SEAL_TAG_LEN};
 use std::collections::{BTreeSet, HashMap, VecDeque};
 use std::fmt;
 use table::Table;
@@ -114,6 +117,11 @@ pub struct Pager<T: Transport, D: Disk> {
     slots: Vec<u8>,
     free_slots: Vec<u32>,
     dirty: Vec<bool>,
+    /// Slots holding ciphertext (`seal.rs`): those of write-backs, and what a scheme rebuilds
+    /// before it is opened.
+    sealed: Vec<bool>,
+    /// The pages' seal, when they travel sealed.
+    sealer: Option<Sealer>,
     cache: LruCache<u64, u32>,
     /// Pages whose write-back is in flight, with the slot holding their data.
     writeback: HashMap<u64, Writeback>,
@@ -218,6 +226,11 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             slots: vec![0u8; nslots * PAGE_SIZE],
             free_slots: (0..nslots as u32).rev().collect(),
             dirty: vec![false; nslots],
+            sealed: vec![false; nslots],
+            sealer: cfg
+                .seal
+                .as_ref()
+                .map(|k| Sealer::new(k, cfg.region, cfg.pages)),
             cache: LruCache::unbounded(),
             writeback: HashMap::new(),
             reads_done: Vec::new(),

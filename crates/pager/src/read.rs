@@ -67,11 +67,12 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             let cached = self
                 .cache
                 .get(&page)
-                .copied()
-                .or_else(|| self.writeback.get(&page).map(|w| w.slot));
-            if let Some(slot) = cached {
+                .map(|&slot| (slot, 0))
+                .or_else(|| self.writeback.get(&page).map(|w| (w.slot, w.version)));
+            if let Some((slot, version)) = cached {
                 self.counters.cache_hits += 1;
-                dst.copy_from_slice(self.slot(slot));
+                // A write-back's slot holds ciphertext: opened on the way out.
+                self.copy_plain(page, version, slot, dst);
                 continue;
             }
             let e = *self.table.get(page);

@@ -158,6 +158,14 @@ fn mem_addr(i: usize) -> std::net::SocketAddr {
     std::net::SocketAddr::from(([10, 0, 0, i as u8 + 1], 7077))
 }
 
+/// The configuration the tests start from: pages sealed end to end, as every front end runs.
+fn sealed() -> PagerConfig {
+    PagerConfig {
+        seal: Some(SealKey([0x5e; SEAL_KEY_LEN])),
+        ..Default::default()
+    }
+}
+
 fn content(page: u64, round: u8) -> Vec<u8> {
     let mut d = vec![0u8; PAGE_SIZE];
     for (i, b) in d.iter_mut().enumerate() {
@@ -178,7 +186,7 @@ fn pager(
             cache_pages: cache,
             backing,
             writeback_batch: 4,
-            ..Default::default()
+            ..sealed()
         },
         cluster,
         MemDisk::default(),
@@ -228,7 +236,7 @@ fn a_disk_that_fails_its_writes_loses_nothing_and_flush_reports_it() {
                 cache_pages: 4,
                 backing,
                 writeback_batch: 2,
-                ..Default::default()
+                ..sealed()
             },
             MemCluster::new(&[2]),
             MemDisk::failing_from(3),
@@ -412,7 +420,7 @@ fn a_pushed_reply_that_answers_nothing_declares_its_server_dead() {
         cache_pages: 4,
         writeback_batch: 4,
         redundancy: Scheme::Mirror { copies: 2 },
-        ..Default::default()
+        ..sealed()
     };
     let mut p = Pager::new(cfg, MemCluster::new(&[64, 64, 64]), MemDisk::default());
     let pages: Vec<u64> = (0..16).collect();
@@ -626,7 +634,7 @@ fn the_maintenance_schedule_probes_finds_the_dead_and_rebuilds_on_the_clock_it_i
             pages: 40,
             cache_pages: 0,
             redundancy: "mirror:2".parse().unwrap(),
-            ..Default::default()
+            ..sealed()
         },
         MemCluster::new(&[100, 100, 100]),
         MemDisk::default(),
@@ -683,30 +691,54 @@ fn writes_in_flight_to_a_dying_server_go_elsewhere() {
     }
 }
 
+/// A pager whose pages travel in clear, checked by their crc32c only.
+fn unsealed(mut p: Pager<MemCluster, MemDisk>) -> Pager<MemCluster, MemDisk> {
+    let cfg = PagerConfig {
+        seal: None,
+        ..p.cfg.clone()
+    };
+    let t = std::mem::replace(&mut p.transport, MemCluster::new(&[]));
+    Pager::new(cfg, t, MemDisk::default())
+}
+
+/// Bad pages counted, sealed or not: (crc32c failures, authentication failures).
+fn bad_pages(p: &Pager<MemCluster, MemDisk>) -> (u64, u64) {
+    (
+        p.counters().checksum_failures,
+        p.counters().page_auth_failures,
+    )
+}
+
 #[test]
 fn a_corrupt_page_is_reported_never_returned() {
-    let mut p = pager(MemCluster::new(&[8]), 2, 0, Backing::Cluster);
-    p.write(0, &content(0, 6)).unwrap();
-    p.transport.servers[0].corrupt_next = true;
-    assert!(matches!(
-        read(&mut p, 0),
-        Err(PagerError::Corrupt { page: 0, .. })
-    ));
-    assert_eq!(p.counters().checksum_failures, 1);
-    assert_eq!(
-        read(&mut p, 0).unwrap(),
-        content(0, 6),
-        "the next read is clean"
-    );
+    for seal in [true, false] {
+        let p = pager(MemCluster::new(&[8]), 2, 0, Backing::Cluster);
+        let mut p = if seal { p } else { unsealed(p) };
+        p.write(0, &content(0, 6)).unwrap();
+        p.transport.servers[0].corrupt_next = true;
+        assert!(matches!(
+            read(&mut p, 0),
+            Err(PagerError::Corrupt { page: 0, .. })
+        ));
+        assert_eq!(bad_pages(&p), if seal { (0, 1) } else { (1, 0) });
+        assert_eq!(
+            read(&mut p, 0).unwrap(),
+            content(0, 6),
+            "the next read is clean"
+        );
+    }
 }
 
 #[test]
 fn a_corrupt_page_is_read_from_disk_with_cluster_disk_backing() {
-    let mut p = pager(MemCluster::new(&[8]), 2, 0, Backing::ClusterDisk);
-    p.write(0, &content(0, 7)).unwrap();
-    p.transport.servers[0].corrupt_next = true;
-    assert_eq!(read(&mut p, 0).unwrap(), content(0, 7));
-    assert_eq!(p.counters().checksum_failures, 1);
+    for seal in [true, false] {
+        let p = pager(MemCluster::new(&[8]), 2, 0, Backing::ClusterDisk);
+        let mut p = if seal { p } else { unsealed(p) };
+        p.write(0, &content(0, 7)).unwrap();
+        p.transport.servers[0].corrupt_next = true;
+        assert_eq!(read(&mut p, 0).unwrap(), content(0, 7));
+        assert_eq!(bad_pages(&p), if seal { (0, 1) } else { (1, 0) });
+    }
 }
 
 #[test]
@@ -897,7 +929,7 @@ fn parity_pager(servers: usize, pages: u64, cache: usize) -> Pager<MemCluster, M
             cache_pages: cache,
             writeback_batch: 4,
             redundancy: Scheme::Parity { group: 4 },
-            ..Default::default()
+            ..sealed()
         },
         MemCluster::new(&vec![256; servers]),
         MemDisk::default(),
@@ -954,7 +986,7 @@ fn a_server_that_corrupts_every_page_is_declared_dead_and_its_pages_rebuilt_from
     let victim = (0..30).find(|&pg| p.holders(pg) == vec![1]).unwrap();
     p.transport_mut().servers[1].corrupt_always = true;
     assert_eq!(read(&mut p, victim).unwrap(), content(victim, 3));
-    assert!(p.counters().checksum_failures >= 1);
+    assert!(p.counters().page_auth_failures >= 1);
     assert_eq!(
         p.counters().servers_dead,
         1,
@@ -1029,7 +1061,7 @@ fn rs_pager(servers: usize, pages: u64, scheme: &str) -> Pager<MemCluster, MemDi
             cache_pages: 0,
             writeback_batch: 4,
             redundancy: scheme.parse().unwrap(),
-            ..Default::default()
+            ..sealed()
         },
         MemCluster::new(&vec![256; servers]),
         MemDisk::default(),
@@ -1078,3 +1110,5 @@ fn one_lost_piece_comes_back_by_xor_and_two_by_the_decoder() {
     reads_back(&mut p, 64, 1);
     assert_eq!(p.counters().pages_unrecoverable, 0);
 }
+
+mod seal;

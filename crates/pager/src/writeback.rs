@@ -69,7 +69,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             self.release_slot(slot);
             return Ok(());
         }
-        self.writeback.insert(page, Writeback::new(slot, version));
+        self.begin_writeback(page, Writeback::new(slot, version));
         self.written_back(page)
     }
 
@@ -134,6 +134,8 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             // adds the missing copies when servers come back.
             if !self.table.get(page).on_disk {
                 self.counters.spills += 1;
+                // The disk (and the cache, should it fail) hold plaintext.
+                self.unseal_own(page, wb.version, wb.slot);
                 if !self.write_to_disk(page, wb.slot) {
                     // Fewer copies than promised and no disk to make up for them: the copies
                     // made count, and the page stays in memory until it is written again.

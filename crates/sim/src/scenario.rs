@@ -4,7 +4,9 @@
 use crate::check::{self, content, Model};
 use crate::transport::{deliver, Peers, SimPager, SimTransport};
 use crate::world::{FaultLog, Faults, World, LEASE_PERIOD_MS};
-use netram_pager::{Backing, MemDisk, Pager, PagerConfig, PagerError, ScheduleConfig};
+use netram_pager::{
+    Backing, MemDisk, Pager, PagerConfig, PagerError, ScheduleConfig, SealKey, SEAL_KEY_LEN,
+};
 use netram_policy::redundancy::Scheme;
 use netram_proto::PAGE_SIZE;
 use std::cell::RefCell;
@@ -287,6 +289,13 @@ fn play(sc: &Scenario, at: &std::cell::Cell<u32>) -> Result<Report, Failure> {
                 seed: rng.u64(..),
                 redundancy: sc.scheme,
                 recovery_slots: [0, 8, 64][rng.usize(0..3)],
+                // Sealed, as every front end runs; one client in eight in clear, so that the
+                // crc32c path is exercised too. The key comes from the seed (replays agree).
+                seal: (rng.u32(0..8) != 0).then(|| {
+                    let mut k = [0u8; SEAL_KEY_LEN];
+                    k.iter_mut().for_each(|b| *b = rng.u8(..));
+                    SealKey(k)
+                }),
             };
             let disk = match sc.faults.disk_write {
                 p if p > 0.0 => MemDisk::failing_randomly(rng.u64(..), p),

@@ -209,7 +209,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                 .iter()
                 .filter(|&s| self.servers[s].alive)
                 .collect();
-            self.writeback.insert(
+            self.begin_writeback(
                 page,
                 Writeback {
                     keep,

@@ -619,11 +619,17 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             let rebuilt = self
                 .writeback
                 .get(&page)
-                .map(|wb| wb.slot)
-                .or_else(|| self.cache.peek(&page).copied());
-            if let Some(from) = rebuilt {
+                .map(|wb| (wb.slot, wb.version))
+                .or_else(|| self.cache.peek(&page).map(|&s| (s, 0)));
+            if let Some((from, version)) = rebuilt {
+                let sealed = self.sealed[from as usize];
                 let (from, to) = (from as usize * PAGE_SIZE, slot as usize * PAGE_SIZE);
                 self.slots.copy_within(from..from + PAGE_SIZE, to);
+                if sealed {
+                    // A write-back's ciphertext, sealed by this pager: it opens.
+                    self.sealed[slot as usize] = true;
+                    self.unseal_own(page, version, slot);
+                }
                 return Ok(true);
             }
             let e = *self.table.get(page);

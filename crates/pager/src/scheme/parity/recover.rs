@@ -155,6 +155,21 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                 self.par_drop_group(h, &g, dead, &mut step);
                 continue;
             }
+            // Wanted back: it must be what its owner sealed (a survivor or the parity may lie in
+            // a way the crc32c, which is linear, cannot see). If not, it is not rebuilt.
+            let rebuilt = if self.par_wanted(lost.key.page, lost.version) {
+                let slot = self.take_slot()?;
+                let at = slot as usize * PAGE_SIZE;
+                self.slots[at..at + PAGE_SIZE].copy_from_slice(r.data.as_ref());
+                if !self.unseal_slot(lost.key.page, lost.version, slot) {
+                    self.release_slot(slot);
+                    self.par_drop_group(h, &g, dead, &mut step);
+                    continue;
+                }
+                Some(slot)
+            } else {
+                None
+            };
             self.counters.parity_members_rebuilt += 1;
             let delta = Delta {
                 owner: Owner::SELF,
@@ -167,10 +182,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                 record: r.as_record(),
             };
             self.submit(h, Op::Delta, &Request::ParityDelta(vec![delta]));
-            if self.par_wanted(lost.key.page, lost.version) {
-                let slot = self.take_slot()?;
-                let at = slot as usize * PAGE_SIZE;
-                self.slots[at..at + PAGE_SIZE].copy_from_slice(r.data.as_ref());
+            if let Some(slot) = rebuilt {
                 self.par_forget_lost(x, lost.key.page);
                 self.par_rewrite(lost.key.page, slot, true)?;
                 step.started += 1;
@@ -215,7 +227,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         rebuild: bool,
     ) -> Result<(), PagerError> {
         let e = *self.table.get(page);
-        self.writeback.insert(
+        self.begin_writeback(
             page,
             Writeback {
                 rebuild,
@@ -409,6 +421,11 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                 || e.lost
                 || self.writeback.contains_key(&page)
             {
+                self.release_slot(slot);
+                continue;
+            }
+            if !self.unseal_slot(page, e.version, slot) {
+                // Read back raw, and not what this pager sealed: tried again later.
                 self.release_slot(slot);
                 continue;
             }

@@ -439,9 +439,11 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                         .set_holders(page, Servers::from_iter([usize::from(servers[i])]));
                 }
                 if current && !whole && !self.table.get(page).on_disk {
-                    // A failed write leaves the stripe short: recovery tries again.
+                    // A failed write leaves the stripe short: recovery tries again. The disk
+                    // takes plaintext: the decoded piece must open (else it is not written).
                     self.counters.spills += 1;
-                    let written = self.write_to_disk(page, w.data[i]);
+                    let written = self.unseal_slot(page, version, w.data[i])
+                        && self.write_to_disk(page, w.data[i]);
                     self.table.get_mut(page).on_disk = written;
                     spill_failed |= !written;
                 }
@@ -461,6 +463,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             self.table.set_holders(page, holders);
             if !whole && !self.table.get(page).on_disk {
                 self.counters.spills += 1;
+                self.unseal_own(page, version, wb.slot);
                 if !self.write_to_disk(page, wb.slot) {
                     // Its piece counts as far as it goes; the page stays in memory until it
                     // is written again.

@@ -202,8 +202,14 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                 self.slots
                     .copy_within(at..at + PAGE_SIZE, slot as usize * PAGE_SIZE);
                 self.release_slot(s);
-                self.counters.degraded_reads += 1;
                 self.rs_mut().degraded.insert(id);
+                // Decoded ciphertext: it must be what this pager sealed (a piece that lied in
+                // a way its crc32c could not see makes a page that does not open).
+                let version = self.table.get(page).version;
+                if !self.unseal_slot(page, version, slot) {
+                    return Ok(false);
+                }
+                self.counters.degraded_reads += 1;
                 Ok(true)
             }
             None => Ok(false),
