@@ -105,7 +105,10 @@ impl Cluster {
                 .deltas
                 .iter()
                 .map(|(to, d)| match (0..SERVERS).find(|&h| addr(h) == *to) {
-                    Some(h) => match self.servers[h].store.apply_delta(&d.as_delta()) {
+                    Some(h) => match self.servers[h].store.apply_delta(
+                        &d.as_delta(),
+                        netram_store::DeltaFrom::Peer(netram_store::Peer::Server(i as u64 + 1)),
+                    ) {
                         DeltaStatus::Applied => DeltaOutcome::Applied,
                         _ => DeltaOutcome::UnknownGroup,
                     },
@@ -184,6 +187,7 @@ impl Transport for Cluster {
             .map(|i| ServerInfo {
                 name: format!("mem{i}"),
                 addr: Some(addr(i)),
+                node: i as u64 + 1,
                 window: 8,
                 capacity_pages: self.servers[i].store.capacity_pages(),
                 free_pages: self.servers[i].store.free_pages(),

@@ -17,7 +17,7 @@ use netram_proto::{
     PageKey, ParityOp, Record, Reply, Request, MAX_BATCH, MAX_FRAME_LEN, PAGE_SIZE,
 };
 use netram_store::serve::{finish_forward, handle_request, store_stats, DeltaOutcome, Outcome};
-use netram_store::{SessionHandle, Store, StoreConfig};
+use netram_store::{DeltaFrom, Peer, SessionHandle, Store, StoreConfig, NO_PEER};
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 
 #[derive(Arbitrary, Debug)]
@@ -211,7 +211,13 @@ impl Harness {
                     if (id >> (i % 64)) & 1 == 1 {
                         return DeltaOutcome::Unreachable;
                     }
-                    match self.store.apply_delta(&d.as_delta()) {
+                    // The sender as a holder sees it: a server the fuzzer picks (checked
+                    // against the member's node id), or a clear-TCP address.
+                    let by = match (id >> 8) % 4 {
+                        0 => DeltaFrom::Peer(NO_PEER),
+                        n => DeltaFrom::Peer(Peer::Server(n - 1)),
+                    };
+                    match self.store.apply_delta(&d.as_delta(), by) {
                         DeltaStatus::Applied => DeltaOutcome::Applied,
                         _ => DeltaOutcome::UnknownGroup,
                     }
@@ -311,7 +317,12 @@ fuzz_target!(|input: Input| {
                 incarnation,
                 id,
             } => {
-                let peer = IpAddr::V4(Ipv4Addr::new(127, 0, 0, peer % 8 + 1));
+                // Clear-TCP addresses, authenticated clients and servers.
+                let peer = match peer % 8 {
+                    p @ 0..=2 => Peer::Addr(IpAddr::V4(Ipv4Addr::new(127, 0, 0, p + 1))),
+                    p @ 3..=5 => Peer::Node(u64::from(p % 3)),
+                    p => Peer::Server(u64::from(p % 3)),
+                };
                 let r = h.store.open_session_from(
                     peer,
                     u64::from(node % 4),
@@ -401,6 +412,7 @@ fuzz_target!(|input: Input| {
                     let members: Vec<Member> = (0..u64::from(members % 40) + 1)
                         .map(|m| Member {
                             server: server((g + m) as u8 % servers),
+                            node: 0,
                             key: PageKey::new(0, group * 64 + m),
                             version: 1,
                         })
@@ -443,9 +455,9 @@ fuzz_target!(|input: Input| {
                     Owner::SELF
                 } else {
                     Owner {
+                        principal: u64::from(key % 4),
                         node: u64::from(member % 4),
                         incarnation: 1,
-                        session: u64::from(key % 4),
                     }
                 };
                 let delta = Delta {

@@ -7,7 +7,7 @@
 //!
 //! `cargo run --release -p netram-bench --example heaps` (prints a table; nothing is written).
 
-use netram_client::{ClientConfig, TcpTransport};
+use netram_client::TcpTransport;
 use netram_cluster::LocalCluster;
 use netram_pager::{MemDisk, Pager, PagerConfig};
 use netram_proto::PAGE_SIZE;
@@ -88,7 +88,7 @@ impl Heap for Tlsf {
 }
 
 fn region(cluster: &LocalCluster) -> R {
-    let t = TcpTransport::connect(&cluster.addrs(), &ClientConfig::new());
+    let t = TcpTransport::connect(&cluster.addrs(), &cluster.client());
     let cfg = PagerConfig {
         pages: (REGION / PAGE_SIZE) as u64,
         cache_pages: 64,

@@ -73,17 +73,19 @@ fn cpu_ns() -> u64 {
     t.tv_sec as u64 * 1_000_000_000 + t.tv_nsec as u64
 }
 
-struct Depth1 {
-    get: Summary,
-    put: Summary,
+pub(crate) struct Depth1 {
+    pub(crate) get: Summary,
+    pub(crate) put: Summary,
     /// The raw exchange measured in the blocks between netram's.
-    raw: Summary,
-    cpu_us_per_get: f64,
+    pub(crate) raw: Summary,
+    pub(crate) cpu_us_per_get: f64,
 }
 
-fn client(low_latency: bool) -> ClientConfig {
+/// A client that reaches servers through `security` (an embedded cluster's, or the run's).
+fn client(low_latency: bool, security: netram_client::Security) -> ClientConfig {
     ClientConfig {
         low_latency,
+        security,
         ..ClientConfig::new()
     }
 }
@@ -93,29 +95,56 @@ fn client(low_latency: bool) -> ClientConfig {
 /// the difference being measured, so measuring one side after the other misleads.
 const ROUNDS: usize = 10;
 
+/// What protects a benchmark's traffic: `bench core` measures the default (`Secure`); `bench
+/// security` compares it with the others side by side.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Wire {
+    /// Clear TCP (`--insecure`), pages in clear with their crc32c.
+    Plain,
+    /// Clear TCP, pages sealed end to end.
+    SealedPages,
+    /// Mutual TLS and sealed frames, pages sealed end to end: what every front end runs.
+    Secure,
+}
+
+impl Wire {
+    fn cluster(self, n: usize, capacity: u64, low_latency: bool) -> anyhow::Result<LocalCluster> {
+        Ok(match self {
+            Wire::Secure => LocalCluster::start(n, capacity, low_latency)?,
+            _ => LocalCluster::start_insecure(n, capacity, low_latency)?,
+        })
+    }
+
+    fn seal(self) -> Option<netram_pager::SealKey> {
+        (self != Wire::Plain).then(netram_pager::SealKey::random)
+    }
+}
+
 /// Depth-1 GETs through the pager with no cache, in blocks alternating with the raw exchange
 /// (`raw_wait`): PUT every page first, then GET random pages one at a time, verifying each.
-fn netram_depth1(
+pub(crate) fn netram_depth1(
     servers: usize,
     low_latency: bool,
     raw_wait: Wait,
     pages: u64,
     iters: usize,
+    wire: Wire,
 ) -> anyhow::Result<Depth1> {
     // Servers (netram's and the raw one) start pinned to one CPU, the client to another. Only
     // with one server: several server threads pinned to one vCPU would queue behind each other,
     // which models no real cluster either, so they are left to the scheduler.
     let placement = Placement::choose().filter(|_| servers == 1);
     let prev = placement.and_then(|p| pin_to(p.server_cpu));
-    let cluster = LocalCluster::start(servers, (pages + 16) * PAGE_SIZE as u64, low_latency)?;
+    let cluster = wire.cluster(servers, (pages + 16) * PAGE_SIZE as u64, low_latency)?;
     let mut raw = RawPeer::start(raw_wait)?;
     if let Some(p) = placement {
         pin_to(p.client_cpu);
     }
-    let t = TcpTransport::connect(&cluster.addrs(), &client(low_latency));
+    let t = TcpTransport::connect(&cluster.addrs(), &client(low_latency, cluster.security()));
     let cfg = PagerConfig {
         pages,
         cache_pages: 0,
+        seal: wire.seal(),
         ..Default::default()
     };
     let mut pager = Pager::new(cfg, t, MemDisk::default());
@@ -163,13 +192,19 @@ fn netram_depth1(
 }
 
 /// GETs per second with the pager's window of 32 requests in flight per server.
-fn netram_depth32(servers: usize, pages: u64, duration: Duration) -> anyhow::Result<f64> {
-    let cluster = LocalCluster::start(servers, (pages + 16) * PAGE_SIZE as u64, false)?;
-    let t = TcpTransport::connect(&cluster.addrs(), &client(false));
+pub(crate) fn netram_depth32(
+    servers: usize,
+    pages: u64,
+    duration: Duration,
+    wire: Wire,
+) -> anyhow::Result<f64> {
+    let cluster = wire.cluster(servers, (pages + 16) * PAGE_SIZE as u64, false)?;
+    let t = TcpTransport::connect(&cluster.addrs(), &client(false, cluster.security()));
     let cfg = PagerConfig {
         pages,
         cache_pages: 0,
         window: 32,
+        seal: wire.seal(),
         ..Default::default()
     };
     let mut pager = Pager::new(cfg, t, MemDisk::default());
@@ -243,7 +278,7 @@ fn daemon_resident_per_page(exe: &std::path::Path, frames: u64) -> anyhow::Resul
         ],
         "netram serve: listening on ",
     )?;
-    let t = TcpTransport::connect(&[addr], &client(false));
+    let t = TcpTransport::connect(&[addr], &client(false, crate::security()?));
     let mut pager = Pager::new(
         PagerConfig {
             pages: frames,
@@ -284,19 +319,19 @@ pub fn run(opts: &Options) -> anyhow::Result<String> {
     let raw_d32 = raw::pipelined(32, dur)?;
 
     eprintln!("netram GET/PUT and raw round trips, depth 1, default mode ...");
-    let plain = netram_depth1(1, false, Wait::Block, pages, iters)?;
+    let plain = netram_depth1(1, false, Wait::Block, pages, iters, Wire::Secure)?;
     let raw_plain = plain.raw;
     eprintln!("netram GET/PUT and raw round trips, depth 1, low-latency mode ...");
     // The raw side holds the same PM QoS request as netram's low-latency mode.
     let qos = PmQos::hold();
     let pm_qos_held = qos.is_some();
-    let fast = netram_depth1(1, true, Wait::Poll, pages, iters)?;
+    let fast = netram_depth1(1, true, Wait::Poll, pages, iters, Wire::Secure)?;
     let raw_fast = fast.raw;
-    let fast3 = netram_depth1(3, true, Wait::Poll, pages, iters)?;
+    let fast3 = netram_depth1(3, true, Wait::Poll, pages, iters, Wire::Secure)?;
     drop(qos);
     eprintln!("netram GET, depth 32, one server and three ...");
-    let d32 = netram_depth32(1, pages, dur)?;
-    let d32x3 = netram_depth32(3, pages, dur)?;
+    let d32 = netram_depth32(1, pages, dur, Wire::Secure)?;
+    let d32x3 = netram_depth32(3, pages, dur, Wire::Secure)?;
     eprintln!("server memory per page ...");
     let frames = if opts.quick { 65_536 } else { 262_144 };
     let meta = server_meta_per_page(frames);

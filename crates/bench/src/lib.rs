@@ -20,10 +20,49 @@ pub mod process;
 pub mod programs;
 pub mod raw;
 pub mod reliability;
+pub mod security;
 pub mod uffd;
 pub mod workload;
 
 use serde::Serialize;
+use std::sync::OnceLock;
+
+/// The credentials of a cluster made for one `netram bench` or `netram demo` run: the benches
+/// run authenticated and sealed like a real cluster. `netram cluster init`'s work is done into
+/// a temporary directory, and `NETRAM_TLS` names it for every process the run starts (servers,
+/// `netram nbd`, `netram run`); dropped, the directory goes. A user's own `NETRAM_TLS` or
+/// `NETRAM_INSECURE` is left as it is.
+#[derive(Debug)]
+pub struct RunCredentials {
+    _dir: Option<tempfile::TempDir>,
+}
+
+/// Makes the run's credentials. Call it first, before any thread starts (it sets an
+/// environment variable).
+pub fn install_credentials() -> anyhow::Result<RunCredentials> {
+    if std::env::var_os("NETRAM_TLS").is_some() || std::env::var_os("NETRAM_INSECURE").is_some() {
+        return Ok(RunCredentials { _dir: None });
+    }
+    let dir = tempfile::Builder::new()
+        .prefix("netram-cluster-")
+        .tempdir()?;
+    netram_net::pki::init_cluster(dir.path())?;
+    std::env::set_var("NETRAM_TLS", dir.path());
+    Ok(RunCredentials { _dir: Some(dir) })
+}
+
+/// How this run's own pagers reach the servers it starts: the credentials `NETRAM_TLS` names
+/// (see [`install_credentials`]), or clear TCP under `NETRAM_INSECURE`.
+pub fn security() -> anyhow::Result<netram_client::Security> {
+    static SECURITY: OnceLock<netram_client::Security> = OnceLock::new();
+    if let Some(s) = SECURITY.get() {
+        return Ok(s.clone());
+    }
+    let tls = std::env::var_os("NETRAM_TLS").map(std::path::PathBuf::from);
+    let insecure = std::env::var_os("NETRAM_INSECURE").is_some_and(|v| v != "0");
+    let s = netram_client::security(tls.as_deref(), insecure)?;
+    Ok(SECURITY.get_or_init(|| s).clone())
+}
 
 /// Percentiles of a set of latency samples, in microseconds.
 #[derive(Debug, Clone, Copy, Serialize, Default)]

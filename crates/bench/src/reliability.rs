@@ -134,7 +134,7 @@ impl Cluster {
     fn stored_pages(&self) -> anyhow::Result<u64> {
         let mut n = 0;
         for a in &self.addrs {
-            let stats = query_stats(a, Duration::from_secs(5))?;
+            let stats = query_stats(a, Duration::from_secs(5), &crate::security()?)?;
             n += stats
                 .iter()
                 .find(|(k, _)| k == "stored_pages")
@@ -225,6 +225,7 @@ fn filled(
 ) -> anyhow::Result<(ClientPager, u64)> {
     let before = cluster.stored_pages()?;
     let mut p = open_pager(&OpenOptions {
+        security: crate::security()?,
         servers: cluster.addrs.clone(),
         backing: Backing::Cluster,
         pages: pages + extra,

@@ -334,6 +334,7 @@ fn remote_fault_latency_placed(
 ) -> anyhow::Result<Summary> {
     let pages = 8192usize;
     let client = ClientConfig {
+        security: crate::security()?,
         low_latency,
         ..ClientConfig::new()
     };

@@ -142,6 +142,8 @@ pub enum CapiError {
     #[error(transparent)]
     Open(#[from] OpenError),
     #[error(transparent)]
+    Security(#[from] netram_client::SecurityError),
+    #[error(transparent)]
     Region(#[from] RegionError),
     #[error("no free range of {0} bytes in the region")]
     NoRange(usize),
@@ -150,7 +152,8 @@ pub enum CapiError {
 }
 
 /// Creates a region from the arguments of `netram_region_create`, or the environment
-/// (`netram_client::env`: `NETRAM_SERVERS`, `NETRAM_LOW_LATENCY`, `NETRAM_SPILL_DIR`,
+/// (`netram_client::env`: `NETRAM_SERVERS`, `NETRAM_TLS` (the node's credentials) or
+/// `NETRAM_INSECURE`, `NETRAM_LOW_LATENCY`, `NETRAM_SPILL_DIR`,
 /// `NETRAM_REDUNDANCY`: none, mirror:N, parity:N or rs:K+M, and `NETRAM_SAMPLES`: pages sampled
 /// per victim for CLOCK, 0 (the default) for first in, first out) for what they leave out. Used
 /// by the preload library too.
@@ -208,7 +211,15 @@ pub fn region_from(
     if budget < PAGE_SIZE as u64 {
         return Err(CapiError::BudgetTooSmall);
     }
+    // Credentials (`NETRAM_TLS`), or clear TCP when told (`NETRAM_INSECURE`); none needed
+    // without servers.
+    let security = if servers.is_empty() {
+        netram_client::Security::Insecure
+    } else {
+        netram_client::security(env.tls.as_deref(), env.insecure)?
+    };
     let pager = open_pager(&OpenOptions {
+        security,
         servers,
         backing,
         pages: size.div_ceil(PAGE_SIZE as u64),

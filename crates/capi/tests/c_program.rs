@@ -9,9 +9,18 @@ use std::process::Command;
 fn lib_dir() -> PathBuf {
     let exe = std::env::current_exe().unwrap();
     let deps = exe.parent().unwrap().to_path_buf();
+    // The newest of the two: `cargo build` copies the library up a directory, `cargo test`
+    // only builds it in deps, so the copy there may be an old build's.
     let dir = [deps.parent().unwrap().to_path_buf(), deps]
         .into_iter()
-        .find(|d| d.join("libnetram.so").exists());
+        .filter(|d| d.join("libnetram.so").exists())
+        .max_by_key(|d| {
+            d.join("libnetram.so")
+                .metadata()
+                .unwrap()
+                .modified()
+                .unwrap()
+        });
     dir.expect("libnetram.so is built with the tests")
 }
 
@@ -46,6 +55,7 @@ fn a_c_program_uses_netram_h() {
         .arg(&out)
         .arg(cluster.addrs().join(","))
         .env("LD_LIBRARY_PATH", &lib)
+        .env("NETRAM_TLS", cluster.tls_dir().expect("a TLS cluster"))
         .output()
         .unwrap();
     let _ = std::fs::remove_file(&out);

@@ -4,7 +4,8 @@
 //! copies while the region stays in use. A second server stopping afterwards loses nothing,
 //! which it would without the rebuild.
 
-use netram::{create_region_with, start_maintenance};
+use netram::{region_from, start_maintenance};
+use netram_client::env::RunEnv;
 use netram_client::maintain::MaintainConfig;
 use netram_server::{Server, ServerConfig};
 use std::sync::atomic::AtomicBool;
@@ -20,12 +21,18 @@ fn pattern(page: usize) -> u8 {
 
 #[test]
 fn a_regions_lost_copies_are_rebuilt_in_the_background() {
+    // A cluster of its own (`netram cluster init`'s work): the servers and the region
+    // authenticate with it.
+    let tls = tempfile::tempdir().unwrap();
+    netram_net::pki::init_cluster(tls.path()).unwrap();
+    let creds = Arc::new(netram_net::Credentials::load(tls.path()).unwrap());
     let mut servers: Vec<Option<Server>> = (0..3)
         .map(|i| {
             let cfg = ServerConfig {
                 listen: "127.0.0.1:0".parse().unwrap(),
                 capacity_bytes: 64 << 20,
                 node: i + 1,
+                security: netram_net::Security::Tls(creds.clone()),
                 ..Default::default()
             };
             Some(Server::start(cfg, Arc::new(AtomicBool::new(false))).unwrap())
@@ -35,12 +42,16 @@ fn a_regions_lost_copies_are_rebuilt_in_the_background() {
         .iter()
         .map(|s| s.as_ref().unwrap().addr().to_string())
         .collect();
-    let heap = create_region_with(
+    let heap = region_from(
         Some(&addrs.join(",")),
         Some("cluster"),
         (PAGES * PAGE) as u64,
         (128 * PAGE) as u64,
         "mirror:2".parse().unwrap(),
+        &RunEnv {
+            tls: Some(tls.path().to_path_buf()),
+            ..RunEnv::default()
+        },
     )
     .unwrap();
     let base = heap.region().as_ptr().cast::<u8>();

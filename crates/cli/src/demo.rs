@@ -115,7 +115,22 @@ pub fn run(args: DemoArgs) -> anyhow::Result<()> {
     let qos = PmQos::hold();
     let exe = std::env::current_exe()?;
     crate::run::preload_library()?;
-    let cluster = LocalCluster::start(n, w / n.min(2) as u64 + (16 << 20), qos.is_some())?;
+    // Authenticated like a real cluster: the run's cluster directory (`main`'s
+    // `install_credentials`, `NETRAM_TLS`) issues the servers' certificates, and the programs
+    // `netram run` starts reach them with its node credentials.
+    let capacity = w / n.min(2) as u64 + (16 << 20);
+    let cluster = match std::env::var_os("NETRAM_TLS") {
+        Some(dir) if std::path::Path::new(&dir).join("ca.key").exists() => {
+            LocalCluster::start_in(std::path::Path::new(&dir), n, capacity, qos.is_some())?
+        }
+        _ if std::env::var_os("NETRAM_INSECURE").is_some() => {
+            LocalCluster::start_insecure(n, capacity, qos.is_some())?
+        }
+        _ => anyhow::bail!(
+            "the demo makes its own cluster CA unless NETRAM_TLS names a cluster directory \
+             (with ca.key) or NETRAM_INSECURE is set"
+        ),
+    };
     let dir = std::env::temp_dir().join(format!("netram-demo-{}", std::process::id()));
     std::fs::create_dir_all(&dir)?;
     let ctx = Ctx {

@@ -8,8 +8,31 @@ mod serve;
 mod sim;
 
 use clap::{Parser, Subcommand};
+use netram_client::Security;
 use std::path::PathBuf;
 use std::time::Duration;
+
+/// How this process proves it belongs to the cluster: every daemon, client and tool takes the
+/// same two flags.
+#[derive(Debug, Clone, clap::Args)]
+pub struct SecurityArgs {
+    /// This node's credentials: a directory with ca.pem, crl.pem, node.pem and node.key, as
+    /// `netram cluster init` and `netram keygen` write them [default: /etc/netram if it holds
+    /// them]. Every connection is mutual TLS against the cluster's CA.
+    #[arg(long, value_name = "DIR", env = "NETRAM_TLS")]
+    pub tls: Option<PathBuf>,
+    /// No credentials: clear TCP, for development on loopback only (servers refuse to listen
+    /// beyond loopback with it, clients to reach beyond it). Anyone on this machine can then
+    /// open sessions and see page keys; pages themselves stay sealed end to end.
+    #[arg(long, env = "NETRAM_INSECURE", value_parser = clap::builder::FalseyValueParser::new())]
+    pub insecure: bool,
+}
+
+impl SecurityArgs {
+    pub fn security(&self) -> anyhow::Result<Security> {
+        Ok(netram_client::security(self.tls.as_deref(), self.insecure)?)
+    }
+}
 
 /// netram pools the idle RAM of a cluster: machines that run out of memory page out to other
 /// machines' RAM over TCP, and to their own disk only when the whole cluster is full.
@@ -28,6 +51,47 @@ enum Command {
     /// 4 KiB pages. Clients hold leases: the pages of a client silent for three lease periods
     /// are freed. Flags override the values of --config. Stops cleanly on Ctrl-C or SIGTERM.
     Serve(serve::ServeArgs),
+    /// Make a cluster's certificate authority and this machine's credentials, in one command.
+    #[command(subcommand)]
+    Cluster(ClusterCommand),
+    /// Issue a node's credentials (certificate and key, signed by the cluster's CA) into a
+    /// directory to copy to that node, as its --tls directory.
+    ///
+    /// The certificate names the node id (bound to its key: no other node can claim it,
+    /// resume its sessions or supersede them) and, with --server, the server role (clients
+    /// and other servers accept a server only with it).
+    Keygen {
+        /// The cluster directory (`netram cluster init`), holding ca.key.
+        #[arg(long, value_name = "DIR")]
+        cluster: PathBuf,
+        /// The node's id, unique in the cluster.
+        #[arg(long)]
+        node: u64,
+        /// The node runs `netram serve` (it is a client too).
+        #[arg(long)]
+        server: bool,
+        /// Host names the certificate also carries, for NBD clients that check the host
+        /// (`nbds://NAME/`); repeatable.
+        #[arg(long, value_name = "NAME")]
+        dns: Vec<String>,
+        /// Addresses the certificate also carries (`nbds://10.0.0.5/`); repeatable.
+        #[arg(long, value_name = "ADDR")]
+        ip: Vec<std::net::IpAddr>,
+        /// Where to write ca.pem, crl.pem, node.pem and node.key (created if need be).
+        #[arg(long, value_name = "DIR")]
+        out: PathBuf,
+    },
+    /// Revoke every certificate of a node: writes the cluster's new crl.pem. Copy it into the
+    /// --tls directory of every node; their daemons reload it within a second, refuse the
+    /// node's connections and close the ones it has.
+    Revoke {
+        /// The cluster directory (`netram cluster init`), holding ca.key.
+        #[arg(long, value_name = "DIR")]
+        cluster: PathBuf,
+        /// The node to revoke.
+        #[arg(long)]
+        node: u64,
+    },
     /// Print a server's counters (pages stored, read, refused as full, frames rejected, ...).
     Stats {
         /// The server's address, e.g. 127.0.0.1:7077.
@@ -38,6 +102,8 @@ enum Command {
         /// How long to wait for the server.
         #[arg(long, default_value = "5s", value_parser = humantime::parse_duration)]
         timeout: Duration,
+        #[command(flatten)]
+        security: SecurityArgs,
     },
     /// Serve a block device whose blocks are pages in the cluster, over NBD.
     ///
@@ -77,6 +143,19 @@ enum Command {
         /// touch SIZE SEED | random SIZE SEED SECONDS [OPS] | qsort SIZE SEED
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<String>,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+enum ClusterCommand {
+    /// Create a cluster: its certificate authority (ca.pem, and ca.key, which signs nodes'
+    /// certificates: keep it off the other machines), an empty revocation list (crl.pem), and
+    /// node 1's credentials (node.pem, node.key; a server), all in DIR. `netram serve --tls DIR`
+    /// and `netram run --tls DIR ...` on this machine then work at once; other machines get
+    /// theirs from `netram keygen`.
+    Init {
+        /// The cluster directory to create (refused if it already holds a CA key).
+        dir: PathBuf,
     },
 }
 
@@ -154,6 +233,18 @@ enum BenchCommand {
         #[arg(long, default_value = "bench-results")]
         out: PathBuf,
     },
+    /// What authentication and encryption cost: GET/PUT p50/p99 in both wake-up modes,
+    /// depth-32 GET throughput and CPU per GET, in clear, with pages sealed, and secure (mutual
+    /// TLS, sealed frames, sealed pages), alternating round by round; writes security.json and
+    /// security.md.
+    Security {
+        /// A shorter run (about a minute): three rounds of fewer samples.
+        #[arg(long)]
+        quick: bool,
+        /// Where to write security.json and security.md.
+        #[arg(long, default_value = "bench-results")]
+        out: PathBuf,
+    },
     /// The core: netram's GET/PUT latency and throughput against the raw loopback TCP round
     /// trip, measured side by side; writes core.json and core.md.
     Core {
@@ -188,18 +279,66 @@ fn init_logging(default: &str) {
 
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
+    // The demo and the benches run like a cluster: credentials of their own (`netram cluster
+    // init` into a temporary directory, named by NETRAM_TLS for every process they start),
+    // made before any thread exists.
+    let _credentials = match cli.command {
+        Command::Demo(_) | Command::Bench(_) => Some(netram_bench::install_credentials()?),
+        _ => None,
+    };
     match cli.command {
         Command::Serve(args) => {
             init_logging("info");
             serve::run(args)
         }
+        Command::Cluster(ClusterCommand::Init { dir }) => {
+            netram_net::pki::init_cluster(&dir)?;
+            println!(
+                "netram cluster init: a new cluster CA and node 1's credentials in {}\n  \
+                 serve: netram serve --tls {0}\n  more nodes: netram keygen --cluster {0} \
+                 --node N [--server] --out NODE_DIR",
+                dir.display()
+            );
+            Ok(())
+        }
+        Command::Keygen {
+            cluster,
+            node,
+            server,
+            dns,
+            ip,
+            out,
+        } => {
+            let spec = netram_net::pki::NodeSpec {
+                node,
+                server,
+                dns,
+                ips: ip,
+            };
+            netram_net::pki::issue_node(&cluster, &spec, &out)?;
+            println!(
+                "netram keygen: node {node}{} credentials in {}",
+                if server { " (server)" } else { "" },
+                out.display()
+            );
+            Ok(())
+        }
+        Command::Revoke { cluster, node } => {
+            let crl = netram_net::pki::revoke_node(&cluster, node)?;
+            println!(
+                "netram revoke: node {node} revoked; copy {} into every node's --tls directory",
+                crl.display()
+            );
+            Ok(())
+        }
         Command::Stats {
             addr,
             json,
             timeout,
+            security,
         } => {
             init_logging("warn");
-            let counters = netram_client::query_stats(&addr, timeout)?;
+            let counters = netram_client::query_stats(&addr, timeout, &security.security()?)?;
             if json {
                 let map: serde_json::Map<String, serde_json::Value> =
                     counters.into_iter().map(|(k, v)| (k, v.into())).collect();
@@ -244,6 +383,17 @@ fn main() -> anyhow::Result<()> {
                 "wrote {0}/reliability.json and {0}/reliability.md",
                 out.display()
             );
+            Ok(())
+        }
+        Command::Bench(BenchCommand::Security { quick, out }) => {
+            init_logging("warn");
+            let opts = netram_bench::security::Options {
+                quick,
+                out: out.clone(),
+            };
+            let report = netram_bench::security::run(&opts)?;
+            println!("{report}");
+            println!("wrote {0}/security.json and {0}/security.md", out.display());
             Ok(())
         }
         Command::Bench(BenchCommand::Core { quick, out }) => {

@@ -16,6 +16,8 @@ use std::time::Duration;
 
 #[derive(Debug, clap::Args)]
 pub struct NbdArgs {
+    #[command(flatten)]
+    security: crate::SecurityArgs,
     /// Size of the device, e.g. 8G.
     #[arg(long)]
     size: String,
@@ -104,7 +106,13 @@ pub fn run(args: NbdArgs) -> anyhow::Result<()> {
             args.backing
         );
     }
+    let security = if args.backing == Backing::Disk {
+        netram_client::Security::Insecure // no servers: nothing to reach
+    } else {
+        args.security.security()?
+    };
     let pager = open_pager(&OpenOptions {
+        security,
         servers: args.servers.clone(),
         backing: args.backing,
         pages,

@@ -9,6 +9,8 @@ use std::process::Command;
 
 #[derive(Debug, clap::Args)]
 pub struct RunArgs {
+    #[command(flatten)]
+    security: crate::SecurityArgs,
     /// Local memory for the program's large allocations, e.g. 256M; the rest of them lives on
     /// the page servers (or the local disk with --backing disk).
     #[arg(long, value_name = "SIZE")]
@@ -155,6 +157,18 @@ pub fn run(args: RunArgs) -> anyhow::Result<i32> {
         samples: None,
         report: Some(reports.0.clone()),
         required: true,
+        // Checked here, so that a missing credential fails before the program starts; the
+        // program's pager loads them again from the same directory.
+        tls: match (args.backing, &args.security) {
+            (netram_pager::Backing::Disk, _) => None,
+            (_, s) => {
+                s.security()?;
+                s.tls
+                    .clone()
+                    .or_else(|| (!s.insecure).then(|| netram_client::open::DEFAULT_TLS_DIR.into()))
+            }
+        },
+        insecure: args.security.insecure,
     };
     let mut cmd = Command::new(&args.command[0]);
     cmd.args(&args.command[1..])

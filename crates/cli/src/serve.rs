@@ -11,10 +11,12 @@ use std::time::Duration;
 
 #[derive(Debug, clap::Args)]
 pub struct ServeArgs {
-    /// Address to listen on [default: 127.0.0.1:7077]. Anything beyond loopback is reachable by
-    /// other hosts, and netram has no authentication yet.
+    /// Address to listen on [default: 127.0.0.1:7077]. Beyond loopback only with TLS
+    /// credentials (--tls): other hosts connect only with a certificate of the cluster.
     #[arg(long)]
     listen: Option<SocketAddr>,
+    #[command(flatten)]
+    security: crate::SecurityArgs,
     /// Memory to offer, e.g. 512M, 4GiB [default: 256M]. Mapped at start.
     #[arg(long)]
     capacity: Option<String>,
@@ -194,6 +196,7 @@ fn check(args: ServeArgs) -> anyhow::Result<ServerConfig> {
         low_latency: args.low_latency || file.low_latency.unwrap_or(false),
         lock_memory: args.lock_memory || file.lock_memory.unwrap_or(false),
         node: file.node_id.unwrap_or_else(|| fastrand::u64(..)),
+        security: args.security.security()?,
         ..d
     })
 }

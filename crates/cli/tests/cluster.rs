@@ -8,10 +8,9 @@ use netram_pager::{Backing, Pager, PagerConfig, PagerError};
 use netram_proto::{Hello, Request, PAGE_SIZE, WELCOME_LEN};
 use std::io::{Read, Write};
 use std::net::TcpStream;
-use std::process::Command;
 use std::time::{Duration, Instant};
 
-use common::{ServerProcess, NETRAM};
+use common::ServerProcess;
 
 mod common;
 
@@ -88,7 +87,7 @@ fn hundred_thousand_pages_round_trip_through_three_servers() {
         100_000,
         4096,
         Backing::Cluster,
-        &ClientConfig::new(),
+        &common::client(),
     );
     write_all_then_verify(&mut p, 100_000);
     let stored: Vec<u64> = s.iter().map(|s| s.stat("stored_pages")).collect();
@@ -108,7 +107,7 @@ fn full_servers_refuse_and_pages_go_to_the_others_then_to_disk() {
     let mut others = servers(2, &["--capacity", "400K", "--max-client-memory", "400K"]); // 100 pages each
     others.insert(0, small);
     let s = others;
-    let (mut p, _dir) = pager(&addrs(&s), 400, 0, Backing::Cluster, &ClientConfig::new());
+    let (mut p, _dir) = pager(&addrs(&s), 400, 0, Backing::Cluster, &common::client());
     write_all_then_verify(&mut p, 400);
     assert_eq!(s[0].stat("free_pages"), 0, "the small server is full");
     assert_eq!(s.iter().map(|s| s.stat("stored_pages")).sum::<u64>(), 250);
@@ -125,7 +124,7 @@ fn a_killed_server_loses_exactly_its_pages_with_cluster_backing() {
     let s = servers(3, &["--capacity", "16M"]);
     let client = ClientConfig {
         reply_timeout: Duration::from_secs(3),
-        ..ClientConfig::new()
+        ..common::client()
     };
     let (mut p, _dir) = pager(&addrs(&s), 600, 0, Backing::Cluster, &client);
     write_all_then_verify(&mut p, 600);
@@ -175,13 +174,7 @@ fn a_killed_server_loses_exactly_its_pages_with_cluster_backing() {
 #[test]
 fn a_killed_server_costs_nothing_with_cluster_disk_backing() {
     let s = servers(3, &["--capacity", "16M"]);
-    let (mut p, _dir) = pager(
-        &addrs(&s),
-        600,
-        64,
-        Backing::ClusterDisk,
-        &ClientConfig::new(),
-    );
+    let (mut p, _dir) = pager(&addrs(&s), 600, 64, Backing::ClusterDisk, &common::client());
     write_all_then_verify(&mut p, 600);
     s[2].signal(libc::SIGKILL);
     let mut buf = vec![0u8; PAGE_SIZE];
@@ -202,7 +195,7 @@ fn a_hung_server_times_out_instead_of_hanging_the_client() {
     let s = servers(2, &["--capacity", "4M"]);
     let client = ClientConfig {
         reply_timeout: Duration::from_millis(800),
-        ..ClientConfig::new()
+        ..common::client()
     };
     let (mut p, _dir) = pager(&addrs(&s), 100, 0, Backing::Cluster, &client);
     write_all_then_verify(&mut p, 100);
@@ -230,7 +223,7 @@ fn a_crashed_clients_pages_are_freed_when_its_lease_runs_out() {
     // only the lease frees its pages.
     let silent = ClientConfig {
         end_on_close: false,
-        ..ClientConfig::new()
+        ..common::client()
     };
     let (mut p, _dir) = pager(
         std::slice::from_ref(&s.addr),
@@ -261,7 +254,7 @@ fn an_exited_clients_pages_are_freed_when_its_connection_closes() {
         50,
         0,
         Backing::Cluster,
-        &ClientConfig::new(),
+        &common::client(),
     );
     write_all_then_verify(&mut p, 50);
     assert_eq!(s.stat("stored_pages"), 50);
@@ -283,7 +276,7 @@ fn a_restarted_client_supersedes_its_old_incarnation() {
     // Its end went unseen (a crash), so only the new incarnation can free its pages early.
     let first = ClientConfig {
         end_on_close: false,
-        ..ClientConfig::with_node(77)
+        ..common::client_node(77)
     };
     let (mut p, _dir) = pager(
         std::slice::from_ref(&s.addr),
@@ -297,7 +290,7 @@ fn a_restarted_client_supersedes_its_old_incarnation() {
     std::thread::sleep(Duration::from_millis(5));
     // The same machine, booted again: a new incarnation. Its old pages are dead at once, long
     // before their lease (30 s) would have run out.
-    let second = ClientConfig::with_node(77);
+    let second = common::client_node(77);
     assert!(second.incarnation > first.incarnation);
     let (mut p, _dir2) = pager(
         std::slice::from_ref(&s.addr),
@@ -323,13 +316,15 @@ fn a_restarted_client_supersedes_its_old_incarnation() {
 
 #[test]
 fn malformed_frames_close_one_connection_and_the_daemon_serves_on() {
-    let s = ServerProcess::start(&["--capacity", "4M"]);
+    // In clear TCP: the frames behind TLS's records are checked the same way, and here they
+    // are written byte by byte.
+    let s = ServerProcess::start(&["--insecure", "--capacity", "4M"]);
     let (mut good, _dir) = pager(
         std::slice::from_ref(&s.addr),
         10,
         0,
         Backing::Cluster,
-        &ClientConfig::new(),
+        &netram_client::ClientConfig::new(),
     );
     write_all_then_verify(&mut good, 10);
     let evil = |bytes: &[u8]| {
@@ -420,7 +415,7 @@ fn config_file_and_flags() {
     let s = ServerProcess::start(&["--config", path.to_str().unwrap(), "--capacity", "2M"]);
     assert_eq!(s.stat("capacity_pages"), 512);
 
-    let run = |args: &[&str]| Command::new(NETRAM).args(args).output().unwrap();
+    let run = |args: &[&str]| common::netram().args(args).output().unwrap();
     let bad = run(&["serve", "--capacity", "lots"]);
     assert!(!bad.status.success());
     assert!(String::from_utf8_lossy(&bad.stderr).contains("capacity \"lots\" is not a size"));

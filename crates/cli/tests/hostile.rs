@@ -5,6 +5,8 @@
 //!
 //! The attacker connects from 127.0.0.2 and the well-behaved client from 127.0.0.1: two
 //! addresses, as two hosts would be, so that limits per client address can tell them apart.
+//! The daemons here run `--insecure` (clear TCP): these attacks are on what follows the
+//! handshake, the same behind TLS, and speak it byte by byte.
 
 mod common;
 
@@ -170,7 +172,7 @@ fn ship_req<'a>(group: u64, max_members: u8, members: Vec<Member>, zero: &'a [u8
 /// trip an assertion in the daemon. Groups now stop at 16 members and a scan's reply fits.
 #[test]
 fn merged_parity_groups_and_their_scan_fit_a_frame() {
-    let server = ServerProcess::start(&["--capacity", "256M"]);
+    let server = ServerProcess::start(&["--insecure", "--capacity", "256M"]);
     let mut s = session(ATTACKER, &server.addr, 0xbad);
     let zero = vec![0u8; PAGE_SIZE];
     // 128 x 255 one-member groups, every member on its own server, the owner asking for
@@ -182,6 +184,7 @@ fn merged_parity_groups_and_their_scan_fit_a_frame() {
         for g in batch.clone() {
             let m = Member {
                 server: server_addr(g as u32),
+                node: 0,
                 key: PageKey::new(1, g),
                 version: 1,
             };
@@ -217,7 +220,7 @@ fn merged_parity_groups_and_their_scan_fit_a_frame() {
 /// and the next lookup indexed out of bounds. The table now refuses when full.
 #[test]
 fn the_address_table_refuses_rather_than_overflows() {
-    let server = ServerProcess::start(&["--capacity", "64M"]);
+    let server = ServerProcess::start(&["--insecure", "--capacity", "64M"]);
     let mut s = session(ATTACKER, &server.addr, 0xbad);
     let zero = vec![0u8; PAGE_SIZE];
     let mut refused = 0;
@@ -226,6 +229,7 @@ fn the_address_table_refuses_rather_than_overflows() {
         let members: Vec<Member> = (0..16)
             .map(|i| Member {
                 server: server_addr(next + i),
+                node: 0,
                 key: PageKey::new(1, u64::from(next + i)),
                 version: 1,
             })
@@ -259,7 +263,12 @@ fn the_address_table_refuses_rather_than_overflows() {
 /// good and poison the store: 256 of them and every client was answered Busy.
 #[test]
 fn a_panic_ends_only_its_connection() {
-    let server = ServerProcess::start(&["--max-connections", "8", "--fault-panic-on-stats"]);
+    let server = ServerProcess::start(&[
+        "--insecure",
+        "--max-connections",
+        "8",
+        "--fault-panic-on-stats",
+    ]);
     for _ in 0..300 {
         // The same session each time (resumed), as a client reconnecting after each crash.
         let mut s = session(ATTACKER, &server.addr, 0xbad);
@@ -279,6 +288,7 @@ fn a_panic_ends_only_its_connection() {
 #[test]
 fn silent_and_slow_connections_hold_no_slot() {
     let server = ServerProcess::start(&[
+        "--insecure",
         "--max-connections",
         "16",
         "--max-connections-per-client",
@@ -341,7 +351,8 @@ fn silent_and_slow_connections_hold_no_slot() {
 /// closed when its replies cannot be written.
 #[test]
 fn a_client_that_never_reads_cannot_grow_the_server() {
-    let server = ServerProcess::start(&["--capacity", "64M", "--write-timeout", "2s"]);
+    let server =
+        ServerProcess::start(&["--insecure", "--capacity", "64M", "--write-timeout", "2s"]);
     let mut s = session(ATTACKER, &server.addr, 0xbad);
     let data = page_data(7);
     let frame = call(
@@ -377,7 +388,7 @@ fn a_client_that_never_reads_cannot_grow_the_server() {
 /// connection for three lease periods. One client now holds at most its share.
 #[test]
 fn handshakes_from_one_client_cannot_fill_the_session_table() {
-    let server = ServerProcess::start(&["--max-sessions-per-client", "16"]);
+    let server = ServerProcess::start(&["--insecure", "--max-sessions-per-client", "16"]);
     let mut refused = 0;
     for node in 0..64u64 {
         let mut s = connect_from(ATTACKER, &server.addr);
@@ -397,7 +408,7 @@ fn handshakes_from_one_client_cannot_fill_the_session_table() {
 /// quarters of the capacity by default), and another is served.
 #[test]
 fn one_client_cannot_fill_the_arena() {
-    let server = ServerProcess::start(&["--capacity", "4M"]);
+    let server = ServerProcess::start(&["--insecure", "--capacity", "4M"]);
     let mut s = session(ATTACKER, &server.addr, 0xbad);
     let data = page_data(1);
     let mut stored = 0;

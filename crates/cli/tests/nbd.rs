@@ -54,7 +54,7 @@ const QEMU_IMG: (&str, &str) = ("qemu-img", "qemu-utils");
 const FIO: (&str, &str) = ("fio", "fio");
 
 fn run(cmd: &str, args: &[&str]) -> String {
-    let out = Command::new("timeout")
+    let out = common::netram_env(Command::new("timeout"))
         .arg("120")
         .arg(cmd)
         .args(args)

@@ -42,6 +42,7 @@ fn survive(scheme: &str, kills: &[(u32, usize)]) {
     let addrs: Vec<String> = servers.iter().map(|s| s.addr.clone()).collect();
     let spill = tempfile::tempdir().unwrap();
     let pager = open_pager(&OpenOptions {
+        security: common::security(),
         servers: addrs.clone(),
         backing: Backing::Cluster,
         pages: PAGES,

@@ -41,7 +41,7 @@ impl Drop for Scratch {
 
 /// `netram run ARGS -- PROGRAM...` bounded by `timeout`.
 fn netram_run(args: &[&str], program: &[&str]) -> Output {
-    Command::new("timeout")
+    common::netram_env(Command::new("timeout"))
         .args(["300", NETRAM, "run"])
         .args(args)
         .arg("--")
@@ -262,7 +262,7 @@ fn redis_runs_with_its_data_on_the_cluster() {
     }
     let dir = Scratch::new("redis");
     let (_servers, addrs) = cluster(2);
-    let r = redis_on_the_cluster(&dir.0, &addrs, Command::new(NETRAM));
+    let r = redis_on_the_cluster(&dir.0, &addrs, common::netram());
     let g = |k: &str| r[k].as_u64().unwrap_or_else(|| panic!("{k} in {r}"));
     assert!(
         g("puts") > 5_000,
@@ -298,7 +298,7 @@ fn redis_on_the_cluster(dir: &Path, addrs: &str, mut netram: Command) -> serde_j
         pidfile,
     };
     let cli = |args: &[&str]| {
-        Command::new("timeout")
+        common::netram_env(Command::new("timeout"))
             .args(["60", "redis-cli", "-p", &port])
             .args(args)
             .output()
@@ -327,7 +327,7 @@ fn redis_on_the_cluster(dir: &Path, addrs: &str, mut netram: Command) -> serde_j
     // Requests from a load generator, read into and answered from Redis's own buffers
     // (jemalloc's memory, on the region; as an ordinary user the kernel cannot fault those
     // pages in itself: Redis closed the connections with EFAULT before the I/O was guarded).
-    let bench = Command::new("timeout")
+    let bench = common::netram_env(Command::new("timeout"))
         .args(["120", "redis-benchmark", "-p", &port, "-q", "-n", "20000"])
         .args(["-r", "100000", "-d", "200", "-t", "set,get", "-P", "16"])
         .output()
@@ -364,7 +364,7 @@ fn a_program_whose_pages_are_lost_dies_of_sigbus() {
         return;
     };
     let server = ServerProcess::start(&["--capacity", "256M"]);
-    let mut run = Command::new("timeout")
+    let mut run = common::netram_env(Command::new("timeout"))
         .args(["120", NETRAM, "run", "--local-mem", "4M", "--servers"])
         .arg(&server.addr)
         .arg("--")
@@ -427,7 +427,7 @@ fn gnu_sort_gives_the_same_output() {
     assert_ran(&plain, "sort");
     let (_servers, addrs) = cluster(2);
     let rep = dir.0.join("report.json");
-    let out = Command::new("timeout")
+    let out = common::netram_env(Command::new("timeout"))
         .args([
             "300",
             NETRAM,
@@ -468,7 +468,7 @@ fn plain_and_on_netram(program: &[&str], stdin: &[u8]) -> (Output, Output, serde
         child.stdin.take().unwrap().write_all(stdin).unwrap();
         child.wait_with_output().unwrap()
     };
-    let plain = run(Command::new("timeout")
+    let plain = run(common::netram_env(Command::new("timeout"))
         .arg("300")
         .args(program)
         .env("LC_ALL", "C"));
@@ -476,7 +476,7 @@ fn plain_and_on_netram(program: &[&str], stdin: &[u8]) -> (Output, Output, serde
     let (_servers, addrs) = cluster(2);
     let dir = Scratch::new(&format!("small-{}", program[0]));
     let rep = dir.0.join("report.json");
-    let out = run(Command::new("timeout")
+    let out = run(common::netram_env(Command::new("timeout"))
         .args([
             "300",
             NETRAM,
@@ -638,7 +638,7 @@ public class Objs {
     )
     .unwrap();
     let java = ["java", "-Xmx512m", src.to_str().unwrap(), "1000000"];
-    let plain = Command::new("timeout")
+    let plain = common::netram_env(Command::new("timeout"))
         .arg("300")
         .args(java)
         .output()
@@ -785,7 +785,7 @@ fn bad_configurations_are_refused_clearly() {
         ),
     ];
     for (args, want) in cases {
-        let out = Command::new(NETRAM)
+        let out = common::netram()
             .arg("run")
             .args(args)
             .args(["--", "true"])
@@ -866,9 +866,26 @@ my $t = 0; $t += $h{"k$_"}[0] for 1..30000; print scalar(keys %h), " $t\n";
     for p in [&sql, &pl, &input] {
         std::fs::set_permissions(p, std::fs::Permissions::from_mode(0o644)).unwrap();
     }
+    // What an operator does to let a user page: a client certificate of the user's own,
+    // issued by `netram keygen` and readable by that user only.
+    let tls = dir.0.join("tls-nobody");
+    let issued = Command::new(NETRAM)
+        .args(["keygen", "--cluster"])
+        .arg(common::tls_dir())
+        .args(["--node", "65534", "--out"])
+        .arg(&tls)
+        .output()
+        .unwrap();
+    assert_ran(&issued, "netram keygen");
+    for p in std::iter::once(tls.clone())
+        .chain(std::fs::read_dir(&tls).unwrap().map(|e| e.unwrap().path()))
+    {
+        std::os::unix::fs::chown(&p, Some(65534), Some(65534)).unwrap();
+    }
     let (_servers, addrs) = cluster(2);
     let as_nobody = |program: &[&std::ffi::OsStr], local: &str| {
         Command::new("timeout")
+            .env("NETRAM_TLS", &tls)
             .args([
                 "300",
                 "setpriv",
@@ -937,6 +954,7 @@ my $t = 0; $t += $h{"k$_"}[0] for 1..30000; print scalar(keys %h), " $t\n";
         let mut cmd = Command::new("setpriv");
         cmd.args(["--reuid=65534", "--regid=65534", "--clear-groups"])
             .arg(&netram)
+            .env("NETRAM_TLS", &tls)
             .env("NETRAM_PRELOAD", &lib);
         let r = redis_on_the_cluster(&rw, &addrs, cmd);
         let g = |k: &str| r[k].as_u64().unwrap_or_else(|| panic!("{k} in {r}"));

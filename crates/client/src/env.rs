@@ -34,6 +34,10 @@ pub mod var {
     pub const REQUIRED: &str = "NETRAM_REQUIRED";
     /// The preload library's log filter (`tracing`'s syntax: `debug`, `netram_uffd=trace`).
     pub const LOG: &str = "NETRAM_LOG";
+    /// The node's credentials directory (`netram cluster init`, `netram keygen`).
+    pub const TLS: &str = "NETRAM_TLS";
+    /// Set (not `0`): clear TCP to loopback servers, no credentials (development only).
+    pub const INSECURE: &str = "NETRAM_INSECURE";
 }
 
 /// A variable that is set but does not parse.
@@ -60,6 +64,8 @@ pub struct RunEnv {
     pub samples: Option<usize>,
     pub report: Option<PathBuf>,
     pub required: bool,
+    pub tls: Option<PathBuf>,
+    pub insecure: bool,
 }
 
 impl RunEnv {
@@ -107,6 +113,8 @@ impl RunEnv {
             })?,
             report: get(var::REPORT).map(Into::into),
             required: get(var::REQUIRED).is_some(),
+            tls: get(var::TLS).map(Into::into),
+            insecure: get(var::INSECURE).is_some_and(|v| v != "0"),
         })
     }
 
@@ -146,6 +154,12 @@ impl RunEnv {
         }
         if self.required {
             set(var::REQUIRED, "1".into());
+        }
+        if let Some(d) = &self.tls {
+            set(var::TLS, d.clone().into());
+        }
+        if self.insecure {
+            set(var::INSECURE, "1".into());
         }
         vars
     }
@@ -202,9 +216,11 @@ mod tests {
             samples: Some(4),
             report: Some("/tmp/reports".into()),
             required: true,
+            tls: Some("/etc/netram".into()),
+            insecure: true,
         };
         let map: HashMap<&str, OsString> = env.to_vars().into_iter().collect();
-        assert_eq!(map.len(), 11, "every field has its variable");
+        assert_eq!(map.len(), 13, "every field has its variable");
         assert_eq!(RunEnv::from_vars(|k| map.get(k).cloned()).unwrap(), env);
         assert_eq!(RunEnv::from_vars(|_| None).unwrap(), RunEnv::default());
     }

@@ -22,5 +22,6 @@ pub mod pressure;
 pub mod tcp;
 
 pub use netram_net::latency;
-pub use open::{open_pager, ClientPager, OpenError, OpenOptions};
+pub use netram_net::{Credentials, Security};
+pub use open::{open_pager, security, ClientPager, OpenError, OpenOptions, SecurityError};
 pub use tcp::{query_stats, ClientConfig, TcpTransport};

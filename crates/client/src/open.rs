@@ -4,9 +4,49 @@
 
 use crate::disk::FileDisk;
 use crate::tcp::{ClientConfig, TcpTransport};
+use netram_net::{Credentials, Security, TlsError};
 use netram_pager::{Backing, Pager, PagerConfig, Scheme};
 use std::net::ToSocketAddrs;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+/// Where a node's credentials are looked for when none are named (`--tls`, `NETRAM_TLS`).
+pub const DEFAULT_TLS_DIR: &str = "/etc/netram";
+
+/// Why a node has no way to talk to the cluster.
+#[derive(Debug, thiserror::Error)]
+pub enum SecurityError {
+    #[error(
+        "no credentials: give the node's directory with --tls DIR or NETRAM_TLS=DIR (`netram \
+         cluster init DIR` makes one), or run in clear on loopback with --insecure \
+         (NETRAM_INSECURE=1)"
+    )]
+    NoCredentials,
+    #[error("--tls and --insecure both given: choose one")]
+    Both,
+    #[error("credentials in {}: {source}", .dir.display())]
+    Load {
+        dir: PathBuf,
+        #[source]
+        source: TlsError,
+    },
+}
+
+/// How this node talks to the cluster: its credentials from `tls` (or [`DEFAULT_TLS_DIR`] if
+/// it exists), or clear TCP when `insecure` says so.
+pub fn security(tls: Option<&Path>, insecure: bool) -> Result<Security, SecurityError> {
+    let dir = match (tls, insecure) {
+        (Some(_), true) => return Err(SecurityError::Both),
+        (None, true) => return Ok(Security::Insecure),
+        (Some(d), false) => d.to_path_buf(),
+        (None, false) if Path::new(DEFAULT_TLS_DIR).join("node.pem").exists() => {
+            PathBuf::from(DEFAULT_TLS_DIR)
+        }
+        (None, false) => return Err(SecurityError::NoCredentials),
+    };
+    let creds = Credentials::load(&dir).map_err(|source| SecurityError::Load { dir, source })?;
+    Ok(Security::Tls(Arc::new(creds)))
+}
 
 /// A pager that front ends open: TCP to the page servers, a spill file on local disk.
 pub type ClientPager = Pager<TcpTransport, FileDisk>;
@@ -24,6 +64,8 @@ pub struct OpenOptions {
     pub low_latency: bool,
     /// How pages survive servers' deaths: none, mirror:N, parity:N, rs:K+M.
     pub redundancy: Scheme,
+    /// Mutual TLS with this node's credentials, or clear TCP (loopback servers only).
+    pub security: Security,
 }
 
 /// Why no pager could be opened: what the user asked for makes no sense, or nothing can be
@@ -55,6 +97,11 @@ pub enum OpenError {
     NoAddress { scheme: Scheme, server: String },
     #[error("no page server could be reached: {}", .0.join(", "))]
     Unreachable(Vec<String>),
+    #[error(
+        "{0} is not on this machine: servers elsewhere are reached only over TLS (give the \
+         node's credentials, not --insecure)"
+    )]
+    InsecureBeyondLoopback(String),
     #[error("cannot create a spill file in {}: {source}", .dir.display())]
     SpillFile {
         dir: PathBuf,
@@ -100,8 +147,20 @@ pub fn open_pager(o: &OpenOptions) -> Result<ClientPager, OpenError> {
             }
         }
     }
+    if !o.security.is_secure() {
+        for s in &o.servers {
+            let loopback = s
+                .to_socket_addrs()
+                .map(|mut a| a.all(|a| a.ip().is_loopback()))
+                .unwrap_or(false);
+            if !loopback {
+                return Err(OpenError::InsecureBeyondLoopback(s.clone()));
+            }
+        }
+    }
     let client = ClientConfig {
         low_latency: o.low_latency,
+        security: o.security.clone(),
         ..ClientConfig::new()
     };
     let transport = TcpTransport::connect(&o.servers, &client);

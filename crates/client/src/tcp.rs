@@ -10,10 +10,11 @@
 //! an idle pager keeps its pages. REFRESH is one-way, so the keepalive never leaves replies for
 //! an idle pager to read; it writes under the connection's write lock, between whole frames.
 
+use netram_net::handshake::Connected;
 use netram_net::latency::{PmQos, DEFAULT_SPIN};
-use netram_net::{handshake, FrameBuffer, HandshakeError};
+use netram_net::{handshake, reserve_tags, FrameBuffer, HandshakeError, RecordKey, Security};
 use netram_pager::{ServerInfo, Transport, TransportError};
-use netram_proto::{decode_reply, Hello, Kind, Reply, Request, Welcome, HELLO_END_ON_CLOSE};
+use netram_proto::{decode_reply, Hello, Kind, Reply, Request, HELLO_END_ON_CLOSE};
 use std::io::{self, Write};
 use std::net::{Shutdown, SocketAddr, TcpStream, ToSocketAddrs};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -40,6 +41,10 @@ pub struct ClientConfig {
     /// whose connection is gone holds only dead pages. On by default; off, the session's
     /// pages wait for its lease to run out (as for a client whose machine died).
     pub end_on_close: bool,
+    /// Mutual TLS with this node's credentials (frames sealed), or clear TCP for loopback
+    /// development. `ClientConfig::new` starts in clear: front ends set it from the node's
+    /// credentials (`NETRAM_TLS`) and run in clear only when told (`--insecure`).
+    pub security: Security,
 }
 
 impl ClientConfig {
@@ -64,6 +69,7 @@ impl ClientConfig {
             low_latency: false,
             warn_unreachable: true,
             end_on_close: true,
+            security: Security::Insecure,
         }
     }
 }
@@ -74,10 +80,28 @@ impl Default for ClientConfig {
     }
 }
 
+/// The writing end of a connection: the socket and, over TLS, the key its frames are sealed
+/// with (shared with the keepalive thread, so records are sealed in the order they are sent).
+#[derive(Debug)]
+struct Writer {
+    stream: TcpStream,
+    seal: Option<RecordKey>,
+}
+
+impl Writer {
+    /// Seals (over TLS) and writes `buf`: whole frames, each followed by its tag's room.
+    fn send(&mut self, buf: &mut [u8]) -> io::Result<()> {
+        if let Some(k) = &mut self.seal {
+            k.seal_all(buf);
+        }
+        self.stream.write_all(buf)
+    }
+}
+
 /// The part of a connection the keepalive thread shares.
 #[derive(Debug)]
 struct Shared {
-    writer: Mutex<TcpStream>,
+    writer: Mutex<Writer>,
     last_send_ms: AtomicU64,
     lease_period_ms: u64,
 }
@@ -89,6 +113,8 @@ struct Conn {
     shared: Option<Arc<Shared>>,
     wbuf: Vec<u8>,
     rbuf: FrameBuffer,
+    /// Frames go out sealed (TLS).
+    sealed: bool,
     broken: Option<TransportError>,
     /// Reconnection attempts back off: not before this, and the wait doubles each failure.
     retry_at: Option<Instant>,
@@ -154,17 +180,14 @@ pub enum StatsError {
 }
 
 /// Opens a connection and performs the handshake.
-fn connect_to(
-    addr: SocketAddr,
-    cfg: &ClientConfig,
-) -> Result<(TcpStream, Welcome), HandshakeError> {
+fn connect_to(addr: SocketAddr, cfg: &ClientConfig) -> Result<Connected, HandshakeError> {
     let flags = if cfg.end_on_close {
         HELLO_END_ON_CLOSE
     } else {
         0
     };
     let hello = Hello::new(cfg.node, cfg.incarnation, cfg.session).with_flags(flags);
-    handshake(addr, &hello, cfg.connect_timeout)
+    handshake(addr, &hello, cfg.connect_timeout, &cfg.security)
 }
 
 fn resolve(addr: &str) -> Result<SocketAddr, ConnectError> {
@@ -237,7 +260,7 @@ impl TcpTransport {
             .as_ref()
             .expect("a connection that is not broken has a writer");
         let mut w = shared.writer.lock().unwrap_or_else(|p| p.into_inner());
-        if let Err(e) = w.write_all(&c.wbuf) {
+        if let Err(e) = w.send(&mut c.wbuf) {
             c.broken = Some(TransportError::Disconnected(format!("write: {e}")));
         }
         shared.last_send_ms.store(now, Ordering::Relaxed);
@@ -265,7 +288,7 @@ impl TcpTransport {
             if self.conns[i].broken.is_some() {
                 continue;
             }
-            Request::Close.encode(0, &mut self.conns[i].wbuf);
+            self.conns[i].push(|b| Request::Close.encode(0, b));
             self.flush(i);
             if let Err(e) = self.recv(i) {
                 tracing::debug!("close: {e}");
@@ -280,6 +303,15 @@ impl TcpTransport {
 
 /// Connects to one server; a failure gives a connection that starts out broken.
 impl Conn {
+    /// Appends frames to the write buffer, with room for their tags when they are sealed.
+    fn push(&mut self, encode: impl FnOnce(&mut Vec<u8>)) {
+        let mark = self.wbuf.len();
+        encode(&mut self.wbuf);
+        if self.sealed {
+            reserve_tags(&mut self.wbuf, mark);
+        }
+    }
+
     /// The whole frame at the head of the read buffer, decoded.
     fn take_reply(&mut self) -> Result<(u64, Reply<'_>), TransportError> {
         let frame = self
@@ -299,8 +331,19 @@ impl Conn {
 fn open_conn(name: String, cfg: &ClientConfig) -> Conn {
     let addr = resolve(&name).ok();
     let result = resolve(&name).and_then(|a| Ok(connect_to(a, cfg)?));
+    let mut recv_key = None;
     let (reader, shared, mut info) = match result {
-        Ok((stream, w)) => {
+        Ok(Connected {
+            stream,
+            welcome: w,
+            keys,
+            ..
+        }) => {
+            let (send, recv) = match keys {
+                Some(k) => (Some(k.send), Some(k.recv)),
+                None => (None, None),
+            };
+            recv_key = recv;
             let setup = stream
                 .set_read_timeout(Some(cfg.reply_timeout))
                 .and_then(|()| stream.try_clone());
@@ -308,13 +351,17 @@ fn open_conn(name: String, cfg: &ClientConfig) -> Conn {
                 Ok(writer) => (
                     Some(stream),
                     Some(Arc::new(Shared {
-                        writer: Mutex::new(writer),
+                        writer: Mutex::new(Writer {
+                            stream: writer,
+                            seal: send,
+                        }),
                         last_send_ms: AtomicU64::new(0),
                         lease_period_ms: u64::from(w.lease_period_ms).max(1),
                     })),
                     ServerInfo {
                         name,
                         addr: None,
+                        node: w.server_node,
                         window: w.window,
                         capacity_pages: w.capacity_pages,
                         free_pages: w.free_pages,
@@ -343,7 +390,8 @@ fn open_conn(name: String, cfg: &ClientConfig) -> Conn {
         reader,
         shared,
         wbuf: Vec::new(),
-        rbuf: FrameBuffer::new(),
+        sealed: recv_key.is_some(),
+        rbuf: FrameBuffer::sealed(recv_key),
         retry_at: None,
         retry_wait: Duration::from_millis(500),
     }
@@ -353,6 +401,7 @@ fn dead_info(name: String, reason: String) -> ServerInfo {
     ServerInfo {
         name,
         addr: None,
+        node: 0,
         window: 1,
         capacity_pages: 0,
         free_pages: 0,
@@ -378,8 +427,12 @@ fn keepalive_loop(refreshed: Arc<Mutex<Vec<Arc<Shared>>>>, epoch: Instant, stop:
         for c in &conns {
             if now.saturating_sub(c.last_send_ms.load(Ordering::Relaxed)) >= c.lease_period_ms / 2 {
                 let mut w = c.writer.lock().unwrap_or_else(|p| p.into_inner());
+                let mut f = frame.clone();
+                if w.seal.is_some() {
+                    reserve_tags(&mut f, 0);
+                }
                 // A failure here shows up on the pager's next request.
-                let _ = w.write_all(&frame);
+                let _ = w.send(&mut f);
                 c.last_send_ms.store(now, Ordering::Relaxed);
             }
         }
@@ -411,7 +464,7 @@ impl Transport for TcpTransport {
         if let Some(e) = &c.broken {
             return Err(e.clone());
         }
-        req.encode(req_id, &mut c.wbuf);
+        c.push(|b| req.encode(req_id, b));
         if c.wbuf.len() >= WBUF_FLUSH {
             self.flush(server);
         }
@@ -423,7 +476,7 @@ impl Transport for TcpTransport {
         if let Some(e) = &c.broken {
             return Err(e.clone());
         }
-        c.wbuf.extend_from_slice(frame);
+        c.push(|b| b.extend_from_slice(frame));
         if c.wbuf.len() >= WBUF_FLUSH {
             self.flush(server);
         }
@@ -544,10 +597,15 @@ impl Transport for TcpTransport {
 }
 
 /// Asks a server for its counters: `netram stats ADDR`.
-pub fn query_stats(addr: &str, timeout: Duration) -> Result<Vec<(String, u64)>, StatsError> {
+pub fn query_stats(
+    addr: &str,
+    timeout: Duration,
+    security: &Security,
+) -> Result<Vec<(String, u64)>, StatsError> {
     let cfg = ClientConfig {
         connect_timeout: timeout,
         reply_timeout: timeout,
+        security: security.clone(),
         ..ClientConfig::new()
     };
     let mut t = TcpTransport::connect(&[addr], &cfg);

@@ -1,23 +1,62 @@
 //! The daemon, the TCP transport and the pager together, in one process, over loopback.
 
-use netram_client::{query_stats, ClientConfig, TcpTransport};
+use netram_client::{query_stats, ClientConfig, Credentials, Security, TcpTransport};
+use netram_net::pki::{ClusterCa, NodeSpec};
 use netram_pager::{MemDisk, Pager, PagerConfig};
 use netram_proto::{decode_reply, Hello, PutStatus, Reply, Request, PAGE_SIZE};
 use netram_server::{Server, ServerConfig};
 use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::sync::atomic::AtomicBool;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
+/// The tests' cluster, made in memory: a server's credentials and a client's.
+fn tls() -> &'static (Security, Security) {
+    static TLS: OnceLock<(Security, Security)> = OnceLock::new();
+    TLS.get_or_init(|| {
+        let ca = ClusterCa::generate().unwrap();
+        let creds = |node, server| {
+            let pem = ca
+                .issue(&NodeSpec {
+                    node,
+                    server,
+                    ..NodeSpec::default()
+                })
+                .unwrap();
+            Security::Tls(Arc::new(Credentials::from_pem(&pem).unwrap()))
+        };
+        (creds(1, true), creds(50, false))
+    })
+}
+
+/// A server over TLS, as every server runs.
 fn server(capacity_pages: u64, lease: Duration) -> Server {
+    server_with(capacity_pages, lease, tls().0.clone())
+}
+
+/// A server in clear TCP (`--insecure`), for the tests that speak the protocol byte by byte.
+fn server_insecure(capacity_pages: u64, lease: Duration) -> Server {
+    server_with(capacity_pages, lease, Security::Insecure)
+}
+
+fn server_with(capacity_pages: u64, lease: Duration, security: Security) -> Server {
     let cfg = ServerConfig {
         listen: "127.0.0.1:0".parse().unwrap(),
         capacity_bytes: capacity_pages * PAGE_SIZE as u64,
         lease_period: lease,
+        security,
         ..Default::default()
     };
     Server::start(cfg, Arc::new(AtomicBool::new(false))).unwrap()
+}
+
+/// A client of the TLS servers.
+fn client() -> ClientConfig {
+    ClientConfig {
+        security: tls().1.clone(),
+        ..ClientConfig::new()
+    }
 }
 
 fn stat(s: &Server, name: &str) -> u64 {
@@ -35,7 +74,7 @@ fn pages_round_trip_through_real_sockets() {
         server(1000, Duration::from_secs(2)),
     ];
     let addrs: Vec<String> = servers.iter().map(|s| s.addr().to_string()).collect();
-    let t = TcpTransport::connect(&addrs, &ClientConfig::new());
+    let t = TcpTransport::connect(&addrs, &client());
     let cfg = PagerConfig {
         pages: 500,
         cache_pages: 16,
@@ -55,7 +94,7 @@ fn pages_round_trip_through_real_sockets() {
         stat(&servers[0], "stored_pages") + stat(&servers[1], "stored_pages"),
         500
     );
-    let remote = query_stats(&addrs[0], Duration::from_secs(2)).unwrap();
+    let remote = query_stats(&addrs[0], Duration::from_secs(2), &tls().1).unwrap();
     assert!(
         remote.iter().any(|(k, v)| k == "pages_stored" && *v > 0),
         "{remote:?}"
@@ -77,7 +116,7 @@ fn an_idle_client_keeps_its_lease_and_a_dead_one_loses_it() {
     // frees its pages.
     let silent = ClientConfig {
         end_on_close: false,
-        ..ClientConfig::new()
+        ..client()
     };
     let t = TcpTransport::connect(&[&addr], &silent);
     let mut p = Pager::new(
@@ -106,7 +145,8 @@ fn an_idle_client_keeps_its_lease_and_a_dead_one_loses_it() {
 
 #[test]
 fn bad_frames_close_one_connection_and_the_server_serves_on() {
-    let s = server(100, Duration::from_secs(2));
+    // Byte by byte in clear: the frame checks behind TLS's records are the same.
+    let s = server_insecure(100, Duration::from_secs(2));
     let addr = s.addr();
     let t = TcpTransport::connect(&[addr.to_string()], &ClientConfig::new());
     let mut good = Pager::new(
@@ -161,33 +201,45 @@ fn bad_frames_close_one_connection_and_the_server_serves_on() {
     assert_eq!(out, page(1), "the good client is still served");
 }
 
-/// A raw client connection: one request, one reply.
+/// A raw client connection over TLS (the real handshake, then frames sealed by hand): one
+/// request, one reply.
 struct Raw {
     s: TcpStream,
+    keys: netram_net::FrameKeys,
     next: u64,
 }
 
 impl Raw {
     fn open(addr: std::net::SocketAddr, node: u64, session: u64) -> Self {
-        let mut s = TcpStream::connect(addr).unwrap();
-        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-        s.write_all(&Hello::new(node, 1, session).encode()).unwrap();
-        let mut w = [0u8; netram_proto::WELCOME_LEN];
-        s.read_exact(&mut w).unwrap();
-        Self { s, next: 1 }
+        let c = netram_net::handshake(
+            addr,
+            &Hello::new(node, 1, session),
+            Duration::from_secs(10),
+            &tls().1,
+        )
+        .unwrap();
+        Self {
+            s: c.stream,
+            keys: c.keys.unwrap(),
+            next: 1,
+        }
     }
 
     fn call(&mut self, req: &Request<'_>) -> Vec<u8> {
         let mut f = Vec::new();
         req.encode(self.next, &mut f);
+        netram_net::reserve_tags(&mut f, 0);
+        self.keys.send.seal_all(&mut f);
         self.next += 1;
         self.s.write_all(&f).unwrap();
         let mut len = [0u8; 4];
         self.s.read_exact(&mut len).unwrap();
-        let mut frame = len.to_vec();
-        frame.resize(4 + u32::from_le_bytes(len) as usize, 0);
-        self.s.read_exact(&mut frame[4..]).unwrap();
-        frame
+        let mut rec = len.to_vec();
+        rec.resize(4 + u32::from_le_bytes(len) as usize, 0);
+        self.s.read_exact(&mut rec[4..]).unwrap();
+        let n = self.keys.recv.open(&mut rec).unwrap();
+        rec.truncate(n);
+        rec
     }
 
     fn put(&mut self, page: netram_proto::Page<'_>, op: netram_proto::ParityOp) -> PutStatus {
@@ -223,6 +275,7 @@ fn a_member_overwrite_reaches_its_holder_over_tcp_before_it_is_acknowledged() {
         max_members: 4,
         members: vec![Member {
             server: member.addr(),
+            node: 1, // both servers hold node 1's server certificate
             key,
             version: 1,
         }],
@@ -278,7 +331,7 @@ fn a_member_overwrite_reaches_its_holder_over_tcp_before_it_is_acknowledged() {
 #[test]
 fn poll_takes_the_replies_that_have_arrived_without_waiting_for_more() {
     let s = server(100, Duration::from_secs(2));
-    let t = TcpTransport::connect(&[s.addr().to_string()], &ClientConfig::new());
+    let t = TcpTransport::connect(&[s.addr().to_string()], &client());
     let cfg = PagerConfig {
         pages: 64,
         cache_pages: 4,

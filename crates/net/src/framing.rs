@@ -1,9 +1,12 @@
-//! A receive buffer that yields whole frames, shared by the server and the client.
+//! A receive buffer that yields whole frames, shared by the server and the client. Over TLS it
+//! opens each sealed record in place as it yields it (`record.rs`); a record that does not
+//! authenticate is an error like a malformed frame, and closes the connection.
 //!
 //! It grows only to the largest frame actually seen (bounded by `MAX_FRAME_LEN`, which
 //! `frame_len` enforces before any body is awaited), so an idle connection costs 64 KiB.
 
-use netram_proto::{frame_len, DecodeError, MAX_FRAME_LEN};
+use crate::record::{unit_len, RecordKey, MAX_RECORD_LEN};
+use netram_proto::DecodeError;
 use std::io::{self, Read};
 use std::net::TcpStream;
 use std::time::{Duration, Instant};
@@ -19,6 +22,8 @@ pub struct FrameBuffer {
     /// polling to catch it. A connection whose data comes rarely (one of three servers a client
     /// spreads its pages over) stops polling and leaves the CPU to the thread that will answer.
     poll_next: bool,
+    /// The key that opens sealed records; `None` over clear TCP.
+    open: Option<RecordKey>,
 }
 
 impl Default for FrameBuffer {
@@ -34,6 +39,15 @@ impl FrameBuffer {
             start: 0,
             end: 0,
             poll_next: true,
+            open: None,
+        }
+    }
+
+    /// A buffer whose records are sealed under `key` (`None`: clear frames).
+    pub fn sealed(key: Option<RecordKey>) -> Self {
+        Self {
+            open: key,
+            ..Self::new()
         }
     }
 
@@ -45,17 +59,22 @@ impl FrameBuffer {
     /// Whether a whole frame has arrived; an error if the length prefix is invalid.
     pub fn has_frame(&self) -> Result<bool, DecodeError> {
         let avail = &self.buf[self.start..self.end];
-        Ok(matches!(frame_len(avail)?, Some(len) if len <= avail.len()))
+        Ok(matches!(unit_len(avail, self.open.is_some())?, Some(len) if len <= avail.len()))
     }
 
-    /// The next whole frame, if one has arrived; an error if the length prefix is invalid.
+    /// The next whole frame, if one has arrived; an error if the length prefix is invalid or
+    /// (sealed) the record does not authenticate.
     pub fn next_frame(&mut self) -> Result<Option<&[u8]>, DecodeError> {
         let avail = &self.buf[self.start..self.end];
-        match frame_len(avail)? {
+        match unit_len(avail, self.open.is_some())? {
             Some(len) if len <= avail.len() => {
                 let at = self.start;
                 self.start += len;
-                Ok(Some(&self.buf[at..at + len]))
+                let frame = match &mut self.open {
+                    Some(key) => key.open(&mut self.buf[at..at + len])?,
+                    None => len,
+                };
+                Ok(Some(&self.buf[at..at + frame]))
             }
             _ => Ok(None),
         }
@@ -130,16 +149,18 @@ impl FrameBuffer {
             self.end -= self.start;
             self.start = 0;
         }
-        let want = match frame_len(&self.buf[self.start..self.end]) {
+        let want = match unit_len(&self.buf[self.start..self.end], self.open.is_some()) {
             Ok(Some(len)) => len,
             _ => 0,
         };
         let need = (self.start + want)
             .max(self.end + 1)
-            .min(self.start + MAX_FRAME_LEN + 4);
+            .min(self.start + MAX_RECORD_LEN + 4);
         if need > self.buf.len() {
-            self.buf
-                .resize(need.max(self.buf.len() * 2).min(MAX_FRAME_LEN + INITIAL), 0);
+            self.buf.resize(
+                need.max(self.buf.len() * 2).min(MAX_RECORD_LEN + INITIAL),
+                0,
+            );
         }
         if self.end == self.buf.len() {
             // Only when a frame larger than the limit is pending; frame_len rejects it next.

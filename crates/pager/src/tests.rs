@@ -75,7 +75,10 @@ impl MemCluster {
                     if self.servers[h].dead {
                         return serve::DeltaOutcome::Unreachable;
                     }
-                    match self.servers[h].store.apply_delta(&d.as_delta()) {
+                    // The holder checks the sender as over TLS: server `i`, a server.
+                    let by =
+                        netram_store::DeltaFrom::Peer(netram_store::Peer::Server(i as u64 + 1));
+                    match self.servers[h].store.apply_delta(&d.as_delta(), by) {
                         netram_proto::DeltaStatus::Applied => serve::DeltaOutcome::Applied,
                         _ => serve::DeltaOutcome::UnknownGroup,
                     }
@@ -104,6 +107,7 @@ impl Transport for MemCluster {
             .map(|(i, s)| ServerInfo {
                 name: format!("mem{i}"),
                 addr: Some(mem_addr(i)),
+                node: i as u64 + 1,
                 window: self.window,
                 capacity_pages: s.store.capacity_pages(),
                 free_pages: s.store.free_pages(),

@@ -13,6 +13,9 @@ pub struct ServerInfo {
     /// The address other servers reach it at: dynamic parity names holders and members by it.
     /// `None` when the name did not resolve.
     pub addr: Option<std::net::SocketAddr>,
+    /// The server's node id, as its certificate names it (what parity groups name a member's
+    /// server by, for its holder to check); 0 when unknown.
+    pub node: u64,
     /// Requests the server lets this client have outstanding.
     pub window: u32,
     pub capacity_pages: u64,

@@ -40,6 +40,9 @@ pub enum DecodeError {
     /// The frame's body was longer than its message.
     #[error("{0} trailing bytes after the message")]
     TrailingBytes(usize),
+    /// A sealed record did not authenticate (forged, damaged, replayed or out of order).
+    #[error("record does not authenticate")]
+    Unauthenticated,
 }
 
 /// Reads little-endian fields from a byte slice, failing with [`DecodeError::Truncated`] rather

@@ -4,7 +4,9 @@
 //! The client's node id and boot incarnation make the owner of its pages (Nswap §III: IP address
 //! and boot time), so that the pages of a client that restarted are recognisably dead. The
 //! session id names one pager instance of that client; its lease is what the server tracks
-//! (Anemone §2.5 soft-state refresh).
+//! (Anemone §2.5 soft-state refresh). All three are claims, not credentials: over TLS the
+//! HELLO travels inside the handshake's encryption, and the server files the session under
+//! the node its certificate names, so the same three from another node name another session.
 
 use crate::codec::{DecodeError, Reader};
 use crate::{NodeId, MAGIC, PROTOCOL_VERSION};

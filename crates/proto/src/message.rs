@@ -663,10 +663,13 @@ mod tests {
     }
 
     fn member() -> impl Strategy<Value = Member> {
-        (addr(), key(), any::<u32>()).prop_map(|(server, key, version)| Member {
-            server,
-            key,
-            version,
+        (addr(), any::<u64>(), key(), any::<u32>()).prop_map(|(server, node, key, version)| {
+            Member {
+                server,
+                node,
+                key,
+                version,
+            }
         })
     }
 
@@ -750,7 +753,7 @@ mod tests {
             let data = vec![byte; PAGE_SIZE];
             let record = Record { version: group as u32, crc: max, flags: n.into(), data: &data };
             roundtrip_request(&Request::ParityShip { group, max_members: n, members: members.clone(), record }, id);
-            let owner = Owner { node: owner.0, incarnation: owner.1, session: owner.2 };
+            let owner = Owner { principal: owner.2, node: owner.0, incarnation: owner.1 };
             let kind = [crate::DeltaKind::Update, crate::DeltaKind::Remove, crate::DeltaKind::Drop][kind as usize];
             let deltas = members.iter().map(|m| Delta { owner, group, member: m.server, key: m.key, from: m.version, to: max, kind, record }).collect();
             roundtrip_request(&Request::ParityDelta(deltas), id);

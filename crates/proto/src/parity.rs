@@ -69,50 +69,59 @@ pub(crate) fn decode_addr(r: &mut Reader<'_>) -> Result<SocketAddr, DecodeError>
     Ok(SocketAddr::new(ip, port))
 }
 
-/// One page of a group: the server that stores it, its key in the owner's session and the
-/// version the parity covers (which makes deltas safe to repeat, and lets the owner check that
-/// a survivor it reads is the one the parity was made with).
+/// One page of a group: the server that stores it (its address, and its node id as its
+/// certificate names it), its key in the owner's session and the version the parity covers
+/// (which makes deltas safe to repeat, and lets the owner check that a survivor it reads is the
+/// one the parity was made with). The node id is the owner's word to the holder: only that
+/// server may send deltas about this member (GMS §6; the "authenticated server list" of
+/// "Trust nobody on the wire").
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Member {
     pub server: SocketAddr,
+    /// The member's server, as its certificate names it (0 over clear TCP).
+    pub node: NodeId,
     pub key: PageKey,
     pub version: u32,
 }
 
 impl Member {
-    pub const WIRE_LEN: usize = ADDR_LEN + PageKey::WIRE_LEN + 4;
+    pub const WIRE_LEN: usize = ADDR_LEN + 8 + PageKey::WIRE_LEN + 4;
 
     pub(crate) fn encode(&self, w: &mut FrameBuilder<'_>) {
         encode_addr(&self.server, w);
+        w.u64(self.node);
         self.key.encode(w);
         w.u32(self.version);
     }
     pub(crate) fn decode(r: &mut Reader<'_>) -> Result<Self, DecodeError> {
         Ok(Self {
             server: decode_addr(r)?,
+            node: r.u64()?,
             key: PageKey::decode(r)?,
             version: r.u32()?,
         })
     }
 }
 
-/// Whose group a delta is for: the owning client's handshake identity. Holders look groups up by
-/// node and incarnation (a client's sessions at different servers have different ids; its
-/// group ids are unique across them); the session id is carried for the logs.
+/// Whose group a delta is for: the owning client as the member's server knows it — the node
+/// its certificate names (its principal; 0 over clear TCP), and the node id and incarnation
+/// of its handshake. Holders look groups up by all three (a client's sessions at different
+/// servers have different ids; its group ids are unique across them). No session id travels:
+/// what names a session is bound to its principal, not a secret to keep.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Owner {
+    pub principal: NodeId,
     pub node: NodeId,
     pub incarnation: u64,
-    pub session: u64,
 }
 
 impl Owner {
     /// How an owner names itself in a delta it sends (taking a rebuilt page out of its group):
     /// the holder reads it as the session the delta came on.
     pub const SELF: Owner = Owner {
+        principal: 0,
         node: 0,
         incarnation: 0,
-        session: 0,
     };
 }
 
@@ -348,9 +357,9 @@ impl<'a> Delta<'a> {
     pub const MIN_WIRE_LEN: usize = 24 + 8 + ADDR_LEN + PageKey::WIRE_LEN + 8 + 1 + RECORD_LEN;
 
     pub(crate) fn encode(&self, w: &mut FrameBuilder<'_>) {
-        w.u64(self.owner.node)
+        w.u64(self.owner.principal)
+            .u64(self.owner.node)
             .u64(self.owner.incarnation)
-            .u64(self.owner.session)
             .u64(self.group);
         encode_addr(&self.member, w);
         self.key.encode(w);
@@ -359,9 +368,9 @@ impl<'a> Delta<'a> {
     }
     pub(crate) fn decode(r: &mut Reader<'a>) -> Result<Self, DecodeError> {
         let owner = Owner {
+            principal: r.u64()?,
             node: r.u64()?,
             incarnation: r.u64()?,
-            session: r.u64()?,
         };
         let group = r.u64()?;
         let member = decode_addr(r)?;

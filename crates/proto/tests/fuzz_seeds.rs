@@ -43,6 +43,7 @@ fn seed() -> Vec<u8> {
             members: (0..3)
                 .map(|p| Member {
                     server: addr(1),
+                    node: 0,
                     key: key(p),
                     version: 1,
                 })

@@ -39,13 +39,13 @@
 
 use crate::peers::Peers;
 use netram_net::latency::{PmQos, DEFAULT_SPIN};
-use netram_net::FrameBuffer;
+use netram_net::{reserve_tags, tls, Credentials, FrameBuffer, FrameKeys, Security};
 use netram_proto::{
     decode_request, DecodeError, Hello, Welcome, WelcomeStatus, HELLO_END_ON_CLOSE, HELLO_LEN,
     MAX_BATCH, MAX_FRAME_LEN, PAGE_SIZE, PROTOCOL_VERSION,
 };
 use netram_store::serve::{self, Outcome};
-use netram_store::{SessionHandle, Store, StoreConfig, StoreError};
+use netram_store::{Peer, SessionHandle, Store, StoreConfig, StoreError};
 use std::collections::HashMap;
 use std::io::{self, Read, Write};
 use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
@@ -89,6 +89,9 @@ pub struct ServerConfig {
     /// Test-only fault point: a STATS request panics while the store's lock is held (to test
     /// that a panic is contained to its connection). Never set it in production.
     pub fault_panic_on_stats: bool,
+    /// Who may connect: mutual TLS against the cluster's CA (the default of `netram serve`),
+    /// or clear TCP on loopback for development, said explicitly.
+    pub security: Security,
 }
 
 impl ServerConfig {
@@ -124,6 +127,7 @@ impl Default for ServerConfig {
             idle_timeout: None,
             write_timeout: Duration::from_secs(10),
             fault_panic_on_stats: false,
+            security: Security::Insecure,
         }
     }
 }
@@ -140,6 +144,15 @@ pub enum ServerError {
     Lock(io::Error),
     #[error("cannot listen on {addr}: {source}")]
     Listen { addr: SocketAddr, source: io::Error },
+    #[error(
+        "refusing to serve {addr} without TLS: clear TCP is for loopback development only \
+         (give the node's credentials, `netram cluster init`)"
+    )]
+    InsecureBeyondLoopback { addr: SocketAddr },
+    #[error(
+        "a server's certificate must name the server role (issue it with `netram keygen --server`)"
+    )]
+    NotAServerCertificate,
 }
 
 macro_rules! node_counters {
@@ -179,6 +192,13 @@ node_counters! {
     /// Refused: the client's address holds `max_peer_sessions` sessions.
     handshakes_refused_peer_sessions,
     handshakes_refused_stale_incarnation,
+    /// TLS failed: no certificate of the cluster, a revoked one, a protocol error, or a peer
+    /// that hung up or ran out of time during it.
+    handshakes_tls_failed,
+    /// Frames refused because their record did not authenticate (forged, damaged, replayed).
+    frames_rejected_unauthenticated,
+    /// Established connections closed because their certificate was revoked since.
+    connections_closed_revoked,
     /// Frames refused, by reason; each closed its connection.
     frames_rejected_bad_length,
     frames_rejected_bad_version,
@@ -191,6 +211,11 @@ node_counters! {
 
 struct Shared {
     store: Mutex<Store<Arena>>,
+    /// This server's credentials (over TLS): swapped when the revocation list changes.
+    creds: Mutex<Option<Arc<Credentials>>>,
+    /// Bumped at every change of the revocation list: connections look at their certificate
+    /// again.
+    crl_generation: AtomicU64,
     peers: Peers,
     counters: NodeCounters,
     shutdown: Arc<AtomicBool>,
@@ -237,6 +262,17 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 impl Shared {
+    /// This server's node id: its certificate's over TLS.
+    fn node(&self) -> u64 {
+        lock(&self.creds)
+            .as_ref()
+            .map_or(self.cfg.node, |c| c.identity.node)
+    }
+
+    fn creds(&self) -> Option<Arc<Credentials>> {
+        lock(&self.creds).clone()
+    }
+
     fn now_ms(&self) -> u64 {
         self.start.elapsed().as_millis() as u64
     }
@@ -362,20 +398,34 @@ impl Server {
                 addr: cfg.listen,
                 source,
             })?;
-        if !addr.ip().is_loopback() {
-            tracing::warn!(
-                "listening on {addr}, beyond loopback: netram has no authentication yet, so any \
-                 host that can reach this port can read and overwrite the pages stored here"
-            );
-        }
+        let creds = match &cfg.security {
+            Security::Tls(c) if !c.identity.server => {
+                return Err(ServerError::NotAServerCertificate)
+            }
+            Security::Tls(c) => Some(c.clone()),
+            Security::Insecure if !addr.ip().is_loopback() => {
+                return Err(ServerError::InsecureBeyondLoopback { addr })
+            }
+            Security::Insecure => {
+                tracing::warn!(
+                    "serving {addr} over clear TCP, without TLS (--insecure): any process of \
+                     this machine can open sessions here and see page keys and versions; for \
+                     development only"
+                );
+                None
+            }
+        };
         tracing::info!(%addr, capacity_pages = frames, lease_ms = cfg.lease_period.as_millis() as u64, "serving");
         let incarnation = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| d.as_nanos() as u64)
             .unwrap_or(1);
+        let node = creds.as_ref().map_or(cfg.node, |c| c.identity.node);
         let shared = Arc::new(Shared {
             store: Mutex::new(store),
-            peers: Peers::new(cfg.node, incarnation, addr),
+            creds: Mutex::new(creds),
+            crl_generation: AtomicU64::new(0),
+            peers: Peers::new(node, incarnation, addr, cfg.security.clone()),
             counters: NodeCounters::default(),
             shutdown,
             cfg,
@@ -538,7 +588,7 @@ fn refuse(stream: TcpStream, shared: &Shared, peer: SocketAddr, why: Refusal) {
         version: PROTOCOL_VERSION,
         status: WelcomeStatus::Busy,
         window: 0,
-        server_node: shared.cfg.node,
+        server_node: shared.node(),
         server_incarnation: shared.incarnation,
         capacity_pages: 0,
         free_pages: 0,
@@ -546,6 +596,11 @@ fn refuse(stream: TcpStream, shared: &Shared, peer: SocketAddr, why: Refusal) {
         max_frame_len: MAX_FRAME_LEN as u32,
         max_batch: MAX_BATCH as u32,
     };
+    // Over TLS nothing is said in clear: the connection is closed (the client's handshake
+    // fails), and the refusal counted here.
+    if shared.cfg.security.is_secure() {
+        return;
+    }
     if stream.set_nonblocking(true).is_ok() {
         let _ = (&stream).write(&welcome.encode());
         // Whatever of the hello has arrived is read, so that closing sends FIN, not a reset
@@ -577,8 +632,13 @@ fn read_by(stream: &mut TcpStream, buf: &mut [u8], deadline: Instant) -> io::Res
 fn reaper_loop(shared: Arc<Shared>) {
     let period = (shared.cfg.lease_period / 4).max(Duration::from_millis(10));
     let mut next = Instant::now() + period;
+    let mut crl_checked = Instant::now();
     while !shared.shutdown.load(Ordering::SeqCst) {
         std::thread::sleep(POLL_INTERVAL.min(period));
+        if crl_checked.elapsed() >= CRL_CHECK {
+            crl_checked = Instant::now();
+            reload_crl(&shared);
+        }
         if Instant::now() >= next {
             let now = shared.now_ms();
             let n = shared.store().expire(now);
@@ -587,6 +647,24 @@ fn reaper_loop(shared: Arc<Shared>) {
             }
             next = Instant::now() + period;
         }
+    }
+}
+
+/// How often the revocation list's file is looked at.
+const CRL_CHECK: Duration = Duration::from_secs(1);
+
+/// Reads the revocation list again if its file changed: new connections are checked against
+/// it, and established ones look at their certificate at their next request or idle wake-up.
+fn reload_crl(shared: &Shared) {
+    let Some(creds) = shared.creds() else { return };
+    match creds.reloaded() {
+        None => {}
+        Some(Ok(new)) => {
+            tracing::info!("revocation list changed: reloaded");
+            *lock(&shared.creds) = Some(Arc::new(new));
+            shared.crl_generation.fetch_add(1, Ordering::SeqCst);
+        }
+        Some(Err(e)) => tracing::error!("revocation list changed but cannot be read: {e}"),
     }
 }
 
@@ -601,6 +679,10 @@ enum ConnError {
     Frame(DecodeError),
     #[error("bad handshake: {0}")]
     Handshake(DecodeError),
+    #[error("TLS: {0}")]
+    Tls(#[from] netram_net::TlsError),
+    #[error("its certificate was revoked")]
+    Revoked,
 }
 
 fn serve_connection(mut stream: TcpStream, shared: &Shared) -> Result<(), ConnError> {
@@ -609,10 +691,33 @@ fn serve_connection(mut stream: TcpStream, shared: &Shared) -> Result<(), ConnEr
     let peer = stream.peer_addr()?;
     let mut hello = [0u8; HELLO_LEN];
     let deadline = Instant::now() + shared.cfg.handshake_timeout;
-    if let Err(e) = read_by(&mut stream, &mut hello, deadline) {
-        Shared::bump(&shared.counters.handshakes_incomplete);
-        return Err(e.into());
-    }
+    // Over TLS, the peer is whom its certificate names, verified (and not revoked) before a
+    // byte of the HELLO is read; over clear TCP, its address.
+    let creds = shared.creds();
+    let (accepted, principal) = match &creds {
+        Some(creds) => match tls::accept(&mut stream, creds, &mut hello, deadline) {
+            Ok(a) => {
+                let p = if a.peer.server {
+                    Peer::Server(a.peer.node)
+                } else {
+                    Peer::Node(a.peer.node)
+                };
+                (Some(a), p)
+            }
+            Err(e) => {
+                Shared::bump(&shared.counters.handshakes_tls_failed);
+                tracing::warn!(%peer, "closing connection: TLS handshake: {e}");
+                return Err(e.into());
+            }
+        },
+        None => {
+            if let Err(e) = read_by(&mut stream, &mut hello, deadline) {
+                Shared::bump(&shared.counters.handshakes_incomplete);
+                return Err(e.into());
+            }
+            (None, Peer::Addr(peer.ip()))
+        }
+    };
     let hello = match Hello::decode(&hello) {
         Ok(h) => h,
         Err(e) => {
@@ -627,7 +732,7 @@ fn serve_connection(mut stream: TcpStream, shared: &Shared) -> Result<(), ConnEr
         (WelcomeStatus::VersionUnsupported, None)
     } else {
         match shared.store().open_session_from(
-            peer.ip(),
+            principal,
             hello.node,
             hello.incarnation,
             hello.session,
@@ -655,7 +760,7 @@ fn serve_connection(mut stream: TcpStream, shared: &Shared) -> Result<(), ConnEr
             version: PROTOCOL_VERSION,
             status,
             window: shared.cfg.window,
-            server_node: shared.cfg.node,
+            server_node: shared.node(),
             server_incarnation: shared.incarnation,
             capacity_pages: store.capacity_pages(),
             free_pages: store.free_pages(),
@@ -664,12 +769,30 @@ fn serve_connection(mut stream: TcpStream, shared: &Shared) -> Result<(), ConnEr
             max_batch: MAX_BATCH as u32,
         }
     };
-    stream.write_all(&welcome.encode())?;
+    let (keys, serial) = match accepted {
+        Some(a) => {
+            let serial = a.peer.serial.clone();
+            match a.welcome(&mut stream, &welcome.encode(), deadline) {
+                Ok(keys) => (Some(keys), Some(serial)),
+                Err(e) => {
+                    if let Some(session) = session {
+                        // Opened for a peer that is gone before it knew: nothing to keep.
+                        let _ = shared.store().close(session);
+                    }
+                    return Err(e.into());
+                }
+            }
+        }
+        None => {
+            stream.write_all(&welcome.encode())?;
+            (None, None)
+        }
+    };
     let Some(session) = session else {
         return Err(ConnError::Refused(status));
     };
-    tracing::debug!(%peer, node = hello.node, incarnation = hello.incarnation, session = hello.session, "session open");
-    let served = serve_session(stream, shared, peer, session);
+    tracing::debug!(%peer, %principal, node = hello.node, incarnation = hello.incarnation, "session open");
+    let served = serve_session(stream, shared, peer, session, keys, serial);
     if hello.flags & HELLO_END_ON_CLOSE != 0 {
         // However the connection ended (a CLOSE already ended the session: nothing to do).
         if shared.store().close(session).is_ok() {
@@ -685,7 +808,14 @@ fn serve_session(
     shared: &Shared,
     peer: SocketAddr,
     session: SessionHandle,
+    keys: Option<FrameKeys>,
+    serial: Option<Vec<u8>>,
 ) -> Result<(), ConnError> {
+    let (mut seal, open) = match keys {
+        Some(k) => (Some(k.send), Some(k.recv)),
+        None => (None, None),
+    };
+    let mut crl_seen = shared.crl_generation.load(Ordering::SeqCst);
     let _qos = if shared.cfg.low_latency {
         PmQos::hold()
     } else {
@@ -697,11 +827,22 @@ fn serve_session(
         Duration::ZERO
     };
     stream.set_read_timeout(Some(POLL_INTERVAL))?;
-    let mut rbuf = FrameBuffer::new();
+    let mut rbuf = FrameBuffer::sealed(open);
     let mut wbuf: Vec<u8> = Vec::with_capacity(64 * 1024);
     let idle_timeout = shared.cfg.idle_timeout();
     let mut last_frame = Instant::now();
     loop {
+        if let Some(serial) = &serial {
+            let g = shared.crl_generation.load(Ordering::SeqCst);
+            if g != crl_seen {
+                crl_seen = g;
+                if shared.creds().is_some_and(|c| c.is_revoked(serial)) {
+                    Shared::bump(&shared.counters.connections_closed_revoked);
+                    tracing::warn!(%peer, "closing connection: its certificate was revoked");
+                    return Err(ConnError::Revoked);
+                }
+            }
+        }
         // Requests already received are served (a window's worth at a time, their replies
         // written in between) before anything more is read.
         if matches!(rbuf.has_frame(), Ok(false)) {
@@ -734,22 +875,27 @@ fn serve_session(
                 Err(e) => return Err(e.into()),
             }
         }
-        let served = handle_frames(&mut rbuf, &mut wbuf, shared, session).map_err(|e| {
-            let c = &shared.counters;
-            Shared::bump(match e {
-                DecodeError::BadLength { .. } => &c.frames_rejected_bad_length,
-                DecodeError::UnsupportedVersion { .. } => &c.frames_rejected_bad_version,
-                DecodeError::UnknownKind(_) => &c.frames_rejected_unknown_kind,
-                _ => &c.frames_rejected_malformed,
+        let served =
+            handle_frames(&mut rbuf, &mut wbuf, shared, session, seal.is_some()).map_err(|e| {
+                let c = &shared.counters;
+                Shared::bump(match e {
+                    DecodeError::Unauthenticated => &c.frames_rejected_unauthenticated,
+                    DecodeError::BadLength { .. } => &c.frames_rejected_bad_length,
+                    DecodeError::UnsupportedVersion { .. } => &c.frames_rejected_bad_version,
+                    DecodeError::UnknownKind(_) => &c.frames_rejected_unknown_kind,
+                    _ => &c.frames_rejected_malformed,
+                });
+                tracing::warn!(%peer, "closing connection: rejected frame: {e}");
+                e
             });
-            tracing::warn!(%peer, "closing connection: rejected frame: {e}");
-            e
-        });
         if matches!(served, Ok(Served { frames, .. }) if frames > 0) {
             last_frame = Instant::now();
         }
         // Replies to the frames before a bad one are still owed.
         if !wbuf.is_empty() {
+            if let Some(k) = &mut seal {
+                k.seal_all(&mut wbuf);
+            }
             if let Err(e) = stream.write_all(&wbuf) {
                 if matches!(
                     e.kind(),
@@ -787,6 +933,7 @@ fn handle_frames(
     out: &mut Vec<u8>,
     shared: &Shared,
     h: SessionHandle,
+    sealed: bool,
 ) -> Result<Served, DecodeError> {
     let mut now = shared.now_ms();
     let mut store = shared.store();
@@ -808,6 +955,13 @@ fn handle_frames(
             Err(e) => break Err(e),
         };
         served += 1;
+        // Sealed replies each need room for their tag after them (`record.rs`).
+        let mark = out.len();
+        let tags = |out: &mut Vec<u8>| {
+            if sealed {
+                reserve_tags(out, mark);
+            }
+        };
         let rps = store.note_requests(1, now);
         let fault = shared.cfg.fault_panic_on_stats && matches!(req, netram_proto::Request::Stats);
         let stats = |st: &Store<Arena>| {
@@ -819,14 +973,18 @@ fn handle_frames(
             stats_list(st, shared)
         };
         match serve::handle_request(&mut store, h, id, req, now, rps, out, stats) {
-            Outcome::Open => {}
-            Outcome::Closed => break Ok(true),
+            Outcome::Open => tags(out),
+            Outcome::Closed => {
+                tags(out);
+                break Ok(true);
+            }
             Outcome::Forward(fwd) => {
                 drop(store);
                 let outcomes = shared.peers.forward(&fwd.deltas);
                 store = shared.store();
                 now = shared.now_ms();
                 serve::finish_forward(&mut store, h, fwd, &outcomes, now, rps, out);
+                tags(out);
             }
         }
     };

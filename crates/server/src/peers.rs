@@ -12,7 +12,7 @@
 //! address mixed in, so that a server whose machine also runs a client never supersedes that
 //! client's sessions, and two servers of one machine never supersede each other's.
 
-use netram_net::{handshake, FrameBuffer, HandshakeError};
+use netram_net::{handshake, reserve_tags, FrameBuffer, HandshakeError, RecordKey, Security};
 use netram_proto::{
     decode_reply, DecodeError, DeltaStatus, ErrorCode, Hello, Kind, Reply, Request,
     HELLO_END_ON_CLOSE, MAX_BATCH,
@@ -58,7 +58,8 @@ enum PeerError {
 
 #[derive(Debug, Default)]
 struct Peer {
-    conn: Option<(TcpStream, FrameBuffer)>,
+    /// The connection, its receive buffer and (over TLS) the key its requests are sealed with.
+    conn: Option<(TcpStream, FrameBuffer, Option<RecordKey>)>,
     failed_at: Option<Instant>,
     next_id: u64,
 }
@@ -68,11 +69,13 @@ struct Peer {
 pub struct Peers {
     node: u64,
     incarnation: u64,
+    /// Over TLS, a holder is accepted only with a server certificate of the cluster.
+    security: Security,
     peers: Mutex<HashMap<SocketAddr, Arc<Mutex<Peer>>>>,
 }
 
 impl Peers {
-    pub fn new(node: u64, incarnation: u64, listen: SocketAddr) -> Self {
+    pub fn new(node: u64, incarnation: u64, listen: SocketAddr, security: Security) -> Self {
         let addr = match listen.ip() {
             std::net::IpAddr::V4(ip) => u64::from(u32::from(ip)),
             std::net::IpAddr::V6(ip) => {
@@ -83,6 +86,7 @@ impl Peers {
         Self {
             node: node ^ PEER_NODE ^ (addr << 16) ^ u64::from(listen.port()),
             incarnation,
+            security,
             peers: Mutex::new(HashMap::new()),
         }
     }
@@ -156,16 +160,25 @@ impl Peers {
                 }
                 let hello = Hello::new(self.node, self.incarnation, fastrand::u64(..))
                     .with_flags(HELLO_END_ON_CLOSE);
-                let (s, _) = handshake(holder, &hello, CONNECT_TIMEOUT)?;
-                s.set_read_timeout(Some(REPLY_TIMEOUT))
+                let c = handshake(holder, &hello, CONNECT_TIMEOUT, &self.security)?;
+                c.stream
+                    .set_read_timeout(Some(REPLY_TIMEOUT))
                     .map_err(|e| PeerError::Io("socket", e))?;
-                peer.conn = Some((s, FrameBuffer::new()));
+                let (send, recv) = match c.keys {
+                    Some(k) => (Some(k.send), Some(k.recv)),
+                    None => (None, None),
+                };
+                peer.conn = Some((c.stream, FrameBuffer::sealed(recv), send));
             }
             peer.next_id += 1;
             let id = peer.next_id;
-            let (s, rbuf) = peer.conn.as_mut().unwrap();
+            let (s, rbuf, seal) = peer.conn.as_mut().unwrap();
             let mut wbuf = Vec::new();
             req.encode(id, &mut wbuf);
+            if let Some(k) = seal {
+                reserve_tags(&mut wbuf, 0);
+                k.seal_all(&mut wbuf);
+            }
             s.write_all(&wbuf).map_err(|e| PeerError::Io("send", e))?;
             let deadline = Instant::now() + REPLY_TIMEOUT;
             let frame = loop {

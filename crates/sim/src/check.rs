@@ -100,6 +100,12 @@ pub fn stores(world: &World) -> Result<(), String> {
         if let Some(why) = s.store.invariant_violation() {
             return Err(format!("server {i}: {why}"));
         }
+        if s.store.counters().parity_deltas_refused > 0 {
+            return Err(format!(
+                "server {i} refused a delta from the very server its owner placed the member \
+                 on: the holder's check of who may send deltas is wrong"
+            ));
+        }
         if s.store.counters().parity_groups_inconsistent > 0 {
             return Err(format!(
                 "server {i} freed a parity group whose parity was not zero: a delta was lost \

@@ -127,6 +127,7 @@ impl SimTransport {
                     infos.push(ServerInfo {
                         name: format!("sim{s}"),
                         addr: Some(crate::world::server_addr(s)),
+                        node: crate::world::server_node(s),
                         window: 1,
                         capacity_pages: 0,
                         free_pages: 0,

@@ -18,7 +18,7 @@
 use netram_pager::{ServerInfo, TransportError};
 use netram_proto::{decode_reply, decode_request, DeltaStatus, GetResult, Reply, PAGE_SIZE};
 use netram_store::serve::{self, DeltaOutcome, Forward, Outcome};
-use netram_store::{SessionHandle, Store, StoreConfig};
+use netram_store::{DeltaFrom, Peer, SessionHandle, Store, StoreConfig};
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, VecDeque};
 use std::net::SocketAddr;
@@ -32,6 +32,12 @@ pub const WINDOW: u32 = 8;
 /// How long a server waits for a parity holder's answer before it tries again: well inside
 /// the clients' reply timeout, as the daemon's `peers` timeout is inside its clients'.
 pub const PEER_TIMEOUT_US: Micros = 300_000;
+
+/// A simulated server's node id, as a certificate would name it (members of parity groups
+/// name their servers by it, and holders check the senders of deltas against it).
+pub fn server_node(server: usize) -> u64 {
+    server as u64 + 1
+}
 
 /// The address clients and servers know server `i` by.
 pub fn server_addr(i: usize) -> SocketAddr {
@@ -369,6 +375,7 @@ impl World {
         let info = ServerInfo {
             name: format!("sim{server}"),
             addr: Some(server_addr(server)),
+            node: server_node(server),
             window: WINDOW,
             capacity_pages: s.store.capacity_pages(),
             free_pages: s.store.free_pages(),
@@ -618,6 +625,9 @@ impl World {
         let Some(w) = self.conns[conn].forward.as_ref() else {
             return;
         };
+        // The holder checks the sender as a real one checks its certificate: a server, the one
+        // the owner placed the member on.
+        let by = DeltaFrom::Peer(Peer::Server(server_node(self.conns[conn].server)));
         let answers: Vec<(usize, DeltaOutcome)> = if !self.servers[holder].up {
             idx.into_iter()
                 .map(|i| (i, DeltaOutcome::Unreachable))
@@ -626,7 +636,7 @@ impl World {
             let store = &mut self.servers[holder].store;
             idx.into_iter()
                 .map(|i| {
-                    let o = match store.apply_delta(&w.fwd.deltas[i].1.as_delta()) {
+                    let o = match store.apply_delta(&w.fwd.deltas[i].1.as_delta(), by) {
                         DeltaStatus::Applied => DeltaOutcome::Applied,
                         DeltaStatus::UnknownGroup | DeltaStatus::Stale => {
                             DeltaOutcome::UnknownGroup

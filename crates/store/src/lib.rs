@@ -36,10 +36,58 @@ use std::collections::HashMap;
 use std::hash::BuildHasher;
 use std::net::{IpAddr, Ipv4Addr};
 
-/// Who a session belongs to, for the limits per client: the address its connections come from.
-pub type Peer = IpAddr;
+/// Who a session belongs to: the node its connection's certificate names (over TLS), or,
+/// over clear TCP, the address its connections come from. Sessions are bound to it: a
+/// handshake can resume, supersede or be counted against only the sessions of its own peer,
+/// whatever node id, incarnation or session id it claims; the limits per client are per peer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Peer {
+    /// An authenticated node (its certificate's node id).
+    Node(NodeId),
+    /// An authenticated node whose certificate names the server role: it may also forward
+    /// parity deltas about the members it stores.
+    Server(NodeId),
+    /// An unauthenticated address (clear TCP, loopback development).
+    Addr(IpAddr),
+}
+
+impl Peer {
+    /// The node id its certificate names; 0 over clear TCP.
+    pub fn principal(&self) -> NodeId {
+        match *self {
+            Peer::Node(n) | Peer::Server(n) => n,
+            Peer::Addr(_) => 0,
+        }
+    }
+}
+
+impl std::fmt::Display for Peer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Peer::Node(n) => write!(f, "node {n}"),
+            Peer::Server(n) => write!(f, "server node {n}"),
+            Peer::Addr(a) => write!(f, "{a}"),
+        }
+    }
+}
+
+/// Who sent a parity delta, as its holder checks it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DeltaFrom {
+    /// The group's owner, on its own session (`Owner::SELF`).
+    Owner,
+    /// Another session: a member's server, as its connection authenticated it.
+    Peer(Peer),
+}
+
+impl From<IpAddr> for Peer {
+    fn from(a: IpAddr) -> Self {
+        Peer::Addr(a)
+    }
+}
+
 /// The peer of sessions opened without a network address (tests, the simulator's defaults).
-pub const NO_PEER: Peer = IpAddr::V4(Ipv4Addr::UNSPECIFIED);
+pub const NO_PEER: Peer = Peer::Addr(IpAddr::V4(Ipv4Addr::UNSPECIFIED));
 
 /// A session silent for this many lease periods is expired (Anemone §2.5: three periods).
 pub const LEASE_PERIODS: u64 = 3;
@@ -230,6 +278,9 @@ counters! {
     parity_deltas_applied,
     /// Deltas for a group (or owner) this server does not hold.
     parity_deltas_unknown,
+    /// Deltas refused: sent by a peer that is not the owner, not certified as a server, or not
+    /// the server the owner placed the member on (answered as for an unknown group).
+    parity_deltas_refused,
     /// Members that left a group held here.
     parity_members_removed,
     /// Small groups folded into another.
@@ -383,10 +434,12 @@ impl<A: AsRef<[u8]> + AsMut<[u8]>> Store<A> {
         id: u64,
         now_ms: u64,
     ) -> Result<SessionHandle, StoreError> {
+        // Only this peer's sessions: an incarnation, a node id or a session id claimed by
+        // another peer names nothing of this one's.
         let newest = self
             .sessions
             .iter()
-            .filter(|s| s.live && s.node == node)
+            .filter(|s| s.live && s.peer == peer && s.node == node)
             .map(|s| s.incarnation)
             .max();
         if let Some(newest) = newest.filter(|&n| n > incarnation) {
@@ -397,13 +450,11 @@ impl<A: AsRef<[u8]> + AsMut<[u8]>> Store<A> {
                 newest,
             });
         }
-        // Resumed from wherever it reconnects from (a client's address may change); binding a
-        // session to its client is the subject of authentication, not of these limits.
-        if let Some(slot) = self
-            .sessions
-            .iter()
-            .position(|s| s.live && s.node == node && s.incarnation == incarnation && s.id == id)
-        {
+        // Resumed only by its own peer: over TLS the node its certificate names, wherever it
+        // reconnects from; over clear TCP its address.
+        if let Some(slot) = self.sessions.iter().position(|s| {
+            s.live && s.peer == peer && s.node == node && s.incarnation == incarnation && s.id == id
+        }) {
             let s = &mut self.sessions[slot];
             s.last_refresh_ms = now_ms;
             self.counters.sessions_resumed += 1;
@@ -416,7 +467,7 @@ impl<A: AsRef<[u8]> + AsMut<[u8]>> Store<A> {
         let dead: Vec<u32> = (0..self.sessions.len() as u32)
             .filter(|&i| {
                 let s = &self.sessions[i as usize];
-                s.live && s.node == node && s.incarnation < incarnation
+                s.live && s.peer == peer && s.node == node && s.incarnation < incarnation
             })
             .collect();
         self.counters.sessions_superseded += dead.len() as u64;
@@ -782,6 +833,11 @@ impl<A: AsRef<[u8]> + AsMut<[u8]>> Store<A> {
         }
         (free != self.free_frames)
             .then(|| format!("free list has {free} frames, {} counted", self.free_frames))
+    }
+
+    /// Whom a session belongs to (the peer its connection authenticated as).
+    pub fn peer(&self, h: SessionHandle) -> Peer {
+        self.sessions[h.slot as usize].peer
     }
 
     /// Pages a live session holds (`None` for an ended or unknown session).

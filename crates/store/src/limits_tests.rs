@@ -12,7 +12,7 @@ fn store(frames: usize, cfg: StoreConfig) -> Store<Vec<u8>> {
 }
 
 fn peer(i: u8) -> Peer {
-    IpAddr::from([10, 0, 0, i])
+    Peer::Addr(IpAddr::from([10, 0, 0, i]))
 }
 
 fn put(s: &mut Store<Vec<u8>>, h: SessionHandle, p: u64) -> PutStatus {
@@ -108,6 +108,7 @@ fn merged_groups_never_outgrow_a_frame_and_scans_fit_one() {
     for g in 0..100u32 {
         let m = Member {
             server: server(g),
+            node: 0,
             key: PageKey::new(1, u64::from(g)),
             version: 1,
         };
@@ -144,6 +145,7 @@ fn the_address_table_refuses_when_full_and_forgets_what_nothing_names() {
         let members: Vec<Member> = (0..MAX_GROUP_MEMBERS as u32)
             .map(|i| Member {
                 server: server(next + i),
+                node: 0,
                 key: PageKey::new(1, u64::from(next + i)),
                 version: 1,
             })
@@ -161,6 +163,7 @@ fn the_address_table_refuses_when_full_and_forgets_what_nothing_names() {
     loop {
         let m = Member {
             server: server(next),
+            node: 0,
             key: PageKey::new(1, u64::from(next)),
             version: 1,
         };
@@ -179,6 +182,7 @@ fn the_address_table_refuses_when_full_and_forgets_what_nothing_names() {
     let h2 = s.open_session(2, 1, 1, 0).unwrap();
     let m = Member {
         server: server(1 << 20),
+        node: 0,
         key: PageKey::new(1, 0),
         version: 1,
     };

@@ -26,7 +26,7 @@
 //! Only the owner knows which servers are dead: it asks with a scan ([`Store::orphans`],
 //! [`Store::groups_with_member_on`]) and repairs what the scan reports.
 
-use crate::{pack, SessionHandle, Store, StoreError, PAGE_NUMBER_MAX};
+use crate::{pack, DeltaFrom, Peer, SessionHandle, Store, StoreError, PAGE_NUMBER_MAX};
 use netram_proto::parity::MAX_GROUP_MEMBERS;
 use netram_proto::{
     Delta, DeltaKind, DeltaStatus, GroupRecord, Member, Owner, PageKey, PutStatus, Record,
@@ -66,8 +66,9 @@ pub(crate) struct Group {
     crc: u32,
     flags: u16,
     max_members: u8,
-    /// Server, key, and the version the parity covers.
-    members: Vec<(u16, PageKey, u32)>,
+    /// Server, key, the version the parity covers, and the server's node id as the owner
+    /// named it (the only peer whose deltas about this member are taken).
+    members: Vec<(u16, PageKey, u32, u64)>,
     /// A delta did not match the member it was for: the parity cannot be trusted to rebuild.
     damaged: bool,
     /// Ids of groups merged into this one, which still name it.
@@ -194,9 +195,9 @@ impl<A: AsRef<[u8]> + AsMut<[u8]>> Store<A> {
     pub fn owner(&self, h: SessionHandle) -> Owner {
         let s = &self.sessions[h.slot as usize];
         Owner {
+            principal: s.peer.principal(),
             node: s.node,
             incarnation: s.incarnation,
-            session: s.id,
         }
     }
 
@@ -315,7 +316,7 @@ impl<A: AsRef<[u8]> + AsMut<[u8]>> Store<A> {
         let members = ids
             .into_iter()
             .zip(members)
-            .map(|(i, m)| (i, m.key, m.version))
+            .map(|(i, m)| (i, m.key, m.version, m.node))
             .collect();
         let old = self.parity.groups.insert(
             (h.slot, group),
@@ -346,7 +347,14 @@ impl<A: AsRef<[u8]> + AsMut<[u8]>> Store<A> {
 
     /// Applies one change to a group held here (Nswap Fig. 4, garbage collection, recovery);
     /// a repeated one is answered without being applied twice (see [`Delta`]).
-    pub fn apply_delta(&mut self, d: &Delta<'_>) -> DeltaStatus {
+    ///
+    /// Who may (GMS §6, "Trust nobody on the wire"): the owner itself, on its own session
+    /// ([`DeltaFrom::Owner`]), anything; another peer only if its certificate names the server
+    /// role and the node id the owner named for the member's server when it shipped the group
+    /// ([`Member::node`]), and only an update or removal of that member. Over clear TCP
+    /// ([`Peer::Addr`]) there are no identities to check. Anything else is refused as an
+    /// unknown group (nothing about the group is told) and counted.
+    pub fn apply_delta(&mut self, d: &Delta<'_>, by: DeltaFrom) -> DeltaStatus {
         let Delta {
             owner,
             group,
@@ -358,12 +366,25 @@ impl<A: AsRef<[u8]> + AsMut<[u8]>> Store<A> {
             ref record,
         } = *d;
         let remove = kind != DeltaKind::Update;
-        // The owner's session here, found by node and incarnation: a client's sessions with
-        // different servers (or after a reconnection) have different ids, and group ids are
-        // unique per node incarnation.
+        let refuse = |st: &mut Self| {
+            st.counters.parity_deltas_refused += 1;
+            DeltaStatus::UnknownGroup
+        };
+        // A member's server: it must be certified as a server (over TLS), and may not drop
+        // members (only the owner knows what cannot be rebuilt).
+        let sender = match by {
+            DeltaFrom::Owner => None,
+            DeltaFrom::Peer(Peer::Addr(_)) if kind != DeltaKind::Drop => None,
+            DeltaFrom::Peer(Peer::Server(n)) if kind != DeltaKind::Drop => Some(n),
+            DeltaFrom::Peer(_) => return refuse(self),
+        };
+        // The owner's session here, found by its principal, node and incarnation: a client's
+        // sessions with different servers (or after a reconnection) have different ids, and
+        // group ids are unique per node incarnation; no other principal's session is looked at.
         let slot = (0..self.sessions.len() as u32).find(|&i| {
             let s = &self.sessions[i as usize];
             s.live
+                && s.peer.principal() == owner.principal
                 && s.node == owner.node
                 && s.incarnation == owner.incarnation
                 && self
@@ -392,9 +413,16 @@ impl<A: AsRef<[u8]> + AsMut<[u8]>> Store<A> {
             .members
             .iter()
             .position(|m| Some(m.0) == server && m.1 == key);
+        if let (Some(n), Some(i)) = (sender, member) {
+            if g.members[i].3 != n {
+                // Another server than the one the owner placed this member on.
+                self.counters.parity_deltas_refused += 1;
+                return DeltaStatus::UnknownGroup;
+            }
+        }
         if kind == DeltaKind::Drop {
             if let Some(i) = member {
-                let (gone, _, _) = g.members.swap_remove(i);
+                let (gone, _, _, _) = g.members.swap_remove(i);
                 g.damaged = true;
                 let empty = g.members.is_empty();
                 self.parity.unref(gone);
@@ -438,7 +466,7 @@ impl<A: AsRef<[u8]> + AsMut<[u8]>> Store<A> {
         if !remove {
             g.members[i].2 = to;
         } else {
-            let (gone, _, _) = g.members.swap_remove(i);
+            let (gone, _, _, _) = g.members.swap_remove(i);
             let empty = g.members.is_empty();
             self.parity.unref(gone);
             self.counters.parity_members_removed += 1;
@@ -498,11 +526,11 @@ impl<A: AsRef<[u8]> + AsMut<[u8]>> Store<A> {
                 self.parity.groups.get(&(slot, o)).is_some_and(|og| {
                     !og.damaged
                         && og.members.len() + n <= max
-                        && og.members.iter().all(|(s, k, _)| {
+                        && og.members.iter().all(|(s, k, _, _)| {
                             // Deltas name a member by key: one page twice in a group (a copy
                             // its owner gave up on and the copy that replaced it) would make
                             // them ambiguous.
-                            g.members.iter().all(|(t, l, _)| s != t && k != l)
+                            g.members.iter().all(|(t, l, _, _)| s != t && k != l)
                         })
                 })
             });
@@ -615,8 +643,9 @@ impl<A: AsRef<[u8]> + AsMut<[u8]>> Store<A> {
     fn members(&self, g: &Group) -> Vec<Member> {
         g.members
             .iter()
-            .map(|&(s, key, version)| Member {
+            .map(|&(s, key, version, node)| Member {
                 server: self.parity.addr(s),
+                node,
                 key,
                 version,
             })
@@ -658,9 +687,9 @@ impl<A: AsRef<[u8]> + AsMut<[u8]>> Store<A> {
                 let s = &self.sessions[slot as usize];
                 (
                     Owner {
+                        principal: s.peer.principal(),
                         node: s.node,
                         incarnation: s.incarnation,
-                        session: s.id,
                     },
                     id,
                     self.members(g),

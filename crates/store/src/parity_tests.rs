@@ -3,7 +3,7 @@
 //! daemon and the simulator carry them, and reconstructions checked against what was written.
 
 use crate::serve::{finish_forward, handle_request, store_stats, DeltaOutcome, Outcome};
-use crate::{SessionHandle, Store, StoreConfig};
+use crate::{DeltaFrom, SessionHandle, Store, StoreConfig};
 use netram_proto::{
     decode_reply, DeleteStatus, DeltaStatus, ErrorCode, GetResult, Member, OwnedRecord, Page,
     PageKey, ParityOp, PutStatus, Record, Reply, Request, PAGE_SIZE,
@@ -31,6 +31,16 @@ fn addr(i: usize) -> SocketAddr {
 
 fn data(b: u8) -> Vec<u8> {
     (0..PAGE_SIZE).map(|i| b.wrapping_add(i as u8)).collect()
+}
+
+/// Node `i`'s node id, as its certificate would name it.
+fn node(i: usize) -> u64 {
+    i as u64 + 1
+}
+
+/// A delta as node `i` forwards it: a server, checked against the member's node id.
+fn from(i: usize) -> DeltaFrom {
+    DeltaFrom::Peer(crate::Peer::Server(node(i)))
 }
 
 fn key(p: u64) -> PageKey {
@@ -88,7 +98,7 @@ impl Cluster {
                     if self.down.contains(&j) {
                         return DeltaOutcome::Unreachable;
                     }
-                    match self.nodes[j].store.apply_delta(&d.as_delta()) {
+                    match self.nodes[j].store.apply_delta(&d.as_delta(), from(i)) {
                         DeltaStatus::Applied => DeltaOutcome::Applied,
                         DeltaStatus::UnknownGroup | DeltaStatus::Stale => {
                             DeltaOutcome::UnknownGroup
@@ -152,6 +162,7 @@ impl Cluster {
             .iter()
             .map(|&(i, p)| Member {
                 server: addr(i),
+                node: node(i),
                 key: key(p),
                 version: self.record(i, p).version,
             })
@@ -396,8 +407,14 @@ fn a_repeated_delta_is_answered_without_being_applied_twice() {
     };
     let owned = fwd.deltas[0].1.clone();
     let delta = owned.as_delta();
-    assert_eq!(c.nodes[2].store.apply_delta(&delta), DeltaStatus::Applied);
-    assert_eq!(c.nodes[2].store.apply_delta(&delta), DeltaStatus::Applied);
+    assert_eq!(
+        c.nodes[2].store.apply_delta(&delta, from(0)),
+        DeltaStatus::Applied
+    );
+    assert_eq!(
+        c.nodes[2].store.apply_delta(&delta, from(0)),
+        DeltaStatus::Applied
+    );
     assert_eq!(c.nodes[2].store.counters().parity_deltas_repeated, 1);
     finish_forward(
         &mut c.nodes[0].store,
@@ -415,7 +432,10 @@ fn a_repeated_delta_is_answered_without_being_applied_twice() {
         to: 8,
         ..delta
     };
-    assert_eq!(c.nodes[2].store.apply_delta(&stale), DeltaStatus::Stale);
+    assert_eq!(
+        c.nodes[2].store.apply_delta(&stale, from(0)),
+        DeltaStatus::Stale
+    );
     assert_eq!(c.nodes[2].store.counters().parity_deltas_stale, 1);
     c.check();
 }
@@ -560,7 +580,7 @@ fn an_overwrite_whose_holder_applied_it_but_was_unheard_leaves_a_damaged_group_a
     };
     let delta = fwd.deltas[0].1.clone();
     assert_eq!(
-        c.nodes[4].store.apply_delta(&delta.as_delta()),
+        c.nodes[4].store.apply_delta(&delta.as_delta(), from(0)),
         DeltaStatus::Applied
     );
     finish_forward(

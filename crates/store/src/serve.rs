@@ -9,7 +9,7 @@
 //! writes the reply. Nothing changes before the holders have answered, so a holder that cannot
 //! be reached leaves the page as it was, and the client is told.
 
-use crate::{ParityTag, SessionHandle, Store};
+use crate::{DeltaFrom, ParityTag, SessionHandle, Store};
 use netram_proto::{
     begin_get_reply, get_reply_found, get_reply_missing, Counter, DeleteStatus, Delta, DeltaKind,
     ErrorCode, Load, OwnedRecord, Owner, PageFlags, PageKey, ParityOp, PutStatus, Record, Reply,
@@ -188,11 +188,16 @@ pub fn handle_request<A: AsRef<[u8]> + AsMut<[u8]>>(
                 return Outcome::Open;
             }
             let me = store.owner(h);
+            let peer = store.peer(h);
             let status = deltas
                 .iter()
                 .map(|d| {
-                    let owner = if d.owner == Owner::SELF { me } else { d.owner };
-                    store.apply_delta(&Delta { owner, ..*d })
+                    let (owner, from) = if d.owner == Owner::SELF {
+                        (me, DeltaFrom::Owner)
+                    } else {
+                        (d.owner, DeltaFrom::Peer(peer))
+                    };
+                    store.apply_delta(&Delta { owner, ..*d }, from)
                 })
                 .collect();
             Reply::ParityDelta {

@@ -2,7 +2,7 @@
 //! through evictions and fetches, from one thread and from several.
 
 use super::*;
-use netram_client::{ClientConfig, TcpTransport};
+use netram_client::TcpTransport;
 use netram_cluster::LocalCluster;
 use netram_pager::{MemDisk, PagerConfig};
 use std::collections::{HashSet, VecDeque};
@@ -20,7 +20,7 @@ fn region_with_cache(
     budget_pages: usize,
     cache_pages: usize,
 ) -> Region<TcpTransport, MemDisk> {
-    let t = TcpTransport::connect(&cluster.addrs(), &ClientConfig::new());
+    let t = TcpTransport::connect(&cluster.addrs(), &cluster.client());
     let cfg = PagerConfig {
         pages: PAGES as u64,
         cache_pages,
@@ -212,7 +212,7 @@ fn threads_fault_at_once() {
 #[test]
 fn bad_sizes_are_refused() {
     let cluster = LocalCluster::start(1, 1 << 20, false).unwrap();
-    let t = TcpTransport::connect(&cluster.addrs(), &ClientConfig::new());
+    let t = TcpTransport::connect(&cluster.addrs(), &cluster.client());
     let cfg = PagerConfig {
         pages: 4,
         ..Default::default()
@@ -560,7 +560,7 @@ fn system_calls_fault_pages_in() {
 #[test]
 fn a_spinning_handler_serves_faults() {
     let cluster = LocalCluster::start(2, 8 << 20, false).unwrap();
-    let t = TcpTransport::connect(&cluster.addrs(), &ClientConfig::new());
+    let t = TcpTransport::connect(&cluster.addrs(), &cluster.client());
     let cfg = PagerConfig {
         pages: PAGES as u64,
         cache_pages: 32,

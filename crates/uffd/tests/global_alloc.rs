@@ -1,7 +1,7 @@
 //! A Rust program whose large allocations live on a region, through the global allocator
 //! adapter: a vector four times the local budget is filled, sorted and checked.
 
-use netram_client::{ClientConfig, TcpTransport};
+use netram_client::TcpTransport;
 use netram_cluster::LocalCluster;
 use netram_pager::{MemDisk, Pager, PagerConfig};
 use netram_uffd::{NetramAlloc, Region, RegionHeap};
@@ -12,7 +12,7 @@ static ALLOC: NetramAlloc<TcpTransport, MemDisk> = NetramAlloc::new(1 << 20);
 #[test]
 fn large_allocations_live_on_the_region() {
     let cluster = LocalCluster::start(2, 64 << 20, false).unwrap();
-    let t = TcpTransport::connect(&cluster.addrs(), &ClientConfig::new());
+    let t = TcpTransport::connect(&cluster.addrs(), &cluster.client());
     let size = 64 << 20;
     let cfg = PagerConfig {
         pages: (size / 4096) as u64,

@@ -4,11 +4,69 @@
 
 use std::io::BufRead;
 use std::io::BufReader;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::mpsc;
+use std::sync::{mpsc, OnceLock};
 use std::time::{Duration, Instant};
 
 pub const NETRAM: &str = env!("CARGO_BIN_EXE_netram");
+
+/// The tests' cluster, made by `netram cluster init` itself (once per test process, under
+/// cargo's scratch directory for tests): every server the tests start, every client and
+/// every tool authenticates with it, as a real cluster does.
+pub fn tls_dir() -> &'static Path {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| {
+        let dir =
+            Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("cluster-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let out = Command::new(NETRAM)
+            .args(["cluster", "init"])
+            .arg(&dir)
+            .output()
+            .expect("run netram cluster init");
+        assert!(
+            out.status.success(),
+            "netram cluster init: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        dir
+    })
+}
+
+/// `netram` with this test process's credentials (`NETRAM_TLS`), for it and what it starts.
+pub fn netram() -> Command {
+    let mut c = Command::new(NETRAM);
+    c.env("NETRAM_TLS", tls_dir());
+    c
+}
+
+/// `cmd` (which starts `netram`, e.g. under `timeout`) with the tests' credentials.
+pub fn netram_env(mut cmd: Command) -> Command {
+    cmd.env("NETRAM_TLS", tls_dir());
+    cmd
+}
+
+/// A client of the tests' servers (a fresh identity).
+pub fn client() -> netram_client::ClientConfig {
+    netram_client::ClientConfig {
+        security: security(),
+        ..netram_client::ClientConfig::new()
+    }
+}
+
+/// A client of the tests' servers that keeps node id `node` across restarts.
+pub fn client_node(node: u64) -> netram_client::ClientConfig {
+    netram_client::ClientConfig {
+        security: security(),
+        ..netram_client::ClientConfig::with_node(node)
+    }
+}
+
+/// How the tests' own pagers reach the servers.
+pub fn security() -> netram_client::Security {
+    netram_client::security(Some(tls_dir()), false).expect("the tests' credentials")
+}
 
 /// The `netram` whose servers the tests start: this build, or the one `NETRAM_TEST_SERVER`
 /// names, to check that a test fails against a build without its fix (the clients, `netram
@@ -20,7 +78,12 @@ fn server_exe() -> String {
 /// Starts `netram ARGS` and reads the first line it prints, which must start with `prefix`;
 /// returns the child and the rest of that line.
 pub fn spawn_reporting(args: &[&str], prefix: &str) -> (Child, String) {
-    let mut child = Command::new(server_exe())
+    let mut cmd = Command::new(server_exe());
+    // The tests' credentials, unless the process is told to run in clear.
+    if !args.contains(&"--insecure") {
+        cmd.env("NETRAM_TLS", tls_dir());
+    }
+    let mut child = cmd
         .args(args)
         .stdout(Stdio::piped())
         .stderr(if std::env::var_os("NETRAM_TEST_STDERR").is_some() {
@@ -59,6 +122,8 @@ pub fn spawn_reporting(args: &[&str], prefix: &str) -> (Child, String) {
 pub struct ServerProcess {
     pub child: Child,
     pub addr: String,
+    /// Started `--insecure`: in clear TCP.
+    pub insecure: bool,
 }
 
 impl ServerProcess {
@@ -66,7 +131,11 @@ impl ServerProcess {
         let mut all = vec!["serve", "--listen", "127.0.0.1:0"];
         all.extend_from_slice(args);
         let (child, addr) = spawn_reporting(&all, "netram serve: listening on ");
-        Self { child, addr }
+        Self {
+            child,
+            addr,
+            insecure: args.contains(&"--insecure"),
+        }
     }
 
     /// Starts a server on a given address (a restart on the address of one that died).
@@ -74,7 +143,11 @@ impl ServerProcess {
         let mut all = vec!["serve", "--listen", addr];
         all.extend_from_slice(args);
         let (child, addr) = spawn_reporting(&all, "netram serve: listening on ");
-        Self { child, addr }
+        Self {
+            child,
+            addr,
+            insecure: args.contains(&"--insecure"),
+        }
     }
 
     pub fn pid(&self) -> i32 {
@@ -109,8 +182,17 @@ impl ServerProcess {
     }
 
     pub fn stat(&self, name: &str) -> u64 {
-        let out = Command::new(NETRAM)
-            .args(["stats", &self.addr, "--json"])
+        let mut cmd = if self.insecure {
+            let mut c = Command::new(NETRAM);
+            c.args(["stats", "--insecure"]);
+            c
+        } else {
+            let mut c = netram();
+            c.arg("stats");
+            c
+        };
+        let out = cmd
+            .args([&self.addr, "--json"])
             .output()
             .expect("run netram stats");
         assert!(

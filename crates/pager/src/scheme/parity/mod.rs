@@ -456,6 +456,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             .iter()
             .map(|m| Member {
                 server: addrs[m.server],
+                node: self.servers[m.server].info.node,
                 key: PageKey::new(self.cfg.region, m.page),
                 version: m.version,
             })

@@ -1,0 +1,424 @@
+//! "Trust nobody on the wire", against running `netram serve` processes over TLS: each attack
+//! the issue lists, made by a client with a certificate of the cluster (or without one), must
+//! fail with a clear, counted refusal while the legitimate client keeps its pages.
+//!
+//! Every connection here is the real one: TCP, mutual TLS against the tests' cluster CA
+//! (`netram cluster init`), HELLO and WELCOME inside TLS, then sealed frames
+//! (`netram_net::record`) built by hand, so that an attacker can say anything a peer can.
+
+mod common;
+
+use common::{ServerProcess, NETRAM};
+use netram_net::{handshake, reserve_tags, FrameKeys, HandshakeError, Security};
+use netram_proto::{
+    decode_reply, Delta, DeltaKind, DeltaStatus, GetResult, Hello, Member, OwnedRecord, Owner,
+    Page, PageKey, ParityOp, PutStatus, Record, Reply, Request, PAGE_SIZE,
+};
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::path::Path;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+/// Credentials of node `node` of the tests' cluster, issued by `netram keygen`.
+fn node_creds(node: u64, server: bool) -> (tempfile::TempDir, Security) {
+    let dir = tempfile::tempdir().unwrap();
+    let mut cmd = Command::new(NETRAM);
+    cmd.args(["keygen", "--cluster"])
+        .arg(common::tls_dir())
+        .args(["--node", &node.to_string(), "--out"])
+        .arg(dir.path());
+    if server {
+        cmd.arg("--server");
+    }
+    let out = cmd.output().unwrap();
+    assert!(
+        out.status.success(),
+        "netram keygen: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let sec = netram_client::security(Some(dir.path()), false).unwrap();
+    (dir, sec)
+}
+
+/// A connection that speaks the protocol by hand over TLS: one request, one reply.
+struct Conn {
+    s: TcpStream,
+    keys: FrameKeys,
+    next: u64,
+}
+
+impl Conn {
+    fn open(addr: &str, sec: &Security, hello: &Hello) -> Result<Self, HandshakeError> {
+        let addr: SocketAddr = addr.parse().unwrap();
+        let c = handshake(addr, hello, Duration::from_secs(10), sec)?;
+        Ok(Self {
+            s: c.stream,
+            keys: c.keys.expect("TLS"),
+            next: 1,
+        })
+    }
+
+    /// The request sealed as a record, not sent.
+    fn seal(&mut self, req: &Request<'_>) -> Vec<u8> {
+        let mut f = Vec::new();
+        req.encode(self.next, &mut f);
+        self.next += 1;
+        reserve_tags(&mut f, 0);
+        self.keys.send.seal_all(&mut f);
+        f
+    }
+
+    fn call(&mut self, req: &Request<'_>) -> Vec<u8> {
+        let f = self.seal(req);
+        self.s.write_all(&f).unwrap();
+        let mut len = [0u8; 4];
+        self.s.read_exact(&mut len).unwrap();
+        let mut rec = len.to_vec();
+        rec.resize(4 + u32::from_le_bytes(len) as usize, 0);
+        self.s.read_exact(&mut rec[4..]).unwrap();
+        let n = self
+            .keys
+            .recv
+            .open(&mut rec)
+            .expect("the server's records open");
+        rec.truncate(n);
+        rec
+    }
+
+    fn put(&mut self, key: PageKey, version: u32, data: &[u8]) -> PutStatus {
+        let f = self.call(&Request::Put(vec![Page::seal(key, version, data)]));
+        match decode_reply(&f).unwrap().1 {
+            Reply::Put { status, .. } => status[0],
+            r => panic!("PUT answered {r:?}"),
+        }
+    }
+
+    /// The page's data, or `None` when the server says it has no such page.
+    fn get(&mut self, key: PageKey) -> Option<Vec<u8>> {
+        let f = self.call(&Request::Get(vec![key]));
+        match decode_reply(&f).unwrap().1 {
+            Reply::Get { pages, .. } => match pages[0] {
+                GetResult::Found(p) => Some(p.data.to_vec()),
+                GetResult::Missing(_) => None,
+            },
+            r => panic!("GET answered {r:?}"),
+        }
+    }
+
+    /// Whether the server has closed the connection (reads EOF or an error within `wait`).
+    fn closed_within(&mut self, wait: Duration) -> bool {
+        self.s.set_read_timeout(Some(wait)).unwrap();
+        let mut b = [0u8; 64];
+        matches!(self.s.read(&mut b), Ok(0) | Err(_))
+    }
+}
+
+fn page(seed: u8) -> Vec<u8> {
+    (0..PAGE_SIZE)
+        .map(|i| (i as u8).wrapping_mul(seed))
+        .collect()
+}
+
+/// Waits until `f` holds, for at most ten seconds.
+fn eventually(what: &str, mut f: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !f() {
+        assert!(Instant::now() < deadline, "{what}: not within 10 s");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// Copying another client's handshake — its node id, incarnation and session id — gets the
+/// copier a session of its own: it cannot read, overwrite or delete the other's pages, its
+/// higher incarnations (u64::MAX included) free nothing of the other's and lock it out of
+/// nothing, and only the owner resumes its session.
+#[test]
+fn another_node_cannot_resume_supersede_or_touch_a_clients_session() {
+    let server = ServerProcess::start(&["--capacity", "16M"]);
+    let (_a_dir, alice) = node_creds(11, false);
+    let (_b_dir, mallory) = node_creds(12, false);
+    let hello = Hello::new(0xa11ce, 5, 0x5e55_1011);
+    let key = PageKey::new(1, 7);
+    let data = page(3);
+    let mut a = Conn::open(&server.addr, &alice, &hello).unwrap();
+    assert_eq!(a.put(key, 1, &data), PutStatus::Stored);
+
+    // Mallory copies Alice's handshake byte for byte: a session of Mallory's own.
+    let mut m = Conn::open(&server.addr, &mallory, &hello).unwrap();
+    assert_eq!(m.get(key), None, "another node reads nothing of Alice's");
+    let f = m.call(&Request::Delete(vec![key]));
+    assert!(matches!(
+        decode_reply(&f).unwrap().1,
+        Reply::Delete { status, .. } if status == [netram_proto::DeleteStatus::Missing]
+    ));
+    assert_eq!(
+        m.put(key, 9, &page(9)),
+        PutStatus::Stored,
+        "into its own session"
+    );
+    // Newer incarnations under Alice's node id, up to the last one there is.
+    for inc in [6, u64::MAX] {
+        Conn::open(&server.addr, &mallory, &Hello::new(0xa11ce, inc, 1)).unwrap();
+    }
+    assert_eq!(a.get(key), Some(data.clone()), "Alice's page is untouched");
+    // Alice resumes her own session from a new connection, and opens new ones at her
+    // incarnation: nobody locked her out.
+    drop(a);
+    let mut a = Conn::open(&server.addr, &alice, &hello).unwrap();
+    assert_eq!(a.get(key), Some(data.clone()), "resumed by its owner");
+    Conn::open(&server.addr, &alice, &Hello::new(0xa11ce, 5, 2)).unwrap();
+    assert!(server.stat("sessions_resumed") >= 1);
+    // Mallory's incarnations superseded Mallory's sessions only.
+    assert_eq!(server.stat("sessions_superseded"), 2);
+    assert_eq!(server.stat("handshakes_refused_stale_incarnation"), 0);
+    assert_eq!(a.get(key), Some(data));
+}
+
+/// A parity delta naming another client as its owner is refused unless it comes from the
+/// server that client placed the member on: from a client, from a server of the cluster that
+/// does not store the member, and from the right server for a page that is not the member.
+#[test]
+fn forged_parity_deltas_are_refused_and_the_group_is_unharmed() {
+    let member = ServerProcess::start(&["--capacity", "16M"]);
+    let holder = ServerProcess::start(&["--capacity", "16M"]);
+    let (_a_dir, alice) = node_creds(21, false);
+    let (_c_dir, carol) = node_creds(22, false);
+    let (_r_dir, rogue) = node_creds(23, true);
+    let hello = Hello::new(0xbee, 3, 44);
+    let key = PageKey::new(1, 1);
+    let data = page(5);
+    let (maddr, haddr): (SocketAddr, SocketAddr) =
+        (member.addr.parse().unwrap(), holder.addr.parse().unwrap());
+    let mut m = Conn::open(&member.addr, &alice, &hello).unwrap();
+    let mut h = Conn::open(&holder.addr, &alice, &hello).unwrap();
+    let join = ParityOp::Join {
+        holder: haddr,
+        group: 1,
+        member: maddr,
+    };
+    let f = m.call(&Request::PutParity(vec![(Page::seal(key, 1, &data), join)]));
+    assert!(
+        matches!(decode_reply(&f).unwrap().1, Reply::Put { status, .. } if status == [PutStatus::Stored])
+    );
+    let mut parity = OwnedRecord::default();
+    parity.xor(&Record::of(&Page::seal(key, 1, &data)));
+    // Alice names the member's server by the node id its certificate carries (the tests'
+    // servers are all node 1).
+    let ship = Request::ParityShip {
+        group: 1,
+        max_members: 4,
+        members: vec![Member {
+            server: maddr,
+            node: 1,
+            key,
+            version: 1,
+        }],
+        record: parity.as_record(),
+    };
+    assert!(matches!(
+        decode_reply(&h.call(&ship)).unwrap().1,
+        Reply::Put { status, .. } if status == [PutStatus::Stored]
+    ));
+    let garbage = vec![0x5a; PAGE_SIZE];
+    let forged = |k: PageKey| Delta {
+        owner: Owner {
+            principal: 21,
+            node: 0xbee,
+            incarnation: 3,
+        },
+        group: 1,
+        member: maddr,
+        key: k,
+        from: 1,
+        to: 2,
+        kind: DeltaKind::Update,
+        record: Record {
+            version: 3,
+            crc: 7,
+            flags: 0,
+            data: &garbage,
+        },
+    };
+    let other = PageKey::new(1, 2);
+    for (who, sec, k) in [
+        ("a client", &carol, key),
+        ("a server that does not store the member", &rogue, key),
+        (
+            "a server, naming a page that is not the member",
+            &rogue,
+            other,
+        ),
+    ] {
+        let mut x = Conn::open(&holder.addr, sec, &Hello::new(99, 1, 1)).unwrap();
+        let f = x.call(&Request::ParityDelta(vec![forged(k)]));
+        let Reply::ParityDelta { status, .. } = decode_reply(&f).unwrap().1 else {
+            panic!("{who}: not a delta reply")
+        };
+        assert_eq!(status, [DeltaStatus::UnknownGroup], "{who}");
+        // A Drop is the owner's alone, whoever sends it.
+        let drop = Delta {
+            kind: DeltaKind::Drop,
+            ..forged(key)
+        };
+        let f = x.call(&Request::ParityDelta(vec![drop]));
+        assert!(
+            matches!(decode_reply(&f).unwrap().1, Reply::ParityDelta { status, .. } if status == [DeltaStatus::UnknownGroup]),
+            "{who}: drop"
+        );
+    }
+    assert_eq!(holder.stat("parity_deltas_applied"), 0);
+    assert!(holder.stat("parity_deltas_refused") >= 3, "counted");
+    // The group is whole: not damaged, and its parity still rebuilds Alice's page.
+    let f = h.call(&Request::ParityScan {
+        dead: maddr,
+        max: 8,
+    });
+    let Reply::ParityScan { groups, .. } = decode_reply(&f).unwrap().1 else {
+        panic!("scan")
+    };
+    assert_eq!(groups.len(), 1);
+    assert!(!groups[0].damaged);
+    let rebuilt = groups[0].record.page(key);
+    assert!(rebuilt.verify() && rebuilt.data == &data[..]);
+    // And the member's own server still reaches the holder: Alice's overwrite is applied.
+    let f = m.call(&Request::PutParity(vec![(
+        Page::seal(key, 2, &page(6)),
+        ParityOp::Keep,
+    )]));
+    assert!(
+        matches!(decode_reply(&f).unwrap().1, Reply::Put { status, .. } if status == [PutStatus::Stored])
+    );
+    assert_eq!(holder.stat("parity_deltas_applied"), 1);
+}
+
+/// Nothing but a node of the cluster gets past the handshake, at any step of it, and nothing
+/// but its own sealed records after it; the client that is one keeps being served.
+#[test]
+fn an_unauthenticated_peer_is_refused_at_every_step() {
+    let server = ServerProcess::start(&["--capacity", "16M"]);
+    let (_dir, client) = node_creds(31, false);
+    let mut good = Conn::open(&server.addr, &client, &Hello::new(1, 1, 1)).unwrap();
+    let key = PageKey::new(1, 1);
+    assert_eq!(good.put(key, 1, &page(7)), PutStatus::Stored);
+    let mut refused = 0;
+
+    // A HELLO in clear: the server wants TLS.
+    let e = Conn::open(&server.addr, &Security::Insecure, &Hello::new(2, 1, 1)).err();
+    assert!(matches!(e, Some(HandshakeError::ClosedInClear)), "{e:?}");
+    refused += 1;
+    // A certificate of another cluster.
+    let other = tempfile::tempdir().unwrap();
+    let out = Command::new(NETRAM)
+        .args(["cluster", "init"])
+        .arg(other.path())
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let stranger = netram_client::security(Some(other.path()), false).unwrap();
+    let e = Conn::open(&server.addr, &stranger, &Hello::new(3, 1, 1)).err();
+    assert!(matches!(e, Some(HandshakeError::Tls(_))), "{e:?}");
+    refused += 1;
+    // Bytes that are no TLS at all, and a TLS record header that stops half way.
+    for junk in [
+        &b"GET / HTTP/1.1\r\n\r\n"[..],
+        &[0x16, 0x03, 0x01, 0x02][..],
+    ] {
+        let mut s = TcpStream::connect(&server.addr).unwrap();
+        s.write_all(junk).unwrap();
+        s.shutdown(std::net::Shutdown::Write).unwrap();
+        let _ = s.read_to_end(&mut Vec::new());
+        refused += 1;
+    }
+    eventually("every refusal counted", || {
+        server.stat("handshakes_tls_failed") >= refused
+    });
+
+    // After the handshake: a record changed on the way, and a record replayed.
+    let mut x = Conn::open(&server.addr, &client, &Hello::new(4, 1, 1)).unwrap();
+    let mut f = x.seal(&Request::Stats);
+    let n = f.len();
+    f[n - 20] ^= 1;
+    x.s.write_all(&f).unwrap();
+    assert!(
+        x.closed_within(Duration::from_secs(10)),
+        "a changed record closes"
+    );
+    let mut y = Conn::open(&server.addr, &client, &Hello::new(5, 1, 1)).unwrap();
+    let f = y.seal(&Request::Get(vec![key]));
+    y.s.write_all(&f).unwrap();
+    y.s.write_all(&f).unwrap();
+    let mut len = [0u8; 4];
+    y.s.read_exact(&mut len).unwrap(); // the first is answered
+    let mut rest = vec![0u8; u32::from_le_bytes(len) as usize];
+    y.s.read_exact(&mut rest).unwrap();
+    assert!(
+        y.closed_within(Duration::from_secs(10)),
+        "a replayed record closes"
+    );
+    eventually("both counted", || {
+        server.stat("frames_rejected_unauthenticated") == 2
+    });
+    assert_eq!(
+        good.get(key),
+        Some(page(7)),
+        "the good client is still served"
+    );
+}
+
+/// A revoked node: refused at its next handshake, and its connections closed within seconds
+/// of the new revocation list reaching the daemon.
+#[test]
+fn a_revoked_node_is_refused_and_its_connections_closed() {
+    // The daemon reads the revocation list of its own directory: a copy of the tests'
+    // cluster, so that revoking here touches no other test.
+    let cluster = tempfile::tempdir().unwrap();
+    for f in std::fs::read_dir(common::tls_dir()).unwrap() {
+        let f = f.unwrap().path();
+        std::fs::copy(&f, cluster.path().join(f.file_name().unwrap())).unwrap();
+    }
+    let server = ServerProcess::start(&[
+        "--capacity",
+        "16M",
+        "--tls",
+        cluster.path().to_str().unwrap(),
+    ]);
+    let issue = |node: u64, dir: &Path| {
+        let out = Command::new(NETRAM)
+            .args(["keygen", "--cluster"])
+            .arg(cluster.path())
+            .args(["--node", &node.to_string(), "--out"])
+            .arg(dir)
+            .output()
+            .unwrap();
+        assert!(out.status.success());
+        netram_client::security(Some(dir), false).unwrap()
+    };
+    let (dd, gd) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let doomed = issue(41, dd.path());
+    let good = issue(42, gd.path());
+    let mut d = Conn::open(&server.addr, &doomed, &Hello::new(1, 1, 1)).unwrap();
+    let mut g = Conn::open(&server.addr, &good, &Hello::new(2, 1, 1)).unwrap();
+    let key = PageKey::new(1, 1);
+    assert_eq!(d.put(key, 1, &page(1)), PutStatus::Stored);
+    assert_eq!(g.put(key, 1, &page(2)), PutStatus::Stored);
+    let out = Command::new(NETRAM)
+        .args(["revoke", "--cluster"])
+        .arg(cluster.path())
+        .args(["--node", "41"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        d.closed_within(Duration::from_secs(10)),
+        "its connection is closed"
+    );
+    assert_eq!(server.stat("connections_closed_revoked"), 1);
+    let e = Conn::open(&server.addr, &doomed, &Hello::new(1, 1, 1)).err();
+    assert!(matches!(e, Some(HandshakeError::Tls(_))), "{e:?}");
+    assert_eq!(g.get(key), Some(page(2)), "the other node is still served");
+}

@@ -1,0 +1,433 @@
+//! Who is at the other end of a connection: mutual TLS 1.3 against the cluster's CA, before a
+//! byte of netram's own protocol is read (GMS §6: a node must not have to trust every other).
+//!
+//! Every connection, client to server and server to server, opens with a TLS handshake in
+//! which both ends present a certificate of the cluster (`pki.rs`); the revocation list is
+//! checked on both sides. The HELLO and WELCOME then travel inside TLS, so a session's ids are
+//! never seen on the wire, and both ends derive the keys of netram's sealed frames from the TLS
+//! exporter (`record.rs`), leaving rustls behind for the frames themselves.
+//!
+//! Why mutual TLS rather than a Noise handshake (`snow`, a pre-shared key and a static key per
+//! node, as WireGuard does): the costs on the GET path are the same once records are sealed by
+//! netram (`record.rs`: the cipher alone), and the handshake's cost (about 0.35 ms, once per
+//! connection) does not matter. What decides is the operator: one cluster CA issues a
+//! certificate per node (its node id and role inside, signed, so that no one else can claim
+//! them), a node is revoked with a standard CRL that every daemon reloads, nothing about the
+//! other nodes has to be copied to every machine when one joins, and the NBD front end's TLS
+//! (which nbd-client, qemu-nbd and libnbd speak with X.509 certificates) uses the same files.
+//! With Noise, node ids bound to keys need either a list of every node's key on every node or
+//! signatures over keys: a certificate authority written by hand.
+
+use crate::pki::{self, NodePem, SERVER_NAME};
+use crate::record::{RecordKey, KEY_LEN};
+use rustls::client::danger::ServerCertVerifier;
+use rustls::client::{Resumption, WebPkiServerVerifier};
+use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::{CertificateDer, CertificateRevocationListDer, PrivateKeyDer, ServerName};
+use rustls::server::WebPkiClientVerifier;
+use rustls::{ClientConfig, ClientConnection, Connection, RootCertStore, ServerConfig};
+use std::io::{self, Read, Write};
+use std::net::TcpStream;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Instant, SystemTime};
+
+/// The exporter label of netram's frame keys (RFC 8446 §7.5).
+const EXPORTER_LABEL: &[u8] = b"EXPORTER-netram-frames-v1";
+
+#[derive(Debug, thiserror::Error)]
+pub enum TlsError {
+    #[error("{path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+    #[error("{path}: {what}")]
+    Bad { path: PathBuf, what: String },
+    #[error("TLS: {0}")]
+    Rustls(#[from] rustls::Error),
+    #[error("TLS configuration: {0}")]
+    Verifier(String),
+    #[error("the certificate names no node id ({0})")]
+    NoNodeId(String),
+    #[error("handshake: {0}")]
+    Handshake(#[source] io::Error),
+    #[error("the peer sent more than its handshake message before the frames began")]
+    Overrun,
+}
+
+/// What a certificate says about its holder, once TLS has verified it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PeerIdentity {
+    pub node: u64,
+    /// Certified as a server (`server.netram`): may store pages and forward parity deltas.
+    pub server: bool,
+    /// The certificate's serial number, to close its connections if it is revoked later.
+    pub serial: Vec<u8>,
+}
+
+/// The identity a certificate carries.
+pub fn identity_of(der: &CertificateDer<'_>) -> Result<PeerIdentity, TlsError> {
+    let ee = webpki::EndEntityCert::try_from(der)
+        .map_err(|e| TlsError::Verifier(format!("certificate: {e}")))?;
+    let mut node = None;
+    let mut server = false;
+    let mut names = Vec::new();
+    for n in ee.valid_dns_names() {
+        names.push(n.to_string());
+        if n == SERVER_NAME {
+            server = true;
+        } else if let Some(id) = n.strip_suffix(".node.netram") {
+            node = id.parse::<u64>().ok().or(node);
+        }
+    }
+    Ok(PeerIdentity {
+        node: node.ok_or_else(|| TlsError::NoNodeId(names.join(", ")))?,
+        server,
+        serial: ee.serial().to_vec(),
+    })
+}
+
+/// A node's credentials, ready to open and accept connections.
+pub struct Credentials {
+    /// This node, as its own certificate says.
+    pub identity: PeerIdentity,
+    client: Arc<ClientConfig>,
+    server: Arc<ServerConfig>,
+    /// The revocation lists, to look up the serials of connections already established.
+    crls: Vec<webpki::CertRevocationList<'static>>,
+    /// Where the revocation list was read from, and when it was written: reloaded when it
+    /// changes.
+    crl_file: Option<(PathBuf, Option<SystemTime>)>,
+    pem: NodePem,
+}
+
+impl std::fmt::Debug for Credentials {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Credentials")
+            .field("identity", &self.identity)
+            .field("crl_file", &self.crl_file)
+            .finish_non_exhaustive()
+    }
+}
+
+fn bad(path: &Path, what: impl std::fmt::Display) -> TlsError {
+    TlsError::Bad {
+        path: path.to_owned(),
+        what: what.to_string(),
+    }
+}
+
+impl Credentials {
+    /// Credentials from PEM text (the embedded cluster's, made in memory).
+    pub fn from_pem(pem: &NodePem) -> Result<Self, TlsError> {
+        Self::build(pem.clone(), Path::new("(in memory)"), None)
+    }
+
+    /// A node's credentials from its directory (`ca.pem`, `crl.pem`, `node.pem`, `node.key`,
+    /// as `netram cluster init` and `netram keygen` write them).
+    pub fn load(dir: &Path) -> Result<Self, TlsError> {
+        let read = |name: &str| {
+            let path = dir.join(name);
+            std::fs::read_to_string(&path).map_err(|source| TlsError::Io { path, source })
+        };
+        let crl_path = dir.join(pki::CRL);
+        let crl = match std::fs::read_to_string(&crl_path) {
+            Ok(t) => t,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => String::new(),
+            Err(source) => {
+                return Err(TlsError::Io {
+                    path: crl_path,
+                    source,
+                })
+            }
+        };
+        let pem = NodePem {
+            cert: read(pki::NODE_CERT)?,
+            key: read(pki::NODE_KEY)?,
+            ca: read(pki::CA_CERT)?,
+            crl,
+            serial: Vec::new(),
+        };
+        let mtime = std::fs::metadata(&crl_path).and_then(|m| m.modified()).ok();
+        Self::build(pem, dir, Some((crl_path, mtime)))
+    }
+
+    fn build(
+        pem: NodePem,
+        dir: &Path,
+        crl_file: Option<(PathBuf, Option<SystemTime>)>,
+    ) -> Result<Self, TlsError> {
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let chain: Vec<CertificateDer<'static>> =
+            CertificateDer::pem_slice_iter(pem.cert.as_bytes())
+                .collect::<Result<_, _>>()
+                .map_err(|e| bad(&dir.join(pki::NODE_CERT), e))?;
+        let own = chain
+            .first()
+            .ok_or_else(|| bad(&dir.join(pki::NODE_CERT), "no certificate"))?;
+        let identity = identity_of(own)?;
+        let key = PrivateKeyDer::from_pem_slice(pem.key.as_bytes())
+            .map_err(|e| bad(&dir.join(pki::NODE_KEY), e))?;
+        let mut roots = RootCertStore::empty();
+        for ca in CertificateDer::pem_slice_iter(pem.ca.as_bytes()) {
+            let ca = ca.map_err(|e| bad(&dir.join(pki::CA_CERT), e))?;
+            roots.add(ca).map_err(|e| bad(&dir.join(pki::CA_CERT), e))?;
+        }
+        if roots.is_empty() {
+            return Err(bad(&dir.join(pki::CA_CERT), "no CA certificate"));
+        }
+        let crls: Vec<CertificateRevocationListDer<'static>> =
+            CertificateRevocationListDer::pem_slice_iter(pem.crl.as_bytes())
+                .collect::<Result<_, _>>()
+                .map_err(|e| bad(&dir.join(pki::CRL), e))?;
+        let parsed = crls
+            .iter()
+            .map(|c| {
+                webpki::OwnedCertRevocationList::from_der(c)
+                    .map(webpki::CertRevocationList::from)
+                    .map_err(|e| bad(&dir.join(pki::CRL), format!("{e:?}")))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let roots = Arc::new(roots);
+        let verify_clients =
+            WebPkiClientVerifier::builder_with_provider(roots.clone(), provider.clone())
+                .with_crls(crls.clone())
+                .build()
+                .map_err(|e| TlsError::Verifier(e.to_string()))?;
+        let mut server = ServerConfig::builder_with_provider(provider.clone())
+            .with_protocol_versions(&[&rustls::version::TLS13])?
+            .with_client_cert_verifier(verify_clients)
+            .with_single_cert(chain.clone(), key.clone_key())?;
+        // Nothing may follow the handshake on the stream but netram's records: no session
+        // tickets (and no resumption: connections are long-lived).
+        server.send_tls13_tickets = 0;
+        server.session_storage = Arc::new(rustls::server::NoServerSessionStorage {});
+        let verify_servers: Arc<dyn ServerCertVerifier> =
+            WebPkiServerVerifier::builder_with_provider(roots, provider.clone())
+                .with_crls(crls)
+                .build()
+                .map_err(|e| TlsError::Verifier(e.to_string()))?;
+        let mut client = ClientConfig::builder_with_provider(provider)
+            .with_protocol_versions(&[&rustls::version::TLS13])?
+            .dangerous()
+            .with_custom_certificate_verifier(verify_servers)
+            .with_client_auth_cert(chain, key)?;
+        client.resumption = Resumption::disabled();
+        Ok(Self {
+            identity,
+            client: Arc::new(client),
+            server: Arc::new(server),
+            crls: parsed,
+            crl_file,
+            pem,
+        })
+    }
+
+    /// The credentials with the revocation list read again, if its file changed since.
+    pub fn reloaded(&self) -> Option<Result<Credentials, TlsError>> {
+        let (path, seen) = self.crl_file.as_ref()?;
+        let now = std::fs::metadata(path).and_then(|m| m.modified()).ok();
+        if now == *seen {
+            return None;
+        }
+        let crl = match std::fs::read_to_string(path) {
+            Ok(t) => t,
+            Err(source) => {
+                return Some(Err(TlsError::Io {
+                    path: path.clone(),
+                    source,
+                }))
+            }
+        };
+        let pem = NodePem {
+            crl,
+            ..self.pem.clone()
+        };
+        let dir = path.parent().unwrap_or(Path::new("."));
+        Some(Self::build(pem, dir, Some((path.clone(), now))))
+    }
+
+    /// Whether the revocation list names this serial number.
+    pub fn is_revoked(&self, serial: &[u8]) -> bool {
+        self.crls
+            .iter()
+            .any(|c| matches!(c.find_serial(serial), Ok(Some(_))))
+    }
+}
+
+/// The keys of a connection's sealed frames, for what this end sends and what it receives.
+#[derive(Debug)]
+pub struct FrameKeys {
+    pub send: RecordKey,
+    pub recv: RecordKey,
+}
+
+fn frame_keys(conn: &Connection, client: bool) -> Result<FrameKeys, TlsError> {
+    let material = match conn {
+        Connection::Client(c) => c.export_keying_material([0u8; 2 * KEY_LEN], EXPORTER_LABEL, None),
+        Connection::Server(s) => s.export_keying_material([0u8; 2 * KEY_LEN], EXPORTER_LABEL, None),
+    }?;
+    let (c2s, s2c) = material.split_at(KEY_LEN);
+    let c2s: &[u8; KEY_LEN] = c2s.try_into().expect("32 bytes");
+    let s2c: &[u8; KEY_LEN] = s2c.try_into().expect("32 bytes");
+    Ok(if client {
+        FrameKeys {
+            send: RecordKey::new(c2s),
+            recv: RecordKey::new(s2c),
+        }
+    } else {
+        FrameKeys {
+            send: RecordKey::new(s2c),
+            recv: RecordKey::new(c2s),
+        }
+    })
+}
+
+/// Runs TLS I/O on a blocking stream until `done` says so, within `deadline`.
+fn drive(
+    conn: &mut Connection,
+    stream: &mut TcpStream,
+    deadline: Instant,
+    mut done: impl FnMut(&mut Connection) -> bool,
+) -> Result<(), TlsError> {
+    while !done(conn) {
+        let left = deadline
+            .checked_duration_since(Instant::now())
+            .filter(|d| !d.is_zero())
+            .ok_or_else(|| {
+                TlsError::Handshake(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    "handshake deadline",
+                ))
+            })?;
+        stream
+            .set_read_timeout(Some(left))
+            .map_err(TlsError::Handshake)?;
+        match conn.complete_io(stream) {
+            Ok((0, 0)) if conn.wants_read() => {
+                return Err(TlsError::Handshake(io::ErrorKind::UnexpectedEof.into()))
+            }
+            Ok(_) => {}
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => {
+                // A TLS alert or a certificate refused surfaces as InvalidData from rustls.
+                return Err(TlsError::Handshake(e));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Reads exactly `buf.len()` bytes of application data, then checks that nothing else came.
+fn read_message(
+    conn: &mut Connection,
+    stream: &mut TcpStream,
+    buf: &mut [u8],
+    deadline: Instant,
+) -> Result<(), TlsError> {
+    let mut got = 0;
+    drive(conn, stream, deadline, |c| loop {
+        match c.reader().read(&mut buf[got..]) {
+            Ok(0) if got < buf.len() => return false,
+            Ok(n) => {
+                got += n;
+                if got == buf.len() {
+                    return true;
+                }
+            }
+            Err(_) => return false,
+        }
+    })?;
+    let mut more = [0u8; 1];
+    match conn.reader().read(&mut more) {
+        Ok(0) | Err(_) => {}
+        Ok(_) => return Err(TlsError::Overrun),
+    }
+    Ok(())
+}
+
+fn write_message(
+    conn: &mut Connection,
+    stream: &mut TcpStream,
+    msg: &[u8],
+    deadline: Instant,
+) -> Result<(), TlsError> {
+    conn.writer().write_all(msg).map_err(TlsError::Handshake)?;
+    drive(conn, stream, deadline, |c| !c.wants_write())
+}
+
+/// The client's side: TLS as `creds`, checking the server's certificate (`server.netram`),
+/// then `hello` out and `reply.len()` bytes (the WELCOME) back, all inside TLS. Returns the
+/// server's identity and the frame keys.
+pub fn connect(
+    stream: &mut TcpStream,
+    creds: &Credentials,
+    hello: &[u8],
+    reply: &mut [u8],
+    deadline: Instant,
+) -> Result<(PeerIdentity, FrameKeys), TlsError> {
+    let name = ServerName::try_from(SERVER_NAME).expect("a DNS name");
+    let mut conn: Connection = ClientConnection::new(creds.client.clone(), name)?.into();
+    drive(&mut conn, stream, deadline, |c| !c.is_handshaking())?;
+    let peer = peer_identity(&conn)?;
+    write_message(&mut conn, stream, hello, deadline)?;
+    read_message(&mut conn, stream, reply, deadline)?;
+    let keys = frame_keys(&conn, true)?;
+    Ok((peer, keys))
+}
+
+/// A server's connection between its TLS handshake and its WELCOME.
+pub struct Accepted {
+    conn: Connection,
+    /// Who connected, as its certificate says.
+    pub peer: PeerIdentity,
+}
+
+impl std::fmt::Debug for Accepted {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Accepted")
+            .field("peer", &self.peer)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The server's side: TLS as `creds`, requiring a client certificate of the cluster (not
+/// revoked), then `hello.len()` bytes (the HELLO) inside TLS.
+pub fn accept(
+    stream: &mut TcpStream,
+    creds: &Credentials,
+    hello: &mut [u8],
+    deadline: Instant,
+) -> Result<Accepted, TlsError> {
+    let mut conn: Connection = rustls::ServerConnection::new(creds.server.clone())?.into();
+    drive(&mut conn, stream, deadline, |c| !c.is_handshaking())?;
+    let peer = peer_identity(&conn)?;
+    read_message(&mut conn, stream, hello, deadline)?;
+    Ok(Accepted { conn, peer })
+}
+
+impl Accepted {
+    /// Sends the WELCOME inside TLS; from here on the stream carries sealed frames.
+    pub fn welcome(
+        mut self,
+        stream: &mut TcpStream,
+        welcome: &[u8],
+        deadline: Instant,
+    ) -> Result<FrameKeys, TlsError> {
+        write_message(&mut self.conn, stream, welcome, deadline)?;
+        frame_keys(&self.conn, false)
+    }
+}
+
+fn peer_identity(conn: &Connection) -> Result<PeerIdentity, TlsError> {
+    let certs = conn
+        .peer_certificates()
+        .ok_or_else(|| TlsError::Verifier("the peer presented no certificate".into()))?;
+    identity_of(
+        certs
+            .first()
+            .ok_or_else(|| TlsError::Verifier("the peer presented no certificate".into()))?,
+    )
+}
