@@ -3,7 +3,7 @@
 //!
 //! * **plain**: clear TCP (`--insecure`), pages in clear with their crc32c — netram before
 //!   "Trust nobody on the wire";
-//! * **sealed pages**: clear TCP, pages sealed end to end (AES-256-GCM on the client) — what
+//! * **sealed pages**: clear TCP, pages sealed end to end (AES-128-GCM on the client) — what
 //!   the page seal alone costs;
 //! * **secure**: mutual TLS, every frame sealed (`netram_net::record`), pages sealed — the
 //!   default of every front end.

@@ -1,4 +1,4 @@
-//! Frames sealed on the wire after a TLS handshake: AES-256-GCM records keyed from the TLS
+//! Frames sealed on the wire after a TLS handshake: AES-128-GCM records keyed from the TLS
 //! session's exporter (RFC 8446 §7.5), one per frame.
 //!
 //! The handshake is TLS 1.3 with a certificate on both ends (`tls.rs`); after it, netram
@@ -23,13 +23,13 @@
 //! sealing a whole buffer of frames moves no byte.
 
 use netram_proto::{frame_len, DecodeError, FRAME_HEADER_LEN, MAX_FRAME_LEN};
-use ring::aead::{Aad, LessSafeKey, Nonce, Tag, UnboundKey, AES_256_GCM};
+use ring::aead::{Aad, LessSafeKey, Nonce, Tag, UnboundKey, AES_128_GCM};
 use std::fmt;
 
 /// Bytes of a record's tag, after its frame.
 pub const TAG_LEN: usize = 16;
 /// Bytes of key material for one direction.
-pub const KEY_LEN: usize = 32;
+pub const KEY_LEN: usize = 16;
 /// The largest record: the largest frame and its tag.
 pub const MAX_RECORD_LEN: usize = MAX_FRAME_LEN + TAG_LEN;
 
@@ -50,7 +50,7 @@ impl fmt::Debug for RecordKey {
 impl RecordKey {
     pub fn new(key: &[u8; KEY_LEN]) -> Self {
         Self {
-            key: LessSafeKey::new(UnboundKey::new(&AES_256_GCM, key).expect("a 32-byte key")),
+            key: LessSafeKey::new(UnboundKey::new(&AES_128_GCM, key).expect("a 16-byte key")),
             counter: 0,
         }
     }

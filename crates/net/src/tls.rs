@@ -270,8 +270,8 @@ fn frame_keys(conn: &Connection, client: bool) -> Result<FrameKeys, TlsError> {
         Connection::Server(s) => s.export_keying_material([0u8; 2 * KEY_LEN], EXPORTER_LABEL, None),
     }?;
     let (c2s, s2c) = material.split_at(KEY_LEN);
-    let c2s: &[u8; KEY_LEN] = c2s.try_into().expect("32 bytes");
-    let s2c: &[u8; KEY_LEN] = s2c.try_into().expect("32 bytes");
+    let c2s: &[u8; KEY_LEN] = c2s.try_into().expect("16 bytes");
+    let s2c: &[u8; KEY_LEN] = s2c.try_into().expect("16 bytes");
     Ok(if client {
         FrameKeys {
             send: RecordKey::new(c2s),
