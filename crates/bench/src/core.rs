@@ -395,11 +395,7 @@ pub fn run(opts: &Options) -> anyhow::Result<String> {
         pm_qos_held,
         targets,
     };
-    std::fs::create_dir_all(&opts.out)?;
-    std::fs::write(
-        opts.out.join("core.json"),
-        serde_json::to_string_pretty(&r)? + "\n",
-    )?;
+    crate::write_json(&opts.out, "core.json", &r)?;
     let md = markdown(&r);
     std::fs::write(opts.out.join("core.md"), &md)?;
     Ok(md)

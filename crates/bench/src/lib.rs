@@ -118,6 +118,13 @@ pub fn target(name: &'static str, ratio: f64, limit: f64, sense: &'static str) -
 }
 
 /// Deterministic page contents, so a reader can verify a page without keeping a copy.
+/// Writes a benchmark's result as `DIR/NAME` (pretty JSON), creating `DIR` if need be.
+pub fn write_json<T: Serialize>(dir: &std::path::Path, name: &str, r: &T) -> anyhow::Result<()> {
+    std::fs::create_dir_all(dir)?;
+    std::fs::write(dir.join(name), serde_json::to_string_pretty(r)? + "\n")?;
+    Ok(())
+}
+
 /// The markdown rows of a targets table (after its header), one per target.
 pub fn target_rows(targets: &[Target]) -> String {
     let mut s = String::new();

@@ -140,11 +140,7 @@ pub fn run(opts: &Options) -> anyhow::Result<String> {
         "targets": targets,
         "skipped": skipped,
     });
-    std::fs::create_dir_all(&opts.out)?;
-    std::fs::write(
-        opts.out.join("nbd.json"),
-        serde_json::to_string_pretty(&result)? + "\n",
-    )?;
+    crate::write_json(&opts.out, "nbd.json", &result)?;
     let plotted = plot(&swap, &opts.out.join("nbd.svg"));
     if let Err(e) = &plotted {
         skipped.push(format!("plot: {e}"));

@@ -516,11 +516,7 @@ pub fn run(opts: &Options) -> anyhow::Result<String> {
         schemes,
         targets,
     };
-    std::fs::create_dir_all(&opts.out)?;
-    std::fs::write(
-        opts.out.join("reliability.json"),
-        serde_json::to_string_pretty(&r)? + "\n",
-    )?;
+    crate::write_json(&opts.out, "reliability.json", &r)?;
     let md = markdown(&r);
     std::fs::write(opts.out.join("reliability.md"), &md)?;
     Ok(md)

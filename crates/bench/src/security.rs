@@ -155,11 +155,7 @@ pub fn run(opts: &Options) -> anyhow::Result<String> {
         secure,
         targets,
     };
-    std::fs::create_dir_all(&opts.out)?;
-    std::fs::write(
-        opts.out.join("security.json"),
-        serde_json::to_string_pretty(&r)? + "\n",
-    )?;
+    crate::write_json(&opts.out, "security.json", &r)?;
     let md = markdown(&r);
     std::fs::write(opts.out.join("security.md"), &md)?;
     Ok(md)
@@ -215,16 +211,5 @@ fn markdown(r: &SecurityResult) -> String {
         );
     }
     let _ = writeln!(s, "\n| target | ratio | limit | met |\n|---|---|---|---|");
-    for t in &r.targets {
-        let _ = writeln!(
-            s,
-            "| {} | {:.3} | {} {} | {} |",
-            t.name,
-            t.ratio,
-            if t.sense == "le" { "≤" } else { "≥" },
-            t.limit,
-            if t.met { "yes" } else { "**no**" }
-        );
-    }
-    s
+    s + &crate::target_rows(&r.targets)
 }

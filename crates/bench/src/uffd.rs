@@ -489,11 +489,7 @@ pub fn run(opts: &Options) -> anyhow::Result<String> {
         "targets": targets,
         "skipped": skipped,
     });
-    std::fs::create_dir_all(&opts.out)?;
-    std::fs::write(
-        opts.out.join("uffd.json"),
-        serde_json::to_string_pretty(&result)? + "\n",
-    )?;
+    crate::write_json(&opts.out, "uffd.json", &result)?;
     let plotted = plot_ways(&result["workloads"], &opts.out.join("uffd.svg"));
     if let Err(e) = &plotted {
         skipped.push(format!("plot: {e}"));

@@ -9,11 +9,12 @@
 mod common;
 
 use common::{ServerProcess, NETRAM};
-use netram_net::{handshake, reserve_tags, FrameKeys, HandshakeError, Security};
+use netram_net::{HandshakeError, Security};
 use netram_proto::{
     decode_reply, Delta, DeltaKind, DeltaStatus, GetResult, Hello, Member, OwnedRecord, Owner,
     Page, PageKey, ParityOp, PutStatus, Record, Reply, Request, PAGE_SIZE,
 };
+use netram_testkit::wire::TlsConn;
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::path::Path;
@@ -42,48 +43,23 @@ fn node_creds(node: u64, server: bool) -> (tempfile::TempDir, Security) {
 }
 
 /// A connection that speaks the protocol by hand over TLS: one request, one reply.
-struct Conn {
-    s: TcpStream,
-    keys: FrameKeys,
-    next: u64,
-}
+struct Conn(TlsConn);
 
 impl Conn {
     fn open(addr: &str, sec: &Security, hello: &Hello) -> Result<Self, HandshakeError> {
-        let addr: SocketAddr = addr.parse().unwrap();
-        let c = handshake(addr, hello, Duration::from_secs(10), sec)?;
-        Ok(Self {
-            s: c.stream,
-            keys: c.keys.expect("TLS"),
-            next: 1,
-        })
+        TlsConn::open(addr.parse().unwrap(), sec, hello).map(Conn)
     }
 
-    /// The request sealed as a record, not sent.
     fn seal(&mut self, req: &Request<'_>) -> Vec<u8> {
-        let mut f = Vec::new();
-        req.encode(self.next, &mut f);
-        self.next += 1;
-        reserve_tags(&mut f, 0);
-        self.keys.send.seal_all(&mut f);
-        f
+        self.0.seal(req)
     }
 
     fn call(&mut self, req: &Request<'_>) -> Vec<u8> {
-        let f = self.seal(req);
-        self.s.write_all(&f).unwrap();
-        let mut len = [0u8; 4];
-        self.s.read_exact(&mut len).unwrap();
-        let mut rec = len.to_vec();
-        rec.resize(4 + u32::from_le_bytes(len) as usize, 0);
-        self.s.read_exact(&mut rec[4..]).unwrap();
-        let n = self
-            .keys
-            .recv
-            .open(&mut rec)
-            .expect("the server's records open");
-        rec.truncate(n);
-        rec
+        self.0.call(req)
+    }
+
+    fn closed_within(&mut self, wait: Duration) -> bool {
+        self.0.closed_within(wait)
     }
 
     fn put(&mut self, key: PageKey, version: u32, data: &[u8]) -> PutStatus {
@@ -104,13 +80,6 @@ impl Conn {
             },
             r => panic!("GET answered {r:?}"),
         }
-    }
-
-    /// Whether the server has closed the connection (reads EOF or an error within `wait`).
-    fn closed_within(&mut self, wait: Duration) -> bool {
-        self.s.set_read_timeout(Some(wait)).unwrap();
-        let mut b = [0u8; 64];
-        matches!(self.s.read(&mut b), Ok(0) | Err(_))
     }
 }
 
@@ -339,19 +308,19 @@ fn an_unauthenticated_peer_is_refused_at_every_step() {
     let mut f = x.seal(&Request::Stats);
     let n = f.len();
     f[n - 20] ^= 1;
-    x.s.write_all(&f).unwrap();
+    x.0.stream.write_all(&f).unwrap();
     assert!(
         x.closed_within(Duration::from_secs(10)),
         "a changed record closes"
     );
     let mut y = Conn::open(&server.addr, &client, &Hello::new(5, 1, 1)).unwrap();
     let f = y.seal(&Request::Get(vec![key]));
-    y.s.write_all(&f).unwrap();
-    y.s.write_all(&f).unwrap();
+    y.0.stream.write_all(&f).unwrap();
+    y.0.stream.write_all(&f).unwrap();
     let mut len = [0u8; 4];
-    y.s.read_exact(&mut len).unwrap(); // the first is answered
+    y.0.stream.read_exact(&mut len).unwrap(); // the first is answered
     let mut rest = vec![0u8; u32::from_le_bytes(len) as usize];
-    y.s.read_exact(&mut rest).unwrap();
+    y.0.stream.read_exact(&mut rest).unwrap();
     assert!(
         y.closed_within(Duration::from_secs(10)),
         "a replayed record closes"

@@ -203,43 +203,18 @@ fn bad_frames_close_one_connection_and_the_server_serves_on() {
 
 /// A raw client connection over TLS (the real handshake, then frames sealed by hand): one
 /// request, one reply.
-struct Raw {
-    s: TcpStream,
-    keys: netram_net::FrameKeys,
-    next: u64,
-}
+struct Raw(netram_testkit::wire::TlsConn);
 
 impl Raw {
     fn open(addr: std::net::SocketAddr, node: u64, session: u64) -> Self {
-        let c = netram_net::handshake(
-            addr,
-            &Hello::new(node, 1, session),
-            Duration::from_secs(10),
-            &tls().1,
+        Self(
+            netram_testkit::wire::TlsConn::open(addr, &tls().1, &Hello::new(node, 1, session))
+                .unwrap(),
         )
-        .unwrap();
-        Self {
-            s: c.stream,
-            keys: c.keys.unwrap(),
-            next: 1,
-        }
     }
 
     fn call(&mut self, req: &Request<'_>) -> Vec<u8> {
-        let mut f = Vec::new();
-        req.encode(self.next, &mut f);
-        netram_net::reserve_tags(&mut f, 0);
-        self.keys.send.seal_all(&mut f);
-        self.next += 1;
-        self.s.write_all(&f).unwrap();
-        let mut len = [0u8; 4];
-        self.s.read_exact(&mut len).unwrap();
-        let mut rec = len.to_vec();
-        rec.resize(4 + u32::from_le_bytes(len) as usize, 0);
-        self.s.read_exact(&mut rec[4..]).unwrap();
-        let n = self.keys.recv.open(&mut rec).unwrap();
-        rec.truncate(n);
-        rec
+        self.0.call(req)
     }
 
     fn put(&mut self, page: netram_proto::Page<'_>, op: netram_proto::ParityOp) -> PutStatus {

@@ -12,6 +12,8 @@
 use std::io::Write;
 use std::process::Command;
 
+pub mod wire;
+
 /// The environment variable naming the file skipped tests are appended to.
 pub const SKIP_LOG: &str = "NETRAM_SKIP_LOG";
 
