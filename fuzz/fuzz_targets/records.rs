@@ -24,8 +24,8 @@ fuzz_target!(|data: &[u8]| {
                 break;
             }
             match key.open(&mut buf[at..at + n]) {
-                Ok(f) => {
-                    assert!(f <= n);
+                Ok((f, tail)) => {
+                    assert!(f <= n && tail < f);
                     let _ = netram_proto::decode_reply(&buf[at..at + f]);
                 }
                 Err(_) => break,
@@ -53,7 +53,8 @@ fuzz_target!(|data: &[u8]| {
     rec[at] ^= flip;
     let opened = RecordKey::new(&KEY).open(&mut rec);
     if flip == 0 {
-        let n = opened.expect("an untouched record opens");
+        let (n, tail) = opened.expect("an untouched record opens");
+        assert_eq!(tail, 0);
         assert_eq!(&rec[..n], frame, "to the very frame sealed");
     } else {
         assert!(opened.is_err(), "a changed byte ({at}) must not open");

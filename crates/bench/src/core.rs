@@ -140,7 +140,13 @@ pub(crate) fn netram_depth1(
     if let Some(p) = placement {
         pin_to(p.client_cpu);
     }
-    let t = TcpTransport::connect(&cluster.addrs(), &client(low_latency, cluster.security()));
+    let t = TcpTransport::connect(
+        &cluster.addrs(),
+        &ClientConfig {
+            sealed_pages: wire != Wire::Plain,
+            ..client(low_latency, cluster.security())
+        },
+    );
     let cfg = PagerConfig {
         pages,
         cache_pages: 0,
@@ -199,7 +205,13 @@ pub(crate) fn netram_depth32(
     wire: Wire,
 ) -> anyhow::Result<f64> {
     let cluster = wire.cluster(servers, (pages + 16) * PAGE_SIZE as u64, false)?;
-    let t = TcpTransport::connect(&cluster.addrs(), &client(false, cluster.security()));
+    let t = TcpTransport::connect(
+        &cluster.addrs(),
+        &ClientConfig {
+            sealed_pages: wire != Wire::Plain,
+            ..client(false, cluster.security())
+        },
+    );
     let cfg = PagerConfig {
         pages,
         cache_pages: 0,

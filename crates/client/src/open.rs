@@ -161,6 +161,8 @@ pub fn open_pager(o: &OpenOptions) -> Result<ClientPager, OpenError> {
     let client = ClientConfig {
         low_latency: o.low_latency,
         security: o.security.clone(),
+        // The pager below seals its pages (`PagerConfig`'s default).
+        sealed_pages: true,
         ..ClientConfig::new()
     };
     let transport = TcpTransport::connect(&o.servers, &client);

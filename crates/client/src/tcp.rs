@@ -14,7 +14,10 @@ use netram_net::handshake::Connected;
 use netram_net::latency::{PmQos, DEFAULT_SPIN};
 use netram_net::{handshake, reserve_tags, FrameBuffer, HandshakeError, RecordKey, Security};
 use netram_pager::{ServerInfo, Transport, TransportError};
-use netram_proto::{decode_reply, Hello, Kind, Reply, Request, HELLO_END_ON_CLOSE};
+use netram_proto::{
+    decode_reply, get_reply_tail, Hello, Kind, Reply, Request, HELLO_END_ON_CLOSE,
+    HELLO_SEALED_PAGES,
+};
 use std::io::{self, Write};
 use std::net::{Shutdown, SocketAddr, TcpStream, ToSocketAddrs};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -45,6 +48,11 @@ pub struct ClientConfig {
     /// development. `ClientConfig::new` starts in clear: front ends set it from the node's
     /// credentials (`NETRAM_TLS`) and run in clear only when told (`--insecure`).
     pub security: Security,
+    /// The pager over this transport seals every page end to end (`PagerConfig::seal`): over
+    /// TLS a GET reply's last page may then come outside the record's seal, checked by the
+    /// pager against its own tag instead. Off by default; the pager refuses to start over a
+    /// transport with it on unless it seals.
+    pub sealed_pages: bool,
 }
 
 impl ClientConfig {
@@ -70,6 +78,7 @@ impl ClientConfig {
             warn_unreachable: true,
             end_on_close: true,
             security: Security::Insecure,
+            sealed_pages: false,
         }
     }
 }
@@ -183,6 +192,10 @@ pub enum StatsError {
 fn connect_to(addr: SocketAddr, cfg: &ClientConfig) -> Result<Connected, HandshakeError> {
     let flags = if cfg.end_on_close {
         HELLO_END_ON_CLOSE
+    } else {
+        0
+    } | if cfg.sealed_pages {
+        HELLO_SEALED_PAGES
     } else {
         0
     };
@@ -312,14 +325,32 @@ impl Conn {
         }
     }
 
-    /// The whole frame at the head of the read buffer, decoded.
+    /// The whole frame at the head of the read buffer, decoded. A record that does not open,
+    /// or a clear tail that is not exactly a GET reply's last page, is the server's (or the
+    /// network's) lie: the connection is broken.
     fn take_reply(&mut self) -> Result<(u64, Reply<'_>), TransportError> {
-        let frame = self
-            .rbuf
-            .next_frame()
-            .ok()
-            .flatten()
-            .expect("a whole frame is buffered");
+        let (frame, tail) = match self.rbuf.next_frame_tail() {
+            Ok(Some(f)) => f,
+            Ok(None) => {
+                let err = TransportError::Protocol("no whole reply".into());
+                self.broken = Some(err.clone());
+                return Err(err);
+            }
+            Err(e) => {
+                tracing::warn!(server = %self.info.name, "bad reply: {e}");
+                let err = TransportError::Protocol(e.to_string());
+                self.broken = Some(err.clone());
+                return Err(err);
+            }
+        };
+        if tail > 0 && get_reply_tail(frame) != tail {
+            tracing::warn!(server = %self.info.name, tail, "a reply left in clear what is not its last page");
+            let err = TransportError::Protocol(format!(
+                "{tail} bytes in clear that are not a GET reply's last page"
+            ));
+            self.broken = Some(err.clone());
+            return Err(err);
+        }
         decode_reply(frame).map_err(|e| {
             let err = TransportError::Protocol(e.to_string());
             tracing::warn!(server = %self.info.name, "bad reply: {e}");
@@ -391,7 +422,11 @@ fn open_conn(name: String, cfg: &ClientConfig) -> Conn {
         shared,
         wbuf: Vec::new(),
         sealed: recv_key.is_some(),
-        rbuf: FrameBuffer::sealed(recv_key),
+        rbuf: if cfg.sealed_pages {
+            FrameBuffer::sealed(recv_key).allow_clear_tail()
+        } else {
+            FrameBuffer::sealed(recv_key)
+        },
         retry_at: None,
         retry_wait: Duration::from_millis(500),
     }
@@ -452,6 +487,10 @@ impl Drop for TcpTransport {
 impl Transport for TcpTransport {
     fn servers(&self) -> Vec<ServerInfo> {
         self.conns.iter().map(|c| c.info.clone()).collect()
+    }
+
+    fn leaves_pages_to_pager(&self) -> bool {
+        self.cfg.sealed_pages
     }
 
     fn send(

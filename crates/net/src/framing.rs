@@ -24,6 +24,10 @@ pub struct FrameBuffer {
     poll_next: bool,
     /// The key that opens sealed records; `None` over clear TCP.
     open: Option<RecordKey>,
+    /// Whether a record may leave its frame's last bytes in clear (`record.rs`: a GET reply's
+    /// last page, to a client that seals its pages), and how many the last frame left.
+    allow_clear_tail: bool,
+    last_clear_tail: usize,
 }
 
 impl Default for FrameBuffer {
@@ -40,7 +44,22 @@ impl FrameBuffer {
             end: 0,
             poll_next: true,
             open: None,
+            allow_clear_tail: false,
+            last_clear_tail: 0,
         }
+    }
+
+    /// Lets records leave their frame's last bytes in clear: only for a client whose pager
+    /// seals every page, which checks them ([`FrameBuffer::last_clear_tail`]).
+    pub fn allow_clear_tail(mut self) -> Self {
+        self.allow_clear_tail = true;
+        self
+    }
+
+    /// How many bytes at the end of the frame [`FrameBuffer::next_frame`] last returned came in
+    /// clear (0 over clear TCP, where nothing is sealed, and for every other frame).
+    pub fn last_clear_tail(&self) -> usize {
+        self.last_clear_tail
     }
 
     /// A buffer whose records are sealed under `key` (`None`: clear frames).
@@ -65,16 +84,25 @@ impl FrameBuffer {
     /// The next whole frame, if one has arrived; an error if the length prefix is invalid or
     /// (sealed) the record does not authenticate.
     pub fn next_frame(&mut self) -> Result<Option<&[u8]>, DecodeError> {
+        Ok(self.next_frame_tail()?.map(|(f, _)| f))
+    }
+
+    /// [`FrameBuffer::next_frame`], with how many bytes at the frame's end came in clear.
+    pub fn next_frame_tail(&mut self) -> Result<Option<(&[u8], usize)>, DecodeError> {
         let avail = &self.buf[self.start..self.end];
         match unit_len(avail, self.open.is_some())? {
             Some(len) if len <= avail.len() => {
                 let at = self.start;
                 self.start += len;
-                let frame = match &mut self.open {
+                let (frame, tail) = match &mut self.open {
                     Some(key) => key.open(&mut self.buf[at..at + len])?,
-                    None => len,
+                    None => (len, 0),
                 };
-                Ok(Some(&self.buf[at..at + frame]))
+                if tail > 0 && !self.allow_clear_tail {
+                    return Err(DecodeError::Unauthenticated);
+                }
+                self.last_clear_tail = tail;
+                Ok(Some((&self.buf[at..at + frame], tail)))
             }
             _ => Ok(None),
         }

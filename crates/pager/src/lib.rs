@@ -175,6 +175,10 @@ impl<T: Transport, D: Disk> fmt::Debug for Pager<T, D> {
 impl<T: Transport, D: Disk> Pager<T, D> {
     pub fn new(cfg: PagerConfig, transport: T, disk: D) -> Self {
         assert!(cfg.window > 0 && cfg.writeback_batch > 0 && cfg.batch_max > 0);
+        assert!(
+            cfg.seal.is_some() || !transport.leaves_pages_to_pager(),
+            "a transport that leaves pages' authenticity to the pager needs a pager that seals"
+        );
         let batch_max = cfg
             .batch_max
             .min(cfg.window as usize)

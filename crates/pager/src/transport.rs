@@ -70,6 +70,12 @@ pub trait Transport {
             "this transport does not reconnect".into(),
         ))
     }
+    /// Whether the transport leaves the authenticity of pages it receives to the pager (a GET
+    /// reply's last page outside its record's seal, `netram-net`'s `record.rs`): then the
+    /// pager must seal its pages, and refuses to start if it does not.
+    fn leaves_pages_to_pager(&self) -> bool {
+        false
+    }
 }
 
 /// The local disk: one page-sized slot per page number.

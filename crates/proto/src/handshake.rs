@@ -20,8 +20,12 @@ pub const WELCOME_LEN: usize = 60;
 /// exited (or exec'd) do not pile up; the lease is left for the connections that die without
 /// a word (a machine that crashed, a network cut).
 pub const HELLO_END_ON_CLOSE: u16 = 1;
+/// [`Hello::flags`]: this client seals every page end to end and checks each page it reads
+/// against the tag it kept, so over TLS the server may leave the last page of a GET reply out
+/// of the record's seal (`netram-net`'s `record.rs`: one cipher pass fewer on each side).
+pub const HELLO_SEALED_PAGES: u16 = 2;
 /// Every flag this version knows; any other bit set is refused.
-const HELLO_FLAGS: u16 = HELLO_END_ON_CLOSE;
+const HELLO_FLAGS: u16 = HELLO_END_ON_CLOSE | HELLO_SEALED_PAGES;
 
 /// The client's opening message.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -191,7 +195,7 @@ mod tests {
         let h = Hello::new(1, 2, 3).with_flags(HELLO_END_ON_CLOSE);
         assert_eq!(Hello::decode(&h.encode()), Ok(h));
         let mut b = h.encode();
-        b[10] |= 2;
+        b[10] |= 4;
         assert!(matches!(
             Hello::decode(&b),
             Err(DecodeError::Reserved {

@@ -29,10 +29,13 @@ pub mod page;
 pub mod parity;
 
 pub use codec::{DecodeError, FrameBuilder};
-pub use handshake::{Hello, Welcome, WelcomeStatus, HELLO_END_ON_CLOSE, HELLO_LEN, WELCOME_LEN};
+pub use handshake::{
+    Hello, Welcome, WelcomeStatus, HELLO_END_ON_CLOSE, HELLO_LEN, HELLO_SEALED_PAGES, WELCOME_LEN,
+};
 pub use message::{
     begin_get_reply, decode_reply, decode_request, frame_len, get_reply_found, get_reply_missing,
-    Counter, DeleteStatus, ErrorCode, GetResult, Kind, Load, PutStatus, Reply, Request,
+    get_reply_tail, Counter, DeleteStatus, ErrorCode, GetResult, Kind, Load, PutStatus, Reply,
+    Request,
 };
 pub use page::{page_checksum, Page, PageFlags, PageKey, ENVELOPE_LEN, TAG_LEN};
 pub use parity::{

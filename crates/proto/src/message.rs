@@ -603,6 +603,41 @@ pub fn get_reply_missing(w: &mut FrameBuilder<'_>, key: PageKey) {
     key.encode(w);
 }
 
+/// How many bytes at the end of `frame` are the data of a GET reply's last page (0 for any
+/// other frame, a reply whose last entry is missing or a zero page, or bytes that are no GET
+/// reply). Read from the entries' headers only, never from the data: a client that lets a
+/// GET reply's last page travel outside the record's seal checks with it that exactly that
+/// page's data did (`netram-net`'s `record.rs`). Never panics, whatever the bytes.
+pub fn get_reply_tail(frame: &[u8]) -> usize {
+    let walk = || -> Result<usize, DecodeError> {
+        let (kind, _, mut r) = split_frame(frame)?;
+        if kind != Kind::GetReply as u8 {
+            return Ok(0);
+        }
+        Load::decode(&mut r)?;
+        let n = r.count(1 + PageKey::WIRE_LEN)?;
+        let mut last = 0;
+        for _ in 0..n {
+            last = match r.u8()? {
+                0 => Page::decode(&mut r)?.data.len(),
+                1 => {
+                    PageKey::decode(&mut r)?;
+                    0
+                }
+                v => {
+                    return Err(DecodeError::BadValue {
+                        field: "get status",
+                        value: v.into(),
+                    })
+                }
+            };
+        }
+        r.finish()?;
+        Ok(last)
+    };
+    walk().unwrap_or(0)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -636,6 +671,36 @@ mod tests {
             tag: p.4,
             data: if p.3 { &[] } else { data },
         }
+    }
+
+    #[test]
+    fn a_get_replys_tail_is_its_last_page_only() {
+        let data = vec![3u8; PAGE_SIZE];
+        let page = Page::seal(PageKey::new(0, 1), 1, &data);
+        let reply = |last_found: bool| {
+            let mut b = Vec::new();
+            let mut w = begin_get_reply(&mut b, 1, Load::default(), 2);
+            get_reply_found(&mut w, &page);
+            if last_found {
+                get_reply_found(&mut w, &page);
+            } else {
+                get_reply_missing(&mut w, PageKey::new(0, 2));
+            }
+            w.finish();
+            b
+        };
+        assert_eq!(get_reply_tail(&reply(true)), PAGE_SIZE);
+        assert_eq!(
+            get_reply_tail(&reply(false)),
+            0,
+            "the last entry is missing"
+        );
+        let mut other = Vec::new();
+        Request::Get(vec![PageKey::new(0, 1)]).encode(1, &mut other);
+        assert_eq!(get_reply_tail(&other), 0, "not a GET reply");
+        let r = reply(true);
+        assert_eq!(get_reply_tail(&r[..r.len() - 1]), 0, "cut short");
+        assert_eq!(get_reply_tail(&[0xff; 40]), 0, "garbage");
     }
 
     fn roundtrip_request(req: &Request<'_>, id: u64) {

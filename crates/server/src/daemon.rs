@@ -39,10 +39,11 @@
 
 use crate::peers::Peers;
 use netram_net::latency::{PmQos, DEFAULT_SPIN};
+use netram_net::record::{set_clear_tail, TRAILER_LEN};
 use netram_net::{reserve_tags, tls, Credentials, FrameBuffer, FrameKeys, Security};
 use netram_proto::{
-    decode_request, DecodeError, Hello, Welcome, WelcomeStatus, HELLO_END_ON_CLOSE, HELLO_LEN,
-    MAX_BATCH, MAX_FRAME_LEN, PAGE_SIZE, PROTOCOL_VERSION,
+    decode_request, get_reply_tail, DecodeError, Hello, Welcome, WelcomeStatus, HELLO_END_ON_CLOSE,
+    HELLO_LEN, HELLO_SEALED_PAGES, MAX_BATCH, MAX_FRAME_LEN, PAGE_SIZE, PROTOCOL_VERSION,
 };
 use netram_store::serve::{self, Outcome};
 use netram_store::{Peer, SessionHandle, Store, StoreConfig, StoreError};
@@ -792,7 +793,10 @@ fn serve_connection(mut stream: TcpStream, shared: &Shared) -> Result<(), ConnEr
         return Err(ConnError::Refused(status));
     };
     tracing::debug!(%peer, %principal, node = hello.node, incarnation = hello.incarnation, "session open");
-    let served = serve_session(stream, shared, peer, session, keys, serial);
+    // A client that seals its pages may have a GET reply's last page outside the record's
+    // seal (`netram_net::record`): it checks that page against its own tag.
+    let clear_tails = keys.is_some() && hello.flags & HELLO_SEALED_PAGES != 0;
+    let served = serve_session(stream, shared, peer, session, keys, serial, clear_tails);
     if hello.flags & HELLO_END_ON_CLOSE != 0 {
         // However the connection ended (a CLOSE already ended the session: nothing to do).
         if shared.store().close(session).is_ok() {
@@ -810,6 +814,7 @@ fn serve_session(
     session: SessionHandle,
     keys: Option<FrameKeys>,
     serial: Option<Vec<u8>>,
+    clear_tails: bool,
 ) -> Result<(), ConnError> {
     let (mut seal, open) = match keys {
         Some(k) => (Some(k.send), Some(k.recv)),
@@ -875,19 +880,26 @@ fn serve_session(
                 Err(e) => return Err(e.into()),
             }
         }
-        let served =
-            handle_frames(&mut rbuf, &mut wbuf, shared, session, seal.is_some()).map_err(|e| {
-                let c = &shared.counters;
-                Shared::bump(match e {
-                    DecodeError::Unauthenticated => &c.frames_rejected_unauthenticated,
-                    DecodeError::BadLength { .. } => &c.frames_rejected_bad_length,
-                    DecodeError::UnsupportedVersion { .. } => &c.frames_rejected_bad_version,
-                    DecodeError::UnknownKind(_) => &c.frames_rejected_unknown_kind,
-                    _ => &c.frames_rejected_malformed,
-                });
-                tracing::warn!(%peer, "closing connection: rejected frame: {e}");
-                e
+        let served = handle_frames(
+            &mut rbuf,
+            &mut wbuf,
+            shared,
+            session,
+            seal.is_some(),
+            clear_tails,
+        )
+        .map_err(|e| {
+            let c = &shared.counters;
+            Shared::bump(match e {
+                DecodeError::Unauthenticated => &c.frames_rejected_unauthenticated,
+                DecodeError::BadLength { .. } => &c.frames_rejected_bad_length,
+                DecodeError::UnsupportedVersion { .. } => &c.frames_rejected_bad_version,
+                DecodeError::UnknownKind(_) => &c.frames_rejected_unknown_kind,
+                _ => &c.frames_rejected_malformed,
             });
+            tracing::warn!(%peer, "closing connection: rejected frame: {e}");
+            e
+        });
         if matches!(served, Ok(Served { frames, .. }) if frames > 0) {
             last_frame = Instant::now();
         }
@@ -916,6 +928,20 @@ fn serve_session(
     }
 }
 
+/// Lets the last page of each GET reply from `from` on go outside its record's seal: the
+/// frames there, each followed by its trailer room (`netram_net::record`).
+fn clear_last_pages(out: &mut [u8], from: usize) {
+    let mut at = from;
+    while at + 4 <= out.len() {
+        let body = u32::from_le_bytes(out[at..at + 4].try_into().expect("4 bytes")) as usize;
+        let tail = get_reply_tail(&out[at..at + 4 + body]);
+        if tail > 0 {
+            set_clear_tail(out, at, tail);
+        }
+        at += 4 + body + TRAILER_LEN;
+    }
+}
+
 /// What one call of [`handle_frames`] did.
 #[derive(Debug, Clone, Copy)]
 struct Served {
@@ -934,6 +960,7 @@ fn handle_frames(
     shared: &Shared,
     h: SessionHandle,
     sealed: bool,
+    clear_tails: bool,
 ) -> Result<Served, DecodeError> {
     let mut now = shared.now_ms();
     let mut store = shared.store();
@@ -960,6 +987,9 @@ fn handle_frames(
         let tags = |out: &mut Vec<u8>| {
             if sealed {
                 reserve_tags(out, mark);
+                if clear_tails {
+                    clear_last_pages(out, mark);
+                }
             }
         };
         let rps = store.note_requests(1, now);

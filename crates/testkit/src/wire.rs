@@ -52,11 +52,15 @@ impl TlsConn {
         self.stream
             .read_exact(&mut rec[4..])
             .expect("a whole reply");
-        let n = self
+        let (n, tail) = self
             .keys
             .recv
             .open(&mut rec)
             .expect("the server's records open");
+        assert_eq!(
+            tail, 0,
+            "no clear tail to a client that did not ask for one"
+        );
         rec.truncate(n);
         rec
     }
