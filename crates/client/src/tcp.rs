@@ -15,8 +15,7 @@ use netram_net::latency::{PmQos, DEFAULT_SPIN};
 use netram_net::{handshake, reserve_tags, FrameBuffer, HandshakeError, RecordKey, Security};
 use netram_pager::{ServerInfo, Transport, TransportError};
 use netram_proto::{
-    decode_reply, get_reply_tail, Hello, Kind, Reply, Request, HELLO_END_ON_CLOSE,
-    HELLO_SEALED_PAGES,
+    decode_reply, GetResult, Hello, Kind, Reply, Request, HELLO_END_ON_CLOSE, HELLO_SEALED_PAGES,
 };
 use std::io::{self, Write};
 use std::net::{Shutdown, SocketAddr, TcpStream, ToSocketAddrs};
@@ -343,7 +342,24 @@ impl Conn {
                 return Err(err);
             }
         };
-        if tail > 0 && get_reply_tail(frame) != tail {
+        let reply = decode_reply(frame).map_err(|e| {
+            let err = TransportError::Protocol(e.to_string());
+            tracing::warn!(server = %self.info.name, "bad reply: {e}");
+            err
+        })?;
+        // A clear tail must be exactly the data of the reply's last page, as its sealed
+        // entries describe it: read from the decoded reply, not from a second walk.
+        let tail_is_last_page = || match &reply.1 {
+            Reply::Get { pages, .. } => match pages.last() {
+                Some(GetResult::Found(p)) => {
+                    let end = frame.as_ptr_range().end;
+                    p.data.len() == tail && p.data.as_ptr_range().end == end
+                }
+                _ => false,
+            },
+            _ => false,
+        };
+        if tail > 0 && !tail_is_last_page() {
             tracing::warn!(server = %self.info.name, tail, "a reply left in clear what is not its last page");
             let err = TransportError::Protocol(format!(
                 "{tail} bytes in clear that are not a GET reply's last page"
@@ -351,11 +367,7 @@ impl Conn {
             self.broken = Some(err.clone());
             return Err(err);
         }
-        decode_reply(frame).map_err(|e| {
-            let err = TransportError::Protocol(e.to_string());
-            tracing::warn!(server = %self.info.name, "bad reply: {e}");
-            err
-        })
+        Ok(reply)
     }
 }
 
