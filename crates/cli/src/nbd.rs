@@ -28,10 +28,18 @@ pub struct NbdArgs {
     /// Serve on this unix socket [default: netram-nbd.sock in the temp dir].
     #[arg(long, conflicts_with_all = ["listen", "fuse"])]
     socket: Option<PathBuf>,
-    /// Serve on this TCP address instead of a unix socket (there is no authentication yet:
-    /// keep it on loopback or a trusted network).
+    /// Serve on this TCP address instead of a unix socket. Clients must then speak NBD's TLS
+    /// (`nbds://`) and present a certificate of the cluster (see --nbd-tls).
     #[arg(long, conflicts_with = "fuse")]
     listen: Option<SocketAddr>,
+    /// NBD's own TLS on --listen: `require` (clients start TLS before anything else and
+    /// present a certificate of the cluster, from `netram keygen`; this node's certificate
+    /// must name the host they connect to: `netram keygen --dns HOST`, and libnbd reads
+    /// ca-cert.pem, client-cert.pem and client-key.pem from its `tls-certificates`
+    /// directory) or `off` (clear NBD: loopback only, for NBD clients without TLS). With
+    /// --insecure there are no credentials: off.
+    #[arg(long, value_enum, default_value = "require")]
+    nbd_tls: NbdTls,
     /// Instead of NBD, expose the device as the file MOUNTPOINT/device through FUSE (for a
     /// loop device on a machine whose kernel has no NBD client: one hop fewer than nbdfuse).
     /// MOUNTPOINT must be an existing directory. On SIGINT or SIGTERM the file system is
@@ -77,6 +85,12 @@ pub struct NbdArgs {
     /// device that waits for memory can deadlock the machine it serves.
     #[arg(long)]
     no_lock_memory: bool,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum NbdTls {
+    Require,
+    Off,
 }
 
 pub fn run(args: NbdArgs) -> anyhow::Result<()> {
@@ -207,17 +221,35 @@ fn serve_nbd(
     bytes: u64,
     shutdown: Arc<AtomicBool>,
 ) -> anyhow::Result<()> {
+    let mut tls = None;
     let (listener, uri) = match args.listen {
         Some(addr) => {
+            let credentials = match (args.nbd_tls, args.security.security()?) {
+                (NbdTls::Require, netram_client::Security::Tls(c)) => Some(c),
+                _ => None,
+            };
+            if credentials.is_none() && !addr.ip().is_loopback() {
+                bail!(
+                    "--listen {addr} without TLS: clear NBD is served on loopback only \
+                     (drop --nbd-tls off and --insecure, and give the node's credentials)"
+                );
+            }
             let l = std::net::TcpListener::bind(addr)
                 .with_context(|| format!("cannot listen on {addr}"))?;
             let addr = l.local_addr()?;
-            if !addr.ip().is_loopback() {
-                tracing::warn!(
-                    "serving NBD on {addr}, beyond loopback: there is no authentication yet"
-                );
-            }
-            (Listener::Tcp(l), format!("nbd://{addr}"))
+            let scheme = match credentials {
+                Some(c) => {
+                    tls = Some(reload_tls(c, shutdown.clone()));
+                    "nbds"
+                }
+                None => {
+                    tracing::warn!(
+                        "serving NBD in clear on {addr}: anyone on this machine can use the device"
+                    );
+                    "nbd"
+                }
+            };
+            (Listener::Tcp(l), format!("{scheme}://{addr}"))
         }
         None => {
             let path = args
@@ -241,6 +273,38 @@ fn serve_nbd(
         max_connections_per_client: args.max_connections_per_client.max(1),
         ..netram_nbd::Limits::default()
     };
-    netram_nbd::serve(listener, device.clone(), shutdown, limits)?;
+    netram_nbd::serve(listener, device.clone(), shutdown, limits, tls)?;
     Ok(())
+}
+
+/// The TLS configuration of the NBD listener, replaced whenever the node's revocation list
+/// changes (checked every second, as the daemon does) until `shutdown`: a revoked node's
+/// next connection is refused.
+fn reload_tls(
+    credentials: Arc<netram_net::Credentials>,
+    shutdown: Arc<AtomicBool>,
+) -> netram_nbd::tls::TlsConfig {
+    let config = Arc::new(std::sync::RwLock::new(credentials.server_config()));
+    let shared = config.clone();
+    let mut current = credentials;
+    let spawned = std::thread::Builder::new()
+        .name("netram-nbd-crl".into())
+        .spawn(move || {
+            while !shutdown.load(Ordering::SeqCst) {
+                std::thread::sleep(Duration::from_secs(1));
+                match current.reloaded() {
+                    None => {}
+                    Some(Ok(c)) => {
+                        tracing::info!("revocation list reloaded");
+                        *shared.write().unwrap_or_else(|p| p.into_inner()) = c.server_config();
+                        current = Arc::new(c);
+                    }
+                    Some(Err(e)) => tracing::error!("revocation list not reloaded: {e}"),
+                }
+            }
+        });
+    if let Err(e) = spawned {
+        tracing::error!("revocation list will not be reloaded: {e}");
+    }
+    config
 }

@@ -572,6 +572,8 @@ fn hostile_nbd_clients_neither_lock_out_nor_grow_the_device() {
             "4M",
             "--listen",
             "127.0.0.1:0",
+            "--nbd-tls",
+            "off",
             "--servers",
             &list.join(","),
         ],
@@ -661,6 +663,173 @@ impl Drop for ChildGuard {
     fn drop(&mut self) {
         self.stop();
     }
+}
+
+/// libnbd's layout of a client's TLS files (`tls-certificates=DIR`), from a node's
+/// credentials directory as `netram keygen` writes it.
+fn libnbd_dir(node: &Path, out: &Path) {
+    std::fs::create_dir_all(out).unwrap();
+    for (from, to) in [
+        ("ca.pem", "ca-cert.pem"),
+        ("node.pem", "client-cert.pem"),
+        ("node.key", "client-key.pem"),
+    ] {
+        if node.join(from).exists() {
+            std::fs::copy(node.join(from), out.join(to)).unwrap();
+        }
+    }
+}
+
+/// `netram keygen` into `out`, from the tests' cluster.
+fn keygen(node: u64, extra: &[&str], out: &Path) {
+    let o = common::netram()
+        .args(["keygen", "--cluster"])
+        .arg(common::tls_dir())
+        .args(["--node", &node.to_string(), "--out"])
+        .arg(out)
+        .args(extra)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+}
+
+/// NBD over TCP speaks NBD's TLS (NBD_OPT_STARTTLS) with the cluster's certificates: libnbd's
+/// tools copy through `nbds://` with a member's certificate; a client in clear, one without a
+/// certificate, one from another cluster and a revoked one are refused, and bytes injected
+/// after STARTTLS close the connection (issue "Trust nobody on the wire").
+#[test]
+fn nbd_over_tcp_is_tls_for_members_only() {
+    if !netram_testkit::have_tools(&[NBDINFO, NBDCOPY]) {
+        return;
+    }
+    let servers: Vec<ServerProcess> = (0..2)
+        .map(|_| ServerProcess::start(&["--capacity", "128M"]))
+        .collect();
+    let list: Vec<&str> = servers.iter().map(|s| s.addr.as_str()).collect();
+    let dir = tempfile::tempdir().unwrap();
+    // The device's host is `localhost` to its NBD clients: its certificate must say so.
+    let host = dir.path().join("host");
+    keygen(9001, &["--dns", "localhost"], &host);
+    let (child, rest) = spawn_reporting(
+        &[
+            "nbd",
+            "--tls",
+            host.to_str().unwrap(),
+            "--size",
+            "64M",
+            "--cache",
+            "4M",
+            "--listen",
+            "127.0.0.1:0",
+            "--servers",
+            &list.join(","),
+        ],
+        "netram nbd: serving ",
+    );
+    let _nbd = scopeguard_child(child);
+    let uri = rest.split(" on ").nth(1).expect("an address").to_string();
+    let addr = uri
+        .strip_prefix("nbds://")
+        .expect("served as nbds://")
+        .to_string();
+    let port = addr.rsplit(':').next().unwrap();
+    let member = dir.path().join("member");
+    keygen(9002, &[], &member.join("node"));
+    libnbd_dir(&member.join("node"), &member.join("libnbd"));
+    let tls_uri = |certs: &Path| {
+        format!(
+            "nbds://localhost:{port}/?tls-certificates={}",
+            certs.display()
+        )
+    };
+    let good = tls_uri(&member.join("libnbd"));
+
+    let info: serde_json::Value =
+        serde_json::from_str(&run("nbdinfo", &["--json", &good])).unwrap();
+    assert_eq!(info["exports"][0]["export-size"], 64 << 20);
+    assert_eq!(info["TLS"], true, "{info}");
+    let input = random_file(dir.path(), "in", 24 << 20);
+    let output = dir.path().join("out");
+    run("nbdcopy", &[input.to_str().unwrap(), &good]);
+    run("nbdcopy", &[&good, output.to_str().unwrap()]);
+    let got = std::fs::read(&output).unwrap();
+    assert!(
+        got[..24 << 20] == std::fs::read(&input).unwrap()[..],
+        "nbdcopy read back over TLS what it wrote"
+    );
+
+    let refused = |uri: &str| {
+        let out = Command::new("timeout")
+            .args(["30", "nbdinfo", uri])
+            .output()
+            .unwrap();
+        !out.status.success()
+    };
+    assert!(
+        refused(&format!("nbd://localhost:{port}/")),
+        "a client in clear"
+    );
+    let nocert = dir.path().join("nocert");
+    std::fs::create_dir_all(&nocert).unwrap();
+    std::fs::copy(member.join("node/ca.pem"), nocert.join("ca-cert.pem")).unwrap();
+    assert!(refused(&tls_uri(&nocert)), "a client without a certificate");
+    let other = dir.path().join("other");
+    let o = common::netram()
+        .args(["cluster", "init"])
+        .arg(&other)
+        .output()
+        .unwrap();
+    assert!(o.status.success());
+    let stranger = dir.path().join("stranger");
+    libnbd_dir(&other, &stranger);
+    std::fs::copy(member.join("node/ca.pem"), stranger.join("ca-cert.pem")).unwrap();
+    assert!(
+        refused(&tls_uri(&stranger)),
+        "another cluster's certificate"
+    );
+
+    // Before STARTTLS every option but ABORT is refused with NBD_REP_ERR_TLS_REQD.
+    let mut c = RawClient::greeted(Box::new(tcp_from([127, 0, 0, 1], &addr)));
+    let mut go = 0u32.to_be_bytes().to_vec();
+    go.extend_from_slice(&0u16.to_be_bytes());
+    assert_eq!(c.option(7, &go)[0].0, (1 << 31) | 5, "GO before TLS");
+    assert_eq!(c.option(3, &[])[0].0, (1 << 31) | 5, "LIST before TLS");
+    // A STARTTLS with bytes after it (a request meant to be taken as if it came inside TLS)
+    // closes the connection.
+    let mut m = b"IHAVEOPT".to_vec();
+    m.extend_from_slice(&5u32.to_be_bytes());
+    m.extend_from_slice(&0u32.to_be_bytes());
+    m.extend_from_slice(b"IHAVEOPT\0\0\0\x03\0\0\0\0");
+    c.s.write_all(&m).unwrap();
+    let mut ack = [0u8; 20];
+    c.s.read_exact(&mut ack).unwrap();
+    assert_eq!(u32::from_be_bytes(ack[12..16].try_into().unwrap()), 1);
+    let mut rest = Vec::new();
+    let _ = c.s.read_to_end(&mut rest);
+    assert!(rest.is_empty(), "nothing answered after an injected option");
+
+    // A revoked member is refused once the device's node has the new revocation list; the
+    // member still holding a connection does not matter to others.
+    let o = common::netram()
+        .args(["revoke", "--cluster"])
+        .arg(common::tls_dir())
+        .args(["--node", "9002"])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    std::fs::copy(common::tls_dir().join("crl.pem"), host.join("crl.pem")).unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while !refused(&good) {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "a revoked certificate still reaches the device"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(200));
+    }
+    let other_member = dir.path().join("member2");
+    keygen(9003, &[], &other_member.join("node"));
+    libnbd_dir(&other_member.join("node"), &other_member.join("libnbd"));
+    run("nbdinfo", &[&tls_uri(&other_member.join("libnbd"))]);
 }
 
 fn scopeguard_child(c: Child) -> ChildGuard {

@@ -9,6 +9,7 @@
 //! * [`device`]: byte ranges over the pager (read-modify-write, discards, block status);
 //! * [`server`]: the handshake and the transmission phase of one connection;
 //! * [`serve`]: the accept loop, one thread per connection, all sharing one device;
+//! * [`tls`]: NBD_OPT_STARTTLS, mutual TLS with the cluster's certificates on TCP;
 //! * [`fuse`]: the same device as one file through FUSE, for a loop device where the kernel
 //!   has no NBD client.
 //!
@@ -23,6 +24,7 @@
 pub mod device;
 pub mod fuse;
 pub mod server;
+pub mod tls;
 pub mod wire;
 
 pub use device::Device;
@@ -88,12 +90,15 @@ impl Default for Limits {
 }
 
 /// Serves NBD on `listener` until `shutdown` is set, within `limits`. Returns once every
-/// connection has ended.
+/// connection has ended. With `tls`, a TCP client must start TLS and present a certificate
+/// the configuration accepts before anything else is served (a unix socket's clients are
+/// this machine's users, let in by the socket's file mode).
 pub fn serve<T, D>(
     listener: Listener,
     device: Arc<Device<T, D>>,
     shutdown: Arc<AtomicBool>,
     limits: Limits,
+    tls: Option<tls::TlsConfig>,
 ) -> io::Result<()>
 where
     T: Transport + Send + 'static,
@@ -127,10 +132,13 @@ where
         let spawned = match &listener {
             Listener::Unix(l, _) => l
                 .accept()
-                .map(|(s, _)| start(s, &device, &shutdown, &open, &limits)),
+                .map(|(s, _)| start(s, &device, &shutdown, &open, &limits, None)),
             Listener::Tcp(l) => l.accept().map(|(s, _)| {
                 let _ = s.set_nodelay(true);
-                start(s, &device, &shutdown, &open, &limits)
+                let config = tls
+                    .as_ref()
+                    .map(|t| t.read().unwrap_or_else(|p| p.into_inner()).clone());
+                start(s, &device, &shutdown, &open, &limits, config)
             }),
         };
         match spawned {
@@ -190,6 +198,7 @@ fn start<S: Socket, T, D>(
     shutdown: &Arc<AtomicBool>,
     open: &Arc<Open>,
     limits: &Limits,
+    tls: Option<Arc<rustls::ServerConfig>>,
 ) -> Option<std::thread::JoinHandle<()>>
 where
     T: Transport + Send + 'static,
@@ -237,11 +246,19 @@ where
         return None;
     }
     let (device, shutdown) = (device.clone(), shutdown.clone());
+    let handshake_timeout = limits.handshake_timeout;
     let spawned = std::thread::Builder::new()
         .name("netram-nbd-conn".into())
         .spawn(move || {
             let _registered = registered;
-            if let Err(e) = server::serve_connection(socket, &device, &shutdown, &negotiated) {
+            if let Err(e) = server::serve_connection(
+                socket,
+                &device,
+                &shutdown,
+                &negotiated,
+                tls,
+                handshake_timeout,
+            ) {
                 tracing::info!("NBD connection ended: {e}");
             }
         });

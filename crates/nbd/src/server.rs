@@ -13,6 +13,8 @@ use crate::wire::*;
 use netram_pager::{Disk, Transport};
 use std::io::{self, BufReader, BufWriter, Read, Write};
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
 
 /// Option data larger than this closes the connection (no option served needs a tenth of it).
 const MAX_OPTION_LEN: u32 = 64 * 1024;
@@ -42,6 +44,10 @@ pub trait Socket: Read + Write + Send + Sized + 'static {
     /// Who is at the other end, for the limit of connections per client: the address for TCP,
     /// the user id for a unix socket.
     fn peer(&self) -> String;
+    /// The TCP connection under this socket, to start TLS on (NBD_OPT_STARTTLS).
+    fn into_tcp(self) -> Option<std::net::TcpStream> {
+        None
+    }
 }
 
 impl Socket for std::net::TcpStream {
@@ -58,6 +64,9 @@ impl Socket for std::net::TcpStream {
         self.peer_addr()
             .map(|a| a.ip().to_string())
             .unwrap_or_default()
+    }
+    fn into_tcp(self) -> Option<std::net::TcpStream> {
+        Some(self)
     }
 }
 
@@ -88,6 +97,16 @@ pub enum ConnError {
     Closed(String),
 }
 
+/// How the option haggling ended.
+enum Haggled {
+    /// On to the transmission phase.
+    Go(Session),
+    /// The client aborted.
+    Done,
+    /// The client asked for TLS, and it was agreed: the haggling starts again inside it.
+    StartTls,
+}
+
 /// What the handshake settled.
 #[derive(Debug, Default)]
 struct Session {
@@ -106,6 +125,15 @@ struct Conn<S: Socket> {
 }
 
 impl<S: Socket> Conn<S> {
+    fn new(socket: S) -> io::Result<Self> {
+        let w = socket.try_clone()?;
+        Ok(Self {
+            r: BufReader::with_capacity(256 * 1024, socket),
+            w: BufWriter::with_capacity(256 * 1024, w),
+            out: Vec::with_capacity(64 * 1024),
+        })
+    }
+
     fn send(&mut self) -> io::Result<()> {
         self.w.write_all(&self.out)?;
         self.out.clear();
@@ -115,31 +143,56 @@ impl<S: Socket> Conn<S> {
 
 /// Serves one connection until the client disconnects or `shutdown` is set; sets `negotiated`
 /// once the handshake is over (the accept loop closes connections that take too long to get
-/// there).
+/// there). With `tls`, the client must start TLS before any other option
+/// (NBD_REP_ERR_TLS_REQD otherwise) and present a certificate that `tls` accepts.
 pub fn serve_connection<S, T, D>(
     socket: S,
     device: &Device<T, D>,
     shutdown: &AtomicBool,
     negotiated: &AtomicBool,
+    tls: Option<Arc<rustls::ServerConfig>>,
+    handshake_timeout: Duration,
 ) -> Result<(), ConnError>
 where
     S: Socket,
     T: Transport,
     D: Disk,
 {
-    let w = socket.try_clone()?;
-    let mut c = Conn {
-        r: BufReader::with_capacity(256 * 1024, socket),
-        w: BufWriter::with_capacity(256 * 1024, w),
-        out: Vec::with_capacity(64 * 1024),
-    };
-    match handshake(&mut c, device)? {
-        Some(session) => {
-            negotiated.store(true, Ordering::SeqCst);
-            transmission(&mut c, device, &session, shutdown)
+    let mut c = Conn::new(socket)?;
+    let client_flags = greet(&mut c)?;
+    let session = match options(&mut c, device, client_flags, tls.is_some())? {
+        Haggled::Go(session) => session,
+        Haggled::Done => return Ok(()),
+        Haggled::StartTls => {
+            let config = tls.expect("STARTTLS is agreed only with a TLS configuration");
+            // Bytes the client sent after its STARTTLS, before the TLS handshake, would be
+            // taken as if they came inside TLS (the STARTTLS injection attack): refuse them.
+            if !c.r.buffer().is_empty() {
+                return Err(ConnError::Closed(
+                    "the client sent data after NBD_OPT_STARTTLS before the TLS handshake".into(),
+                ));
+            }
+            let Conn { r, w, .. } = c;
+            drop(w);
+            let tcp = r
+                .into_inner()
+                .into_tcp()
+                .ok_or_else(|| ConnError::Closed("TLS is offered only on TCP".into()))?;
+            let socket = crate::tls::TlsSocket::accept(tcp, config, handshake_timeout)
+                .map_err(|e| ConnError::Closed(format!("TLS handshake: {e}")))?;
+            let mut c = Conn::new(socket)?;
+            return match options(&mut c, device, client_flags, false)? {
+                Haggled::Go(session) => {
+                    negotiated.store(true, Ordering::SeqCst);
+                    transmission(&mut c, device, &session, shutdown)
+                }
+                Haggled::Done => Ok(()),
+                Haggled::StartTls => unreachable!("STARTTLS is refused inside TLS"),
+            };
         }
-        None => Ok(()),
-    }
+    };
+    negotiated.store(true, Ordering::SeqCst);
+    transmission(&mut c, device, &session, shutdown)
 }
 
 fn export_info(device_size: u64) -> Vec<u8> {
@@ -153,11 +206,8 @@ fn refuse_option(out: &mut Vec<u8>, option: u32, kind: u32, why: &str) {
     option_reply(out, option, kind, why.as_bytes());
 }
 
-/// Runs option haggling; `Some` when the client moved on to transmission.
-fn handshake<S: Socket, T: Transport, D: Disk>(
-    c: &mut Conn<S>,
-    device: &Device<T, D>,
-) -> Result<Option<Session>, ConnError> {
+/// Sends the server's greeting and reads the client's flags.
+fn greet<S: Socket>(c: &mut Conn<S>) -> Result<u32, ConnError> {
     c.out.extend_from_slice(&NBDMAGIC.to_be_bytes());
     c.out.extend_from_slice(&IHAVEOPT.to_be_bytes());
     c.out
@@ -171,6 +221,18 @@ fn handshake<S: Socket, T: Transport, D: Disk>(
             "client does not speak fixed newstyle".into(),
         ));
     }
+    Ok(client_flags)
+}
+
+/// Runs option haggling. `tls_required`: TLS is offered and not started yet, so only
+/// STARTTLS and ABORT are served (the NBD protocol's "TLS-only" server, which NBD clients that
+/// do not ask for TLS understand as a refusal).
+fn options<S: Socket, T: Transport, D: Disk>(
+    c: &mut Conn<S>,
+    device: &Device<T, D>,
+    client_flags: u32,
+    tls_required: bool,
+) -> Result<Haggled, ConnError> {
     let mut session = Session::default();
     loop {
         let mut h = [0u8; OPTION_HEADER_LEN];
@@ -178,6 +240,40 @@ fn handshake<S: Socket, T: Transport, D: Disk>(
         let (option, len) = parse_option_header(&h, MAX_OPTION_LEN)?;
         let mut data = vec![0u8; len as usize];
         c.r.read_exact(&mut data)?;
+        if tls_required {
+            match option {
+                OPT_STARTTLS if data.is_empty() => {
+                    option_reply(&mut c.out, option, REP_ACK, &[]);
+                    c.send()?;
+                    return Ok(Haggled::StartTls);
+                }
+                OPT_STARTTLS => option_reply(
+                    &mut c.out,
+                    option,
+                    REP_ERR_INVALID,
+                    b"this option takes no data",
+                ),
+                OPT_ABORT => {
+                    option_reply(&mut c.out, option, REP_ACK, &[]);
+                    let _ = c.send();
+                    return Ok(Haggled::Done);
+                }
+                // The protocol has no error reply for this option: closing is the answer.
+                OPT_EXPORT_NAME => {
+                    return Err(ConnError::Closed(
+                        "NBD_OPT_EXPORT_NAME before TLS: this server requires TLS".into(),
+                    ))
+                }
+                _ => option_reply(
+                    &mut c.out,
+                    option,
+                    REP_ERR_TLS_REQD,
+                    b"this server requires TLS (nbds://, with the cluster's certificates)",
+                ),
+            }
+            c.send()?;
+            continue;
+        }
         match option {
             OPT_EXPORT_NAME => {
                 let name = String::from_utf8_lossy(&data);
@@ -191,12 +287,12 @@ fn handshake<S: Socket, T: Transport, D: Disk>(
                     c.out.extend_from_slice(&[0u8; 124]);
                 }
                 c.send()?;
-                return Ok(Some(session));
+                return Ok(Haggled::Go(session));
             }
             OPT_ABORT => {
                 option_reply(&mut c.out, option, REP_ACK, &[]);
                 let _ = c.send(); // the client may already be gone
-                return Ok(None);
+                return Ok(Haggled::Done);
             }
             OPT_LIST if data.is_empty() => {
                 let mut d = (EXPORT_NAME.len() as u32).to_be_bytes().to_vec();
@@ -224,7 +320,7 @@ fn handshake<S: Socket, T: Transport, D: Disk>(
                     option_reply(&mut c.out, option, REP_ACK, &[]);
                     if option == OPT_GO {
                         c.send()?;
-                        return Ok(Some(session));
+                        return Ok(Haggled::Go(session));
                     }
                 }
                 Ok(req) => refuse_unknown_export(&mut c.out, option, &req.name),
@@ -271,11 +367,13 @@ fn handshake<S: Socket, T: Transport, D: Disk>(
                     b"this option takes no data",
                 );
             }
+            // Inside TLS already, or on a server that does not offer it (a unix socket, or
+            // `--insecure` on loopback).
             OPT_STARTTLS => option_reply(
                 &mut c.out,
                 option,
                 REP_ERR_POLICY,
-                b"TLS is not supported yet",
+                b"TLS is not offered on this connection",
             ),
             _ => option_reply(&mut c.out, option, REP_ERR_UNSUP, b"unknown option"),
         }

@@ -249,6 +249,13 @@ impl Credentials {
         Some(Self::build(pem, dir, Some((path.clone(), now))))
     }
 
+    /// The TLS server configuration of this node: its certificate, and clients must present
+    /// one of the cluster's (checked against the revocation list). The NBD front end's TLS
+    /// uses it as it is.
+    pub fn server_config(&self) -> Arc<ServerConfig> {
+        self.server.clone()
+    }
+
     /// Whether the revocation list names this serial number.
     pub fn is_revoked(&self, serial: &[u8]) -> bool {
         self.crls
