@@ -104,7 +104,7 @@ impl Cluster {
             let outcomes: Vec<DeltaOutcome> = fwd
                 .deltas
                 .iter()
-                .map(|(to, d)| match (0..SERVERS).find(|&h| addr(h) == *to) {
+                .map(|(to, d)| match (0..SERVERS).find(|&h| addr(h) == to.addr) {
                     Some(h) => match self.servers[h].store.apply_delta(
                         &d.as_delta(),
                         netram_store::DeltaFrom::Peer(netram_store::Peer::Server(i as u64 + 1)),

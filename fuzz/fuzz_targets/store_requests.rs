@@ -373,6 +373,7 @@ fuzz_target!(|input: Input| {
                         .map(|(&k, d)| {
                             let op = ParityOp::Join {
                                 holder: server(holder),
+                                holder_node: u64::from(holder % 3),
                                 group: u64::from(group) + k.page / per_group,
                                 member: server(member),
                             };

@@ -163,6 +163,7 @@ fn forged_parity_deltas_are_refused_and_the_group_is_unharmed() {
     let mut h = Conn::open(&holder.addr, &alice, &hello).unwrap();
     let join = ParityOp::Join {
         holder: haddr,
+        holder_node: 1,
         group: 1,
         member: maddr,
     };
@@ -259,6 +260,56 @@ fn forged_parity_deltas_are_refused_and_the_group_is_unharmed() {
         matches!(decode_reply(&f).unwrap().1, Reply::Put { status, .. } if status == [PutStatus::Stored])
     );
     assert_eq!(holder.stat("parity_deltas_applied"), 1);
+}
+
+/// A client names the holder of its page's parity group by address and node id; the member's
+/// server forwards the page's deltas only to a server that proves to be that node, so a
+/// client cannot point it at another server (nor at an address of its choosing: the TLS
+/// handshake fails there first). The overwrite is answered "holder unreachable", counted.
+#[test]
+fn deltas_go_only_to_the_holder_node_the_owner_named() {
+    let member = ServerProcess::start(&["--capacity", "16M"]);
+    let (hdir, _) = node_creds(40, true);
+    let holder =
+        ServerProcess::start(&["--capacity", "16M", "--tls", hdir.path().to_str().unwrap()]);
+    let (_a_dir, alice) = node_creds(41, false);
+    let (maddr, haddr): (SocketAddr, SocketAddr) =
+        (member.addr.parse().unwrap(), holder.addr.parse().unwrap());
+    let mut m = Conn::open(&member.addr, &alice, &Hello::new(0xcafe, 1, 1)).unwrap();
+    let put = |m: &mut Conn, key: PageKey, version: u32, op: ParityOp| {
+        let f = m.call(&Request::PutParity(vec![(
+            Page::seal(key, version, &page(3)),
+            op,
+        )]));
+        match decode_reply(&f).unwrap().1 {
+            Reply::Put { status, .. } => status[0],
+            other => panic!("not a PUT reply: {other:?}"),
+        }
+    };
+    for (key, named, wrong) in [(PageKey::new(1, 1), 40, 0), (PageKey::new(1, 2), 39, 1)] {
+        let join = ParityOp::Join {
+            holder: haddr,
+            holder_node: named,
+            group: key.page,
+            member: maddr,
+        };
+        assert_eq!(put(&mut m, key, 1, join), PutStatus::Stored);
+        // An overwrite in place sends a delta to the named holder (who has no such group: the
+        // owner never shipped it, so a delta that arrives is answered "unknown group" and the
+        // page is stored outside any group, `Unprotected`).
+        let status = put(&mut m, key, 2, ParityOp::Keep);
+        assert_eq!(
+            member.stat("parity_holders_wrong_node"),
+            wrong,
+            "node {named}"
+        );
+        if wrong == 1 {
+            assert_eq!(status, PutStatus::HolderUnreachable, "not sent to node 40");
+        } else {
+            assert_eq!(status, PutStatus::Unprotected, "sent, and out of its group");
+        }
+    }
+    assert_eq!(holder.stat("parity_deltas_applied"), 0);
 }
 
 /// Nothing but a node of the cluster gets past the handshake, at any step of it, and nothing

@@ -239,6 +239,7 @@ fn a_member_overwrite_reaches_its_holder_over_tcp_before_it_is_acknowledged() {
     let mut h = Raw::open(holder.addr(), 42, 7);
     let join = ParityOp::Join {
         holder: holder.addr(),
+        holder_node: 1, // the holder's certificate
         group: 1,
         member: member.addr(),
     };

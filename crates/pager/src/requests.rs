@@ -341,6 +341,9 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                                     PutKind::Parity(PutOp::Join { group, holder }) => {
                                         netram_proto::ParityOp::Join {
                                             holder: addrs(holder),
+                                            holder_node: self.servers[usize::from(holder)]
+                                                .info
+                                                .node,
                                             group,
                                             member: addrs(server as u16),
                                         }

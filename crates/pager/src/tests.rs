@@ -68,10 +68,17 @@ impl MemCluster {
             let outcomes: Vec<serve::DeltaOutcome> = fwd
                 .deltas
                 .iter()
-                .map(|(addr, d)| {
-                    let Some(h) = (0..self.servers.len()).find(|&h| mem_addr(h) == *addr) else {
+                .map(|(holder, d)| {
+                    let Some(h) = (0..self.servers.len()).find(|&h| mem_addr(h) == holder.addr)
+                    else {
                         return serve::DeltaOutcome::Unreachable;
                     };
+                    // A real server forwards only to the node the owner named.
+                    assert_eq!(
+                        holder.node,
+                        h as u64 + 1,
+                        "the pager named the holder's node"
+                    );
                     if self.servers[h].dead {
                         return serve::DeltaOutcome::Unreachable;
                     }

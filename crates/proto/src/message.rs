@@ -809,7 +809,7 @@ mod tests {
             let datas: Vec<Vec<u8>> = parts.iter().map(|p| vec![p.0.5; PAGE_SIZE]).collect();
             let pages = parts.iter().zip(&datas).map(|((p, join), d)| {
                 let op = match join {
-                    Some((holder, group, member)) => ParityOp::Join { holder: *holder, group: *group, member: *member },
+                    Some((holder, group, member)) => ParityOp::Join { holder: *holder, holder_node: *group ^ 7, group: *group, member: *member },
                     None => ParityOp::Keep,
                 };
                 (page(p, d), op)

@@ -278,9 +278,12 @@ pub enum ParityOp {
     /// `holder` (Nswap Fig. 3). An older version under the key leaves its old group first.
     /// `member` is the address the client reaches this server at, as the group's member list
     /// names it: the server's deltas carry it, so that the holder tells this copy from another
-    /// copy of the same page elsewhere.
+    /// copy of the same page elsewhere. `holder_node` is the holder's node id as its
+    /// certificate names it: the server forwards deltas to `holder` only if the server there
+    /// proves to be that node (a client cannot make it talk to anyone else).
     Join {
         holder: SocketAddr,
+        holder_node: u64,
         group: u64,
         member: SocketAddr,
     },
@@ -294,11 +297,13 @@ impl ParityOp {
             }
             ParityOp::Join {
                 holder,
+                holder_node,
                 group,
                 member,
             } => {
                 w.u8(1);
                 encode_addr(holder, w);
+                w.u64(*holder_node);
                 w.u64(*group);
                 encode_addr(member, w);
             }
@@ -309,6 +314,7 @@ impl ParityOp {
             0 => Ok(ParityOp::Keep),
             1 => Ok(ParityOp::Join {
                 holder: decode_addr(r)?,
+                holder_node: r.u64()?,
                 group: r.u64()?,
                 member: decode_addr(r)?,
             }),

@@ -31,6 +31,7 @@ fn seed() -> Vec<u8> {
     }
     let join = ParityOp::Join {
         holder: addr(4),
+        holder_node: 5,
         group: 1,
         member: addr(1),
     };

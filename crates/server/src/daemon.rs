@@ -200,6 +200,9 @@ node_counters! {
     frames_rejected_unauthenticated,
     /// Established connections closed because their certificate was revoked since.
     connections_closed_revoked,
+    /// Parity deltas not sent: the server at the holder's address was not the node the
+    /// page's owner named (a client pointing this server at an address of its choosing).
+    parity_holders_wrong_node,
     /// Frames refused, by reason; each closed its connection.
     frames_rejected_bad_length,
     frames_rejected_bad_version,
@@ -1010,7 +1013,9 @@ fn handle_frames(
             }
             Outcome::Forward(fwd) => {
                 drop(store);
-                let outcomes = shared.peers.forward(&fwd.deltas);
+                let outcomes = shared
+                    .peers
+                    .forward(&fwd.deltas, &shared.counters.parity_holders_wrong_node);
                 store = shared.store();
                 now = shared.now_ms();
                 serve::finish_forward(&mut store, h, fwd, &outcomes, now, rps, out);

@@ -17,10 +17,11 @@ use netram_proto::{
     decode_reply, DecodeError, DeltaStatus, ErrorCode, Hello, Kind, Reply, Request,
     HELLO_END_ON_CLOSE, MAX_BATCH,
 };
-use netram_store::serve::{DeltaOutcome, OwnedDelta};
+use netram_store::serve::{DeltaOutcome, Holder, OwnedDelta};
 use std::collections::HashMap;
 use std::io::{self, Write};
 use std::net::{SocketAddr, TcpStream};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -54,6 +55,8 @@ enum PeerError {
     Unexpected(Kind),
     #[error("session expired twice")]
     Expired,
+    #[error("the server there is node {got}, not node {named} as the page's owner named it")]
+    WrongNode { named: u64, got: u64 },
 }
 
 #[derive(Debug, Default)]
@@ -71,7 +74,7 @@ pub struct Peers {
     incarnation: u64,
     /// Over TLS, a holder is accepted only with a server certificate of the cluster.
     security: Security,
-    peers: Mutex<HashMap<SocketAddr, Arc<Mutex<Peer>>>>,
+    peers: Mutex<HashMap<Holder, Arc<Mutex<Peer>>>>,
 }
 
 impl Peers {
@@ -91,10 +94,16 @@ impl Peers {
         }
     }
 
-    /// Sends every delta to its holder and returns what became of each, in order.
-    pub fn forward(&self, deltas: &[(SocketAddr, OwnedDelta)]) -> Vec<DeltaOutcome> {
+    /// Sends every delta to its holder and returns what became of each, in order. A holder
+    /// whose server is not the node the owner named (a client naming an address of its
+    /// choosing) gets nothing: its deltas come back unreachable, and `wrong_node` counts it.
+    pub fn forward(
+        &self,
+        deltas: &[(Holder, OwnedDelta)],
+        wrong_node: &AtomicU64,
+    ) -> Vec<DeltaOutcome> {
         let mut out = vec![DeltaOutcome::Unreachable; deltas.len()];
-        let mut by_holder: HashMap<SocketAddr, Vec<usize>> = HashMap::new();
+        let mut by_holder: HashMap<Holder, Vec<usize>> = HashMap::new();
         for (i, (holder, _)) in deltas.iter().enumerate() {
             by_holder.entry(*holder).or_default().push(i);
         }
@@ -128,6 +137,9 @@ impl Peers {
                         }
                     }
                     Err(e) => {
+                        if matches!(e, PeerError::WrongNode { .. }) {
+                            wrong_node.fetch_add(1, Ordering::Relaxed);
+                        }
                         tracing::warn!(%holder, "parity holder unreachable: {e}");
                         peer.conn = None;
                         peer.failed_at = Some(Instant::now());
@@ -143,7 +155,7 @@ impl Peers {
     fn send(
         &self,
         peer: &mut Peer,
-        holder: SocketAddr,
+        holder: Holder,
         req: &Request<'_>,
     ) -> Result<Vec<DeltaStatus>, PeerError> {
         let n = match req {
@@ -160,7 +172,15 @@ impl Peers {
                 }
                 let hello = Hello::new(self.node, self.incarnation, fastrand::u64(..))
                     .with_flags(HELLO_END_ON_CLOSE);
-                let c = handshake(holder, &hello, CONNECT_TIMEOUT, &self.security)?;
+                let c = handshake(holder.addr, &hello, CONNECT_TIMEOUT, &self.security)?;
+                // Over TLS the WELCOME's node id is the certificate's (checked in the
+                // handshake).
+                if c.welcome.server_node != holder.node {
+                    return Err(PeerError::WrongNode {
+                        named: holder.node,
+                        got: c.welcome.server_node,
+                    });
+                }
                 c.stream
                     .set_read_timeout(Some(REPLY_TIMEOUT))
                     .map_err(|e| PeerError::Io("socket", e))?;

@@ -581,8 +581,18 @@ impl World {
     fn forward(&mut self, conn: usize, fwd: Forward) {
         let mut by_holder: Vec<(usize, Vec<usize>)> = Vec::new();
         let mut unknown = Vec::new();
-        for (i, (addr, _)) in fwd.deltas.iter().enumerate() {
-            match (0..self.servers.len()).find(|&s| server_addr(s) == *addr) {
+        for (i, (holder, _)) in fwd.deltas.iter().enumerate() {
+            match (0..self.servers.len()).find(|&s| server_addr(s) == holder.addr) {
+                // A real server refuses to forward to a server that is not the named node;
+                // legitimate owners always name the right one.
+                Some(h) if server_node(h) != holder.node => {
+                    self.bad_frames.push(format!(
+                        "a delta for {holder} went to server {h}, node {}: the owner named \
+                         the wrong holder node",
+                        server_node(h)
+                    ));
+                    unknown.push(i);
+                }
                 Some(h) => match by_holder.iter_mut().find(|(x, _)| *x == h) {
                     Some((_, idx)) => idx.push(i),
                     None => by_holder.push((h, vec![i])),

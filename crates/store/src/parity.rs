@@ -45,6 +45,8 @@ const _: () = assert!(PARITY_REGION == (1 << 24) - 1);
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Tag {
     holder: u16,
+    /// The holder's node id, as the owner named it: deltas go only to a server proving it.
+    holder_node: u64,
     group: u64,
     member: u16,
 }
@@ -53,6 +55,7 @@ pub(crate) struct Tag {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ParityTag {
     pub holder: SocketAddr,
+    pub holder_node: u64,
     pub group: u64,
     /// This server, as the group's member list names it.
     pub member: SocketAddr,
@@ -207,6 +210,7 @@ impl<A: AsRef<[u8]> + AsMut<[u8]>> Store<A> {
         let t = self.parity.tags.get(&f)?;
         Some(ParityTag {
             holder: self.parity.addr(t.holder),
+            holder_node: t.holder_node,
             group: t.group,
             member: self.parity.addr(t.member),
         })
@@ -242,6 +246,7 @@ impl<A: AsRef<[u8]> + AsMut<[u8]>> Store<A> {
         };
         let tag = Tag {
             holder,
+            holder_node: t.holder_node,
             group: t.group,
             member,
         };

@@ -94,7 +94,8 @@ impl Cluster {
                 .deltas
                 .iter()
                 .map(|(holder, d)| {
-                    let j = self.index(*holder);
+                    let j = self.index(holder.addr);
+                    assert_eq!(holder.node, node(j), "the holder node the owner named");
                     if self.down.contains(&j) {
                         return DeltaOutcome::Unreachable;
                     }
@@ -114,8 +115,14 @@ impl Cluster {
     fn put(&mut self, i: usize, p: u64, version: u32, b: u8, op: ParityOp) -> PutStatus {
         // The client names node i by its address.
         let op = match op {
-            ParityOp::Join { holder, group, .. } => ParityOp::Join {
+            ParityOp::Join {
                 holder,
+                holder_node,
+                group,
+                ..
+            } => ParityOp::Join {
+                holder,
+                holder_node,
                 group,
                 member: addr(i),
             },
@@ -226,6 +233,7 @@ impl Cluster {
 fn join(holder: usize, group: u64) -> ParityOp {
     ParityOp::Join {
         holder: addr(holder),
+        holder_node: node(holder),
         group,
         member: addr(holder),
     }

@@ -32,12 +32,26 @@ pub enum Outcome {
     Forward(Forward),
 }
 
+/// Where a delta goes: the holder's address, and the node id the server there must prove to
+/// be (as the page's owner named it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Holder {
+    pub addr: SocketAddr,
+    pub node: u64,
+}
+
+impl std::fmt::Display for Holder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} (node {})", self.addr, self.node)
+    }
+}
+
 /// A request waiting for parity holders. `deltas` go out, each to its holder; their outcomes,
 /// in the same order, go to [`finish_forward`].
 #[derive(Debug)]
 pub struct Forward {
     id: u64,
-    pub deltas: Vec<(SocketAddr, OwnedDelta)>,
+    pub deltas: Vec<(Holder, OwnedDelta)>,
     pending: Pending,
 }
 
@@ -342,14 +356,17 @@ fn removal<A: AsRef<[u8]> + AsMut<[u8]>>(
     h: SessionHandle,
     key: PageKey,
     owner: Owner,
-    deltas: &mut Vec<(SocketAddr, OwnedDelta)>,
+    deltas: &mut Vec<(Holder, OwnedDelta)>,
 ) -> Option<usize> {
     let tag = store.tag(h, key)?;
     let mut record = OwnedRecord::default();
     let old = store.record(h, key)?;
     record.xor(&old);
     deltas.push((
-        tag.holder,
+        Holder {
+            addr: tag.holder,
+            node: tag.holder_node,
+        },
         OwnedDelta {
             owner,
             group: tag.group,
@@ -408,7 +425,10 @@ fn plan_put<'a, A: AsRef<[u8]> + AsMut<[u8]>>(
                 record.xor(&old);
                 record.xor(&Record::of(&p));
                 deltas.push((
-                    tag.holder,
+                    Holder {
+                        addr: tag.holder,
+                        node: tag.holder_node,
+                    },
                     OwnedDelta {
                         owner,
                         group: tag.group,
@@ -451,7 +471,7 @@ fn forward<A: AsRef<[u8]> + AsMut<[u8]>>(
     store: &mut Store<A>,
     h: SessionHandle,
     id: u64,
-    deltas: Vec<(SocketAddr, OwnedDelta)>,
+    deltas: Vec<(Holder, OwnedDelta)>,
     pending: Pending,
     now_ms: u64,
     rps: u32,
@@ -524,6 +544,7 @@ pub fn finish_forward<A: AsRef<[u8]> + AsMut<[u8]>>(
                     (
                         Some(ParityOp::Join {
                             holder,
+                            holder_node,
                             group,
                             member,
                         }),
@@ -531,6 +552,7 @@ pub fn finish_forward<A: AsRef<[u8]> + AsMut<[u8]>>(
                     ) => {
                         let tag = ParityTag {
                             holder,
+                            holder_node,
                             group,
                             member,
                         };
