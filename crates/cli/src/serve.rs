@@ -21,8 +21,8 @@ pub struct ServeArgs {
     #[arg(long)]
     capacity: Option<String>,
     /// A TOML file with any of: listen, capacity, lease_period, max_connections,
-    /// max_connections_per_client, max_sessions_per_client, max_client_memory, idle_timeout,
-    /// write_timeout, window, low_latency, lock_memory, node_id.
+    /// max_connections_per_client, max_sessions_per_client, max_client_memory,
+    /// max_client_ops, idle_timeout, write_timeout, window, low_latency, lock_memory, node_id.
     #[arg(long)]
     config: Option<PathBuf>,
     /// How often clients must refresh their session, e.g. 2s [default: 2s]. A session silent
@@ -42,6 +42,13 @@ pub struct ServeArgs {
     /// were full, so that no client can starve the others [default: 3/4 of the capacity].
     #[arg(long)]
     max_client_memory: Option<String>,
+    /// Operations per second one client may make, each page of a batched GET, PUT or DELETE
+    /// counting one, e.g. 200000. Beyond it (after a burst of a tenth of a second's worth),
+    /// the client's connections are read no further until its rate allows: it is slowed,
+    /// never refused, and other clients are not. Counted as requests_throttled [default: no
+    /// limit].
+    #[arg(long)]
+    max_client_ops: Option<u32>,
     /// Close a connection that sends no whole request for this long, e.g. 30s [default: three
     /// lease periods; live clients refresh every half period].
     #[arg(long)]
@@ -77,6 +84,7 @@ struct FileConfig {
     max_connections_per_client: Option<usize>,
     max_sessions_per_client: Option<u32>,
     max_client_memory: Option<String>,
+    max_client_ops: Option<u32>,
     idle_timeout: Option<String>,
     write_timeout: Option<String>,
     window: Option<u32>,
@@ -188,6 +196,10 @@ fn check(args: ServeArgs) -> anyhow::Result<ServerConfig> {
         max_connections,
         max_connections_per_peer,
         max_peer_sessions,
+        max_client_ops_per_s: args
+            .max_client_ops
+            .or(file.max_client_ops)
+            .unwrap_or(d.max_client_ops_per_s),
         max_client_bytes,
         idle_timeout,
         write_timeout,

@@ -442,3 +442,61 @@ fn a_revoked_node_is_refused_and_its_connections_closed() {
     assert!(matches!(e, Some(HandshakeError::Tls(_))), "{e:?}");
     assert_eq!(g.get(key), Some(page(2)), "the other node is still served");
 }
+
+/// The per-client limits go by certificate over TLS: a node over its rate is slowed (its
+/// requests wait, counted) while another node on the same address is served at once; a node
+/// at its session limit is refused a third session, another node is not, and a node that
+/// presents a fresh node id per connection is another client (its own certificate each).
+#[test]
+fn per_client_limits_go_by_certificate() {
+    let server = ServerProcess::start(&[
+        "--capacity",
+        "16M",
+        "--max-client-ops",
+        "500",
+        "--max-sessions-per-client",
+        "2",
+    ]);
+    let (_d1, greedy) = node_creds(51, false);
+    let (_d2, modest) = node_creds(52, false);
+    let key = PageKey::new(1, 1);
+
+    // 1,000 one-page requests at 500 per second (after a burst of 64): about two seconds.
+    let addr = server.addr.clone();
+    let flood = std::thread::spawn(move || {
+        let mut c = Conn::open(&addr, &greedy, &Hello::new(1, 1, 1)).unwrap();
+        assert_eq!(c.put(key, 1, &page(1)), PutStatus::Stored);
+        let t = Instant::now();
+        for _ in 0..1000 {
+            assert!(c.get(key).is_some());
+        }
+        t.elapsed()
+    });
+    std::thread::sleep(Duration::from_millis(300));
+    let mut m = Conn::open(&server.addr, &modest, &Hello::new(2, 1, 1)).unwrap();
+    assert_eq!(m.put(key, 1, &page(2)), PutStatus::Stored);
+    let t = Instant::now();
+    for _ in 0..50 {
+        assert_eq!(m.get(key), Some(page(2)));
+    }
+    let modest_took = t.elapsed();
+    let greedy_took = flood.join().unwrap();
+    assert!(
+        greedy_took >= Duration::from_millis(1500),
+        "1,000 requests at 500/s took {greedy_took:?}"
+    );
+    assert!(
+        modest_took < Duration::from_millis(1000),
+        "another node was held back with the flooding one: {modest_took:?}"
+    );
+    assert!(server.stat("requests_throttled") > 100);
+
+    // Sessions: two per node, whatever the node id in its HELLO; another node has its own.
+    let (_d3, a) = node_creds(53, false);
+    let _s1 = Conn::open(&server.addr, &a, &Hello::new(53, 1, 1)).unwrap();
+    let _s2 = Conn::open(&server.addr, &a, &Hello::new(54, 1, 1)).unwrap();
+    assert!(Conn::open(&server.addr, &a, &Hello::new(55, 1, 1)).is_err());
+    assert_eq!(server.stat("handshakes_refused_peer_sessions"), 1);
+    let (_d4, b) = node_creds(54, false);
+    Conn::open(&server.addr, &b, &Hello::new(53, 1, 1)).unwrap();
+}

@@ -78,6 +78,10 @@ pub struct ServerConfig {
     pub max_connections_per_peer: usize,
     /// Live sessions one client (address) may hold.
     pub max_peer_sessions: u32,
+    /// Operations per second one client may make, each page of a batch one (0: no limit).
+    /// Over it, its connections are read no further until its rate allows (the store's
+    /// `charge`).
+    pub max_client_ops_per_s: u32,
     /// Bytes of frames one client (address) may hold; `None`: three quarters of the capacity,
     /// so that one client can never fill the arena and starve the others.
     pub max_client_bytes: Option<u64>,
@@ -123,6 +127,7 @@ impl Default for ServerConfig {
             node: 0,
             max_connections_per_peer: 64,
             max_peer_sessions: 64,
+            max_client_ops_per_s: 0,
             max_client_bytes: None,
             handshake_timeout: Duration::from_secs(5),
             idle_timeout: None,
@@ -390,6 +395,7 @@ impl Server {
                 max_sessions: cfg.max_sessions,
                 max_peer_sessions: cfg.max_peer_sessions,
                 max_peer_pages: cfg.max_peer_pages(),
+                max_peer_ops_per_s: cfg.max_client_ops_per_s,
             },
         );
         let listener = TcpListener::bind(cfg.listen).map_err(|source| ServerError::Listen {
@@ -925,6 +931,14 @@ fn serve_session(
         }
         match served {
             Ok(Served { closed: true, .. }) => return Ok(()),
+            // Over its rate: its replies are written, and nothing more of it is read (its
+            // requests wait in the socket, then in the client) until the rate allows.
+            Ok(Served { throttle_ms, .. }) if throttle_ms > 0 => {
+                std::thread::sleep(Duration::from_millis(throttle_ms.min(1000)));
+                if shared.shutdown.load(Ordering::SeqCst) {
+                    return Ok(());
+                }
+            }
             Ok(_) => {}
             Err(e) => return Err(ConnError::Frame(e)),
         }
@@ -951,6 +965,9 @@ struct Served {
     frames: u32,
     /// The client closed its session.
     closed: bool,
+    /// Milliseconds the client must wait before more of its requests are read: it overdrew
+    /// its rate (`ServerConfig::max_client_ops_per_s`).
+    throttle_ms: u64,
 }
 
 /// Runs the whole frames in the buffer against the store, under one lock acquisition (let go
@@ -968,6 +985,7 @@ fn handle_frames(
     let mut now = shared.now_ms();
     let mut store = shared.store();
     let mut served = 0u32;
+    let mut throttle_ms = 0;
     let result = loop {
         if served >= shared.cfg.window || out.len() >= REPLY_BUFFER_MAX {
             if rbuf.has_frame().unwrap_or(true) {
@@ -996,6 +1014,7 @@ fn handle_frames(
             }
         };
         let rps = store.note_requests(1, now);
+        let cost = serve::cost(&req);
         let fault = shared.cfg.fault_panic_on_stats && matches!(req, netram_proto::Request::Stats);
         let stats = |st: &Store<Arena>| {
             // Test-only fault point (see `ServerConfig::fault_panic_on_stats`).
@@ -1005,11 +1024,14 @@ fn handle_frames(
             );
             stats_list(st, shared)
         };
-        match serve::handle_request(&mut store, h, id, req, now, rps, out, stats) {
-            Outcome::Open => tags(out),
+        let closed = match serve::handle_request(&mut store, h, id, req, now, rps, out, stats) {
+            Outcome::Open => {
+                tags(out);
+                false
+            }
             Outcome::Closed => {
                 tags(out);
-                break Ok(true);
+                true
             }
             Outcome::Forward(fwd) => {
                 drop(store);
@@ -1020,7 +1042,15 @@ fn handle_frames(
                 now = shared.now_ms();
                 serve::finish_forward(&mut store, h, fwd, &outcomes, now, rps, out);
                 tags(out);
+                false
             }
+        };
+        if closed {
+            break Ok(true);
+        }
+        throttle_ms = store.charge(h, cost, now);
+        if throttle_ms > 0 {
+            break Ok(false);
         }
     };
     shared
@@ -1030,5 +1060,6 @@ fn handle_frames(
     result.map(|closed| Served {
         frames: served,
         closed,
+        throttle_ms,
     })
 }

@@ -202,6 +202,9 @@ pub struct StoreConfig {
     pub max_peer_sessions: u32,
     /// Frames (pages and parity pages) one client may hold.
     pub max_peer_pages: u64,
+    /// Operations per second one client may make (each page of a batch one, any other request
+    /// one); 0: no limit. See [`Store::charge`].
+    pub max_peer_ops_per_s: u32,
 }
 
 impl Default for StoreConfig {
@@ -211,6 +214,7 @@ impl Default for StoreConfig {
             max_sessions: 4096,
             max_peer_sessions: 64,
             max_peer_pages: u64::MAX,
+            max_peer_ops_per_s: 0,
         }
     }
 }
@@ -220,6 +224,11 @@ impl Default for StoreConfig {
 struct PeerUse {
     sessions: u32,
     pages: u64,
+    /// The client's rate budget, in thousandths of an operation (a token bucket that may go
+    /// into debt: a request is served whole, and what it overdrew is waited for after it).
+    credit: i64,
+    /// When `credit` was last topped up; 0 before the first request (a full bucket).
+    credited_ms: u64,
 }
 
 macro_rules! counters {
@@ -252,6 +261,9 @@ counters! {
     puts_refused_full,
     /// PUTs (and parity pages) refused because their client holds its quota of frames.
     puts_refused_quota,
+    /// Requests after which their client had overdrawn its rate (`max_peer_ops_per_s`): its
+    /// connections read nothing more until the rate allows.
+    requests_throttled,
     /// Handshakes refused because their client holds its quota of sessions.
     sessions_refused_peer_limit,
     /// PUTs refused because the key is beyond the index's limits.
@@ -410,6 +422,45 @@ impl<A: AsRef<[u8]> + AsMut<[u8]>> Store<A> {
         }
         self.load_count = self.load_count.saturating_add(n);
         self.load_last
+    }
+
+    /// Charges `ops` operations of the session's client against its rate
+    /// ([`StoreConfig::max_peer_ops_per_s`], shared by all of the client's sessions and
+    /// connections) and returns how long, in milliseconds, its connections must then wait
+    /// before another request is read (0 within its rate). The bucket holds a tenth of a
+    /// second's worth (at least a window of 64): bursts pass, a sustained excess waits. The
+    /// server that pays for the requests enforces it; the client is slowed, never refused (a
+    /// refusal would only move the retry to it, and make its pager take the server for dead).
+    pub fn charge(&mut self, h: SessionHandle, ops: u32, now_ms: u64) -> u64 {
+        let rate = i64::from(self.cfg.max_peer_ops_per_s);
+        if rate == 0 {
+            return 0;
+        }
+        let Some(s) = self.sessions.get(h.slot as usize).filter(|s| s.live) else {
+            return 0;
+        };
+        let Some(u) = self.peers.get_mut(&s.peer) else {
+            return 0;
+        };
+        // Thousandths of an operation per millisecond = operations per second.
+        let cap = (rate * 100).max(64 * 1000);
+        let elapsed = now_ms.saturating_sub(u.credited_ms);
+        u.credit = if u.credited_ms == 0 {
+            cap
+        } else {
+            u.credit
+                .saturating_add(rate.saturating_mul(elapsed.min(1 << 20) as i64))
+                .min(cap)
+        };
+        u.credited_ms = now_ms.max(1);
+        u.credit -= i64::from(ops.max(1)) * 1000;
+        if u.credit >= 0 {
+            return 0;
+        }
+        self.counters.requests_throttled += 1;
+        u64::try_from(-u.credit)
+            .unwrap_or(u64::MAX)
+            .div_ceil(rate as u64)
     }
 
     /// Opens (or resumes) a session for a client without a network address (see

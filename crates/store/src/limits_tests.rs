@@ -189,3 +189,44 @@ fn the_address_table_refuses_when_full_and_forgets_what_nothing_names() {
     assert_eq!(ship(&mut s, h2, 0, 4, &[m]), PutStatus::Stored);
     s.check_invariants();
 }
+
+#[test]
+fn a_client_over_its_rate_waits_and_others_do_not() {
+    let cfg = StoreConfig {
+        max_peer_ops_per_s: 1000,
+        ..StoreConfig::default()
+    };
+    let mut s = store(4, cfg);
+    let a1 = s.open_session_from(peer(1), 1, 1, 1, 0).unwrap();
+    let a2 = s.open_session_from(peer(1), 2, 1, 1, 0).unwrap();
+    let b = s.open_session_from(peer(2), 3, 1, 1, 0).unwrap();
+    let now = 10_000;
+    // A burst of a tenth of a second's worth (100 ops, at least 64) passes.
+    assert_eq!(s.charge(a1, 60, now), 0);
+    assert_eq!(s.charge(a2, 40, now), 0, "both sessions share the bucket");
+    assert_eq!(s.counters().requests_throttled, 0);
+    // Beyond it, the client waits what it overdrew: 32 ops at 1000/s, 32 ms.
+    assert_eq!(s.charge(a1, 32, now), 32);
+    assert_eq!(s.charge(a2, 1, now), 33);
+    assert_eq!(s.counters().requests_throttled, 2);
+    // Another client is not touched.
+    assert_eq!(s.charge(b, 64, now), 0);
+    // Time pays the debt back: after 33 ms the client is even, after 100 ms more full again.
+    assert_eq!(s.charge(a1, 0, now + 34), 0);
+    assert_eq!(s.charge(a1, 99, now + 134), 0);
+    assert_eq!(s.charge(a1, 2, now + 134), 1);
+    // A sustained excess is held at the rate: 10 s of 2000 ops/s waits about 10 s more.
+    let mut t = now + 1000;
+    let mut waited = 0;
+    for _ in 0..1000 {
+        let w = s.charge(b, 20, t);
+        waited += w;
+        t += 10 + w;
+    }
+    assert!((9_000..=11_000).contains(&waited), "waited {waited} ms");
+    // No limit configured: nothing waits.
+    let mut free = store(4, StoreConfig::default());
+    let h = free.open_session_from(peer(1), 1, 1, 1, 0).unwrap();
+    assert_eq!(free.charge(h, u32::MAX, 1), 0);
+    s.check_invariants();
+}

@@ -315,6 +315,23 @@ pub fn handle_request<A: AsRef<[u8]> + AsMut<[u8]>>(
     Outcome::Open
 }
 
+/// What a request costs against its client's rate ([`Store::charge`]): each page of a batch
+/// one operation, any other request one.
+pub fn cost(req: &Request<'_>) -> u32 {
+    let n = match req {
+        Request::Put(p) => p.len(),
+        Request::Get(k) | Request::Delete(k) => k.len(),
+        Request::PutParity(p) => p.len(),
+        Request::ParityDelta(d) => d.len(),
+        Request::ParityShip { .. }
+        | Request::ParityScan { .. }
+        | Request::Refresh
+        | Request::Stats
+        | Request::Close => 1,
+    };
+    u32::try_from(n).unwrap_or(u32::MAX).max(1)
+}
+
 fn expired_reply<A: AsRef<[u8]> + AsMut<[u8]>>(
     store: &Store<A>,
     id: u64,
