@@ -441,6 +441,36 @@ fn a_revoked_node_is_refused_and_its_connections_closed() {
     let e = Conn::open(&server.addr, &doomed, &Hello::new(1, 1, 1)).err();
     assert!(matches!(e, Some(HandshakeError::Tls(_))), "{e:?}");
     assert_eq!(g.get(key), Some(page(2)), "the other node is still served");
+
+    // A client running since before a server was revoked stops trusting it: its next
+    // connection refuses the server's certificate once its own revocation list has it.
+    let sd = tempfile::tempdir().unwrap();
+    let out = Command::new(NETRAM)
+        .args(["keygen", "--server", "--cluster"])
+        .arg(cluster.path())
+        .args(["--node", "43", "--out"])
+        .arg(sd.path())
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let rogue = ServerProcess::start(&["--capacity", "16M", "--tls", sd.path().to_str().unwrap()]);
+    Conn::open(&rogue.addr, &good, &Hello::new(2, 1, 2)).unwrap();
+    let out = Command::new(NETRAM)
+        .args(["revoke", "--cluster"])
+        .arg(cluster.path())
+        .args(["--node", "43"])
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    std::fs::copy(cluster.path().join("crl.pem"), gd.path().join("crl.pem")).unwrap();
+    eventually("the client reloads its revocation list", || {
+        matches!(
+            Conn::open(&rogue.addr, &good, &Hello::new(2, 1, 3)),
+            Err(HandshakeError::Tls(_))
+        )
+    });
+    // Its other server is still trusted.
+    Conn::open(&server.addr, &good, &Hello::new(2, 1, 4)).unwrap();
 }
 
 /// The per-client limits go by certificate over TLS: a node over its rate is slowed (its
@@ -499,4 +529,28 @@ fn per_client_limits_go_by_certificate() {
     assert_eq!(server.stat("handshakes_refused_peer_sessions"), 1);
     let (_d4, b) = node_creds(54, false);
     Conn::open(&server.addr, &b, &Hello::new(53, 1, 1)).unwrap();
+}
+
+/// A server at its connection limit says so over TLS too (in clear, before TLS: the client
+/// believes nothing else said that way), and serves the next connection once one closes.
+#[test]
+fn a_server_at_its_limit_says_busy_over_tls() {
+    let server = ServerProcess::start(&["--capacity", "16M", "--max-connections", "1"]);
+    let (_d, node) = node_creds(61, false);
+    for round in 0..20 {
+        let mut first = None;
+        // The previous round's connection may still hold the place for a moment.
+        eventually("the place is given back", || {
+            first = Conn::open(&server.addr, &node, &Hello::new(61, 1, 1)).ok();
+            first.is_some()
+        });
+        match Conn::open(&server.addr, &node, &Hello::new(62, 1, 1)) {
+            Err(HandshakeError::Busy) => {}
+            Err(e) => panic!("round {round}: {e}"),
+            Ok(_) => panic!("round {round}: a second connection over the limit of one"),
+        }
+        drop(first);
+    }
+    std::thread::sleep(Duration::from_millis(200));
+    assert!(server.stat("connections_refused_busy") >= 20);
 }

@@ -51,6 +51,8 @@ pub enum HandshakeError {
          this node's credentials, --tls) or refused this client"
     )]
     ClosedInClear,
+    #[error("the server answered in clear, not over TLS, and not \"busy\"")]
+    ClearReply,
     #[error("server's certificate is node {cert}, its welcome says node {claimed}")]
     WrongNode { cert: u64, claimed: u64 },
 }
@@ -91,8 +93,22 @@ pub fn handshake(
             (None, None)
         }
         Security::Tls(creds) => {
-            let (peer, keys) = tls::connect(&mut s, creds, &hello.encode(), &mut buf, deadline)?;
-            (Some(keys), Some(peer))
+            match tls::connect(
+                &mut s,
+                &creds.current(),
+                &hello.encode(),
+                &mut buf,
+                deadline,
+            )? {
+                Some((peer, keys)) => (Some(keys), Some(peer)),
+                // Said in clear, unauthenticated: believed only as "busy".
+                None => {
+                    return Err(match Welcome::decode(&buf) {
+                        Ok(w) if w.status == WelcomeStatus::Busy => HandshakeError::Busy,
+                        _ => HandshakeError::ClearReply,
+                    })
+                }
+            }
         }
     };
     s.set_read_timeout(Some(timeout))?;

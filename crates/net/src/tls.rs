@@ -30,7 +30,7 @@ use std::io::{self, Read, Write};
 use std::net::TcpStream;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::{Instant, SystemTime};
+use std::time::{Duration, Instant, SystemTime};
 
 /// The exporter label of netram's frame keys (RFC 8446 §7.5).
 const EXPORTER_LABEL: &[u8] = b"EXPORTER-netram-frames-v1";
@@ -101,6 +101,8 @@ pub struct Credentials {
     /// changes.
     crl_file: Option<(PathBuf, Option<SystemTime>)>,
     pem: NodePem,
+    /// What [`Credentials::current`] found last, and when it looked.
+    newer: std::sync::Mutex<(Option<Instant>, Option<Arc<Credentials>>)>,
 }
 
 impl std::fmt::Debug for Credentials {
@@ -222,7 +224,37 @@ impl Credentials {
             crls: parsed,
             crl_file,
             pem,
+            newer: std::sync::Mutex::new((None, None)),
         })
+    }
+
+    /// The newest version of these credentials: the revocation list read again if its file
+    /// changed, looked at no more than once a second. Clients take it for every new
+    /// connection, so that a long-running client stops trusting a server revoked after it
+    /// started (the daemon reloads its own, and closes revoked peers' open connections).
+    pub fn current(self: &Arc<Self>) -> Arc<Credentials> {
+        let mut newer = self.newer.lock().unwrap_or_else(|p| p.into_inner());
+        let base = newer.1.clone().unwrap_or_else(|| self.clone());
+        if newer
+            .0
+            .is_some_and(|t| t.elapsed() < Duration::from_secs(1))
+        {
+            return base;
+        }
+        newer.0 = Some(Instant::now());
+        match base.reloaded() {
+            None => base,
+            Some(Ok(c)) => {
+                tracing::info!("revocation list reloaded");
+                let c = Arc::new(c);
+                newer.1 = Some(c.clone());
+                c
+            }
+            Some(Err(e)) => {
+                tracing::error!("revocation list not reloaded, the previous one stays: {e}");
+                base
+            }
+        }
     }
 
     /// The credentials with the revocation list read again, if its file changed since.
@@ -367,22 +399,43 @@ fn write_message(
 
 /// The client's side: TLS as `creds`, checking the server's certificate (`server.netram`),
 /// then `hello` out and `reply.len()` bytes (the WELCOME) back, all inside TLS. Returns the
-/// server's identity and the frame keys.
+/// server's identity and the frame keys; `None` when the server answered in clear before TLS
+/// (`reply` then holds that WELCOME, which the caller accepts only as "busy").
 pub fn connect(
     stream: &mut TcpStream,
     creds: &Credentials,
     hello: &[u8],
     reply: &mut [u8],
     deadline: Instant,
-) -> Result<(PeerIdentity, FrameKeys), TlsError> {
+) -> Result<Option<(PeerIdentity, FrameKeys)>, TlsError> {
     let name = ServerName::try_from(SERVER_NAME).expect("a DNS name");
     let mut conn: Connection = ClientConnection::new(creds.client.clone(), name)?.into();
+    // A server at its connection limit answers at once, in clear, before any TLS (it spends
+    // no handshake on a connection it will not serve): a WELCOME where the ServerHello would
+    // be. Unauthenticated, it can only mean "busy, try later" (the caller accepts nothing
+    // else in clear), which anyone on the path could achieve as well by cutting the
+    // connection.
+    while conn.wants_write() {
+        conn.write_tls(stream).map_err(TlsError::Handshake)?;
+    }
+    let left = deadline
+        .checked_duration_since(Instant::now())
+        .filter(|d| !d.is_zero())
+        .unwrap_or(Duration::from_millis(1));
+    stream
+        .set_read_timeout(Some(left))
+        .map_err(TlsError::Handshake)?;
+    let mut first = [0u8; 1];
+    if matches!(stream.peek(&mut first), Ok(1)) && first[0] == netram_proto::MAGIC[0] {
+        stream.read_exact(reply).map_err(TlsError::Handshake)?;
+        return Ok(None);
+    }
     drive(&mut conn, stream, deadline, |c| !c.is_handshaking())?;
     let peer = peer_identity(&conn)?;
     write_message(&mut conn, stream, hello, deadline)?;
     read_message(&mut conn, stream, reply, deadline)?;
     let keys = frame_keys(&conn, true)?;
-    Ok((peer, keys))
+    Ok(Some((peer, keys)))
 }
 
 /// A server's connection between its TLS handshake and its WELCOME.

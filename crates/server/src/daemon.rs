@@ -606,11 +606,9 @@ fn refuse(stream: TcpStream, shared: &Shared, peer: SocketAddr, why: Refusal) {
         max_frame_len: MAX_FRAME_LEN as u32,
         max_batch: MAX_BATCH as u32,
     };
-    // Over TLS nothing is said in clear: the connection is closed (the client's handshake
-    // fails), and the refusal counted here.
-    if shared.cfg.security.is_secure() {
-        return;
-    }
+    // Over TLS too, in clear before any TLS: no handshake is spent on a connection that will
+    // not be served, and a client takes an unauthenticated reply only as "busy" (which
+    // anyone on the path could make it believe by cutting the connection anyway).
     if stream.set_nonblocking(true).is_ok() {
         let _ = (&stream).write(&welcome.encode());
         // Whatever of the hello has arrived is read, so that closing sends FIN, not a reset
