@@ -192,6 +192,7 @@ impl Harness {
     fn run(&mut self, s: u8, id: u64, req: Request<'_>, limit: Limit) {
         let Some(h) = self.session(s) else { return };
         self.out.clear();
+        let cost = netram_store::serve::cost(&req);
         let outcome = handle_request(
             &mut self.store,
             h,
@@ -234,6 +235,13 @@ impl Harness {
             );
         }
         check_replies(&self.out, id, limit);
+        // The rate's charge never panics, and every wait is counted.
+        let throttled = self.store.counters().requests_throttled;
+        let wait = self.store.charge(h, cost, self.now);
+        assert_eq!(
+            self.store.counters().requests_throttled,
+            throttled + u64::from(wait > 0)
+        );
         self.store.check_invariants();
     }
 }
@@ -299,6 +307,7 @@ fuzz_target!(|input: Input| {
         max_sessions: usize::from(input.max_sessions % 64) + 1,
         max_peer_sessions: u32::from(input.max_peer_sessions % 16) + 1,
         max_peer_pages: input.max_peer_pages.map_or(u64::MAX, u64::from),
+        max_peer_ops_per_s: u32::from(input.max_sessions % 4) * 100,
     };
     let mut h = Harness {
         store: Store::new(vec![0u8; frames * PAGE_SIZE], cfg),

@@ -48,8 +48,8 @@ pub struct ClientConfig {
     /// credentials (`NETRAM_TLS`) and run in clear only when told (`--insecure`).
     pub security: Security,
     /// The pager over this transport seals every page end to end (`PagerConfig::seal`): over
-    /// TLS a GET reply's last page may then come outside the record's seal, checked by the
-    /// pager against its own tag instead. Off by default; the pager refuses to start over a
+    /// TLS a GET reply's page data may then come outside the record's seal, checked by the
+    /// pager against its own tags instead. Off by default; the pager refuses to start over a
     /// transport with it on unless it seals.
     pub sealed_pages: bool,
 }
@@ -325,7 +325,7 @@ impl Conn {
     }
 
     /// The whole frame at the head of the read buffer, decoded. A record that does not open,
-    /// or a clear tail that is not exactly a GET reply's last page, is the server's (or the
+    /// or a clear tail that is not exactly a GET reply's page data, is the server's (or the
     /// network's) lie: the connection is broken.
     fn take_reply(&mut self) -> Result<(u64, Reply<'_>), TransportError> {
         let (frame, tail) = match self.rbuf.next_frame_tail() {
@@ -347,22 +347,27 @@ impl Conn {
             tracing::warn!(server = %self.info.name, "bad reply: {e}");
             err
         })?;
-        // A clear tail must be exactly the data of the reply's last page, as its sealed
-        // entries describe it: read from the decoded reply, not from a second walk.
-        let tail_is_last_page = || match &reply.1 {
-            Reply::Get { pages, .. } => match pages.last() {
-                Some(GetResult::Found(p)) => {
-                    let end = frame.as_ptr_range().end;
-                    p.data.len() == tail && p.data.as_ptr_range().end == end
-                }
-                _ => false,
-            },
+        // A clear tail must be exactly the data of the reply's pages, as its sealed entries
+        // describe them (the data follows the entries, to the end of the frame): read from the
+        // decoded reply, not from a second walk.
+        let tail_is_page_data = || match &reply.1 {
+            Reply::Get { pages, .. } => {
+                let mut found = pages.iter().filter_map(|p| match p {
+                    GetResult::Found(p) if !p.data.is_empty() => Some(p),
+                    _ => None,
+                });
+                let data: usize = found.clone().map(|p| p.data.len()).sum();
+                let ends_frame = found
+                    .next_back()
+                    .is_some_and(|p| p.data.as_ptr_range().end == frame.as_ptr_range().end);
+                data == tail && ends_frame
+            }
             _ => false,
         };
-        if tail > 0 && !tail_is_last_page() {
-            tracing::warn!(server = %self.info.name, tail, "a reply left in clear what is not its last page");
+        if tail > 0 && !tail_is_page_data() {
+            tracing::warn!(server = %self.info.name, tail, "a reply left in clear what is not its pages' data");
             let err = TransportError::Protocol(format!(
-                "{tail} bytes in clear that are not a GET reply's last page"
+                "{tail} bytes in clear that are not a GET reply's page data"
             ));
             self.broken = Some(err.clone());
             return Err(err);

@@ -25,7 +25,7 @@ pub struct FrameBuffer {
     /// The key that opens sealed records; `None` over clear TCP.
     open: Option<RecordKey>,
     /// Whether a record may leave its frame's last bytes in clear (`record.rs`: a GET reply's
-    /// last page, to a client that seals its pages), and how many the last frame left.
+    /// page data, to a client that seals its pages), and how many the last frame left.
     allow_clear_tail: bool,
     last_clear_tail: usize,
 }

@@ -21,15 +21,15 @@
 //! record that does not open closes the connection: one forged or damaged byte anywhere is
 //! refused, counted, and never read.
 //!
-//! **The clear tail** is for one thing only: the last page of a GET reply to a client that
-//! seals its pages end to end (it said so in its HELLO). That page is ciphertext under the
-//! client's own key, authenticated by the client against the tag it kept (the pager's
-//! `seal.rs`), so sealing it a second time here would buy nothing but a second pass over 4 KiB
-//! on each side (~0.8 µs of a ~8 µs GET). Everything before it — the header, the request id,
-//! every envelope, the other pages — is sealed; a client that does not seal its pages is never
-//! sent a tail and refuses one; a client that does accepts a tail only when it is exactly the
-//! trailing page's data, as the sealed part of the frame describes it
-//! (`netram_proto::get_reply_tail`). PUT bodies are always sealed here: a server cannot check
+//! **The clear tail** is for one thing only: the pages' data of a GET reply (which follows all
+//! of the reply's entries) to a client that seals its pages end to end (it said so in its
+//! HELLO). Those pages are ciphertext under the client's own key, authenticated by the client
+//! against the tags it kept (the pager's `seal.rs`), so sealing them a second time here would
+//! buy nothing but a second pass over 4 KiB per page on each side (~0.8 µs of a ~8 µs GET).
+//! Everything before them — the header, the request id, every entry with its envelope — is
+//! sealed; a client that does not seal its pages is never sent a tail and refuses one; a
+//! client that does accepts a tail only when it is exactly the reply's page data, as the
+//! sealed part of the frame describes it (`netram_proto::get_reply_tail`). PUT bodies are always sealed here: a server cannot check
 //! a page's own tag, and a body changed on the way and acknowledged would be data lost.
 //!
 //! Writers reserve [`TRAILER_LEN`] bytes after every frame they encode ([`reserve_tags`]), so
@@ -118,7 +118,7 @@ impl RecordKey {
     /// Opens the whole record `rec` (length prefix included) in place. On success its first
     /// `4 + body` bytes are the plain frame (its length prefix rewritten), and it returns the
     /// frame's length and how many bytes at its end were sent in clear (0 but for a GET
-    /// reply's last page, see the module's documentation: the caller checks them). A record
+    /// reply's page data, see the module's documentation: the caller checks them). A record
     /// that does not authenticate is an error and must close the connection (the counter has
     /// moved on: nothing after it can open either).
     pub fn open(&mut self, rec: &mut [u8]) -> Result<(usize, usize), DecodeError> {
@@ -161,7 +161,7 @@ fn aad(len: [u8; 4], tail: u32) -> [u8; 8] {
 }
 
 /// Marks the last `tail` bytes of the frame at `at` in `buf` (followed by its trailer room)
-/// to go in clear: the data of a GET reply's last page, for a client that seals its pages.
+/// to go in clear: the page data of a GET reply, for a client that seals its pages.
 pub fn set_clear_tail(buf: &mut [u8], at: usize, tail: usize) {
     let body = u32::from_le_bytes(buf[at..at + 4].try_into().expect("a frame")) as usize;
     assert!(
@@ -264,16 +264,17 @@ mod tests {
         Ok(ids)
     }
 
-    /// A GET reply whose last page goes in clear: the page may change on the way (the pager
+    /// A GET reply whose page data goes in clear: the page may change on the way (the pager
     /// checks it against its own tag), nothing else may, nor how much of the frame is clear.
     #[test]
     fn a_clear_tail_covers_only_what_it_says() {
         use netram_proto::{begin_get_reply, decode_reply, get_reply_found, get_reply_tail};
-        use netram_proto::{Load, Page, PAGE_SIZE};
+        use netram_proto::{get_reply_data, Load, Page, PAGE_SIZE};
         let data = vec![9u8; PAGE_SIZE];
         let mut b = Vec::new();
         let mut w = begin_get_reply(&mut b, 3, Load::default(), 1);
         get_reply_found(&mut w, &Page::seal(PageKey::new(0, 1), 2, &data));
+        get_reply_data(&mut w, &data);
         w.finish();
         let frame = b.clone();
         reserve_tags(&mut b, 0);

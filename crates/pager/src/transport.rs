@@ -71,7 +71,7 @@ pub trait Transport {
         ))
     }
     /// Whether the transport leaves the authenticity of pages it receives to the pager (a GET
-    /// reply's last page outside its record's seal, `netram-net`'s `record.rs`): then the
+    /// reply's page data outside its record's seal, `netram-net`'s `record.rs`): then the
     /// pager must seal its pages, and refuses to start if it does not.
     fn leaves_pages_to_pager(&self) -> bool {
         false

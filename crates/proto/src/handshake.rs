@@ -21,8 +21,9 @@ pub const WELCOME_LEN: usize = 60;
 /// a word (a machine that crashed, a network cut).
 pub const HELLO_END_ON_CLOSE: u16 = 1;
 /// [`Hello::flags`]: this client seals every page end to end and checks each page it reads
-/// against the tag it kept, so over TLS the server may leave the last page of a GET reply out
-/// of the record's seal (`netram-net`'s `record.rs`: one cipher pass fewer on each side).
+/// against the tag it kept, so over TLS the server may leave the page data of a GET reply out
+/// of the record's seal (`netram-net`'s `record.rs`: one cipher pass per page fewer on each
+/// side).
 pub const HELLO_SEALED_PAGES: u16 = 2;
 /// Every flag this version knows; any other bit set is refused.
 const HELLO_FLAGS: u16 = HELLO_END_ON_CLOSE | HELLO_SEALED_PAGES;

@@ -415,17 +415,13 @@ pub fn decode_reply(frame: &[u8]) -> Result<(u64, Reply<'_>), DecodeError> {
             Reply::Put { load, status }
         }
         k if k == Kind::GetReply as u8 => {
-            let n = r.count(1 + PageKey::WIRE_LEN)?;
-            let pages = (0..n)
-                .map(|_| match r.u8()? {
-                    0 => Ok(GetResult::Found(Page::decode(&mut r)?)),
-                    1 => Ok(GetResult::Missing(PageKey::decode(&mut r)?)),
-                    v => Err(DecodeError::BadValue {
-                        field: "get status",
-                        value: v.into(),
-                    }),
-                })
-                .collect::<Result<_, _>>()?;
+            // The entries, then the data of the pages found, in the same order.
+            let (mut pages, lens) = get_reply_entries(&mut r)?;
+            for (p, len) in pages.iter_mut().zip(lens) {
+                if let GetResult::Found(p) = p {
+                    p.data = r.bytes(len)?;
+                }
+            }
             Reply::Get { load, pages }
         }
         k if k == Kind::DeleteReply as u8 => {
@@ -539,14 +535,13 @@ impl Reply<'_> {
                 w.u32(pages.len() as u32);
                 for p in pages {
                     match p {
-                        GetResult::Found(p) => {
-                            w.u8(0);
-                            p.encode(&mut w);
-                        }
-                        GetResult::Missing(k) => {
-                            w.u8(1);
-                            k.encode(&mut w);
-                        }
+                        GetResult::Found(p) => get_reply_found(&mut w, p),
+                        GetResult::Missing(k) => get_reply_missing(&mut w, *k),
+                    }
+                }
+                for p in pages {
+                    if let GetResult::Found(p) = p {
+                        w.bytes(p.data);
                     }
                 }
             }
@@ -580,7 +575,10 @@ impl Reply<'_> {
 }
 
 /// Starts a GET reply of `count` entries; the caller appends each with [`get_reply_found`] or
-/// [`get_reply_missing`] and then calls [`FrameBuilder::finish`].
+/// [`get_reply_missing`], then the data of every page found with [`get_reply_data`] (in the
+/// entries' order), and calls [`FrameBuilder::finish`]. The data comes last so that it is one
+/// run at the end of the frame: the run that may travel outside the record's seal to a
+/// client that seals its pages itself (`netram-net`'s `record.rs`).
 pub fn begin_get_reply<'v>(
     out: &'v mut Vec<u8>,
     req_id: u64,
@@ -593,9 +591,10 @@ pub fn begin_get_reply<'v>(
     w
 }
 
+/// Appends a found page's entry: its envelope, not its data (see [`get_reply_data`]).
 pub fn get_reply_found(w: &mut FrameBuilder<'_>, page: &Page<'_>) {
     w.u8(0);
-    page.encode(w);
+    page.encode_header(w);
 }
 
 pub fn get_reply_missing(w: &mut FrameBuilder<'_>, key: PageKey) {
@@ -603,11 +602,46 @@ pub fn get_reply_missing(w: &mut FrameBuilder<'_>, key: PageKey) {
     key.encode(w);
 }
 
-/// How many bytes at the end of `frame` are the data of a GET reply's last page (0 for any
-/// other frame, a reply whose last entry is missing or a zero page, or bytes that are no GET
-/// reply). Read from the entries' headers only, never from the data: a client that lets a
-/// GET reply's last page travel outside the record's seal checks with it that exactly that
-/// page's data did (`netram-net`'s `record.rs`). Never panics, whatever the bytes.
+/// Appends a found page's data, after every entry, in the entries' order.
+pub fn get_reply_data(w: &mut FrameBuilder<'_>, data: &[u8]) {
+    w.bytes(data);
+}
+
+/// A GET reply's entries, each found page with the length of its data (which follows all of
+/// the entries).
+fn get_reply_entries<'a>(
+    r: &mut Reader<'a>,
+) -> Result<(Vec<GetResult<'a>>, Vec<usize>), DecodeError> {
+    let n = r.count(1 + PageKey::WIRE_LEN)?;
+    let mut pages = Vec::with_capacity(n);
+    let mut lens = Vec::with_capacity(n);
+    for _ in 0..n {
+        match r.u8()? {
+            0 => {
+                let (p, len) = Page::decode_header(r)?;
+                pages.push(GetResult::Found(p));
+                lens.push(len);
+            }
+            1 => {
+                pages.push(GetResult::Missing(PageKey::decode(r)?));
+                lens.push(0);
+            }
+            v => {
+                return Err(DecodeError::BadValue {
+                    field: "get status",
+                    value: v.into(),
+                })
+            }
+        }
+    }
+    Ok((pages, lens))
+}
+
+/// How many bytes at the end of `frame` are the data of a GET reply's pages (0 for any other
+/// frame, a reply without page data, or bytes that are no GET reply). Read from the entries
+/// only, never from the data: a client that lets the pages' data travel outside the record's
+/// seal checks with it that exactly that data did (`netram-net`'s `record.rs`). Never panics,
+/// whatever the bytes.
 pub fn get_reply_tail(frame: &[u8]) -> usize {
     let walk = || -> Result<usize, DecodeError> {
         let (kind, _, mut r) = split_frame(frame)?;
@@ -615,25 +649,16 @@ pub fn get_reply_tail(frame: &[u8]) -> usize {
             return Ok(0);
         }
         Load::decode(&mut r)?;
-        let n = r.count(1 + PageKey::WIRE_LEN)?;
-        let mut last = 0;
-        for _ in 0..n {
-            last = match r.u8()? {
-                0 => Page::decode(&mut r)?.data.len(),
-                1 => {
-                    PageKey::decode(&mut r)?;
-                    0
-                }
-                v => {
-                    return Err(DecodeError::BadValue {
-                        field: "get status",
-                        value: v.into(),
-                    })
-                }
-            };
+        let (_, lens) = get_reply_entries(&mut r)?;
+        let data: usize = lens.iter().sum();
+        if data != r.remaining() {
+            return Err(DecodeError::BadLength {
+                len: r.remaining(),
+                min: data,
+                max: data,
+            });
         }
-        r.finish()?;
-        Ok(last)
+        Ok(data)
     };
     walk().unwrap_or(0)
 }
@@ -674,31 +699,50 @@ mod tests {
     }
 
     #[test]
-    fn a_get_replys_tail_is_its_last_page_only() {
+    fn a_get_replys_tail_is_its_pages_data() {
         let data = vec![3u8; PAGE_SIZE];
         let page = Page::seal(PageKey::new(0, 1), 1, &data);
-        let reply = |last_found: bool| {
+        let zero = Page {
+            flags: crate::PageFlags(crate::PageFlags::ZERO),
+            data: &[],
+            ..page
+        };
+        // Entries: found, then `second`; the data of the pages found after all of them.
+        let reply = |second: Option<&Page<'_>>| {
             let mut b = Vec::new();
             let mut w = begin_get_reply(&mut b, 1, Load::default(), 2);
             get_reply_found(&mut w, &page);
-            if last_found {
-                get_reply_found(&mut w, &page);
-            } else {
-                get_reply_missing(&mut w, PageKey::new(0, 2));
+            match second {
+                Some(p) => get_reply_found(&mut w, p),
+                None => get_reply_missing(&mut w, PageKey::new(0, 2)),
+            }
+            get_reply_data(&mut w, page.data);
+            if let Some(p) = second {
+                get_reply_data(&mut w, p.data);
             }
             w.finish();
             b
         };
-        assert_eq!(get_reply_tail(&reply(true)), PAGE_SIZE);
+        assert_eq!(get_reply_tail(&reply(Some(&page))), 2 * PAGE_SIZE);
+        assert_eq!(get_reply_tail(&reply(None)), PAGE_SIZE, "a missing entry");
         assert_eq!(
-            get_reply_tail(&reply(false)),
-            0,
-            "the last entry is missing"
+            get_reply_tail(&reply(Some(&zero))),
+            PAGE_SIZE,
+            "a zero page"
+        );
+        let both = reply(Some(&page));
+        let decoded = decode_reply(&both).unwrap().1;
+        assert_eq!(
+            decoded,
+            Reply::Get {
+                load: Load::default(),
+                pages: vec![GetResult::Found(page), GetResult::Found(page)]
+            }
         );
         let mut other = Vec::new();
         Request::Get(vec![PageKey::new(0, 1)]).encode(1, &mut other);
         assert_eq!(get_reply_tail(&other), 0, "not a GET reply");
-        let r = reply(true);
+        let r = reply(Some(&page));
         assert_eq!(get_reply_tail(&r[..r.len() - 1]), 0, "cut short");
         assert_eq!(get_reply_tail(&[0xff; 40]), 0, "garbage");
     }
@@ -786,6 +830,9 @@ mod tests {
             let mut w = begin_get_reply(&mut b, id, load, pages.len());
             for p in &pages {
                 match p { GetResult::Found(p) => get_reply_found(&mut w, p), GetResult::Missing(k) => get_reply_missing(&mut w, *k) }
+            }
+            for p in &pages {
+                if let GetResult::Found(p) = p { get_reply_data(&mut w, p.data) }
             }
             w.finish();
             prop_assert_eq!(&a, &b);

@@ -93,6 +93,14 @@ impl<'a> Page<'a> {
     }
 
     pub(crate) fn decode(r: &mut Reader<'a>) -> Result<Self, DecodeError> {
+        let (mut page, len) = Self::decode_header(r)?;
+        page.data = r.bytes(len)?;
+        Ok(page)
+    }
+
+    /// The envelope without its data (as a GET reply's entry carries it), and how many bytes
+    /// of data belong to it.
+    pub(crate) fn decode_header(r: &mut Reader<'_>) -> Result<(Self, usize), DecodeError> {
         let key = PageKey::decode(r)?;
         let version = r.u32()?;
         let crc = r.u32()?;
@@ -113,25 +121,32 @@ impl<'a> Page<'a> {
             });
         }
         let tag = r.array()?;
-        let data = r.bytes(len)?;
-        Ok(Self {
-            key,
-            version,
-            crc,
-            flags,
-            tag,
-            data,
-        })
+        Ok((
+            Self {
+                key,
+                version,
+                crc,
+                flags,
+                tag,
+                data: &[],
+            },
+            len,
+        ))
     }
 
     pub(crate) fn encode(&self, w: &mut FrameBuilder<'_>) {
+        self.encode_header(w);
+        w.bytes(self.data);
+    }
+
+    /// The envelope without its data.
+    pub(crate) fn encode_header(&self, w: &mut FrameBuilder<'_>) {
         self.key.encode(w);
         w.u32(self.version)
             .u32(self.crc)
             .u16(self.flags.0)
             .u16(self.data.len() as u16)
-            .bytes(&self.tag)
-            .bytes(self.data);
+            .bytes(&self.tag);
     }
 }
 

@@ -800,8 +800,8 @@ fn serve_connection(mut stream: TcpStream, shared: &Shared) -> Result<(), ConnEr
         return Err(ConnError::Refused(status));
     };
     tracing::debug!(%peer, %principal, node = hello.node, incarnation = hello.incarnation, "session open");
-    // A client that seals its pages may have a GET reply's last page outside the record's
-    // seal (`netram_net::record`): it checks that page against its own tag.
+    // A client that seals its pages may have a GET reply's page data outside the record's
+    // seal (`netram_net::record`): it checks those pages against its own tags.
     let clear_tails = keys.is_some() && hello.flags & HELLO_SEALED_PAGES != 0;
     let served = serve_session(stream, shared, peer, session, keys, serial, clear_tails);
     if hello.flags & HELLO_END_ON_CLOSE != 0 {
@@ -943,9 +943,9 @@ fn serve_session(
     }
 }
 
-/// Lets the last page of each GET reply from `from` on go outside its record's seal: the
+/// Lets the page data of each GET reply from `from` on go outside its record's seal: the
 /// frames there, each followed by its trailer room (`netram_net::record`).
-fn clear_last_pages(out: &mut [u8], from: usize) {
+fn clear_page_data(out: &mut [u8], from: usize) {
     let mut at = from;
     while at + 4 <= out.len() {
         let body = u32::from_le_bytes(out[at..at + 4].try_into().expect("4 bytes")) as usize;
@@ -1007,7 +1007,7 @@ fn handle_frames(
             if sealed {
                 reserve_tags(out, mark);
                 if clear_tails {
-                    clear_last_pages(out, mark);
+                    clear_page_data(out, mark);
                 }
             }
         };

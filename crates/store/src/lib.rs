@@ -661,13 +661,30 @@ impl<A: AsRef<[u8]> + AsMut<[u8]>> Store<A> {
         key: PageKey,
         now_ms: u64,
     ) -> Result<Option<StoredPage<'_>>, StoreError> {
+        let f = self.get_frame(h, key, now_ms)?;
+        Ok(f.map(|f| self.stored_page(f)))
+    }
+
+    /// A GET of `key` that leaves the page where it is: its frame, to read with
+    /// [`Store::stored`] (a GET reply lists every entry before any page's data).
+    pub fn get_frame(
+        &mut self,
+        h: SessionHandle,
+        key: PageKey,
+        now_ms: u64,
+    ) -> Result<Option<u32>, StoreError> {
         self.session(h, now_ms)?;
         let Some(f) = pack(key).and_then(|p| self.find(h.slot, p)) else {
             self.counters.pages_missing += 1;
             return Ok(None);
         };
         self.counters.pages_read += 1;
-        Ok(Some(self.stored_page(f)))
+        Ok(Some(f))
+    }
+
+    /// The page in frame `f`, as [`Store::get_frame`] found it.
+    pub fn stored(&self, f: u32) -> StoredPage<'_> {
+        self.stored_page(f)
     }
 
     fn stored_page(&self, f: u32) -> StoredPage<'_> {

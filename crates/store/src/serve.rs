@@ -11,9 +11,9 @@
 
 use crate::{DeltaFrom, ParityTag, SessionHandle, Store};
 use netram_proto::{
-    begin_get_reply, get_reply_found, get_reply_missing, Counter, DeleteStatus, Delta, DeltaKind,
-    ErrorCode, Load, OwnedRecord, Owner, PageFlags, PageKey, ParityOp, PutStatus, Record, Reply,
-    Request, MAX_BATCH,
+    begin_get_reply, get_reply_data, get_reply_found, get_reply_missing, Counter, DeleteStatus,
+    Delta, DeltaKind, ErrorCode, Load, OwnedRecord, Owner, PageFlags, PageKey, ParityOp, PutStatus,
+    Record, Reply, Request, MAX_BATCH,
 };
 use std::net::SocketAddr;
 
@@ -264,12 +264,19 @@ pub fn handle_request<A: AsRef<[u8]> + AsMut<[u8]>>(
                 return Outcome::Open;
             }
             let l = load(store);
+            let found: Vec<Option<u32>> = keys
+                .iter()
+                .map(|&k| store.get_frame(h, k, now_ms).ok().flatten())
+                .collect();
             let mut w = begin_get_reply(out, id, l, keys.len());
-            for k in keys {
-                match store.get(h, k, now_ms) {
-                    Ok(Some(p)) => get_reply_found(&mut w, &p.envelope(k)),
-                    _ => get_reply_missing(&mut w, k),
+            for (&k, f) in keys.iter().zip(&found) {
+                match f {
+                    Some(f) => get_reply_found(&mut w, &store.stored(*f).envelope(k)),
+                    None => get_reply_missing(&mut w, k),
                 }
+            }
+            for f in found.into_iter().flatten() {
+                get_reply_data(&mut w, store.stored(f).data);
             }
             w.finish();
         }
