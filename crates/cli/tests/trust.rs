@@ -554,3 +554,136 @@ fn a_server_at_its_limit_says_busy_over_tls() {
     std::thread::sleep(Duration::from_millis(200));
     assert!(server.stat("connections_refused_busy") >= 20);
 }
+
+/// Relays one TCP connection at a time from a listener to `to`, changing one byte of the page
+/// data of every GET reply on its way back: the data that travels outside the records' seal to
+/// a client that seals its pages (`netram_net::record`). Before the records, the relay passes
+/// the TLS handshake untouched (TLS records are told apart by their header). Stops with the
+/// test (its listener is non-blocking and polled until `stop`).
+struct Tamperer {
+    addr: String,
+    changed: std::sync::Arc<std::sync::atomic::AtomicU64>,
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl Tamperer {
+    fn start(to: &str) -> Self {
+        use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+        use std::sync::Arc;
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.set_nonblocking(true).unwrap();
+        let addr = l.local_addr().unwrap().to_string();
+        let changed = Arc::new(AtomicU64::new(0));
+        let stop = Arc::new(AtomicBool::new(false));
+        let to = to.to_string();
+        let (c, s) = (changed.clone(), stop.clone());
+        std::thread::spawn(move || {
+            while !s.load(Ordering::SeqCst) {
+                let Ok((client, _)) = l.accept() else {
+                    std::thread::sleep(Duration::from_millis(10));
+                    continue;
+                };
+                client.set_nonblocking(false).unwrap();
+                let server = TcpStream::connect(&to).unwrap();
+                let (mut cr, mut sw) = (client.try_clone().unwrap(), server.try_clone().unwrap());
+                std::thread::spawn(move || {
+                    let _ = std::io::copy(&mut cr, &mut sw);
+                    let _ = sw.shutdown(std::net::Shutdown::Write);
+                });
+                let c = c.clone();
+                std::thread::spawn(move || Self::relay_back(server, client, &c));
+            }
+        });
+        Self {
+            addr,
+            changed,
+            stop,
+        }
+    }
+
+    fn relay_back(mut from: TcpStream, mut to: TcpStream, changed: &std::sync::atomic::AtomicU64) {
+        let mut tls = true;
+        let read = |from: &mut TcpStream, n: usize| -> Option<Vec<u8>> {
+            let mut b = vec![0u8; n];
+            from.read_exact(&mut b).ok().map(|_| b)
+        };
+        loop {
+            let Some(head) = read(&mut from, 5) else {
+                return;
+            };
+            let whole = if tls && (0x14..=0x17).contains(&head[0]) && head[1] == 3 {
+                let len = u16::from_be_bytes([head[3], head[4]]) as usize;
+                let Some(body) = read(&mut from, len) else {
+                    return;
+                };
+                [head, body].concat()
+            } else {
+                // A netram record: its length prefix counts the rest (trailer included).
+                tls = false;
+                let len = u32::from_le_bytes(head[..4].try_into().unwrap()) as usize;
+                let Some(rest) = read(&mut from, len - 1) else {
+                    return;
+                };
+                let mut r = [head, rest].concat();
+                if r.len() > PAGE_SIZE {
+                    // Inside the last page's data, just before the 20-byte trailer.
+                    let at = r.len() - 20 - 100;
+                    r[at] ^= 0x40;
+                    changed.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                }
+                r
+            };
+            if to.write_all(&whole).is_err() {
+                return;
+            }
+        }
+    }
+}
+
+impl Drop for Tamperer {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+/// Someone on the path changing the page data that travels outside the records' seal (a GET
+/// reply's pages, to a client that seals its own) is caught by the pager's seal, counted, and
+/// the page read from its other copy: the client gets every page right.
+#[test]
+fn a_page_changed_on_the_wire_is_caught_and_read_elsewhere() {
+    use netram_pager::{MemDisk, Pager, PagerConfig};
+    let s1 = ServerProcess::start(&["--capacity", "16M"]);
+    let s2 = ServerProcess::start(&["--capacity", "16M"]);
+    let mitm = Tamperer::start(&s1.addr);
+    let transport = netram_client::TcpTransport::connect(
+        &[mitm.addr.as_str(), s2.addr.as_str()],
+        &netram_client::ClientConfig {
+            sealed_pages: true,
+            ..common::client()
+        },
+    );
+    let cfg = PagerConfig {
+        pages: 64,
+        cache_pages: 4,
+        redundancy: "mirror:2".parse().unwrap(),
+        ..Default::default()
+    };
+    let mut pager = Pager::new(cfg, transport, MemDisk::default());
+    let pages: Vec<u64> = (0..64).collect();
+    let data: Vec<u8> = (0..64).flat_map(|p| page(p as u8 + 1)).collect();
+    pager.write_many(&pages, &data).unwrap();
+    pager.flush().unwrap();
+    let mut got = vec![0u8; data.len()];
+    pager.read_many(&pages, &mut got).unwrap();
+    assert!(got == data, "every page read back right");
+    let changed = mitm.changed.load(std::sync::atomic::Ordering::Relaxed);
+    assert!(
+        changed > 0,
+        "the relay changed no reply: the test tested nothing"
+    );
+    assert!(
+        pager.counters().page_auth_failures >= changed,
+        "{} authentication failures for {changed} pages changed",
+        pager.counters().page_auth_failures
+    );
+}
