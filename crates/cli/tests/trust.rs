@@ -24,22 +24,42 @@ use std::time::{Duration, Instant};
 /// Credentials of node `node` of the tests' cluster, issued by `netram keygen`.
 fn node_creds(node: u64, server: bool) -> (tempfile::TempDir, Security) {
     let dir = tempfile::tempdir().unwrap();
+    let sec = keygen(common::tls_dir(), node, server, dir.path());
+    (dir, sec)
+}
+
+/// `netram keygen` of node `node` from the cluster directory `cluster` into `out`.
+fn keygen(cluster: &Path, node: u64, server: bool, out: &Path) -> Security {
     let mut cmd = Command::new(NETRAM);
     cmd.args(["keygen", "--cluster"])
-        .arg(common::tls_dir())
+        .arg(cluster)
         .args(["--node", &node.to_string(), "--out"])
-        .arg(dir.path());
+        .arg(out);
     if server {
         cmd.arg("--server");
     }
-    let out = cmd.output().unwrap();
+    let o = cmd.output().unwrap();
     assert!(
-        out.status.success(),
+        o.status.success(),
         "netram keygen: {}",
-        String::from_utf8_lossy(&out.stderr)
+        String::from_utf8_lossy(&o.stderr)
     );
-    let sec = netram_client::security(Some(dir.path()), false).unwrap();
-    (dir, sec)
+    netram_client::security(Some(out), false).unwrap()
+}
+
+/// `netram revoke` of node `node` in the cluster directory `cluster`.
+fn revoke(cluster: &Path, node: u64) {
+    let o = Command::new(NETRAM)
+        .args(["revoke", "--cluster"])
+        .arg(cluster)
+        .args(["--node", &node.to_string()])
+        .output()
+        .unwrap();
+    assert!(
+        o.status.success(),
+        "netram revoke: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
 }
 
 /// A connection that speaks the protocol by hand over TLS: one request, one reply.
@@ -403,36 +423,15 @@ fn a_revoked_node_is_refused_and_its_connections_closed() {
         "--tls",
         cluster.path().to_str().unwrap(),
     ]);
-    let issue = |node: u64, dir: &Path| {
-        let out = Command::new(NETRAM)
-            .args(["keygen", "--cluster"])
-            .arg(cluster.path())
-            .args(["--node", &node.to_string(), "--out"])
-            .arg(dir)
-            .output()
-            .unwrap();
-        assert!(out.status.success());
-        netram_client::security(Some(dir), false).unwrap()
-    };
     let (dd, gd) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
-    let doomed = issue(41, dd.path());
-    let good = issue(42, gd.path());
+    let doomed = keygen(cluster.path(), 41, false, dd.path());
+    let good = keygen(cluster.path(), 42, false, gd.path());
     let mut d = Conn::open(&server.addr, &doomed, &Hello::new(1, 1, 1)).unwrap();
     let mut g = Conn::open(&server.addr, &good, &Hello::new(2, 1, 1)).unwrap();
     let key = PageKey::new(1, 1);
     assert_eq!(d.put(key, 1, &page(1)), PutStatus::Stored);
     assert_eq!(g.put(key, 1, &page(2)), PutStatus::Stored);
-    let out = Command::new(NETRAM)
-        .args(["revoke", "--cluster"])
-        .arg(cluster.path())
-        .args(["--node", "41"])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    revoke(cluster.path(), 41);
     assert!(
         d.closed_within(Duration::from_secs(10)),
         "its connection is closed"
@@ -445,23 +444,10 @@ fn a_revoked_node_is_refused_and_its_connections_closed() {
     // A client running since before a server was revoked stops trusting it: its next
     // connection refuses the server's certificate once its own revocation list has it.
     let sd = tempfile::tempdir().unwrap();
-    let out = Command::new(NETRAM)
-        .args(["keygen", "--server", "--cluster"])
-        .arg(cluster.path())
-        .args(["--node", "43", "--out"])
-        .arg(sd.path())
-        .output()
-        .unwrap();
-    assert!(out.status.success());
+    keygen(cluster.path(), 43, true, sd.path());
     let rogue = ServerProcess::start(&["--capacity", "16M", "--tls", sd.path().to_str().unwrap()]);
     Conn::open(&rogue.addr, &good, &Hello::new(2, 1, 2)).unwrap();
-    let out = Command::new(NETRAM)
-        .args(["revoke", "--cluster"])
-        .arg(cluster.path())
-        .args(["--node", "43"])
-        .output()
-        .unwrap();
-    assert!(out.status.success());
+    revoke(cluster.path(), 43);
     std::fs::copy(cluster.path().join("crl.pem"), gd.path().join("crl.pem")).unwrap();
     eventually("the client reloads its revocation list", || {
         matches!(
