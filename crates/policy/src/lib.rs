@@ -4,10 +4,12 @@
 //! For now: placement, which server takes a new page (Distributed Anemone, paper 001, §2.6);
 //! prefetching, which pages a userfaultfd region fetches before they fault (after Leap); and
 //! the clock, which resident page of a region goes out next (GMS, paper 002, §4.2); and the
-//! redundancy schemes' arithmetic (Markatos, Nswap). Later issues add GMS epochs and weights,
-//! recovery planning and capacity control here.
+//! redundancy schemes' arithmetic (Markatos, Nswap); and the donor, how much memory a daemon
+//! offers as its machine's own use of memory changes (Nswap, paper 004, §III). Later issues add
+//! GMS epochs and weights and recovery planning here.
 
 pub mod clock;
+pub mod donor;
 pub mod placement;
 pub mod prefetch;
 pub mod redundancy;
