@@ -22,7 +22,8 @@ pub struct ServeArgs {
     capacity: Option<String>,
     /// A TOML file with any of: listen, capacity, lease_period, max_connections,
     /// max_connections_per_client, max_sessions_per_client, max_client_memory,
-    /// max_client_ops, idle_timeout, write_timeout, window, low_latency, lock_memory, node_id.
+    /// max_client_ops, idle_timeout, write_timeout, window, low_latency, lock_memory, node_id,
+    /// adapt, offer_floor, reserve, chunk, grow_after.
     #[arg(long)]
     config: Option<PathBuf>,
     /// How often clients must refresh their session, e.g. 2s [default: 2s]. A session silent
@@ -67,6 +68,32 @@ pub struct ServeArgs {
     /// Lock the arena in RAM so stored pages are never swapped out.
     #[arg(long)]
     lock_memory: bool,
+    /// Offer memory as this machine can spare it (Nswap's growing and shrinking cache): the
+    /// offer starts at --offer-floor and follows MemAvailable and memory pressure (PSI), at
+    /// most --capacity; what it stops offering is given back to the kernel. It grows a chunk
+    /// at a time once the machine has had two chunks to spare beyond --reserve for
+    /// --grow-after, and shrinks at once when filling it would leave the machine less than
+    /// --reserve, or when programs stall on memory. Pages held above a shrunk offer stay
+    /// readable until they are deleted (moving them to other nodes is not done yet).
+    #[arg(long)]
+    adapt: bool,
+    /// With --adapt: the least the offer goes down to [default: 0].
+    #[arg(long)]
+    offer_floor: Option<String>,
+    /// With --adapt: memory kept for this machine's own programs, with the whole offer in
+    /// use [default: a tenth of the machine, at least 512M].
+    #[arg(long)]
+    reserve: Option<String>,
+    /// With --adapt: the unit the offer grows and shrinks by [default: 64M].
+    #[arg(long)]
+    chunk: Option<String>,
+    /// With --adapt: how long the machine must have had room before the offer grows by a
+    /// chunk, and how long after a shrink nothing grows [default: 5s].
+    #[arg(long)]
+    grow_after: Option<String>,
+    /// Test-only: read meminfo and pressure/memory from this directory instead of /proc.
+    #[arg(long, hide = true, default_value = "/proc")]
+    proc_dir: PathBuf,
     /// Test-only fault point: a STATS request panics inside the daemon, to check that a panic
     /// ends only its connection. Never use it in production.
     #[arg(long, hide = true)]
@@ -91,6 +118,11 @@ struct FileConfig {
     low_latency: Option<bool>,
     lock_memory: Option<bool>,
     node_id: Option<u64>,
+    adapt: Option<bool>,
+    offer_floor: Option<String>,
+    reserve: Option<String>,
+    chunk: Option<String>,
+    grow_after: Option<String>,
 }
 
 fn parse_size(what: &str, s: &str) -> anyhow::Result<u64> {
@@ -189,7 +221,57 @@ fn check(args: ServeArgs) -> anyhow::Result<ServerConfig> {
     if !(1..=4096).contains(&window) {
         bail!("window {window} is outside 1..=4096");
     }
+    let adapt = if args.adapt || file.adapt.unwrap_or(false) {
+        let (total, _, _) =
+            netram_server::donor::read_machine(&args.proc_dir).with_context(|| {
+                format!(
+                    "--adapt reads the machine's memory from {}",
+                    args.proc_dir.join("meminfo").display()
+                )
+            })?;
+        let mut donor = netram_policy::donor::DonorConfig::for_machine(total);
+        donor.ceiling = capacity_bytes;
+        let size = |flag: &Option<String>, conf: &Option<String>, what: &str| {
+            flag.as_deref()
+                .or(conf.as_deref())
+                .map(|s| parse_size(what, s))
+                .transpose()
+        };
+        if let Some(b) = size(&args.offer_floor, &file.offer_floor, "offer floor")? {
+            donor.floor = b;
+        }
+        if let Some(b) = size(&args.reserve, &file.reserve, "reserve")? {
+            donor.reserve = b;
+        }
+        if let Some(b) = size(&args.chunk, &file.chunk, "chunk")? {
+            if b % netram_proto::PAGE_SIZE as u64 != 0 || b == 0 {
+                bail!("chunk {b} bytes is not a whole number of 4 KiB pages");
+            }
+            donor.chunk = b;
+        }
+        if let Some(s) = args.grow_after.as_deref().or(file.grow_after.as_deref()) {
+            donor.grow_after_ms = parse_duration("grow-after", s)?.as_millis() as u64;
+        }
+        donor.check()?;
+        Some(netram_server::donor::AdaptConfig {
+            donor,
+            proc_dir: args.proc_dir.clone(),
+        })
+    } else {
+        for (set, flag) in [
+            (args.offer_floor.is_some(), "--offer-floor"),
+            (args.reserve.is_some(), "--reserve"),
+            (args.chunk.is_some(), "--chunk"),
+            (args.grow_after.is_some(), "--grow-after"),
+        ] {
+            if set {
+                bail!("{flag} is for --adapt");
+            }
+        }
+        None
+    };
     Ok(ServerConfig {
+        adapt,
         listen: args.listen.or(file.listen).unwrap_or(d.listen),
         capacity_bytes,
         lease_period,

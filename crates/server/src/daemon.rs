@@ -97,6 +97,9 @@ pub struct ServerConfig {
     /// Who may connect: mutual TLS against the cluster's CA (the default of `netram serve`),
     /// or clear TCP on loopback for development, said explicitly.
     pub security: Security,
+    /// The offer follows the machine's memory ([`crate::donor`]); `capacity_bytes` is then the
+    /// most it may reach (the arena), and the offer starts at the floor.
+    pub adapt: Option<crate::donor::AdaptConfig>,
 }
 
 impl ServerConfig {
@@ -129,6 +132,7 @@ impl Default for ServerConfig {
             max_peer_sessions: 64,
             max_client_ops_per_s: 0,
             max_client_bytes: None,
+            adapt: None,
             handshake_timeout: Duration::from_secs(5),
             idle_timeout: None,
             write_timeout: Duration::from_secs(10),
@@ -159,6 +163,10 @@ pub enum ServerError {
         "a server's certificate must name the server role (issue it with `netram keygen --server`)"
     )]
     NotAServerCertificate,
+    #[error("{0}")]
+    Adapt(#[from] netram_policy::donor::DonorConfigError),
+    #[error("--adapt gives memory back to the kernel, which --lock-memory forbids: choose one")]
+    AdaptLocked,
 }
 
 macro_rules! node_counters {
@@ -343,6 +351,28 @@ impl Shared {
 /// The frame arena: one anonymous mapping, never a heap allocation per page.
 struct Arena(memmap2::MmapMut);
 
+impl Arena {
+    /// Gives the memory of `n` frames from `first` back to the kernel: they read as zeros
+    /// afterwards, and the daemon's resident memory falls by as much.
+    fn give_back(&self, first: u32, n: u32) {
+        let (off, len) = (first as usize * PAGE_SIZE, n as usize * PAGE_SIZE);
+        if off + len > self.0.len() {
+            return;
+        }
+        // SAFETY: the frames are free and no longer offered, and the caller holds the store's
+        // lock, through which alone the arena's bytes are reached: no reference into them
+        // exists, and nothing reads them again before a PUT writes them whole. MADV_DONTNEED
+        // on a private anonymous mapping only drops the pages (they read as zeros after).
+        let r = unsafe {
+            self.0
+                .unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, off, len)
+        };
+        if let Err(e) = r {
+            tracing::warn!("cannot give {len} bytes of the arena back: {e}");
+        }
+    }
+}
+
 impl AsRef<[u8]> for Arena {
     fn as_ref(&self) -> &[u8] {
         &self.0
@@ -386,9 +416,17 @@ impl Server {
             tracing::debug!("no huge pages for the arena: {e}");
         }
         if cfg.lock_memory {
+            if cfg.adapt.is_some() {
+                return Err(ServerError::AdaptLocked);
+            }
             map.lock().map_err(ServerError::Lock)?;
         }
-        let store = Store::new(
+        let adapter = cfg
+            .adapt
+            .as_ref()
+            .map(crate::donor::Adapter::new)
+            .transpose()?;
+        let mut store = Store::new(
             Arena(map),
             StoreConfig {
                 lease_period_ms: cfg.lease_period.as_millis() as u64,
@@ -398,6 +436,10 @@ impl Server {
                 max_peer_ops_per_s: cfg.max_client_ops_per_s,
             },
         );
+        if let Some(a) = &adapter {
+            // Nothing of the arena is resident yet: nothing to give back.
+            store.set_offer(a.offered_frames());
+        }
         let listener = TcpListener::bind(cfg.listen).map_err(|source| ServerError::Listen {
             addr: cfg.listen,
             source,
@@ -458,10 +500,20 @@ impl Server {
                 .spawn(move || reaper_loop(shared))
                 .expect("spawn reaper thread")
         };
+        let mut threads = vec![accept, reaper];
+        if let Some(adapter) = adapter {
+            let shared = shared.clone();
+            threads.push(
+                std::thread::Builder::new()
+                    .name("netram-donor".into())
+                    .spawn(move || donor_loop(shared, adapter))
+                    .expect("spawn donor thread"),
+            );
+        }
         Ok(Server {
             shared,
             addr,
-            threads: vec![accept, reaper],
+            threads,
         })
     }
 
@@ -635,6 +687,25 @@ fn read_by(stream: &mut TcpStream, buf: &mut [u8], deadline: Instant) -> io::Res
         }
     }
     Ok(())
+}
+
+/// Moves the offer with the machine's memory, and gives back to the kernel the memory of the
+/// frames no longer offered ([`crate::donor`]).
+fn donor_loop(shared: Arc<Shared>, mut adapter: crate::donor::Adapter) {
+    while !shared.shutdown.load(Ordering::SeqCst) {
+        std::thread::sleep(crate::donor::TICK);
+        let used = shared.store().stored_pages() * PAGE_SIZE as u64;
+        let change = adapter.tick(shared.now_ms(), used);
+        let mut store = shared.store();
+        let mut runs = match change {
+            Some(frames) => store.set_offer(frames),
+            None => Vec::new(),
+        };
+        runs.extend(store.take_given_back().into_iter().map(|f| (f, 1)));
+        for (first, n) in runs {
+            store.arena().give_back(first, n);
+        }
+    }
 }
 
 fn reaper_loop(shared: Arc<Shared>) {

@@ -3,6 +3,7 @@
 //! `netram-store`.
 //!
 //! * [`daemon`]: accepting connections, serving their frames against the store, its limits;
+//! * [`donor`]: the offer that follows the machine's own use of memory (Nswap §III);
 //! * [`peers`]: server-to-server connections that carry parity deltas to holders (Nswap
 //!   §IV-B2 and IV-C).
 //!
@@ -25,6 +26,7 @@
 //! more cheaply, but it is real and recorded in `bench-results/core.md`.
 
 pub mod daemon;
+pub mod donor;
 pub mod peers;
 
 pub use daemon::{Server, ServerConfig, ServerError};

@@ -22,6 +22,13 @@
 //!   fill the arena and starve the others. A PUT over the quota is refused as `Full` (the client
 //!   goes elsewhere, as for a full server) and counted apart (`puts_refused_quota`).
 //!
+//! * **The offer** (Nswap's growing and shrinking cache, paper 004, §III): the arena is the
+//!   most the server may ever offer; [`Store::set_offer`] moves how many of its frames are
+//!   offered now, in whole frames from the bottom. Frames above the offer take no new page;
+//!   the free ones among them are given back to the kernel by the daemon
+//!   ([`Store::set_offer`]'s runs, [`Store::take_given_back`]), the pages in the others wait to
+//!   be moved away (or deleted) and their frames are given back as they are freed.
+//!
 //! Time comes in as `now_ms` arguments, so the daemon passes a monotonic clock and the simulator a
 //! virtual one. One counter per reason a page was stored, refused or freed ([`Counters`]).
 
@@ -261,6 +268,9 @@ counters! {
     puts_refused_full,
     /// PUTs (and parity pages) refused because their client holds its quota of frames.
     puts_refused_quota,
+    /// Times the offer grew, and shrank ([`Store::set_offer`]).
+    offer_grows,
+    offer_shrinks,
     /// Requests after which their client had overdrawn its rate (`max_peer_ops_per_s`): its
     /// connections read nothing more until the rate allows.
     requests_throttled,
@@ -327,7 +337,15 @@ pub struct Store<A> {
     index: HashTable<u32>,
     hasher: foldhash::fast::RandomState,
     free_head: u32,
+    /// Free frames on the free list: all below the offer.
     free_frames: u64,
+    /// Frames offered now: `0..offered` (the rest of the arena holds no new page).
+    offered: u32,
+    /// Frames at or above the offer that hold pages (a shrink's pages still to move away).
+    used_beyond: u64,
+    /// Frames above the offer freed since [`Store::take_given_back`] last ran: their memory is
+    /// to be given back.
+    given_back: Vec<u32>,
     sessions: Vec<Session>,
     free_slots: Vec<u32>,
     peers: HashMap<Peer, PeerUse>,
@@ -371,6 +389,9 @@ impl<A: AsRef<[u8]> + AsMut<[u8]>> Store<A> {
             hasher: foldhash::fast::RandomState::default(),
             free_head: if frames == 0 { NIL } else { 0 },
             free_frames: frames as u64,
+            offered: frames as u32,
+            used_beyond: 0,
+            given_back: Vec::new(),
             sessions: Vec::new(),
             free_slots: Vec::new(),
             peers: HashMap::new(),
@@ -383,14 +404,82 @@ impl<A: AsRef<[u8]> + AsMut<[u8]>> Store<A> {
         }
     }
 
+    /// Frames offered now (see [`Store::set_offer`]).
     pub fn capacity_pages(&self) -> u64 {
+        u64::from(self.offered)
+    }
+    /// Frames of the arena: the most the store can offer.
+    pub fn arena_pages(&self) -> u64 {
         self.meta.len() as u64
     }
     pub fn free_pages(&self) -> u64 {
         self.free_frames
     }
     pub fn stored_pages(&self) -> u64 {
-        self.capacity_pages() - self.free_frames
+        self.capacity_pages() - self.free_frames + self.used_beyond
+    }
+    /// Pages held above the offer: what a shrink still has to move away.
+    pub fn pages_beyond_offer(&self) -> u64 {
+        self.used_beyond
+    }
+
+    /// Offers `frames` frames of the arena from now on (at most the arena's). Growing puts the
+    /// frames it adds on the free list; shrinking takes the free frames above the new offer off
+    /// it and returns them as runs `(first frame, count)` whose memory the caller gives back to
+    /// the kernel. Pages above the new offer stay where they are, readable and deletable, until
+    /// they are moved away ([`Store::pages_beyond_offer`]); their frames are given back as they
+    /// are freed ([`Store::take_given_back`]). The free list is rebuilt lowest frame first, so
+    /// that new pages fill the bottom of the arena and later shrinks find the top free.
+    pub fn set_offer(&mut self, frames: u64) -> Vec<(u32, u32)> {
+        let new = frames.min(self.arena_pages()) as u32;
+        let old = self.offered;
+        let mut runs: Vec<(u32, u32)> = Vec::new();
+        if new >= old {
+            for f in old..new {
+                if self.meta[f as usize].owner == FREE {
+                    self.free_frames += 1;
+                } else {
+                    self.used_beyond -= 1;
+                }
+            }
+        } else {
+            for f in new..old {
+                if self.meta[f as usize].owner == FREE {
+                    self.free_frames -= 1;
+                    match runs.last_mut() {
+                        Some((start, n)) if *start + *n == f => *n += 1,
+                        _ => runs.push((f, 1)),
+                    }
+                } else {
+                    self.used_beyond += 1;
+                }
+            }
+        }
+        self.offered = new;
+        // The free list, rebuilt over the offer, lowest first.
+        self.free_head = NIL;
+        for f in (0..new).rev() {
+            if self.meta[f as usize].owner == FREE {
+                self.meta[f as usize].key = [self.free_head, 0];
+                self.free_head = f;
+            }
+        }
+        if new < old {
+            self.counters.offer_shrinks += 1;
+        } else if new > old {
+            self.counters.offer_grows += 1;
+        }
+        runs
+    }
+
+    /// The arena, to give back the memory of frames the store no longer offers.
+    pub fn arena(&self) -> &A {
+        &self.arena
+    }
+
+    /// Frames above the offer freed since the last call: the caller gives their memory back.
+    pub fn take_given_back(&mut self) -> Vec<u32> {
+        std::mem::take(&mut self.given_back)
     }
     pub fn counters(&self) -> &Counters {
         &self.counters
@@ -828,13 +917,25 @@ impl<A: AsRef<[u8]> + AsMut<[u8]>> Store<A> {
         Some(f)
     }
 
-    /// Unlinks a frame from the index and puts it on the free list.
+    /// Unlinks a frame from the index and puts it on the free list (or, above the offer,
+    /// among the frames to give back).
     fn release_frame(&mut self, f: u32) {
         let m = self.meta[f as usize];
         let hash = self.hash(m.slot(), m.packed_key());
         let entry = self.index.find_entry(hash, |&g| g == f);
         entry.expect("a used frame is in the index").remove();
         self.parity.frame_released(f);
+        if f >= self.offered {
+            self.meta[f as usize] = FrameMeta {
+                key: [NIL, 0],
+                owner: FREE,
+                version: 0,
+                crc: 0,
+            };
+            self.used_beyond -= 1;
+            self.given_back.push(f);
+            return;
+        }
         self.meta[f as usize] = FrameMeta {
             key: [self.free_head, 0],
             owner: FREE,
@@ -857,11 +958,18 @@ impl<A: AsRef<[u8]> + AsMut<[u8]>> Store<A> {
     /// than panic, like the simulator's).
     pub fn invariant_violation(&self) -> Option<String> {
         let used = self.meta.iter().filter(|m| m.owner != FREE).count() as u64;
-        if used + self.free_frames != self.capacity_pages() {
+        let beyond = self.meta[self.offered as usize..]
+            .iter()
+            .filter(|m| m.owner != FREE)
+            .count() as u64;
+        if beyond != self.used_beyond || used != self.stored_pages() {
             return Some(format!(
-                "{used} frames used + {} free != capacity {}",
-                self.free_frames,
-                self.capacity_pages()
+                "{used} frames used ({beyond} above the offer of {}): the store counts {} \
+                 ({} above) with {} free",
+                self.offered,
+                self.stored_pages(),
+                self.used_beyond,
+                self.free_frames
             ));
         }
         if self.index.len() as u64 != used {
@@ -893,7 +1001,7 @@ impl<A: AsRef<[u8]> + AsMut<[u8]>> Store<A> {
         let mut free = 0;
         let mut f = self.free_head;
         while f != NIL {
-            if self.meta[f as usize].owner != FREE || free > self.free_frames {
+            if self.meta[f as usize].owner != FREE || free > self.free_frames || f >= self.offered {
                 return Some(format!("free list broken at frame {f}"));
             }
             f = self.meta[f as usize].key[0];

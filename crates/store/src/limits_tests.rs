@@ -230,3 +230,67 @@ fn a_client_over_its_rate_waits_and_others_do_not() {
     assert_eq!(free.charge(h, u32::MAX, 1), 0);
     s.check_invariants();
 }
+
+#[test]
+fn the_offer_grows_and_shrinks_and_pages_above_it_wait_to_leave() {
+    let mut s = store(16, StoreConfig::default());
+    let h = s.open_session_from(peer(1), 1, 1, 1, 0).unwrap();
+    // Shrink an empty store to 4 frames: the 12 above come back as one run.
+    assert_eq!(s.set_offer(4), vec![(4, 12)]);
+    assert_eq!(
+        (s.capacity_pages(), s.free_pages(), s.arena_pages()),
+        (4, 4, 16)
+    );
+    for p in 0..4 {
+        assert_eq!(put(&mut s, h, p), PutStatus::Stored);
+    }
+    assert_eq!(
+        put(&mut s, h, 4),
+        PutStatus::Full,
+        "nothing above the offer is taken"
+    );
+    s.check_invariants();
+    // Grow to 10: six more frames, filled bottom first.
+    assert!(s.set_offer(10).is_empty());
+    for p in 4..10 {
+        assert_eq!(put(&mut s, h, p), PutStatus::Stored);
+    }
+    assert_eq!(put(&mut s, h, 10), PutStatus::Full);
+    // Free two low frames, then shrink to 6: the two free frames below 6 stay offered; the
+    // four pages in frames 6..10 stay readable, above the offer, until they leave.
+    assert!(s.delete(h, PageKey::new(1, 0), 0).unwrap());
+    assert!(s.delete(h, PageKey::new(1, 1), 0).unwrap());
+    assert!(s.set_offer(6).is_empty(), "no free frame above 6");
+    assert_eq!(s.pages_beyond_offer(), 4);
+    assert_eq!(s.stored_pages(), 8);
+    assert_eq!(s.free_pages(), 2);
+    s.check_invariants();
+    assert!(s.get(h, PageKey::new(1, 9), 0).unwrap().is_some());
+    // An overwrite of a page above the offer stays in place.
+    assert_eq!(put(&mut s, h, 9), PutStatus::Stored);
+    // Deleting them gives their frames back, one by one.
+    assert!(s.delete(h, PageKey::new(1, 9), 0).unwrap());
+    assert!(s.delete(h, PageKey::new(1, 8), 0).unwrap());
+    let mut back = s.take_given_back();
+    back.sort();
+    assert_eq!(back.len(), 2);
+    assert!(back.iter().all(|&f| f >= 6));
+    assert!(s.take_given_back().is_empty());
+    assert_eq!(s.pages_beyond_offer(), 2);
+    s.check_invariants();
+    // Growing past them takes them back into the offer.
+    assert!(s.set_offer(64).is_empty(), "at most the arena");
+    assert_eq!((s.capacity_pages(), s.pages_beyond_offer()), (16, 0));
+    assert_eq!(s.stored_pages(), 6);
+    assert_eq!(s.free_pages(), 10);
+    s.check_invariants();
+    // A session's end frees pages above the offer too.
+    s.set_offer(2);
+    s.close(h).unwrap();
+    assert_eq!(s.stored_pages(), 0);
+    s.check_invariants();
+    assert_eq!(
+        (s.counters().offer_grows, s.counters().offer_shrinks),
+        (2, 3)
+    );
+}

@@ -631,8 +631,10 @@ pub fn finish_forward<A: AsRef<[u8]> + AsMut<[u8]>>(
 pub fn store_stats<A: AsRef<[u8]> + AsMut<[u8]>>(store: &Store<A>) -> Vec<(&'static str, u64)> {
     let mut out = vec![
         ("capacity_pages", store.capacity_pages()),
+        ("arena_pages", store.arena_pages()),
         ("free_pages", store.free_pages()),
         ("stored_pages", store.stored_pages()),
+        ("pages_beyond_offer", store.pages_beyond_offer()),
         ("live_sessions", store.live_sessions() as u64),
         ("meta_bytes", store.meta_bytes() as u64),
     ];

@@ -1,0 +1,167 @@
+//! `netram serve --adapt` (issue "Every node a peer"): the offer follows the machine's memory,
+//! read here from a directory of files standing in for /proc so that the test decides what the
+//! machine looks like; the daemon is a real process, its pages come from a real pager over TLS,
+//! and the memory it stops offering must leave its resident set.
+
+mod common;
+
+use common::ServerProcess;
+use netram_pager::{MemDisk, Pager, PagerConfig};
+use netram_proto::PAGE_SIZE;
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+const MIB: u64 = 1 << 20;
+
+/// A /proc stand-in: `meminfo` with a 24 GiB machine and `available` bytes available, and no
+/// memory pressure.
+fn machine(dir: &Path, available: u64) {
+    std::fs::create_dir_all(dir.join("pressure")).unwrap();
+    let meminfo = format!(
+        "MemTotal:       25165824 kB\nMemFree:        {0} kB\nMemAvailable:   {0} kB\n",
+        available / 1024
+    );
+    // Written whole and renamed, so that the daemon never reads half a file.
+    let tmp = dir.join("meminfo.tmp");
+    std::fs::write(&tmp, meminfo).unwrap();
+    std::fs::rename(&tmp, dir.join("meminfo")).unwrap();
+    std::fs::write(
+        dir.join("pressure/memory"),
+        "some avg10=0.00 avg60=0.00 avg300=0.00 total=0\nfull avg10=0.00 avg60=0.00 avg300=0.00 total=0\n",
+    )
+    .unwrap();
+}
+
+fn rss(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().strip_suffix("kB"))
+        .and_then(|v| v.trim().parse::<u64>().ok())
+        .expect("VmRSS")
+        * 1024
+}
+
+fn eventually(what: &str, secs: u64, mut f: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(secs);
+    while !f() {
+        assert!(Instant::now() < deadline, "{what}: not within {secs} s");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// The offer grows a chunk at a time while the machine has room, takes pages, and when the
+/// machine needs its memory the offer shrinks and the daemon's resident memory falls by what
+/// it held in the frames given back; then it grows again.
+#[test]
+fn the_offer_follows_the_machine_and_memory_given_back_leaves_the_process() {
+    let proc_dir = tempfile::tempdir().unwrap();
+    machine(proc_dir.path(), 20 << 30);
+    let server = ServerProcess::start(&[
+        "--capacity",
+        "512M",
+        "--adapt",
+        "--reserve",
+        "1G",
+        "--chunk",
+        "64M",
+        "--grow-after",
+        "100ms",
+        "--proc-dir",
+        proc_dir.path().to_str().unwrap(),
+    ]);
+    let pages = |bytes: u64| bytes / PAGE_SIZE as u64;
+    assert!(
+        server.stat("capacity_pages") < pages(512 * MIB),
+        "it starts at the floor"
+    );
+    eventually("the offer grows to --capacity", 30, || {
+        server.stat("capacity_pages") == pages(512 * MIB)
+    });
+    assert!(server.stat("offer_grows") >= 8, "a chunk at a time");
+
+    // 256 MiB of pages from a real pager.
+    let base = rss(server.child.id());
+    let n = pages(256 * MIB);
+    let transport = netram_client::TcpTransport::connect(
+        &[server.addr.as_str()],
+        &netram_client::ClientConfig {
+            sealed_pages: true,
+            ..common::client()
+        },
+    );
+    let mut pager = Pager::new(
+        PagerConfig {
+            pages: n,
+            cache_pages: 64,
+            ..Default::default()
+        },
+        transport,
+        MemDisk::default(),
+    );
+    let batch: Vec<u64> = (0..1024).collect();
+    let data = vec![0x5au8; 1024 * PAGE_SIZE];
+    for first in (0..n).step_by(1024) {
+        let ids: Vec<u64> = batch.iter().map(|i| first + i).collect();
+        pager.write_many(&ids, &data).unwrap();
+    }
+    pager.flush().unwrap();
+    assert!(server.stat("stored_pages") >= n - 64);
+    let full = rss(server.child.id());
+    assert!(
+        full >= base + 200 * MIB,
+        "the pages are resident ({} MiB, {} MiB before)",
+        full >> 20,
+        base >> 20
+    );
+    // The client goes away: its frames are free but still resident.
+    drop(pager);
+    eventually("the client's pages are freed", 20, || {
+        server.stat("stored_pages") == 0
+    });
+
+    // The machine needs its memory: 1 GiB available, a 1 GiB reserve. With the whole offer
+    // promised the machine would be 512 MiB short: the offer shrinks to nothing, and the
+    // frames given back (the 256 MiB that held pages among them) leave the process.
+    machine(proc_dir.path(), 1 << 30);
+    eventually("the offer shrinks", 20, || {
+        server.stat("capacity_pages") == 0
+    });
+    eventually("the memory given back leaves the process", 20, || {
+        rss(server.child.id()) + 200 * MIB <= full
+    });
+    assert!(server.stat("offer_shrinks") >= 1);
+
+    // Room again: it grows back.
+    machine(proc_dir.path(), 20 << 30);
+    eventually("the offer grows back", 30, || {
+        server.stat("capacity_pages") == pages(512 * MIB)
+    });
+}
+
+/// Contradictory settings are refused before anything starts.
+#[test]
+fn adapt_settings_are_checked() {
+    let proc_dir = tempfile::tempdir().unwrap();
+    machine(proc_dir.path(), 20 << 30);
+    let dir = proc_dir.path().to_str().unwrap();
+    for (args, says) in [
+        (
+            vec!["--adapt", "--offer-floor", "1G", "--capacity", "512M"],
+            "above the ceiling",
+        ),
+        (vec!["--reserve", "1G"], "--reserve is for --adapt"),
+        (vec!["--adapt", "--chunk", "1000"], "4 KiB"),
+        (vec!["--adapt", "--lock-memory"], "choose one"),
+    ] {
+        let out = common::netram()
+            .args(["serve", "--listen", "127.0.0.1:0", "--proc-dir", dir])
+            .args(&args)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{args:?} was accepted");
+        assert!(err.contains(says), "{args:?}: {err}");
+    }
+}
