@@ -115,6 +115,11 @@ enum Op {
     Advance {
         ms: u16,
     },
+    /// The offer moves (`netram serve --adapt`): frames above it take no new page, their free
+    /// ones are given back once, and pages above it stay readable.
+    Offer {
+        frames: u16,
+    },
     /// Any bytes as a frame: the decoder's errors, and requests no other operation builds.
     Raw {
         s: u8,
@@ -507,6 +512,22 @@ fuzz_target!(|input: Input| {
             Op::Advance { ms } => {
                 h.now += u64::from(ms);
                 h.store.expire(h.now);
+                h.store.check_invariants();
+            }
+            Op::Offer { frames } => {
+                let before = h.store.stored_pages();
+                let runs = h.store.set_offer(u64::from(frames));
+                let back = h.store.take_given_back();
+                assert_eq!(
+                    h.store.stored_pages(),
+                    before,
+                    "moving the offer frees no page"
+                );
+                let offered = h.store.capacity_pages();
+                for &(first, n) in &runs {
+                    assert!(u64::from(first) >= offered && n > 0);
+                }
+                assert!(back.iter().all(|&f| u64::from(f) >= offered));
                 h.store.check_invariants();
             }
             Op::Raw { s, ref frame } => h.raw(s, frame),
