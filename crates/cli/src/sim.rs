@@ -119,8 +119,8 @@ fn print_report(label: &str, r: &Report) {
     );
     println!(
         "faults: {} crashes, {} partitions, {} lost messages, {} resets, {} duplicated replies, \
-         {} bit flips, {} hostile replies, {} slow periods, {} parity deltas applied but \
-         unanswered",
+         {} bit flips, {} hostile replies, {} slow periods, {} offers moved, {} parity deltas \
+         applied but unanswered",
         f.crashes,
         f.partitions,
         f.losses,
@@ -129,6 +129,7 @@ fn print_report(label: &str, r: &Report) {
         f.bit_flips,
         f.hostile,
         f.slowdowns,
+        f.offer_moves,
         f.unanswered
     );
 }

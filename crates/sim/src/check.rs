@@ -131,11 +131,15 @@ pub fn stores(world: &World) -> Result<(), String> {
                 ));
             }
         }
-        if s.store.stored_pages() > s.store.capacity_pages() {
+        // Pages above a shrunk offer stay until they leave; none is ever taken beyond it.
+        if s.store.stored_pages() > s.store.capacity_pages() + s.store.pages_beyond_offer()
+            || s.store.stored_pages() > s.store.arena_pages()
+        {
             return Err(format!(
-                "server {i} stores {} pages, over its capacity of {}",
+                "server {i} stores {} pages, over its offer of {} and {} above it",
                 s.store.stored_pages(),
-                s.store.capacity_pages()
+                s.store.capacity_pages(),
+                s.store.pages_beyond_offer()
             ));
         }
     }

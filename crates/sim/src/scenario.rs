@@ -128,6 +128,7 @@ impl Report {
         a.bit_flips += b.bit_flips;
         a.partitions += b.partitions;
         a.slowdowns += b.slowdowns;
+        a.offer_moves += b.offer_moves;
         a.unanswered += b.unanswered;
         a.hostile += b.hostile;
     }
@@ -623,7 +624,7 @@ fn tick(cl: &mut Client, now: u64, report: &mut Report) -> Result<(), String> {
     }
 }
 
-/// Crashes, partitions and slowdowns, drawn from the world's generator.
+/// Crashes, partitions, slowdowns and offers moving, drawn from the world's generator.
 fn inject_faults(w: &mut World, sc: &Scenario, crash_chance: f64) {
     let f = sc.faults.clone();
     if w.log.crashes < f.crashes && w.rng.f64() < crash_chance {
@@ -643,5 +644,11 @@ fn inject_faults(w: &mut World, sc: &Scenario, crash_chance: f64) {
         let s = w.rng.usize(0..sc.servers);
         let d = w.rng.u64(100_000..2_000_000);
         w.slow_down(s, d);
+    }
+    if f.offer > 0.0 && w.rng.f64() < f.offer {
+        let s = w.rng.usize(0..sc.servers);
+        let arena = w.servers[s].store.arena_pages();
+        let frames = w.rng.u64(0..=arena);
+        w.move_offer(s, frames);
     }
 }

@@ -74,6 +74,10 @@ pub struct Faults {
     /// Probability that a client's local disk fails a write (never two in a row; a failed
     /// write may tear the page's old contents).
     pub disk_write: f64,
+    /// Probability per step that a server's offer moves (`netram serve --adapt`: its machine
+    /// wants memory back, or has room again) to a random part of its arena: new pages go
+    /// elsewhere, pages above the offer stay readable.
+    pub offer: f64,
 }
 
 impl Faults {
@@ -91,6 +95,7 @@ impl Faults {
             unanswered: 0.0,
             hostile: 0.0,
             disk_write: 0.0,
+            offer: 0.0,
         }
     }
 
@@ -108,6 +113,7 @@ impl Faults {
             unanswered: 0.01,
             hostile: 0.000_5,
             disk_write: 0.02,
+            offer: 0.003,
         }
     }
 }
@@ -256,6 +262,8 @@ pub struct FaultLog {
     pub bit_flips: u32,
     pub partitions: u32,
     pub slowdowns: u32,
+    /// Times a server's offer moved.
+    pub offer_moves: u32,
     pub unanswered: u32,
     pub hostile: u32,
 }
@@ -840,6 +848,19 @@ impl World {
         s.slow = 10;
         s.slow_until = self.now + d;
         self.log.slowdowns += 1;
+    }
+
+    /// Moves a server's offer to `frames` of its arena, as its donor would; the frames no
+    /// longer offered are given back (nothing to do with a `Vec` arena).
+    pub fn move_offer(&mut self, server: usize, frames: u64) {
+        let s = &mut self.servers[server];
+        if !s.up {
+            return;
+        }
+        s.store.set_offer(frames);
+        s.store.take_given_back();
+        self.log.offer_moves += 1;
+        self.note(format_args!("server {server} offers {frames} frames"));
     }
 
     /// Whether the checker can look at what a connection's session holds: the connection works
