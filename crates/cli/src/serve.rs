@@ -91,6 +91,10 @@ pub struct ServeArgs {
     /// chunk, and how long after a shrink nothing grows [default: 5s].
     #[arg(long)]
     grow_after: Option<String>,
+    /// Check the flags, the config file and the credentials, print the configuration that
+    /// would run, and exit without serving (0 when it would start).
+    #[arg(long)]
+    check_config: bool,
     /// Test-only: read meminfo and pressure/memory from this directory instead of /proc.
     #[arg(long, hide = true, default_value = "/proc")]
     proc_dir: PathBuf,
@@ -135,6 +139,70 @@ fn parse_size(what: &str, s: &str) -> anyhow::Result<u64> {
 fn parse_duration(what: &str, s: &str) -> anyhow::Result<Duration> {
     humantime::parse_duration(s)
         .with_context(|| format!("{what} {s:?} is not a duration (try 2s or 500ms)"))
+}
+
+/// `--check-config`: what would run, one setting a line; the errors `Server::start` would
+/// give before binding are given here too.
+fn print_config(cfg: &ServerConfig) -> anyhow::Result<()> {
+    let security = match &cfg.security {
+        netram_client::Security::Tls(c) if !c.identity.server => bail!(
+            "the certificate is node {}'s without the server role (issue it with `netram \
+             keygen --server`)",
+            c.identity.node
+        ),
+        netram_client::Security::Tls(c) => format!("mutual TLS, node {}", c.identity.node),
+        netram_client::Security::Insecure if !cfg.listen.ip().is_loopback() => bail!(
+            "--insecure serves clear TCP on loopback only, not on {}",
+            cfg.listen
+        ),
+        netram_client::Security::Insecure => "clear TCP (--insecure), loopback only".into(),
+    };
+    if cfg.adapt.is_some() && cfg.lock_memory {
+        bail!("--adapt gives memory back to the kernel, which --lock-memory forbids");
+    }
+    let mut lines = vec![
+        format!("listen = {}", cfg.listen),
+        format!("security = {security}"),
+        format!("capacity = {} bytes", cfg.capacity_bytes),
+        format!("lease_period = {:?}", cfg.lease_period),
+        format!("max_connections = {}", cfg.max_connections),
+        format!(
+            "max_connections_per_client = {}",
+            cfg.max_connections_per_peer
+        ),
+        format!("max_sessions_per_client = {}", cfg.max_peer_sessions),
+        format!("max_client_memory = {} pages", cfg.max_peer_pages()),
+        format!(
+            "max_client_ops = {}",
+            match cfg.max_client_ops_per_s {
+                0 => "no limit".to_string(),
+                n => format!("{n}/s"),
+            }
+        ),
+        format!("idle_timeout = {:?}", cfg.idle_timeout()),
+        format!("write_timeout = {:?}", cfg.write_timeout),
+        format!("window = {}", cfg.window),
+        format!("low_latency = {}", cfg.low_latency),
+        format!("lock_memory = {}", cfg.lock_memory),
+    ];
+    match &cfg.adapt {
+        Some(a) => {
+            let d = &a.donor;
+            lines.push(format!(
+                "adapt = from {} to {} bytes in {}-byte chunks, keeping {} bytes for the \
+                 machine, growing after {} ms, reading {}",
+                d.floor,
+                d.ceiling,
+                d.chunk,
+                d.reserve,
+                d.grow_after_ms,
+                a.proc_dir.display()
+            ));
+        }
+        None => lines.push("adapt = off".into()),
+    }
+    println!("{}", lines.join("\n"));
+    Ok(())
 }
 
 /// Raw flags and file, checked into a configuration.
@@ -304,7 +372,12 @@ fn at_least_one<T: Copy + Default + PartialEq>(flag: &str, v: T) -> anyhow::Resu
 }
 
 pub fn run(args: ServeArgs) -> anyhow::Result<()> {
+    let check_only = args.check_config;
     let cfg = check(args)?;
+    if check_only {
+        print_config(&cfg)?;
+        return Ok(());
+    }
     let shutdown = Arc::new(AtomicBool::new(false));
     for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
         signal_hook::flag::register(sig, shutdown.clone())

@@ -165,3 +165,52 @@ fn adapt_settings_are_checked() {
         assert!(err.contains(says), "{args:?}: {err}");
     }
 }
+
+/// `netram serve --check-config` prints what would run, from flags and file, after checking
+/// the credentials, and refuses what the daemon would refuse, without serving.
+#[test]
+fn check_config_prints_what_would_run() {
+    let proc_dir = tempfile::tempdir().unwrap();
+    machine(proc_dir.path(), 20 << 30);
+    let conf = proc_dir.path().join("netram.toml");
+    std::fs::write(&conf, "capacity = \"1G\"\nadapt = true\nreserve = \"2G\"\n").unwrap();
+    let out = common::netram()
+        .args([
+            "serve",
+            "--check-config",
+            "--max-client-ops",
+            "5000",
+            "--config",
+        ])
+        .arg(&conf)
+        .arg("--proc-dir")
+        .arg(proc_dir.path())
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for want in [
+        "security = mutual TLS, node 1",
+        "capacity = 1073741824 bytes",
+        "max_client_ops = 5000/s",
+        "adapt = from 0 to 1073741824 bytes in 67108864-byte chunks, keeping 2147483648 bytes",
+    ] {
+        assert!(text.contains(want), "{want:?} not in:\n{text}");
+    }
+    let out = std::process::Command::new(common::NETRAM)
+        .args([
+            "serve",
+            "--check-config",
+            "--insecure",
+            "--listen",
+            "0.0.0.0:7077",
+        ])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("loopback only"));
+}
