@@ -5,11 +5,10 @@
 
 mod common;
 
-use common::ServerProcess;
+use common::{eventually, vm_rss, ServerProcess};
 use netram_pager::{MemDisk, Pager, PagerConfig};
 use netram_proto::PAGE_SIZE;
 use std::path::Path;
-use std::time::{Duration, Instant};
 
 const MIB: u64 = 1 << 20;
 
@@ -30,25 +29,6 @@ fn machine(dir: &Path, available: u64) {
         "some avg10=0.00 avg60=0.00 avg300=0.00 total=0\nfull avg10=0.00 avg60=0.00 avg300=0.00 total=0\n",
     )
     .unwrap();
-}
-
-fn rss(pid: u32) -> u64 {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.trim().strip_suffix("kB"))
-        .and_then(|v| v.trim().parse::<u64>().ok())
-        .expect("VmRSS")
-        * 1024
-}
-
-fn eventually(what: &str, secs: u64, mut f: impl FnMut() -> bool) {
-    let deadline = Instant::now() + Duration::from_secs(secs);
-    while !f() {
-        assert!(Instant::now() < deadline, "{what}: not within {secs} s");
-        std::thread::sleep(Duration::from_millis(100));
-    }
 }
 
 /// The offer grows a chunk at a time while the machine has room, takes pages, and when the
@@ -82,7 +62,7 @@ fn the_offer_follows_the_machine_and_memory_given_back_leaves_the_process() {
     assert!(server.stat("offer_grows") >= 8, "a chunk at a time");
 
     // 256 MiB of pages from a real pager.
-    let base = rss(server.child.id());
+    let base = vm_rss(server.child.id());
     let n = pages(256 * MIB);
     let transport = netram_client::TcpTransport::connect(
         &[server.addr.as_str()],
@@ -108,7 +88,7 @@ fn the_offer_follows_the_machine_and_memory_given_back_leaves_the_process() {
     }
     pager.flush().unwrap();
     assert!(server.stat("stored_pages") >= n - 64);
-    let full = rss(server.child.id());
+    let full = vm_rss(server.child.id());
     assert!(
         full >= base + 200 * MIB,
         "the pages are resident ({} MiB, {} MiB before)",
@@ -129,7 +109,7 @@ fn the_offer_follows_the_machine_and_memory_given_back_leaves_the_process() {
         server.stat("capacity_pages") == 0
     });
     eventually("the memory given back leaves the process", 20, || {
-        rss(server.child.id()) + 200 * MIB <= full
+        vm_rss(server.child.id()) + 200 * MIB <= full
     });
     assert!(server.stat("offer_shrinks") >= 1);
 

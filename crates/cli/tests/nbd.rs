@@ -2,7 +2,7 @@
 //! hand-rolled client that misbehaves. The servers and the NBD process are child processes,
 //! killed by PID when their guards drop.
 
-use common::{spawn_reporting, ServerProcess};
+use common::{spawn_reporting, vm_rss, ServerProcess};
 use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
@@ -519,17 +519,6 @@ fn tcp_from(from: [u8; 4], addr: &str) -> std::net::TcpStream {
     s.set_read_timeout(Some(std::time::Duration::from_secs(15)))
         .unwrap();
     s
-}
-
-fn vm_rss(pid: u32) -> u64 {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
-    status
-        .lines()
-        .find(|l| l.starts_with("VmRSS:"))
-        .and_then(|l| l.split_whitespace().nth(1))
-        .and_then(|v| v.parse::<u64>().ok())
-        .unwrap()
-        * 1024
 }
 
 /// Whether the server closes `s` within `secs` seconds.

@@ -8,7 +8,7 @@
 
 mod common;
 
-use common::{ServerProcess, NETRAM};
+use common::{eventually, ServerProcess, NETRAM};
 use netram_net::{HandshakeError, Security};
 use netram_proto::{
     decode_reply, Delta, DeltaKind, DeltaStatus, GetResult, Hello, Member, OwnedRecord, Owner,
@@ -107,15 +107,6 @@ fn page(seed: u8) -> Vec<u8> {
     (0..PAGE_SIZE)
         .map(|i| (i as u8).wrapping_mul(seed))
         .collect()
-}
-
-/// Waits until `f` holds, for at most ten seconds.
-fn eventually(what: &str, mut f: impl FnMut() -> bool) {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while !f() {
-        assert!(Instant::now() < deadline, "{what}: not within 10 s");
-        std::thread::sleep(Duration::from_millis(50));
-    }
 }
 
 /// Copying another client's handshake — its node id, incarnation and session id — gets the
@@ -370,7 +361,7 @@ fn an_unauthenticated_peer_is_refused_at_every_step() {
         let _ = s.read_to_end(&mut Vec::new());
         refused += 1;
     }
-    eventually("every refusal counted", || {
+    eventually("every refusal counted", 10, || {
         server.stat("handshakes_tls_failed") >= refused
     });
 
@@ -396,7 +387,7 @@ fn an_unauthenticated_peer_is_refused_at_every_step() {
         y.closed_within(Duration::from_secs(10)),
         "a replayed record closes"
     );
-    eventually("both counted", || {
+    eventually("both counted", 10, || {
         server.stat("frames_rejected_unauthenticated") == 2
     });
     assert_eq!(
@@ -449,7 +440,7 @@ fn a_revoked_node_is_refused_and_its_connections_closed() {
     Conn::open(&rogue.addr, &good, &Hello::new(2, 1, 2)).unwrap();
     revoke(cluster.path(), 43);
     std::fs::copy(cluster.path().join("crl.pem"), gd.path().join("crl.pem")).unwrap();
-    eventually("the client reloads its revocation list", || {
+    eventually("the client reloads its revocation list", 10, || {
         matches!(
             Conn::open(&rogue.addr, &good, &Hello::new(2, 1, 3)),
             Err(HandshakeError::Tls(_))
@@ -526,7 +517,7 @@ fn a_server_at_its_limit_says_busy_over_tls() {
     for round in 0..20 {
         let mut first = None;
         // The previous round's connection may still hold the place for a moment.
-        eventually("the place is given back", || {
+        eventually("the place is given back", 10, || {
             first = Conn::open(&server.addr, &node, &Hello::new(61, 1, 1)).ok();
             first.is_some()
         });

@@ -213,3 +213,24 @@ impl Drop for ServerProcess {
         let _ = self.child.wait();
     }
 }
+
+/// The resident memory of process `pid`, bytes.
+pub fn vm_rss(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    status
+        .lines()
+        .find(|l| l.starts_with("VmRSS:"))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|v| v.parse::<u64>().ok())
+        .expect("VmRSS")
+        * 1024
+}
+
+/// Waits until `f` holds, for at most `secs` seconds.
+pub fn eventually(what: &str, secs: u64, mut f: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(secs);
+    while !f() {
+        assert!(Instant::now() < deadline, "{what}: not within {secs} s");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
