@@ -116,9 +116,12 @@ enum Op {
         ms: u16,
     },
     /// The offer moves (`netram serve --adapt`): frames above it take no new page, their free
-    /// ones are given back once, and pages above it stay readable.
+    /// ones are given back once, and pages above it stay readable; then up to `compact` of
+    /// them move down into frames free below it (what the daemon's donor thread does), and
+    /// read back as they were.
     Offer {
         frames: u16,
+        compact: u8,
     },
     /// Any bytes as a frame: the decoder's errors, and requests no other operation builds.
     Raw {
@@ -514,10 +517,17 @@ fuzz_target!(|input: Input| {
                 h.store.expire(h.now);
                 h.store.check_invariants();
             }
-            Op::Offer { frames } => {
+            Op::Offer { frames, compact } => {
                 let before = h.store.stored_pages();
                 let runs = h.store.set_offer(u64::from(frames));
+                let above = h.store.pages_beyond_offer();
+                let moved = h.store.compact(usize::from(compact));
+                assert_eq!(h.store.pages_beyond_offer(), above - moved as u64);
                 let back = h.store.take_given_back();
+                assert!(
+                    back.len() >= moved,
+                    "each page moved down gives its frame back"
+                );
                 assert_eq!(
                     h.store.stored_pages(),
                     before,

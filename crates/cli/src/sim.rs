@@ -119,8 +119,8 @@ fn print_report(label: &str, r: &Report) {
     );
     println!(
         "faults: {} crashes, {} partitions, {} lost messages, {} resets, {} duplicated replies, \
-         {} bit flips, {} hostile replies, {} slow periods, {} offers moved, {} parity deltas \
-         applied but unanswered",
+         {} bit flips, {} hostile replies, {} slow periods, {} offers moved ({} pages migrated, \
+         {} of them to a disk), {} parity deltas applied but unanswered",
         f.crashes,
         f.partitions,
         f.losses,
@@ -130,6 +130,8 @@ fn print_report(label: &str, r: &Report) {
         f.hostile,
         f.slowdowns,
         f.offer_moves,
+        f.pages_migrated,
+        f.pages_migrated_to_disk,
         f.unanswered
     );
 }

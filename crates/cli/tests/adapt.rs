@@ -120,6 +120,120 @@ fn the_offer_follows_the_machine_and_memory_given_back_leaves_the_process() {
     });
 }
 
+/// What page `i` holds in [`pages_leave_a_donor_that_shrinks_for_another_server`].
+fn content(i: u64) -> Vec<u8> {
+    let mut d = vec![(i % 251) as u8; PAGE_SIZE];
+    d[..8].copy_from_slice(&i.to_le_bytes());
+    d
+}
+
+/// Nswap's migration, between real daemons: a donor holding pages of a client shrinks its
+/// offer to nothing when its machine needs the memory; the client (a real pager over TLS,
+/// ticked as its maintenance thread would) moves them to the other server; the donor ends up
+/// holding nothing, its resident memory falls, and every page reads back as written.
+#[test]
+fn pages_leave_a_donor_that_shrinks_for_another_server() {
+    let proc_dir = tempfile::tempdir().unwrap();
+    machine(proc_dir.path(), 20 << 30);
+    let donor = ServerProcess::start(&[
+        "--capacity",
+        "256M",
+        "--adapt",
+        "--reserve",
+        "1G",
+        "--chunk",
+        "64M",
+        "--grow-after",
+        "100ms",
+        "--proc-dir",
+        proc_dir.path().to_str().unwrap(),
+    ]);
+    let other = ServerProcess::start(&["--capacity", "512M"]);
+    let frames = |bytes: u64| bytes / PAGE_SIZE as u64;
+    eventually("the donor offers all it may", 30, || {
+        donor.stat("capacity_pages") == frames(256 * MIB)
+    });
+    let n = frames(192 * MIB);
+    let transport = netram_client::TcpTransport::connect(
+        &[donor.addr.as_str(), other.addr.as_str()],
+        &netram_client::ClientConfig {
+            sealed_pages: true,
+            ..common::client()
+        },
+    );
+    let mut pager = Pager::new(
+        PagerConfig {
+            pages: n,
+            cache_pages: 64,
+            ..Default::default()
+        },
+        transport,
+        MemDisk::default(),
+    );
+    pager.set_schedule(netram_pager::ScheduleConfig {
+        probe_every_us: 50_000,
+        ..Default::default()
+    });
+    for first in (0..n).step_by(256) {
+        let ids: Vec<u64> = (first..first + 256).collect();
+        let data: Vec<u8> = ids.iter().flat_map(|&i| content(i)).collect();
+        pager.write_many(&ids, &data).unwrap();
+    }
+    pager.flush().unwrap();
+    let held = donor.stat("stored_pages");
+    assert!(
+        held > frames(32 * MIB),
+        "the donor took its share ({held} pages)"
+    );
+    let full = vm_rss(donor.child.id());
+
+    // The machine needs its memory: 512 MiB available, half its reserve. The offer falls to
+    // nothing, and the pages it holds have to go. The pager learns it from its next probe
+    // and moves them, step by step.
+    machine(proc_dir.path(), 512 * MIB);
+    eventually("the offer shrinks", 20, || {
+        donor.stat("capacity_pages") == 0
+    });
+    let started = std::time::Instant::now();
+    let mut now_us = 0;
+    eventually("the donor holds nothing", 60, || {
+        // A tick as the maintenance thread runs them; the server is asked again only after
+        // the pager thinks it is done.
+        now_us += 10_000;
+        pager.on_tick(now_us).unwrap();
+        pager.pages_leaving() == 0 && donor.stat("stored_pages") == 0
+    });
+    eprintln!(
+        "{held} pages moved off the donor in {:.2} s",
+        started.elapsed().as_secs_f64()
+    );
+    assert_eq!(
+        pager.counters().pages_migrated,
+        held,
+        "each page moved once"
+    );
+    assert_eq!(pager.counters().pages_migrated_to_disk, 0);
+    assert_eq!(
+        other.stat("stored_pages"),
+        n,
+        "the other server holds every page"
+    );
+    eventually("the memory given back leaves the donor", 20, || {
+        vm_rss(donor.child.id()) + held * PAGE_SIZE as u64 * 9 / 10 <= full
+    });
+    let mut out = vec![0u8; 256 * PAGE_SIZE];
+    for first in (0..n).step_by(256) {
+        let ids: Vec<u64> = (first..first + 256).collect();
+        pager.read_many(&ids, &mut out).unwrap();
+        for (k, &i) in ids.iter().enumerate() {
+            assert!(
+                out[k * PAGE_SIZE..(k + 1) * PAGE_SIZE] == content(i)[..],
+                "page {i} after the move"
+            );
+        }
+    }
+}
+
 /// Contradictory settings are refused before anything starts.
 #[test]
 fn adapt_settings_are_checked() {

@@ -23,6 +23,11 @@ pub struct MaintainConfig {
     /// for `t`, the thread waits `t · (1 − duty) / duty`, so that the program keeps most of
     /// it (Nswap Table III: recovery must not slow programs down).
     pub duty: f64,
+    /// Pages moved off servers that shrank their offer per step (Nswap §III), and the share
+    /// of the pager's time migration may take: more than recovery's, because the server's
+    /// machine is waiting for its memory.
+    pub migrate_batch: usize,
+    pub migrate_duty: f64,
     /// How often every server is asked for an empty reply.
     pub probe_every: Duration,
     /// How often dead servers are tried again.
@@ -35,6 +40,8 @@ impl Default for MaintainConfig {
             batch: 64,
             pages_per_s: 100_000,
             duty: 0.05,
+            migrate_batch: 512,
+            migrate_duty: 0.5,
             probe_every: Duration::from_secs(2),
             reconnect_every: Duration::from_secs(1),
         }
@@ -104,6 +111,7 @@ where
             probe_every_us: cfg.probe_every.as_micros() as u64,
             reconnect_every_us: cfg.reconnect_every.as_micros() as u64,
             recover_batch: cfg.batch,
+            migrate_batch: cfg.migrate_batch,
         })
     });
     while !stop.load(Ordering::SeqCst) {
@@ -112,11 +120,12 @@ where
             continue;
         }
         let started = Instant::now();
-        let mut rebuilt = 0;
+        let (mut rebuilt, mut migrated) = (0, 0);
         with_pager(
             &mut |p| match p.on_tick(epoch.elapsed().as_micros() as u64) {
                 Ok(tick) => {
                     rebuilt = tick.rebuilt;
+                    migrated = tick.migrated;
                     if tick.revived > 0 {
                         tracing::info!("{} server(s) reconnected (empty)", tick.revived);
                     }
@@ -127,7 +136,11 @@ where
                 Err(e) => tracing::warn!("maintenance: {e}"),
             },
         );
-        let pause = if rebuilt > 0 {
+        let pause = if migrated > 0 {
+            // Back soon: the pages go as fast as the program's share of the pager allows.
+            let duty = cfg.migrate_duty.clamp(0.01, 1.0);
+            started.elapsed().mul_f64((1.0 - duty) / duty)
+        } else if rebuilt > 0 {
             // Spaced so that `pages_per_s` and `duty` hold; the step itself counts.
             let held = started.elapsed();
             let rate = Duration::from_secs_f64(rebuilt as f64 / cfg.pages_per_s.max(1) as f64);

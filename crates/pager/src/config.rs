@@ -69,7 +69,9 @@ pub struct PagerConfig {
     /// Page buffers added for rebuilding under `rs:K+M` and `parity:N`, where one rebuilt
     /// piece takes K (N) pieces read: recovery works in waves, a round trip and (Reed-Solomon)
     /// a decoder's fixed cost per wave, so its rate grows with the wave (Nswap Table IV).
-    /// 2048 slots are 8 MiB.
+    /// 2048 slots are 8 MiB. Under `none` and `mirror:N` a quarter of them at most (512, 2
+    /// MiB), for the waves of copies rebuilt and of pages moved off a server that shrank
+    /// its offer (`migrate.rs`), whose rate grows with the wave too.
     pub recovery_slots: usize,
     /// Seal every page end to end under this key (`seal.rs`): servers and the network see
     /// only ciphertext, and a page that does not authenticate is never returned. The default

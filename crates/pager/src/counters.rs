@@ -88,4 +88,10 @@ counters! {
     /// dissolved (their members protected again).
     parity_audits,
     parity_groups_dissolved,
+    /// Pages whose move off a server that shrank its offer started, and moves that ended
+    /// with the page at its new home (Nswap §III); of those, moves that found no server
+    /// with room and left the page on the local disk alone.
+    migrations_started,
+    pages_migrated,
+    pages_migrated_to_disk,
 }

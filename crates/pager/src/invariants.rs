@@ -36,6 +36,14 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         self.check_slots()?;
         self.check_credits()?;
         self.check_table()?;
+        // A page on its way off a leaving server is in write-back until it lands.
+        if let Some(p) = self
+            .migrating
+            .iter()
+            .find(|p| !self.writeback.contains_key(p))
+        {
+            return Err(format!("page {p} is migrating but not in write-back"));
+        }
         Ok(())
     }
 

@@ -50,6 +50,7 @@ mod counters;
 mod error;
 mod invariants;
 mod maintenance;
+mod migrate;
 mod read;
 mod reply;
 mod requests;
@@ -64,6 +65,7 @@ pub use counters::PagerCounters;
 pub use error::{LostPages, PagerError};
 use lru::LruCache;
 pub use maintenance::{ScheduleConfig, Tick};
+pub use migrate::MigrationStep;
 use netram_policy::placement::Candidate;
 pub use netram_policy::redundancy::{ParseSchemeError, Scheme};
 use netram_proto::{PageKey, Request, PAGE_SIZE};
@@ -103,6 +105,13 @@ struct ServerState {
     alive: bool,
     dead_reason: String,
     load: Candidate,
+    /// Pages of ours it wants moved away, as its last reply said (its offer shrank; it takes
+    /// no new page meanwhile: the free pages it reports are none).
+    leaving: u32,
+    /// The `leaving` at which a migration step last found nothing of ours to move there
+    /// (parity pages, which only their holder knows; pages in write-back): not looked for
+    /// again until it changes or the next probe.
+    leaving_stuck: u32,
 }
 
 /// The pager. Single-threaded: every call runs to completion on the caller's thread, which
@@ -129,6 +138,10 @@ pub struct Pager<T: Transport, D: Disk> {
     scheme: Redundancy,
     /// Pages with fewer copies than `copies` (a server died, a copy was bad): recovery's list.
     degraded: BTreeSet<u64>,
+    /// Pages on their way off a leaving server (`migrate.rs`), counted when they land.
+    migrating: BTreeSet<u64>,
+    /// Where the next search for pages to move starts in the page table.
+    migrate_cursor: u64,
     /// Pages recovery could not give every copy (no server with room) and that the local disk
     /// backs meanwhile: tried again when a server comes back.
     short: BTreeSet<u64>,
@@ -194,6 +207,8 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                     free_pages: info.free_pages,
                     requests_per_s: 0,
                 },
+                leaving: 0,
+                leaving_stuck: 0,
                 info,
             })
             .collect();
@@ -213,6 +228,8 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             table: Table::new(cfg.pages, scheme.copies()),
             scheme,
             degraded: BTreeSet::new(),
+            migrating: BTreeSet::new(),
+            migrate_cursor: 0,
             short: BTreeSet::new(),
             rehomed: BTreeSet::new(),
             disk_failed: None,
@@ -308,6 +325,9 @@ impl<T: Transport, D: Disk> Pager<T, D> {
     /// recovery starts when a node discovers another is unreachable). Returns how many were
     /// found dead.
     pub fn probe_servers(&mut self) -> Result<usize, PagerError> {
+        // What a migration step found unmovable (in write-back, being rebuilt) may have
+        // become movable since without the server's count changing: look again.
+        self.servers.iter_mut().for_each(|s| s.leaving_stuck = 0);
         let before = self.counters.servers_dead;
         for s in 0..self.servers.len() {
             if self.servers[s].alive {

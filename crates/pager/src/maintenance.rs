@@ -20,6 +20,8 @@ pub struct ScheduleConfig {
     pub reconnect_every_us: u64,
     /// Pages (Reed-Solomon: stripes) rebuilt per tick at most.
     pub recover_batch: usize,
+    /// Pages moved off servers that shrank their offer, per tick at most.
+    pub migrate_batch: usize,
 }
 
 impl Default for ScheduleConfig {
@@ -28,6 +30,7 @@ impl Default for ScheduleConfig {
             probe_every_us: 2_000_000,
             reconnect_every_us: 1_000_000,
             recover_batch: 64,
+            migrate_batch: 256,
         }
     }
 }
@@ -53,6 +56,8 @@ pub struct Tick {
     /// Pages whose rebuild started, and pages found lost for good.
     pub rebuilt: usize,
     pub unrecoverable: usize,
+    /// Pages whose move off a server that shrank its offer started.
+    pub migrated: usize,
 }
 
 impl Schedule {
@@ -79,9 +84,10 @@ impl<T: Transport, D: Disk> Pager<T, D> {
     }
 
     /// Runs the maintenance tasks due at `now` (µs): handling the replies already there
-    /// ([`Pager::poll`]), reconnecting dead servers, probing the live ones, and one bounded
-    /// step of recovery while pages lack copies. The first tick only starts the clocks. A
-    /// failed task is returned; the tasks after it wait for the next tick.
+    /// ([`Pager::poll`]), reconnecting dead servers, probing the live ones, one bounded step
+    /// of recovery while pages lack copies, and one of migration while servers want pages
+    /// moved ([`Pager::migrate`]). The first tick only starts the clocks. A failed task is
+    /// returned; the tasks after it wait for the next tick.
     pub fn on_tick(&mut self, now_us: u64) -> Result<Tick, PagerError> {
         let cfg = self.schedule.cfg;
         let mut tick = Tick {
@@ -102,6 +108,9 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             let step = self.recover(cfg.recover_batch)?;
             tick.rebuilt = step.started;
             tick.unrecoverable = step.unrecoverable;
+        }
+        if self.migration_due() {
+            tick.migrated = self.migrate(cfg.migrate_batch)?.started;
         }
         Ok(tick)
     }

@@ -245,6 +245,7 @@ impl Inbox<'_> {
         let load = reply.load();
         self.servers[server].load.free_pages = load.free_pages;
         self.servers[server].load.requests_per_s = load.requests_per_s;
+        self.servers[server].leaving = load.leaving;
         let Some((s, op)) = self.inflight.ops.remove(&id) else {
             return Err(TransportError::Protocol(format!(
                 "reply to unknown request {id}"

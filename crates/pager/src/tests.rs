@@ -654,6 +654,7 @@ fn the_maintenance_schedule_probes_finds_the_dead_and_rebuilds_on_the_clock_it_i
         probe_every_us: 1_000,
         reconnect_every_us: 5_000,
         recover_batch: 8,
+        migrate_batch: 8,
     });
     for page in 0..40 {
         p.write(page, &content(page, 1)).unwrap();
@@ -1122,4 +1123,5 @@ fn one_lost_piece_comes_back_by_xor_and_two_by_the_decoder() {
     assert_eq!(p.counters().pages_unrecoverable, 0);
 }
 
+mod migrate;
 mod seal;

@@ -45,6 +45,17 @@ impl Writeback {
 impl<T: Transport, D: Disk> Pager<T, D> {
     /// Sends a page to its backing. The slot is released when the write is acknowledged.
     pub(crate) fn write_back(&mut self, page: u64, slot: u32) -> Result<(), PagerError> {
+        self.write_back_avoiding(page, slot, None)
+    }
+
+    /// [`Pager::write_back`], keeping the page off server `avoid` (it is leaving it,
+    /// `migrate.rs`) even where it would stay in place.
+    pub(crate) fn write_back_avoiding(
+        &mut self,
+        page: u64,
+        slot: u32,
+        avoid: Option<usize>,
+    ) -> Result<(), PagerError> {
         // One write-back per page at a time, so that versions land in order.
         let cached_before = self.cache.contains(&page);
         self.wait_writeback(page)?;
@@ -69,7 +80,11 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             self.release_slot(slot);
             return Ok(());
         }
-        self.begin_writeback(page, Writeback::new(slot, version));
+        let mut wb = Writeback::new(slot, version);
+        if let Some(s) = avoid {
+            wb.refused.insert(s);
+        }
+        self.begin_writeback(page, wb);
         self.written_back(page)
     }
 
@@ -93,6 +108,8 @@ impl<T: Transport, D: Disk> Pager<T, D> {
     /// cache, dirty, so that nothing is lost: it is written again at its next eviction or
     /// flush. A newer version cached meanwhile wins.
     pub(crate) fn rehome(&mut self, page: u64, slot: u32) {
+        // A move that ends here did not land: the page is dirty in memory again.
+        self.migrating.remove(&page);
         self.rehomed.insert(page);
         match self.cache.peek(&page) {
             Some(&cached) => {
@@ -164,6 +181,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             self.degraded.remove(&page);
             self.short.remove(&page);
         }
+        self.landed(page, holders.is_empty());
         self.set_location(page, holders);
         self.release_slot(wb.slot);
         Ok(())

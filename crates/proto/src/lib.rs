@@ -55,7 +55,7 @@ pub const MAGIC: [u8; 8] = *b"NETRAM\r\n";
 pub const PROTOCOL_VERSION: u16 = 1;
 
 /// The version byte in every frame header; bumped when the frame layout changes.
-pub const FRAME_VERSION: u8 = 4;
+pub const FRAME_VERSION: u8 = 5;
 
 /// Bytes of the frame header: length (u32), version (u8), kind (u8), flags (u16), request id (u64).
 pub const FRAME_HEADER_LEN: usize = 16;

@@ -87,9 +87,14 @@ pub enum Request<'a> {
 /// What the server tells every reply about itself, so that clients place pages without asking.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct Load {
+    /// Frames a new page may take. Zero while pages wait above a shrunk offer: the frames
+    /// freed below it are theirs.
     pub free_pages: u64,
     /// Requests served in the last second.
     pub requests_per_s: u32,
+    /// Pages of the asking session held above the server's offer (Nswap §III: the donor
+    /// shrinks, its pages must move): the owner moves that many of its pages elsewhere.
+    pub leaving: u32,
 }
 
 impl Load {
@@ -97,10 +102,13 @@ impl Load {
         Ok(Self {
             free_pages: r.u64()?,
             requests_per_s: r.u32()?,
+            leaving: r.u32()?,
         })
     }
     pub fn encode(&self, w: &mut FrameBuilder<'_>) {
-        w.u64(self.free_pages).u32(self.requests_per_s);
+        w.u64(self.free_pages)
+            .u32(self.requests_per_s)
+            .u32(self.leaving);
     }
 }
 
@@ -783,10 +791,13 @@ mod tests {
     }
 
     fn load() -> impl Strategy<Value = Load> {
-        (any::<u64>(), any::<u32>()).prop_map(|(free_pages, requests_per_s)| Load {
-            free_pages,
-            requests_per_s,
-        })
+        (any::<u64>(), any::<u32>(), any::<u32>()).prop_map(
+            |(free_pages, requests_per_s, leaving)| Load {
+                free_pages,
+                leaving,
+                requests_per_s,
+            },
+        )
     }
 
     proptest! {

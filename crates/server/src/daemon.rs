@@ -689,23 +689,50 @@ fn read_by(stream: &mut TcpStream, buf: &mut [u8], deadline: Instant) -> io::Res
     Ok(())
 }
 
-/// Moves the offer with the machine's memory, and gives back to the kernel the memory of the
-/// frames no longer offered ([`crate::donor`]).
+/// Pages moved down below a shrunk offer per hold of the store's lock (4 MiB of copying):
+/// clients wait for the lock no longer than that.
+const COMPACT_STEP: usize = 1024;
+
+/// Moves the offer with the machine's memory, moves the pages above a shrunk offer into the
+/// frames free below it, and gives back to the kernel the memory of the frames no longer
+/// offered ([`crate::donor`]; what does not fit below waits for its owners to move it,
+/// `netram_pager`'s `migrate.rs`).
 fn donor_loop(shared: Arc<Shared>, mut adapter: crate::donor::Adapter) {
     while !shared.shutdown.load(Ordering::SeqCst) {
         std::thread::sleep(crate::donor::TICK);
         let used = shared.store().stored_pages() * PAGE_SIZE as u64;
         let change = adapter.tick(shared.now_ms(), used);
-        let mut store = shared.store();
         let mut runs = match change {
-            Some(frames) => store.set_offer(frames),
+            Some(frames) => shared.store().set_offer(frames),
             None => Vec::new(),
         };
-        runs.extend(store.take_given_back().into_iter().map(|f| (f, 1)));
-        for (first, n) in runs {
-            store.arena().give_back(first, n);
+        loop {
+            let mut store = shared.store();
+            let moved = store.compact(COMPACT_STEP);
+            runs.extend(store.take_given_back().into_iter().map(|f| (f, 1)));
+            give_back(&store, &mut runs);
+            drop(store);
+            if moved < COMPACT_STEP || shared.shutdown.load(Ordering::SeqCst) {
+                break;
+            }
         }
     }
+}
+
+/// Gives the frames of `runs` back to the kernel, neighbours joined into one call each.
+fn give_back(store: &Store<Arena>, runs: &mut Vec<(u32, u32)>) {
+    runs.sort_unstable();
+    let mut joined: Vec<(u32, u32)> = Vec::with_capacity(runs.len());
+    for &(first, n) in runs.iter() {
+        match joined.last_mut() {
+            Some((f, m)) if *f + *m == first => *m += n,
+            _ => joined.push((first, n)),
+        }
+    }
+    for (first, n) in joined {
+        store.arena().give_back(first, n);
+    }
+    runs.clear();
 }
 
 fn reaper_loop(shared: Arc<Shared>) {

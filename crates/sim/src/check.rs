@@ -423,6 +423,44 @@ pub fn no_garbage(world: &World, pager: &Pager<SimTransport, MemDisk>) -> Result
     Ok(())
 }
 
+/// Once every client has moved what the servers asked it to (and each server has moved down
+/// what fits below its offer, as its donor thread does), no server holds a page above its
+/// offer (Nswap §III: a donor that shrank holds no more than it offers). Groups' parity is
+/// the exception: only its holder knows where it is, and it leaves with its members.
+///
+/// Only the clients' current sessions count: a session its client gave up on (the server
+/// looked dead, the client reconnected with a new one) holds pages nobody will ask for, and
+/// they go when its lease runs out ([`nothing_left`]).
+pub fn within_offers(world: &mut World) -> Result<(), String> {
+    for s in world.servers.iter_mut().filter(|s| s.up) {
+        s.store.compact(usize::MAX);
+        s.store.take_given_back();
+    }
+    for (ci, c) in world.conns.iter().enumerate() {
+        if !world.inspectable(ci) {
+            continue;
+        }
+        let s = &world.servers[c.server];
+        let above: Vec<PageKey> = s
+            .store
+            .keys_beyond_offer(c.session)
+            .into_iter()
+            .filter(|k| k.region != netram_store::PARITY_REGION)
+            .collect();
+        if !above.is_empty() {
+            return Err(format!(
+                "server {} still holds {} pages of client {} above its offer of {} frames \
+                 after the client moved what it was asked to: {above:?}",
+                c.server,
+                above.len(),
+                c.client,
+                s.store.capacity_pages()
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// After every session has ended and its leases have run out, no server holds anything.
 pub fn nothing_left(world: &World) -> Result<(), String> {
     for (i, s) in world.servers.iter().enumerate() {

@@ -129,6 +129,8 @@ impl Report {
         a.partitions += b.partitions;
         a.slowdowns += b.slowdowns;
         a.offer_moves += b.offer_moves;
+        a.pages_migrated += b.pages_migrated;
+        a.pages_migrated_to_disk += b.pages_migrated_to_disk;
         a.unanswered += b.unanswered;
         a.hostile += b.hostile;
     }
@@ -307,6 +309,7 @@ fn play(sc: &Scenario, at: &std::cell::Cell<u32>) -> Result<Report, Failure> {
                 probe_every_us: rng.u64(200_000..3_000_000),
                 reconnect_every_us: rng.u64(200_000..2_000_000),
                 recover_batch: rng.usize(1..=16),
+                migrate_batch: rng.usize(1..=64),
             });
             Client {
                 disk_failures_reported: 0,
@@ -529,15 +532,33 @@ fn play(sc: &Scenario, at: &std::cell::Cell<u32>) -> Result<Report, Failure> {
                 .recover(16)
                 .map_err(|e| fail(end, format!("client {ci}: recover: {e}")))?;
             report.rebuilds_started += r.started as u64;
+            // Migration runs to the end too: every page a server asked its owner to move away
+            // is moved (Nswap §III), to another server or to the local disk.
+            if cl.pager.borrow().migration_due() {
+                cl.pager
+                    .borrow_mut()
+                    .migrate(64)
+                    .map_err(|e| fail(end, format!("client {ci}: migrate: {e}")))?;
+            }
             cl.pager
                 .borrow_mut()
                 .flush()
                 .map_err(|e| fail(end, format!("client {ci}: flush: {e}")))?;
             // A connection that fell silent is only found out now: reconnect it.
             cl.pager.borrow_mut().revive_dead_servers();
-            if r.remaining == 0 && cl.pager.borrow_mut().degraded_pages() == 0 {
+            let p = cl.pager.borrow_mut();
+            if r.remaining == 0 && p.degraded_pages() == 0 && !p.migration_due() {
                 break;
             }
+        }
+        if cl.pager.borrow().migration_due() {
+            return Err(fail(
+                end,
+                format!(
+                    "client {ci}: migration did not finish: {} pages leaving",
+                    cl.pager.borrow().pages_leaving()
+                ),
+            ));
         }
         if cl.pager.borrow_mut().degraded_pages() > 0 {
             return Err(fail(
@@ -590,6 +611,15 @@ fn play(sc: &Scenario, at: &std::cell::Cell<u32>) -> Result<Report, Failure> {
             .map_err(|e| fail(end, format!("client {ci}: {e}")))?;
     }
     drop(w);
+    check::within_offers(&mut world.borrow_mut()).map_err(|e| fail(end, e))?;
+    {
+        let mut w = world.borrow_mut();
+        for cl in &clients {
+            let c = cl.pager.borrow();
+            w.log.pages_migrated += c.counters().pages_migrated;
+            w.log.pages_migrated_to_disk += c.counters().pages_migrated_to_disk;
+        }
+    }
     for cl in clients {
         cl.pager.borrow_mut().transport_mut().close();
     }

@@ -264,6 +264,9 @@ pub struct FaultLog {
     pub slowdowns: u32,
     /// Times a server's offer moved.
     pub offer_moves: u32,
+    /// Pages the clients moved off servers whose offer shrank, and of those, to their disk.
+    pub pages_migrated: u64,
+    pub pages_migrated_to_disk: u64,
     pub unanswered: u32,
     pub hostile: u32,
 }
@@ -858,6 +861,9 @@ impl World {
             return;
         }
         s.store.set_offer(frames);
+        // As the daemon's donor thread does at once: pages above the offer move down into
+        // what is free below it.
+        s.store.compact(usize::MAX);
         s.store.take_given_back();
         self.log.offer_moves += 1;
         self.note(format_args!("server {server} offers {frames} frames"));

@@ -38,8 +38,8 @@ pub mod serve;
 pub use parity::{ParityTag, PARITY_REGION};
 
 use hashbrown::HashTable;
-use netram_proto::{NodeId, Page, PageFlags, PageKey, PutStatus, PAGE_SIZE};
-use std::collections::HashMap;
+use netram_proto::{Load, NodeId, Page, PageFlags, PageKey, PutStatus, PAGE_SIZE};
+use std::collections::{BTreeSet, HashMap};
 use std::hash::BuildHasher;
 use std::net::{IpAddr, Ipv4Addr};
 
@@ -159,6 +159,9 @@ struct Session {
     last_refresh_ms: u64,
     live: bool,
     pages: u64,
+    /// Its frames at or above the offer: the pages it must move away (told to it with every
+    /// reply, [`Load::leaving`]). Empty unless the offer shrank below its pages.
+    beyond: BTreeSet<u32>,
 }
 
 /// A stored page, as a GET hands it back.
@@ -271,6 +274,9 @@ counters! {
     /// Times the offer grew, and shrank ([`Store::set_offer`]).
     offer_grows,
     offer_shrinks,
+    /// Pages moved from above a shrunk offer into a frame freed below it, without leaving the
+    /// server ([`Store::compact`]).
+    pages_compacted,
     /// Requests after which their client had overdrawn its rate (`max_peer_ops_per_s`): its
     /// connections read nothing more until the rate allows.
     requests_throttled,
@@ -415,6 +421,32 @@ impl<A: AsRef<[u8]> + AsMut<[u8]>> Store<A> {
     pub fn free_pages(&self) -> u64 {
         self.free_frames
     }
+    /// Frames a new page may take: none while pages wait above the offer, since every frame
+    /// freed below it is theirs ([`Store::compact`]).
+    pub fn room(&self) -> u64 {
+        if self.used_beyond > 0 {
+            0
+        } else {
+            self.free_frames
+        }
+    }
+    /// What a reply to session `h` tells its client about this server (Anemone §2.4), and how
+    /// many of the session's pages must leave (Nswap §III).
+    pub fn load(&self, h: SessionHandle, requests_per_s: u32) -> Load {
+        let leaving = match self.sessions.get(h.slot as usize) {
+            Some(s) if s.live && s.generation == h.generation => s.beyond.len(),
+            _ => 0,
+        };
+        Load {
+            free_pages: self.room(),
+            requests_per_s,
+            leaving: u32::try_from(leaving).unwrap_or(u32::MAX),
+        }
+    }
+    /// Pages of session `h` held above the offer.
+    pub fn session_leaving(&self, h: SessionHandle) -> u64 {
+        self.load(h, 0).leaving.into()
+    }
     pub fn stored_pages(&self) -> u64 {
         self.capacity_pages() - self.free_frames + self.used_beyond
     }
@@ -422,29 +454,48 @@ impl<A: AsRef<[u8]> + AsMut<[u8]>> Store<A> {
     pub fn pages_beyond_offer(&self) -> u64 {
         self.used_beyond
     }
+    /// The keys session `h` holds above the offer, groups' parity included (for checkers).
+    pub fn keys_beyond_offer(&self, h: SessionHandle) -> Vec<PageKey> {
+        if self.session_pages(h).is_none() {
+            return Vec::new();
+        }
+        self.sessions[h.slot as usize]
+            .beyond
+            .iter()
+            .map(|&f| {
+                let k = self.meta[f as usize].packed_key();
+                PageKey::new((k >> 40) as u32, k & PAGE_NUMBER_MAX)
+            })
+            .collect()
+    }
 
     /// Offers `frames` frames of the arena from now on (at most the arena's). Growing puts the
     /// frames it adds on the free list; shrinking takes the free frames above the new offer off
     /// it and returns them as runs `(first frame, count)` whose memory the caller gives back to
     /// the kernel. Pages above the new offer stay where they are, readable and deletable, until
-    /// they are moved away ([`Store::pages_beyond_offer`]); their frames are given back as they
-    /// are freed ([`Store::take_given_back`]). The free list is rebuilt lowest frame first, so
-    /// that new pages fill the bottom of the arena and later shrinks find the top free.
+    /// [`Store::compact`] moves them down into free frames or their owners move them away
+    /// ([`Store::pages_beyond_offer`], each session's [`Load::leaving`]); their frames are
+    /// given back as they are freed ([`Store::take_given_back`]). The free list is rebuilt
+    /// lowest frame first, so that new pages fill the bottom of the arena and later shrinks
+    /// find the top free.
     pub fn set_offer(&mut self, frames: u64) -> Vec<(u32, u32)> {
         let new = frames.min(self.arena_pages()) as u32;
         let old = self.offered;
         let mut runs: Vec<(u32, u32)> = Vec::new();
         if new >= old {
             for f in old..new {
-                if self.meta[f as usize].owner == FREE {
+                let m = self.meta[f as usize];
+                if m.owner == FREE {
                     self.free_frames += 1;
                 } else {
                     self.used_beyond -= 1;
+                    self.sessions[m.slot() as usize].beyond.remove(&f);
                 }
             }
         } else {
             for f in new..old {
-                if self.meta[f as usize].owner == FREE {
+                let m = self.meta[f as usize];
+                if m.owner == FREE {
                     self.free_frames -= 1;
                     match runs.last_mut() {
                         Some((start, n)) if *start + *n == f => *n += 1,
@@ -452,10 +503,14 @@ impl<A: AsRef<[u8]> + AsMut<[u8]>> Store<A> {
                     }
                 } else {
                     self.used_beyond += 1;
+                    self.sessions[m.slot() as usize].beyond.insert(f);
                 }
             }
         }
         self.offered = new;
+        // A frame offered again may take a page before the caller gives back what was freed
+        // above the old offer: it must not be given back then.
+        self.given_back.retain(|&f| f >= new);
         // The free list, rebuilt over the offer, lowest first.
         self.free_head = NIL;
         for f in (0..new).rev() {
@@ -633,6 +688,7 @@ impl<A: AsRef<[u8]> + AsMut<[u8]>> Store<A> {
                     last_refresh_ms: now_ms,
                     live: false,
                     pages: 0,
+                    beyond: BTreeSet::new(),
                 });
                 self.sessions.len() as u32 - 1
             }
@@ -648,6 +704,7 @@ impl<A: AsRef<[u8]> + AsMut<[u8]>> Store<A> {
             last_refresh_ms: now_ms,
             live: true,
             pages: 0,
+            beyond: BTreeSet::new(),
         };
         self.peers.entry(peer).or_default().sessions += 1;
         self.counters.sessions_opened += 1;
@@ -803,6 +860,9 @@ impl<A: AsRef<[u8]> + AsMut<[u8]>> Store<A> {
                 self.release_frame(f);
                 self.page_freed(h.slot);
                 self.counters.pages_deleted += 1;
+                // A frame freed below the offer takes one of the pages above it at once, the
+                // session's own first: what the owner moves away is what its `leaving` counts.
+                self.compact_one(Some(h.slot));
                 Ok(true)
             }
             None => {
@@ -862,6 +922,7 @@ impl<A: AsRef<[u8]> + AsMut<[u8]>> Store<A> {
                 debug_assert_eq!(use_.pages, 0);
                 self.peers.remove(&session.peer);
             }
+            debug_assert!(session.beyond.is_empty());
             session.live = false;
             session.pages = 0;
             self.free_slots.push(s);
@@ -873,8 +934,9 @@ impl<A: AsRef<[u8]> + AsMut<[u8]>> Store<A> {
     /// session's client holds its quota.
     fn insert_frame(&mut self, slot: u32, packed: u64) -> Result<u32, PutStatus> {
         let peer = self.sessions[slot as usize].peer;
-        // A full server is full, whoever asks; the quota decides while frames remain.
-        if self.free_head == NIL {
+        // A full server is full, whoever asks; the quota decides while frames remain. While
+        // pages wait above a shrunk offer, the frames freed below it are theirs.
+        if self.free_head == NIL || self.used_beyond > 0 {
             self.counters.puts_refused_full += 1;
             return Err(PutStatus::Full);
         }
@@ -926,6 +988,7 @@ impl<A: AsRef<[u8]> + AsMut<[u8]>> Store<A> {
         entry.expect("a used frame is in the index").remove();
         self.parity.frame_released(f);
         if f >= self.offered {
+            self.sessions[m.slot() as usize].beyond.remove(&f);
             self.meta[f as usize] = FrameMeta {
                 key: [NIL, 0],
                 owner: FREE,
@@ -944,6 +1007,56 @@ impl<A: AsRef<[u8]> + AsMut<[u8]>> Store<A> {
         };
         self.free_head = f;
         self.free_frames += 1;
+    }
+
+    /// Moves up to `max` pages from above the offer into free frames below it (a memory copy
+    /// each; keys, versions and parity stay as they were), and returns how many moved. Their
+    /// frames join those to give back. The daemon calls it after a shrink and on every tick,
+    /// in bounded steps so that the store's lock is never held long.
+    pub fn compact(&mut self, max: usize) -> usize {
+        let mut moved = 0;
+        while moved < max && self.compact_one(None) {
+            moved += 1;
+        }
+        moved
+    }
+
+    /// Moves one page from above the offer into a free frame below it, one of session
+    /// `prefer`'s if it has any there; false when nothing is above or nothing is free.
+    fn compact_one(&mut self, prefer: Option<u32>) -> bool {
+        if self.used_beyond == 0 || self.free_head == NIL {
+            return false;
+        }
+        let own = prefer.and_then(|slot| self.sessions[slot as usize].beyond.last().copied());
+        let from = own.or_else(|| self.sessions.iter().find_map(|s| s.beyond.last().copied()));
+        let Some(from) = from else {
+            debug_assert!(false, "pages above the offer that no session lists");
+            return false;
+        };
+        let to = self.take_free_frame().expect("a free frame, checked above");
+        let m = self.meta[from as usize];
+        let hash = self.hash(m.slot(), m.packed_key());
+        *self
+            .index
+            .find_mut(hash, |&g| g == from)
+            .expect("a used frame is in the index") = to;
+        self.arena.as_mut().copy_within(
+            from as usize * PAGE_SIZE..(from as usize + 1) * PAGE_SIZE,
+            to as usize * PAGE_SIZE,
+        );
+        self.meta[to as usize] = m;
+        self.meta[from as usize] = FrameMeta {
+            key: [NIL, 0],
+            owner: FREE,
+            version: 0,
+            crc: 0,
+        };
+        self.parity.frame_moved(from, to, m.slot(), m.packed_key());
+        self.sessions[m.slot() as usize].beyond.remove(&from);
+        self.used_beyond -= 1;
+        self.given_back.push(from);
+        self.counters.pages_compacted += 1;
+        true
     }
 
     /// Checks the store's invariants; for tests and the simulator (it walks every frame).
@@ -970,6 +1083,24 @@ impl<A: AsRef<[u8]> + AsMut<[u8]>> Store<A> {
                 self.stored_pages(),
                 self.used_beyond,
                 self.free_frames
+            ));
+        }
+        let listed: u64 = self
+            .sessions
+            .iter()
+            .filter(|s| s.live)
+            .map(|s| s.beyond.len() as u64)
+            .sum();
+        let wrong = self.sessions.iter().enumerate().any(|(i, s)| {
+            s.beyond.iter().any(|&f| {
+                f < self.offered
+                    || self.meta[f as usize].owner == FREE
+                    || self.meta[f as usize].slot() != i as u32
+            })
+        });
+        if listed != beyond || wrong {
+            return Some(format!(
+                "sessions list {listed} frames above the offer, {beyond} are (or a list is wrong)"
             ));
         }
         if self.index.len() as u64 != used {

@@ -264,25 +264,49 @@ fn the_offer_grows_and_shrinks_and_pages_above_it_wait_to_leave() {
     assert_eq!(s.pages_beyond_offer(), 4);
     assert_eq!(s.stored_pages(), 8);
     assert_eq!(s.free_pages(), 2);
+    assert_eq!(s.session_leaving(h), 4);
     s.check_invariants();
+    // The frames free below the offer are for the pages above it: no new page takes them.
+    assert_eq!(s.room(), 0);
+    assert_eq!(s.load(h, 0).free_pages, 0);
+    assert_eq!(put(&mut s, h, 20), PutStatus::Full);
     assert!(s.get(h, PageKey::new(1, 9), 0).unwrap().is_some());
     // An overwrite of a page above the offer stays in place.
     assert_eq!(put(&mut s, h, 9), PutStatus::Stored);
-    // Deleting them gives their frames back, one by one.
-    assert!(s.delete(h, PageKey::new(1, 9), 0).unwrap());
+    assert_eq!(s.pages_beyond_offer(), 4);
+    // Compaction moves one down (the highest), its frame given back.
+    assert_eq!(s.compact(1), 1);
+    assert_eq!((s.pages_beyond_offer(), s.free_pages()), (3, 1));
+    assert_eq!(s.take_given_back(), vec![9]);
+    // Deleting a page above the offer gives its frame back and pulls another one down into
+    // the frame still free below.
     assert!(s.delete(h, PageKey::new(1, 8), 0).unwrap());
     let mut back = s.take_given_back();
     back.sort();
-    assert_eq!(back.len(), 2);
-    assert!(back.iter().all(|&f| f >= 6));
+    assert_eq!(back, vec![7, 8]);
     assert!(s.take_given_back().is_empty());
-    assert_eq!(s.pages_beyond_offer(), 2);
+    assert_eq!((s.pages_beyond_offer(), s.free_pages()), (1, 0));
+    assert_eq!(s.session_leaving(h), 1);
+    // Moved pages read back as they were written.
+    for p in [7u64, 9] {
+        let got = s.get(h, PageKey::new(1, p), 0).unwrap().unwrap();
+        assert!(
+            got.data.iter().all(|&b| b == p as u8),
+            "page {p} moved intact"
+        );
+    }
+    assert_eq!(s.counters().pages_compacted, 2);
     s.check_invariants();
+    // Nothing free below: compaction waits.
+    assert_eq!(s.compact(10), 0);
+    assert_eq!(s.pages_beyond_offer(), 1);
     // Growing past them takes them back into the offer.
     assert!(s.set_offer(64).is_empty(), "at most the arena");
     assert_eq!((s.capacity_pages(), s.pages_beyond_offer()), (16, 0));
-    assert_eq!(s.stored_pages(), 6);
-    assert_eq!(s.free_pages(), 10);
+    assert_eq!(s.session_leaving(h), 0);
+    assert_eq!(s.stored_pages(), 7);
+    assert_eq!(s.free_pages(), 9);
+    assert_eq!(s.room(), 9);
     s.check_invariants();
     // A session's end frees pages above the offer too.
     s.set_offer(2);
@@ -293,4 +317,23 @@ fn the_offer_grows_and_shrinks_and_pages_above_it_wait_to_leave() {
         (s.counters().offer_grows, s.counters().offer_shrinks),
         (2, 3)
     );
+}
+
+#[test]
+fn a_frame_offered_again_is_never_given_back_under_a_page() {
+    let mut s = store(8, StoreConfig::default());
+    let h = s.open_session_from(peer(1), 1, 1, 1, 0).unwrap();
+    for p in 0..8 {
+        assert_eq!(put(&mut s, h, p), PutStatus::Stored);
+    }
+    s.set_offer(4);
+    assert!(s.delete(h, PageKey::new(1, 7), 0).unwrap());
+    // Frame 7 waits to be given back; the offer grows over it before the caller does.
+    s.set_offer(8);
+    assert!(
+        s.take_given_back().is_empty(),
+        "frame 7 may hold a page now"
+    );
+    assert_eq!(put(&mut s, h, 7), PutStatus::Stored);
+    s.check_invariants();
 }

@@ -187,6 +187,24 @@ impl ParityState {
     pub(crate) fn frame_released(&mut self, f: u32) {
         self.remove_tag(f);
     }
+
+    /// A page moved from frame `from` to `to` (the store compacting below a shrunk offer):
+    /// its tag follows it, and so does a group whose parity it is (session `slot`'s group
+    /// under the parity region's key `packed`).
+    pub(crate) fn frame_moved(&mut self, from: u32, to: u32, slot: u32, packed: u64) {
+        if let Some(t) = self.tags.remove(&from) {
+            self.tags.insert(to, t);
+        }
+        if packed >> 40 == u64::from(PARITY_REGION) {
+            if let Some(g) = self
+                .groups
+                .get_mut(&(slot, packed & crate::PAGE_NUMBER_MAX))
+            {
+                debug_assert_eq!(g.frame, from);
+                g.frame = to;
+            }
+        }
+    }
 }
 
 fn packed_parity_key(group: u64) -> u64 {

@@ -646,3 +646,59 @@ fn an_overwrite_whose_holder_applied_it_but_was_unheard_leaves_a_damaged_group_a
         r => panic!("{r:?}"),
     }
 }
+
+#[test]
+fn a_member_and_a_parity_page_compacted_below_a_shrunk_offer_stay_in_their_group() {
+    let mut c = Cluster::new();
+    // Five plain pages first on nodes 1 and 3, so that the member (on 1) and the group's
+    // parity (on 3) land in frame 5; then the plain pages go, leaving frames 0..5 free.
+    let plain = |c: &mut Cluster, i: usize, p: u64| {
+        let d = data(p as u8);
+        let out = c.request(i, Request::Put(vec![Page::seal(key(p), 1, &d)]));
+        assert!(matches!(decode_reply(&out).unwrap().1, Reply::Put { .. }));
+    };
+    for i in [1, 3] {
+        for p in 100..105 {
+            plain(&mut c, i, p);
+        }
+    }
+    for (i, p) in [(0, 10), (1, 11), (2, 12)] {
+        assert_eq!(c.put(i, p, 1, p as u8, join(3, 5)), PutStatus::Stored);
+    }
+    assert_eq!(
+        c.ship(3, 5, 4, &[(0, 10), (1, 11), (2, 12)]),
+        PutStatus::Stored
+    );
+    for i in [1, 3] {
+        for p in 100..105 {
+            assert_eq!(c.delete(i, p), DeleteStatus::Deleted);
+        }
+        let s = &mut c.nodes[i].store;
+        s.set_offer(5);
+        assert_eq!(
+            s.pages_beyond_offer(),
+            1,
+            "node {i}'s frame 5 is above the offer"
+        );
+        assert_eq!(s.compact(10), 1);
+        assert_eq!(s.pages_beyond_offer(), 0);
+        assert_eq!(s.take_given_back(), vec![5]);
+        s.check_invariants();
+    }
+    // The member's overwrite still reaches the holder (its tag moved with it), and the
+    // group's parity (moved too) still rebuilds every member.
+    assert_eq!(c.put(1, 11, 2, 99, ParityOp::Keep), PutStatus::Stored);
+    assert_eq!(c.nodes[3].store.counters().parity_deltas_applied, 1);
+    for dead in 0..3 {
+        let (k, v, d) = c.reconstruct(3, dead);
+        let want = [(10, 1, 10u8), (11, 2, 99), (12, 1, 12)][dead];
+        assert_eq!(
+            (k.page, v, d),
+            (want.0, want.1, data(want.2)),
+            "member on {dead}"
+        );
+    }
+    assert_eq!(c.delete(1, 11), DeleteStatus::Deleted);
+    assert_eq!(c.nodes[3].store.held_groups()[0].2.len(), 2);
+    c.check();
+}

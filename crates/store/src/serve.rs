@@ -126,10 +126,7 @@ pub fn handle_request<A: AsRef<[u8]> + AsMut<[u8]>>(
     out: &mut Vec<u8>,
     stats: impl FnOnce(&Store<A>) -> Vec<(&'static str, u64)>,
 ) -> Outcome {
-    let load = |s: &Store<A>| Load {
-        free_pages: s.free_pages(),
-        requests_per_s: rps,
-    };
+    let load = |s: &Store<A>| s.load(h, rps);
     let expired = |s: &Store<A>, out: &mut Vec<u8>| expired_reply(s, id, rps, out);
     match req {
         Request::Put(pages) if pages.iter().any(|p| store.tagged(h, p.key)) => {
@@ -365,8 +362,9 @@ fn error_reply<A: AsRef<[u8]> + AsMut<[u8]>>(
 ) {
     Reply::Error {
         load: Load {
-            free_pages: store.free_pages(),
+            free_pages: store.room(),
             requests_per_s: rps,
+            leaving: 0,
         },
         code,
         message,
@@ -538,10 +536,7 @@ pub fn finish_forward<A: AsRef<[u8]> + AsMut<[u8]>>(
         .filter(|o| **o == DeltaOutcome::Unreachable)
         .count();
     store.counters.parity_holder_unreachable += unreachable as u64;
-    let load = |s: &Store<A>| Load {
-        free_pages: s.free_pages(),
-        requests_per_s: rps,
-    };
+    let load = |s: &Store<A>| s.load(h, rps);
     match fwd.pending {
         Pending::Put(pages) => {
             let mut status = Vec::with_capacity(pages.len());

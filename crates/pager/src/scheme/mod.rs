@@ -87,10 +87,11 @@ impl Redundancy {
         }
     }
 
-    /// Slots set aside for rebuilding (decoding stripes, XORing groups).
+    /// Slots set aside for rebuilding (decoding stripes, XORing groups, waves of copies) and
+    /// for moving pages off a leaving server.
     pub(crate) fn recovery_slots(&self, cfg: &PagerConfig) -> usize {
         match self {
-            Redundancy::Copies(_) => 0,
+            Redundancy::Copies(_) => cfg.recovery_slots.min(512),
             Redundancy::Parity(_) | Redundancy::Stripe(_) => cfg.recovery_slots,
         }
     }

@@ -214,6 +214,23 @@ pub(crate) fn xor_code(k: usize, m: usize) -> bool {
 }
 
 impl Rs {
+    /// The live members of up to `stripes` stripes that have a piece on `server`: written
+    /// again, they leave those stripes, which are freed (their pieces deleted) with the last.
+    pub(crate) fn members_with_piece_on(&self, server: usize, stripes: usize) -> Vec<(u64, u32)> {
+        self.stripes
+            .iter()
+            .filter(|st| st.in_use() && st.servers.contains(&(server as u16)))
+            .take(stripes)
+            .flat_map(|st| {
+                st.members
+                    .iter()
+                    .zip(&st.live)
+                    .filter(|(_, &live)| live)
+                    .map(|(&m, _)| m)
+            })
+            .collect()
+    }
+
     /// For [`Pager::check_invariants`]: the slots this scheme owns (stripe writes' parity and
     /// rebuilt pieces, pieces read ahead and decoded for recovery), and the slots each stripe
     /// write reads from (its own and its members' write-back slots).
@@ -460,6 +477,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                 .map(usize::from)
                 .into_iter()
                 .collect();
+            self.landed(page, holders.is_empty());
             self.table.set_holders(page, holders);
             if !whole && !self.table.get(page).on_disk {
                 self.counters.spills += 1;

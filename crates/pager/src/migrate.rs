@@ -1,0 +1,252 @@
+//! Migration (Nswap §III, Fig. 2, paper 004): a server whose offer shrank below the pages it
+//! holds tells each owner, on every reply, how many of its pages must leave
+//! ([`netram_proto::Load::leaving`]); the owner moves that many elsewhere, and to its local disk
+//! when no server has room (Markatos, paper 003 §2). The server itself moves what it can into
+//! the frames still free below its offer (`netram_store::Store::compact`); what the owners move
+//! away frees the rest.
+//!
+//! Nswap moves a page server to server (MIGRATE from C to B, UPDATE from B to the owner A,
+//! INVALIDATE from A to C). Here the owner drives every step, because only the owner may
+//! place its pages: sessions are bound to the owner's certificate ("Trust nobody on the
+//! wire"), so B would have no way to know that a page C hands it is A's. The page travels
+//! C → A → B, and the races Nswap settles with its migration counts are settled by the
+//! owner's page table, the one writer of where a page is:
+//!
+//! * under `none` and `mirror:N` a page keeps its version: it is read from the leaving server
+//!   (C), written to a server that holds no copy of it (B), and the copy on C is deleted only
+//!   once B has acknowledged (the same steps as recovery, `scheme/mirror.rs`); a read
+//!   meanwhile is served from the slot or from C, a write of the page waits for the move to
+//!   end (one write-back per page), a discard deletes whatever copies the table names then;
+//! * under `parity:N` and `rs:K+M` a page is written again as a new version, so that it joins
+//!   a new group or stripe away from C and its old one is left the usual way (the holder told,
+//!   the stripe freed when its last member leaves): redundancy follows the page.
+//!
+//! A server with pages leaving takes no new page ([`netram_store::Store::room`] is zero, so
+//! placement passes it by); a page being moved is kept off it even where it would otherwise
+//! stay in place (its write-back starts with that server among those that refused it).
+
+use crate::requests::INTERNAL;
+use crate::scheme::Redundancy;
+use crate::table::Servers;
+use crate::writeback::Writeback;
+use crate::{Disk, Pager, PagerError, Transport};
+
+/// What one call to [`Pager::migrate`] did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct MigrationStep {
+    /// Pages whose move started (they count as migrated once their new home acknowledged).
+    pub started: usize,
+    /// Pages the servers still ask us to move, before this step.
+    pub leaving: u64,
+}
+
+impl<T: Transport, D: Disk> Pager<T, D> {
+    /// Pages of ours that live servers want moved away (what their last replies said).
+    pub fn pages_leaving(&self) -> u64 {
+        self.servers
+            .iter()
+            .filter(|s| s.alive)
+            .map(|s| u64::from(s.leaving))
+            .sum()
+    }
+
+    /// Whether a migration step has something to do: a live server wants pages of ours moved
+    /// and the last step did not find that it holds none we can move.
+    pub fn migration_due(&self) -> bool {
+        self.servers
+            .iter()
+            .any(|s| s.alive && s.leaving > 0 && s.leaving != s.leaving_stuck)
+    }
+
+    /// Starts moving up to `max_pages` pages off servers that asked for it: reads them
+    /// (pipelined), then writes each where it may go, not waiting for the writes. The caller
+    /// sets the pace ([`Pager::on_tick`]).
+    pub fn migrate(&mut self, max_pages: usize) -> Result<MigrationStep, PagerError> {
+        // What earlier steps sent has landed, so the counts the servers' last replies carry
+        // include it: nothing is moved twice.
+        self.drain()?;
+        let mut step = MigrationStep {
+            leaving: self.pages_leaving(),
+            ..MigrationStep::default()
+        };
+        // Each page holds a slot from its read to its last acknowledgement.
+        let budget = max_pages.min(self.free_slots.len() / 2);
+        let mut batch: Vec<(u64, usize)> = Vec::new();
+        for s in 0..self.servers.len() {
+            let st = &self.servers[s];
+            if !st.alive || st.leaving == 0 || st.leaving == st.leaving_stuck {
+                continue;
+            }
+            if batch.len() >= budget {
+                break;
+            }
+            let want = (st.leaving as usize).min(budget - batch.len());
+            let (pages, held) = self.leaving_pages(s, want);
+            if pages.is_empty() {
+                self.servers[s].leaving_stuck = self.servers[s].leaving;
+            }
+            if !held {
+                tracing::debug!(
+                    server = s,
+                    leaving = self.servers[s].leaving,
+                    "a server wants pages moved that are not ours to move (parity pages)"
+                );
+            }
+            for page in pages {
+                // A page with copies on two leaving servers moves once per step.
+                if !batch.iter().any(|&(p, _)| p == page) {
+                    batch.push((page, s));
+                }
+            }
+        }
+        if batch.is_empty() {
+            return Ok(step);
+        }
+        for &(page, server) in &batch {
+            let slot = self.take_slot()?;
+            // Read from another copy where there is one: the leaving server has work enough.
+            match self
+                .alive_holder(page, Some(server))
+                .or_else(|| self.alive_holder(page, None))
+            {
+                Some(from) => {
+                    let it = self.page_get_item(page, slot, INTERNAL);
+                    self.submit_get_item(from, it);
+                }
+                None if self.table.get(page).on_disk => {
+                    // A striped page whose own piece is out of reach, backed by the disk
+                    // while its stripe is short: the disk has it in clear.
+                    let at = slot as usize * netram_proto::PAGE_SIZE;
+                    self.counters.disk_reads += 1;
+                    self.disk
+                        .read(page, &mut self.slots[at..at + netram_proto::PAGE_SIZE])?;
+                    self.fetched.push((page, slot));
+                }
+                // Its server died while slots were being found: recovery's now.
+                None => self.release_slot(slot),
+            }
+        }
+        while !self.idle() || !self.retry.is_empty() || !self.reads_done.is_empty() {
+            self.drain()?;
+            self.resubmit_retries();
+            self.copy_out_reads(&mut [])?;
+        }
+        let fetched = std::mem::take(&mut self.fetched);
+        for (page, slot) in fetched {
+            let Some(&(_, leaving)) = batch.iter().find(|(p, _)| *p == page) else {
+                self.release_slot(slot);
+                continue;
+            };
+            step.started += 1;
+            self.counters.migrations_started += 1;
+            match self.scheme {
+                Redundancy::Copies(_) => self.move_copy(page, slot, leaving)?,
+                Redundancy::Parity(_) | Redundancy::Stripe(_) => {
+                    // Written again: the page leaves its group or stripe and joins a new one
+                    // away from the leaving server.
+                    self.migrating.insert(page);
+                    self.write_back_avoiding(page, slot, Some(leaving))?;
+                }
+            }
+        }
+        self.pump_all();
+        Ok(step)
+    }
+
+    /// A write-back ended: if it moved a page, the move is done (to the disk alone when
+    /// `on_disk_only`).
+    pub(crate) fn landed(&mut self, page: u64, on_disk_only: bool) {
+        if self.migrating.remove(&page) {
+            self.counters.pages_migrated += 1;
+            if on_disk_only {
+                self.counters.pages_migrated_to_disk += 1;
+            }
+        }
+    }
+
+    /// Up to `want` pages of ours whose moving frees a frame on `server`: pages with a copy
+    /// there (under Reed-Solomon, the live members of stripes with a piece there), not in
+    /// write-back (a write-back places its page anew, away from a leaving server); and
+    /// whether we have anything there at all, in write-back or not. A cursor keeps a long
+    /// migration from scanning the table from the start each step.
+    fn leaving_pages(&mut self, server: usize, want: usize) -> (Vec<u64>, bool) {
+        let mut out = Vec::new();
+        if let Some(rs) = self.scheme.stripe() {
+            let members = rs.members_with_piece_on(server, want);
+            let held = !members.is_empty();
+            for (page, _) in members {
+                // A member whose data piece is out of reach is read from the disk if the disk
+                // backs it, else left to recovery to rebuild first.
+                if !self.writeback.contains_key(&page)
+                    && !self.rehomed.contains(&page)
+                    && !out.contains(&page)
+                    && (self.alive_holder(page, None).is_some() || self.table.get(page).on_disk)
+                {
+                    out.push(page);
+                }
+                if out.len() >= want {
+                    break;
+                }
+            }
+            return (out, held);
+        }
+        let pages = self.cfg.pages;
+        if pages == 0 {
+            return (out, false);
+        }
+        let mut held = false;
+        let start = self.migrate_cursor % pages;
+        let mut p = start;
+        loop {
+            let e = self.table.get(p);
+            if e.present && !e.lost && self.table.holders(p).contains(server) {
+                held = true;
+            }
+            // A page the disk failed to take waits, dirty, in the cache for its next
+            // write-back, which places it anew.
+            if e.present
+                && !e.lost
+                && self.table.holders(p).contains(server)
+                && !self.writeback.contains_key(&p)
+                && !self.rehomed.contains(&p)
+            {
+                out.push(p);
+                if out.len() >= want {
+                    p = (p + 1) % pages;
+                    break;
+                }
+            }
+            p = (p + 1) % pages;
+            if p == start {
+                break;
+            }
+        }
+        self.migrate_cursor = p;
+        (out, held)
+    }
+
+    /// Moves the copy of `page` on `from` (its data, this version, in `slot`) to a server that
+    /// holds no copy; the copy on `from` is deleted once the new one is acknowledged
+    /// (`finish_writeback`), or the page goes to the local disk when no server has room.
+    fn move_copy(&mut self, page: u64, slot: u32, from: usize) -> Result<(), PagerError> {
+        let e = *self.table.get(page);
+        let keep: Servers = self
+            .table
+            .holders(page)
+            .iter()
+            .filter(|&s| s != from && self.servers[s].alive)
+            .collect();
+        let mut refused = Servers::default();
+        refused.insert(from);
+        self.migrating.insert(page);
+        self.begin_writeback(
+            page,
+            Writeback {
+                keep,
+                refused,
+                ..Writeback::new(slot, e.version)
+            },
+        );
+        self.place_copies(page)
+    }
+}

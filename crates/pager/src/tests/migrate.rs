@@ -1,0 +1,161 @@
+//! Migration (`migrate.rs`, Nswap §III): a server that shrinks its offer below the pages it
+//! holds gets them moved away by their owner, under every scheme, and the pages read back;
+//! with no room left in the cluster they go to the owner's disk.
+
+use super::*;
+
+/// Ticks the pager (probing every millisecond, so that the leaving server is asked) until
+/// nothing is leaving and nothing is in flight.
+fn tick_until_moved(p: &mut Pager<MemCluster, MemDisk>) {
+    p.set_schedule(ScheduleConfig {
+        probe_every_us: 1_000,
+        reconnect_every_us: 1_000_000,
+        recover_batch: 8,
+        migrate_batch: 8,
+    });
+    let mut now = 0;
+    loop {
+        now += 1_000;
+        p.on_tick(now).unwrap();
+        p.check_invariants().unwrap();
+        if now > 3_000 && !p.migration_due() && p.degraded_pages() == 0 {
+            break;
+        }
+        assert!(
+            now < 2_000_000,
+            "migration does not end: {:?}",
+            p.counters()
+        );
+    }
+    p.flush().unwrap();
+}
+
+#[test]
+fn pages_above_a_shrunk_offer_move_away_under_every_scheme() {
+    for scheme in ["none", "mirror:2", "parity:2", "rs:2+1"] {
+        let mut p = Pager::new(
+            PagerConfig {
+                pages: 60,
+                cache_pages: 0,
+                writeback_batch: 4,
+                redundancy: scheme.parse().unwrap(),
+                ..sealed()
+            },
+            MemCluster::new(&[100, 100, 100, 100]),
+            MemDisk::default(),
+        );
+        for page in 0..60 {
+            p.write(page, &content(page, 1)).unwrap();
+        }
+        p.flush().unwrap();
+        let held = p.transport.servers[0].store.stored_pages();
+        assert!(held > 8, "{scheme}: server 0 holds {held} frames");
+        // Server 0's machine wants its memory: its offer falls to 4 frames.
+        let store = &mut p.transport.servers[0].store;
+        store.set_offer(4);
+        store.compact(usize::MAX);
+        assert_eq!(store.pages_beyond_offer(), held - 4);
+        tick_until_moved(&mut p);
+        // The donor compacts what was freed below its offer, as the daemon does every tick.
+        assert!(p.table.pages_on(0).len() <= 4, "{scheme}");
+        let session = p.transport.servers[0].session;
+        let store = &mut p.transport.servers[0].store;
+        store.compact(usize::MAX);
+        store.check_invariants();
+        if scheme.starts_with("parity") {
+            // What stays above the offer is groups' parity, which only the holder knows:
+            // it leaves as its groups' members are written again or deleted (not yet moved
+            // by the owner).
+            let members = store.session_keys(session).len() as u64;
+            assert!(members <= 4, "{scheme}: {members} members left");
+        } else {
+            assert_eq!(store.pages_beyond_offer(), 0, "{scheme}: all moved");
+            assert!(store.stored_pages() <= 4, "{scheme}");
+        }
+        for page in 0..60 {
+            assert_eq!(
+                read(&mut p, page).unwrap(),
+                content(page, 1),
+                "{scheme} page {page}"
+            );
+        }
+        let c = p.counters();
+        assert!(c.pages_migrated > 0, "{scheme}: {c:?}");
+        assert_eq!(c.pages_migrated, c.migrations_started, "{scheme}");
+        assert_eq!(c.pages_migrated_to_disk, 0, "{scheme}");
+        // Still protected: a second server can die and nothing is lost.
+        if scheme != "none" {
+            p.transport.servers[1].dead = true;
+            for page in 0..60 {
+                assert_eq!(
+                    read(&mut p, page).unwrap(),
+                    content(page, 1),
+                    "{scheme} page {page}"
+                );
+            }
+        }
+        p.check_invariants().unwrap();
+    }
+}
+
+#[test]
+fn with_no_room_left_in_the_cluster_pages_move_to_the_owners_disk() {
+    let mut p = pager(MemCluster::new(&[40, 40]), 70, 0, Backing::Cluster);
+    for page in 0..70 {
+        p.write(page, &content(page, 2)).unwrap();
+    }
+    p.flush().unwrap();
+    assert_eq!(p.pages_on_disk_only(), 0);
+    let held = p.transport.servers[0].store.stored_pages();
+    p.transport.servers[0].store.set_offer(10);
+    tick_until_moved(&mut p);
+    let store = &mut p.transport.servers[0].store;
+    store.compact(usize::MAX);
+    assert_eq!(store.pages_beyond_offer(), 0);
+    // Server 1 had room for 40 - (70 - held) of them; the rest went to the disk.
+    let c = p.counters().clone();
+    assert_eq!(c.pages_migrated, held - 10);
+    assert_eq!(c.pages_migrated_to_disk, held - 10 - (40 - (70 - held)));
+    assert_eq!(p.pages_on_disk_only(), c.pages_migrated_to_disk);
+    for page in 0..70 {
+        assert_eq!(read(&mut p, page).unwrap(), content(page, 2), "page {page}");
+    }
+}
+
+#[test]
+fn a_page_written_or_discarded_while_it_moves_keeps_its_newest_version() {
+    let mut p = pager(MemCluster::new(&[100, 100]), 40, 0, Backing::Cluster);
+    for page in 0..40 {
+        p.write(page, &content(page, 3)).unwrap();
+    }
+    p.flush().unwrap();
+    let on0 = p.table.pages_on(0);
+    p.transport.servers[0].store.set_offer(0);
+    // One tick learns what leaves (the probe), the next starts moving; then the program
+    // writes and discards pages of server 0 before the moves are acknowledged.
+    p.set_schedule(ScheduleConfig {
+        probe_every_us: 1_000,
+        ..ScheduleConfig::default()
+    });
+    p.on_tick(1_000).unwrap();
+    p.on_tick(2_000).unwrap();
+    p.on_tick(3_000).unwrap();
+    assert!(p.counters().migrations_started > 0);
+    for &page in on0.iter().step_by(3) {
+        p.write(page, &content(page, 4)).unwrap();
+    }
+    for &page in on0.iter().skip(1).step_by(3) {
+        p.discard(page).unwrap();
+    }
+    tick_until_moved(&mut p);
+    for page in 0..40 {
+        let want = match on0.iter().position(|&q| q == page) {
+            Some(i) if i % 3 == 0 => content(page, 4),
+            Some(i) if i % 3 == 1 => vec![0; PAGE_SIZE],
+            _ => content(page, 3),
+        };
+        assert_eq!(read(&mut p, page).unwrap(), want, "page {page}");
+    }
+    assert_eq!(p.transport.servers[0].store.stored_pages(), 0);
+    p.check_invariants().unwrap();
+}
