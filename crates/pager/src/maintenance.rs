@@ -20,7 +20,8 @@ pub struct ScheduleConfig {
     pub reconnect_every_us: u64,
     /// Pages (Reed-Solomon: stripes) rebuilt per tick at most.
     pub recover_batch: usize,
-    /// Pages moved off servers that shrank their offer, per tick at most.
+    /// Pages on their way off servers that shrank their offer at once, at most: what a
+    /// program's operation may find in flight ahead of its own requests.
     pub migrate_batch: usize,
 }
 
@@ -56,8 +57,9 @@ pub struct Tick {
     /// Pages whose rebuild started, and pages found lost for good.
     pub rebuilt: usize,
     pub unrecoverable: usize,
-    /// Pages whose move off a server that shrank its offer started.
+    /// Pages whose move off a server that shrank its offer started, and pages on their way.
     pub migrated: usize,
+    pub migrating: usize,
 }
 
 impl Schedule {
@@ -109,8 +111,10 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             tick.rebuilt = step.started;
             tick.unrecoverable = step.unrecoverable;
         }
-        if self.migration_due() {
-            tick.migrated = self.migrate(cfg.migrate_batch)?.started;
+        if self.migration_due() || !self.migrate_reads.is_empty() || !self.migrating.is_empty() {
+            let step = self.migrate(cfg.migrate_batch)?;
+            tick.migrated = step.started;
+            tick.migrating = step.in_flight;
         }
         Ok(tick)
     }
