@@ -540,25 +540,10 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             || self.table.get(page).present
     }
 
-    /// Deletes copies on a server. Plain deletes join a batch of deletes at the very tail of
-    /// the server's queue (never one that a later request follows: a DELETE must not overtake
-    /// a PUT of the same page), sent when full or when the pager next waits or polls.
-    fn delete(&mut self, server: usize, mut keys: Vec<PageKey>) {
+    /// Deletes copies on a server.
+    fn delete(&mut self, server: usize, keys: Vec<PageKey>) {
         let op = self.delete_op(&keys);
-        if !matches!(op, Op::Delete) {
-            return self.submit(server, op, &Request::Delete(keys));
-        }
-        if !self.servers[server].alive {
-            return self.fail_op(server, op);
-        }
-        if let Some(Queued::Batch(Op::Deletes(tail))) = self.queues[server].back_mut() {
-            let room = netram_proto::MAX_BATCH.saturating_sub(tail.len());
-            tail.extend(keys.drain(..room.min(keys.len())));
-        }
-        if !keys.is_empty() {
-            self.queues[server].push_back(Queued::Batch(Op::Deletes(keys)));
-        }
-        self.pump(server, false);
+        self.submit(server, op, &Request::Delete(keys));
     }
 
     fn key(&self, page: u64) -> PageKey {

@@ -64,15 +64,10 @@ impl<T: Transport, D: Disk> Pager<T, D> {
     /// whose old copy's deletion is on its way to it. Its `leaving` count includes them
     /// until the deletion arrives.
     fn moving_off(&self, s: usize) -> usize {
-        let deletes: usize = self
+        let deletes = self
             .requests()
-            .filter(|(to, _, _)| *to == s)
-            .map(|(_, op, _)| match op {
-                Op::Delete | Op::Gc(_) => 1,
-                Op::Deletes(keys) => keys.len(),
-                _ => 0,
-            })
-            .sum();
+            .filter(|(to, op, _)| *to == s && matches!(op, Op::Delete | Op::Gc(_)))
+            .count();
         self.migrate_reads.values().filter(|r| r.0 == s).count()
             + self.migrating.values().filter(|&&from| from == s).count()
             + deletes

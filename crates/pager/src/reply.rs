@@ -8,7 +8,7 @@
 //! server may lie or be confused): a wrong key, version or checksum is a failed GET, a status
 //! that does not fit the request declares the server dead.
 
-use crate::requests::{GetItem, Inflight, Op, Part, PutItem, PutKind, Queued, ReadDone, MIGRATE};
+use crate::requests::{GetItem, Inflight, Op, Part, PutItem, PutKind, Queued, ReadDone};
 use crate::scheme::parity;
 use crate::seal::Sealer;
 use crate::{Disk, Pager, PagerCounters, PagerError, ServerState, Transport, TransportError};
@@ -26,7 +26,6 @@ macro_rules! inbox {
             reads_done: &mut $pager.reads_done,
             followups: &mut $pager.followups,
             sealer: $pager.sealer.as_ref(),
-            table: &$pager.table,
         }
     };
 }
@@ -218,7 +217,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                     }
                 }
             }
-            Op::Delete | Op::Deletes(_) | Op::Gc(_) | Op::Delta | Op::Scan => {}
+            Op::Delete | Op::Gc(_) | Op::Delta | Op::Scan => {}
             Op::Ship(id) => {
                 if let Err(e) = self.par_ship_failed(id) {
                     tracing::error!("could not place pages after a holder failed: {e}");
@@ -237,8 +236,6 @@ struct Inbox<'a> {
     reads_done: &'a mut Vec<ReadDone>,
     followups: &'a mut Vec<Followup>,
     sealer: Option<&'a Sealer>,
-    /// For migration's reads, which run while the program writes: see `complete`.
-    table: &'a crate::table::Table,
 }
 
 impl Inbox<'_> {
@@ -276,7 +273,6 @@ impl Inbox<'_> {
             reads_done,
             followups,
             sealer,
-            table,
             ..
         } = self;
         match (op, reply) {
@@ -290,12 +286,6 @@ impl Inbox<'_> {
                     // Pieces and survivors stay ciphertext, for their scheme's arithmetic.
                     let opener = sealer.filter(|_| it.part == Part::Page);
                     let what = match got {
-                        // Migration reads while the program runs: a page written since has
-                        // another version, and its seal another tag. Nothing is wrong with
-                        // what the server sent; the read is dropped (`get_failed`).
-                        _ if it.pos == MIGRATE && table.get(page).version != it.version => {
-                            Some("written since")
-                        }
                         GetResult::Found(p) if p.key != it.key => Some("wrong key"),
                         GetResult::Found(p) if opener.is_none() && !p.verify() => {
                             counters.checksum_failures += 1;
@@ -341,9 +331,7 @@ impl Inbox<'_> {
                         }
                     };
                     if let Some(what) = what {
-                        if what != "written since" {
-                            tracing::warn!(server, page, what, "bad page from server");
-                        }
+                        tracing::warn!(server, page, what, "bad page from server");
                         followups.push(Followup::GetFailed(it, what));
                     }
                 }
@@ -425,7 +413,7 @@ impl Inbox<'_> {
                     followups.push(Followup::Stale(stale));
                 }
             }
-            (Op::Delete | Op::Deletes(_), Reply::Delete { status, .. }) => {
+            (Op::Delete, Reply::Delete { status, .. }) => {
                 debug_assert!(status.iter().all(|s| matches!(
                     s,
                     DeleteStatus::Deleted | DeleteStatus::Missing | DeleteStatus::HolderUnreachable

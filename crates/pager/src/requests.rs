@@ -79,9 +79,6 @@ pub(crate) enum Op {
     Get(Vec<GetItem>),
     Put(Vec<PutItem>),
     Delete,
-    /// Superseded copies deleted together (`Pager::delete`): one frame for a burst of them,
-    /// such as a migration's.
-    Deletes(Vec<PageKey>),
     /// A parity pager's DELETE: keys the server could not delete (their holder could not be
     /// told) are tried again later.
     Gc(Vec<PageKey>),
@@ -99,7 +96,7 @@ impl Op {
         match self {
             Op::Get(items) => items.len().max(1) as u32,
             Op::Put(items) => items.len() as u32,
-            Op::Delete | Op::Deletes(_) | Op::Gc(_) | Op::Ship(_) | Op::Delta | Op::Scan => 1,
+            Op::Delete | Op::Gc(_) | Op::Ship(_) | Op::Delta | Op::Scan => 1,
         }
     }
 }
@@ -155,10 +152,6 @@ impl Queued {
             Queued::Frame { .. } => return true,
             Queued::Batch(Op::Get(items)) => items.len(),
             Queued::Batch(Op::Put(items)) => items.len(),
-            // Keys are small: a frame carries as many as a batch may.
-            Queued::Batch(Op::Deletes(keys)) => {
-                return all || keys.len() >= netram_proto::MAX_BATCH
-            }
             Queued::Batch(_) => return true,
         };
         all || pages >= batch_max
@@ -349,9 +342,6 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                 let keys = items.iter().map(|g| g.key).collect();
                 self.transport.send(server, id, &Request::Get(keys))
             }
-            Op::Deletes(keys) => self
-                .transport
-                .send(server, id, &Request::Delete(keys.clone())),
             Op::Put(items) => {
                 // Sealed (checksummed) straight from the slots; the slots and the transport are
                 // disjoint fields, so the pages are borrowed, not copied, until the frame is

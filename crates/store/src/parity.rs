@@ -184,10 +184,6 @@ impl ParityState {
         self.small.retain(|s, _| !slots.contains(s));
     }
 
-    pub(crate) fn is_tagged(&self, f: u32) -> bool {
-        self.tags.contains_key(&f)
-    }
-
     pub(crate) fn frame_released(&mut self, f: u32) {
         self.remove_tag(f);
     }

@@ -648,7 +648,7 @@ fn an_overwrite_whose_holder_applied_it_but_was_unheard_leaves_a_damaged_group_a
 }
 
 #[test]
-fn a_member_and_a_parity_page_above_a_shrunk_offer_stay_in_their_group() {
+fn a_member_and_a_parity_page_compacted_below_a_shrunk_offer_stay_in_their_group() {
     let mut c = Cluster::new();
     // Five plain pages first on nodes 1 and 3, so that the member (on 1) and the group's
     // parity (on 3) land in frame 5; then the plain pages go, leaving frames 0..5 free.
@@ -680,13 +680,13 @@ fn a_member_and_a_parity_page_above_a_shrunk_offer_stay_in_their_group() {
             1,
             "node {i}'s frame 5 is above the offer"
         );
-        // Members and parity stay where they are (`Store::movable`): their owner moves them.
-        assert_eq!(s.compact(10), 0);
-        assert_eq!(s.pages_beyond_offer(), 1);
+        assert_eq!(s.compact(10), 1);
+        assert_eq!(s.pages_beyond_offer(), 0);
+        assert_eq!(s.take_given_back(), vec![5]);
         s.check_invariants();
     }
-    // Above the offer, the member's overwrite still reaches the holder, and the group's
-    // parity still rebuilds every member.
+    // The member's overwrite still reaches the holder (its tag moved with it), and the
+    // group's parity (moved too) still rebuilds every member.
     assert_eq!(c.put(1, 11, 2, 99, ParityOp::Keep), PutStatus::Stored);
     assert_eq!(c.nodes[3].store.counters().parity_deltas_applied, 1);
     for dead in 0..3 {
