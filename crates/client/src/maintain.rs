@@ -23,9 +23,9 @@ pub struct MaintainConfig {
     /// for `t`, the thread waits `t · (1 − duty) / duty`, so that the program keeps most of
     /// it (Nswap Table III: recovery must not slow programs down).
     pub duty: f64,
-    /// Pages on their way off servers that shrank their offer at once (Nswap §III), and the
-    /// share of the pager's time migration steps may take: more than recovery's, because
-    /// the server's machine is waiting for its memory.
+    /// Pages moved off servers that shrank their offer per step (Nswap §III), and the share
+    /// of the pager's time migration may take: more than recovery's, because the server's
+    /// machine is waiting for its memory.
     pub migrate_batch: usize,
     pub migrate_duty: f64,
     /// How often every server is asked for an empty reply.
@@ -40,7 +40,7 @@ impl Default for MaintainConfig {
             batch: 64,
             pages_per_s: 100_000,
             duty: 0.05,
-            migrate_batch: 128,
+            migrate_batch: 512,
             migrate_duty: 0.5,
             probe_every: Duration::from_secs(2),
             reconnect_every: Duration::from_secs(1),
@@ -120,12 +120,12 @@ where
             continue;
         }
         let started = Instant::now();
-        let (mut rebuilt, mut migrating) = (0, 0);
+        let (mut rebuilt, mut migrated) = (0, 0);
         with_pager(
             &mut |p| match p.on_tick(epoch.elapsed().as_micros() as u64) {
                 Ok(tick) => {
                     rebuilt = tick.rebuilt;
-                    migrating = tick.migrated + tick.migrating;
+                    migrated = tick.migrated;
                     if tick.revived > 0 {
                         tracing::info!("{} server(s) reconnected (empty)", tick.revived);
                     }
@@ -136,14 +136,10 @@ where
                 Err(e) => tracing::warn!("maintenance: {e}"),
             },
         );
-        let pause = if migrating > 0 {
-            // Back soon, to start the moves of what came back: the pages go as fast as the
-            // program's share of the pager allows.
+        let pause = if migrated > 0 {
+            // Back soon: the pages go as fast as the program's share of the pager allows.
             let duty = cfg.migrate_duty.clamp(0.01, 1.0);
-            started
-                .elapsed()
-                .mul_f64((1.0 - duty) / duty)
-                .max(Duration::from_micros(100))
+            started.elapsed().mul_f64((1.0 - duty) / duty)
         } else if rebuilt > 0 {
             // Spaced so that `pages_per_s` and `duty` hold; the step itself counts.
             let held = started.elapsed();

@@ -39,23 +39,16 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         // A page on its way off a leaving server is in write-back until it lands.
         if let Some(p) = self
             .migrating
-            .keys()
+            .iter()
             .find(|p| !self.writeback.contains_key(p))
         {
             return Err(format!("page {p} is migrating but not in write-back"));
-        }
-        if let Some(p) = self
-            .migrate_reads
-            .keys()
-            .find(|p| self.migrating.contains_key(p))
-        {
-            return Err(format!("page {p} is read to be moved while it moves"));
         }
         Ok(())
     }
 
     /// Every request not answered yet: (server, what it is for, whether it was sent).
-    pub(crate) fn requests(&self) -> impl Iterator<Item = (usize, &Op, bool)> {
+    fn requests(&self) -> impl Iterator<Item = (usize, &Op, bool)> {
         let sent = self.inflight.ops.values().map(|(s, op)| (*s, op, true));
         let queued = self
             .queues
@@ -114,9 +107,6 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         }
         for &(_, s) in &self.fetched {
             claim(s, "recovery's read")?;
-        }
-        for &(_, s) in &self.migrate_fetched {
-            claim(s, "a page read to be moved")?;
         }
         let (mut owned, mut used) = (Vec::new(), Vec::new());
         if let Some(rs) = self.scheme.stripe() {

@@ -138,12 +138,8 @@ pub struct Pager<T: Transport, D: Disk> {
     scheme: Redundancy,
     /// Pages with fewer copies than `copies` (a server died, a copy was bad): recovery's list.
     degraded: BTreeSet<u64>,
-    /// Pages on their way off a leaving server (`migrate.rs`): read (with the server they
-    /// leave and the version read), read and waiting for the next step, and being written
-    /// (with the server they leave), counted when they land.
-    migrate_reads: HashMap<u64, (usize, u32)>,
-    migrate_fetched: Vec<(u64, u32)>,
-    migrating: HashMap<u64, usize>,
+    /// Pages on their way off a leaving server (`migrate.rs`), counted when they land.
+    migrating: BTreeSet<u64>,
     /// Where the next search for pages to move starts in the page table.
     migrate_cursor: u64,
     /// Pages recovery could not give every copy (no server with room) and that the local disk
@@ -232,9 +228,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             table: Table::new(cfg.pages, scheme.copies()),
             scheme,
             degraded: BTreeSet::new(),
-            migrate_reads: HashMap::new(),
-            migrate_fetched: Vec::new(),
-            migrating: HashMap::new(),
+            migrating: BTreeSet::new(),
             migrate_cursor: 0,
             short: BTreeSet::new(),
             rehomed: BTreeSet::new(),

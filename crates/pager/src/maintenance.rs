@@ -20,8 +20,7 @@ pub struct ScheduleConfig {
     pub reconnect_every_us: u64,
     /// Pages (Reed-Solomon: stripes) rebuilt per tick at most.
     pub recover_batch: usize,
-    /// Pages on their way off servers that shrank their offer at once, at most: what a
-    /// program's operation may find in flight ahead of its own requests.
+    /// Pages moved off servers that shrank their offer, per tick at most.
     pub migrate_batch: usize,
 }
 
@@ -57,9 +56,8 @@ pub struct Tick {
     /// Pages whose rebuild started, and pages found lost for good.
     pub rebuilt: usize,
     pub unrecoverable: usize,
-    /// Pages whose move off a server that shrank its offer started, and pages on their way.
+    /// Pages whose move off a server that shrank its offer started.
     pub migrated: usize,
-    pub migrating: usize,
 }
 
 impl Schedule {
@@ -111,10 +109,8 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             tick.rebuilt = step.started;
             tick.unrecoverable = step.unrecoverable;
         }
-        if self.migration_due() || !self.migrate_reads.is_empty() || !self.migrating.is_empty() {
-            let step = self.migrate(cfg.migrate_batch)?;
-            tick.migrated = step.started;
-            tick.migrating = step.in_flight;
+        if self.migration_due() {
+            tick.migrated = self.migrate(cfg.migrate_batch)?.started;
         }
         Ok(tick)
     }

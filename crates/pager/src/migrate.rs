@@ -25,7 +25,7 @@
 //! placement passes it by); a page being moved is kept off it even where it would otherwise
 //! stay in place (its write-back starts with that server among those that refused it).
 
-use crate::requests::{Op, MIGRATE};
+use crate::requests::INTERNAL;
 use crate::scheme::Redundancy;
 use crate::table::Servers;
 use crate::writeback::Writeback;
@@ -38,8 +38,6 @@ pub struct MigrationStep {
     pub started: usize,
     /// Pages the servers still ask us to move, before this step.
     pub leaving: u64,
-    /// Pages on their way after it (read, or being written), at most the step's `max_pages`.
-    pub in_flight: usize,
 }
 
 impl<T: Transport, D: Disk> Pager<T, D> {
@@ -60,152 +58,105 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             .any(|s| s.alive && s.leaving > 0 && s.leaving != s.leaving_stuck)
     }
 
-    /// Pages of ours on their way off server `s`: read and not yet written, being written, or
-    /// whose old copy's deletion is on its way to it. Its `leaving` count includes them
-    /// until the deletion arrives.
-    fn moving_off(&self, s: usize) -> usize {
-        let deletes = self
-            .requests()
-            .filter(|(to, op, _)| *to == s && matches!(op, Op::Delete | Op::Gc(_)))
-            .count();
-        self.migrate_reads.values().filter(|r| r.0 == s).count()
-            + self.migrating.values().filter(|&&from| from == s).count()
-            + deletes
-    }
-
-    /// One step of migration, which never waits: the pages read since the last step start
-    /// their moves (to other servers, or the disk), and more pages are asked of servers that
-    /// want them gone, so that at most `max_pages` are on their way at once (and half the
-    /// free slots). Replies come back with the next step's poll or with whatever the program
-    /// does meanwhile. A program's own operation waits for what is in flight, so `max_pages`
-    /// bounds what a migration adds to its latency (the caller sets the pace,
-    /// [`Pager::on_tick`]).
+    /// Starts moving up to `max_pages` pages off servers that asked for it: reads them
+    /// (pipelined), then writes each where it may go, not waiting for the writes. The caller
+    /// sets the pace ([`Pager::on_tick`]).
     pub fn migrate(&mut self, max_pages: usize) -> Result<MigrationStep, PagerError> {
+        // What earlier steps sent has landed, so the counts the servers' last replies carry
+        // include it: nothing is moved twice.
+        self.drain()?;
         let mut step = MigrationStep {
             leaving: self.pages_leaving(),
             ..MigrationStep::default()
         };
-        // Reads that failed on one copy go to another; finished ones come out.
-        self.resubmit_retries();
-        self.copy_out_reads(&mut [])?;
-        let mut last = None;
-        for (page, slot) in std::mem::take(&mut self.migrate_fetched) {
-            let Some((leaving, version)) = self.migrate_reads.remove(&page) else {
+        // Each page holds a slot from its read to its last acknowledgement.
+        let budget = max_pages.min(self.free_slots.len() / 2);
+        let mut batch: Vec<(u64, usize)> = Vec::new();
+        for s in 0..self.servers.len() {
+            let st = &self.servers[s];
+            if !st.alive || st.leaving == 0 || st.leaving == st.leaving_stuck {
+                continue;
+            }
+            if batch.len() >= budget {
+                break;
+            }
+            let want = (st.leaving as usize).min(budget - batch.len());
+            let (pages, held) = self.leaving_pages(s, want);
+            if pages.is_empty() {
+                self.servers[s].leaving_stuck = self.servers[s].leaving;
+            }
+            if !held {
+                tracing::debug!(
+                    server = s,
+                    leaving = self.servers[s].leaving,
+                    "a server wants pages moved that are not ours to move (parity pages)"
+                );
+            }
+            for page in pages {
+                // A page with copies on two leaving servers moves once per step.
+                if !batch.iter().any(|&(p, _)| p == page) {
+                    batch.push((page, s));
+                }
+            }
+        }
+        if batch.is_empty() {
+            return Ok(step);
+        }
+        for &(page, server) in &batch {
+            let slot = self.take_slot()?;
+            // Read from another copy where there is one: the leaving server has work enough.
+            match self
+                .alive_holder(page, Some(server))
+                .or_else(|| self.alive_holder(page, None))
+            {
+                Some(from) => {
+                    let it = self.page_get_item(page, slot, INTERNAL);
+                    self.submit_get_item(from, it);
+                }
+                None if self.table.get(page).on_disk => {
+                    // A striped page whose own piece is out of reach, backed by the disk
+                    // while its stripe is short: the disk has it in clear.
+                    let at = slot as usize * netram_proto::PAGE_SIZE;
+                    self.counters.disk_reads += 1;
+                    self.disk
+                        .read(page, &mut self.slots[at..at + netram_proto::PAGE_SIZE])?;
+                    self.fetched.push((page, slot));
+                }
+                // Its server died while slots were being found: recovery's now.
+                None => self.release_slot(slot),
+            }
+        }
+        while !self.idle() || !self.retry.is_empty() || !self.reads_done.is_empty() {
+            self.drain()?;
+            self.resubmit_retries();
+            self.copy_out_reads(&mut [])?;
+        }
+        let fetched = std::mem::take(&mut self.fetched);
+        for (page, slot) in fetched {
+            let Some(&(_, leaving)) = batch.iter().find(|(p, _)| *p == page) else {
                 self.release_slot(slot);
                 continue;
             };
-            let e = *self.table.get(page);
-            if !e.present
-                || e.lost
-                || e.version != version
-                || self.writeback.contains_key(&page)
-                || self.rehomed.contains(&page)
-            {
-                // Written, discarded or lost since it was read: this copy is not the page.
-                self.release_slot(slot);
-                continue;
-            }
             step.started += 1;
             self.counters.migrations_started += 1;
-            self.migrating.insert(page, leaving);
-            last = Some(page);
             match self.scheme {
                 Redundancy::Copies(_) => self.move_copy(page, slot, leaving)?,
-                // Written again: the page leaves its group or stripe and joins a new one
-                // away from the leaving server.
                 Redundancy::Parity(_) | Redundancy::Stripe(_) => {
-                    self.write_back_avoiding(page, slot, Some(leaving))?
-                }
-            }
-        }
-        // Pages written again wait in an open group or stripe for more members, which may not
-        // come: what they joined goes now, full or not.
-        if let Some(page) = last {
-            match self.scheme {
-                Redundancy::Parity(_) => self.seal_open(None)?,
-                Redundancy::Stripe(_) => self.seal_open(Some(page))?,
-                Redundancy::Copies(_) => {}
-            }
-        }
-        // Each page holds a slot from its read to its last acknowledgement; the program keeps
-        // half of them.
-        let mut budget = max_pages
-            .saturating_sub(self.migrate_reads.len() + self.migrating.len())
-            .min(self.free_slots.len() / 2);
-        for s in 0..self.servers.len() {
-            let st = &self.servers[s];
-            if !st.alive || st.leaving == 0 || st.leaving == st.leaving_stuck || budget == 0 {
-                continue;
-            }
-            let want = (st.leaving as usize)
-                .saturating_sub(self.moving_off(s))
-                .min(budget);
-            if want == 0 {
-                continue;
-            }
-            let (pages, held) = self.leaving_pages(s, want);
-            if pages.is_empty() && self.moving_off(s) == 0 {
-                self.servers[s].leaving_stuck = self.servers[s].leaving;
-                if !held {
-                    tracing::debug!(
-                        server = s,
-                        leaving = self.servers[s].leaving,
-                        "a server wants pages moved that are not ours to move (parity pages)"
-                    );
-                }
-            }
-            for page in pages {
-                let Some(slot) = self.free_slots.pop() else {
-                    break;
-                };
-                budget -= 1;
-                let version = self.table.get(page).version;
-                self.migrate_reads.insert(page, (s, version));
-                // Read from another copy where there is one: the leaving server has work
-                // enough.
-                match self
-                    .alive_holder(page, Some(s))
-                    .or_else(|| self.alive_holder(page, None))
-                {
-                    Some(from) => {
-                        let it = self.page_get_item(page, slot, MIGRATE);
-                        self.queue_get(from, it);
-                    }
-                    None if self.table.get(page).on_disk => {
-                        // A striped page whose own piece is out of reach, backed by the disk
-                        // while its stripe is short: the disk has it in clear.
-                        let at = slot as usize * netram_proto::PAGE_SIZE;
-                        self.counters.disk_reads += 1;
-                        self.disk
-                            .read(page, &mut self.slots[at..at + netram_proto::PAGE_SIZE])?;
-                        self.migrate_fetched.push((page, slot));
-                    }
-                    None => {
-                        self.migrate_reads.remove(&page);
-                        self.release_slot(slot);
-                    }
+                    // Written again: the page leaves its group or stripe and joins a new one
+                    // away from the leaving server.
+                    self.migrating.insert(page);
+                    self.write_back_avoiding(page, slot, Some(leaving))?;
                 }
             }
         }
         self.pump_all();
-        step.in_flight = self.migrate_reads.len() + self.migrating.len();
         Ok(step)
-    }
-
-    /// Whether a migration's read asked for what is no longer the page: it was written (or
-    /// discarded, or is being written) since the read was sent.
-    pub(crate) fn migrate_read_stale(&self, it: &crate::requests::GetItem) -> bool {
-        let e = self.table.get(it.page);
-        !e.present
-            || e.version != it.version
-            || self.writeback.contains_key(&it.page)
-            || self.rehomed.contains(&it.page)
     }
 
     /// A write-back ended: if it moved a page, the move is done (to the disk alone when
     /// `on_disk_only`).
     pub(crate) fn landed(&mut self, page: u64, on_disk_only: bool) {
-        if self.migrating.remove(&page).is_some() {
+        if self.migrating.remove(&page) {
             self.counters.pages_migrated += 1;
             if on_disk_only {
                 self.counters.pages_migrated_to_disk += 1;
@@ -228,7 +179,6 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                 // backs it, else left to recovery to rebuild first.
                 if !self.writeback.contains_key(&page)
                     && !self.rehomed.contains(&page)
-                    && !self.migrate_reads.contains_key(&page)
                     && !out.contains(&page)
                     && (self.alive_holder(page, None).is_some() || self.table.get(page).on_disk)
                 {
@@ -259,7 +209,6 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                 && self.table.holders(p).contains(server)
                 && !self.writeback.contains_key(&p)
                 && !self.rehomed.contains(&p)
-                && !self.migrate_reads.contains_key(&p)
             {
                 out.push(p);
                 if out.len() >= want {
@@ -289,6 +238,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             .collect();
         let mut refused = Servers::default();
         refused.insert(from);
+        self.migrating.insert(page);
         self.begin_writeback(
             page,
             Writeback {

@@ -3,7 +3,7 @@
 //! §2), or decoded by its redundancy scheme; and what a read reports when none of that works
 //! (the lost pages by server, or a page that came back corrupt).
 
-use crate::requests::{GetItem, Part, ReadDone, INTERNAL, MIGRATE};
+use crate::requests::{GetItem, Part, ReadDone, INTERNAL};
 use crate::{Disk, LostPages, Pager, PagerError, Transport, STRIPE_LOST};
 use netram_proto::PAGE_SIZE;
 
@@ -45,11 +45,10 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         // The caller's reads hold slots; the pager's own (recovery's) stay.
         let mut callers: Vec<u32> = Vec::new();
         let mut ours = |pos: usize, slot: u32| {
-            let ours = pos == INTERNAL || pos == MIGRATE;
-            if !ours {
+            if pos != INTERNAL {
                 callers.push(slot);
             }
-            ours
+            pos == INTERNAL
         };
         self.retry.retain(|it| ours(it.pos, it.slot));
         self.reconstruct.retain(|it| ours(it.pos, it.slot));
@@ -174,9 +173,6 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         }
         if it.pos == INTERNAL {
             // Recovery's own read: it finds the page unrecoverable by its absence.
-        } else if it.pos == MIGRATE {
-            // Migration's: the page is recovery's now, and is moved once it is back.
-            self.migrate_reads.remove(&it.page);
         } else if let Some(what) = what {
             self.corrupt = Some((server, it.page, what));
         } else {
@@ -246,10 +242,6 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         while let Some(d) = self.reads_done.pop() {
             if d.pos == INTERNAL {
                 self.fetched.push((d.page, d.slot));
-                continue;
-            }
-            if d.pos == MIGRATE {
-                self.migrate_fetched.push((d.page, d.slot));
                 continue;
             }
             out[d.pos * PAGE_SIZE..(d.pos + 1) * PAGE_SIZE].copy_from_slice(self.slot(d.slot));

@@ -39,8 +39,6 @@ pub(crate) enum Part {
 
 /// The `pos` of the pager's own reads (recovery), which go to no caller's buffer.
 pub(crate) const INTERNAL: usize = usize::MAX;
-/// The `pos` of migration's reads (`migrate.rs`), which nobody waits for.
-pub(crate) const MIGRATE: usize = usize::MAX - 1;
 
 /// One page of a batched PUT: its data is in `slot` until the server acknowledges it.
 #[derive(Debug, Clone, Copy)]
@@ -207,26 +205,6 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         if full {
             self.pump_paced(server);
         }
-    }
-
-    /// Queues a GET on its server's open batch and sends what the credits allow, never
-    /// waiting (migration's reads: nobody waits for them).
-    pub(crate) fn queue_get(&mut self, server: usize, it: GetItem) {
-        self.counters.gets += 1;
-        if !self.servers[server].alive {
-            return self.get_failed(server, it, None);
-        }
-        add_to_batch(
-            &mut self.queues[server],
-            self.cfg.batch_max,
-            it,
-            |op| match op {
-                Op::Get(items) => Some(items),
-                _ => None,
-            },
-            Op::Get,
-        );
-        self.pump(server, false);
     }
 
     /// Sends a server's full batches; outside reply handling, also waits for that server's

@@ -18,7 +18,7 @@ pub(crate) mod mirror;
 pub(crate) mod parity;
 pub(crate) mod stripe;
 
-use crate::requests::{GetItem, Op, Part, PutItem, PutKind, MIGRATE};
+use crate::requests::{GetItem, Op, Part, PutItem, PutKind};
 use crate::{Disk, Pager, PagerConfig, PagerError, ServerState, Transport};
 use netram_policy::redundancy::Scheme;
 use netram_proto::PageKey;
@@ -162,13 +162,6 @@ impl<T: Transport, D: Disk> Pager<T, D> {
 
     /// A GET that got no good data from `server` (dead, bad checksum, missing: `what`).
     pub(crate) fn get_failed(&mut self, server: usize, it: GetItem, what: Option<&'static str>) {
-        if it.pos == MIGRATE && self.migrate_read_stale(&it) {
-            // Migration reads without holding the pager: the page was written since, and the
-            // server rightly holds another version. Nothing is wrong with its copy.
-            self.migrate_reads.remove(&it.page);
-            self.release_slot(it.slot);
-            return;
-        }
         match (it.part, &self.scheme) {
             (Part::Survivor, _) => {
                 // A survivor of a parity group, or a page to protect again: recovery looks at
