@@ -32,6 +32,13 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
+/// The schemes a node signs membership messages with (its key picks one) and accepts.
+const SIGNATURE_SCHEMES: &[rustls::SignatureScheme] = &[
+    rustls::SignatureScheme::ECDSA_NISTP256_SHA256,
+    rustls::SignatureScheme::ED25519,
+    rustls::SignatureScheme::ECDSA_NISTP384_SHA384,
+];
+
 /// The exporter label of netram's frame keys (RFC 8446 §7.5).
 const EXPORTER_LABEL: &[u8] = b"EXPORTER-netram-frames-v1";
 
@@ -101,6 +108,11 @@ pub struct Credentials {
     /// changes.
     crl_file: Option<(PathBuf, Option<SystemTime>)>,
     pem: NodePem,
+    /// The cluster CA, to check the certificates that come with signed membership messages.
+    roots: Arc<RootCertStore>,
+    /// This node's certificate (DER) and its key, to sign membership messages.
+    cert_der: CertificateDer<'static>,
+    signer: Arc<dyn rustls::sign::SigningKey>,
     /// What [`Credentials::current`] found last, and when it looked.
     newer: std::sync::Mutex<(Option<Instant>, Option<Arc<Credentials>>)>,
 }
@@ -193,6 +205,11 @@ impl Credentials {
             })
             .collect::<Result<Vec<_>, _>>()?;
         let roots = Arc::new(roots);
+        let signer = provider
+            .key_provider
+            .load_private_key(key.clone_key())
+            .map_err(|e| bad(&dir.join(pki::NODE_KEY), e))?;
+        let cert_der = own.clone().into_owned();
         let verify_clients =
             WebPkiClientVerifier::builder_with_provider(roots.clone(), provider.clone())
                 .with_crls(crls.clone())
@@ -207,7 +224,7 @@ impl Credentials {
         server.send_tls13_tickets = 0;
         server.session_storage = Arc::new(rustls::server::NoServerSessionStorage {});
         let verify_servers: Arc<dyn ServerCertVerifier> =
-            WebPkiServerVerifier::builder_with_provider(roots, provider.clone())
+            WebPkiServerVerifier::builder_with_provider(roots.clone(), provider.clone())
                 .with_crls(crls)
                 .build()
                 .map_err(|e| TlsError::Verifier(e.to_string()))?;
@@ -224,6 +241,9 @@ impl Credentials {
             crls: parsed,
             crl_file,
             pem,
+            roots,
+            cert_der,
+            signer,
             newer: std::sync::Mutex::new((None, None)),
         })
     }
@@ -286,6 +306,70 @@ impl Credentials {
     /// uses it as it is.
     pub fn server_config(&self) -> Arc<ServerConfig> {
         self.server.clone()
+    }
+
+    /// This node's certificate, as it goes with the messages it signs.
+    pub fn cert_der(&self) -> &[u8] {
+        self.cert_der.as_ref()
+    }
+
+    /// Signs `msg` with this node's key (membership messages, which travel over UDP, outside
+    /// any TLS connection): the scheme (a TLS `SignatureScheme` number) and the signature.
+    pub fn sign(&self, msg: &[u8]) -> Result<(u16, Vec<u8>), TlsError> {
+        let signer = self
+            .signer
+            .choose_scheme(SIGNATURE_SCHEMES)
+            .ok_or_else(|| {
+                TlsError::Verifier("the node's key signs with no known scheme".into())
+            })?;
+        let sig = signer.sign(msg)?;
+        Ok((u16::from(signer.scheme()), sig))
+    }
+
+    /// Checks a message signed by another node: its certificate must chain to the cluster CA,
+    /// be in its validity and not be revoked, and the signature over `msg` must be its key's.
+    /// Returns who signed it.
+    pub fn verify_signed(
+        &self,
+        cert: &[u8],
+        msg: &[u8],
+        scheme: u16,
+        sig: &[u8],
+    ) -> Result<PeerIdentity, TlsError> {
+        let der = CertificateDer::from(cert);
+        let ee = webpki::EndEntityCert::try_from(&der)
+            .map_err(|e| TlsError::Verifier(format!("certificate: {e}")))?;
+        let crls: Vec<&webpki::CertRevocationList<'_>> = self.crls.iter().collect();
+        let revocation = if crls.is_empty() {
+            None
+        } else {
+            Some(
+                webpki::RevocationOptionsBuilder::new(&crls)
+                    .map_err(|e| TlsError::Verifier(format!("{e:?}")))?
+                    .with_status_policy(webpki::UnknownStatusPolicy::Allow)
+                    .build(),
+            )
+        };
+        ee.verify_for_usage(
+            webpki::ALL_VERIFICATION_ALGS,
+            &self.roots.roots,
+            &[],
+            rustls::pki_types::UnixTime::now(),
+            webpki::KeyUsage::client_auth(),
+            revocation,
+            None,
+        )
+        .map_err(|e| TlsError::Verifier(format!("certificate: {e}")))?;
+        let alg: &dyn rustls::pki_types::SignatureVerificationAlgorithm =
+            match rustls::SignatureScheme::from(scheme) {
+                rustls::SignatureScheme::ECDSA_NISTP256_SHA256 => webpki::ring::ECDSA_P256_SHA256,
+                rustls::SignatureScheme::ECDSA_NISTP384_SHA384 => webpki::ring::ECDSA_P384_SHA384,
+                rustls::SignatureScheme::ED25519 => webpki::ring::ED25519,
+                other => return Err(TlsError::Verifier(format!("signature scheme {other:?}"))),
+            };
+        ee.verify_signature(alg, msg, sig)
+            .map_err(|e| TlsError::Verifier(format!("signature: {e}")))?;
+        identity_of(&der)
     }
 
     /// Whether the revocation list names this serial number.
@@ -490,4 +574,82 @@ fn peer_identity(conn: &Connection) -> Result<PeerIdentity, TlsError> {
             .first()
             .ok_or_else(|| TlsError::Verifier("the peer presented no certificate".into()))?,
     )
+}
+
+#[cfg(test)]
+mod signed_tests {
+    use super::*;
+    use crate::pki::{ClusterCa, NodeSpec};
+
+    fn node(ca: &ClusterCa, id: u64) -> Credentials {
+        let pem = ca
+            .issue(&NodeSpec {
+                node: id,
+                server: true,
+                ..Default::default()
+            })
+            .unwrap();
+        Credentials::from_pem(&pem).unwrap()
+    }
+
+    #[test]
+    fn a_signed_message_names_its_signer_and_nothing_else_passes() {
+        let mut ca = ClusterCa::generate().unwrap();
+        let (a, b) = (node(&ca, 3), node(&ca, 4));
+        let (scheme, sig) = a.sign(b"gossip").unwrap();
+        let who = b
+            .verify_signed(a.cert_der(), b"gossip", scheme, &sig)
+            .unwrap();
+        assert_eq!(who.node, 3);
+        // Another message, another signature, another key's certificate: refused.
+        assert!(b
+            .verify_signed(a.cert_der(), b"gossiP", scheme, &sig)
+            .is_err());
+        let mut bad = sig.clone();
+        bad[10] ^= 1;
+        assert!(b
+            .verify_signed(a.cert_der(), b"gossip", scheme, &bad)
+            .is_err());
+        assert!(b
+            .verify_signed(b.cert_der(), b"gossip", scheme, &sig)
+            .is_err());
+        assert!(b
+            .verify_signed(b"not a cert", b"gossip", scheme, &sig)
+            .is_err());
+        // A node of another cluster signs validly, but its certificate is not ours.
+        let other = ClusterCa::generate().unwrap();
+        let stranger = node(&other, 3);
+        let (scheme, sig) = stranger.sign(b"gossip").unwrap();
+        assert!(b
+            .verify_signed(stranger.cert_der(), b"gossip", scheme, &sig)
+            .is_err());
+        // Revoked: refused by a node that has the new list.
+        let pem = ca
+            .issue(&NodeSpec {
+                node: 5,
+                server: true,
+                ..Default::default()
+            })
+            .unwrap();
+        let five = Credentials::from_pem(&pem).unwrap();
+        ca.revoke(&pem.serial);
+        let crl = ca.crl_pem().unwrap();
+        let c = Credentials::from_pem(&NodePem {
+            crl,
+            ..ca.issue(&NodeSpec {
+                node: 6,
+                server: true,
+                ..Default::default()
+            })
+            .unwrap()
+        })
+        .unwrap();
+        let (scheme, sig) = five.sign(b"gossip").unwrap();
+        assert!(b
+            .verify_signed(five.cert_der(), b"gossip", scheme, &sig)
+            .is_ok());
+        assert!(c
+            .verify_signed(five.cert_der(), b"gossip", scheme, &sig)
+            .is_err());
+    }
 }
