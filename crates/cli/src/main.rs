@@ -50,7 +50,7 @@ enum Command {
     /// The server maps an arena of --capacity bytes at start and serves PUT, GET and DELETE of
     /// 4 KiB pages. Clients hold leases: the pages of a client silent for three lease periods
     /// are freed. Flags override the values of --config. Stops cleanly on Ctrl-C or SIGTERM.
-    Serve(serve::ServeArgs),
+    Serve(Box<serve::ServeArgs>),
     /// Make a cluster's certificate authority and this machine's credentials, in one command.
     #[command(subcommand)]
     Cluster(ClusterCommand),
@@ -104,6 +104,22 @@ enum Command {
         timeout: Duration,
         #[command(flatten)]
         security: SecurityArgs,
+    },
+    /// List the cluster's members as a daemon believes them: each node's id, address, state
+    /// (alive, suspect, down), the memory it offers and has free, its load.
+    ///
+    /// Asks the daemon's metrics address (`netram serve --metrics`), by default this
+    /// machine's.
+    Members {
+        /// The daemon's metrics address [default: $NETRAM_DAEMON or 127.0.0.1:9077].
+        #[arg(long, value_name = "ADDR")]
+        daemon: Option<String>,
+        /// Print the daemon's JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+        /// How long to wait for the daemon.
+        #[arg(long, default_value = "5s", value_parser = humantime::parse_duration)]
+        timeout: Duration,
     },
     /// Serve a block device whose blocks are pages in the cluster, over NBD.
     ///
@@ -289,7 +305,7 @@ fn main() -> anyhow::Result<()> {
     match cli.command {
         Command::Serve(args) => {
             init_logging("info");
-            serve::run(args)
+            serve::run(*args)
         }
         Command::Cluster(ClusterCommand::Init { dir }) => {
             netram_net::pki::init_cluster(&dir)?;
@@ -348,6 +364,40 @@ fn main() -> anyhow::Result<()> {
                 for (k, v) in counters {
                     println!("{k:<width$}  {v}");
                 }
+            }
+            Ok(())
+        }
+        Command::Members {
+            daemon,
+            json,
+            timeout,
+        } => {
+            init_logging("warn");
+            let daemon = daemon.unwrap_or_else(netram_client::discover::daemon_addr);
+            let list = netram_client::discover::members(&daemon, timeout)?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&list)?);
+                return Ok(());
+            }
+            println!(
+                "{:>20}  {:<22} {:<8} {:>12} {:>12} {:>8} {:>9}",
+                "node", "address", "state", "offered", "free", "req/s", "heard"
+            );
+            let mib = |pages: u64| format!("{} MiB", (pages * 4096) >> 20);
+            for r in &list.members {
+                println!(
+                    "{:>20}  {:<22} {:<8} {:>12} {:>12} {:>8} {:>9}",
+                    format!("{}{}", if r.is_self { "*" } else { "" }, r.node),
+                    r.addr.to_string(),
+                    format!("{:?}", r.state).to_lowercase(),
+                    mib(r.offered_pages),
+                    mib(r.free_pages),
+                    r.requests_per_s,
+                    r.heard_ms_ago.map_or_else(
+                        || "never".into(),
+                        |ms| format!("{:.1}s ago", ms as f64 / 1e3)
+                    ),
+                );
             }
             Ok(())
         }

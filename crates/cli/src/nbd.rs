@@ -21,8 +21,9 @@ pub struct NbdArgs {
     /// Size of the device, e.g. 8G.
     #[arg(long)]
     size: String,
-    /// Page servers to use, comma-separated (`netram serve` addresses). Not needed with
-    /// `--backing disk`.
+    /// Page servers to use, comma-separated (`netram serve` addresses) [default: every other
+    /// live member the daemon on this machine knows, asked at $NETRAM_DAEMON or
+    /// 127.0.0.1:9077]. Not needed with `--backing disk`.
     #[arg(long, value_delimiter = ',')]
     servers: Vec<String>,
     /// Serve on this unix socket [default: netram-nbd.sock in the temp dir].
@@ -114,12 +115,6 @@ pub fn run(args: NbdArgs) -> anyhow::Result<()> {
     }
     let pages = bytes.div_ceil(PAGE_SIZE as u64);
     let cache_pages = (crate::size("cache", &args.cache)? / PAGE_SIZE as u64) as usize;
-    if args.servers.is_empty() && args.backing != Backing::Disk {
-        bail!(
-            "--servers is needed with --backing {} (or use --backing disk)",
-            args.backing
-        );
-    }
     let security = if args.backing == Backing::Disk {
         netram_client::Security::Insecure // no servers: nothing to reach
     } else {

@@ -6,6 +6,7 @@ use netram_client::env::{var, RunEnv};
 use netram_pager::{Backing, Scheme};
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::time::Duration;
 
 #[derive(Debug, clap::Args)]
 pub struct RunArgs {
@@ -15,8 +16,9 @@ pub struct RunArgs {
     /// the page servers (or the local disk with --backing disk).
     #[arg(long, value_name = "SIZE")]
     local_mem: String,
-    /// Page servers, comma-separated (`netram serve` addresses) [default: $NETRAM_SERVERS].
-    /// Not needed with --backing disk.
+    /// Page servers, comma-separated (`netram serve` addresses) [default: $NETRAM_SERVERS, or
+    /// else every other live member the daemon on this machine knows, asked at
+    /// $NETRAM_DAEMON or 127.0.0.1:9077]. Not needed with --backing disk.
     #[arg(long, value_delimiter = ',')]
     servers: Vec<String>,
     /// Where pages that do not fit locally go: cluster (the local disk only when the cluster
@@ -128,12 +130,26 @@ pub fn run(args: RunArgs) -> anyhow::Result<i32> {
     } else {
         args.servers.clone()
     };
-    if servers.is_empty() && args.backing != Backing::Disk {
-        bail!(
-            "--servers (or NETRAM_SERVERS) is needed with --backing {}",
-            args.backing
-        );
-    }
+    // No servers given: the local daemon's members, resolved here so that the program and
+    // its children get one list and a missing daemon is said before the program starts.
+    let servers = if servers.is_empty() && args.backing != Backing::Disk {
+        let daemon = netram_client::discover::daemon_addr();
+        let list = netram_client::discover::members(&daemon, Duration::from_secs(2)).with_context(
+            || {
+                format!(
+                    "no --servers (or NETRAM_SERVERS) given with --backing {}",
+                    args.backing
+                )
+            },
+        )?;
+        let found = netram_client::discover::servers(&list);
+        if found.is_empty() {
+            bail!("the local daemon at {daemon} knows no other live member of the cluster yet");
+        }
+        found
+    } else {
+        servers
+    };
     let lib = preload_library()?;
     let reports = tempdir()?;
     let preload = match std::env::var("LD_PRELOAD") {

@@ -20,7 +20,22 @@ pub struct ServeArgs {
     /// Memory to offer, e.g. 512M, 4GiB [default: 256M]. Mapped at start.
     #[arg(long)]
     capacity: Option<String>,
-    /// A TOML file with any of: listen, capacity, lease_period, max_connections,
+    /// Another daemon to join the cluster through (repeat for several; `seeds` in the file).
+    /// Nodes find each other and the cluster's free memory by membership gossip (SWIM over
+    /// UDP on the listen port, signed with the node's certificate); clients on this machine
+    /// then need no server list.
+    #[arg(long = "seed", value_name = "ADDR")]
+    seeds: Vec<SocketAddr>,
+    /// The address other nodes reach this one at [default: the listen address; needed when
+    /// listening on a wildcard address such as 0.0.0.0 with seeds].
+    #[arg(long)]
+    advertise: Option<SocketAddr>,
+    /// Where to answer GET /metrics (Prometheus) and GET /members (what this node believes of
+    /// the cluster; local clients ask it for servers), or `off` [default: 127.0.0.1, the listen
+    /// port + 2000: 9077 for 7077].
+    #[arg(long)]
+    metrics: Option<String>,
+    /// A TOML file with any of: listen, seeds, advertise, metrics, capacity, lease_period, max_connections,
     /// max_connections_per_client, max_sessions_per_client, max_client_memory,
     /// max_client_ops, idle_timeout, write_timeout, window, low_latency, lock_memory, node_id,
     /// adapt, offer_floor, reserve, chunk, grow_after.
@@ -109,6 +124,9 @@ pub struct ServeArgs {
 #[serde(deny_unknown_fields)]
 struct FileConfig {
     listen: Option<SocketAddr>,
+    seeds: Option<Vec<SocketAddr>>,
+    advertise: Option<SocketAddr>,
+    metrics: Option<String>,
     capacity: Option<String>,
     lease_period: Option<String>,
     max_connections: Option<usize>,
@@ -157,11 +175,41 @@ fn print_config(cfg: &ServerConfig) -> anyhow::Result<()> {
         ),
         netram_client::Security::Insecure => "clear TCP (--insecure), loopback only".into(),
     };
+    if cfg.listen.ip().is_unspecified()
+        && cfg.gossip.advertise.is_none()
+        && !cfg.gossip.seeds.is_empty()
+    {
+        bail!(
+            "listening on {}, a wildcard address, with seeds: give --advertise, the address \
+             other nodes reach this one at",
+            cfg.listen
+        );
+    }
     if cfg.adapt.is_some() && cfg.lock_memory {
         bail!("--adapt gives memory back to the kernel, which --lock-memory forbids");
     }
     let mut lines = vec![
         format!("listen = {}", cfg.listen),
+        format!(
+            "seeds = [{}]",
+            cfg.gossip
+                .seeds
+                .iter()
+                .map(|s| s.to_string())
+                .collect::<Vec<_>>()
+                .join(", ")
+        ),
+        format!(
+            "advertise = {}",
+            cfg.gossip.advertise.map_or_else(
+                || format!("{} (the listen address)", cfg.listen),
+                |a| a.to_string()
+            )
+        ),
+        format!(
+            "metrics = {}",
+            cfg.metrics.map_or_else(|| "off".into(), |a| a.to_string())
+        ),
         format!("security = {security}"),
         format!("capacity = {} bytes", cfg.capacity_bytes),
         format!("lease_period = {:?}", cfg.lease_period),
@@ -338,9 +386,37 @@ fn check(args: ServeArgs) -> anyhow::Result<ServerConfig> {
         }
         None
     };
+    let listen = args.listen.or(file.listen).unwrap_or(d.listen);
+    let metrics = match args.metrics.as_deref().or(file.metrics.as_deref()) {
+        Some("off") => None,
+        Some(a) => Some(
+            a.parse::<SocketAddr>()
+                .with_context(|| format!("metrics {a:?} is not an address (or off)"))?,
+        ),
+        None => Some(SocketAddr::from((
+            [127, 0, 0, 1],
+            match listen.port() {
+                0 => 0,
+                p => p.checked_add(2000).context(
+                    "the listen port + 2000 is beyond 65535: give --metrics ADDR or off",
+                )?,
+            },
+        ))),
+    };
+    let seeds = if args.seeds.is_empty() {
+        file.seeds.unwrap_or_default()
+    } else {
+        args.seeds.clone()
+    };
     Ok(ServerConfig {
         adapt,
-        listen: args.listen.or(file.listen).unwrap_or(d.listen),
+        listen,
+        metrics,
+        gossip: netram_server::gossip::GossipConfig {
+            seeds,
+            advertise: args.advertise.or(file.advertise),
+            ..Default::default()
+        },
         capacity_bytes,
         lease_period,
         max_connections,

@@ -12,8 +12,10 @@ pub mod var {
     /// Local memory for the program's heap (a size: `256M`); without it the preload library
     /// stays out of the way.
     pub const LOCAL_MEM: &str = "NETRAM_LOCAL_MEM";
-    /// Page servers, comma-separated.
+    /// Page servers, comma-separated; unset: those the local daemon knows (`DAEMON`).
     pub const SERVERS: &str = "NETRAM_SERVERS";
+    /// Where this machine's daemon answers `/members` [default: 127.0.0.1:9077].
+    pub const DAEMON: &str = "NETRAM_DAEMON";
     /// `cluster`, `disk` or `cluster+disk`.
     pub const BACKING: &str = "NETRAM_BACKING";
     /// `none`, `mirror:N`, `parity:N` or `rs:K+M`.

@@ -3,6 +3,7 @@
 //! preload library) opens its pager here; none of them links the page store.
 //!
 //! * [`tcp`]: the TCP [`netram_pager::Transport`], with soft-state refresh (Anemone §2.5);
+//! * [`discover`]: the servers of the cluster, from this machine's daemon when none are given;
 //! * [`disk`]: the local spill file behind [`netram_pager::Disk`] (Markatos, paper 003);
 //! * [`open`]: a client pager from servers, backing, size and redundancy, for every front end;
 //! * [`env`]: the `NETRAM_*` environment as one typed configuration (`netram run` writes it,
@@ -14,6 +15,7 @@
 //! Why the pager's own thread does the socket I/O (no async runtime, no hand-off): see
 //! `netram-server`'s crate documentation and `netram_net::latency`.
 
+pub mod discover;
 pub mod disk;
 pub mod env;
 pub mod maintain;

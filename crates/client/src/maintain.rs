@@ -7,7 +7,7 @@
 //! the thread takes that lock for one bounded step at a time.
 
 use crate::open::ClientPager;
-use netram_pager::ScheduleConfig;
+use netram_pager::{ScheduleConfig, Transport};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -32,6 +32,10 @@ pub struct MaintainConfig {
     pub probe_every: Duration,
     /// How often dead servers are tried again.
     pub reconnect_every: Duration,
+    /// How often this machine's daemon is asked which members the cluster declared down
+    /// (`crate::discover`); a server of the pager among them is failed as if its connection
+    /// had broken. `None`: never.
+    pub membership_every: Option<Duration>,
 }
 
 impl Default for MaintainConfig {
@@ -44,6 +48,7 @@ impl Default for MaintainConfig {
             migrate_duty: 0.5,
             probe_every: Duration::from_secs(2),
             reconnect_every: Duration::from_secs(1),
+            membership_every: Some(Duration::from_secs(1)),
         }
     }
 }
@@ -99,6 +104,77 @@ where
     }
 }
 
+/// What the local daemon said last of the members that were declared down.
+#[derive(Debug, Default)]
+struct Membership {
+    asked: Option<Instant>,
+    /// Members declared down whose servers were failed already: (address, boot). A member
+    /// acted on once is not failed again until it comes back with a new boot and dies again
+    /// (a server reconnected meanwhile must not flap).
+    acted: std::collections::HashSet<(std::net::SocketAddr, u64)>,
+    /// The daemon could not be reached last time (said once, not every second).
+    unreachable: bool,
+}
+
+impl Membership {
+    fn check<F>(&mut self, every: Duration, with_pager: &F)
+    where
+        F: Fn(&mut dyn FnMut(&mut ClientPager)),
+    {
+        if self.asked.is_some_and(|t| t.elapsed() < every) {
+            return;
+        }
+        self.asked = Some(Instant::now());
+        let daemon = crate::discover::daemon_addr();
+        let list = match crate::discover::members(&daemon, Duration::from_millis(500)) {
+            Ok(l) => {
+                self.unreachable = false;
+                l
+            }
+            Err(e) => {
+                if !self.unreachable {
+                    tracing::debug!("membership not followed: {e}");
+                }
+                self.unreachable = true;
+                return;
+            }
+        };
+        let down: Vec<_> = list
+            .members
+            .iter()
+            .filter(|r| r.state == netram_member::Liveness::Down)
+            .filter(|r| !self.acted.contains(&(r.addr, r.boot)))
+            .map(|r| (r.addr, r.boot))
+            .collect();
+        if down.is_empty() {
+            return;
+        }
+        with_pager(&mut |p| {
+            let failed: Vec<usize> = p
+                .transport()
+                .servers()
+                .iter()
+                .enumerate()
+                .filter(|(_, s)| down.iter().any(|(a, _)| s.addr == Some(*a)))
+                .map(|(i, _)| i)
+                .collect();
+            for i in failed {
+                let alive = p.servers().nth(i).is_some_and(|(_, alive)| alive);
+                if alive {
+                    tracing::warn!(server = i, "the cluster declared this server down");
+                    p.on_failure(
+                        i,
+                        netram_pager::TransportError::Disconnected(
+                            "the cluster's membership declared it down".into(),
+                        ),
+                    );
+                }
+            }
+        });
+        self.acted.extend(down);
+    }
+}
+
 fn run<F>(with_pager: F, cfg: MaintainConfig, stop: &AtomicBool, paused: &AtomicBool)
 where
     F: Fn(&mut dyn FnMut(&mut ClientPager)),
@@ -114,10 +190,14 @@ where
             migrate_batch: cfg.migrate_batch,
         })
     });
+    let mut membership = Membership::default();
     while !stop.load(Ordering::SeqCst) {
         if paused.load(Ordering::SeqCst) {
             std::thread::park_timeout(Duration::from_millis(50));
             continue;
+        }
+        if let Some(every) = cfg.membership_every {
+            membership.check(every, &with_pager);
         }
         let started = Instant::now();
         let (mut rebuilt, mut migrated) = (0, 0);

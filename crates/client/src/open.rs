@@ -74,8 +74,16 @@ pub struct OpenOptions {
 pub enum OpenError {
     #[error("the size must be above zero")]
     NoPages,
-    #[error("page servers are needed with backing {0} (or use backing disk)")]
+    #[error(
+        "page servers are needed with backing {0}: give them, or run `netram serve` with the \
+         cluster's seeds on this machine (asked at NETRAM_DAEMON, 127.0.0.1:9077 by default), \
+         or use backing disk"
+    )]
     NoServers(Backing),
+    #[error("no page servers were given and {0}")]
+    Discover(#[from] crate::discover::DiscoverError),
+    #[error("the local daemon at {0} knows no other live member of the cluster yet")]
+    NoMembers(String),
     #[error("redundancy {0} needs page servers: it means nothing with backing disk")]
     RedundancyWithoutServers(Scheme),
     #[error(
@@ -117,7 +125,17 @@ pub fn open_pager(o: &OpenOptions) -> Result<ClientPager, OpenError> {
         return Err(OpenError::NoPages);
     }
     if o.servers.is_empty() && o.backing != Backing::Disk {
-        return Err(OpenError::NoServers(o.backing));
+        let daemon = crate::discover::daemon_addr();
+        let list = crate::discover::members(&daemon, std::time::Duration::from_secs(2))?;
+        let servers = crate::discover::servers(&list);
+        if servers.is_empty() {
+            return Err(OpenError::NoMembers(daemon));
+        }
+        tracing::info!(%daemon, servers = servers.join(","), "servers from the local daemon");
+        return open_pager(&OpenOptions {
+            servers,
+            ..o.clone()
+        });
     }
     if o.redundancy != Scheme::None && o.backing == Backing::Disk {
         return Err(OpenError::RedundancyWithoutServers(o.redundancy));

@@ -127,6 +127,31 @@ pub struct MemberView {
     pub announce: Option<(Announce, u64)>,
 }
 
+/// One member as a daemon lists it (`/members`, `netram members`) and a client reads it to
+/// find the servers of its cluster.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MemberRow {
+    pub node: u64,
+    /// Where it serves pages.
+    pub addr: SocketAddr,
+    pub boot: u64,
+    pub state: Liveness,
+    /// The daemon that lists it.
+    #[serde(rename = "self")]
+    pub is_self: bool,
+    pub offered_pages: u64,
+    pub free_pages: u64,
+    pub requests_per_s: u32,
+    /// How long since its announcement was last heard; `None`: never heard directly.
+    pub heard_ms_ago: Option<u64>,
+}
+
+/// What `/members` answers.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MemberList {
+    pub members: Vec<MemberRow>,
+}
+
 /// What changed, for the runtime to act on (log it, tell clients).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Event {
@@ -360,6 +385,35 @@ impl Membership {
         others.sort_by_key(|v| (v.liveness as u8, v.node.id));
         out.extend(others);
         out
+    }
+
+    /// [`Membership::members`] as rows to list.
+    pub fn rows(&self, now_ms: u64) -> MemberList {
+        let me = self.me().id;
+        let members = self
+            .members()
+            .into_iter()
+            .map(|v| {
+                let (a, heard) = v.announce.unwrap_or_default();
+                MemberRow {
+                    node: v.node.id,
+                    addr: v.node.addr,
+                    boot: v.node.boot,
+                    state: v.liveness,
+                    is_self: v.node.id == me,
+                    offered_pages: a.offered_pages,
+                    free_pages: a.free_pages,
+                    requests_per_s: a.requests_per_s,
+                    // This node's own announcement is always current.
+                    heard_ms_ago: match v.announce {
+                        _ if v.node.id == me => Some(0),
+                        Some(_) => Some(now_ms.saturating_sub(heard)),
+                        None => None,
+                    },
+                }
+            })
+            .collect();
+        MemberList { members }
     }
 
     fn pump(&mut self) {

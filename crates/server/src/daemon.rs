@@ -100,6 +100,10 @@ pub struct ServerConfig {
     /// The offer follows the machine's memory ([`crate::donor`]); `capacity_bytes` is then the
     /// most it may reach (the arena), and the offer starts at the floor.
     pub adapt: Option<crate::donor::AdaptConfig>,
+    /// Membership: seeds to join through, the address to be reached at ([`crate::gossip`]).
+    pub gossip: crate::gossip::GossipConfig,
+    /// Where `/metrics` and `/members` are answered ([`crate::http`]); `None`: nowhere.
+    pub metrics: Option<SocketAddr>,
 }
 
 impl ServerConfig {
@@ -138,6 +142,8 @@ impl Default for ServerConfig {
             write_timeout: Duration::from_secs(10),
             fault_panic_on_stats: false,
             security: Security::Insecure,
+            gossip: crate::gossip::GossipConfig::default(),
+            metrics: None,
         }
     }
 }
@@ -167,6 +173,18 @@ pub enum ServerError {
     Adapt(#[from] netram_policy::donor::DonorConfigError),
     #[error("--adapt gives memory back to the kernel, which --lock-memory forbids: choose one")]
     AdaptLocked,
+    #[error(
+        "listening on {0}, a wildcard address, with seeds to join: give the address other \
+         nodes reach this one at (--advertise)"
+    )]
+    NoAdvertise(SocketAddr),
+    #[error("cannot open the membership socket (UDP) on {addr}: {source}")]
+    Gossip { addr: SocketAddr, source: io::Error },
+    #[error(
+        "cannot answer metrics on {addr} (another daemon there? give --metrics ADDR, or \
+         --metrics off): {source}"
+    )]
+    Metrics { addr: SocketAddr, source: io::Error },
 }
 
 macro_rules! node_counters {
@@ -224,18 +242,40 @@ node_counters! {
     /// The peer closed its connection in the middle of a frame.
     frames_truncated_at_close,
     requests_served,
+    /// Membership packets (UDP) received and sent.
+    gossip_packets_received,
+    gossip_packets_sent,
+    /// Membership packets refused, by reason: not a packet; unsigned in a secure cluster (or
+    /// clear from beyond loopback); a certificate or signature that does not check; sent more
+    /// than a minute from now; signed by another node than the one it claims; refused by SWIM
+    /// itself; beyond the signature checks allowed per second.
+    gossip_refused_malformed,
+    gossip_refused_unsigned,
+    gossip_refused_bad_signature,
+    gossip_refused_stale,
+    gossip_refused_wrong_sender,
+    gossip_refused_swim,
+    gossip_refused_rate,
+    /// Members this node saw declared down.
+    members_declared_down,
+    /// Requests answered at the metrics endpoint, and refused there (incomplete, too big, too
+    /// slow).
+    http_requests_served,
+    http_requests_refused,
 }
 
-struct Shared {
+pub(crate) struct Shared {
     store: Mutex<Store<Arena>>,
+    /// Who is in the cluster ([`crate::gossip`]).
+    membership: Mutex<netram_member::Membership>,
     /// This server's credentials (over TLS): swapped when the revocation list changes.
     creds: Mutex<Option<Arc<Credentials>>>,
     /// Bumped at every change of the revocation list: connections look at their certificate
     /// again.
     crl_generation: AtomicU64,
     peers: Peers,
-    counters: NodeCounters,
-    shutdown: Arc<AtomicBool>,
+    pub(crate) counters: NodeCounters,
+    pub(crate) shutdown: Arc<AtomicBool>,
     cfg: ServerConfig,
     start: Instant,
     /// Wall-clock nanoseconds at start: grows across restarts of this server.
@@ -286,11 +326,35 @@ impl Shared {
             .map_or(self.cfg.node, |c| c.identity.node)
     }
 
-    fn creds(&self) -> Option<Arc<Credentials>> {
+    pub(crate) fn creds(&self) -> Option<Arc<Credentials>> {
         lock(&self.creds).clone()
     }
 
-    fn now_ms(&self) -> u64 {
+    pub(crate) fn membership(&self) -> MutexGuard<'_, netram_member::Membership> {
+        lock(&self.membership)
+    }
+
+    /// What this node believes of the cluster, as listed.
+    pub(crate) fn members(&self) -> netram_member::MemberList {
+        let now = self.now_ms();
+        self.membership().rows(now)
+    }
+
+    /// Pages offered, pages free for new pages and requests served in the last second: what
+    /// this node announces to the cluster.
+    pub(crate) fn offer_and_load(&self) -> (u64, u64, u32) {
+        let now = self.now_ms();
+        let mut s = self.store();
+        let rps = s.note_requests(0, now);
+        (s.capacity_pages(), s.room(), rps)
+    }
+
+    /// Every statistic, as `netram stats` lists them.
+    pub(crate) fn stats(&self) -> Vec<(&'static str, u64)> {
+        stats_list(&self.store(), self)
+    }
+
+    pub(crate) fn now_ms(&self) -> u64 {
         self.start.elapsed().as_millis() as u64
     }
 
@@ -343,7 +407,7 @@ impl Shared {
             ip,
         })
     }
-    fn bump(c: &AtomicU64) {
+    pub(crate) fn bump(c: &AtomicU64) {
         c.fetch_add(1, Ordering::Relaxed);
     }
 }
@@ -473,8 +537,28 @@ impl Server {
             .map(|d| d.as_nanos() as u64)
             .unwrap_or(1);
         let node = creds.as_ref().map_or(cfg.node, |c| c.identity.node);
+        let advertised = match cfg.gossip.advertise {
+            Some(a) => a,
+            None if addr.ip().is_unspecified() && !cfg.gossip.seeds.is_empty() => {
+                return Err(ServerError::NoAdvertise(addr))
+            }
+            None => addr,
+        };
+        let udp = std::net::UdpSocket::bind(addr)
+            .map_err(|source| ServerError::Gossip { addr, source })?;
+        let http = cfg
+            .metrics
+            .map(|a| {
+                TcpListener::bind(a).map_err(|source| ServerError::Metrics { addr: a, source })
+            })
+            .transpose()?;
+        let me = crate::gossip::identity(node, advertised, incarnation);
+        let mut membership =
+            netram_member::Membership::new(me, incarnation ^ me.id, cfg.gossip.member.clone(), 0);
+        membership.join(&cfg.gossip.seeds);
         let shared = Arc::new(Shared {
             store: Mutex::new(store),
+            membership: Mutex::new(membership),
             creds: Mutex::new(creds),
             crl_generation: AtomicU64::new(0),
             peers: Peers::new(node, incarnation, addr, cfg.security.clone()),
@@ -500,7 +584,26 @@ impl Server {
                 .spawn(move || reaper_loop(shared))
                 .expect("spawn reaper thread")
         };
-        let mut threads = vec![accept, reaper];
+        let gossip = {
+            let shared = shared.clone();
+            std::thread::Builder::new()
+                .name("netram-gossip".into())
+                .spawn(move || crate::gossip::gossip_loop(shared, udp))
+                .expect("spawn membership thread")
+        };
+        let mut threads = vec![accept, reaper, gossip];
+        if let Some(listener) = http {
+            if let Ok(a) = listener.local_addr() {
+                tracing::info!(addr = %a, "metrics at /metrics, members at /members");
+            }
+            let shared = shared.clone();
+            threads.push(
+                std::thread::Builder::new()
+                    .name("netram-http".into())
+                    .spawn(move || crate::http::http_loop(listener, shared))
+                    .expect("spawn metrics thread"),
+            );
+        }
         if let Some(adapter) = adapter {
             let shared = shared.clone();
             threads.push(
@@ -523,7 +626,12 @@ impl Server {
 
     /// The page store's counters followed by the connection counters and gauges.
     pub fn stats(&self) -> Vec<(&'static str, u64)> {
-        stats_list(&self.shared.store(), &self.shared)
+        self.shared.stats()
+    }
+
+    /// What this node believes of the cluster.
+    pub fn members(&self) -> netram_member::MemberList {
+        self.shared.members()
     }
 
     /// Signals every thread to stop and waits for them.

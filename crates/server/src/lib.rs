@@ -4,6 +4,9 @@
 //!
 //! * [`daemon`]: accepting connections, serving their frames against the store, its limits;
 //! * [`donor`]: the offer that follows the machine's own use of memory (Nswap §III);
+//! * [`gossip`]: membership (SWIM) over UDP, signed with the node's certificate, and the
+//!   resource announcements that ride on it (Anemone §2.4);
+//! * `http`: `/metrics` (Prometheus) and `/members` for operators and local clients;
 //! * [`peers`]: server-to-server connections that carry parity deltas to holders (Nswap
 //!   §IV-B2 and IV-C).
 //!
@@ -27,6 +30,8 @@
 
 pub mod daemon;
 pub mod donor;
+pub mod gossip;
+mod http;
 pub mod peers;
 
 pub use daemon::{Server, ServerConfig, ServerError};

@@ -1,0 +1,242 @@
+//! Membership between real daemons: three `netram serve` processes, each with its own node
+//! certificate, find each other through one seed, list each other (`netram members`), and
+//! a client given no servers pages to the members its local daemon names; a daemon killed
+//! with SIGKILL is declared down by the others and failed by the client as if its connection
+//! had broken (the client's own probes are off, so only membership can tell it). Hostile
+//! membership packets are refused and counted.
+
+mod common;
+
+use common::{eventually, netram, tls_dir, ServerProcess};
+use netram_client::maintain::{self, MaintainConfig};
+use netram_client::open::{open_pager, OpenOptions};
+use netram_pager::{Backing, Scheme};
+use netram_proto::PAGE_SIZE;
+use std::net::{SocketAddr, TcpListener, UdpSocket};
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+/// A port free on loopback now (the daemon binds it right after).
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// Credentials of server node `node`, issued by the tests' cluster.
+fn node_dir(node: u64) -> PathBuf {
+    // keygen writes the cluster's list of issued certificates: one at a time.
+    static KEYGEN: Mutex<()> = Mutex::new(());
+    let _one = KEYGEN.lock().unwrap_or_else(|e| e.into_inner());
+    let out = tls_dir().with_file_name(format!("node-{node}-{}", std::process::id()));
+    if !out.join("node.pem").exists() {
+        let st = netram()
+            .args(["keygen", "--cluster"])
+            .arg(tls_dir())
+            .args(["--node", &node.to_string(), "--server", "--out"])
+            .arg(&out)
+            .status()
+            .unwrap();
+        assert!(st.success());
+    }
+    out
+}
+
+struct Daemon {
+    proc: ServerProcess,
+    metrics: String,
+}
+
+fn start(node: u64, seed: Option<&str>) -> Daemon {
+    let (listen, metrics) = (
+        format!("127.0.0.1:{}", free_port()),
+        format!("127.0.0.1:{}", free_port()),
+    );
+    let dir = node_dir(node);
+    let mut args = vec![
+        "--tls",
+        dir.to_str().unwrap(),
+        "--capacity",
+        "64M",
+        "--metrics",
+        &metrics,
+    ];
+    if let Some(s) = seed {
+        args.extend(["--seed", s]);
+    }
+    let proc = ServerProcess::start_at(&listen, &args);
+    Daemon { proc, metrics }
+}
+
+fn members(metrics: &str) -> netram_member::MemberList {
+    netram_client::discover::members(metrics, Duration::from_secs(2)).expect("members")
+}
+
+fn states(metrics: &str) -> Vec<(u64, netram_member::Liveness)> {
+    let mut v: Vec<_> = members(metrics)
+        .members
+        .iter()
+        .map(|r| (r.node, r.state))
+        .collect();
+    v.sort_by_key(|x| x.0);
+    v
+}
+
+#[test]
+fn daemons_find_each_other_clients_need_no_server_list_and_death_is_followed() {
+    use netram_member::Liveness::{Alive, Down};
+    let a = start(11, None);
+    let b = start(12, Some(&a.proc.addr));
+    let c = start(13, Some(&a.proc.addr));
+    for d in [&a, &b, &c] {
+        eventually("every daemon sees the three", 20, || {
+            states(&d.metrics) == [(11, Alive), (12, Alive), (13, Alive)]
+        });
+    }
+    // Each announces what it offers: 64 MiB.
+    eventually("announcements heard", 20, || {
+        members(&c.metrics)
+            .members
+            .iter()
+            .all(|r| r.offered_pages == (64 << 20) / PAGE_SIZE as u64)
+    });
+    // `netram members` prints the same.
+    let out = netram()
+        .args(["members", "--daemon", &c.metrics])
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains("*13") && text.contains(&a.proc.addr),
+        "{text}"
+    );
+
+    // A client on c's machine, given no servers: it pages to a and b, never to c.
+    std::env::set_var("NETRAM_DAEMON", &c.metrics);
+    let spill = tempfile::tempdir().unwrap();
+    let pager = open_pager(&OpenOptions {
+        security: common::security(),
+        servers: Vec::new(),
+        backing: Backing::Cluster,
+        pages: 4096,
+        cache_pages: 0,
+        spill_dir: Some(spill.path().to_path_buf()),
+        low_latency: false,
+        redundancy: Scheme::Mirror { copies: 2 },
+    })
+    .expect("a pager from the local daemon's members");
+    let names: Vec<String> = pager.servers().map(|(n, _)| n.to_string()).collect();
+    assert_eq!(names.len(), 2, "{names:?}");
+    assert!(names.contains(&a.proc.addr) && names.contains(&b.proc.addr));
+    let pager = Arc::new(Mutex::new(pager));
+    let _maintenance = {
+        let pager = pager.clone();
+        maintain::spawn(
+            move |f| f(&mut pager.lock().unwrap_or_else(|e| e.into_inner())),
+            MaintainConfig {
+                // Only membership may tell the client that b died.
+                probe_every: Duration::from_secs(3600),
+                membership_every: Some(Duration::from_millis(200)),
+                ..Default::default()
+            },
+        )
+    };
+    let page = |i: u64| -> Vec<u8> {
+        (0..PAGE_SIZE)
+            .map(|j| (i as usize * 31 + j * 7) as u8)
+            .collect()
+    };
+    {
+        let mut p = pager.lock().unwrap();
+        for i in 0..1000 {
+            p.write(i, &page(i)).unwrap();
+        }
+        p.flush().unwrap();
+    }
+    assert!(a.proc.stat("stored_pages") >= 1000);
+    assert!(b.proc.stat("stored_pages") >= 1000);
+    assert_eq!(
+        c.proc.stat("stored_pages"),
+        0,
+        "the local daemon is not its own store"
+    );
+
+    b.proc.signal(libc::SIGKILL);
+    for d in [&a, &c] {
+        eventually("b declared down", 30, || {
+            states(&d.metrics) == [(11, Alive), (12, Down), (13, Alive)]
+        });
+    }
+    eventually(
+        "the client fails b without having asked it anything",
+        10,
+        || {
+            let p = pager.lock().unwrap();
+            let alive: Vec<bool> = p.servers().map(|(_, alive)| alive).collect();
+            alive.iter().filter(|&&x| !x).count() == 1
+        },
+    );
+    let mut p = pager.lock().unwrap();
+    let mut buf = vec![0u8; PAGE_SIZE];
+    for i in 0..1000 {
+        p.read(i, &mut buf).unwrap();
+        assert_eq!(buf, page(i), "page {i}");
+    }
+    std::env::remove_var("NETRAM_DAEMON");
+    let stats = netram()
+        .args(["stats", &a.proc.addr, "--json"])
+        .output()
+        .unwrap();
+    let v: serde_json::Value = serde_json::from_slice(&stats.stdout).unwrap();
+    assert!(v["members_declared_down"].as_u64().unwrap() >= 1, "{v}");
+}
+
+#[test]
+fn hostile_membership_packets_are_refused_and_counted() {
+    let a = start(21, None);
+    let b = start(22, Some(&a.proc.addr));
+    let sock = UdpSocket::bind("127.0.0.1:0").unwrap();
+    let to: SocketAddr = a.proc.addr.parse().unwrap();
+    // Garbage.
+    sock.send_to(b"not a membership packet at all", to).unwrap();
+    // A well-formed packet without a signature, in a cluster that signs.
+    let mut p = Vec::new();
+    netram_member::envelope::encode_body(
+        &mut p,
+        0,
+        &netram_member::Announce::default(),
+        b"x",
+        false,
+    );
+    sock.send_to(&p, to).unwrap();
+    // Signed, with a certificate of ours, but the signature is not over these bytes.
+    let creds = netram_client::Credentials::load(&node_dir(23)).unwrap();
+    let mut p = Vec::new();
+    netram_member::envelope::encode_body(
+        &mut p,
+        0,
+        &netram_member::Announce::default(),
+        b"x",
+        true,
+    );
+    netram_member::envelope::encode_cert(&mut p, creds.cert_der());
+    let (scheme, sig) = creds.sign(b"something else").unwrap();
+    netram_member::envelope::encode_signature(&mut p, scheme, &sig);
+    sock.send_to(&p, to).unwrap();
+    eventually("refusals counted", 10, || {
+        a.proc.stat("gossip_refused_malformed") >= 1
+            && a.proc.stat("gossip_refused_unsigned") >= 1
+            && a.proc.stat("gossip_refused_bad_signature") >= 1
+    });
+    // And the cluster goes on: b is still a member of a's.
+    eventually("b still alive at a", 10, || {
+        states(&a.metrics)
+            .iter()
+            .any(|&(n, s)| n == 22 && s == netram_member::Liveness::Alive)
+    });
+    drop(b);
+}
