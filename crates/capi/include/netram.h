@@ -42,7 +42,9 @@ struct netram_counters {
 
 /*
  * Creates a region of `size` bytes, at most `budget` of them in local memory.
- *   servers: "host:port,host:port" of page servers; NULL: the NETRAM_SERVERS variable.
+ *   servers: "host:port,host:port" of page servers; NULL: the NETRAM_SERVERS variable;
+ *            empty (or neither): the other live members the local daemon knows
+ *            (`netram serve` on this machine, asked at NETRAM_DAEMON or 127.0.0.1:9077).
  *   backing: "cluster" (spill to local disk only when the cluster is full), "disk" (local
  *            disk only, no servers needed) or "cluster+disk" (a copy on disk too); NULL:
  *            "cluster".

@@ -212,8 +212,9 @@ pub fn region_from(
         return Err(CapiError::BudgetTooSmall);
     }
     // Credentials (`NETRAM_TLS`), or clear TCP when told (`NETRAM_INSECURE`); none needed
-    // without servers.
-    let security = if servers.is_empty() {
+    // on the local disk alone. Without servers, the local daemon's members are used
+    // (`netram_client::discover`).
+    let security = if backing == Backing::Disk {
         netram_client::Security::Insecure
     } else {
         netram_client::security(env.tls.as_deref(), env.insecure)?

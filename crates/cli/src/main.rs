@@ -287,10 +287,16 @@ fn init_logging(default: &str) {
     // probes once) and about the unmount it retries after netram's own: noise for users.
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(format!("{default},fuser=error")));
-    tracing_subscriber::fmt()
+    // Levels from RUST_LOG (error, warn, info, debug, trace, per module); one JSON object a
+    // line with NETRAM_LOG_FORMAT=json, for a log collector.
+    let fmt = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .init();
+        .with_writer(std::io::stderr);
+    if std::env::var("NETRAM_LOG_FORMAT").is_ok_and(|f| f == "json") {
+        fmt.json().init();
+    } else {
+        fmt.init();
+    }
 }
 
 fn main() -> anyhow::Result<()> {

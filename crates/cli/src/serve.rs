@@ -387,7 +387,8 @@ fn check(args: ServeArgs) -> anyhow::Result<ServerConfig> {
         None
     };
     let listen = args.listen.or(file.listen).unwrap_or(d.listen);
-    let metrics = match args.metrics.as_deref().or(file.metrics.as_deref()) {
+    let metrics_given = args.metrics.as_deref().or(file.metrics.as_deref());
+    let metrics = match metrics_given {
         Some("off") => None,
         Some(a) => Some(
             a.parse::<SocketAddr>()
@@ -412,6 +413,7 @@ fn check(args: ServeArgs) -> anyhow::Result<ServerConfig> {
         adapt,
         listen,
         metrics,
+        metrics_required: metrics_given.is_some(),
         gossip: netram_server::gossip::GossipConfig {
             seeds,
             advertise: args.advertise.or(file.advertise),

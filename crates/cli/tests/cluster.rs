@@ -431,3 +431,42 @@ fn config_file_and_flags() {
     let help = run(&["serve", "--help"]);
     assert!(String::from_utf8_lossy(&help.stdout).contains("three lease periods"));
 }
+
+/// The documented configuration (`dist/netram.toml`, which the systemd unit and the README
+/// use) holds every option the daemon takes and passes `--check-config` as shipped.
+#[test]
+fn the_shipped_config_file_checks_and_names_every_option() {
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../dist/netram.toml");
+    let out = common::netram()
+        .args(["serve", "--config", path, "--check-config"])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}{text}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        text.contains("seeds = [10.0.0.2:7077, 10.0.0.3:7077]"),
+        "{text}"
+    );
+    assert!(text.contains("advertise = 10.0.0.1:7077"), "{text}");
+    // Every key the daemon reads is in the shipped file (set or commented out).
+    let help = common::netram().args(["serve", "--help"]).output().unwrap();
+    let help = String::from_utf8_lossy(&help.stdout);
+    let keys = help
+        .split("A TOML file with any of:")
+        .nth(1)
+        .and_then(|s| s.split("\n\n").next())
+        .expect("the --config help lists the keys");
+    let file = std::fs::read_to_string(path).unwrap();
+    for key in keys.split(',').map(|k| k.trim()).filter(|k| !k.is_empty()) {
+        let key = key.split_whitespace().last().unwrap();
+        assert!(
+            file.lines()
+                .any(|l| l.trim_start_matches("# ").starts_with(&format!("{key} ="))),
+            "{key} is not in dist/netram.toml"
+        );
+    }
+}

@@ -104,6 +104,9 @@ pub struct ServerConfig {
     pub gossip: crate::gossip::GossipConfig,
     /// Where `/metrics` and `/members` are answered ([`crate::http`]); `None`: nowhere.
     pub metrics: Option<SocketAddr>,
+    /// The metrics address was chosen by the operator: failing to bind it stops the start.
+    /// Otherwise (a default) the daemon warns and serves without it.
+    pub metrics_required: bool,
 }
 
 impl ServerConfig {
@@ -144,6 +147,7 @@ impl Default for ServerConfig {
             security: Security::Insecure,
             gossip: crate::gossip::GossipConfig::default(),
             metrics: None,
+            metrics_required: false,
         }
     }
 }
