@@ -35,6 +35,9 @@ const TOOLS: &[(&str, &str)] = &[
     ("python3", "python3"),
     ("redis-benchmark", "redis-tools"),
     ("javac", "openjdk-17-jdk-headless"),
+    // Hosts of their own for the multi-host tests: network namespaces, veth, a bridge, tbf.
+    ("ip", "iproute2"),
+    ("tc", "iproute2"),
 ];
 
 const USAGE: &str = "\

@@ -249,6 +249,19 @@ enum BenchCommand {
         #[arg(long, default_value = "bench-results")]
         out: PathBuf,
     },
+    /// Donors that give memory back (Nswap §III): pages migrated per second off a donor whose
+    /// machine needs its memory, and the paging client's latency meanwhile; GMS §5.4's idle
+    /// and busy nodes swapping roles every 1, 5 and 30 s against a static cluster; two
+    /// `netram serve --adapt` processes whose machines the bench stands in for; writes
+    /// adapt.json and adapt.md.
+    Adapt {
+        /// A shorter run: 64 MiB of pages, role swaps every 1 and 2 s.
+        #[arg(long)]
+        quick: bool,
+        /// Where to write adapt.json and adapt.md.
+        #[arg(long, default_value = "bench-results")]
+        out: PathBuf,
+    },
     /// What authentication and encryption cost: GET/PUT p50/p99 in both wake-up modes,
     /// depth-32 GET throughput and CPU per GET, in clear, with pages sealed, and secure (mutual
     /// TLS, sealed frames, sealed pages), alternating round by round; writes security.json and
@@ -439,6 +452,18 @@ fn main() -> anyhow::Result<()> {
                 "wrote {0}/reliability.json and {0}/reliability.md",
                 out.display()
             );
+            Ok(())
+        }
+        Command::Bench(BenchCommand::Adapt { quick, out }) => {
+            init_logging("warn");
+            let opts = netram_bench::adapt::Options {
+                quick,
+                out: out.clone(),
+                netram_exe: std::env::current_exe()?,
+            };
+            let report = netram_bench::adapt::run(&opts)?;
+            println!("{report}");
+            println!("wrote {0}/adapt.json and {0}/adapt.md", out.display());
             Ok(())
         }
         Command::Bench(BenchCommand::Security { quick, out }) => {

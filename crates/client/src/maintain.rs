@@ -25,7 +25,10 @@ pub struct MaintainConfig {
     pub duty: f64,
     /// Pages moved off servers that shrank their offer per step (Nswap §III), and the share
     /// of the pager's time migration may take: more than recovery's, because the server's
-    /// machine is waiting for its memory.
+    /// machine is waiting for its memory. A step holds the pager (the program's reads wait
+    /// behind it): 64 pages measured best on both counts (`netram bench adapt --quick`, this
+    /// VM, 2026-11-25: 36,000–38,000 pages/s and a read p99 of ~0.7 ms during the move, against
+    /// 26,000–27,000 and 2.2–2.7 ms with 512 or 128, 29,000–32,000 and 0.3–0.5 ms with 16 or 32).
     pub migrate_batch: usize,
     pub migrate_duty: f64,
     /// How often every server is asked for an empty reply.
@@ -44,7 +47,7 @@ impl Default for MaintainConfig {
             batch: 64,
             pages_per_s: 100_000,
             duty: 0.05,
-            migrate_batch: 512,
+            migrate_batch: 64,
             migrate_duty: 0.5,
             probe_every: Duration::from_secs(2),
             reconnect_every: Duration::from_secs(1),

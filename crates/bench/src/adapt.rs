@@ -1,0 +1,669 @@
+//! `netram bench adapt`: donors that give their memory back (Nswap §III) and what that costs
+//! the programs paging to them, measured in one run against real `netram serve --adapt`
+//! processes on loopback.
+//!
+//! Each daemon reads its machine from a stand-in /proc directory the bench writes (the
+//! daemon's hidden `--proc-dir`), so that the bench decides when a machine needs its memory;
+//! the daemons' controller, migration and memory given back are the real ones.
+//!
+//! * **Migration**: a client's pages (1 GiB; 64 MiB with `--quick`) all on donor D, another
+//!   donor B with room; D's machine needs its memory, its offer falls to nothing, and the
+//!   client's maintenance thread moves every page to B. Measured: pages migrated per second
+//!   (from the first move to the last), how long until D's resident memory fell by what it
+//!   held, and the same client's depth-1 read latency while the pages move against before
+//!   (the client reads its own pages throughout, every page checked).
+//! * **GMS §5.4's role swap**: every X seconds the donor holding the pages needs its memory
+//!   and the other has room again, X from 1 s to 30 s; the paging program's (depth-1 random
+//!   reads and writes) rate against a static cluster, side by side.
+//!
+//! Writes `adapt.json` and `adapt.md`.
+
+use crate::machine::Machine;
+use crate::process::ChildGuard;
+use crate::{page_content, target, Summary, Target};
+use netram_client::maintain::{self, MaintainConfig};
+use netram_client::open::{open_pager, ClientPager, OpenOptions};
+use netram_client::query_stats;
+use netram_pager::{Backing, Scheme};
+use netram_proto::PAGE_SIZE;
+use serde::Serialize;
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+#[derive(Debug, Clone)]
+pub struct Options {
+    pub quick: bool,
+    pub out: PathBuf,
+    pub netram_exe: PathBuf,
+}
+
+const MIB: u64 = 1 << 20;
+/// What the stand-in machines report: 24 GiB, of which this much is available when the
+/// machine has room, and this much when its programs need their memory (below the reserve).
+const TOTAL: u64 = 24 << 30;
+const ROOMY: u64 = 20 << 30;
+const SHORT: u64 = 512 * MIB;
+
+/// Pages written with this seed: every read checks its page against it.
+const SEED: u64 = 20;
+
+/// One `netram serve --adapt` and the stand-in /proc it reads.
+struct Donor {
+    child: ChildGuard,
+    addr: String,
+    proc_dir: PathBuf,
+}
+
+impl Donor {
+    fn start(exe: &Path, capacity: u64, proc_dir: PathBuf, available: u64) -> anyhow::Result<Self> {
+        std::fs::create_dir_all(proc_dir.join("pressure"))?;
+        set_machine(&proc_dir, available)?;
+        let capacity = format!("{}M", capacity / MIB);
+        let (child, addr) = ChildGuard::netram(
+            exe,
+            &[
+                "serve",
+                "--listen",
+                "127.0.0.1:0",
+                "--capacity",
+                &capacity,
+                "--adapt",
+                "--reserve",
+                "1G",
+                "--chunk",
+                "256M",
+                "--grow-after",
+                "100ms",
+                "--proc-dir",
+                proc_dir.to_str().unwrap_or_default(),
+            ],
+            "netram serve: listening on ",
+        )?;
+        Ok(Self {
+            child,
+            addr,
+            proc_dir,
+        })
+    }
+
+    fn set_available(&self, bytes: u64) -> anyhow::Result<()> {
+        set_machine(&self.proc_dir, bytes)
+    }
+
+    fn stat(&self, name: &str) -> anyhow::Result<u64> {
+        let stats = query_stats(&self.addr, Duration::from_secs(5), &crate::security()?)?;
+        Ok(stats.iter().find(|(k, _)| k == name).map_or(0, |(_, v)| *v))
+    }
+
+    /// The daemon's resident memory, bytes.
+    fn rss(&self) -> u64 {
+        std::fs::read_to_string(format!("/proc/{}/status", self.child.pid()))
+            .ok()
+            .and_then(|s| {
+                s.lines()
+                    .find_map(|l| l.strip_prefix("VmRSS:"))
+                    .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+            })
+            .map_or(0, |kb| kb * 1024)
+    }
+
+    /// Waits until the daemon offers at least `pages` frames (or exactly none, for 0).
+    fn wait_offer(&self, pages: u64, within: Duration) -> anyhow::Result<()> {
+        let t = Instant::now();
+        loop {
+            let offered = self.stat("capacity_pages")?;
+            if (pages == 0 && offered == 0) || (pages > 0 && offered >= pages) {
+                return Ok(());
+            }
+            anyhow::ensure!(
+                t.elapsed() < within,
+                "{}: offers {offered} frames, not {pages}, after {within:?}",
+                self.addr
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+/// Writes a stand-in /proc: `meminfo` (written whole, then renamed: the daemon never reads
+/// half a file) and no memory pressure.
+fn set_machine(dir: &Path, available: u64) -> anyhow::Result<()> {
+    let kb = |b: u64| b / 1024;
+    let tmp = dir.join("meminfo.tmp");
+    std::fs::write(
+        &tmp,
+        format!(
+            "MemTotal:       {} kB\nMemFree:        {} kB\nMemAvailable:   {} kB\n",
+            kb(TOTAL),
+            kb(available),
+            kb(available)
+        ),
+    )?;
+    std::fs::rename(&tmp, dir.join("meminfo"))?;
+    std::fs::write(
+        dir.join("pressure/memory"),
+        "some avg10=0.00 avg60=0.00 avg300=0.00 total=0\n\
+         full avg10=0.00 avg60=0.00 avg300=0.00 total=0\n",
+    )?;
+    Ok(())
+}
+
+fn lock(p: &Mutex<ClientPager>) -> std::sync::MutexGuard<'_, ClientPager> {
+    p.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// One depth-1 read of a random page, checked; its latency in ns. Returns the pager's moves
+/// started and landed, read under the same hold of its lock.
+fn read_one(
+    pager: &Mutex<ClientPager>,
+    pages: u64,
+    rng: &mut fastrand::Rng,
+    buf: &mut [u8],
+    want: &mut [u8],
+) -> anyhow::Result<(u64, u64, u64, u64)> {
+    let pg = rng.u64(0..pages);
+    let t = Instant::now();
+    let mut p = lock(pager);
+    p.read(pg, buf)?;
+    let ns = t.elapsed().as_nanos() as u64;
+    let c = p.counters();
+    let out = (
+        ns,
+        c.migrations_started,
+        c.pages_migrated,
+        p.pages_leaving(),
+    );
+    drop(p);
+    page_content(SEED, pg, want);
+    anyhow::ensure!(buf == want, "page {pg} read back wrong");
+    Ok(out)
+}
+
+#[derive(Debug, Default, Serialize)]
+pub struct Migration {
+    /// Pages the client held on the donor when it shrank.
+    pub pages: u64,
+    pub pages_migrated: u64,
+    pub pages_migrated_to_disk: u64,
+    /// Pages moved per second, from the first move started to the last landed.
+    pub migration_pages_per_s: f64,
+    /// From the donor's machine needing its memory to the client's first move (the daemon's
+    /// tick, then the next reply or probe telling the client).
+    pub until_first_move_s: f64,
+    /// From the donor's machine needing its memory to its resident memory having fallen by
+    /// nine tenths of what its pages took.
+    pub give_back_s: f64,
+    pub donor_rss_before_mib: f64,
+    pub donor_rss_after_mib: f64,
+    /// The client's own depth-1 reads of its pages, before the shrink and while they moved.
+    /// Its reads wait for whatever its pager has in flight, migration's included.
+    pub client_p50_without_migration_us: f64,
+    pub client_p99_without_migration_us: f64,
+    pub client_p50_during_migration_us: f64,
+    pub client_p99_during_migration_us: f64,
+    pub reads_without: usize,
+    pub reads_during: usize,
+    /// Another client, paging to the server the pages move to (its own pages, none of them
+    /// moving), reading at depth 1 in another thread: the same two periods.
+    pub bystander_p50_without_migration_us: f64,
+    pub bystander_p99_without_migration_us: f64,
+    pub bystander_p50_during_migration_us: f64,
+    pub bystander_p99_during_migration_us: f64,
+}
+
+#[derive(Debug, Default, Serialize)]
+pub struct Swap {
+    pub every_s: f64,
+    /// The paging program's operations per second, roles swapping, and on the same two
+    /// donors left alone, in the same run.
+    pub ops_per_s_swapping: f64,
+    pub ops_per_s_static: f64,
+    /// 1 − swapping / static.
+    pub slowdown: f64,
+    pub swaps: u32,
+    pub pages_migrated: u64,
+    pub pages_migrated_to_disk: u64,
+}
+
+#[derive(Debug, Serialize)]
+pub struct AdaptResult {
+    pub machine: Machine,
+    pub quick: bool,
+    pub migration_pages_per_s: f64,
+    pub client_p99_during_migration_us: f64,
+    pub client_p99_without_migration_us: f64,
+    pub migration: Migration,
+    pub swaps: Vec<Swap>,
+    pub targets: Vec<Target>,
+}
+
+/// The bystander's pages.
+const BYSTANDER_PAGES: u64 = 8192;
+
+type Seen = Vec<(Instant, u64)>;
+
+/// Another client's depth-1 reads of its own pages on `server` until `stop`: (when, ns).
+fn bystander(
+    server: &str,
+    stop: Arc<std::sync::atomic::AtomicBool>,
+) -> anyhow::Result<std::thread::JoinHandle<anyhow::Result<Seen>>> {
+    let mut p = open_pager(&OpenOptions {
+        security: crate::security()?,
+        servers: vec![server.to_string()],
+        backing: Backing::Cluster,
+        pages: BYSTANDER_PAGES,
+        cache_pages: 0,
+        spill_dir: None,
+        low_latency: false,
+        redundancy: Scheme::None,
+    })?;
+    let mut buf = vec![0u8; 64 * PAGE_SIZE];
+    for start in (0..BYSTANDER_PAGES).step_by(64) {
+        let batch: Vec<u64> = (start..start + 64).collect();
+        for (i, &pg) in batch.iter().enumerate() {
+            page_content(
+                SEED + 1000,
+                pg,
+                &mut buf[i * PAGE_SIZE..(i + 1) * PAGE_SIZE],
+            );
+        }
+        p.write_many(&batch, &buf)?;
+    }
+    p.flush()?;
+    Ok(std::thread::spawn(move || {
+        let mut rng = fastrand::Rng::with_seed(2);
+        let (mut one, mut want) = (vec![0u8; PAGE_SIZE], vec![0u8; PAGE_SIZE]);
+        let mut out = Vec::new();
+        while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+            let pg = rng.u64(0..BYSTANDER_PAGES);
+            let t = Instant::now();
+            p.read(pg, &mut one)?;
+            out.push((t, t.elapsed().as_nanos() as u64));
+            page_content(SEED + 1000, pg, &mut want);
+            anyhow::ensure!(one == want, "the bystander's page {pg} read back wrong");
+        }
+        p.into_transport().close();
+        Ok(out)
+    }))
+}
+
+/// The migration experiment. Returns the donors with the pages on `b` now.
+fn migration(
+    pager: &Arc<Mutex<ClientPager>>,
+    pages: u64,
+    d: &Donor,
+    b: &Donor,
+    phase: Duration,
+) -> anyhow::Result<Migration> {
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let other = bystander(&b.addr, stop.clone())?;
+    let mut r = Migration {
+        pages: d.stat("stored_pages")?,
+        ..Migration::default()
+    };
+    let mut rng = fastrand::Rng::with_seed(1);
+    let (mut buf, mut want) = (vec![0u8; PAGE_SIZE], vec![0u8; PAGE_SIZE]);
+    // Before: the client reads its pages, nothing to move.
+    let mut without = Vec::new();
+    let t = Instant::now();
+    let before_start = t;
+    while t.elapsed() < phase {
+        without.push(read_one(pager, pages, &mut rng, &mut buf, &mut want)?.0);
+    }
+    let started0 = lock(pager).counters().migrations_started;
+    r.donor_rss_before_mib = d.rss() as f64 / MIB as f64;
+    let held_bytes = r.pages * PAGE_SIZE as u64;
+    // D's machine needs its memory; the client keeps reading while its pages move.
+    let shrink = Instant::now();
+    d.set_available(SHORT)?;
+    let (mut during, mut first, mut last, mut gave_back) = (Vec::new(), None, None, None);
+    while last.is_none() || gave_back.is_none() {
+        anyhow::ensure!(
+            shrink.elapsed() < Duration::from_secs(300),
+            "the migration did not end within 300 s"
+        );
+        let (ns, started, _, leaving) = read_one(pager, pages, &mut rng, &mut buf, &mut want)?;
+        if first.is_none() && started > started0 {
+            first = Some(Instant::now());
+        }
+        if first.is_some() && last.is_none() {
+            during.push(ns);
+            let (landed, started_now) = {
+                let p = lock(pager);
+                (p.counters().pages_migrated, p.counters().migrations_started)
+            };
+            if leaving == 0 && landed == started_now {
+                last = Some(Instant::now());
+            }
+        }
+        if gave_back.is_none()
+            && d.rss() as f64 <= r.donor_rss_before_mib * MIB as f64 - 0.9 * held_bytes as f64
+        {
+            gave_back = Some(shrink.elapsed());
+        }
+    }
+    let (first, last) = (first.expect("set"), last.expect("set"));
+    stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    let seen = other
+        .join()
+        .map_err(|_| anyhow::anyhow!("the bystander panicked"))??;
+    let window = |from: Instant, to: Instant| -> Vec<u64> {
+        seen.iter()
+            .filter(|(t, _)| *t >= from && *t <= to)
+            .map(|&(_, ns)| ns)
+            .collect()
+    };
+    let bw = Summary::of_ns(&mut window(before_start, shrink));
+    let bd = Summary::of_ns(&mut window(first, last));
+    r.bystander_p50_without_migration_us = bw.p50_us;
+    r.bystander_p99_without_migration_us = bw.p99_us;
+    r.bystander_p50_during_migration_us = bd.p50_us;
+    r.bystander_p99_during_migration_us = bd.p99_us;
+    {
+        let p = lock(pager);
+        r.pages_migrated = p.counters().pages_migrated;
+        r.pages_migrated_to_disk = p.counters().pages_migrated_to_disk;
+    }
+    r.migration_pages_per_s = r.pages_migrated as f64 / (last - first).as_secs_f64().max(1e-9);
+    r.until_first_move_s = (first - shrink).as_secs_f64();
+    r.give_back_s = gave_back.expect("set").as_secs_f64();
+    r.donor_rss_after_mib = d.rss() as f64 / MIB as f64;
+    anyhow::ensure!(
+        d.stat("stored_pages")? == 0,
+        "the donor still holds pages after the migration"
+    );
+    let w = Summary::of_ns(&mut without);
+    let dur = Summary::of_ns(&mut during);
+    r.client_p50_without_migration_us = w.p50_us;
+    r.client_p99_without_migration_us = w.p99_us;
+    r.client_p50_during_migration_us = dur.p50_us;
+    r.client_p99_during_migration_us = dur.p99_us;
+    r.reads_without = w.samples;
+    r.reads_during = dur.samples;
+    Ok(r)
+}
+
+/// The paging program for `dur`: depth-1 random reads and writes (one in four), every read
+/// checked against what was last written. Every `every` (if any) the donor holding the
+/// pages needs its memory and the other has room again. Returns (operations, swaps).
+fn paging(
+    pager: &Mutex<ClientPager>,
+    pages: u64,
+    version: &mut [u8],
+    donors: [&Donor; 2],
+    holder: &mut usize,
+    every: Option<Duration>,
+    dur: Duration,
+) -> anyhow::Result<(u64, u32)> {
+    let mut rng = fastrand::Rng::with_seed(dur.as_nanos() as u64);
+    let (mut buf, mut want) = (vec![0u8; PAGE_SIZE], vec![0u8; PAGE_SIZE]);
+    let (t, mut ops, mut swaps) = (Instant::now(), 0u64, 0u32);
+    let mut next = every.map(|e| t + e);
+    while t.elapsed() < dur {
+        if next.is_some_and(|n| Instant::now() >= n) {
+            // The roles swap: the holder's machine needs its memory, the other has room.
+            donors[1 - *holder].set_available(ROOMY)?;
+            donors[*holder].set_available(SHORT)?;
+            *holder = 1 - *holder;
+            swaps += 1;
+            next = every.map(|e| Instant::now() + e);
+        }
+        let pg = rng.u64(0..pages);
+        let seed = SEED + u64::from(version[pg as usize]);
+        if rng.u8(0..4) == 0 {
+            version[pg as usize] = version[pg as usize].wrapping_add(1);
+            page_content(SEED + u64::from(version[pg as usize]), pg, &mut buf);
+            lock(pager).write(pg, &buf)?;
+        } else {
+            lock(pager).read(pg, &mut buf)?;
+            page_content(seed, pg, &mut want);
+            anyhow::ensure!(buf == want, "page {pg} read back wrong");
+        }
+        ops += 1;
+    }
+    Ok((ops, swaps))
+}
+
+pub fn run(opts: &Options) -> anyhow::Result<String> {
+    let (bytes, phase, swap_every, swap_min): (u64, _, &[u64], u64) = if opts.quick {
+        (64 * MIB, Duration::from_millis(1500), &[1, 2], 4)
+    } else {
+        (1 << 30, Duration::from_secs(5), &[1, 5, 30], 10)
+    };
+    let pages = bytes / PAGE_SIZE as u64;
+    let machine = Machine::describe();
+    eprintln!("bench adapt on {}", machine.one_line());
+    let tmp = crate::nbd::tempfile_dir("netram-bench-adapt")?;
+    let _cleanup = Cleanup(tmp.clone());
+    // D has room, B not: every page goes to D.
+    let capacity = bytes + 256 * MIB;
+    let d = Donor::start(&opts.netram_exe, capacity, tmp.join("d"), ROOMY)?;
+    let b = Donor::start(&opts.netram_exe, capacity, tmp.join("b"), SHORT)?;
+    d.wait_offer(pages, Duration::from_secs(60))?;
+    let mut p = open_pager(&OpenOptions {
+        security: crate::security()?,
+        servers: vec![d.addr.clone(), b.addr.clone()],
+        backing: Backing::Cluster,
+        pages,
+        cache_pages: 0,
+        spill_dir: Some(tmp.clone()),
+        low_latency: false,
+        redundancy: Scheme::None,
+    })?;
+    eprintln!("writing {} MiB to one donor ...", bytes / MIB);
+    let mut buf = vec![0u8; 64 * PAGE_SIZE];
+    for start in (0..pages).step_by(64) {
+        let batch: Vec<u64> = (start..(start + 64).min(pages)).collect();
+        for (i, &pg) in batch.iter().enumerate() {
+            page_content(SEED, pg, &mut buf[i * PAGE_SIZE..(i + 1) * PAGE_SIZE]);
+        }
+        p.write_many(&batch, &buf[..batch.len() * PAGE_SIZE])?;
+    }
+    p.flush()?;
+    // B gets room; the client's maintenance runs as every front end's does.
+    b.set_available(ROOMY)?;
+    b.wait_offer(pages, Duration::from_secs(60))?;
+    let pager = Arc::new(Mutex::new(p));
+    let maintenance = {
+        let pager = pager.clone();
+        maintain::spawn(
+            move |f| f(&mut lock(&pager)),
+            MaintainConfig {
+                probe_every: Duration::from_millis(100),
+                ..Default::default()
+            },
+        )
+    };
+    eprintln!("migration: the donor's machine needs its memory ...");
+    let m = migration(&pager, pages, &d, &b, phase)?;
+    // Every page, checked after the move.
+    let mut want = vec![0u8; PAGE_SIZE];
+    for start in (0..pages).step_by(64) {
+        let batch: Vec<u64> = (start..(start + 64).min(pages)).collect();
+        lock(&pager).read_many(&batch, &mut buf[..batch.len() * PAGE_SIZE])?;
+        for (i, &pg) in batch.iter().enumerate() {
+            page_content(SEED, pg, &mut want);
+            anyhow::ensure!(
+                buf[i * PAGE_SIZE..(i + 1) * PAGE_SIZE] == want[..],
+                "page {pg} wrong after the migration"
+            );
+        }
+    }
+    // GMS §5.4: roles swapping every X seconds against a static cluster, side by side.
+    let mut version = vec![0u8; pages as usize];
+    let mut holder = 1; // the pages are on B now
+    let donors = [&d, &b];
+    let mut swaps = Vec::new();
+    for &x in swap_every {
+        let dur = Duration::from_secs(swap_min.max(3 * x));
+        eprintln!("roles swapping every {x} s, {} s ...", dur.as_secs());
+        let (before_m, before_d) = {
+            let p = lock(&pager);
+            (
+                p.counters().pages_migrated,
+                p.counters().pages_migrated_to_disk,
+            )
+        };
+        let (ops_swap, n) = paging(
+            &pager,
+            pages,
+            &mut version,
+            donors,
+            &mut holder,
+            Some(Duration::from_secs(x)),
+            dur,
+        )?;
+        let (after_m, after_d) = {
+            let p = lock(&pager);
+            (
+                p.counters().pages_migrated,
+                p.counters().pages_migrated_to_disk,
+            )
+        };
+        // Both donors with room again, the pages settled where they are: the static run.
+        donors[1 - holder].set_available(ROOMY)?;
+        let settle = Instant::now();
+        while lock(&pager).pages_leaving() > 0 && settle.elapsed() < Duration::from_secs(60) {
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let (ops_static, _) = paging(&pager, pages, &mut version, donors, &mut holder, None, dur)?;
+        let rate = |ops: u64| ops as f64 / dur.as_secs_f64();
+        swaps.push(Swap {
+            every_s: x as f64,
+            ops_per_s_swapping: rate(ops_swap),
+            ops_per_s_static: rate(ops_static),
+            slowdown: 1.0 - rate(ops_swap) / rate(ops_static).max(1e-9),
+            swaps: n,
+            pages_migrated: after_m - before_m,
+            pages_migrated_to_disk: after_d - before_d,
+        });
+        // The next X starts from one holder with room, the other short.
+        donors[1 - holder].set_available(SHORT)?;
+    }
+    drop(maintenance);
+    let p = Arc::try_unwrap(pager).map_err(|_| anyhow::anyhow!("pager still shared"))?;
+    p.into_inner()
+        .unwrap_or_else(|e| e.into_inner())
+        .into_transport()
+        .close();
+    let targets = vec![
+        target(
+            "migration_pages_per_s / 50000",
+            m.migration_pages_per_s / 50_000.0,
+            1.0,
+            "ge",
+        ),
+        target(
+            "client_p99_during_migration_us / client_p99_without_migration_us",
+            m.client_p99_during_migration_us / m.client_p99_without_migration_us.max(1e-9),
+            2.0,
+            "le",
+        ),
+    ];
+    let r = AdaptResult {
+        machine,
+        quick: opts.quick,
+        migration_pages_per_s: m.migration_pages_per_s,
+        client_p99_during_migration_us: m.client_p99_during_migration_us,
+        client_p99_without_migration_us: m.client_p99_without_migration_us,
+        migration: m,
+        swaps,
+        targets,
+    };
+    crate::write_json(&opts.out, "adapt.json", &r)?;
+    let md = markdown(&r);
+    std::fs::write(opts.out.join("adapt.md"), &md)?;
+    Ok(md)
+}
+
+/// Removes the bench's directory (stand-in /proc files, the spill file) when done.
+struct Cleanup(PathBuf);
+
+impl Drop for Cleanup {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn markdown(r: &AdaptResult) -> String {
+    let m = &r.migration;
+    let mut s = String::new();
+    let _ = writeln!(s, "# netram bench adapt\n");
+    let _ = writeln!(
+        s,
+        "Machine: {}{} · two `netram serve --adapt` on loopback, their machines stood in by \
+         /proc files the bench writes\n",
+        r.machine.one_line(),
+        if r.quick { " · --quick" } else { "" }
+    );
+    let _ = writeln!(s, "## A donor gives its memory back\n");
+    let _ = writeln!(
+        s,
+        "| measure | value |\n|---|---|\n\
+         | pages on the donor | {} ({} MiB) |\n\
+         | pages migrated (to the local disk) | {} ({}) |\n\
+         | **pages migrated per second** | **{:.0}** |\n\
+         | machine short → first move | {:.2} s |\n\
+         | machine short → donor's RSS down by 9/10 of its pages | {:.2} s |\n\
+         | donor RSS before → after | {:.0} → {:.0} MiB |\n\
+         | client read p50 / p99 without migration | {:.1} / {:.1} µs ({} reads) |\n\
+         | client read p50 / p99 during migration | {:.1} / {:.1} µs ({} reads) |\n\
+         | another client, paging to where the pages go: p50 / p99 without | {:.1} / {:.1} µs |\n\
+         | ... during | {:.1} / {:.1} µs |\n",
+        m.pages,
+        m.pages * PAGE_SIZE as u64 / MIB,
+        m.pages_migrated,
+        m.pages_migrated_to_disk,
+        m.migration_pages_per_s,
+        m.until_first_move_s,
+        m.give_back_s,
+        m.donor_rss_before_mib,
+        m.donor_rss_after_mib,
+        m.client_p50_without_migration_us,
+        m.client_p99_without_migration_us,
+        m.reads_without,
+        m.client_p50_during_migration_us,
+        m.client_p99_during_migration_us,
+        m.reads_during,
+        m.bystander_p50_without_migration_us,
+        m.bystander_p99_without_migration_us,
+        m.bystander_p50_during_migration_us,
+        m.bystander_p99_during_migration_us,
+    );
+    let _ = writeln!(
+        s,
+        "The client is the owner of the pages that move, and moves them itself (C → A → B): \
+         its reads wait behind a migration step that holds its pager (at most {} pages). The \
+         other client has no page on the donor; it sees the servers' load only.\n",
+        MaintainConfig::default().migrate_batch
+    );
+    let _ = writeln!(
+        s,
+        "## GMS §5.4: an idle and a busy node swap roles every X s\n"
+    );
+    let _ = writeln!(
+        s,
+        "| X | ops/s swapping | ops/s static | slowdown | swaps | pages migrated (to disk) |\n|---|---|---|---|---|---|"
+    );
+    for w in &r.swaps {
+        let _ = writeln!(
+            s,
+            "| {} s | {:.0} | {:.0} | {:.1} % | {} | {} ({}) |",
+            w.every_s,
+            w.ops_per_s_swapping,
+            w.ops_per_s_static,
+            100.0 * w.slowdown,
+            w.swaps,
+            w.pages_migrated,
+            w.pages_migrated_to_disk
+        );
+    }
+    let _ = writeln!(
+        s,
+        "\n## Targets\n\n| ratio | measured | limit | met |\n|---|---|---|---|"
+    );
+    s += &crate::target_rows(&r.targets);
+    s
+}

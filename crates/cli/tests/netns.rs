@@ -1,0 +1,420 @@
+//! netram between real hosts: five network namespaces, each a host with its own address, joined
+//! by veth pairs through a bridge (in a sixth namespace, so the machine's own network is not
+//! touched), every host's link shaped to 1 Gbit/s with `tc … tbf`. Every host runs `netram
+//! serve` with its own node certificate and finds the others through one seed; two hosts run
+//! `netram nbd` with no server list (their daemons name the others) and fio's NBD engine
+//! writes and verifies every block through it; a program on the donor host grows until the
+//! donor gives back most of its memory (the daemon reads the real /proc) while the two others
+//! page to it; their pages migrate, every block verifies, nothing is lost, the donor's resident
+//! memory falls. A fifth host joins and leaves.
+//!
+//! Root only (namespaces, bridges, tc); every namespace, link and process is removed by a
+//! guard, also when the test fails.
+
+mod common;
+
+use netram_testkit::{have_root, have_tools};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+const HOSTS: usize = 5;
+
+/// The namespaces and the processes started in them, undone on drop.
+struct Net {
+    prefix: String,
+    procs: Vec<Child>,
+}
+
+fn sh(args: &[&str]) -> Output {
+    Command::new(args[0])
+        .args(&args[1..])
+        .output()
+        .unwrap_or_else(|e| panic!("{args:?}: {e}"))
+}
+
+fn must(args: &[&str]) {
+    let out = sh(args);
+    assert!(
+        out.status.success(),
+        "{args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+impl Net {
+    fn new(shaped: bool) -> Self {
+        let net = Net {
+            prefix: format!(
+                "nr{}{}",
+                std::process::id() % 100_000,
+                if shaped { "s" } else { "u" }
+            ),
+            procs: Vec::new(),
+        };
+        let hub = net.hub();
+        must(&["ip", "netns", "add", &hub]);
+        must(&["ip", "-n", &hub, "link", "add", "br0", "type", "bridge"]);
+        must(&["ip", "-n", &hub, "link", "set", "br0", "up"]);
+        for i in 1..=HOSTS {
+            let ns = net.ns(i);
+            let veth = format!("{}v{i}", net.prefix);
+            must(&["ip", "netns", "add", &ns]);
+            must(&[
+                "ip", "link", "add", &veth, "type", "veth", "peer", "name", "eth0", "netns", &ns,
+            ]);
+            must(&["ip", "link", "set", &veth, "netns", &hub]);
+            must(&[
+                "ip", "-n", &hub, "link", "set", &veth, "master", "br0", "up",
+            ]);
+            must(&[
+                "ip",
+                "-n",
+                &ns,
+                "addr",
+                "add",
+                &format!("{}/24", ip(i)),
+                "dev",
+                "eth0",
+            ]);
+            must(&["ip", "-n", &ns, "link", "set", "eth0", "up"]);
+            must(&["ip", "-n", &ns, "link", "set", "lo", "up"]);
+            if shaped {
+                must(&[
+                    "ip", "netns", "exec", &ns, "tc", "qdisc", "add", "dev", "eth0", "root", "tbf",
+                    "rate", "1gbit", "burst", "512kb", "latency", "10ms",
+                ]);
+            }
+        }
+        net
+    }
+
+    fn hub(&self) -> String {
+        format!("{}hub", self.prefix)
+    }
+
+    fn ns(&self, i: usize) -> String {
+        format!("{}h{i}", self.prefix)
+    }
+
+    /// `netram ARGS` on host `i`, its output collected.
+    fn netram(&self, i: usize, args: &[&str]) -> Output {
+        let mut c = Command::new("ip");
+        c.args(["netns", "exec", &self.ns(i), common::NETRAM])
+            .args(args);
+        c.output().unwrap()
+    }
+
+    /// Starts `cmd ARGS` on host `i`, killed by its PID when the net is dropped.
+    fn spawn(&mut self, i: usize, cmd: &str, args: &[&str], log: &Path) -> u32 {
+        let out = std::fs::File::create(log).unwrap();
+        let child = Command::new("ip")
+            .args(["netns", "exec", &self.ns(i), cmd])
+            .args(args)
+            .stdout(out.try_clone().unwrap())
+            .stderr(out)
+            .stdin(Stdio::null())
+            .spawn()
+            .unwrap();
+        let pid = child.id();
+        self.procs.push(child);
+        pid
+    }
+}
+
+impl Drop for Net {
+    fn drop(&mut self) {
+        for p in &mut self.procs {
+            let _ = p.kill();
+            let _ = p.wait();
+        }
+        for i in 1..=HOSTS {
+            let _ = sh(&["ip", "netns", "del", &self.ns(i)]);
+        }
+        let _ = sh(&["ip", "netns", "del", &self.hub()]);
+    }
+}
+
+fn ip(i: usize) -> String {
+    format!("10.77.0.{i}")
+}
+
+fn addr(i: usize) -> String {
+    format!("{}:7077", ip(i))
+}
+
+fn eventually(what: &str, secs: u64, mut f: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(secs);
+    while !f() {
+        assert!(Instant::now() < deadline, "{what}: not within {secs} s");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+fn mem_available() -> u64 {
+    let m = std::fs::read_to_string("/proc/meminfo").unwrap();
+    m.lines()
+        .find_map(|l| l.strip_prefix("MemAvailable:"))
+        .and_then(|v| v.split_whitespace().next())
+        .and_then(|v| v.parse::<u64>().ok())
+        .unwrap()
+        * 1024
+}
+
+fn rss(pid: u32) -> u64 {
+    common::vm_rss(pid)
+}
+
+/// Host `i`'s certificate, naming its address.
+fn credentials(dir: &Path, i: usize) -> PathBuf {
+    let out = dir.join(format!("node{i}"));
+    let st = common::netram()
+        .args(["keygen", "--cluster"])
+        .arg(common::tls_dir())
+        .args([
+            "--node",
+            &i.to_string(),
+            "--server",
+            "--ip",
+            &ip(i),
+            "--out",
+        ])
+        .arg(&out)
+        .status()
+        .unwrap();
+    assert!(st.success());
+    out
+}
+
+fn members_alive(net: &Net, on: usize) -> Vec<u64> {
+    let out = net.netram(on, &["members", "--json"]);
+    if !out.status.success() {
+        return Vec::new();
+    }
+    let list: netram_member::MemberList = match serde_json::from_slice(&out.stdout) {
+        Ok(l) => l,
+        Err(_) => return Vec::new(),
+    };
+    let mut v: Vec<u64> = list
+        .members
+        .iter()
+        .filter(|r| r.state == netram_member::Liveness::Alive)
+        .map(|r| r.node)
+        .collect();
+    v.sort();
+    v
+}
+
+fn stat(net: &Net, on: usize, tls: &Path, name: &str) -> u64 {
+    let out = net.netram(
+        on,
+        &["stats", &addr(on), "--json", "--tls", tls.to_str().unwrap()],
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    v[name].as_u64().unwrap_or_else(|| panic!("no {name}"))
+}
+
+/// fio through host `i`'s NBD socket: writes (and verifies) or only verifies the same blocks.
+fn fio(net: &Net, i: usize, socket: &Path, verify_only: bool, scratch: &Path) -> serde_json::Value {
+    let uri = format!("--uri=nbd+unix:///?socket={}", socket.display());
+    let mut args = vec![
+        "netns".to_string(),
+        "exec".into(),
+        net.ns(i),
+        "fio".into(),
+        "--name=netns".into(),
+        "--ioengine=nbd".into(),
+        uri,
+        "--rw=randwrite".into(),
+        "--bs=4k".into(),
+        "--iodepth=16".into(),
+        "--size=160M".into(),
+        "--randseed=7".into(),
+        "--verify=crc32c".into(),
+        "--verify_fatal=1".into(),
+        "--output-format=json".into(),
+        format!("--filename={}", scratch.join(format!("fio{i}")).display()),
+    ];
+    if verify_only {
+        args.push("--verify_only".into());
+    } else {
+        args.push("--do_verify=1".into());
+    }
+    let out = Command::new("ip").args(&args).output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "fio on host {i}: {text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let json = &text[text.find('{').expect("fio JSON")..];
+    let v: serde_json::Value = serde_json::from_str(json).unwrap();
+    assert_eq!(v["jobs"][0]["error"], 0, "fio on host {i}");
+    v
+}
+
+fn cluster_pages_to_a_growing_donor(shaped: bool) {
+    if !have_root("network namespaces") {
+        return;
+    }
+    if !have_tools(&[
+        ("ip", "iproute2"),
+        ("tc", "iproute2"),
+        ("fio", "fio"),
+        ("python3", "python3"),
+    ]) {
+        return;
+    }
+    // One scenario at a time: each measures the machine's available memory and grows a
+    // program against it.
+    static ONE: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _one = ONE.lock().unwrap_or_else(|e| e.into_inner());
+    let scratch = tempfile::tempdir().unwrap();
+    let dir = scratch.path();
+    let mut net = Net::new(shaped);
+    // creds[i] is host i's (creds[0] unused).
+    let creds: Vec<PathBuf> = std::iter::once(PathBuf::new())
+        .chain((1..=HOSTS).map(|i| credentials(dir, i)))
+        .collect();
+    let daemon = |net: &mut Net, i: usize, extra: &[&str]| -> u32 {
+        let tls = creds[i].to_str().unwrap().to_string();
+        let mut args = vec![
+            "serve",
+            "--tls",
+            &tls,
+            "--listen",
+            &addr(i) as &str,
+            "--seed",
+            "10.77.0.1:7077",
+        ]
+        .into_iter()
+        .map(String::from)
+        .collect::<Vec<_>>();
+        args.extend(extra.iter().map(|s| s.to_string()));
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        net.spawn(i, common::NETRAM, &args, &dir.join(format!("serve{i}.log")))
+    };
+    // Host 1 gives its memory to the cluster while its own programs leave it idle: it keeps
+    // 1 GiB less than the machine has now for them, and offers up to 512 MiB.
+    let reserve = format!("{}M", mem_available().saturating_sub(1 << 30) >> 20);
+    let donor = daemon(
+        &mut net,
+        1,
+        &[
+            "--capacity",
+            "512M",
+            "--adapt",
+            "--reserve",
+            &reserve,
+            "--chunk",
+            "32M",
+            "--grow-after",
+            "200ms",
+        ],
+    );
+    daemon(&mut net, 2, &["--capacity", "32M"]);
+    daemon(&mut net, 3, &["--capacity", "32M"]);
+    daemon(&mut net, 4, &["--capacity", "512M"]);
+    for h in 1..=4 {
+        eventually(&format!("host {h} sees the four"), 30, || {
+            members_alive(&net, h) == [1, 2, 3, 4]
+        });
+    }
+    let tls1 = creds[1].clone();
+    eventually("the donor offers its 512 MiB", 30, || {
+        stat(&net, 1, &tls1, "capacity_pages") == 131_072
+    });
+
+    // Hosts 2 and 3: a device on the cluster, with no server list.
+    let mut sockets = Vec::new();
+    for h in [2, 3] {
+        let socket = dir.join(format!("nbd{h}.sock"));
+        let tls = creds[h].to_str().unwrap().to_string();
+        net.spawn(
+            h,
+            common::NETRAM,
+            &[
+                "nbd",
+                "--size",
+                "256M",
+                "--cache",
+                "8M",
+                "--tls",
+                &tls,
+                "--socket",
+                socket.to_str().unwrap(),
+            ],
+            &dir.join(format!("nbd{h}.log")),
+        );
+        sockets.push((h, socket));
+    }
+    for (_, s) in &sockets {
+        eventually("the NBD socket", 30, || s.exists());
+    }
+    for (h, s) in &sockets {
+        fio(&net, *h, s, false, dir);
+    }
+    let held = stat(&net, 1, &tls1, "stored_pages");
+    let on_four = stat(&net, 4, &creds[4], "stored_pages");
+    assert!(held > 10_000, "the donor holds {held} pages");
+    let rss_before = rss(donor);
+
+    // A program on host 1 grows by 1.25 GiB and holds it; the clients keep verifying meanwhile.
+    net.spawn(
+        1,
+        "python3",
+        &[
+            "-c",
+            "import time\nb=[]\nfor i in range(80):\n b.append(b'\\x01'*(16<<20))\n time.sleep(0.02)\ntime.sleep(60)",
+        ],
+        &dir.join("grow.log"),
+    );
+    let t = Instant::now();
+    while t.elapsed() < Duration::from_secs(8) {
+        for (h, s) in &sockets {
+            fio(&net, *h, s, true, dir);
+        }
+    }
+    eventually("the donor's pages have left", 120, || {
+        stat(&net, 1, &tls1, "stored_pages") < held / 10
+            && stat(&net, 1, &tls1, "pages_beyond_offer") == 0
+    });
+    // Every block of both devices, after the move.
+    for (h, s) in &sockets {
+        fio(&net, *h, s, true, dir);
+    }
+    let rss_after = rss(donor);
+    assert!(
+        rss_after + held * 4096 / 2 < rss_before,
+        "the donor's resident memory fell from {rss_before} to only {rss_after}"
+    );
+    let moved = stat(&net, 4, &creds[4], "stored_pages").saturating_sub(on_four);
+    assert!(
+        moved > held / 2,
+        "{moved} of the donor's {held} pages went to host 4"
+    );
+
+    // Host 5 joins, then leaves: everyone sees it come and go.
+    let five = daemon(&mut net, 5, &["--capacity", "32M"]);
+    eventually("host 5 joined", 30, || {
+        members_alive(&net, 2) == [1, 2, 3, 4, 5]
+    });
+    // SAFETY: kill(2) on the PID of a child this test started and has not reaped.
+    unsafe { libc::kill(five as i32, libc::SIGTERM) };
+    eventually("host 5 left", 30, || members_alive(&net, 3) == [1, 2, 3, 4]);
+}
+
+#[test]
+fn netns_cluster_shaped_1gbit() {
+    cluster_pages_to_a_growing_donor(true);
+}
+
+#[test]
+fn netns_cluster_unshaped() {
+    cluster_pages_to_a_growing_donor(false);
+}
