@@ -394,6 +394,14 @@ fn cluster_pages_to_a_growing_donor(shaped: bool) {
         "the donor's resident memory fell from {rss_before} to only {rss_after}"
     );
     let moved = stat(&net, 4, &creds[4], "stored_pages").saturating_sub(on_four);
+    eprintln!(
+        "netns ({}): the donor held {held} pages; {moved} more on host 4 after; donor RSS {} -> \
+         {} MiB; offer now {} pages",
+        if shaped { "1 Gbit/s" } else { "unshaped" },
+        rss_before >> 20,
+        rss_after >> 20,
+        stat(&net, 1, &tls1, "capacity_pages")
+    );
     assert!(
         moved > held / 2,
         "{moved} of the donor's {held} pages went to host 4"
