@@ -80,6 +80,13 @@ pub struct MemberConfig {
     pub suspect_to_down: Duration,
     /// How often the seeds are tried while this node knows nobody.
     pub join_retry: Duration,
+    /// How often the seeds are announced to even when this node knows others, so that two
+    /// parts of a cluster that lost each other (both seeds restarted at once: they know only
+    /// each other) become one again.
+    pub rejoin_every: Duration,
+    /// How often two members declared down are announced to: a node that restarted at the
+    /// same address answers, and the parts that knew it merge.
+    pub down_announce_every: Duration,
     /// The cluster size expected, for how many times an update is retransmitted.
     pub cluster_size: u32,
 }
@@ -91,6 +98,8 @@ impl Default for MemberConfig {
             probe_rtt: Duration::from_millis(300),
             suspect_to_down: Duration::from_secs(3),
             join_retry: Duration::from_secs(1),
+            rejoin_every: Duration::from_secs(30),
+            down_announce_every: Duration::from_secs(5),
             cluster_size: 16,
         }
     }
@@ -102,6 +111,10 @@ impl MemberConfig {
         c.probe_period = self.probe_period;
         c.probe_rtt = self.probe_rtt.min(self.probe_period / 2);
         c.suspect_to_down_after = self.suspect_to_down;
+        c.periodic_announce_to_down_members = Some(foca::PeriodicParams {
+            frequency: self.down_announce_every,
+            num_members: std::num::NonZeroUsize::new(2).expect(">0"),
+        });
         // Room for a certificate and a signature under the envelope's limit.
         c.max_packet_size = std::num::NonZeroUsize::new(1400).expect(">0");
         c
@@ -192,6 +205,7 @@ pub struct Membership {
     timers: BTreeMap<(u64, u64), Timer<Node>>,
     timer_seq: u64,
     next_join_ms: u64,
+    next_rejoin_ms: u64,
     /// Newest announcement heard from each node id, and when.
     announces: HashMap<u64, (Announce, u64)>,
     sends: Vec<(SocketAddr, Vec<u8>)>,
@@ -211,6 +225,7 @@ impl Membership {
     /// A node that knows nobody yet; `seed` drives SWIM's random choices.
     pub fn new(me: Node, seed: u64, cfg: MemberConfig, now_ms: u64) -> Self {
         let foca = Foca::new(me, cfg.foca(), SmallRng::seed_from_u64(seed), PostcardCodec);
+        let rejoin_ms = cfg.rejoin_every.as_millis() as u64;
         Self {
             foca,
             rt: AccumulatingRuntime::new(),
@@ -220,6 +235,7 @@ impl Membership {
             timers: BTreeMap::new(),
             timer_seq: 0,
             next_join_ms: now_ms,
+            next_rejoin_ms: now_ms + rejoin_ms,
             announces: HashMap::new(),
             sends: Vec::new(),
             events: Vec::new(),
@@ -305,8 +321,10 @@ impl Membership {
             }
             self.pump();
         }
-        if self.foca.num_members() == 0 && self.now_ms >= self.next_join_ms {
+        let alone = self.foca.num_members() == 0 && self.now_ms >= self.next_join_ms;
+        if alone || self.now_ms >= self.next_rejoin_ms {
             self.next_join_ms = self.now_ms + self.cfg.join_retry.as_millis() as u64;
+            self.next_rejoin_ms = self.now_ms + self.cfg.rejoin_every.as_millis() as u64;
             for &addr in &self.seeds {
                 let placeholder = Node {
                     id: SEED_ID,
@@ -322,6 +340,11 @@ impl Membership {
     /// When [`Membership::on_tick`] next has something to do.
     pub fn next_deadline(&self) -> u64 {
         let timer = self.timers.keys().next().map_or(u64::MAX, |k| k.0);
+        let timer = if self.seeds.is_empty() {
+            timer
+        } else {
+            timer.min(self.next_rejoin_ms)
+        };
         if self.foca.num_members() == 0 && !self.seeds.is_empty() {
             timer.min(self.next_join_ms)
         } else {

@@ -133,6 +133,10 @@ impl Report {
         a.pages_migrated_to_disk += b.pages_migrated_to_disk;
         a.unanswered += b.unanswered;
         a.hostile += b.hostile;
+        a.members_declared_down += b.members_declared_down;
+        a.members_declared_down_alive += b.members_declared_down_alive;
+        a.members_failed_by_clients += b.members_failed_by_clients;
+        a.gossip_cuts += b.gossip_cuts;
     }
 }
 
@@ -463,6 +467,7 @@ fn play(sc: &Scenario, at: &std::cell::Cell<u32>) -> Result<Report, Failure> {
         // client's work and with each other's.
         deliver(&peers, &world, false);
         judge_pushed(&peers, &mut clients, &mut report).map_err(|e| fail(step, e))?;
+        follow_membership(&world, &clients);
         for (cj, other) in clients.iter_mut().enumerate() {
             // An idle client's maintenance runs too, as its thread would.
             if cj != ci && rng.u32(0..16) == 0 {
@@ -629,9 +634,47 @@ fn play(sc: &Scenario, at: &std::cell::Cell<u32>) -> Result<Report, Failure> {
     let w = world.borrow();
     check::stores(&w).map_err(|e| fail(end, e))?;
     check::nothing_left(&w).map_err(|e| fail(end, e))?;
+    drop(w);
+    // Every server back for a while (long enough for SWIM to declare what died and to merge
+    // parts that lost each other): every membership lists exactly them, at their boots.
+    world.borrow_mut().run_for(20_000_000);
+    let w = world.borrow();
+    w.membership_agrees().map_err(|e| fail(end, e))?;
     report.virtual_ms = w.now / 1000;
     report.faults = w.log;
     Ok(report)
+}
+
+/// What each client's maintenance thread does with the local daemon's membership
+/// (`netram_client::maintain`): a server declared down, at the boot that is running (an older
+/// boot's connections fail by themselves), is failed as if its connection had broken.
+fn follow_membership(world: &Rc<RefCell<World>>, clients: &[Client]) {
+    let downs = world.borrow_mut().take_declared_down();
+    for (server, boot) in downs {
+        // A renewed identity (declared down, it rejoined) keeps its boot's high bits.
+        if world.borrow().boot(server) != boot & !((1 << 20) - 1) {
+            continue;
+        }
+        for cl in clients {
+            let alive = cl
+                .pager
+                .borrow_mut()
+                .servers()
+                .nth(server)
+                .is_some_and(|(_, alive)| alive);
+            if alive {
+                world
+                    .borrow_mut()
+                    .failed_by_membership(cl.model.client, server);
+                cl.pager.borrow_mut().on_failure(
+                    server,
+                    netram_pager::TransportError::Disconnected(
+                        "membership declared it down".into(),
+                    ),
+                );
+            }
+        }
+    }
 }
 
 /// One tick of a client's maintenance schedule at virtual time `now`.
@@ -674,6 +717,11 @@ fn inject_faults(w: &mut World, sc: &Scenario, crash_chance: f64) {
         let s = w.rng.usize(0..sc.servers);
         let d = w.rng.u64(100_000..2_000_000);
         w.slow_down(s, d);
+    }
+    if f.gossip_cut > 0.0 && w.rng.f64() < f.gossip_cut {
+        let s = w.rng.usize(0..sc.servers);
+        let d = w.rng.u64(2_000_000..8_000_000);
+        w.cut_gossip(s, d);
     }
     if f.offer > 0.0 && w.rng.f64() < f.offer {
         let s = w.rng.usize(0..sc.servers);

@@ -15,6 +15,7 @@
 //! that is down answers nothing and the sender reports it unreachable. Frames that reach a
 //! connection while it waits for holders wait behind it, as on the daemon's connection thread.
 
+use netram_member::{Announce, MemberConfig, Membership, Node};
 use netram_pager::{ServerInfo, TransportError};
 use netram_proto::{decode_reply, decode_request, DeltaStatus, GetResult, Reply, PAGE_SIZE};
 use netram_store::serve::{self, DeltaOutcome, Forward, Outcome};
@@ -32,6 +33,9 @@ pub const WINDOW: u32 = 8;
 /// How long a server waits for a parity holder's answer before it tries again: well inside
 /// the clients' reply timeout, as the daemon's `peers` timeout is inside its clients'.
 pub const PEER_TIMEOUT_US: Micros = 300_000;
+
+/// How often each server's membership is ticked and its announcement brought up to date.
+pub const MEMBER_TICK_US: Micros = 50_000;
 
 /// A simulated server's node id, as a certificate would name it (members of parity groups
 /// name their servers by it, and holders check the senders of deltas against it).
@@ -78,6 +82,10 @@ pub struct Faults {
     /// wants memory back, or has room again) to a random part of its arena: new pages go
     /// elsewhere, pages above the offer stay readable.
     pub offer: f64,
+    /// Probability per step that a server's membership packets are lost, both ways, for
+    /// 2–8 s while its clients still reach it: the others declare it down while it is up
+    /// (SWIM's false positive) and clients fail it on membership's word.
+    pub gossip_cut: f64,
 }
 
 impl Faults {
@@ -96,6 +104,7 @@ impl Faults {
             hostile: 0.0,
             disk_write: 0.0,
             offer: 0.0,
+            gossip_cut: 0.0,
         }
     }
 
@@ -114,6 +123,7 @@ impl Faults {
             hostile: 0.000_5,
             disk_write: 0.02,
             offer: 0.003,
+            gossip_cut: 0.000_5,
         }
     }
 }
@@ -226,6 +236,15 @@ enum Event {
     },
     /// The clients' keepalive (every half lease period) and the servers' lease reaper.
     Tick,
+    /// A membership packet (SWIM and its sender's announcement) reaches server `to`.
+    Gossip {
+        to: usize,
+        from: usize,
+        announce: Announce,
+        bytes: Vec<u8>,
+    },
+    /// Every server's membership timers.
+    MemberTick,
 }
 
 #[derive(Debug)]
@@ -269,6 +288,14 @@ pub struct FaultLog {
     pub pages_migrated_to_disk: u64,
     pub unanswered: u32,
     pub hostile: u32,
+    /// Members some server's membership declared down, and of those, the ones that were up
+    /// (that boot of the server still running: SWIM's false positives).
+    pub members_declared_down: u32,
+    pub members_declared_down_alive: u32,
+    /// Servers failed by a client because membership declared them down.
+    pub members_failed_by_clients: u32,
+    /// Times a server's membership packets were lost for a while.
+    pub gossip_cuts: u32,
 }
 
 /// The whole simulated cluster.
@@ -294,6 +321,12 @@ pub struct World {
     pub bad_frames: Vec<String>,
     /// Print every fault and message (`netram sim --trace`).
     pub trace: bool,
+    /// Each server's membership (SWIM, `netram_member`), `None` while it is down.
+    members: Vec<Option<Membership>>,
+    /// Members declared down, (server, boot), not yet taken by the scenario.
+    declared_down: Vec<(usize, u64)>,
+    /// Until when each server's membership packets are lost (`Faults::gossip_cut`).
+    gossip_cut_until: Vec<Micros>,
 }
 
 impl World {
@@ -313,9 +346,133 @@ impl World {
             next_session: 1,
             bad_frames: Vec::new(),
             trace: false,
+            members: Vec::new(),
+            declared_down: Vec::new(),
+            gossip_cut_until: vec![0; servers.len()],
         };
         w.schedule(LEASE_PERIOD_MS * 500, Event::Tick);
+        w.members = (0..servers.len()).map(|_| None).collect();
+        for i in 0..servers.len() {
+            w.start_member(i);
+        }
+        w.schedule(MEMBER_TICK_US, Event::MemberTick);
         w
+    }
+
+    /// The boot incarnation server `i`'s membership identity carries: a restart is a new
+    /// boot, far above what renewals after a false death (+1 each) reach.
+    pub fn boot(&self, i: usize) -> u64 {
+        (self.servers[i].incarnation + 1) << 20
+    }
+
+    /// Server `i`'s membership, new (at start and after a restart): it joins through servers
+    /// 0 and 1, as a daemon through its seed list.
+    fn start_member(&mut self, i: usize) {
+        let me = Node {
+            id: server_node(i),
+            addr: server_addr(i),
+            boot: self.boot(i),
+        };
+        let mut m = Membership::new(
+            me,
+            self.rng.u64(..),
+            MemberConfig::default(),
+            self.now / 1000,
+        );
+        let seeds: Vec<SocketAddr> = (0..self.servers.len().min(2)).map(server_addr).collect();
+        m.join(&seeds);
+        self.members[i] = Some(m);
+        self.member_flush(i);
+    }
+
+    /// Sends what server `i`'s membership asked for, over the faulty network, and takes note of
+    /// members it declared down.
+    fn member_flush(&mut self, i: usize) {
+        let Some(m) = self.members[i].as_mut() else {
+            return;
+        };
+        let (sends, events, announce) = (m.take_sends(), m.take_events(), m.announce());
+        for (addr, bytes) in sends {
+            let Some(to) = (0..self.servers.len()).find(|&j| server_addr(j) == addr) else {
+                continue;
+            };
+            let cut = self.gossip_cut_until[i].max(self.gossip_cut_until[to]) > self.now;
+            if cut || self.chance(self.faults.lose) {
+                continue;
+            }
+            let d = self.delay();
+            self.schedule(
+                d,
+                Event::Gossip {
+                    to,
+                    from: i,
+                    announce,
+                    bytes,
+                },
+            );
+        }
+        for e in events {
+            if let netram_member::Event::Down(n) = e {
+                let s = (n.id - 1) as usize;
+                if s >= self.servers.len() {
+                    continue;
+                }
+                self.log.members_declared_down += 1;
+                if self.servers[s].up && self.boot(s) == n.boot {
+                    self.log.members_declared_down_alive += 1;
+                }
+                self.note(format_args!(
+                    "server {i}'s membership declares server {s} down"
+                ));
+                self.declared_down.push((s, n.boot));
+            }
+        }
+    }
+
+    /// Loses server `i`'s membership packets, both ways, for `d`.
+    pub fn cut_gossip(&mut self, i: usize, d: Micros) {
+        self.gossip_cut_until[i] = self.now + d;
+        self.log.gossip_cuts += 1;
+        self.note(format_args!(
+            "server {i}'s membership packets are lost for {d} us"
+        ));
+    }
+
+    /// Members declared down since the last call: (server, boot).
+    pub fn take_declared_down(&mut self) -> Vec<(usize, u64)> {
+        std::mem::take(&mut self.declared_down)
+    }
+
+    /// A client failed `server` because membership declared it down: like a connection that
+    /// broke, it may cost the client its copies there.
+    pub fn failed_by_membership(&mut self, client: usize, server: usize) {
+        self.log.members_failed_by_clients += 1;
+        self.touch(client, server);
+    }
+
+    /// Every server that is up lists exactly the servers that are up as alive (or suspect),
+    /// each at its current boot: membership has converged.
+    pub fn membership_agrees(&self) -> Result<(), String> {
+        let up: Vec<(u64, u64)> = (0..self.servers.len())
+            .filter(|&j| self.servers[j].up)
+            .map(|j| (server_node(j), self.boot(j)))
+            .collect();
+        for (i, m) in self.members.iter().enumerate() {
+            let Some(m) = m else { continue };
+            let mut seen: Vec<(u64, u64)> = m
+                .members()
+                .iter()
+                .filter(|v| v.liveness != netram_member::Liveness::Down)
+                .map(|v| (v.node.id, v.node.boot - v.node.boot % (1 << 20)))
+                .collect();
+            seen.sort_unstable();
+            if seen != up {
+                return Err(format!(
+                    "membership: server {i} believes {seen:?} alive, but {up:?} are up"
+                ));
+            }
+        }
+        Ok(())
     }
 
     fn schedule(&mut self, after: Micros, event: Event) {
@@ -516,6 +673,45 @@ impl World {
                 s.up = true;
                 s.incarnation += 1;
                 s.store = new_store(s.capacity_pages);
+                self.start_member(server);
+            }
+            Event::Gossip {
+                to,
+                from,
+                announce,
+                bytes,
+            } => {
+                if !self.servers[to].up {
+                    return;
+                }
+                let now_ms = self.now / 1000;
+                if let Some(m) = self.members[to].as_mut() {
+                    // The runtime has checked the signature: the sender is server `from`.
+                    let _ = m.on_packet(now_ms, Some(server_node(from)), announce, &bytes);
+                }
+                self.member_flush(to);
+            }
+            Event::MemberTick => {
+                let now_ms = self.now / 1000;
+                for i in 0..self.servers.len() {
+                    let s = &mut self.servers[i];
+                    let Some(m) = self.members[i].as_mut().filter(|_| s.up) else {
+                        continue;
+                    };
+                    let old = m.announce();
+                    let (offered, free) = (s.store.capacity_pages(), s.store.room());
+                    if (old.offered_pages, old.free_pages) != (offered, free) {
+                        m.set_announce(Announce {
+                            seq: old.seq + 1,
+                            offered_pages: offered,
+                            free_pages: free,
+                            requests_per_s: 0,
+                        });
+                    }
+                    m.on_tick(now_ms);
+                    self.member_flush(i);
+                }
+                self.schedule(MEMBER_TICK_US, Event::MemberTick);
             }
             Event::Heal { client, server } => self.partitioned[client][server] = false,
             Event::Delta { conn, holder, idx } => self.delta_arrives(conn, holder, idx),
@@ -818,6 +1014,7 @@ impl World {
     pub fn crash(&mut self, server: usize, downtime: Micros) {
         self.note(format_args!("server {server} crashes"));
         self.servers[server].up = false;
+        self.members[server] = None;
         self.log.crashes += 1;
         for i in 0..self.conns.len() {
             if self.conns[i].server == server {
