@@ -1,6 +1,7 @@
 //! Membership between real daemons: three `netram serve` processes, each with its own node
 //! certificate, find each other through one seed, list each other (`netram members`), and
-//! a client given no servers pages to the members its local daemon names; a daemon killed
+//! a client given no servers pages to the members its local daemon names, and to a fourth
+//! that joins later; a daemon killed
 //! with SIGKILL is declared down by the others and failed by the client as if its connection
 //! had broken (the client's own probes are off, so only membership can tell it). Hostile
 //! membership packets are refused and counted.
@@ -165,10 +166,30 @@ fn daemons_find_each_other_clients_need_no_server_list_and_death_is_followed() {
         "the local daemon is not its own store"
     );
 
+    // A fourth daemon joins: the client, whose servers are its daemon's members, takes it up
+    // and places new pages on it too.
+    let d = start(14, Some(&a.proc.addr));
+    eventually("the client uses the new member", 30, || {
+        pager.lock().unwrap().servers().count() == 3
+    });
+    {
+        let mut p = pager.lock().unwrap();
+        for i in 1000..2000 {
+            p.write(i, &page(i)).unwrap();
+        }
+        p.flush().unwrap();
+        // Its slots and queues grew with it.
+        p.check_invariants().unwrap();
+    }
+    assert!(
+        d.proc.stat("stored_pages") > 100,
+        "the new member took pages"
+    );
+
     b.proc.signal(libc::SIGKILL);
-    for d in [&a, &c] {
+    for m in [&a, &c] {
         eventually("b declared down", 30, || {
-            states(&d.metrics) == [(11, Alive), (12, Down), (13, Alive)]
+            states(&m.metrics) == [(11, Alive), (12, Down), (13, Alive), (14, Alive)]
         });
     }
     eventually(
@@ -182,7 +203,7 @@ fn daemons_find_each_other_clients_need_no_server_list_and_death_is_followed() {
     );
     let mut p = pager.lock().unwrap();
     let mut buf = vec![0u8; PAGE_SIZE];
-    for i in 0..1000 {
+    for i in 0..2000 {
         p.read(i, &mut buf).unwrap();
         assert_eq!(buf, page(i), "page {i}");
     }

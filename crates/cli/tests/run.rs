@@ -776,8 +776,9 @@ fn bad_configurations_are_refused_clearly() {
             "is not a size",
         ),
         (
+            // No servers and no daemon to ask (NETRAM_DAEMON below names nothing).
             &["--local-mem", "8M"],
-            "--servers (or NETRAM_SERVERS) is needed",
+            "no --servers (or NETRAM_SERVERS) given",
         ),
         (
             &["--local-mem", "1", "--backing", "disk"],
@@ -790,6 +791,7 @@ fn bad_configurations_are_refused_clearly() {
             .args(args)
             .args(["--", "true"])
             .env_remove("NETRAM_SERVERS")
+            .env("NETRAM_DAEMON", "127.0.0.1:1")
             .output()
             .unwrap();
         let err = String::from_utf8_lossy(&out.stderr);

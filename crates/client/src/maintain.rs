@@ -117,6 +117,9 @@ struct Membership {
     acted: std::collections::HashSet<(std::net::SocketAddr, u64)>,
     /// The daemon could not be reached last time (said once, not every second).
     unreachable: bool,
+    /// New members that could not be connected to, and when to try again (the connection
+    /// is made under the pager's lock: an unreachable member must not hold it every second).
+    not_before: std::collections::HashMap<std::net::SocketAddr, Instant>,
 }
 
 impl Membership {
@@ -149,21 +152,20 @@ impl Membership {
             .filter(|r| !self.acted.contains(&(r.addr, r.boot)))
             .map(|r| (r.addr, r.boot))
             .collect();
-        if down.is_empty() {
-            return;
-        }
+        let live: Vec<std::net::SocketAddr> = list
+            .members
+            .iter()
+            .filter(|r| !r.is_self && r.state != netram_member::Liveness::Down)
+            .map(|r| r.addr)
+            .collect();
+        let not_before = &mut self.not_before;
         with_pager(&mut |p| {
-            let failed: Vec<usize> = p
-                .transport()
-                .servers()
-                .iter()
-                .enumerate()
-                .filter(|(_, s)| down.iter().any(|(a, _)| s.addr == Some(*a)))
-                .map(|(i, _)| i)
-                .collect();
-            for i in failed {
+            let known: Vec<Option<std::net::SocketAddr>> =
+                p.transport().servers().iter().map(|s| s.addr).collect();
+            for (i, addr) in known.iter().enumerate() {
+                let declared = addr.is_some_and(|a| down.iter().any(|(d, _)| *d == a));
                 let alive = p.servers().nth(i).is_some_and(|(_, alive)| alive);
-                if alive {
+                if declared && alive {
                     tracing::warn!(server = i, "the cluster declared this server down");
                     p.on_failure(
                         i,
@@ -171,6 +173,22 @@ impl Membership {
                             "the cluster's membership declared it down".into(),
                         ),
                     );
+                }
+            }
+            // Members that joined after the pager started, if its servers are the daemon's.
+            if p.transport().discovered() {
+                let now = Instant::now();
+                for a in live.iter().filter(|a| !known.contains(&Some(**a))) {
+                    if not_before.get(a).is_some_and(|t| now < *t) {
+                        continue;
+                    }
+                    match p.add_server(&a.to_string()) {
+                        Ok(i) => tracing::info!(server = i, addr = %a, "a new member is used"),
+                        Err(e) => {
+                            tracing::debug!("member {a} not used yet: {e}");
+                            not_before.insert(*a, now + Duration::from_secs(10));
+                        }
+                    }
                 }
             }
         });

@@ -75,12 +75,10 @@ pub enum OpenError {
     #[error("the size must be above zero")]
     NoPages,
     #[error(
-        "page servers are needed with backing {0}: give them, or run `netram serve` with the \
-         cluster's seeds on this machine (asked at NETRAM_DAEMON, 127.0.0.1:9077 by default), \
-         or use backing disk"
+        "no page servers were given and {0}: give them, run `netram serve` with the cluster's \
+         seeds on this machine (asked at NETRAM_DAEMON, 127.0.0.1:9077 by default), or use \
+         backing disk"
     )]
-    NoServers(Backing),
-    #[error("no page servers were given and {0}")]
     Discover(#[from] crate::discover::DiscoverError),
     #[error("the local daemon at {0} knows no other live member of the cluster yet")]
     NoMembers(String),
@@ -121,6 +119,11 @@ pub enum OpenError {
 /// Connects to the servers (going on without those that cannot be reached, with a warning,
 /// as long as one can) and creates the spill file.
 pub fn open_pager(o: &OpenOptions) -> Result<ClientPager, OpenError> {
+    open_from(o, false)
+}
+
+/// [`open_pager`]; `discovered`: the servers are the local daemon's members.
+fn open_from(o: &OpenOptions, discovered: bool) -> Result<ClientPager, OpenError> {
     if o.pages == 0 {
         return Err(OpenError::NoPages);
     }
@@ -132,10 +135,13 @@ pub fn open_pager(o: &OpenOptions) -> Result<ClientPager, OpenError> {
             return Err(OpenError::NoMembers(daemon));
         }
         tracing::info!(%daemon, servers = servers.join(","), "servers from the local daemon");
-        return open_pager(&OpenOptions {
-            servers,
-            ..o.clone()
-        });
+        return open_from(
+            &OpenOptions {
+                servers,
+                ..o.clone()
+            },
+            true,
+        );
     }
     if o.redundancy != Scheme::None && o.backing == Backing::Disk {
         return Err(OpenError::RedundancyWithoutServers(o.redundancy));
@@ -183,7 +189,10 @@ pub fn open_pager(o: &OpenOptions) -> Result<ClientPager, OpenError> {
         sealed_pages: true,
         ..ClientConfig::new()
     };
-    let transport = TcpTransport::connect(&o.servers, &client);
+    let mut transport = TcpTransport::connect(&o.servers, &client);
+    if discovered {
+        transport.set_discovered();
+    }
     let dead: Vec<String> = transport
         .servers_unreachable()
         .into_iter()

@@ -149,6 +149,9 @@ pub struct TcpTransport {
     refreshed: Arc<Mutex<Vec<Arc<Shared>>>>,
     /// For reconnections: the same node and incarnation, a new session each time.
     cfg: ClientConfig,
+    /// The servers came from this machine's daemon (`crate::discover`): members that join
+    /// later are added too (`crate::maintain`).
+    discovered: bool,
     _qos: Option<PmQos>,
 }
 
@@ -251,6 +254,7 @@ impl TcpTransport {
             keepalive: Some(keepalive),
             refreshed,
             cfg: cfg.clone(),
+            discovered: false,
             _qos: if cfg.low_latency { PmQos::hold() } else { None },
         }
     }
@@ -280,6 +284,17 @@ impl TcpTransport {
     }
 
     /// The servers whose handshake failed, with the reason.
+    /// Whether the servers came from this machine's daemon (members that join later are
+    /// added as they come).
+    pub fn discovered(&self) -> bool {
+        self.discovered
+    }
+
+    /// Marks the servers as this machine's daemon's members.
+    pub fn set_discovered(&mut self) {
+        self.discovered = true;
+    }
+
     pub fn servers_unreachable(&self) -> Vec<(String, String)> {
         self.conns
             .iter()
@@ -649,6 +664,27 @@ impl Transport for TcpTransport {
         }
         tracing::info!(server = %self.conns[server].info.name, "reconnected");
         Ok(self.conns[server].info.clone())
+    }
+
+    fn add_server(&mut self, name: &str) -> Result<ServerInfo, TransportError> {
+        let cfg = ClientConfig {
+            session: fastrand::u64(..),
+            warn_unreachable: false,
+            connect_timeout: self.cfg.connect_timeout.min(RECONNECT_TIMEOUT),
+            ..self.cfg.clone()
+        };
+        let conn = open_conn(name.to_string(), &cfg);
+        if let Some(e) = &conn.broken {
+            return Err(e.clone());
+        }
+        self.refreshed
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .extend(conn.shared.clone());
+        tracing::info!(server = %name, "a server that joined the cluster is used");
+        let info = conn.info.clone();
+        self.conns.push(conn);
+        Ok(info)
     }
 }
 

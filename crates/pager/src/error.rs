@@ -30,6 +30,9 @@ pub enum PagerError {
     BadBuffer { got: usize, pages: usize },
     #[error("local disk: {0}")]
     Disk(#[from] std::io::Error),
+    /// A server could not be added ([`crate::Pager::add_server`]).
+    #[error("cannot use a new server: {0}")]
+    AddServer(String),
 }
 
 fn lost_message(lost: &[LostPages]) -> String {

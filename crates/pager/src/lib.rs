@@ -267,6 +267,46 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         }
     }
 
+    /// Starts using a server that joined the cluster after the pager was opened (the client
+    /// runtime learns of it from its machine's daemon): the transport connects to it, and it
+    /// takes new pages from then on, with the staging slots of its window. Not under
+    /// `parity:N`, whose groups name every server by an address fixed at start. Returns its
+    /// index.
+    pub fn add_server(&mut self, name: &str) -> Result<usize, PagerError> {
+        if matches!(self.cfg.redundancy, Scheme::Parity { .. }) {
+            return Err(PagerError::AddServer(
+                "parity:N uses the servers it started with".into(),
+            ));
+        }
+        let info = self
+            .transport
+            .add_server(name)
+            .map_err(|e| PagerError::AddServer(format!("{name}: {e}")))?;
+        let window = info.window.min(self.cfg.window) as usize;
+        self.servers.push(ServerState {
+            alive: info.connected.is_ok(),
+            dead_reason: info.connected.clone().err().unwrap_or_default(),
+            load: Candidate {
+                alive: info.connected.is_ok(),
+                free_pages: info.free_pages,
+                requests_per_s: 0,
+            },
+            leaving: 0,
+            leaving_stuck: 0,
+            info,
+        });
+        self.inflight.per_server.push(0);
+        self.queues.push(VecDeque::new());
+        // Its staging: a full window in flight and a batch being filled, as at start.
+        let more = window + self.cfg.batch_max;
+        let first = self.dirty.len() as u32;
+        self.slots.resize(self.slots.len() + more * PAGE_SIZE, 0);
+        self.dirty.resize(self.dirty.len() + more, false);
+        self.sealed.resize(self.sealed.len() + more, false);
+        self.free_slots.extend(first..first + more as u32);
+        Ok(self.servers.len() - 1)
+    }
+
     pub fn config(&self) -> &PagerConfig {
         &self.cfg
     }

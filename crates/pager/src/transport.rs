@@ -70,6 +70,14 @@ pub trait Transport {
             "this transport does not reconnect".into(),
         ))
     }
+    /// Connects to a server that joined the cluster after the pager started; it becomes the
+    /// next index. A transport that cannot add servers says so.
+    fn add_server(&mut self, name: &str) -> Result<ServerInfo, TransportError> {
+        let _ = name;
+        Err(TransportError::Disconnected(
+            "this transport does not add servers".into(),
+        ))
+    }
     /// Whether the transport leaves the authenticity of pages it receives to the pager (a GET
     /// reply's page data outside its record's seal, `netram-net`'s `record.rs`): then the
     /// pager must seal its pages, and refuses to start if it does not.
