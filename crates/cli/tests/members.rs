@@ -27,10 +27,11 @@ fn free_port() -> u16 {
         .port()
 }
 
+/// keygen writes the cluster's list of issued certificates: one at a time.
+static KEYGEN: Mutex<()> = Mutex::new(());
+
 /// Credentials of server node `node`, issued by the tests' cluster.
 fn node_dir(node: u64) -> PathBuf {
-    // keygen writes the cluster's list of issued certificates: one at a time.
-    static KEYGEN: Mutex<()> = Mutex::new(());
     let _one = KEYGEN.lock().unwrap_or_else(|e| e.into_inner());
     let out = tls_dir().with_file_name(format!("node-{node}-{}", std::process::id()));
     if !out.join("node.pem").exists() {
@@ -248,10 +249,42 @@ fn hostile_membership_packets_are_refused_and_counted() {
     let (scheme, sig) = creds.sign(b"something else").unwrap();
     netram_member::envelope::encode_signature(&mut p, scheme, &sig);
     sock.send_to(&p, to).unwrap();
+    // Signed properly, but by a client's certificate: not a member.
+    let client_dir = tls_dir().with_file_name(format!("client-31-{}", std::process::id()));
+    {
+        let _one = KEYGEN.lock().unwrap_or_else(|e| e.into_inner());
+        if !client_dir.join("node.pem").exists() {
+            let st = netram()
+                .args(["keygen", "--cluster"])
+                .arg(tls_dir())
+                .args(["--node", "31", "--out"])
+                .arg(&client_dir)
+                .status()
+                .unwrap();
+            assert!(st.success());
+        }
+    }
+    let client = netram_client::Credentials::load(&client_dir).unwrap();
+    let mut p = Vec::new();
+    netram_member::envelope::encode_body(
+        &mut p,
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_millis() as u64,
+        &netram_member::Announce::default(),
+        b"x",
+        true,
+    );
+    netram_member::envelope::encode_cert(&mut p, client.cert_der());
+    let (scheme, sig) = client.sign(&p).unwrap();
+    netram_member::envelope::encode_signature(&mut p, scheme, &sig);
+    sock.send_to(&p, to).unwrap();
     eventually("refusals counted", 10, || {
         a.proc.stat("gossip_refused_malformed") >= 1
             && a.proc.stat("gossip_refused_unsigned") >= 1
             && a.proc.stat("gossip_refused_bad_signature") >= 1
+            && a.proc.stat("gossip_refused_not_server") >= 1
     });
     // And the cluster goes on: b is still a member of a's.
     eventually("b still alive at a", 10, || {

@@ -256,6 +256,8 @@ node_counters! {
     gossip_refused_malformed,
     gossip_refused_unsigned,
     gossip_refused_bad_signature,
+    /// Signed by a node whose certificate has no server role (a client is not a member).
+    gossip_refused_not_server,
     gossip_refused_stale,
     gossip_refused_wrong_sender,
     gossip_refused_swim,

@@ -11,9 +11,10 @@
 //! only) packets are clear and only loopback senders are heard.
 //!
 //! Everything arriving is hostile: a packet that does not decode, is unsigned in a secure
-//! cluster, is signed by someone else than it claims, is more than [`MAX_SKEW`] old or new, or
-//! arrives beyond [`MAX_VERIFY_PER_S`] (signature checks cost ~0.1 ms each) is dropped and
-//! counted, one counter per reason; nothing else changes.
+//! cluster, is signed by a node without the server role or by someone else than it claims,
+//! is more than [`MAX_SKEW`] old or new, or arrives beyond [`MAX_VERIFY_PER_S`] (signature
+//! checks cost ~0.1 ms each) is dropped and counted, one counter per reason; nothing else
+//! changes.
 
 use crate::daemon::Shared;
 use netram_member::envelope::{self, Announce, MAX_PACKET};
@@ -112,6 +113,8 @@ fn receive(shared: &Shared, bytes: &[u8], from: SocketAddr) {
     };
     let sender = match (shared.creds(), &p.signature) {
         (Some(creds), Some(s)) => match creds.verify_signed(s.cert, s.signed, s.scheme, s.sig) {
+            // Members serve pages: a client's certificate does not make one.
+            Ok(id) if !id.server => return Shared::bump(&c.gossip_refused_not_server),
             Ok(id) => Some(id.node),
             Err(e) => {
                 tracing::debug!(%from, "membership packet refused: {e}");
