@@ -157,6 +157,22 @@ impl Transport for MemCluster {
         decode_reply(&self.last).map_err(|e| TransportError::Protocol(e.to_string()))
     }
 
+    /// A server that joined later: `memN`'s capacity is 100 pages.
+    fn add_server(&mut self, _name: &str) -> Result<ServerInfo, TransportError> {
+        let mut store = Store::new(vec![0u8; 100 * PAGE_SIZE], StoreConfig::default());
+        let session = store.open_session(1, 1, 1, 0).unwrap();
+        self.servers.push(MemServer {
+            store,
+            session,
+            replies: VecDeque::new(),
+            dead: false,
+            corrupt_next: false,
+            corrupt_always: false,
+            corrupt_puts: false,
+        });
+        Ok(self.servers().pop().expect("just pushed"))
+    }
+
     fn try_recv(&mut self, server: usize) -> Option<Result<(u64, Reply<'_>), TransportError>> {
         if self.servers[server].replies.is_empty() && !self.servers[server].dead {
             return None;
@@ -617,6 +633,65 @@ fn a_dead_server_loses_exactly_its_pages_with_cluster_backing() {
     // Rewriting a lost page places it on a live server again.
     p.write(expected[0], &content(0, 9)).unwrap();
     assert_eq!(read(&mut p, expected[0]).unwrap(), content(0, 9));
+}
+
+#[test]
+fn a_server_added_later_takes_new_pages_and_survives_as_any_other() {
+    for scheme in ["none", "mirror:2", "rs:2+1"] {
+        let mut p = Pager::new(
+            PagerConfig {
+                pages: 120,
+                cache_pages: 4,
+                writeback_batch: 4,
+                redundancy: scheme.parse().unwrap(),
+                ..sealed()
+            },
+            MemCluster::new(&[100, 100, 100]),
+            MemDisk::default(),
+        );
+        for page in 0..60 {
+            p.write(page, &content(page, 1)).unwrap();
+        }
+        p.flush().unwrap();
+        assert_eq!(p.add_server("mem3").unwrap(), 3, "{scheme}");
+        p.check_invariants().unwrap();
+        for page in 60..120 {
+            p.write(page, &content(page, 2)).unwrap();
+        }
+        p.flush().unwrap();
+        p.check_invariants().unwrap();
+        assert!(
+            p.transport.servers[3].store.stored_pages() > 0,
+            "{scheme}: the new server took pages"
+        );
+        // It is a server like the others: under redundancy its death loses nothing.
+        if scheme != "none" {
+            p.transport.servers[3].dead = true;
+        }
+        for page in 0..120 {
+            let round = if page < 60 { 1 } else { 2 };
+            assert_eq!(
+                read(&mut p, page).unwrap(),
+                content(page, round),
+                "{scheme}"
+            );
+        }
+        p.check_invariants().unwrap();
+    }
+    // Parity groups name their servers by addresses fixed at start.
+    let mut p = Pager::new(
+        PagerConfig {
+            pages: 8,
+            redundancy: "parity:2".parse().unwrap(),
+            ..sealed()
+        },
+        MemCluster::new(&[100, 100, 100]),
+        MemDisk::default(),
+    );
+    assert!(matches!(
+        p.add_server("mem3"),
+        Err(PagerError::AddServer(_))
+    ));
 }
 
 #[test]
