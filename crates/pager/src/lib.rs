@@ -114,6 +114,25 @@ struct ServerState {
     leaving_stuck: u32,
 }
 
+impl ServerState {
+    /// A server as its handshake left it: alive if it connected, with the free pages it
+    /// announced.
+    fn new(info: ServerInfo) -> Self {
+        Self {
+            alive: info.connected.is_ok(),
+            dead_reason: info.connected.clone().err().unwrap_or_default(),
+            load: Candidate {
+                alive: info.connected.is_ok(),
+                free_pages: info.free_pages,
+                requests_per_s: 0,
+            },
+            leaving: 0,
+            leaving_stuck: 0,
+            info,
+        }
+    }
+}
+
 /// The pager. Single-threaded: every call runs to completion on the caller's thread, which
 /// writes requests and reads replies itself (no hand-off to another thread on the critical path).
 pub struct Pager<T: Transport, D: Disk> {
@@ -199,18 +218,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         let servers: Vec<ServerState> = transport
             .servers()
             .into_iter()
-            .map(|info| ServerState {
-                alive: info.connected.is_ok(),
-                dead_reason: info.connected.clone().err().unwrap_or_default(),
-                load: Candidate {
-                    alive: info.connected.is_ok(),
-                    free_pages: info.free_pages,
-                    requests_per_s: 0,
-                },
-                leaving: 0,
-                leaving_stuck: 0,
-                info,
-            })
+            .map(ServerState::new)
             .collect();
         // Per server: a full window in flight plus a batch being filled.
         let staging: usize = servers
@@ -283,18 +291,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             .add_server(name)
             .map_err(|e| PagerError::AddServer(format!("{name}: {e}")))?;
         let window = info.window.min(self.cfg.window) as usize;
-        self.servers.push(ServerState {
-            alive: info.connected.is_ok(),
-            dead_reason: info.connected.clone().err().unwrap_or_default(),
-            load: Candidate {
-                alive: info.connected.is_ok(),
-                free_pages: info.free_pages,
-                requests_per_s: 0,
-            },
-            leaving: 0,
-            leaving_stuck: 0,
-            info,
-        });
+        self.servers.push(ServerState::new(info));
         self.inflight.per_server.push(0);
         self.queues.push(VecDeque::new());
         // Its staging: a full window in flight and a batch being filled, as at start.

@@ -22,6 +22,23 @@ struct MemServer {
     corrupt_puts: bool,
 }
 
+impl MemServer {
+    /// A store of `capacity` pages with the client's session open.
+    fn new(capacity: usize) -> Self {
+        let mut store = Store::new(vec![0u8; capacity * PAGE_SIZE], StoreConfig::default());
+        let session = store.open_session(1, 1, 1, 0).unwrap();
+        MemServer {
+            store,
+            session,
+            replies: VecDeque::new(),
+            dead: false,
+            corrupt_next: false,
+            corrupt_always: false,
+            corrupt_puts: false,
+        }
+    }
+}
+
 struct MemCluster {
     servers: Vec<MemServer>,
     window: u32,
@@ -32,22 +49,7 @@ struct MemCluster {
 
 impl MemCluster {
     fn new(capacities: &[usize]) -> Self {
-        let servers = capacities
-            .iter()
-            .map(|&c| {
-                let mut store = Store::new(vec![0u8; c * PAGE_SIZE], StoreConfig::default());
-                let session = store.open_session(1, 1, 1, 0).unwrap();
-                MemServer {
-                    store,
-                    session,
-                    replies: VecDeque::new(),
-                    dead: false,
-                    corrupt_next: false,
-                    corrupt_always: false,
-                    corrupt_puts: false,
-                }
-            })
-            .collect();
+        let servers = capacities.iter().map(|&c| MemServer::new(c)).collect();
         Self {
             servers,
             window: 8,
@@ -159,17 +161,7 @@ impl Transport for MemCluster {
 
     /// A server that joined later: `memN`'s capacity is 100 pages.
     fn add_server(&mut self, _name: &str) -> Result<ServerInfo, TransportError> {
-        let mut store = Store::new(vec![0u8; 100 * PAGE_SIZE], StoreConfig::default());
-        let session = store.open_session(1, 1, 1, 0).unwrap();
-        self.servers.push(MemServer {
-            store,
-            session,
-            replies: VecDeque::new(),
-            dead: false,
-            corrupt_next: false,
-            corrupt_always: false,
-            corrupt_puts: false,
-        });
+        self.servers.push(MemServer::new(100));
         Ok(self.servers().pop().expect("just pushed"))
     }
 
