@@ -88,8 +88,9 @@ pub struct ServeArgs {
     /// most --capacity; what it stops offering is given back to the kernel. It grows a chunk
     /// at a time once the machine has had two chunks to spare beyond --reserve for
     /// --grow-after, and shrinks at once when filling it would leave the machine less than
-    /// --reserve, or when programs stall on memory. Pages held above a shrunk offer stay
-    /// readable until they are deleted (moving them to other nodes is not done yet).
+    /// --reserve, or when programs stall on memory. Pages held above a shrunk offer move to
+    /// other nodes (their owners move them, or to their local disk when the cluster is full);
+    /// they stay readable meanwhile.
     #[arg(long)]
     adapt: bool,
     /// With --adapt: the least the offer goes down to [default: 0].

@@ -4,10 +4,12 @@
 //! offer there (`Store::set_offer`), and gives the memory of the frames no longer offered back
 //! to the kernel (`MADV_DONTNEED`: the daemon's resident memory falls).
 //!
-//! What is not here yet: moving the pages held above a shrunk offer to other nodes (Nswap's
-//! MIGRATE/UPDATE/INVALIDATE). Until then they stay where they are, readable and deletable
-//! (`pages_beyond_offer` in the stats), and their frames are given back as their pages are
-//! deleted or their sessions end.
+//! Pages held above a shrunk offer are first moved down into frames free below it
+//! (`Store::compact`); what does not fit stays readable (`pages_beyond_offer`) while every
+//! reply tells its owner how many must leave, and the owners move them to other nodes
+//! (`netram-pager`'s `migrate.rs`); their frames are given back as they go. Nswap's direct
+//! move (MIGRATE from this node to another, UPDATE to the owner, INVALIDATE here) is not done:
+//! the pages travel through their owner.
 
 use netram_policy::donor::{parse_meminfo, parse_psi, Donor, DonorConfig, Sample};
 use netram_proto::PAGE_SIZE;
