@@ -1,8 +1,9 @@
 //! Membership packets (`netram_member`): whatever bytes arrive on a daemon's UDP port, the
 //! envelope decodes to an error or to parts that lie inside the packet, and a SWIM message
 //! from an authenticated sender, whatever it says, never panics the membership, never removes
-//! this node from its own view, and never makes it send more than a bounded number of
-//! packets in reply.
+//! this node from its own view nor changes its id or address (a newer boot is SWIM's way of
+//! refuting its own death), and never makes it send more than a bounded number of packets in
+//! reply.
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
@@ -32,6 +33,10 @@ fuzz_target!(|data: &[u8]| {
         assert!(m.take_sends().len() <= 64);
     }
     m.on_tick(now + 60_000);
-    assert_eq!(m.members()[0].node, me);
+    // This node is still itself: a sender that says it is down makes it rejoin under a newer
+    // boot (SWIM's refutation by renewal), never under another id or address.
+    let now_me = m.members()[0].node;
+    assert_eq!((now_me.id, now_me.addr), (me.id, me.addr));
+    assert!(now_me.boot >= me.boot);
     let _ = m.take_events();
 });
