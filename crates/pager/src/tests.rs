@@ -159,6 +159,16 @@ impl Transport for MemCluster {
         decode_reply(&self.last).map_err(|e| TransportError::Protocol(e.to_string()))
     }
 
+    /// A killed server that is running again, empty (a restarted daemon).
+    fn reconnect(&mut self, server: usize) -> Result<ServerInfo, TransportError> {
+        if self.servers[server].dead {
+            return Err(TransportError::Disconnected("still killed".into()));
+        }
+        let capacity = self.servers[server].store.capacity_pages() as usize;
+        self.servers[server] = MemServer::new(capacity);
+        Ok(self.servers().swap_remove(server))
+    }
+
     /// A server that joined later: `memN`'s capacity is 100 pages.
     fn add_server(&mut self, _name: &str) -> Result<ServerInfo, TransportError> {
         self.servers.push(MemServer::new(100));
@@ -1188,6 +1198,53 @@ fn one_lost_piece_comes_back_by_xor_and_two_by_the_decoder() {
     recover_all(&mut p);
     reads_back(&mut p, 64, 1);
     assert_eq!(p.counters().pages_unrecoverable, 0);
+}
+
+/// Two servers die; the first comes back and recovery sends it the pieces (or copies) it
+/// can, with none yet for the second; the second comes back while those are out. The rebuild
+/// ends short after the revival that would have retried it, and must still finish (it once
+/// waited for a revival that never came: a Reed-Solomon test's flake).
+#[test]
+fn a_server_revived_while_a_rebuild_is_out_gets_its_copies() {
+    for (scheme, servers) in [("rs:2+2", 4), ("mirror:3", 3)] {
+        let mut p = rs_pager(servers, 32, scheme);
+        let pages: Vec<u64> = (0..32).collect();
+        let data: Vec<u8> = pages.iter().flat_map(|&pg| content(pg, 1)).collect();
+        p.write_many(&pages, &data).unwrap();
+        p.flush().unwrap();
+        let (a, b) = (servers - 2, servers - 1);
+        for s in [a, b] {
+            p.transport_mut().servers[s].dead = true;
+            p.on_failure(s, TransportError::Disconnected("killed".into()));
+        }
+        recover_all(&mut p);
+        assert!(p.pages_short_of_copies() > 0, "{scheme}: short of servers");
+        p.transport_mut().servers[a].dead = false;
+        assert_eq!(p.revive_dead_servers(), 1);
+        let step = p.recover(64).unwrap();
+        assert!(step.started > 0, "{scheme}: a rebuild is out");
+        assert!(
+            !p.transport().servers[a].replies.is_empty(),
+            "{scheme}: its writes await their answers"
+        );
+        p.transport_mut().servers[b].dead = false;
+        assert_eq!(p.revive_dead_servers(), 1);
+        // The answers to the rebuild's writes arrive; recovery then goes on.
+        while p.poll().unwrap() > 0 {}
+        recover_all(&mut p);
+        p.flush().unwrap();
+        p.check_invariants().unwrap();
+        assert_eq!(p.pages_short_of_copies(), 0, "{scheme}");
+        let held = |p: &Pager<MemCluster, MemDisk>, s: usize| {
+            let store = &p.transport().servers[s].store;
+            store.capacity_pages() - store.free_pages()
+        };
+        assert!(
+            held(&p, b) > 0,
+            "{scheme}: the second revived server holds again"
+        );
+        reads_back(&mut p, 32, 1);
+    }
 }
 
 mod migrate;

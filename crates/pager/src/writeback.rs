@@ -22,6 +22,9 @@ pub(crate) struct Writeback {
     pub(crate) keep: Servers,
     /// A recovery's write: counted as a rebuilt page when whole.
     pub(crate) rebuild: bool,
+    /// For a recovery's write, servers revived before it began: one revived since did not
+    /// see this page short of copies, so a write that ends short goes back to recovery.
+    pub(crate) revivals: u64,
     /// Under parity: the page joins a new group even where it is (its old one is gone).
     pub(crate) join: bool,
 }
@@ -37,6 +40,7 @@ impl Writeback {
             refused: Servers::default(),
             keep: Servers::default(),
             rebuild: false,
+            revivals: 0,
             join: false,
         }
     }
@@ -168,8 +172,12 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             self.degraded.remove(&page);
             if holders.is_empty() {
                 self.short.remove(&page);
-            } else if wb.rebuild {
+            } else if wb.rebuild && wb.revivals == self.counters.servers_revived {
                 self.short.insert(page);
+            } else if wb.rebuild {
+                // A server came back while this copy was out: its revival found the page not
+                // yet short, so recovery tries again now rather than at the next revival.
+                self.degraded.insert(page);
             } else {
                 self.counters.writes_degraded += 1;
                 self.degraded.insert(page);

@@ -214,6 +214,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                 Writeback {
                     keep,
                     rebuild: true,
+                    revivals: self.counters.servers_revived,
                     ..Writeback::new(slot, e.version)
                 },
             );

@@ -74,12 +74,15 @@ pub(crate) struct StripeWrite {
     /// For a rebuild: every data piece's slot (among `owned`), to put live members on the
     /// local disk should the stripe stay short.
     data: Vec<u32>,
+    /// Servers revived before the write began: one that came back since may take the pieces
+    /// this write found no server for, and its revival did not see this stripe short.
+    revivals: u64,
 }
 
 impl StripeWrite {
     /// Every piece of `slots` (one per piece, `u32::MAX` for a piece not written) still to
     /// place.
-    fn new(slots: Vec<u32>, owned: Vec<u32>, rebuild: bool, data: Vec<u32>) -> Self {
+    fn new(slots: Vec<u32>, owned: Vec<u32>, rebuild: bool, data: Vec<u32>, revivals: u64) -> Self {
         let target = vec![NO_SERVER; slots.len()];
         Self {
             slots,
@@ -88,6 +91,7 @@ impl StripeWrite {
             refused: Servers::default(),
             rebuild,
             data,
+            revivals,
         }
     }
 }
@@ -318,6 +322,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             .map(|&p| (p, self.writeback[&p].version))
             .collect();
         let total = pages.len() + m;
+        let revivals = self.counters.servers_revived;
         let rs = self.rs_mut();
         rs.stripes[id as usize] = Stripe {
             live: vec![true; pages.len()],
@@ -327,8 +332,10 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         };
         let mut slots = member_slots;
         slots.extend(&owned);
-        rs.writing
-            .insert(id, StripeWrite::new(slots, owned, false, Vec::new()));
+        rs.writing.insert(
+            id,
+            StripeWrite::new(slots, owned, false, Vec::new(), revivals),
+        );
         self.rs_place(id)
     }
 
@@ -511,11 +518,12 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             let rs = self.rs_mut();
             rs.degraded.remove(&id);
             rs.short.remove(&id);
-        } else if w.rebuild && !spill_failed {
+        } else if w.rebuild && !spill_failed && w.revivals == self.counters.servers_revived {
             self.rs_mut().short.insert(id);
         } else if w.rebuild {
-            // Short of servers and the disk failed to back its members: recovery tries again
-            // at its next step, not only when a server comes back.
+            // Short of servers and the disk failed to back its members, or a server came back
+            // while this rebuild was out (its revival found the stripe not yet short): recovery
+            // tries again at its next step, not only when a server comes back.
             self.rs_mut().degraded.insert(id);
         } else {
             self.counters.writes_degraded += 1;

@@ -557,12 +557,13 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                 owned.push(slot);
             }
         }
+        let revivals = self.counters.servers_revived;
         let rs = self.rs_mut();
         for &j in &lost {
             rs.stripes[id as usize].servers[j] = NO_SERVER;
         }
         rs.writing
-            .insert(id, StripeWrite::new(slots, owned, true, data));
+            .insert(id, StripeWrite::new(slots, owned, true, data, revivals));
         step.started += lost.len();
         self.rs_place(id)?;
         Ok(())
