@@ -13,10 +13,12 @@
 use libfuzzer_sys::arbitrary::{self, Arbitrary};
 use libfuzzer_sys::fuzz_target;
 use netram_proto::{
-    decode_reply, decode_request, frame_len, Delta, DeltaKind, DeltaStatus, Member, Owner, Page,
-    PageKey, ParityOp, Record, Reply, Request, MAX_BATCH, MAX_FRAME_LEN, PAGE_SIZE,
+    decode_reply, decode_request, frame_len, Delta, DeltaKind, DeltaStatus, Member, MoveStatus,
+    Owner, Page, PageKey, ParityOp, Record, Reply, Request, MAX_BATCH, MAX_FRAME_LEN, PAGE_SIZE,
 };
-use netram_store::serve::{finish_forward, handle_request, store_stats, DeltaOutcome, Outcome};
+use netram_store::serve::{
+    finish_forward, finish_handover, handle_request, store_stats, DeltaOutcome, Outcome,
+};
 use netram_store::{DeltaFrom, Peer, SessionHandle, Store, StoreConfig, NO_PEER};
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 
@@ -110,6 +112,31 @@ enum Op {
     },
     Close {
         s: u8,
+    },
+    /// The owner says `from` will hand over pages `first..` at `version` (EXPECT).
+    Expect {
+        s: u8,
+        from: u8,
+        first: u16,
+        n: u16,
+        version: u8,
+    },
+    /// The owner asks for pages `first..` to go to server `to` (MIGRATE); they are handed to
+    /// this same store, as the request id decides, from a sender the fuzzer picks.
+    Migrate {
+        s: u8,
+        to: u8,
+        first: u16,
+        n: u16,
+    },
+    /// Session `s` hands over pages naming session `owner`'s owner (ADOPT), as a server or a
+    /// client would.
+    Adopt {
+        s: u8,
+        owner: u8,
+        first: u16,
+        n: u16,
+        version: u8,
     },
     /// Time passes; leases may run out.
     Advance {
@@ -211,36 +238,53 @@ impl Harness {
             &mut self.out,
             store_stats,
         );
-        if let Outcome::Forward(fwd) = outcome {
-            let outcomes: Vec<DeltaOutcome> = fwd
-                .deltas
-                .iter()
-                .enumerate()
-                .map(|(i, (_, d))| {
-                    if (id >> (i % 64)) & 1 == 1 {
-                        return DeltaOutcome::Unreachable;
-                    }
-                    // The sender as a holder sees it: a server the fuzzer picks (checked
-                    // against the member's node id), or a clear-TCP address.
-                    let by = match (id >> 8) % 4 {
-                        0 => DeltaFrom::Peer(NO_PEER),
-                        n => DeltaFrom::Peer(Peer::Server(n - 1)),
-                    };
-                    match self.store.apply_delta(&d.as_delta(), by) {
-                        DeltaStatus::Applied => DeltaOutcome::Applied,
-                        _ => DeltaOutcome::UnknownGroup,
-                    }
-                })
-                .collect();
-            finish_forward(
-                &mut self.store,
-                h,
-                fwd,
-                &outcomes,
-                self.now,
-                0,
-                &mut self.out,
-            );
+        match outcome {
+            Outcome::Forward(fwd) => {
+                let outcomes: Vec<DeltaOutcome> = fwd
+                    .deltas
+                    .iter()
+                    .enumerate()
+                    .map(|(i, (_, d))| {
+                        if (id >> (i % 64)) & 1 == 1 {
+                            return DeltaOutcome::Unreachable;
+                        }
+                        // The sender as a holder sees it: a server the fuzzer picks (checked
+                        // against the member's node id), or a clear-TCP address.
+                        let by = match (id >> 8) % 4 {
+                            0 => DeltaFrom::Peer(NO_PEER),
+                            n => DeltaFrom::Peer(Peer::Server(n - 1)),
+                        };
+                        match self.store.apply_delta(&d.as_delta(), by) {
+                            DeltaStatus::Applied => DeltaOutcome::Applied,
+                            _ => DeltaOutcome::UnknownGroup,
+                        }
+                    })
+                    .collect();
+                finish_forward(
+                    &mut self.store,
+                    h,
+                    fwd,
+                    &outcomes,
+                    self.now,
+                    0,
+                    &mut self.out,
+                );
+            }
+            Outcome::Handover(ho) => {
+                // The new server is this store; some answers are lost on the way (unreachable).
+                let by = match (id >> 8) % 4 {
+                    0 => NO_PEER,
+                    1 => Peer::Node(1),
+                    n => Peer::Server(n - 2),
+                };
+                let answered = ho.pages.len() >> (id % 3);
+                let status: Vec<MoveStatus> = ho.pages[..answered]
+                    .iter()
+                    .map(|p| self.store.adopt(by, ho.owner, &p.as_page(), self.now))
+                    .collect();
+                finish_handover(&mut self.store, h, ho, &status, 0, &mut self.out);
+            }
+            Outcome::Open | Outcome::Closed => {}
         }
         check_replies(&self.out, id, limit);
         // The rate's charge never panics, and every wait is counted.
@@ -269,6 +313,9 @@ fn req_limit(req: &Request<'_>) -> Limit {
         Request::PutParity(p) => Limit::Items(p.len()),
         Request::Get(k) | Request::Delete(k) => Limit::Items(k.len()),
         Request::ParityDelta(d) => Limit::Items(d.len()),
+        Request::Expect { pages, .. } => Limit::Items(pages.len()),
+        Request::Migrate { keys, .. } => Limit::Items(keys.len()),
+        Request::Adopt { pages, .. } => Limit::Items(pages.len()),
         Request::ParityShip { .. } => Limit::Items(1),
         Request::ParityScan { max, .. } => Limit::Groups(*max),
         _ => Limit::Any,
@@ -296,6 +343,7 @@ fn check_replies(out: &[u8], id: u64, limit: Limit) {
             (Limit::Items(n), Reply::Get { pages, .. }) => assert_eq!(pages.len(), n),
             (Limit::Items(n), Reply::Delete { status, .. }) => assert_eq!(status.len(), n),
             (Limit::Items(n), Reply::ParityDelta { status, .. }) => assert_eq!(status.len(), n),
+            (Limit::Items(n), Reply::Move { status, .. }) => assert_eq!(status.len(), n),
             (Limit::Groups(max), Reply::ParityScan { groups, .. }) => {
                 assert!(
                     groups.len() <= max as usize,
@@ -507,6 +555,48 @@ fuzz_target!(|input: Input| {
             Op::Delete { s, first, n } => {
                 for keys in batches(0, first, n) {
                     h.request(s, &Request::Delete(keys));
+                }
+            }
+            Op::Expect {
+                s,
+                from,
+                first,
+                n,
+                version,
+            } => {
+                for keys in batches(0, first, n) {
+                    let pages = keys.iter().map(|&k| (k, u32::from(version))).collect();
+                    let from_node = u64::from(from % 4);
+                    h.request(s, &Request::Expect { from_node, pages });
+                }
+            }
+            Op::Migrate { s, to, first, n } => {
+                for keys in batches(0, first, n) {
+                    let req = Request::Migrate {
+                        to: server(to),
+                        to_node: u64::from(to % 4),
+                        keys,
+                    };
+                    h.request(s, &req);
+                }
+            }
+            Op::Adopt {
+                s,
+                owner,
+                first,
+                n,
+                version,
+            } => {
+                let Some(o) = h.session(owner) else { continue };
+                let owner = h.store.owner(o);
+                for keys in batches(0, first, n) {
+                    let datas: Vec<Vec<u8>> = keys.iter().map(|&k| contents(k)).collect();
+                    let pages = keys
+                        .iter()
+                        .zip(&datas)
+                        .map(|(&k, d)| Page::seal(k, u32::from(version), d))
+                        .collect();
+                    h.request(s, &Request::Adopt { owner, pages });
                 }
             }
             Op::Stats { s } => h.request(s, &Request::Stats),

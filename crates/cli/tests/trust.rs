@@ -11,8 +11,8 @@ mod common;
 use common::{eventually, ServerProcess, NETRAM};
 use netram_net::{HandshakeError, Security};
 use netram_proto::{
-    decode_reply, Delta, DeltaKind, DeltaStatus, GetResult, Hello, Member, OwnedRecord, Owner,
-    Page, PageKey, ParityOp, PutStatus, Record, Reply, Request, PAGE_SIZE,
+    decode_reply, Delta, DeltaKind, DeltaStatus, GetResult, Hello, Member, MoveStatus, OwnedRecord,
+    Owner, Page, PageKey, ParityOp, PutStatus, Record, Reply, Request, PAGE_SIZE,
 };
 use netram_testkit::wire::TlsConn;
 use std::io::{Read, Write};
@@ -663,4 +663,104 @@ fn a_page_changed_on_the_wire_is_caught_and_read_elsewhere() {
         "{} authentication failures for {changed} pages changed",
         pager.counters().page_auth_failures
     );
+}
+
+/// Nswap's migration between real daemons over TLS: the owner's EXPECT at the new server,
+/// its MIGRATE at the old one, the page carried server to server (ADOPT, on the old server's
+/// own peer session). Nobody else gets a page into the owner's session: not another client,
+/// not a server of the cluster the owner did not name, not a second copy of the handover;
+/// and a target that is not the node the owner named gets nothing.
+#[test]
+fn a_page_moves_server_to_server_only_as_its_owner_said() {
+    let (cdir, _) = node_creds(50, true);
+    let (bdir, _) = node_creds(51, true);
+    let c = ServerProcess::start(&["--capacity", "16M", "--tls", cdir.path().to_str().unwrap()]);
+    let b = ServerProcess::start(&["--capacity", "16M", "--tls", bdir.path().to_str().unwrap()]);
+    let (_a_dir, alice) = node_creds(52, false);
+    let (_m_dir, mallory) = node_creds(53, false);
+    let (_r_dir, rogue) = node_creds(54, true);
+    let hello = Hello::new(0xa11ce, 1, 1);
+    let mut at_c = Conn::open(&c.addr, &alice, &hello).unwrap();
+    let mut at_b = Conn::open(&b.addr, &alice, &hello).unwrap();
+    let moves = |conn: &mut Conn, req: &Request<'_>| match decode_reply(&conn.call(req)).unwrap().1
+    {
+        Reply::Move { status, .. } => status,
+        other => panic!("not a MOVE reply: {other:?}"),
+    };
+    let (k1, k2, k3) = (PageKey::new(1, 1), PageKey::new(1, 2), PageKey::new(1, 3));
+    for (k, seed) in [(k1, 1), (k2, 2), (k3, 3)] {
+        assert_eq!(at_c.put(k, 7, &page(seed)), PutStatus::Stored);
+    }
+    let expect = |pages: Vec<(PageKey, u32)>| Request::Expect {
+        from_node: 50,
+        pages,
+    };
+    assert_eq!(
+        moves(&mut at_b, &expect(vec![(k1, 7), (k2, 7)])),
+        [MoveStatus::Done; 2]
+    );
+    let migrate = |keys: Vec<PageKey>, to_node: u64| Request::Migrate {
+        to: b.addr.parse().unwrap(),
+        to_node,
+        keys,
+    };
+    // Named wrongly: B is node 51, not 49. Nothing goes there.
+    assert_eq!(
+        moves(&mut at_c, &migrate(vec![k1], 49)),
+        [MoveStatus::Unreachable]
+    );
+    assert_eq!(c.stat("migration_targets_wrong_node"), 1);
+    // Named rightly: k1 moves; k3 was not expected; k4 is not at C.
+    let st = moves(&mut at_c, &migrate(vec![k1, k3, PageKey::new(1, 4)], 51));
+    assert_eq!(
+        st,
+        [
+            MoveStatus::Done,
+            MoveStatus::Unexpected,
+            MoveStatus::Missing
+        ]
+    );
+    assert_eq!(
+        at_b.get(k1),
+        Some(page(1)),
+        "B holds the page, byte for byte"
+    );
+    assert_eq!(
+        at_c.get(k1),
+        Some(page(1)),
+        "C keeps its copy until the owner deletes it"
+    );
+    assert_eq!(b.stat("pages_adopted"), 1);
+    assert_eq!(c.stat("pages_handed_over"), 1);
+    // The same handover again: the expectation was used once.
+    assert_eq!(
+        moves(&mut at_c, &migrate(vec![k1], 51)),
+        [MoveStatus::Unexpected]
+    );
+    // Another client naming Alice as the owner of k2 (expected from C): refused.
+    let alice_owner = Owner {
+        principal: 52,
+        node: 0xa11ce,
+        incarnation: 1,
+    };
+    let bytes = page(66);
+    let forged = [Page::seal(k2, 7, &bytes)];
+    let adopt = Request::Adopt {
+        owner: alice_owner,
+        pages: forged.to_vec(),
+    };
+    let mut m = Conn::open(&b.addr, &mallory, &Hello::new(0xbad, 1, 1)).unwrap();
+    assert_eq!(moves(&mut m, &adopt), [MoveStatus::Unexpected], "a client");
+    // A server of the cluster that Alice did not name: refused too.
+    let mut r = Conn::open(&b.addr, &rogue, &Hello::new(0xbad, 1, 1)).unwrap();
+    assert_eq!(
+        moves(&mut r, &adopt),
+        [MoveStatus::Unexpected],
+        "another server"
+    );
+    assert!(b.stat("adopts_refused_unexpected") >= 3);
+    // k2 is still expected from C, and still moves: the refusals took nothing from Alice.
+    assert_eq!(moves(&mut at_c, &migrate(vec![k2], 51)), [MoveStatus::Done]);
+    assert_eq!(at_b.get(k2), Some(page(2)));
+    assert_eq!(b.stat("pages_adopted"), 2);
 }

@@ -15,12 +15,19 @@
 //! they do to their parity group), PARITY_SHIP (a finished parity page), PARITY_DELTA (a change to
 //! a group's parity, from the server of a member or from the owner) and PARITY_SCAN (the owner
 //! asks what a dead server leaves behind).
+//!
+//! Nswap's migration (§III, Fig. 2) adds three: EXPECT (the owner tells the page's new server
+//! which pages of its session another server will hand it, and from which node), MIGRATE (the
+//! owner asks the page's old server to hand pages to the new one) and ADOPT (the old server
+//! hands them over, on its own peer session, naming the owner). The page's bytes go from
+//! server to server; the owner sends only keys, learns the outcome from MIGRATE's reply (Nswap's
+//! UPDATE) and deletes the old copies (INVALIDATE). All three are answered with a MOVE reply.
 
 use crate::codec::{DecodeError, FrameBuilder, Reader};
 use crate::page::{Page, PageKey, ENVELOPE_LEN};
 use crate::parity::{
     decode_addr, decode_members, encode_addr, encode_members, Delta, DeltaStatus, GroupRecord,
-    Member, ParityOp, Record,
+    Member, Owner, ParityOp, Record,
 };
 use crate::{FRAME_HEADER_LEN, FRAME_VERSION, MAX_FRAME_LEN};
 use std::net::SocketAddr;
@@ -39,6 +46,9 @@ pub enum Kind {
     ParityShip = 0x08,
     ParityDelta = 0x09,
     ParityScan = 0x0a,
+    Expect = 0x0b,
+    Migrate = 0x0c,
+    Adopt = 0x0d,
     PutReply = 0x81,
     GetReply = 0x82,
     DeleteReply = 0x83,
@@ -46,6 +56,7 @@ pub enum Kind {
     CloseReply = 0x86,
     ParityDeltaReply = 0x89,
     ParityScanReply = 0x8a,
+    MoveReply = 0x8c,
     Error = 0xff,
 }
 
@@ -81,6 +92,27 @@ pub enum Request<'a> {
     ParityScan {
         dead: SocketAddr,
         max: u32,
+    },
+    /// The owner tells a server that `from_node` (a server, as its certificate names it; any
+    /// server over clear TCP) will hand it these pages of this session, at these versions
+    /// ([`Request::Adopt`]). An expectation lasts a few seconds and is used once.
+    Expect {
+        from_node: u64,
+        pages: Vec<(PageKey, u32)>,
+    },
+    /// The owner asks this server to hand these pages of its session to the server at `to`,
+    /// which must prove to be node `to_node`, and keeps its own copies (the owner deletes them
+    /// once its table names the new server).
+    Migrate {
+        to: SocketAddr,
+        to_node: u64,
+        keys: Vec<PageKey>,
+    },
+    /// A server hands pages of `owner`'s session to this one, as the owner said it would
+    /// ([`Request::Expect`]); sent on the sender's own peer session.
+    Adopt {
+        owner: Owner,
+        pages: Vec<Page<'a>>,
     },
 }
 
@@ -142,6 +174,42 @@ pub enum DeleteStatus {
     HolderUnreachable = 2,
 }
 
+/// The fate of one page of an EXPECT, MIGRATE or ADOPT.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub enum MoveStatus {
+    /// EXPECT: expected. ADOPT: stored. MIGRATE: the new server stored it.
+    Done = 0,
+    /// MIGRATE: the page is not here.
+    Missing = 1,
+    /// ADOPT: no expectation matches (another sender, another version, expired, or no such
+    /// session of the owner). Nothing is stored.
+    Unexpected = 2,
+    /// No room for it (EXPECT: for as many expectations).
+    Full = 3,
+    /// ADOPT: the owner's session already holds the key (a newer write got there first).
+    Exists = 4,
+    /// MIGRATE: the new server could not be reached, or is not the node named.
+    Unreachable = 5,
+    /// ADOPT: the page's checksum does not match its contents.
+    Corrupt = 6,
+}
+
+impl MoveStatus {
+    fn from_u8(v: u8) -> Option<Self> {
+        Some(match v {
+            0 => Self::Done,
+            1 => Self::Missing,
+            2 => Self::Unexpected,
+            3 => Self::Full,
+            4 => Self::Exists,
+            5 => Self::Unreachable,
+            6 => Self::Corrupt,
+            _ => return None,
+        })
+    }
+}
+
 /// One page of a GET reply.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum GetResult<'a> {
@@ -200,6 +268,11 @@ pub enum Reply<'a> {
         groups: Vec<GroupRecord<'a>>,
         orphans: Vec<PageKey>,
     },
+    /// The answer to EXPECT, MIGRATE and ADOPT: one status per page, in order.
+    Move {
+        load: Load,
+        status: Vec<MoveStatus>,
+    },
     Error {
         load: Load,
         code: ErrorCode,
@@ -217,6 +290,7 @@ impl Reply<'_> {
             | Reply::Close { load }
             | Reply::ParityDelta { load, .. }
             | Reply::ParityScan { load, .. }
+            | Reply::Move { load, .. }
             | Reply::Error { load, .. } => *load,
         }
     }
@@ -315,6 +389,35 @@ pub fn decode_request(frame: &[u8]) -> Result<(u64, Request<'_>), DecodeError> {
             dead: decode_addr(&mut r)?,
             max: r.u32()?,
         },
+        k if k == Kind::Expect as u8 => {
+            let from_node = r.u64()?;
+            let n = r.count(PageKey::WIRE_LEN + 4)?;
+            Request::Expect {
+                from_node,
+                pages: (0..n)
+                    .map(|_| Ok((PageKey::decode(&mut r)?, r.u32()?)))
+                    .collect::<Result<_, DecodeError>>()?,
+            }
+        }
+        k if k == Kind::Migrate as u8 => Request::Migrate {
+            to: decode_addr(&mut r)?,
+            to_node: r.u64()?,
+            keys: keys(&mut r)?,
+        },
+        k if k == Kind::Adopt as u8 => {
+            let owner = Owner {
+                principal: r.u64()?,
+                node: r.u64()?,
+                incarnation: r.u64()?,
+            };
+            let n = r.count(ENVELOPE_LEN)?;
+            Request::Adopt {
+                owner,
+                pages: (0..n)
+                    .map(|_| Page::decode(&mut r))
+                    .collect::<Result<_, _>>()?,
+            }
+        }
         k => return Err(DecodeError::UnknownKind(k)),
     };
     r.finish()?;
@@ -334,6 +437,9 @@ impl Request<'_> {
             Request::ParityShip { .. } => Kind::ParityShip,
             Request::ParityDelta(_) => Kind::ParityDelta,
             Request::ParityScan { .. } => Kind::ParityScan,
+            Request::Expect { .. } => Kind::Expect,
+            Request::Migrate { .. } => Kind::Migrate,
+            Request::Adopt { .. } => Kind::Adopt,
         }
     }
 
@@ -374,6 +480,25 @@ impl Request<'_> {
             Request::ParityScan { dead, max } => {
                 encode_addr(dead, &mut w);
                 w.u32(*max);
+            }
+            Request::Expect { from_node, pages } => {
+                w.u64(*from_node).u32(pages.len() as u32);
+                for (k, v) in pages {
+                    k.encode(&mut w);
+                    w.u32(*v);
+                }
+            }
+            Request::Migrate { to, to_node, keys } => {
+                encode_addr(to, &mut w);
+                w.u64(*to_node).u32(keys.len() as u32);
+                keys.iter().for_each(|k| k.encode(&mut w));
+            }
+            Request::Adopt { owner, pages } => {
+                w.u64(owner.principal)
+                    .u64(owner.node)
+                    .u64(owner.incarnation)
+                    .u32(pages.len() as u32);
+                pages.iter().for_each(|p| p.encode(&mut w));
             }
         }
         w.finish();
@@ -491,6 +616,13 @@ pub fn decode_reply(frame: &[u8]) -> Result<(u64, Reply<'_>), DecodeError> {
                 orphans: keys(&mut r)?,
             }
         }
+        k if k == Kind::MoveReply as u8 => {
+            let n = r.count(1)?;
+            let status = (0..n)
+                .map(|_| byte_enum(&mut r, "move status", MoveStatus::from_u8))
+                .collect::<Result<_, _>>()?;
+            Reply::Move { load, status }
+        }
         k if k == Kind::Error as u8 => {
             let code = match r.u16()? {
                 1 => ErrorCode::SessionExpired,
@@ -528,6 +660,7 @@ impl Reply<'_> {
             Reply::Close { .. } => Kind::CloseReply,
             Reply::ParityDelta { .. } => Kind::ParityDeltaReply,
             Reply::ParityScan { .. } => Kind::ParityScanReply,
+            Reply::Move { .. } => Kind::MoveReply,
             Reply::Error { .. } => Kind::Error,
         }
     }
@@ -557,6 +690,7 @@ impl Reply<'_> {
             Reply::ParityDelta { status, .. } => {
                 status_bytes(&mut w, status.iter().map(|s| *s as u8))
             }
+            Reply::Move { status, .. } => status_bytes(&mut w, status.iter().map(|s| *s as u8)),
             Reply::ParityScan {
                 groups, orphans, ..
             } => {
@@ -848,6 +982,25 @@ mod tests {
             w.finish();
             prop_assert_eq!(&a, &b);
             roundtrip_reply(&Reply::Get { load, pages }, id);
+        }
+
+        #[test]
+        fn migration_requests_and_replies_roundtrip(
+            parts in prop::collection::vec(page_parts(), 0..6),
+            versions in prop::collection::vec((key(), any::<u32>()), 0..crate::MAX_BATCH),
+            owner in (any::<u64>(), any::<u64>(), any::<u64>()),
+            node: u64, to in addr(), load in load(),
+            s in prop::collection::vec(0u8..7, 0..crate::MAX_BATCH), id: u64,
+        ) {
+            let keys: Vec<PageKey> = versions.iter().map(|(k, _)| *k).collect();
+            roundtrip_request(&Request::Expect { from_node: node, pages: versions }, id);
+            roundtrip_request(&Request::Migrate { to, to_node: node, keys }, id);
+            let datas: Vec<Vec<u8>> = parts.iter().map(|p| vec![p.5; PAGE_SIZE]).collect();
+            let pages = parts.iter().zip(&datas).map(|(p, d)| page(p, d)).collect();
+            let owner = Owner { principal: owner.0, node: owner.1, incarnation: owner.2 };
+            roundtrip_request(&Request::Adopt { owner, pages }, id);
+            let status = s.iter().map(|v| MoveStatus::from_u8(*v).unwrap()).collect();
+            roundtrip_reply(&Reply::Move { load, status }, id);
         }
 
         #[test]

@@ -238,6 +238,9 @@ node_counters! {
     /// Parity deltas not sent: the server at the holder's address was not the node the
     /// page's owner named (a client pointing this server at an address of its choosing).
     parity_holders_wrong_node,
+    /// Pages not handed over: the server at the migration target's address was not the node
+    /// the page's owner named.
+    migration_targets_wrong_node,
     /// Frames refused, by reason; each closed its connection.
     frames_rejected_bad_length,
     frames_rejected_bad_version,
@@ -1251,6 +1254,20 @@ fn handle_frames(
                 store = shared.store();
                 now = shared.now_ms();
                 serve::finish_forward(&mut store, h, fwd, &outcomes, now, rps, out);
+                tags(out);
+                false
+            }
+            Outcome::Handover(ho) => {
+                drop(store);
+                let status = shared.peers.hand_over(
+                    ho.to,
+                    ho.owner,
+                    &ho.pages,
+                    &shared.counters.migration_targets_wrong_node,
+                );
+                store = shared.store();
+                now = shared.now_ms();
+                serve::finish_handover(&mut store, h, ho, &status, rps, out);
                 tags(out);
                 false
             }

@@ -1,6 +1,7 @@
 //! Server-to-server connections: how a page server tells a parity holder about an overwrite or a
 //! delete of a member page before it answers the client (Nswap §IV-B2, Fig. 4, decentralized as
-//! in §IV-C: any server may be any group's holder).
+//! in §IV-C: any server may be any group's holder), and how a shrinking donor hands pages to
+//! their new server at their owner's request (Nswap §III, Fig. 2's MIGRATE).
 //!
 //! One connection per holder, opened on first use and kept; a request on it is a blocking round
 //! trip made by the connection thread that serves the client, with no lock of the store held
@@ -14,10 +15,10 @@
 
 use netram_net::{handshake, reserve_tags, FrameBuffer, HandshakeError, RecordKey, Security};
 use netram_proto::{
-    decode_reply, DecodeError, DeltaStatus, ErrorCode, Hello, Kind, Reply, Request,
-    HELLO_END_ON_CLOSE, MAX_BATCH,
+    decode_reply, DecodeError, DeltaStatus, ErrorCode, Hello, Kind, MoveStatus, Owner, Reply,
+    Request, HELLO_END_ON_CLOSE, MAX_BATCH,
 };
-use netram_store::serve::{DeltaOutcome, Holder, OwnedDelta};
+use netram_store::serve::{DeltaOutcome, Holder, OwnedDelta, OwnedPage};
 use std::collections::HashMap;
 use std::io::{self, Write};
 use std::net::{SocketAddr, TcpStream};
@@ -57,6 +58,12 @@ enum PeerError {
     Expired,
     #[error("the server there is node {got}, not node {named} as the page's owner named it")]
     WrongNode { named: u64, got: u64 },
+}
+
+/// What a peer answered, one status per delta or page sent.
+enum Statuses {
+    Delta(Vec<DeltaStatus>),
+    Move(Vec<MoveStatus>),
 }
 
 #[derive(Debug, Default)]
@@ -126,7 +133,8 @@ impl Peers {
                     self.send(&mut peer, holder, &req)
                 });
                 match sent {
-                    Ok(status) => {
+                    Ok(Statuses::Move(_)) => unreachable!("a delta's answer is checked"),
+                    Ok(Statuses::Delta(status)) => {
                         for (&i, s) in chunk.iter().zip(status) {
                             out[i] = match s {
                                 DeltaStatus::Applied => DeltaOutcome::Applied,
@@ -151,16 +159,60 @@ impl Peers {
         out
     }
 
+    /// Hands `owner`'s pages to the server `to` (ADOPT), which must prove to be the node the
+    /// owner named; returns what became of each, in order. Not repeated on a broken
+    /// connection: the first try may have stored some, and the owner cleans up what it is not
+    /// told of. A server that is not the node named gets nothing (`wrong_node` counts it).
+    pub fn hand_over(
+        &self,
+        to: Holder,
+        owner: Owner,
+        pages: &[OwnedPage],
+        wrong_node: &AtomicU64,
+    ) -> Vec<MoveStatus> {
+        let mut out = Vec::with_capacity(pages.len());
+        let peer = self
+            .peers
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .entry(to)
+            .or_default()
+            .clone();
+        let mut peer = peer.lock().unwrap_or_else(|p| p.into_inner());
+        for chunk in pages.chunks(MAX_BATCH) {
+            let req = Request::Adopt {
+                owner,
+                pages: chunk.iter().map(OwnedPage::as_page).collect(),
+            };
+            match self.send(&mut peer, to, &req) {
+                Ok(Statuses::Move(status)) => out.extend(status),
+                Ok(Statuses::Delta(_)) => unreachable!("an adopt's answer is checked"),
+                Err(e) => {
+                    if matches!(e, PeerError::WrongNode { .. }) {
+                        wrong_node.fetch_add(1, Ordering::Relaxed);
+                    }
+                    tracing::warn!(server = %to, "migration target unreachable: {e}");
+                    peer.conn = None;
+                    peer.failed_at = Some(Instant::now());
+                    break;
+                }
+            }
+        }
+        out.resize(pages.len(), MoveStatus::Unreachable);
+        out
+    }
+
     /// One round trip; reconnects once if the holder expired this server's session.
     fn send(
         &self,
         peer: &mut Peer,
         holder: Holder,
         req: &Request<'_>,
-    ) -> Result<Vec<DeltaStatus>, PeerError> {
+    ) -> Result<Statuses, PeerError> {
         let n = match req {
             Request::ParityDelta(d) => d.len(),
-            _ => unreachable!("peers only send deltas"),
+            Request::Adopt { pages, .. } => pages.len(),
+            _ => unreachable!("peers only send deltas and adopted pages"),
         };
         for attempt in 0..2 {
             if peer.conn.is_none() {
@@ -220,7 +272,16 @@ impl Peers {
                 return Err(PeerError::WrongId { got, expected: id });
             }
             match reply {
-                Reply::ParityDelta { status, .. } if status.len() == n => return Ok(status),
+                Reply::ParityDelta { status, .. }
+                    if status.len() == n && matches!(req, Request::ParityDelta(_)) =>
+                {
+                    return Ok(Statuses::Delta(status))
+                }
+                Reply::Move { status, .. }
+                    if status.len() == n && matches!(req, Request::Adopt { .. }) =>
+                {
+                    return Ok(Statuses::Move(status))
+                }
                 Reply::Error {
                     code: ErrorCode::SessionExpired,
                     ..

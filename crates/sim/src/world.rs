@@ -17,7 +17,9 @@
 
 use netram_member::{Announce, MemberConfig, Membership, Node};
 use netram_pager::{ServerInfo, TransportError};
-use netram_proto::{decode_reply, decode_request, DeltaStatus, GetResult, Reply, PAGE_SIZE};
+use netram_proto::{
+    decode_reply, decode_request, DeltaStatus, GetResult, MoveStatus, Reply, PAGE_SIZE,
+};
 use netram_store::serve::{self, DeltaOutcome, Forward, Outcome};
 use netram_store::{DeltaFrom, Peer, SessionHandle, Store, StoreConfig};
 use std::cmp::Reverse;
@@ -780,6 +782,28 @@ impl World {
             Outcome::Open => {}
             Outcome::Closed => self.conns[conn].closed = true,
             Outcome::Forward(fwd) => return self.forward(conn, fwd),
+            Outcome::Handover(ho) => {
+                // Carried at once, as one step: the target's store takes the pages as a real
+                // one would from this server's peer session, if it is up and the node named.
+                let from = Peer::Server(server_node(server));
+                let target = (0..self.servers.len())
+                    .find(|&t| server_addr(t) == ho.to.addr && server_node(t) == ho.to.node)
+                    .filter(|&t| self.servers[t].up);
+                let status: Vec<MoveStatus> = match target {
+                    Some(t) => ho
+                        .pages
+                        .iter()
+                        .map(|p| {
+                            self.servers[t]
+                                .store
+                                .adopt(from, ho.owner, &p.as_page(), now_ms)
+                        })
+                        .collect(),
+                    None => Vec::new(),
+                };
+                let s = &mut self.servers[server];
+                serve::finish_handover(&mut s.store, session, ho, &status, 0, &mut out);
+            }
         }
         self.reply(conn, out, service);
     }

@@ -32,8 +32,11 @@
 //! Time comes in as `now_ms` arguments, so the daemon passes a monotonic clock and the simulator a
 //! virtual one. One counter per reason a page was stored, refused or freed ([`Counters`]).
 
+mod adopt;
 mod parity;
 pub mod serve;
+
+pub use adopt::{EXPECT_TTL_MS, MAX_EXPECTED, MAX_EXPECTED_PER_SESSION};
 
 pub use parity::{ParityTag, PARITY_REGION};
 
@@ -334,6 +337,18 @@ counters! {
     parity_forwards,
     /// ... and found it unreachable: nothing was changed, the client was told.
     parity_holder_unreachable,
+    /// Pages another server handed over as their owner said (Nswap's MIGRATE, received).
+    pages_adopted,
+    /// Pages handed over to another server at their owner's request (MIGRATE, sent).
+    pages_handed_over,
+    /// EXPECTs refused: no room, or as many expectations as the store holds.
+    expects_refused,
+    /// Pages handed over that no expectation matched (sender, version, time, session).
+    adopts_refused_unexpected,
+    /// ... whose key the owner's session already held (a newer write came first).
+    adopts_refused_exists,
+    /// ... for want of room, or damaged on the way.
+    adopts_refused_full,
 }
 
 /// The page store. `A` is the arena: the daemon passes an mmap, tests a `Vec<u8>`.
@@ -358,6 +373,7 @@ pub struct Store<A> {
     cfg: StoreConfig,
     counters: Counters,
     parity: parity::ParityState,
+    expected: adopt::Expectations,
     load_window_s: u64,
     load_count: u32,
     load_last: u32,
@@ -404,6 +420,7 @@ impl<A: AsRef<[u8]> + AsMut<[u8]>> Store<A> {
             cfg,
             counters: Counters::default(),
             parity: parity::ParityState::default(),
+            expected: adopt::Expectations::default(),
             load_window_s: 0,
             load_count: 0,
             load_last: 0,
@@ -1183,6 +1200,8 @@ impl<A: AsRef<[u8]> + AsMut<[u8]>> Store<A> {
     }
 }
 
+#[cfg(test)]
+mod adopt_tests;
 #[cfg(test)]
 mod limits_tests;
 #[cfg(test)]

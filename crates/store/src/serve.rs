@@ -12,8 +12,8 @@
 use crate::{DeltaFrom, ParityTag, SessionHandle, Store};
 use netram_proto::{
     begin_get_reply, get_reply_data, get_reply_found, get_reply_missing, Counter, DeleteStatus,
-    Delta, DeltaKind, ErrorCode, Load, OwnedRecord, Owner, PageFlags, PageKey, ParityOp, PutStatus,
-    Record, Reply, Request, MAX_BATCH,
+    Delta, DeltaKind, ErrorCode, Load, MoveStatus, OwnedRecord, Owner, PageFlags, PageKey,
+    ParityOp, PutStatus, Record, Reply, Request, MAX_BATCH,
 };
 use std::net::SocketAddr;
 
@@ -30,6 +30,43 @@ pub enum Outcome {
     Closed,
     /// No reply yet: the deltas must reach their holders first.
     Forward(Forward),
+    /// No reply yet: the pages must be handed to their new server first (MIGRATE).
+    Handover(Handover),
+}
+
+/// A MIGRATE waiting for the new server: `pages` go to `to`, named as `owner`'s (ADOPT); the
+/// statuses that come back, in the same order, go to [`finish_handover`].
+#[derive(Debug)]
+pub struct Handover {
+    id: u64,
+    pub to: Holder,
+    pub owner: Owner,
+    pub pages: Vec<OwnedPage>,
+    /// Every key asked for, with its page's index in `pages`, or why it is not there.
+    keys: Vec<Result<usize, MoveStatus>>,
+}
+
+/// A stored page copied out of the store, to send while no lock is held.
+#[derive(Debug, Clone)]
+pub struct OwnedPage {
+    pub key: PageKey,
+    pub version: u32,
+    pub crc: u32,
+    pub flags: PageFlags,
+    pub data: Vec<u8>,
+}
+
+impl OwnedPage {
+    pub fn as_page(&self) -> netram_proto::Page<'_> {
+        netram_proto::Page {
+            key: self.key,
+            version: self.version,
+            crc: self.crc,
+            flags: self.flags,
+            tag: [0; netram_proto::TAG_LEN],
+            data: &self.data,
+        }
+    }
 }
 
 /// Where a delta goes: the holder's address, and the node id the server there must prove to
@@ -234,6 +271,82 @@ pub fn handle_request<A: AsRef<[u8]> + AsMut<[u8]>>(
             }
             .encode(id, out);
         }
+        Request::Expect { from_node, pages } => {
+            let mut status = Vec::with_capacity(pages.len());
+            for (k, v) in pages {
+                match store.expect(h, from_node, k, v, now_ms) {
+                    Ok(s) => status.push(s),
+                    Err(_) => {
+                        expired(store, out);
+                        return Outcome::Open;
+                    }
+                }
+            }
+            Reply::Move {
+                load: load(store),
+                status,
+            }
+            .encode(id, out);
+        }
+        Request::Adopt { owner, pages } => {
+            if store.refresh(h, now_ms).is_err() {
+                expired(store, out);
+                return Outcome::Open;
+            }
+            let by = store.peer(h);
+            let status = pages
+                .iter()
+                .map(|p| store.adopt(by, owner, p, now_ms))
+                .collect();
+            Reply::Move {
+                load: load(store),
+                status,
+            }
+            .encode(id, out);
+        }
+        Request::Migrate { to, to_node, keys } => {
+            if store.refresh(h, now_ms).is_err() {
+                expired(store, out);
+                return Outcome::Open;
+            }
+            let mut pages = Vec::new();
+            let keys = keys
+                .iter()
+                .map(|&k| {
+                    // A member of a parity group moves with its group's help (its owner
+                    // writes it again), not this way: its holder names this server.
+                    if store.tagged(h, k) {
+                        return Err(MoveStatus::Unexpected);
+                    }
+                    let f = store.get_frame(h, k, now_ms).ok().flatten();
+                    let f = f.ok_or(MoveStatus::Missing)?;
+                    let p = store.stored(f);
+                    pages.push(OwnedPage {
+                        key: k,
+                        version: p.version,
+                        crc: p.crc,
+                        flags: p.flags,
+                        data: p.data.to_vec(),
+                    });
+                    Ok(pages.len() - 1)
+                })
+                .collect();
+            let ho = Handover {
+                id,
+                to: Holder {
+                    addr: to,
+                    node: to_node,
+                },
+                owner: store.owner(h),
+                pages,
+                keys,
+            };
+            if ho.pages.is_empty() {
+                finish_handover(store, h, ho, &[], rps, out);
+                return Outcome::Open;
+            }
+            return Outcome::Handover(ho);
+        }
         Request::Put(pages) => {
             let mut status = Vec::with_capacity(pages.len());
             for p in &pages {
@@ -327,6 +440,9 @@ pub fn cost(req: &Request<'_>) -> u32 {
         Request::Get(k) | Request::Delete(k) => k.len(),
         Request::PutParity(p) => p.len(),
         Request::ParityDelta(d) => d.len(),
+        Request::Expect { pages, .. } => pages.len(),
+        Request::Migrate { keys, .. } => keys.len(),
+        Request::Adopt { pages, .. } => pages.len(),
         Request::ParityShip { .. }
         | Request::ParityScan { .. }
         | Request::Refresh
@@ -622,6 +738,34 @@ pub fn finish_forward<A: AsRef<[u8]> + AsMut<[u8]>>(
     }
 }
 
+/// Phase two of a MIGRATE: the new server answered (`status[i]` for `ho.pages[i]`; missing
+/// answers count as unreachable). This server keeps its copies: the owner deletes them once
+/// its table names the new server (Nswap's INVALIDATE).
+pub fn finish_handover<A: AsRef<[u8]> + AsMut<[u8]>>(
+    store: &mut Store<A>,
+    h: SessionHandle,
+    ho: Handover,
+    status: &[MoveStatus],
+    rps: u32,
+    out: &mut Vec<u8>,
+) {
+    let status: Vec<MoveStatus> = ho
+        .keys
+        .iter()
+        .map(|k| match *k {
+            Ok(i) => status.get(i).copied().unwrap_or(MoveStatus::Unreachable),
+            Err(s) => s,
+        })
+        .collect();
+    store.counters.pages_handed_over +=
+        status.iter().filter(|&&s| s == MoveStatus::Done).count() as u64;
+    Reply::Move {
+        load: store.load(h, rps),
+        status,
+    }
+    .encode(ho.id, out);
+}
+
 /// The gauges every STATS reply opens with, then the store's counters.
 pub fn store_stats<A: AsRef<[u8]> + AsMut<[u8]>>(store: &Store<A>) -> Vec<(&'static str, u64)> {
     let mut out = vec![
@@ -632,6 +776,7 @@ pub fn store_stats<A: AsRef<[u8]> + AsMut<[u8]>>(store: &Store<A>) -> Vec<(&'sta
         ("pages_beyond_offer", store.pages_beyond_offer()),
         ("live_sessions", store.live_sessions() as u64),
         ("meta_bytes", store.meta_bytes() as u64),
+        ("expected_pages", store.expected_pages() as u64),
     ];
     out.extend(store.counters().iter());
     out
