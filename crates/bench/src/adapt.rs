@@ -187,6 +187,8 @@ pub struct Migration {
     pub pages: u64,
     pub pages_migrated: u64,
     pub pages_migrated_to_disk: u64,
+    /// Of those, pages that went server to server (Nswap's MIGRATE), not through the client.
+    pub pages_migrated_direct: u64,
     /// Pages moved per second, from the first move started to the last landed.
     pub migration_pages_per_s: f64,
     /// From the donor's machine needing its memory to the client's first move (the daemon's
@@ -365,6 +367,7 @@ fn migration(
         let p = lock(pager);
         r.pages_migrated = p.counters().pages_migrated;
         r.pages_migrated_to_disk = p.counters().pages_migrated_to_disk;
+        r.pages_migrated_direct = p.counters().pages_migrated_direct;
     }
     r.migration_pages_per_s = r.pages_migrated as f64 / (last - first).as_secs_f64().max(1e-9);
     r.until_first_move_s = (first - shrink).as_secs_f64();
@@ -604,6 +607,7 @@ fn markdown(r: &AdaptResult) -> String {
         "| measure | value |\n|---|---|\n\
          | pages on the donor | {} ({} MiB) |\n\
          | pages migrated (to the local disk) | {} ({}) |\n\
+         | ... server to server (not through the client) | {} |\n\
          | **pages migrated per second** | **{:.0}** |\n\
          | machine short → first move | {:.2} s |\n\
          | machine short → donor's RSS down by 9/10 of its pages | {:.2} s |\n\
@@ -616,6 +620,7 @@ fn markdown(r: &AdaptResult) -> String {
         m.pages * PAGE_SIZE as u64 / MIB,
         m.pages_migrated,
         m.pages_migrated_to_disk,
+        m.pages_migrated_direct,
         m.migration_pages_per_s,
         m.until_first_move_s,
         m.give_back_s,
@@ -634,10 +639,13 @@ fn markdown(r: &AdaptResult) -> String {
     );
     let _ = writeln!(
         s,
-        "The client is the owner of the pages that move, and moves them itself (C → A → B): \
-         its reads wait behind a migration step that holds its pager (at most {} pages). The \
-         other client has no page on the donor; it sees the servers' load only.\n",
-        MaintainConfig::default().migrate_batch
+        "The client is the owner of the pages that move. Under `none` and `mirror:N` they go \
+         server to server (Nswap's MIGRATE): the client sends keys only (EXPECT to the new \
+         server, MIGRATE to the donor, which hands {} pages over at a time on its own thread), \
+         then deletes the donor's copies; its reads of pages still on the donor share that \
+         server, and every process here shares this machine's CPUs. The other client has no \
+         page on the donor; it sees the servers' load only.\n",
+        16
     );
     let _ = writeln!(
         s,

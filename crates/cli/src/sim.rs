@@ -120,7 +120,7 @@ fn print_report(label: &str, r: &Report) {
     println!(
         "faults: {} crashes, {} partitions, {} lost messages, {} resets, {} duplicated replies, \
          {} bit flips, {} hostile replies, {} slow periods, {} offers moved ({} pages migrated, \
-         {} of them to a disk), {} parity deltas applied but unanswered; membership declared \
+         {} of them to a disk, {} server to server), {} parity deltas applied but unanswered; membership declared \
          {} members down ({} of them still up; {} membership cuts), clients failed {} servers on \
          its word",
         f.crashes,
@@ -134,6 +134,7 @@ fn print_report(label: &str, r: &Report) {
         f.offer_moves,
         f.pages_migrated,
         f.pages_migrated_to_disk,
+        f.pages_migrated_direct,
         f.unanswered,
         f.members_declared_down,
         f.members_declared_down_alive,

@@ -394,9 +394,14 @@ fn cluster_pages_to_a_growing_donor(shaped: bool) {
         "the donor's resident memory fell from {rss_before} to only {rss_after}"
     );
     let moved = stat(&net, 4, &creds[4], "stored_pages").saturating_sub(on_four);
+    // Server to server (Nswap's MIGRATE), not through the clients: host 4 adopted what the
+    // donor handed over.
+    let adopted = stat(&net, 4, &creds[4], "pages_adopted");
+    let handed = stat(&net, 1, &tls1, "pages_handed_over");
     eprintln!(
-        "netns ({}): the donor held {held} pages; {moved} more on host 4 after; donor RSS {} -> \
-         {} MiB; offer now {} pages",
+        "netns ({}): the donor held {held} pages; {moved} more on host 4 after ({adopted} \
+         adopted from the donor's {handed} handed over); donor RSS {} -> {} MiB; offer now {} \
+         pages",
         if shaped { "1 Gbit/s" } else { "unshaped" },
         rss_before >> 20,
         rss_after >> 20,
@@ -405,6 +410,11 @@ fn cluster_pages_to_a_growing_donor(shaped: bool) {
     assert!(
         moved > held / 2,
         "{moved} of the donor's {held} pages went to host 4"
+    );
+    assert!(
+        adopted > held / 2 && handed >= adopted,
+        "{adopted} of the donor's {held} pages went to host 4 server to server ({handed} handed \
+         over)"
     );
 
     // Host 5 joins, then leaves: everyone sees it come and go.

@@ -13,6 +13,11 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+/// How often the answers of moves server to server are taken in at least, while any is under
+/// way (each tick holds the pager only for that): short, since each answer lets the next
+/// batch go.
+const HANDOVER_POLL: Duration = Duration::from_micros(300);
+
 #[derive(Debug, Clone, Copy)]
 pub struct MaintainConfig {
     /// Pages (Reed-Solomon: stripes) rebuilt per step, under one hold of the pager's lock.
@@ -221,12 +226,13 @@ where
             membership.check(every, &with_pager);
         }
         let started = Instant::now();
-        let (mut rebuilt, mut migrated) = (0, 0);
+        let (mut rebuilt, mut migrated, mut handing) = (0, 0, 0);
         with_pager(
             &mut |p| match p.on_tick(epoch.elapsed().as_micros() as u64) {
                 Ok(tick) => {
                     rebuilt = tick.rebuilt;
                     migrated = tick.migrated;
+                    handing = tick.handing;
                     if tick.revived > 0 {
                         tracing::info!("{} server(s) reconnected (empty)", tick.revived);
                     }
@@ -237,10 +243,17 @@ where
                 Err(e) => tracing::warn!("maintenance: {e}"),
             },
         );
-        let pause = if migrated > 0 {
+        let pause = if migrated > 0 || handing > 0 {
             // Back soon: the pages go as fast as the program's share of the pager allows.
+            // Moves server to server hold the pager only to send keys and take answers in;
+            // their answers are polled for at least every `HANDOVER_POLL`.
             let duty = cfg.migrate_duty.clamp(0.01, 1.0);
-            started.elapsed().mul_f64((1.0 - duty) / duty)
+            let share = started.elapsed().mul_f64((1.0 - duty) / duty);
+            if handing > 0 {
+                share.max(HANDOVER_POLL).min(Duration::from_millis(5))
+            } else {
+                share
+            }
         } else if rebuilt > 0 {
             // Spaced so that `pages_per_s` and `duty` hold; the step itself counts.
             let held = started.elapsed();

@@ -78,6 +78,10 @@ pub struct PagerConfig {
     /// is a fresh random key. `None`: pages travel in clear with their crc32c (development,
     /// or a network the operator trusts, and said so).
     pub seal: Option<SealKey>,
+    /// Under `none` and `mirror:N`, pages leave a shrinking server straight for another one
+    /// (`handover.rs`); off, they pass through this pager (`migrate.rs`), as they always do
+    /// under parity and Reed-Solomon.
+    pub direct_migration: bool,
 }
 
 impl Default for PagerConfig {
@@ -94,6 +98,7 @@ impl Default for PagerConfig {
             redundancy: Scheme::None,
             recovery_slots: 2048,
             seal: Some(SealKey::random()),
+            direct_migration: true,
         }
     }
 }

@@ -94,4 +94,8 @@ counters! {
     migrations_started,
     pages_migrated,
     pages_migrated_to_disk,
+    /// Of the pages migrated, those that went server to server (`handover.rs`); and moves
+    /// a server refused or could not make (the page stayed where it was).
+    pages_migrated_direct,
+    migrations_refused,
 }

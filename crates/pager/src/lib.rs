@@ -48,6 +48,7 @@ mod cache;
 mod config;
 mod counters;
 mod error;
+mod handover;
 mod invariants;
 mod maintenance;
 mod migrate;
@@ -159,6 +160,8 @@ pub struct Pager<T: Transport, D: Disk> {
     degraded: BTreeSet<u64>,
     /// Pages on their way off a leaving server (`migrate.rs`), counted when they land.
     migrating: BTreeSet<u64>,
+    /// Pages moving straight from server to server (`handover.rs`).
+    handing: std::collections::BTreeMap<u64, usize>,
     /// Where the next search for pages to move starts in the page table.
     migrate_cursor: u64,
     /// Pages recovery could not give every copy (no server with room) and that the local disk
@@ -237,6 +240,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             scheme,
             degraded: BTreeSet::new(),
             migrating: BTreeSet::new(),
+            handing: std::collections::BTreeMap::new(),
             migrate_cursor: 0,
             short: BTreeSet::new(),
             rehomed: BTreeSet::new(),
@@ -371,7 +375,9 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                 self.submit(s, Op::Get(Vec::new()), &Request::Get(Vec::new()));
             }
         }
-        self.drain()?;
+        // Not waiting for direct migrations: a server answers them once their pages are
+        // handed over, and a dead server fails them with the rest.
+        self.settle()?;
         Ok((self.counters.servers_dead - before) as usize)
     }
 

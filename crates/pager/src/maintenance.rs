@@ -58,6 +58,8 @@ pub struct Tick {
     pub unrecoverable: usize,
     /// Pages whose move off a server that shrank its offer started.
     pub migrated: usize,
+    /// Pages moving server to server after the tick, whose answers the next ticks take in.
+    pub handing: usize,
 }
 
 impl Schedule {
@@ -112,6 +114,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         if self.migration_due() {
             tick.migrated = self.migrate(cfg.migrate_batch)?.started;
         }
+        tick.handing = self.pages_in_handover();
         Ok(tick)
     }
 }

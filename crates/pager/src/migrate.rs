@@ -62,15 +62,27 @@ impl<T: Transport, D: Disk> Pager<T, D> {
     /// (pipelined), then writes each where it may go, not waiting for the writes. The caller
     /// sets the pace ([`Pager::on_tick`]).
     pub fn migrate(&mut self, max_pages: usize) -> Result<MigrationStep, PagerError> {
-        // What earlier steps sent has landed, so the counts the servers' last replies carry
-        // include it: nothing is moved twice.
-        self.drain()?;
+        // Server to server (`handover.rs`): nothing to wait for, the replies drive each move;
+        // pages in a move are not picked again, and its server's count still includes them.
+        let direct = self.moves_directly();
+        if direct {
+            self.poll()?;
+        } else {
+            // What earlier steps sent has landed, so the counts the servers' last replies
+            // carry include it: nothing is moved twice.
+            self.drain()?;
+        }
         let mut step = MigrationStep {
             leaving: self.pages_leaving(),
             ..MigrationStep::default()
         };
-        // Each page holds a slot from its read to its last acknowledgement.
-        let budget = max_pages.min(self.free_slots.len() / 2);
+        // Each page the owner moves holds a slot from its read to its last acknowledgement;
+        // a direct move holds none, and at most two steps' worth are under way.
+        let budget = if direct {
+            (2 * max_pages).saturating_sub(self.handing.len())
+        } else {
+            max_pages.min(self.free_slots.len() / 2)
+        };
         let mut batch: Vec<(u64, usize)> = Vec::new();
         for s in 0..self.servers.len() {
             let st = &self.servers[s];
@@ -80,7 +92,11 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             if batch.len() >= budget {
                 break;
             }
-            let want = (st.leaving as usize).min(budget - batch.len());
+            let leaving = (st.leaving as usize).saturating_sub(self.handing_from(s));
+            let want = leaving.min(budget - batch.len());
+            if want == 0 {
+                continue;
+            }
             let (pages, held) = self.leaving_pages(s, want);
             if pages.is_empty() {
                 self.servers[s].leaving_stuck = self.servers[s].leaving;
@@ -98,6 +114,31 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                     batch.push((page, s));
                 }
             }
+        }
+        if direct && !batch.is_empty() {
+            let before = self.handing.len();
+            let mut stay = Vec::new();
+            for s in 0..self.servers.len() {
+                let pages: Vec<u64> = batch
+                    .iter()
+                    .filter(|&&(_, from)| from == s)
+                    .map(|&(p, _)| p)
+                    .collect();
+                if !pages.is_empty() {
+                    stay.extend(self.hand_over(s, pages).into_iter().map(|p| (p, s)));
+                }
+            }
+            step.started += self.handing.len().saturating_sub(before);
+            self.pump_all();
+            // What no server could take is moved by the owner: to the local disk, most
+            // likely (the cluster is full), within the slots it has. Not while moves are
+            // under way: their answers bring the servers' room up to date (this pager counts
+            // what it sends against it), and the owner's moves would wait for them.
+            if stay.is_empty() || !self.handing.is_empty() {
+                return Ok(step);
+            }
+            stay.truncate(self.free_slots.len() / 2);
+            batch = stay;
         }
         if batch.is_empty() {
             return Ok(step);
@@ -179,6 +220,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                 // backs it, else left to recovery to rebuild first.
                 if !self.writeback.contains_key(&page)
                     && !self.rehomed.contains(&page)
+                    && !self.handing.contains_key(&page)
                     && !out.contains(&page)
                     && (self.alive_holder(page, None).is_some() || self.table.get(page).on_disk)
                 {
@@ -209,6 +251,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                 && self.table.holders(p).contains(server)
                 && !self.writeback.contains_key(&p)
                 && !self.rehomed.contains(&p)
+                && !self.handing.contains_key(&p)
             {
                 out.push(p);
                 if out.len() >= want {

@@ -145,6 +145,8 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             Followup::ShipFailed(id) => self.par_ship_failed(id)?,
             Followup::Scanned(groups, orphans) => self.par_scanned(server, groups, orphans),
             Followup::Stale(keys) => self.par_stale(server, keys),
+            Followup::Expected(hand, status) => self.expected(*hand, status),
+            Followup::Migrated(hand, status) => self.migrated(*hand, &status),
             Followup::Dead(why, op) => {
                 self.mark_dead(server, TransportError::Protocol(why));
                 if let Some(op) = op {
@@ -218,6 +220,8 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                 }
             }
             Op::Delete | Op::Gc(_) | Op::Delta | Op::Scan => {}
+            Op::Expect(hand) => self.handover_failed(*hand, false),
+            Op::Migrate(hand) => self.handover_failed(*hand, true),
             Op::Ship(id) => {
                 if let Err(e) = self.par_ship_failed(id) {
                     tracing::error!("could not place pages after a holder failed: {e}");
@@ -381,6 +385,12 @@ impl Inbox<'_> {
                 });
             }
             (Op::Delta, Reply::ParityDelta { .. }) => {}
+            (Op::Expect(hand), Reply::Move { status, .. }) if status.len() == hand.pages.len() => {
+                followups.push(Followup::Expected(hand, status.clone()));
+            }
+            (Op::Migrate(hand), Reply::Move { status, .. }) if status.len() == hand.pages.len() => {
+                followups.push(Followup::Migrated(hand, status.clone()));
+            }
             (
                 Op::Scan,
                 Reply::ParityScan {
@@ -455,5 +465,8 @@ pub(crate) enum Followup {
     Scanned(Vec<parity::ScannedGroup>, Vec<PageKey>),
     /// Copies a parity pager could not delete yet.
     Stale(Vec<PageKey>),
+    /// A direct migration's EXPECT, and its MIGRATE, answered (`handover.rs`).
+    Expected(Box<crate::handover::Hand>, Vec<netram_proto::MoveStatus>),
+    Migrated(Box<crate::handover::Hand>, Vec<netram_proto::MoveStatus>),
     Dead(String, Option<Op>),
 }

@@ -85,16 +85,30 @@ pub(crate) enum Op {
     /// Deltas the owner sends itself (rebuilt members leaving their groups).
     Delta,
     Scan,
+    /// A direct migration's EXPECT to the new server, and its MIGRATE to the old one.
+    Expect(Box<crate::handover::Hand>),
+    Migrate(Box<crate::handover::Hand>),
 }
 
 impl Op {
+    /// A direct migration's request (`handover.rs`).
+    pub(crate) fn is_handover(&self) -> bool {
+        matches!(self, Op::Expect(_) | Op::Migrate(_))
+    }
+
     /// Credits the request takes from its server's window: one per page, and one for an
     /// empty GET (a probe), so that it is waited for like any request.
     pub(crate) fn credits(&self) -> u32 {
         match self {
             Op::Get(items) => items.len().max(1) as u32,
             Op::Put(items) => items.len() as u32,
-            Op::Delete | Op::Gc(_) | Op::Ship(_) | Op::Delta | Op::Scan => 1,
+            Op::Delete
+            | Op::Gc(_)
+            | Op::Ship(_)
+            | Op::Delta
+            | Op::Scan
+            | Op::Expect(_)
+            | Op::Migrate(_) => 1,
         }
     }
 }
@@ -112,15 +126,33 @@ pub(crate) struct Inflight {
 }
 
 impl Inflight {
-    /// The server of the oldest request still in flight.
+    /// The server of the oldest request still in flight, other than a direct migration's
+    /// (`handover.rs`) while there is any other: nothing waits for those, and a server
+    /// answers them only once it has handed the pages over (milliseconds), while the oldest
+    /// is what a wait is for.
     pub(crate) fn oldest(&mut self) -> Option<usize> {
-        while let Some(&(id, server)) = self.order.front() {
+        while let Some(&(id, _)) = self.order.front() {
             if self.ops.contains_key(&id) {
-                return Some(server);
+                break;
             }
             self.order.pop_front();
         }
-        None
+        let mut handover = None;
+        for &(id, server) in &self.order {
+            match self.ops.get(&id) {
+                Some((_, op)) if op.is_handover() => {
+                    handover.get_or_insert(server);
+                }
+                Some(_) => return Some(server),
+                None => {}
+            }
+        }
+        handover
+    }
+
+    /// Whether anything but direct migrations is in flight.
+    pub(crate) fn any_but_handovers(&self) -> bool {
+        self.ops.values().any(|(_, op)| !op.is_handover())
     }
 }
 
@@ -412,6 +444,14 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             Some(server) => self.recv_from(server),
             None => Ok(()),
         }
+    }
+
+    /// Completes everything queued and in flight but direct migrations, which go on.
+    pub(crate) fn settle(&mut self) -> Result<(), PagerError> {
+        while self.inflight.any_but_handovers() || self.queues.iter().any(|q| !q.is_empty()) {
+            self.complete_one()?;
+        }
+        Ok(())
     }
 
     /// Completes everything queued and in flight.

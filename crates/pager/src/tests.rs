@@ -95,6 +95,27 @@ impl MemCluster {
                 .collect();
             let s = &mut self.servers[i];
             serve::finish_forward(&mut s.store, s.session, fwd, &outcomes, 0, 0, &mut out);
+        } else if let serve::Outcome::Handover(ho) = o {
+            // Handed over at once; the new server takes them as from server `i` over TLS.
+            let to = (0..self.servers.len()).find(|&t| mem_addr(t) == ho.to.addr);
+            let status: Vec<netram_proto::MoveStatus> = match to {
+                Some(t) if !self.servers[t].dead => {
+                    assert_eq!(
+                        ho.to.node,
+                        t as u64 + 1,
+                        "the pager named the target's node"
+                    );
+                    let by = netram_store::Peer::Server(i as u64 + 1);
+                    let store = &mut self.servers[t].store;
+                    ho.pages
+                        .iter()
+                        .map(|p| store.adopt(by, ho.owner, &p.as_page(), 0))
+                        .collect()
+                }
+                _ => Vec::new(),
+            };
+            let s = &mut self.servers[i];
+            serve::finish_handover(&mut s.store, s.session, ho, &status, 0, &mut out);
         }
         let s = &mut self.servers[i];
         if out.is_empty() {

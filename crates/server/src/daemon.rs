@@ -806,9 +806,10 @@ fn read_by(stream: &mut TcpStream, buf: &mut [u8], deadline: Instant) -> io::Res
     Ok(())
 }
 
-/// Pages moved down below a shrunk offer per hold of the store's lock (4 MiB of copying):
-/// clients wait for the lock no longer than that.
-const COMPACT_STEP: usize = 1024;
+/// Pages moved down below a shrunk offer per hold of the store's lock (256 KiB of copying,
+/// tens of µs): clients wait for the lock no longer than that (1024, 4 MiB, held a shrinking
+/// donor's clients for a millisecond each time).
+const COMPACT_STEP: usize = 64;
 
 /// Moves the offer with the machine's memory, moves the pages above a shrunk offer into the
 /// frames free below it, and gives back to the kernel the memory of the frames no longer
@@ -827,8 +828,8 @@ fn donor_loop(shared: Arc<Shared>, mut adapter: crate::donor::Adapter) {
             let mut store = shared.store();
             let moved = store.compact(COMPACT_STEP);
             runs.extend(store.take_given_back().into_iter().map(|f| (f, 1)));
-            give_back(&store, &mut runs);
             drop(store);
+            give_back(&shared, &mut runs);
             if moved < COMPACT_STEP || shared.shutdown.load(Ordering::SeqCst) {
                 break;
             }
@@ -836,8 +837,15 @@ fn donor_loop(shared: Arc<Shared>, mut adapter: crate::donor::Adapter) {
     }
 }
 
-/// Gives the frames of `runs` back to the kernel, neighbours joined into one call each.
-fn give_back(store: &Store<Arena>, runs: &mut Vec<(u32, u32)>) {
+/// Frames given back to the kernel per hold of the store's lock: MADV_DONTNEED takes time in
+/// proportion (and TLB shootdowns), and the connections wait for the lock meanwhile (a
+/// shrinking donor once held it for milliseconds, its clients' reads with it).
+const GIVE_BACK_STEP: u32 = 64;
+
+/// Gives the frames of `runs` back to the kernel, neighbours joined, at most
+/// [`GIVE_BACK_STEP`] frames per hold of the store's lock. The frames stay free and above the
+/// offer in between: only this thread raises the offer, and no page is placed above it.
+fn give_back(shared: &Shared, runs: &mut Vec<(u32, u32)>) {
     runs.sort_unstable();
     let mut joined: Vec<(u32, u32)> = Vec::with_capacity(runs.len());
     for &(first, n) in runs.iter() {
@@ -847,7 +855,12 @@ fn give_back(store: &Store<Arena>, runs: &mut Vec<(u32, u32)>) {
         }
     }
     for (first, n) in joined {
-        store.arena().give_back(first, n);
+        let mut at = first;
+        while at < first + n {
+            let step = GIVE_BACK_STEP.min(first + n - at);
+            shared.store().arena().give_back(at, step);
+            at += step;
+        }
     }
     runs.clear();
 }
@@ -1030,7 +1043,7 @@ fn serve_connection(mut stream: TcpStream, shared: &Shared) -> Result<(), ConnEr
 
 /// Serves the requests of one session's connection until it closes.
 fn serve_session(
-    mut stream: TcpStream,
+    stream: TcpStream,
     shared: &Shared,
     peer: SocketAddr,
     session: SessionHandle,
@@ -1038,10 +1051,109 @@ fn serve_session(
     serial: Option<Vec<u8>>,
     clear_tails: bool,
 ) -> Result<(), ConnError> {
-    let (mut seal, open) = match keys {
+    let (seal, open) = match keys {
         Some(k) => (Some(k.send), Some(k.recv)),
         None => (None, None),
     };
+    let sealed = seal.is_some();
+    let writer = Mutex::new(ConnWriter {
+        stream: stream.try_clone()?,
+        seal,
+    });
+    // A MIGRATE's handover (a round trip to another server) is made by this connection's
+    // mover thread, started on the first one, so that the client's other requests are not
+    // held behind it; its answer is written when it is done (replies carry their request's
+    // id: the client takes them in any order).
+    std::thread::scope(|scope| {
+        let mut mover: Option<std::sync::mpsc::Sender<(serve::Handover, u32)>> = None;
+        let result = session_loop(
+            stream,
+            shared,
+            peer,
+            session,
+            open,
+            serial,
+            clear_tails,
+            &writer,
+            &mut |ho| {
+                let tx = mover.get_or_insert_with(|| {
+                    let (tx, rx) = std::sync::mpsc::channel();
+                    let writer = &writer;
+                    scope.spawn(move || hand_over_loop(rx, shared, session, sealed, writer));
+                    tx
+                });
+                // The mover ends only when this loop does.
+                let _ = tx.send(ho);
+            },
+        );
+        // The mover finishes what it was given (each handover is bounded by the peers'
+        // timeouts), then ends.
+        drop(mover);
+        result
+    })
+}
+
+/// The write half of a connection: replies are sealed and written under its lock, by the
+/// connection's thread and its mover alike, so that records go out whole and in order.
+struct ConnWriter {
+    stream: TcpStream,
+    seal: Option<netram_net::RecordKey>,
+}
+
+impl ConnWriter {
+    /// Seals (over TLS) and writes `buf`, then empties it.
+    fn write(&mut self, buf: &mut Vec<u8>) -> io::Result<()> {
+        if let Some(k) = &mut self.seal {
+            k.seal_all(buf);
+        }
+        let r = self.stream.write_all(buf);
+        buf.clear();
+        r
+    }
+}
+
+/// A connection's mover: hands pages over to other servers (MIGRATE), one request after
+/// another, and writes each answer.
+fn hand_over_loop(
+    rx: std::sync::mpsc::Receiver<(serve::Handover, u32)>,
+    shared: &Shared,
+    session: SessionHandle,
+    sealed: bool,
+    writer: &Mutex<ConnWriter>,
+) {
+    let mut out = Vec::new();
+    for (ho, rps) in rx {
+        let status = shared.peers.hand_over(
+            ho.to,
+            ho.owner,
+            &ho.pages,
+            &shared.counters.migration_targets_wrong_node,
+        );
+        serve::finish_handover(&mut shared.store(), session, ho, &status, rps, &mut out);
+        if sealed {
+            reserve_tags(&mut out, 0);
+        }
+        if lock(writer).write(&mut out).is_err() {
+            // The connection is gone: the client fails what it waited for.
+            return;
+        }
+    }
+}
+
+/// [`serve_session`]'s loop: reads requests, serves them, writes their replies.
+#[allow(clippy::too_many_arguments)]
+fn session_loop(
+    mut stream: TcpStream,
+    shared: &Shared,
+    peer: SocketAddr,
+    session: SessionHandle,
+    open: Option<netram_net::RecordKey>,
+    serial: Option<Vec<u8>>,
+    clear_tails: bool,
+    writer: &Mutex<ConnWriter>,
+    hand_over: &mut dyn FnMut((serve::Handover, u32)),
+) -> Result<(), ConnError> {
+    let sealed = lock(writer).seal.is_some();
     let mut crl_seen = shared.crl_generation.load(Ordering::SeqCst);
     let _qos = if shared.cfg.low_latency {
         PmQos::hold()
@@ -1102,13 +1214,15 @@ fn serve_session(
                 Err(e) => return Err(e.into()),
             }
         }
+        let mut handovers = Vec::new();
         let served = handle_frames(
             &mut rbuf,
             &mut wbuf,
             shared,
             session,
-            seal.is_some(),
+            sealed,
             clear_tails,
+            &mut handovers,
         )
         .map_err(|e| {
             let c = &shared.counters;
@@ -1127,10 +1241,7 @@ fn serve_session(
         }
         // Replies to the frames before a bad one are still owed.
         if !wbuf.is_empty() {
-            if let Some(k) = &mut seal {
-                k.seal_all(&mut wbuf);
-            }
-            if let Err(e) = stream.write_all(&wbuf) {
+            if let Err(e) = lock(writer).write(&mut wbuf) {
                 if matches!(
                     e.kind(),
                     io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
@@ -1140,8 +1251,8 @@ fn serve_session(
                 }
                 return Err(e.into());
             }
-            wbuf.clear();
         }
+        handovers.into_iter().for_each(&mut *hand_over);
         match served {
             Ok(Served { closed: true, .. }) => return Ok(()),
             // Over its rate: its replies are written, and nothing more of it is read (its
@@ -1194,6 +1305,7 @@ fn handle_frames(
     h: SessionHandle,
     sealed: bool,
     clear_tails: bool,
+    handovers: &mut Vec<(serve::Handover, u32)>,
 ) -> Result<Served, DecodeError> {
     let mut now = shared.now_ms();
     let mut store = shared.store();
@@ -1257,18 +1369,10 @@ fn handle_frames(
                 tags(out);
                 false
             }
+            // Handed over by the connection's mover (`serve_session`), answered when done:
+            // the requests after it are served meanwhile.
             Outcome::Handover(ho) => {
-                drop(store);
-                let status = shared.peers.hand_over(
-                    ho.to,
-                    ho.owner,
-                    &ho.pages,
-                    &shared.counters.migration_targets_wrong_node,
-                );
-                store = shared.store();
-                now = shared.now_ms();
-                serve::finish_handover(&mut store, h, ho, &status, rps, out);
-                tags(out);
+                handovers.push((ho, rps));
                 false
             }
         };

@@ -131,6 +131,7 @@ impl Report {
         a.offer_moves += b.offer_moves;
         a.pages_migrated += b.pages_migrated;
         a.pages_migrated_to_disk += b.pages_migrated_to_disk;
+        a.pages_migrated_direct += b.pages_migrated_direct;
         a.unanswered += b.unanswered;
         a.hostile += b.hostile;
         a.members_declared_down += b.members_declared_down;
@@ -303,6 +304,9 @@ fn play(sc: &Scenario, at: &std::cell::Cell<u32>) -> Result<Report, Failure> {
                     k.iter_mut().for_each(|b| *b = rng.u8(..));
                     SealKey(k)
                 }),
+                // Pages leave a shrinking server straight for another (Nswap's MIGRATE) in
+                // three clients of four; through their owner in the rest.
+                direct_migration: rng.u32(0..4) != 0,
             };
             let disk = match sc.faults.disk_write {
                 p if p > 0.0 => MemDisk::failing_randomly(rng.u64(..), p),
@@ -623,6 +627,7 @@ fn play(sc: &Scenario, at: &std::cell::Cell<u32>) -> Result<Report, Failure> {
             let c = cl.pager.borrow();
             w.log.pages_migrated += c.counters().pages_migrated;
             w.log.pages_migrated_to_disk += c.counters().pages_migrated_to_disk;
+            w.log.pages_migrated_direct += c.counters().pages_migrated_direct;
         }
     }
     for cl in clients {

@@ -288,6 +288,8 @@ pub struct FaultLog {
     /// Pages the clients moved off servers whose offer shrank, and of those, to their disk.
     pub pages_migrated: u64,
     pub pages_migrated_to_disk: u64,
+    /// ... and of them, server to server (Nswap's MIGRATE).
+    pub pages_migrated_direct: u64,
     pub unanswered: u32,
     pub hostile: u32,
     /// Members some server's membership declared down, and of those, the ones that were up
@@ -801,6 +803,12 @@ impl World {
                         .collect(),
                     None => Vec::new(),
                 };
+                let keys: Vec<(u64, u32)> =
+                    ho.pages.iter().map(|p| (p.key.page, p.version)).collect();
+                self.note(format_args!(
+                    "server {server} hands pages {keys:?} to {:?} for conn {conn}: {status:?}",
+                    target
+                ));
                 let s = &mut self.servers[server];
                 serve::finish_handover(&mut s.store, session, ho, &status, 0, &mut out);
             }

@@ -7,7 +7,9 @@
 //! session, naming A (ADOPT). An expectation is used once, lasts [`EXPECT_TTL_MS`], and B holds
 //! at most [`MAX_EXPECTED_PER_SESSION`] per session and [`MAX_EXPECTED`] in all: B pays for the
 //! pages, so B bounds them. A page is adopted only into a key the session does not hold: a write
-//! of a newer version that got there first is never replaced by the older one migrating.
+//! of a newer version that got there first is never replaced by the older one migrating. The
+//! owner's DELETE of a key withdraws its expectation: an owner that gave up on a move (C
+//! stopped answering) deletes B's copy, and a handover still on its way is refused after.
 
 use crate::{pack, Peer, SessionHandle, Store, StoreError};
 use netram_proto::{MoveStatus, Owner, Page, PutStatus};
@@ -66,6 +68,13 @@ impl Expectations {
 }
 
 impl<A: AsRef<[u8]> + AsMut<[u8]>> Store<A> {
+    /// The owner deleted the key: what it expected under it is withdrawn.
+    pub(crate) fn withdraw_expected(&mut self, slot: u32, packed: u64) {
+        if !self.expected.by_key.is_empty() {
+            self.expected.remove((slot, packed));
+        }
+    }
+
     /// Expectations held (some may have run out and wait to be purged).
     pub fn expected_pages(&self) -> usize {
         self.expected.by_key.len()

@@ -201,6 +201,19 @@ fn a_handover_nobody_expected_is_refused_and_stores_nothing() {
     );
 }
 
+/// The owner gave up on a move (its old server stopped answering) and deleted the key at the
+/// new server before the handover arrived: the handover is refused.
+#[test]
+fn a_delete_withdraws_what_was_expected() {
+    let mut x = Pair::new(16);
+    Pair::put(&mut x.c, x.hc, 1, 3, 10);
+    x.expect(C_NODE, &[(1, 3)]);
+    assert!(!x.b.delete(x.hb, key(1), 0).unwrap(), "nothing there yet");
+    assert_eq!(x.b.expected_pages(), 0);
+    assert_eq!(x.migrate(&[1], FROM_C), [MoveStatus::Unexpected]);
+    assert_eq!(x.version_at_b(1), None);
+}
+
 #[test]
 fn a_newer_write_that_got_there_first_is_never_replaced() {
     let mut x = Pair::new(16);

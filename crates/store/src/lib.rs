@@ -871,6 +871,11 @@ impl<A: AsRef<[u8]> + AsMut<[u8]>> Store<A> {
         now_ms: u64,
     ) -> Result<bool, StoreError> {
         self.session(h, now_ms)?;
+        // A delete also withdraws what the owner expected another server to hand over under
+        // this key: a handover that comes after it is refused (`adopt.rs`).
+        if let Some(p) = pack(key) {
+            self.withdraw_expected(h.slot, p);
+        }
         let found = pack(key).and_then(|p| self.find(h.slot, p));
         match found {
             Some(f) => {

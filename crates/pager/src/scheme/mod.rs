@@ -80,6 +80,11 @@ impl Redundancy {
 
     /// Copies the page table records per page: N under `mirror:N`, else one (a parity page has
     /// one copy; a striped page's data piece is found through its stripe, not the table).
+    /// Whether pages are kept as whole copies (`none`, `mirror:N`), not in groups or stripes.
+    pub(crate) fn copies_only(&self) -> bool {
+        matches!(self, Redundancy::Copies(_))
+    }
+
     pub(crate) fn copies(&self) -> usize {
         match self {
             Redundancy::Copies(n) => *n,

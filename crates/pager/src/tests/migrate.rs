@@ -1,6 +1,7 @@
 //! Migration (`migrate.rs`, Nswap §III): a server that shrinks its offer below the pages it
 //! holds gets them moved away by their owner, under every scheme, and the pages read back;
-//! with no room left in the cluster they go to the owner's disk.
+//! with no room left in the cluster they go to the owner's disk. Under `none` and `mirror:N`
+//! they go server to server (`handover.rs`), and the races of a move are played out by hand.
 
 use super::*;
 
@@ -83,6 +84,14 @@ fn pages_above_a_shrunk_offer_move_away_under_every_scheme() {
         assert!(c.pages_migrated > 0, "{scheme}: {c:?}");
         assert_eq!(c.pages_migrated, c.migrations_started, "{scheme}");
         assert_eq!(c.pages_migrated_to_disk, 0, "{scheme}");
+        if scheme == "none" || scheme.starts_with("mirror") {
+            assert_eq!(
+                c.pages_migrated_direct, c.pages_migrated,
+                "{scheme}: server to server"
+            );
+        } else {
+            assert_eq!(c.pages_migrated_direct, 0, "{scheme}: through the owner");
+        }
         // Still protected: a second server can die and nothing is lost.
         if scheme != "none" {
             p.transport.servers[1].dead = true;
@@ -158,4 +167,128 @@ fn a_page_written_or_discarded_while_it_moves_keeps_its_newest_version() {
     }
     assert_eq!(p.transport.servers[0].store.stored_pages(), 0);
     p.check_invariants().unwrap();
+}
+
+/// Copies each server holds against those the table names: no copy left behind.
+fn no_copy_the_table_does_not_name(p: &Pager<MemCluster, MemDisk>) {
+    for (s, srv) in p.transport.servers.iter().enumerate() {
+        assert_eq!(
+            srv.store.stored_pages(),
+            p.table.pages_on(s).len() as u64,
+            "server {s} holds copies the table does not name"
+        );
+    }
+}
+
+/// Server to server (`handover.rs`): the new server has taken the pages when the program
+/// writes some of them again and discards others, before the old server's answer arrives.
+/// Each keeps its newest version, and no server is left with a copy the table does not name.
+#[test]
+fn a_direct_move_that_loses_a_race_leaves_no_copy_behind() {
+    let mut p = pager(MemCluster::new(&[100, 100, 100]), 40, 0, Backing::Cluster);
+    for page in 0..40 {
+        p.write(page, &content(page, 3)).unwrap();
+    }
+    p.flush().unwrap();
+    let on0 = p.table.pages_on(0);
+    assert!(on0.len() > 6, "server 0 holds {} pages", on0.len());
+    p.transport.servers[0].store.set_offer(0);
+    // Any answer from server 0 says what leaves.
+    read(&mut p, on0[0]).unwrap();
+    assert_eq!(p.pages_leaving(), on0.len() as u64);
+    let step = p.migrate(64).unwrap();
+    assert_eq!(step.started, on0.len());
+    // The new servers answer the EXPECTs; server 0 hands the pages over at once (this
+    // transport serves a request as it is sent) but its answer waits.
+    for (s, frame) in take_replies(&mut p) {
+        let (id, reply) = decode_reply(&frame).unwrap();
+        p.on_reply(s, id, &reply).unwrap();
+    }
+    assert!(
+        !p.transport.servers[0].replies.is_empty(),
+        "MIGRATE answered"
+    );
+    assert_eq!(p.pages_in_handover(), on0.len());
+    let adopted: u64 = (1..3)
+        .map(|s| p.transport.servers[s].store.counters().pages_adopted)
+        .sum();
+    assert_eq!(
+        adopted,
+        on0.len() as u64,
+        "the new servers hold them already"
+    );
+    for &page in on0.iter().step_by(3) {
+        p.write(page, &content(page, 4)).unwrap();
+    }
+    for &page in on0.iter().skip(1).step_by(3) {
+        p.discard(page).unwrap();
+    }
+    tick_until_moved(&mut p);
+    for page in 0..40 {
+        let want = match on0.iter().position(|&q| q == page) {
+            Some(i) if i % 3 == 0 => content(page, 4),
+            Some(i) if i % 3 == 1 => vec![0; PAGE_SIZE],
+            _ => content(page, 3),
+        };
+        assert_eq!(read(&mut p, page).unwrap(), want, "page {page}");
+    }
+    assert_eq!(p.transport.servers[0].store.stored_pages(), 0);
+    let c = p.counters();
+    let untouched = on0.len() - on0.len().div_ceil(3) - (on0.len() - 1).div_ceil(3);
+    assert!(c.pages_migrated_direct as usize >= untouched, "{c:?}");
+    assert_eq!(p.pages_in_handover(), 0);
+    no_copy_the_table_does_not_name(&p);
+    p.check_invariants().unwrap();
+}
+
+/// The old server dies after handing pages over, before its answer: the new server's copies
+/// are deleted (the table never named them), and the pages are as lost as any on a dead
+/// server under `none` (mirror:2 keeps them).
+#[test]
+fn the_old_server_dying_midway_leaves_no_copy_behind() {
+    for scheme in ["none", "mirror:2"] {
+        let mut p = Pager::new(
+            PagerConfig {
+                pages: 30,
+                cache_pages: 0,
+                writeback_batch: 4,
+                redundancy: scheme.parse().unwrap(),
+                ..sealed()
+            },
+            MemCluster::new(&[100, 100, 100, 100]),
+            MemDisk::default(),
+        );
+        for page in 0..30 {
+            p.write(page, &content(page, 5)).unwrap();
+        }
+        p.flush().unwrap();
+        let on0 = p.table.pages_on(0);
+        p.transport.servers[0].store.set_offer(0);
+        read(&mut p, on0[0]).unwrap();
+        p.migrate(64).unwrap();
+        for (s, frame) in take_replies(&mut p) {
+            let (id, reply) = decode_reply(&frame).unwrap();
+            p.on_reply(s, id, &reply).unwrap();
+        }
+        assert!(p.pages_in_handover() > 0, "{scheme}");
+        p.transport.servers[0].replies.clear();
+        p.transport.servers[0].dead = true;
+        p.on_failure(0, TransportError::Disconnected("killed".into()));
+        assert_eq!(p.pages_in_handover(), 0, "{scheme}");
+        recover_all(&mut p);
+        p.flush().unwrap();
+        for s in 1..4 {
+            assert_eq!(
+                p.transport.servers[s].store.stored_pages(),
+                p.table.pages_on(s).len() as u64,
+                "{scheme}: server {s} holds copies the table does not name"
+            );
+        }
+        if scheme == "mirror:2" {
+            for page in 0..30 {
+                assert_eq!(read(&mut p, page).unwrap(), content(page, 5), "page {page}");
+            }
+        }
+        p.check_invariants().unwrap();
+    }
 }
