@@ -60,13 +60,35 @@ enum Lie {
 
 #[derive(Arbitrary, Debug)]
 enum Act {
-    Write { page: u8, round: u8 },
-    WriteMany { first: u8, n: u8, round: u8 },
-    Read { page: u8 },
-    ReadMany { first: u8, n: u8 },
-    Discard { page: u8 },
+    Write {
+        page: u8,
+        round: u8,
+    },
+    WriteMany {
+        first: u8,
+        n: u8,
+        round: u8,
+    },
+    Read {
+        page: u8,
+    },
+    ReadMany {
+        first: u8,
+        n: u8,
+    },
+    Discard {
+        page: u8,
+    },
     Flush,
     Recover,
+    /// Server `server` offers `frames` (its machine wants memory back: pages above the offer
+    /// must leave), and the pager takes a migration step: server to server (EXPECT, MIGRATE,
+    /// ADOPT) under `none` and `mirror:2`, through the pager otherwise.
+    Shrink {
+        server: u8,
+        frames: u8,
+    },
+    Migrate,
     // Every reply waiting, pushed to the pager one at a time (`on_reply`; `on_failure` for a
     // frame that does not decode), as a runtime delivers them while the program is idle.
     Push,
@@ -117,6 +139,22 @@ impl Cluster {
                 .collect();
             let s = &mut self.servers[i];
             serve::finish_forward(&mut s.store, s.session, fwd, &outcomes, 0, 0, &mut out);
+        } else if let serve::Outcome::Handover(ho) = o {
+            // Handed over at once, as from server `i` over TLS.
+            let by = netram_store::Peer::Server(i as u64 + 1);
+            let status: Vec<netram_proto::MoveStatus> =
+                match (0..SERVERS).find(|&t| addr(t) == ho.to.addr) {
+                    Some(t) => {
+                        let store = &mut self.servers[t].store;
+                        ho.pages
+                            .iter()
+                            .map(|p| store.adopt(by, ho.owner, &p.as_page(), 0))
+                            .collect()
+                    }
+                    None => Vec::new(),
+                };
+            let s = &mut self.servers[i];
+            serve::finish_handover(&mut s.store, s.session, ho, &status, 0, &mut out);
         }
         out
     }
@@ -347,6 +385,15 @@ fuzz_target!(|input: Input| {
             }
             Act::Recover => {
                 let _ = pager.recover(16);
+            }
+            Act::Shrink { server, frames } => {
+                let store = &mut pager.transport_mut().servers[usize::from(server) % SERVERS].store;
+                store.set_offer(u64::from(frames) % (capacity as u64 + 1));
+                store.compact(usize::MAX);
+                store.take_given_back();
+            }
+            Act::Migrate => {
+                let _ = pager.migrate(16);
             }
             Act::Push => {
                 for s in 0..SERVERS {

@@ -236,7 +236,10 @@ pub struct AdaptResult {
     pub migration_pages_per_s: f64,
     pub client_p99_during_migration_us: f64,
     pub client_p99_without_migration_us: f64,
+    /// Server to server (Nswap's MIGRATE): D → B.
     pub migration: Migration,
+    /// The same pages back, B → D, moved by their owner itself (C → A → B), side by side.
+    pub migration_through_client: Migration,
     pub swaps: Vec<Swap>,
     pub targets: Vec<Target>,
 }
@@ -314,7 +317,8 @@ fn migration(
     while t.elapsed() < phase {
         without.push(read_one(pager, pages, &mut rng, &mut buf, &mut want)?.0);
     }
-    let started0 = lock(pager).counters().migrations_started;
+    let c0 = lock(pager).counters().clone();
+    let started0 = c0.migrations_started;
     r.donor_rss_before_mib = d.rss() as f64 / MIB as f64;
     let held_bytes = r.pages * PAGE_SIZE as u64;
     // D's machine needs its memory; the client keeps reading while its pages move.
@@ -365,9 +369,10 @@ fn migration(
     r.bystander_p99_during_migration_us = bd.p99_us;
     {
         let p = lock(pager);
-        r.pages_migrated = p.counters().pages_migrated;
-        r.pages_migrated_to_disk = p.counters().pages_migrated_to_disk;
-        r.pages_migrated_direct = p.counters().pages_migrated_direct;
+        let c = p.counters();
+        r.pages_migrated = c.pages_migrated - c0.pages_migrated;
+        r.pages_migrated_to_disk = c.pages_migrated_to_disk - c0.pages_migrated_to_disk;
+        r.pages_migrated_direct = c.pages_migrated_direct - c0.pages_migrated_direct;
     }
     r.migration_pages_per_s = r.pages_migrated as f64 / (last - first).as_secs_f64().max(1e-9);
     r.until_first_move_s = (first - shrink).as_secs_f64();
@@ -494,9 +499,20 @@ pub fn run(opts: &Options) -> anyhow::Result<String> {
             );
         }
     }
+    // The same move back, through the owner (C → A → B), side by side with server to server.
+    eprintln!("migration back, through the client ...");
+    d.set_available(ROOMY)?;
+    d.wait_offer(pages, Duration::from_secs(60))?;
+    lock(&pager).set_direct_migration(false);
+    let through = migration(&pager, pages, &b, &d, phase)?;
+    lock(&pager).set_direct_migration(true);
+    anyhow::ensure!(
+        through.pages_migrated_direct == 0,
+        "pages went server to server with direct migration off"
+    );
     // GMS §5.4: roles swapping every X seconds against a static cluster, side by side.
     let mut version = vec![0u8; pages as usize];
-    let mut holder = 1; // the pages are on B now
+    let mut holder = 0; // the pages are on D again
     let donors = [&d, &b];
     let mut swaps = Vec::new();
     for &x in swap_every {
@@ -572,6 +588,7 @@ pub fn run(opts: &Options) -> anyhow::Result<String> {
         client_p99_during_migration_us: m.client_p99_during_migration_us,
         client_p99_without_migration_us: m.client_p99_without_migration_us,
         migration: m,
+        migration_through_client: through,
         swaps,
         targets,
     };
@@ -646,6 +663,32 @@ fn markdown(r: &AdaptResult) -> String {
          server, and every process here shares this machine's CPUs. The other client has no \
          page on the donor; it sees the servers' load only.\n",
         16
+    );
+    let t = &r.migration_through_client;
+    let _ = writeln!(
+        s,
+        "## Server to server against through the client, side by side\n\n\
+         The same pages moved back (B → D), this time by the client itself (read from the \
+         donor, written to the other server, deleted), in the same run:\n\n\
+         | measure | server to server (D → B) | through the client (B → D) | ratio |\n\
+         |---|---|---|---|\n\
+         | pages migrated per second | {:.0} | {:.0} | {:.2} |\n\
+         | client read p99 without / during migration | {:.1} / {:.1} µs | {:.1} / {:.1} µs | {:.2} (during) |\n\
+         | client reads served during migration | {} | {} | |\n\
+         | another client's read p99 during | {:.1} µs | {:.1} µs | {:.2} |\n",
+        m.migration_pages_per_s,
+        t.migration_pages_per_s,
+        m.migration_pages_per_s / t.migration_pages_per_s.max(1e-9),
+        m.client_p99_without_migration_us,
+        m.client_p99_during_migration_us,
+        t.client_p99_without_migration_us,
+        t.client_p99_during_migration_us,
+        m.client_p99_during_migration_us / t.client_p99_during_migration_us.max(1e-9),
+        m.reads_during,
+        t.reads_during,
+        m.bystander_p99_during_migration_us,
+        t.bystander_p99_during_migration_us,
+        m.bystander_p99_during_migration_us / t.bystander_p99_during_migration_us.max(1e-9),
     );
     let _ = writeln!(
         s,

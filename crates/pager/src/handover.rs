@@ -57,6 +57,12 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         self.handing.values().filter(|&&s| s == server).count()
     }
 
+    /// Whether pages leave a shrinking server straight for another (under `none` and
+    /// `mirror:N`), or through this pager (what a benchmark compares).
+    pub fn set_direct_migration(&mut self, on: bool) {
+        self.cfg.direct_migration = on;
+    }
+
     /// Whether pages of this scheme move server to server.
     pub(crate) fn moves_directly(&self) -> bool {
         self.scheme.copies_only() && self.cfg.direct_migration
@@ -66,6 +72,15 @@ impl<T: Transport, D: Disk> Pager<T, D> {
     /// server; returns them all when no server can take any, for the owner to move itself
     /// (to its disk, most likely). Those the target cannot take now wait for the next step.
     pub(crate) fn hand_over(&mut self, from: usize, pages: Vec<u64>) -> Vec<u64> {
+        // A page short of copies is the owner's to move: it writes every copy anew (and its
+        // one copy must not go to the server whose failure made it short: that server failing
+        // again would lose it).
+        let (short, pages): (Vec<u64>, Vec<u64>) = pages
+            .into_iter()
+            .partition(|p| self.degraded.contains(p) || self.short.contains(p));
+        if pages.is_empty() {
+            return short;
+        }
         // One target for the batch: alive, with room and an address. A page with a copy
         // there (mirror:N keeps copies on distinct servers) waits for another target.
         let mut exclude = vec![from];
@@ -76,7 +91,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         let candidates: Vec<Candidate> = self.servers.iter().map(|s| s.load).collect();
         let (to, go) = loop {
             let Some(to) = placement::choose(&candidates, &exclude, &mut self.rng) else {
-                return pages;
+                return pages.into_iter().chain(short).collect();
             };
             let room = self.servers[to].load.free_pages as usize;
             let go: Vec<(u64, u32)> = pages
@@ -106,17 +121,24 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             pages: go,
         };
         self.submit(to, Op::Expect(Box::new(hand)), &req);
-        Vec::new()
+        short
     }
 
-    /// Whether a move of `page` at `version` off `from` may still take effect.
-    fn still_moving(&self, page: u64, version: u32, from: usize) -> bool {
+    /// Whether a move of `page` at `version` from `from` to `to` may still take effect: that
+    /// version, on `from` by the table and not on `to` (recovery may have put a copy there
+    /// meanwhile: moving onto it would leave one copy fewer), not being written out, and not
+    /// short of copies (found so meanwhile: recovery or the owner moves it).
+    fn still_moving(&self, page: u64, version: u32, from: usize, to: usize) -> bool {
         let e = self.table.get(page);
+        let holders = self.table.holders(page);
         e.present
             && !e.lost
             && e.version == version
-            && self.table.holders(page).contains(from)
+            && holders.contains(from)
+            && !holders.contains(to)
             && !self.writeback.contains_key(&page)
+            && !self.degraded.contains(&page)
+            && !self.short.contains(&page)
     }
 
     /// B answered the EXPECT: what it expects goes to C as a MIGRATE; the rest stays.
@@ -124,7 +146,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         let Hand { from, to, pages } = hand;
         let mut go = Vec::new();
         for (&(page, version), s) in pages.iter().zip(&status) {
-            if *s == MoveStatus::Done && self.still_moving(page, version, from) {
+            if *s == MoveStatus::Done && self.still_moving(page, version, from, to) {
                 go.push((page, version));
             } else {
                 if *s == MoveStatus::Full {
@@ -172,7 +194,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             let s = status.get(i).copied().unwrap_or(MoveStatus::Unreachable);
             if s == MoveStatus::Done
                 && self.servers[to].alive
-                && self.still_moving(page, version, from)
+                && self.still_moving(page, version, from, to)
             {
                 let mut holders: Servers = self.table.holders(page);
                 holders.remove(from);

@@ -130,8 +130,8 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             }
             step.started += self.handing.len().saturating_sub(before);
             self.pump_all();
-            // What no server could take is moved by the owner: to the local disk, most
-            // likely (the cluster is full), within the slots it has. Not while moves are
+            // What no server could take, and pages short of copies, are moved by the owner
+            // (to the local disk when the cluster is full), within the slots it has. Not while moves are
             // under way: their answers bring the servers' room up to date (this pager counts
             // what it sends against it), and the owner's moves would wait for them.
             if stay.is_empty() || !self.handing.is_empty() {

@@ -854,12 +854,21 @@ fn give_back(shared: &Shared, runs: &mut Vec<(u32, u32)>) {
             _ => joined.push((first, n)),
         }
     }
-    for (first, n) in joined {
-        let mut at = first;
-        while at < first + n {
-            let step = GIVE_BACK_STEP.min(first + n - at);
-            shared.store().arena().give_back(at, step);
-            at += step;
+    // Pieces of at most GIVE_BACK_STEP frames, as many per hold of the lock as add up to it.
+    let mut pieces = joined.into_iter().flat_map(|(first, n)| {
+        (first..first + n)
+            .step_by(GIVE_BACK_STEP as usize)
+            .map(move |at| (at, GIVE_BACK_STEP.min(first + n - at)))
+    });
+    let mut next = pieces.next();
+    while let Some(piece) = next {
+        let store = shared.store();
+        let mut held = 0;
+        next = Some(piece);
+        while let Some((at, n)) = next.filter(|&(_, n)| held == 0 || held + n <= GIVE_BACK_STEP) {
+            store.arena().give_back(at, n);
+            held += n;
+            next = pieces.next();
         }
     }
     runs.clear();
