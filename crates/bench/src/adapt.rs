@@ -169,10 +169,11 @@ fn read_one(
     p.read(pg, buf)?;
     let ns = t.elapsed().as_nanos() as u64;
     let c = p.counters();
+    // A move ends landed or refused (the page stays and is moved again).
     let out = (
         ns,
         c.migrations_started,
-        c.pages_migrated,
+        c.pages_migrated + c.migrations_refused,
         p.pages_leaving(),
     );
     drop(p);
@@ -189,6 +190,8 @@ pub struct Migration {
     pub pages_migrated_to_disk: u64,
     /// Of those, pages that went server to server (Nswap's MIGRATE), not through the client.
     pub pages_migrated_direct: u64,
+    /// Moves that ended without moving their page (refused: the page was moved again).
+    pub migrations_refused: u64,
     /// Pages moved per second, from the first move started to the last landed.
     pub migration_pages_per_s: f64,
     /// From the donor's machine needing its memory to the client's first move (the daemon's
@@ -338,7 +341,11 @@ fn migration(
             during.push(ns);
             let (landed, started_now) = {
                 let p = lock(pager);
-                (p.counters().pages_migrated, p.counters().migrations_started)
+                let c = p.counters();
+                (
+                    c.pages_migrated + c.migrations_refused,
+                    c.migrations_started,
+                )
             };
             if leaving == 0 && landed == started_now {
                 last = Some(Instant::now());
@@ -373,6 +380,7 @@ fn migration(
         r.pages_migrated = c.pages_migrated - c0.pages_migrated;
         r.pages_migrated_to_disk = c.pages_migrated_to_disk - c0.pages_migrated_to_disk;
         r.pages_migrated_direct = c.pages_migrated_direct - c0.pages_migrated_direct;
+        r.migrations_refused = c.migrations_refused - c0.migrations_refused;
     }
     r.migration_pages_per_s = r.pages_migrated as f64 / (last - first).as_secs_f64().max(1e-9);
     r.until_first_move_s = (first - shrink).as_secs_f64();
@@ -625,6 +633,7 @@ fn markdown(r: &AdaptResult) -> String {
          | pages on the donor | {} ({} MiB) |\n\
          | pages migrated (to the local disk) | {} ({}) |\n\
          | ... server to server (not through the client) | {} |\n\
+         | moves refused (the page moved again later) | {} |\n\
          | **pages migrated per second** | **{:.0}** |\n\
          | machine short → first move | {:.2} s |\n\
          | machine short → donor's RSS down by 9/10 of its pages | {:.2} s |\n\
@@ -638,6 +647,7 @@ fn markdown(r: &AdaptResult) -> String {
         m.pages_migrated,
         m.pages_migrated_to_disk,
         m.pages_migrated_direct,
+        m.migrations_refused,
         m.migration_pages_per_s,
         m.until_first_move_s,
         m.give_back_s,

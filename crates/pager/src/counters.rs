@@ -95,7 +95,9 @@ counters! {
     pages_migrated,
     pages_migrated_to_disk,
     /// Of the pages migrated, those that went server to server (`handover.rs`); and moves
-    /// a server refused or could not make (the page stayed where it was).
+    /// started that ended without moving the page (refused, its server died, the page changed
+    /// meanwhile: it stayed where it was). Once nothing moves, `migrations_started` is
+    /// `pages_migrated` plus `migrations_refused`.
     pages_migrated_direct,
     migrations_refused,
 }

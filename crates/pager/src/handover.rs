@@ -153,6 +153,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                     self.servers[to].load.free_pages = 0;
                 }
                 self.handing.remove(&page);
+                self.counters.migrations_refused += 1;
             }
         }
         let (Some(to_addr), true, true) = (
@@ -162,6 +163,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         ) else {
             for (page, _) in go {
                 self.handing.remove(&page);
+                self.counters.migrations_refused += 1;
             }
             return;
         };
@@ -204,8 +206,13 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                 self.counters.pages_migrated_direct += 1;
                 continue;
             }
-            if s != MoveStatus::Done {
-                self.counters.migrations_refused += 1;
+            // Not moved: refused, or the page changed meanwhile (it is moved again if it
+            // still has to leave).
+            self.counters.migrations_refused += 1;
+            if s == MoveStatus::Full {
+                // Full, or this client at its quota there: placed elsewhere until B's next
+                // answer says otherwise.
+                self.servers[to].load.free_pages = 0;
             }
             // Whatever C said: B may hold a copy the table does not name (C's answer may be
             // lost, wrong, or a lie), and a DELETE of a key B lacks costs nothing.
@@ -217,6 +224,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
     pub(crate) fn handover_failed(&mut self, hand: Hand, migrate: bool) {
         for &(page, _) in &hand.pages {
             self.handing.remove(&page);
+            self.counters.migrations_refused += 1;
             if migrate {
                 // C may have handed it over before it died.
                 self.drop_adopted(page, hand.to);

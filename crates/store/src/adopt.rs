@@ -110,7 +110,7 @@ impl<A: AsRef<[u8]> + AsMut<[u8]>> Store<A> {
                     .is_some_and(|s| s.live && s.generation == generation)
             });
         }
-        if self.room() == 0 || (fresh && full(&self.expected)) {
+        if self.room_for(h.slot) == 0 || (fresh && full(&self.expected)) {
             self.counters.expects_refused += 1;
             return Ok(MoveStatus::Full);
         }

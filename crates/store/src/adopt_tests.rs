@@ -260,3 +260,33 @@ fn the_new_server_bounds_what_it_expects_and_what_it_takes() {
     assert_eq!(y.expect(C_NODE, &[(0, 2)]), [MoveStatus::Done]);
     assert_eq!(y.b.expected_pages(), MAX_EXPECTED_PER_SESSION);
 }
+
+/// A client at its quota on the new server is told it has no room there (every reply says
+/// so), and its expectations are refused: it places its pages elsewhere rather than handing
+/// the server pages it would refuse one by one.
+#[test]
+fn a_client_at_its_quota_is_told_so_and_expects_nothing() {
+    let mut x = Pair::new(16);
+    x.b = Store::new(
+        vec![0u8; 16 * PAGE_SIZE],
+        StoreConfig {
+            max_peer_pages: 2,
+            ..StoreConfig::default()
+        },
+    );
+    x.hb = x.b.open_session(7, 1, 2, 0).unwrap();
+    Pair::put(&mut x.b, x.hb, 10, 1, 1);
+    assert_eq!(
+        x.b.load(x.hb, 0).free_pages,
+        1,
+        "room for one more of this client's"
+    );
+    Pair::put(&mut x.b, x.hb, 11, 1, 2);
+    assert_eq!(
+        x.b.load(x.hb, 0).free_pages,
+        0,
+        "its quota, though frames are free"
+    );
+    assert!(x.b.room() > 0);
+    assert_eq!(x.expect(C_NODE, &[(1, 1)]), [MoveStatus::Full]);
+}

@@ -438,6 +438,20 @@ impl<A: AsRef<[u8]> + AsMut<[u8]>> Store<A> {
     pub fn free_pages(&self) -> u64 {
         self.free_frames
     }
+    /// Frames a new page of session `slot` may take: [`Store::room`], and no more than its
+    /// client's quota leaves. What every reply tells the client, so that it places pages
+    /// where they will be taken (a client at its quota once kept handing pages to a server
+    /// that refused each).
+    pub(crate) fn room_for(&self, slot: u32) -> u64 {
+        let used = self
+            .sessions
+            .get(slot as usize)
+            .and_then(|s| self.peers.get(&s.peer))
+            .map_or(0, |u| u.pages);
+        self.room()
+            .min(self.cfg.max_peer_pages.saturating_sub(used))
+    }
+
     /// Frames a new page may take: none while pages wait above the offer, since every frame
     /// freed below it is theirs ([`Store::compact`]).
     pub fn room(&self) -> u64 {
@@ -455,7 +469,7 @@ impl<A: AsRef<[u8]> + AsMut<[u8]>> Store<A> {
             _ => 0,
         };
         Load {
-            free_pages: self.room(),
+            free_pages: self.room_for(h.slot),
             requests_per_s,
             leaving: u32::try_from(leaving).unwrap_or(u32::MAX),
         }
