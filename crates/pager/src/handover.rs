@@ -31,7 +31,7 @@ use crate::requests::Op;
 use crate::table::Servers;
 use crate::{Disk, Pager, Transport};
 use netram_policy::placement::{self, Candidate};
-use netram_proto::{MoveStatus, Request};
+use netram_proto::{MoveStatus, Request, MAX_BATCH};
 
 /// Pages per MIGRATE. The old server hands them over before it answers anything else of
 /// ours, so a read of a page there waits for at most one such handover.
@@ -97,7 +97,8 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             let go: Vec<(u64, u32)> = pages
                 .iter()
                 .filter(|&&p| !self.table.holders(p).contains(to))
-                .take(room)
+                // One EXPECT: a server refuses (and drops the connection of) a longer batch.
+                .take(room.min(MAX_BATCH))
                 .map(|&p| (p, self.table.get(p).version))
                 .collect();
             if !go.is_empty() {

@@ -125,8 +125,13 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                     .filter(|&&(_, from)| from == s)
                     .map(|&(p, _)| p)
                     .collect();
-                if !pages.is_empty() {
-                    stay.extend(self.hand_over(s, pages).into_iter().map(|p| (p, s)));
+                // One EXPECT per frame's worth (a server refuses a longer batch).
+                for chunk in pages.chunks(netram_proto::MAX_BATCH) {
+                    stay.extend(
+                        self.hand_over(s, chunk.to_vec())
+                            .into_iter()
+                            .map(|p| (p, s)),
+                    );
                 }
             }
             step.started += self.handing.len().saturating_sub(before);

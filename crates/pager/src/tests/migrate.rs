@@ -292,3 +292,34 @@ fn the_old_server_dying_midway_leaves_no_copy_behind() {
         p.check_invariants().unwrap();
     }
 }
+
+/// A migration step larger than a frame may carry (the schedule's default is 256 pages) sends
+/// its EXPECTs and MIGRATEs in frames a server accepts (a server drops the connection of a
+/// longer batch: found by CI, where a donor's pages all went to the disk).
+#[test]
+fn a_step_larger_than_a_frame_goes_in_frames() {
+    let mut p = pager(MemCluster::new(&[1000, 1000]), 800, 0, Backing::Cluster);
+    for page in 0..800 {
+        p.write(page, &content(page, 6)).unwrap();
+    }
+    p.flush().unwrap();
+    let on0 = p.table.pages_on(0);
+    assert!(
+        on0.len() > 2 * netram_proto::MAX_BATCH,
+        "{} pages on server 0",
+        on0.len()
+    );
+    p.transport.servers[0].store.set_offer(0);
+    read(&mut p, on0[0]).unwrap();
+    let step = p.migrate(4 * netram_proto::MAX_BATCH).unwrap();
+    assert!(step.started > netram_proto::MAX_BATCH, "{step:?}");
+    tick_until_moved(&mut p);
+    let c = p.counters();
+    assert_eq!(c.pages_migrated_direct as usize, on0.len(), "{c:?}");
+    assert_eq!(c.pages_migrated_to_disk, 0);
+    assert_eq!(p.transport.servers[0].store.stored_pages(), 0);
+    for page in 0..800 {
+        assert_eq!(read(&mut p, page).unwrap(), content(page, 6), "page {page}");
+    }
+    no_copy_the_table_does_not_name(&p);
+}
