@@ -146,13 +146,7 @@ impl<A: AsRef<[u8]> + AsMut<[u8]>> Store<A> {
             Peer::Addr(_) => None,
             Peer::Node(_) => return refuse(self, MoveStatus::Unexpected),
         };
-        let slot = (0..self.sessions.len() as u32).find(|&i| {
-            let s = &self.sessions[i as usize];
-            s.live
-                && s.peer.principal() == owner.principal
-                && s.node == owner.node
-                && s.incarnation == owner.incarnation
-        });
+        let slot = (0..self.sessions.len() as u32).find(|&i| self.is_owner(i, owner));
         let (Some(slot), Some(packed)) = (slot, pack(page.key)) else {
             return refuse(self, MoveStatus::Unexpected);
         };

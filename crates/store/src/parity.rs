@@ -213,6 +213,15 @@ fn packed_parity_key(group: u64) -> u64 {
 
 impl<A: AsRef<[u8]> + AsMut<[u8]>> Store<A> {
     /// Who owns a session, as deltas name it to holders.
+    /// Whether session `slot` is live and `owner`'s: its principal, node and incarnation.
+    pub(crate) fn is_owner(&self, slot: u32, owner: Owner) -> bool {
+        let s = &self.sessions[slot as usize];
+        s.live
+            && s.peer.principal() == owner.principal
+            && s.node == owner.node
+            && s.incarnation == owner.incarnation
+    }
+
     pub fn owner(&self, h: SessionHandle) -> Owner {
         let s = &self.sessions[h.slot as usize];
         Owner {
@@ -405,11 +414,7 @@ impl<A: AsRef<[u8]> + AsMut<[u8]>> Store<A> {
         // sessions with different servers (or after a reconnection) have different ids, and
         // group ids are unique per node incarnation; no other principal's session is looked at.
         let slot = (0..self.sessions.len() as u32).find(|&i| {
-            let s = &self.sessions[i as usize];
-            s.live
-                && s.peer.principal() == owner.principal
-                && s.node == owner.node
-                && s.incarnation == owner.incarnation
+            self.is_owner(i, owner)
                 && self
                     .parity
                     .groups
