@@ -13,19 +13,10 @@ use netram_client::maintain::{self, MaintainConfig};
 use netram_client::open::{open_pager, OpenOptions};
 use netram_pager::{Backing, Scheme};
 use netram_proto::PAGE_SIZE;
-use std::net::{SocketAddr, TcpListener, UdpSocket};
+use std::net::{SocketAddr, UdpSocket};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
-
-/// A port free on loopback now (the daemon binds it right after).
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
 
 /// keygen writes the cluster's list of issued certificates: one at a time.
 static KEYGEN: Mutex<()> = Mutex::new(());
@@ -54,8 +45,8 @@ struct Daemon {
 
 fn start(node: u64, seed: Option<&str>) -> Daemon {
     let (listen, metrics) = (
-        format!("127.0.0.1:{}", free_port()),
-        format!("127.0.0.1:{}", free_port()),
+        format!("127.0.0.1:{}", common::reserved_port()),
+        format!("127.0.0.1:{}", common::reserved_port()),
     );
     let dir = node_dir(node);
     let mut args = vec![

@@ -37,7 +37,7 @@ fn lock(p: &Mutex<ClientPager>) -> std::sync::MutexGuard<'_, ClientPager> {
 fn survive(scheme: &str, kills: &[(u32, usize)]) {
     let scheme: Scheme = scheme.parse().unwrap();
     let mut servers: Vec<ServerProcess> = (0..SERVERS)
-        .map(|_| ServerProcess::start(&["--capacity", "64M"]))
+        .map(|_| ServerProcess::start_restartable(&["--capacity", "64M"]))
         .collect();
     let addrs: Vec<String> = servers.iter().map(|s| s.addr.clone()).collect();
     let spill = tempfile::tempdir().unwrap();

@@ -276,10 +276,7 @@ fn redis_runs_with_its_data_on_the_cluster() {
 /// redis-benchmark's SETs and GETs all answered; its report.
 fn redis_on_the_cluster(dir: &Path, addrs: &str, mut netram: Command) -> serde_json::Value {
     let rep = dir.join("report.json");
-    let port = {
-        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        l.local_addr().unwrap().port().to_string()
-    };
+    let port = common::reserved_port().to_string();
     let pidfile = dir.join("redis.pid");
     let mut redis = Redis {
         netram_run: netram

@@ -513,16 +513,7 @@ impl Server {
             // Nothing of the arena is resident yet: nothing to give back.
             store.set_offer(a.offered_frames());
         }
-        let listener = TcpListener::bind(cfg.listen).map_err(|source| ServerError::Listen {
-            addr: cfg.listen,
-            source,
-        })?;
-        let addr = listener
-            .local_addr()
-            .map_err(|source| ServerError::Listen {
-                addr: cfg.listen,
-                source,
-            })?;
+        let (listener, udp, addr) = bind_listen(cfg.listen)?;
         let creds = match &cfg.security {
             Security::Tls(c) if !c.identity.server => {
                 return Err(ServerError::NotAServerCertificate)
@@ -553,8 +544,6 @@ impl Server {
             }
             None => addr,
         };
-        let udp = std::net::UdpSocket::bind(addr)
-            .map_err(|source| ServerError::Gossip { addr, source })?;
         let http = cfg
             .metrics
             .map(|a| {
@@ -1402,4 +1391,30 @@ fn handle_frames(
         closed,
         throttle_ms,
     })
+}
+
+/// Binds the TCP listener and the membership socket, which gossips on UDP at the same address
+/// (one address to give and to open in a firewall). With port 0 the kernel picks a free TCP
+/// port whose UDP twin may still be in use by another process: then another port is picked
+/// (a handful of tries; a fixed port that is taken is the operator's to change).
+fn bind_listen(
+    listen: SocketAddr,
+) -> Result<(TcpListener, std::net::UdpSocket, SocketAddr), ServerError> {
+    let listen_err = |source| ServerError::Listen {
+        addr: listen,
+        source,
+    };
+    let mut tries = 0;
+    loop {
+        let listener = TcpListener::bind(listen).map_err(listen_err)?;
+        let addr = listener.local_addr().map_err(listen_err)?;
+        match std::net::UdpSocket::bind(addr) {
+            Ok(udp) => return Ok((listener, udp, addr)),
+            Err(e) if listen.port() == 0 && e.kind() == io::ErrorKind::AddrInUse && tries < 16 => {
+                tracing::debug!(%addr, "the membership port is taken; picking another port");
+                tries += 1;
+            }
+            Err(source) => return Err(ServerError::Gossip { addr, source }),
+        }
+    }
 }

@@ -118,6 +118,32 @@ pub fn spawn_reporting(args: &[&str], prefix: &str) -> (Child, String) {
     }
 }
 
+/// Whether both a TCP listener and a UDP socket can bind `addr` now.
+fn port_is_free(addr: &str) -> bool {
+    std::net::TcpListener::bind(addr).is_ok() && std::net::UdpSocket::bind(addr).is_ok()
+}
+
+/// A loopback port for a server that a test restarts at the same address. Ports that the
+/// kernel hands out itself (`:0`, and the local end of every outgoing connection) come from
+/// its ephemeral range (`ip_local_port_range`); a port from there, free when picked, may be the
+/// local end of some other test's connection by the time a killed server restarts on it. So
+/// this picks one below that range, free for TCP and UDP now, at random (parallel test
+/// processes pick from the same range).
+pub fn reserved_port() -> u16 {
+    let low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|s| s.split_whitespace().next()?.parse::<u16>().ok())
+        .unwrap_or(32768);
+    let (from, to) = (low.saturating_sub(12_000).max(1024), low);
+    for _ in 0..1000 {
+        let port = fastrand::u16(from..to);
+        if port_is_free(&format!("127.0.0.1:{port}")) {
+            return port;
+        }
+    }
+    panic!("no free port in {from}..{to}");
+}
+
 /// A `netram serve` child process, SIGKILLed by PID on drop.
 pub struct ServerProcess {
     pub child: Child,
@@ -138,8 +164,20 @@ impl ServerProcess {
         }
     }
 
-    /// Starts a server on a given address (a restart on the address of one that died).
+    /// Starts a server on a port of its own below the kernel's ephemeral range, so that it can
+    /// be restarted there after it is killed (see [`reserved_port`]).
+    pub fn start_restartable(args: &[&str]) -> Self {
+        Self::start_at(&format!("127.0.0.1:{}", reserved_port()), args)
+    }
+
+    /// Starts a server on a given address (a restart on the address of one that died). Waits
+    /// (10 s at most) until the address is free for both TCP and the membership's UDP: a
+    /// killed server's sockets may take a moment to go.
     pub fn start_at(addr: &str, args: &[&str]) -> Self {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !port_is_free(addr) && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(50));
+        }
         let mut all = vec!["serve", "--listen", addr];
         all.extend_from_slice(args);
         let (child, addr) = spawn_reporting(&all, "netram serve: listening on ");
