@@ -258,6 +258,10 @@ enum BenchCommand {
         /// A shorter run: 64 MiB of pages, role swaps every 1 and 2 s.
         #[arg(long)]
         quick: bool,
+        /// Only the migration, both ways (server to server, then through the client); not the
+        /// role swaps.
+        #[arg(long)]
+        migration_only: bool,
         /// Where to write adapt.json and adapt.md.
         #[arg(long, default_value = "bench-results")]
         out: PathBuf,
@@ -454,10 +458,15 @@ fn main() -> anyhow::Result<()> {
             );
             Ok(())
         }
-        Command::Bench(BenchCommand::Adapt { quick, out }) => {
+        Command::Bench(BenchCommand::Adapt {
+            quick,
+            migration_only,
+            out,
+        }) => {
             init_logging("warn");
             let opts = netram_bench::adapt::Options {
                 quick,
+                migration_only,
                 out: out.clone(),
                 netram_exe: std::env::current_exe()?,
             };
