@@ -99,7 +99,10 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                 continue;
             }
             let (pages, held) = self.leaving_pages(s, want);
-            if pages.is_empty() {
+            // Nothing to move there: unless pages there are only out of reach for now (in a
+            // move, being written out), the rest is not ours to move; looked at again when
+            // the server's count changes.
+            if pages.is_empty() && self.handing.is_empty() && self.writeback.is_empty() {
                 self.servers[s].leaving_stuck = self.servers[s].leaving;
             }
             if !held {

@@ -448,10 +448,15 @@ impl<T: Transport, D: Disk> Pager<T, D> {
 
     /// Completes everything queued and in flight but direct migrations, which go on.
     pub(crate) fn settle(&mut self) -> Result<(), PagerError> {
-        while self.inflight.any_but_handovers() || self.queues.iter().any(|q| !q.is_empty()) {
+        while !self.settled() {
             self.complete_one()?;
         }
         Ok(())
+    }
+
+    /// Whether nothing but direct migrations is queued or in flight.
+    pub(crate) fn settled(&self) -> bool {
+        !self.inflight.any_but_handovers() && self.queues.iter().all(VecDeque::is_empty)
     }
 
     /// Completes everything queued and in flight.
