@@ -100,9 +100,11 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             }
             let (pages, held) = self.leaving_pages(s, want);
             // Nothing to move there: unless pages there are only out of reach for now (in a
-            // move, being written out), the rest is not ours to move; looked at again when
-            // the server's count changes.
-            if pages.is_empty() && self.handing.is_empty() && self.writeback.is_empty() {
+            // move, being written out), the rest is not ours to move (parity pages); looked
+            // at again when the server's count changes, or at the next probe. (A page whose
+            // write-back waits in an open parity group is not in flight: that wait has no end
+            // a step could see.)
+            if pages.is_empty() && self.handing_from(s) == 0 && self.settled() {
                 self.servers[s].leaving_stuck = self.servers[s].leaving;
             }
             if !held {
