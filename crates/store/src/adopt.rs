@@ -146,8 +146,14 @@ impl<A: AsRef<[u8]> + AsMut<[u8]>> Store<A> {
             Peer::Addr(_) => None,
             Peer::Node(_) => return refuse(self, MoveStatus::Unexpected),
         };
-        let slot = (0..self.sessions.len() as u32).find(|&i| self.is_owner(i, owner));
-        let (Some(slot), Some(packed)) = (slot, pack(page.key)) else {
+        let Some(packed) = pack(page.key) else {
+            return refuse(self, MoveStatus::Unexpected);
+        };
+        // The owner's session that expects the page (an owner may hold more than one session
+        // here for a while, its old one not yet expired).
+        let slot = (0..self.sessions.len() as u32)
+            .find(|&i| self.is_owner(i, owner) && self.expected.by_key.contains_key(&(i, packed)));
+        let Some(slot) = slot else {
             return refuse(self, MoveStatus::Unexpected);
         };
         let generation = self.sessions[slot as usize].generation;

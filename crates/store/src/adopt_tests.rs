@@ -290,3 +290,19 @@ fn a_client_at_its_quota_is_told_so_and_expects_nothing() {
     assert!(x.b.room() > 0);
     assert_eq!(x.expect(C_NODE, &[(1, 1)]), [MoveStatus::Full]);
 }
+
+/// An owner that reconnected holds two sessions here until the old one's lease runs out: a
+/// page handed over goes into the session that expects it, the one the owner asks.
+#[test]
+fn a_handed_over_page_goes_to_the_session_that_expects_it() {
+    let mut x = Pair::new(16);
+    Pair::put(&mut x.c, x.hc, 1, 3, 10);
+    let old = x.hb;
+    x.hb = x.b.open_session(7, 1, 3, 0).unwrap();
+    assert_ne!(old.slot, x.hb.slot);
+    assert_eq!(x.expect(C_NODE, &[(1, 3)]), [MoveStatus::Done]);
+    assert_eq!(x.migrate(&[1], FROM_C), [MoveStatus::Done]);
+    assert_eq!(x.version_at_b(1), Some((3, data(10))));
+    x.hb = old;
+    assert_eq!(x.version_at_b(1), None, "not in the old session");
+}
