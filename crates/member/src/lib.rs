@@ -26,7 +26,10 @@ pub mod envelope;
 mod tests;
 
 pub use envelope::Announce;
-use foca::{AccumulatingRuntime, Codec, Foca, Identity, Notification, PostcardCodec, Timer};
+use foca::{
+    AccumulatingRuntime, Codec, Foca, Identity, OwnedNotification as Notification, PostcardCodec,
+    Timer,
+};
 use rand::rngs::SmallRng;
 use rand::SeedableRng;
 use serde::{Deserialize, Serialize};
@@ -315,6 +318,9 @@ impl Membership {
                 break;
             }
             let timer = entry.remove();
+            if self.refuted(&timer) {
+                continue;
+            }
             if let Err(e) = self.foca.handle_timer(timer, &mut self.rt) {
                 // foca refuses only timers of an identity it no longer has: harmless.
                 let _ = e;
@@ -335,6 +341,27 @@ impl Membership {
             }
             self.pump();
         }
+    }
+
+    /// A suspicion's deadline whose suspect has since refuted it (a higher incarnation) or
+    /// is already down. foca (2.0) declines to mark such a member down but still sends it
+    /// "you are down" (`notify_down_members`), and the member, believing it, rejoins under a
+    /// new boot: its clients would take a live server for a restarted one. So the timer stops
+    /// here.
+    fn refuted(&self, timer: &Timer<Node>) -> bool {
+        let Timer::ChangeSuspectToDown {
+            member_id,
+            incarnation,
+            ..
+        } = timer
+        else {
+            return false;
+        };
+        !self.foca.iter_membership_state().any(|m| {
+            m.id() == member_id
+                && m.incarnation() == *incarnation
+                && m.state() == foca::State::Suspect
+        })
     }
 
     /// When [`Membership::on_tick`] next has something to do.

@@ -252,6 +252,48 @@ fn nodes_that_start_before_their_seed_join_when_it_comes() {
     }
 }
 
+/// A node that was silent long enough to be suspected hears the suspicion of itself when it is
+/// back, refutes it (a higher incarnation), and stays the same boot: its clients must not take
+/// it for a restarted server. Two foca bugs met here: 0.17 broadcast the refutation through a
+/// buffer it had lent out and its debug check panicked (found by the membership fuzz target;
+/// foca 2 keeps separate buffers), and foca 2 still tells the refuted suspect "you are down"
+/// when the suspicion's deadline passes (`Membership::refuted` stops that timer).
+#[test]
+fn a_suspected_node_refutes_the_suspicion_and_keeps_its_boot() {
+    let mut net = Net::new(3, 0);
+    net.run(8_000);
+    assert_eq!(net.alive(1), [1, 2, 3]);
+    let one = net.nodes[0].take();
+    let mut suspected = false;
+    for _ in 0..25 {
+        net.run(100);
+        suspected |= [1, 2]
+            .iter()
+            .any(|&i| net.view(i).contains(&(1, Liveness::Suspect)));
+        if suspected {
+            break;
+        }
+    }
+    assert!(suspected, "nobody suspected the silent node");
+    assert!(!net.view(1).contains(&(1, Liveness::Down)));
+    net.nodes[0] = one;
+    net.run(8_000);
+    for i in 0..3 {
+        assert_eq!(net.alive(i), [1, 2, 3], "view of node {}", i + 1);
+        assert!(!net.view(i).contains(&(1, Liveness::Suspect)));
+    }
+    assert_eq!(net.nodes[0].as_ref().unwrap().me().boot, 1);
+    let renamed = (1..3).any(|i| {
+        net.nodes[i]
+            .as_mut()
+            .unwrap()
+            .take_events()
+            .iter()
+            .any(|e| matches!(e, Event::Renamed { .. }))
+    });
+    assert!(!renamed, "the suspect rejoined under a new boot");
+}
+
 proptest::proptest! {
     /// Hostile SWIM bytes from an authenticated sender never panic, and leave the view sane.
     #[test]
