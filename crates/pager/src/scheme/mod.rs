@@ -170,17 +170,8 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         match (it.part, &self.scheme) {
             (Part::Survivor, _) => {
                 // A survivor of a parity group, or a page to protect again: recovery looks at
-                // what came back. A copy this pager has since superseded may be gone because
-                // it deleted it after the holder's scan; its holder then learns of the removal
-                // from the server that stored it, and a later scan no longer lists it, so the
-                // group is not given up for it (netram sim --seed 89 --scheme parity:4: a
-                // page's write-back ended during recovery, its old copy was deleted, and the
-                // group of a member on the dead server was dropped with it).
-                let superseded =
-                    it.page < self.cfg.pages && self.table.get(it.page).version != it.version;
-                let transient = what == Some("checksum mismatch")
-                    || (what == Some("missing on server") && superseded);
-                self.par_read_failed(it.page, it.slot, transient);
+                // what came back.
+                self.par_read_failed(server, &it, what);
                 self.release_slot(it.slot);
             }
             (Part::Piece(piece), _) => {

@@ -49,6 +49,10 @@ const GROUP_IDS: u64 = 1 << 40;
 /// Rounds of recovery a superseded copy is deleted again before it is left to its session's end.
 const STALE_TRIES: u32 = 50;
 
+/// Recovery rounds a superseded survivor found missing is looked for again (see
+/// [`Pager::par_read_failed`]) before its group is given up.
+const MISSING_TRIES: u32 = 8;
+
 /// How often a parity PUT whose server could not tell the holder is sent to that server again
 /// before the page goes elsewhere.
 const HOLDER_TRIES: u8 = 3;
@@ -108,9 +112,10 @@ pub(crate) struct Par {
     unprotected: BTreeSet<u64>,
     /// Scan answers, by the server that gave them.
     scanned: Vec<(usize, Vec<ScannedGroup>, Vec<PageKey>)>,
-    /// Survivor reads that failed, and whether only in transit (a bad checksum).
     /// Survivor reads that failed: page, slot, and whether trying again may help.
     read_failed: Vec<(u64, u32, bool)>,
+    /// Superseded survivors found missing, by (server, key, version), and how many times.
+    missing_tries: HashMap<(usize, PageKey, u32), u32>,
     /// Superseded copies a server could not delete (their holder could not be told), with
     /// the attempts so far: deleted again at each recovery round, for a while.
     stale: Vec<(usize, PageKey)>,
@@ -140,6 +145,7 @@ impl Par {
             unprotected: BTreeSet::new(),
             scanned: Vec::new(),
             read_failed: Vec::new(),
+            missing_tries: HashMap::new(),
             stale: Vec::new(),
             stale_tries: HashMap::new(),
             retries: HashMap::new(),
@@ -720,8 +726,30 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         self.read_elsewhere(server, it, what)
     }
 
-    /// A survivor read failed.
-    pub(crate) fn par_read_failed(&mut self, page: u64, slot: u32, transient: bool) {
-        self.par_mut().read_failed.push((page, slot, transient));
+    /// A survivor read failed. Trying again may help after a bad checksum (in transit), and
+    /// for a copy this pager has superseded since, missing because it deleted it after the
+    /// holder's scan: the member's server tells the holder of the removal, and a later scan
+    /// no longer lists it (`netram sim --seed 89 --scheme parity:4`: a write-back ended
+    /// during recovery, and the group of a member on the dead server was given up for it).
+    /// A copy missing for another reason (its server restarted empty) is missing for good,
+    /// so such a copy is waited for [`MISSING_TRIES`] rounds at most.
+    pub(crate) fn par_read_failed(&mut self, server: usize, it: &GetItem, what: Option<&str>) {
+        let superseded = it.page < self.cfg.pages && self.table.get(it.page).version != it.version;
+        let transient = match what {
+            Some("checksum mismatch") => true,
+            Some("missing on server") if superseded => {
+                let tries = self
+                    .par_mut()
+                    .missing_tries
+                    .entry((server, it.key, it.version))
+                    .or_insert(0);
+                *tries += 1;
+                *tries <= MISSING_TRIES
+            }
+            _ => false,
+        };
+        self.par_mut()
+            .read_failed
+            .push((it.page, it.slot, transient));
     }
 }

@@ -364,6 +364,9 @@ impl<T: Transport, D: Disk> Pager<T, D> {
     pub(super) fn par_finish_server(&mut self, x: usize, step: &mut RecoveryStep) {
         let par = self.par_mut();
         par.recovering.remove(&x);
+        if par.recovering.is_empty() {
+            par.missing_tries.clear();
+        }
         let lost = par.lost_on.remove(&x).unwrap_or_default();
         for (page, version) in lost {
             if self.par_wanted(page, version) {
