@@ -63,6 +63,10 @@ impl Donor {
         std::fs::create_dir_all(proc_dir.join("pressure"))?;
         set_machine(&proc_dir, available)?;
         let capacity = format!("{}M", capacity / MIB);
+        // Both of the bench's clients connect from 127.0.0.1, which the per-client quota
+        // (3/4 of the capacity by default) takes for one client: the bystander's pages on B
+        // would leave no room there for the last of the owner's, which would go to the
+        // owner's disk through the owner. On a real cluster they are two machines.
         let (child, addr) = ChildGuard::netram(
             exe,
             &[
@@ -70,6 +74,8 @@ impl Donor {
                 "--listen",
                 "127.0.0.1:0",
                 "--capacity",
+                &capacity,
+                "--max-client-memory",
                 &capacity,
                 "--adapt",
                 "--reserve",
