@@ -28,8 +28,18 @@ fn node_creds(node: u64, server: bool) -> (tempfile::TempDir, Security) {
     (dir, sec)
 }
 
+/// `netram keygen` writes the cluster directory's list of issued certificates (a file put in
+/// place by rename): one keygen at a time, and no copy of the directory meanwhile (a copy
+/// listed the temporary file, gone when it came to copy it).
+static CLUSTER_DIR: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn cluster_dir_lock() -> std::sync::MutexGuard<'static, ()> {
+    CLUSTER_DIR.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 /// `netram keygen` of node `node` from the cluster directory `cluster` into `out`.
 fn keygen(cluster: &Path, node: u64, server: bool, out: &Path) -> Security {
+    let _one = cluster_dir_lock();
     let mut cmd = Command::new(NETRAM);
     cmd.args(["keygen", "--cluster"])
         .arg(cluster)
@@ -404,10 +414,12 @@ fn a_revoked_node_is_refused_and_its_connections_closed() {
     // The daemon reads the revocation list of its own directory: a copy of the tests'
     // cluster, so that revoking here touches no other test.
     let cluster = tempfile::tempdir().unwrap();
+    let one = cluster_dir_lock();
     for f in std::fs::read_dir(common::tls_dir()).unwrap() {
         let f = f.unwrap().path();
         std::fs::copy(&f, cluster.path().join(f.file_name().unwrap())).unwrap();
     }
+    drop(one);
     let server = ServerProcess::start(&[
         "--capacity",
         "16M",
@@ -763,4 +775,88 @@ fn a_page_moves_server_to_server_only_as_its_owner_said() {
     assert_eq!(moves(&mut at_c, &migrate(vec![k2], 51)), [MoveStatus::Done]);
     assert_eq!(at_b.get(k2), Some(page(2)));
     assert_eq!(b.stat("pages_adopted"), 2);
+}
+
+/// In a cluster, a server hands pages over only to a live member, under the node id and
+/// address the owner named: Alice's MIGRATE naming a server of the cluster's CA that is not a
+/// member (it joined nobody) is refused without a connection and counted, and the same
+/// MIGRATE naming a member still moves the page. (A client could otherwise make a server
+/// open connections wherever it likes.)
+#[test]
+fn a_migration_goes_only_to_a_member_of_the_cluster() {
+    let (bdir, _) = node_creds(61, true);
+    let (cdir, _) = node_creds(60, true);
+    let (odir, _) = node_creds(62, true);
+    let b = ServerProcess::start_restartable(&[
+        "--capacity",
+        "16M",
+        "--tls",
+        bdir.path().to_str().unwrap(),
+    ]);
+    let metrics = format!("127.0.0.1:{}", common::reserved_port());
+    let c = ServerProcess::start_restartable(&[
+        "--capacity",
+        "16M",
+        "--tls",
+        cdir.path().to_str().unwrap(),
+        "--seed",
+        &b.addr,
+        "--metrics",
+        &metrics,
+    ]);
+    let outsider =
+        ServerProcess::start(&["--capacity", "16M", "--tls", odir.path().to_str().unwrap()]);
+    eventually("C's membership lists B alive", 30, || {
+        netram_client::discover::members(&metrics, Duration::from_secs(2)).is_ok_and(|l| {
+            l.members
+                .iter()
+                .any(|r| r.node == 61 && r.state == netram_member::Liveness::Alive)
+        })
+    });
+    let (_a_dir, alice) = node_creds(63, false);
+    let hello = Hello::new(0xa11ce, 1, 1);
+    let mut at_c = Conn::open(&c.addr, &alice, &hello).unwrap();
+    let mut at_b = Conn::open(&b.addr, &alice, &hello).unwrap();
+    let mut at_o = Conn::open(&outsider.addr, &alice, &hello).unwrap();
+    let moves = |conn: &mut Conn, req: &Request<'_>| match decode_reply(&conn.call(req)).unwrap().1
+    {
+        Reply::Move { status, .. } => status,
+        other => panic!("not a MOVE reply: {other:?}"),
+    };
+    let (k1, k2) = (PageKey::new(1, 1), PageKey::new(1, 2));
+    for (k, seed) in [(k1, 1), (k2, 2)] {
+        assert_eq!(at_c.put(k, 7, &page(seed)), PutStatus::Stored);
+    }
+    let expect = |k: PageKey| Request::Expect {
+        from_node: 60,
+        pages: vec![(k, 7)],
+    };
+    let migrate = |k: PageKey, to: &str, to_node: u64| Request::Migrate {
+        to: to.parse().unwrap(),
+        to_node,
+        keys: vec![k],
+    };
+    // The outsider would take it (it expects k1 from C), but it is no member of C's cluster.
+    assert_eq!(moves(&mut at_o, &expect(k1)), [MoveStatus::Done]);
+    assert_eq!(
+        moves(&mut at_c, &migrate(k1, &outsider.addr, 62)),
+        [MoveStatus::Unreachable]
+    );
+    assert_eq!(c.stat("migration_targets_not_member"), 1);
+    assert_eq!(outsider.stat("pages_adopted"), 0);
+    assert_eq!(c.stat("pages_handed_over"), 0);
+    // A member under another node id is no member either.
+    assert_eq!(
+        moves(&mut at_c, &migrate(k1, &b.addr, 62)),
+        [MoveStatus::Unreachable]
+    );
+    assert_eq!(c.stat("migration_targets_not_member"), 2);
+    // B, named rightly, takes k2.
+    assert_eq!(moves(&mut at_b, &expect(k2)), [MoveStatus::Done]);
+    assert_eq!(
+        moves(&mut at_c, &migrate(k2, &b.addr, 61)),
+        [MoveStatus::Done]
+    );
+    assert_eq!(at_b.get(k2), Some(page(2)));
+    assert_eq!(b.stat("pages_adopted"), 1);
 }

@@ -241,6 +241,12 @@ node_counters! {
     /// Pages not handed over: the server at the migration target's address was not the node
     /// the page's owner named.
     migration_targets_wrong_node,
+    /// MIGRATEs refused without a connection: their target is not a live member of this
+    /// server's cluster (checked once membership knows another member).
+    migration_targets_not_member,
+    /// Parity deltas and handovers not sent: this server already keeps connections to as
+    /// many peer servers as it may (`peers::MAX_PEERS`), and the holder named is new.
+    peer_servers_refused,
     /// Frames refused, by reason; each closed its connection.
     frames_rejected_bad_length,
     frames_rejected_bad_version,
@@ -344,6 +350,26 @@ impl Shared {
     }
 
     /// What this node believes of the cluster, as listed.
+    /// Whether a MIGRATE may hand pages to `to`: once membership knows another member, only
+    /// to a member it does not believe down, under the node id and address the owner named
+    /// (a client may not make this server connect wherever it likes). A server that knows no
+    /// other member (its clients list the servers themselves) has nothing to check against:
+    /// the target must still prove to be the node named (`peers`).
+    pub(crate) fn may_hand_over_to(&self, to: netram_store::serve::Holder) -> bool {
+        let m = self.membership();
+        let me = m.me();
+        let members = m.members();
+        if members.iter().all(|v| v.node.id == me.id) {
+            return true;
+        }
+        members.iter().any(|v| {
+            v.node.id != me.id
+                && v.node.id == to.node
+                && v.node.addr == to.addr
+                && v.liveness != netram_member::Liveness::Down
+        })
+    }
+
     pub(crate) fn members(&self) -> netram_member::MemberList {
         let now = self.now_ms();
         self.membership().rows(now)
@@ -1121,12 +1147,19 @@ fn hand_over_loop(
 ) {
     let mut out = Vec::new();
     for (ho, rps) in rx {
-        let status = shared.peers.hand_over(
-            ho.to,
-            ho.owner,
-            &ho.pages,
-            &shared.counters.migration_targets_wrong_node,
-        );
+        let status = if shared.may_hand_over_to(ho.to) {
+            shared.peers.hand_over(
+                ho.to,
+                ho.owner,
+                &ho.pages,
+                &shared.counters.migration_targets_wrong_node,
+                &shared.counters.peer_servers_refused,
+            )
+        } else {
+            Shared::bump(&shared.counters.migration_targets_not_member);
+            tracing::warn!(target = %ho.to, "MIGRATE refused: the target is not a live member");
+            vec![netram_proto::MoveStatus::Unreachable; ho.pages.len()]
+        };
         serve::finish_handover(&mut shared.store(), session, ho, &status, rps, &mut out);
         if sealed {
             reserve_tags(&mut out, 0);
@@ -1358,9 +1391,11 @@ fn handle_frames(
             }
             Outcome::Forward(fwd) => {
                 drop(store);
-                let outcomes = shared
-                    .peers
-                    .forward(&fwd.deltas, &shared.counters.parity_holders_wrong_node);
+                let outcomes = shared.peers.forward(
+                    &fwd.deltas,
+                    &shared.counters.parity_holders_wrong_node,
+                    &shared.counters.peer_servers_refused,
+                );
                 store = shared.store();
                 now = shared.now_ms();
                 serve::finish_forward(&mut store, h, fwd, &outcomes, now, rps, out);

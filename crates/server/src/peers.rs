@@ -84,6 +84,10 @@ pub struct Peers {
     peers: Mutex<HashMap<Holder, Arc<Mutex<Peer>>>>,
 }
 
+/// Peer servers (parity holders, migration targets) a server keeps connection state for.
+/// A cluster has far fewer; the bound is against clients naming addresses of their choosing.
+pub const MAX_PEERS: usize = 1024;
+
 impl Peers {
     pub fn new(node: u64, incarnation: u64, listen: SocketAddr, security: Security) -> Self {
         let addr = match listen.ip() {
@@ -101,6 +105,27 @@ impl Peers {
         }
     }
 
+    /// The connection state kept for `holder`, made on first use; `None` once
+    /// [`MAX_PEERS`] holders are known (clients name holders: a client naming a new address
+    /// in every request would otherwise grow this table without end), and `refused` counts.
+    fn peer(&self, holder: Holder, refused: &AtomicU64) -> Option<Arc<Mutex<Peer>>> {
+        let mut peers = self.peers.lock().unwrap_or_else(|p| p.into_inner());
+        if peers.len() >= MAX_PEERS && !peers.contains_key(&holder) {
+            // Forget the holders that failed and are not in use, then look again.
+            peers.retain(|_, p| {
+                Arc::strong_count(p) > 1
+                    || p.try_lock()
+                        .map_or(true, |p| p.conn.is_some() || p.failed_at.is_none())
+            });
+            if peers.len() >= MAX_PEERS {
+                refused.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(%holder, "too many peer servers known: {MAX_PEERS}");
+                return None;
+            }
+        }
+        Some(peers.entry(holder).or_default().clone())
+    }
+
     /// Sends every delta to its holder and returns what became of each, in order. A holder
     /// whose server is not the node the owner named (a client naming an address of its
     /// choosing) gets nothing: its deltas come back unreachable, and `wrong_node` counts it.
@@ -108,6 +133,7 @@ impl Peers {
         &self,
         deltas: &[(Holder, OwnedDelta)],
         wrong_node: &AtomicU64,
+        too_many: &AtomicU64,
     ) -> Vec<DeltaOutcome> {
         let mut out = vec![DeltaOutcome::Unreachable; deltas.len()];
         let mut by_holder: HashMap<Holder, Vec<usize>> = HashMap::new();
@@ -115,13 +141,9 @@ impl Peers {
             by_holder.entry(*holder).or_default().push(i);
         }
         for (holder, idx) in by_holder {
-            let peer = self
-                .peers
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .entry(holder)
-                .or_default()
-                .clone();
+            let Some(peer) = self.peer(holder, too_many) else {
+                continue;
+            };
             let mut peer = peer.lock().unwrap_or_else(|p| p.into_inner());
             for chunk in idx.chunks(MAX_BATCH) {
                 let batch: Vec<_> = chunk.iter().map(|&i| deltas[i].1.as_delta()).collect();
@@ -169,15 +191,12 @@ impl Peers {
         owner: Owner,
         pages: &[OwnedPage],
         wrong_node: &AtomicU64,
+        too_many: &AtomicU64,
     ) -> Vec<MoveStatus> {
         let mut out = Vec::with_capacity(pages.len());
-        let peer = self
-            .peers
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .entry(to)
-            .or_default()
-            .clone();
+        let Some(peer) = self.peer(to, too_many) else {
+            return vec![MoveStatus::Unreachable; pages.len()];
+        };
         let mut peer = peer.lock().unwrap_or_else(|p| p.into_inner());
         for chunk in pages.chunks(MAX_BATCH) {
             let req = Request::Adopt {
@@ -292,5 +311,39 @@ impl Peers {
             }
         }
         Err(PeerError::Expired)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Clients name the holders: past [`MAX_PEERS`] a new one is refused and counted, unless
+    /// a holder that failed and is not in use can be forgotten to make room.
+    #[test]
+    fn the_table_of_peer_servers_is_bounded() {
+        let peers = Peers::new(1, 1, "127.0.0.1:7077".parse().unwrap(), Security::Insecure);
+        let refused = AtomicU64::new(0);
+        let holder = |i: usize| Holder {
+            addr: SocketAddr::from(([10, 0, (i >> 8) as u8, i as u8], 7077)),
+            node: i as u64,
+        };
+        for i in 0..MAX_PEERS {
+            assert!(peers.peer(holder(i), &refused).is_some());
+        }
+        // Known holders are still served; a new one is not.
+        assert!(peers.peer(holder(7), &refused).is_some());
+        assert!(peers.peer(holder(MAX_PEERS), &refused).is_none());
+        assert_eq!(refused.load(Ordering::Relaxed), 1);
+        // One that failed makes room.
+        peers
+            .peer(holder(3), &refused)
+            .unwrap()
+            .lock()
+            .unwrap()
+            .failed_at = Some(Instant::now());
+        assert!(peers.peer(holder(MAX_PEERS), &refused).is_some());
+        assert_eq!(refused.load(Ordering::Relaxed), 1);
+        assert_eq!(peers.peers.lock().unwrap().len(), MAX_PEERS);
     }
 }
