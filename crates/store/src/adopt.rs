@@ -5,8 +5,9 @@
 //! take a page into A's session on C's word alone: A first tells B, on its own session, which
 //! pages C will hand over and at which versions (EXPECT); C then hands them over on its peer
 //! session, naming A (ADOPT). An expectation is used once, lasts [`EXPECT_TTL_MS`], and B holds
-//! at most [`MAX_EXPECTED_PER_SESSION`] per session and [`MAX_EXPECTED`] in all: B pays for the
-//! pages, so B bounds them. A page is adopted only into a key the session does not hold: a write
+//! at most [`MAX_EXPECTED_PER_SESSION`] per session, [`MAX_EXPECTED_PER_PEER`] per client (all
+//! its sessions) and [`MAX_EXPECTED`] in all: B pays for the pages, so B bounds them, and no
+//! client's expectations leave none for the others. A page is adopted only into a key the session does not hold: a write
 //! of a newer version that got there first is never replaced by the older one migrating. The
 //! owner's DELETE of a key withdraws its expectation: an owner that gave up on a move (C
 //! stopped answering) deletes B's copy, and a handover still on its way is refused after.
@@ -19,6 +20,9 @@ use std::collections::HashMap;
 pub const EXPECT_TTL_MS: u64 = 10_000;
 /// Expectations one session may have outstanding.
 pub const MAX_EXPECTED_PER_SESSION: usize = 4096;
+/// Expectations one client (a peer: its certificate's node, or its address) may have
+/// outstanding over all of its sessions: a quarter of the store's.
+pub const MAX_EXPECTED_PER_PEER: usize = MAX_EXPECTED / 4;
 /// Expectations the store holds in all.
 pub const MAX_EXPECTED: usize = 65_536;
 
@@ -32,6 +36,8 @@ struct Expected {
     /// The session's generation: an expectation outlives neither its session nor the slot's
     /// reuse.
     generation: u32,
+    /// The client whose session expects it, counted against its bound.
+    peer: Peer,
 }
 
 /// The expectations of every session, by (session slot, packed key).
@@ -39,18 +45,29 @@ struct Expected {
 pub(crate) struct Expectations {
     by_key: HashMap<(u32, u64), Expected>,
     per_slot: HashMap<u32, usize>,
+    per_peer: HashMap<Peer, usize>,
 }
 
 impl Expectations {
     fn remove(&mut self, at: (u32, u64)) -> Option<Expected> {
         let e = self.by_key.remove(&at)?;
-        if let Some(n) = self.per_slot.get_mut(&at.0) {
-            *n -= 1;
-            if *n == 0 {
-                self.per_slot.remove(&at.0);
+        fn less<K: std::hash::Hash + Eq>(m: &mut HashMap<K, usize>, k: K) {
+            if let Some(n) = m.get_mut(&k) {
+                *n -= 1;
+                if *n == 0 {
+                    m.remove(&k);
+                }
             }
         }
+        less(&mut self.per_slot, at.0);
+        less(&mut self.per_peer, e.peer);
         Some(e)
+    }
+
+    fn insert(&mut self, at: (u32, u64), e: Expected) {
+        *self.per_slot.entry(at.0).or_default() += 1;
+        *self.per_peer.entry(e.peer).or_default() += 1;
+        self.by_key.insert(at, e);
     }
 
     /// Drops the expectations that ran out or whose session is gone.
@@ -97,12 +114,19 @@ impl<A: AsRef<[u8]> + AsMut<[u8]>> Store<A> {
             return Ok(MoveStatus::Unexpected);
         };
         let at = (h.slot, packed);
-        let fresh = !self.expected.by_key.contains_key(&at);
+        let peer = self.sessions[h.slot as usize].peer;
+        if self.room_for(h.slot) == 0 {
+            self.counters.expects_refused += 1;
+            return Ok(MoveStatus::Full);
+        }
+        // Expecting a key again replaces its expectation: it takes no other.
+        let again = self.expected.remove(at).is_some();
         let full = |x: &Expectations| {
             x.by_key.len() >= MAX_EXPECTED
                 || x.per_slot.get(&h.slot).copied().unwrap_or(0) >= MAX_EXPECTED_PER_SESSION
+                || x.per_peer.get(&peer).copied().unwrap_or(0) >= MAX_EXPECTED_PER_PEER
         };
-        if fresh && full(&self.expected) {
+        if !again && full(&self.expected) {
             let sessions = &self.sessions;
             self.expected.purge(now_ms, |slot, generation| {
                 sessions
@@ -110,20 +134,18 @@ impl<A: AsRef<[u8]> + AsMut<[u8]>> Store<A> {
                     .is_some_and(|s| s.live && s.generation == generation)
             });
         }
-        if self.room_for(h.slot) == 0 || (fresh && full(&self.expected)) {
+        if !again && full(&self.expected) {
             self.counters.expects_refused += 1;
             return Ok(MoveStatus::Full);
         }
-        if fresh {
-            *self.expected.per_slot.entry(h.slot).or_default() += 1;
-        }
-        self.expected.by_key.insert(
+        self.expected.insert(
             at,
             Expected {
                 version,
                 from,
                 until_ms: now_ms + EXPECT_TTL_MS,
                 generation: h.generation,
+                peer,
             },
         );
         Ok(MoveStatus::Done)

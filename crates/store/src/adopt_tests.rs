@@ -306,3 +306,41 @@ fn a_handed_over_page_goes_to_the_session_that_expects_it() {
     x.hb = old;
     assert_eq!(x.version_at_b(1), None, "not in the old session");
 }
+
+/// One client's sessions together hold at most MAX_EXPECTED_PER_PEER expectations: a client
+/// opening many sessions does not take the store's whole table, and another client still
+/// gets its own.
+#[test]
+fn expectations_are_bounded_per_client_over_its_sessions() {
+    let pages = crate::MAX_EXPECTED_PER_PEER + 64;
+    let mut b = Store::new(vec![0u8; pages * PAGE_SIZE], StoreConfig::default());
+    let greedy = Peer::Node(7);
+    let per = MAX_EXPECTED_PER_SESSION;
+    let sessions = crate::MAX_EXPECTED_PER_PEER / per + 1;
+    let mut done = 0;
+    let mut refused = 0;
+    for s in 0..sessions as u64 {
+        let h = b.open_session_from(greedy, 7, 1, 10 + s, 0).unwrap();
+        for p in 0..per as u64 {
+            match b.expect(h, C_NODE, key(p), 1, 0).unwrap() {
+                MoveStatus::Done => done += 1,
+                MoveStatus::Full => refused += 1,
+                other => panic!("{other:?}"),
+            }
+        }
+    }
+    assert_eq!(done, crate::MAX_EXPECTED_PER_PEER);
+    assert_eq!(refused, sessions * per - crate::MAX_EXPECTED_PER_PEER);
+    assert_eq!(b.expected_pages(), crate::MAX_EXPECTED_PER_PEER);
+    // Another client is not held back by the first one's.
+    let h = b.open_session_from(Peer::Node(8), 8, 1, 1, 0).unwrap();
+    assert_eq!(b.expect(h, C_NODE, key(1), 1, 0).unwrap(), MoveStatus::Done);
+    // Once the greedy client's run out, it may expect again.
+    let h = b
+        .open_session_from(greedy, 7, 1, 99, EXPECT_TTL_MS + 1)
+        .unwrap();
+    assert_eq!(
+        b.expect(h, C_NODE, key(1), 1, EXPECT_TTL_MS + 1).unwrap(),
+        MoveStatus::Done
+    );
+}

@@ -36,7 +36,7 @@ mod adopt;
 mod parity;
 pub mod serve;
 
-pub use adopt::{EXPECT_TTL_MS, MAX_EXPECTED, MAX_EXPECTED_PER_SESSION};
+pub use adopt::{EXPECT_TTL_MS, MAX_EXPECTED, MAX_EXPECTED_PER_PEER, MAX_EXPECTED_PER_SESSION};
 
 pub use parity::{ParityTag, PARITY_REGION};
 
