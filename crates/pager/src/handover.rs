@@ -84,10 +84,11 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         // One target for the batch: alive, with room and an address. A page with a copy
         // there (mirror:N keeps copies on distinct servers) waits for another target.
         let mut exclude = vec![from];
-        exclude.extend(
-            (0..self.servers.len())
-                .filter(|&s| self.servers[s].info.addr.is_none() || !self.servers[s].alive),
-        );
+        exclude.extend((0..self.servers.len()).filter(|&s| {
+            self.servers[s].info.addr.is_none()
+                || !self.servers[s].alive
+                || self.no_direct.contains(&(from, s))
+        }));
         let candidates: Vec<Candidate> = self.servers.iter().map(|s| s.load).collect();
         let (to, go) = loop {
             let Some(to) = placement::choose(&candidates, &exclude, &mut self.rng) else {
@@ -210,6 +211,12 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             // Not moved: refused, or the page changed meanwhile (it is moved again if it
             // still has to leave).
             self.counters.migrations_refused += 1;
+            if s == MoveStatus::Unreachable && self.servers[to].alive {
+                // C would not reach B, though we do (C does not count B a member of its
+                // cluster, or cannot get through): asking again would loop, so the pages go
+                // through us. Transient views of membership cost a detour, not a livelock.
+                self.no_direct.insert((from, to));
+            }
             if s == MoveStatus::Full {
                 // Full, or this client at its quota there: placed elsewhere until B's next
                 // answer says otherwise.

@@ -162,6 +162,10 @@ pub struct Pager<T: Transport, D: Disk> {
     migrating: BTreeSet<u64>,
     /// Pages moving straight from server to server (`handover.rs`).
     handing: std::collections::BTreeMap<u64, usize>,
+    /// (old, new) server pairs whose old server would not hand over to the new one (it does
+    /// not count it a member of its cluster): their pages move through this pager instead,
+    /// until one of the two restarts (`handover.rs`).
+    no_direct: BTreeSet<(usize, usize)>,
     /// Where the next search for pages to move starts in the page table.
     migrate_cursor: u64,
     /// Pages recovery could not give every copy (no server with room) and that the local disk
@@ -241,6 +245,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             degraded: BTreeSet::new(),
             migrating: BTreeSet::new(),
             handing: std::collections::BTreeMap::new(),
+            no_direct: BTreeSet::new(),
             migrate_cursor: 0,
             short: BTreeSet::new(),
             rehomed: BTreeSet::new(),
@@ -398,6 +403,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                 }
             };
             self.server_revived(s);
+            self.no_direct.retain(|&(a, b)| a != s && b != s);
             let st = &mut self.servers[s];
             st.dead_reason = format!("restarted empty after: {}", st.dead_reason);
             st.alive = true;

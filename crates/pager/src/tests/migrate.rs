@@ -323,3 +323,44 @@ fn a_step_larger_than_a_frame_goes_in_frames() {
     }
     no_copy_the_table_does_not_name(&p);
 }
+
+/// An old server that will not hand over to the new one (it does not count it a member of its
+/// cluster: every MIGRATE comes back unreachable, though the owner reaches the new server):
+/// the owner stops asking for that pair and moves the pages itself; the migration ends.
+#[test]
+fn pages_an_old_server_will_not_hand_over_move_through_the_owner() {
+    let mut p = Pager::new(
+        PagerConfig {
+            pages: 40,
+            cache_pages: 0,
+            writeback_batch: 4,
+            redundancy: "mirror:2".parse().unwrap(),
+            ..sealed()
+        },
+        MemCluster::new(&[100, 100, 100, 100]),
+        MemDisk::default(),
+    );
+    for page in 0..40 {
+        p.write(page, &content(page, 3)).unwrap();
+    }
+    p.flush().unwrap();
+    p.transport.no_handover = true;
+    let store = &mut p.transport.servers[0].store;
+    store.set_offer(2);
+    store.compact(usize::MAX);
+    tick_until_moved(&mut p);
+    let store = &mut p.transport.servers[0].store;
+    store.compact(usize::MAX);
+    assert_eq!(store.pages_beyond_offer(), 0, "all moved");
+    let c = p.counters().clone();
+    assert!(c.pages_migrated > 0, "{c:?}");
+    assert_eq!(c.pages_migrated_direct, 0, "{c:?}");
+    assert!(
+        c.migrations_refused > 0,
+        "the direct moves were tried: {c:?}"
+    );
+    for page in 0..40 {
+        assert_eq!(read(&mut p, page).unwrap(), content(page, 3), "page {page}");
+    }
+    p.check_invariants().unwrap();
+}
