@@ -7,9 +7,9 @@
 //! session, naming A (ADOPT). An expectation is used once, lasts [`EXPECT_TTL_MS`], and B holds
 //! at most [`MAX_EXPECTED_PER_SESSION`] per session, [`MAX_EXPECTED_PER_PEER`] per client (all
 //! its sessions) and [`MAX_EXPECTED`] in all: B pays for the pages, so B bounds them, and no
-//! client's expectations leave none for the others. A page is adopted only into a key the session does not hold: a write
-//! of a newer version that got there first is never replaced by the older one migrating. The
-//! owner's DELETE of a key withdraws its expectation: an owner that gave up on a move (C
+//! client's expectations leave none for the others. A page is adopted only into a key the
+//! session does not hold: a write of a newer version that got there first is never replaced by
+//! the older one migrating. The owner's DELETE of a key withdraws its expectation: an owner that gave up on a move (C
 //! stopped answering) deletes B's copy, and a handover still on its way is refused after.
 
 use crate::{pack, Peer, SessionHandle, Store, StoreError};
