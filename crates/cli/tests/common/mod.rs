@@ -78,6 +78,11 @@ fn server_exe() -> String {
 /// Starts `netram ARGS` and reads the first line it prints, which must start with `prefix`;
 /// returns the child and the rest of that line.
 pub fn spawn_reporting(args: &[&str], prefix: &str) -> (Child, String) {
+    try_spawn_reporting(args, prefix).unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// [`spawn_reporting`], saying why it failed instead of panicking (the child is ended).
+fn try_spawn_reporting(args: &[&str], prefix: &str) -> Result<(Child, String), String> {
     let mut cmd = Command::new(server_exe());
     // The tests' credentials, unless the process is told to run in clear.
     if !args.contains(&"--insecure") {
@@ -105,15 +110,15 @@ pub fn spawn_reporting(args: &[&str], prefix: &str) -> (Child, String) {
         Err(_) => {
             let _ = child.kill();
             let _ = child.wait();
-            panic!("netram {args:?} did not report its address");
+            return Err(format!("netram {args:?} did not report its address"));
         }
     };
     match line.trim().strip_prefix(prefix) {
-        Some(rest) => (child, rest.to_string()),
+        Some(rest) => Ok((child, rest.to_string())),
         None => {
             let _ = child.kill();
             let _ = child.wait();
-            panic!("netram {args:?}: unexpected first line {line:?}");
+            Err(format!("netram {args:?}: unexpected first line {line:?}"))
         }
     }
 }
@@ -166,8 +171,28 @@ impl ServerProcess {
 
     /// Starts a server on a port of its own below the kernel's ephemeral range, so that it can
     /// be restarted there after it is killed (see [`reserved_port`]).
+    /// Parallel test processes pick from one range: a port free when picked may be taken
+    /// before the server binds it (CI saw it once), so a server that does not start is
+    /// started again on another port.
     pub fn start_restartable(args: &[&str]) -> Self {
-        Self::start_at(&format!("127.0.0.1:{}", reserved_port()), args)
+        let mut tries = 0;
+        loop {
+            let mut all = vec!["serve", "--listen"];
+            let addr = format!("127.0.0.1:{}", reserved_port());
+            all.push(&addr);
+            all.extend_from_slice(args);
+            match try_spawn_reporting(&all, "netram serve: listening on ") {
+                Ok((child, addr)) => {
+                    return Self {
+                        child,
+                        addr,
+                        insecure: args.contains(&"--insecure"),
+                    }
+                }
+                Err(e) if tries >= 4 => panic!("{e}"),
+                Err(_) => tries += 1,
+            }
+        }
     }
 
     /// Starts a server on a given address (a restart on the address of one that died). Waits
