@@ -88,6 +88,9 @@ counters! {
     /// dissolved (their members protected again).
     parity_audits,
     parity_groups_dissolved,
+    /// Groups whose parity a holder that shrank its offer held above it (Nswap §III), whose
+    /// members were sent to new groups elsewhere so that they empty and leave.
+    parity_groups_leaving,
     /// Pages whose move off a server that shrank its offer started, and moves that ended
     /// with the page at its new home (Nswap §III); of those, moves that found no server
     /// with room and left the page on the local disk alone.

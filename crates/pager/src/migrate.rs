@@ -100,12 +100,20 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             }
             let (pages, held) = self.leaving_pages(s, want);
             // Nothing to move there: unless pages there are only out of reach for now (in a
-            // move, being written out), the rest is not ours to move (parity pages); looked
-            // at again when the server's count changes, or at the next probe. (A page whose
-            // write-back waits in an open parity group is not in flight: that wait has no end
-            // a step could see.)
+            // move, being written out), the rest is groups' parity (`parity:N`): their members
+            // are sent to new groups (`par_release_holder`), and the server asked again once
+            // they are. When it names none, what is left is not ours to move; looked at again
+            // when the server's count changes, or at the next probe. (A page whose write-back
+            // waits in an open parity group is not in flight: that wait has no end a step
+            // could see.)
+            let mut pages = pages;
             if pages.is_empty() && self.handing_from(s) == 0 && self.settled() {
-                self.servers[s].leaving_stuck = self.servers[s].leaving;
+                if matches!(self.scheme, Redundancy::Parity(_)) {
+                    pages = self.par_release_holder(s, want)?;
+                }
+                if pages.is_empty() {
+                    self.servers[s].leaving_stuck = self.servers[s].leaving;
+                }
             }
             if !held {
                 tracing::debug!(
@@ -195,9 +203,11 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                 Redundancy::Copies(_) => self.move_copy(page, slot, leaving)?,
                 Redundancy::Parity(_) | Redundancy::Stripe(_) => {
                     // Written again: the page leaves its group or stripe and joins a new one
-                    // away from the leaving server.
+                    // away from the leaving server; a member of a group whose parity is there
+                    // (`par_release_holder`) joins a new group where it is.
                     self.migrating.insert(page);
-                    self.write_back_avoiding(page, slot, Some(leaving))?;
+                    let member_only = !self.table.holders(page).contains(leaving);
+                    self.write_back_avoiding(page, slot, Some(leaving), member_only)?;
                 }
             }
         }
@@ -216,6 +226,15 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         }
     }
 
+    /// Whether a move of `page` may start: not in write-back (a write-back places its page
+    /// anew, away from a leaving server), not waiting in the cache after a failed one, not
+    /// in a move already.
+    pub(crate) fn movable(&self, page: u64) -> bool {
+        !self.writeback.contains_key(&page)
+            && !self.rehomed.contains(&page)
+            && !self.handing.contains_key(&page)
+    }
+
     /// Up to `want` pages of ours whose moving frees a frame on `server`: pages with a copy
     /// there (under Reed-Solomon, the live members of stripes with a piece there), not in
     /// write-back (a write-back places its page anew, away from a leaving server); and
@@ -229,9 +248,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             for (page, _) in members {
                 // A member whose data piece is out of reach is read from the disk if the disk
                 // backs it, else left to recovery to rebuild first.
-                if !self.writeback.contains_key(&page)
-                    && !self.rehomed.contains(&page)
-                    && !self.handing.contains_key(&page)
+                if self.movable(page)
                     && !out.contains(&page)
                     && (self.alive_holder(page, None).is_some() || self.table.get(page).on_disk)
                 {
@@ -257,13 +274,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             }
             // A page the disk failed to take waits, dirty, in the cache for its next
             // write-back, which places it anew.
-            if e.present
-                && !e.lost
-                && self.table.holders(p).contains(server)
-                && !self.writeback.contains_key(&p)
-                && !self.rehomed.contains(&p)
-                && !self.handing.contains_key(&p)
-            {
+            if e.present && !e.lost && self.table.holders(p).contains(server) && self.movable(p) {
                 out.push(p);
                 if out.len() >= want {
                     p = (p + 1) % pages;

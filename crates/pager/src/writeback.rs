@@ -49,16 +49,18 @@ impl Writeback {
 impl<T: Transport, D: Disk> Pager<T, D> {
     /// Sends a page to its backing. The slot is released when the write is acknowledged.
     pub(crate) fn write_back(&mut self, page: u64, slot: u32) -> Result<(), PagerError> {
-        self.write_back_avoiding(page, slot, None)
+        self.write_back_avoiding(page, slot, None, false)
     }
 
     /// [`Pager::write_back`], keeping the page off server `avoid` (it is leaving it,
-    /// `migrate.rs`) even where it would stay in place.
+    /// `migrate.rs`) even where it would stay in place; under parity, `join` makes it join a
+    /// new group even where it stays (its old group's holder is leaving).
     pub(crate) fn write_back_avoiding(
         &mut self,
         page: u64,
         slot: u32,
         avoid: Option<usize>,
+        join: bool,
     ) -> Result<(), PagerError> {
         // One write-back per page at a time, so that versions land in order.
         let cached_before = self.cache.contains(&page);
@@ -84,7 +86,10 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             self.release_slot(slot);
             return Ok(());
         }
-        let mut wb = Writeback::new(slot, version);
+        let mut wb = Writeback {
+            join,
+            ..Writeback::new(slot, version)
+        };
         if let Some(s) = avoid {
             wb.refused.insert(s);
         }

@@ -35,7 +35,7 @@ pub use handshake::{
 pub use message::{
     begin_get_reply, decode_reply, decode_request, frame_len, get_reply_data, get_reply_found,
     get_reply_missing, get_reply_tail, Counter, DeleteStatus, ErrorCode, GetResult, Kind, Load,
-    MoveStatus, PutStatus, Reply, Request,
+    MoveStatus, PutStatus, Reply, Request, SCAN_LEAVING,
 };
 pub use page::{page_checksum, Page, PageFlags, PageKey, ENVELOPE_LEN, TAG_LEN};
 pub use parity::{

@@ -60,6 +60,13 @@ pub enum Kind {
     Error = 0xff,
 }
 
+/// What a [`Request::ParityScan`] names instead of a dead server to ask a shrinking holder for
+/// the groups whose parity it holds above its offer (Nswap §III: those frames must leave too,
+/// and only the holder knows which groups they are). No server listens on port 0.
+pub const SCAN_LEAVING: std::net::SocketAddr = std::net::SocketAddr::V4(
+    std::net::SocketAddrV4::new(std::net::Ipv4Addr::BROADCAST, 0),
+);
+
 /// A client's request. Pages borrow from the received frame: the server copies them once,
 /// straight into its arena.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -89,6 +96,8 @@ pub enum Request<'a> {
     /// their parity on it (their tags are dropped as they are reported: they are outside any
     /// group now). `dead` may name no server at all: then only damaged groups are reported —
     /// the owner's audit after a write whose holder may or may not have changed its group.
+    /// [`SCAN_LEAVING`] asks instead for the groups whose parity page is held above a shrunk
+    /// offer here: the owner moves their members into new groups, and they empty and leave.
     ParityScan {
         dead: SocketAddr,
         max: u32,

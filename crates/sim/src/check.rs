@@ -425,8 +425,9 @@ pub fn no_garbage(world: &World, pager: &Pager<SimTransport, MemDisk>) -> Result
 
 /// Once every client has moved what the servers asked it to (and each server has moved down
 /// what fits below its offer, as its donor thread does), no server holds a page above its
-/// offer (Nswap §III: a donor that shrank holds no more than it offers). Groups' parity is
-/// the exception: only its holder knows where it is, and it leaves with its members.
+/// offer (Nswap §III: a donor that shrank holds no more than it offers), groups' parity
+/// included: the owner asks a shrinking holder which groups it holds above its offer and
+/// moves their members into new groups, and the emptied groups leave.
 ///
 /// Only the clients' current sessions count: a session its client gave up on (the server
 /// looked dead, the client reconnected with a new one) holds pages nobody will ask for, and
@@ -441,12 +442,7 @@ pub fn within_offers(world: &mut World) -> Result<(), String> {
             continue;
         }
         let s = &world.servers[c.server];
-        let above: Vec<PageKey> = s
-            .store
-            .keys_beyond_offer(c.session)
-            .into_iter()
-            .filter(|k| k.region != netram_store::PARITY_REGION)
-            .collect();
+        let above: Vec<PageKey> = s.store.keys_beyond_offer(c.session);
         if !above.is_empty() {
             return Err(format!(
                 "server {} still holds {} pages of client {} above its offer of {} frames \

@@ -608,11 +608,22 @@ fn play(sc: &Scenario, at: &std::cell::Cell<u32>) -> Result<Report, Failure> {
                 Err(e) => return Err(fail(end, format!("client {ci}: final read of {p}: {e}"))),
             }
         }
-        // A read that found its server gone rebuilt the page and is writing it out again.
-        cl.pager
-            .borrow_mut()
-            .flush()
-            .map_err(|e| fail(end, format!("client {ci}: flush after reading: {e}")))?;
+        // A read that found its server gone rebuilt the page and is writing it out again; the
+        // copies that write supersedes are deleted, those whose delete could not reach their
+        // group's holder again by recovery rounds (as after the recovery above).
+        for _ in 0..100 {
+            cl.pager
+                .borrow_mut()
+                .flush()
+                .map_err(|e| fail(end, format!("client {ci}: flush after reading: {e}")))?;
+            if cl.pager.borrow_mut().degraded_pages() == 0 {
+                break;
+            }
+            cl.pager
+                .borrow_mut()
+                .recover(16)
+                .map_err(|e| fail(end, format!("client {ci}: recover after reading: {e}")))?;
+        }
     }
     let w = world.borrow();
     for (ci, cl) in clients.iter().enumerate() {

@@ -636,7 +636,9 @@ impl<A: AsRef<[u8]> + AsMut<[u8]>> Store<A> {
     /// at most `max_bytes` of them on the wire, with their parity: what the owner reconstructs
     /// the dead server's pages from, or dissolves (a damaged group rebuilds nothing). `dead`
     /// may be no server at all. The owner asks again until a scan reports nothing, so a reply
-    /// cut short by the byte limit loses nothing.
+    /// cut short by the byte limit loses nothing. With [`netram_proto::SCAN_LEAVING`]: the
+    /// groups whose parity frame is above a shrunk offer, damaged or not (their members move
+    /// into new groups and they empty).
     pub fn groups_with_member_on(
         &self,
         h: SessionHandle,
@@ -648,11 +650,16 @@ impl<A: AsRef<[u8]> + AsMut<[u8]>> Store<A> {
             Some(s) if s.live && s.generation == h.generation => {}
             _ => return Vec::new(),
         }
+        let leaving =
+            (dead == netram_proto::SCAN_LEAVING).then(|| &self.sessions[h.slot as usize].beyond);
         let dead = self.parity.addr_ids.get(&dead).copied();
         self.parity
             .groups
             .range((h.slot, 0)..=(h.slot, u64::MAX))
-            .filter(|(_, g)| g.damaged || g.members.iter().any(|m| Some(m.0) == dead))
+            .filter(|(_, g)| match leaving {
+                Some(beyond) => beyond.contains(&g.frame),
+                None => g.damaged || g.members.iter().any(|m| Some(m.0) == dead),
+            })
             .take(max)
             .map(|((_, id), g)| GroupRecord {
                 group: *id,

@@ -702,3 +702,55 @@ fn a_member_and_a_parity_page_compacted_below_a_shrunk_offer_stay_in_their_group
     assert_eq!(c.nodes[3].store.held_groups()[0].2.len(), 2);
     c.check();
 }
+
+#[test]
+fn a_holder_that_shrank_names_the_groups_above_its_offer_and_they_leave_with_their_members() {
+    let mut c = Cluster::new();
+    for (i, p) in [(0, 10), (1, 11), (2, 12)] {
+        assert_eq!(c.put(i, p, 1, p as u8, join(3, 5)), PutStatus::Stored);
+    }
+    assert_eq!(
+        c.ship(3, 5, 4, &[(0, 10), (1, 11), (2, 12)]),
+        PutStatus::Stored
+    );
+    let scan = |c: &mut Cluster| {
+        let out = c.request(
+            3,
+            Request::ParityScan {
+                dead: netram_proto::SCAN_LEAVING,
+                max: 8,
+            },
+        );
+        match decode_reply(&out).unwrap().1 {
+            Reply::ParityScan {
+                groups, orphans, ..
+            } => {
+                assert!(orphans.is_empty());
+                groups
+                    .iter()
+                    .map(|g| (g.group, g.members.len()))
+                    .collect::<Vec<_>>()
+            }
+            r => panic!("{r:?}"),
+        }
+    };
+    // Below the offer: nothing to name.
+    assert_eq!(scan(&mut c), []);
+    c.nodes[3].store.set_offer(0);
+    assert_eq!(c.nodes[3].store.pages_beyond_offer(), 1);
+    assert_eq!(scan(&mut c), [(5, 3)]);
+    // The owner writes each member again into a new group held elsewhere: its server takes
+    // it out of the old one first (a delta to node 3).
+    for (i, p) in [(0, 10), (1, 11), (2, 12)] {
+        assert_eq!(c.put(i, p, 2, p as u8, join(4, 6)), PutStatus::Stored);
+    }
+    assert_eq!(c.nodes[3].store.counters().parity_deltas_applied, 3);
+    // The emptied group is freed (its parity all zeros, as the counters check), and its frame
+    // is given back.
+    assert_eq!(scan(&mut c), []);
+    let s = &mut c.nodes[3].store;
+    assert_eq!(s.pages_beyond_offer(), 0);
+    assert_eq!(s.stored_pages(), 0);
+    assert_eq!(s.take_given_back().len(), 1);
+    c.check();
+}

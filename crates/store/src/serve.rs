@@ -256,7 +256,12 @@ pub fn handle_request<A: AsRef<[u8]> + AsMut<[u8]>>(
         }
         Request::ParityScan { dead, max } => {
             let max = (max as usize).min(MAX_BATCH);
-            let Ok(orphans) = store.orphans(h, dead, max) else {
+            let orphans = if dead == netram_proto::SCAN_LEAVING {
+                store.session(h, 0).map(|_| Vec::new())
+            } else {
+                store.orphans(h, dead, max)
+            };
+            let Ok(orphans) = orphans else {
                 expired(store, out);
                 return Outcome::Open;
             };

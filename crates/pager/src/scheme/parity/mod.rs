@@ -271,7 +271,13 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         let n = self.par().n;
         for gi in 0..self.par().open.len() {
             let g = &self.par().open[gi];
-            if g.shipping || g.force || g.members.len() >= n || !self.par_usable(g.holder) {
+            // A holder that shrank its offer takes no new member: its groups must leave.
+            if g.shipping
+                || g.force
+                || g.members.len() >= n
+                || !self.par_usable(g.holder)
+                || self.servers[g.holder].leaving > 0
+            {
                 continue;
             }
             let mut exclude: Vec<usize> = g.members.iter().map(|m| m.server).collect();

@@ -199,6 +199,56 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         Ok(step)
     }
 
+    /// A holder whose offer shrank below the parity pages it holds for us (Nswap §III): only
+    /// it knows which groups those are, so it is asked (a scan naming [`SCAN_LEAVING`]).
+    /// Returns up to `want` of their members that are their page's current copy and free to
+    /// move: the migration writes each again as a new version that joins a new group where
+    /// it is (its server tells the old holder to take it out, the old group protecting it
+    /// until then, and an emptied group is freed there). Other members are superseded copies,
+    /// which leave the group when they are deleted, or pages being written, whose write-back
+    /// takes them out (or, written in place, a later scan names them again).
+    ///
+    /// [`SCAN_LEAVING`]: netram_proto::SCAN_LEAVING
+    pub(crate) fn par_release_holder(
+        &mut self,
+        h: usize,
+        want: usize,
+    ) -> Result<Vec<u64>, PagerError> {
+        self.submit(
+            h,
+            Op::Scan,
+            &Request::ParityScan {
+                dead: netram_proto::SCAN_LEAVING,
+                max: netram_proto::MAX_BATCH as u32,
+            },
+        );
+        self.drain()?;
+        let scanned = std::mem::take(&mut self.par_mut().scanned);
+        let mut out = Vec::new();
+        for (_, groups, _) in scanned.iter().filter(|(s, _, _)| *s == h) {
+            self.counters.parity_groups_leaving += groups.len() as u64;
+            for m in groups.iter().flat_map(|g| &g.members) {
+                let page = m.key.page;
+                if m.key.region != self.cfg.region || page >= self.cfg.pages {
+                    continue;
+                }
+                let e = *self.table.get(page);
+                let at = self.par().addrs.iter().position(|&a| a == m.server);
+                if e.present
+                    && !e.lost
+                    && e.version == m.version
+                    && at.is_some_and(|s| self.table.holders(page).contains(s))
+                    && self.movable(page)
+                    && !out.contains(&page)
+                {
+                    out.push(page);
+                }
+            }
+        }
+        out.truncate(want);
+        Ok(out)
+    }
+
     /// Whether a rebuilt member is still the page's current version, wanted back.
     pub(super) fn par_wanted(&self, page: u64, version: u32) -> bool {
         if page >= self.cfg.pages || self.writeback.contains_key(&page) {
