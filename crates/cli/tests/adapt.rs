@@ -234,6 +234,117 @@ fn pages_leave_a_donor_that_shrinks_for_another_server() {
     }
 }
 
+/// The same under `parity:2`, where the donor holds groups' parity besides pages: three real
+/// daemons forwarding deltas to each other. The pages leave through their owner (written
+/// again, joining groups away from the donor), and the parity the donor holds leaves as the
+/// owner, asking the donor which groups those are, writes their members again where they are:
+/// the donor ends up holding nothing at all, and every page reads back.
+#[test]
+fn parity_held_by_a_donor_that_shrinks_leaves_with_its_pages() {
+    let proc_dir = tempfile::tempdir().unwrap();
+    machine(proc_dir.path(), 20 << 30);
+    let donor = ServerProcess::start(&[
+        "--capacity",
+        "64M",
+        "--adapt",
+        "--reserve",
+        "1G",
+        "--chunk",
+        "64M",
+        "--grow-after",
+        "100ms",
+        "--proc-dir",
+        proc_dir.path().to_str().unwrap(),
+    ]);
+    let others = [
+        ServerProcess::start(&["--capacity", "128M"]),
+        ServerProcess::start(&["--capacity", "128M"]),
+        ServerProcess::start(&["--capacity", "128M"]),
+    ];
+    let frames = |bytes: u64| bytes / PAGE_SIZE as u64;
+    eventually("the donor offers all it may", 30, || {
+        donor.stat("capacity_pages") == frames(64 * MIB)
+    });
+    let n = frames(48 * MIB);
+    let transport = netram_client::TcpTransport::connect(
+        &[
+            donor.addr.as_str(),
+            others[0].addr.as_str(),
+            others[1].addr.as_str(),
+        ],
+        &netram_client::ClientConfig {
+            sealed_pages: true,
+            ..common::client()
+        },
+    );
+    let mut pager = Pager::new(
+        PagerConfig {
+            pages: n,
+            cache_pages: 64,
+            redundancy: "parity:2".parse().unwrap(),
+            ..Default::default()
+        },
+        transport,
+        MemDisk::default(),
+    );
+    pager.set_schedule(netram_pager::ScheduleConfig {
+        probe_every_us: 50_000,
+        ..Default::default()
+    });
+    for first in (0..n).step_by(256) {
+        let ids: Vec<u64> = (first..first + 256).collect();
+        let data: Vec<u8> = ids.iter().flat_map(|&i| content(i)).collect();
+        pager.write_many(&ids, &data).unwrap();
+    }
+    pager.flush().unwrap();
+    let held = donor.stat("stored_pages");
+    let pages_there = pager.pages_per_server()[0];
+    assert!(
+        held > pages_there && pages_there > 0,
+        "the donor holds pages ({pages_there}) and groups' parity ({held} frames in all)"
+    );
+
+    machine(proc_dir.path(), 512 * MIB);
+    eventually("the offer shrinks", 20, || {
+        donor.stat("capacity_pages") == 0
+    });
+    let mut now_us = 0;
+    eventually("the donor holds nothing, parity included", 90, || {
+        now_us += 10_000;
+        pager.on_tick(now_us).unwrap();
+        pager.pages_leaving() == 0 && donor.stat("stored_pages") == 0
+    });
+    pager.flush().unwrap();
+    let c = pager.counters();
+    assert!(c.parity_groups_leaving > 0, "{c:?}");
+    assert_eq!(c.pages_migrated_to_disk, 0);
+    assert_eq!(pager.pages_per_server()[0], 0);
+    let mut out = vec![0u8; 256 * PAGE_SIZE];
+    for first in (0..n).step_by(256) {
+        let ids: Vec<u64> = (first..first + 256).collect();
+        pager.read_many(&ids, &mut out).unwrap();
+        for (k, &i) in ids.iter().enumerate() {
+            assert!(
+                out[k * PAGE_SIZE..(k + 1) * PAGE_SIZE] == content(i)[..],
+                "page {i} after the move"
+            );
+        }
+    }
+    // Still protected by their new groups: one of the other servers dies (SIGKILL), and every
+    // page is rebuilt from its group's parity and the survivors.
+    others[0].signal(libc::SIGKILL);
+    for first in (0..n).step_by(256) {
+        let ids: Vec<u64> = (first..first + 256).collect();
+        pager.read_many(&ids, &mut out).unwrap();
+        for (k, &i) in ids.iter().enumerate() {
+            assert!(
+                out[k * PAGE_SIZE..(k + 1) * PAGE_SIZE] == content(i)[..],
+                "page {i} after a server died"
+            );
+        }
+    }
+}
+
 /// Contradictory settings are refused before anything starts.
 #[test]
 fn adapt_settings_are_checked() {

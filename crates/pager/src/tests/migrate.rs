@@ -103,6 +103,53 @@ fn pages_above_a_shrunk_offer_move_away_under_every_scheme() {
     }
 }
 
+/// Under `parity:2` off one of three servers, no group can get a second member (its holder
+/// and its one member take the other two): the migration ships its groups half full, by
+/// ticks alone, and the donor ends up holding nothing, groups' parity included. (Between
+/// real daemons, `crates/cli/tests/adapt.rs` `parity_held_by_a_donor_that_shrinks_leaves_with_its_pages`
+/// found such a migration waiting for the program's next flush.)
+#[test]
+fn a_parity_migration_with_no_room_for_full_groups_ends_by_ticks_alone() {
+    let mut p = Pager::new(
+        PagerConfig {
+            pages: 30,
+            cache_pages: 0,
+            writeback_batch: 4,
+            redundancy: "parity:2".parse().unwrap(),
+            ..sealed()
+        },
+        MemCluster::new(&[100, 100, 100]),
+        MemDisk::default(),
+    );
+    for page in 0..30 {
+        p.write(page, &content(page, 4)).unwrap();
+    }
+    p.flush().unwrap();
+    let held = p.table.pages_on(0).len();
+    assert!(held > 0);
+    p.transport.servers[0].store.set_offer(0);
+    p.set_schedule(ScheduleConfig {
+        probe_every_us: 1_000,
+        reconnect_every_us: 1_000_000,
+        recover_batch: 8,
+        migrate_batch: 8,
+    });
+    let mut now = 0;
+    while p.migration_due() || p.degraded_pages() > 0 || now < 3_000 {
+        now += 1_000;
+        p.on_tick(now).unwrap();
+        p.check_invariants().unwrap();
+        assert!(now < 1_000_000, "no flush, no end: {:?}", p.counters());
+    }
+    // Groups' parity included; the members of the groups it held moved too.
+    assert_eq!(p.transport.servers[0].store.stored_pages(), 0);
+    assert!(p.counters().pages_migrated >= held as u64);
+    assert!(p.counters().parity_groups_leaving > 0);
+    for page in 0..30 {
+        assert_eq!(read(&mut p, page).unwrap(), content(page, 4), "page {page}");
+    }
+}
+
 #[test]
 fn with_no_room_left_in_the_cluster_pages_move_to_the_owners_disk() {
     let mut p = pager(MemCluster::new(&[40, 40]), 70, 0, Backing::Cluster);

@@ -77,9 +77,11 @@ struct OpenGroup {
     /// Ship as soon as every member is acknowledged, full or not.
     force: bool,
     shipping: bool,
-    /// Holds a page no caller waits for (written by recovery, or placed again after a
-    /// failure): recovery work until shipped, so that it is not left waiting for later
-    /// writes to fill its group — which may never come.
+    /// Holds a page no caller waits for (written by recovery or by a migration, or placed
+    /// again after a failure): recovery work until shipped, so that it is not left waiting
+    /// for later writes to fill its group — which may never come (a migration off one of
+    /// three servers under `parity:2` found no server for a second member, and its
+    /// write-backs waited for the program's next flush).
     unattended: bool,
 }
 
@@ -218,9 +220,10 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         match self.par_choose(prefer, wb.refused) {
             Some((gi, server)) => {
                 let rec = self.par_record(page, wb.version, wb.slot);
+                let migrating = self.migrating.contains(&page);
                 let (group, holder) = {
                     let g = &mut self.par_mut().open[gi];
-                    g.unattended |= wb.join || wb.rebuild;
+                    g.unattended |= wb.join || wb.rebuild || migrating;
                     g.parity.xor(&rec.as_record());
                     g.members.push(OpenMember {
                         page,
