@@ -19,7 +19,11 @@
 //!   end (one write-back per page), a discard deletes whatever copies the table names then;
 //! * under `parity:N` and `rs:K+M` a page is written again as a new version, so that it joins
 //!   a new group or stripe away from C and its old one is left the usual way (the holder told,
-//!   the stripe freed when its last member leaves): redundancy follows the page.
+//!   the stripe freed when its last member leaves): redundancy follows the page;
+//! * under `parity:N` a server may hold nothing of ours but groups' parity, which only it
+//!   can name: it is asked which groups it holds above its offer
+//!   (`Pager::par_release_holder`), and their members are written again where they are,
+//!   into new groups; the emptied groups leave it.
 //!
 //! A server with pages leaving takes no new page ([`netram_store::Store::room`] is zero, so
 //! placement passes it by); a page being moved is kept off it even where it would otherwise
@@ -98,15 +102,13 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             if want == 0 {
                 continue;
             }
-            let (pages, held) = self.leaving_pages(s, want);
+            let (mut pages, held) = self.leaving_pages(s, want);
             // Nothing to move there: unless pages there are only out of reach for now (in a
             // move, being written out), the rest is groups' parity (`parity:N`): their members
             // are sent to new groups (`par_release_holder`), and the server asked again once
             // they are. When it names none, what is left is not ours to move; looked at again
             // when the server's count changes, or at the next probe. (A page whose write-back
-            // waits in an open parity group is not in flight: that wait has no end a step
-            // could see.)
-            let mut pages = pages;
+            // waits in an open parity group is not in flight: maintenance ships its group.)
             if pages.is_empty() && self.handing_from(s) == 0 && self.settled() {
                 if matches!(self.scheme, Redundancy::Parity(_)) {
                     pages = self.par_release_holder(s, want)?;
@@ -119,7 +121,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                 tracing::debug!(
                     server = s,
                     leaving = self.servers[s].leaving,
-                    "a server wants pages moved that are not ours to move (parity pages)"
+                    "a server wants pages moved and holds none of ours but groups' parity"
                 );
             }
             for page in pages {
