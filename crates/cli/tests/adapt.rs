@@ -127,17 +127,14 @@ fn content(i: u64) -> Vec<u8> {
     d
 }
 
-/// Nswap's migration, between real daemons: a donor holding pages of a client shrinks its
-/// offer to nothing when its machine needs the memory; the client (a real pager over TLS,
-/// ticked as its maintenance thread would) moves them to the other server; the donor ends up
-/// holding nothing, its resident memory falls, and every page reads back as written.
-#[test]
-fn pages_leave_a_donor_that_shrinks_for_another_server() {
-    let proc_dir = tempfile::tempdir().unwrap();
-    machine(proc_dir.path(), 20 << 30);
+/// A `netram serve --adapt` offering `capacity` on a roomy stand-in machine, once it offers
+/// all of it.
+fn start_donor(proc_dir: &Path, capacity: u64) -> ServerProcess {
+    machine(proc_dir, 20 << 30);
+    let cap = format!("{}M", capacity / MIB);
     let donor = ServerProcess::start(&[
         "--capacity",
-        "256M",
+        &cap,
         "--adapt",
         "--reserve",
         "1G",
@@ -146,16 +143,23 @@ fn pages_leave_a_donor_that_shrinks_for_another_server() {
         "--grow-after",
         "100ms",
         "--proc-dir",
-        proc_dir.path().to_str().unwrap(),
+        proc_dir.to_str().unwrap(),
     ]);
-    let other = ServerProcess::start(&["--capacity", "512M"]);
-    let frames = |bytes: u64| bytes / PAGE_SIZE as u64;
     eventually("the donor offers all it may", 30, || {
-        donor.stat("capacity_pages") == frames(256 * MIB)
+        donor.stat("capacity_pages") == capacity / PAGE_SIZE as u64
     });
-    let n = frames(192 * MIB);
+    donor
+}
+
+/// A real pager over TLS to `servers`, probing every 50 ms, its `n` pages written (each with
+/// its [`content`]) and flushed.
+fn filled_pager(
+    servers: &[&str],
+    n: u64,
+    scheme: &str,
+) -> Pager<netram_client::TcpTransport, MemDisk> {
     let transport = netram_client::TcpTransport::connect(
-        &[donor.addr.as_str(), other.addr.as_str()],
+        servers,
         &netram_client::ClientConfig {
             sealed_pages: true,
             ..common::client()
@@ -165,6 +169,7 @@ fn pages_leave_a_donor_that_shrinks_for_another_server() {
         PagerConfig {
             pages: n,
             cache_pages: 64,
+            redundancy: scheme.parse().unwrap(),
             ..Default::default()
         },
         transport,
@@ -180,6 +185,36 @@ fn pages_leave_a_donor_that_shrinks_for_another_server() {
         pager.write_many(&ids, &data).unwrap();
     }
     pager.flush().unwrap();
+    pager
+}
+
+/// Every one of the pager's `n` pages reads back as [`filled_pager`] wrote it.
+fn verify(pager: &mut Pager<netram_client::TcpTransport, MemDisk>, n: u64, when: &str) {
+    let mut out = vec![0u8; 256 * PAGE_SIZE];
+    for first in (0..n).step_by(256) {
+        let ids: Vec<u64> = (first..first + 256).collect();
+        pager.read_many(&ids, &mut out).unwrap();
+        for (k, &i) in ids.iter().enumerate() {
+            assert!(
+                out[k * PAGE_SIZE..(k + 1) * PAGE_SIZE] == content(i)[..],
+                "page {i} {when}"
+            );
+        }
+    }
+}
+
+/// Nswap's migration, between real daemons: a donor holding pages of a client shrinks its
+/// offer to nothing when its machine needs the memory; the client (a real pager over TLS,
+/// ticked as its maintenance thread would) moves them to the other server; the donor ends up
+/// holding nothing, its resident memory falls, and every page reads back as written.
+#[test]
+fn pages_leave_a_donor_that_shrinks_for_another_server() {
+    let proc_dir = tempfile::tempdir().unwrap();
+    let donor = start_donor(proc_dir.path(), 256 * MIB);
+    let other = ServerProcess::start(&["--capacity", "512M"]);
+    let frames = |bytes: u64| bytes / PAGE_SIZE as u64;
+    let n = frames(192 * MIB);
+    let mut pager = filled_pager(&[donor.addr.as_str(), other.addr.as_str()], n, "none");
     let held = donor.stat("stored_pages");
     assert!(
         held > frames(32 * MIB),
@@ -221,17 +256,7 @@ fn pages_leave_a_donor_that_shrinks_for_another_server() {
     eventually("the memory given back leaves the donor", 20, || {
         vm_rss(donor.child.id()) + held * PAGE_SIZE as u64 * 9 / 10 <= full
     });
-    let mut out = vec![0u8; 256 * PAGE_SIZE];
-    for first in (0..n).step_by(256) {
-        let ids: Vec<u64> = (first..first + 256).collect();
-        pager.read_many(&ids, &mut out).unwrap();
-        for (k, &i) in ids.iter().enumerate() {
-            assert!(
-                out[k * PAGE_SIZE..(k + 1) * PAGE_SIZE] == content(i)[..],
-                "page {i} after the move"
-            );
-        }
-    }
+    verify(&mut pager, n, "after the move");
 }
 
 /// The same under `parity:2`, where the donor holds groups' parity besides pages: three real
@@ -256,57 +281,15 @@ fn stripe_pieces_on_a_donor_that_shrinks_leave_with_their_stripes() {
 /// needs its memory, and the pager's ticks alone must empty the donor.
 fn redundancy_leaves_a_donor_that_shrinks(scheme: &str, others: usize) {
     let proc_dir = tempfile::tempdir().unwrap();
-    machine(proc_dir.path(), 20 << 30);
-    let donor = ServerProcess::start(&[
-        "--capacity",
-        "64M",
-        "--adapt",
-        "--reserve",
-        "1G",
-        "--chunk",
-        "64M",
-        "--grow-after",
-        "100ms",
-        "--proc-dir",
-        proc_dir.path().to_str().unwrap(),
-    ]);
+    let donor = start_donor(proc_dir.path(), 64 * MIB);
     let others: Vec<ServerProcess> = (0..others)
         .map(|_| ServerProcess::start(&["--capacity", "128M"]))
         .collect();
-    let frames = |bytes: u64| bytes / PAGE_SIZE as u64;
-    eventually("the donor offers all it may", 30, || {
-        donor.stat("capacity_pages") == frames(64 * MIB)
-    });
-    let n = frames(48 * MIB);
-    let transport = netram_client::TcpTransport::connect(
-        &std::iter::once(donor.addr.as_str())
-            .chain(others.iter().map(|o| o.addr.as_str()))
-            .collect::<Vec<_>>(),
-        &netram_client::ClientConfig {
-            sealed_pages: true,
-            ..common::client()
-        },
-    );
-    let mut pager = Pager::new(
-        PagerConfig {
-            pages: n,
-            cache_pages: 64,
-            redundancy: scheme.parse().unwrap(),
-            ..Default::default()
-        },
-        transport,
-        MemDisk::default(),
-    );
-    pager.set_schedule(netram_pager::ScheduleConfig {
-        probe_every_us: 50_000,
-        ..Default::default()
-    });
-    for first in (0..n).step_by(256) {
-        let ids: Vec<u64> = (first..first + 256).collect();
-        let data: Vec<u8> = ids.iter().flat_map(|&i| content(i)).collect();
-        pager.write_many(&ids, &data).unwrap();
-    }
-    pager.flush().unwrap();
+    let n = 48 * MIB / PAGE_SIZE as u64;
+    let servers: Vec<&str> = std::iter::once(donor.addr.as_str())
+        .chain(others.iter().map(|o| o.addr.as_str()))
+        .collect();
+    let mut pager = filled_pager(&servers, n, scheme);
     let held = donor.stat("stored_pages");
     assert!(held > 0, "{scheme}: the donor took its share");
 
@@ -327,30 +310,11 @@ fn redundancy_leaves_a_donor_that_shrinks(scheme: &str, others: usize) {
     }
     assert_eq!(c.pages_migrated_to_disk, 0, "{scheme}");
     assert_eq!(pager.pages_per_server()[0], 0, "{scheme}");
-    let mut out = vec![0u8; 256 * PAGE_SIZE];
-    for first in (0..n).step_by(256) {
-        let ids: Vec<u64> = (first..first + 256).collect();
-        pager.read_many(&ids, &mut out).unwrap();
-        for (k, &i) in ids.iter().enumerate() {
-            assert!(
-                out[k * PAGE_SIZE..(k + 1) * PAGE_SIZE] == content(i)[..],
-                "{scheme}: page {i} after the move"
-            );
-        }
-    }
+    verify(&mut pager, n, &format!("after the move ({scheme})"));
     // Still protected by their new groups: one of the other servers dies (SIGKILL), and every
     // page is rebuilt from its group's parity and the survivors.
     others[0].signal(libc::SIGKILL);
-    for first in (0..n).step_by(256) {
-        let ids: Vec<u64> = (first..first + 256).collect();
-        pager.read_many(&ids, &mut out).unwrap();
-        for (k, &i) in ids.iter().enumerate() {
-            assert!(
-                out[k * PAGE_SIZE..(k + 1) * PAGE_SIZE] == content(i)[..],
-                "{scheme}: page {i} after a server died"
-            );
-        }
-    }
+    verify(&mut pager, n, &format!("after a server died ({scheme})"));
 }
 
 /// Contradictory settings are refused before anything starts.

@@ -128,19 +128,7 @@ fn a_parity_migration_with_no_room_for_full_groups_ends_by_ticks_alone() {
     let held = p.table.pages_on(0).len();
     assert!(held > 0);
     p.transport.servers[0].store.set_offer(0);
-    p.set_schedule(ScheduleConfig {
-        probe_every_us: 1_000,
-        reconnect_every_us: 1_000_000,
-        recover_batch: 8,
-        migrate_batch: 8,
-    });
-    let mut now = 0;
-    while p.migration_due() || p.degraded_pages() > 0 || now < 3_000 {
-        now += 1_000;
-        p.on_tick(now).unwrap();
-        p.check_invariants().unwrap();
-        assert!(now < 1_000_000, "no flush, no end: {:?}", p.counters());
-    }
+    tick_until_moved(&mut p);
     // Groups' parity included; the members of the groups it held moved too.
     assert_eq!(p.transport.servers[0].store.stored_pages(), 0);
     assert!(p.counters().pages_migrated >= held as u64);
