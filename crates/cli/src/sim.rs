@@ -121,8 +121,8 @@ fn print_report(label: &str, r: &Report) {
         "faults: {} crashes, {} partitions, {} lost messages, {} resets, {} duplicated replies, \
          {} bit flips, {} hostile replies, {} slow periods, {} offers moved ({} pages migrated, \
          {} of them to a disk, {} server to server), {} parity deltas applied but unanswered; membership declared \
-         {} members down ({} of them still up; {} membership cuts), clients failed {} servers on \
-         its word",
+         {} members down ({} of them still up; {} membership cuts; {} lies to clients), clients' \
+         probes on its word found {} servers dead",
         f.crashes,
         f.partitions,
         f.losses,
@@ -139,6 +139,7 @@ fn print_report(label: &str, r: &Report) {
         f.members_declared_down,
         f.members_declared_down_alive,
         f.gossip_cuts,
+        f.membership_lies,
         f.members_failed_by_clients
     );
 }

@@ -41,8 +41,8 @@ pub struct MaintainConfig {
     /// How often dead servers are tried again.
     pub reconnect_every: Duration,
     /// How often this machine's daemon is asked which members the cluster declared down
-    /// (`crate::discover`); a server of the pager among them is failed as if its connection
-    /// had broken. `None`: never.
+    /// (`crate::discover`); a server of the pager among them is probed at once, and failed
+    /// only if it does not answer. `None`: never.
     pub membership_every: Option<Duration>,
 }
 
@@ -116,9 +116,9 @@ where
 #[derive(Debug, Default)]
 struct Membership {
     asked: Option<Instant>,
-    /// Members declared down whose servers were failed already: (address, boot). A member
-    /// acted on once is not failed again until it comes back with a new boot and dies again
-    /// (a server reconnected meanwhile must not flap).
+    /// Members declared down whose servers were probed already: (address, boot). A member
+    /// acted on once is not probed again on membership's word until it comes back with a new
+    /// boot and is declared down again (the regular probes go on meanwhile).
     acted: std::collections::HashSet<(std::net::SocketAddr, u64)>,
     /// The daemon could not be reached last time (said once, not every second).
     unreachable: bool,
@@ -171,13 +171,23 @@ impl Membership {
                 let declared = addr.is_some_and(|a| down.iter().any(|(d, _)| *d == a));
                 let alive = p.servers().nth(i).is_some_and(|(_, alive)| alive);
                 if declared && alive {
-                    tracing::warn!(server = i, "the cluster declared this server down");
-                    p.on_failure(
-                        i,
-                        netram_pager::TransportError::Disconnected(
-                            "the cluster's membership declared it down".into(),
+                    // A hint, not evidence: the server is asked now, and is failed only if
+                    // this client's own connection says so (it broke, or the probe's reply
+                    // did not come within the reply timeout). A daemon that was flooded,
+                    // partitioned from its peers, or lies, costs no page.
+                    match p.probe_server(i) {
+                        Ok(true) => tracing::warn!(
+                            server = i,
+                            "the cluster declared this server down, and it does not answer"
                         ),
-                    );
+                        Ok(false) => tracing::info!(
+                            server = i,
+                            "the cluster declared this server down, but it answers: kept"
+                        ),
+                        Err(e) => {
+                            tracing::warn!(server = i, "probe of a server declared down: {e}")
+                        }
+                    }
                 }
             }
             // Members that joined after the pager started, if its servers are the daemon's.

@@ -22,6 +22,7 @@
 //! certificate of whoever answers there.
 
 pub mod envelope;
+pub mod gate;
 #[cfg(test)]
 mod tests;
 
@@ -247,6 +248,20 @@ impl Membership {
 
     pub fn me(&self) -> Node {
         *self.foca.identity()
+    }
+
+    /// The addresses this node has reason to hear from: every member it knows of, at any
+    /// liveness, and its seeds (for [`gate::Gate::set_members`]).
+    pub fn known_addrs(&self) -> Vec<SocketAddr> {
+        let mut v: Vec<SocketAddr> = self
+            .foca
+            .iter_membership_state()
+            .map(|m| m.id().addr)
+            .chain(self.seeds.iter().copied())
+            .collect();
+        v.sort();
+        v.dedup();
+        v
     }
 
     /// Joins through these addresses (other daemons'), now and again whenever this node

@@ -336,6 +336,16 @@ impl Credentials {
         scheme: u16,
         sig: &[u8],
     ) -> Result<PeerIdentity, TlsError> {
+        let id = self.verify_cert(cert)?;
+        self.verify_signature(cert, msg, scheme, sig)?;
+        Ok(id)
+    }
+
+    /// The first half of [`Credentials::verify_signed`]: the certificate chains to the
+    /// cluster CA, is in its validity and is not revoked. A caller that checked a certificate
+    /// may keep the answer for a while (as long as these credentials, whose revocation list it
+    /// reflects) and check only the signature of the next message it signs.
+    pub fn verify_cert(&self, cert: &[u8]) -> Result<PeerIdentity, TlsError> {
         let der = CertificateDer::from(cert);
         let ee = webpki::EndEntityCert::try_from(&der)
             .map_err(|e| TlsError::Verifier(format!("certificate: {e}")))?;
@@ -360,6 +370,21 @@ impl Credentials {
             None,
         )
         .map_err(|e| TlsError::Verifier(format!("certificate: {e}")))?;
+        identity_of(&der)
+    }
+
+    /// The second half of [`Credentials::verify_signed`]: the signature over `msg` is the
+    /// key's of `cert` (which the caller checked with [`Credentials::verify_cert`]).
+    pub fn verify_signature(
+        &self,
+        cert: &[u8],
+        msg: &[u8],
+        scheme: u16,
+        sig: &[u8],
+    ) -> Result<(), TlsError> {
+        let der = CertificateDer::from(cert);
+        let ee = webpki::EndEntityCert::try_from(&der)
+            .map_err(|e| TlsError::Verifier(format!("certificate: {e}")))?;
         let alg: &dyn rustls::pki_types::SignatureVerificationAlgorithm =
             match rustls::SignatureScheme::from(scheme) {
                 rustls::SignatureScheme::ECDSA_NISTP256_SHA256 => webpki::ring::ECDSA_P256_SHA256,
@@ -368,8 +393,7 @@ impl Credentials {
                 other => return Err(TlsError::Verifier(format!("signature scheme {other:?}"))),
             };
         ee.verify_signature(alg, msg, sig)
-            .map_err(|e| TlsError::Verifier(format!("signature: {e}")))?;
-        identity_of(&der)
+            .map_err(|e| TlsError::Verifier(format!("signature: {e}")))
     }
 
     /// Whether the revocation list names this serial number.

@@ -374,9 +374,24 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         // What a migration step found unmovable (in write-back, being rebuilt) may have
         // become movable since without the server's count changing: look again.
         self.servers.iter_mut().for_each(|s| s.leaving_stuck = 0);
+        self.probe((0..self.servers.len()).collect())
+    }
+
+    /// Asks one server for an empty GET and waits for the answer: whether it is dead is
+    /// decided by this pager's own evidence (the connection broke, or the reply did not come
+    /// in time), never by what others say of it. What a runtime does when the cluster's
+    /// membership declares a server down: membership is a hint of where to look, and a
+    /// server this pager still reaches keeps its pages (a flooded or lying membership must
+    /// not cost a page). Returns whether the server was found dead.
+    pub fn probe_server(&mut self, server: usize) -> Result<bool, PagerError> {
+        self.probe(vec![server])?;
+        Ok(self.servers.get(server).is_some_and(|st| !st.alive))
+    }
+
+    fn probe(&mut self, servers: Vec<usize>) -> Result<usize, PagerError> {
         let before = self.counters.servers_dead;
-        for s in 0..self.servers.len() {
-            if self.servers[s].alive {
+        for s in servers {
+            if self.servers.get(s).is_some_and(|st| st.alive) {
                 self.submit(s, Op::Get(Vec::new()), &Request::Get(Vec::new()));
             }
         }

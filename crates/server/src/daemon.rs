@@ -261,7 +261,7 @@ node_counters! {
     /// Membership packets refused, by reason: not a packet; unsigned in a secure cluster (or
     /// clear from beyond loopback); a certificate or signature that does not check; sent more
     /// than a minute from now; signed by another node than the one it claims; refused by SWIM
-    /// itself; beyond the signature checks allowed per second.
+    /// itself.
     gossip_refused_malformed,
     gossip_refused_unsigned,
     gossip_refused_bad_signature,
@@ -270,7 +270,10 @@ node_counters! {
     gossip_refused_stale,
     gossip_refused_wrong_sender,
     gossip_refused_swim,
+    /// From an address that is not a member's, over the strangers' budget
+    /// (`netram_member::gate`), and from a member's address over its own.
     gossip_refused_rate,
+    gossip_refused_member_rate,
     /// Members this node saw declared down.
     members_declared_down,
     /// Requests answered at the metrics endpoint, and refused there (incomplete, too big, too

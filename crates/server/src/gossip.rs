@@ -11,25 +11,28 @@
 //! only) packets are clear and only loopback senders are heard.
 //!
 //! Everything arriving is hostile: a packet that does not decode, is unsigned in a secure
-//! cluster, is signed by a node without the server role or by someone else than it claims,
-//! is more than [`MAX_SKEW`] old or new, or arrives beyond [`MAX_VERIFY_PER_S`] (signature
-//! checks cost ~0.1 ms each) is dropped and counted, one counter per reason; nothing else
-//! changes.
+//! cluster, is more than [`MAX_SKEW`] old or new, comes from an address over its budget
+//! (`netram_member::gate`: every member's address has its own, everybody else shares a small
+//! one, so that a flood from anywhere but a member's address never costs a member's packet),
+//! is signed by a node without the server role or by someone else than it claims, is dropped
+//! and counted, one counter per reason; nothing else changes. The cheap checks come before
+//! the signature's (~0.1 ms: the certificate's chain, kept for a minute once checked, and the
+//! packet's own).
 
 use crate::daemon::Shared;
 use netram_member::envelope::{self, Announce, MAX_PACKET};
+use netram_member::gate::{Admit, Gate, GateConfig};
 use netram_member::{Event, MemberConfig, Node};
+use netram_net::tls::{Credentials, PeerIdentity, TlsError};
+use std::collections::HashMap;
 use std::net::{SocketAddr, UdpSocket};
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 /// A packet whose sender's clock is further than this from ours is refused (an old packet
 /// replayed). Cluster nodes keep their clocks in sync (NTP).
 pub const MAX_SKEW: Duration = Duration::from_secs(60);
-/// Signed packets checked per second at most; beyond, dropped unread (a flood cannot take the
-/// CPU; SWIM tolerates the loss of a few packets).
-pub const MAX_VERIFY_PER_S: u32 = 2000;
 /// How often this node's own announcement is brought up to date from its store.
 const ANNOUNCE_EVERY: Duration = Duration::from_millis(500);
 
@@ -51,23 +54,37 @@ fn wall_ms() -> u64 {
 }
 
 /// The membership thread. Ends when the daemon shuts down, after telling the others it leaves.
+///
+/// Under a flood it reads as fast as packets come (a packet left in the socket's buffer is a
+/// member's packet the kernel drops once it is full) and spends on each only the cheap checks
+/// until the [`Gate`] admits it: decoding, the signature's presence, the clock. Membership's
+/// timers are run when due, not per packet.
 pub(crate) fn gossip_loop(shared: Arc<Shared>, socket: UdpSocket) {
+    // A larger buffer rides out bursts: what the kernel drops, it drops without looking.
+    let _ = rustix::net::sockopt::set_socket_recv_buffer_size(&socket, RECV_BUFFER);
     let mut buf = vec![0u8; MAX_PACKET + 1];
     let mut last_announce = Instant::now() - ANNOUNCE_EVERY;
-    let mut budget = (Instant::now(), MAX_VERIFY_PER_S);
+    let mut gate = Gate::new(GateConfig::default(), shared.now_ms());
+    let mut certs = CertCache::default();
+    let mut next_tick = 0u64;
     while !shared.shutdown.load(Ordering::SeqCst) {
         if last_announce.elapsed() >= ANNOUNCE_EVERY {
             last_announce = Instant::now();
             refresh_announce(&shared);
+            let known = shared.membership().known_addrs();
+            gate.set_members(known, shared.now_ms());
         }
         let now = shared.now_ms();
-        let wait = {
-            let mut m = shared.membership();
-            m.on_tick(now);
-            m.next_deadline().saturating_sub(now)
-        };
-        flush(&shared, &socket);
-        let wait = Duration::from_millis(wait.clamp(1, 100));
+        if now >= next_tick {
+            let deadline = {
+                let mut m = shared.membership();
+                m.on_tick(now);
+                m.next_deadline()
+            };
+            flush(&shared, &socket);
+            next_tick = deadline.clamp(now + 1, now + 100);
+        }
+        let wait = Duration::from_millis(next_tick.saturating_sub(shared.now_ms()).clamp(1, 100));
         let _ = socket.set_read_timeout(Some(wait));
         let (n, from) = match socket.recv_from(&mut buf) {
             Ok(x) => x,
@@ -86,48 +103,110 @@ pub(crate) fn gossip_loop(shared: Arc<Shared>, socket: UdpSocket) {
             }
         };
         Shared::bump(&shared.counters.gossip_packets_received);
-        if budget.0.elapsed() >= Duration::from_secs(1) {
-            budget = (Instant::now(), MAX_VERIFY_PER_S);
+        if receive(&shared, &mut gate, &mut certs, &buf[..n], from) {
+            flush(&shared, &socket);
         }
-        if budget.1 == 0 {
-            Shared::bump(&shared.counters.gossip_refused_rate);
-            continue;
-        }
-        budget.1 -= 1;
-        receive(&shared, &buf[..n], from);
-        flush(&shared, &socket);
     }
     shared.membership().leave();
     flush(&shared, &socket);
 }
 
-/// Checks one packet and hands it to the membership.
-fn receive(shared: &Shared, bytes: &[u8], from: SocketAddr) {
+/// The gossip socket's receive buffer (bytes; the kernel caps it at `rmem_max`).
+const RECV_BUFFER: usize = 4 << 20;
+
+/// Certificates checked lately: a member signs every packet with the same certificate, so
+/// after the first only the packet's own signature is checked. Valid for the credentials (and
+/// so the revocation list) it was checked against, and for [`CERT_TTL`] at most.
+#[derive(Default)]
+struct CertCache {
+    creds: Option<Arc<Credentials>>,
+    checked: HashMap<Vec<u8>, (PeerIdentity, Instant)>,
+}
+
+/// How long a checked certificate is trusted without being checked again (its validity
+/// period may end meanwhile).
+const CERT_TTL: Duration = Duration::from_secs(60);
+/// Certificates remembered at most (one per member); beyond, all are forgotten.
+const MAX_CERTS: usize = 1024;
+
+impl CertCache {
+    fn verify(
+        &mut self,
+        creds: &Arc<Credentials>,
+        s: &envelope::Signature<'_>,
+    ) -> Result<PeerIdentity, TlsError> {
+        if !self.creds.as_ref().is_some_and(|c| Arc::ptr_eq(c, creds)) {
+            self.creds = Some(creds.clone());
+            self.checked.clear();
+        }
+        if let Some((id, at)) = self.checked.get(s.cert) {
+            if at.elapsed() < CERT_TTL {
+                let id = id.clone();
+                creds.verify_signature(s.cert, s.signed, s.scheme, s.sig)?;
+                return Ok(id);
+            }
+        }
+        let id = creds.verify_cert(s.cert)?;
+        creds.verify_signature(s.cert, s.signed, s.scheme, s.sig)?;
+        // Remembered only once a signature by it checked: a certificate's bytes copied into
+        // garbage are no reason to keep it.
+        if self.checked.len() >= MAX_CERTS {
+            self.checked.clear();
+        }
+        self.checked
+            .insert(s.cert.to_vec(), (id.clone(), Instant::now()));
+        Ok(id)
+    }
+}
+
+/// Checks one packet and hands it to the membership; whether it got that far (so that what
+/// the membership wants sent may be due).
+fn receive(
+    shared: &Shared,
+    gate: &mut Gate,
+    certs: &mut CertCache,
+    bytes: &[u8],
+    from: SocketAddr,
+) -> bool {
     let c = &shared.counters;
+    let refuse = |counter: &AtomicU64| {
+        Shared::bump(counter);
+        false
+    };
     let p = match envelope::decode(bytes) {
         Ok(p) => p,
         Err(e) => {
-            tracing::debug!(%from, "membership packet refused: {e}");
-            return Shared::bump(&c.gossip_refused_malformed);
+            tracing::trace!(%from, "membership packet refused: {e}");
+            return refuse(&c.gossip_refused_malformed);
         }
     };
-    let sender = match (shared.creds(), &p.signature) {
-        (Some(creds), Some(s)) => match creds.verify_signed(s.cert, s.signed, s.scheme, s.sig) {
+    let creds = shared.creds();
+    // The cheap checks first: nothing that can be refused without a signature check costs one.
+    match (&creds, &p.signature) {
+        (Some(_), None) => return refuse(&c.gossip_refused_unsigned),
+        (None, _) if !from.ip().is_loopback() => return refuse(&c.gossip_refused_unsigned),
+        _ => {}
+    }
+    if wall_ms().abs_diff(p.sent_ms) > MAX_SKEW.as_millis() as u64 {
+        return refuse(&c.gossip_refused_stale);
+    }
+    match gate.admit(from, shared.now_ms()) {
+        Admit::Member | Admit::Stranger => {}
+        Admit::MemberOverBudget => return refuse(&c.gossip_refused_member_rate),
+        Admit::StrangerOverBudget => return refuse(&c.gossip_refused_rate),
+    }
+    let sender = match (&creds, &p.signature) {
+        (Some(creds), Some(s)) => match certs.verify(creds, s) {
             // Members serve pages: a client's certificate does not make one.
-            Ok(id) if !id.server => return Shared::bump(&c.gossip_refused_not_server),
+            Ok(id) if !id.server => return refuse(&c.gossip_refused_not_server),
             Ok(id) => Some(id.node),
             Err(e) => {
                 tracing::debug!(%from, "membership packet refused: {e}");
-                return Shared::bump(&c.gossip_refused_bad_signature);
+                return refuse(&c.gossip_refused_bad_signature);
             }
         },
-        (Some(_), None) => return Shared::bump(&c.gossip_refused_unsigned),
-        (None, _) if !from.ip().is_loopback() => return Shared::bump(&c.gossip_refused_unsigned),
-        (None, _) => None,
+        _ => None,
     };
-    if wall_ms().abs_diff(p.sent_ms) > MAX_SKEW.as_millis() as u64 {
-        return Shared::bump(&c.gossip_refused_stale);
-    }
     let now = shared.now_ms();
     let r = shared
         .membership()
@@ -143,6 +222,7 @@ fn receive(shared: &Shared, bytes: &[u8], from: SocketAddr) {
             Shared::bump(&c.gossip_refused_swim);
         }
     }
+    true
 }
 
 /// Sends what the membership asked for, each packet in its envelope, and logs its events.

@@ -137,6 +137,7 @@ impl Report {
         a.members_declared_down += b.members_declared_down;
         a.members_declared_down_alive += b.members_declared_down_alive;
         a.members_failed_by_clients += b.members_failed_by_clients;
+        a.membership_lies += b.membership_lies;
         a.gossip_cuts += b.gossip_cuts;
     }
 }
@@ -471,7 +472,7 @@ fn play(sc: &Scenario, at: &std::cell::Cell<u32>) -> Result<Report, Failure> {
         // client's work and with each other's.
         deliver(&peers, &world, false);
         judge_pushed(&peers, &mut clients, &mut report).map_err(|e| fail(step, e))?;
-        follow_membership(&world, &clients);
+        follow_membership(&world, &mut clients, &mut report).map_err(|e| fail(step, e))?;
         for (cj, other) in clients.iter_mut().enumerate() {
             // An idle client's maintenance runs too, as its thread would.
             if cj != ci && rng.u32(0..16) == 0 {
@@ -663,34 +664,65 @@ fn play(sc: &Scenario, at: &std::cell::Cell<u32>) -> Result<Report, Failure> {
 
 /// What each client's maintenance thread does with the local daemon's membership
 /// (`netram_client::maintain`): a server declared down, at the boot that is running (an older
-/// boot's connections fail by themselves), is failed as if its connection had broken.
-fn follow_membership(world: &Rc<RefCell<World>>, clients: &[Client]) {
-    let downs = world.borrow_mut().take_declared_down();
+/// boot's connections fail by themselves), is probed at once; the client fails it only on its
+/// own evidence (the probe's connection broke or timed out). The daemon may lie
+/// (`Faults::membership_lie`), both ways: it declares a live server down, or keeps a real
+/// death to itself; neither may cost a page.
+fn follow_membership(
+    world: &Rc<RefCell<World>>,
+    clients: &mut [Client],
+    report: &mut Report,
+) -> Result<(), String> {
+    let mut downs = world.borrow_mut().take_declared_down();
+    {
+        let mut w = world.borrow_mut();
+        let lie = w.faults.membership_lie;
+        if lie > 0.0 {
+            // A real death withheld: the clients find it by their own probes.
+            let before = downs.len();
+            downs.retain(|_| w.rng.bool());
+            w.log.membership_lies += (before - downs.len()) as u32;
+            if w.rng.f64() < lie {
+                // A live server declared down.
+                let up: Vec<usize> = (0..w.servers.len()).filter(|&s| w.servers[s].up).collect();
+                if !up.is_empty() {
+                    let s = up[w.rng.usize(0..up.len())];
+                    let boot = w.boot(s);
+                    w.log.membership_lies += 1;
+                    w.note(format_args!("membership lies: server {s} declared down"));
+                    downs.push((s, boot));
+                }
+            }
+        }
+    }
     for (server, boot) in downs {
         // A renewed identity (declared down, it rejoined) keeps its boot's high bits.
         if world.borrow().boot(server) != boot & !((1 << 20) - 1) {
             continue;
         }
-        for cl in clients {
+        for cl in clients.iter_mut() {
             let alive = cl
                 .pager
                 .borrow_mut()
                 .servers()
                 .nth(server)
                 .is_some_and(|(_, alive)| alive);
-            if alive {
-                world
-                    .borrow_mut()
-                    .failed_by_membership(cl.model.client, server);
-                cl.pager.borrow_mut().on_failure(
-                    server,
-                    netram_pager::TransportError::Disconnected(
-                        "membership declared it down".into(),
-                    ),
-                );
+            if !alive {
+                continue;
+            }
+            let probed = cl.pager.borrow_mut().probe_server(server);
+            match probed {
+                Ok(dead) => {
+                    if dead {
+                        world.borrow_mut().log.members_failed_by_clients += 1;
+                    }
+                }
+                Err(e) if cl.disk_failure_explains(&e) => report.disk_errors_reported += 1,
+                Err(e) => return Err(format!("client {}: probe: {e}", cl.model.client)),
             }
         }
     }
+    Ok(())
 }
 
 /// One tick of a client's maintenance schedule at virtual time `now`.

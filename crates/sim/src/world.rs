@@ -86,8 +86,12 @@ pub struct Faults {
     pub offer: f64,
     /// Probability per step that a server's membership packets are lost, both ways, for
     /// 2–8 s while its clients still reach it: the others declare it down while it is up
-    /// (SWIM's false positive) and clients fail it on membership's word.
+    /// (SWIM's false positive); clients probe it and keep it.
     pub gossip_cut: f64,
+    /// Probability per step that the daemons' membership lies to the clients: a live server
+    /// declared down; and, whenever it is above zero, half the real deaths are not told.
+    /// Clients act only on their own evidence.
+    pub membership_lie: f64,
 }
 
 impl Faults {
@@ -107,6 +111,7 @@ impl Faults {
             disk_write: 0.0,
             offer: 0.0,
             gossip_cut: 0.0,
+            membership_lie: 0.0,
         }
     }
 
@@ -126,6 +131,7 @@ impl Faults {
             disk_write: 0.02,
             offer: 0.003,
             gossip_cut: 0.000_5,
+            membership_lie: 0.001,
         }
     }
 }
@@ -296,8 +302,10 @@ pub struct FaultLog {
     /// (that boot of the server still running: SWIM's false positives).
     pub members_declared_down: u32,
     pub members_declared_down_alive: u32,
-    /// Servers failed by a client because membership declared them down.
+    /// Servers a client found dead by the probe it made when membership declared them down.
     pub members_failed_by_clients: u32,
+    /// Lies membership told the clients (a live server declared down, a death withheld).
+    pub membership_lies: u32,
     /// Times a server's membership packets were lost for a while.
     pub gossip_cuts: u32,
 }
@@ -447,13 +455,6 @@ impl World {
         std::mem::take(&mut self.declared_down)
     }
 
-    /// A client failed `server` because membership declared it down: like a connection that
-    /// broke, it may cost the client its copies there.
-    pub fn failed_by_membership(&mut self, client: usize, server: usize) {
-        self.log.members_failed_by_clients += 1;
-        self.touch(client, server);
-    }
-
     /// Every server that is up lists exactly the servers that are up as alive (or suspect),
     /// each at its current boot: membership has converged.
     pub fn membership_agrees(&self) -> Result<(), String> {
@@ -497,7 +498,7 @@ impl World {
         p > 0.0 && self.rng.f64() < p
     }
 
-    fn note(&self, what: std::fmt::Arguments<'_>) {
+    pub(crate) fn note(&self, what: std::fmt::Arguments<'_>) {
         if self.trace {
             eprintln!("[{:>10.3} ms] {what}", self.now as f64 / 1000.0);
         }

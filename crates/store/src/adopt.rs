@@ -172,9 +172,20 @@ impl<A: AsRef<[u8]> + AsMut<[u8]>> Store<A> {
             return refuse(self, MoveStatus::Unexpected);
         };
         // The owner's session that expects the page (an owner may hold more than one session
-        // here for a while, its old one not yet expired).
+        // here for a while, its old one not yet expired): the one that expected it last, which
+        // is the session the owner uses now (an expectation its old session took before the
+        // owner gave that connection up must not catch the page: the owner looks for it in
+        // the new one).
         let slot = (0..self.sessions.len() as u32)
-            .find(|&i| self.is_owner(i, owner) && self.expected.by_key.contains_key(&(i, packed)));
+            .filter(|&i| self.is_owner(i, owner))
+            .filter_map(|i| {
+                self.expected
+                    .by_key
+                    .get(&(i, packed))
+                    .map(|e| (i, e.until_ms))
+            })
+            .max_by_key(|&(i, until)| (until, i))
+            .map(|(i, _)| i);
         let Some(slot) = slot else {
             return refuse(self, MoveStatus::Unexpected);
         };
