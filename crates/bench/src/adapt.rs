@@ -59,10 +59,40 @@ struct Donor {
 }
 
 impl Donor {
-    fn start(exe: &Path, capacity: u64, proc_dir: PathBuf, available: u64) -> anyhow::Result<Self> {
+    /// `node`: its node id (two daemons under one identity would be one member); `seed`: a
+    /// daemon whose cluster it joins (a server hands pages over only to a member of its own).
+    fn start(
+        exe: &Path,
+        capacity: u64,
+        proc_dir: PathBuf,
+        available: u64,
+        node: u64,
+        seed: Option<&str>,
+    ) -> anyhow::Result<Self> {
         std::fs::create_dir_all(proc_dir.join("pressure"))?;
         set_machine(&proc_dir, available)?;
         let capacity = format!("{}M", capacity / MIB);
+        let mut extra: Vec<String> = Vec::new();
+        if let Some(cluster) = std::env::var_os("NETRAM_TLS").map(PathBuf::from) {
+            // The run's cluster (`crate::install_credentials`, or the user's own with its CA
+            // key): this daemon's own credentials beside its stand-in /proc.
+            let dir = proc_dir.join("tls");
+            let spec = netram_net::pki::NodeSpec {
+                node,
+                server: true,
+                ..Default::default()
+            };
+            netram_net::pki::issue_node(&cluster, &spec, &dir).map_err(|e| {
+                anyhow::anyhow!(
+                    "bench adapt issues its daemons' credentials from {}: {e}",
+                    cluster.display()
+                )
+            })?;
+            extra.extend(["--tls".into(), dir.to_string_lossy().into_owned()]);
+        }
+        if let Some(seed) = seed {
+            extra.extend(["--seed".into(), seed.to_string()]);
+        }
         // Both of the bench's clients connect from 127.0.0.1, which the per-client quota
         // (3/4 of the capacity by default) takes for one client: the bystander's pages on B
         // would leave no room there for the last of the owner's, which would go to the
@@ -86,7 +116,10 @@ impl Donor {
                 "100ms",
                 "--proc-dir",
                 proc_dir.to_str().unwrap_or_default(),
-            ],
+            ]
+            .into_iter()
+            .chain(extra.iter().map(String::as_str))
+            .collect::<Vec<_>>(),
             "netram serve: listening on ",
         )?;
         Ok(Self {
@@ -467,9 +500,26 @@ pub fn run(opts: &Options) -> anyhow::Result<String> {
     let _cleanup = Cleanup(tmp.clone());
     // D has room, B not: every page goes to D.
     let capacity = bytes + 256 * MIB;
-    let d = Donor::start(&opts.netram_exe, capacity, tmp.join("d"), ROOMY)?;
-    let b = Donor::start(&opts.netram_exe, capacity, tmp.join("b"), SHORT)?;
+    let d = Donor::start(&opts.netram_exe, capacity, tmp.join("d"), ROOMY, 0xd0, None)?;
+    let b = Donor::start(
+        &opts.netram_exe,
+        capacity,
+        tmp.join("b"),
+        SHORT,
+        0xb0,
+        Some(&d.addr),
+    )?;
     d.wait_offer(pages, Duration::from_secs(60))?;
+    for x in [&d, &b] {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while x.stat("members_alive")? == 0 {
+            anyhow::ensure!(
+                Instant::now() < deadline,
+                "the bench's two daemons did not find each other within 30 s"
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
     let mut p = open_pager(&OpenOptions {
         security: crate::security()?,
         servers: vec![d.addr.clone(), b.addr.clone()],

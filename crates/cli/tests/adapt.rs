@@ -130,9 +130,15 @@ fn content(i: u64) -> Vec<u8> {
 /// A `netram serve --adapt` offering `capacity` on a roomy stand-in machine, once it offers
 /// all of it.
 fn start_donor(proc_dir: &Path, capacity: u64) -> ServerProcess {
+    start_donor_seeded(proc_dir, capacity, None)
+}
+
+/// [`start_donor`], a member of `seed`'s cluster once it knows it (a server hands pages over
+/// only to a member of its cluster).
+fn start_donor_seeded(proc_dir: &Path, capacity: u64, seed: Option<&str>) -> ServerProcess {
     machine(proc_dir, 20 << 30);
     let cap = format!("{}M", capacity / MIB);
-    let donor = ServerProcess::start(&[
+    let mut args = vec![
         "--capacity",
         &cap,
         "--adapt",
@@ -144,10 +150,21 @@ fn start_donor(proc_dir: &Path, capacity: u64) -> ServerProcess {
         "100ms",
         "--proc-dir",
         proc_dir.to_str().unwrap(),
-    ]);
+    ];
+    // Its own node id: two daemons under one identity are one member.
+    let dir = common::node_dir(7_001);
+    if let Some(seed) = seed {
+        args.extend(["--seed", seed, "--tls", dir.to_str().unwrap()]);
+    }
+    let donor = ServerProcess::start(&args);
     eventually("the donor offers all it may", 30, || {
         donor.stat("capacity_pages") == capacity / PAGE_SIZE as u64
     });
+    if seed.is_some() {
+        eventually("the donor knows its cluster", 30, || {
+            donor.stat("members_alive") >= 1
+        });
+    }
     donor
 }
 
@@ -210,8 +227,11 @@ fn verify(pager: &mut Pager<netram_client::TcpTransport, MemDisk>, n: u64, when:
 #[test]
 fn pages_leave_a_donor_that_shrinks_for_another_server() {
     let proc_dir = tempfile::tempdir().unwrap();
-    let donor = start_donor(proc_dir.path(), 256 * MIB);
     let other = ServerProcess::start(&["--capacity", "512M"]);
+    let donor = start_donor_seeded(proc_dir.path(), 256 * MIB, Some(&other.addr));
+    eventually("the other server knows the donor", 30, || {
+        other.stat("members_alive") >= 1
+    });
     let frames = |bytes: u64| bytes / PAGE_SIZE as u64;
     let n = frames(192 * MIB);
     let mut pager = filled_pager(&[donor.addr.as_str(), other.addr.as_str()], n, "none");
@@ -248,6 +268,11 @@ fn pages_leave_a_donor_that_shrinks_for_another_server() {
         "each page moved once"
     );
     assert_eq!(pager.counters().pages_migrated_to_disk, 0);
+    assert_eq!(
+        pager.counters().pages_migrated_direct,
+        held,
+        "server to server, the two being members of one cluster"
+    );
     assert_eq!(
         other.stat("stored_pages"),
         n,

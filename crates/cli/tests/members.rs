@@ -9,37 +9,17 @@
 
 mod common;
 
-use common::{eventually, netram, tls_dir, ServerProcess};
+use common::{eventually, netram, node_dir, tls_dir, ServerProcess, KEYGEN};
 use netram_client::maintain::{self, MaintainConfig};
 use netram_client::open::{open_pager, OpenOptions};
 use netram_pager::{Backing, Scheme};
 use netram_proto::PAGE_SIZE;
 use std::net::{SocketAddr, UdpSocket};
-use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-/// keygen writes the cluster's list of issued certificates: one at a time.
-static KEYGEN: Mutex<()> = Mutex::new(());
 /// `NETRAM_DAEMON` is the process's: the tests that set it run one at a time.
 static DAEMON_VAR: Mutex<()> = Mutex::new(());
-
-/// Credentials of server node `node`, issued by the tests' cluster.
-fn node_dir(node: u64) -> PathBuf {
-    let _one = KEYGEN.lock().unwrap_or_else(|e| e.into_inner());
-    let out = tls_dir().with_file_name(format!("node-{node}-{}", std::process::id()));
-    if !out.join("node.pem").exists() {
-        let st = netram()
-            .args(["keygen", "--cluster"])
-            .arg(tls_dir())
-            .args(["--node", &node.to_string(), "--server", "--out"])
-            .arg(&out)
-            .status()
-            .unwrap();
-        assert!(st.success());
-    }
-    out
-}
 
 struct Daemon {
     proc: ServerProcess,

@@ -686,8 +686,31 @@ fn a_page_changed_on_the_wire_is_caught_and_read_elsewhere() {
 fn a_page_moves_server_to_server_only_as_its_owner_said() {
     let (cdir, _) = node_creds(50, true);
     let (bdir, _) = node_creds(51, true);
-    let c = ServerProcess::start(&["--capacity", "16M", "--tls", cdir.path().to_str().unwrap()]);
-    let b = ServerProcess::start(&["--capacity", "16M", "--tls", bdir.path().to_str().unwrap()]);
+    // C and B are members of one cluster: a server hands pages over only to a member.
+    let b = ServerProcess::start_restartable(&[
+        "--capacity",
+        "16M",
+        "--tls",
+        bdir.path().to_str().unwrap(),
+    ]);
+    let metrics = format!("127.0.0.1:{}", common::reserved_port());
+    let c = ServerProcess::start_restartable(&[
+        "--capacity",
+        "16M",
+        "--tls",
+        cdir.path().to_str().unwrap(),
+        "--seed",
+        &b.addr,
+        "--metrics",
+        &metrics,
+    ]);
+    eventually("C's membership lists B alive", 30, || {
+        netram_client::discover::members(&metrics, Duration::from_secs(2)).is_ok_and(|l| {
+            l.members
+                .iter()
+                .any(|r| r.node == 51 && r.state == netram_member::Liveness::Alive)
+        })
+    });
     let (_a_dir, alice) = node_creds(52, false);
     let (_m_dir, mallory) = node_creds(53, false);
     let (_r_dir, rogue) = node_creds(54, true);
@@ -716,12 +739,14 @@ fn a_page_moves_server_to_server_only_as_its_owner_said() {
         to_node,
         keys,
     };
-    // Named wrongly: B is node 51, not 49. Nothing goes there.
+    // Named wrongly: B is node 51, not 49. Nothing goes there: C's membership knows no node
+    // 49 at B's address, so C does not even connect (the certificate check at the target,
+    // `migration_targets_wrong_node`, stays as the second line).
     assert_eq!(
         moves(&mut at_c, &migrate(vec![k1], 49)),
         [MoveStatus::Unreachable]
     );
-    assert_eq!(c.stat("migration_targets_wrong_node"), 1);
+    assert_eq!(c.stat("migration_targets_not_member"), 1);
     // Named rightly: k1 moves; k3 was not expected; k4 is not at C.
     let st = moves(&mut at_c, &migrate(vec![k1, k3, PageKey::new(1, 4)], 51));
     assert_eq!(
@@ -777,11 +802,12 @@ fn a_page_moves_server_to_server_only_as_its_owner_said() {
     assert_eq!(b.stat("pages_adopted"), 2);
 }
 
-/// In a cluster, a server hands pages over only to a live member, under the node id and
-/// address the owner named: Alice's MIGRATE naming a server of the cluster's CA that is not a
-/// member (it joined nobody) is refused without a connection and counted, and the same
-/// MIGRATE naming a member still moves the page. (A client could otherwise make a server
-/// open connections wherever it likes.)
+/// A server hands pages over only to a live member, under the node id and address the owner
+/// named: Alice's MIGRATE naming a server of the cluster's CA that is not a member (it joined
+/// nobody) is refused without a connection and counted, and the same MIGRATE naming a member
+/// still moves the page. A server that is itself no member of a cluster refuses every
+/// MIGRATE, without a connection (issue 36, attack 6: a client made a stand-alone server open
+/// TCP to any address it named).
 #[test]
 fn a_migration_goes_only_to_a_member_of_the_cluster() {
     let (bdir, _) = node_creds(61, true);
@@ -859,4 +885,31 @@ fn a_migration_goes_only_to_a_member_of_the_cluster() {
     );
     assert_eq!(at_b.get(k2), Some(page(2)));
     assert_eq!(b.stat("pages_adopted"), 1);
+
+    // A server that is no member of any cluster (the outsider, started without --seed)
+    // refuses every MIGRATE without connecting anywhere: neither to B, expecting the page,
+    // nor to a port that merely listens (a client could otherwise probe any port from it).
+    let k3 = PageKey::new(1, 3);
+    assert_eq!(at_o.put(k3, 7, &page(3)), PutStatus::Stored);
+    assert_eq!(moves(&mut at_b, &expect(k3)), [MoveStatus::Done]);
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    listener.set_nonblocking(true).unwrap();
+    let probe = listener.local_addr().unwrap().to_string();
+    assert_eq!(
+        moves(&mut at_o, &migrate(k3, &b.addr, 61)),
+        [MoveStatus::Unreachable]
+    );
+    assert_eq!(
+        moves(&mut at_o, &migrate(k3, &probe, 61)),
+        [MoveStatus::Unreachable]
+    );
+    assert_eq!(outsider.stat("migration_targets_not_member"), 2);
+    assert_eq!(outsider.stat("pages_handed_over"), 0);
+    assert_eq!(b.stat("pages_adopted"), 1);
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(
+        matches!(listener.accept(), Err(e) if e.kind() == std::io::ErrorKind::WouldBlock),
+        "the stand-alone server connected to the port a client named"
+    );
+    assert_eq!(at_o.get(k3), Some(page(3)), "the outsider keeps the page");
 }

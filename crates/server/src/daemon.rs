@@ -352,20 +352,16 @@ impl Shared {
         lock(&self.membership)
     }
 
-    /// What this node believes of the cluster, as listed.
-    /// Whether a MIGRATE may hand pages to `to`: once membership knows another member, only
-    /// to a member it does not believe down, under the node id and address the owner named
-    /// (a client may not make this server connect wherever it likes). A server that knows no
-    /// other member (its clients list the servers themselves) has nothing to check against:
-    /// the target must still prove to be the node named (`peers`).
+    /// Whether a MIGRATE may hand pages to `to`: only to a member this node does not believe
+    /// down, under the node id and address the owner named (a client may not make this server
+    /// connect wherever it likes: a blind probe of any port). A server that knows no other
+    /// member (started without `--seed`, its clients listing the servers themselves) refuses
+    /// every MIGRATE; its clients move those pages through themselves. The target must still
+    /// prove to be the node named (`peers`).
     pub(crate) fn may_hand_over_to(&self, to: netram_store::serve::Holder) -> bool {
         let m = self.membership();
         let me = m.me();
-        let members = m.members();
-        if members.iter().all(|v| v.node.id == me.id) {
-            return true;
-        }
-        members.iter().any(|v| {
+        m.members().iter().any(|v| {
             v.node.id != me.id
                 && v.node.id == to.node
                 && v.node.addr == to.addr
@@ -696,6 +692,17 @@ fn stats_list(store: &Store<Arena>, shared: &Shared) -> Vec<(&'static str, u64)>
             shared.connections.load(Ordering::Relaxed) as u64,
         ),
     );
+    // Other members this node believes alive (or suspects): a server with none hands no
+    // page over (`Shared::may_hand_over_to`).
+    let members_alive = {
+        let m = shared.membership();
+        let me = m.me().id;
+        m.members()
+            .iter()
+            .filter(|v| v.node.id != me && v.liveness != netram_member::Liveness::Down)
+            .count() as u64
+    };
+    out.push(("members_alive", members_alive));
     out.extend(shared.counters.snapshot());
     out
 }
@@ -1160,7 +1167,10 @@ fn hand_over_loop(
             )
         } else {
             Shared::bump(&shared.counters.migration_targets_not_member);
-            tracing::warn!(target = %ho.to, "MIGRATE refused: the target is not a live member");
+            tracing::warn!(
+                target = %ho.to,
+                "MIGRATE refused: the target is not a live member of this server's cluster"
+            );
             vec![netram_proto::MoveStatus::Unreachable; ho.pages.len()]
         };
         serve::finish_handover(&mut shared.store(), session, ho, &status, rps, &mut out);

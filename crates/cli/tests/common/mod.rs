@@ -34,6 +34,27 @@ pub fn tls_dir() -> &'static Path {
     })
 }
 
+/// `netram keygen` writes the cluster's list of issued certificates: one at a time.
+pub static KEYGEN: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+/// Credentials of server node `node`, issued by the tests' cluster (once per test process):
+/// daemons that are to be members of one cluster need node ids of their own.
+pub fn node_dir(node: u64) -> PathBuf {
+    let _one = KEYGEN.lock().unwrap_or_else(|e| e.into_inner());
+    let out = tls_dir().with_file_name(format!("node-{node}-{}", std::process::id()));
+    if !out.join("node.pem").exists() {
+        let st = netram()
+            .args(["keygen", "--cluster"])
+            .arg(tls_dir())
+            .args(["--node", &node.to_string(), "--server", "--out"])
+            .arg(&out)
+            .status()
+            .unwrap();
+        assert!(st.success());
+    }
+    out
+}
+
 /// `netram` with this test process's credentials (`NETRAM_TLS`), for it and what it starts.
 pub fn netram() -> Command {
     let mut c = Command::new(NETRAM);
