@@ -71,13 +71,27 @@ pub struct NbdArgs {
     /// Directory of the spill file [default: the temp dir].
     #[arg(long)]
     spill_dir: Option<PathBuf>,
-    /// NBD connections served at once.
-    #[arg(long, default_value_t = 16)]
+    /// Over TLS (--listen), the nodes whose certificates may use this device, comma-separated
+    /// [default: this node's own id, from its certificate]; `any` lets every node of the
+    /// cluster in. Others are answered NBD_REP_ERR_POLICY.
+    #[arg(long, value_delimiter = ',')]
+    allow_nodes: Vec<String>,
+    /// NBD connections served at once (their option haggling over).
+    #[arg(long, default_value_t = 64)]
     max_connections: usize,
-    /// NBD connections from one client at once (a TCP address, or a user on the unix
-    /// socket), so that one client cannot hold every place.
+    /// NBD connections at once of one client that is not trusted (a node's certificate over
+    /// TLS, an address in clear, a user other than the socket's owner and root on the unix
+    /// socket), so that one client cannot hold every place. The unix socket's owner and root
+    /// may use all of --max-connections (multi-conn clients open many at once).
     #[arg(long, default_value_t = 8)]
     max_connections_per_client: usize,
+    /// Handshakes (option haggling) in progress at once, apart from the connections served;
+    /// when all are taken a newcomer takes the slot of the oldest of the fullest subnet.
+    #[arg(long, default_value_t = 32)]
+    max_handshakes: usize,
+    /// Handshakes in progress from one address at once (and from one /24 or /64: twice this).
+    #[arg(long, default_value_t = 4)]
+    max_handshakes_per_address: usize,
     /// Keep CPUs out of deep idle and poll before sleeping (see `netram serve --help`).
     #[arg(long)]
     low_latency: bool,
@@ -263,13 +277,53 @@ fn serve_nbd(
     };
     // One line on stdout that scripts and tests can read the address from.
     println!("netram nbd: serving {bytes} bytes on {uri}");
+    let allowed_nodes = allowed_nodes(args)?;
+    if let Some(nodes) = &allowed_nodes {
+        tracing::info!(?nodes, "over TLS, the device serves these nodes only");
+    }
     let limits = netram_nbd::Limits {
         max_connections: args.max_connections.max(1),
         max_connections_per_client: args.max_connections_per_client.max(1),
+        max_handshakes: args.max_handshakes.max(1),
+        max_handshakes_per_addr: args.max_handshakes_per_address.max(1),
+        max_handshakes_per_subnet: args.max_handshakes_per_address.max(1) * 2,
+        allowed_nodes,
         ..netram_nbd::Limits::default()
     };
     netram_nbd::serve(listener, device.clone(), shutdown, limits, tls)?;
     Ok(())
+}
+
+/// The nodes `--allow-nodes` names: `None` for `any`; by default this node's own (a device
+/// belongs to its node: another node's certificate of the same cluster does not reach it).
+fn allowed_nodes(args: &NbdArgs) -> anyhow::Result<Option<Vec<u64>>> {
+    if args.allow_nodes.iter().any(|n| n == "any") {
+        if args.allow_nodes.len() > 1 {
+            bail!("--allow-nodes any: no other node with it");
+        }
+        return Ok(None);
+    }
+    if !args.allow_nodes.is_empty() {
+        return args
+            .allow_nodes
+            .iter()
+            .map(|n| {
+                n.parse::<u64>()
+                    .with_context(|| format!("--allow-nodes {n}: not a node id"))
+            })
+            .collect::<anyhow::Result<Vec<u64>>>()
+            .map(Some);
+    }
+    match args.security.security()? {
+        netram_client::Security::Tls(c) => {
+            let me = c
+                .identity()
+                .context("this node's certificate names no node id")?;
+            Ok(Some(vec![me.node]))
+        }
+        // No TLS: no identities (clear NBD is served on loopback only).
+        netram_client::Security::Insecure => Ok(None),
+    }
 }
 
 /// The TLS configuration of the NBD listener, replaced whenever the node's revocation list

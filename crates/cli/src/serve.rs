@@ -36,7 +36,8 @@ pub struct ServeArgs {
     #[arg(long)]
     metrics: Option<String>,
     /// A TOML file with any of: listen, seeds, advertise, metrics, capacity, lease_period, max_connections,
-    /// max_connections_per_client, max_sessions_per_client, max_client_memory,
+    /// max_connections_per_client, max_handshakes, max_handshakes_per_address,
+    /// max_handshakes_per_subnet, max_sessions_per_client, max_client_memory,
     /// max_client_ops, idle_timeout, write_timeout, window, low_latency, lock_memory, node_id,
     /// adapt, offer_floor, reserve, chunk, grow_after.
     #[arg(long)]
@@ -45,12 +46,25 @@ pub struct ServeArgs {
     /// for three periods is expired and its pages freed.
     #[arg(long)]
     lease_period: Option<String>,
-    /// Connections served at once; more are answered Busy and closed [default: 256].
+    /// Established connections (handshake done; over TLS, a certificate of the cluster proven)
+    /// served at once; more are answered Busy and closed [default: 256].
     #[arg(long)]
     max_connections: Option<usize>,
-    /// Connections from one client address at once [default: 64].
+    /// Established connections of one client at once: the node id its certificate names
+    /// (without TLS, its address) [default: 64].
     #[arg(long)]
     max_connections_per_client: Option<usize>,
+    /// Handshakes in progress at once, apart from the established connections; when all are
+    /// taken, a newcomer takes the slot of the oldest handshake of the subnet that holds the
+    /// most [default: 128].
+    #[arg(long)]
+    max_handshakes: Option<usize>,
+    /// Handshakes in progress from one address at once [default: 8].
+    #[arg(long)]
+    max_handshakes_per_address: Option<usize>,
+    /// Handshakes in progress from one /24 (IPv6: /64) at once [default: 32].
+    #[arg(long)]
+    max_handshakes_per_subnet: Option<usize>,
     /// Live sessions one client address may hold [default: 64].
     #[arg(long)]
     max_sessions_per_client: Option<u32>,
@@ -132,6 +146,9 @@ struct FileConfig {
     lease_period: Option<String>,
     max_connections: Option<usize>,
     max_connections_per_client: Option<usize>,
+    max_handshakes: Option<usize>,
+    max_handshakes_per_address: Option<usize>,
+    max_handshakes_per_subnet: Option<usize>,
     max_sessions_per_client: Option<u32>,
     max_client_memory: Option<String>,
     max_client_ops: Option<u32>,
@@ -219,6 +236,15 @@ fn print_config(cfg: &ServerConfig) -> anyhow::Result<()> {
             "max_connections_per_client = {}",
             cfg.max_connections_per_peer
         ),
+        format!("max_handshakes = {}", cfg.max_handshakes),
+        format!(
+            "max_handshakes_per_address = {}",
+            cfg.max_handshakes_per_addr
+        ),
+        format!(
+            "max_handshakes_per_subnet = {}",
+            cfg.max_handshakes_per_subnet
+        ),
         format!("max_sessions_per_client = {}", cfg.max_peer_sessions),
         format!("max_client_memory = {} pages", cfg.max_peer_pages()),
         format!(
@@ -295,6 +321,24 @@ fn check(args: ServeArgs) -> anyhow::Result<ServerConfig> {
         args.max_connections_per_client
             .or(file.max_connections_per_client)
             .unwrap_or(d.max_connections_per_peer),
+    )?;
+    let max_handshakes = at_least_one(
+        "max-handshakes",
+        args.max_handshakes
+            .or(file.max_handshakes)
+            .unwrap_or(d.max_handshakes),
+    )?;
+    let max_handshakes_per_addr = at_least_one(
+        "max-handshakes-per-address",
+        args.max_handshakes_per_address
+            .or(file.max_handshakes_per_address)
+            .unwrap_or(d.max_handshakes_per_addr),
+    )?;
+    let max_handshakes_per_subnet = at_least_one(
+        "max-handshakes-per-subnet",
+        args.max_handshakes_per_subnet
+            .or(file.max_handshakes_per_subnet)
+            .unwrap_or(d.max_handshakes_per_subnet),
     )?;
     let max_peer_sessions = at_least_one(
         "max-sessions-per-client",
@@ -424,6 +468,9 @@ fn check(args: ServeArgs) -> anyhow::Result<ServerConfig> {
         lease_period,
         max_connections,
         max_connections_per_peer,
+        max_handshakes,
+        max_handshakes_per_addr,
+        max_handshakes_per_subnet,
         max_peer_sessions,
         max_client_ops_per_s: args
             .max_client_ops

@@ -10,7 +10,7 @@
 
 mod common;
 
-use common::ServerProcess;
+use common::{eventually, ServerProcess};
 use netram_proto::{
     decode_reply, frame_len, GetResult, Hello, Member, Page, PageKey, PutStatus, Record, Reply,
     Request, Welcome, WelcomeStatus, HELLO_LEN, PAGE_SIZE, WELCOME_LEN,
@@ -293,12 +293,14 @@ fn silent_and_slow_connections_hold_no_slot() {
         "16",
         "--max-connections-per-client",
         "4",
+        "--max-handshakes-per-address",
+        "4",
         "--lease-period",
         "200ms",
     ]);
     let (_, threads_before) = rss_and_threads(server.pid());
-    // 300 silent connections from one address: four get a slot, the rest are answered Busy
-    // at once, with no thread started for them.
+    // 300 silent connections from one address: four get a handshake slot, the rest are
+    // answered Busy at once, with no thread started for them.
     let mut silent: Vec<TcpStream> = (0..300)
         .map(|_| connect_from(ATTACKER, &server.addr))
         .collect();
@@ -342,7 +344,7 @@ fn silent_and_slow_connections_hold_no_slot() {
     let mut idle = session(ATTACKER, &server.addr, 0xbad);
     assert!(closed_within(&mut idle, Duration::from_secs(3)));
     assert!(counter(&server.addr, "connections_closed_idle") >= 1);
-    assert!(counter(&server.addr, "connections_refused_peer_limit") >= 290);
+    assert!(counter(&server.addr, "connections_refused_addr_handshakes") >= 290);
     well_behaved_client_is_served(&server.addr);
 }
 
@@ -427,4 +429,118 @@ fn one_client_cannot_fill_the_arena() {
     assert_eq!(stored, 768, "three quarters of 1,024 frames");
     assert_eq!(counter(&server.addr, "puts_refused_quota"), 1024 - 768);
     well_behaved_client_is_served(&server.addr);
+}
+
+/// Issue 36, attack 4: connection slots were counted per source address only, so eight
+/// addresses holding 64 silent sockets each filled a daemon's 256 slots and a member was
+/// answered Busy 27 times in 28. Now handshakes in progress have a pool of their own, limited
+/// per address and per subnet, and a newcomer takes the slot of the oldest handshake of the
+/// fullest subnet: 64 addresses, each in a /24 of its own, hold every handshake slot they can
+/// get (silent, and TLS ClientHellos cut short) and renew them as they are closed, while a
+/// member (over TLS, from 127.0.0.1) connects again and again and is served every time, and a
+/// member connected before the attack is never disturbed.
+#[test]
+fn strangers_holding_every_handshake_slot_cannot_keep_a_member_out() {
+    use netram_client::open::{open_pager, OpenOptions};
+    use netram_pager::{Backing, Scheme};
+    let server = ServerProcess::start(&["--capacity", "64M"]);
+    let open = || {
+        open_pager(&OpenOptions {
+            security: common::security(),
+            servers: vec![server.addr.clone()],
+            backing: Backing::Cluster,
+            pages: 256,
+            cache_pages: 0,
+            spill_dir: None,
+            low_latency: false,
+            redundancy: Scheme::None,
+        })
+    };
+    let page = |i: u64, round: u64| page_data(i * 7 + round);
+    let mut before = open().expect("a member before the attack");
+    for i in 0..64 {
+        before.write(i, &page(i, 0)).unwrap();
+    }
+    before.flush().unwrap();
+
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let filled = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let attacker = {
+        let (stop, filled, addr) = (stop.clone(), filled.clone(), server.addr.clone());
+        std::thread::spawn(move || {
+            let mut held: Vec<TcpStream> = Vec::new();
+            let mut opened = 0u64;
+            // A TLS record header announcing a ClientHello that never comes whole.
+            let partial = [0x16u8, 0x03, 0x01, 0x02, 0x00, 0x01, 0x00, 0x01, 0xfc];
+            let end = Instant::now() + Duration::from_secs(40);
+            while !stop.load(std::sync::atomic::Ordering::SeqCst) && Instant::now() < end {
+                // Sockets the server closed (taken over, refused, timed out) are renewed.
+                held.retain(|s| {
+                    let mut b = [0u8; 64];
+                    s.set_nonblocking(true).unwrap();
+                    matches!((&*s).read(&mut b), Err(e) if e.kind() == std::io::ErrorKind::WouldBlock)
+                });
+                for k in 0..64u8 {
+                    for _ in 0..8 {
+                        if held.len() >= 64 * 8 {
+                            break;
+                        }
+                        let mut s = connect_from(Ipv4Addr::new(127, 1, k, 1), &addr);
+                        if opened % 2 == 1 {
+                            let _ = s.write_all(&partial);
+                        }
+                        opened += 1;
+                        held.push(s);
+                    }
+                }
+                filled.store(true, std::sync::atomic::Ordering::SeqCst);
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            opened
+        })
+    };
+    // The attack has every slot it can get (a first 512 connections, and the renewal of
+    // those refused or closed).
+    eventually("the strangers' first pass", 30, || {
+        filled.load(std::sync::atomic::Ordering::SeqCst)
+    });
+    std::thread::sleep(Duration::from_millis(200));
+    for round in 1..=5u64 {
+        let mut p = open().unwrap_or_else(|e| panic!("round {round}: {e}"));
+        // A pager whose server answered Busy starts with it dead and keeps its pages on the
+        // local disk: the member must have got a session.
+        assert!(
+            p.servers().all(|(_, alive)| alive),
+            "round {round}: the member was kept out"
+        );
+        for i in 0..64 {
+            p.write(i, &page(i, round)).unwrap();
+        }
+        p.flush().unwrap();
+        assert_eq!(
+            p.pages_on_disk_only(),
+            0,
+            "round {round}: pages on the server"
+        );
+        let mut buf = vec![0u8; PAGE_SIZE];
+        for i in 0..64 {
+            p.read(i, &mut buf).unwrap();
+            assert_eq!(buf, page(i, round), "round {round}, page {i}");
+        }
+    }
+    let mut buf = vec![0u8; PAGE_SIZE];
+    for i in 0..64 {
+        before.read(i, &mut buf).unwrap();
+        assert_eq!(buf, page(i, 0), "the member connected before, page {i}");
+    }
+    stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    let opened = attacker.join().unwrap();
+    let taken = server.stat("handshakes_taken_over");
+    println!(
+        "{opened} attacking connections from 64 addresses; {taken} handshakes taken over; {} \
+         refused per address, {} per subnet",
+        server.stat("connections_refused_addr_handshakes"),
+        server.stat("connections_refused_subnet_handshakes"),
+    );
+    assert!(taken >= 5, "the member's connections took slots over");
 }

@@ -582,8 +582,8 @@ fn hostile_nbd_clients_neither_lock_out_nor_grow_the_device() {
         c
     };
 
-    // Silent connections from one client take at most its share (8 of 16): the rest are
-    // closed at once, and another client is served.
+    // Silent connections from one address take at most its share of the handshakes (4):
+    // the rest are closed at once, and another client is served.
     let mut silent: Vec<std::net::TcpStream> =
         (0..16).map(|_| tcp_from([127, 0, 0, 2], &addr)).collect();
     let mut c = honest();
@@ -591,15 +591,15 @@ fn hostile_nbd_clients_neither_lock_out_nor_grow_the_device() {
     assert_eq!(c.simple_reply(0).1, 0);
     let refused = silent
         .iter_mut()
-        .skip(8)
+        .skip(4)
         .filter(|s| closed_within(&mut s.try_clone().unwrap(), 2))
         .count();
     assert_eq!(
-        refused, 8,
-        "connections beyond one client's share are closed"
+        refused, 12,
+        "connections beyond one address's share of the handshakes are closed"
     );
     // Those that never finish the handshake are closed by its deadline (10 s).
-    for s in silent.iter_mut().take(8) {
+    for s in silent.iter_mut().take(4) {
         assert!(
             closed_within(s, 15),
             "a silent connection outlived the handshake deadline"
@@ -712,6 +712,9 @@ fn nbd_over_tcp_is_tls_for_members_only() {
             "127.0.0.1:0",
             "--servers",
             &list.join(","),
+            // The members this device serves (by default only its own node).
+            "--allow-nodes",
+            "9002,9003",
         ],
         "netram nbd: serving ",
     );
@@ -823,4 +826,259 @@ fn nbd_over_tcp_is_tls_for_members_only() {
 
 fn scopeguard_child(c: Child) -> ChildGuard {
     ChildGuard(c)
+}
+
+/// `netram nbd --listen` with node `node`'s credentials (its certificate names `localhost`),
+/// `extra` flags; its port.
+fn tls_device(
+    dir: &Path,
+    node: u64,
+    servers: &[ServerProcess],
+    extra: &[&str],
+) -> (ChildGuard, String) {
+    let host = dir.join(format!("host-{node}"));
+    if !host.join("node.pem").exists() {
+        keygen(node, &["--dns", "localhost"], &host);
+    }
+    let list: Vec<&str> = servers.iter().map(|s| s.addr.as_str()).collect();
+    let mut args = vec![
+        "nbd",
+        "--tls",
+        host.to_str().unwrap(),
+        "--size",
+        "16M",
+        "--cache",
+        "4M",
+        "--listen",
+        "127.0.0.1:0",
+        "--servers",
+    ];
+    let list = list.join(",");
+    args.push(&list);
+    args.extend_from_slice(extra);
+    let (child, rest) = spawn_reporting(&args, "netram nbd: serving ");
+    let port = rest.rsplit(':').next().unwrap().to_string();
+    (scopeguard_child(child), port)
+}
+
+/// Issue 36, attack 5: any certificate of the cluster read and wrote any node's `nbds://`
+/// device. A device belongs to its node: by default only the node whose credentials it runs
+/// with reaches it; another member of the same cluster is answered NBD_REP_ERR_POLICY, with
+/// the reason, and gets no byte; `--allow-nodes` names the nodes it serves instead.
+#[test]
+fn a_device_serves_only_the_nodes_it_is_told_to() {
+    if !netram_testkit::have_tools(&[NBDINFO, NBDCOPY]) {
+        return;
+    }
+    let servers: Vec<ServerProcess> = (0..2)
+        .map(|_| ServerProcess::start(&["--capacity", "128M"]))
+        .collect();
+    let dir = tempfile::tempdir().unwrap();
+    let (_own, port) = tls_device(dir.path(), 9101, &servers, &[]);
+    let certs = |node: u64| {
+        let d = dir.path().join(format!("client-{node}"));
+        if !d.join("libnbd").exists() {
+            keygen(node, &[], &d.join("node"));
+            libnbd_dir(&d.join("node"), &d.join("libnbd"));
+        }
+        d.join("libnbd")
+    };
+    let uri = |port: &str, node: u64| {
+        format!(
+            "nbds://localhost:{port}/?tls-certificates={}",
+            certs(node).display()
+        )
+    };
+    let attempt = |u: &str| {
+        Command::new("timeout")
+            .args(["30", "nbdinfo", "--size", u])
+            .output()
+            .unwrap()
+    };
+    // The device's own node (its credentials as a client's) is served.
+    let own = dir.path().join("own");
+    libnbd_dir(&dir.path().join("host-9101"), &own);
+    let out = attempt(&format!(
+        "nbds://localhost:{port}/?tls-certificates={}",
+        own.display()
+    ));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "16777216");
+    // Another member of the cluster is refused (NBD_REP_ERR_POLICY), and told why (libnbd
+    // shows the server's words in its debug output).
+    let out = Command::new("timeout")
+        .args(["30", "nbdinfo", "--size", &uri(&port, 9102)])
+        .env("LIBNBD_DEBUG", "1")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success(),
+        "node 9102 reached node 9101's device"
+    );
+    assert!(
+        err.contains("server policy prevents NBD_OPT_GO"),
+        "refused by policy: {err}"
+    );
+    assert!(
+        err.contains("node 9102 may not use this device"),
+        "the refusal says why: {err}"
+    );
+    // Nor can it write: nbdcopy fails and the device still reads zeros.
+    let input = random_file(dir.path(), "in", 1 << 20);
+    let o = Command::new("timeout")
+        .args(["30", "nbdcopy", input.to_str().unwrap(), &uri(&port, 9102)])
+        .output()
+        .unwrap();
+    assert!(!o.status.success(), "node 9102 wrote to node 9101's device");
+    let back = dir.path().join("back");
+    run(
+        "nbdcopy",
+        &[
+            &format!(
+                "nbds://localhost:{port}/?tls-certificates={}",
+                own.display()
+            ),
+            back.to_str().unwrap(),
+        ],
+    );
+    assert!(std::fs::read(&back).unwrap().iter().all(|&b| b == 0));
+    // A device told to serve node 9102 serves it.
+    let (_shared, port2) = tls_device(dir.path(), 9103, &servers, &["--allow-nodes", "9102"]);
+    let out = attempt(&uri(&port2, 9102));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// Issue 36, attack 7: the limits refused legitimate users. On the unix socket every
+/// connection of one user counted as one client, the ninth was refused, and an NBD
+/// conformance suite (16 connections at once; reconnecting while connections it aborted were
+/// still being torn down) failed. The socket's owner and root may now use all of
+/// `--max-connections` at once, connections aborted a moment ago do not count against a new
+/// one, and the limit itself is answered with a clear NBD error.
+#[test]
+fn the_local_users_multi_conn_clients_are_served_and_aborted_ones_do_not_count() {
+    let servers: Vec<ServerProcess> = (0..2)
+        .map(|_| ServerProcess::start(&["--capacity", "512M"]))
+        .collect();
+    let nbd = NbdProcess::start(
+        &servers,
+        "256M",
+        &["--cache", "4M", "--max-connections", "48"],
+    );
+    let open = |n: usize| -> Vec<RawClient> {
+        // All connected first, then all haggle: at once, as a multi-conn client does.
+        let socks: Vec<UnixStream> = (0..n)
+            .map(|_| {
+                let s = UnixStream::connect(&nbd.socket).unwrap();
+                s.set_read_timeout(Some(std::time::Duration::from_secs(20)))
+                    .unwrap();
+                s
+            })
+            .collect();
+        let mut clients: Vec<RawClient> = socks
+            .into_iter()
+            .map(|s| RawClient::greeted(Box::new(s)))
+            .collect();
+        for c in &mut clients {
+            c.go();
+        }
+        clients
+    };
+    let mut conns = open(40);
+    for (i, c) in conns.iter_mut().enumerate() {
+        let off = i as u64 * 4096;
+        c.request(0, 1, i as u64, off, 4096, &[i as u8 + 1; 4096]);
+        assert_eq!(c.simple_reply(0).1, 0, "write on connection {i}");
+    }
+    // Eight more fill the limit; the next is refused with NBD_REP_ERR_POLICY, saying why.
+    conns.extend(open(8));
+    let mut extra = RawClient::connect(&nbd.socket);
+    let mut go = 0u32.to_be_bytes().to_vec();
+    go.extend_from_slice(&0u16.to_be_bytes());
+    let r = extra.option(7, &go);
+    let (kind, why) = r.last().unwrap();
+    assert_eq!(*kind, (1 << 31) | 2, "over the limit: NBD_REP_ERR_POLICY");
+    assert!(
+        String::from_utf8_lossy(why).contains("established connections are at their limit"),
+        "{}",
+        String::from_utf8_lossy(why)
+    );
+    drop(extra);
+    // Half of them are aborted in the middle of work (a WRITE_ZEROES of the whole device
+    // sent, its reply never read) and at once replaced: every new one is served.
+    for c in conns.iter_mut().skip(24) {
+        c.request(0, 6, 99, 0, 256 << 20, &[]);
+    }
+    conns.truncate(24);
+    let mut fresh = open(24);
+    for (i, c) in fresh.iter_mut().enumerate() {
+        c.request(0, 0, i as u64, i as u64 * 4096, 4096, &[]);
+        let (_, err, _) = c.simple_reply(4096);
+        assert_eq!(err, 0, "read on a new connection {i}");
+    }
+    for (i, c) in conns.iter_mut().enumerate() {
+        c.request(0, 0, i as u64, 0, 4096, &[]);
+        assert_eq!(
+            c.simple_reply(4096).1,
+            0,
+            "an old connection {i} still served"
+        );
+    }
+}
+
+/// Issue 36, attack 4 on `netram nbd`: two addresses holding eight silent sockets each filled
+/// its sixteen places. Now 64 addresses, each in a /24 of its own, hold every handshake slot
+/// they can get, and the device's node still copies data through it with libnbd's tools, again
+/// and again (its handshakes take the oldest strangers' slots).
+#[test]
+fn strangers_holding_handshakes_cannot_keep_a_node_from_its_device() {
+    if !netram_testkit::have_tools(&[NBDINFO, NBDCOPY]) {
+        return;
+    }
+    let servers: Vec<ServerProcess> = (0..2)
+        .map(|_| ServerProcess::start(&["--capacity", "128M"]))
+        .collect();
+    let dir = tempfile::tempdir().unwrap();
+    let (_dev, port) = tls_device(dir.path(), 9201, &servers, &[]);
+    let own = dir.path().join("own");
+    libnbd_dir(&dir.path().join("host-9201"), &own);
+    let uri = format!(
+        "nbds://localhost:{port}/?tls-certificates={}",
+        own.display()
+    );
+    let addr = format!("127.0.0.1:{port}");
+    let mut held: Vec<std::net::TcpStream> = Vec::new();
+    for k in 0..64u8 {
+        for _ in 0..4 {
+            held.push(tcp_from([127, 2, k, 1], &addr));
+        }
+    }
+    let input = random_file(dir.path(), "in", 4 << 20);
+    for round in 0..3 {
+        // More strangers keep coming meanwhile.
+        for k in 0..16u8 {
+            held.push(tcp_from([127, 3, k, round + 1], &addr));
+        }
+        run("nbdcopy", &[input.to_str().unwrap(), &uri]);
+        let back = dir.path().join(format!("back-{round}"));
+        run("nbdcopy", &[&uri, back.to_str().unwrap()]);
+        assert!(
+            std::fs::read(&back).unwrap()[..4 << 20] == std::fs::read(&input).unwrap()[..],
+            "round {round}: the node read back what it wrote"
+        );
+    }
+    // The strangers' sockets were closed (taken over, or refused at once), not served.
+    let closed = held
+        .iter_mut()
+        .filter(|s| closed_within(&mut s.try_clone().unwrap(), 15))
+        .count();
+    assert_eq!(closed, held.len(), "every stranger's socket ends unserved");
 }

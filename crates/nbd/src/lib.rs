@@ -29,6 +29,7 @@ pub mod wire;
 
 pub use device::Device;
 use netram_pager::{Disk, Transport};
+use netram_policy::admission::{Admission, AdmissionConfig};
 use server::Socket;
 use std::io;
 use std::os::unix::net::UnixListener;
@@ -63,14 +64,27 @@ impl Drop for Listener {
 }
 
 /// The limits of `netram nbd`'s connections, each enforced here, where the memory and threads
-/// they cost are paid.
+/// they cost are paid (`netram_policy::admission`: handshakes in progress and established
+/// connections are two pools, so that strangers holding every handshake slot they can never
+/// keep a client that proved who it is out).
 #[derive(Debug, Clone)]
 pub struct Limits {
-    /// Connections at once.
+    /// Established connections at once (option haggling over).
     pub max_connections: usize,
-    /// Connections at once from one client (a TCP address, or a user on the unix socket), so
-    /// that one client's idle connections cannot lock the others out.
+    /// Established connections at once of one client that is not trusted (a node's
+    /// certificate over TLS, an address in clear, a user on the unix socket other than its
+    /// owner and root), so that one client's idle connections cannot lock the others out.
+    /// The unix socket's owner and root are limited by `max_connections` only: multi-conn
+    /// clients open many at once.
     pub max_connections_per_client: usize,
+    /// Handshakes in progress at once: in all, per address, per /24 (IPv6: /64). When all are
+    /// taken, a newcomer takes the slot of the oldest handshake of the fullest subnet.
+    pub max_handshakes: usize,
+    pub max_handshakes_per_addr: usize,
+    pub max_handshakes_per_subnet: usize,
+    /// Over TLS, the nodes whose certificates may use the device (`None`: any node of the
+    /// cluster). Others are answered NBD_REP_ERR_POLICY to every option.
+    pub allowed_nodes: Option<Vec<u64>>,
     /// The whole handshake (option haggling) must be over within this.
     pub handshake_timeout: Duration,
     /// A connection whose replies cannot be written for this long (a client that does not
@@ -81,8 +95,12 @@ pub struct Limits {
 impl Default for Limits {
     fn default() -> Self {
         Self {
-            max_connections: 16,
+            max_connections: 64,
             max_connections_per_client: 8,
+            max_handshakes: 32,
+            max_handshakes_per_addr: 4,
+            max_handshakes_per_subnet: 8,
+            allowed_nodes: None,
             handshake_timeout: Duration::from_secs(10),
             write_timeout: Duration::from_secs(30),
         }
@@ -105,7 +123,18 @@ where
     D: Disk + Send + 'static,
 {
     use rustix::event::{poll, PollFd, PollFlags, Timespec};
-    let open: Arc<Open> = Arc::default();
+    let open: Arc<Open> = Arc::new(Open {
+        conns: Mutex::default(),
+        admission: Mutex::new(Admission::new(AdmissionConfig {
+            max_handshakes: limits.max_handshakes.max(1),
+            max_handshakes_per_addr: limits.max_handshakes_per_addr.max(1),
+            max_handshakes_per_subnet: limits.max_handshakes_per_subnet.max(1),
+            max_established: limits.max_connections.max(1),
+            max_established_per_client: limits.max_connections_per_client.max(1),
+        })),
+        counters: Counters::default(),
+        allowed_nodes: limits.allowed_nodes.clone(),
+    });
     let mut threads = Vec::new();
     let timeout = Timespec {
         tv_sec: 0,
@@ -114,7 +143,7 @@ where
     while !shutdown.load(Ordering::SeqCst) {
         // Connections still haggling past the deadline are closed: a client sending its
         // options a byte at a time does not keep a place.
-        for c in lock(&open).values() {
+        for c in lock(&open.conns).values() {
             if !c.negotiated.load(Ordering::SeqCst)
                 && c.started.elapsed() > limits.handshake_timeout
                 && !c.cut.swap(true, Ordering::SeqCst)
@@ -152,7 +181,7 @@ where
         threads.retain(|t: &std::thread::JoinHandle<()>| !t.is_finished());
     }
     // Unblock connections waiting in `read`, then wait for them.
-    for c in lock(&open).values() {
+    for c in lock(&open.conns).values() {
         (c.shut)();
     }
     for t in threads {
@@ -165,6 +194,8 @@ where
 struct OpenConn {
     /// Shuts the socket down (holds a handle to it).
     shut: Box<dyn Fn() + Send>,
+    /// Whether the client hung up (it may take its thread a moment to notice).
+    hung_up: Box<dyn Fn() -> bool + Send>,
     peer: String,
     started: Instant,
     negotiated: Arc<AtomicBool>,
@@ -172,8 +203,101 @@ struct OpenConn {
     cut: AtomicBool,
 }
 
-/// The open connections by number; an entry goes away with its connection.
-type Open = Mutex<std::collections::HashMap<u64, OpenConn>>;
+/// What the accept loop and the connections share: the open connections by number (an entry
+/// goes away with its connection), their slots, and what was refused.
+struct Open {
+    conns: Mutex<std::collections::HashMap<u64, OpenConn>>,
+    admission: Mutex<Admission>,
+    counters: Counters,
+    allowed_nodes: Option<Vec<u64>>,
+}
+
+/// Connections refused, by reason (logged with each refusal and when the server stops).
+#[derive(Debug, Default)]
+pub struct Counters {
+    /// At accept: handshakes from the address or subnet at their limit, or all held by
+    /// connections that may not be taken over.
+    pub refused_handshakes: std::sync::atomic::AtomicU64,
+    /// Handshakes shut down to give their slot to a newcomer.
+    pub handshakes_taken_over: std::sync::atomic::AtomicU64,
+    /// At the end of the haggling: established connections (all, or the client's) at their
+    /// limit.
+    pub refused_established: std::sync::atomic::AtomicU64,
+    /// Over TLS: a node that may not use this device.
+    pub refused_nodes: std::sync::atomic::AtomicU64,
+    /// Connections whose client had hung up, freed before their threads noticed so that a
+    /// new one is not refused for them.
+    pub hung_up_freed: std::sync::atomic::AtomicU64,
+}
+
+impl Open {
+    /// Frees the slots of connections whose client hung up (their threads end by
+    /// themselves); whether any was freed.
+    fn free_hung_up(&self) -> bool {
+        let conns = lock(&self.conns);
+        let mut admission = lock(&self.admission);
+        let mut freed = false;
+        for (&id, c) in conns.iter() {
+            if admission.holds(id) && (c.hung_up)() {
+                admission.end(id);
+                (c.shut)();
+                self.counters.hung_up_freed.fetch_add(1, Ordering::Relaxed);
+                freed = true;
+            }
+        }
+        freed
+    }
+}
+
+/// What a connection's haggling asks of the accept loop's state (`server::Gate`).
+struct ConnGate {
+    open: Arc<Open>,
+    id: u64,
+    peer: String,
+}
+
+impl server::Gate for ConnGate {
+    fn admit_node(&self, node: u64) -> Result<(), String> {
+        match &self.open.allowed_nodes {
+            Some(nodes) if !nodes.contains(&node) => {
+                let n = self
+                    .open
+                    .counters
+                    .refused_nodes
+                    .fetch_add(1, Ordering::Relaxed)
+                    + 1;
+                tracing::warn!(peer = %self.peer, node, refused = n, "refusing an NBD client: its node may not use this device");
+                Err(format!(
+                    "node {node} may not use this device (it serves node{} {})",
+                    if nodes.len() == 1 { "" } else { "s" },
+                    nodes
+                        .iter()
+                        .map(u64::to_string)
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                ))
+            }
+            _ => Ok(()),
+        }
+    }
+
+    fn establish(&self, client: &str) -> Result<(), String> {
+        let mut r = lock(&self.open.admission).establish(self.id, client);
+        if r.is_err() && self.open.free_hung_up() {
+            r = lock(&self.open.admission).establish(self.id, client);
+        }
+        r.map_err(|why| {
+            let n = self
+                .open
+                .counters
+                .refused_established
+                .fetch_add(1, Ordering::Relaxed)
+                + 1;
+            tracing::warn!(peer = %self.peer, %client, refused = n, "refusing an NBD connection: {why}");
+            format!("{why} (this server's limits: see netram nbd --help)")
+        })
+    }
+}
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
@@ -188,7 +312,8 @@ struct Registered {
 
 impl Drop for Registered {
     fn drop(&mut self) {
-        lock(&self.open).remove(&self.id);
+        lock(&self.open.conns).remove(&self.id);
+        lock(&self.open.admission).end(self.id);
     }
 }
 
@@ -205,38 +330,53 @@ where
     D: Disk + Send + 'static,
 {
     let peer = socket.peer();
-    let handle = match socket.try_clone() {
-        Ok(h) => h,
-        Err(e) => {
+    let source = socket.source();
+    let (handle, watch) = match (socket.try_clone(), socket.try_clone()) {
+        (Ok(h), Ok(w)) => (h, w),
+        (Err(e), _) | (_, Err(e)) => {
             tracing::warn!("refusing an NBD connection: {e}");
             return None;
         }
     };
-    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-    let id = NEXT.fetch_add(1, Ordering::Relaxed);
     let negotiated = Arc::new(AtomicBool::new(false));
-    {
-        let mut conns = lock(open);
-        if conns.len() >= limits.max_connections {
-            tracing::warn!(%peer, "refusing an NBD connection: {} is the limit", limits.max_connections);
-            return None; // dropping the socket closes it
+    let id = {
+        let mut admitted = lock(&open.admission).begin(source);
+        if admitted.is_err() && open.free_hung_up() {
+            admitted = lock(&open.admission).begin(source);
         }
-        let from_peer = conns.values().filter(|c| c.peer == peer).count();
-        if from_peer >= limits.max_connections_per_client {
-            tracing::warn!(%peer, "refusing an NBD connection: {} from one client is the limit", limits.max_connections_per_client);
-            return None;
+        let admitted = match admitted {
+            Ok(a) => a,
+            Err(why) => {
+                let n = open
+                    .counters
+                    .refused_handshakes
+                    .fetch_add(1, Ordering::Relaxed)
+                    + 1;
+                tracing::warn!(%peer, refused = n, "refusing an NBD connection: {why}");
+                return None; // dropping the socket closes it
+            }
+        };
+        let mut conns = lock(&open.conns);
+        if let Some(old) = admitted.evict.and_then(|id| conns.get(&id)) {
+            open.counters
+                .handshakes_taken_over
+                .fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(peer = %old.peer, "closing an NBD handshake: its slot goes to a newcomer");
+            (old.shut)();
         }
         conns.insert(
-            id,
+            admitted.id,
             OpenConn {
                 shut: Box::new(move || handle.shut()),
-                peer,
+                hung_up: Box::new(move || watch.hung_up()),
+                peer: peer.clone(),
                 started: Instant::now(),
                 negotiated: negotiated.clone(),
                 cut: AtomicBool::new(false),
             },
         );
-    }
+        admitted.id
+    };
     let registered = Registered {
         open: open.clone(),
         id,
@@ -247,6 +387,11 @@ where
     }
     let (device, shutdown) = (device.clone(), shutdown.clone());
     let handshake_timeout = limits.handshake_timeout;
+    let gate = ConnGate {
+        open: open.clone(),
+        id,
+        peer,
+    };
     let spawned = std::thread::Builder::new()
         .name("netram-nbd-conn".into())
         .spawn(move || {
@@ -256,6 +401,7 @@ where
                 &device,
                 &shutdown,
                 &negotiated,
+                &gate,
                 tls,
                 handshake_timeout,
             ) {

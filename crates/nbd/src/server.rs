@@ -11,6 +11,7 @@
 use crate::device::{Device, DeviceError, MAX_REQUEST};
 use crate::wire::*;
 use netram_pager::{Disk, Transport};
+use netram_policy::admission::Source;
 use std::io::{self, BufReader, BufWriter, Read, Write};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -42,8 +43,18 @@ pub trait Socket: Read + Write + Send + Sized + 'static {
     fn shut(&self);
     fn set_write_timeout(&self, t: Option<std::time::Duration>) -> io::Result<()>;
     /// Who is at the other end, for the limit of connections per client: the address for TCP,
-    /// the user id for a unix socket.
+    /// the user id for a unix socket (over TLS, the certificate's node once it is known:
+    /// [`Socket::node`]).
     fn peer(&self) -> String;
+    /// Where it comes from, for the limits of handshakes in progress.
+    fn source(&self) -> Source;
+    /// Whether the client hung up (a connection it aborted may be waiting for its thread to
+    /// notice: it must not count against a new one).
+    fn hung_up(&self) -> bool;
+    /// The node whose certificate the client proved (over TLS only).
+    fn node(&self) -> Option<u64> {
+        None
+    }
     /// The TCP connection under this socket, to start TLS on (NBD_OPT_STARTTLS).
     fn into_tcp(self) -> Option<std::net::TcpStream> {
         None
@@ -65,6 +76,15 @@ impl Socket for std::net::TcpStream {
             .map(|a| a.ip().to_string())
             .unwrap_or_default()
     }
+    fn source(&self) -> Source {
+        match self.peer_addr() {
+            Ok(a) => Source::Ip(a.ip()),
+            Err(_) => Source::Ip(std::net::Ipv4Addr::UNSPECIFIED.into()),
+        }
+    }
+    fn hung_up(&self) -> bool {
+        hung_up(self)
+    }
     fn into_tcp(self) -> Option<std::net::TcpStream> {
         Some(self)
     }
@@ -85,6 +105,51 @@ impl Socket for std::os::unix::net::UnixStream {
             .map(|c| format!("uid {}", c.uid.as_raw()))
             .unwrap_or_default()
     }
+    /// The socket's owner (the user `netram nbd` runs as) and root are trusted: they may open
+    /// as many connections as the totals allow. Anyone else the socket's file mode lets in is
+    /// a stranger, bounded like a remote client.
+    fn source(&self) -> Source {
+        match rustix::net::sockopt::socket_peercred(self) {
+            Ok(c) => {
+                let uid = c.uid.as_raw();
+                Source::Local {
+                    uid,
+                    trusted: uid == 0 || uid == rustix::process::geteuid().as_raw(),
+                }
+            }
+            Err(_) => Source::Local {
+                uid: u32::MAX,
+                trusted: false,
+            },
+        }
+    }
+    fn hung_up(&self) -> bool {
+        hung_up(self)
+    }
+}
+
+/// Whether the peer of `fd` closed its end (poll without waiting).
+pub(crate) fn hung_up(fd: &impl std::os::fd::AsFd) -> bool {
+    use rustix::event::{poll, PollFd, PollFlags, Timespec};
+    let mut fds = [PollFd::new(fd, PollFlags::RDHUP)];
+    let now = Timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    matches!(poll(&mut fds, Some(&now)), Ok(n) if n > 0)
+        && fds[0]
+            .revents()
+            .intersects(PollFlags::RDHUP | PollFlags::HUP | PollFlags::ERR)
+}
+
+/// What a connection asks of the server's accept loop during its haggling.
+pub trait Gate {
+    /// Over TLS, once the client's certificate is verified: whether its node may use this
+    /// device at all (else every option is answered NBD_REP_ERR_POLICY with the reason).
+    fn admit_node(&self, node: u64) -> Result<(), String>;
+    /// The haggling is over and the client (its node over TLS, else its address or user)
+    /// wants the transmission phase: a place among the established connections, or why not.
+    fn establish(&self, client: &str) -> Result<(), String>;
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -145,11 +210,13 @@ impl<S: Socket> Conn<S> {
 /// once the handshake is over (the accept loop closes connections that take too long to get
 /// there). With `tls`, the client must start TLS before any other option
 /// (NBD_REP_ERR_TLS_REQD otherwise) and present a certificate that `tls` accepts.
+#[allow(clippy::too_many_arguments)]
 pub fn serve_connection<S, T, D>(
     socket: S,
     device: &Device<T, D>,
     shutdown: &AtomicBool,
     negotiated: &AtomicBool,
+    gate: &dyn Gate,
     tls: Option<Arc<rustls::ServerConfig>>,
     handshake_timeout: Duration,
 ) -> Result<(), ConnError>
@@ -160,7 +227,12 @@ where
 {
     let mut c = Conn::new(socket)?;
     let client_flags = greet(&mut c)?;
-    let session = match options(&mut c, device, client_flags, tls.is_some())? {
+    let must = if tls.is_some() {
+        Refuse::TlsRequired
+    } else {
+        Refuse::Nothing
+    };
+    let session = match options(&mut c, device, client_flags, &must, gate)? {
         Haggled::Go(session) => session,
         Haggled::Done => return Ok(()),
         Haggled::StartTls => {
@@ -180,8 +252,14 @@ where
                 .ok_or_else(|| ConnError::Closed("TLS is offered only on TCP".into()))?;
             let socket = crate::tls::TlsSocket::accept(tcp, config, handshake_timeout)
                 .map_err(|e| ConnError::Closed(format!("TLS handshake: {e}")))?;
+            // A device belongs to its node: a certificate of the cluster is not enough.
+            let must = match socket.node().map(|n| gate.admit_node(n)) {
+                Some(Ok(())) => Refuse::Nothing,
+                Some(Err(why)) => Refuse::Policy(why),
+                None => Refuse::Policy("the client's certificate names no node".into()),
+            };
             let mut c = Conn::new(socket)?;
-            return match options(&mut c, device, client_flags, false)? {
+            return match options(&mut c, device, client_flags, &must, gate)? {
                 Haggled::Go(session) => {
                     negotiated.store(true, Ordering::SeqCst);
                     transmission(&mut c, device, &session, shutdown)
@@ -224,23 +302,52 @@ fn greet<S: Socket>(c: &mut Conn<S>) -> Result<u32, ConnError> {
     Ok(client_flags)
 }
 
-/// Runs option haggling. `tls_required`: TLS is offered and not started yet, so only
-/// STARTTLS and ABORT are served (the NBD protocol's "TLS-only" server, which NBD clients that
-/// do not ask for TLS understand as a refusal).
+/// What every option but ABORT is answered with, if anything.
+enum Refuse {
+    Nothing,
+    /// TLS is offered and not started yet, so only STARTTLS and ABORT are served (the NBD
+    /// protocol's "TLS-only" server, which NBD clients that do not ask for TLS understand as a
+    /// refusal).
+    TlsRequired,
+    /// This client may not use the device: NBD_REP_ERR_POLICY, with why.
+    Policy(String),
+}
+
+/// Runs option haggling; `refuse` says what the client may not do. The client's entry into
+/// the transmission phase (GO, EXPORT_NAME) takes its place among the established connections
+/// (`gate`), or is refused.
 fn options<S: Socket, T: Transport, D: Disk>(
     c: &mut Conn<S>,
     device: &Device<T, D>,
     client_flags: u32,
-    tls_required: bool,
+    refuse: &Refuse,
+    gate: &dyn Gate,
 ) -> Result<Haggled, ConnError> {
     let mut session = Session::default();
+    let client =
+        c.r.get_ref()
+            .node()
+            .map_or_else(|| c.r.get_ref().peer(), |n| format!("node {n}"));
     loop {
         let mut h = [0u8; OPTION_HEADER_LEN];
         c.r.read_exact(&mut h)?;
         let (option, len) = parse_option_header(&h, MAX_OPTION_LEN)?;
         let mut data = vec![0u8; len as usize];
         c.r.read_exact(&mut data)?;
-        if tls_required {
+        if let Refuse::Policy(why) = refuse {
+            match option {
+                OPT_ABORT => {
+                    option_reply(&mut c.out, option, REP_ACK, &[]);
+                    let _ = c.send();
+                    return Ok(Haggled::Done);
+                }
+                OPT_EXPORT_NAME => return Err(ConnError::Closed(why.clone())),
+                _ => option_reply(&mut c.out, option, REP_ERR_POLICY, why.as_bytes()),
+            }
+            c.send()?;
+            continue;
+        }
+        if matches!(refuse, Refuse::TlsRequired) {
             match option {
                 OPT_STARTTLS if data.is_empty() => {
                     option_reply(&mut c.out, option, REP_ACK, &[]);
@@ -281,6 +388,7 @@ fn options<S: Socket, T: Transport, D: Disk>(
                     // The protocol has no error reply for this option: closing is the answer.
                     return Err(ConnError::Closed(format!("unknown export {name:?}")));
                 }
+                gate.establish(&client).map_err(ConnError::Closed)?;
                 c.out.extend_from_slice(&device.size().to_be_bytes());
                 c.out.extend_from_slice(&TRANSMISSION_FLAGS.to_be_bytes());
                 if client_flags & CLIENT_NO_ZEROES == 0 {
@@ -317,11 +425,20 @@ fn options<S: Socket, T: Transport, D: Disk>(
                         d.extend_from_slice(EXPORT_NAME.as_bytes());
                         option_reply(&mut c.out, option, REP_INFO, &d);
                     }
-                    option_reply(&mut c.out, option, REP_ACK, &[]);
                     if option == OPT_GO {
+                        if let Err(why) = gate.establish(&client) {
+                            // What was said of the export stands; the GO itself is refused
+                            // and the client may try again later or abort.
+                            c.out.clear();
+                            option_reply(&mut c.out, option, REP_ERR_POLICY, why.as_bytes());
+                            c.send()?;
+                            continue;
+                        }
+                        option_reply(&mut c.out, option, REP_ACK, &[]);
                         c.send()?;
                         return Ok(Haggled::Go(session));
                     }
+                    option_reply(&mut c.out, option, REP_ACK, &[]);
                 }
                 Ok(req) => refuse_unknown_export(&mut c.out, option, &req.name),
                 Err(e) => refuse_option(&mut c.out, option, REP_ERR_INVALID, &e.to_string()),

@@ -24,6 +24,8 @@ pub type TlsConfig = Arc<RwLock<Arc<ServerConfig>>>;
 pub struct TlsSocket {
     tls: Arc<Mutex<StreamOwned<ServerConnection, TcpStream>>>,
     tcp: TcpStream,
+    /// The node the client's certificate names.
+    node: Option<u64>,
 }
 
 impl TlsSocket {
@@ -51,9 +53,15 @@ impl TlsSocket {
         }
         // The transmission phase blocks in reads for as long as the client is idle.
         sock.set_read_timeout(None)?;
+        let node = conn
+            .peer_certificates()
+            .and_then(|c| c.first())
+            .and_then(|der| netram_net::tls::identity_of(der).ok())
+            .map(|id| id.node);
         Ok(Self {
             tls: Arc::new(Mutex::new(StreamOwned::new(conn, sock))),
             tcp,
+            node,
         })
     }
 
@@ -90,6 +98,7 @@ impl Socket for TlsSocket {
         Ok(Self {
             tls: self.tls.clone(),
             tcp: self.tcp.try_clone()?,
+            node: self.node,
         })
     }
     fn shut(&self) {
@@ -100,5 +109,14 @@ impl Socket for TlsSocket {
     }
     fn peer(&self) -> String {
         self.tcp.peer()
+    }
+    fn source(&self) -> netram_policy::admission::Source {
+        self.tcp.source()
+    }
+    fn hung_up(&self) -> bool {
+        self.tcp.hung_up()
+    }
+    fn node(&self) -> Option<u64> {
+        self.node
     }
 }

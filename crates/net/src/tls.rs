@@ -308,6 +308,11 @@ impl Credentials {
         self.server.clone()
     }
 
+    /// What this node's own certificate says of it (its node id, its role).
+    pub fn identity(&self) -> Result<PeerIdentity, TlsError> {
+        identity_of(&CertificateDer::from(self.cert_der()))
+    }
+
     /// This node's certificate, as it goes with the messages it signs.
     pub fn cert_der(&self) -> &[u8] {
         self.cert_der.as_ref()

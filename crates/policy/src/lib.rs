@@ -8,6 +8,7 @@
 //! offers as its machine's own use of memory changes (Nswap, paper 004, §III). Later issues add
 //! GMS epochs and weights and recovery planning here.
 
+pub mod admission;
 pub mod clock;
 pub mod donor;
 pub mod placement;

@@ -13,9 +13,16 @@
 //! **Limits, each enforced by the side that pays for it** (TigerBeetle's "a limit on
 //! everything"). Nothing a peer sends can make the daemon hold more than these:
 //!
-//! * connections: at most `max_connections` in all and `max_connections_per_peer` from one
-//!   address, checked in the accept thread *before* a thread is started; a connection over a
-//!   limit is answered Busy there, without a thread, and closed;
+//! * connections, in two pools (`netram_policy::admission`), checked in the accept thread
+//!   *before* a thread is started and again when the handshake is over: handshakes in progress
+//!   at most `max_handshakes` in all, `max_handshakes_per_addr` per address and
+//!   `max_handshakes_per_subnet` per /24 (IPv6: /64), and when they are all taken a newcomer
+//!   takes the slot of the oldest handshake of the subnets that hold the most (that socket is
+//!   shut down at once); established connections (over TLS, a certificate of the cluster
+//!   proven) at most `max_connections` in all and `max_connections_per_peer` per client (the
+//!   certificate's node id; without TLS, the address), so that strangers holding every
+//!   handshake slot they can never take a member's place. A connection over a limit is
+//!   answered Busy (at accept: without a thread) and closed;
 //! * the handshake: one deadline for all of it (`handshake_timeout`), not one per read, so a
 //!   byte at a time does not keep a slot;
 //! * an established connection with no whole frame for `idle_timeout` (three lease periods by
@@ -41,6 +48,7 @@ use crate::peers::Peers;
 use netram_net::latency::{PmQos, DEFAULT_SPIN};
 use netram_net::record::{set_clear_tail, TRAILER_LEN};
 use netram_net::{reserve_tags, tls, Credentials, FrameBuffer, FrameKeys, Security};
+use netram_policy::admission::{Admission, AdmissionConfig, ConnId, Refused, Source};
 use netram_proto::{
     decode_request, get_reply_tail, DecodeError, Hello, Welcome, WelcomeStatus, HELLO_END_ON_CLOSE,
     HELLO_LEN, HELLO_SEALED_PAGES, MAX_BATCH, MAX_FRAME_LEN, PAGE_SIZE, PROTOCOL_VERSION,
@@ -50,7 +58,7 @@ use netram_store::{Peer, SessionHandle, Store, StoreConfig, StoreError};
 use std::collections::HashMap;
 use std::io::{self, Read, Write};
 use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -74,8 +82,13 @@ pub struct ServerConfig {
     pub lock_memory: bool,
     /// This server's node id, announced in the handshake.
     pub node: u64,
-    /// Connections from one address at most.
+    /// Established connections of one client (the certificate's node id; without TLS, the
+    /// address) at most.
     pub max_connections_per_peer: usize,
+    /// Handshakes in progress at once: in all, from one address, from one /24 (IPv6: /64).
+    pub max_handshakes: usize,
+    pub max_handshakes_per_addr: usize,
+    pub max_handshakes_per_subnet: usize,
     /// Live sessions one client (address) may hold.
     pub max_peer_sessions: u32,
     /// Operations per second one client may make, each page of a batch one (0: no limit).
@@ -136,6 +149,9 @@ impl Default for ServerConfig {
             lock_memory: false,
             node: 0,
             max_connections_per_peer: 64,
+            max_handshakes: 128,
+            max_handshakes_per_addr: 8,
+            max_handshakes_per_subnet: 32,
             max_peer_sessions: 64,
             max_client_ops_per_s: 0,
             max_client_bytes: None,
@@ -206,10 +222,18 @@ macro_rules! node_counters {
 
 node_counters! {
     connections_accepted,
-    /// Refused (answered Busy) at accept: `max_connections` reached.
+    /// Refused (answered Busy): `max_connections` reached when the handshake ended, or every
+    /// handshake slot held by connections that may not be taken over.
     connections_refused_busy,
-    /// Refused (answered Busy) at accept: `max_connections_per_peer` reached for its address.
+    /// Refused (answered Busy): `max_connections_per_peer` reached for its client when the
+    /// handshake ended.
     connections_refused_peer_limit,
+    /// Refused at accept: handshakes in progress from its address, or from its subnet, at
+    /// their limit.
+    connections_refused_addr_handshakes,
+    connections_refused_subnet_handshakes,
+    /// Handshakes in progress shut down to give their slot to a newcomer (all were taken).
+    handshakes_taken_over,
     /// Closed: no whole frame for `idle_timeout`.
     connections_closed_idle,
     /// Closed: replies could not be written for `write_timeout` (a client that does not read).
@@ -298,35 +322,23 @@ pub(crate) struct Shared {
     start: Instant,
     /// Wall-clock nanoseconds at start: grows across restarts of this server.
     incarnation: u64,
-    connections: AtomicUsize,
-    /// Connections per peer address (an entry only while it has some).
-    per_peer: Mutex<HashMap<IpAddr, usize>>,
-}
-
-/// Why a connection was refused at accept.
-#[derive(Debug, Clone, Copy)]
-enum Refusal {
-    Busy,
-    PeerLimit,
+    /// Who holds a connection slot, and the sockets of the handshakes in progress (to shut
+    /// one down when a newcomer takes its slot).
+    admission: Mutex<Admission>,
+    handshaking: Mutex<HashMap<ConnId, TcpStream>>,
 }
 
 /// A connection's place in the limits, given back when it is dropped — also when the
 /// connection's thread panics, or cannot be started.
 struct ConnSlot {
     shared: Arc<Shared>,
-    ip: IpAddr,
+    id: ConnId,
 }
 
 impl Drop for ConnSlot {
     fn drop(&mut self) {
-        let mut per_peer = lock(&self.shared.per_peer);
-        if let Some(n) = per_peer.get_mut(&self.ip) {
-            *n -= 1;
-            if *n == 0 {
-                per_peer.remove(&self.ip);
-            }
-        }
-        self.shared.connections.fetch_sub(1, Ordering::SeqCst);
+        lock(&self.shared.handshaking).remove(&self.id);
+        lock(&self.shared.admission).end(self.id);
     }
 }
 
@@ -422,24 +434,32 @@ impl Shared {
     }
 
     /// Takes a connection slot for a peer at `ip`, or says which limit refuses it.
-    fn take_slot(self: &Arc<Self>, ip: IpAddr) -> Result<ConnSlot, Refusal> {
-        let mut per_peer = lock(&self.per_peer);
-        if self.connections.load(Ordering::SeqCst) >= self.cfg.max_connections {
-            return Err(Refusal::Busy);
+    /// A handshake slot for a connection from `ip` (its socket kept to shut it down, should a
+    /// newcomer take its slot), or why not.
+    fn take_slot(self: &Arc<Self>, stream: &TcpStream, ip: IpAddr) -> Result<ConnSlot, Refused> {
+        let handle = stream.try_clone().map_err(|_| Refused::Handshakes)?;
+        let admitted = lock(&self.admission).begin(Source::Ip(ip))?;
+        let mut handshaking = lock(&self.handshaking);
+        if let Some(old) = admitted.evict.and_then(|id| handshaking.remove(&id)) {
+            Shared::bump(&self.counters.handshakes_taken_over);
+            let _ = old.shutdown(std::net::Shutdown::Both);
         }
-        let n = per_peer.entry(ip).or_insert(0);
-        if *n >= self.cfg.max_connections_per_peer {
-            if *n == 0 {
-                per_peer.remove(&ip);
-            }
-            return Err(Refusal::PeerLimit);
-        }
-        *n += 1;
-        self.connections.fetch_add(1, Ordering::SeqCst);
+        handshaking.insert(admitted.id, handle);
         Ok(ConnSlot {
             shared: self.clone(),
-            ip,
+            id: admitted.id,
         })
+    }
+
+    /// The handshake of the connection in `slot` is over, and it is `client`: it moves to the
+    /// established pool, or is refused there.
+    fn establish(&self, slot: ConnId, client: &Peer) -> Result<(), Refused> {
+        let key = match client {
+            Peer::Server(n) | Peer::Node(n) => format!("node {n}"),
+            Peer::Addr(ip) => ip.to_string(),
+        };
+        lock(&self.handshaking).remove(&slot);
+        lock(&self.admission).establish(slot, &key)
     }
     pub(crate) fn bump(c: &AtomicU64) {
         c.fetch_add(1, Ordering::Relaxed);
@@ -579,6 +599,13 @@ impl Server {
         let mut membership =
             netram_member::Membership::new(me, incarnation ^ me.id, cfg.gossip.member.clone(), 0);
         membership.join(&cfg.gossip.seeds);
+        let admission = Admission::new(AdmissionConfig {
+            max_handshakes: cfg.max_handshakes.max(1),
+            max_handshakes_per_addr: cfg.max_handshakes_per_addr.max(1),
+            max_handshakes_per_subnet: cfg.max_handshakes_per_subnet.max(1),
+            max_established: cfg.max_connections.max(1),
+            max_established_per_client: cfg.max_connections_per_peer.max(1),
+        });
         let shared = Arc::new(Shared {
             store: Mutex::new(store),
             membership: Mutex::new(membership),
@@ -590,8 +617,8 @@ impl Server {
             cfg,
             start: Instant::now(),
             incarnation,
-            connections: AtomicUsize::new(0),
-            per_peer: Mutex::new(HashMap::new()),
+            admission: Mutex::new(admission),
+            handshaking: Mutex::new(HashMap::new()),
         });
         let accept = {
             let shared = shared.clone();
@@ -669,7 +696,11 @@ impl Server {
         }
         // Connection threads see the flag within POLL_INTERVAL.
         let deadline = Instant::now() + Duration::from_secs(5);
-        while self.shared.connections.load(Ordering::SeqCst) > 0 && Instant::now() < deadline {
+        let open = || {
+            let (handshakes, established) = lock(&self.shared.admission).counts();
+            handshakes + established
+        };
+        while open() > 0 && Instant::now() < deadline {
             std::thread::sleep(Duration::from_millis(10));
         }
     }
@@ -687,10 +718,10 @@ fn stats_list(store: &Store<Arena>, shared: &Shared) -> Vec<(&'static str, u64)>
     let mut out = serve::store_stats(store);
     out.insert(
         5,
-        (
-            "connections",
-            shared.connections.load(Ordering::Relaxed) as u64,
-        ),
+        ("connections", {
+            let (handshakes, established) = lock(&shared.admission).counts();
+            (handshakes + established) as u64
+        }),
     );
     // Other members this node believes alive (or suspects): a server with none hands no
     // page over (`Shared::may_hand_over_to`).
@@ -734,7 +765,7 @@ fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
             }
         };
         Shared::bump(&shared.counters.connections_accepted);
-        let slot = match shared.take_slot(peer.ip()) {
+        let slot = match shared.take_slot(&stream, peer.ip()) {
             Ok(slot) => slot,
             Err(why) => {
                 refuse(stream, &shared, peer, why);
@@ -748,7 +779,7 @@ fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
                 // A panic is a bug; it ends this connection only. The slot goes back when
                 // `slot` is dropped, whichever way this ends.
                 let served = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                    serve_connection(stream, shared)
+                    serve_connection(stream, shared, slot.id)
                 }));
                 match served {
                     Ok(Ok(())) => {}
@@ -774,21 +805,34 @@ fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
 
 /// Answers a connection over a limit with a Busy welcome from the accept thread itself (no
 /// thread, no blocking: the welcome fits any socket buffer) and closes it.
-fn refuse(stream: TcpStream, shared: &Shared, peer: SocketAddr, why: Refusal) {
+fn refuse(stream: TcpStream, shared: &Shared, peer: SocketAddr, why: Refused) {
+    count_refusal(shared, why);
+    tracing::warn!(%peer, "refusing connection: {why}");
+    let welcome = busy_welcome(shared);
+    // Over TLS too, in clear before any TLS: no handshake is spent on a connection that will
+    // not be served, and a client takes an unauthenticated reply only as "busy" (which
+    // anyone on the path could make it believe by cutting the connection anyway).
+    if stream.set_nonblocking(true).is_ok() {
+        let _ = (&stream).write(&welcome.encode());
+        // Whatever of the hello has arrived is read, so that closing sends FIN, not a reset
+        // that could overtake the welcome.
+        let mut sink = [0u8; HELLO_LEN];
+        let _ = (&stream).read(&mut sink);
+    }
+}
+
+fn count_refusal(shared: &Shared, why: Refused) {
     let c = &shared.counters;
     Shared::bump(match why {
-        Refusal::Busy => &c.connections_refused_busy,
-        Refusal::PeerLimit => &c.connections_refused_peer_limit,
+        Refused::Full | Refused::Handshakes => &c.connections_refused_busy,
+        Refused::PerClient => &c.connections_refused_peer_limit,
+        Refused::PerAddress => &c.connections_refused_addr_handshakes,
+        Refused::PerSubnet => &c.connections_refused_subnet_handshakes,
     });
-    match why {
-        Refusal::Busy => {
-            tracing::warn!(%peer, "refusing connection: {} connections is the limit", shared.cfg.max_connections)
-        }
-        Refusal::PeerLimit => {
-            tracing::warn!(%peer, "refusing connection: {} connections from one address is the limit", shared.cfg.max_connections_per_peer)
-        }
-    }
-    let welcome = Welcome {
+}
+
+fn busy_welcome(shared: &Shared) -> Welcome {
+    Welcome {
         version: PROTOCOL_VERSION,
         status: WelcomeStatus::Busy,
         window: 0,
@@ -799,16 +843,6 @@ fn refuse(stream: TcpStream, shared: &Shared, peer: SocketAddr, why: Refusal) {
         lease_period_ms: 0,
         max_frame_len: MAX_FRAME_LEN as u32,
         max_batch: MAX_BATCH as u32,
-    };
-    // Over TLS too, in clear before any TLS: no handshake is spent on a connection that will
-    // not be served, and a client takes an unauthenticated reply only as "busy" (which
-    // anyone on the path could make it believe by cutting the connection anyway).
-    if stream.set_nonblocking(true).is_ok() {
-        let _ = (&stream).write(&welcome.encode());
-        // Whatever of the hello has arrived is read, so that closing sends FIN, not a reset
-        // that could overtake the welcome.
-        let mut sink = [0u8; HELLO_LEN];
-        let _ = (&stream).read(&mut sink);
     }
 }
 
@@ -955,7 +989,7 @@ enum ConnError {
     Revoked,
 }
 
-fn serve_connection(mut stream: TcpStream, shared: &Shared) -> Result<(), ConnError> {
+fn serve_connection(mut stream: TcpStream, shared: &Shared, slot: ConnId) -> Result<(), ConnError> {
     stream.set_nodelay(true)?;
     stream.set_write_timeout(Some(shared.cfg.write_timeout))?;
     let peer = stream.peer_addr()?;
@@ -996,7 +1030,14 @@ fn serve_connection(mut stream: TcpStream, shared: &Shared) -> Result<(), ConnEr
             return Err(ConnError::Handshake(e));
         }
     };
-    let (status, session) = if hello.version != PROTOCOL_VERSION {
+    let established = shared.establish(slot, &principal);
+    let (status, session) = if let Err(why) = established {
+        // Over the established connections' limits (in all, or this client's): answered
+        // Busy inside the handshake, as a client expects it.
+        count_refusal(shared, why);
+        tracing::warn!(%peer, %principal, "refusing connection: {why}");
+        (WelcomeStatus::Busy, None)
+    } else if hello.version != PROTOCOL_VERSION {
         Shared::bump(&shared.counters.handshakes_bad_version);
         tracing::warn!(%peer, "closing connection: protocol version {} (this server speaks {PROTOCOL_VERSION})", hello.version);
         (WelcomeStatus::VersionUnsupported, None)
