@@ -512,7 +512,7 @@ pub fn run(opts: &Options) -> anyhow::Result<String> {
     d.wait_offer(pages, Duration::from_secs(60))?;
     for x in [&d, &b] {
         let deadline = Instant::now() + Duration::from_secs(30);
-        while x.stat("members_alive")? == 0 {
+        while x.stat("other_members_alive")? == 0 {
             anyhow::ensure!(
                 Instant::now() < deadline,
                 "the bench's two daemons did not find each other within 30 s"

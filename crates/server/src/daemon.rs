@@ -725,7 +725,7 @@ fn stats_list(store: &Store<Arena>, shared: &Shared) -> Vec<(&'static str, u64)>
     );
     // Other members this node believes alive (or suspects): a server with none hands no
     // page over (`Shared::may_hand_over_to`).
-    let members_alive = {
+    let other_members_alive = {
         let m = shared.membership();
         let me = m.me().id;
         m.members()
@@ -733,7 +733,7 @@ fn stats_list(store: &Store<Arena>, shared: &Shared) -> Vec<(&'static str, u64)>
             .filter(|v| v.node.id != me && v.liveness != netram_member::Liveness::Down)
             .count() as u64
     };
-    out.push(("members_alive", members_alive));
+    out.push(("other_members_alive", other_members_alive));
     out.extend(shared.counters.snapshot());
     out
 }

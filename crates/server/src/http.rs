@@ -35,6 +35,7 @@ const GAUGES: &[&str] = &[
     "live_sessions",
     "meta_bytes",
     "connections",
+    "other_members_alive",
 ];
 
 /// Reads the daemon's statistics at each scrape.
