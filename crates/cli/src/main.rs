@@ -108,11 +108,12 @@ enum Command {
     /// List the cluster's members as a daemon believes them: each node's id, address, state
     /// (alive, suspect, down), the memory it offers and has free, its load.
     ///
-    /// Asks the daemon's metrics address (`netram serve --metrics`), by default this
+    /// Asks the daemon's control socket (`netram serve --control`), by default this
     /// machine's.
     Members {
-        /// The daemon's metrics address [default: $NETRAM_DAEMON or 127.0.0.1:9077].
-        #[arg(long, value_name = "ADDR")]
+        /// The daemon's control socket [default: $NETRAM_DAEMON, or
+        /// /run/netram/7077.sock as root].
+        #[arg(long, value_name = "PATH")]
         daemon: Option<String>,
         /// Print the daemon's JSON instead of a table.
         #[arg(long)]

@@ -22,8 +22,8 @@ pub struct NbdArgs {
     #[arg(long)]
     size: String,
     /// Page servers to use, comma-separated (`netram serve` addresses) [default: every other
-    /// live member the daemon on this machine knows, asked at $NETRAM_DAEMON or
-    /// 127.0.0.1:9077]. Not needed with `--backing disk`.
+    /// live member the daemon on this machine knows, asked on its control socket,
+    /// $NETRAM_DAEMON or /run/netram/7077.sock]. Not needed with `--backing disk`.
     #[arg(long, value_delimiter = ',')]
     servers: Vec<String>,
     /// Serve on this unix socket [default: netram-nbd.sock in the temp dir].

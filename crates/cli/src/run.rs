@@ -17,8 +17,9 @@ pub struct RunArgs {
     #[arg(long, value_name = "SIZE")]
     local_mem: String,
     /// Page servers, comma-separated (`netram serve` addresses) [default: $NETRAM_SERVERS, or
-    /// else every other live member the daemon on this machine knows, asked at
-    /// $NETRAM_DAEMON or 127.0.0.1:9077]. Not needed with --backing disk.
+    /// else every other live member the daemon on this machine knows, asked on
+    /// its control socket: $NETRAM_DAEMON or /run/netram/7077.sock]. Not needed with
+    /// --backing disk.
     #[arg(long, value_delimiter = ',')]
     servers: Vec<String>,
     /// Where pages that do not fit locally go: cluster (the local disk only when the cluster

@@ -30,12 +30,24 @@ pub struct ServeArgs {
     /// listening on a wildcard address such as 0.0.0.0 with seeds].
     #[arg(long)]
     advertise: Option<SocketAddr>,
-    /// Where to answer GET /metrics (Prometheus) and GET /members (what this node believes of
-    /// the cluster; local clients ask it for servers), or `off` [default: 127.0.0.1, the listen
-    /// port + 2000: 9077 for 7077].
+    /// Where to answer GET /metrics over TCP (Prometheus), or `off` [default: 127.0.0.1, the
+    /// listen port + 2000: 9077 for 7077]. Beyond loopback it needs --metrics-token-file.
     #[arg(long)]
     metrics: Option<String>,
-    /// A TOML file with any of: listen, seeds, advertise, metrics, capacity, lease_period, max_connections,
+    /// A file holding the token a /metrics request over TCP must bear (`Authorization: Bearer
+    /// TOKEN`, Prometheus' `authorization.credentials_file`); required when --metrics is
+    /// beyond loopback.
+    #[arg(long)]
+    metrics_token_file: Option<PathBuf>,
+    /// The control socket, where this machine's clients ask which members are alive (GET
+    /// /members; `netram members`), or `off` [default: /run/netram/PORT.sock as root, else
+    /// $XDG_RUNTIME_DIR/netram/PORT.sock or /tmp/netram-UID/PORT.sock; off when the listen
+    /// port is 0]. Clients believe it only in a directory no other user may write, served by
+    /// root or by themselves.
+    #[arg(long)]
+    control: Option<String>,
+    /// A TOML file with any of: listen, seeds, advertise, metrics, metrics_token_file, control,
+    /// capacity, lease_period, max_connections,
     /// max_connections_per_client, max_handshakes, max_handshakes_per_address,
     /// max_handshakes_per_subnet, max_sessions_per_client, max_client_memory,
     /// max_client_ops, idle_timeout, write_timeout, window, low_latency, lock_memory, node_id,
@@ -142,6 +154,8 @@ struct FileConfig {
     seeds: Option<Vec<SocketAddr>>,
     advertise: Option<SocketAddr>,
     metrics: Option<String>,
+    metrics_token_file: Option<PathBuf>,
+    control: Option<String>,
     capacity: Option<String>,
     lease_period: Option<String>,
     max_connections: Option<usize>,
@@ -193,6 +207,11 @@ fn print_config(cfg: &ServerConfig) -> anyhow::Result<()> {
         ),
         netram_client::Security::Insecure => "clear TCP (--insecure), loopback only".into(),
     };
+    if let Some(a) = cfg.metrics.filter(|a| !a.ip().is_loopback()) {
+        if cfg.metrics_token.is_none() {
+            bail!("metrics on {a}, beyond loopback, need --metrics-token-file");
+        }
+    }
     if cfg.listen.ip().is_unspecified()
         && cfg.gossip.advertise.is_none()
         && !cfg.gossip.seeds.is_empty()
@@ -225,8 +244,19 @@ fn print_config(cfg: &ServerConfig) -> anyhow::Result<()> {
             )
         ),
         format!(
-            "metrics = {}",
-            cfg.metrics.map_or_else(|| "off".into(), |a| a.to_string())
+            "metrics = {}{}",
+            cfg.metrics.map_or_else(|| "off".into(), |a| a.to_string()),
+            if cfg.metrics_token.is_some() {
+                " (a bearer token required)"
+            } else {
+                ""
+            }
+        ),
+        format!(
+            "control = {}",
+            cfg.control
+                .as_ref()
+                .map_or_else(|| "off".into(), |p| p.display().to_string())
         ),
         format!("security = {security}"),
         format!("capacity = {} bytes", cfg.capacity_bytes),
@@ -449,6 +479,31 @@ fn check(args: ServeArgs) -> anyhow::Result<ServerConfig> {
             },
         ))),
     };
+    let metrics_token = match args
+        .metrics_token_file
+        .as_ref()
+        .or(file.metrics_token_file.as_ref())
+    {
+        Some(f) => {
+            let t = std::fs::read_to_string(f)
+                .with_context(|| format!("cannot read the metrics token {}", f.display()))?;
+            let t = t.trim().to_string();
+            if t.len() < 16 {
+                bail!(
+                    "the metrics token in {} is shorter than 16 characters",
+                    f.display()
+                );
+            }
+            Some(t)
+        }
+        None => None,
+    };
+    let control = match args.control.as_deref().or(file.control.as_deref()) {
+        Some("off") => None,
+        Some(p) => Some(PathBuf::from(p)),
+        None if listen.port() == 0 => None,
+        None => Some(netram_client::discover::default_control(listen.port())),
+    };
     let seeds = if args.seeds.is_empty() {
         file.seeds.unwrap_or_default()
     } else {
@@ -458,6 +513,8 @@ fn check(args: ServeArgs) -> anyhow::Result<ServerConfig> {
         adapt,
         listen,
         metrics,
+        metrics_token,
+        control,
         metrics_required: metrics_given.is_some(),
         gossip: netram_server::gossip::GossipConfig {
             seeds,

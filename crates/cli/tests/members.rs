@@ -23,14 +23,21 @@ static DAEMON_VAR: Mutex<()> = Mutex::new(());
 
 struct Daemon {
     proc: ServerProcess,
-    metrics: String,
+    /// Its control socket, where clients on its machine ask for the members.
+    control: String,
+    _dir: tempfile::TempDir,
 }
 
 fn start(node: u64, seed: Option<&str>) -> Daemon {
-    let (listen, metrics) = (
-        format!("127.0.0.1:{}", common::reserved_port()),
-        format!("127.0.0.1:{}", common::reserved_port()),
-    );
+    let listen = format!("127.0.0.1:{}", common::reserved_port());
+    let ctl = tempfile::tempdir().unwrap();
+    // As /run/netram is: every user may reach the socket, only its owner writes there.
+    std::fs::set_permissions(
+        ctl.path(),
+        std::os::unix::fs::PermissionsExt::from_mode(0o755),
+    )
+    .unwrap();
+    let control = ctl.path().join("control.sock").display().to_string();
     let dir = node_dir(node);
     let mut args = vec![
         "--tls",
@@ -38,21 +45,27 @@ fn start(node: u64, seed: Option<&str>) -> Daemon {
         "--capacity",
         "64M",
         "--metrics",
-        &metrics,
+        "off",
+        "--control",
+        &control,
     ];
     if let Some(s) = seed {
         args.extend(["--seed", s]);
     }
     let proc = ServerProcess::start_at(&listen, &args);
-    Daemon { proc, metrics }
+    Daemon {
+        proc,
+        control,
+        _dir: ctl,
+    }
 }
 
-fn members(metrics: &str) -> netram_member::MemberList {
-    netram_client::discover::members(metrics, Duration::from_secs(2)).expect("members")
+fn members(control: &str) -> netram_member::MemberList {
+    netram_client::discover::members(control, Duration::from_secs(2)).expect("members")
 }
 
-fn states(metrics: &str) -> Vec<(u64, netram_member::Liveness)> {
-    let mut v: Vec<_> = members(metrics)
+fn states(control: &str) -> Vec<(u64, netram_member::Liveness)> {
+    let mut v: Vec<_> = members(control)
         .members
         .iter()
         .map(|r| (r.node, r.state))
@@ -69,19 +82,19 @@ fn daemons_find_each_other_clients_need_no_server_list_and_death_is_followed() {
     let c = start(13, Some(&a.proc.addr));
     for d in [&a, &b, &c] {
         eventually("every daemon sees the three", 20, || {
-            states(&d.metrics) == [(11, Alive), (12, Alive), (13, Alive)]
+            states(&d.control) == [(11, Alive), (12, Alive), (13, Alive)]
         });
     }
     // Each announces what it offers: 64 MiB.
     eventually("announcements heard", 20, || {
-        members(&c.metrics)
+        members(&c.control)
             .members
             .iter()
             .all(|r| r.offered_pages == (64 << 20) / PAGE_SIZE as u64)
     });
     // `netram members` prints the same.
     let out = netram()
-        .args(["members", "--daemon", &c.metrics])
+        .args(["members", "--daemon", &c.control])
         .output()
         .unwrap();
     assert!(out.status.success());
@@ -93,7 +106,7 @@ fn daemons_find_each_other_clients_need_no_server_list_and_death_is_followed() {
 
     // A client on c's machine, given no servers: it pages to a and b, never to c.
     let _var = DAEMON_VAR.lock().unwrap_or_else(|e| e.into_inner());
-    std::env::set_var("NETRAM_DAEMON", &c.metrics);
+    std::env::set_var("NETRAM_DAEMON", &c.control);
     let spill = tempfile::tempdir().unwrap();
     let pager = open_pager(&OpenOptions {
         security: common::security(),
@@ -165,7 +178,7 @@ fn daemons_find_each_other_clients_need_no_server_list_and_death_is_followed() {
     b.proc.signal(libc::SIGKILL);
     for m in [&a, &c] {
         eventually("b declared down", 30, || {
-            states(&m.metrics) == [(11, Alive), (12, Down), (13, Alive), (14, Alive)]
+            states(&m.control) == [(11, Alive), (12, Down), (13, Alive), (14, Alive)]
         });
     }
     eventually(
@@ -267,7 +280,7 @@ fn hostile_membership_packets_are_refused_and_counted() {
     });
     // And the cluster goes on: b is still a member of a's.
     eventually("b still alive at a", 10, || {
-        states(&a.metrics)
+        states(&a.control)
             .iter()
             .any(|&(n, s)| n == 22 && s == netram_member::Liveness::Alive)
     });
@@ -321,12 +334,12 @@ fn a_udp_flood_declares_no_member_down_and_costs_no_page() {
     let c = start(43, Some(&a.proc.addr));
     for d in [&a, &b, &c] {
         eventually("every daemon sees the three", 20, || {
-            states(&d.metrics) == [(41, Alive), (42, Alive), (43, Alive)]
+            states(&d.control) == [(41, Alive), (42, Alive), (43, Alive)]
         });
     }
     // A client on c's machine, no redundancy: a server failed is its pages lost.
     let _var = DAEMON_VAR.lock().unwrap_or_else(|e| e.into_inner());
-    std::env::set_var("NETRAM_DAEMON", &c.metrics);
+    std::env::set_var("NETRAM_DAEMON", &c.control);
     let spill = tempfile::tempdir().unwrap();
     let pager = open_pager(&OpenOptions {
         security: common::security(),
@@ -408,7 +421,7 @@ fn a_udp_flood_declares_no_member_down_and_costs_no_page() {
             "a member was declared down at {}",
             d.proc.addr
         );
-        assert_eq!(states(&d.metrics), [(41, Alive), (42, Alive), (43, Alive)]);
+        assert_eq!(states(&d.control), [(41, Alive), (42, Alive), (43, Alive)]);
     }
     let refused = c.proc.stat("gossip_refused_malformed")
         + c.proc.stat("gossip_refused_unsigned")
@@ -433,4 +446,296 @@ fn a_udp_flood_declares_no_member_down_and_costs_no_page() {
         assert_eq!(buf, page(i), "page {i}");
     }
     std::env::remove_var("NETRAM_DAEMON");
+}
+
+/// A fake daemon, as user `nobody`: serves `body` as the answer to every request on a unix
+/// socket at `path` (`bind_as_root`: the socket is bound by root in root's directory and only
+/// listened on as nobody, so that only the process check can tell). Killed on drop.
+struct FakeDaemon(std::process::Child);
+
+impl FakeDaemon {
+    fn start(path: &std::path::Path, body: &str, bind_as_root: bool) -> Self {
+        let script = r#"
+import os, socket, sys
+path, body, as_root = sys.argv[1], sys.argv[2].encode(), sys.argv[3] == "1"
+s = socket.socket(socket.AF_UNIX)
+if as_root:
+    s.bind(path); os.chmod(path, 0o666)
+    os.setgid(65534); os.setuid(65534)
+else:
+    s.bind(path); os.chmod(path, 0o666)
+s.listen(16)
+s.settimeout(60)
+while True:
+    c, _ = s.accept()
+    c.settimeout(5)
+    try:
+        c.recv(4096)
+        c.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+    except OSError:
+        pass
+    c.close()
+"#;
+        let mut cmd = if bind_as_root {
+            std::process::Command::new("/usr/bin/python3")
+        } else {
+            let mut c = std::process::Command::new("setpriv");
+            c.args([
+                "--reuid",
+                "65534",
+                "--regid",
+                "65534",
+                "--clear-groups",
+                "/usr/bin/python3",
+            ]);
+            c
+        };
+        let child = cmd
+            .args(["-c", script])
+            .arg(path)
+            .arg(body)
+            .arg(if bind_as_root { "1" } else { "0" })
+            .spawn()
+            .unwrap();
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while !path.exists() {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the fake daemon did not start"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        std::thread::sleep(Duration::from_millis(100));
+        Self(child)
+    }
+}
+
+impl Drop for FakeDaemon {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Issue 36, attacks 2 and 3: clients asked the daemon on a TCP port that any local user could
+/// take while no daemon held it, and believed what was there: a fake `/members` listing
+/// healthy servers as down cost a client its pages; and one HTTP thread, two seconds per
+/// connection, let twelve idle sockets delay `/members` by 24 s. Now clients ask the control
+/// socket only, and believe it only in a directory no other user writes and when served by
+/// root or themselves: a fake daemon of another user is refused, in its own directory and in
+/// root's; a client with its own server list keeps to it and keeps every page. And the real
+/// daemon answers `/members` at once while 64 sockets sit idle on it.
+#[test]
+fn only_a_daemon_of_root_or_this_user_is_believed_and_idle_sockets_do_not_delay_it() {
+    use std::os::unix::fs::PermissionsExt;
+    if !netram_testkit::have_root("another user for a fake daemon (setpriv)") {
+        return;
+    }
+    if !netram_testkit::have_tools(&[("setpriv", "util-linux"), ("/usr/bin/python3", "python3")]) {
+        return;
+    }
+    let a = start(51, None);
+    let b = start(52, Some(&a.proc.addr));
+    eventually("the two see each other", 20, || {
+        states(&a.control).len() == 2 && states(&b.control).len() == 2
+    });
+    // What the fake daemon says: both servers down.
+    let mut lie = members(&a.control);
+    for r in &mut lie.members {
+        r.state = netram_member::Liveness::Down;
+        r.boot += 1;
+    }
+    let lie = serde_json::to_string(&lie).unwrap();
+
+    // 1. In nobody's own directory.
+    let theirs = tempfile::tempdir().unwrap();
+    let st = std::process::Command::new("chown")
+        .args(["65534:65534", theirs.path().to_str().unwrap()])
+        .status()
+        .unwrap();
+    assert!(st.success());
+    std::fs::set_permissions(theirs.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let fake1 = theirs.path().join("7077.sock");
+    let _f1 = FakeDaemon::start(&fake1, &lie, false);
+    let e = netram_client::discover::members(fake1.to_str().unwrap(), Duration::from_secs(2))
+        .unwrap_err();
+    assert!(e.to_string().contains("belongs to user 65534"), "{e}");
+    // 2. Bound in root's directory, but listened on (served) by nobody.
+    let roots = tempfile::tempdir().unwrap();
+    std::fs::set_permissions(roots.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let fake2 = roots.path().join("7077.sock");
+    let _f2 = FakeDaemon::start(&fake2, &lie, true);
+    let e = netram_client::discover::members(fake2.to_str().unwrap(), Duration::from_secs(2))
+        .unwrap_err();
+    assert!(e.to_string().contains("served by user 65534"), "{e}");
+
+    // A client with its own servers, following the fake daemon: told nothing it believes, it
+    // keeps both servers and every page.
+    let _var = DAEMON_VAR.lock().unwrap_or_else(|e| e.into_inner());
+    std::env::set_var("NETRAM_DAEMON", &fake2);
+    let spill = tempfile::tempdir().unwrap();
+    let pager = open_pager(&OpenOptions {
+        security: common::security(),
+        servers: vec![a.proc.addr.clone(), b.proc.addr.clone()],
+        backing: Backing::Cluster,
+        pages: 1024,
+        cache_pages: 0,
+        spill_dir: Some(spill.path().to_path_buf()),
+        low_latency: false,
+        redundancy: Scheme::None,
+    })
+    .unwrap();
+    let pager = Arc::new(Mutex::new(pager));
+    let page = |i: u64| -> Vec<u8> { (0..PAGE_SIZE).map(|j| (i as usize + j * 3) as u8).collect() };
+    {
+        let mut p = pager.lock().unwrap();
+        for i in 0..512 {
+            p.write(i, &page(i)).unwrap();
+        }
+        p.flush().unwrap();
+    }
+    {
+        let pager = pager.clone();
+        let _m = maintain::spawn(
+            move |f| f(&mut pager.lock().unwrap_or_else(|e| e.into_inner())),
+            MaintainConfig {
+                probe_every: Duration::from_secs(3600),
+                membership_every: Some(Duration::from_millis(100)),
+                ..Default::default()
+            },
+        );
+        std::thread::sleep(Duration::from_secs(2));
+    }
+    std::env::remove_var("NETRAM_DAEMON");
+    let mut p = pager.lock().unwrap();
+    assert!(p.servers().all(|(_, alive)| alive), "a server was failed");
+    let mut buf = vec![0u8; PAGE_SIZE];
+    for i in 0..512 {
+        p.read(i, &mut buf).unwrap();
+        assert_eq!(buf, page(i), "page {i}");
+    }
+    assert_eq!(p.pages_on_disk_only(), 0);
+
+    // 3. Idle sockets on the real daemon's control socket, 64 of another user's (8 of them
+    // are kept, the rest closed at once) and 64 of this user's, do not delay /members.
+    let mut nobody = std::process::Command::new("setpriv")
+        .args([
+            "--reuid",
+            "65534",
+            "--regid",
+            "65534",
+            "--clear-groups",
+            "/usr/bin/python3",
+            "-c",
+            "import socket, sys, time\n\
+             h = []\n\
+             for _ in range(64):\n\
+             \ts = socket.socket(socket.AF_UNIX); s.connect(sys.argv[1]); h.append(s)\n\
+             print('idle', flush=True); time.sleep(20)",
+            &a.control,
+        ])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    std::io::BufRead::read_line(
+        &mut std::io::BufReader::new(nobody.stdout.as_mut().unwrap()),
+        &mut line,
+    )
+    .unwrap();
+    assert_eq!(line.trim(), "idle");
+    let idle: Vec<std::os::unix::net::UnixStream> = (0..64)
+        .map(|_| std::os::unix::net::UnixStream::connect(&a.control).unwrap())
+        .collect();
+    let t = std::time::Instant::now();
+    for _ in 0..5 {
+        members(&a.control);
+    }
+    let took = t.elapsed();
+    drop(idle);
+    let _ = nobody.kill();
+    let _ = nobody.wait();
+    println!("5 GET /members with 128 idle sockets opened on the daemon: {took:?}");
+    assert!(
+        took < Duration::from_secs(2),
+        "/members waited behind idle sockets: {took:?}"
+    );
+}
+
+/// `/metrics` over TCP tells nothing to whoever reaches it without the token when one is set,
+/// and a daemon refuses to serve metrics beyond loopback without one (checked with
+/// `--check-config`, which binds nothing); `/members` is never on TCP.
+#[test]
+fn metrics_on_tcp_need_the_token_and_list_no_members() {
+    let dir = tempfile::tempdir().unwrap();
+    let token = dir.path().join("token");
+    std::fs::write(&token, "a-token-of-some-length\n").unwrap();
+    let out = netram()
+        .args([
+            "serve",
+            "--listen",
+            "127.0.0.1:7177",
+            "--metrics",
+            "0.0.0.0:9177",
+        ])
+        .arg("--check-config")
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("need --metrics-token-file"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let out = netram()
+        .args([
+            "serve",
+            "--listen",
+            "127.0.0.1:7177",
+            "--metrics",
+            "0.0.0.0:9177",
+        ])
+        .arg("--metrics-token-file")
+        .arg(&token)
+        .arg("--check-config")
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+
+    let metrics = format!("127.0.0.1:{}", common::reserved_port());
+    let d = ServerProcess::start_restartable(&[
+        "--metrics",
+        &metrics,
+        "--metrics-token-file",
+        token.to_str().unwrap(),
+    ]);
+    let get = |path: &str, auth: Option<&str>| -> String {
+        use std::io::{Read, Write};
+        let mut s = std::net::TcpStream::connect(&metrics).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        let auth = auth.map_or(String::new(), |t| format!("Authorization: Bearer {t}\r\n"));
+        write!(
+            s,
+            "GET {path} HTTP/1.1\r\nHost: x\r\n{auth}Connection: close\r\n\r\n"
+        )
+        .unwrap();
+        let mut out = String::new();
+        s.read_to_string(&mut out).unwrap();
+        out
+    };
+    let no = get("/metrics", None);
+    assert!(no.starts_with("HTTP/1.1 401"), "{no}");
+    assert!(!no.contains("netram_"), "nothing told without the token");
+    let wrong = get("/metrics", Some("a-token-of-some-lengtX"));
+    assert!(wrong.starts_with("HTTP/1.1 401"), "{wrong}");
+    let yes = get("/metrics", Some("a-token-of-some-length"));
+    assert!(yes.starts_with("HTTP/1.1 200"), "{yes}");
+    assert!(yes.contains("netram_members_alive"), "{yes}");
+    let members = get("/members", Some("a-token-of-some-length"));
+    assert!(members.starts_with("HTTP/1.1 404"), "{members}");
+    drop(d);
 }

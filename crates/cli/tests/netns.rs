@@ -24,6 +24,8 @@ const HOSTS: usize = 5;
 struct Net {
     prefix: String,
     procs: Vec<Child>,
+    /// Where the hosts' daemons put their control sockets.
+    ctl: tempfile::TempDir,
 }
 
 fn sh(args: &[&str]) -> Output {
@@ -51,6 +53,7 @@ impl Net {
                 if shaped { "s" } else { "u" }
             ),
             procs: Vec::new(),
+            ctl: tempfile::tempdir().unwrap(),
         };
         let hub = net.hub();
         must(&["ip", "netns", "add", &hub]);
@@ -97,11 +100,18 @@ impl Net {
         format!("{}h{i}", self.prefix)
     }
 
+    /// Host `i`'s daemon's control socket (the hosts share one file system: each its own),
+    /// which everything run on host `i` asks (`NETRAM_DAEMON`).
+    fn control(&self, i: usize) -> PathBuf {
+        self.ctl.path().join(format!("h{i}.sock"))
+    }
+
     /// `netram ARGS` on host `i`, its output collected.
     fn netram(&self, i: usize, args: &[&str]) -> Output {
         let mut c = Command::new("ip");
         c.args(["netns", "exec", &self.ns(i), common::NETRAM])
-            .args(args);
+            .args(args)
+            .env("NETRAM_DAEMON", self.control(i));
         c.output().unwrap()
     }
 
@@ -111,6 +121,7 @@ impl Net {
         let child = Command::new("ip")
             .args(["netns", "exec", &self.ns(i), cmd])
             .args(args)
+            .env("NETRAM_DAEMON", self.control(i))
             .stdout(out.try_clone().unwrap())
             .stderr(out)
             .stdin(Stdio::null())
@@ -295,6 +306,7 @@ fn cluster_pages_to_a_growing_donor(shaped: bool) {
         .into_iter()
         .map(String::from)
         .collect::<Vec<_>>();
+        args.extend(["--control".into(), net.control(i).display().to_string()]);
         args.extend(extra.iter().map(|s| s.to_string()));
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
         net.spawn(i, common::NETRAM, &args, &dir.join(format!("serve{i}.log")))

@@ -788,7 +788,7 @@ fn bad_configurations_are_refused_clearly() {
             .args(args)
             .args(["--", "true"])
             .env_remove("NETRAM_SERVERS")
-            .env("NETRAM_DAEMON", "127.0.0.1:1")
+            .env("NETRAM_DAEMON", "/nonexistent/netram-daemon.sock")
             .output()
             .unwrap();
         let err = String::from_utf8_lossy(&out.stderr);

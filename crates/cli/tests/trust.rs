@@ -693,7 +693,8 @@ fn a_page_moves_server_to_server_only_as_its_owner_said() {
         "--tls",
         bdir.path().to_str().unwrap(),
     ]);
-    let metrics = format!("127.0.0.1:{}", common::reserved_port());
+    let ctl = tempfile::tempdir().unwrap();
+    let control = ctl.path().join("c.sock").display().to_string();
     let c = ServerProcess::start_restartable(&[
         "--capacity",
         "16M",
@@ -701,11 +702,11 @@ fn a_page_moves_server_to_server_only_as_its_owner_said() {
         cdir.path().to_str().unwrap(),
         "--seed",
         &b.addr,
-        "--metrics",
-        &metrics,
+        "--control",
+        &control,
     ]);
     eventually("C's membership lists B alive", 30, || {
-        netram_client::discover::members(&metrics, Duration::from_secs(2)).is_ok_and(|l| {
+        netram_client::discover::members(&control, Duration::from_secs(2)).is_ok_and(|l| {
             l.members
                 .iter()
                 .any(|r| r.node == 51 && r.state == netram_member::Liveness::Alive)
@@ -819,7 +820,8 @@ fn a_migration_goes_only_to_a_member_of_the_cluster() {
         "--tls",
         bdir.path().to_str().unwrap(),
     ]);
-    let metrics = format!("127.0.0.1:{}", common::reserved_port());
+    let ctl = tempfile::tempdir().unwrap();
+    let control = ctl.path().join("c.sock").display().to_string();
     let c = ServerProcess::start_restartable(&[
         "--capacity",
         "16M",
@@ -827,13 +829,13 @@ fn a_migration_goes_only_to_a_member_of_the_cluster() {
         cdir.path().to_str().unwrap(),
         "--seed",
         &b.addr,
-        "--metrics",
-        &metrics,
+        "--control",
+        &control,
     ]);
     let outsider =
         ServerProcess::start(&["--capacity", "16M", "--tls", odir.path().to_str().unwrap()]);
     eventually("C's membership lists B alive", 30, || {
-        netram_client::discover::members(&metrics, Duration::from_secs(2)).is_ok_and(|l| {
+        netram_client::discover::members(&control, Duration::from_secs(2)).is_ok_and(|l| {
             l.members
                 .iter()
                 .any(|r| r.node == 61 && r.state == netram_member::Liveness::Alive)

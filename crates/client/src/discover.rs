@@ -1,20 +1,26 @@
 //! The servers of this machine's cluster, from its daemon (Nswap §III, Anemone §2.4: clients
 //! find servers by themselves). A front end given no server list asks the local `netram serve`
-//! what it believes of the cluster (`GET /members` on its metrics address, `NETRAM_DAEMON`,
-//! [`DEFAULT_DAEMON`]) and uses every live member but the daemon itself — the node that runs
+//! what it believes of the cluster (`GET /members` on its control socket: `NETRAM_DAEMON`, or
+//! [`default_control`]) and uses every live member but the daemon itself — the node that runs
 //! the program is never its own backing store.
 //!
-//! The answer only names addresses: each connection still checks, over TLS, that the server
-//! there holds a certificate of the cluster with the server role.
+//! The daemon is trusted for what it says only if it is the daemon: the socket must be in a
+//! directory that no other user may write (root's, or this user's own), and the process that
+//! answers must run as root or as this user (`SO_PEERCRED`). A TCP port, which any local user
+//! can take while the daemon is down, is never asked. What the daemon says is advice all the
+//! same: each connection still checks, over TLS, that the server there holds a certificate of
+//! the cluster with the server role, and a client fails a server only on its own evidence
+//! (`crate::maintain`).
 
 use netram_member::{Liveness, MemberList};
 use std::io::{Read, Write};
-use std::net::{TcpStream, ToSocketAddrs};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-/// Where the local daemon answers `/members` unless `NETRAM_DAEMON` says otherwise: `netram
-/// serve`'s default metrics address for its default port.
-pub const DEFAULT_DAEMON: &str = "127.0.0.1:9077";
+/// The port of a daemon started with its defaults: its control socket is [`default_control`]
+/// of it.
+pub const DEFAULT_PORT: u16 = 7077;
 /// Bytes of an answer read at most.
 const MAX_ANSWER: u64 = 4 << 20;
 
@@ -28,37 +34,116 @@ pub enum DiscoverError {
         #[source]
         source: std::io::Error,
     },
+    #[error("the daemon at {daemon} is not trusted: {why}")]
+    Untrusted { daemon: String, why: String },
     #[error("the daemon at {daemon} answered badly: {why}")]
     BadAnswer { daemon: String, why: String },
 }
 
-/// The daemon to ask: `NETRAM_DAEMON`, or [`DEFAULT_DAEMON`].
+/// Where a daemon listening on `port` puts its control socket unless told otherwise: under
+/// `/run/netram` when it runs as root, else under `$XDG_RUNTIME_DIR/netram`, else
+/// `/tmp/netram-UID` (each a directory only its owner writes).
+pub fn default_control(port: u16) -> PathBuf {
+    let uid = rustix::process::geteuid().as_raw();
+    let dir = if uid == 0 {
+        PathBuf::from("/run/netram")
+    } else if let Some(x) = std::env::var_os("XDG_RUNTIME_DIR").filter(|x| !x.is_empty()) {
+        PathBuf::from(x).join("netram")
+    } else {
+        PathBuf::from(format!("/tmp/netram-{uid}"))
+    };
+    dir.join(format!("{port}.sock"))
+}
+
+/// The daemon to ask: `NETRAM_DAEMON` (its control socket's path), or the default daemon's.
 pub fn daemon_addr() -> String {
     std::env::var(crate::env::var::DAEMON)
         .ok()
         .filter(|s| !s.is_empty())
-        .unwrap_or_else(|| DEFAULT_DAEMON.to_string())
+        .unwrap_or_else(|| default_control(DEFAULT_PORT).display().to_string())
 }
 
-/// What the daemon at `daemon` believes of the cluster.
+/// Whether the socket at `path` can only have been put there by root or this user, and is a
+/// socket (not a link to one elsewhere).
+fn check_place(path: &Path) -> Result<(), String> {
+    use std::os::unix::fs::{FileTypeExt, MetadataExt};
+    let me = rustix::process::geteuid().as_raw();
+    let trusted = |uid: u32| uid == 0 || uid == me;
+    let dir = path
+        .parent()
+        .filter(|d| !d.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    let d = std::fs::symlink_metadata(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    if !d.is_dir() {
+        return Err(format!("{} is not a directory", dir.display()));
+    }
+    if !trusted(d.uid()) {
+        return Err(format!(
+            "its directory {} belongs to user {}, neither root nor this user",
+            dir.display(),
+            d.uid()
+        ));
+    }
+    if d.mode() & 0o022 != 0 {
+        return Err(format!(
+            "its directory {} may be written by other users (mode {:o})",
+            dir.display(),
+            d.mode() & 0o7777
+        ));
+    }
+    let s = std::fs::symlink_metadata(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    if !s.file_type().is_socket() {
+        return Err(format!("{} is not a socket", path.display()));
+    }
+    if !trusted(s.uid()) {
+        return Err(format!(
+            "the socket belongs to user {}, neither root nor this user",
+            s.uid()
+        ));
+    }
+    Ok(())
+}
+
+/// What the daemon whose control socket is `daemon` believes of the cluster, once it proved
+/// to be a daemon this user may believe.
 pub fn members(daemon: &str, timeout: Duration) -> Result<MemberList, DiscoverError> {
     let unreachable = |source| DiscoverError::Unreachable {
         daemon: daemon.to_string(),
         source,
     };
+    let untrusted = |why: String| DiscoverError::Untrusted {
+        daemon: daemon.to_string(),
+        why,
+    };
     let bad = |why: String| DiscoverError::BadAnswer {
         daemon: daemon.to_string(),
         why,
     };
-    let addr = daemon
-        .to_socket_addrs()
-        .map_err(unreachable)?
-        .next()
-        .ok_or_else(|| unreachable(std::io::ErrorKind::NotFound.into()))?;
-    let mut s = TcpStream::connect_timeout(&addr, timeout).map_err(unreachable)?;
+    let path = Path::new(daemon);
+    if !path.is_absolute() && daemon.parse::<std::net::SocketAddr>().is_ok() {
+        return Err(untrusted(
+            "a TCP address: the daemon is asked on its control socket only (NETRAM_DAEMON and \
+             --daemon take its path, e.g. /run/netram/7077.sock)"
+                .into(),
+        ));
+    }
+    if !path.exists() {
+        return Err(unreachable(std::io::ErrorKind::NotFound.into()));
+    }
+    check_place(path).map_err(untrusted)?;
+    let mut s = UnixStream::connect(path).map_err(unreachable)?;
+    let peer = rustix::net::sockopt::socket_peercred(&s)
+        .map_err(|e| untrusted(format!("who answers cannot be told: {e}")))?;
+    let me = rustix::process::geteuid().as_raw();
+    if peer.uid.as_raw() != 0 && peer.uid.as_raw() != me {
+        return Err(untrusted(format!(
+            "it is served by user {}, neither root nor this user",
+            peer.uid.as_raw()
+        )));
+    }
     s.set_read_timeout(Some(timeout)).map_err(unreachable)?;
     s.set_write_timeout(Some(timeout)).map_err(unreachable)?;
-    s.write_all(b"GET /members HTTP/1.0\r\nHost: netram\r\n\r\n")
+    s.write_all(b"GET /members HTTP/1.1\r\nHost: netram\r\nConnection: close\r\n\r\n")
         .map_err(unreachable)?;
     let mut answer = Vec::new();
     s.take(MAX_ANSWER)
@@ -87,4 +172,30 @@ pub fn servers(list: &MemberList) -> Vec<String> {
         .collect();
     rows.sort_by_key(|r| std::cmp::Reverse(r.free_pages));
     rows.iter().map(|r| r.addr.to_string()).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::PermissionsExt;
+
+    /// A directory other users may write is no place for a daemon's socket: whoever made the
+    /// socket there, it is not believed.
+    #[test]
+    fn a_socket_in_a_directory_others_may_write_is_not_trusted() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("d.sock");
+        let _l = std::os::unix::net::UnixListener::bind(&path).unwrap();
+        std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o777)).unwrap();
+        let e = members(path.to_str().unwrap(), Duration::from_secs(1)).unwrap_err();
+        assert!(matches!(e, DiscoverError::Untrusted { .. }), "{e}");
+        std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+        assert!(check_place(&path).is_ok());
+    }
+
+    #[test]
+    fn a_tcp_address_is_not_asked() {
+        let e = members("127.0.0.1:9077", Duration::from_secs(1)).unwrap_err();
+        assert!(matches!(e, DiscoverError::Untrusted { .. }), "{e}");
+    }
 }

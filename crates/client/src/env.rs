@@ -14,7 +14,8 @@ pub mod var {
     pub const LOCAL_MEM: &str = "NETRAM_LOCAL_MEM";
     /// Page servers, comma-separated; unset: those the local daemon knows (`DAEMON`).
     pub const SERVERS: &str = "NETRAM_SERVERS";
-    /// Where this machine's daemon answers `/members` [default: 127.0.0.1:9077].
+    /// This machine's daemon's control socket, where it answers `/members` [default:
+    /// `discover::default_control(7077)`].
     pub const DAEMON: &str = "NETRAM_DAEMON";
     /// `cluster`, `disk` or `cluster+disk`.
     pub const BACKING: &str = "NETRAM_BACKING";

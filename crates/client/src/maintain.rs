@@ -144,7 +144,13 @@ impl Membership {
             }
             Err(e) => {
                 if !self.unreachable {
-                    tracing::debug!("membership not followed: {e}");
+                    // A client with a server list of its own goes on with it, and says so.
+                    match e {
+                        crate::discover::DiscoverError::Untrusted { .. } => tracing::warn!(
+                            "membership not followed (this client keeps to its own servers): {e}"
+                        ),
+                        _ => tracing::debug!("membership not followed: {e}"),
+                    }
                 }
                 self.unreachable = true;
                 return;

@@ -76,8 +76,8 @@ pub enum OpenError {
     NoPages,
     #[error(
         "no page servers were given and {0}: give them, run `netram serve` with the cluster's \
-         seeds on this machine (asked at NETRAM_DAEMON, 127.0.0.1:9077 by default), or use \
-         backing disk"
+         seeds on this machine (asked on its control socket: NETRAM_DAEMON, \
+         /run/netram/7077.sock by default as root), or use backing disk"
     )]
     Discover(#[from] crate::discover::DiscoverError),
     #[error("the local daemon at {0} knows no other live member of the cluster yet")]

@@ -115,8 +115,14 @@ pub struct ServerConfig {
     pub adapt: Option<crate::donor::AdaptConfig>,
     /// Membership: seeds to join through, the address to be reached at ([`crate::gossip`]).
     pub gossip: crate::gossip::GossipConfig,
-    /// Where `/metrics` and `/members` are answered ([`crate::http`]); `None`: nowhere.
+    /// Where `/metrics` is answered over TCP ([`crate::http`]); `None`: nowhere.
     pub metrics: Option<SocketAddr>,
+    /// The token a `/metrics` request must bear (`Authorization: Bearer`); required when
+    /// `metrics` is beyond loopback.
+    pub metrics_token: Option<String>,
+    /// The control socket, where local clients ask for `/members` ([`crate::http`]); `None`:
+    /// none.
+    pub control: Option<std::path::PathBuf>,
     /// The metrics address was chosen by the operator: failing to bind it stops the start.
     /// Otherwise (a default) the daemon warns and serves without it.
     pub metrics_required: bool,
@@ -163,6 +169,8 @@ impl Default for ServerConfig {
             security: Security::Insecure,
             gossip: crate::gossip::GossipConfig::default(),
             metrics: None,
+            metrics_token: None,
+            control: None,
             metrics_required: false,
         }
     }
@@ -205,6 +213,16 @@ pub enum ServerError {
          --metrics off): {source}"
     )]
     Metrics { addr: SocketAddr, source: io::Error },
+    #[error(
+        "metrics on {0}, beyond loopback, without a token: give --metrics-token-file (what \
+         this node counts, its members' ids and addresses are nobody else's business)"
+    )]
+    MetricsWithoutToken(SocketAddr),
+    #[error("cannot open the control socket {path}: {why}")]
+    Control {
+        path: std::path::PathBuf,
+        why: String,
+    },
 }
 
 macro_rules! node_counters {
@@ -507,6 +525,8 @@ pub struct Server {
     shared: Arc<Shared>,
     addr: SocketAddr,
     threads: Vec<JoinHandle<()>>,
+    /// The control socket's file, removed when the server stops.
+    control: Option<std::path::PathBuf>,
 }
 
 impl std::fmt::Debug for Server {
@@ -589,12 +609,18 @@ impl Server {
             }
             None => addr,
         };
-        let http = cfg
+        if let Some(a) = cfg.metrics {
+            if !a.ip().is_loopback() && cfg.metrics_token.is_none() {
+                return Err(ServerError::MetricsWithoutToken(a));
+            }
+        }
+        let metrics = cfg
             .metrics
             .map(|a| {
                 TcpListener::bind(a).map_err(|source| ServerError::Metrics { addr: a, source })
             })
             .transpose()?;
+        let control = cfg.control.as_deref().map(bind_control).transpose()?;
         let me = crate::gossip::identity(node, advertised, incarnation);
         let mut membership =
             netram_member::Membership::new(me, incarnation ^ me.id, cfg.gossip.member.clone(), 0);
@@ -642,15 +668,22 @@ impl Server {
                 .expect("spawn membership thread")
         };
         let mut threads = vec![accept, reaper, gossip];
-        if let Some(listener) = http {
-            if let Ok(a) = listener.local_addr() {
-                tracing::info!(addr = %a, "metrics at /metrics, members at /members");
-            }
+        if let Some(a) = metrics.as_ref().and_then(|l| l.local_addr().ok()) {
+            tracing::info!(addr = %a, "metrics at /metrics");
+        }
+        if let Some(p) = &shared.cfg.control {
+            tracing::info!(path = %p.display(), "control socket: /members, /metrics");
+        }
+        if metrics.is_some() || control.is_some() {
+            let listeners = crate::http::Listeners {
+                metrics: metrics.map(|l| (l, shared.cfg.metrics_token.clone())),
+                control,
+            };
             let shared = shared.clone();
             threads.push(
                 std::thread::Builder::new()
                     .name("netram-http".into())
-                    .spawn(move || crate::http::http_loop(listener, shared))
+                    .spawn(move || crate::http::http_loop(listeners, shared))
                     .expect("spawn metrics thread"),
             );
         }
@@ -663,10 +696,12 @@ impl Server {
                     .expect("spawn donor thread"),
             );
         }
+        let control = shared.cfg.control.clone();
         Ok(Server {
             shared,
             addr,
             threads,
+            control,
         })
     }
 
@@ -709,7 +744,52 @@ impl Server {
 impl Drop for Server {
     fn drop(&mut self) {
         self.stop_threads();
+        if let Some(p) = self.control.take() {
+            let _ = std::fs::remove_file(p);
+        }
     }
+}
+
+/// Binds the control socket at `path`: its directory made if need be (0755, this user's), a
+/// socket left there by a daemon that died removed, one in use refused. Anyone on this machine
+/// may connect (mode 0666: clients of every user follow membership); what makes it
+/// trustworthy to them is that no other user can put a socket there (`netram_client::discover`
+/// checks the directory and the process that answers).
+fn bind_control(path: &std::path::Path) -> Result<std::os::unix::net::UnixListener, ServerError> {
+    use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
+    let err = |why: String| ServerError::Control {
+        path: path.to_path_buf(),
+        why,
+    };
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        if !dir.exists() {
+            std::fs::DirBuilder::new()
+                .recursive(true)
+                .mode(0o755)
+                .create(dir)
+                .map_err(|e| err(format!("cannot make its directory: {e}")))?;
+        }
+        if let Ok(m) = std::fs::metadata(dir) {
+            if m.permissions().mode() & 0o022 != 0 {
+                tracing::warn!(
+                    dir = %dir.display(),
+                    "the control socket's directory is writable by other users: clients will \
+                     not trust the socket (give --control a path in a directory only its owner \
+                     writes)"
+                );
+            }
+        }
+    }
+    if std::os::unix::net::UnixStream::connect(path).is_ok() {
+        return Err(err(
+            "another daemon answers there (give --control PATH)".into()
+        ));
+    }
+    let _ = std::fs::remove_file(path); // a socket left by a daemon that died
+    let l = std::os::unix::net::UnixListener::bind(path).map_err(|e| err(e.to_string()))?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o666))
+        .map_err(|e| err(e.to_string()))?;
+    Ok(l)
 }
 
 /// Gauges, the store's counters and the connection counters, in that order. The caller holds

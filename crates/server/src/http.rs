@@ -1,29 +1,47 @@
-//! The daemon's local window for operators and clients, on its own address (`netram serve
-//! --metrics`, loopback by default): `GET /metrics` (Prometheus text, every counter the daemon
-//! keeps, one per reason, as `netram stats` shows them) and `GET /members` (what this node
-//! believes of the cluster, JSON: `netram members`, and what clients on this machine ask for
-//! the servers to use when given none).
+//! The daemon's windows for operators and local clients (Anemone §2.4: clients learn the
+//! cluster from their local daemon):
 //!
-//! Hand-written rather than an HTTP crate: two read-only GETs answered by one thread, one
-//! connection at a time, each with a deadline and a size limit on the request, so that nothing
-//! a peer does costs the daemon more than that thread. prometheus-client does the encoding.
+//! * the **control socket** (`netram serve --control`, a unix socket, `/run/netram/PORT.sock`
+//!   as root): `GET /members` (what this node believes of the cluster, JSON: `netram members`,
+//!   and what clients on this machine follow) and `GET /metrics`. Clients trust it because of
+//!   where it is and who serves it, not because of a port number: they connect only to a
+//!   socket whose directory no other user may write, and only if the process at the other end
+//!   runs as root or as themselves (`netram_client::discover` checks both);
+//! * **`/metrics` on TCP** (`--metrics`, 127.0.0.1:PORT+2000 by default) for Prometheus: every
+//!   counter the daemon keeps, one per reason, as `netram stats` shows them. Beyond loopback it
+//!   answers only a request bearing the token of `--metrics-token-file` (`Authorization: Bearer
+//!   …`): node ids, addresses and counters are nobody else's business. `/members` is never
+//!   served on TCP.
+//!
+//! Served by hyper on one thread's tokio runtime: connections are handled concurrently (at most
+//! [`MAX_CONNECTIONS`] at once and [`MAX_PER_PEER`] of one peer, more are closed at once), each
+//! must send its request within
+//! [`HEADER_DEADLINE`] and be done within [`DEADLINE`], so that idle or slow sockets cannot
+//! delay anyone's `/members`. prometheus-client does the encoding.
 
 use crate::daemon::Shared;
+use http_body_util::Full;
+use hyper::body::{Bytes, Incoming};
+use hyper::{Request, Response, StatusCode};
+use hyper_util::rt::{TokioIo, TokioTimer};
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
 use prometheus_client::metrics::counter::ConstCounter;
 use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::registry::Registry;
-use std::io::{Read, Write};
-use std::net::{TcpListener, TcpStream};
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Weak};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-/// A request must arrive whole within this, and its answer be taken within it.
-const DEADLINE: Duration = Duration::from_secs(2);
-/// Bytes of a request read at most (a GET line and headers).
-const MAX_REQUEST: usize = 8192;
+/// A request's headers must arrive within this.
+const HEADER_DEADLINE: Duration = Duration::from_secs(2);
+/// A connection is closed this long after it was accepted, whatever it is doing.
+const DEADLINE: Duration = Duration::from_secs(5);
+/// Connections served at once; more are closed as they come.
+pub const MAX_CONNECTIONS: usize = 256;
+/// Connections of one peer (an address on TCP, a user on the control socket) at once; root and
+/// the daemon's own user on the control socket are bounded by [`MAX_CONNECTIONS`] only.
+pub const MAX_PER_PEER: usize = 8;
 
 /// The daemon's statistics that are levels, not counts.
 const GAUGES: &[&str] = &[
@@ -76,79 +94,273 @@ impl Collector for Stats {
     }
 }
 
-/// The endpoint's thread: answers until the daemon shuts down.
-pub(crate) fn http_loop(listener: TcpListener, shared: Arc<Shared>) {
-    use rustix::event::{poll, PollFd, PollFlags, Timespec};
-    let mut registry = Registry::with_prefix("netram");
-    registry.register_collector(Box::new(Stats(Arc::downgrade(&shared))));
-    let timeout = Timespec {
-        tv_sec: 0,
-        tv_nsec: 100_000_000,
-    };
-    while !shared.shutdown.load(Ordering::SeqCst) {
-        let mut fds = [PollFd::new(&listener, PollFlags::IN)];
-        if !matches!(poll(&mut fds, Some(&timeout)), Ok(n) if n > 0) {
-            continue;
-        }
-        let Ok((stream, peer)) = listener.accept() else {
-            std::thread::sleep(Duration::from_millis(100));
-            continue;
-        };
-        if let Err(e) = answer(stream, &shared, &registry) {
-            Shared::bump(&shared.counters.http_requests_refused);
-            tracing::debug!(%peer, "metrics endpoint: {e}");
+/// Where the endpoints listen, bound by the daemon before it starts serving.
+#[derive(Debug)]
+pub(crate) struct Listeners {
+    /// `/metrics` over TCP, and the token a request must bear there (beyond loopback).
+    pub metrics: Option<(std::net::TcpListener, Option<String>)>,
+    /// The control socket.
+    pub control: Option<std::os::unix::net::UnixListener>,
+}
+
+/// Which window a request came through.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Window {
+    Tcp,
+    Control,
+}
+
+struct Endpoint {
+    shared: Arc<Shared>,
+    registry: Registry,
+    token: Option<String>,
+    /// Open connections per peer (only peers with a limit).
+    per_peer: std::sync::Mutex<std::collections::HashMap<String, usize>>,
+}
+
+/// A connection's place among its peer's, given back when dropped.
+struct PeerSlot {
+    endpoint: Arc<Endpoint>,
+    peer: Option<String>,
+}
+
+impl Drop for PeerSlot {
+    fn drop(&mut self) {
+        if let Some(p) = &self.peer {
+            let mut m = self
+                .endpoint
+                .per_peer
+                .lock()
+                .unwrap_or_else(|e| e.into_inner());
+            if let Some(n) = m.get_mut(p) {
+                *n -= 1;
+                if *n == 0 {
+                    m.remove(p);
+                }
+            }
         }
     }
 }
 
-fn answer(mut stream: TcpStream, shared: &Shared, registry: &Registry) -> std::io::Result<()> {
-    let start = Instant::now();
-    stream.set_write_timeout(Some(DEADLINE))?;
-    let mut req = Vec::with_capacity(512);
-    let mut buf = [0u8; 1024];
-    while !req.windows(4).any(|w| w == b"\r\n\r\n") && !req.windows(2).any(|w| w == b"\n\n") {
-        let left = DEADLINE.saturating_sub(start.elapsed());
-        if left.is_zero() || req.len() > MAX_REQUEST {
-            return Err(std::io::Error::other("no whole request in time or in size"));
+impl Endpoint {
+    /// A place for a connection of `peer` (`None`: a peer without a limit of its own).
+    fn take(self: &Arc<Self>, peer: Option<String>) -> Option<PeerSlot> {
+        if let Some(p) = &peer {
+            let mut m = self.per_peer.lock().unwrap_or_else(|e| e.into_inner());
+            let n = m.entry(p.clone()).or_insert(0);
+            if *n >= MAX_PER_PEER {
+                return None;
+            }
+            *n += 1;
         }
-        stream.set_read_timeout(Some(left))?;
-        let n = stream.read(&mut buf)?;
-        if n == 0 {
-            return Err(std::io::Error::other("closed before a whole request"));
-        }
-        req.extend_from_slice(&buf[..n]);
+        Some(PeerSlot {
+            endpoint: self.clone(),
+            peer,
+        })
     }
-    let line = req.split(|&b| b == b'\n').next().unwrap_or_default();
-    let line = String::from_utf8_lossy(line);
-    let mut parts = line.split_whitespace();
-    let (method, path) = (parts.next().unwrap_or(""), parts.next().unwrap_or(""));
-    let (status, ctype, body) = match (method, path) {
-        ("GET", "/metrics") => {
-            let mut text = String::new();
-            prometheus_client::encoding::text::encode(&mut text, registry)
-                .map_err(|_| std::io::Error::other("encoding the metrics"))?;
-            (
-                "200 OK",
-                "application/openmetrics-text; version=1.0.0; charset=utf-8",
-                text,
-            )
+}
+
+/// The endpoints' thread: serves until the daemon shuts down.
+pub(crate) fn http_loop(listeners: Listeners, shared: Arc<Shared>) {
+    let rt = match tokio::runtime::Builder::new_current_thread()
+        .enable_io()
+        .enable_time()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            tracing::error!("the metrics and control endpoints cannot start: {e}");
+            return;
         }
-        ("GET", "/members") => (
-            "200 OK",
-            "application/json",
-            serde_json::to_string(&shared.members()).map_err(std::io::Error::other)? + "\n",
+    };
+    let mut registry = Registry::with_prefix("netram");
+    registry.register_collector(Box::new(Stats(Arc::downgrade(&shared))));
+    let token = listeners.metrics.as_ref().and_then(|(_, t)| t.clone());
+    let endpoint = Arc::new(Endpoint {
+        shared: shared.clone(),
+        registry,
+        token,
+        per_peer: Default::default(),
+    });
+    let me = rustix::process::geteuid().as_raw();
+    rt.block_on(async move {
+        let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
+        let tcp = listeners.metrics.map(|(l, _)| into_tokio_tcp(l));
+        let unix = listeners.control.map(into_tokio_unix);
+        let tcp = tcp.and_then(|r| r.map_err(|e| tracing::error!("metrics: {e}")).ok());
+        let unix = unix.and_then(|r| r.map_err(|e| tracing::error!("control: {e}")).ok());
+        let mut tick = tokio::time::interval(Duration::from_millis(100));
+        loop {
+            tokio::select! {
+                _ = tick.tick() => {
+                    if shared.shutdown.load(Ordering::SeqCst) {
+                        break;
+                    }
+                }
+                Some(Ok((s, from))) = accept_tcp(&tcp) => {
+                    let peer = Some(from.ip().to_string());
+                    serve(s, Window::Tcp, peer, &endpoint, &slots);
+                }
+                Some(Ok((s, _))) = accept_unix(&unix) => {
+                    // Root and this daemon's user are not limited per peer: they are who the
+                    // socket is for (and could stop the daemon anyway).
+                    let peer = match s.peer_cred() {
+                        Ok(c) if c.uid() == 0 || c.uid() == me => None,
+                        Ok(c) => Some(format!("uid {}", c.uid())),
+                        Err(_) => Some("uid ?".into()),
+                    };
+                    serve(s, Window::Control, peer, &endpoint, &slots);
+                }
+            }
+        }
+    });
+}
+
+fn into_tokio_tcp(l: std::net::TcpListener) -> std::io::Result<tokio::net::TcpListener> {
+    l.set_nonblocking(true)?;
+    tokio::net::TcpListener::from_std(l)
+}
+
+fn into_tokio_unix(
+    l: std::os::unix::net::UnixListener,
+) -> std::io::Result<tokio::net::UnixListener> {
+    l.set_nonblocking(true)?;
+    tokio::net::UnixListener::from_std(l)
+}
+
+async fn accept_tcp(
+    l: &Option<tokio::net::TcpListener>,
+) -> Option<std::io::Result<(tokio::net::TcpStream, std::net::SocketAddr)>> {
+    match l {
+        Some(l) => Some(l.accept().await),
+        None => std::future::pending().await,
+    }
+}
+
+async fn accept_unix(
+    l: &Option<tokio::net::UnixListener>,
+) -> Option<std::io::Result<(tokio::net::UnixStream, tokio::net::unix::SocketAddr)>> {
+    match l {
+        Some(l) => Some(l.accept().await),
+        None => std::future::pending().await,
+    }
+}
+
+/// Serves one connection on its own task, within the connection limit and the deadlines.
+fn serve<S>(
+    stream: S,
+    window: Window,
+    peer: Option<String>,
+    endpoint: &Arc<Endpoint>,
+    slots: &Arc<tokio::sync::Semaphore>,
+) where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
+    let (Some(place), Ok(permit)) = (endpoint.take(peer), slots.clone().try_acquire_owned()) else {
+        Shared::bump(&endpoint.shared.counters.http_requests_refused);
+        return; // dropped: closed
+    };
+    let endpoint = endpoint.clone();
+    tokio::task::spawn(async move {
+        let _held = (permit, place);
+        let service = hyper::service::service_fn(|req: Request<Incoming>| {
+            let endpoint = endpoint.clone();
+            async move { Ok::<_, std::convert::Infallible>(answer(&endpoint, window, &req)) }
+        });
+        let conn = hyper::server::conn::http1::Builder::new()
+            .timer(TokioTimer::new())
+            .header_read_timeout(HEADER_DEADLINE)
+            .keep_alive(false)
+            .serve_connection(TokioIo::new(stream), service);
+        match tokio::time::timeout(DEADLINE, conn).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => {
+                Shared::bump(&endpoint.shared.counters.http_requests_refused);
+                tracing::debug!("metrics endpoint: {e}");
+            }
+            Err(_) => {
+                Shared::bump(&endpoint.shared.counters.http_requests_refused);
+                tracing::debug!("metrics endpoint: a connection outlived its deadline");
+            }
+        }
+    });
+}
+
+/// Whether two strings are equal, in time that does not depend on where they differ.
+fn same(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+fn answer(endpoint: &Endpoint, window: Window, req: &Request<Incoming>) -> Response<Full<Bytes>> {
+    let shared = &endpoint.shared;
+    let reply = |status: StatusCode, ctype: &str, body: String| {
+        let mut r = Response::new(Full::new(Bytes::from(body)));
+        *r.status_mut() = status;
+        if let Ok(v) = ctype.parse() {
+            r.headers_mut().insert(hyper::header::CONTENT_TYPE, v);
+        }
+        r
+    };
+    if window == Window::Tcp {
+        if let Some(token) = &endpoint.token {
+            let given = req
+                .headers()
+                .get(hyper::header::AUTHORIZATION)
+                .and_then(|v| v.to_str().ok())
+                .and_then(|v| v.strip_prefix("Bearer "))
+                .unwrap_or("");
+            if !same(given.trim().as_bytes(), token.as_bytes()) {
+                Shared::bump(&shared.counters.http_requests_refused);
+                return reply(
+                    StatusCode::UNAUTHORIZED,
+                    "text/plain",
+                    "a bearer token is required\n".into(),
+                );
+            }
+        }
+    }
+    if req.method() != hyper::Method::GET {
+        Shared::bump(&shared.counters.http_requests_refused);
+        return reply(
+            StatusCode::METHOD_NOT_ALLOWED,
+            "text/plain",
+            "GET only\n".into(),
+        );
+    }
+    Shared::bump(&shared.counters.http_requests_served);
+    match (window, req.uri().path()) {
+        (_, "/metrics") => {
+            let mut text = String::new();
+            match prometheus_client::encoding::text::encode(&mut text, &endpoint.registry) {
+                Ok(()) => reply(
+                    StatusCode::OK,
+                    "application/openmetrics-text; version=1.0.0; charset=utf-8",
+                    text,
+                ),
+                Err(_) => reply(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    "text/plain",
+                    "encoding the metrics failed\n".into(),
+                ),
+            }
+        }
+        (Window::Control, "/members") => match serde_json::to_string(&shared.members()) {
+            Ok(json) => reply(StatusCode::OK, "application/json", json + "\n"),
+            Err(e) => reply(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "text/plain",
+                format!("{e}\n"),
+            ),
+        },
+        (Window::Tcp, "/members") => reply(
+            StatusCode::NOT_FOUND,
+            "text/plain",
+            "members are listed on the daemon's control socket (netram members)\n".into(),
         ),
-        ("GET", _) => (
-            "404 Not Found",
+        _ => reply(
+            StatusCode::NOT_FOUND,
             "text/plain",
             "try /metrics or /members\n".into(),
         ),
-        _ => ("405 Method Not Allowed", "text/plain", "GET only\n".into()),
-    };
-    Shared::bump(&shared.counters.http_requests_served);
-    write!(
-        stream,
-        "HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-        body.len()
-    )
+    }
 }
