@@ -245,7 +245,10 @@ impl<T: Transport, D: Disk> Pager<T, D> {
     fn leaving_pages(&mut self, server: usize, want: usize) -> (Vec<u64>, bool) {
         let mut out = Vec::new();
         if let Some(rs) = self.scheme.stripe() {
-            let members = rs.members_with_piece_on(server, want);
+            // Every stripe there, not the first `want`: a stripe none of whose members can move
+            // now (one waits to be rebuilt) must not hide the others (`netram sim --seed 3225
+            // --scheme rs:3+2` left a piece above the offer so, the server taken for stuck).
+            let members = rs.members_with_piece_on(server, usize::MAX);
             let held = !members.is_empty();
             for (page, _) in members {
                 // A member whose data piece is out of reach is read from the disk if the disk
