@@ -11,7 +11,7 @@ mod common;
 
 use common::{eventually, netram, node_dir, tls_dir, ServerProcess, KEYGEN};
 use netram_client::maintain::{self, MaintainConfig};
-use netram_client::open::{open_pager, OpenOptions};
+use netram_client::open::{open_pager, ClientPager, OpenOptions};
 use netram_pager::{Backing, Scheme};
 use netram_proto::PAGE_SIZE;
 use std::net::{SocketAddr, UdpSocket};
@@ -74,6 +74,53 @@ fn states(control: &str) -> Vec<(u64, netram_member::Liveness)> {
     v
 }
 
+/// A client's pager shared with its maintenance thread, which follows the local daemon's
+/// membership every `every` and never probes on its own: only membership can point it at a
+/// server.
+fn following_membership_only(
+    pager: ClientPager,
+    every: Duration,
+) -> (Arc<Mutex<ClientPager>>, maintain::Maintenance) {
+    let pager = Arc::new(Mutex::new(pager));
+    let shared = pager.clone();
+    let m = maintain::spawn(
+        move |f| f(&mut shared.lock().unwrap_or_else(|e| e.into_inner())),
+        MaintainConfig {
+            probe_every: Duration::from_secs(3600),
+            membership_every: Some(every),
+            ..Default::default()
+        },
+    );
+    (pager, m)
+}
+
+/// Page `i`'s contents in a test that uses `salt`.
+fn content(i: u64, salt: usize) -> Vec<u8> {
+    (0..PAGE_SIZE)
+        .map(|j| (i as usize * salt + j * 7) as u8)
+        .collect()
+}
+
+/// Writes pages `0..n` (their [`content`]) and flushes.
+fn write_pages(pager: &Mutex<ClientPager>, n: u64, salt: usize) {
+    let mut p = pager.lock().unwrap();
+    for i in 0..n {
+        p.write(i, &content(i, salt)).unwrap();
+    }
+    p.flush().unwrap();
+}
+
+/// Reads pages `0..n` back and checks them, the client having failed no server.
+fn read_back(pager: &Mutex<ClientPager>, n: u64, salt: usize) {
+    let mut p = pager.lock().unwrap();
+    assert!(p.servers().all(|(_, alive)| alive), "a server was failed");
+    let mut buf = vec![0u8; PAGE_SIZE];
+    for i in 0..n {
+        p.read(i, &mut buf).unwrap();
+        assert_eq!(buf, content(i, salt), "page {i}");
+    }
+}
+
 #[test]
 fn daemons_find_each_other_clients_need_no_server_list_and_death_is_followed() {
     use netram_member::Liveness::{Alive, Down};
@@ -122,31 +169,10 @@ fn daemons_find_each_other_clients_need_no_server_list_and_death_is_followed() {
     let names: Vec<String> = pager.servers().map(|(n, _)| n.to_string()).collect();
     assert_eq!(names.len(), 2, "{names:?}");
     assert!(names.contains(&a.proc.addr) && names.contains(&b.proc.addr));
-    let pager = Arc::new(Mutex::new(pager));
-    let _maintenance = {
-        let pager = pager.clone();
-        maintain::spawn(
-            move |f| f(&mut pager.lock().unwrap_or_else(|e| e.into_inner())),
-            MaintainConfig {
-                // Only membership may tell the client that b died.
-                probe_every: Duration::from_secs(3600),
-                membership_every: Some(Duration::from_millis(200)),
-                ..Default::default()
-            },
-        )
-    };
-    let page = |i: u64| -> Vec<u8> {
-        (0..PAGE_SIZE)
-            .map(|j| (i as usize * 31 + j * 7) as u8)
-            .collect()
-    };
-    {
-        let mut p = pager.lock().unwrap();
-        for i in 0..1000 {
-            p.write(i, &page(i)).unwrap();
-        }
-        p.flush().unwrap();
-    }
+    // Only membership may tell the client that b died.
+    let (pager, _maintenance) = following_membership_only(pager, Duration::from_millis(200));
+    let page = |i: u64| content(i, 31);
+    write_pages(&pager, 1000, 31);
     assert!(a.proc.stat("stored_pages") >= 1000);
     assert!(b.proc.stat("stored_pages") >= 1000);
     assert_eq!(
@@ -352,30 +378,8 @@ fn a_udp_flood_declares_no_member_down_and_costs_no_page() {
         redundancy: Scheme::None,
     })
     .expect("a pager from the local daemon's members");
-    let pager = Arc::new(Mutex::new(pager));
-    let _maintenance = {
-        let pager = pager.clone();
-        maintain::spawn(
-            move |f| f(&mut pager.lock().unwrap_or_else(|e| e.into_inner())),
-            MaintainConfig {
-                probe_every: Duration::from_secs(3600),
-                membership_every: Some(Duration::from_millis(200)),
-                ..Default::default()
-            },
-        )
-    };
-    let page = |i: u64| -> Vec<u8> {
-        (0..PAGE_SIZE)
-            .map(|j| (i as usize * 13 + j * 5) as u8)
-            .collect()
-    };
-    {
-        let mut p = pager.lock().unwrap();
-        for i in 0..2048 {
-            p.write(i, &page(i)).unwrap();
-        }
-        p.flush().unwrap();
-    }
+    let (pager, _maintenance) = following_membership_only(pager, Duration::from_millis(200));
+    write_pages(&pager, 2048, 13);
 
     // What the attacker sends: garbage; a well-formed packet, unsigned; and one signed "by"
     // member b (its real certificate, a signature over other bytes).
@@ -438,13 +442,7 @@ fn a_udp_flood_declares_no_member_down_and_costs_no_page() {
     );
     assert!(refused > 10_000, "the flood was refused: {refused}");
     assert_eq!(c.proc.stat("gossip_refused_member_rate"), 0);
-    let mut p = pager.lock().unwrap();
-    assert!(p.servers().all(|(_, alive)| alive), "a server was failed");
-    let mut buf = vec![0u8; PAGE_SIZE];
-    for i in 0..2048 {
-        p.read(i, &mut buf).unwrap();
-        assert_eq!(buf, page(i), "page {i}");
-    }
+    read_back(&pager, 2048, 13);
     std::env::remove_var("NETRAM_DAEMON");
 }
 
@@ -585,36 +583,13 @@ fn only_a_daemon_of_root_or_this_user_is_believed_and_idle_sockets_do_not_delay_
         redundancy: Scheme::None,
     })
     .unwrap();
-    let pager = Arc::new(Mutex::new(pager));
-    let page = |i: u64| -> Vec<u8> { (0..PAGE_SIZE).map(|j| (i as usize + j * 3) as u8).collect() };
-    {
-        let mut p = pager.lock().unwrap();
-        for i in 0..512 {
-            p.write(i, &page(i)).unwrap();
-        }
-        p.flush().unwrap();
-    }
-    {
-        let pager = pager.clone();
-        let _m = maintain::spawn(
-            move |f| f(&mut pager.lock().unwrap_or_else(|e| e.into_inner())),
-            MaintainConfig {
-                probe_every: Duration::from_secs(3600),
-                membership_every: Some(Duration::from_millis(100)),
-                ..Default::default()
-            },
-        );
-        std::thread::sleep(Duration::from_secs(2));
-    }
+    let (pager, maintenance) = following_membership_only(pager, Duration::from_millis(100));
+    write_pages(&pager, 512, 3);
+    std::thread::sleep(Duration::from_secs(2));
+    drop(maintenance);
     std::env::remove_var("NETRAM_DAEMON");
-    let mut p = pager.lock().unwrap();
-    assert!(p.servers().all(|(_, alive)| alive), "a server was failed");
-    let mut buf = vec![0u8; PAGE_SIZE];
-    for i in 0..512 {
-        p.read(i, &mut buf).unwrap();
-        assert_eq!(buf, page(i), "page {i}");
-    }
-    assert_eq!(p.pages_on_disk_only(), 0);
+    read_back(&pager, 512, 3);
+    assert_eq!(pager.lock().unwrap().pages_on_disk_only(), 0);
 
     // 3. Idle sockets on the real daemon's control socket, 64 of another user's (8 of them
     // are kept, the rest closed at once) and 64 of this user's, do not delay /members.

@@ -677,16 +677,17 @@ fn a_page_changed_on_the_wire_is_caught_and_read_elsewhere() {
     );
 }
 
-/// Nswap's migration between real daemons over TLS: the owner's EXPECT at the new server,
-/// its MIGRATE at the old one, the page carried server to server (ADOPT, on the old server's
-/// own peer session). Nobody else gets a page into the owner's session: not another client,
-/// not a server of the cluster the owner did not name, not a second copy of the handover;
-/// and a target that is not the node the owner named gets nothing.
-#[test]
-fn a_page_moves_server_to_server_only_as_its_owner_said() {
-    let (cdir, _) = node_creds(50, true);
-    let (bdir, _) = node_creds(51, true);
-    // C and B are members of one cluster: a server hands pages over only to a member.
+/// Server B (node `b_node`) and server C (node `c_node`), C joined to B's cluster and
+/// listing it alive; the directories they use go with the pair.
+struct Pair {
+    b: ServerProcess,
+    c: ServerProcess,
+    _dirs: [tempfile::TempDir; 3],
+}
+
+fn joined_pair(b_node: u64, c_node: u64) -> Pair {
+    let (bdir, _) = node_creds(b_node, true);
+    let (cdir, _) = node_creds(c_node, true);
     let b = ServerProcess::start_restartable(&[
         "--capacity",
         "16M",
@@ -709,9 +710,26 @@ fn a_page_moves_server_to_server_only_as_its_owner_said() {
         netram_client::discover::members(&control, Duration::from_secs(2)).is_ok_and(|l| {
             l.members
                 .iter()
-                .any(|r| r.node == 51 && r.state == netram_member::Liveness::Alive)
+                .any(|r| r.node == b_node && r.state == netram_member::Liveness::Alive)
         })
     });
+    Pair {
+        b,
+        c,
+        _dirs: [bdir, cdir, ctl],
+    }
+}
+
+/// Nswap's migration between real daemons over TLS: the owner's EXPECT at the new server,
+/// its MIGRATE at the old one, the page carried server to server (ADOPT, on the old server's
+/// own peer session). Nobody else gets a page into the owner's session: not another client,
+/// not a server of the cluster the owner did not name, not a second copy of the handover;
+/// and a target that is not the node the owner named gets nothing.
+#[test]
+fn a_page_moves_server_to_server_only_as_its_owner_said() {
+    // C and B are members of one cluster: a server hands pages over only to a member.
+    let pair = joined_pair(51, 50);
+    let (b, c) = (&pair.b, &pair.c);
     let (_a_dir, alice) = node_creds(52, false);
     let (_m_dir, mallory) = node_creds(53, false);
     let (_r_dir, rogue) = node_creds(54, true);
@@ -811,36 +829,11 @@ fn a_page_moves_server_to_server_only_as_its_owner_said() {
 /// TCP to any address it named).
 #[test]
 fn a_migration_goes_only_to_a_member_of_the_cluster() {
-    let (bdir, _) = node_creds(61, true);
-    let (cdir, _) = node_creds(60, true);
     let (odir, _) = node_creds(62, true);
-    let b = ServerProcess::start_restartable(&[
-        "--capacity",
-        "16M",
-        "--tls",
-        bdir.path().to_str().unwrap(),
-    ]);
-    let ctl = tempfile::tempdir().unwrap();
-    let control = ctl.path().join("c.sock").display().to_string();
-    let c = ServerProcess::start_restartable(&[
-        "--capacity",
-        "16M",
-        "--tls",
-        cdir.path().to_str().unwrap(),
-        "--seed",
-        &b.addr,
-        "--control",
-        &control,
-    ]);
+    let pair = joined_pair(61, 60);
+    let (b, c) = (&pair.b, &pair.c);
     let outsider =
         ServerProcess::start(&["--capacity", "16M", "--tls", odir.path().to_str().unwrap()]);
-    eventually("C's membership lists B alive", 30, || {
-        netram_client::discover::members(&control, Duration::from_secs(2)).is_ok_and(|l| {
-            l.members
-                .iter()
-                .any(|r| r.node == 61 && r.state == netram_member::Liveness::Alive)
-        })
-    });
     let (_a_dir, alice) = node_creds(63, false);
     let hello = Hello::new(0xa11ce, 1, 1);
     let mut at_c = Conn::open(&c.addr, &alice, &hello).unwrap();
