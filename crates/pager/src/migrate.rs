@@ -250,18 +250,28 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             // --scheme rs:3+2` left a piece above the offer so, the server taken for stuck).
             let members = rs.members_with_piece_on(server, usize::MAX);
             let held = !members.is_empty();
+            let mut unread = Vec::new();
             for (page, _) in members {
                 // A member whose data piece is out of reach is read from the disk if the disk
                 // backs it, else left to recovery to rebuild first.
-                if self.movable(page)
-                    && !out.contains(&page)
-                    && (self.alive_holder(page, None).is_some() || self.table.get(page).on_disk)
-                {
+                let readable =
+                    self.alive_holder(page, None).is_some() || self.table.get(page).on_disk;
+                if !readable {
+                    unread.push(page);
+                }
+                if self.movable(page) && !out.contains(&page) && readable {
                     out.push(page);
                 }
                 if out.len() >= want {
                     break;
                 }
+            }
+            // ... and recovery is told: such a stripe may have been left out of its list (its
+            // other lost member superseded meanwhile), and then nothing would ever rebuild the
+            // page, or find it lost and free the stripe's pieces (`netram sim --seed 3457
+            // --scheme rs:2+1`: a parity piece stayed above a shrunk offer).
+            if !unread.is_empty() {
+                self.rs_recheck(&unread);
             }
             return (out, held);
         }

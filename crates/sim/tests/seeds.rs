@@ -148,6 +148,9 @@ fn seeds_that_found_bugs_hold() {
         ("mirror:3", 350),
         // A stripe whose members could not move hid the others on a shrinking server.
         ("rs:3+2", 3225),
+        // A stripe left off recovery's list with its only live member unreadable kept a
+        // piece above a shrunk offer for good.
+        ("rs:2+1", 3457),
     ] {
         let sc = Scenario {
             scheme: scheme.parse().unwrap(),

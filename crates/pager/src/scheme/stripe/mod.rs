@@ -728,4 +728,18 @@ impl<T: Transport, D: Disk> Pager<T, D> {
     pub(crate) fn rs_degraded(&self) -> usize {
         self.rs().degraded.len()
     }
+
+    /// The stripes of these pages, whose data pieces are out of reach, go back on recovery's
+    /// list unless it already waits for room for them (`short`).
+    pub(crate) fn rs_recheck(&mut self, pages: &[u64]) {
+        let rs = self.rs_mut();
+        for &page in pages {
+            let Some(&id) = rs.stripe_of.get(page as usize) else {
+                continue;
+            };
+            if rs.stripes.get(id as usize).is_some_and(Stripe::in_use) && !rs.short.contains(&id) {
+                rs.degraded.insert(id);
+            }
+        }
+    }
 }
