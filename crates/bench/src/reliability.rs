@@ -115,7 +115,16 @@ impl Cluster {
     fn spawn(&self, listen: &str) -> anyhow::Result<(ChildGuard, String)> {
         ChildGuard::netram(
             &self.exe,
-            &["serve", "--listen", listen, "--capacity", &self.capacity],
+            // No control socket: these daemons are killed, and would leave theirs behind.
+            &[
+                "serve",
+                "--listen",
+                listen,
+                "--capacity",
+                &self.capacity,
+                "--control",
+                "off",
+            ],
             "netram serve: listening on ",
         )
     }

@@ -55,12 +55,23 @@ pub fn default_control(port: u16) -> PathBuf {
     dir.join(format!("{port}.sock"))
 }
 
-/// The daemon to ask: `NETRAM_DAEMON` (its control socket's path), or the default daemon's.
+/// The daemon to ask: `NETRAM_DAEMON` (its control socket's path), or else the default
+/// daemon's: root's (`/run/netram/7077.sock`, where a daemon run by the system is) if it is
+/// there, else this user's own.
 pub fn daemon_addr() -> String {
-    std::env::var(crate::env::var::DAEMON)
+    if let Some(d) = std::env::var(crate::env::var::DAEMON)
         .ok()
         .filter(|s| !s.is_empty())
-        .unwrap_or_else(|| default_control(DEFAULT_PORT).display().to_string())
+    {
+        return d;
+    }
+    let system = Path::new("/run/netram").join(format!("{DEFAULT_PORT}.sock"));
+    let own = default_control(DEFAULT_PORT);
+    if system.exists() || !own.exists() {
+        system.display().to_string()
+    } else {
+        own.display().to_string()
+    }
 }
 
 /// Whether the socket at `path` can only have been put there by root or this user, and is a

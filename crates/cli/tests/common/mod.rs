@@ -170,6 +170,14 @@ pub fn reserved_port() -> u16 {
     panic!("no free port in {from}..{to}");
 }
 
+/// A test's daemon has no control socket unless the test gives one: the default is in
+/// /run/netram as root, shared by the machine, and a SIGKILLed daemon leaves its socket there.
+fn no_control_unless_given(args: &mut Vec<&str>) {
+    if !args.contains(&"--control") {
+        args.extend(["--control", "off"]);
+    }
+}
+
 /// A `netram serve` child process, SIGKILLed by PID on drop.
 pub struct ServerProcess {
     pub child: Child,
@@ -182,6 +190,7 @@ impl ServerProcess {
     pub fn start(args: &[&str]) -> Self {
         let mut all = vec!["serve", "--listen", "127.0.0.1:0"];
         all.extend_from_slice(args);
+        no_control_unless_given(&mut all);
         let (child, addr) = spawn_reporting(&all, "netram serve: listening on ");
         Self {
             child,
@@ -202,6 +211,7 @@ impl ServerProcess {
             let addr = format!("127.0.0.1:{}", reserved_port());
             all.push(&addr);
             all.extend_from_slice(args);
+            no_control_unless_given(&mut all);
             match try_spawn_reporting(&all, "netram serve: listening on ") {
                 Ok((child, addr)) => {
                     return Self {
@@ -226,6 +236,7 @@ impl ServerProcess {
         }
         let mut all = vec!["serve", "--listen", addr];
         all.extend_from_slice(args);
+        no_control_unless_given(&mut all);
         let (child, addr) = spawn_reporting(&all, "netram serve: listening on ");
         Self {
             child,
