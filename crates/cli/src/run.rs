@@ -187,6 +187,13 @@ pub fn run(args: RunArgs) -> anyhow::Result<i32> {
         },
         insecure: args.security.insecure,
     };
+    if let Some(why) = cannot_attach(&args.command[0]) {
+        bail!(
+            "{} cannot run on netram: {why}; netram run reaches a program through the dynamic \
+             loader (LD_PRELOAD)",
+            args.command[0]
+        );
+    }
     let mut cmd = Command::new(&args.command[0]);
     cmd.args(&args.command[1..])
         .env("LD_PRELOAD", preload)
@@ -222,7 +229,21 @@ pub fn run(args: RunArgs) -> anyhow::Result<i32> {
         // and has said why on stderr.
         bail!("netram could not start for {}", args.command[0]);
     }
-    let (totals, processes) = read_reports(&reports.0)?;
+    let (totals, processes, attached) = read_reports(&reports.0)?;
+    if attached == 0 {
+        // The loader ignored the library (it could not be loaded, or the program would not
+        // take it): the program ran, all of it in local memory. Not a success of netram's.
+        bail!(
+            "netram never attached to {}, which ran entirely in local memory and {} (the \
+             dynamic loader did not load {}: see its message above)",
+            args.command[0],
+            match status.code() {
+                Some(c) => format!("exited with {c}"),
+                None => "was killed by a signal".into(),
+            },
+            lib.display()
+        );
+    }
     // "exited with 135" says little: name the signal, as a shell would.
     let ended = match status.signal() {
         Some(sig) => {
@@ -296,11 +317,23 @@ fn peak_rss_of_children_kib() -> u64 {
 }
 
 /// The per-process reports summed, and how many processes wrote one.
-fn read_reports(dir: &Path) -> anyhow::Result<(serde_json::Map<String, serde_json::Value>, u64)> {
+/// The processes' reports summed, how many reported, and how many the library attached to
+/// (each leaves an `attached-PID` mark when it starts, `crates/preload`).
+fn read_reports(
+    dir: &Path,
+) -> anyhow::Result<(serde_json::Map<String, serde_json::Value>, u64, u64)> {
     let mut totals = serde_json::Map::new();
     let mut n = 0;
+    let mut attached = 0;
     for entry in std::fs::read_dir(dir)? {
         let path = entry?.path();
+        if path
+            .file_name()
+            .is_some_and(|f| f.to_string_lossy().starts_with("attached-"))
+        {
+            attached += 1;
+            continue;
+        }
         let Ok(text) = std::fs::read_to_string(&path) else {
             continue;
         };
@@ -318,7 +351,50 @@ fn read_reports(dir: &Path) -> anyhow::Result<(serde_json::Map<String, serde_jso
             totals.insert(k, sum.into());
         }
     }
-    Ok((totals, n))
+    Ok((totals, n, attached))
+}
+
+/// Why the program at `program` (a path, or a name on PATH) could not have netram's library
+/// loaded into it, if it can tell: a static ELF (no interpreter: no dynamic loader reads
+/// LD_PRELOAD), or a set-user-ID or set-group-ID program run by another user than root (the
+/// loader ignores LD_PRELOAD in secure mode). Scripts and what it cannot read are let through
+/// (the attach mark tells after the run).
+fn cannot_attach(program: &str) -> Option<String> {
+    use object::read::elf::{FileHeader, ProgramHeader};
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    let path = if program.contains('/') {
+        PathBuf::from(program)
+    } else {
+        std::env::split_paths(&std::env::var_os("PATH")?)
+            .map(|d| d.join(program))
+            .find(|p| p.is_file())?
+    };
+    let meta = std::fs::metadata(&path).ok()?;
+    let mode = meta.permissions().mode();
+    // SAFETY: geteuid only reads this process's effective user id.
+    let euid = unsafe { libc::geteuid() };
+    if mode & 0o6000 != 0 && euid != 0 && meta.uid() != euid {
+        return Some(format!("{} is set-user-ID or set-group-ID", path.display()));
+    }
+    // The program headers follow the ELF header in every binary a linker writes.
+    let mut head = Vec::with_capacity(64 << 10);
+    std::io::Read::read_to_end(
+        &mut std::io::Read::take(std::fs::File::open(&path).ok()?, 64 << 10),
+        &mut head,
+    )
+    .ok()?;
+    fn interp<H: FileHeader>(data: &[u8]) -> Option<bool> {
+        let h = H::parse(data).ok()?;
+        let e = h.endian().ok()?;
+        let phs = h.program_headers(e, data).ok()?;
+        Some(phs.iter().any(|ph| ph.p_type(e) == object::elf::PT_INTERP))
+    }
+    let has_interp = match object::FileKind::parse(&head[..]).ok()? {
+        object::FileKind::Elf64 => interp::<object::elf::FileHeader64<object::Endianness>>(&head),
+        object::FileKind::Elf32 => interp::<object::elf::FileHeader32<object::Endianness>>(&head),
+        _ => None,
+    }?;
+    (!has_interp).then(|| format!("{} is statically linked", path.display()))
 }
 
 /// A private directory removed on drop.

@@ -962,3 +962,68 @@ my $t = 0; $t += $h{"k$_"}[0] for 1..30000; print scalar(keys %h), " $t\n";
         assert_eq!(g("errors"), 0, "{r}");
     }
 }
+
+/// Issue "A newcomer's first hour": `netram run` of a program netram cannot reach used to run
+/// it in local memory and say nothing. A static program (Debian's `ldconfig` is static-pie:
+/// no dynamic loader reads LD_PRELOAD) is refused before it starts, with the reason; a program
+/// into which the loader did not load the library (here: NETRAM_PRELOAD names an empty file,
+/// which the loader ignores with a message) makes `netram run` exit non-zero after it ends,
+/// saying so. A program netram does reach is not affected.
+#[test]
+fn a_program_netram_cannot_reach_is_refused_or_reported() {
+    let ldconfig = Path::new("/usr/sbin/ldconfig");
+    if !ldconfig.exists() {
+        netram_testkit::skip(
+            "no /usr/sbin/ldconfig (a static program) here",
+            Some("libc-bin"),
+        );
+        return;
+    }
+    let out = netram_run(
+        &["--local-mem", "8M", "--backing", "disk"],
+        &["/usr/sbin/ldconfig", "-p"],
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "a static program ran: {err}");
+    assert!(err.contains("is statically linked"), "{err}");
+    assert!(out.stdout.is_empty(), "it was not started");
+
+    let dir = tempfile::tempdir().unwrap();
+    let empty = dir.path().join("empty.so");
+    std::fs::write(&empty, b"").unwrap();
+    let out = common::netram_env(Command::new("timeout"))
+        .args([
+            "60",
+            NETRAM,
+            "run",
+            "--local-mem",
+            "8M",
+            "--backing",
+            "disk",
+        ])
+        .args(["--", "sh", "-c", "echo ran"])
+        .env("NETRAM_PRELOAD", &empty)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout),
+        "ran\n",
+        "the program ran"
+    );
+    assert!(
+        !out.status.success(),
+        "netram run succeeded without netram: {err}"
+    );
+    assert!(err.contains("netram never attached to sh"), "{err}");
+
+    let out = netram_run(
+        &["--local-mem", "8M", "--backing", "disk"],
+        &["sh", "-c", "echo ran"],
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}

@@ -585,7 +585,16 @@ extern "C" fn on_load() {
             return;
         }
         match start() {
-            Ok(true) => STATE.store(READY, Ordering::Release),
+            Ok(true) => {
+                STATE.store(READY, Ordering::Release);
+                // `netram run` counts these: a run with none never had netram (the loader
+                // ignored this library), whatever the program's exit status says.
+                if let Some(dir) = std::env::var_os(var::REPORT) {
+                    let mark =
+                        std::path::Path::new(&dir).join(format!("attached-{}", std::process::id()));
+                    let _ = std::fs::write(mark, b"");
+                }
+            }
             Ok(false) => STATE.store(OFF, Ordering::Release),
             Err(e) => {
                 STATE.store(OFF, Ordering::Release);
