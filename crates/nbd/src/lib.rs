@@ -187,6 +187,16 @@ where
     for t in threads {
         let _ = t.join();
     }
+    let c = &open.counters;
+    let n = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
+    tracing::info!(
+        refused_handshakes = n(&c.refused_handshakes),
+        handshakes_taken_over = n(&c.handshakes_taken_over),
+        refused_established = n(&c.refused_established),
+        refused_nodes = n(&c.refused_nodes),
+        hung_up_freed = n(&c.hung_up_freed),
+        "NBD connections refused and freed while serving"
+    );
     Ok(())
 }
 
