@@ -667,6 +667,89 @@ public class Objs {
     assert_eq!(g("errors"), 0, "{r}");
 }
 
+/// Libraries loaded after start (as a JVM loads `libjvm`): the dynamic loader's blocks for
+/// them stay off the region even as root, where every other block of the program is on it,
+/// and after everything has been pushed out the libraries still work (the handler never
+/// faults on the loader's memory).
+#[test]
+fn libraries_loaded_after_start_keep_the_loader_off_the_region() {
+    if !netram_testkit::have_root("every block of the program on the region") {
+        return;
+    }
+    let Some(r) = c_program_on_netram("dlopen_late", &["-pthread"], "8M") else {
+        return;
+    };
+    assert!(r["evictions"].as_u64().unwrap() > 10_000, "{r}");
+    assert_eq!(r["errors"].as_u64(), Some(0), "{r}");
+}
+
+/// The JVM that hung for good (issue 37): Debian's OpenJDK with a 1.2 GiB heap of small arrays
+/// on a 210 MiB budget, over TLS. Its handler's first `send` came after the loader's lists
+/// (allocated through the program's `malloc`, `libjvm`'s among them) had been evicted, and the
+/// lazy lookup of `send` walked them: the handler faulted on its own region. Interposed
+/// functions are now looked up at load, and the loader's blocks kept off the region.
+#[test]
+fn a_jvm_that_outgrows_its_budget_many_times_completes() {
+    if !netram_testkit::have_tools(&[("javac", "openjdk-17-jdk-headless")]) {
+        return;
+    }
+    let dir = Scratch::new("jvm-big");
+    let src = dir.0.join("Big.java");
+    std::fs::write(
+        &src,
+        r#"import java.util.*;
+public class Big {
+  public static void main(String[] a) {
+    int n = Integer.parseInt(a[0]);
+    HashMap<Integer, long[]> m = new HashMap<>();
+    for (int i = 0; i < n; i++) { long[] v = new long[16]; v[i % 16] = i; m.put(i, v); }
+    long t = 0;
+    for (int i = 0; i < n; i += 7) t += m.get(i)[i % 16];
+    System.out.println(m.size() + " " + t);
+  }
+}
+"#,
+    )
+    .unwrap();
+    let java = [
+        "java",
+        "-Xmx1200m",
+        "-XX:+UseSerialGC",
+        src.to_str().unwrap(),
+        "3000000",
+    ];
+    // The sum of the multiples of 7 below 3,000,000, each read from its own array.
+    let expected = "3000000 642857357142\n";
+    let (_servers, addrs) = {
+        let s: Vec<ServerProcess> = (0..2)
+            .map(|_| ServerProcess::start(&["--capacity", "1G"]))
+            .collect();
+        let a = s.iter().map(|s| s.addr.clone()).collect::<Vec<_>>();
+        (s, a.join(","))
+    };
+    let rep = dir.0.join("report.json");
+    let out = netram_run(
+        &[
+            "--local-mem",
+            "210M",
+            "--servers",
+            &addrs,
+            "--report",
+            rep.to_str().unwrap(),
+        ],
+        &java,
+    );
+    assert_ran(&out, "java under netram run");
+    assert_eq!(String::from_utf8_lossy(&out.stdout), expected);
+    let r = report(&rep);
+    let g = |k: &str| r[k].as_u64().unwrap_or_else(|| panic!("{k} in {r}"));
+    // All-local it peaks at ~700 MiB here: most of the heap went out and came back.
+    assert!(g("evictions") > 100_000, "{r}");
+    assert!(g("faults") > 100_000, "{r}");
+    assert_eq!(g("errors"), 0, "{r}");
+    assert!(g("peak_rss_kib") < 400 << 10, "{r}");
+}
+
 /// A shell script that runs many short commands: each one is a process of its own on netram
 /// (its own region and sessions on the servers), and each session ends with the process, not
 /// when its lease runs out. (Left to their leases, 64 commands in a few seconds filled the

@@ -32,8 +32,9 @@
 //! blocks of 128K and more (see `start`), where programs keep bulk data.
 
 use super::{c_int, c_void, Ordering, HEAP, IN_CHILD, REGION_END, REGION_START};
+use crate::loader::Next;
 use netram_proto::PAGE_SIZE;
-use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, AtomicUsize};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize};
 
 /// Set once the region is up, if its userfaultfd serves user-mode faults only.
 pub(crate) static GUARDED: AtomicBool = AtomicBool::new(false);
@@ -197,23 +198,30 @@ fn chunked(
     done as isize
 }
 
-/// The C library's definition of an interposed function, looked up once.
+/// The C library's definitions of the interposed functions: looked up at load (see
+/// [`crate::loader`]), before the region exists.
+pub(crate) static READ: Next = Next::new(c"read");
+pub(crate) static WRITE: Next = Next::new(c"write");
+pub(crate) static PREAD64: Next = Next::new(c"pread64");
+pub(crate) static PWRITE64: Next = Next::new(c"pwrite64");
+pub(crate) static READV: Next = Next::new(c"readv");
+pub(crate) static WRITEV: Next = Next::new(c"writev");
+pub(crate) static RECV: Next = Next::new(c"recv");
+pub(crate) static RECVFROM: Next = Next::new(c"recvfrom");
+pub(crate) static SEND: Next = Next::new(c"send");
+pub(crate) static SENDTO: Next = Next::new(c"sendto");
+pub(crate) static FREAD: Next = Next::new(c"fread");
+pub(crate) static FREAD_UNLOCKED: Next = Next::new(c"fread_unlocked");
+pub(crate) static FWRITE: Next = Next::new(c"fwrite");
+pub(crate) static FWRITE_UNLOCKED: Next = Next::new(c"fwrite_unlocked");
+
+/// The C library's definition of an interposed function.
 macro_rules! next {
-    ($name:literal: $ty:ty) => {{
-        static REAL: AtomicPtr<c_void> = AtomicPtr::new(std::ptr::null_mut());
-        let mut f = REAL.load(Ordering::Acquire);
-        if f.is_null() {
-            // SAFETY: a lookup of the named symbol in the libraries after this one.
-            f = unsafe { libc::dlsym(libc::RTLD_NEXT, concat!($name, "\0").as_ptr().cast()) };
-            assert!(
-                !f.is_null(),
-                concat!("netram: no ", $name, " in the C library")
-            );
-            REAL.store(f, Ordering::Release);
-        }
+    ($next:ident: $ty:ty) => {
         // SAFETY: the symbol is the C library's function of that name, with this signature.
-        unsafe { std::mem::transmute::<*mut c_void, $ty>(f) }
-    }};
+        unsafe { $next.get::<$ty>() }
+            .expect("netram: an interposed function is not in the C library")
+    };
 }
 
 type ReadFn = unsafe extern "C" fn(c_int, *mut c_void, usize) -> isize;
@@ -246,7 +254,7 @@ type FwriteFn = unsafe extern "C" fn(*const c_void, usize, usize, *mut libc::FIL
 /// The C library's contract for `read`.
 #[no_mangle]
 pub unsafe extern "C" fn read(fd: c_int, buf: *mut c_void, n: usize) -> isize {
-    let real = next!("read": ReadFn);
+    let real = next!(READ: ReadFn);
     if !guarded(buf, n) {
         // SAFETY: passed through.
         return unsafe { real(fd, buf, n) };
@@ -270,7 +278,7 @@ pub unsafe extern "C" fn pread64(
     n: usize,
     off: libc::off64_t,
 ) -> isize {
-    let real = next!("pread64": PreadFn);
+    let real = next!(PREAD64: PreadFn);
     if !guarded(buf, n) {
         // SAFETY: passed through.
         return unsafe { real(fd, buf, n, off) };
@@ -297,7 +305,7 @@ pub unsafe extern "C" fn pread(fd: c_int, buf: *mut c_void, n: usize, off: libc:
 /// The C library's contract for `recv`.
 #[no_mangle]
 pub unsafe extern "C" fn recv(fd: c_int, buf: *mut c_void, n: usize, flags: c_int) -> isize {
-    let real = next!("recv": RecvFn);
+    let real = next!(RECV: RecvFn);
     if !guarded(buf, n) {
         // SAFETY: passed through.
         return unsafe { real(fd, buf, n, flags) };
@@ -324,7 +332,7 @@ pub unsafe extern "C" fn recvfrom(
     from: *mut libc::sockaddr,
     from_len: *mut libc::socklen_t,
 ) -> isize {
-    let real = next!("recvfrom": RecvfromFn);
+    let real = next!(RECVFROM: RecvfromFn);
     if !guarded(buf, n) {
         // SAFETY: passed through.
         return unsafe { real(fd, buf, n, flags, from, from_len) };
@@ -344,7 +352,7 @@ pub unsafe extern "C" fn recvfrom(
 /// The C library's contract for `write`.
 #[no_mangle]
 pub unsafe extern "C" fn write(fd: c_int, buf: *const c_void, n: usize) -> isize {
-    let real = next!("write": WriteFn);
+    let real = next!(WRITE: WriteFn);
     if !guarded(buf, n) {
         // SAFETY: passed through.
         return unsafe { real(fd, buf, n) };
@@ -368,7 +376,7 @@ pub unsafe extern "C" fn pwrite64(
     n: usize,
     off: libc::off64_t,
 ) -> isize {
-    let real = next!("pwrite64": PwriteFn);
+    let real = next!(PWRITE64: PwriteFn);
     if !guarded(buf, n) {
         // SAFETY: passed through.
         return unsafe { real(fd, buf, n, off) };
@@ -400,7 +408,7 @@ pub unsafe extern "C" fn pwrite(
 /// The C library's contract for `send`.
 #[no_mangle]
 pub unsafe extern "C" fn send(fd: c_int, buf: *const c_void, n: usize, flags: c_int) -> isize {
-    let real = next!("send": SendFn);
+    let real = next!(SEND: SendFn);
     if !guarded(buf, n) {
         // SAFETY: passed through.
         return unsafe { real(fd, buf, n, flags) };
@@ -426,7 +434,7 @@ pub unsafe extern "C" fn sendto(
     to: *const libc::sockaddr,
     to_len: libc::socklen_t,
 ) -> isize {
-    let real = next!("sendto": SendtoFn);
+    let real = next!(SENDTO: SendtoFn);
     if !guarded(buf, n) {
         // SAFETY: passed through.
         return unsafe { real(fd, buf, n, flags, to, to_len) };
@@ -447,9 +455,9 @@ pub unsafe extern "C" fn sendto(
 /// buffers fill; a stream's read stops after the first).
 unsafe fn vectored(fd: c_int, iov: *const libc::iovec, count: c_int, reading: bool) -> isize {
     let real = if reading {
-        next!("readv": IovFn)
+        next!(READV: IovFn)
     } else {
-        next!("writev": IovFn)
+        next!(WRITEV: IovFn)
     };
     let bufs = match usize::try_from(count) {
         // SAFETY: the caller's array of `count` iovecs.
@@ -603,7 +611,7 @@ pub unsafe extern "C" fn fread(
     n: usize,
     fp: *mut libc::FILE,
 ) -> usize {
-    fread_with(next!("fread": FreadFn), ptr, size, n, fp)
+    fread_with(next!(FREAD: FreadFn), ptr, size, n, fp)
 }
 
 /// # Safety
@@ -615,7 +623,7 @@ pub unsafe extern "C" fn fread_unlocked(
     n: usize,
     fp: *mut libc::FILE,
 ) -> usize {
-    fread_with(next!("fread_unlocked": FreadFn), ptr, size, n, fp)
+    fread_with(next!(FREAD_UNLOCKED: FreadFn), ptr, size, n, fp)
 }
 
 /// # Safety
@@ -627,7 +635,7 @@ pub unsafe extern "C" fn fwrite(
     n: usize,
     fp: *mut libc::FILE,
 ) -> usize {
-    fwrite_with(next!("fwrite": FwriteFn), ptr, size, n, fp)
+    fwrite_with(next!(FWRITE: FwriteFn), ptr, size, n, fp)
 }
 
 /// # Safety
@@ -639,5 +647,5 @@ pub unsafe extern "C" fn fwrite_unlocked(
     n: usize,
     fp: *mut libc::FILE,
 ) -> usize {
-    fwrite_with(next!("fwrite_unlocked": FwriteFn), ptr, size, n, fp)
+    fwrite_with(next!(FWRITE_UNLOCKED: FwriteFn), ptr, size, n, fp)
 }

@@ -46,6 +46,7 @@ use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU8, AtomicUsize, Ordering};
 use std::sync::OnceLock;
 
 mod io;
+mod loader;
 
 type Heap = RegionHeap<TcpTransport, FileDisk>;
 
@@ -575,8 +576,10 @@ extern "C" fn at_exit() {
 /// and maps the region, so that a bad configuration is reported at once.
 extern "C" fn on_load() {
     // Look the program's allocator up before the program allocates, so that every block it
-    // gets comes from, and goes back to, the allocator that will serve it.
+    // gets comes from, and goes back to, the allocator that will serve it; and every other
+    // function this library passes calls on to, before the region exists (see `loader`).
     let _ = foreign();
+    loader::resolve_all();
     let _ = enter(|| {
         if STATE
             .compare_exchange(UNINIT, INITIALIZING, Ordering::AcqRel, Ordering::Acquire)
@@ -629,6 +632,14 @@ fn heap_for(size: usize) -> Option<&'static Heap> {
 /// The heap, if `ptr` points into its region.
 fn owner(ptr: *const c_void) -> Option<&'static Heap> {
     HEAP.get().filter(|h| h.contains(ptr.cast()))
+}
+
+/// Whether `ptr` is on this process's netram region (1) or not (0): for a program, or a test,
+/// that wants to know where a block of its own ended up (`dlsym(RTLD_DEFAULT,
+/// "netram_run_on_region")`; absent when the program does not run under `netram run`).
+#[no_mangle]
+pub extern "C" fn netram_run_on_region(ptr: *const c_void) -> c_int {
+    c_int::from(owner(ptr).is_some())
 }
 
 /// A block of the heap (reading as zeros if `zeroed`), or null (the caller falls back to the C
@@ -777,11 +788,21 @@ impl Foreign {
     }
 }
 
-/// # Safety
-/// The C library's contract for `malloc`.
-#[no_mangle]
-pub unsafe extern "C" fn malloc(size: usize) -> *mut c_void {
-    if netram_uffd::alloc::is_inside() {
+loader::entry!(
+    /// `malloc`, called from `caller`.
+    fn malloc(size: usize) -> *mut c_void => malloc_from, "rsi", "x1"
+);
+
+/// Whether a block asked for from `caller` should come from this library's own memory: a
+/// thread of netram's (or one inside the heap), or the dynamic loader (see [`loader`]; in a
+/// forked child the loader is served as before the fork, from the allocator the child uses).
+fn for_internal(caller: usize) -> bool {
+    netram_uffd::alloc::is_inside()
+        || (loader::from_loader(caller) && !IN_CHILD.load(Ordering::Relaxed))
+}
+
+extern "C" fn malloc_from(size: usize, caller: usize) -> *mut c_void {
+    if for_internal(caller) {
         return internal::alloc(size, LIBC_ALIGN, false);
     }
     if let Some(f) = foreign() {
@@ -819,11 +840,13 @@ pub unsafe extern "C" fn free(ptr: *mut c_void) {
     unsafe { __libc_free(ptr) }
 }
 
-/// # Safety
-/// The C library's contract for `calloc`.
-#[no_mangle]
-pub unsafe extern "C" fn calloc(n: usize, size: usize) -> *mut c_void {
-    let inside = netram_uffd::alloc::is_inside();
+loader::entry!(
+    /// `calloc`, called from `caller`.
+    fn calloc(n: usize, size: usize) -> *mut c_void => calloc_from, "rdx", "x2"
+);
+
+extern "C" fn calloc_from(n: usize, size: usize, caller: usize) -> *mut c_void {
+    let inside = for_internal(caller);
     if !inside {
         if let Some(f) = foreign() {
             // SAFETY: passed through.
@@ -884,16 +907,21 @@ fn libc_usable_size(ptr: *mut c_void) -> usize {
     unsafe { f(ptr) }
 }
 
-/// # Safety
-/// The C library's contract for `realloc`.
-#[no_mangle]
-pub unsafe extern "C" fn realloc(ptr: *mut c_void, size: usize) -> *mut c_void {
+loader::entry!(
+    /// `realloc`, called from `caller`.
+    fn realloc(ptr: *mut c_void, size: usize) -> *mut c_void => realloc_from, "rdx", "x2"
+);
+
+extern "C" fn realloc_from(ptr: *mut c_void, size: usize, caller: usize) -> *mut c_void {
     if internal::owns(ptr) {
         if size == 0 {
             internal::free(ptr);
             return std::ptr::null_mut();
         }
         return internal::realloc(ptr, size);
+    }
+    if ptr.is_null() && for_internal(caller) {
+        return internal::alloc(size, LIBC_ALIGN, false);
     }
     if let Some(f) = foreign() {
         // SAFETY: passed through: the block (or null) is the foreign allocator's.
@@ -1189,6 +1217,10 @@ pub unsafe extern "C" fn mprotect(addr: *mut c_void, len: usize, prot: c_int) ->
     r as c_int
 }
 
+/// The C library's `fork` and `pthread_create`, looked up at load (see [`loader`]).
+static FORK: loader::Next = loader::Next::new(c"fork");
+static PTHREAD_CREATE: loader::Next = loader::Next::new(c"pthread_create");
+
 /// `fork`, announced to the region first (see `netram_uffd::Region::prepare_fork`): the
 /// child then gets its memory as it was at the fork, whether resident or on the servers.
 ///
@@ -1197,19 +1229,11 @@ pub unsafe extern "C" fn mprotect(addr: *mut c_void, len: usize, prot: c_int) ->
 #[no_mangle]
 pub unsafe extern "C" fn fork() -> libc::pid_t {
     type Fork = unsafe extern "C" fn() -> libc::pid_t;
-    static REAL: AtomicPtr<c_void> = AtomicPtr::new(std::ptr::null_mut());
-    let mut f = REAL.load(Ordering::Acquire);
-    if f.is_null() {
-        // SAFETY: a lookup of the C library's fork, after this library.
-        f = unsafe { libc::dlsym(libc::RTLD_NEXT, c"fork".as_ptr()) };
-        if f.is_null() {
-            set_errno(libc::ENOSYS);
-            return -1;
-        }
-        REAL.store(f, Ordering::Release);
-    }
     // SAFETY: the symbol is fork, with this signature.
-    let real: Fork = unsafe { std::mem::transmute::<*mut c_void, Fork>(f) };
+    let Some(real) = (unsafe { FORK.get::<Fork>() }) else {
+        set_errno(libc::ENOSYS);
+        return -1;
+    };
     let heap = HEAP.get().filter(|_| {
         STATE.load(Ordering::Acquire) == READY
             && !IN_CHILD.load(Ordering::Relaxed)
@@ -1256,18 +1280,10 @@ pub unsafe extern "C" fn pthread_create(
         StartRoutine,
         *mut c_void,
     ) -> c_int;
-    static REAL: AtomicPtr<c_void> = AtomicPtr::new(std::ptr::null_mut());
-    let mut f = REAL.load(Ordering::Acquire);
-    if f.is_null() {
-        // SAFETY: a lookup of the C library's pthread_create, after this library.
-        f = unsafe { libc::dlsym(libc::RTLD_NEXT, c"pthread_create".as_ptr()) };
-        if f.is_null() {
-            return libc::EAGAIN;
-        }
-        REAL.store(f, Ordering::Release);
-    }
     // SAFETY: the symbol is pthread_create, with this signature.
-    let real: Create = unsafe { std::mem::transmute::<*mut c_void, Create>(f) };
+    let Some(real) = (unsafe { PTHREAD_CREATE.get::<Create>() }) else {
+        return libc::EAGAIN;
+    };
     if !netram_uffd::alloc::is_inside() {
         // SAFETY: passed through.
         return unsafe { real(thread, attr, start, arg) };
