@@ -40,6 +40,15 @@ const TOOLS: &[(&str, &str)] = &[
     ("tc", "iproute2"),
 ];
 
+/// Files the suite uses that are not commands on the PATH (libraries a test preloads or links,
+/// `/usr/bin/time`, which a shell's `time` keyword hides from `command -v`), and their
+/// packages. A path is looked for under each multiarch library directory when it has none.
+const FILES: &[(&str, &str)] = &[
+    ("libtcmalloc_minimal.so.4", "libtcmalloc-minimal4"),
+    ("libmimalloc.so.2", "libmimalloc2.0"),
+    ("/usr/bin/time", "time"),
+];
+
 const USAGE: &str = "\
 usage: cargo xtask test [--no-skip] [--no-install] [-- ARGS for cargo test]
 
@@ -141,13 +150,30 @@ fn test(no_skip: bool, install: bool, passed: &[String]) -> Result<ExitCode, Str
     Ok(ExitCode::SUCCESS)
 }
 
-/// The packages of the tools that are not on the PATH.
+/// The packages of the tools that are not on the PATH and of the files that are not there.
 fn missing_packages() -> BTreeSet<String> {
-    TOOLS
-        .iter()
-        .filter(|(tool, _)| !has(tool))
+    let tools = TOOLS.iter().filter(|(tool, _)| !has(tool));
+    let files = FILES.iter().filter(|(file, _)| !has_file(file));
+    tools
+        .chain(files)
         .map(|(_, package)| (*package).to_owned())
         .collect()
+}
+
+/// Whether `file` exists: an absolute path as it is, a library's name in a library directory.
+fn has_file(file: &str) -> bool {
+    if file.starts_with('/') {
+        return Path::new(file).exists();
+    }
+    ["/usr/lib", "/lib", "/usr/lib64"].iter().any(|dir| {
+        let Ok(entries) = std::fs::read_dir(dir) else {
+            return false;
+        };
+        Path::new(dir).join(file).exists()
+            || entries
+                .flatten()
+                .any(|e| e.path().is_dir() && e.path().join(file).exists())
+    })
 }
 
 fn has(tool: &str) -> bool {

@@ -14,6 +14,7 @@
 //! nearly every one of its ~90 sites.
 
 pub mod adapt;
+pub mod cgroup;
 pub mod core;
 pub mod machine;
 pub mod nbd;
@@ -120,6 +121,30 @@ pub fn target(name: &'static str, ratio: f64, limit: f64, sense: &'static str) -
 
 /// Deterministic page contents, so a reader can verify a page without keeping a copy.
 /// Writes a benchmark's result as `DIR/NAME` (pretty JSON), creating `DIR` if need be.
+/// What a benchmark produced: its report (also written to its directory), and every run that
+/// failed or whose result did not verify. The command prints the report and then exits
+/// non-zero naming those: a benchmark whose verification failed never looks like a success,
+/// and no figure is given for such a run.
+#[derive(Debug)]
+pub struct Outcome {
+    pub report: String,
+    pub failed: Vec<String>,
+}
+
+/// The report's list of failed runs (empty when none failed).
+pub fn failed_section(failed: &[String]) -> String {
+    if failed.is_empty() {
+        return String::new();
+    }
+    let mut s = String::from(
+        "\n**Failed** (no figure is given for these; the command exits non-zero):\n\n",
+    );
+    for k in failed {
+        s += &format!("- {k}\n");
+    }
+    s
+}
+
 pub fn write_json<T: Serialize>(dir: &std::path::Path, name: &str, r: &T) -> anyhow::Result<()> {
     std::fs::create_dir_all(dir)?;
     std::fs::write(dir.join(name), serde_json::to_string_pretty(r)? + "\n")?;

@@ -51,7 +51,6 @@ pub struct Options {
     pub configs: Vec<String>,
 }
 
-pub(crate) const CGROUP_ROOT: &str = "/sys/fs/cgroup/memory";
 /// Higher than any swap a machine is likely to have, so the device under test takes every page.
 const SWAP_PRIORITY: &str = "32000";
 const FIO_DEVICE: &str = "256M";
@@ -79,11 +78,11 @@ fn cpu_of(pids: &[u32]) -> f64 {
     pids.iter().map(|&p| cpu_seconds_of(p)).sum()
 }
 
-pub fn run(opts: &Options) -> anyhow::Result<String> {
+pub fn run(opts: &Options) -> anyhow::Result<crate::Outcome> {
     crate::process::catch_interrupts()?;
     let machine = Machine::describe();
     eprintln!("bench nbd on {}", machine.one_line());
-    let mut skipped: Vec<String> = Vec::new();
+    let (mut skipped, mut failed): (Vec<String>, Vec<String>) = (Vec::new(), Vec::new());
     let root = rustix::process::geteuid().is_root();
 
     eprintln!("raw loopback round trip, depth 1 ...");
@@ -112,17 +111,12 @@ pub fn run(opts: &Options) -> anyhow::Result<String> {
         skipped.push("swap: not asked for".into());
     } else if !root {
         skipped.push("swap: needs root (swapon, losetup, cgroups)".into());
-    } else if !Path::new(CGROUP_ROOT)
-        .join("memory.limit_in_bytes")
-        .exists()
-    {
-        skipped.push(format!(
-            "swap: no cgroup-v1 memory controller at {CGROUP_ROOT}"
-        ));
+    } else if let Err(why) = crate::cgroup::Hierarchy::find() {
+        skipped.push(format!("swap: {why}"));
     } else if !missing.is_empty() {
         skipped.push(format!("swap: {} not installed", missing.join(", ")));
     } else {
-        swap = swap_matrix(opts, &mut skipped)?;
+        swap = swap_matrix(opts, &mut failed)?;
     }
 
     drop(qos);
@@ -139,15 +133,17 @@ pub fn run(opts: &Options) -> anyhow::Result<String> {
         "swap": swap,
         "targets": targets,
         "skipped": skipped,
+        "failed": failed,
     });
     crate::write_json(&opts.out, "nbd.json", &result)?;
     let plotted = plot(&swap, &opts.out.join("nbd.svg"));
     if let Err(e) = &plotted {
         skipped.push(format!("plot: {e}"));
     }
-    let md = markdown(&result, &targets, &skipped, plotted.is_ok());
+    let mut md = markdown(&result, &targets, &skipped, plotted.is_ok());
+    md += &crate::failed_section(&failed);
     std::fs::write(opts.out.join("nbd.md"), &md)?;
-    Ok(md)
+    Ok(crate::Outcome { report: md, failed })
 }
 
 fn working_set(opts: &Options) -> u64 {
@@ -569,31 +565,15 @@ pub(crate) fn run_workload(
     args: &[String],
     timeout: Duration,
 ) -> anyhow::Result<Value> {
-    let cg = Path::new(CGROUP_ROOT).join(format!("netram-bench-{}", std::process::id()));
-    std::fs::create_dir(&cg)?;
-    let mut c = Cleanup::default();
-    {
-        let cg = cg.clone();
-        c.push("remove the cgroup", move || {
-            for _ in 0..200 {
-                if std::fs::remove_dir(&cg).is_ok() {
-                    break;
-                }
-                std::thread::sleep(Duration::from_millis(50));
-            }
-        });
-    }
-    if let Some(limit) = limit {
-        // (Its OOM killer stays on: with it off, a quicksort that reclaim could not keep up
-        // with waited in the cgroup's OOM state for good, nothing else there to free memory.)
-        std::fs::write(cg.join("memory.limit_in_bytes"), limit.to_string())?;
-    }
+    let cg = crate::cgroup::Hierarchy::find()
+        .map_err(|why| anyhow::anyhow!(why))?
+        .create(&format!("netram-bench-{}", std::process::id()), limit)?;
     let exe = exe.display().to_string();
-    let mut child = ChildGuard::spawn(Command::new("sh").arg("-c").arg(format!(
-        "echo $$ > {}/cgroup.procs && exec {exe} workload {}",
-        cg.display(),
-        args.join(" ")
-    )))?;
+    let mut child = ChildGuard::spawn(
+        Command::new("sh")
+            .arg("-c")
+            .arg(cg.enter_then(&format!("exec {exe} workload {}", args.join(" ")))),
+    )?;
     let started = Instant::now();
     let (local_cpu0, server_cpu0) = (cpu_of(&dev.local_pids), cpu_of(&dev.server_pids));
     let (mut local_max, mut server_max, mut swap_max) = (0u64, 0u64, 0u64);
@@ -624,9 +604,7 @@ pub(crate) fn run_workload(
         "{config}: {args:?} failed: {status} {line}"
     );
     anyhow::ensure!(line.contains("verified=yes"), "{config}: {line}");
-    let peak: u64 = std::fs::read_to_string(cg.join("memory.max_usage_in_bytes"))?
-        .trim()
-        .parse()?;
+    let peak = cg.peak_bytes()?;
     // What the machine saved: the working set, less what the program kept resident, less what
     // the swap backing holds on this machine (zram's compressed pages, nbdkit's RAM, netram's
     // cache and tables).
@@ -657,13 +635,15 @@ pub(crate) fn run_workload(
             v[key] = json!(x);
         }
     }
-    drop(c);
+    drop(cg);
     Ok(v)
 }
 
+/// The swap configurations and workloads; a set-up or run that fails (other than by the
+/// kernel's OOM killer, which is the kernel's result) goes into `failed`.
 fn swap_matrix(
     opts: &Options,
-    skipped: &mut Vec<String>,
+    failed: &mut Vec<String>,
 ) -> anyhow::Result<BTreeMap<&'static str, BTreeMap<&'static str, Value>>> {
     let w = working_set(opts);
     let seconds = opts.seconds.unwrap_or(if opts.quick { 3 } else { 20 });
@@ -680,7 +660,7 @@ fn swap_matrix(
         let dev = match setup(config, working_set(opts), &opts.netram_exe, &dir) {
             Ok(d) => d,
             Err(e) => {
-                skipped.push(format!("swap.{config}: {e:#}"));
+                failed.push(format!("swap.{config}: cannot set up: {e:#}"));
                 continue;
             }
         };
@@ -728,7 +708,15 @@ fn swap_matrix(
                     eprintln!("  {v}");
                     out.entry(workload).or_default().insert(config, v);
                 }
-                Err(e) => skipped.push(format!(
+                // Killed every time: the configuration's result, not a failure of the run.
+                Err(e) if format!("{e:#}").contains("SIGKILL") => {
+                    eprintln!("  OOM-killed {} times: reported as its result", kills + 1);
+                    out.entry(workload)
+                        .or_default()
+                        .insert(config, json!({ "oom_kills": kills + 1 }));
+                }
+                Err(_) if crate::process::interrupted() => anyhow::bail!("interrupted"),
+                Err(e) => failed.push(format!(
                     "swap.{workload}.{config}: {e:#} (after {kills} OOM kills)"
                 )),
             }

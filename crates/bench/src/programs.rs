@@ -14,11 +14,11 @@
 //! process of the run (code and stacks included, as `wait4` reports it).
 
 use crate::machine::Machine;
-use crate::nbd::{setup, start_servers, tempfile_dir, CGROUP_ROOT};
-use crate::process::{have, Cleanup};
+use crate::nbd::{setup, start_servers, tempfile_dir};
+use crate::process::have;
 use serde_json::{json, Value};
 use std::fmt::Write as _;
-use std::os::unix::process::ExitStatusExt;
+use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -232,6 +232,9 @@ fn timed(prefix: &[String], script: &str, dir: &Path, timeout: Duration) -> anyh
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
+        // Its own process group, ended as a whole when it runs over: a script's background
+        // server or a program's children go with it.
+        .process_group(0)
         .spawn()
         .map_err(|e| anyhow::anyhow!("cannot start {}: {e}", args[0]))?;
     // Read while it runs: a full pipe would stop it.
@@ -266,8 +269,9 @@ fn timed(prefix: &[String], script: &str, dir: &Path, timeout: Duration) -> anyh
                 over = Some("interrupted".into());
             }
             if over.is_some() {
-                // SAFETY: a signal to our own child, not reaped yet (so its PID is still its).
-                unsafe { libc::kill(pid, libc::SIGKILL) };
+                // SAFETY: a signal to our own child's process group; the child is not reaped
+                // yet, so the group's ID is still its.
+                unsafe { libc::kill(-pid, libc::SIGKILL) };
             }
         }
         std::thread::sleep(Duration::from_millis(20));
@@ -295,39 +299,9 @@ fn timed(prefix: &[String], script: &str, dir: &Path, timeout: Duration) -> anyh
     })
 }
 
-/// A memory cgroup limited to `limit` bytes, removed on drop.
-struct Cgroup {
-    path: PathBuf,
-    _removed_on_drop: Cleanup,
-}
-
-impl Cgroup {
-    fn new(limit: u64) -> anyhow::Result<Self> {
-        let path = Path::new(CGROUP_ROOT).join(format!(
-            "netram-bench-programs-{}-{}",
-            std::process::id(),
-            fastrand::u32(..)
-        ));
-        std::fs::create_dir(&path)?;
-        let mut c = Cleanup::default();
-        let p = path.clone();
-        c.push("remove the cgroup", move || {
-            for _ in 0..200 {
-                if std::fs::remove_dir(&p).is_ok() {
-                    break;
-                }
-                std::thread::sleep(Duration::from_millis(50));
-            }
-        });
-        std::fs::write(path.join("memory.limit_in_bytes"), limit.to_string())?;
-        Ok(Self {
-            path,
-            _removed_on_drop: c,
-        })
-    }
-}
-
-/// One program three ways; its figures, or why a way could not run.
+/// One program three ways: its figures, with `failed` listing every way that failed or whose
+/// output differs from the all-local run's (no ratio is given for those). An all-local run
+/// that fails is an error: nothing can be compared.
 fn measure(
     p: &Program,
     opts: &Options,
@@ -338,7 +312,8 @@ fn measure(
     let script = (p.prepare)(dir, opts.quick)?;
     let timeout = Duration::from_secs(if opts.quick { 300 } else { 1800 });
     eprintln!("programs: {} all local ...", p.name);
-    let local = timed(&[], &script, dir, timeout)?;
+    let local = timed(&[], &script, dir, timeout)
+        .map_err(|e| anyhow::anyhow!("the all-local run failed: {e:#}"))?;
     // A quarter of the peak, which includes code and stacks (not on netram): netram's budget
     // is a quarter of everything, the cgroup's the same.
     let quarter = (local.peak_rss_kib << 10) / 4;
@@ -347,6 +322,7 @@ fn measure(
         "local": { "seconds": local.seconds, "peak_rss_kib": local.peak_rss_kib },
         "local_mem_bytes": quarter,
     });
+    let mut failed = Vec::new();
     eprintln!("programs: {} under netram run ...", p.name);
     let report = dir.join("netram-report.json");
     let prefix: Vec<String> = [
@@ -368,10 +344,18 @@ fn measure(
     v["netram"] = match timed(&prefix, &script, dir, timeout) {
         Ok(run) => {
             let r: Value = serde_json::from_str(&std::fs::read_to_string(&report)?)?;
+            let output_ok = run.stdout == local.stdout;
+            if !output_ok {
+                failed.push(format!(
+                    "netram: output differs from the all-local run's ({:?} against {:?})",
+                    run.stdout.trim(),
+                    local.stdout.trim()
+                ));
+            }
             json!({
                 "seconds": run.seconds,
                 "peak_rss_kib": run.peak_rss_kib,
-                "output_ok": run.stdout == local.stdout,
+                "output_ok": output_ok,
                 "faults": r["faults"],
                 "fetches": r["fetches"],
                 "prefetch_installed": r["prefetch_installed"],
@@ -383,57 +367,110 @@ fn measure(
                 "program_peak_rss_kib": r["peak_rss_kib"],
             })
         }
-        Err(e) => json!({ "error": format!("{e:#}") }),
+        Err(e) => {
+            failed.push(format!("netram: {e:#}"));
+            json!({ "error": format!("{e:#}") })
+        }
     };
     if swap.is_some() {
         eprintln!("programs: {} under the kernel's swap to disk ...", p.name);
         // The kernel gets as much memory as netram's run held (a quarter, plus the code,
-        // stacks and netram's own tables that its budget does not count); in a smaller
-        // cgroup-v1 group it OOM-kills programs whose swap-ins it cannot charge while reclaim
-        // waits on writeback.
+        // stacks and netram's own tables that its budget does not count).
         let limit = quarter.max(v["netram"]["peak_rss_kib"].as_u64().unwrap_or(0) << 10);
-        v["swap_disk"] = swap_run(&script, dir, limit, &local.stdout, timeout);
+        let (k, why) = swap_run(&script, dir, limit, &local.stdout, timeout);
+        failed.extend(why.map(|w| format!("swap_disk: {w}")));
+        v["swap_disk"] = k;
     }
-    let ratio =
-        |a: &str, b: &str| Some(v[a]["seconds"].as_f64()? / v[b]["seconds"].as_f64()?.max(0.01));
+    // Ratios only between runs that completed with the right output.
+    let verified = |w: &str| w == "local" || v[w]["output_ok"].as_bool() == Some(true);
+    let ratio = |a: &str, b: &str| {
+        (verified(a) && verified(b))
+            .then(|| Some(v[a]["seconds"].as_f64()? / v[b]["seconds"].as_f64()?.max(0.01)))
+            .flatten()
+    };
     let (over_local, over_swap) = (ratio("netram", "local"), ratio("netram", "swap_disk"));
     v["netram_over_local"] = json!(over_local);
     v["netram_over_swap_disk"] = json!(over_swap);
+    v["failed"] = json!(failed);
     Ok(v)
 }
 
-/// The script in a memory cgroup of `limit` bytes with the swap file on: up to three tries
-/// when the kernel's OOM killer ends it (counted).
-fn swap_run(script: &str, dir: &Path, limit: u64, expected: &str, timeout: Duration) -> Value {
-    let mut last = String::new();
-    for attempt in 0..3 {
-        let cg = match Cgroup::new(limit) {
+/// How much more memory the kernel's run is given each time its OOM killer ends it (of the
+/// first limit, in eighths): ×1, ×1.5, ×2, ×3.
+const SWAP_LIMITS_EIGHTHS: [u64; 4] = [8, 12, 16, 24];
+
+/// The script in a memory cgroup of `limit` bytes with the swap file on. When the kernel's
+/// OOM killer ends it, that is the kernel's result at that size (recorded in
+/// `oom_killed_at_bytes`) and it is tried again with more memory; if every size is killed,
+/// that is its result. Any other failure, or an output that differs from `expected`, is a
+/// failure of the run (the second value says why).
+fn swap_run(
+    script: &str,
+    dir: &Path,
+    limit: u64,
+    expected: &str,
+    timeout: Duration,
+) -> (Value, Option<String>) {
+    let hierarchy = match crate::cgroup::Hierarchy::find() {
+        Ok(h) => h,
+        Err(why) => return (json!({ "error": why }), Some(why)),
+    };
+    let mut killed_at = Vec::new();
+    for eighths in SWAP_LIMITS_EIGHTHS {
+        let size = limit / 8 * eighths;
+        let name = format!(
+            "netram-bench-programs-{}-{}",
+            std::process::id(),
+            fastrand::u32(..)
+        );
+        let cg = match hierarchy.create(&name, Some(size)) {
             Ok(c) => c,
-            Err(e) => return json!({ "error": format!("{e:#}") }),
+            Err(e) => {
+                let why = format!("cannot make a memory cgroup: {e}");
+                return (json!({ "error": why }), Some(why));
+            }
         };
-        let enter = vec![
-            "sh".to_string(),
-            "-c".to_string(),
-            format!(
-                "echo $$ > {}/cgroup.procs && exec \"$@\"",
-                cg.path.display()
-            ),
-            "sh".to_string(),
-        ];
+        let enter = ["sh", "-c", &cg.enter_then("exec \"$@\""), "sh"].map(String::from);
         match timed(&enter, script, dir, timeout) {
             Ok(run) => {
-                return json!({
+                let ok = run.stdout == expected;
+                let v = json!({
                     "seconds": run.seconds,
                     "peak_rss_kib": run.peak_rss_kib,
-                    "output_ok": run.stdout == expected,
-                    "cgroup_limit_bytes": limit,
-                    "oom_retries": attempt,
-                })
+                    "output_ok": ok,
+                    "cgroup_limit_bytes": size,
+                    "oom_killed_at_bytes": killed_at,
+                });
+                let why = (!ok).then(|| {
+                    format!(
+                        "output differs from the all-local run's ({:?} against {:?})",
+                        run.stdout.trim(),
+                        expected.trim()
+                    )
+                });
+                return (v, why);
             }
-            Err(e) => last = format!("{e:#}"),
+            Err(_) if cg.oom_kills() > 0 => {
+                eprintln!(
+                    "  the kernel's OOM killer ended it at {} MiB; again with more",
+                    size >> 20
+                );
+                killed_at.push(size);
+            }
+            Err(e) => {
+                let why = format!("{e:#}");
+                return (
+                    json!({ "error": why, "cgroup_limit_bytes": size, "oom_killed_at_bytes": killed_at }),
+                    Some(why),
+                );
+            }
         }
     }
-    json!({ "error": last, "cgroup_limit_bytes": limit, "oom_retries": 3 })
+    // The kernel's own result: it could not run the program in any of these sizes.
+    (
+        json!({ "oom_killed_at_bytes": killed_at, "output_ok": false }),
+        None,
+    )
 }
 
 /// One program (by name: `sort`, …) three ways on `servers`, as the demo runs GNU sort: its
@@ -467,11 +504,11 @@ pub fn run_one(name: &str, quick: bool, netram_exe: &Path, servers: &str) -> any
     result
 }
 
-pub fn run(opts: &Options) -> anyhow::Result<String> {
+pub fn run(opts: &Options) -> anyhow::Result<crate::Outcome> {
     std::fs::create_dir_all(&opts.out)?;
     crate::process::catch_interrupts()?;
     let dir = tempfile_dir("netram-bench-programs")?;
-    let mut skipped = Vec::new();
+    let (mut skipped, mut failed) = (Vec::new(), Vec::new());
     let capacity = if opts.quick { "1G" } else { "4G" };
     let (servers, list) = start_servers(&opts.netram_exe, capacity, false)?;
     // The swap file, as root with a memory cgroup: the kernel's paging to the local disk.
@@ -502,9 +539,13 @@ pub fn run(opts: &Options) -> anyhow::Result<String> {
         std::fs::create_dir_all(&pdir)?;
         match measure(p, opts, &list, swap_path.as_deref(), &pdir) {
             Ok(v) => {
+                for why in v["failed"].as_array().into_iter().flatten() {
+                    failed.push(format!("{}: {}", p.name, why.as_str().unwrap_or_default()));
+                }
                 results.insert(p.name.into(), v);
             }
-            Err(e) => skipped.push(format!("{}: {e:#}", p.name)),
+            Err(_) if crate::process::interrupted() => anyhow::bail!("interrupted"),
+            Err(e) => failed.push(format!("{}: {e:#}", p.name)),
         }
         let _ = std::fs::remove_dir_all(&pdir);
     }
@@ -519,6 +560,7 @@ pub fn run(opts: &Options) -> anyhow::Result<String> {
         "quick": opts.quick,
         "programs": results,
         "skipped": skipped,
+        "failed": failed,
     });
     std::fs::write(
         opts.out.join("programs.json"),
@@ -527,11 +569,13 @@ pub fn run(opts: &Options) -> anyhow::Result<String> {
     let panels: Vec<crate::uffd::Panel> = results
         .iter()
         .map(|(name, v)| {
+            // Only runs whose output was right are drawn.
             let bars = ["local", "netram", "swap_disk"]
                 .iter()
+                .filter(|w| **w == "local" || v[**w]["output_ok"].as_bool() == Some(true))
                 .filter_map(|w| Some((w.to_string(), v[*w]["seconds"].as_f64()?)))
                 .collect();
-            (format!("{name}: s (log)"), bars)
+            (format!("{name}: seconds (log)"), bars)
         })
         .collect();
     if let Err(e) = crate::uffd::plot_panels(&panels, &opts.out.join("programs.svg")) {
@@ -539,7 +583,7 @@ pub fn run(opts: &Options) -> anyhow::Result<String> {
     }
     let md = markdown(&doc);
     std::fs::write(opts.out.join("programs.md"), &md)?;
-    Ok(md)
+    Ok(crate::Outcome { report: md, failed })
 }
 
 fn markdown(doc: &Value) -> String {
@@ -568,12 +612,31 @@ fn markdown(doc: &Value) -> String {
                 .as_u64()
                 .map_or("—".to_string(), |k| (k / 1024).to_string())
         };
-        let ok = |w: &str| match v[w]["output_ok"].as_bool() {
-            Some(true) => "same".to_string(),
-            Some(false) => "**differs**".to_string(),
-            None => v[w]["error"].as_str().map_or("—".to_string(), |e| {
-                format!("failed: {}", e.lines().next().unwrap_or(""))
-            }),
+        let ok = |w: &str| {
+            if let Some(e) = v[w]["error"].as_str() {
+                return format!("**failed**: {}", e.lines().next().unwrap_or(""));
+            }
+            let killed: Vec<String> = v[w]["oom_killed_at_bytes"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter_map(|b| Some(format!("{} MiB", b.as_u64()? >> 20)))
+                .collect();
+            let oom = if killed.is_empty() {
+                String::new()
+            } else {
+                format!(" (OOM-killed at {})", killed.join(", "))
+            };
+            match v[w]["output_ok"].as_bool() {
+                Some(true) if !killed.is_empty() => format!(
+                    "same, in {} MiB{oom}",
+                    v[w]["cgroup_limit_bytes"].as_u64().unwrap_or(0) >> 20
+                ),
+                Some(true) => format!("same{oom}"),
+                Some(false) if v[w]["seconds"].is_null() => format!("no result{oom}"),
+                Some(false) => "**differs**".to_string(),
+                None => "—".to_string(),
+            }
         };
         let r = |k: &str| v[k].as_f64().map_or("—".to_string(), |x| format!("{x:.2}"));
         let _ = writeln!(
@@ -594,9 +657,23 @@ fn markdown(doc: &Value) -> String {
             mib("swap_disk"),
             ok("swap_disk"),
             r("netram_over_local"),
-            r("netram_over_swap_disk"),
+            // The kernel given more memory than netram's run, after OOM kills: said so.
+            match v["swap_disk"]["oom_killed_at_bytes"].as_array() {
+                Some(k) if !k.is_empty() && v["netram_over_swap_disk"].is_number() => format!(
+                    "{} (the kernel with more memory)",
+                    r("netram_over_swap_disk")
+                ),
+                _ => r("netram_over_swap_disk"),
+            },
         );
     }
+    let failed: Vec<String> = doc["failed"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|f| Some(f.as_str()?.to_string()))
+        .collect();
+    s += &crate::failed_section(&failed);
     let skipped = doc["skipped"].as_array().cloned().unwrap_or_default();
     if !skipped.is_empty() {
         let _ = writeln!(s, "\nNot run:\n");

@@ -17,7 +17,7 @@
 //! smaller. Writes `uffd.json`, `uffd.md` and `uffd.svg`.
 
 use crate::machine::Machine;
-use crate::nbd::{raw_rtts, run_workload, setup, start_servers, tempfile_dir, CGROUP_ROOT};
+use crate::nbd::{raw_rtts, run_workload, setup, start_servers, tempfile_dir};
 use crate::process::{have, ChildGuard};
 use crate::workload::figure;
 use crate::{target, Summary, Target};
@@ -88,11 +88,8 @@ impl Way {
         if !rustix::process::geteuid().is_root() {
             return Some("needs root (swapon, cgroups)".into());
         }
-        if !Path::new(CGROUP_ROOT)
-            .join("memory.limit_in_bytes")
-            .exists()
-        {
-            return Some(format!("no cgroup-v1 memory controller at {CGROUP_ROOT}"));
+        if let Err(why) = crate::cgroup::Hierarchy::find() {
+            return Some(why);
         }
         let tools = ["mkswap", "swapon", "swapoff", "fallocate"];
         let missing: Vec<&str> = tools.into_iter().filter(|t| !have(t)).collect();
@@ -380,7 +377,7 @@ fn remote_fault_latency_placed(
     Ok(Summary::of_ns(&mut samples))
 }
 
-pub fn run(opts: &Options) -> anyhow::Result<String> {
+pub fn run(opts: &Options) -> anyhow::Result<crate::Outcome> {
     crate::process::catch_interrupts()?;
     let machine = Machine::describe();
     eprintln!("bench uffd on {}", machine.one_line());
@@ -388,7 +385,7 @@ pub fn run(opts: &Options) -> anyhow::Result<String> {
         .working_set
         .unwrap_or(if opts.quick { 32 << 20 } else { 256 << 20 });
     let n = if opts.quick { 2_000 } else { 10_000 };
-    let mut skipped = Vec::new();
+    let (mut skipped, mut failed) = (Vec::new(), Vec::new());
 
     eprintln!("latencies: raw loopback round trip ...");
     let (raw, raw_fast) = raw_rtts(n)?;
@@ -429,7 +426,7 @@ pub fn run(opts: &Options) -> anyhow::Result<String> {
                 }
                 // Stop at once, the guards undoing what was set up.
                 Err(_) if crate::process::interrupted() => anyhow::bail!("interrupted"),
-                Err(e) => skipped.push(format!("{workload}.{}: failed: {e:#}", way.key())),
+                Err(e) => failed.push(format!("{workload}.{}: {e:#}", way.key())),
             }
         }
     }
@@ -488,15 +485,16 @@ pub fn run(opts: &Options) -> anyhow::Result<String> {
         "prefetch_hit_rate": prefetch_hit_rate,
         "targets": targets,
         "skipped": skipped,
+        "failed": failed,
     });
     crate::write_json(&opts.out, "uffd.json", &result)?;
     let plotted = plot_ways(&result["workloads"], &opts.out.join("uffd.svg"));
     if let Err(e) = &plotted {
         skipped.push(format!("plot: {e}"));
     }
-    let md = markdown(&result, &targets, &skipped);
+    let md = markdown(&result, &targets, &skipped, &failed);
     std::fs::write(opts.out.join("uffd.md"), &md)?;
-    Ok(md)
+    Ok(crate::Outcome { report: md, failed })
 }
 
 /// Seconds per way, one panel per workload, on a log scale (netram's ways in blue).
@@ -626,7 +624,7 @@ pub fn workloads_table(workloads: &Value) -> String {
     s
 }
 
-fn markdown(r: &Value, targets: &[Target], skipped: &[String]) -> String {
+fn markdown(r: &Value, targets: &[Target], skipped: &[String], failed: &[String]) -> String {
     let mut s = String::new();
     let f = |k: &str| r[k].as_f64().unwrap_or(f64::NAN);
     let _ = writeln!(s, "# netram bench uffd\n");
@@ -690,6 +688,7 @@ fn markdown(r: &Value, targets: &[Target], skipped: &[String]) -> String {
         "## Targets\n\n| target | ratio | limit | met |\n|---|---|---|---|"
     );
     s += &crate::target_rows(targets);
+    s += &crate::failed_section(failed);
     if !skipped.is_empty() {
         let _ = writeln!(s, "\nSkipped:\n");
         for k in skipped {

@@ -507,13 +507,13 @@ fn main() -> anyhow::Result<()> {
                 netram_exe: std::env::current_exe()?,
                 only,
             };
-            let report = netram_bench::programs::run(&opts)?;
-            println!("{report}");
+            let outcome = netram_bench::programs::run(&opts)?;
+            println!("{}", outcome.report);
             println!(
                 "wrote {0}/programs.json, {0}/programs.md and {0}/programs.svg",
                 out.display()
             );
-            Ok(())
+            bench_verdict(&outcome.failed)
         }
         Command::Bench(BenchCommand::Uffd {
             quick,
@@ -527,13 +527,13 @@ fn main() -> anyhow::Result<()> {
                 netram_exe: std::env::current_exe()?,
                 working_set: working_set.map(|w| size("--working-set", &w)).transpose()?,
             };
-            let report = netram_bench::uffd::run(&opts)?;
-            println!("{report}");
+            let outcome = netram_bench::uffd::run(&opts)?;
+            println!("{}", outcome.report);
             println!(
                 "wrote {0}/uffd.json, {0}/uffd.md and {0}/uffd.svg",
                 out.display()
             );
-            Ok(())
+            bench_verdict(&outcome.failed)
         }
         Command::Bench(BenchCommand::Nbd {
             quick,
@@ -560,13 +560,13 @@ fn main() -> anyhow::Result<()> {
                 swap: !fio_only,
                 configs,
             };
-            let report = netram_bench::nbd::run(&opts)?;
-            println!("{report}");
+            let outcome = netram_bench::nbd::run(&opts)?;
+            println!("{}", outcome.report);
             println!(
                 "wrote {0}/nbd.json, {0}/nbd.md and {0}/nbd.svg",
                 out.display()
             );
-            Ok(())
+            bench_verdict(&outcome.failed)
         }
         Command::Workload { args } => match netram_bench::workload::run(&args) {
             Ok(line) => {
@@ -579,4 +579,17 @@ fn main() -> anyhow::Result<()> {
             }
         },
     }
+}
+
+/// A benchmark's verdict: an error naming every run that failed or did not verify (their
+/// figures are left out of the report), so that the command exits non-zero.
+fn bench_verdict(failed: &[String]) -> anyhow::Result<()> {
+    if failed.is_empty() {
+        return Ok(());
+    }
+    anyhow::bail!(
+        "{} run(s) failed or did not verify (no figure given for them):\n  - {}",
+        failed.len(),
+        failed.join("\n  - ")
+    )
 }

@@ -14,7 +14,6 @@ use std::time::{Duration, Instant};
 mod common;
 
 const WORKLOAD: &str = env!("CARGO_BIN_EXE_netram-workload");
-const CGROUP_ROOT: &str = "/sys/fs/cgroup/memory";
 
 fn kill_child(mut c: Child) {
     let _ = c.kill();
@@ -27,11 +26,7 @@ fn prerequisites_met() -> bool {
     if !netram_testkit::have_root("swapon, losetup and memory cgroups") {
         return false;
     }
-    if !Path::new(CGROUP_ROOT)
-        .join("memory.limit_in_bytes")
-        .exists()
-    {
-        let why = format!("no cgroup-v1 memory controller at {CGROUP_ROOT}");
+    if let Err(why) = netram_bench::cgroup::Hierarchy::find() {
         netram_testkit::skip(&why, None);
         return false;
     }
@@ -170,28 +165,17 @@ fn swap_through_netram(via: Via, backing: &str, kill_server: bool) {
         });
     }
 
-    let cg = Path::new(CGROUP_ROOT).join(format!("netram-swap-test-{}", std::process::id()));
-    std::fs::create_dir(&cg).expect("create a memory cgroup");
-    {
-        let cg = cg.clone();
-        cleanup.push("remove the cgroup", move || {
-            // Its last process may take a moment to leave.
-            for _ in 0..100 {
-                if std::fs::remove_dir(&cg).is_ok() {
-                    break;
-                }
-                std::thread::sleep(Duration::from_millis(50));
-            }
-        });
-    }
-    std::fs::write(cg.join("memory.limit_in_bytes"), limit.to_string()).unwrap();
-
+    // Held until the end: dropped (the group removed) after the workload has exited.
+    let cg = netram_bench::cgroup::Hierarchy::find()
+        .expect("a memory cgroup controller")
+        .create(
+            &format!("netram-swap-test-{}", std::process::id()),
+            Some(limit),
+        )
+        .expect("create a memory cgroup");
     let mut workload = Command::new("sh")
         .arg("-c")
-        .arg(format!(
-            "echo $$ > {}/cgroup.procs && exec {WORKLOAD} touch {working_set} 42",
-            cg.display()
-        ))
+        .arg(cg.enter_then(&format!("exec {WORKLOAD} touch {working_set} 42")))
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
