@@ -81,6 +81,11 @@ impl Hierarchy {
         self.version
     }
 
+    /// Where groups are made.
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+
     /// A new group `name` under the root, limited to `limit` bytes of memory (`None`: no
     /// limit, for a run that is only measured), with swap allowed; removed on drop.
     pub fn create(&self, name: &str, limit: Option<u64>) -> std::io::Result<MemoryCgroup> {

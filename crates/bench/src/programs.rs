@@ -31,6 +31,8 @@ pub struct Options {
     pub netram_exe: PathBuf,
     /// Only these programs (by name) [default: all].
     pub only: Vec<String>,
+    /// Say on stderr what runs (the demo, which shows a spinner instead, does not).
+    pub progress: bool,
 }
 
 /// A program: its name, what it stands for, the Debian packages it needs, and its script
@@ -311,7 +313,12 @@ fn measure(
 ) -> anyhow::Result<Value> {
     let script = (p.prepare)(dir, opts.quick)?;
     let timeout = Duration::from_secs(if opts.quick { 300 } else { 1800 });
-    eprintln!("programs: {} all local ...", p.name);
+    let say = |what: &str| {
+        if opts.progress {
+            eprintln!("programs: {} {what} ...", p.name);
+        }
+    };
+    say("all local");
     let local = timed(&[], &script, dir, timeout)
         .map_err(|e| anyhow::anyhow!("the all-local run failed: {e:#}"))?;
     // A quarter of the peak, which includes code and stacks (not on netram): netram's budget
@@ -323,7 +330,7 @@ fn measure(
         "local_mem_bytes": quarter,
     });
     let mut failed = Vec::new();
-    eprintln!("programs: {} under netram run ...", p.name);
+    say("under netram run");
     let report = dir.join("netram-report.json");
     let prefix: Vec<String> = [
         opts.netram_exe.to_str().expect("utf-8"),
@@ -373,11 +380,11 @@ fn measure(
         }
     };
     if swap.is_some() {
-        eprintln!("programs: {} under the kernel's swap to disk ...", p.name);
+        say("under the kernel's swap to disk");
         // The kernel gets as much memory as netram's run held (a quarter, plus the code,
         // stacks and netram's own tables that its budget does not count).
         let limit = quarter.max(v["netram"]["peak_rss_kib"].as_u64().unwrap_or(0) << 10);
-        let (k, why) = swap_run(&script, dir, limit, &local.stdout, timeout);
+        let (k, why) = swap_run(&script, dir, limit, &local.stdout, timeout, opts.progress);
         failed.extend(why.map(|w| format!("swap_disk: {w}")));
         v["swap_disk"] = k;
     }
@@ -410,6 +417,7 @@ fn swap_run(
     limit: u64,
     expected: &str,
     timeout: Duration,
+    progress: bool,
 ) -> (Value, Option<String>) {
     let hierarchy = match crate::cgroup::Hierarchy::find() {
         Ok(h) => h,
@@ -451,10 +459,12 @@ fn swap_run(
                 return (v, why);
             }
             Err(_) if cg.oom_kills() > 0 => {
-                eprintln!(
-                    "  the kernel's OOM killer ended it at {} MiB; again with more",
-                    size >> 20
-                );
+                if progress {
+                    eprintln!(
+                        "  the kernel's OOM killer ended it at {} MiB; again with more",
+                        size >> 20
+                    );
+                }
                 killed_at.push(size);
             }
             Err(e) => {
@@ -471,6 +481,16 @@ fn swap_run(
         json!({ "oom_killed_at_bytes": killed_at, "output_ok": false }),
         None,
     )
+}
+
+/// What program `name` stands for (its line in the report), and the commands it needs that
+/// this machine lacks; `None` for a name that is not one of the programs.
+pub fn describe(name: &str) -> Option<(&'static str, Vec<&'static str>)> {
+    let p = PROGRAMS.iter().find(|p| p.name == name)?;
+    Some((
+        p.what,
+        p.tools.iter().copied().filter(|t| !have(t)).collect(),
+    ))
 }
 
 /// One program (by name: `sort`, …) three ways on `servers`, as the demo runs GNU sort: its
@@ -495,6 +515,7 @@ pub fn run_one(name: &str, quick: bool, netram_exe: &Path, servers: &str) -> any
             out: dir.clone(),
             netram_exe: netram_exe.into(),
             only: Vec::new(),
+            progress: false,
         };
         let pdir = dir.join(name);
         std::fs::create_dir_all(&pdir)?;
@@ -570,15 +591,23 @@ pub fn run(opts: &Options) -> anyhow::Result<crate::Outcome> {
         .iter()
         .map(|(name, v)| {
             // Only runs whose output was right are drawn.
-            let bars = ["local", "netram", "swap_disk"]
-                .iter()
-                .filter(|w| **w == "local" || v[**w]["output_ok"].as_bool() == Some(true))
-                .filter_map(|w| Some((w.to_string(), v[*w]["seconds"].as_f64()?)))
-                .collect();
-            (format!("{name}: seconds (log)"), bars)
+            let bars = [
+                ("local", "all local"),
+                ("netram", "netram run"),
+                ("swap_disk", "kernel swap"),
+            ]
+            .iter()
+            .filter(|(w, _)| *w == "local" || v[*w]["output_ok"].as_bool() == Some(true))
+            .filter_map(|(w, label)| Some((label.to_string(), v[*w]["seconds"].as_f64()?)))
+            .collect();
+            (name.clone(), bars)
         })
         .collect();
-    if let Err(e) = crate::uffd::plot_panels(&panels, &opts.out.join("programs.svg")) {
+    if let Err(e) = crate::uffd::plot_panels(
+        "bench programs: seconds per run, outputs checked (lower is better; netram in blue)",
+        &panels,
+        &opts.out.join("programs.svg"),
+    ) {
         eprintln!("programs: no plot: {e:#}");
     }
     let md = markdown(&doc);

@@ -163,17 +163,20 @@ pub fn run_way(ctx: &Ctx, way: Way, args: &[String]) -> anyhow::Result<Value> {
         }
         Way::SwapDisk | Way::Zram => {
             let config = if way == Way::SwapDisk { "disk" } else { "zram" };
-            // The cgroup-v1 controller sometimes OOM-kills a program whose swap-ins it cannot
-            // charge while reclaim waits on writeback (bench nbd saw it with every device):
-            // up to three tries, counted.
+            // The memory cgroup's OOM killer sometimes ends a program whose swap-ins it
+            // cannot charge while reclaim waits on writeback (bench nbd saw it with every
+            // device): that is the kernel's result in this much memory, recorded, and the run
+            // is tried again with more (as `bench programs` does).
             let limit = ctx.working_set / 4 + workload_baseline(&ctx.exe, &ctx.dir)?;
+            let mut killed_at = Vec::new();
             let mut last = None;
-            for attempt in 0..3 {
+            for eighths in [8u64, 12, 16, 24] {
+                let size = limit / 8 * eighths;
                 let dev = setup(config, ctx.working_set, &ctx.exe, &ctx.dir)?;
                 let run = run_workload(
                     &ctx.exe,
                     ctx.working_set,
-                    Some(limit),
+                    Some(size),
                     config,
                     &dev,
                     args,
@@ -181,17 +184,30 @@ pub fn run_way(ctx: &Ctx, way: Way, args: &[String]) -> anyhow::Result<Value> {
                 );
                 match run {
                     Ok(mut v) => {
-                        v["oom_retries"] = json!(attempt);
-                        v["cgroup_limit_bytes"] = json!(limit);
+                        v["oom_killed_at_bytes"] = json!(killed_at);
+                        v["cgroup_limit_bytes"] = json!(size);
                         if let Some(t) = v.get("total_seconds").cloned() {
                             v["seconds"] = t;
                         }
                         return Ok(v);
                     }
-                    Err(e) => last = Some(e),
+                    Err(e) if format!("{e:#}").contains("SIGKILL") => {
+                        killed_at.push(size);
+                        last = Some(e);
+                    }
+                    Err(e) => return Err(e),
                 }
             }
-            Err(last.expect("three attempts"))
+            Err(last.expect("four sizes tried")).map_err(|e| {
+                e.context(format!(
+                    "OOM-killed (SIGKILL) at every size: {} MiB",
+                    killed_at
+                        .iter()
+                        .map(|b| (b >> 20).to_string())
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                ))
+            })
         }
     }
 }
@@ -509,19 +525,24 @@ pub fn plot_ways(workloads: &Value, path: &Path) -> anyhow::Result<()> {
                     Some((w.key().to_string(), v))
                 })
                 .collect();
-            (format!("{wl}: seconds (log scale)"), bars)
+            (format!("workload {wl}"), bars)
         })
         .collect();
-    plot_panels(&panels, path)
+    plot_panels(
+        "bench uffd: seconds per way (lower is better; netram's ways in blue)",
+        &panels,
+        path,
+    )
 }
 
 /// A panel's caption, and its bars: a name (netram's start with "netram", drawn in blue) and a
 /// value.
 pub type Panel = (String, Vec<(String, f64)>);
 
-/// Bar charts side by side on a log scale; bars without a positive value are left out, and so
-/// are panels without bars.
-pub fn plot_panels(panels: &[Panel], path: &Path) -> anyhow::Result<()> {
+/// Bar charts in a grid (three to a row) under `title`, on a log scale, each bar labelled with
+/// its value and its name beneath it; bars without a positive value are left out, and so are
+/// panels without bars.
+pub fn plot_panels(title: &str, panels: &[Panel], path: &Path) -> anyhow::Result<()> {
     use plotters::prelude::*;
     /// Bars of one panel: position, name, value.
     type Bars<'a> = Vec<(usize, &'a str, f64)>;
@@ -539,22 +560,36 @@ pub fn plot_panels(panels: &[Panel], path: &Path) -> anyhow::Result<()> {
         .filter(|(_, bars): &(_, Vec<_>)| !bars.is_empty())
         .collect();
     anyhow::ensure!(!panels.is_empty(), "no figures to plot");
-    let root = SVGBackend::new(path, (300 * panels.len() as u32 + 300, 420)).into_drawing_area();
+    // Room for every bar's name written across, under it.
+    let most_bars = panels.iter().map(|p| p.1.len()).max().unwrap_or(1) as u32;
+    let (panel_w, panel_h) = ((most_bars * 100 + 90).max(380), 340u32);
+    let cols = panels.len().min(3);
+    let rows = panels.len().div_ceil(cols);
+    let root = SVGBackend::new(path, (panel_w * cols as u32, panel_h * rows as u32 + 60))
+        .into_drawing_area();
     root.fill(&WHITE)?;
-    let areas = root.split_evenly((1, panels.len()));
+    let root = root.titled(title, ("sans-serif", 18))?;
+    let areas = root.split_evenly((rows, cols));
     for (area, (caption, bars)) in areas.iter().zip(&panels) {
-        let lo = bars.iter().map(|b| b.2).fold(f64::INFINITY, f64::min) / 2.0;
-        let hi = bars.iter().map(|b| b.2).fold(0.0, f64::max) * 2.0;
+        let lo = bars.iter().map(|b| b.2).fold(f64::INFINITY, f64::min) / 3.0;
+        let hi = bars.iter().map(|b| b.2).fold(0.0, f64::max) * 3.0;
         let names: Vec<&str> = bars.iter().map(|b| b.1).collect();
         let mut chart = ChartBuilder::on(area)
-            .caption(*caption, ("sans-serif", 16))
-            .margin(10)
-            .x_label_area_size(80)
-            .y_label_area_size(50)
+            .caption(*caption, ("sans-serif", 15))
+            .margin(12)
+            .x_label_area_size(40)
+            .y_label_area_size(60)
             .build_cartesian_2d(-0.5f64..bars.len() as f64 - 0.5, (lo..hi).log_scale())?;
         chart
             .configure_mesh()
             .disable_x_mesh()
+            .y_desc("seconds (log scale)")
+            .axis_desc_style(("sans-serif", 12))
+            .y_label_formatter(&|y| {
+                // 0.7 rather than 0.7000000000000001: at most three decimals, no trailing zeros.
+                let t = format!("{y:.3}");
+                t.trim_end_matches('0').trim_end_matches('.').to_string()
+            })
             .x_labels(bars.len())
             .x_label_formatter(&|x| {
                 let i = x.round();
@@ -564,11 +599,7 @@ pub fn plot_panels(panels: &[Panel], path: &Path) -> anyhow::Result<()> {
                     String::new()
                 }
             })
-            .x_label_style(
-                ("sans-serif", 11)
-                    .into_font()
-                    .transform(FontTransform::Rotate90),
-            )
+            .x_label_style(("sans-serif", 12))
             .draw()?;
         chart.draw_series(bars.iter().map(|&(i, k, v)| {
             let color = if k.starts_with("netram") {
@@ -579,6 +610,21 @@ pub fn plot_panels(panels: &[Panel], path: &Path) -> anyhow::Result<()> {
             Rectangle::new(
                 [(i as f64 - 0.35, lo), (i as f64 + 0.35, v)],
                 color.filled(),
+            )
+        }))?;
+        // Each bar's value above it: a log axis alone is hard to read off.
+        chart.draw_series(bars.iter().map(|&(i, _, v)| {
+            let text = if v >= 10.0 {
+                format!("{v:.0} s")
+            } else if v >= 1.0 {
+                format!("{v:.1} s")
+            } else {
+                format!("{v:.2} s")
+            };
+            Text::new(
+                text,
+                (i as f64 - 0.3, v * 1.25),
+                ("sans-serif", 12).into_font(),
             )
         }))?;
     }

@@ -301,15 +301,28 @@ fn size(what: &str, s: &str) -> anyhow::Result<u64> {
 }
 
 fn init_logging(default: &str) {
+    init_logging_to(default, None);
+}
+
+/// Logging as `init_logging`, into `file` (appended, no colours) rather than stderr: for a
+/// command whose output is a report that log lines would break up (the demo).
+fn init_logging_to(default: &str, file: Option<std::fs::File>) {
+    use std::io::IsTerminal;
     // fuser warns about every operation a file system leaves to its defaults (xattrs the kernel
     // probes once) and about the unmount it retries after netram's own: noise for users.
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(format!("{default},fuser=error")));
     // Levels from RUST_LOG (error, warn, info, debug, trace, per module); one JSON object a
-    // line with NETRAM_LOG_FORMAT=json, for a log collector.
+    // line with NETRAM_LOG_FORMAT=json, for a log collector. Colours only on a terminal.
+    let ansi = file.is_none() && std::io::stderr().is_terminal();
+    let writer = match file {
+        Some(f) => tracing_subscriber::fmt::writer::BoxMakeWriter::new(std::sync::Mutex::new(f)),
+        None => tracing_subscriber::fmt::writer::BoxMakeWriter::new(std::io::stderr),
+    };
     let fmt = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr);
+        .with_ansi(ansi)
+        .with_writer(writer);
     if std::env::var("NETRAM_LOG_FORMAT").is_ok_and(|f| f == "json") {
         fmt.json().init();
     } else {
@@ -441,7 +454,8 @@ fn main() -> anyhow::Result<()> {
             sim::run_sim(args)
         }
         Command::Demo(args) => {
-            init_logging("warn");
+            let log = demo::open_log(&args)?;
+            init_logging_to("info", Some(log));
             demo::run(args)
         }
         Command::Bench(BenchCommand::Reliability { quick, out }) => {
@@ -506,6 +520,7 @@ fn main() -> anyhow::Result<()> {
                 out: out.clone(),
                 netram_exe: std::env::current_exe()?,
                 only,
+                progress: true,
             };
             let outcome = netram_bench::programs::run(&opts)?;
             println!("{}", outcome.report);
