@@ -48,7 +48,8 @@ pub fn install_credentials() -> anyhow::Result<RunCredentials> {
     let dir = tempfile::Builder::new()
         .prefix("netram-cluster-")
         .tempdir()?;
-    netram_net::pki::init_cluster(dir.path())?;
+    // A throwaway cluster of this process's own: its node credentials beside the CA.
+    netram_net::pki::init_cluster(dir.path(), dir.path())?;
     std::env::set_var("NETRAM_TLS", dir.path());
     Ok(RunCredentials { _dir: Some(dir) })
 }

@@ -24,7 +24,7 @@ fn a_regions_lost_copies_are_rebuilt_in_the_background() {
     // A cluster of its own (`netram cluster init`'s work): the servers and the region
     // authenticate with it.
     let tls = tempfile::tempdir().unwrap();
-    netram_net::pki::init_cluster(tls.path()).unwrap();
+    netram_net::pki::init_cluster(tls.path(), tls.path()).unwrap();
     let creds = Arc::new(netram_net::Credentials::load(tls.path()).unwrap());
     let mut servers: Vec<Option<Server>> = (0..3)
         .map(|i| {

@@ -165,14 +165,17 @@ enum Command {
 
 #[derive(Debug, Subcommand)]
 enum ClusterCommand {
-    /// Create a cluster: its certificate authority (ca.pem, and ca.key, which signs nodes'
-    /// certificates: keep it off the other machines), an empty revocation list (crl.pem), and
-    /// node 1's credentials (node.pem, node.key; a server), all in DIR. `netram serve --tls DIR`
-    /// and `netram run --tls DIR ...` on this machine then work at once; other machines get
-    /// theirs from `netram keygen`.
+    /// Create a cluster: its certificate authority in DIR (ca.pem; ca.key, which signs nodes'
+    /// certificates: keep DIR off the nodes; an empty revocation list, crl.pem), and node 1's
+    /// credentials (ca.pem, crl.pem, node.pem, node.key; a server) in a directory of their own,
+    /// DIR/node-1 unless --node-dir says otherwise: copy that one to node 1 (its /etc/netram).
+    /// Other machines get theirs from `netram keygen --cluster DIR`.
     Init {
         /// The cluster directory to create (refused if it already holds a CA key).
         dir: PathBuf,
+        /// Where node 1's credentials go [default: DIR/node-1]; never DIR itself.
+        #[arg(long)]
+        node_dir: Option<PathBuf>,
     },
 }
 
@@ -344,13 +347,24 @@ fn main() -> anyhow::Result<()> {
             init_logging("info");
             serve::run(*args)
         }
-        Command::Cluster(ClusterCommand::Init { dir }) => {
-            netram_net::pki::init_cluster(&dir)?;
+        Command::Cluster(ClusterCommand::Init { dir, node_dir }) => {
+            let node_dir = node_dir.unwrap_or_else(|| dir.join("node-1"));
+            let same = |a: &std::path::Path, b: &std::path::Path| {
+                a == b || matches!((a.canonicalize(), b.canonicalize()), (Ok(x), Ok(y)) if x == y)
+            };
+            anyhow::ensure!(
+                !same(&dir, &node_dir),
+                "--node-dir must not be the cluster directory: a node holding ca.key could \
+                 issue any identity"
+            );
+            netram_net::pki::init_cluster(&dir, &node_dir)?;
             println!(
-                "netram cluster init: a new cluster CA and node 1's credentials in {}\n  \
-                 serve: netram serve --tls {0}\n  more nodes: netram keygen --cluster {0} \
-                 --node N [--server] --out NODE_DIR",
-                dir.display()
+                "netram cluster init: a new cluster CA in {} (ca.key signs: keep this directory \
+                 off the nodes)\n  node 1's credentials (a server) in {}: copy them to node 1's \
+                 /etc/netram, or on this machine: netram serve --tls {1}\n  more nodes: \
+                 netram keygen --cluster {0} --node N [--server] --out NODE_DIR",
+                dir.display(),
+                node_dir.display()
             );
             Ok(())
         }

@@ -274,7 +274,7 @@ fn hostile_membership_packets_are_refused_and_counted() {
         if !client_dir.join("node.pem").exists() {
             let st = netram()
                 .args(["keygen", "--cluster"])
-                .arg(tls_dir())
+                .arg(common::ca_dir())
                 .args(["--node", "31", "--out"])
                 .arg(&client_dir)
                 .status()

@@ -673,7 +673,7 @@ fn libnbd_dir(node: &Path, out: &Path) {
 fn keygen(node: u64, extra: &[&str], out: &Path) {
     let o = common::netram()
         .args(["keygen", "--cluster"])
-        .arg(common::tls_dir())
+        .arg(common::ca_dir())
         .args(["--node", &node.to_string(), "--out"])
         .arg(out)
         .args(extra)
@@ -773,7 +773,7 @@ fn nbd_over_tcp_is_tls_for_members_only() {
         .unwrap();
     assert!(o.status.success());
     let stranger = dir.path().join("stranger");
-    libnbd_dir(&other, &stranger);
+    libnbd_dir(&other.join("node-1"), &stranger);
     std::fs::copy(member.join("node/ca.pem"), stranger.join("ca-cert.pem")).unwrap();
     assert!(
         refused(&tls_uri(&stranger)),
@@ -804,12 +804,12 @@ fn nbd_over_tcp_is_tls_for_members_only() {
     // member still holding a connection does not matter to others.
     let o = common::netram()
         .args(["revoke", "--cluster"])
-        .arg(common::tls_dir())
+        .arg(common::ca_dir())
         .args(["--node", "9002"])
         .output()
         .unwrap();
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    std::fs::copy(common::tls_dir().join("crl.pem"), host.join("crl.pem")).unwrap();
+    std::fs::copy(common::ca_dir().join("crl.pem"), host.join("crl.pem")).unwrap();
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
     while !refused(&good) {
         assert!(

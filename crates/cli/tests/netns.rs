@@ -181,7 +181,7 @@ fn credentials(dir: &Path, i: usize) -> PathBuf {
     let out = dir.join(format!("node{i}"));
     let st = common::netram()
         .args(["keygen", "--cluster"])
-        .arg(common::tls_dir())
+        .arg(common::ca_dir())
         .args([
             "--node",
             &i.to_string(),

@@ -992,7 +992,7 @@ my $t = 0; $t += $h{"k$_"}[0] for 1..30000; print scalar(keys %h), " $t\n";
     let tls = dir.0.join("tls-nobody");
     let issued = Command::new(NETRAM)
         .args(["keygen", "--cluster"])
-        .arg(common::tls_dir())
+        .arg(common::ca_dir())
         .args(["--node", "65534", "--out"])
         .arg(&tls)
         .output()

@@ -24,7 +24,7 @@ use std::time::{Duration, Instant};
 /// Credentials of node `node` of the tests' cluster, issued by `netram keygen`.
 fn node_creds(node: u64, server: bool) -> (tempfile::TempDir, Security) {
     let dir = tempfile::tempdir().unwrap();
-    let sec = keygen(common::tls_dir(), node, server, dir.path());
+    let sec = keygen(common::ca_dir(), node, server, dir.path());
     (dir, sec)
 }
 
@@ -356,7 +356,7 @@ fn an_unauthenticated_peer_is_refused_at_every_step() {
         .output()
         .unwrap();
     assert!(out.status.success());
-    let stranger = netram_client::security(Some(other.path()), false).unwrap();
+    let stranger = netram_client::security(Some(&other.path().join("node-1")), false).unwrap();
     let e = Conn::open(&server.addr, &stranger, &Hello::new(3, 1, 1)).err();
     assert!(matches!(e, Some(HandshakeError::Tls(_))), "{e:?}");
     refused += 1;
@@ -412,12 +412,17 @@ fn an_unauthenticated_peer_is_refused_at_every_step() {
 #[test]
 fn a_revoked_node_is_refused_and_its_connections_closed() {
     // The daemon reads the revocation list of its own directory: a copy of the tests'
-    // cluster, so that revoking here touches no other test.
+    // cluster's CA with node 1's credentials beside it (a throwaway cluster may keep them
+    // together), so that revoking here reaches the daemon at once and touches no other test.
     let cluster = tempfile::tempdir().unwrap();
     let one = cluster_dir_lock();
-    for f in std::fs::read_dir(common::tls_dir()).unwrap() {
-        let f = f.unwrap().path();
-        std::fs::copy(&f, cluster.path().join(f.file_name().unwrap())).unwrap();
+    for dir in [common::ca_dir(), common::tls_dir()] {
+        for f in std::fs::read_dir(dir).unwrap() {
+            let f = f.unwrap().path();
+            if f.is_file() {
+                std::fs::copy(&f, cluster.path().join(f.file_name().unwrap())).unwrap();
+            }
+        }
     }
     drop(one);
     let server = ServerProcess::start(&[
@@ -907,4 +912,52 @@ fn a_migration_goes_only_to_a_member_of_the_cluster() {
         "the stand-alone server connected to the port a client named"
     );
     assert_eq!(at_o.get(k3), Some(page(3)), "the outsider keeps the page");
+}
+
+/// `netram cluster init` keeps the key that signs apart from node 1's credentials, so that
+/// copying node 1's directory to the node does not hand it the power to issue identities.
+#[test]
+fn cluster_init_keeps_the_ca_key_apart_from_node_1() {
+    let d = tempfile::tempdir().unwrap();
+    let ca = d.path().join("ca");
+    let out = Command::new(NETRAM)
+        .args(["cluster", "init"])
+        .arg(&ca)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let node = ca.join("node-1");
+    for f in ["ca.key", "ca.pem", "crl.pem"] {
+        assert!(ca.join(f).is_file(), "{f} in the CA directory");
+    }
+    assert!(!ca.join("node.key").exists(), "no node key beside ca.key");
+    for f in ["ca.pem", "crl.pem", "node.pem", "node.key"] {
+        assert!(node.join(f).is_file(), "{f} in node 1's directory");
+    }
+    assert!(
+        !node.join("ca.key").exists(),
+        "no ca.key among node 1's credentials"
+    );
+    assert!(String::from_utf8_lossy(&out.stdout).contains("--tls"));
+    // Node 1 serves with its directory alone, and a client of the cluster reaches it.
+    let server = ServerProcess::start(&["--capacity", "16M", "--tls", node.to_str().unwrap()]);
+    let client = tempfile::tempdir().unwrap();
+    let sec = keygen(&ca, 2, false, client.path());
+    Conn::open(&server.addr, &sec, &Hello::new(2, 1, 1)).expect("a client of the cluster");
+    // Node 1's credentials in the CA directory are refused.
+    let again = d.path().join("again");
+    let out = Command::new(NETRAM)
+        .args(["cluster", "init"])
+        .arg(&again)
+        .arg("--node-dir")
+        .arg(&again)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("must not be the cluster directory"));
+    assert!(!again.join("ca.key").exists(), "nothing made when refused");
 }

@@ -337,9 +337,12 @@ pub fn write_node(dir: &Path, pem: &NodePem) -> Result<(), PkiError> {
     write_file(&dir.join(NODE_KEY), &pem.key, 0o600)
 }
 
-/// `netram cluster init DIR`: a new CA in `dir`, and node 1's credentials (a server) beside
-/// it, so that this machine can serve and page at once.
-pub fn init_cluster(dir: &Path) -> Result<(), PkiError> {
+/// `netram cluster init DIR`: a new CA in `dir` (`ca.key`, which signs, `ca.pem`, an empty
+/// `crl.pem` and the list of issued certificates), and node 1's credentials (a server) in
+/// `node_dir`, to be copied to node 1 without the key that signs. `node_dir` may be `dir`
+/// only for a cluster that lives and dies on one machine (the demo's, the benchmarks', the
+/// tests'): a node that holds `ca.key` can issue any identity.
+pub fn init_cluster(dir: &Path, node_dir: &Path) -> Result<(), PkiError> {
     if dir.join(CA_KEY).exists() {
         return Err(PkiError::Exists {
             path: dir.join(CA_KEY),
@@ -354,7 +357,8 @@ pub fn init_cluster(dir: &Path) -> Result<(), PkiError> {
         server: true,
         ..NodeSpec::default()
     })?;
-    write_node(dir, &node)?;
+    write_file(&dir.join(CRL), &node.crl, 0o644)?;
+    write_node(node_dir, &node)?;
     write_issued(dir, &[(1, node.serial, false)])
 }
 

@@ -12,9 +12,9 @@ use std::time::{Duration, Instant};
 pub const NETRAM: &str = env!("CARGO_BIN_EXE_netram");
 
 /// The tests' cluster, made by `netram cluster init` itself (once per test process, under
-/// cargo's scratch directory for tests): every server the tests start, every client and
-/// every tool authenticates with it, as a real cluster does.
-pub fn tls_dir() -> &'static Path {
+/// cargo's scratch directory for tests): its CA directory, where `netram keygen` and `netram
+/// revoke` work.
+pub fn ca_dir() -> &'static Path {
     static DIR: OnceLock<PathBuf> = OnceLock::new();
     DIR.get_or_init(|| {
         let dir =
@@ -34,6 +34,14 @@ pub fn tls_dir() -> &'static Path {
     })
 }
 
+/// Node 1's credentials in the tests' cluster (`cluster init` puts them apart from the CA):
+/// every server the tests start, every client and every tool authenticates with them, as a
+/// real cluster's node does.
+pub fn tls_dir() -> &'static Path {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| ca_dir().join("node-1"))
+}
+
 /// `netram keygen` writes the cluster's list of issued certificates: one at a time.
 pub static KEYGEN: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
@@ -45,7 +53,7 @@ pub fn node_dir(node: u64) -> PathBuf {
     if !out.join("node.pem").exists() {
         let st = netram()
             .args(["keygen", "--cluster"])
-            .arg(tls_dir())
+            .arg(ca_dir())
             .args(["--node", &node.to_string(), "--server", "--out"])
             .arg(&out)
             .status()
