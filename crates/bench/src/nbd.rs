@@ -789,68 +789,35 @@ fn plot(
     swap: &BTreeMap<&'static str, BTreeMap<&'static str, Value>>,
     path: &Path,
 ) -> anyhow::Result<()> {
-    use plotters::prelude::*;
     anyhow::ensure!(!swap.is_empty(), "no swap figures to plot");
-    let root = SVGBackend::new(path, (900, 420)).into_drawing_area();
-    root.fill(&WHITE)?;
-    let panels = root.split_evenly((1, 2));
-    for (area, (workload, key, label)) in panels.iter().zip([
+    // Configurations without a figure (OOM-killed every time, failed) have no bar; the
+    // report's table says why.
+    let panels: Vec<crate::uffd::Panel> = [
         (
             "random",
             "us_per_op",
-            "random 4 KiB read-modify-write: µs per op",
+            "random 4 KiB read-modify-writes",
+            "µs per op (log scale)",
         ),
-        ("qsort", "seconds", "quicksort: seconds"),
-    ]) {
-        let bars: Vec<(usize, f64)> = CONFIGS
+        ("qsort", "seconds", "quicksort", "seconds (log scale)"),
+    ]
+    .into_iter()
+    .map(|(workload, key, caption, unit)| {
+        let bars = CONFIGS
             .iter()
-            .enumerate()
-            .filter_map(|(i, c)| Some((i, swap.get(workload)?.get(c)?.get(key)?.as_f64()?)))
-            .filter(|&(_, v)| v > 0.0)
-            .collect();
-        let lo = bars.iter().map(|b| b.1).fold(f64::INFINITY, f64::min) / 2.0;
-        let hi = bars.iter().map(|b| b.1).fold(0.0, f64::max) * 2.0;
-        if bars.is_empty() {
-            continue;
-        }
-        let mut chart = ChartBuilder::on(area)
-            .caption(label, ("sans-serif", 16))
-            .margin(10)
-            .x_label_area_size(70)
-            .y_label_area_size(50)
-            .build_cartesian_2d(-0.5f64..CONFIGS.len() as f64 - 0.5, (lo..hi).log_scale())?;
-        chart
-            .configure_mesh()
-            .disable_x_mesh()
-            .x_labels(CONFIGS.len())
-            .x_label_formatter(&|x| {
-                let i = x.round();
-                if (x - i).abs() < 0.01 && i >= 0.0 {
-                    CONFIGS.get(i as usize).copied().unwrap_or("").to_string()
-                } else {
-                    String::new()
-                }
+            .filter_map(|c| {
+                let v = swap.get(workload)?.get(c)?.get(key)?.as_f64()?;
+                Some((c.to_string(), v))
             })
-            .x_label_style(
-                ("sans-serif", 11)
-                    .into_font()
-                    .transform(FontTransform::Rotate90),
-            )
-            .draw()?;
-        chart.draw_series(bars.iter().map(|&(i, v)| {
-            let color = if CONFIGS[i].starts_with("netram") {
-                BLUE
-            } else {
-                RGBColor(150, 150, 150)
-            };
-            Rectangle::new(
-                [(i as f64 - 0.35, lo), (i as f64 + 0.35, v)],
-                color.filled(),
-            )
-        }))?;
-    }
-    root.present()?;
-    Ok(())
+            .collect();
+        (caption.to_string(), unit.to_string(), bars)
+    })
+    .collect();
+    crate::uffd::plot_panels(
+        "bench nbd: the kernel's swap on each device (lower is better; netram in blue)",
+        &panels,
+        path,
+    )
 }
 
 fn markdown(r: &Value, targets: &[Target], skipped: &[String], plotted: bool) -> String {

@@ -600,7 +600,7 @@ pub fn run(opts: &Options) -> anyhow::Result<crate::Outcome> {
             .filter(|(w, _)| *w == "local" || v[*w]["output_ok"].as_bool() == Some(true))
             .filter_map(|(w, label)| Some((label.to_string(), v[*w]["seconds"].as_f64()?)))
             .collect();
-            (name.clone(), bars)
+            (name.clone(), "seconds (log scale)".to_string(), bars)
         })
         .collect();
     if let Err(e) = crate::uffd::plot_panels(

@@ -525,7 +525,11 @@ pub fn plot_ways(workloads: &Value, path: &Path) -> anyhow::Result<()> {
                     Some((w.key().to_string(), v))
                 })
                 .collect();
-            (format!("workload {wl}"), bars)
+            (
+                format!("workload {wl}"),
+                "seconds (log scale)".to_string(),
+                bars,
+            )
         })
         .collect();
     plot_panels(
@@ -535,9 +539,9 @@ pub fn plot_ways(workloads: &Value, path: &Path) -> anyhow::Result<()> {
     )
 }
 
-/// A panel's caption, and its bars: a name (netram's start with "netram", drawn in blue) and a
-/// value.
-pub type Panel = (String, Vec<(String, f64)>);
+/// A panel's caption, its y axis's description, and its bars: a name (netram's start with
+/// "netram", drawn in blue) and a value.
+pub type Panel = (String, String, Vec<(String, f64)>);
 
 /// Bar charts in a grid (three to a row) under `title`, on a log scale, each bar labelled with
 /// its value and its name beneath it; bars without a positive value are left out, and so are
@@ -546,22 +550,22 @@ pub fn plot_panels(title: &str, panels: &[Panel], path: &Path) -> anyhow::Result
     use plotters::prelude::*;
     /// Bars of one panel: position, name, value.
     type Bars<'a> = Vec<(usize, &'a str, f64)>;
-    let panels: Vec<(&str, Bars)> = panels
+    let panels: Vec<(&str, &str, Bars)> = panels
         .iter()
-        .map(|(caption, bars)| {
+        .map(|(caption, unit, bars)| {
             let bars = bars
                 .iter()
                 .filter(|(_, v)| *v > 0.0)
                 .enumerate()
                 .map(|(i, (k, v))| (i, k.as_str(), *v))
                 .collect();
-            (caption.as_str(), bars)
+            (caption.as_str(), unit.as_str(), bars)
         })
-        .filter(|(_, bars): &(_, Vec<_>)| !bars.is_empty())
+        .filter(|(_, _, bars): &(_, _, Vec<_>)| !bars.is_empty())
         .collect();
     anyhow::ensure!(!panels.is_empty(), "no figures to plot");
     // Room for every bar's name written across, under it.
-    let most_bars = panels.iter().map(|p| p.1.len()).max().unwrap_or(1) as u32;
+    let most_bars = panels.iter().map(|p| p.2.len()).max().unwrap_or(1) as u32;
     let (panel_w, panel_h) = ((most_bars * 100 + 90).max(380), 340u32);
     let cols = panels.len().min(3);
     let rows = panels.len().div_ceil(cols);
@@ -570,7 +574,7 @@ pub fn plot_panels(title: &str, panels: &[Panel], path: &Path) -> anyhow::Result
     root.fill(&WHITE)?;
     let root = root.titled(title, ("sans-serif", 18))?;
     let areas = root.split_evenly((rows, cols));
-    for (area, (caption, bars)) in areas.iter().zip(&panels) {
+    for (area, (caption, unit, bars)) in areas.iter().zip(&panels) {
         let lo = bars.iter().map(|b| b.2).fold(f64::INFINITY, f64::min) / 3.0;
         let hi = bars.iter().map(|b| b.2).fold(0.0, f64::max) * 3.0;
         let names: Vec<&str> = bars.iter().map(|b| b.1).collect();
@@ -583,7 +587,7 @@ pub fn plot_panels(title: &str, panels: &[Panel], path: &Path) -> anyhow::Result
         chart
             .configure_mesh()
             .disable_x_mesh()
-            .y_desc("seconds (log scale)")
+            .y_desc(*unit)
             .axis_desc_style(("sans-serif", 12))
             .y_label_formatter(&|y| {
                 // 0.7 rather than 0.7000000000000001: at most three decimals, no trailing zeros.
@@ -613,13 +617,18 @@ pub fn plot_panels(title: &str, panels: &[Panel], path: &Path) -> anyhow::Result
             )
         }))?;
         // Each bar's value above it: a log axis alone is hard to read off.
+        let suffix = if unit.starts_with("seconds") {
+            " s"
+        } else {
+            ""
+        };
         chart.draw_series(bars.iter().map(|&(i, _, v)| {
             let text = if v >= 10.0 {
-                format!("{v:.0} s")
+                format!("{v:.0}{suffix}")
             } else if v >= 1.0 {
-                format!("{v:.1} s")
+                format!("{v:.1}{suffix}")
             } else {
-                format!("{v:.2} s")
+                format!("{v:.2}{suffix}")
             };
             Text::new(
                 text,

@@ -374,7 +374,7 @@ fn panels(doc: &Value) -> Vec<Panel> {
         .filter(|(w, _)| *w == "local" || v[*w]["output_ok"].as_bool() == Some(true))
         .filter_map(|(w, label)| Some((label.to_string(), v[*w]["seconds"].as_f64()?)))
         .collect();
-        panels.push((name.clone(), bars));
+        panels.push((name.clone(), "seconds (log scale)".to_string(), bars));
     }
     for wl in ["random", "qsort"] {
         let bars = WAYS
@@ -391,7 +391,11 @@ fn panels(doc: &Value) -> Vec<Panel> {
                 Some((label.to_string(), v))
             })
             .collect();
-        panels.push((format!("workload {wl}"), bars));
+        panels.push((
+            format!("workload {wl}"),
+            "seconds (log scale)".to_string(),
+            bars,
+        ));
     }
     panels
 }

@@ -28,9 +28,8 @@ pub struct RunArgs {
     backing: Backing,
     /// How its pages survive the death of servers: none, mirror:N, parity:N or rs:K+M (reads
     /// of pages whose server died are served from another copy, or decoded from their stripe
-    /// or parity group). The
-    /// lost copies are not rebuilt while the program runs (that needs `netram nbd`'s
-    /// background recovery, not yet in the preload library).
+    /// or parity group, and the lost copies are rebuilt on the survivors in the background,
+    /// at a bounded pace, while the program runs).
     #[arg(long, default_value = "none")]
     redundancy: Scheme,
     /// The most the program can keep on netram at once (the size of its region) [default: 8
