@@ -94,10 +94,14 @@ pub fn preload_library() -> anyhow::Result<PathBuf> {
         .map(|(_, p)| p.clone())
         .with_context(|| {
             format!(
-                "{NAME} not found (looked in {}, {} and {}): build it with `cargo build \
-                 --release` in the netram workspace, or set NETRAM_PRELOAD",
+                "{NAME} not found (looked in {}, {} and {}). In the netram source tree, \
+                 `cargo build --release` builds it next to target/release/netram; `cargo \
+                 install` installs binaries only, so build it there with `cargo build \
+                 --release -p netram-preload` and copy target/release/{NAME} to {}, or set \
+                 NETRAM_PRELOAD to its path",
                 candidates[0].display(),
                 candidates[1].display(),
+                candidates[2].display(),
                 candidates[2].display()
             )
         })

@@ -1149,3 +1149,57 @@ fn a_program_netram_cannot_reach_is_refused_or_reported() {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+/// A `netram` without its preload library beside it (as `cargo install` leaves it: binaries
+/// only) refuses to run a program and says exactly where the library goes and how to build it.
+#[test]
+fn a_netram_without_its_library_says_how_to_get_it() {
+    let dir = Scratch::new("no-library");
+    let bin = dir.0.join("bin");
+    std::fs::create_dir_all(&bin).unwrap();
+    let exe = bin.join("netram");
+    std::fs::copy(NETRAM, &exe).unwrap();
+    let out = Command::new(&exe)
+        .args([
+            "run",
+            "--insecure",
+            "--local-mem",
+            "8M",
+            "--servers",
+            "127.0.0.1:9",
+        ])
+        .args(["--", "/bin/true"])
+        .env_remove("NETRAM_PRELOAD")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(err.contains("libnetram_preload.so not found"), "{err}");
+    assert!(
+        err.contains("cargo build --release -p netram-preload"),
+        "{err}"
+    );
+    // Where it would be found: beside the binary's directory, in lib/netram.
+    let lib_dir = dir.0.join("bin/../lib/netram");
+    assert!(err.contains(&lib_dir.display().to_string()), "{err}");
+    // Put there as the message says, it is found: the program runs on netram.
+    let built = Path::new(NETRAM).with_file_name("libnetram_preload.so");
+    let built = if built.exists() {
+        built
+    } else {
+        Path::new(NETRAM).with_file_name("deps/libnetram_preload.so")
+    };
+    std::fs::create_dir_all(&lib_dir).unwrap();
+    std::fs::copy(&built, lib_dir.join("libnetram_preload.so")).unwrap();
+    let out = common::netram_env(Command::new(&exe))
+        .args(["run", "--local-mem", "8M", "--backing", "disk"])
+        .args(["--", "/bin/true"])
+        .env_remove("NETRAM_PRELOAD")
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
