@@ -39,6 +39,42 @@ impl Drop for Scratch {
     }
 }
 
+/// Threads that keep every CPU busy (one more than there are) until dropped.
+struct Busy {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    threads: Vec<std::thread::JoinHandle<()>>,
+}
+
+impl Busy {
+    fn start() -> Self {
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let n = std::thread::available_parallelism().map_or(2, |n| n.get()) + 1;
+        let threads = (0..n)
+            .map(|_| {
+                let stop = stop.clone();
+                std::thread::spawn(move || {
+                    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(600);
+                    while !stop.load(std::sync::atomic::Ordering::Relaxed)
+                        && std::time::Instant::now() < deadline
+                    {
+                        std::hint::spin_loop();
+                    }
+                })
+            })
+            .collect();
+        Self { stop, threads }
+    }
+}
+
+impl Drop for Busy {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+    }
+}
+
 /// `netram run ARGS -- PROGRAM...` bounded by `timeout`.
 fn netram_run(args: &[&str], program: &[&str]) -> Output {
     common::netram_env(Command::new("timeout"))
@@ -710,11 +746,18 @@ public class Objs {
 /// them stay off the region even as root, where every other block of the program is on it,
 /// and after everything has been pushed out the libraries still work (the handler never
 /// faults on the loader's memory).
+///
+/// Run on a busy machine (more spinning threads than CPUs, as CI's parallel tests make it):
+/// there netram's threads had not started when the program's `dlopen` took the loader's lock
+/// and its library's constructor faulted; their start registers thread-local destructors,
+/// which takes that lock, and the program hung for good (every time here, with 3 spinners on
+/// 2 CPUs, before `loader::thread_atexit`).
 #[test]
 fn libraries_loaded_after_start_keep_the_loader_off_the_region() {
     if !netram_testkit::have_root("every block of the program on the region") {
         return;
     }
+    let _busy = Busy::start();
     let Some(r) = c_program_on_netram("dlopen_late", &["-pthread"], "8M") else {
         return;
     };

@@ -1262,6 +1262,7 @@ extern "C" fn internal_thread(arg: *mut c_void) -> *mut c_void {
     // SAFETY: `arg` is the box `pthread_create` below made for this thread, taken once.
     let start = unsafe { Box::from_raw(arg.cast::<(StartRoutine, usize)>()) };
     netram_uffd::alloc::mark_internal_thread();
+    loader::mark_own_thread();
     (start.0)(start.1 as *mut c_void)
 }
 

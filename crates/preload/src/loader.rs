@@ -25,11 +25,28 @@
 //!   `internal` (freed there too, since `free` knows those blocks by their address). The
 //!   loader's blocks are few and small (its lists, names, thread-local tables).
 //!
+//! - **The loader's lock.** The loader holds its lock (`dl_load_lock`) while it runs a library's
+//!   constructors, and constructors allocate: a program thread in `dlopen` faults on the region
+//!   holding it. Anything the handler does that takes the same lock then waits for a thread
+//!   that waits for the handler. Rust's thread-locals with a destructor register it, on first
+//!   use, through the C library's `__cxa_thread_atexit_impl`, which takes that lock: a handler
+//!   thread that had not yet run its first instruction when the program called `dlopen` (a
+//!   busy machine) hung the program for good in CI. So this library defines
+//!   `__cxa_thread_atexit_impl` ([`thread_atexit`]): on netram's threads it keeps the
+//!   destructors itself, in thread-local storage that needs no allocation, and runs them when
+//!   the thread ends (from a `pthread` key's destructor); every other thread's go to the C
+//!   library as before. Symbol lookups (above) take the lock too; no netram thread makes one
+//!   after load.
+//!
 //! Not covered: memory the C library allocates for the program and later reads on a netram
 //! thread — a locale's data (read by `strerror` when formatting an error in a translated
 //! locale), name-service state. netram's threads use neither on their paths that serve
-//! faults.
+//! faults. Nor the C library's resolver: a server named by a host name (not an address) is
+//! resolved again when netram reconnects to it, and the resolver may load its modules, which
+//! takes the loader's lock; give servers as addresses where programs load libraries while
+//! they run.
 
+use std::cell::Cell;
 use std::ffi::{c_void, CStr};
 use std::sync::atomic::{AtomicPtr, AtomicUsize, Ordering};
 
@@ -90,6 +107,7 @@ static ALL: &[&Next] = &[
     &crate::io::FWRITE_UNLOCKED,
     &crate::FORK,
     &crate::PTHREAD_CREATE,
+    &THREAD_ATEXIT,
 ];
 
 /// Looks every interposed function up, and finds the loader's code: called at load, before
@@ -99,6 +117,7 @@ pub(crate) fn resolve_all() {
         n.addr();
     }
     find_loader();
+    own_destructors_key();
 }
 
 /// The dynamic loader's executable segment: [start, end), or empty until found.
@@ -190,3 +209,143 @@ macro_rules! entry {
     };
 }
 pub(crate) use entry;
+
+/// The C library's `__cxa_thread_atexit_impl`.
+static THREAD_ATEXIT: Next = Next::new(c"__cxa_thread_atexit_impl");
+
+type Destructor = unsafe extern "C" fn(*mut c_void);
+
+/// More than netram's threads register (Rust's runtime and `tracing`: a handful).
+const OWN_DESTRUCTORS: usize = 64;
+
+thread_local! {
+    /// Set on netram's own threads from their first instruction ([`mark_own_thread`]).
+    static OWN: Cell<bool> = const { Cell::new(false) };
+    /// Their thread-locals' destructors, in registration order. Neither needs a destructor
+    /// itself, so touching them registers nothing.
+    static DESTRUCTORS: [Cell<(Option<Destructor>, usize)>; OWN_DESTRUCTORS] =
+        const { [const { Cell::new((None, 0)) }; OWN_DESTRUCTORS] };
+    static REGISTERED: Cell<usize> = const { Cell::new(0) };
+}
+
+/// The `pthread` key whose destructor runs a netram thread's thread-local destructors when
+/// it ends; `usize::MAX` until created at load.
+static KEY: AtomicUsize = AtomicUsize::new(usize::MAX);
+
+fn own_destructors_key() {
+    if KEY.load(Ordering::Acquire) != usize::MAX {
+        return;
+    }
+    let mut key: libc::pthread_key_t = 0;
+    // SAFETY: creates a key with a plain function as its destructor.
+    if unsafe { libc::pthread_key_create(&mut key, Some(run_own_destructors)) } == 0 {
+        KEY.store(key as usize, Ordering::Release);
+    }
+}
+
+/// Marks the calling thread as netram's own: its thread-local destructors are kept here.
+pub(crate) fn mark_own_thread() {
+    let _ = OWN.try_with(|o| o.set(true));
+}
+
+/// The C library's entry point for registering a thread-local destructor (`__cxa_thread_atexit`
+/// in C++, Rust's `thread_local!`): see the module's "loader's lock". On a netram thread the
+/// destructor is kept here (the loader's lock is never taken); elsewhere the C library's is
+/// called.
+///
+/// # Safety
+/// The C library's contract for this function.
+#[export_name = "__cxa_thread_atexit_impl"]
+pub unsafe extern "C" fn thread_atexit(
+    func: Destructor,
+    obj: *mut c_void,
+    dso: *mut c_void,
+) -> libc::c_int {
+    type Impl = unsafe extern "C" fn(Destructor, *mut c_void, *mut c_void) -> libc::c_int;
+    let own = OWN.try_with(Cell::get).unwrap_or(false);
+    if !own {
+        // SAFETY: the symbol is __cxa_thread_atexit_impl, with this signature.
+        if let Some(real) = unsafe { THREAD_ATEXIT.get::<Impl>() } {
+            // SAFETY: passed through.
+            return unsafe { real(func, obj, dso) };
+        }
+    }
+    let key = KEY.load(Ordering::Acquire);
+    let n = REGISTERED.try_with(Cell::get).unwrap_or(OWN_DESTRUCTORS);
+    if key == usize::MAX || n >= OWN_DESTRUCTORS {
+        // Not kept: the object leaks when the thread ends, which is what Rust's runtime
+        // does with a failed registration too.
+        return -1;
+    }
+    let _ = DESTRUCTORS.try_with(|d| d[n].set((Some(func), obj as usize)));
+    let _ = REGISTERED.try_with(|r| r.set(n + 1));
+    // A non-null value makes the C library call the key's destructor when the thread ends.
+    // SAFETY: a key this library created; the value is never dereferenced.
+    unsafe {
+        libc::pthread_setspecific(key as libc::pthread_key_t, std::ptr::dangling::<c_void>())
+    };
+    0
+}
+
+/// Runs the ending thread's kept destructors, the last registered first (as the C library
+/// does); those that register more (Rust's runtime does) are run too.
+extern "C" fn run_own_destructors(_: *mut c_void) {
+    loop {
+        let n = REGISTERED.try_with(Cell::get).unwrap_or(0);
+        if n == 0 {
+            return;
+        }
+        let _ = REGISTERED.try_with(|r| r.set(n - 1));
+        let Ok((Some(func), obj)) = DESTRUCTORS.try_with(|d| d[n - 1].take()) else {
+            continue;
+        };
+        // SAFETY: a destructor registered for this thread with this object, run once.
+        unsafe { func(obj as *mut c_void) };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::AtomicU32;
+
+    static DROPPED: AtomicU32 = AtomicU32::new(0);
+
+    struct Counted;
+    impl Drop for Counted {
+        fn drop(&mut self) {
+            DROPPED.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+
+    thread_local! {
+        static FIRST: Counted = const { Counted };
+        static SECOND: Counted = const { Counted };
+    }
+
+    /// A netram thread's thread-local destructors are kept here and run when it ends; another
+    /// thread's go to the C library and run too. (This test binary's own
+    /// `__cxa_thread_atexit_impl` is this module's.)
+    #[test]
+    fn thread_local_destructors_run_on_every_thread() {
+        own_destructors_key();
+        let before = REGISTERED.with(Cell::get);
+        std::thread::spawn(|| {
+            mark_own_thread();
+            FIRST.with(|_| ());
+            SECOND.with(|_| ());
+            assert!(REGISTERED.with(Cell::get) >= 2, "kept here");
+        })
+        .join()
+        .unwrap();
+        assert_eq!(DROPPED.swap(0, Ordering::SeqCst), 2);
+        std::thread::spawn(|| {
+            FIRST.with(|_| ());
+            assert_eq!(REGISTERED.with(Cell::get), 0, "the C library's");
+        })
+        .join()
+        .unwrap();
+        assert_eq!(DROPPED.load(Ordering::SeqCst), 1);
+        assert_eq!(REGISTERED.with(Cell::get), before);
+    }
+}
