@@ -135,10 +135,12 @@ enum Command {
     /// on the page servers, paged through userfaultfd. A forked child sees the memory as it was
     /// at the fork, served by its parent. A program that brings its own allocator (jemalloc,
     /// tcmalloc, mimalloc) keeps it, and that allocator's mappings go on netram. Dynamically
-    /// linked programs only. As an ordinary user (vm.unprivileged_userfaultfd = 0) only
-    /// allocations from 128K go on netram, a system call that reads or writes a page of them
-    /// which is not resident fails with EFAULT, and a forked child does not inherit them (exec
-    /// is fine). Exits with the program's status.
+    /// linked programs only. An ordinary user allowed to open /dev/userfaultfd (Linux 6.1; an
+    /// administrator grants it by group, see docs/deployment.md) gets all of this too. Any
+    /// other ordinary user (vm.unprivileged_userfaultfd = 0): only allocations from 128K go on
+    /// netram, a system call that reads or writes a page of them which is not resident fails
+    /// with EFAULT, and a forked child does not inherit them (exec is fine). Exits with the
+    /// program's status.
     Run(run::RunArgs),
     /// Start a local cluster on loopback and run an unmodified program (a random-access
     /// workload and a quicksort) all in local memory, under `netram run` with a quarter of its

@@ -38,9 +38,10 @@ pub struct RunArgs {
     max_mem: Option<String>,
     /// Allocations (malloc family, anonymous mmap) of at least this size go to netram;
     /// smaller ones stay in the C library's heap, in local memory [default: 0 (every
-    /// allocation) as root; 128K for an ordinary user, whose userfaultfd can neither serve the
-    /// faults of system calls on small buffers nor follow forks]. File mappings, shared memory
-    /// and stacks always stay as they are.
+    /// allocation) as root or for a user who may open /dev/userfaultfd; 128K for any other
+    /// ordinary user, whose userfaultfd can neither serve the faults of system calls on small
+    /// buffers nor follow forks]. File mappings, shared memory and stacks always stay as they
+    /// are.
     #[arg(long, value_name = "SIZE")]
     threshold: Option<String>,
     /// Keep CPUs out of deep idle while the program runs (PM QoS; needs root) and poll for

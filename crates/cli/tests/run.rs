@@ -991,22 +991,7 @@ fn works_for_an_ordinary_user() {
     let Some(jemalloc) = compile_c(&dir.0, "jemalloc_mix", &["-ljemalloc"]) else {
         return;
     };
-    // Copies that nobody may read and run.
-    let netram = dir.0.join("netram");
-    std::fs::copy(NETRAM, &netram).unwrap();
-    let lib = dir.0.join("libnetram_preload.so");
-    let built = Path::new(NETRAM).parent().unwrap();
-    let src = [
-        built.join("libnetram_preload.so"),
-        built.join("deps/libnetram_preload.so"),
-    ]
-    .into_iter()
-    .filter(|p| p.exists())
-    .max_by_key(|p| p.metadata().unwrap().modified().unwrap())
-    .expect("the preload library is built with the binary");
-    std::fs::copy(src, &lib).unwrap();
-    // The inputs of the real programs: the SQL of the database test, the perl of the
-    // interpreter test.
+    let (netram, lib, tls) = files_for_nobody(&dir.0, 65534);
     let sql = dir.0.join("db.sql");
     std::fs::write(&sql, netram_bench::programs::sqlite_script(50_000)).unwrap();
     let input = dir.0.join("sort.txt");
@@ -1024,27 +1009,11 @@ my $t = 0; $t += $h{"k$_"}[0] for 1..30000; print scalar(keys %h), " $t\n";
     )
     .unwrap();
     use std::os::unix::fs::PermissionsExt;
-    for p in [&dir.0, &netram, &lib, &exe, &jemalloc] {
+    for p in [&exe, &jemalloc] {
         std::fs::set_permissions(p, std::fs::Permissions::from_mode(0o755)).unwrap();
     }
     for p in [&sql, &pl, &input] {
         std::fs::set_permissions(p, std::fs::Permissions::from_mode(0o644)).unwrap();
-    }
-    // What an operator does to let a user page: a client certificate of the user's own,
-    // issued by `netram keygen` and readable by that user only.
-    let tls = dir.0.join("tls-nobody");
-    let issued = Command::new(NETRAM)
-        .args(["keygen", "--cluster"])
-        .arg(common::ca_dir())
-        .args(["--node", "65534", "--out"])
-        .arg(&tls)
-        .output()
-        .unwrap();
-    assert_ran(&issued, "netram keygen");
-    for p in std::iter::once(tls.clone())
-        .chain(std::fs::read_dir(&tls).unwrap().map(|e| e.unwrap().path()))
-    {
-        std::os::unix::fs::chown(&p, Some(65534), Some(65534)).unwrap();
     }
     let (_servers, addrs) = cluster(2);
     let as_nobody = |program: &[&std::ffi::OsStr], local: &str| {
@@ -1126,6 +1095,172 @@ my $t = 0; $t += $h{"k$_"}[0] for 1..30000; print scalar(keys %h), " $t\n";
         assert!(g("io_guarded") > 0, "its reads and writes guarded: {r}");
         assert_eq!(g("errors"), 0, "{r}");
     }
+}
+
+/// What the user nobody needs in `dir` to run `netram run`: copies of the binary and the
+/// preload library that nobody may run, and a client certificate of node `node` issued by
+/// `netram keygen` and readable by nobody only (what an operator does to let a user page).
+fn files_for_nobody(dir: &Path, node: u64) -> (PathBuf, PathBuf, PathBuf) {
+    use std::os::unix::fs::PermissionsExt;
+    let netram = dir.join("netram");
+    std::fs::copy(NETRAM, &netram).unwrap();
+    let lib = dir.join("libnetram_preload.so");
+    let built = Path::new(NETRAM).parent().unwrap();
+    let src = [
+        built.join("libnetram_preload.so"),
+        built.join("deps/libnetram_preload.so"),
+    ]
+    .into_iter()
+    .filter(|p| p.exists())
+    .max_by_key(|p| p.metadata().unwrap().modified().unwrap())
+    .expect("the preload library is built with the binary");
+    std::fs::copy(src, &lib).unwrap();
+    for p in [dir, &netram, &lib] {
+        std::fs::set_permissions(p, std::fs::Permissions::from_mode(0o755)).unwrap();
+    }
+    let tls = dir.join("tls-nobody");
+    let issued = {
+        let _one = common::KEYGEN.lock().unwrap_or_else(|e| e.into_inner());
+        Command::new(NETRAM)
+            .args(["keygen", "--cluster"])
+            .arg(common::ca_dir())
+            .args(["--node", &node.to_string(), "--out"])
+            .arg(&tls)
+            .output()
+            .unwrap()
+    };
+    assert_ran(&issued, "netram keygen");
+    for p in std::iter::once(tls.clone())
+        .chain(std::fs::read_dir(&tls).unwrap().map(|e| e.unwrap().path()))
+    {
+        std::os::unix::fs::chown(&p, Some(65534), Some(65534)).unwrap();
+    }
+    (netram, lib, tls)
+}
+
+/// Issue "A newcomer's first hour": an ordinary user whom the administrator lets open
+/// `/dev/userfaultfd` (here: a device node of the test's own, group nogroup, mode 0660,
+/// bind-mounted over `/dev/userfaultfd` in a mount namespace of the test's own, so nothing
+/// changes outside) gets everything root gets: every allocation on netram, faults inside
+/// system calls served, forked children served their copy (the child opens a descriptor of
+/// its own and sends it to the parent's handler). Debian's sqlite3 building an in-memory
+/// table of ~190 MiB stays near its 16 MiB budget and prints what it prints alone; without
+/// the device (`works_for_an_ordinary_user`) it kept its whole heap local.
+#[test]
+fn an_ordinary_user_allowed_dev_userfaultfd_pages_everything() {
+    if !rustix::process::geteuid().is_root() {
+        eprintln!("not root: cannot make a device node for the user nobody");
+        return;
+    }
+    let Ok(dev) = std::fs::metadata("/dev/userfaultfd") else {
+        netram_testkit::skip("no /dev/userfaultfd (Linux 6.1 and later have it)", None);
+        return;
+    };
+    if !netram_testkit::have_tools(&[
+        ("setpriv", "util-linux"),
+        ("unshare", "util-linux"),
+        ("sqlite3", "sqlite3"),
+    ]) {
+        return;
+    }
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    let dir = Scratch::new("nobody-dev");
+    let Some(exe) = compile_alloc_mix(&dir.0) else {
+        return;
+    };
+    std::fs::set_permissions(&exe, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let (netram, lib, tls) = files_for_nobody(&dir.0, 65533);
+    let node = dir.0.join("userfaultfd");
+    let made = Command::new("mknod")
+        .arg(&node)
+        .arg("c")
+        .arg(rustix::fs::major(dev.rdev()).to_string())
+        .arg(rustix::fs::minor(dev.rdev()).to_string())
+        .output()
+        .unwrap();
+    assert_ran(&made, "mknod");
+    std::os::unix::fs::chown(&node, Some(0), Some(65534)).unwrap();
+    std::fs::set_permissions(&node, std::fs::Permissions::from_mode(0o660)).unwrap();
+    let sql = dir.0.join("db.sql");
+    std::fs::write(
+        &sql,
+        "CREATE TABLE t(k INTEGER PRIMARY KEY, v TEXT);
+WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x+1 FROM c WHERE x < 400000)
+INSERT INTO t SELECT x, printf('%0200d', x * 7919) FROM c;
+CREATE INDEX i ON t(v);
+SELECT count(*), sum(length(v)), max(v) FROM t;
+",
+    )
+    .unwrap();
+    std::fs::set_permissions(&sql, std::fs::Permissions::from_mode(0o644)).unwrap();
+    let rep = dir.0.join("report.json");
+    let (_servers, addrs) = cluster(2);
+    let as_nobody = |program: &[&std::ffi::OsStr]| {
+        let _ = std::fs::remove_file(&rep);
+        Command::new("timeout")
+            .arg("300")
+            .args(["unshare", "--mount", "--propagation", "private", "sh", "-c"])
+            .arg(r#"mount --bind "$0" /dev/userfaultfd && exec "$@""#)
+            .arg(&node)
+            .args([
+                "setpriv",
+                "--reuid=65534",
+                "--regid=65534",
+                "--clear-groups",
+            ])
+            .arg(&netram)
+            .args(["run", "--local-mem", "16M", "--servers", &addrs, "--report"])
+            .arg(&rep)
+            .arg("--")
+            .args(program)
+            .env("NETRAM_TLS", &tls)
+            .env("NETRAM_PRELOAD", &lib)
+            .env("TMPDIR", "/tmp")
+            .env("LC_ALL", "C")
+            .output()
+            .unwrap()
+    };
+    std::fs::set_permissions(&dir.0, std::fs::Permissions::from_mode(0o777)).unwrap();
+    // Forks followed: alloc_mix's child reads what its parent wrote, evicted or not.
+    let out = as_nobody(&[exe.as_os_str()]);
+    assert_ran(&out, "alloc_mix as nobody with /dev/userfaultfd");
+    assert!(String::from_utf8_lossy(&out.stdout).contains("alloc_mix: ok"));
+    let r = report(&rep);
+    let g = |r: &serde_json::Value, k: &str| r[k].as_u64().unwrap_or_else(|| panic!("{k} in {r}"));
+    assert!(g(&r, "forks") > 0 && g(&r, "child_faults") > 0, "{r}");
+    // sqlite3: its output, and its memory.
+    let read_sql = format!(".read {}", sql.display());
+    let plain = Command::new("/usr/bin/time")
+        .args(["-f", "%M"])
+        .args(["sqlite3", ":memory:", &read_sql])
+        .output();
+    let out = as_nobody(&["sqlite3".as_ref(), ":memory:".as_ref(), read_sql.as_ref()]);
+    assert_ran(&out, "sqlite3 as nobody with /dev/userfaultfd");
+    let expected = Command::new("sqlite3")
+        .args([":memory:", &read_sql])
+        .output()
+        .unwrap();
+    assert_ran(&expected, "sqlite3 alone");
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&expected.stdout)
+    );
+    let r = report(&rep);
+    assert_eq!(g(&r, "errors"), 0, "{r}");
+    // Small blocks too: sqlite3's pages are 4 KiB blocks of its page cache.
+    assert!(g(&r, "heap_small_bytes") > 0, "{r}");
+    assert!(
+        g(&r, "puts") > 100_000,
+        "its table went out to the servers: {r}"
+    );
+    let peak = g(&r, "peak_rss_kib");
+    if let Ok(plain) = plain {
+        if let Ok(kib) = String::from_utf8_lossy(&plain.stderr).trim().parse::<u64>() {
+            assert!(kib > 150_000, "sqlite3 alone peaked at {kib} KiB");
+        }
+    }
+    // 16 MiB of its heap, the program, its libraries and netram's own.
+    assert!(peak < 48 * 1024, "peak resident {peak} KiB: {r}");
 }
 
 /// Issue "A newcomer's first hour": `netram run` of a program netram cannot reach used to run

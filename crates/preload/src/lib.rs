@@ -4,7 +4,8 @@
 //!
 //! Interposed: the `malloc` family (`malloc`, `calloc`, `realloc`, `free`, `posix_memalign`,
 //! `aligned_alloc`, `memalign`, `valloc`, `pvalloc`, `malloc_usable_size`) for blocks of at
-//! least the threshold (0 as root: every block; 128K for an ordinary user, see `start`), and
+//! least the threshold (0 as root or with `/dev/userfaultfd`: every block; 128K for another
+//! ordinary user, see `start`), and
 //! anonymous private read-write `mmap` of at least the threshold, with the `munmap`, `mremap`
 //! and `madvise(DONTNEED/FREE/REMOVE)` that give such memory back; anonymous `PROT_NONE`
 //! reservations and the `MAP_FIXED` anonymous mappings that commit and uncommit inside them
@@ -462,14 +463,31 @@ fn start() -> Result<bool, StartError> {
 static REGION_START: AtomicUsize = AtomicUsize::new(0);
 static REGION_END: AtomicUsize = AtomicUsize::new(0);
 
+/// In a forked child that could not be served its copy of the region: the error (errno).
+static CHILD_UNSERVED: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI32::new(0);
+
 /// The SIGSEGV action the child had before `after_fork_in_child`, restored by `on_segv`.
 static mut PREVIOUS_SEGV: std::mem::MaybeUninit<libc::sigaction> = std::mem::MaybeUninit::zeroed();
 
 extern "C" fn after_fork_in_child() {
     IN_CHILD.store(true, Ordering::Relaxed);
     if FOLLOWS_FORKS.load(Ordering::Relaxed) {
-        // The child has the region, served by its parent's handler.
-        return;
+        // The child has the region, served by its parent's handler (which may need this
+        // child to send it a descriptor first).
+        let followed = HEAP.get().map_or(Ok(()), |h| h.region().follow_in_child());
+        let Err(e) = followed else {
+            return;
+        };
+        // Its pages that were not resident at the fork would read as zeros: the region is
+        // made inaccessible instead, and a touch says why (below).
+        CHILD_UNSERVED.store(e.raw_os_error(), Ordering::Relaxed);
+        let (start, end) = (
+            REGION_START.load(Ordering::Relaxed),
+            REGION_END.load(Ordering::Relaxed),
+        );
+        // SAFETY: mprotect changes only the access of this child's copy of the region,
+        // which no Rust reference of this library's refers to.
+        unsafe { libc::mprotect(start as *mut c_void, end - start, libc::PROT_NONE) };
     }
     // The child has no region (it is not inherited): a touch of netram memory is a SIGSEGV.
     // Say why before it ends the child.
@@ -494,7 +512,20 @@ extern "C" fn on_segv(_: c_int, info: *mut libc::siginfo_t, _: *mut c_void) {
     let addr = unsafe { (*info).si_addr() } as usize;
     let ours =
         (REGION_START.load(Ordering::Relaxed)..REGION_END.load(Ordering::Relaxed)).contains(&addr);
-    if ours {
+    let unserved = CHILD_UNSERVED.load(Ordering::Relaxed);
+    if ours && unserved != 0 {
+        const MSG: &[u8] = b"netram: this process was forked from one whose memory is on netram, \
+and could not open a userfaultfd to be served its copy of that memory (see errno below); \
+it touched that memory and dies of SIGSEGV\n";
+        // SAFETY: as below.
+        unsafe { libc::syscall(libc::SYS_write, 2, MSG.as_ptr(), MSG.len()) };
+        let mut digits = *b"netram: errno 000\n";
+        digits[14] = b'0' + (unserved / 100 % 10) as u8;
+        digits[15] = b'0' + (unserved / 10 % 10) as u8;
+        digits[16] = b'0' + (unserved % 10) as u8;
+        // SAFETY: as below.
+        unsafe { libc::syscall(libc::SYS_write, 2, digits.as_ptr(), digits.len()) };
+    } else if ours {
         const MSG: &[u8] = b"netram: this process was forked from one whose memory is on netram, \
 and a forked child does not inherit that memory: fork without exec is not supported under \
 netram run (the child touched it and dies of SIGSEGV)\n";
@@ -1242,6 +1273,14 @@ pub unsafe extern "C" fn fork() -> libc::pid_t {
     let announced = heap.and_then(|h| enter(|| h.region().prepare_fork()));
     // SAFETY: passed through.
     let pid = unsafe { real() };
+    if pid > 0 {
+        if let (Some(h), Some(())) = (heap, announced) {
+            // SAFETY: this thread's errno, kept across the wait.
+            let errno = unsafe { *libc::__errno_location() };
+            let _ = enter(|| h.region().await_child(pid));
+            set_errno(errno);
+        }
+    }
     if pid < 0 {
         if let (Some(h), Some(())) = (heap, announced) {
             // SAFETY: this thread's errno, kept across the call.

@@ -79,6 +79,7 @@ use netram_policy::prefetch::{Mode, Prefetcher, MAX_CLUSTER};
 use netram_proto::PAGE_SIZE;
 use rustix::event::{eventfd, poll, EventfdFlags, PollFd, PollFlags};
 use rustix::fd::OwnedFd;
+use rustix::io::Errno;
 use std::collections::{HashMap, VecDeque};
 use std::ffi::c_void;
 use std::ptr::NonNull;
@@ -228,48 +229,113 @@ const PREFETCH_CHECK: usize = 4;
 /// The most pages fetched ahead at one fault.
 const MAX_PREFETCH: usize = 16;
 
+/// How a forked child's copy of the region is served (see [`ForkChild`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Forks {
+    /// The kernel hands the handler the child's descriptor (`UFFD_FEATURE_EVENT_FORK`, which
+    /// needs `CAP_SYS_PTRACE`).
+    Event,
+    /// The child opens a descriptor of its own right after the fork, registers its copy of the
+    /// region and sends the descriptor to the handler over a socket (see
+    /// [`Region::follow_in_child`]): an ordinary user allowed `/dev/userfaultfd`.
+    ByChild,
+    /// Not inherited at all (`MADV_DONTFORK`): an ordinary user with a user-mode-only
+    /// descriptor, whose child could not be served its pages inside system calls.
+    No,
+}
+
+const WP: u64 = linux_raw_sys::general::UFFD_FEATURE_PAGEFAULT_FLAG_WP as u64;
+const MOVE: u64 = linux_raw_sys::general::UFFD_FEATURE_MOVE as u64;
+/// The faulting thread's id, for the SIGBUS of a page that cannot be read (Linux 4.14).
+const TID: u64 = linux_raw_sys::general::UFFD_FEATURE_THREAD_ID as u64;
+const FORK: u64 = linux_raw_sys::general::UFFD_FEATURE_EVENT_FORK as u64;
+
 /// A non-blocking userfaultfd with write-protect faults and, where the kernel has it (6.8 on),
-/// `UFFDIO_MOVE`: the second value says whether it does.
+/// `UFFDIO_MOVE`: the second value says whether it does; the third how forks are followed.
 ///
 /// Faults raised by the kernel itself (a `read(2)` into region memory, a `write(2)` from it)
-/// are served too when the process may ask for that (root, `CAP_SYS_PTRACE`, or
-/// `vm.unprivileged_userfaultfd` = 1). Otherwise the userfaultfd is for user-mode faults only
+/// are served too when the process may ask for that: by the system call for root,
+/// `CAP_SYS_PTRACE` or where `vm.unprivileged_userfaultfd` is 1; else through
+/// `/dev/userfaultfd` for whoever may open it (Linux 6.1; root's only by default,
+/// administrators grant it by group). Otherwise the userfaultfd is for user-mode faults only
 /// (`UFFD_USER_MODE_ONLY`, allowed to everyone): the program still works, but a system call
-/// that touches a page of the region which is not resident fails with EFAULT. Always by the
-/// system call, never /dev/userfaultfd, which is root's only on many machines.
-///
-/// The third value says whether forks are followed (`UFFD_FEATURE_EVENT_FORK`, which needs
-/// `CAP_SYS_PTRACE`: root): a child's copy of the region then faults to a descriptor of its own,
-/// which this process's handler serves (see [`Shared::fork_event`]).
-fn open_userfaultfd() -> Result<(Uffd, bool, bool), RegionError> {
-    const WP: u64 = linux_raw_sys::general::UFFD_FEATURE_PAGEFAULT_FLAG_WP as u64;
-    const MOVE: u64 = linux_raw_sys::general::UFFD_FEATURE_MOVE as u64;
-    // The faulting thread's id, for the SIGBUS of a page that cannot be read (Linux 4.14).
-    const TID: u64 = linux_raw_sys::general::UFFD_FEATURE_THREAD_ID as u64;
-    const FORK: u64 = linux_raw_sys::general::UFFD_FEATURE_EVENT_FORK as u64;
-    let open = |features| match Uffd::open(features, false) {
-        Err(rustix::io::Errno::PERM) => Uffd::open(features, true),
-        other => other,
-    };
-    match open(WP | MOVE | TID | FORK) {
-        Ok(uffd) => return Ok((uffd, true, true)),
+/// that touches a page of the region which is not resident fails with EFAULT.
+fn open_userfaultfd() -> Result<(Uffd, bool, Forks), RegionError> {
+    /// With `UFFDIO_MOVE` if the kernel has it: a kernel without refuses the handshake
+    /// (EINVAL), and the region works without access sampling (first in, first out).
+    fn with_move(open: impl Fn(u64) -> Result<Uffd, Errno>) -> Result<(Uffd, bool), Errno> {
+        match open(WP | MOVE | TID) {
+            Ok(u) => Ok((u, true)),
+            Err(Errno::INVAL) => {
+                tracing::debug!("no UFFDIO_MOVE: regions evict first in, first out");
+                open(WP | TID).map(|u| (u, false))
+            }
+            Err(e) => Err(e),
+        }
+    }
+    match Uffd::open(WP | MOVE | TID | FORK, false) {
+        Ok(uffd) => return Ok((uffd, true, Forks::Event)),
         Err(e) => tracing::debug!("userfaultfd without fork events: {e}"),
     }
-    match open(WP | MOVE | TID) {
-        Ok(uffd) => Ok((uffd, true, false)),
-        // A kernel without UFFDIO_MOVE refuses the handshake: the region works without
-        // access sampling (first in, first out).
-        Err(rustix::io::Errno::INVAL) => {
-            tracing::debug!("no UFFDIO_MOVE: regions evict first in, first out");
-            Ok((
-                open(WP | TID).map_err(RegionError::UserfaultfdSyscall)?,
-                false,
-                false,
-            ))
+    match with_move(|f| Uffd::open(f, false)) {
+        Ok((u, m)) => return Ok((u, m, Forks::ByChild)),
+        Err(e) => tracing::debug!("userfaultfd(2) for every fault: {e}"),
+    }
+    match with_move(Uffd::open_device) {
+        Ok((u, m)) => return Ok((u, m, Forks::ByChild)),
+        Err(e) => tracing::debug!("/dev/userfaultfd: {e}"),
+    }
+    let (u, m) = with_move(|f| Uffd::open(f, true)).map_err(RegionError::UserfaultfdSyscall)?;
+    Ok((u, m, Forks::No))
+}
+
+/// A descriptor for a forked child's copy of the region (see [`Forks::ByChild`]): as the
+/// parent got one, without write-protection or moves (the child's pages are only installed).
+fn open_for_child() -> Result<Uffd, Errno> {
+    Uffd::open(TID, false).or_else(|_| Uffd::open_device(TID))
+}
+
+/// The socket over which forked children send their descriptors ([`Forks::ByChild`]).
+#[derive(Debug)]
+struct ForkChannel {
+    /// The handler's end; closed in a child (`AtomicI32`: the child closes its copy).
+    receiver: std::sync::atomic::AtomicI32,
+    /// Every descendant's end (inherited across forks, closed at `exec`).
+    sender: OwnedFd,
+}
+
+/// Whether child `pid` has ended (or was reaped, or is not this process's child), without
+/// reaping it.
+fn child_ended(pid: libc::pid_t) -> bool {
+    // SAFETY: an all-zero siginfo_t is valid; waitid writes one and takes no other pointer.
+    let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
+    // SAFETY: as above; WNOWAIT leaves the child to whoever waits for it.
+    let rc = unsafe {
+        libc::waitid(
+            libc::P_PID,
+            pid as libc::id_t,
+            &mut info,
+            libc::WEXITED | libc::WNOHANG | libc::WNOWAIT,
+        )
+    };
+    // SAFETY: waitid filled `info` (or left it zeroed: no child has changed state).
+    rc != 0 || unsafe { info.si_pid() } != 0
+}
+
+impl Drop for ForkChannel {
+    fn drop(&mut self) {
+        let fd = self.receiver.swap(-1, Ordering::Relaxed);
+        if fd >= 0 {
+            // SAFETY: the handler's end, owned here and no longer polled (the handler has
+            // been joined before the region's shared state goes).
+            drop(unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd) });
         }
-        Err(e) => Err(RegionError::UserfaultfdSyscall(e)),
     }
 }
+
+/// What a child sends with its descriptor: its pid, its parent's, and 1 if it registered its
+/// copy (0: it could not, and sends no descriptor).
+const FORK_MESSAGE: usize = 12;
 
 /// A mapping's base address, shared with the handler thread. A plain address: the handler
 /// only passes it to the kernel and copies pages through it while nothing else can change them.
@@ -404,7 +470,24 @@ where
             });
         }
         let len = pages * PAGE_SIZE;
-        let (uffd, can_move, follows_forks) = open_userfaultfd()?;
+        let (uffd, can_move, forks) = open_userfaultfd()?;
+        let follows_forks = forks != Forks::No;
+        let fork_channel = if forks == Forks::ByChild {
+            let (receiver, sender) = rustix::net::socketpair(
+                rustix::net::AddressFamily::UNIX,
+                rustix::net::SocketType::SEQPACKET,
+                rustix::net::SocketFlags::CLOEXEC,
+                None,
+            )
+            .map_err(|e| RegionError::Handler(e.into()))?;
+            use std::os::fd::IntoRawFd;
+            Some(ForkChannel {
+                receiver: std::sync::atomic::AtomicI32::new(receiver.into_raw_fd()),
+                sender,
+            })
+        } else {
+            None
+        };
         let base = map_anonymous(len, !follows_forks)?;
         if let Err(e) = uffd.register(base.page(0), len, true) {
             unmap(base, len);
@@ -474,6 +557,7 @@ where
                 last_probe: std::time::Instant::now(),
             }),
             follows_forks,
+            fork_channel,
             child_count: AtomicUsize::new(0),
             forked: Condvar::new(),
             pidfd: rustix::process::pidfd_open(
@@ -613,6 +697,96 @@ impl<T: Transport, D: Disk> Region<T, D> {
     pub fn prepare_fork(&self) {
         let mut st = self.shared.lock();
         self.shared.prepare_fork(&mut st);
+    }
+
+    /// In the parent, after an announced `fork` made child `pid`: where children open their
+    /// own descriptors ([`Region::follow_in_child`]), waits until the handler has the child's
+    /// (or the child has ended, or 30 s have passed), so that the parent's side changes no
+    /// page the child may still need before the handler knows of it. As the kernel holds a
+    /// `fork` until the handler has read its event where it sends one.
+    pub fn await_child(&self, pid: libc::pid_t) {
+        if self.shared.fork_channel.is_none() {
+            return;
+        }
+        let since = std::time::Instant::now();
+        let mut st = self.shared.lock();
+        while st.forking > 0 {
+            let waited = since.elapsed();
+            if child_ended(pid) || waited > std::time::Duration::from_secs(30) {
+                if waited > std::time::Duration::from_secs(30) {
+                    tracing::warn!("forked child {pid} sent no userfaultfd in 30 s");
+                }
+                self.shared.fork_done(&mut st);
+                break;
+            }
+            st = self
+                .shared
+                .forked
+                .wait_timeout(st, std::time::Duration::from_millis(50))
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+    }
+
+    /// In a child just forked (from a `pthread_atfork` child handler, before the program goes
+    /// on), where the region's faults cannot follow forks by themselves ([`Forks::ByChild`]):
+    /// opens a userfaultfd of the child's own, registers the child's copy of the region and
+    /// sends the descriptor to the parent's handler, which serves it from then on as it would
+    /// a descriptor from a fork event. Until the handler has it, the parent waits
+    /// ([`Region::await_child`]). Allocates nothing and takes no lock (another thread of the
+    /// parent may have held any at the fork).
+    ///
+    /// An error means the child's copy is not served: its pages that were not resident at the
+    /// fork would read as zeros. The caller must make the region inaccessible.
+    /// Nothing to do (`Ok`) where forks are followed otherwise or not at all.
+    pub fn follow_in_child(&self) -> Result<(), Errno> {
+        use rustix::net::{SendAncillaryBuffer, SendAncillaryMessage, SendFlags};
+        let Some(channel) = &self.shared.fork_channel else {
+            return Ok(());
+        };
+        // The handler's end is the parent's: closed here, so that once every process that
+        // could read it is gone, a descendant's send fails instead of going unread.
+        let receiver = channel.receiver.swap(-1, Ordering::Relaxed);
+        if receiver >= 0 {
+            // SAFETY: this process's copy of the handler's end, not used here again.
+            drop(unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(receiver) });
+        }
+        let len = self.shared.pages * PAGE_SIZE;
+        let opened = open_for_child()
+            .and_then(|u| u.register(self.shared.base.page(0), len, false).map(|()| u));
+        let mut msg = [0u8; FORK_MESSAGE];
+        msg[0..4].copy_from_slice(
+            &rustix::process::getpid()
+                .as_raw_nonzero()
+                .get()
+                .to_ne_bytes(),
+        );
+        let parent = rustix::process::getppid().map_or(0, |p| p.as_raw_nonzero().get());
+        msg[4..8].copy_from_slice(&parent.to_ne_bytes());
+        msg[8..12].copy_from_slice(&u32::from(opened.is_ok()).to_ne_bytes());
+        let mut space = [std::mem::MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
+        let mut ancillary = SendAncillaryBuffer::new(&mut space);
+        let fds;
+        if let Ok(u) = &opened {
+            fds = [std::os::fd::AsFd::as_fd(u)];
+            ancillary.push(SendAncillaryMessage::ScmRights(&fds));
+        }
+        let sent = rustix::net::sendmsg(
+            &channel.sender,
+            &[std::io::IoSlice::new(&msg)],
+            &mut ancillary,
+            SendFlags::NOSIGNAL,
+        );
+        match (opened, sent) {
+            (Err(e), _) => Err(e),
+            // The handler has its own copy now.
+            (Ok(_), Ok(_)) => Ok(()),
+            // Nobody reads the channel any more: the region's owner has ended, and gave its
+            // children every page first (`hand_over_to_children`), so this process's memory
+            // is whole. Dropping the descriptor unregisters the copy.
+            (Ok(_), Err(Errno::PIPE | Errno::CONNREFUSED | Errno::CONNRESET)) => Ok(()),
+            (Ok(_), Err(e)) => Err(e),
+        }
     }
 
     /// The `fork` announced by [`Region::prepare_fork`] failed.
@@ -756,6 +930,8 @@ struct Shared<T: Transport, D: Disk> {
     state: Mutex<State<T, D>>,
     /// Whether forked children inherit the region (see [`Shared::fork_event`]).
     follows_forks: bool,
+    /// Where they send their descriptors, if they open their own ([`Forks::ByChild`]).
+    fork_channel: Option<ForkChannel>,
     /// `state.children.len()`, read without the lock by the handler's loop.
     child_count: AtomicUsize,
     /// Signalled when no fork is pending any more (`release` waits for it).
@@ -906,6 +1082,21 @@ impl<T: Transport, D: Disk> Shared<T, D> {
                 PollFd::new(&self.uffd, PollFlags::IN),
                 PollFd::new(stop, PollFlags::IN),
             ];
+            // Descriptors of children that open their own (see `Region::follow_in_child`).
+            let channel = self
+                .fork_channel
+                .as_ref()
+                .map(|c| c.receiver.load(Ordering::Relaxed))
+                .filter(|&fd| fd >= 0);
+            if let Some(fd) = channel {
+                // SAFETY: the handler's end of the channel, closed only in a forked child
+                // (where this thread does not exist).
+                fds.push(PollFd::from_borrowed_fd(
+                    unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) },
+                    PollFlags::IN,
+                ));
+            }
+            let first_child = fds.len();
             for &fd in &children {
                 // SAFETY: a child's descriptor is closed only by this thread (`serve_children`,
                 // after the poll) or after it has been joined.
@@ -939,10 +1130,14 @@ impl<T: Transport, D: Disk> Shared<T, D> {
                 guard.armed = false;
                 return;
             }
-            let children_ready = fds[2..].iter().any(|f| !f.revents().is_empty());
+            let children_ready = fds[first_child..].iter().any(|f| !f.revents().is_empty());
+            let sent = channel.is_some() && !fds[2].revents().is_empty();
             drop(fds);
             if !self.drain_events() {
                 return;
+            }
+            if let (true, Some(fd)) = (sent, channel) {
+                self.receive_children(fd);
             }
             if !children.is_empty() || self.child_count.load(Ordering::Acquire) > 0 {
                 self.serve_children(children_ready);
@@ -1106,7 +1301,7 @@ impl<T: Transport, D: Disk> Shared<T, D> {
                 wp,
                 tid,
             } => (addr, write, wp, tid),
-            Event::Fork(child) => return self.fork_event(st, child),
+            Event::Fork(child) => return self.fork_event(st, child, true),
             // Not asked for (no remap, remove or unmap events).
             Event::Other(e) => return tracing::debug!("userfaultfd event {e} ignored"),
         };
@@ -1157,10 +1352,11 @@ impl<T: Transport, D: Disk> Shared<T, D> {
         }
     }
 
-    /// The process forked: the child's copy of the region faults to `uffd` from now on.
-    fn fork_event(&self, st: &mut State<T, D>, uffd: Uffd) {
+    /// The process forked (`announced`: this process, not one of its children): the child's
+    /// copy of the region faults to `uffd` from now on.
+    fn fork_event(&self, st: &mut State<T, D>, uffd: Uffd, announced: bool) {
         let words = self.pages.div_ceil(64);
-        let settled = if st.forking > 0 {
+        let settled = if announced && st.forking > 0 {
             let resident = st.fork_resident.clone();
             self.fork_done(st);
             resident.unwrap_or_else(|| vec![0; words])
@@ -1179,6 +1375,57 @@ impl<T: Transport, D: Disk> Shared<T, D> {
         });
         st.apply_sampling();
         self.child_count.store(st.children.len(), Ordering::Release);
+    }
+
+    /// Takes the descriptors children sent over the fork channel (see
+    /// [`Region::follow_in_child`]); `fd` is its handler's end.
+    fn receive_children(&self, fd: i32) {
+        use rustix::net::{RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags};
+        // SAFETY: the handler's end of the channel, open while the handler runs.
+        let fd = unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) };
+        loop {
+            let mut msg = [0u8; FORK_MESSAGE];
+            let mut space = [std::mem::MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
+            let mut ancillary = RecvAncillaryBuffer::new(&mut space);
+            let got = rustix::net::recvmsg(
+                fd,
+                &mut [std::io::IoSliceMut::new(&mut msg)],
+                &mut ancillary,
+                RecvFlags::DONTWAIT | RecvFlags::CMSG_CLOEXEC,
+            );
+            let n = match got {
+                Ok(r) => r.bytes,
+                Err(Errno::AGAIN | Errno::INTR) => return,
+                Err(e) => {
+                    tracing::error!("the fork channel: {e}");
+                    return;
+                }
+            };
+            let mut uffd = None;
+            for m in ancillary.drain() {
+                if let RecvAncillaryMessage::ScmRights(fds) = m {
+                    for f in fds {
+                        uffd.get_or_insert(f);
+                    }
+                }
+            }
+            let word = |i: usize| i32::from_ne_bytes(msg[i..i + 4].try_into().expect("4 bytes"));
+            if n != FORK_MESSAGE {
+                continue;
+            }
+            let (child, parent, registered) = (word(0), word(4), word(8) == 1);
+            let announced = parent == self.pid;
+            let mut st = self.lock();
+            match (registered, uffd) {
+                (true, Some(u)) => self.fork_event(&mut st, Uffd::from_child(u), announced),
+                _ => {
+                    tracing::warn!("forked child {child} could not follow the region");
+                    if announced && st.forking > 0 {
+                        self.fork_done(&mut st);
+                    }
+                }
+            }
+        }
     }
 
     /// See [`Region::prepare_fork`].
@@ -1320,7 +1567,9 @@ impl<T: Transport, D: Disk> Shared<T, D> {
                     Ok(Some(Event::Pagefault { addr, wp, tid, .. })) => {
                         self.child_fault(&mut st, i, addr, wp, tid)
                     }
-                    Ok(Some(Event::Fork(grandchild))) => self.fork_event(&mut st, grandchild),
+                    Ok(Some(Event::Fork(grandchild))) => {
+                        self.fork_event(&mut st, grandchild, false)
+                    }
                     Ok(Some(Event::Other(_))) => {}
                     Ok(None) => break,
                     Err(e) => {

@@ -33,6 +33,35 @@ const _: () = assert!(MSG_LEN == 32);
 #[derive(Debug)]
 pub(crate) struct Uffd(OwnedFd, bool);
 
+/// `USERFAULTFD_IOC_NEW` (`_IO(0xAA, 0x00)` on `/dev/userfaultfd`): its argument is an
+/// integer and its result a new descriptor, which rustix's ready-made ioctl types do not
+/// return.
+struct NewUffd(u32);
+
+// SAFETY: the opcode is USERFAULTFD_IOC_NEW's; the argument is passed by value, and the
+// result is the descriptor the kernel just opened, owned from here on.
+unsafe impl rustix::ioctl::Ioctl for NewUffd {
+    type Output = OwnedFd;
+    const IS_MUTATING: bool = false;
+
+    fn opcode(&self) -> Opcode {
+        opcode::none(k::USERFAULTFD_IOC as u8, 0)
+    }
+
+    fn as_ptr(&mut self) -> *mut c_void {
+        self.0 as usize as *mut c_void
+    }
+
+    unsafe fn output_from_ptr(
+        out: rustix::ioctl::IoctlOutput,
+        _: *mut c_void,
+    ) -> rustix::io::Result<OwnedFd> {
+        use std::os::fd::FromRawFd;
+        // SAFETY: a non-negative result of USERFAULTFD_IOC_NEW is a new descriptor of ours.
+        Ok(unsafe { OwnedFd::from_raw_fd(out) })
+    }
+}
+
 /// An event read from the descriptor.
 #[derive(Debug)]
 pub(crate) enum Event {
@@ -78,6 +107,29 @@ impl Uffd {
         }
         // SAFETY: userfaultfd(2) only creates a descriptor; the flags are the kernel's.
         let fd = unsafe { rustix::mm::userfaultfd(flags) }?;
+        Self::handshake(fd, features, user_mode_only)
+    }
+
+    /// Creates a userfaultfd through `/dev/userfaultfd` (Linux 6.1) and makes the handshake:
+    /// whoever may open the device gets one that serves faults raised inside system calls too,
+    /// whatever `vm.unprivileged_userfaultfd` says (administrators grant it by group, as for
+    /// `/dev/kvm`). `UFFD_FEATURE_EVENT_FORK` still needs `CAP_SYS_PTRACE`. Makes no
+    /// allocation: a forked child calls it (see `Region::follow_in_child`).
+    pub(crate) fn open_device(features: u64) -> Result<Uffd, Errno> {
+        use rustix::fs::{Mode, OFlags};
+        let dev = rustix::fs::open(
+            c"/dev/userfaultfd",
+            OFlags::RDWR | OFlags::CLOEXEC,
+            Mode::empty(),
+        )?;
+        let flags = (OFlags::CLOEXEC | OFlags::NONBLOCK).bits();
+        // SAFETY: USERFAULTFD_IOC_NEW takes the new descriptor's flags by value and returns
+        // the descriptor; it touches no memory of this process.
+        let fd = unsafe { rustix::ioctl::ioctl(&dev, NewUffd(flags)) }?;
+        Self::handshake(fd, features, false)
+    }
+
+    fn handshake(fd: OwnedFd, features: u64, user_mode_only: bool) -> Result<Uffd, Errno> {
         let mut api = k::uffdio_api {
             api: u64::from(k::UFFD_API),
             features,
@@ -91,6 +143,11 @@ impl Uffd {
             )
         }?;
         Ok(Uffd(fd, user_mode_only))
+    }
+
+    /// Wraps a descriptor received from a forked child (see `Region::follow_in_child`).
+    pub(crate) fn from_child(fd: OwnedFd) -> Uffd {
+        Uffd(fd, false)
     }
 
     /// Whether faults raised inside system calls go unserved (see [`Uffd::open`]).
