@@ -6,7 +6,11 @@
 //! stderr and is recorded by `netram_testkit::skip`; at the end every skipped test is listed
 //! with its reason and counted. `--no-skip` (what CI passes) makes any skip a failure.
 //!
+//! `cargo xtask deb` builds a Debian package (see `deb`).
+//!
 //! Standard library only: it must build on a fresh machine before anything else does.
+
+mod deb;
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
@@ -65,8 +69,20 @@ fn main() -> ExitCode {
     };
     match ours.first().map(String::as_str) {
         Some("test") => {}
+        Some("deb") => {
+            return match deb::deb(&ours[1..]) {
+                Ok(path) => {
+                    println!("{}", path.display());
+                    ExitCode::SUCCESS
+                }
+                Err(e) => {
+                    eprintln!("xtask: {e}");
+                    ExitCode::FAILURE
+                }
+            }
+        }
         Some("-h" | "--help") => {
-            println!("{USAGE}");
+            println!("{USAGE}\n\n{}", deb::USAGE);
             return ExitCode::SUCCESS;
         }
         _ => {

@@ -409,6 +409,8 @@ fn start() -> Result<bool, StartError> {
     }
     let backing = env.backing.map(|b| b.to_string());
     let redundancy = env.redundancy.unwrap_or_default();
+    // `after_fork_in_child` serves every child its copy (see `Region::follow_in_child`).
+    netram_uffd::children_follow_regions();
     let heap = netram::region_from(None, backing.as_deref(), size, budget, redundancy, &env)?;
     let start = heap.region().as_ptr() as usize;
     REGION_START.store(start, Ordering::Relaxed);

@@ -277,16 +277,34 @@ fn open_userfaultfd() -> Result<(Uffd, bool, Forks), RegionError> {
         Ok(uffd) => return Ok((uffd, true, Forks::Event)),
         Err(e) => tracing::debug!("userfaultfd without fork events: {e}"),
     }
+    // Children serve themselves only where the process's forks call `follow_in_child`.
+    let by_child = if CHILDREN_FOLLOW.load(Ordering::Relaxed) {
+        Forks::ByChild
+    } else {
+        Forks::No
+    };
     match with_move(|f| Uffd::open(f, false)) {
-        Ok((u, m)) => return Ok((u, m, Forks::ByChild)),
+        Ok((u, m)) => return Ok((u, m, by_child)),
         Err(e) => tracing::debug!("userfaultfd(2) for every fault: {e}"),
     }
     match with_move(Uffd::open_device) {
-        Ok((u, m)) => return Ok((u, m, Forks::ByChild)),
+        Ok((u, m)) => return Ok((u, m, by_child)),
         Err(e) => tracing::debug!("/dev/userfaultfd: {e}"),
     }
     let (u, m) = with_move(|f| Uffd::open(f, true)).map_err(RegionError::UserfaultfdSyscall)?;
     Ok((u, m, Forks::No))
+}
+
+static CHILDREN_FOLLOW: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Promises that from now on every child this process forks calls [`Region::follow_in_child`]
+/// for each region before it touches one (`netram run`'s preload library does, from a
+/// `pthread_atfork` child handler). Regions made afterwards are then inherited by children
+/// where the kernel cannot follow forks itself (an ordinary user); without the promise they
+/// are not (`MADV_DONTFORK`: a child touching one dies of SIGSEGV), since an inherited copy
+/// that nobody serves would read its evicted pages as zeros.
+pub fn children_follow_regions() {
+    CHILDREN_FOLLOW.store(true, Ordering::Relaxed);
 }
 
 /// A descriptor for a forked child's copy of the region (see [`Forks::ByChild`]): as the
