@@ -41,6 +41,8 @@ const TOOLS: &[(&str, &str)] = &[
     ("javac", "openjdk-17-jdk-headless"),
     // Hosts of their own for the multi-host tests: network namespaces, veth, a bridge, tbf.
     ("ip", "iproute2"),
+    // A terminal for `netram top`'s live view.
+    ("tmux", "tmux"),
     ("tc", "iproute2"),
 ];
 

@@ -6,6 +6,7 @@ mod nbd;
 mod run;
 mod serve;
 mod sim;
+mod top;
 
 use clap::{Parser, Subcommand};
 use netram_client::Security;
@@ -122,6 +123,10 @@ enum Command {
         #[arg(long, default_value = "5s", value_parser = humantime::parse_duration)]
         timeout: Duration,
     },
+    /// A live view of the cluster from this machine's daemon: every member's state, what it
+    /// offers and how much is used, and this daemon's pages, rates and refusals, refreshed
+    /// every second (q quits). Asks the daemon's control socket, like `netram members`.
+    Top(top::TopArgs),
     /// Serve a block device whose blocks are pages in the cluster, over NBD.
     ///
     /// Use it with the kernel's NBD client (`nbd-client -unix SOCKET /dev/nbd0`), with nbdfuse
@@ -453,6 +458,10 @@ fn main() -> anyhow::Result<()> {
                 );
             }
             Ok(())
+        }
+        Command::Top(args) => {
+            init_logging("warn");
+            top::run(args)
         }
         Command::Nbd(args) => {
             init_logging("info");

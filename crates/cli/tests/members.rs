@@ -714,3 +714,126 @@ fn metrics_on_tcp_need_the_token_and_list_no_members() {
     assert!(members.starts_with("HTTP/1.1 404"), "{members}");
     drop(d);
 }
+
+/// A tmux server of the test's own (its own socket name), killed when dropped.
+struct Tmux(String);
+
+impl Tmux {
+    fn cmd(&self) -> std::process::Command {
+        let mut c = std::process::Command::new("tmux");
+        c.args(["-L", &self.0]);
+        c
+    }
+}
+
+impl Drop for Tmux {
+    fn drop(&mut self) {
+        let _ = self.cmd().arg("kill-server").output();
+    }
+}
+
+/// Issue "A newcomer's first hour": `netram top`, the operator's live view. Two daemons, pages
+/// stored on one of them by a client: `--once` prints the cluster's totals and each member's
+/// row with what the daemon's `/members` says it uses; in a terminal (tmux, 140×30) the live
+/// view shows the same, refreshes, and `q` ends it with status 0.
+#[test]
+fn netram_top_shows_the_cluster_live_and_quits_on_q() {
+    use netram_member::Liveness::Alive;
+    let a = start(61, None);
+    let b = start(62, Some(&a.proc.addr));
+    for d in [&a, &b] {
+        eventually("both daemons see both", 20, || {
+            states(&d.control) == [(61, Alive), (62, Alive)]
+        });
+    }
+    // 12 MiB of pages on b.
+    let spill = tempfile::tempdir().unwrap();
+    let pager = open_pager(&OpenOptions {
+        security: common::security(),
+        servers: vec![b.proc.addr.clone()],
+        backing: Backing::Cluster,
+        pages: 4096,
+        cache_pages: 0,
+        spill_dir: Some(spill.path().to_path_buf()),
+        low_latency: false,
+        redundancy: Scheme::Mirror { copies: 1 },
+    })
+    .expect("a pager on b");
+    let pager = Mutex::new(pager);
+    write_pages(&pager, 3072, 7);
+    let used_mib = |list: &netram_member::MemberList, node: u64| {
+        let r = list.members.iter().find(|r| r.node == node).unwrap();
+        ((r.offered_pages - r.free_pages) * PAGE_SIZE as u64) >> 20
+    };
+    eventually("a hears that b holds the pages", 20, || {
+        used_mib(&members(&a.control), 62) >= 12
+    });
+    let out = netram()
+        .args(["top", "--once", "--width", "140", "--daemon", &a.control])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("2 alive, 0 suspect, 0 down"), "{text}");
+    let expected = format!("{} MiB", used_mib(&members(&a.control), 62));
+    let row = text
+        .lines()
+        .find(|l| l.trim_start().starts_with("62 "))
+        .unwrap_or_else(|| panic!("no row for node 62:\n{text}"));
+    assert!(row.contains(&b.proc.addr) && row.contains("alive"), "{row}");
+    assert!(row.contains(&expected), "{row} should show {expected} used");
+    assert!(
+        text.lines().any(|l| l.trim_start().starts_with("*61 ")),
+        "{text}"
+    );
+
+    // The live view, in a terminal.
+    if !netram_testkit::have_tools(&[("tmux", "tmux")]) {
+        return;
+    }
+    let tmux = Tmux(format!("netram-top-{}", std::process::id()));
+    // Its exit status, written by the pane's shell when it ends (tmux's own record of it,
+    // `pane_dead_status`, was sometimes empty here).
+    let status = spill.path().join("top-status");
+    let started = tmux
+        .cmd()
+        .args(["new-session", "-d", "-s", "top", "-x", "140", "-y", "30"])
+        .arg(format!(
+            "timeout --foreground 60 {} top --daemon {}; echo $? > {}",
+            common::NETRAM,
+            a.control,
+            status.display()
+        ))
+        .output()
+        .unwrap();
+    assert!(started.status.success(), "{started:?}");
+    let screen = || {
+        let out = tmux
+            .cmd()
+            .args(["capture-pane", "-p", "-t", "top"])
+            .output()
+            .unwrap();
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    eventually("the live view shows both members", 10, || {
+        let s = screen();
+        s.contains("netram top") && s.contains("2 alive") && s.contains(&b.proc.addr)
+    });
+    let shown = screen();
+    assert!(shown.contains(&expected), "{shown}");
+    let sent = tmux
+        .cmd()
+        .args(["send-keys", "-t", "top", "q"])
+        .output()
+        .unwrap();
+    assert!(sent.status.success());
+    eventually("q ends netram top", 10, || {
+        std::fs::read_to_string(&status).is_ok_and(|s| s.ends_with('\n'))
+    });
+    let code = std::fs::read_to_string(&status).unwrap();
+    assert_eq!(code.trim(), "0", "netram top's exit status");
+}

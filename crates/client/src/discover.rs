@@ -118,6 +118,24 @@ fn check_place(path: &Path) -> Result<(), String> {
 /// What the daemon whose control socket is `daemon` believes of the cluster, once it proved
 /// to be a daemon this user may believe.
 pub fn members(daemon: &str, timeout: Duration) -> Result<MemberList, DiscoverError> {
+    let body = control_get(daemon, "/members", timeout)?;
+    serde_json::from_slice(&body).map_err(|e| DiscoverError::BadAnswer {
+        daemon: daemon.to_string(),
+        why: e.to_string(),
+    })
+}
+
+/// The daemon's counters, as its `/metrics` gives them (Prometheus' text format), from its
+/// control socket (`netram top`).
+pub fn metrics(daemon: &str, timeout: Duration) -> Result<String, DiscoverError> {
+    let body = control_get(daemon, "/metrics", timeout)?;
+    Ok(String::from_utf8_lossy(&body).into_owned())
+}
+
+/// The body of `GET path` from the daemon whose control socket is `daemon`, once it proved to
+/// be a daemon this user may believe (a socket only root or this user could have put there,
+/// served by root or this user).
+fn control_get(daemon: &str, path: &str, timeout: Duration) -> Result<Vec<u8>, DiscoverError> {
     let unreachable = |source| DiscoverError::Unreachable {
         daemon: daemon.to_string(),
         source,
@@ -130,19 +148,19 @@ pub fn members(daemon: &str, timeout: Duration) -> Result<MemberList, DiscoverEr
         daemon: daemon.to_string(),
         why,
     };
-    let path = Path::new(daemon);
-    if !path.is_absolute() && daemon.parse::<std::net::SocketAddr>().is_ok() {
+    let socket = Path::new(daemon);
+    if !socket.is_absolute() && daemon.parse::<std::net::SocketAddr>().is_ok() {
         return Err(untrusted(
             "a TCP address: the daemon is asked on its control socket only (NETRAM_DAEMON and \
              --daemon take its path, e.g. /run/netram/7077.sock)"
                 .into(),
         ));
     }
-    if !path.exists() {
+    if !socket.exists() {
         return Err(unreachable(std::io::ErrorKind::NotFound.into()));
     }
-    check_place(path).map_err(untrusted)?;
-    let mut s = UnixStream::connect(path).map_err(unreachable)?;
+    check_place(socket).map_err(untrusted)?;
+    let mut s = UnixStream::connect(socket).map_err(unreachable)?;
     let peer = rustix::net::sockopt::socket_peercred(&s)
         .map_err(|e| untrusted(format!("who answers cannot be told: {e}")))?;
     let me = rustix::process::geteuid().as_raw();
@@ -154,8 +172,10 @@ pub fn members(daemon: &str, timeout: Duration) -> Result<MemberList, DiscoverEr
     }
     s.set_read_timeout(Some(timeout)).map_err(unreachable)?;
     s.set_write_timeout(Some(timeout)).map_err(unreachable)?;
-    s.write_all(b"GET /members HTTP/1.1\r\nHost: netram\r\nConnection: close\r\n\r\n")
-        .map_err(unreachable)?;
+    s.write_all(
+        format!("GET {path} HTTP/1.1\r\nHost: netram\r\nConnection: close\r\n\r\n").as_bytes(),
+    )
+    .map_err(unreachable)?;
     let mut answer = Vec::new();
     s.take(MAX_ANSWER)
         .read_to_end(&mut answer)
@@ -170,7 +190,7 @@ pub fn members(daemon: &str, timeout: Duration) -> Result<MemberList, DiscoverEr
     if status.split_whitespace().nth(1) != Some("200") {
         return Err(bad(status));
     }
-    serde_json::from_slice(&answer[split + 4..]).map_err(|e| bad(e.to_string()))
+    Ok(answer.split_off(split + 4))
 }
 
 /// The servers to page to: every member alive or suspected (not yet declared down) but the
