@@ -587,22 +587,7 @@ pub fn run(opts: &Options) -> anyhow::Result<crate::Outcome> {
         opts.out.join("programs.json"),
         serde_json::to_string_pretty(&doc)?,
     )?;
-    let panels: Vec<crate::uffd::Panel> = results
-        .iter()
-        .map(|(name, v)| {
-            // Only runs whose output was right are drawn.
-            let bars = [
-                ("local", "all local"),
-                ("netram", "netram run"),
-                ("swap_disk", "kernel swap"),
-            ]
-            .iter()
-            .filter(|(w, _)| *w == "local" || v[*w]["output_ok"].as_bool() == Some(true))
-            .filter_map(|(w, label)| Some((label.to_string(), v[*w]["seconds"].as_f64()?)))
-            .collect();
-            (name.clone(), "seconds (log scale)".to_string(), bars)
-        })
-        .collect();
+    let panels: Vec<crate::uffd::Panel> = results.iter().map(|(n, v)| panel(n, v)).collect();
     if let Err(e) = crate::uffd::plot_panels(
         "bench programs: seconds per run, outputs checked (lower is better; netram in blue)",
         &panels,
@@ -613,6 +598,22 @@ pub fn run(opts: &Options) -> anyhow::Result<crate::Outcome> {
     let md = markdown(&doc);
     std::fs::write(opts.out.join("programs.md"), &md)?;
     Ok(crate::Outcome { report: md, failed })
+}
+
+/// A program's panel in a plot: the seconds of its run all local, and of the runs under
+/// netram and the kernel's swap whose output was right (`v`: one program's results, as
+/// `programs.json` and `demo.json` hold them).
+pub fn panel(name: &str, v: &Value) -> crate::uffd::Panel {
+    let bars = [
+        ("local", "all local"),
+        ("netram", "netram run"),
+        ("swap_disk", "kernel swap"),
+    ]
+    .iter()
+    .filter(|(w, _)| *w == "local" || v[*w]["output_ok"].as_bool() == Some(true))
+    .filter_map(|(w, label)| Some((label.to_string(), v[*w]["seconds"].as_f64()?)))
+    .collect();
+    (name.to_string(), "seconds (log scale)".to_string(), bars)
 }
 
 fn markdown(doc: &Value) -> String {

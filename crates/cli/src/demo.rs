@@ -370,16 +370,7 @@ fn panels(doc: &Value) -> Vec<Panel> {
     let mut panels = Vec::new();
     let empty = serde_json::Map::new();
     for (name, v) in doc["programs"].as_object().unwrap_or(&empty) {
-        let bars = [
-            ("local", "all local"),
-            ("netram", "netram run"),
-            ("swap_disk", "kernel swap"),
-        ]
-        .iter()
-        .filter(|(w, _)| *w == "local" || v[*w]["output_ok"].as_bool() == Some(true))
-        .filter_map(|(w, label)| Some((label.to_string(), v[*w]["seconds"].as_f64()?)))
-        .collect();
-        panels.push((name.clone(), "seconds (log scale)".to_string(), bars));
+        panels.push(netram_bench::programs::panel(name, v));
     }
     for wl in ["random", "qsort"] {
         let bars = WAYS

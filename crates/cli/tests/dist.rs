@@ -5,7 +5,6 @@
 use common::ServerProcess;
 use std::collections::BTreeSet;
 use std::path::Path;
-use std::time::Duration;
 
 mod common;
 
@@ -58,19 +57,7 @@ fn every_dashboard_query_names_an_exported_metric() {
 
     let metrics = format!("127.0.0.1:{}", common::reserved_port());
     let _d = ServerProcess::start(&["--capacity", "16M", "--metrics", &metrics]);
-    let text = {
-        use std::io::{Read, Write};
-        let mut s = std::net::TcpStream::connect(&metrics).unwrap();
-        s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
-        write!(
-            s,
-            "GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
-        )
-        .unwrap();
-        let mut out = String::new();
-        s.read_to_string(&mut out).unwrap();
-        out
-    };
+    let text = common::http_get(&metrics, "/metrics", None);
     assert!(text.starts_with("HTTP/1.1 200"), "{text}");
     let exported: BTreeSet<String> = text
         .lines()

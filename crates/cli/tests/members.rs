@@ -688,20 +688,7 @@ fn metrics_on_tcp_need_the_token_and_list_no_members() {
         "--metrics-token-file",
         token.to_str().unwrap(),
     ]);
-    let get = |path: &str, auth: Option<&str>| -> String {
-        use std::io::{Read, Write};
-        let mut s = std::net::TcpStream::connect(&metrics).unwrap();
-        s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
-        let auth = auth.map_or(String::new(), |t| format!("Authorization: Bearer {t}\r\n"));
-        write!(
-            s,
-            "GET {path} HTTP/1.1\r\nHost: x\r\n{auth}Connection: close\r\n\r\n"
-        )
-        .unwrap();
-        let mut out = String::new();
-        s.read_to_string(&mut out).unwrap();
-        out
-    };
+    let get = |path: &str, auth: Option<&str>| common::http_get(&metrics, path, auth);
     let no = get("/metrics", None);
     assert!(no.starts_with("HTTP/1.1 401"), "{no}");
     assert!(!no.contains("netram_"), "nothing told without the token");

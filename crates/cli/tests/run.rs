@@ -683,18 +683,74 @@ fn a_program_that_forks_while_its_threads_fault() {
     );
 }
 
+/// A Java program run under `netram run`: the JDK's source launcher on `CLASS.java`.
+struct JavaRun {
+    /// `java JVM_FLAGS CLASS.java ARG`, to run it without netram too.
+    java: Vec<String>,
+    out: Output,
+    report: serde_json::Value,
+    _dir: Scratch,
+}
+
+/// `source` as `class`.java, run as `java JVM_FLAGS CLASS.java ARG` under `netram run
+/// --local-mem LOCAL RUN_FLAGS` on two servers of `capacity` each; `None` (skipped, said so)
+/// without a JDK.
+fn java_on_netram(
+    class: &str,
+    source: &str,
+    jvm: &[&str],
+    arg: &str,
+    local: &str,
+    capacity: &str,
+    run_flags: &[&str],
+) -> Option<JavaRun> {
+    if !netram_testkit::have_tools(&[("javac", "openjdk-17-jdk-headless")]) {
+        return None;
+    }
+    let dir = Scratch::new(&format!("jvm-{class}"));
+    let src = dir.0.join(format!("{class}.java"));
+    std::fs::write(&src, source).unwrap();
+    let mut java: Vec<String> = vec!["java".into()];
+    java.extend(jvm.iter().map(|s| s.to_string()));
+    java.push(src.to_str().unwrap().into());
+    java.push(arg.into());
+    let servers: Vec<ServerProcess> = (0..2)
+        .map(|_| ServerProcess::start(&["--capacity", capacity]))
+        .collect();
+    let addrs = servers
+        .iter()
+        .map(|s| s.addr.clone())
+        .collect::<Vec<_>>()
+        .join(",");
+    let rep = dir.0.join("report.json");
+    let mut args = vec![
+        "--local-mem",
+        local,
+        "--servers",
+        &addrs,
+        "--report",
+        rep.to_str().unwrap(),
+    ];
+    args.extend_from_slice(run_flags);
+    let program: Vec<&str> = java.iter().map(String::as_str).collect();
+    let out = netram_run(&args, &program);
+    assert_ran(&out, &format!("{class} under netram run"));
+    let report = report(&rep);
+    Some(JavaRun {
+        java,
+        out,
+        report,
+        _dir: dir,
+    })
+}
+
 /// A JVM (Debian's OpenJDK) building a million-entry HashMap: its heap, which it reserves
 /// `PROT_NONE` (at an address of its choosing, for compressed pointers) and commits with
 /// `MAP_FIXED` mappings, is on netram, and its output is the same.
 #[test]
 fn a_jvm_keeps_its_heap_on_netram() {
-    if !netram_testkit::have_tools(&[("javac", "openjdk-17-jdk-headless")]) {
-        return;
-    }
-    let dir = Scratch::new("jvm");
-    let src = dir.0.join("Objs.java");
-    std::fs::write(
-        &src,
+    let Some(run) = java_on_netram(
+        "Objs",
         r#"import java.util.*;
 public class Objs {
   public static void main(String[] a) {
@@ -707,34 +763,23 @@ public class Objs {
   }
 }
 "#,
-    )
-    .unwrap();
-    let java = ["java", "-Xmx512m", src.to_str().unwrap(), "1000000"];
+        &["-Xmx512m"],
+        "1000000",
+        "64M",
+        "256M",
+        &["--max-mem", "2G"],
+    ) else {
+        return;
+    };
     let plain = common::netram_env(Command::new("timeout"))
         .arg("300")
-        .args(java)
+        .args(&run.java)
         .output()
         .unwrap();
     assert_ran(&plain, "java");
     assert_eq!(String::from_utf8_lossy(&plain.stdout), "1000000 2296298\n");
-    let (_servers, addrs) = cluster(2);
-    let rep = dir.0.join("report.json");
-    let out = netram_run(
-        &[
-            "--local-mem",
-            "64M",
-            "--max-mem",
-            "2G",
-            "--servers",
-            &addrs,
-            "--report",
-            rep.to_str().unwrap(),
-        ],
-        &java,
-    );
-    assert_ran(&out, "java under netram run");
-    assert_eq!(out.stdout, plain.stdout);
-    let r = report(&rep);
+    assert_eq!(run.out.stdout, plain.stdout);
+    let r = &run.report;
     let g = |k: &str| r[k].as_u64().unwrap_or_else(|| panic!("{k} in {r}"));
     // Its heap went out through a 64 MiB budget (all local, it peaks at ~230 MiB here).
     assert!(g("puts") > 10_000, "{r}");
@@ -772,13 +817,8 @@ fn libraries_loaded_after_start_keep_the_loader_off_the_region() {
 /// functions are now looked up at load, and the loader's blocks kept off the region.
 #[test]
 fn a_jvm_that_outgrows_its_budget_many_times_completes() {
-    if !netram_testkit::have_tools(&[("javac", "openjdk-17-jdk-headless")]) {
-        return;
-    }
-    let dir = Scratch::new("jvm-big");
-    let src = dir.0.join("Big.java");
-    std::fs::write(
-        &src,
+    let Some(run) = java_on_netram(
+        "Big",
         r#"import java.util.*;
 public class Big {
   public static void main(String[] a) {
@@ -791,39 +831,20 @@ public class Big {
   }
 }
 "#,
-    )
-    .unwrap();
-    let java = [
-        "java",
-        "-Xmx1200m",
-        "-XX:+UseSerialGC",
-        src.to_str().unwrap(),
+        &["-Xmx1200m", "-XX:+UseSerialGC"],
         "3000000",
-    ];
-    // The sum of the multiples of 7 below 3,000,000, each read from its own array.
-    let expected = "3000000 642857357142\n";
-    let (_servers, addrs) = {
-        let s: Vec<ServerProcess> = (0..2)
-            .map(|_| ServerProcess::start(&["--capacity", "1G"]))
-            .collect();
-        let a = s.iter().map(|s| s.addr.clone()).collect::<Vec<_>>();
-        (s, a.join(","))
+        "210M",
+        "1G",
+        &[],
+    ) else {
+        return;
     };
-    let rep = dir.0.join("report.json");
-    let out = netram_run(
-        &[
-            "--local-mem",
-            "210M",
-            "--servers",
-            &addrs,
-            "--report",
-            rep.to_str().unwrap(),
-        ],
-        &java,
+    // The sum of the multiples of 7 below 3,000,000, each read from its own array.
+    assert_eq!(
+        String::from_utf8_lossy(&run.out.stdout),
+        "3000000 642857357142\n"
     );
-    assert_ran(&out, "java under netram run");
-    assert_eq!(String::from_utf8_lossy(&out.stdout), expected);
-    let r = report(&rep);
+    let r = &run.report;
     let g = |k: &str| r[k].as_u64().unwrap_or_else(|| panic!("{k} in {r}"));
     // All-local it peaks at ~700 MiB here: most of the heap went out and came back.
     assert!(g("evictions") > 100_000, "{r}");
