@@ -1,8 +1,10 @@
 //! The Debian package (`cargo xtask deb`), built from this workspace's release build: its files
 //! and control fields are checked; then, as root on a machine where dpkg has no netram yet, it
-//! is installed, used as a user would (`netram run` finds its library in /usr/lib/netram and
-//! GNU sort's output is the same; a C program builds against netram.h and libnetram.so and
-//! pages through a region; the group for /dev/userfaultfd exists) and purged, leaving nothing.
+//! is installed, used as a user would (the daemon started from the unit's own command lines,
+//! with credentials and an edited configuration in /etc/netram; `netram run` finds its library
+//! in /usr/lib/netram, and GNU sort's output is the same on the local disk and on that daemon;
+//! a C program builds against netram.h and libnetram.so and pages through a region; the group
+//! for /dev/userfaultfd exists) and purged, leaving nothing.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
@@ -22,11 +24,16 @@ fn ok(out: &Output, what: &str) {
 /// as Debian's policy has it for system groups).
 struct Installed {
     group_was_there: bool,
+    etc_made: bool,
 }
 
 impl Drop for Installed {
     fn drop(&mut self) {
         let _ = Command::new("dpkg").args(["--purge", "netram"]).output();
+        // The credentials the test put in /etc/netram (only when the package made it).
+        if self.etc_made {
+            let _ = std::fs::remove_dir_all("/etc/netram");
+        }
         if !self.group_was_there {
             let _ = Command::new("groupdel").arg("netram").output();
         }
@@ -140,6 +147,7 @@ fn the_debian_package_installs_runs_and_purges() {
         );
         return;
     }
+    let etc_was_there = Path::new("/etc/netram").exists();
     let _installed = Installed {
         group_was_there: Command::new("getent")
             .args(["group", "netram"])
@@ -147,6 +155,7 @@ fn the_debian_package_installs_runs_and_purges() {
             .unwrap()
             .status
             .success(),
+        etc_made: !etc_was_there,
     };
     ok(
         &Command::new("dpkg").arg("-i").arg(&deb).output().unwrap(),
@@ -164,11 +173,25 @@ fn the_debian_package_installs_runs_and_purges() {
         .output()
         .unwrap();
     ok(&version, "netram --version");
+    // The daemon as the unit starts it, after an operator's edits: /etc/netram holds the
+    // node's credentials and an edited configuration (loopback only here), and the unit's own
+    // command lines run (ExecStartPre's check, then ExecStart), `netram` found where systemd
+    // looks. Not where /etc/netram held anything before the package: an operator's files are
+    // left alone.
+    let daemon = if etc_was_there {
+        netram_testkit::skip(
+            "/etc/netram existed before the package: the daemon is not started from the unit",
+            None,
+        );
+        None
+    } else {
+        Some(start_from_unit(&dir))
+    };
     // `netram run` finds its library where the package put it (no NETRAM_PRELOAD), on the
     // local disk (no cluster needed), and GNU sort prints what it prints alone.
     let input = dir.join("lines.txt");
     let mut x: u64 = 1;
-    let text: String = (0..200_000)
+    let text: String = (0..100_000)
         .map(|i| {
             x = x
                 .wrapping_mul(6364136223846793005)
@@ -210,6 +233,53 @@ fn the_debian_package_installs_runs_and_purges() {
         "{}",
         String::from_utf8_lossy(&run.stderr)
     );
+    // And on the daemon the unit started: sort's buffers go out to it and come back.
+    if let Some(d) = &daemon {
+        let report = dir.join("report.json");
+        let run = Command::new("timeout")
+            .args([
+                "120",
+                "/usr/bin/netram",
+                "run",
+                "--local-mem",
+                "4M",
+                "--servers",
+            ])
+            .arg(&d.addr)
+            .arg("--report")
+            .arg(&report)
+            .arg("--")
+            .arg("sort")
+            .arg(&input)
+            .env_remove("NETRAM_PRELOAD")
+            .env("NETRAM_TLS", dir.join("ca/node-1"))
+            .env("LC_ALL", "C")
+            .output()
+            .unwrap();
+        ok(
+            &run,
+            "the installed netram run -- sort, on the unit's daemon",
+        );
+        assert!(
+            run.stdout == plain.stdout,
+            "sort on the unit's daemon differs"
+        );
+        let r = std::fs::read_to_string(&report).unwrap();
+        let puts = r
+            .split("\"puts\":")
+            .nth(1)
+            .and_then(|t| {
+                t.trim()
+                    .split([',', '}'])
+                    .next()?
+                    .trim()
+                    .parse::<u64>()
+                    .ok()
+            })
+            .unwrap_or_else(|| panic!("puts in {r}"));
+        assert!(puts > 1000, "sort's pages on the daemon: {r}");
+    }
+    drop(daemon);
     // The C ABI as a C programmer uses it: the installed header and library, nothing else.
     let src = dir.join("region.c");
     std::fs::write(
@@ -280,4 +350,92 @@ int main(void) {
         assert!(!Path::new(gone).exists(), "{gone} left after purge");
     }
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A daemon started from the installed unit's command line, SIGTERMed by PID when dropped.
+struct UnitDaemon {
+    child: std::process::Child,
+    addr: String,
+}
+
+impl Drop for UnitDaemon {
+    fn drop(&mut self) {
+        // By its PID, with the unit's KillSignal.
+        let _ = Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .output();
+        let _ = self.child.wait();
+    }
+}
+
+/// Writes a cluster's credentials (node 1, a server) and a loopback configuration into
+/// /etc/netram, runs the unit's ExecStartPre and starts its ExecStart.
+fn start_from_unit(dir: &Path) -> UnitDaemon {
+    use std::io::BufRead;
+    let ca = dir.join("ca");
+    ok(
+        &Command::new("/usr/bin/netram")
+            .args(["cluster", "init"])
+            .arg(&ca)
+            .output()
+            .unwrap(),
+        "netram cluster init",
+    );
+    for f in ["ca.pem", "crl.pem", "node.pem", "node.key"] {
+        std::fs::copy(ca.join("node-1").join(f), Path::new("/etc/netram").join(f)).unwrap();
+    }
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let ctl = dir.join("ctl");
+    std::fs::create_dir_all(&ctl).unwrap();
+    std::fs::write(
+        "/etc/netram/netram.toml",
+        format!(
+            "listen = \"127.0.0.1:{port}\"\ncapacity = \"64M\"\nmetrics = \"off\"\n\
+             control = \"{}\"\n",
+            ctl.join("control.sock").display()
+        ),
+    )
+    .unwrap();
+    let unit = std::fs::read_to_string("/lib/systemd/system/netram.service").unwrap();
+    let line = |key: &str| -> Vec<String> {
+        let l = unit
+            .lines()
+            .find_map(|l| l.strip_prefix(key))
+            .unwrap_or_else(|| panic!("no {key} in the unit"));
+        let mut words: Vec<String> = l.split_whitespace().map(str::to_owned).collect();
+        // What systemd's search path finds for a name without a path: the package's.
+        if !words[0].starts_with('/') {
+            words[0] = format!("/usr/bin/{}", words[0]);
+        }
+        words
+    };
+    let pre = line("ExecStartPre=");
+    ok(
+        &Command::new(&pre[0]).args(&pre[1..]).output().unwrap(),
+        "the unit's ExecStartPre",
+    );
+    let start = line("ExecStart=");
+    let mut child = Command::new(&start[0])
+        .args(&start[1..])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut first = String::new();
+    std::io::BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut first)
+        .unwrap();
+    let daemon = UnitDaemon {
+        child,
+        addr: format!("127.0.0.1:{port}"),
+    };
+    assert!(
+        first.starts_with(&format!("netram serve: listening on 127.0.0.1:{port}")),
+        "the unit's daemon said: {first:?}"
+    );
+    daemon
 }

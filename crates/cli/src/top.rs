@@ -135,7 +135,7 @@ fn once(args: &TopArgs, daemon: &str) -> Result<()> {
         .unwrap_or(120)
         .max(60);
     let rows = now.members.as_ref().map_or(0, |m| m.members.len()) as u16;
-    let height = 5 + (rows + 3) + 9;
+    let height = 5 + (rows + 3) + 10;
     let mut terminal = ratatui::Terminal::new(ratatui::backend::TestBackend::new(width, height))?;
     terminal.draw(|f| draw(f, daemon, args.interval, &now, Some(&before)))?;
     let buffer = terminal.backend().buffer();
@@ -184,7 +184,7 @@ fn draw(f: &mut Frame, daemon: &str, interval: Duration, now: &Sample, before: O
     let [head, table, own] = Layout::vertical([
         Constraint::Length(4),
         Constraint::Length(rows + 3),
-        Constraint::Min(9),
+        Constraint::Min(10),
     ])
     .areas(f.area());
     draw_head(f, head, daemon, interval, now);
@@ -341,11 +341,20 @@ fn draw_own(f: &mut Frame, area: Rect, now: &Sample, before: Option<&Sample>) {
             rate("netram_requests_served_total"),
         )),
         Line::from(format!(
-            "per second: pages handed over {}, adopted {}; its offer grew {} times, shrank {} times",
+            "migration per second: pages handed over {}, adopted {}; its offer grew {} times, \
+             shrank {} times",
             rate("netram_pages_handed_over_total"),
             rate("netram_pages_adopted_total"),
             get("netram_offer_grows_total") as u64,
             get("netram_offer_shrinks_total") as u64,
+        )),
+        Line::from(format!(
+            "recovery: parity deltas applied per second {}, parity groups received {}, orphaned members \
+             reported to their owners {}, damaged groups {}",
+            rate("netram_parity_deltas_applied_total"),
+            get("netram_parity_groups_shipped_total") as u64,
+            get("netram_parity_orphans_reported_total") as u64,
+            get("netram_parity_groups_damaged_total") as u64,
         )),
         Line::from(format!(
             "refused: puts (full) {}, puts (quota) {}, connections (busy) {}, TLS handshakes \
