@@ -19,6 +19,13 @@ fn ok(out: &Output, what: &str) {
     );
 }
 
+/// Runs `cmd`, which must succeed (`what` names it in the failure); its output.
+fn run_ok(cmd: &mut Command, what: &str) -> Output {
+    let out = cmd.output().unwrap();
+    ok(&out, what);
+    out
+}
+
 /// Purges the package when dropped, so that a failing test leaves no netram installed, and
 /// removes the group the package made if there was none before (the package itself keeps it,
 /// as Debian's policy has it for system groups).
@@ -96,13 +103,8 @@ fn the_debian_package_installs_runs_and_purges() {
     assert_eq!(field("Depends"), "libc6 (>= 2.34)");
     // The declared libc is enough for every binary in it (the newest symbol version asked for).
     let stage = dir.join("stage");
-    ok(
-        &Command::new("dpkg-deb")
-            .arg("-x")
-            .arg(&deb)
-            .arg(&stage)
-            .output()
-            .unwrap(),
+    run_ok(
+        Command::new("dpkg-deb").arg("-x").arg(&deb).arg(&stage),
         "dpkg-deb -x",
     );
     if netram_testkit::have_tools(&[("objdump", "binutils")]) {
@@ -157,15 +159,9 @@ fn the_debian_package_installs_runs_and_purges() {
             .success(),
         etc_made: !etc_was_there,
     };
-    ok(
-        &Command::new("dpkg").arg("-i").arg(&deb).output().unwrap(),
-        "dpkg -i",
-    );
-    ok(
-        &Command::new("getent")
-            .args(["group", "netram"])
-            .output()
-            .unwrap(),
+    run_ok(Command::new("dpkg").arg("-i").arg(&deb), "dpkg -i");
+    run_ok(
+        Command::new("getent").args(["group", "netram"]),
         "the group netram",
     );
     let version = Command::new("/usr/bin/netram")
@@ -304,14 +300,12 @@ int main(void) {
     )
     .unwrap();
     let exe = dir.join("region");
-    ok(
-        &Command::new("cc")
+    run_ok(
+        Command::new("cc")
             .arg("-o")
             .arg(&exe)
             .arg(&src)
-            .arg("-lnetram")
-            .output()
-            .unwrap(),
+            .arg("-lnetram"),
         "cc against the installed netram.h and libnetram.so",
     );
     let out = Command::new("timeout")
@@ -324,19 +318,13 @@ int main(void) {
     if Path::new("/run/systemd/system").exists()
         && netram_testkit::have_tools(&[("systemd-analyze", "systemd")])
     {
-        ok(
-            &Command::new("systemd-analyze")
-                .args(["verify", "/lib/systemd/system/netram.service"])
-                .output()
-                .unwrap(),
+        run_ok(
+            Command::new("systemd-analyze").args(["verify", "/lib/systemd/system/netram.service"]),
             "systemd-analyze verify",
         );
     }
-    ok(
-        &Command::new("dpkg")
-            .args(["--purge", "netram"])
-            .output()
-            .unwrap(),
+    run_ok(
+        Command::new("dpkg").args(["--purge", "netram"]),
         "dpkg --purge",
     );
     for gone in [
@@ -373,12 +361,10 @@ impl Drop for UnitDaemon {
 fn start_from_unit(dir: &Path) -> UnitDaemon {
     use std::io::BufRead;
     let ca = dir.join("ca");
-    ok(
-        &Command::new("/usr/bin/netram")
+    run_ok(
+        Command::new("/usr/bin/netram")
             .args(["cluster", "init"])
-            .arg(&ca)
-            .output()
-            .unwrap(),
+            .arg(&ca),
         "netram cluster init",
     );
     for f in ["ca.pem", "crl.pem", "node.pem", "node.key"] {
@@ -414,8 +400,8 @@ fn start_from_unit(dir: &Path) -> UnitDaemon {
         words
     };
     let pre = line("ExecStartPre=");
-    ok(
-        &Command::new(&pre[0]).args(&pre[1..]).output().unwrap(),
+    run_ok(
+        Command::new(&pre[0]).args(&pre[1..]),
         "the unit's ExecStartPre",
     );
     let start = line("ExecStart=");
