@@ -11,7 +11,9 @@
 //!   (also with victims first in, first out: what access sampling buys), `netram run --backing
 //!   disk`, and as root the kernel's swap to a local disk file and to zram in a memory cgroup
 //!   (limited to a quarter of the working set plus what the process uses besides its data);
-//! * the prefetcher's hit rate on the quicksort.
+//! * the prefetcher's hit rate on the quicksort;
+//! * `threads`: faults per second of 1, 2, 4 and 8 threads faulting together on disjoint random
+//!   pages at 25 % local (`faults_per_s_threads`; issue 38's target: 4 threads ≥ 2× one).
 //!
 //! [`Way`] and [`run_way`] are shared with `netram demo`, which runs the same comparison
 //! smaller. Writes `uffd.json`, `uffd.md` and `uffd.svg`.
@@ -31,6 +33,7 @@ use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 #[derive(Debug, Clone)]
@@ -393,6 +396,80 @@ fn remote_fault_latency_placed(
     Ok(Summary::of_ns(&mut samples))
 }
 
+/// Faults per second of 1, 2, 4 and 8 threads faulting together on disjoint random pages of
+/// one region with a quarter of it local, every page on the servers first and every read
+/// checked (issue 38's `threads` workload: what one handler serving one fault at a time
+/// allows; the target is 4 threads at twice one thread's rate). Not pinned: the threads, the
+/// handler and the servers share the machine's CPUs as a program's would.
+fn threaded_faults(exe: &Path, quick: bool) -> anyhow::Result<BTreeMap<String, f64>> {
+    let pages: usize = if quick { 8192 } else { 32768 };
+    let secs = if quick { 2.0 } else { 5.0 };
+    let (servers, list) = start_servers(exe, if quick { "64M" } else { "256M" }, false)?;
+    let addrs: Vec<String> = list.split(',').map(str::to_owned).collect();
+    let client = ClientConfig {
+        security: crate::security()?,
+        ..ClientConfig::new()
+    };
+    let t = TcpTransport::connect(&addrs, &client);
+    let cfg = PagerConfig {
+        pages: pages as u64,
+        cache_pages: 32,
+        ..Default::default()
+    };
+    let mut r = Region::with_options(
+        Pager::new(cfg, t, MemDisk::default()),
+        pages * PAGE_SIZE,
+        pages / 4 * PAGE_SIZE,
+        RegionOptions::default(),
+    )?;
+    for (p, page) in r.as_mut_slice().chunks_exact_mut(PAGE_SIZE).enumerate() {
+        page[..8].copy_from_slice(&(p as u64 + 1).to_le_bytes());
+    }
+    r.with_pager(|p| p.flush())?;
+    let base = r.as_ptr() as usize;
+    let mut rates = BTreeMap::new();
+    for threads in [1usize, 2, 4, 8] {
+        let faults_before = r.counters().faults.load(Ordering::Relaxed);
+        let started = Instant::now();
+        let deadline = started + Duration::from_secs_f64(secs);
+        let wrong = std::thread::scope(|s| {
+            let handles: Vec<_> = (0..threads)
+                .map(|i| {
+                    s.spawn(move || {
+                        let mut rng = fastrand::Rng::with_seed(7 + i as u64);
+                        let mut wrong = 0u64;
+                        while Instant::now() < deadline {
+                            // Thread i's pages: i, i + threads, i + 2 threads, ...
+                            let p = rng.usize(..pages / threads) * threads + i;
+                            let at = (base + p * PAGE_SIZE) as *const u8;
+                            // SAFETY: a page of the region, which outlives this scope.
+                            let v = unsafe { std::ptr::read_volatile(at) };
+                            if v != (p as u64 + 1) as u8 {
+                                wrong += 1;
+                            }
+                        }
+                        wrong
+                    })
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| h.join().unwrap_or(1))
+                .sum::<u64>()
+        });
+        let elapsed = started.elapsed().as_secs_f64();
+        anyhow::ensure!(
+            wrong == 0,
+            "{threads} threads: {wrong} pages read back wrong"
+        );
+        let faults = r.counters().faults.load(Ordering::Relaxed) - faults_before;
+        rates.insert(threads.to_string(), faults as f64 / elapsed);
+    }
+    drop(r);
+    drop(servers);
+    Ok(rates)
+}
+
 pub fn run(opts: &Options) -> anyhow::Result<crate::Outcome> {
     crate::process::catch_interrupts()?;
     let machine = Machine::describe();
@@ -411,6 +488,14 @@ pub fn run(opts: &Options) -> anyhow::Result<crate::Outcome> {
     let pm_qos_held = qos.is_some();
     let local_fast = local_fault_latency(n)?;
     drop(qos);
+    eprintln!("threads: 1, 2, 4, 8 threads faulting at 25 % local ...");
+    let threads = match threaded_faults(&opts.netram_exe, opts.quick) {
+        Ok(t) => Some(t),
+        Err(e) => {
+            failed.push(format!("threads: {e:#}"));
+            None
+        }
+    };
     eprintln!("latencies: remote faults ...");
     let remote = remote_fault_latency(&opts.netram_exe, false, n)?;
     let qos = PmQos::hold();
@@ -483,6 +568,17 @@ pub fn run(opts: &Options) -> anyhow::Result<crate::Outcome> {
     if let Some(rate) = prefetch_hit_rate {
         targets.push(target("prefetch_hit_rate (qsort)", rate, 0.8, "ge"));
     }
+    if let Some((four, one)) = threads
+        .as_ref()
+        .and_then(|t| Some((t.get("4")?, t.get("1")?)))
+    {
+        targets.push(target(
+            "threads: faults/s with 4 threads / with 1",
+            four / one,
+            2.0,
+            "ge",
+        ));
+    }
     let result = json!({
         "machine": machine,
         "quick": opts.quick,
@@ -498,6 +594,7 @@ pub fn run(opts: &Options) -> anyhow::Result<crate::Outcome> {
         "remote_fault_fast_p50_us": remote_fast.p50_us,
         "remote_fault_fast_p99_us": remote_fast.p99_us,
         "workloads": workloads,
+        "faults_per_s_threads": threads,
         "prefetch_hit_rate": prefetch_hit_rate,
         "targets": targets,
         "skipped": skipped,
@@ -726,6 +823,22 @@ fn markdown(r: &Value, targets: &[Target], skipped: &[String], failed: &[String]
         r["local_memory_bytes"].as_u64().unwrap_or(0) >> 20
     );
     s.push_str(&workloads_table(&r["workloads"]));
+    if let Some(t) = r["faults_per_s_threads"].as_object() {
+        let _ = writeln!(
+            s,
+            "\n## Threads faulting together (disjoint random pages, 25 % local, every read \
+             checked)\n\n| threads | faults/s | × one thread |\n|---|---|---|"
+        );
+        let one = t.get("1").and_then(Value::as_f64).unwrap_or(f64::NAN);
+        let mut rows: Vec<(u64, f64)> = t
+            .iter()
+            .filter_map(|(k, v)| Some((k.parse().ok()?, v.as_f64()?)))
+            .collect();
+        rows.sort_by_key(|r| r.0);
+        for (n, rate) in rows {
+            let _ = writeln!(s, "| {n} | {rate:.0} | {:.2} |", rate / one);
+        }
+    }
     let _ = writeln!(
         s,
         "\n`seconds` is the workload's whole run: filling its memory, the work, verifying. \
