@@ -273,8 +273,9 @@ fn open_userfaultfd() -> Result<(Uffd, bool, Forks), RegionError> {
             Err(e) => Err(e),
         }
     }
-    match Uffd::open(WP | MOVE | TID | FORK, false) {
-        Ok(uffd) => return Ok((uffd, true, Forks::Event)),
+    // Fork events with or without moves (a kernel before 6.8 has no UFFDIO_MOVE).
+    match with_move(|f| Uffd::open(f | FORK, false)) {
+        Ok((u, m)) => return Ok((u, m, Forks::Event)),
         Err(e) => tracing::debug!("userfaultfd without fork events: {e}"),
     }
     // Children serve themselves only where the process's forks call `follow_in_child`.
