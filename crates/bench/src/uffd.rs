@@ -326,6 +326,40 @@ fn local_fault_latency_placed(n: usize, to_client: &dyn Fn()) -> anyhow::Result<
     Ok(Summary::of_ns(&mut samples[n / 10..]))
 }
 
+/// A region of `pages` pages with `budget` of them local, paged to the servers at `addrs`,
+/// every page written (its first byte: its number plus one, as the readers check) and flushed
+/// out: from here on a page not resident is fetched.
+fn region_on_servers(
+    addrs: &[String],
+    low_latency: bool,
+    pages: usize,
+    budget: usize,
+    options: RegionOptions,
+) -> anyhow::Result<Region<TcpTransport, MemDisk>> {
+    let client = ClientConfig {
+        security: crate::security()?,
+        low_latency,
+        ..ClientConfig::new()
+    };
+    let t = TcpTransport::connect(addrs, &client);
+    let cfg = PagerConfig {
+        pages: pages as u64,
+        cache_pages: 32,
+        ..Default::default()
+    };
+    let mut r = Region::with_options(
+        Pager::new(cfg, t, MemDisk::default()),
+        pages * PAGE_SIZE,
+        budget * PAGE_SIZE,
+        options,
+    )?;
+    for (p, page) in r.as_mut_slice().chunks_exact_mut(PAGE_SIZE).enumerate() {
+        page[..8].copy_from_slice(&(p as u64 + 1).to_le_bytes());
+    }
+    r.with_pager(|p| p.flush())?;
+    Ok(r)
+}
+
 /// Faults on random pages of a region whose pages all live on the servers at `addrs`: each is
 /// a fetch (no prefetching: no trend; no sampling: every fault is a miss).
 ///
@@ -349,22 +383,12 @@ fn remote_fault_latency_placed(
     to_client: &dyn Fn(),
 ) -> anyhow::Result<Summary> {
     let pages = 8192usize;
-    let client = ClientConfig {
-        security: crate::security()?,
-        low_latency,
-        ..ClientConfig::new()
-    };
     to_client();
-    let t = TcpTransport::connect(addrs, &client);
-    let cfg = PagerConfig {
-        pages: pages as u64,
-        cache_pages: 32,
-        ..Default::default()
-    };
-    let mut r = Region::with_options(
-        Pager::new(cfg, t, MemDisk::default()),
-        pages * PAGE_SIZE,
-        64 * PAGE_SIZE,
+    let r = region_on_servers(
+        addrs,
+        low_latency,
+        pages,
+        64,
         RegionOptions {
             max_samples: 0,
             // As `netram run --low-latency` sets it.
@@ -375,10 +399,6 @@ fn remote_fault_latency_placed(
             },
         },
     )?;
-    for (p, page) in r.as_mut_slice().chunks_exact_mut(PAGE_SIZE).enumerate() {
-        page[..8].copy_from_slice(&(p as u64 + 1).to_le_bytes());
-    }
-    r.with_pager(|p| p.flush())?;
     let mut rng = fastrand::Rng::with_seed(11);
     let mut samples = Vec::with_capacity(n);
     for i in 0..n + 200 {
@@ -406,26 +426,7 @@ fn threaded_faults(exe: &Path, quick: bool) -> anyhow::Result<BTreeMap<String, f
     let secs = if quick { 2.0 } else { 5.0 };
     let (servers, list) = start_servers(exe, if quick { "64M" } else { "256M" }, false)?;
     let addrs: Vec<String> = list.split(',').map(str::to_owned).collect();
-    let client = ClientConfig {
-        security: crate::security()?,
-        ..ClientConfig::new()
-    };
-    let t = TcpTransport::connect(&addrs, &client);
-    let cfg = PagerConfig {
-        pages: pages as u64,
-        cache_pages: 32,
-        ..Default::default()
-    };
-    let mut r = Region::with_options(
-        Pager::new(cfg, t, MemDisk::default()),
-        pages * PAGE_SIZE,
-        pages / 4 * PAGE_SIZE,
-        RegionOptions::default(),
-    )?;
-    for (p, page) in r.as_mut_slice().chunks_exact_mut(PAGE_SIZE).enumerate() {
-        page[..8].copy_from_slice(&(p as u64 + 1).to_le_bytes());
-    }
-    r.with_pager(|p| p.flush())?;
+    let r = region_on_servers(&addrs, false, pages, pages / 4, RegionOptions::default())?;
     let base = r.as_ptr() as usize;
     let mut rates = BTreeMap::new();
     for threads in [1usize, 2, 4, 8] {
