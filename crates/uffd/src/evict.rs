@@ -1,0 +1,301 @@
+//! Making room: victims named by the clock (first in, first out, or CLOCK over sampled pages,
+//! GMS §4.2), write-protected, copied to the pager and dropped in batches; pages the program
+//! releases. Anemone §2.1's page-out, from user space.
+
+use super::*;
+
+impl<T: Transport, D: Disk> Shared<T, D> {
+    /// Evicts until at most `keep` pages are resident, sampling on the way; stops at the first
+    /// failure (logged and counted).
+    ///
+    /// Victims go in batches: every page that leaves the program's page tables costs a TLB
+    /// shootdown (an interrupt to each CPU running the program), and the pages of one batch
+    /// leave with one `process_madvise` call, which the kernel (6.16 on) flushes once. A
+    /// victim chosen but not dropped yet stays mapped write-protected (or aside, if sampled):
+    /// a write to it blocks until the batch is gone and then faults it back in.
+    pub(crate) fn make_room(&self, st: &mut State<T, D>, keep: usize) {
+        if st.clock.len() <= keep || st.forking > 0 {
+            // While a fork is pending nothing leaves: the child gets every page resident at
+            // its announcement (see `prepare_fork`). The budget is caught up with afterwards.
+            return;
+        }
+        // A batch small next to the budget, so that residency stays close to it.
+        let batch = (st.budget / 16).clamp(1, EVICT_BATCH);
+        let target = keep.saturating_sub(batch - 1);
+        let mut drops = std::mem::take(&mut st.drops);
+        let mut skipped = 0;
+        while st.clock.len() > target {
+            let Some(victim) = st.clock.victim() else {
+                break;
+            };
+            for &p in &victim.sample {
+                match self.sample(p as usize) {
+                    Ok(()) => {
+                        self.counters.samples.fetch_add(1, Ordering::Relaxed);
+                    }
+                    Err(e) => {
+                        self.counters
+                            .sample_failures
+                            .fetch_add(1, Ordering::Relaxed);
+                        tracing::debug!("sampling page {p}: {e}");
+                        st.clock.unsample(p);
+                    }
+                }
+            }
+            let page = victim.page as usize;
+            let evicted = if victim.sampled {
+                self.evict_sampled(st, page)
+                    .map(|a| Some((page, a as usize, false)))
+            } else {
+                self.evict_mapped(st, page)
+                    .map(|a| a.map(|a| (page, a as usize, true)))
+            };
+            match evicted {
+                Ok(Some(d)) => drops.push(d),
+                Ok(None) => {
+                    // Unreadable, kept (at the back of the ring): the next one, unless every
+                    // resident page has been passed over this time.
+                    skipped += 1;
+                    if skipped > st.clock.len() {
+                        break;
+                    }
+                }
+                Err(e) => {
+                    self.counters.errors.fetch_add(1, Ordering::Relaxed);
+                    tracing::error!("evicting a page: {e}");
+                    break;
+                }
+            }
+        }
+        self.drop_batch(st, &drops);
+        drops.clear();
+        st.drops = drops;
+    }
+
+    /// Drops the chosen victims' memory: `(page, address, whether in the region)`.
+    pub(crate) fn drop_batch(&self, st: &mut State<T, D>, drops: &[(usize, usize, bool)]) {
+        if drops.is_empty() {
+            return;
+        }
+        if let Some(pidfd) = &self.pidfd {
+            let iov: Vec<libc::iovec> = drops
+                .iter()
+                .map(|&(_, addr, _)| libc::iovec {
+                    iov_base: addr as *mut c_void,
+                    iov_len: PAGE_SIZE,
+                })
+                .collect();
+            use std::os::fd::AsRawFd;
+            // SAFETY: process_madvise(2) on this process's own pages, which are either stored
+            // or unchanged since fetched (see `drop_pages`); the iovecs are valid for the call.
+            let r = unsafe {
+                libc::syscall(
+                    libc::SYS_process_madvise,
+                    pidfd.as_raw_fd(),
+                    iov.as_ptr(),
+                    iov.len(),
+                    libc::MADV_DONTNEED,
+                    0,
+                )
+            };
+            if r == (drops.len() * PAGE_SIZE) as libc::c_long {
+                return;
+            }
+            // Refused (an older kernel) or cut short: the rest page by page; dropping a page
+            // twice is harmless.
+        }
+        for &(page, addr, in_region) in drops {
+            let addr = addr as *mut c_void;
+            if let Err(e) = drop_pages(addr, PAGE_SIZE) {
+                self.counters.errors.fetch_add(1, Ordering::Relaxed);
+                tracing::error!("dropping page {page}: {e}");
+                if in_region {
+                    // Still mapped and write-protected: resident again, and taken as dirty
+                    // (its copy may have gone to the pager, or not).
+                    st.dirty[page] = true;
+                    st.clock.insert(page as u64);
+                    let _ = self.uffd.set_write_protect(addr, false, true);
+                }
+            }
+        }
+    }
+
+    /// Takes `page` out of the program's page tables, keeping it aside: its next access
+    /// faults, which tells the clock that it is in use.
+    pub(crate) fn sample(&self, page: usize) -> Result<(), rustix::io::Errno> {
+        let shadow = self.shadow.expect("sampling only with a shadow");
+        self.uffd.move_page(self.base.page(page), shadow.page(page))
+    }
+
+    /// Evicts a sampled page: it is aside, out of reach of the program, so it is copied and
+    /// stored without any write-protection; the caller drops it. On failure it goes back into
+    /// the region.
+    pub(crate) fn evict_sampled(
+        &self,
+        st: &mut State<T, D>,
+        page: usize,
+    ) -> Result<*mut c_void, PageError> {
+        let aside = self
+            .shadow
+            .expect("sampled pages live in the shadow")
+            .page(page);
+        if st.dirty[page] {
+            // SAFETY: a sampled page is present in the shadow, touched only by this handler.
+            unsafe {
+                std::ptr::copy_nonoverlapping(aside.cast::<u8>(), st.buf.as_mut_ptr(), PAGE_SIZE)
+            };
+            if let Err(source) = self.store(st, page) {
+                if let Err(e) = self.uffd.move_page(aside, self.base.page(page)) {
+                    tracing::error!("page {page} could not be put back after a failed store: {e}");
+                }
+                st.clock.insert(page as u64);
+                return Err(PageError::Store { page, source });
+            }
+        } else {
+            self.counters.evicted_clean.fetch_add(1, Ordering::Relaxed);
+        }
+        st.dirty[page] = false;
+        self.counters.evictions.fetch_add(1, Ordering::Relaxed);
+        Ok(aside)
+    }
+
+    /// Stores the page in `st.buf` as page `page` (an all-zero page is discarded instead).
+    pub(crate) fn store(
+        &self,
+        st: &mut State<T, D>,
+        page: usize,
+    ) -> Result<(), netram_pager::PagerError> {
+        self.settle(st, page);
+        if st.buf.iter().all(|&b| b == 0) {
+            self.counters.evicted_zero.fetch_add(1, Ordering::Relaxed);
+            st.pager.discard(page as u64)
+        } else {
+            st.pager.write(page as u64, &st.buf)
+        }
+    }
+
+    /// Evicts a page still mapped: write-protect, copy out, store; the caller drops it. On
+    /// failure the page stays resident and writable; `None` (kept, resident, nothing
+    /// counted as an error) if the program has made it unreadable.
+    pub(crate) fn evict_mapped(
+        &self,
+        st: &mut State<T, D>,
+        page: usize,
+    ) -> Result<Option<*mut c_void>, PageError> {
+        let addr = self.base.page(page);
+        if !st.dirty[page] {
+            // Fetched and never written since: its remote copy is current, and it is still
+            // write-protected, so no write can slip in before it is dropped.
+            self.counters.evictions.fetch_add(1, Ordering::Relaxed);
+            self.counters.evicted_clean.fetch_add(1, Ordering::Relaxed);
+            return Ok(Some(addr));
+        }
+        // A write after this blocks in a write-protect fault until the page is gone.
+        if let Err(errno) = self.uffd.set_write_protect(addr, true, true) {
+            st.clock.insert(page as u64);
+            return Err(PageError::WriteProtect { page, errno });
+        }
+        let copied = if self.unreadable_possible.load(Ordering::Relaxed) {
+            let mut buf = std::mem::take(&mut st.buf);
+            let copied = self.copy_out(addr, &mut buf);
+            st.buf = buf;
+            copied
+        } else {
+            // SAFETY: the page is mapped (resident), readable (the program has not said
+            // otherwise) and write-protected: no thread changes it while it is copied.
+            unsafe {
+                std::ptr::copy_nonoverlapping(addr.cast::<u8>(), st.buf.as_mut_ptr(), PAGE_SIZE)
+            };
+            Ok(())
+        };
+        match copied {
+            Ok(()) => {}
+            Err(rustix::io::Errno::FAULT) => {
+                // `mprotect(PROT_NONE)` by the program: kept as it is, dirty, writable
+                // again (for when the program lifts the protection).
+                let _ = self.uffd.set_write_protect(addr, false, true);
+                st.clock.insert(page as u64);
+                self.counters
+                    .unreadable_victims
+                    .fetch_add(1, Ordering::Relaxed);
+                return Ok(None);
+            }
+            Err(errno) => {
+                let _ = self.uffd.set_write_protect(addr, false, true);
+                st.clock.insert(page as u64);
+                return Err(PageError::Copy { page, errno });
+            }
+        }
+        if let Err(source) = self.store(st, page) {
+            // Keep the page: writable again, and the writers blocked on it woken.
+            let _ = self.uffd.set_write_protect(addr, false, true);
+            st.clock.insert(page as u64);
+            return Err(PageError::Store { page, source });
+        }
+        st.dirty[page] = false;
+        self.counters.evictions.fetch_add(1, Ordering::Relaxed);
+        Ok(Some(addr))
+    }
+
+    /// Copies the resident page at `addr` into `buf` through the kernel (`process_vm_readv`
+    /// on this process), not with a plain load: the program may have made the page
+    /// unreadable (`mprotect(PROT_NONE)` on its own memory: guard pages, a runtime's
+    /// protected heap), and a plain load would kill the process with SIGSEGV in this thread.
+    /// The kernel reports EFAULT instead. It costs a system call per page (GNU sort at 12M
+    /// local took 5 % longer with every victim copied this way), so only once the program
+    /// may have protected pages.
+    pub(crate) fn copy_out(
+        &self,
+        addr: *mut c_void,
+        buf: &mut [u8],
+    ) -> Result<(), rustix::io::Errno> {
+        let local = libc::iovec {
+            iov_base: buf.as_mut_ptr().cast(),
+            iov_len: PAGE_SIZE,
+        };
+        let remote = libc::iovec {
+            iov_base: addr,
+            iov_len: PAGE_SIZE,
+        };
+        // SAFETY: reads one page of this process into `buf`, which is PAGE_SIZE bytes; the
+        // kernel checks the source's mapping and protection and fails rather than fault.
+        let n = unsafe { libc::process_vm_readv(self.pid, &local, 1, &remote, 1, 0) };
+        match n {
+            n if n == PAGE_SIZE as isize => Ok(()),
+            n if n >= 0 => Err(rustix::io::Errno::FAULT),
+            _ => Err(rustix::io::Errno::from_raw_os_error(
+                std::io::Error::last_os_error().raw_os_error().unwrap_or(0),
+            )),
+        }
+    }
+
+    /// Pages `first..first + count` are given back by the program (see `Region::release`).
+    pub(crate) fn release(
+        &self,
+        st: &mut State<T, D>,
+        first: usize,
+        count: usize,
+    ) -> Result<(), PageError> {
+        // One call drops every mapped page of the range (and the zero page's mappings).
+        drop_pages(self.base.page(first), count * PAGE_SIZE).map_err(PageError::Drop)?;
+        let mut written = Vec::new();
+        for page in first..first + count {
+            let p = page as u64;
+            if st.clock.is_sampled(p) {
+                let aside = self.shadow.expect("sampled pages live in the shadow");
+                let _ = drop_pages(aside.page(page), PAGE_SIZE);
+            }
+            st.clock.remove(p);
+            st.dirty[page] = false;
+            st.prefetched.remove(&p);
+            if st.pager.is_written(p) {
+                self.settle(st, page);
+                written.push(p);
+            }
+        }
+        self.counters
+            .released
+            .fetch_add(count as u64, Ordering::Relaxed);
+        st.pager.discard_many(&written).map_err(PageError::Delete)
+    }
+}
