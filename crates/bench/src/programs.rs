@@ -370,6 +370,7 @@ fn measure(
                 "evictions": r["evictions"],
                 "forks": r["forks"],
                 "child_faults": r["child_faults"],
+                "child_drops": r["child_drops"],
                 "processes": r["processes"],
                 "program_peak_rss_kib": r["peak_rss_kib"],
             })
@@ -714,7 +715,7 @@ fn markdown(doc: &Value) -> String {
     let _ = writeln!(
         s,
         "\nPeak resident memory is the largest process's, code and stacks included (a forked \
-         child's memory is not bounded by `--local-mem`)."
+         child is held to `--local-mem` as its parent is)."
     );
     s
 }

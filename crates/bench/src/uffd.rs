@@ -397,6 +397,7 @@ fn remote_fault_latency_placed(
             } else {
                 Duration::ZERO
             },
+            ..Default::default()
         },
     )?;
     let mut rng = fastrand::Rng::with_seed(11);

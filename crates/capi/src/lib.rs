@@ -24,6 +24,12 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 /// ones are batched. Local memory beyond the budget, so kept small.
 pub const CACHE_PAGES: usize = 64;
 
+/// Forked children of a `netram run` program held to the budget at once (each its own, as
+/// large as the parent's); a child forked while all are taken keeps every page it touches.
+/// Each slot costs only page numbers in the pager (its table is allocated zeroed, touched only
+/// where a child stores a page).
+pub const CHILD_SLOTS: usize = 3;
+
 /// A region for C: a heap over it, and the thread that probes its servers and rebuilds lost
 /// copies in the background (declared first: it stops before the region goes).
 #[allow(non_camel_case_types)]
@@ -219,11 +225,18 @@ pub fn region_from(
     } else {
         netram_client::security(env.tls.as_deref(), env.insecure)?
     };
+    // Forked children held to the budget too (`netram run`, whose children follow the
+    // region): their own pages go to page numbers past the region's.
+    let child_slots = if netram_uffd::children_follow() {
+        CHILD_SLOTS
+    } else {
+        0
+    };
     let pager = open_pager(&OpenOptions {
         security,
         servers,
         backing,
-        pages: size.div_ceil(PAGE_SIZE as u64),
+        pages: size.div_ceil(PAGE_SIZE as u64) * (1 + child_slots as u64),
         cache_pages: CACHE_PAGES,
         spill_dir: env.spill_dir.clone(),
         low_latency: env.low_latency,
@@ -239,6 +252,7 @@ pub fn region_from(
     if let Some(samples) = env.samples {
         options.max_samples = samples;
     }
+    options.child_slots = child_slots;
     Ok(RegionHeap::new(Region::with_options(
         pager, size, budget, options,
     )?))

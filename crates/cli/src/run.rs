@@ -350,9 +350,17 @@ fn read_reports(
             if k == "pid" {
                 continue;
             }
-            let sum =
-                totals.get(&k).and_then(|t| t.as_u64()).unwrap_or(0) + v.as_u64().unwrap_or(0);
-            totals.insert(k, sum.into());
+            let (was, v) = (
+                totals.get(&k).and_then(|t| t.as_u64()).unwrap_or(0),
+                v.as_u64().unwrap_or(0),
+            );
+            // Peaks are the largest of any process, the rest add up.
+            let total = if k.contains("peak") {
+                was.max(v)
+            } else {
+                was + v
+            };
+            totals.insert(k, total.into());
         }
     }
     Ok((totals, n, attached))

@@ -135,6 +135,9 @@ unsafe impl GlobalAlloc for Internal {
             let len = layout.size().next_multiple_of(PAGE_SIZE);
             return take_fresh(len, layout.align().max(PAGE_SIZE)).unwrap_or(std::ptr::null_mut());
         }
+        if IN_CHILD.load(Ordering::Relaxed) {
+            return child_arena::alloc(layout);
+        }
         // SAFETY: forwarded under the caller's contract.
         unsafe { self.0.alloc(layout) }
     }
@@ -143,6 +146,10 @@ unsafe impl GlobalAlloc for Internal {
         if layout.size() >= LARGE {
             // SAFETY: as `alloc`; fresh memory reads as zeros.
             return unsafe { self.alloc(layout) };
+        }
+        if IN_CHILD.load(Ordering::Relaxed) {
+            // Fresh memory of the reserved range, never handed out before: zeros.
+            return child_arena::alloc(layout);
         }
         // SAFETY: forwarded under the caller's contract.
         unsafe { self.0.alloc_zeroed(layout) }
@@ -160,12 +167,16 @@ unsafe impl GlobalAlloc for Internal {
             }
             return;
         }
+        if IN_CHILD.load(Ordering::Relaxed) {
+            // A forked child frees nothing small: see `child_arena`.
+            return;
+        }
         // SAFETY: a small block, talc's, under the caller's contract.
         unsafe { self.0.dealloc(ptr, layout) }
     }
 
     unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        if layout.size() < LARGE && new_size < LARGE {
+        if layout.size() < LARGE && new_size < LARGE && !IN_CHILD.load(Ordering::Relaxed) {
             // SAFETY: both small: talc's, which may grow it in place.
             return unsafe { self.0.realloc(ptr, layout, new_size) };
         }
@@ -179,6 +190,60 @@ unsafe impl GlobalAlloc for Internal {
             }
             new
         }
+    }
+}
+
+/// Where a forked child's own small blocks come from (the agent's thread, the loader's blocks):
+/// not talc, whose lock another thread of the parent may have held at the fork (the child
+/// would spin on it for good; seen with bash forking subshells). Bump allocation from fresh
+/// chunks of the reserved range, under a flag that each child resets before anything else
+/// runs in it (it has one thread then); small blocks are never freed in a child (those from
+/// before the fork belong to an allocator the child must not touch, and a child's own are
+/// few: an agent's start, the loader's link maps).
+mod child_arena {
+    use super::{take_fresh, Layout, Ordering, CHUNK, PAGE_SIZE};
+    use std::sync::atomic::{AtomicBool, AtomicUsize};
+
+    static BUSY: AtomicBool = AtomicBool::new(false);
+    static NEXT: AtomicUsize = AtomicUsize::new(0);
+    static END: AtomicUsize = AtomicUsize::new(0);
+
+    /// In a child just forked, on its only thread: forgets the parent's state.
+    pub fn reset() {
+        BUSY.store(false, Ordering::Relaxed);
+        NEXT.store(0, Ordering::Relaxed);
+        END.store(0, Ordering::Relaxed);
+    }
+
+    pub fn alloc(layout: Layout) -> *mut u8 {
+        while BUSY
+            .compare_exchange_weak(false, true, Ordering::Acquire, Ordering::Relaxed)
+            .is_err()
+        {
+            std::hint::spin_loop();
+        }
+        let mut start = NEXT
+            .load(Ordering::Relaxed)
+            .next_multiple_of(layout.align());
+        if NEXT.load(Ordering::Relaxed) == 0 || start + layout.size() > END.load(Ordering::Relaxed)
+        {
+            let len = (layout.size() + layout.align())
+                .max(CHUNK)
+                .next_multiple_of(PAGE_SIZE);
+            match take_fresh(len, PAGE_SIZE) {
+                Some(p) => {
+                    END.store(p as usize + len, Ordering::Relaxed);
+                    start = (p as usize).next_multiple_of(layout.align());
+                }
+                None => {
+                    BUSY.store(false, Ordering::Release);
+                    return std::ptr::null_mut();
+                }
+            }
+        }
+        NEXT.store(start + layout.size().max(1), Ordering::Relaxed);
+        BUSY.store(false, Ordering::Release);
+        start as *mut u8
     }
 }
 
@@ -472,6 +537,8 @@ static CHILD_UNSERVED: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI
 static mut PREVIOUS_SEGV: std::mem::MaybeUninit<libc::sigaction> = std::mem::MaybeUninit::zeroed();
 
 extern "C" fn after_fork_in_child() {
+    // Before anything allocates here: this child's own blocks (see `child_arena`).
+    child_arena::reset();
     IN_CHILD.store(true, Ordering::Relaxed);
     if FOLLOWS_FORKS.load(Ordering::Relaxed) {
         // The child has the region, served by its parent's handler (which may need this
@@ -582,6 +649,9 @@ extern "C" fn at_exit() {
             "forks": get(&rc.forks),
             "child_faults": get(&rc.child_faults),
             "child_copies": get(&rc.child_copies),
+            "child_drops": get(&rc.child_drops),
+            "child_private_pages": get(&rc.child_private_pages),
+            "child_peak_resident_pages": get(&rc.child_peak_resident),
             "errors": c.errors,
             "resident_bytes": c.resident_bytes,
             "budget_bytes": c.budget_bytes,

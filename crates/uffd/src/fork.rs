@@ -19,10 +19,26 @@ pub fn children_follow_regions() {
     CHILDREN_FOLLOW.store(true, Ordering::Relaxed);
 }
 
+/// Whether [`children_follow_regions`] was called: then children can be held to a budget
+/// (their agent starts in [`Region::follow_in_child`]; see [`RegionOptions::child_slots`]).
+pub fn children_follow() -> bool {
+    CHILDREN_FOLLOW.load(Ordering::Relaxed)
+}
+
 /// A descriptor for a forked child's copy of the region (see [`Forks::ByChild`]): as the
-/// parent got one, without write-protection or moves (the child's pages are only installed).
+/// parent got one, without moves (write-protection tells the handler which of the child's
+/// pages it wrote, see [`ForkChild`]).
 pub(crate) fn open_for_child() -> Result<Uffd, Errno> {
-    Uffd::open(TID, false).or_else(|_| Uffd::open_device(TID))
+    Uffd::open(TID | WP, false).or_else(|_| Uffd::open_device(TID | WP))
+}
+
+/// Closes the descriptor `fd` holds, if any, and leaves -1 there.
+pub(crate) fn close_raw(fd: &std::sync::atomic::AtomicI32) {
+    let raw = fd.swap(-1, Ordering::Relaxed);
+    if raw >= 0 {
+        // SAFETY: the descriptor was put there to be owned by whoever takes it out.
+        drop(unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(raw) });
+    }
 }
 
 /// The socket over which forked children send their descriptors ([`Forks::ByChild`]).
@@ -74,25 +90,100 @@ pub(crate) const FORK_MESSAGE: usize = 12;
 /// The child's page tables hold what was resident at the fork (shared copy-on-write by the
 /// kernel); every other page faults to `uffd`, and is served from the pager, whose copy of a
 /// page the child has not got is kept equal to the fork-time contents: before the parent's
-/// side changes a page in the pager (a write-back, a delete), the page is first installed in
-/// every child that lacks it ([`Shared::settle`]). The child's pages are never evicted (its
-/// memory is not bounded by the budget) and never written to the servers; when it exits or
-/// execs, its descriptor reports that its memory is gone (ESRCH) and it is forgotten.
+/// side changes a page in the pager (a write-back, a delete), that contents is first kept for
+/// every child that still reads it from there ([`Shared::settle`]): installed in the child,
+/// or, for a child held to a budget, stored in the pager under the child's own page number.
+/// When the child exits or execs, its descriptor reports that its memory is gone (ESRCH) and
+/// it is forgotten, its own pages deleted.
+///
+/// A child gets a budget ([`Budget`]: as many resident pages as the parent's budget was at the
+/// fork) when the region has a free child slot and the child's agent runs (`agent.rs`); other
+/// children (a grandchild, one forked while every slot is taken, a fork made by system call
+/// rather than the C library's `fork`) keep every page they touch, as before.
 pub(crate) struct ForkChild {
     pub(crate) uffd: Uffd,
-    /// A bit per page: the child has its own copy (resident at the fork, or installed since).
-    pub(crate) settled: Vec<u64>,
+    /// What each page is to the child: one of the `page::*` states.
+    pub(crate) pages: Vec<u8>,
     /// Its memory is gone: forgotten at the handler's next turn.
     pub(crate) gone: bool,
+    pub(crate) budget: Option<Budget>,
+}
+
+/// Where a child's page is (`ForkChild::pages`). Without a budget only `PARENT` and `OWN`.
+pub(crate) mod page {
+    /// Not resident in the child: its contents are the pager's copy of the parent's page
+    /// (zeros if never written).
+    pub(crate) const PARENT: u8 = 0;
+    /// Resident in the child, write-protected, equal to the pager's copy of the parent's page:
+    /// dropped without a copy.
+    pub(crate) const CLEAN: u8 = 1;
+    /// Resident in the child, its only copy (written by it, resident at the fork, or changed
+    /// by the parent in the pager since it was installed).
+    pub(crate) const OWN: u8 = 2;
+    /// Not resident: its contents are in the pager under the child's own page number (zeros
+    /// if that was never written).
+    pub(crate) const PRIVATE: u8 = 3;
+    /// Resident, write-protected, equal to its `PRIVATE` copy.
+    pub(crate) const PRIVATE_CLEAN: u8 = 4;
+    /// Being dropped by the agent (an `EVICT` sent): then `PARENT`.
+    pub(crate) const TO_PARENT: u8 = 5;
+    /// Being dropped by the agent: then `PRIVATE` (its copy is stored when `COPIED` comes,
+    /// if the request asked for one).
+    pub(crate) const TO_PRIVATE: u8 = 6;
+    /// Its fork-time contents could not be read before the parent changed them: a touch is a
+    /// SIGBUS, never other data.
+    pub(crate) const LOST: u8 = 7;
+}
+
+/// A child held to a budget, and its agent.
+pub(crate) struct Budget {
+    /// The handler's end of the agent's socket.
+    pub(crate) agent: OwnedFd,
+    /// The child's pages are stored in the pager at `slot * region pages + page`.
+    slot: u64,
+    /// Resident pages at most, and how many there are as far as the handler knows.
+    limit: usize,
+    resident: usize,
+    /// Pages made resident, oldest first (entries may be stale: checked when popped).
+    order: VecDeque<u32>,
+    /// Requests sent and not dropped yet, oldest first.
+    requests: VecDeque<Request>,
+    next_seq: u32,
+    /// Pages with a write fault waiting for their drop to end (woken then).
+    deferred: Vec<usize>,
+    /// Missing faults (address, thread) waiting for the agent to catch up (see
+    /// [`MAX_REQUESTS`]).
+    waiting: Vec<(usize, u32)>,
+    /// The agent said hello: it runs.
+    ready: bool,
+    /// The agent is gone while the child lives (it closed the socket): no more drops.
+    broken: bool,
+}
+
+/// Requests a child's agent may have in flight: a child faulting faster than its agent drops
+/// waits for it (its next fault is served when a request is done), as a process waits for
+/// reclaim, rather than growing past its budget by as much as the agent lags.
+pub(crate) const MAX_REQUESTS: usize = 2;
+
+/// An `EVICT` in flight: its pages, which of them the agent copies, and whether it has.
+struct Request {
+    seq: u32,
+    pages: Vec<(u32, bool)>,
+    copied: bool,
 }
 
 impl ForkChild {
-    pub(crate) fn is_settled(&self, page: usize) -> bool {
-        self.settled[page / 64] & (1 << (page % 64)) != 0
+    fn state(&self, page: usize) -> u8 {
+        self.pages[page]
     }
 
-    pub(crate) fn settle(&mut self, page: usize) {
-        self.settled[page / 64] |= 1 << (page % 64);
+    /// Whether a `TO_PRIVATE` page still waits for its copy from the agent.
+    fn awaiting_copy(&self, page: usize) -> bool {
+        self.budget.as_ref().is_some_and(|b| {
+            b.requests
+                .iter()
+                .any(|r| !r.copied && r.pages.iter().any(|&(p, c)| c && p as usize == page))
+        })
     }
 }
 
@@ -107,8 +198,20 @@ impl<T: Transport, D: Disk> Region<T, D> {
     /// arrives, nothing is evicted and no page changes in the pager, and the pages sampled
     /// aside come back, so that the child gets every resident page with the fork and can be
     /// served the others from the pager. Then [`Region::fork_failed`] if `fork` failed.
+    ///
+    /// Announced forks go one at a time (bounded: 30 s), so that the agent's socket made for
+    /// one reaches that child and no other.
     pub fn prepare_fork(&self) {
+        let since = std::time::Instant::now();
         let mut st = self.shared.lock();
+        while st.forking > 0 && since.elapsed() < std::time::Duration::from_secs(30) {
+            st = self
+                .shared
+                .forked
+                .wait_timeout(st, std::time::Duration::from_millis(50))
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
         self.shared.prepare_fork(&mut st);
     }
 
@@ -118,6 +221,8 @@ impl<T: Transport, D: Disk> Region<T, D> {
     /// page the child may still need before the handler knows of it. As the kernel holds a
     /// `fork` until the handler has read its event where it sends one.
     pub fn await_child(&self, pid: libc::pid_t) {
+        // The child's end of its agent's socket is the child's alone.
+        close_raw(&self.shared.agent_fds[1]);
         if self.shared.fork_channel.is_none() {
             return;
         }
@@ -152,7 +257,31 @@ impl<T: Transport, D: Disk> Region<T, D> {
     /// An error means the child's copy is not served: its pages that were not resident at the
     /// fork would read as zeros. The caller must make the region inaccessible.
     /// Nothing to do (`Ok`) where forks are followed otherwise or not at all.
+    ///
+    /// Then, where the parent made an agent's socket for this fork, starts the child's agent
+    /// (`agent.rs`), through which the parent's handler holds the child's memory to the budget.
+    /// (Starting a thread allocates: the C library's allocator is usable in a child.)
     pub fn follow_in_child(&self) -> Result<(), Errno> {
+        close_raw(&self.shared.agent_fds[0]);
+        let mine = self.shared.agent_fds[1].swap(-1, Ordering::Relaxed);
+        let followed = self.follow_by_descriptor();
+        if mine >= 0 {
+            // SAFETY: this child's end of the socket its parent made for this fork, owned
+            // here from now on.
+            let socket = unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(mine) };
+            if followed.is_ok() {
+                let base = self.shared.base.page(0) as usize;
+                if let Err(e) = agent::start(socket, base, self.shared.pages) {
+                    // The handler sees the socket close: this child keeps what it touches.
+                    tracing::debug!("a forked child's agent: {e}");
+                }
+            }
+        }
+        followed
+    }
+
+    /// The descriptor part of [`Region::follow_in_child`].
+    fn follow_by_descriptor(&self) -> Result<(), Errno> {
         use rustix::net::{SendAncillaryBuffer, SendAncillaryMessage, SendFlags};
         let Some(channel) = &self.shared.fork_channel else {
             return Ok(());
@@ -166,7 +295,7 @@ impl<T: Transport, D: Disk> Region<T, D> {
         }
         let len = self.shared.pages * PAGE_SIZE;
         let opened = open_for_child()
-            .and_then(|u| u.register(self.shared.base.page(0), len, false).map(|()| u));
+            .and_then(|u| u.register(self.shared.base.page(0), len, true).map(|()| u));
         let mut msg = [0u8; FORK_MESSAGE];
         msg[0..4].copy_from_slice(
             &rustix::process::getpid()
@@ -204,6 +333,8 @@ impl<T: Transport, D: Disk> Region<T, D> {
 
     /// The `fork` announced by [`Region::prepare_fork`] failed.
     pub fn fork_failed(&self) {
+        close_raw(&self.shared.agent_fds[0]);
+        close_raw(&self.shared.agent_fds[1]);
         if self.shared.follows_forks {
             let mut st = self.shared.lock();
             self.shared.fork_done(&mut st);
@@ -223,26 +354,73 @@ impl<T: Transport, D: Disk> Shared<T, D> {
     /// The process forked (`announced`: this process, not one of its children): the child's
     /// copy of the region faults to `uffd` from now on.
     pub(crate) fn fork_event(&self, st: &mut State<T, D>, uffd: Uffd, announced: bool) {
-        let words = self.pages.div_ceil(64);
-        let settled = if announced && st.forking > 0 {
-            let resident = st.fork_resident.clone();
+        let mut pages = vec![page::PARENT; self.pages];
+        let mut order = VecDeque::new();
+        if announced && st.forking > 0 {
+            if let Some(resident) = &st.fork_resident {
+                for (p, state) in pages.iter_mut().enumerate() {
+                    if resident[p / 64] & (1 << (p % 64)) != 0 {
+                        *state = page::OWN;
+                        order.push_back(p as u32);
+                    }
+                }
+            }
             self.fork_done(st);
-            resident.unwrap_or_else(|| vec![0; words])
         } else {
             // A fork nobody announced (a child forking in turn, a raw clone): nothing is known
             // of the pages the child has, so any page the parent's side changes is installed
             // in it first. A change between that fork and this event is not (see README).
             tracing::debug!("a fork that was not announced");
-            vec![0; words]
+        }
+        // The agent's socket made for this fork (`prepare_fork`), and a slot for the child's
+        // own pages: then the child is held to the budget.
+        let socket = if announced {
+            self.agent_fds[0].swap(-1, Ordering::Relaxed)
+        } else {
+            -1
+        };
+        let budget = if socket >= 0 {
+            // SAFETY: the handler's end of the socket made for this fork, owned from here on.
+            let agent = unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(socket) };
+            self.free_slot(st).map(|slot| Budget {
+                agent,
+                slot,
+                limit: st.budget,
+                resident: order.len(),
+                order,
+                requests: VecDeque::new(),
+                next_seq: 0,
+                deferred: Vec::new(),
+                waiting: Vec::new(),
+                ready: false,
+                broken: false,
+            })
+        } else {
+            None
         };
         self.counters.forks.fetch_add(1, Ordering::Relaxed);
         st.children.push(ForkChild {
             uffd,
-            settled,
+            pages,
             gone: false,
+            budget,
         });
         st.apply_sampling();
         self.child_count.store(st.children.len(), Ordering::Release);
+    }
+
+    /// A child slot no live child uses (1..=`child_slots`).
+    fn free_slot(&self, st: &State<T, D>) -> Option<u64> {
+        (1..=self.child_slots as u64).find(|&s| {
+            !st.children
+                .iter()
+                .any(|c| c.budget.as_ref().is_some_and(|b| b.slot == s))
+        })
+    }
+
+    /// Where child slot `slot` keeps its copy of `page` in the pager.
+    fn private(&self, slot: u64, page: usize) -> u64 {
+        slot * self.pages as u64 + page as u64
     }
 
     /// Takes the descriptors children sent over the fork channel (see
@@ -321,6 +499,27 @@ impl<T: Transport, D: Disk> Shared<T, D> {
             }
             st.fork_resident = Some(resident);
             st.forking_since = Some(std::time::Instant::now());
+            // A socket for the child's agent, when a slot is free for its pages: the child
+            // inherits both ends, keeps its own and closes the handler's.
+            close_raw(&self.agent_fds[0]);
+            close_raw(&self.agent_fds[1]);
+            if self.free_slot(st).is_some() {
+                match rustix::net::socketpair(
+                    rustix::net::AddressFamily::UNIX,
+                    rustix::net::SocketType::SEQPACKET,
+                    rustix::net::SocketFlags::CLOEXEC | rustix::net::SocketFlags::NONBLOCK,
+                    None,
+                ) {
+                    Ok((ours, theirs)) => {
+                        use std::os::fd::IntoRawFd;
+                        // The child's end blocks (its agent waits for requests).
+                        let _ = rustix::io::ioctl_fionbio(&theirs, false);
+                        self.agent_fds[0].store(ours.into_raw_fd(), Ordering::Relaxed);
+                        self.agent_fds[1].store(theirs.into_raw_fd(), Ordering::Relaxed);
+                    }
+                    Err(e) => tracing::warn!("no agent for a forked child: {e}"),
+                }
+            }
         }
         st.forking += 1;
     }
@@ -357,20 +556,80 @@ impl<T: Transport, D: Disk> Shared<T, D> {
         st.clock.unsample(page as u64);
     }
 
-    /// Before the parent's side changes `page` in the pager: installs its current contents in
-    /// every child that lacks it, since it is the child's too (see `ForkChild`).
+    /// Before the parent's side changes `page` in the pager: keeps its current contents for
+    /// every child that still reads it from there (see `ForkChild`): installed in a child
+    /// without a budget, stored under the child's own page number for one with.
     pub(crate) fn settle(&self, st: &mut State<T, D>, page: usize) {
         for i in 0..st.children.len() {
-            if !st.children[i].gone && !st.children[i].is_settled(page) {
-                self.counters.child_copies.fetch_add(1, Ordering::Relaxed);
-                self.install_in_child(st, i, page, 0);
+            if st.children[i].gone {
+                continue;
+            }
+            let state = st.children[i].state(page);
+            if st.children[i].budget.is_none() {
+                if state == page::PARENT {
+                    self.counters.child_copies.fetch_add(1, Ordering::Relaxed);
+                    self.install_in_child(st, i, page, 0);
+                }
+                continue;
+            }
+            match state {
+                page::PARENT | page::TO_PARENT => {
+                    self.counters.child_copies.fetch_add(1, Ordering::Relaxed);
+                    let kept = self.keep_for_child(st, i, page);
+                    st.children[i].pages[page] = match (kept, state) {
+                        (false, _) => page::LOST,
+                        (true, page::PARENT) => page::PRIVATE,
+                        (true, _) => page::TO_PRIVATE,
+                    };
+                }
+                // Its resident copy is now the only one of the fork-time contents.
+                page::CLEAN => st.children[i].pages[page] = page::OWN,
+                _ => {}
             }
         }
     }
 
-    /// Installs `page` as the pager has it in child `i` (for its thread `tid` if it faulted).
+    /// Copies the pager's `page` to child `i`'s own page number; false if it cannot be read.
+    fn keep_for_child(&self, st: &mut State<T, D>, i: usize, page: usize) -> bool {
+        let slot = st.children[i].budget.as_ref().expect("a budget").slot;
+        let private = self.private(slot, page);
+        let State {
+            pager, child_buf, ..
+        } = st;
+        if !pager.is_written(page as u64) {
+            // Zeros: the child's own page number was never written (or was deleted).
+            return true;
+        }
+        let copied = pager
+            .read(page as u64, child_buf)
+            .and_then(|()| pager.write(private, child_buf));
+        match copied {
+            Ok(()) => {
+                self.counters
+                    .child_private_pages
+                    .fetch_add(1, Ordering::Relaxed);
+                true
+            }
+            Err(e) => {
+                self.counters.errors.fetch_add(1, Ordering::Relaxed);
+                tracing::error!("page {page} cannot be kept for a forked child: {e}");
+                false
+            }
+        }
+    }
+
+    /// Installs `page` in child `i` as it reads it (for its thread `tid` if it faulted): the
+    /// parent's copy or the child's own, from the pager; write-protected for a child with a
+    /// budget, so that its first write is seen.
     pub(crate) fn install_in_child(&self, st: &mut State<T, D>, i: usize, page: usize, tid: u32) {
         let addr = self.base.page(page);
+        let state = st.children[i].state(page);
+        let budgeted = st.children[i].budget.is_some();
+        let own = matches!(state, page::PRIVATE | page::TO_PRIVATE);
+        let source = match (&st.children[i].budget, own) {
+            (Some(b), true) => self.private(b.slot, page),
+            _ => page as u64,
+        };
         let State {
             pager,
             children,
@@ -378,8 +637,8 @@ impl<T: Transport, D: Disk> Shared<T, D> {
             ..
         } = st;
         let child = &mut children[i];
-        let installed = if pager.is_written(page as u64) {
-            if let Err(e) = pager.read(page as u64, child_buf) {
+        let installed = if pager.is_written(source) {
+            if let Err(e) = pager.read(source, child_buf) {
                 self.counters.errors.fetch_add(1, Ordering::Relaxed);
                 eprintln!(
                     "netram: page {page} of a region (address {:#x}) cannot be read for a \
@@ -388,18 +647,35 @@ impl<T: Transport, D: Disk> Shared<T, D> {
                 );
                 if tid != 0 {
                     // SAFETY: kill(2) takes no pointers; the child's faulting thread is the
-                    // child itself (a forked child starts with one thread).
+                    // child's (its id from the fault).
                     unsafe { libc::kill(tid as libc::pid_t, libc::SIGBUS) };
                 }
                 let _ = child.uffd.wake(addr, PAGE_SIZE);
                 return;
             }
-            child.uffd.copy(child_buf, addr, false)
+            child.uffd.copy(child_buf, addr, budgeted)
+        } else if budgeted {
+            child.uffd.copy(&ZEROS, addr, true)
         } else {
             child.uffd.zeropage(addr)
         };
         match installed {
-            Ok(()) | Err(rustix::io::Errno::EXIST) => child.settle(page),
+            Ok(()) => {
+                child.pages[page] = match (budgeted, own) {
+                    (false, _) => page::OWN,
+                    (true, false) => page::CLEAN,
+                    (true, true) => page::PRIVATE_CLEAN,
+                };
+                if let Some(b) = &mut child.budget {
+                    b.resident += 1;
+                    b.order.push_back(page as u32);
+                    self.counters
+                        .child_peak_resident
+                        .fetch_max(b.resident as u64, Ordering::Relaxed);
+                }
+            }
+            // Already there (two of its threads faulted on it): whatever it holds is its own.
+            Err(rustix::io::Errno::EXIST) => child.pages[page] = page::OWN,
             // Its memory is gone (exited, or exec'd).
             Err(rustix::io::Errno::SRCH) => child.gone = true,
             Err(e) => {
@@ -410,8 +686,8 @@ impl<T: Transport, D: Disk> Shared<T, D> {
         }
     }
 
-    /// Serves the children's faults (if `ready`), notices children whose memory is gone, and
-    /// forgets them.
+    /// Serves the children's faults and their agents' messages (if `ready`), notices children
+    /// whose memory is gone, and forgets them.
     pub(crate) fn serve_children(&self, ready: bool) {
         let mut st = self.lock();
         let now = std::time::Instant::now();
@@ -426,10 +702,15 @@ impl<T: Transport, D: Disk> Shared<T, D> {
                 tracing::warn!("a fork announced 5 s ago never happened");
                 st.forking = 1;
                 self.fork_done(&mut st);
+                close_raw(&self.agent_fds[0]);
             }
         }
         let mut i = 0;
         while i < st.children.len() {
+            if ready {
+                self.agent_messages(&mut st, i);
+                self.resume_waiting(&mut st, i);
+            }
             while ready && !st.children[i].gone {
                 match st.children[i].uffd.read_event() {
                     Ok(Some(Event::Pagefault { addr, wp, tid, .. })) => {
@@ -448,19 +729,44 @@ impl<T: Transport, D: Disk> Shared<T, D> {
             }
             if probe && !st.children[i].gone {
                 // No event says that a child's memory is gone; an ioctl on it does (ESRCH).
-                // Lifting write-protection from its first page changes nothing it can see.
+                // Write-protecting its first page as it already is changes nothing it can see.
                 let first = self.base.page(0);
-                if let Err(rustix::io::Errno::SRCH) =
-                    st.children[i].uffd.set_write_protect(first, false, false)
+                let protected = matches!(
+                    st.children[i].state(0),
+                    page::CLEAN | page::PRIVATE_CLEAN | page::TO_PARENT | page::TO_PRIVATE
+                );
+                if let Err(rustix::io::Errno::SRCH) = st.children[i]
+                    .uffd
+                    .set_write_protect(first, protected, false)
                 {
                     st.children[i].gone = true;
                 }
             }
             i += 1;
         }
+        for i in 0..st.children.len() {
+            if st.children[i].gone {
+                self.forget_child(&mut st, i);
+            }
+        }
         st.children.retain(|c| !c.gone);
         self.child_count.store(st.children.len(), Ordering::Release);
         st.apply_sampling();
+    }
+
+    /// A child whose memory is gone: its own pages are deleted from the pager.
+    fn forget_child(&self, st: &mut State<T, D>, i: usize) {
+        let Some(b) = &st.children[i].budget else {
+            return;
+        };
+        let slot = b.slot;
+        let written: Vec<u64> = (0..self.pages)
+            .map(|p| self.private(slot, p))
+            .filter(|&p| st.pager.is_written(p))
+            .collect();
+        if let Err(e) = st.pager.discard_many(&written) {
+            tracing::warn!("deleting a forked child's pages: {e}");
+        }
     }
 
     /// A fault of child `i` at `addr`.
@@ -474,9 +780,37 @@ impl<T: Transport, D: Disk> Shared<T, D> {
     ) {
         let page = (addr - self.base.0.as_ptr() as usize) / PAGE_SIZE;
         let at = self.base.page(page);
+        let state = st.children[i].state(page);
         if wp {
-            // A page the parent had write-protected: the child's own now, writable. (If that
-            // fails, the writer is woken all the same, to fault again rather than sleep.)
+            if let Some(b) = &mut st.children[i].budget {
+                match state {
+                    page::TO_PARENT | page::TO_PRIVATE => {
+                        // Being dropped: the writer waits until it is gone, then faults it
+                        // back.
+                        b.deferred.push(page);
+                        return;
+                    }
+                    page::PARENT | page::PRIVATE | page::LOST => {
+                        // A write fault read after its page was dropped (or, with the agent
+                        // gone, one that may still be there): installed as for a missing
+                        // fault, which wakes the writer to fault again and write; or found
+                        // there after all (then it is the child's own, and writable).
+                        if state == page::LOST {
+                            return self.child_fault(st, i, addr, false, tid);
+                        }
+                        self.install_in_child(st, i, page, tid);
+                        if st.children[i].state(page) == page::OWN {
+                            let _ = st.children[i].uffd.set_write_protect(at, false, true);
+                        }
+                        return self.enforce_budget(st, i);
+                    }
+                    // Written: its copy is the only one now.
+                    _ => st.children[i].pages[page] = page::OWN,
+                }
+            }
+            // A page installed (or inherited) write-protected: the child's own now, writable.
+            // (If that fails, the writer is woken all the same, to fault again rather than
+            // sleep.)
             if st.children[i]
                 .uffd
                 .set_write_protect(at, false, true)
@@ -486,15 +820,326 @@ impl<T: Transport, D: Disk> Shared<T, D> {
             }
             return;
         }
+        if let Some(b) = &mut st.children[i].budget {
+            if b.resident >= b.limit && b.requests.len() >= MAX_REQUESTS && !b.broken {
+                // At its budget with its agent behind: served once a request is done.
+                b.waiting.push((addr, tid));
+                return;
+            }
+        }
         self.counters.child_faults.fetch_add(1, Ordering::Relaxed);
-        if st.children[i].is_settled(page) {
-            // Its own copy, which it dropped (madvise): zeros, as anonymous memory reads.
-            if st.children[i].uffd.zeropage(at).is_err() {
+        match state {
+            page::LOST => {
+                self.counters.sigbus.fetch_add(1, Ordering::Relaxed);
+                eprintln!(
+                    "netram: page {page} of a region (address {:#x}) was lost for a forked \
+                     child (it could not be read before its parent changed it); SIGBUS to its \
+                     thread {tid}",
+                    at as usize
+                );
+                // SAFETY: kill(2) takes no pointers; the faulting thread is the child's.
+                unsafe { libc::kill(tid as libc::pid_t, libc::SIGBUS) };
                 let _ = st.children[i].uffd.wake(at, PAGE_SIZE);
             }
+            page::PARENT | page::TO_PARENT | page::PRIVATE => {
+                self.install_in_child(st, i, page, tid)
+            }
+            page::TO_PRIVATE => {
+                if st.children[i].awaiting_copy(page) {
+                    // Dropped by the agent after it sent the copy, which is waiting here.
+                    self.agent_messages(st, i);
+                }
+                if st.children[i].awaiting_copy(page) {
+                    // Not dropped by the agent: the program dropped it itself before the agent
+                    // copied it, and reads zeros (which the agent then copies).
+                    if st.children[i].uffd.copy(&ZEROS, at, true).is_err() {
+                        let _ = st.children[i].uffd.wake(at, PAGE_SIZE);
+                    }
+                } else {
+                    self.install_in_child(st, i, page, tid);
+                }
+            }
+            _ => {
+                // Its own copy, which it dropped (madvise): zeros, as anonymous memory reads.
+                match st.children[i].uffd.zeropage(at) {
+                    Ok(()) => st.children[i].pages[page] = page::OWN,
+                    Err(_) => {
+                        let _ = st.children[i].uffd.wake(at, PAGE_SIZE);
+                    }
+                }
+            }
+        }
+        self.enforce_budget(st, i);
+    }
+
+    /// Asks child `i`'s agent to drop its oldest pages while it holds more than its budget:
+    /// pages equal to a copy in the pager are only dropped; the others are write-protected
+    /// first and copied by the agent (see `agent.rs`).
+    fn enforce_budget(&self, st: &mut State<T, D>, i: usize) {
+        let child = &mut st.children[i];
+        let Some(b) = &mut child.budget else {
+            return;
+        };
+        while b.ready && !b.broken && b.resident > b.limit && !child.gone {
+            let mut victims: Vec<(u32, bool)> = Vec::with_capacity(agent::BATCH);
+            // A whole batch at a time: the agent's round trip costs as much as several faults.
+            while victims.len() < agent::BATCH {
+                let Some(p) = b.order.pop_front() else {
+                    break;
+                };
+                let page = p as usize;
+                match child.pages[page] {
+                    page::CLEAN => {
+                        child.pages[page] = page::TO_PARENT;
+                        victims.push((p, false));
+                    }
+                    page::PRIVATE_CLEAN => {
+                        child.pages[page] = page::TO_PRIVATE;
+                        victims.push((p, false));
+                    }
+                    page::OWN => {
+                        match child
+                            .uffd
+                            .set_write_protect(self.base.page(page), true, false)
+                        {
+                            Ok(()) => {
+                                child.pages[page] = page::TO_PRIVATE;
+                                victims.push((p, true));
+                            }
+                            Err(Errno::SRCH) => child.gone = true,
+                            // Not protected: it stays, and is not counted any more.
+                            Err(e) => {
+                                tracing::debug!(
+                                    "write-protecting a forked child's page {page}: {e}"
+                                );
+                                b.resident -= 1
+                            }
+                        }
+                    }
+                    // Not resident any more (an older entry of a page dropped since).
+                    _ => {}
+                }
+            }
+            if victims.is_empty() {
+                // Nothing left to drop that the handler knows of.
+                b.resident = b.order.len();
+                return;
+            }
+            let seq = b.next_seq;
+            b.next_seq = b.next_seq.wrapping_add(1);
+            let mut msg = Vec::with_capacity(agent::HEADER + victims.len() * 4);
+            msg.extend_from_slice(&agent::header(agent::EVICT, seq, victims.len() as u32));
+            for &(p, copy) in &victims {
+                msg.extend_from_slice(&(p | if copy { agent::COPY } else { 0 }).to_ne_bytes());
+            }
+            match rustix::net::send(&b.agent, &msg, rustix::net::SendFlags::NOSIGNAL) {
+                Ok(_) => {
+                    b.resident -= victims.len();
+                    self.counters
+                        .child_drops
+                        .fetch_add(victims.len() as u64, Ordering::Relaxed);
+                    b.requests.push_back(Request {
+                        seq,
+                        pages: victims,
+                        copied: false,
+                    });
+                }
+                Err(e) => {
+                    // Not sent: they stay, as they were (protected ones now read-only, which a
+                    // write lifts).
+                    for &(p, copy) in &victims {
+                        child.pages[p as usize] = match (child.pages[p as usize], copy) {
+                            (_, true) => page::OWN,
+                            (page::TO_PARENT, _) => page::CLEAN,
+                            _ => page::PRIVATE_CLEAN,
+                        };
+                        b.order.push_front(p);
+                    }
+                    if e != Errno::AGAIN {
+                        tracing::debug!("a forked child's agent: {e}");
+                        b.broken = true;
+                    }
+                    return;
+                }
+            }
+        }
+    }
+
+    /// Serves the missing faults that waited for child `i`'s agent, while it has room.
+    fn resume_waiting(&self, st: &mut State<T, D>, i: usize) {
+        let Some(b) = &mut st.children[i].budget else {
+            return;
+        };
+        if b.waiting.is_empty() || (b.requests.len() >= MAX_REQUESTS && !b.broken) {
             return;
         }
-        self.install_in_child(st, i, page, tid);
+        for (addr, tid) in std::mem::take(&mut b.waiting) {
+            if !st.children[i].gone {
+                self.child_fault(st, i, addr, false, tid);
+            }
+        }
+    }
+
+    /// Takes every message child `i`'s agent has sent (without waiting).
+    fn agent_messages(&self, st: &mut State<T, D>, i: usize) {
+        loop {
+            let State {
+                children,
+                agent_buf,
+                ..
+            } = &mut *st;
+            let Some(b) = &mut children[i].budget else {
+                return;
+            };
+            if b.broken {
+                return;
+            }
+            agent_buf.resize(agent::MAX_MESSAGE, 0);
+            let n = match rustix::net::recv(
+                &b.agent,
+                &mut agent_buf[..],
+                rustix::net::RecvFlags::DONTWAIT,
+            ) {
+                Ok((0, _)) => return self.agent_lost(st, i),
+                Ok((n, _)) => n,
+                Err(Errno::AGAIN | Errno::INTR) => return,
+                Err(_) => return self.agent_lost(st, i),
+            };
+            if n < agent::HEADER {
+                return self.agent_lost(st, i);
+            }
+            let (kind, seq, count) = (
+                agent::word(agent_buf, 0),
+                agent::word(agent_buf, 1),
+                agent::word(agent_buf, 2) as usize,
+            );
+            match kind {
+                agent::HELLO => b.ready = true,
+                agent::COPIED => {
+                    let Some(r) = b.requests.iter_mut().find(|r| r.seq == seq && !r.copied) else {
+                        return self.agent_lost(st, i);
+                    };
+                    let copies: Vec<usize> = r
+                        .pages
+                        .iter()
+                        .filter(|p| p.1)
+                        .map(|p| p.0 as usize)
+                        .collect();
+                    if copies.len() != count || n != agent::HEADER + count * PAGE_SIZE {
+                        return self.agent_lost(st, i);
+                    }
+                    r.copied = true;
+                    let slot = b.slot;
+                    for (k, page) in copies.into_iter().enumerate() {
+                        let at = agent::HEADER + k * PAGE_SIZE;
+                        self.store_private(st, slot, page, at);
+                    }
+                }
+                agent::DROPPED => {
+                    let Some(at) = b.requests.iter().position(|r| r.seq == seq && r.copied) else {
+                        return self.agent_lost(st, i);
+                    };
+                    let r = b.requests.remove(at).expect("found");
+                    // A page asked for again by a later request (faulted back in and chosen
+                    // again meanwhile) stays as that request left it, until that one is done:
+                    // it may still be resident, and written once its state says otherwise.
+                    let again: Vec<u32> = r
+                        .pages
+                        .iter()
+                        .map(|p| p.0)
+                        .filter(|&p| b.requests.iter().any(|l| l.pages.iter().any(|q| q.0 == p)))
+                        .collect();
+                    let child = &mut children[i];
+                    for (p, _) in r.pages {
+                        if again.contains(&p) {
+                            continue;
+                        }
+                        let s = &mut child.pages[p as usize];
+                        *s = match *s {
+                            page::TO_PARENT => page::PARENT,
+                            page::TO_PRIVATE => page::PRIVATE,
+                            other => other,
+                        };
+                    }
+                    self.wake_deferred(child);
+                }
+                _ => return self.agent_lost(st, i),
+            }
+        }
+    }
+
+    /// Stores the page the agent copied (at `at` in the agent's buffer) as the child's own.
+    fn store_private(&self, st: &mut State<T, D>, slot: u64, page: usize, at: usize) {
+        let private = self.private(slot, page);
+        let State {
+            pager, agent_buf, ..
+        } = st;
+        let data = &agent_buf[at..at + PAGE_SIZE];
+        let stored = if data.iter().all(|&b| b == 0) {
+            pager.discard(private)
+        } else {
+            self.counters
+                .child_private_pages
+                .fetch_add(1, Ordering::Relaxed);
+            pager.write(private, data)
+        };
+        if let Err(e) = stored {
+            self.counters.errors.fetch_add(1, Ordering::Relaxed);
+            tracing::error!("a forked child's page {page} cannot be stored: {e}");
+        }
+    }
+
+    /// Wakes the writers that waited for their page's drop to end.
+    fn wake_deferred(&self, child: &mut ForkChild) {
+        let Some(b) = &mut child.budget else {
+            return;
+        };
+        let pages = &child.pages;
+        let uffd = &child.uffd;
+        b.deferred.retain(|&p| {
+            let waiting = matches!(pages[p], page::TO_PARENT | page::TO_PRIVATE);
+            if !waiting {
+                // It faults again: for the page if it is gone, or to write if it is not.
+                let _ = uffd.wake(self.base.page(p), PAGE_SIZE);
+            }
+            waiting
+        });
+    }
+
+    /// Child `i`'s agent closed its socket (or broke the protocol) while the child lives: no
+    /// more drops. Pages it was asked to drop are taken as dropped: if one is still there, a
+    /// write to it is a write fault that makes it the child's own again, and a read reads it;
+    /// one whose copy never came reads as zeros (the program dropped it itself). Left alone:
+    /// such a page that is still there and that the program later drops itself reads as its
+    /// pager copy rather than zeros.
+    fn agent_lost(&self, st: &mut State<T, D>, i: usize) {
+        tracing::debug!("a forked child's agent is gone: the child keeps what it touches");
+        let Some(b) = &mut st.children[i].budget else {
+            return;
+        };
+        b.broken = true;
+        let slot = b.slot;
+        let requests = std::mem::take(&mut b.requests);
+        let mut zeros = Vec::new();
+        for r in requests {
+            for (p, copy) in r.pages {
+                let s = &mut st.children[i].pages[p as usize];
+                *s = match *s {
+                    page::TO_PARENT => page::PARENT,
+                    page::TO_PRIVATE => {
+                        if copy && !r.copied {
+                            zeros.push(self.private(slot, p as usize));
+                        }
+                        page::PRIVATE
+                    }
+                    other => other,
+                };
+            }
+        }
+        if let Err(e) = st.pager.discard_many(&zeros) {
+            tracing::warn!("a forked child's pages: {e}");
+        }
+        self.wake_deferred(&mut st.children[i]);
     }
 
     /// Installs every page the children lack and forgets them: the region is going away (the
@@ -502,11 +1147,17 @@ impl<T: Transport, D: Disk> Shared<T, D> {
     /// nothing: once forgotten, the child's region is plain memory, which reads as zeros.
     pub(crate) fn hand_over(&self, st: &mut State<T, D>) {
         for i in 0..st.children.len() {
+            self.agent_messages(st, i);
             for page in 0..self.pages {
                 if st.children[i].gone {
                     break;
                 }
-                if !st.children[i].is_settled(page) && st.pager.is_written(page as u64) {
+                let needs = match st.children[i].state(page) {
+                    page::PARENT | page::TO_PARENT => st.pager.is_written(page as u64),
+                    page::PRIVATE | page::TO_PRIVATE => !st.children[i].awaiting_copy(page),
+                    _ => false,
+                };
+                if needs {
                     self.install_in_child(st, i, page, 0);
                 }
             }

@@ -53,18 +53,23 @@ impl<T: Transport, D: Disk> Shared<T, D> {
         let mut spin_next = !self.spin.is_zero();
         loop {
             let wait_started = std::time::Instant::now();
-            if spin_next && self.spin_for_event(wait_started) {
+            let with_children = self.child_count.load(Ordering::Acquire) > 0;
+            if spin_next && !with_children && self.spin_for_event(wait_started) {
                 self.drain_events();
                 continue;
             }
-            // The children's descriptors too, if there are any; then the wait is bounded, to
-            // notice children whose memory is gone (no event says so).
+            // The children's descriptors too, and their agents' sockets, if there are any;
+            // then the wait is bounded, to notice children whose memory is gone (no event
+            // says so).
             let children = if self.child_count.load(Ordering::Acquire) > 0 {
                 use std::os::fd::{AsFd, AsRawFd};
                 self.lock()
                     .children
                     .iter()
-                    .map(|c| c.uffd.as_fd().as_raw_fd())
+                    .flat_map(|c| {
+                        let agent = c.budget.as_ref().map(|b| b.agent.as_fd().as_raw_fd());
+                        std::iter::once(c.uffd.as_fd().as_raw_fd()).chain(agent)
+                    })
                     .collect()
             } else {
                 Vec::new()
@@ -89,8 +94,8 @@ impl<T: Transport, D: Disk> Shared<T, D> {
             }
             let first_child = fds.len();
             for &fd in &children {
-                // SAFETY: a child's descriptor is closed only by this thread (`serve_children`,
-                // after the poll) or after it has been joined.
+                // SAFETY: a child's descriptor (or its agent's socket) is closed only by this
+                // thread (`serve_children`, after the poll) or after it has been joined.
                 fds.push(PollFd::from_borrowed_fd(
                     unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) },
                     PollFlags::IN,
@@ -100,7 +105,25 @@ impl<T: Transport, D: Disk> Shared<T, D> {
                 tv_sec: 0,
                 tv_nsec: 100_000_000,
             };
-            let polled = poll(&mut fds, (!children.is_empty()).then_some(&timeout));
+            // With children, the spin covers their descriptors and agents too: a child's
+            // faults wait for this thread as the parent's do.
+            let mut polled = Ok(0);
+            if spin_next && with_children {
+                let zero = rustix::event::Timespec {
+                    tv_sec: 0,
+                    tv_nsec: 0,
+                };
+                while wait_started.elapsed() < self.spin {
+                    polled = poll(&mut fds, Some(&zero));
+                    if !matches!(polled, Ok(0)) {
+                        break;
+                    }
+                    std::hint::spin_loop();
+                }
+            }
+            if matches!(polled, Ok(0)) {
+                polled = poll(&mut fds, (!children.is_empty()).then_some(&timeout));
+            }
             spin_next = !self.spin.is_zero() && wait_started.elapsed() <= self.spin * 2;
             match polled {
                 Ok(_) => {}

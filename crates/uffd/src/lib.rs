@@ -72,6 +72,7 @@
 //! `evict.rs` victims and releases; `prefetch.rs` fetching ahead; `fork.rs` forked children;
 //! `sys.rs` the kernel's ABI; `heap/` allocations on a region; `alloc.rs` the Rust allocator.
 
+mod agent;
 pub mod alloc;
 mod evict;
 mod fault;
@@ -82,7 +83,7 @@ mod prefetch;
 mod sys;
 
 pub use alloc::NetramAlloc;
-pub use fork::children_follow_regions;
+pub use fork::{children_follow, children_follow_regions};
 use fork::{ForkChannel, ForkChild, CHILDREN_FOLLOW};
 use handler::STOP;
 pub use heap::RegionHeap;
@@ -209,9 +210,15 @@ pub struct RegionCounters {
     pub forks: AtomicU64,
     /// Faults of forked children served (their pages installed in their memory).
     pub child_faults: AtomicU64,
-    /// Pages installed in a child before the parent changed them in the pager (its
-    /// copy-on-write, done by the handler).
+    /// Pages kept for a child before the parent changed them in the pager (its
+    /// copy-on-write, done by the handler): installed in it, or stored as its own.
     pub child_copies: AtomicU64,
+    /// Pages children dropped to stay within their budget (see `ForkChild`).
+    pub child_drops: AtomicU64,
+    /// Pages stored in the pager as a child's own (its writes, its fork-time copies).
+    pub child_private_pages: AtomicU64,
+    /// The most pages a child held to a budget was known to have resident.
+    pub child_peak_resident: AtomicU64,
 }
 
 impl RegionCounters {
@@ -401,6 +408,11 @@ pub struct RegionOptions {
     /// How long the handler polls for the next fault before sleeping, while faults come that
     /// close together (the low-latency mode; zero: never).
     pub spin: std::time::Duration,
+    /// Forked children held to the budget at once (each its own, as large as the parent's at
+    /// the fork; see `ForkChild`): their own pages go to the pager at page numbers past the
+    /// region's, `slot × region pages + page`, so the pager needs `(1 + child_slots) × region
+    /// pages`. 0 (the default): children keep every page they touch.
+    pub child_slots: usize,
 }
 
 impl Default for RegionOptions {
@@ -408,6 +420,7 @@ impl Default for RegionOptions {
         Self {
             max_samples: 0,
             spin: std::time::Duration::ZERO,
+            child_slots: 0,
         }
     }
 }
@@ -435,9 +448,10 @@ where
         if pages == 0 || budget_pages == 0 {
             return Err(RegionError::BadSize);
         }
-        if pages as u64 > pager.config().pages {
+        let needed = pages as u64 * (1 + options.child_slots as u64);
+        if needed > pager.config().pages {
             return Err(RegionError::LargerThanPager {
-                pages: pages as u64,
+                pages: needed,
                 pager_pages: pager.config().pages,
             });
         }
@@ -522,6 +536,7 @@ where
                 skipped_protection: 0,
                 prefetch_seq: 0,
                 child_buf: vec![0u8; PAGE_SIZE],
+                agent_buf: Vec::new(),
                 children: Vec::new(),
                 forking: 0,
                 fork_resident: None,
@@ -531,6 +546,15 @@ where
             follows_forks,
             fork_channel,
             child_count: AtomicUsize::new(0),
+            child_slots: if follows_forks {
+                options.child_slots
+            } else {
+                0
+            },
+            agent_fds: [
+                std::sync::atomic::AtomicI32::new(-1),
+                std::sync::atomic::AtomicI32::new(-1),
+            ],
             forked: Condvar::new(),
             pidfd: rustix::process::pidfd_open(
                 rustix::process::getpid(),
@@ -753,6 +777,11 @@ struct Shared<T: Transport, D: Disk> {
     fork_channel: Option<ForkChannel>,
     /// `state.children.len()`, read without the lock by the handler's loop.
     child_count: AtomicUsize,
+    /// See [`RegionOptions::child_slots`].
+    child_slots: usize,
+    /// The handler's and the child's ends of the agent's socket made for the fork in progress
+    /// (-1: none); see `agent.rs`.
+    agent_fds: [std::sync::atomic::AtomicI32; 2],
     /// Signalled when no fork is pending any more (`release` waits for it).
     forked: Condvar,
 }
@@ -789,9 +818,11 @@ struct State<T: Transport, D: Disk> {
     skipped_protection: u32,
     /// Pages prefetched so far: every PREFETCH_CHECK-th is left to be faulted on.
     prefetch_seq: u64,
-    /// Forked children whose memory is still there, and a page buffer for them.
+    /// Forked children whose memory is still there, a page buffer for them, and one for
+    /// their agents' messages.
     children: Vec<ForkChild>,
     child_buf: Vec<u8>,
+    agent_buf: Vec<u8>,
     /// Forks announced by `prepare_fork` whose event has not arrived: meanwhile nothing is
     /// evicted (so every page resident at the announcement is in the child) and no page
     /// changes in the pager (so the child can be served the pages it lacks from there).

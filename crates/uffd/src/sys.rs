@@ -281,7 +281,8 @@ impl Uffd {
     }
 
     /// Write-protects one page at `addr`, or (`protect` false) lifts the protection and, if
-    /// `wake`, wakes the writers blocked on it.
+    /// `wake`, wakes the writers blocked on it. (`wake` means nothing when protecting: the
+    /// kernel refuses `MODE_WP` with `MODE_DONTWAKE`.)
     pub(crate) fn set_write_protect(
         &self,
         addr: *mut c_void,
@@ -294,7 +295,7 @@ impl Uffd {
         if protect {
             mode |= UFFDIO_WRITEPROTECT_MODE_WP;
         }
-        if !wake {
+        if !wake && !protect {
             mode |= UFFDIO_WRITEPROTECT_MODE_DONTWAKE;
         }
         let mut w = k::uffdio_writeprotect {

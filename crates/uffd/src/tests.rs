@@ -36,6 +36,12 @@ fn region_with_cache(
         .expect("a region")
 }
 
+/// Held by every test that forks: a fork copies every region of this process, and the
+/// kernel sends each region's handler a fork event, so that forks of two tests at once would
+/// each meet the other's (in production a process's forks all go through its regions'
+/// `prepare_fork`).
+static FORKS: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 fn fill(page: usize, round: u8) -> u8 {
     (page as u8).wrapping_mul(31).wrapping_add(round) | 1
 }
@@ -484,6 +490,7 @@ fn released_pages_read_as_zeros_and_leave_their_servers() {
 /// or has no region at all (SIGSEGV, never zeros).
 #[test]
 fn a_forked_child_gets_the_region_or_nothing() {
+    let _forks = FORKS.lock().unwrap_or_else(|p| p.into_inner());
     let cluster = LocalCluster::start(1, 8 << 20, false).unwrap();
     let mut r = region(&cluster, 4);
     let mem = r.as_mut_slice();
@@ -655,6 +662,7 @@ fn pages_the_program_drops_read_as_zeros() {
 /// writes stay its own. Needs root (following forks needs CAP_SYS_PTRACE).
 #[test]
 fn a_forked_child_sees_its_memory_as_at_the_fork() {
+    let _forks = FORKS.lock().unwrap_or_else(|p| p.into_inner());
     if !netram_testkit::have_root("following forks (UFFD_FEATURE_EVENT_FORK)") {
         return;
     }
@@ -750,5 +758,124 @@ fn a_forked_child_sees_its_memory_as_at_the_fork() {
     // parent overwrote them.
     let served = RegionCounters::get(&c.child_faults) + RegionCounters::get(&c.child_copies);
     assert!(served > (PAGES / 2) as u64, "{c:?}");
+    assert_eq!(RegionCounters::get(&c.errors), 0, "{c:?}");
+}
+
+/// A forked child is held to the budget as its parent is (issue 38): it reads every page of
+/// the region (most of them on the servers) and writes some, twice over, while the parent
+/// overwrites half of them; the child sees its memory as at the fork plus its own writes,
+/// and never has many more pages resident than the budget (its agent drops the oldest, its
+/// own writes stored in the pager under its own page numbers). Needs root (following forks).
+#[test]
+fn a_forked_child_is_held_to_its_budget() {
+    let _forks = FORKS.lock().unwrap_or_else(|p| p.into_inner());
+    if !netram_testkit::have_root("following forks (UFFD_FEATURE_EVENT_FORK)") {
+        return;
+    }
+    let _ = tracing_subscriber::fmt()
+        .with_test_writer()
+        .with_max_level(tracing::Level::WARN)
+        .try_init();
+    const BUDGET: usize = 32;
+    let cluster = LocalCluster::start(2, 16 << 20, false).unwrap();
+    let t = TcpTransport::connect(&cluster.addrs(), &cluster.client());
+    let cfg = PagerConfig {
+        pages: 2 * PAGES as u64,
+        cache_pages: 32,
+        ..Default::default()
+    };
+    let options = RegionOptions {
+        child_slots: 1,
+        ..Default::default()
+    };
+    let pager = Pager::new(cfg, t, MemDisk::default());
+    let mut r = Region::with_options(pager, PAGES * PAGE_SIZE, BUDGET * PAGE_SIZE, options)
+        .expect("a region");
+    assert!(r.follows_forks());
+    let mem = r.as_mut_slice();
+    for p in 0..PAGES {
+        mem[p * PAGE_SIZE..(p + 1) * PAGE_SIZE].fill(fill(p, 1));
+    }
+    let base = r.as_ptr() as usize;
+    r.prepare_fork();
+    // The C library's fork: the child starts its agent (a thread), which allocates.
+    // SAFETY: the child reads and writes the region, counts its resident pages and ends with
+    // _exit; the C library's allocator is reset for it by fork.
+    let pid = unsafe { libc::fork() };
+    if pid == 0 {
+        let mut code = 0;
+        if r.follow_in_child().is_err() {
+            code |= 8;
+        }
+        let resident = || {
+            let mut vec = vec![0u8; PAGES];
+            // SAFETY: mincore fills one byte per page of the region into `vec`.
+            unsafe {
+                libc::mincore(
+                    base as *mut libc::c_void,
+                    PAGES * PAGE_SIZE,
+                    vec.as_mut_ptr(),
+                )
+            };
+            vec.iter().filter(|&&b| b & 1 != 0).count()
+        };
+        let mut most = 0;
+        for round in 0..2 {
+            for p in 0..PAGES {
+                // SAFETY: the child's copy of the region, read and written by this thread
+                // (the agent only copies and drops pages the handler protected first).
+                let page = unsafe {
+                    std::slice::from_raw_parts_mut((base + p * PAGE_SIZE) as *mut u8, PAGE_SIZE)
+                };
+                let want = if round == 1 && p % 8 == 0 {
+                    fill(p, 3)
+                } else {
+                    fill(p, 1)
+                };
+                if page.iter().any(|&b| b != want) {
+                    code |= 1 << round;
+                }
+                if round == 0 && p % 8 == 0 {
+                    page.fill(fill(p, 3));
+                }
+                most = most.max(resident());
+            }
+        }
+        // The budget, plus the pages of the requests its agent may have in flight, plus the
+        // page that overflowed it.
+        if most > BUDGET + fork::MAX_REQUESTS * agent::BATCH + 1 {
+            code |= 4;
+        }
+        // SAFETY: ends the child without running the parent's exit handlers.
+        unsafe { libc::_exit(code) };
+    }
+    assert!(pid > 0, "fork: {}", std::io::Error::last_os_error());
+    r.await_child(pid);
+    // The parent changes half of its pages while the child reads them.
+    let mem = r.as_mut_slice();
+    for p in (0..PAGES).step_by(2) {
+        mem[p * PAGE_SIZE..(p + 1) * PAGE_SIZE].fill(fill(p, 2));
+    }
+    let mut status = 0;
+    // SAFETY: waiting for our own child.
+    assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
+    let c = r.counters();
+    assert!(
+        libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0,
+        "the child saw other memory than at the fork with its writes (1, 2), held more than \
+         its budget (4), or could not follow the region (8): {status:#x} {c:?}"
+    );
+    let mem = r.as_slice();
+    for p in 0..PAGES {
+        let want = if p % 2 == 0 { fill(p, 2) } else { fill(p, 1) };
+        assert!(
+            mem[p * PAGE_SIZE..(p + 1) * PAGE_SIZE]
+                .iter()
+                .all(|&b| b == want),
+            "the parent's page {p}"
+        );
+    }
+    assert!(RegionCounters::get(&c.child_drops) > PAGES as u64, "{c:?}");
+    assert!(RegionCounters::get(&c.child_private_pages) > 0, "{c:?}");
     assert_eq!(RegionCounters::get(&c.errors), 0, "{c:?}");
 }

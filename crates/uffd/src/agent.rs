@@ -1,0 +1,134 @@
+//! A forked child's agent: the one thread netram starts in a child, so that the child's memory
+//! is held to the budget as its parent's is (issue 38; Nswap's and GMS's bound on what a node
+//! keeps locally applied to each process).
+//!
+//! The parent's handler serves the child's faults through the child's userfaultfd, but the
+//! kernel offers no way to take a page out of another process's memory (`process_madvise`
+//! allows `MADV_DONTNEED` on the caller only), and reading another process's page that is not
+//! resident would fault to the very handler that reads it. So the child does both itself, on
+//! request: the handler write-protects the victims (a write to one then waits for the
+//! handler), asks the agent to copy out those whose only copy is the child's and to drop them
+//! all; the agent sends the copies (`COPIED`), drops the pages with `MADV_DONTNEED`, and says
+//! so (`DROPPED`). A touch afterwards faults to the handler, which serves the page from the
+//! pager. The copies travel before the drop, so a fault on a dropped page always finds its
+//! copy already sent.
+//!
+//! The messages go over a private `SOCK_SEQPACKET` pair made before the fork; everything the
+//! agent receives comes from its own parent, and everything it does is bounded by the region.
+
+use netram_proto::PAGE_SIZE;
+use rustix::fd::OwnedFd;
+use rustix::io::Errno;
+
+/// Victims per request at most (and so page copies per `COPIED`).
+pub(crate) const BATCH: usize = 32;
+
+/// Handler → agent: `EVICT`, sequence number, count, then per page its index in the region,
+/// with [`COPY`] set when the agent must send its contents first.
+pub(crate) const EVICT: u32 = 1;
+pub(crate) const COPY: u32 = 1 << 31;
+/// Agent → handler: `HELLO` and the child's pid, once, when the agent starts.
+pub(crate) const HELLO: u32 = 2;
+/// Agent → handler: `COPIED`, sequence number, count, then the pages' contents in order.
+pub(crate) const COPIED: u32 = 3;
+/// Agent → handler: `DROPPED`, sequence number: every page of that request is gone.
+pub(crate) const DROPPED: u32 = 4;
+
+/// Header of every message: kind, sequence number (or pid), count.
+pub(crate) const HEADER: usize = 12;
+/// The largest message either way: a `COPIED` of a whole batch.
+pub(crate) const MAX_MESSAGE: usize = HEADER + BATCH * PAGE_SIZE;
+
+pub(crate) fn header(kind: u32, seq: u32, count: u32) -> [u8; HEADER] {
+    let mut h = [0u8; HEADER];
+    h[0..4].copy_from_slice(&kind.to_ne_bytes());
+    h[4..8].copy_from_slice(&seq.to_ne_bytes());
+    h[8..12].copy_from_slice(&count.to_ne_bytes());
+    h
+}
+
+pub(crate) fn word(msg: &[u8], i: usize) -> u32 {
+    u32::from_ne_bytes(msg[i * 4..i * 4 + 4].try_into().expect("4 bytes"))
+}
+
+/// Starts the agent in this (just forked) child, for the region at `base` of `pages` pages.
+pub(crate) fn start(socket: OwnedFd, base: usize, pages: usize) -> std::io::Result<()> {
+    std::thread::Builder::new()
+        .name("netram-child".into())
+        .spawn(move || {
+            if let Err(e) = serve(&socket, base, pages) {
+                tracing::debug!("a forked child's agent ends: {e}");
+            }
+        })
+        .map(drop)
+}
+
+fn serve(socket: &OwnedFd, base: usize, pages: usize) -> Result<(), Errno> {
+    use rustix::net::{recv, send, RecvFlags, SendFlags};
+    let pid = rustix::process::getpid().as_raw_nonzero().get() as u32;
+    send(socket, &header(HELLO, pid, 0), SendFlags::NOSIGNAL)?;
+    let mut request = vec![0u8; HEADER + BATCH * 4];
+    let mut out = vec![0u8; MAX_MESSAGE];
+    loop {
+        let n = match recv(socket, &mut request, RecvFlags::empty()) {
+            Ok((0, _)) => return Ok(()),
+            Ok((n, _)) => n,
+            Err(Errno::INTR) => continue,
+            Err(e) => return Err(e),
+        };
+        // Only the parent's handler holds the other end; a message that is not a whole
+        // request is a bug there, answered by ending (the handler then stops asking).
+        let count = if n >= HEADER { word(&request, 2) } else { 0 } as usize;
+        if n < HEADER || word(&request, 0) != EVICT || count > BATCH || n != HEADER + count * 4 {
+            return Err(Errno::PROTO);
+        }
+        let seq = word(&request, 1);
+        let victims: Vec<(usize, bool)> = (0..count)
+            .map(|i| {
+                let w = word(&request, 3 + i);
+                ((w & !COPY) as usize, w & COPY != 0)
+            })
+            .filter(|&(page, _)| page < pages)
+            .collect();
+        let mut copied = 0;
+        for &(page, copy) in &victims {
+            if copy {
+                let at = HEADER + copied * PAGE_SIZE;
+                // SAFETY: a page of this process's copy of the region, which stays mapped for
+                // the child's life; if it is not resident the read faults to the parent's
+                // handler, which serves it (this thread is not the handler). The handler
+                // write-protected it first, so no thread changes it during the copy.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(
+                        (base + page * PAGE_SIZE) as *const u8,
+                        out[at..at + PAGE_SIZE].as_mut_ptr(),
+                        PAGE_SIZE,
+                    );
+                }
+                copied += 1;
+            }
+        }
+        out[..HEADER].copy_from_slice(&header(COPIED, seq, copied as u32));
+        send(
+            socket,
+            &out[..HEADER + copied * PAGE_SIZE],
+            SendFlags::NOSIGNAL,
+        )?;
+        for &(page, _) in &victims {
+            // The system call itself: `madvise` may be interposed (`netram run`'s library
+            // takes a program's `madvise` on the region for a release, which a child skips).
+            // SAFETY: drops one page of this process's copy of the region (its next touch
+            // faults to the parent's handler, which serves it from the pager); no Rust
+            // reference of this library's refers to region memory.
+            unsafe {
+                libc::syscall(
+                    libc::SYS_madvise,
+                    base + page * PAGE_SIZE,
+                    PAGE_SIZE,
+                    libc::MADV_DONTNEED,
+                )
+            };
+        }
+        send(socket, &header(DROPPED, seq, 0), SendFlags::NOSIGNAL)?;
+    }
+}
