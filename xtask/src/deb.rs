@@ -208,7 +208,7 @@ fn built(release: &Path, name: &str) -> Result<PathBuf, String> {
         .max_by_key(|p| p.metadata().and_then(|m| m.modified()).ok())
         .ok_or_else(|| {
             format!(
-                "{name} is not in {} (build first: cargo build --release -p netram -p \
+                "{name} is not in {} (build first: cargo build --release -p netram-cli -p \
                  netram-preload -p netram-capi)",
                 release.display()
             )
