@@ -227,7 +227,8 @@ pub fn region_from(
     };
     // Forked children held to the budget too (`netram run`, whose children follow the
     // region): their own pages go to page numbers past the region's.
-    let child_slots = if netram_uffd::children_follow() {
+    let unlimited = env.child_mem == Some(netram_client::env::CHILD_MEM_UNLIMITED);
+    let child_slots = if netram_uffd::children_follow() && !unlimited {
         CHILD_SLOTS
     } else {
         0
@@ -253,6 +254,7 @@ pub fn region_from(
         options.max_samples = samples;
     }
     options.child_slots = child_slots;
+    options.child_budget = env.child_mem.and_then(|m| usize::try_from(m).ok());
     Ok(RegionHeap::new(Region::with_options(
         pager, size, budget, options,
     )?))

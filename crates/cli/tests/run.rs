@@ -1102,10 +1102,25 @@ fn the_quicksort_workload_runs_on_cluster_and_disk() {
 
 #[test]
 fn bad_configurations_are_refused_clearly() {
-    let cases: [(&[&str], &str); 4] = [
+    let cases: [(&[&str], &str); 6] = [
         (
             &["--local-mem", "8M", "--servers", "127.0.0.1:1"],
             "no page server could be reached",
+        ),
+        (
+            &["--local-mem", "8M", "--child-mem", "1", "--backing", "disk"],
+            "--child-mem must be at least one page (4K), or unlimited",
+        ),
+        (
+            &[
+                "--local-mem",
+                "8M",
+                "--child-mem",
+                "most",
+                "--backing",
+                "disk",
+            ],
+            "is not a size",
         ),
         (
             &["--local-mem", "lots", "--servers", "x:1"],

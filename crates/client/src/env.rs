@@ -23,6 +23,8 @@ pub mod var {
     pub const REDUNDANCY: &str = "NETRAM_REDUNDANCY";
     /// The region's size: the most the program keeps on netram at once.
     pub const MAX_MEM: &str = "NETRAM_MAX_MEM";
+    /// Local memory for each forked child (a size), or `unlimited`; unset: as `LOCAL_MEM`.
+    pub const CHILD_MEM: &str = "NETRAM_CHILD_MEM";
     /// Allocations of at least this size go to the region.
     pub const THRESHOLD: &str = "NETRAM_THRESHOLD";
     /// Anything but `0`: the low-latency mode (PM QoS, polling).
@@ -43,6 +45,9 @@ pub mod var {
     pub const INSECURE: &str = "NETRAM_INSECURE";
 }
 
+/// `child_mem` when forked children keep every page they touch (`NETRAM_CHILD_MEM=unlimited`).
+pub const CHILD_MEM_UNLIMITED: u64 = u64::MAX;
+
 /// A variable that is set but does not parse.
 #[derive(Debug, thiserror::Error)]
 #[error("{name}={value}: {why}")]
@@ -61,6 +66,8 @@ pub struct RunEnv {
     pub backing: Option<Backing>,
     pub redundancy: Option<Scheme>,
     pub max_mem: Option<u64>,
+    /// [`CHILD_MEM_UNLIMITED`] for `unlimited`.
+    pub child_mem: Option<u64>,
     pub threshold: Option<u64>,
     pub low_latency: bool,
     pub spill_dir: Option<PathBuf>,
@@ -108,6 +115,13 @@ impl RunEnv {
                 str::parse::<Scheme>,
             )?,
             max_mem: size(var::MAX_MEM)?,
+            child_mem: parsed(var::CHILD_MEM, text(var::CHILD_MEM)?, |v| {
+                if v.trim() == "unlimited" {
+                    Ok(CHILD_MEM_UNLIMITED)
+                } else {
+                    parse_size(v)
+                }
+            })?,
             threshold: size(var::THRESHOLD)?,
             low_latency: get(var::LOW_LATENCY).is_some_and(|v| v != "0"),
             spill_dir: get(var::SPILL_DIR).map(Into::into),
@@ -139,6 +153,14 @@ impl RunEnv {
         }
         if let Some(m) = self.max_mem {
             set(var::MAX_MEM, m.to_string().into());
+        }
+        if let Some(m) = self.child_mem {
+            let v = if m == CHILD_MEM_UNLIMITED {
+                "unlimited".to_string()
+            } else {
+                m.to_string()
+            };
+            set(var::CHILD_MEM, v.into());
         }
         if let Some(t) = self.threshold {
             set(var::THRESHOLD, t.to_string().into());
@@ -213,6 +235,7 @@ mod tests {
             backing: Some(Backing::ClusterDisk),
             redundancy: Some(Scheme::ReedSolomon { data: 2, parity: 1 }),
             max_mem: Some(1 << 30),
+            child_mem: Some(32 << 20),
             threshold: Some(128 << 10),
             low_latency: true,
             spill_dir: Some("/var/tmp".into()),
@@ -223,8 +246,18 @@ mod tests {
             insecure: true,
         };
         let map: HashMap<&str, OsString> = env.to_vars().into_iter().collect();
-        assert_eq!(map.len(), 13, "every field has its variable");
+        assert_eq!(map.len(), 14, "every field has its variable");
         assert_eq!(RunEnv::from_vars(|k| map.get(k).cloned()).unwrap(), env);
+        let unlimited = RunEnv {
+            child_mem: Some(CHILD_MEM_UNLIMITED),
+            ..RunEnv::default()
+        };
+        let map: HashMap<&str, OsString> = unlimited.to_vars().into_iter().collect();
+        assert_eq!(map[var::CHILD_MEM], "unlimited");
+        assert_eq!(
+            RunEnv::from_vars(|k| map.get(k).cloned()).unwrap(),
+            unlimited
+        );
         assert_eq!(RunEnv::from_vars(|_| None).unwrap(), RunEnv::default());
     }
 

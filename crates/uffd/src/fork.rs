@@ -385,7 +385,7 @@ impl<T: Transport, D: Disk> Shared<T, D> {
             self.free_slot(st).map(|slot| Budget {
                 agent,
                 slot,
-                limit: st.budget,
+                limit: self.child_budget.unwrap_or(st.budget),
                 resident: order.len(),
                 order,
                 requests: VecDeque::new(),

@@ -413,6 +413,9 @@ pub struct RegionOptions {
     /// region's, `slot × region pages + page`, so the pager needs `(1 + child_slots) × region
     /// pages`. 0 (the default): children keep every page they touch.
     pub child_slots: usize,
+    /// Resident pages at most for such a child, in bytes (`None`: the parent's budget at the
+    /// fork).
+    pub child_budget: Option<usize>,
 }
 
 impl Default for RegionOptions {
@@ -421,6 +424,7 @@ impl Default for RegionOptions {
             max_samples: 0,
             spin: std::time::Duration::ZERO,
             child_slots: 0,
+            child_budget: None,
         }
     }
 }
@@ -551,6 +555,7 @@ where
             } else {
                 0
             },
+            child_budget: options.child_budget.map(|b| (b / PAGE_SIZE).max(1)),
             agent_fds: [
                 std::sync::atomic::AtomicI32::new(-1),
                 std::sync::atomic::AtomicI32::new(-1),
@@ -777,8 +782,9 @@ struct Shared<T: Transport, D: Disk> {
     fork_channel: Option<ForkChannel>,
     /// `state.children.len()`, read without the lock by the handler's loop.
     child_count: AtomicUsize,
-    /// See [`RegionOptions::child_slots`].
+    /// See [`RegionOptions::child_slots`] and [`RegionOptions::child_budget`] (in pages).
     child_slots: usize,
+    child_budget: Option<usize>,
     /// The handler's and the child's ends of the agent's socket made for the fork in progress
     /// (-1: none); see `agent.rs`.
     agent_fds: [std::sync::atomic::AtomicI32; 2],
