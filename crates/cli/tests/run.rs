@@ -525,6 +525,35 @@ fn redis_saves_in_the_background_within_its_budget() {
     every_populated_value_is_intact(&port2, 100_000, 512);
 }
 
+/// Forked children that close every descriptor they inherited (their agent's socket with
+/// them), one after forking a grandchild that keeps a copy of it for a minute: each still
+/// sees its memory exactly (they keep what they touch once their agent is gone), and none
+/// waits for the grandchild.
+#[test]
+fn children_that_close_their_descriptors_keep_their_memory() {
+    if !netram_testkit::have_root("following forks (CAP_SYS_PTRACE)") {
+        return;
+    }
+    let dir = Scratch::new("child-closes-all");
+    let Some(exe) = compile_c(&dir.0, "child_closes_all", &[]) else {
+        return;
+    };
+    let (_servers, addrs) = cluster(2);
+    let started = std::time::Instant::now();
+    let out = netram_run(
+        &["--local-mem", "8M", "--servers", &addrs],
+        &[exe.to_str().unwrap()],
+    );
+    assert_ran(&out, "child_closes_all");
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "children: ok\n");
+    // Not a measure of speed: a child waiting for its agent, which is gone, would wait until
+    // the grandchild lets go of the socket, a minute (the run takes a few seconds).
+    assert!(
+        started.elapsed() < std::time::Duration::from_secs(40),
+        "a child waited for an agent that was gone"
+    );
+}
+
 /// A process killed (by its PID) and reaped when the test ends, passed or not.
 struct KillOnDrop(std::process::Child);
 

@@ -27,7 +27,8 @@ pub(crate) const BATCH: usize = 32;
 /// with [`COPY`] set when the agent must send its contents first.
 pub(crate) const EVICT: u32 = 1;
 pub(crate) const COPY: u32 = 1 << 31;
-/// Agent → handler: `HELLO` and the child's pid, once, when the agent starts.
+/// Agent → handler: `HELLO`, the child's pid and the agent's thread id, once, when the agent
+/// starts (the handler looks for that thread when a request is long unanswered).
 pub(crate) const HELLO: u32 = 2;
 /// Agent → handler: `COPIED`, sequence number, count, then the pages' contents in order.
 pub(crate) const COPIED: u32 = 3;
@@ -58,6 +59,11 @@ pub(crate) fn start(socket: OwnedFd, base: usize, pages: usize) -> std::io::Resu
         .spawn(move || {
             if let Err(e) = serve(&socket, base, pages) {
                 tracing::debug!("a forked child's agent ends: {e}");
+                if e == Errno::BADF {
+                    // The program closed it, and the number may be another file's now: not
+                    // closed again here.
+                    std::mem::forget(socket);
+                }
             }
         })
         .map(drop)
@@ -65,17 +71,30 @@ pub(crate) fn start(socket: OwnedFd, base: usize, pages: usize) -> std::io::Resu
 
 fn serve(socket: &OwnedFd, base: usize, pages: usize) -> Result<(), Errno> {
     use rustix::net::{recv, send, RecvFlags, SendFlags};
+    // The program may close this descriptor (a child closing every descriptor it inherited)
+    // and its number be reused for another file or socket: every use checks that it is still
+    // this socket, before and after, so that nothing read from anything else is acted on and
+    // no page goes anywhere else.
+    let inode = rustix::fs::fstat(socket)?.st_ino;
+    let ours = || rustix::fs::fstat(socket).is_ok_and(|s| s.st_ino == inode);
     let pid = rustix::process::getpid().as_raw_nonzero().get() as u32;
-    send(socket, &header(HELLO, pid, 0), SendFlags::NOSIGNAL)?;
+    let tid = rustix::thread::gettid().as_raw_nonzero().get() as u32;
+    send(socket, &header(HELLO, pid, tid), SendFlags::NOSIGNAL)?;
     let mut request = vec![0u8; HEADER + BATCH * 4];
     let mut out = vec![0u8; MAX_MESSAGE];
     loop {
+        if !ours() {
+            return Err(Errno::BADF);
+        }
         let n = match recv(socket, &mut request, RecvFlags::empty()) {
             Ok((0, _)) => return Ok(()),
             Ok((n, _)) => n,
             Err(Errno::INTR) => continue,
             Err(e) => return Err(e),
         };
+        if !ours() {
+            return Err(Errno::BADF);
+        }
         // Only the parent's handler holds the other end; a message that is not a whole
         // request is a bug there, answered by ending (the handler then stops asking).
         let count = if n >= HEADER { word(&request, 2) } else { 0 } as usize;
@@ -109,6 +128,9 @@ fn serve(socket: &OwnedFd, base: usize, pages: usize) -> Result<(), Errno> {
             }
         }
         out[..HEADER].copy_from_slice(&header(COPIED, seq, copied as u32));
+        if !ours() {
+            return Err(Errno::BADF);
+        }
         send(
             socket,
             &out[..HEADER + copied * PAGE_SIZE],

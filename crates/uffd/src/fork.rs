@@ -154,8 +154,10 @@ pub(crate) struct Budget {
     /// Missing faults (address, thread) waiting for the agent to catch up (see
     /// [`MAX_REQUESTS`]).
     waiting: Vec<(usize, u32)>,
-    /// The agent said hello: it runs.
+    /// The agent said hello: it runs, as thread `agent_thread` of process `child_pid`.
     ready: bool,
+    child_pid: u32,
+    agent_thread: u32,
     /// The agent is gone while the child lives (it closed the socket): no more drops.
     broken: bool,
 }
@@ -168,6 +170,7 @@ pub(crate) const MAX_REQUESTS: usize = 2;
 /// An `EVICT` in flight: its pages, which of them the agent copies, and whether it has.
 struct Request {
     seq: u32,
+    sent: std::time::Instant,
     pages: Vec<(u32, bool)>,
     copied: bool,
 }
@@ -393,6 +396,8 @@ impl<T: Transport, D: Disk> Shared<T, D> {
                 deferred: Vec::new(),
                 waiting: Vec::new(),
                 ready: false,
+                child_pid: 0,
+                agent_thread: 0,
                 broken: false,
             })
         } else {
@@ -727,6 +732,12 @@ impl<T: Transport, D: Disk> Shared<T, D> {
                     }
                 }
             }
+            if probe && !st.children[i].gone && self.agent_vanished(&st.children[i]) {
+                // Its socket stays open (a grandchild holds a copy) but nobody answers: the
+                // faults waiting for it would wait for good.
+                self.agent_lost(&mut st, i);
+                self.resume_waiting(&mut st, i);
+            }
             if probe && !st.children[i].gone {
                 // No event says that a child's memory is gone; an ioctl on it does (ESRCH).
                 // Write-protecting its first page as it already is changes nothing it can see.
@@ -940,6 +951,7 @@ impl<T: Transport, D: Disk> Shared<T, D> {
                         .fetch_add(victims.len() as u64, Ordering::Relaxed);
                     b.requests.push_back(Request {
                         seq,
+                        sent: std::time::Instant::now(),
                         pages: victims,
                         copied: false,
                     });
@@ -962,6 +974,32 @@ impl<T: Transport, D: Disk> Shared<T, D> {
                     return;
                 }
             }
+        }
+    }
+
+    /// Whether `child`'s agent has a request unanswered for a second and its thread is gone
+    /// (a stopped child's agent is not: it answers once the child runs again).
+    fn agent_vanished(&self, child: &ForkChild) -> bool {
+        let Some(b) = &child.budget else {
+            return false;
+        };
+        let stalled = b
+            .requests
+            .front()
+            .is_some_and(|r| r.sent.elapsed() > std::time::Duration::from_secs(1));
+        if !stalled || b.broken || b.child_pid == 0 {
+            return false;
+        }
+        let stat = std::fs::read_to_string(format!(
+            "/proc/{}/task/{}/stat",
+            b.child_pid, b.agent_thread
+        ));
+        match stat {
+            // The state follows the command's closing parenthesis: a zombie or dead thread.
+            Ok(s) => s.rsplit_once(')').is_some_and(|(_, rest)| {
+                matches!(rest.trim_start().chars().next(), Some('Z' | 'X'))
+            }),
+            Err(_) => true,
         }
     }
 
@@ -1014,7 +1052,10 @@ impl<T: Transport, D: Disk> Shared<T, D> {
                 agent::word(agent_buf, 2) as usize,
             );
             match kind {
-                agent::HELLO => b.ready = true,
+                agent::HELLO => {
+                    b.ready = true;
+                    (b.child_pid, b.agent_thread) = (seq, count as u32);
+                }
                 agent::COPIED => {
                     let Some(r) = b.requests.iter_mut().find(|r| r.seq == seq && !r.copied) else {
                         return self.agent_lost(st, i);
