@@ -108,6 +108,11 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         for &(_, s) in &self.fetched {
             claim(s, "recovery's read")?;
         }
+        for f in &self.finished {
+            if let Ok(crate::ticket::Data::Slot(s)) = f.data {
+                claim(s, "a read by ticket, finished")?;
+            }
+        }
         let (mut owned, mut used) = (Vec::new(), Vec::new());
         if let Some(rs) = self.scheme.stripe() {
             rs.slots_held(&mut owned, &mut used);

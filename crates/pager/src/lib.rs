@@ -58,6 +58,7 @@ mod requests;
 mod scheme;
 mod seal;
 mod table;
+mod ticket;
 mod transport;
 mod writeback;
 
@@ -187,6 +188,10 @@ pub struct Pager<T: Transport, D: Disk> {
     queues: Vec<VecDeque<Queued>>,
     followups: Vec<Followup>,
     reads_done: Vec<ReadDone>,
+    /// Reads by ticket (`ticket.rs`) finished and not yet taken, and how many were started
+    /// and not yet taken.
+    finished: Vec<ticket::Finished>,
+    tickets: usize,
     lost: Vec<(usize, u64)>,
     corrupt: Option<(usize, u64, &'static str)>,
     next_req: u64,
@@ -272,6 +277,8 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             cache: LruCache::unbounded(),
             writeback: HashMap::new(),
             reads_done: Vec::new(),
+            finished: Vec::new(),
+            tickets: 0,
             lost: Vec::new(),
             corrupt: None,
             next_req: 1,

@@ -4,6 +4,7 @@
 //! (the lost pages by server, or a page that came back corrupt).
 
 use crate::requests::{GetItem, Part, ReadDone, INTERNAL};
+use crate::ticket::is_ticket;
 use crate::{Disk, LostPages, Pager, PagerError, Transport, STRIPE_LOST};
 use netram_proto::PAGE_SIZE;
 
@@ -44,11 +45,13 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         }
         // The caller's reads hold slots; the pager's own (recovery's) stay.
         let mut callers: Vec<u32> = Vec::new();
+        // (So do reads by ticket: they are other callers'.)
         let mut ours = |pos: usize, slot: u32| {
-            if pos != INTERNAL {
+            let keep = pos == INTERNAL || is_ticket(pos);
+            if !keep {
                 callers.push(slot);
             }
-            pos == INTERNAL
+            keep
         };
         self.retry.retain(|it| ours(it.pos, it.slot));
         self.reconstruct.retain(|it| ours(it.pos, it.slot));
@@ -167,6 +170,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                     return self.reads_done.push(ReadDone {
                         pos: it.pos,
                         page: it.page,
+                        version: it.version,
                         slot: it.slot,
                         part: Part::Page,
                     })
@@ -176,6 +180,12 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         }
         if it.pos == INTERNAL {
             // Recovery's own read: it finds the page unrecoverable by its absence.
+        } else if is_ticket(it.pos) {
+            let err = match what {
+                Some(what) => self.corrupt_error(server, it.page, what),
+                None => self.lost_error(&[(server, it.page)]),
+            };
+            self.ticket_failed(&it, err);
         } else if let Some(what) = what {
             self.corrupt = Some((server, it.page, what));
         } else {
@@ -197,12 +207,18 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                 self.reads_done.push(ReadDone {
                     pos: it.pos,
                     page: it.page,
+                    version: it.version,
                     slot: it.slot,
                     part: Part::Page,
                 });
             } else {
                 let s = self.table.holders(it.page).first().unwrap_or(STRIPE_LOST);
-                self.lost.push((s, it.page));
+                if is_ticket(it.pos) {
+                    let err = self.lost_error(&[(s, it.page)]);
+                    self.ticket_failed(&it, err);
+                } else {
+                    self.lost.push((s, it.page));
+                }
                 self.release_slot(it.slot);
             }
         }
@@ -247,6 +263,10 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                 self.fetched.push((d.page, d.slot));
                 continue;
             }
+            if is_ticket(d.pos) {
+                self.ticket_done(d);
+                continue;
+            }
             out[d.pos * PAGE_SIZE..(d.pos + 1) * PAGE_SIZE].copy_from_slice(self.slot(d.slot));
             if self.cfg.cache_pages > 0 && !self.cache.contains(&d.page) {
                 self.insert_clean(d.page, d.slot)?;
@@ -259,17 +279,28 @@ impl<T: Transport, D: Disk> Pager<T, D> {
 
     pub(crate) fn read_outcome(&mut self) -> Result<(), PagerError> {
         if let Some((s, page, what)) = self.corrupt.take() {
-            return Err(PagerError::Corrupt {
-                server: self.servers[s].info.name.clone(),
-                page,
-                what,
-            });
+            return Err(self.corrupt_error(s, page, what));
         }
         if self.lost.is_empty() {
             return Ok(());
         }
+        let err = self.lost_error(&self.lost);
+        self.lost.clear();
+        Err(err)
+    }
+
+    pub(crate) fn corrupt_error(&self, s: usize, page: u64, what: &'static str) -> PagerError {
+        PagerError::Corrupt {
+            server: self.servers[s].info.name.clone(),
+            page,
+            what,
+        }
+    }
+
+    /// The error naming lost pages, by the server (or stripe) they were lost with.
+    pub(crate) fn lost_error(&self, lost: &[(usize, u64)]) -> PagerError {
         let mut by_server: Vec<LostPages> = Vec::new();
-        for &(s, page) in &self.lost {
+        for &(s, page) in lost {
             let (name, reason) = match self.servers.get(s) {
                 Some(st) => (st.info.name.clone(), st.dead_reason.clone()),
                 None => (
@@ -286,7 +317,6 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                 }),
             }
         }
-        self.lost.clear();
-        Err(PagerError::Lost(by_server))
+        PagerError::Lost(by_server)
     }
 }

@@ -324,6 +324,7 @@ impl Inbox<'_> {
                             reads_done.push(ReadDone {
                                 pos: it.pos,
                                 page,
+                                version: it.version,
                                 slot,
                                 part: it.part,
                             });

@@ -13,7 +13,8 @@ use netram_proto::{Page, PageKey, Request, PAGE_SIZE};
 use std::collections::{HashMap, VecDeque};
 
 /// One page of a batched GET: where its data goes. `pos` is the page's place in the caller's
-/// buffer, or [`INTERNAL`] for the pager's own reads (recovery).
+/// buffer, [`INTERNAL`] for the pager's own reads (recovery), or a ticket's
+/// (`ticket::TICKET` and its tag).
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct GetItem {
     /// The page, or for a Reed-Solomon piece, its stripe.
@@ -67,6 +68,8 @@ pub(crate) enum PutKind {
 pub(crate) struct ReadDone {
     pub(crate) pos: usize,
     pub(crate) page: u64,
+    /// The version read.
+    pub(crate) version: u32,
     pub(crate) slot: u32,
     pub(crate) part: Part,
 }
@@ -236,6 +239,28 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         );
         if full {
             self.pump_paced(server);
+        }
+    }
+
+    /// Queues a read by ticket's GET on its server's open batch; a full batch goes out if its
+    /// server has credits. Never waits (unlike `submit_get_item` outside reply handling).
+    pub(crate) fn queue_get(&mut self, server: usize, it: GetItem) {
+        self.counters.gets += 1;
+        if !self.servers[server].alive {
+            return self.get_failed(server, it, None);
+        }
+        let full = add_to_batch(
+            &mut self.queues[server],
+            self.cfg.batch_max,
+            it,
+            |op| match op {
+                Op::Get(items) => Some(items),
+                _ => None,
+            },
+            Op::Get,
+        );
+        if full {
+            self.pump(server, false);
         }
     }
 

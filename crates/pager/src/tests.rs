@@ -1273,3 +1273,4 @@ fn a_server_revived_while_a_rebuild_is_out_gets_its_copies() {
 
 mod migrate;
 mod seal;
+mod ticket;

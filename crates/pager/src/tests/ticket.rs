@@ -1,0 +1,247 @@
+//! Reads by ticket (`ticket.rs`): many in flight at once, their replies delivered in any order
+//! and interleaved with the pager's other operations, each finishing once with its page.
+
+use super::*;
+
+/// Pushes up to `n` of the replies the servers have queued, shuffled, as a loop that owns the
+/// sockets would; returns how many.
+fn deliver(p: &mut Pager<MemCluster, MemDisk>, rng: &mut fastrand::Rng, n: usize) -> usize {
+    let mut replies = take_replies(p);
+    rng.shuffle(&mut replies);
+    let mut delivered = 0;
+    for (i, (s, frame)) in replies.into_iter().enumerate() {
+        if i >= n {
+            // Not delivered yet: back in its server's queue.
+            p.transport_mut().servers[s].replies.push_back(frame);
+            continue;
+        }
+        let (id, reply) = decode_reply(&frame).unwrap();
+        p.on_reply(s, id, &reply).unwrap();
+        p.check_invariants().unwrap();
+        delivered += 1;
+    }
+    delivered
+}
+
+#[test]
+fn reads_by_ticket_stay_in_flight_together_and_finish_in_any_order() {
+    let mut p = pager(MemCluster::new(&[64, 64, 64]), 64, 8, Backing::Cluster);
+    let pages: Vec<u64> = (0..40).collect();
+    let data: Vec<u8> = pages.iter().flat_map(|&pg| content(pg, 3)).collect();
+    p.write_many(&pages, &data).unwrap();
+    p.flush().unwrap();
+    let gets = p.counters().gets;
+    // 30 reads started, none waited for: every one is a GET in flight or queued for credits.
+    for pg in 0..30u64 {
+        p.start_read(pg, 1000 + pg).unwrap();
+        p.check_invariants().unwrap();
+    }
+    assert_eq!(p.tickets(), 30);
+    p.send_queued();
+    let misses = p.counters().gets - gets;
+    assert!(misses >= 20, "only {misses} of 30 reads went to a server");
+    let mut rng = fastrand::Rng::with_seed(11);
+    let mut got: HashMap<u64, Vec<u8>> = HashMap::new();
+    while p.tickets() > 0 {
+        // A loop's turn: the replies that arrived, then what finished.
+        let delivered = deliver(&mut p, &mut rng, 3);
+        p.take_finished(|tag, page, data| {
+            assert_eq!(tag, 1000 + page);
+            assert!(got.insert(page, data.unwrap().to_vec()).is_none(), "once");
+        })
+        .unwrap();
+        p.check_invariants().unwrap();
+        assert!(
+            delivered > 0 || p.tickets() == 0 || p.has_finished(),
+            "stuck"
+        );
+    }
+    for pg in 0..30u64 {
+        assert_eq!(got[&pg], content(pg, 3), "page {pg}");
+    }
+    assert!(p.idle());
+}
+
+#[test]
+fn a_ticket_whose_server_dies_is_read_from_another_copy() {
+    let mut p = Pager::new(
+        PagerConfig {
+            pages: 32,
+            cache_pages: 0,
+            redundancy: "mirror:2".parse().unwrap(),
+            ..sealed()
+        },
+        MemCluster::new(&[64, 64, 64]),
+        MemDisk::default(),
+    );
+    for pg in 0..16 {
+        p.write(pg, &content(pg, 5)).unwrap();
+    }
+    for pg in 0..16 {
+        p.start_read(pg, pg).unwrap();
+    }
+    // One server dies with its replies unsent.
+    let dead = p.holders(0)[0];
+    p.transport_mut().servers[dead].replies.clear();
+    p.transport_mut().servers[dead].dead = true;
+    p.on_failure(dead, TransportError::Disconnected("killed".into()));
+    let mut rng = fastrand::Rng::with_seed(3);
+    let mut got = 0;
+    while p.tickets() > 0 {
+        deliver(&mut p, &mut rng, usize::MAX);
+        p.take_finished(|_, page, data| {
+            assert_eq!(data.unwrap(), &content(page, 5)[..], "page {page}");
+            got += 1;
+        })
+        .unwrap();
+    }
+    assert_eq!(got, 16);
+    assert!(p.counters().reads_from_other_copy > 0);
+    p.check_invariants().unwrap();
+}
+
+#[derive(Debug, Clone)]
+enum Step {
+    Write(u64, u8),
+    Start(u64),
+    Deliver(usize),
+    Take,
+    Read(u64),
+    Flush,
+    Discard(u64),
+    Kill(usize),
+}
+
+fn step() -> impl Strategy<Value = Step> {
+    prop_oneof![
+        5 => (0u64..24, any::<u8>()).prop_map(|(p, r)| Step::Write(p, r)),
+        6 => (0u64..24).prop_map(Step::Start),
+        4 => (1usize..6).prop_map(Step::Deliver),
+        3 => Just(Step::Take),
+        2 => (0u64..24).prop_map(Step::Read),
+        1 => Just(Step::Flush),
+        1 => (0u64..24).prop_map(Step::Discard),
+        1 => (0usize..3).prop_map(Step::Kill),
+    ]
+}
+
+/// What a ticket may return: the page as it was when the read started, or anything written
+/// over it (or the zeros of a discard) before the read finished; an error only if the page
+/// was discarded meanwhile.
+#[derive(Debug, Default)]
+struct Allowed {
+    contents: Vec<Vec<u8>>,
+    discarded: bool,
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig {
+        cases: std::env::var("PROPTEST_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(128),
+        ..ProptestConfig::default()
+    })]
+
+    /// Reads by ticket interleaved with writes, reads, flushes, discards and server deaths,
+    /// replies delivered a few at a time in any order: each ticket finishes once, with a page
+    /// it may see; the invariants hold after every step; ordinary reads see the last write.
+    #[test]
+    fn tickets_interleaved_with_everything_else_see_a_version_they_may_see(
+        steps in prop::collection::vec(step(), 1..120),
+        cache in 0usize..6,
+        seed: u64,
+    ) {
+        let mut cluster = MemCluster::new(&[12, 14, 16]);
+        cluster.window = 3;
+        let mut p = pager(cluster, 24, cache, Backing::ClusterDisk);
+        let mut rng = fastrand::Rng::with_seed(seed);
+        let mut model: HashMap<u64, Vec<u8>> = HashMap::new();
+        let zero = vec![0u8; PAGE_SIZE];
+        let mut open: HashMap<u64, (u64, Allowed)> = HashMap::new();
+        let mut next_tag = 0u64;
+        let take = |p: &mut Pager<MemCluster, MemDisk>,
+                        open: &mut HashMap<u64, (u64, Allowed)>|
+         -> Result<(), TestCaseError> {
+            let mut bad = None;
+            p.take_finished(|tag, page, data| {
+                let Some((want_page, allowed)) = open.remove(&tag) else {
+                    bad = Some(format!("ticket {tag} finished twice or never started"));
+                    return;
+                };
+                let ok = page == want_page
+                    && match data {
+                        Ok(d) => allowed.contents.iter().any(|c| c[..] == *d),
+                        Err(_) => allowed.discarded,
+                    };
+                if !ok && bad.is_none() {
+                    bad = Some(format!("ticket {tag} of page {page}: {:?}", data.map(|d| d[0])));
+                }
+            })
+            .unwrap();
+            prop_assert!(bad.is_none(), "{}", bad.unwrap_or_default());
+            Ok(())
+        };
+        for s in steps {
+            match s {
+                Step::Write(pg, r) => {
+                    let c = content(pg, r);
+                    p.write(pg, &c).unwrap();
+                    for (_, (tp, a)) in open.iter_mut() {
+                        if *tp == pg {
+                            a.contents.push(c.clone());
+                        }
+                    }
+                    model.insert(pg, c);
+                }
+                Step::Start(pg) => {
+                    let now = model.get(&pg).cloned().unwrap_or_else(|| zero.clone());
+                    p.start_read(pg, next_tag).unwrap();
+                    open.insert(next_tag, (pg, Allowed { contents: vec![now], discarded: false }));
+                    next_tag += 1;
+                }
+                Step::Deliver(n) => {
+                    deliver(&mut p, &mut rng, n);
+                }
+                Step::Take => take(&mut p, &mut open)?,
+                Step::Read(pg) => {
+                    let want = model.get(&pg).cloned().unwrap_or_else(|| zero.clone());
+                    prop_assert!(read(&mut p, pg).unwrap() == want, "page {}", pg);
+                }
+                Step::Flush => p.flush().unwrap(),
+                Step::Discard(pg) => {
+                    p.discard(pg).unwrap();
+                    for (_, (tp, a)) in open.iter_mut() {
+                        if *tp == pg {
+                            a.contents.push(zero.clone());
+                            a.discarded = true;
+                        }
+                    }
+                    model.remove(&pg);
+                }
+                Step::Kill(s) => {
+                    if p.transport().servers.iter().filter(|s| !s.dead).count() > 1 {
+                        p.transport_mut().servers[s].dead = true;
+                    }
+                }
+            }
+            if let Err(e) = p.check_invariants() {
+                prop_assert!(false, "after {:?}: {}", s, e);
+            }
+            prop_assert_eq!(p.tickets(), open.len());
+        }
+        // The loop's last turns: everything arrives, every ticket finishes.
+        for _ in 0..1000 {
+            if p.tickets() == 0 {
+                break;
+            }
+            deliver(&mut p, &mut rng, usize::MAX);
+            p.poll().unwrap();
+            take(&mut p, &mut open)?;
+        }
+        prop_assert_eq!(p.tickets(), 0);
+        prop_assert!(open.is_empty());
+        p.flush().unwrap();
+        for (pg, c) in &model {
+            prop_assert!(read(&mut p, *pg).unwrap() == *c, "page {}", pg);
+        }
+        p.check_invariants().map_err(TestCaseError::fail)?;
+    }
+}

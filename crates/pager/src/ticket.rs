@@ -1,0 +1,245 @@
+//! Reads by ticket: started by [`Pager::start_read`], finished by the replies whoever owns the
+//! sockets hands to the pager ([`Pager::poll`], [`Pager::on_reply`], or any other operation's
+//! wait), collected by [`Pager::take_finished`]. Nothing here waits for the network, so one loop
+//! can keep the reads of many faulting threads in flight together while it goes on reading
+//! faults (Anemone §2.2: the client module serves each fault as its own request; it is the
+//! pipelining of those requests, not a thread per fault, that hides the round trips).
+//!
+//! A ticket's read goes the same way as a caller's (`read.rs`): a GET on its holder's batch,
+//! another copy when one fails, the disk copy, or its scheme's reconstruction. It is told from
+//! the other reads by its `pos`: [`TICKET`] plus the caller's tag. What it reads stays in its
+//! slot until taken. A degraded read (a stripe's data piece out of reach) is decoded when its
+//! tickets are taken, which waits for the other pieces: that path is rare and still blocks.
+
+use crate::requests::{GetItem, ReadDone};
+use crate::{Disk, Pager, PagerError, Transport};
+use netram_proto::PAGE_SIZE;
+
+/// The `pos` of a read by ticket: this bit plus its tag (`requests::INTERNAL` is all ones,
+/// a caller's buffer position is small).
+pub(crate) const TICKET: usize = 1 << 62;
+
+/// Whether a read's `pos` is a ticket's.
+pub(crate) fn is_ticket(pos: usize) -> bool {
+    pos & TICKET != 0 && pos != crate::requests::INTERNAL
+}
+
+/// A page of zeros: what a page never written reads as.
+static ZEROS: [u8; PAGE_SIZE] = [0; PAGE_SIZE];
+
+/// A read by ticket that has finished (or failed), waiting to be taken.
+#[derive(Debug)]
+pub(crate) struct Finished {
+    pub(crate) tag: u64,
+    pub(crate) page: u64,
+    /// The version it read: its slot goes to the cache only if that is still the page's.
+    pub(crate) version: u32,
+    pub(crate) data: Result<Data, PagerError>,
+}
+
+#[derive(Debug)]
+pub(crate) enum Data {
+    Slot(u32),
+    Zeros,
+}
+
+impl<T: Transport, D: Disk> Pager<T, D> {
+    /// Starts reading `page`; its result is given to [`Pager::take_finished`] under `tag`
+    /// (below 2^62), once, however it ends. Never waits for the network: a page in the cache,
+    /// never written, or only on the local disk finishes at once; one on a server waits for
+    /// its reply, which any later call that reads replies takes in. Waits only when no slot is
+    /// free for it (every slot is in flight): a caller keeps its tickets in flight bounded.
+    pub fn start_read(&mut self, page: u64, tag: u64) -> Result<(), PagerError> {
+        assert!(tag < TICKET as u64, "a ticket's tag is below 2^62");
+        self.check(page)?;
+        self.counters.reads += 1;
+        // Counted once started: a start that fails (no slot to be had) leaves no ticket.
+        self.start_ticket(page, tag)?;
+        self.tickets += 1;
+        Ok(())
+    }
+
+    fn start_ticket(&mut self, page: u64, tag: u64) -> Result<(), PagerError> {
+        let pos = TICKET | tag as usize;
+        let cached = self
+            .cache
+            .get(&page)
+            .map(|&slot| (slot, 0))
+            .or_else(|| self.writeback.get(&page).map(|w| (w.slot, w.version)));
+        let finished = |data| Finished {
+            tag,
+            page,
+            version: 0,
+            data,
+        };
+        if let Some((from, version)) = cached {
+            self.counters.cache_hits += 1;
+            let slot = self.take_slot_for_read(&mut [])?;
+            let mut page_data = [0u8; PAGE_SIZE];
+            self.copy_plain(page, version, from, &mut page_data);
+            self.slot_mut(slot).copy_from_slice(&page_data);
+            // Already cached (or leaving it): the slot is a copy, given back once taken.
+            self.finished.push(Finished {
+                version: u32::MAX,
+                ..finished(Ok(Data::Slot(slot)))
+            });
+            return Ok(());
+        }
+        let e = *self.table.get(page);
+        if !e.present {
+            self.counters.zero_reads += 1;
+            self.finished.push(finished(Ok(Data::Zeros)));
+            return Ok(());
+        }
+        match self.alive_holder(page, None) {
+            Some(server) => {
+                let slot = self.take_slot_for_read(&mut [])?;
+                let it = self.page_get_item(page, slot, pos);
+                self.queue_get(server, it);
+            }
+            None if !e.on_disk && self.reconstructible(page) => {
+                let slot = self.take_slot_for_read(&mut [])?;
+                let it = self.page_get_item(page, slot, pos);
+                self.reconstruct.push(it);
+            }
+            None if e.on_disk => {
+                if !self.table.holders(page).is_empty() {
+                    self.counters.disk_fallbacks += 1;
+                }
+                self.counters.disk_reads += 1;
+                let slot = self.take_slot_for_read(&mut [])?;
+                let at = slot as usize * PAGE_SIZE;
+                match self.disk.read(page, &mut self.slots[at..at + PAGE_SIZE]) {
+                    Ok(()) => self.finished.push(Finished {
+                        version: e.version,
+                        ..finished(Ok(Data::Slot(slot)))
+                    }),
+                    Err(err) => {
+                        self.release_slot(slot);
+                        self.finished.push(finished(Err(PagerError::Disk(err))));
+                    }
+                }
+            }
+            None => {
+                let s = self
+                    .table
+                    .holders(page)
+                    .first()
+                    .unwrap_or(crate::STRIPE_LOST);
+                let err = self.lost_error(&[(s, page)]);
+                self.finished.push(finished(Err(err)));
+            }
+        }
+        Ok(())
+    }
+
+    /// Sends whatever is queued that the servers' credits allow, open batches too: what a loop
+    /// does once it has started the reads of every fault it has read. Never waits.
+    pub fn send_queued(&mut self) {
+        self.pump_all();
+    }
+
+    /// Reads by ticket started and not yet taken.
+    pub fn tickets(&self) -> usize {
+        self.tickets
+    }
+
+    /// Whether a read by ticket has finished and waits to be taken (without reading any reply).
+    pub fn has_finished(&self) -> bool {
+        !self.finished.is_empty() || self.reads_done.iter().any(|d| is_ticket(d.pos))
+    }
+
+    /// Gives every finished read by ticket to `f` (tag, page, its data or why there is none),
+    /// then keeps its page in the cache if it is still the page's current version. A read that
+    /// failed on one copy is sent to another here, and a degraded one decoded (which waits).
+    pub fn take_finished(
+        &mut self,
+        mut f: impl FnMut(u64, u64, Result<&[u8], PagerError>),
+    ) -> Result<(), PagerError> {
+        self.resubmit_ticket_retries();
+        if self.reconstruct.iter().any(|it| is_ticket(it.pos)) {
+            let (mine, rest) = std::mem::take(&mut self.reconstruct)
+                .into_iter()
+                .partition(|it| is_ticket(it.pos));
+            self.reconstruct = mine;
+            let done = self.run_reconstructions();
+            self.reconstruct.extend::<Vec<GetItem>>(rest);
+            done?;
+        }
+        self.route_ticket_reads();
+        self.pump_all();
+        let mut result = Ok(());
+        for done in std::mem::take(&mut self.finished) {
+            self.tickets -= 1;
+            match done.data {
+                Ok(Data::Zeros) => f(done.tag, done.page, Ok(&ZEROS)),
+                Err(e) => f(done.tag, done.page, Err(e)),
+                Ok(Data::Slot(slot)) => {
+                    f(done.tag, done.page, Ok(self.slot(slot)));
+                    // What it read is worth keeping only while it is the page's current
+                    // version: a write or a discard may have come in while it was on its way.
+                    let e = *self.table.get(done.page);
+                    let current = e.present
+                        && e.version == done.version
+                        && !self.writeback.contains_key(&done.page);
+                    if self.cfg.cache_pages > 0 && current && !self.cache.contains(&done.page) {
+                        if let Err(e) = self.insert_clean(done.page, slot) {
+                            result = Err(e);
+                        }
+                    } else {
+                        self.release_slot(slot);
+                    }
+                }
+            }
+        }
+        result
+    }
+
+    /// Moves the reads by ticket that replies finished out of `reads_done` (where the reply
+    /// handlers put every finished read) into `finished`.
+    pub(crate) fn route_ticket_reads(&mut self) {
+        let mut i = 0;
+        while i < self.reads_done.len() {
+            if is_ticket(self.reads_done[i].pos) {
+                let d = self.reads_done.swap_remove(i);
+                self.ticket_done(d);
+            } else {
+                i += 1;
+            }
+        }
+    }
+
+    /// A read by ticket whose data is in its slot.
+    pub(crate) fn ticket_done(&mut self, d: ReadDone) {
+        self.finished.push(Finished {
+            tag: (d.pos & !TICKET) as u64,
+            page: d.page,
+            version: d.version,
+            data: Ok(Data::Slot(d.slot)),
+        });
+    }
+
+    /// A read by ticket that no copy, disk or reconstruction could serve.
+    pub(crate) fn ticket_failed(&mut self, it: &GetItem, err: PagerError) {
+        self.finished.push(Finished {
+            tag: (it.pos & !TICKET) as u64,
+            page: it.page,
+            version: 0,
+            data: Err(err),
+        });
+    }
+
+    /// Sends the reads by ticket that failed on one copy to another (the others' retries are
+    /// their waiting operation's).
+    fn resubmit_ticket_retries(&mut self) {
+        if !self.retry.iter().any(|it| is_ticket(it.pos)) {
+            return;
+        }
+        let (mine, rest): (Vec<GetItem>, Vec<GetItem>) = std::mem::take(&mut self.retry)
+            .into_iter()
+            .partition(|it| is_ticket(it.pos));
+        self.retry = mine;
+        self.resubmit_retries();
+        self.retry.extend(rest);
+    }
+}
