@@ -98,7 +98,8 @@ fn print_report(label: &str, r: &Report) {
     let f = &r.faults;
     println!(
         "{label}: {} steps, {:.1} s virtual: {} writes, {} reads, {} discards, {} flushes; \
-         {} pages verified, {} reads failed where the faults allowed it, {} servers reconnected; \
+         {} reads by ticket left in flight ({} verified, {} failed where allowed; {} operations \
+         of the same client begun meanwhile); {} pages verified, {} reads failed where the faults allowed it, {} servers reconnected; \
          {} disk writes failed, {} reported; {} replies pushed to idle clients ({} while another \
          client's operation waited), {} found by maintenance ticks ({} ticks)",
         r.steps,
@@ -107,6 +108,10 @@ fn print_report(label: &str, r: &Report) {
         r.reads,
         r.discards,
         r.flushes,
+        r.tickets,
+        r.tickets_verified,
+        r.tickets_failed_allowed,
+        r.ops_during_tickets,
         r.pages_verified,
         r.reads_failed_allowed,
         r.revived,

@@ -521,6 +521,18 @@ impl Transport for TcpTransport {
         self.conns.iter().map(|c| c.info.clone()).collect()
     }
 
+    fn reply_fd(&self, server: usize) -> Option<std::os::fd::RawFd> {
+        use std::os::fd::AsRawFd;
+        let c = self.conns.get(server)?;
+        c.reader.as_ref().map(|r| r.as_raw_fd())
+    }
+
+    fn flush(&mut self) {
+        for i in 0..self.conns.len() {
+            TcpTransport::flush(self, i);
+        }
+    }
+
     fn leaves_pages_to_pager(&self) -> bool {
         self.cfg.sealed_pages
     }

@@ -56,6 +56,10 @@ counters! {
     servers_revived,
     /// Reads served by another copy after the first failed (dead server, bad checksum, missing).
     reads_from_other_copy,
+    /// Reads by ticket whose page was written or discarded while their GET was on its way,
+    /// and whose answer (for the newer version) was therefore no fault of the server's: read
+    /// again at the current version. Their answers are counted among the mismatches above.
+    reads_restarted,
     /// Copies found bad (checksum, missing) and dropped, to be rebuilt from the others.
     copies_dropped_bad,
     /// Write-backs that ended with fewer copies than the scheme keeps (too few servers alive

@@ -19,6 +19,9 @@
 //!   and the LRU write-back cache over it. Every byte a page moves through lives in a slot, so
 //!   completing a request never needs a caller's buffer and nothing is allocated per page;
 //! * `read.rs`: reads, from the cache, a holder, another copy, the disk, or reconstruction;
+//! * `ticket.rs`: reads by ticket ([`Pager::start_read`], [`Pager::take_finished`]): started
+//!   without waiting, finished by whatever hands the pager its replies, so that a loop that owns
+//!   the sockets keeps many in flight (the userfaultfd handler's fetches);
 //! * `writeback.rs`: a page leaving the cache until every copy is acknowledged;
 //! * `requests.rs`: requests in flight, bounded per server by the credit window the server
 //!   announced (Anemone's RMAP window), and the per-server queues of those waiting for credits;
@@ -34,8 +37,10 @@
 //!   server is left it spills to the local disk (Markatos).
 //!
 //! Replies may come back in any order. The world reaches the pager through `on_reply`,
-//! `on_failure` and `on_tick`; inside its operations the pager still waits for replies itself
-//! (through its [`Transport`]), and hands what it reads to the same code.
+//! `on_failure` and `on_tick` (or `poll`, which reads what has arrived); reads by ticket never
+//! wait; the other operations (write-back when slots run out, flush, discard, recovery,
+//! migration) still wait for their replies themselves (through its [`Transport`]), and hand
+//! what they read to the same code.
 //!
 //! # Failures it guards against
 //!

@@ -54,13 +54,35 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         self.check(page)?;
         self.counters.reads += 1;
         // Counted once started: a start that fails (no slot to be had) leaves no ticket.
-        self.start_ticket(page, tag)?;
+        self.start_ticket(page, tag, None)?;
         self.tickets += 1;
         Ok(())
     }
 
-    fn start_ticket(&mut self, page: u64, tag: u64) -> Result<(), PagerError> {
+    /// Where a read by ticket goes, at the page's current version. `slot`: the one it holds
+    /// already (a restart, see `restart_ticket`), else one is taken.
+    fn start_ticket(&mut self, page: u64, tag: u64, slot: Option<u32>) -> Result<(), PagerError> {
+        let mut held = slot;
+        let mut take = |p: &mut Self| match held.take() {
+            Some(s) => Ok(s),
+            None => p.take_slot_for_read(&mut []),
+        };
+        let started = self.start_ticket_with(page, tag, &mut take);
+        if let Some(s) = held {
+            // Not needed after all (a page of zeros, lost, or failed).
+            self.release_slot(s);
+        }
+        started
+    }
+
+    fn start_ticket_with(
+        &mut self,
+        page: u64,
+        tag: u64,
+        take: &mut impl FnMut(&mut Self) -> Result<u32, PagerError>,
+    ) -> Result<(), PagerError> {
         let pos = TICKET | tag as usize;
+
         let cached = self
             .cache
             .get(&page)
@@ -74,7 +96,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         };
         if let Some((from, version)) = cached {
             self.counters.cache_hits += 1;
-            let slot = self.take_slot_for_read(&mut [])?;
+            let slot = take(self)?;
             let mut page_data = [0u8; PAGE_SIZE];
             self.copy_plain(page, version, from, &mut page_data);
             self.slot_mut(slot).copy_from_slice(&page_data);
@@ -93,12 +115,12 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         }
         match self.alive_holder(page, None) {
             Some(server) => {
-                let slot = self.take_slot_for_read(&mut [])?;
+                let slot = take(self)?;
                 let it = self.page_get_item(page, slot, pos);
                 self.queue_get(server, it);
             }
             None if !e.on_disk && self.reconstructible(page) => {
-                let slot = self.take_slot_for_read(&mut [])?;
+                let slot = take(self)?;
                 let it = self.page_get_item(page, slot, pos);
                 self.reconstruct.push(it);
             }
@@ -107,7 +129,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                     self.counters.disk_fallbacks += 1;
                 }
                 self.counters.disk_reads += 1;
-                let slot = self.take_slot_for_read(&mut [])?;
+                let slot = take(self)?;
                 let at = slot as usize * PAGE_SIZE;
                 match self.disk.read(page, &mut self.slots[at..at + PAGE_SIZE]) {
                     Ok(()) => self.finished.push(Finished {
@@ -137,6 +159,59 @@ impl<T: Transport, D: Disk> Pager<T, D> {
     /// does once it has started the reads of every fault it has read. Never waits.
     pub fn send_queued(&mut self) {
         self.pump_all();
+        self.transport.flush();
+    }
+
+    /// The descriptors a loop waits on for the replies of what is in flight (see
+    /// [`crate::Transport::reply_fd`]), appended to `out`.
+    pub fn reply_fds(&self, out: &mut Vec<std::os::fd::RawFd>) {
+        for (s, &n) in self.inflight.per_server.iter().enumerate() {
+            if n > 0 {
+                out.extend(self.transport.reply_fd(s));
+            }
+        }
+    }
+
+    /// Waits until every read by ticket has finished (the transport's reply timeout bounds
+    /// each wait: a server that does not answer is declared dead and its reads go elsewhere).
+    /// What a loop falls back on when nothing arrives for long, or before a step that must
+    /// not have reads in flight (a fork).
+    pub fn wait_finished(&mut self) -> Result<(), PagerError> {
+        loop {
+            self.resubmit_ticket_retries();
+            self.route_ticket_reads();
+            // Idle with tickets unfinished: only degraded reads are left, decoded when taken.
+            if self.finished.len() >= self.tickets || self.idle() {
+                return Ok(());
+            }
+            self.complete_one()?;
+        }
+    }
+
+    /// Whether the page changed since a read by ticket asked for `it.version`: written (into
+    /// the cache, which it was not in when the read started; a write-back of another version
+    /// in flight, or done), or discarded. A server may then answer for the newer version, and
+    /// that is no fault of its copy; and what the read failed to get is not the page's current
+    /// contents anyway.
+    pub(crate) fn ticket_outdated(&self, it: &GetItem) -> bool {
+        let e = self.table.get(it.page);
+        self.cache.contains(&it.page)
+            || !e.present
+            || e.version != it.version
+            || self
+                .writeback
+                .get(&it.page)
+                .is_some_and(|w| w.version != it.version)
+    }
+
+    /// Reads an outdated ticket's page again, at its current version, in the slot it holds.
+    /// Called while a reply is handled: never waits (the slot is there already).
+    pub(crate) fn restart_ticket(&mut self, it: GetItem) {
+        self.counters.reads_restarted += 1;
+        let tag = (it.pos & !TICKET) as u64;
+        if let Err(e) = self.start_ticket(it.page, tag, Some(it.slot)) {
+            self.ticket_failed(&it, e);
+        }
     }
 
     /// Reads by ticket started and not yet taken.

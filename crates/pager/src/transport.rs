@@ -61,6 +61,17 @@ pub trait Transport {
         let _ = server;
         None
     }
+    /// The descriptor that becomes readable when a reply from `server` may have arrived, for a
+    /// loop that waits on many at once (`ticket.rs`); `None` when there is none (a transport
+    /// in memory: its replies are read by the pager's next wait or `poll`). A reply may be
+    /// buffered already although the descriptor is not readable: such a loop calls
+    /// [`Pager::poll`](crate::Pager::poll) before it sleeps.
+    fn reply_fd(&self, server: usize) -> Option<std::os::fd::RawFd> {
+        let _ = server;
+        None
+    }
+    /// Puts on the wire whatever `send` has only queued (without waiting for anything).
+    fn flush(&mut self) {}
     /// Opens a new connection (and session) to a server the pager had declared dead, dropping
     /// the old one. The server is treated as empty afterwards: whatever the old session held is
     /// freed by its lease. A transport that cannot reconnect says so.

@@ -10,6 +10,7 @@ use netram_pager::{
 use netram_policy::redundancy::Scheme;
 use netram_proto::PAGE_SIZE;
 use std::cell::RefCell;
+use std::collections::HashMap;
 use std::rc::Rc;
 
 #[derive(Debug, Clone)]
@@ -98,6 +99,15 @@ pub struct Report {
     pub replies_polled: u64,
     /// Ticks of the clients' maintenance schedules (`Pager::on_tick`).
     pub ticks: u64,
+    /// Reads by ticket (`Pager::start_read`) started, finished with a version they may see,
+    /// and failed where the faults allowed it: several of one client in flight at once,
+    /// interleaved with its other operations and its maintenance.
+    pub tickets: u64,
+    pub tickets_verified: u64,
+    pub tickets_failed_allowed: u64,
+    /// Operations of a client (writes, reads, discards, flushes, maintenance ticks) begun
+    /// while reads by ticket of the same client were in flight.
+    pub ops_during_tickets: u64,
     pub faults: FaultLog,
 }
 
@@ -120,6 +130,10 @@ impl Report {
         self.replies_pushed_mid_operation += r.replies_pushed_mid_operation;
         self.replies_polled += r.replies_polled;
         self.ticks += r.ticks;
+        self.tickets += r.tickets;
+        self.tickets_verified += r.tickets_verified;
+        self.tickets_failed_allowed += r.tickets_failed_allowed;
+        self.ops_during_tickets += r.ops_during_tickets;
         let (a, b) = (&mut self.faults, &r.faults);
         a.crashes += b.crashes;
         a.resets += b.resets;
@@ -160,6 +174,84 @@ struct Client {
     backing: Backing,
     /// The pager's count of failed disk writes when it last reported one.
     disk_failures_reported: u64,
+    /// Reads by ticket in flight, by tag: the page and what it may read (see [`Ticket`]).
+    tickets: HashMap<u64, Ticket>,
+    next_ticket: u64,
+}
+
+/// A read by ticket in flight: it may return the page as it was when it started, or anything
+/// written over it (or the zeros of a discard) before it finished; it may fail only where a
+/// plain read may, or if the page was discarded meanwhile.
+struct Ticket {
+    page: u64,
+    may_read: Vec<Option<u64>>,
+    discarded: bool,
+}
+
+impl Client {
+    /// The page was written (`Some(tag)`) or discarded (`None`): reads by ticket in flight on
+    /// it may see that.
+    fn changed(&mut self, page: u64, to: Option<u64>) {
+        for t in self.tickets.values_mut().filter(|t| t.page == page) {
+            t.may_read.push(to);
+            t.discarded |= to.is_none();
+        }
+    }
+
+    /// Takes the finished reads by ticket and checks each against what it may read.
+    fn take_tickets(
+        &mut self,
+        may_fail: impl Fn(&PagerError) -> bool,
+        report: &mut Report,
+    ) -> Result<(), String> {
+        let mut bad = None;
+        let (tickets, model) = (&mut self.tickets, &self.model);
+        let taken = self.pager.borrow_mut().take_finished(|tag, page, data| {
+            let Some(t) = tickets.remove(&tag) else {
+                bad.get_or_insert(format!("ticket {tag} (page {page}) finished twice"));
+                return;
+            };
+            let ok = match &data {
+                _ if t.page != page => false,
+                Ok(got) => {
+                    let fits = t.may_read.iter().any(|&v| match v {
+                        Some(tag) => content(model.client, page, tag)[..] == got[..],
+                        None => got.iter().all(|&b| b == 0),
+                    });
+                    if fits {
+                        report.tickets_verified += 1;
+                    }
+                    fits
+                }
+                Err(e) if t.discarded || may_fail(e) => {
+                    report.tickets_failed_allowed += 1;
+                    true
+                }
+                Err(_) => false,
+            };
+            if !ok {
+                let what = match &data {
+                    Ok(got) => model.explain(page, got),
+                    Err(e) => e.to_string(),
+                };
+                bad.get_or_insert(format!(
+                    "ticket {tag} of page {} (may read {:?}) got page {page}: {what}",
+                    t.page, t.may_read
+                ));
+            }
+        });
+        if let Some(bad) = bad {
+            return Err(bad);
+        }
+        match taken {
+            Ok(()) => Ok(()),
+            Err(e) if self.disk_failure_explains(&e) => {
+                report.disk_errors_reported += 1;
+                Ok(())
+            }
+            Err(e) => Err(format!("taking reads by ticket: {e}")),
+        }
+    }
 }
 
 /// Errors that pushed replies returned (see [`deliver`]): a disk failure the pager reports is
@@ -322,6 +414,8 @@ fn play(sc: &Scenario, at: &std::cell::Cell<u32>) -> Result<Report, Failure> {
             });
             Client {
                 disk_failures_reported: 0,
+                tickets: HashMap::new(),
+                next_ticket: 0,
                 pager: Rc::new(RefCell::new(pager)),
                 model: Model {
                     client: c,
@@ -360,7 +454,11 @@ fn play(sc: &Scenario, at: &std::cell::Cell<u32>) -> Result<Report, Failure> {
         let pages: Vec<u64> = (0..rng.usize(1..=4))
             .map(|_| rng.u64(0..sc.pages))
             .collect();
-        match rng.u32(0..100) {
+        let op = rng.u32(0..100);
+        if !(65..=79).contains(&op) && op < 96 && cl.pager.borrow().tickets() > 0 {
+            report.ops_during_tickets += 1;
+        }
+        match op {
             0..=39 => {
                 let mut data = Vec::with_capacity(pages.len() * PAGE_SIZE);
                 let mut candidates: Vec<(u64, Option<u64>)> = pages
@@ -371,6 +469,7 @@ fn play(sc: &Scenario, at: &std::cell::Cell<u32>) -> Result<Report, Failure> {
                     tag += 1;
                     data.extend(content(ci, p, tag));
                     cl.model.pages[p as usize] = Some(tag);
+                    cl.changed(p, Some(tag));
                     candidates.push((p, Some(tag)));
                 }
                 report.writes += 1;
@@ -386,7 +485,37 @@ fn play(sc: &Scenario, at: &std::cell::Cell<u32>) -> Result<Report, Failure> {
                     Err(e) => return Err(fail(step, format!("client {ci}: write {pages:?}: {e}"))),
                 }
             }
-            40..=79 => {
+            // Reads by ticket: started and left in flight; they finish as replies come in
+            // (pushed between steps, or read while this client's own operations wait)
+            // and are checked between steps.
+            65..=79 => {
+                for &p in &pages {
+                    let t = cl.next_ticket;
+                    cl.next_ticket += 1;
+                    report.tickets += 1;
+                    let now = cl.model.pages[p as usize];
+                    let result = cl.pager.borrow_mut().start_read(p, t);
+                    match result {
+                        Ok(()) => {
+                            cl.tickets.insert(
+                                t,
+                                Ticket {
+                                    page: p,
+                                    may_read: vec![now],
+                                    discarded: false,
+                                },
+                            );
+                        }
+                        Err(e) if cl.disk_failure_explains(&e) => {
+                            report.disk_errors_reported += 1;
+                        }
+                        Err(e) => {
+                            return Err(fail(step, format!("client {ci}: start_read {p}: {e}")))
+                        }
+                    }
+                }
+            }
+            40..=64 => {
                 report.reads += 1;
                 let mut out = vec![0u8; pages.len() * PAGE_SIZE];
                 let result = cl.pager.borrow_mut().read_many(&pages, &mut out);
@@ -426,6 +555,7 @@ fn play(sc: &Scenario, at: &std::cell::Cell<u32>) -> Result<Report, Failure> {
                     .collect();
                 for &p in &pages {
                     cl.model.pages[p as usize] = None;
+                    cl.changed(p, None);
                     candidates.push((p, None));
                 }
                 let result = cl.pager.borrow_mut().discard_many(&pages);
@@ -472,6 +602,18 @@ fn play(sc: &Scenario, at: &std::cell::Cell<u32>) -> Result<Report, Failure> {
         // client's work and with each other's.
         deliver(&peers, &world, false);
         judge_pushed(&peers, &mut clients, &mut report).map_err(|e| fail(step, e))?;
+        for (cj, other) in clients.iter_mut().enumerate() {
+            // Taken after every step, before the checkers below forgive a client its faults:
+            // a read that failed is judged by the faults that had touched the client then.
+            let backing = other.backing;
+            let may_fail = |e: &PagerError| {
+                backing == Backing::Cluster
+                    && check::failure_allowed(&world.borrow(), cj, tolerated, e)
+            };
+            other
+                .take_tickets(may_fail, &mut report)
+                .map_err(|e| fail(step, format!("client {cj}: {e}")))?;
+        }
         follow_membership(&world, &mut clients, &mut report).map_err(|e| fail(step, e))?;
         for (cj, other) in clients.iter_mut().enumerate() {
             // An idle client's maintenance runs too, as its thread would.
@@ -494,7 +636,9 @@ fn play(sc: &Scenario, at: &std::cell::Cell<u32>) -> Result<Report, Failure> {
                 .map_err(|e| fail(step, format!("client {}: {e}", cl.model.client)))?;
             // A client whose every page is whole again on reachable servers has put its
             // failures behind it: from now on, only new ones count against its redundancy.
-            if check::whole(&w, &cl.pager.borrow(), &cl.model) {
+            // Not while reads by ticket are in flight: a reply damaged on its way may still
+            // reach one of them.
+            if cl.pager.borrow().tickets() == 0 && check::whole(&w, &cl.pager.borrow(), &cl.model) {
                 let alive: Vec<bool> = cl.pager.borrow_mut().servers().map(|(_, a)| a).collect();
                 w.forgive(
                     cl.model.client,
@@ -518,6 +662,32 @@ fn play(sc: &Scenario, at: &std::cell::Cell<u32>) -> Result<Report, Failure> {
     }
     world.borrow_mut().run_for(5_000_000);
     for (ci, cl) in clients.iter_mut().enumerate() {
+        // Every read by ticket finishes (a server that never answers is timed out).
+        let waited = cl.pager.borrow_mut().wait_finished();
+        if let Err(e) = waited {
+            if !cl.disk_failure_explains(&e) {
+                return Err(fail(
+                    end,
+                    format!("client {ci}: finishing reads by ticket: {e}"),
+                ));
+            }
+            report.disk_errors_reported += 1;
+        }
+        let backing = cl.backing;
+        let may_fail = |e: &PagerError| {
+            backing == Backing::Cluster && check::failure_allowed(&world.borrow(), ci, tolerated, e)
+        };
+        cl.take_tickets(may_fail, &mut report)
+            .map_err(|e| fail(end, format!("client {ci}: {e}")))?;
+        if !cl.tickets.is_empty() || cl.pager.borrow().tickets() > 0 {
+            return Err(fail(
+                end,
+                format!(
+                    "client {ci}: {} reads by ticket never finished",
+                    cl.tickets.len()
+                ),
+            ));
+        }
         cl.pager.borrow_mut().revive_dead_servers();
         // The disk is mended too; the first flush reports a failure not reported yet.
         cl.pager.borrow_mut().disk_mut().heal();

@@ -288,6 +288,10 @@ impl<T: Transport, D: Disk> Shared<T, D> {
             st.clock.remove(p);
             st.dirty[page] = false;
             st.prefetched.remove(&p);
+            if let Some(f) = st.fetching.get_mut(&p) {
+                // On its way: what arrives is the old contents, not to be installed.
+                f.released = true;
+            }
             if st.pager.is_written(p) {
                 self.settle(st, page);
                 written.push(p);

@@ -484,6 +484,8 @@ impl<T: Transport, D: Disk> Shared<T, D> {
         if !self.follows_forks {
             return;
         }
+        // Every fetch installed first: the child is to have exactly what is resident now.
+        self.finish_all(st);
         // No sampling while a child lives: moving a page aside (`UFFDIO_MOVE`) after a fork
         // was seen to leave the shadow's page missing (the handler then faulted on it and
         // waited for itself). Resumed once the children are gone (`serve_children`).

@@ -1,6 +1,7 @@
 //! The handler thread: its loop (the region's userfaultfd, the children's, the fork channel,
-//! the stop signal), reading fault events and batching the missing faults of several threads
-//! into one pipelined fetch (Anemone §2.2: one round trip for the faults that wait together).
+//! the stop signal, and the connections whose replies fetches in flight wait for), reading
+//! fault events and starting their fetches without waiting for them (`fetch.rs`; Anemone §2.2:
+//! the faults that wait together go out in one batch per server).
 
 use super::*;
 
@@ -51,29 +52,37 @@ impl<T: Transport, D: Disk> Shared<T, D> {
         // Whether to spin before sleeping: only while faults come closer together than the
         // spin (a scan), not when the program computes between faults.
         let mut spin_next = !self.spin.is_zero();
+        // Whether fetches were in flight when the last events were handled (`fetch.rs`): then
+        // the loop waits for their replies too.
+        let mut fetching = false;
         loop {
             let wait_started = std::time::Instant::now();
             let with_children = self.child_count.load(Ordering::Acquire) > 0;
-            if spin_next && !with_children && self.spin_for_event(wait_started) {
-                self.drain_events();
+            if spin_next && !with_children && !fetching && self.spin_for_event(wait_started) {
+                match self.drain_events() {
+                    Some(f) => fetching = f,
+                    None => return,
+                }
                 continue;
             }
             // The children's descriptors too, and their agents' sockets, if there are any;
             // then the wait is bounded, to notice children whose memory is gone (no event
-            // says so).
-            let children = if self.child_count.load(Ordering::Acquire) > 0 {
+            // says so). And the connections whose replies fetches wait for.
+            let mut children = Vec::new();
+            let mut replies = Vec::new();
+            if with_children || fetching {
                 use std::os::fd::{AsFd, AsRawFd};
-                self.lock()
-                    .children
-                    .iter()
-                    .flat_map(|c| {
-                        let agent = c.budget.as_ref().map(|b| b.agent.as_fd().as_raw_fd());
-                        std::iter::once(c.uffd.as_fd().as_raw_fd()).chain(agent)
-                    })
-                    .collect()
-            } else {
-                Vec::new()
-            };
+                let st = self.lock();
+                children.extend(st.children.iter().flat_map(|c| {
+                    let agent = c.budget.as_ref().map(|b| b.agent.as_fd().as_raw_fd());
+                    std::iter::once(c.uffd.as_fd().as_raw_fd()).chain(agent)
+                }));
+                if !st.fetching.is_empty() {
+                    st.pager.reply_fds(&mut replies);
+                }
+                // Fetches finished by another holder of the lock (maintenance) since.
+                fetching = !st.fetching.is_empty();
+            }
             let mut fds = vec![
                 PollFd::new(&self.uffd, PollFlags::IN),
                 PollFd::new(stop, PollFlags::IN),
@@ -101,14 +110,28 @@ impl<T: Transport, D: Disk> Shared<T, D> {
                     PollFlags::IN,
                 ));
             }
+            for &fd in &replies {
+                // SAFETY: a connection of the pager's transport. Poll only looks at it: one
+                // closed or reused meanwhile (the maintenance thread reconnecting a server) is
+                // at worst a spurious wake-up, after which the loop reads replies through the
+                // pager, under the lock, by its current connections.
+                fds.push(PollFd::from_borrowed_fd(
+                    unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) },
+                    PollFlags::IN,
+                ));
+            }
+            // Bounded with children (see above) and with fetches in flight: their replies may
+            // be read by another holder of the lock (maintenance), and a fetch that stalls is
+            // waited for the old way (`fetch::STALLED`).
             let timeout = rustix::event::Timespec {
                 tv_sec: 0,
-                tv_nsec: 100_000_000,
+                tv_nsec: if fetching { 20_000_000 } else { 100_000_000 },
             };
-            // With children, the spin covers their descriptors and agents too: a child's
-            // faults wait for this thread as the parent's do.
+            // With children or fetches, the spin covers their descriptors too: a child's
+            // faults wait for this thread as the parent's do, and a reply is as close as a
+            // fault.
             let mut polled = Ok(0);
-            if spin_next && with_children {
+            if spin_next && (with_children || fetching) {
                 let zero = rustix::event::Timespec {
                     tv_sec: 0,
                     tv_nsec: 0,
@@ -122,7 +145,8 @@ impl<T: Transport, D: Disk> Shared<T, D> {
                 }
             }
             if matches!(polled, Ok(0)) {
-                polled = poll(&mut fds, (!children.is_empty()).then_some(&timeout));
+                let bounded = !children.is_empty() || fetching;
+                polled = poll(&mut fds, bounded.then_some(&timeout));
             }
             spin_next = !self.spin.is_zero() && wait_started.elapsed() <= self.spin * 2;
             match polled {
@@ -147,8 +171,9 @@ impl<T: Transport, D: Disk> Shared<T, D> {
             let children_ready = fds[first_child..].iter().any(|f| !f.revents().is_empty());
             let sent = channel.is_some() && !fds[2].revents().is_empty();
             drop(fds);
-            if !self.drain_events() {
-                return;
+            match self.drain_events() {
+                Some(f) => fetching = f,
+                None => return,
             }
             if let (true, Some(fd)) = (sent, channel) {
                 self.receive_children(fd);
@@ -159,133 +184,53 @@ impl<T: Transport, D: Disk> Shared<T, D> {
         }
     }
 
-    /// Handles every event that has arrived (the descriptor is non-blocking); false if the
-    /// userfaultfd failed.
+    /// Handles every event that has arrived (the descriptor is non-blocking), then sends the
+    /// requests they made and installs the fetches that are in; `None` if the userfaultfd
+    /// failed, else whether fetches are still in flight.
     ///
-    /// Faults of several threads that wait at once are served together: a fault on a page
-    /// that must be fetched waits (in `waiting`) while the events behind it are read, and all
-    /// such pages are fetched with one pipelined `read_many` — one round trip for all of them
-    /// rather than one each, in turn. A second fault on a page already waiting is served by
-    /// the same install, which wakes every thread waiting on that page.
-    pub(crate) fn drain_events(&self) -> bool {
+    /// A missing fault on a stored page starts its fetch and the next event is read at once
+    /// (`fetch.rs`): the faults of several threads that wait together go out in one batch per
+    /// server, and the ones that come later join the pipeline rather than wait for it.
+    pub(crate) fn drain_events(&self) -> Option<bool> {
         loop {
             match self.uffd.read_event() {
-                Ok(Some(event)) => {
-                    let mut st = self.lock();
-                    if !self.wait_for_fetch(&mut st, &event) {
-                        self.fetch_waiting(&mut st);
-                        self.handle(&mut st, event);
-                    } else if st.waiting.len() >= FETCH_BATCH {
-                        self.fetch_waiting(&mut st);
-                    }
-                }
+                Ok(Some(event)) => self.dispatch(&mut self.lock(), event),
                 Ok(None) => {
-                    self.fetch_waiting(&mut self.lock());
-                    return true;
+                    let mut st = self.lock();
+                    if !st.fetching.is_empty() {
+                        st.pager.send_queued();
+                        self.progress_fetches(&mut st);
+                    }
+                    return Some(!st.fetching.is_empty());
                 }
                 Err(e) => {
                     tracing::error!("userfaultfd handler: read: {e}");
-                    self.fetch_waiting(&mut self.lock());
-                    return false;
+                    self.finish_all(&mut self.lock());
+                    return None;
                 }
             }
         }
     }
 
-    /// Puts a missing fault on a page to be fetched from the pager into `waiting`; false for
-    /// any other event (handled at once, after the waiting ones). Not while forks are pending
-    /// or children live: their bookkeeping goes fault by fault.
-    pub(crate) fn wait_for_fetch(&self, st: &mut State<T, D>, event: &Event) -> bool {
-        let Event::Pagefault {
-            addr,
-            write,
-            wp: false,
-            tid,
-        } = *event
-        else {
-            return false;
-        };
-        let page = (addr - self.base.0.as_ptr() as usize) / PAGE_SIZE;
-        if !self.fetchable(st, page) {
-            return false;
-        }
-        if st.waiting.iter().any(|w| w.0 == page) {
-            // Another thread's fault on the same page: its install wakes this one too.
-            self.counters.faults.fetch_add(1, Ordering::Relaxed);
-            self.counters
-                .already_present
-                .fetch_add(1, Ordering::Relaxed);
-            return true;
-        }
-        st.waiting.push((page, write, tid));
-        true
-    }
-
-    /// Whether a missing fault on `page` is served by fetching it from the pager, and may wait
-    /// for others to be fetched with it.
-    pub(crate) fn fetchable(&self, st: &State<T, D>, page: usize) -> bool {
-        let p = page as u64;
-        st.forking == 0
-            && st.children.is_empty()
-            && !st.clock.is_sampled(p)
-            && !st.clock.is_resident(p)
-            && !st.prefetched.contains_key(&p)
-            && st.pager.is_written(p)
-    }
-
-    /// Fetches and installs every page in `waiting`: one alone the usual way (`missing`,
-    /// with its prefetching), several with one `read_many`.
-    pub(crate) fn fetch_waiting(&self, st: &mut State<T, D>) {
-        match st.waiting.len() {
-            0 => {}
-            1 => {
-                let (page, write, tid) = st.waiting.pop().expect("one");
-                self.missing(st, page, write, tid);
+    /// One event: a missing fault on a stored page starts (or joins) a fetch; a fork waits
+    /// for every fetch in flight first; anything else is handled at once.
+    fn dispatch(&self, st: &mut State<T, D>, event: Event) {
+        match event {
+            Event::Pagefault {
+                addr,
+                write,
+                wp: false,
+                tid,
+            } => {
+                let page = (addr - self.base.0.as_ptr() as usize) / PAGE_SIZE;
+                if page < self.pages && self.fetchable(st, page) {
+                    return self.start_fetch(st, page, write, tid);
+                }
             }
-            _ => {
-                let mut waiting = std::mem::take(&mut st.waiting);
-                // The lock was let go between events: a page the program has released (or
-                // that a fork froze) meanwhile is served the usual way.
-                let mut i = 0;
-                while i < waiting.len() {
-                    let (page, write, tid) = waiting[i];
-                    if self.fetchable(st, page) {
-                        i += 1;
-                    } else {
-                        waiting.swap_remove(i);
-                        self.missing(st, page, write, tid);
-                    }
-                }
-                let n = waiting.len();
-                if n == 0 {
-                    st.waiting = waiting;
-                    return;
-                }
-                let pages: Vec<u64> = waiting.iter().map(|w| w.0 as u64).collect();
-                let mut buf = std::mem::take(&mut st.wbuf);
-                buf.resize(n * PAGE_SIZE, 0);
-                if st.pager.read_many(&pages, &mut buf).is_err() {
-                    // One by one, so that each page that cannot be read is named (SIGBUS).
-                    for &(page, write, tid) in &waiting {
-                        self.missing(st, page, write, tid);
-                    }
-                } else {
-                    self.counters.faults.fetch_add(n as u64, Ordering::Relaxed);
-                    self.counters
-                        .batched_fetches
-                        .fetch_add(n as u64, Ordering::Relaxed);
-                    for (i, &(page, write, _)) in waiting.iter().enumerate() {
-                        let data = &buf[i * PAGE_SIZE..(i + 1) * PAGE_SIZE];
-                        self.install_fetched(st, page, write, data);
-                    }
-                    let keep = st.budget;
-                    self.make_room(st, keep);
-                }
-                st.wbuf = buf;
-                st.waiting = waiting;
-                st.waiting.clear();
-            }
+            Event::Fork(_) => self.finish_all(st),
+            Event::Pagefault { .. } | Event::Other(_) => {}
         }
+        self.handle(st, event)
     }
 
     /// Polls the userfaultfd without sleeping for up to the spin; true once an event is

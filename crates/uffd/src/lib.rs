@@ -68,7 +68,8 @@
 //! SIGSEGV, loudly, rather than wait forever or read zeros.
 //!
 //! By concern: this file has the region, its options, counters and shared state; `handler.rs`
-//! the handler's loop and the batching of waiting faults; `fault.rs` serving one fault;
+//! the handler's loop; `fetch.rs` fetches in flight (a fault starts one and the loop goes on;
+//! it is installed when its reply is in); `fault.rs` serving one fault;
 //! `evict.rs` victims and releases; `prefetch.rs` fetching ahead; `fork.rs` forked children;
 //! `sys.rs` the kernel's ABI; `heap/` allocations on a region; `alloc.rs` the Rust allocator.
 
@@ -76,6 +77,7 @@ mod agent;
 pub mod alloc;
 mod evict;
 mod fault;
+mod fetch;
 mod fork;
 mod handler;
 pub mod heap;
@@ -87,7 +89,7 @@ pub use fork::{children_follow, children_follow_regions};
 use fork::{ForkChannel, ForkChild, CHILDREN_FOLLOW};
 use handler::STOP;
 pub use heap::RegionHeap;
-use netram_pager::{Disk, Pager, Transport};
+use netram_pager::{Disk, Pager, PagerError, Transport};
 use netram_policy::clock::Clock;
 use netram_policy::prefetch::{Mode, Prefetcher, MAX_CLUSTER};
 use netram_proto::PAGE_SIZE;
@@ -159,8 +161,8 @@ pub struct RegionCounters {
     pub zero_fills: AtomicU64,
     /// ... of which by fetching the page from the pager.
     pub fetches: AtomicU64,
-    /// ... of which fetched together with other threads' faults waiting at the same time (one
-    /// pipelined read for all of them: see `Shared::drain_events`).
+    /// ... of which started while other fetches were in flight (`fetch.rs`: their round trips
+    /// overlap).
     pub batched_fetches: AtomicU64,
     /// Faults that found their page already installed by an earlier fault (EEXIST).
     pub already_present: AtomicU64,
@@ -238,10 +240,6 @@ static ZEROS: [u8; PAGE_SIZE] = [0; PAGE_SIZE];
 
 /// The most victims dropped together (see `Shared::make_room`).
 const EVICT_BATCH: usize = 32;
-/// At most this many faults wait to be fetched together (see `Shared::drain_events`): the
-/// pager's window per server, so that one `read_many` sends them all at once.
-const FETCH_BATCH: usize = 32;
-
 /// One prefetched page in this many is left to be faulted on, to measure the hit rate; the
 /// others are installed at once.
 const PREFETCH_CHECK: usize = 4;
@@ -533,8 +531,10 @@ where
                 prefetch_window,
                 pbuf: Vec::new(),
                 drops: Vec::new(),
-                waiting: Vec::new(),
-                wbuf: Vec::new(),
+                fetching: HashMap::new(),
+                fetch_progress: std::time::Instant::now(),
+                fetch_buf: Vec::new(),
+                fetch_done: Vec::new(),
                 protected_fetches: 0,
                 written_after_fetch: 0,
                 skipped_protection: 0,
@@ -722,9 +722,13 @@ impl<T: Transport, D: Disk> std::fmt::Debug for PagerHandle<T, D> {
 }
 
 impl<T: Transport, D: Disk> PagerHandle<T, D> {
-    /// Runs `f` on the pager, under the region's lock.
+    /// Runs `f` on the pager, under the region's lock; then installs the fetches whose replies
+    /// `f` read (the handler may be asleep waiting for them).
     pub fn with<R>(&self, f: impl FnOnce(&mut Pager<T, D>) -> R) -> R {
-        f(&mut self.0.lock().pager)
+        let mut st = self.0.lock();
+        let r = f(&mut st.pager);
+        self.0.finish_fetches(&mut st);
+        r
     }
 }
 
@@ -813,10 +817,12 @@ struct State<T: Transport, D: Disk> {
     pbuf: Vec<u8>,
     /// Victims chosen and not dropped yet (see `make_room`), kept to reuse its allocation.
     drops: Vec<(usize, usize, bool)>,
-    /// Missing faults waiting to be fetched together: (page, write, thread); and their pages'
-    /// buffer (see `Shared::drain_events`).
-    waiting: Vec<(usize, bool, u32)>,
-    wbuf: Vec<u8>,
+    /// Pages being fetched by ticket (`fetch.rs`), when one last finished, and buffers for
+    /// the finished ones.
+    fetching: HashMap<u64, fetch::Fetch>,
+    fetch_progress: std::time::Instant,
+    fetch_buf: Vec<u8>,
+    fetch_done: Vec<(u64, Result<usize, PagerError>)>,
     /// Fetched pages installed write-protected, and how many of them were written later:
     /// whether protecting fetched pages pays (see `protect_fetched`). Halved now and then.
     protected_fetches: u32,

@@ -6,35 +6,17 @@ use super::*;
 
 impl<T: Transport, D: Disk> Shared<T, D> {
     /// The pages to fetch with `page`, which faults: what the prefetcher proposes that is
-    /// neither here nor on its way, and is stored somewhere (never-written pages are zero
+    /// neither here, in the pager's cache, nor on its way, and is stored somewhere (never-written pages are zero
     /// fills, not fetches).
     pub(crate) fn proposals(&self, st: &mut State<T, D>, page: usize) -> (Vec<u64>, Mode) {
         let (mut proposed, mode) = st.prefetcher.on_fault(page as u64, self.pages as u64);
         proposed.retain(|&p| {
-            !st.clock.is_resident(p) && !st.prefetched.contains_key(&p) && st.pager.is_written(p)
+            !st.clock.is_resident(p)
+                && !st.prefetched.contains_key(&p)
+                && !st.fetching.contains_key(&p)
+                && st.pager.is_written(p)
         });
         (proposed, mode)
-    }
-
-    /// After a zero fill of `page`: fetches the pages the prefetcher proposes (a trend that
-    /// runs on into written pages) with one pipelined read.
-    pub(crate) fn prefetch(&self, st: &mut State<T, D>, page: usize) {
-        let (wanted, mode) = self.proposals(st, page);
-        if wanted.is_empty() {
-            return;
-        }
-        let mut buf = std::mem::take(&mut st.pbuf);
-        buf.resize(wanted.len() * PAGE_SIZE, 0);
-        match st.pager.read_many(&wanted, &mut buf) {
-            Ok(()) => {
-                self.install_ahead(st, &wanted, mode, &buf);
-                let keep = st.budget;
-                self.make_room(st, keep);
-            }
-            // Only a guess failed: the page's own fault will report a real error.
-            Err(e) => tracing::debug!("prefetching {wanted:?}: {e}"),
-        }
-        st.pbuf = buf;
     }
 
     /// Installs `pages` fetched ahead (proposed by `mode`; their contents in `data`).

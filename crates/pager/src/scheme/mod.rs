@@ -167,6 +167,11 @@ impl<T: Transport, D: Disk> Pager<T, D> {
 
     /// A GET that got no good data from `server` (dead, bad checksum, missing: `what`).
     pub(crate) fn get_failed(&mut self, server: usize, it: GetItem, what: Option<&'static str>) {
+        if crate::ticket::is_ticket(it.pos) && self.ticket_outdated(&it) {
+            // The page changed while its read by ticket was on its way: the server answered
+            // for the newer version, not wrongly (`ticket.rs`).
+            return self.restart_ticket(it);
+        }
         match (it.part, &self.scheme) {
             (Part::Survivor, _) => {
                 // A survivor of a parity group, or a page to protect again: recovery looks at

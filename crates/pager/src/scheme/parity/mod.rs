@@ -112,6 +112,11 @@ pub(crate) struct Par {
     /// Pages stored outside any group (their holder died, their group was damaged): recovery
     /// protects them again.
     unprotected: BTreeSet<u64>,
+    /// Pages whose write-back ended in a group (joined and shipped, or kept in place) since
+    /// recovery's last scans went out: a scan may have answered before the write-back reached
+    /// the page's server and still call the page an orphan, and protecting such a page again
+    /// would delete the very copy its new group counts on.
+    pub(crate) rejoined: BTreeSet<u64>,
     /// Scan answers, by the server that gave them.
     scanned: Vec<(usize, Vec<ScannedGroup>, Vec<PageKey>)>,
     /// Survivor reads that failed: page, slot, and whether trying again may help.
@@ -145,6 +150,7 @@ impl Par {
             recovering: BTreeSet::new(),
             lost_on: HashMap::new(),
             unprotected: BTreeSet::new(),
+            rejoined: BTreeSet::new(),
             scanned: Vec::new(),
             read_failed: Vec::new(),
             missing_tries: HashMap::new(),
@@ -363,8 +369,20 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                 }
                 Ok(())
             }
-            _ => self.finish_writeback(it.page),
+            _ => {
+                // Kept in place: in a group whose holder took the delta.
+                self.par_protected(it.page);
+                self.finish_writeback(it.page)
+            }
         }
+    }
+
+    /// A page's write-back ended in a group someone holds: it is protected, whatever an
+    /// older scan said (see `Par::rejoined`).
+    fn par_protected(&mut self, page: u64) {
+        let par = self.par_mut();
+        par.unprotected.remove(&page);
+        par.rejoined.insert(page);
     }
 
     /// Stored, but outside any group (its old group is gone): it joins a new one, where it is.
@@ -503,6 +521,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                 .get(&m.page)
                 .is_some_and(|wb| wb.version == m.version && wb.pending.is_empty())
             {
+                self.par_protected(m.page);
                 self.finish_writeback(m.page)?;
             }
         }

@@ -26,6 +26,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             return Ok(step);
         };
         let dead = self.par().addrs[x];
+        self.par_mut().rejoined.clear();
         let budget = (self.free_slots.len() / 2).max(1);
         let per_scan = (budget / self.par().n.max(1)).clamp(1, netram_proto::MAX_BATCH);
         let asked: Vec<usize> = (0..self.servers.len())
@@ -57,7 +58,9 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                     continue;
                 }
                 let e = *self.table.get(k.page);
-                if e.present && !e.lost && self.table.holders(k.page).contains(*s) {
+                if self.par().rejoined.contains(&k.page) {
+                    // Protected again while the scans were out: the answer is older.
+                } else if e.present && !e.lost && self.table.holders(k.page).contains(*s) {
                     reprotect.push(k.page);
                 } else if !self.writeback.contains_key(&k.page) {
                     // A superseded copy left behind: delete it (its tag is gone, so the delete

@@ -1,0 +1,223 @@
+//! Fetches in flight: a missing fault on a page stored in the pager starts a read by ticket
+//! (`netram_pager`'s `ticket.rs`) for it and for the pages the prefetcher proposes, and the
+//! handler goes back to its loop; the page is installed when its reply is in, whichever thread
+//! holds the region's lock then. So the faults of several threads are in flight together, a
+//! fault never waits for another page's round trip, and a second fault on a page being fetched
+//! waits for that fetch rather than starting another (Anemone §2.2: each fault is its own
+//! request; the pipeline, not a thread per fault, hides the round trips).
+//!
+//! The lock is held only while a fetch starts and while one is installed, never across the
+//! round trip. What still waits: a fork (its bookkeeping wants every fetch installed first, see
+//! `finish_all`), a degraded read that must be decoded, and a fetch whose server has not
+//! answered for [`STALLED`] (the transport's reply timeout then decides whether it is dead).
+
+use super::*;
+
+/// A fetch with no reply for this long is waited for the old way, under the transport's reply
+/// timeout, so that a server that hangs is found out as before.
+pub(crate) const STALLED: std::time::Duration = std::time::Duration::from_millis(200);
+
+/// A page being read by ticket.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Fetch {
+    /// A thread faulted on it (the last one's id, for SIGBUS) and whether any wrote; `None`
+    /// while it is only fetched ahead.
+    pub(crate) fault: Option<(bool, u32)>,
+    /// The prefetcher's rule that proposed it, if it was fetched ahead.
+    pub(crate) ahead: Option<Mode>,
+    /// The program gave the page back meanwhile (`release`): what arrives is stale.
+    pub(crate) released: bool,
+}
+
+impl<T: Transport, D: Disk> Shared<T, D> {
+    /// Whether a missing fault on `page` is served by a fetch in flight: a page stored in the
+    /// pager, neither resident nor aside, and no fork pending or child alive (their bookkeeping
+    /// goes fault by fault, see `fork.rs`).
+    pub(crate) fn fetchable(&self, st: &State<T, D>, page: usize) -> bool {
+        let p = page as u64;
+        st.forking == 0
+            && st.children.is_empty()
+            && !st.clock.is_sampled(p)
+            && !st.clock.is_resident(p)
+            && (st.fetching.contains_key(&p) || st.pager.is_written(p))
+    }
+
+    /// A missing fault by thread `tid` on a fetchable page: joins its fetch if one is in
+    /// flight, else starts one, with the pages the prefetcher proposes.
+    pub(crate) fn start_fetch(&self, st: &mut State<T, D>, page: usize, write: bool, tid: u32) {
+        self.counters.faults.fetch_add(1, Ordering::Relaxed);
+        let p = page as u64;
+        if let Some(f) = st.fetching.get_mut(&p) {
+            // Another thread's fault on the same page, or a page fetched ahead and faulted on
+            // before it arrived: its install wakes this thread too.
+            let wrote = f.fault.is_some_and(|(w, _)| w);
+            f.fault = Some((wrote || write, tid));
+            self.counters
+                .already_present
+                .fetch_add(1, Ordering::Relaxed);
+            return;
+        }
+        if !st.fetching.is_empty() {
+            self.counters
+                .batched_fetches
+                .fetch_add(1, Ordering::Relaxed);
+        }
+        if let Some(mode) = st.prefetched.remove(&p) {
+            // Fetched ahead into the pager's cache: its ticket finishes without a round trip.
+            self.counters.prefetch_hits.fetch_add(1, Ordering::Relaxed);
+            st.prefetcher.hit(mode);
+        }
+        let (ahead, mode) = self.proposals(st, page);
+        let fetch = Fetch {
+            fault: Some((write, tid)),
+            ahead: None,
+            released: false,
+        };
+        if let Err(e) = self.start_one(st, p, fetch) {
+            self.counters.errors.fetch_add(1, Ordering::Relaxed);
+            return self.unreadable(page, tid, &e);
+        }
+        for a in ahead {
+            let fetch = Fetch {
+                fault: None,
+                ahead: Some(mode),
+                released: false,
+            };
+            if let Err(e) = self.start_one(st, a, fetch) {
+                tracing::debug!("prefetching page {a}: {e}");
+            }
+        }
+    }
+
+    /// After a zero fill: fetches ahead what the prefetcher proposes (a trend that runs on
+    /// into stored pages).
+    pub(crate) fn prefetch(&self, st: &mut State<T, D>, page: usize) {
+        let (wanted, mode) = self.proposals(st, page);
+        for p in wanted {
+            let fetch = Fetch {
+                fault: None,
+                ahead: Some(mode),
+                released: false,
+            };
+            if let Err(e) = self.start_one(st, p, fetch) {
+                tracing::debug!("prefetching page {p}: {e}");
+            }
+        }
+    }
+
+    fn start_one(&self, st: &mut State<T, D>, page: u64, fetch: Fetch) -> Result<(), PagerError> {
+        if st.fetching.is_empty() {
+            st.fetch_progress = std::time::Instant::now();
+        }
+        st.pager.start_read(page, page)?;
+        st.fetching.insert(page, fetch);
+        Ok(())
+    }
+
+    /// Installs every fetch whose reply is in (waking its threads), hands the failed ones'
+    /// threads SIGBUS, then makes room. Never waits for the network (but see `fetch.rs`).
+    pub(crate) fn finish_fetches(&self, st: &mut State<T, D>) {
+        // (Tickets, not `fetching`: one given up on by `finish_all` still holds a slot.)
+        if st.pager.tickets() == 0 {
+            return;
+        }
+        let State {
+            pager,
+            fetch_buf,
+            fetch_done,
+            ..
+        } = &mut *st;
+        fetch_buf.clear();
+        let taken = pager.take_finished(|_, page, data| {
+            let data = data.map(|d| {
+                fetch_buf.extend_from_slice(d);
+                fetch_buf.len() - PAGE_SIZE
+            });
+            fetch_done.push((page, data));
+        });
+        if let Err(e) = taken {
+            tracing::warn!("after a fetch: {e}");
+        }
+        if st.fetch_done.is_empty() {
+            return;
+        }
+        st.fetch_progress = std::time::Instant::now();
+        let done = std::mem::take(&mut st.fetch_done);
+        let buf = std::mem::take(&mut st.fetch_buf);
+        for (page, data) in done.iter() {
+            let Some(f) = st.fetching.remove(page) else {
+                continue;
+            };
+            let p = *page as usize;
+            if f.released {
+                // Given back while on its way: the page reads as zeros now, served afresh.
+                if let Some((write, tid)) = f.fault {
+                    self.missing(st, p, write, tid);
+                }
+                continue;
+            }
+            match (data, f.fault) {
+                (Ok(at), Some((write, _))) => {
+                    self.install_fetched(st, p, write, &buf[*at..*at + PAGE_SIZE]);
+                }
+                (Ok(at), None) => {
+                    let mode = f.ahead.expect("a fetch is a fault's or ahead");
+                    self.install_ahead(st, &[*page], mode, &buf[*at..*at + PAGE_SIZE]);
+                }
+                (Err(e), Some((_, tid))) => {
+                    self.counters.errors.fetch_add(1, Ordering::Relaxed);
+                    self.unreadable(p, tid, e);
+                }
+                // Only a guess failed: the page's own fault will report a real error.
+                (Err(e), None) => tracing::debug!("prefetching page {page}: {e}"),
+            }
+        }
+        st.fetch_done = done;
+        st.fetch_done.clear();
+        st.fetch_buf = buf;
+        let keep = st.budget;
+        self.make_room(st, keep);
+    }
+
+    /// Reads the replies that have arrived and installs what they finish; falls back on
+    /// waiting (under the transport's reply timeout) when nothing has come for [`STALLED`].
+    pub(crate) fn progress_fetches(&self, st: &mut State<T, D>) {
+        if st.pager.tickets() == 0 {
+            return;
+        }
+        if let Err(e) = st.pager.poll() {
+            tracing::debug!("while fetching: {e}");
+        }
+        self.finish_fetches(st);
+        if !st.fetching.is_empty() && st.fetch_progress.elapsed() > STALLED {
+            self.finish_all(st);
+        }
+    }
+
+    /// Waits for every fetch in flight and installs it: before a fork, and for a fetch that
+    /// stalled.
+    pub(crate) fn finish_all(&self, st: &mut State<T, D>) {
+        // Each round finishes a read or declares a server dead (its reads go elsewhere):
+        // bounded; a few rounds cover reads sent again.
+        for _ in 0..64 {
+            if st.fetching.is_empty() {
+                return;
+            }
+            if let Err(e) = st.pager.wait_finished() {
+                tracing::debug!("while finishing fetches: {e}");
+            }
+            self.finish_fetches(st);
+        }
+        if !st.fetching.is_empty() {
+            tracing::error!(
+                pages = st.fetching.len(),
+                "fetches that never finished: their threads are woken to fault again"
+            );
+            for (page, f) in std::mem::take(&mut st.fetching) {
+                if f.fault.is_some() {
+                    let _ = self.uffd.wake(self.base.page(page as usize), PAGE_SIZE);
+                }
+            }
+        }
+    }
+}
