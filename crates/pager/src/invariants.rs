@@ -206,6 +206,14 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                 ));
             }
         }
+        // The order of requests sent keeps answered ones only so long (`Inflight::compact`):
+        // a pager driven by events alone must not grow without bound.
+        let (order, ops) = (self.inflight.order.len(), self.inflight.ops.len());
+        if order > 2 * ops + 65 {
+            return Err(format!(
+                "{order} requests remembered in sending order for {ops} in flight"
+            ));
+        }
         Ok(())
     }
 

@@ -263,6 +263,7 @@ impl Inbox<'_> {
             )));
         }
         self.inflight.per_server[s] -= op.credits();
+        self.inflight.compact();
         self.complete(server, op, reply);
         Ok(())
     }

@@ -153,6 +153,17 @@ impl Inflight {
         handover
     }
 
+    /// Forgets answered requests in `order` once they outnumber those in flight: a pager
+    /// driven without waiting (reads by ticket, `on_reply`) never asks for the oldest, which
+    /// is where they are otherwise dropped (a `netram run` of GNU sort grew by 16 bytes a
+    /// request, 8 MiB in 16 s). Amortized O(1) a request.
+    pub(crate) fn compact(&mut self) {
+        if self.order.len() > 2 * self.ops.len() + 64 {
+            let ops = &self.ops;
+            self.order.retain(|(id, _)| ops.contains_key(id));
+        }
+    }
+
     /// Whether anything but direct migrations is in flight.
     pub(crate) fn any_but_handovers(&self) -> bool {
         self.ops.values().any(|(_, op)| !op.is_handover())
@@ -449,6 +460,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                 self.inflight.per_server[server] += op.credits();
                 self.inflight.ops.insert(id, (server, op));
                 self.inflight.order.push_back((id, server));
+                self.inflight.compact();
             }
             Err(e) => {
                 self.mark_dead(server, e);
