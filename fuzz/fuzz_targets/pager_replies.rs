@@ -6,8 +6,9 @@
 //! stores spoken to through real frames, and carry parity deltas to each other as daemons do.
 //!
 //! What must hold: nothing panics (debug assertions included), every read that succeeds returns
-//! exactly what was last written (zeros for pages never written or discarded), and under a
-//! redundancy scheme one liar never costs a page: reads still succeed. A lie is seen as a
+//! exactly what was last written (zeros for pages never written or discarded), a read by
+//! ticket returns the page as it was when it started or anything written over it before it
+//! finished, and under a redundancy scheme one liar never costs a page: reads still succeed. A lie is seen as a
 //! checksum, version or protocol error, counted, and the liar is declared dead.
 //!
 //! The lies keep the honest server's bytes under the page checksum: one bit flipped, never a
@@ -92,6 +93,13 @@ enum Act {
     // Every reply waiting, pushed to the pager one at a time (`on_reply`; `on_failure` for a
     // frame that does not decode), as a runtime delivers them while the program is idle.
     Push,
+    /// A read by ticket started (`Pager::start_read`), left in flight across what follows, as
+    /// the userfaultfd handler's fetches are.
+    Start {
+        page: u8,
+    },
+    /// The finished reads by ticket taken and checked.
+    Take,
 }
 
 struct Server {
@@ -337,17 +345,68 @@ fuzz_target!(|input: Input| {
             ),
         }
     };
+    // Reads by ticket in flight: page, what it may return, whether its page was discarded
+    // (or its write failed) meanwhile, which excuses a failure.
+    let mut tickets: HashMap<u64, (u64, Vec<Vec<u8>>, bool)> = HashMap::new();
+    let mut next_ticket = 0u64;
+    let changed = |tickets: &mut HashMap<u64, (u64, Vec<Vec<u8>>, bool)>,
+                   page: u64,
+                   to: Option<Vec<u8>>| {
+        for (p, may, excused) in tickets.values_mut() {
+            if *p == page {
+                match &to {
+                    Some(d) => may.push(d.clone()),
+                    None => {
+                        may.push(vec![0u8; PAGE_SIZE]);
+                        *excused = true;
+                    }
+                }
+            }
+        }
+    };
+    let take = |pager: &mut Pager<Cluster, MemDisk>,
+                tickets: &mut HashMap<u64, (u64, Vec<Vec<u8>>, bool)>,
+                unknown: &HashSet<u64>| {
+        let _ = pager.take_finished(|tag, page, data| {
+            let (want_page, may, excused) = tickets.remove(&tag).expect("a ticket finishes once");
+            assert_eq!(page, want_page, "ticket {tag} finished for another page");
+            if unknown.contains(&page) {
+                return;
+            }
+            match data {
+                Ok(d) => assert!(
+                    may.iter().any(|m| m.as_slice() == d),
+                    "ticket {tag}: page {page} read back what it never held"
+                ),
+                Err(e) => assert!(
+                    !redundant || excused,
+                    "{scheme}: one lying server cost a read by ticket of page {page}: {e}"
+                ),
+            }
+        });
+    };
     for act in input.acts.iter().take(64) {
         match *act {
             Act::Write { page, round } => {
                 let page = u64::from(page) % PAGES;
                 let data = content(page, round);
+                changed(&mut tickets, page, Some(data.clone()));
                 if pager.write(page, &data).is_ok() {
                     model.insert(page, data);
                 } else {
                     unknown.insert(page);
                 }
             }
+            Act::Start { page } => {
+                let page = u64::from(page) % PAGES;
+                let now = model.get(&page).cloned().unwrap_or_else(|| zeros.clone());
+                if pager.start_read(page, next_ticket).is_ok() {
+                    tickets.insert(next_ticket, (page, vec![now], false));
+                }
+                next_ticket += 1;
+                pager.send_queued();
+            }
+            Act::Take => take(&mut pager, &mut tickets, &unknown),
             Act::WriteMany { first, n, round } => {
                 let mut pages: Vec<u64> = (0..u64::from(n % 16) + 1)
                     .map(|i| (u64::from(first) + i) % PAGES)
@@ -355,6 +414,9 @@ fuzz_target!(|input: Input| {
                 pages.sort_unstable();
                 pages.dedup();
                 let data: Vec<u8> = pages.iter().flat_map(|&p| content(p, round)).collect();
+                for &p in &pages {
+                    changed(&mut tickets, p, Some(content(p, round)));
+                }
                 if pager.write_many(&pages, &data).is_ok() {
                     for &p in &pages {
                         model.insert(p, content(p, round));
@@ -374,6 +436,7 @@ fuzz_target!(|input: Input| {
             }
             Act::Discard { page } => {
                 let page = u64::from(page) % PAGES;
+                changed(&mut tickets, page, None);
                 if pager.discard(page).is_ok() {
                     model.remove(&page);
                 } else {
@@ -417,6 +480,18 @@ fuzz_target!(|input: Input| {
             }
         }
     }
+    // Every read by ticket finishes (a server that never answers times out).
+    for _ in 0..64 {
+        if tickets.is_empty() {
+            break;
+        }
+        let _ = pager.wait_finished();
+        take(&mut pager, &mut tickets, &unknown);
+    }
+    assert!(tickets.is_empty(), "{} reads by ticket never finished", tickets.len());
+    pager
+        .check_invariants()
+        .expect("invariants once every ticket is taken");
     let all: Vec<u64> = (0..PAGES).collect();
     check(&mut pager, &model, &unknown, &all);
 });
