@@ -190,6 +190,9 @@ impl<T: Transport, D: Disk> Shared<T, D> {
         }
         self.finish_fetches(st);
         if !st.fetching.is_empty() && st.fetch_progress.elapsed() > STALLED {
+            self.counters
+                .fetches_stalled
+                .fetch_add(1, Ordering::Relaxed);
             self.finish_all(st);
         }
     }

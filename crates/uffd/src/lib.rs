@@ -166,6 +166,9 @@ pub struct RegionCounters {
     pub batched_fetches: AtomicU64,
     /// Faults that found their page already installed by an earlier fault (EEXIST).
     pub already_present: AtomicU64,
+    /// Times fetches in flight had no reply for `fetch::STALLED` and were waited for under the
+    /// transport's reply timeout (a server that hangs).
+    pub fetches_stalled: AtomicU64,
     /// Write-protect faults (a write that raced with an eviction).
     pub write_protect_faults: AtomicU64,
     /// Pages evicted to the pager.
@@ -695,7 +698,11 @@ impl<T: Transport, D: Disk> Region<T, D> {
 
     /// Runs `f` on the region's pager (its counters, its servers).
     pub fn with_pager<R>(&self, f: impl FnOnce(&mut Pager<T, D>) -> R) -> R {
-        f(&mut self.shared.lock().pager)
+        let mut st = self.shared.lock();
+        let r = f(&mut st.pager);
+        // Fetches whose replies `f` read are installed now (the handler may be asleep).
+        self.shared.finish_fetches(&mut st);
+        r
     }
 
     /// A handle on the region's pager for another thread (the background recovery): it takes

@@ -879,3 +879,103 @@ fn a_forked_child_is_held_to_its_budget() {
     assert!(RegionCounters::get(&c.child_private_pages) > 0, "{c:?}");
     assert_eq!(RegionCounters::get(&c.errors), 0, "{c:?}");
 }
+
+/// A TCP relay in front of a server that can be told to hold every byte (the server hangs:
+/// its connections stay open, nothing comes back). Its threads end when both sides close.
+struct Relay {
+    addr: String,
+    frozen: Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl Relay {
+    fn start(to: String) -> Relay {
+        use std::net::{TcpListener, TcpStream};
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        let frozen = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let held = frozen.clone();
+        std::thread::spawn(move || {
+            for client in listener.incoming() {
+                let Ok(client) = client else { return };
+                let Ok(server) = TcpStream::connect(&to) else {
+                    return;
+                };
+                let pipe = |mut from: TcpStream, mut to: TcpStream| {
+                    let held = held.clone();
+                    std::thread::spawn(move || {
+                        use std::io::{Read, Write};
+                        let mut buf = vec![0u8; 1 << 16];
+                        while let Ok(n) = from.read(&mut buf) {
+                            if n == 0 {
+                                break;
+                            }
+                            while held.load(Ordering::Relaxed) {
+                                std::thread::sleep(Duration::from_millis(5));
+                            }
+                            if to.write_all(&buf[..n]).is_err() {
+                                break;
+                            }
+                        }
+                        let _ = to.shutdown(std::net::Shutdown::Both);
+                    });
+                };
+                pipe(client.try_clone().unwrap(), server.try_clone().unwrap());
+                pipe(server, client);
+            }
+        });
+        Relay { addr, frozen }
+    }
+}
+
+use std::time::Duration;
+
+#[test]
+fn a_server_that_hangs_mid_fetch_is_timed_out_and_the_other_copy_serves() {
+    // Every fetch is in flight while the handler goes on (`fetch.rs`): one whose server has
+    // stopped answering must still end, by the transport's reply timeout, and be served by
+    // the page's other copy; no faulting thread waits for good.
+    let cluster = LocalCluster::start_insecure(2, 8 << 20, false).unwrap();
+    let addrs = cluster.addrs();
+    let relay = Relay::start(addrs[0].clone());
+    let client = netram_client::ClientConfig {
+        reply_timeout: Duration::from_millis(500),
+        ..cluster.client()
+    };
+    let t = TcpTransport::connect(&[relay.addr.clone(), addrs[1].clone()], &client);
+    let cfg = PagerConfig {
+        pages: PAGES as u64,
+        cache_pages: 0,
+        redundancy: "mirror:2".parse().unwrap(),
+        ..Default::default()
+    };
+    let pager = Pager::new(cfg, t, MemDisk::default());
+    let mut r = Region::new(pager, PAGES * PAGE_SIZE, 32 * PAGE_SIZE).expect("a region");
+    let mem = r.as_mut_slice();
+    for p in 0..PAGES {
+        mem[p * PAGE_SIZE..(p + 1) * PAGE_SIZE].fill(fill(p, 3));
+    }
+    // Out to both servers, then the first one hangs.
+    r.set_budget(PAGE_SIZE);
+    r.set_budget(32 * PAGE_SIZE);
+    relay.frozen.store(true, Ordering::Relaxed);
+    let started = std::time::Instant::now();
+    let mem = r.as_mut_slice();
+    for p in 0..PAGES {
+        let page = &mem[p * PAGE_SIZE..(p + 1) * PAGE_SIZE];
+        assert!(page.iter().all(|&b| b == fill(p, 3)), "page {p}");
+    }
+    let took = started.elapsed();
+    let dead = r.with_pager(|p| p.counters().servers_dead);
+    relay.frozen.store(false, Ordering::Relaxed);
+    assert_eq!(dead, 1, "the hung server was declared dead");
+    assert!(
+        took < Duration::from_secs(20),
+        "{PAGES} pages took {took:?} after one server hung"
+    );
+    let c = r.counters();
+    assert_eq!(RegionCounters::get(&c.sigbus), 0, "{c:?}");
+    // Found out by the handler's own fallback, not by the server closing an idle connection
+    // (which it does after some seconds, and which would end the wait too).
+    assert!(RegionCounters::get(&c.fetches_stalled) > 0, "{c:?}");
+    drop(r);
+}
