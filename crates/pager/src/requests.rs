@@ -234,11 +234,20 @@ fn add_to_batch<I>(
 impl<T: Transport, D: Disk> Pager<T, D> {
     /// Queues a GET on its server's open batch; a full batch goes out.
     pub(crate) fn submit_get_item(&mut self, server: usize, it: GetItem) {
+        if self.add_get(server, it) {
+            self.pump_paced(server);
+        }
+    }
+
+    /// Puts a GET on its server's open batch (a dead server's fails over at once); true when
+    /// that batch is now full.
+    fn add_get(&mut self, server: usize, it: GetItem) -> bool {
         self.counters.gets += 1;
         if !self.servers[server].alive {
-            return self.get_failed(server, it, None);
+            self.get_failed(server, it, None);
+            return false;
         }
-        let full = add_to_batch(
+        add_to_batch(
             &mut self.queues[server],
             self.cfg.batch_max,
             it,
@@ -247,30 +256,13 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                 _ => None,
             },
             Op::Get,
-        );
-        if full {
-            self.pump_paced(server);
-        }
+        )
     }
 
     /// Queues a read by ticket's GET on its server's open batch; a full batch goes out if its
     /// server has credits. Never waits (unlike `submit_get_item` outside reply handling).
     pub(crate) fn queue_get(&mut self, server: usize, it: GetItem) {
-        self.counters.gets += 1;
-        if !self.servers[server].alive {
-            return self.get_failed(server, it, None);
-        }
-        let full = add_to_batch(
-            &mut self.queues[server],
-            self.cfg.batch_max,
-            it,
-            |op| match op {
-                Op::Get(items) => Some(items),
-                _ => None,
-            },
-            Op::Get,
-        );
-        if full {
+        if self.add_get(server, it) {
             self.pump(server, false);
         }
     }
