@@ -205,6 +205,7 @@ pub(crate) extern "C" fn at_exit() {
             "released": c.released,
             "batched_fetches": get(&rc.batched_fetches),
             "unreadable_victims": get(&rc.unreadable_victims),
+            "write_protect_calls": get(&rc.write_protect_calls),
             "forks": get(&rc.forks),
             "child_faults": get(&rc.child_faults),
             "child_copies": get(&rc.child_copies),

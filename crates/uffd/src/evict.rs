@@ -5,14 +5,16 @@
 use super::*;
 
 impl<T: Transport, D: Disk> Shared<T, D> {
-    /// Evicts until at most `keep` pages are resident, sampling on the way; stops at the first
-    /// failure (logged and counted).
+    /// Evicts until at most `keep` pages are resident, sampling on the way.
     ///
-    /// Victims go in batches: every page that leaves the program's page tables costs a TLB
-    /// shootdown (an interrupt to each CPU running the program), and the pages of one batch
-    /// leave with one `process_madvise` call, which the kernel (6.16 on) flushes once. A
-    /// victim chosen but not dropped yet stays mapped write-protected (or aside, if sampled):
-    /// a write to it blocks until the batch is gone and then faults it back in.
+    /// Victims go in batches, in three steps: chosen, write-protected, then copied out, stored
+    /// and dropped. Every change to the program's page tables costs a TLB shootdown (an
+    /// interrupt to each other CPU running the program, a VM exit on a virtual machine), so
+    /// the dirty victims of a batch that are consecutive pages are write-protected with one
+    /// call, and the pages of a batch leave with one `process_madvise` call, which the kernel
+    /// (6.16 on) flushes once. A victim chosen but not dropped yet stays mapped
+    /// write-protected (or aside, if sampled): a write to it blocks until the batch is gone
+    /// and then faults it back in.
     pub(crate) fn make_room(&self, st: &mut State<T, D>, keep: usize) {
         if st.clock.len() <= keep || st.forking > 0 {
             // While a fork is pending nothing leaves: the child gets every page resident at
@@ -22,8 +24,8 @@ impl<T: Transport, D: Disk> Shared<T, D> {
         // A batch small next to the budget, so that residency stays close to it.
         let batch = (st.budget / 16).clamp(1, EVICT_BATCH);
         let target = keep.saturating_sub(batch - 1);
-        let mut drops = std::mem::take(&mut st.drops);
-        let mut skipped = 0;
+        let mut chosen = std::mem::take(&mut st.victims);
+        chosen.clear();
         while st.clock.len() > target {
             let Some(victim) = st.clock.victim() else {
                 break;
@@ -42,8 +44,13 @@ impl<T: Transport, D: Disk> Shared<T, D> {
                     }
                 }
             }
-            let page = victim.page as usize;
-            let evicted = if victim.sampled {
+            chosen.push((victim.page as usize, victim.sampled));
+        }
+        self.protect_victims(st, &mut chosen);
+        let mut drops = std::mem::take(&mut st.drops);
+        let mut failed = false;
+        for &(page, sampled) in &chosen {
+            let evicted = if sampled {
                 self.evict_sampled(st, page)
                     .map(|a| Some((page, a as usize, false)))
             } else {
@@ -52,24 +59,59 @@ impl<T: Transport, D: Disk> Shared<T, D> {
             };
             match evicted {
                 Ok(Some(d)) => drops.push(d),
-                Ok(None) => {
-                    // Unreadable, kept (at the back of the ring): the next one, unless every
-                    // resident page has been passed over this time.
-                    skipped += 1;
-                    if skipped > st.clock.len() {
-                        break;
-                    }
-                }
+                // Unreadable, kept (at the back of the ring).
+                Ok(None) => {}
+                // The page stays resident (see `evict_mapped`); the rest of the batch is
+                // tried, as it is already write-protected, and the first failure logged.
                 Err(e) => {
                     self.counters.errors.fetch_add(1, Ordering::Relaxed);
-                    tracing::error!("evicting a page: {e}");
-                    break;
+                    if !failed {
+                        tracing::error!("evicting a page: {e}");
+                    }
+                    failed = true;
                 }
             }
         }
         self.drop_batch(st, &drops);
         drops.clear();
         st.drops = drops;
+        st.victims = chosen;
+    }
+
+    /// Write-protects the chosen victims that are mapped and dirty, each run of consecutive
+    /// pages with one call; the pages of a run that cannot be protected stay resident and
+    /// leave the batch.
+    fn protect_victims(&self, st: &mut State<T, D>, chosen: &mut Vec<(usize, bool)>) {
+        let mut dirty: Vec<usize> = chosen
+            .iter()
+            .filter(|&&(page, sampled)| !sampled && st.dirty[page])
+            .map(|&(page, _)| page)
+            .collect();
+        dirty.sort_unstable();
+        let mut kept = Vec::new();
+        for run in dirty.chunk_by(|a, b| b - a == 1) {
+            let addr = self.base.page(run[0]);
+            self.counters
+                .write_protect_calls
+                .fetch_add(1, Ordering::Relaxed);
+            if let Err(errno) = self.uffd.set_write_protect_range(addr, run.len(), true, true) {
+                self.counters
+                    .errors
+                    .fetch_add(run.len() as u64, Ordering::Relaxed);
+                let e = PageError::WriteProtect {
+                    page: run[0],
+                    errno,
+                };
+                tracing::error!("evicting {} pages: {e}", run.len());
+                for &page in run {
+                    st.clock.insert(page as u64);
+                    kept.push(page);
+                }
+            }
+        }
+        if !kept.is_empty() {
+            chosen.retain(|(page, _)| !kept.contains(page));
+        }
     }
 
     /// Drops the chosen victims' memory: `(page, address, whether in the region)`.
@@ -174,9 +216,9 @@ impl<T: Transport, D: Disk> Shared<T, D> {
         }
     }
 
-    /// Evicts a page still mapped: write-protect, copy out, store; the caller drops it. On
-    /// failure the page stays resident and writable; `None` (kept, resident, nothing
-    /// counted as an error) if the program has made it unreadable.
+    /// Evicts a page still mapped, write-protected by `protect_victims` if dirty: copy out,
+    /// store; the caller drops it. On failure the page stays resident and writable; `None`
+    /// (kept, resident, nothing counted as an error) if the program has made it unreadable.
     pub(crate) fn evict_mapped(
         &self,
         st: &mut State<T, D>,
@@ -190,11 +232,8 @@ impl<T: Transport, D: Disk> Shared<T, D> {
             self.counters.evicted_clean.fetch_add(1, Ordering::Relaxed);
             return Ok(Some(addr));
         }
-        // A write after this blocks in a write-protect fault until the page is gone.
-        if let Err(errno) = self.uffd.set_write_protect(addr, true, true) {
-            st.clock.insert(page as u64);
-            return Err(PageError::WriteProtect { page, errno });
-        }
+        // Write-protected (`protect_victims`): a write from now on blocks in a write-protect
+        // fault until the page is gone.
         let copied = if self.unreadable_possible.load(Ordering::Relaxed) {
             let mut buf = std::mem::take(&mut st.buf);
             let copied = self.copy_out(addr, &mut buf);

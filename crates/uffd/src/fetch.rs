@@ -142,8 +142,15 @@ impl<T: Transport, D: Disk> Shared<T, D> {
             return;
         }
         st.fetch_progress = std::time::Instant::now();
-        let done = std::mem::take(&mut st.fetch_done);
+        let mut done = std::mem::take(&mut st.fetch_done);
         let buf = std::mem::take(&mut st.fetch_buf);
+        // The pages threads wait for first; then the ones fetched ahead, in address order,
+        // which is the order they queue for eviction in: consecutive victims are
+        // write-protected together (`evict.rs`).
+        done.sort_unstable_by_key(|&(page, _)| {
+            let ahead = st.fetching.get(&page).is_none_or(|f| f.fault.is_none());
+            (ahead, page)
+        });
         for (page, data) in done.iter() {
             let Some(f) = st.fetching.remove(page) else {
                 continue;

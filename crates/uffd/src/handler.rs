@@ -199,6 +199,11 @@ impl<T: Transport, D: Disk> Shared<T, D> {
                     let mut st = self.lock();
                     if !st.fetching.is_empty() {
                         st.pager.send_queued();
+                        // The room the fetches need is made while their requests are on the
+                        // wire, not after their pages are installed: on the faulting
+                        // thread's CPU, eviction after the install delays its wake-up.
+                        let keep = st.budget.saturating_sub(st.fetching.len());
+                        self.make_room(&mut st, keep);
                         self.progress_fetches(&mut st);
                     }
                     return Some(!st.fetching.is_empty());

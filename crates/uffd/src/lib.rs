@@ -171,6 +171,9 @@ pub struct RegionCounters {
     pub fetches_stalled: AtomicU64,
     /// Write-protect faults (a write that raced with an eviction).
     pub write_protect_faults: AtomicU64,
+    /// Calls that write-protected victims before they were copied out: one per run of
+    /// consecutive dirty pages in a batch, each a TLB flush.
+    pub write_protect_calls: AtomicU64,
     /// Pages evicted to the pager.
     pub evictions: AtomicU64,
     /// ... of which all zeros, discarded instead of stored.
@@ -534,6 +537,7 @@ where
                 prefetch_window,
                 pbuf: Vec::new(),
                 drops: Vec::new(),
+                victims: Vec::new(),
                 fetching: HashMap::new(),
                 fetch_progress: std::time::Instant::now(),
                 fetch_buf: Vec::new(),
@@ -824,6 +828,8 @@ struct State<T: Transport, D: Disk> {
     pbuf: Vec<u8>,
     /// Victims chosen and not dropped yet (see `make_room`), kept to reuse its allocation.
     drops: Vec<(usize, usize, bool)>,
+    /// The batch of victims being evicted, `(page, sampled)` (see `make_room`).
+    victims: Vec<(usize, bool)>,
     /// Pages being fetched by ticket (`fetch.rs`), when one last finished, and buffers for
     /// the finished ones.
     fetching: HashMap<u64, fetch::Fetch>,

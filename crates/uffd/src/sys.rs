@@ -289,6 +289,18 @@ impl Uffd {
         protect: bool,
         wake: bool,
     ) -> Result<(), Errno> {
+        self.set_write_protect_range(addr, 1, protect, wake)
+    }
+
+    /// [`Uffd::set_write_protect`] over `pages` consecutive pages: one call, so one TLB flush
+    /// for all of them (each flush interrupts every other CPU that runs the program).
+    pub(crate) fn set_write_protect_range(
+        &self,
+        addr: *mut c_void,
+        pages: usize,
+        protect: bool,
+        wake: bool,
+    ) -> Result<(), Errno> {
         const UFFDIO_WRITEPROTECT_MODE_WP: u64 = 1 << 0;
         const UFFDIO_WRITEPROTECT_MODE_DONTWAKE: u64 = 1 << 1;
         let mut mode = 0;
@@ -299,11 +311,11 @@ impl Uffd {
             mode |= UFFDIO_WRITEPROTECT_MODE_DONTWAKE;
         }
         let mut w = k::uffdio_writeprotect {
-            range: range(addr, PAGE as usize),
+            range: range(addr, pages * PAGE as usize),
             mode,
         };
         // SAFETY: UFFDIO_WRITEPROTECT reads one struct uffdio_writeprotect; it changes only
-        // the protection of a page of a range registered here.
+        // the protection of pages of a range registered here.
         unsafe {
             rustix::ioctl::ioctl(
                 self,
