@@ -55,11 +55,25 @@ pub struct Options {
 const SWAP_PRIORITY: &str = "32000";
 const FIO_DEVICE: &str = "256M";
 /// The fio jobs of the report, as keyed in `fio.<target>`.
-const FIO_JOBS: [&str; 4] = [
+const FIO_JOBS: [&str; 5] = [
     "randread_qd1",
     "randread_qd32",
     "randwrite_qd1",
     "randwrite_qd32",
+    MIXED_JOB,
+];
+
+/// Random writes of mixed sizes, 4 to 64 KiB, at depth 32, then every block read back and
+/// checked by fio (a crc32c in each block): what a file system or database on the device
+/// does, and issue 38's write target. It writes the device's size once rather than for a
+/// time, so that every block written is verified; a block that reads back wrong fails the run.
+const MIXED_JOB: &str = "mixedwrite_verify_qd32";
+const MIXED_ARGS: [&str; 5] = [
+    "--rw=randwrite",
+    "--bssplit=4k/25:8k/25:16k/20:32k/15:64k/15",
+    "--verify=crc32c",
+    "--do_verify=1",
+    "--verify_fatal=1",
 ];
 
 #[derive(Debug, Clone, Copy, Serialize)]
@@ -67,6 +81,14 @@ struct FioFigure {
     iops: f64,
     p50_us: f64,
     p99_us: f64,
+    /// Megabytes per second written or read by the job.
+    mb_per_s: f64,
+    /// The mixed job's reading back and checking: megabytes per second.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    verify_mb_per_s: Option<f64>,
+    /// I/Os the job made, both ways (the CPU per I/O is over these).
+    #[serde(skip)]
+    ios: f64,
     /// CPU time of the serving process per I/O: `netram nbd`, or nbdkit.
     device_cpu_us_per_io: f64,
     /// CPU time of netram's three page servers per I/O (none for nbdkit).
@@ -210,24 +232,31 @@ fn start_nbdkit(socket: &Path, size: &str) -> anyhow::Result<ChildGuard> {
     Ok(g)
 }
 
-fn fio_job(uri: &str, rw: &str, depth: u32, seconds: u64) -> anyhow::Result<FioFigure> {
-    let out = sh(
-        "fio",
-        &[
-            "--name=bench",
-            "--ioengine=nbd",
-            &format!("--uri={uri}"),
-            &format!("--rw={rw}"),
-            "--bs=4k",
-            &format!("--iodepth={depth}"),
-            &format!("--size={FIO_DEVICE}"),
-            &format!("--runtime={seconds}"),
-            "--time_based",
-            "--norandommap",
-            "--randrepeat=0",
-            "--output-format=json",
-        ],
-    )?;
+/// One fio job: `rw` of 4 KiB blocks at `depth` for `seconds`, or [`MIXED_JOB`] (`rw` of
+/// `None`).
+fn fio_job(uri: &str, rw: Option<&str>, depth: u32, seconds: u64) -> anyhow::Result<FioFigure> {
+    let mut args = vec![
+        "--name=bench".to_string(),
+        "--ioengine=nbd".into(),
+        format!("--uri={uri}"),
+        format!("--iodepth={depth}"),
+        format!("--size={FIO_DEVICE}"),
+        "--norandommap".into(),
+        "--randrepeat=0".into(),
+        "--output-format=json".into(),
+    ];
+    match rw {
+        Some(rw) => args.extend([
+            format!("--rw={rw}"),
+            "--bs=4k".into(),
+            format!("--runtime={seconds}"),
+            "--time_based".into(),
+        ]),
+        None => args.extend(MIXED_ARGS.map(String::from)),
+    }
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let out = sh("fio", &args)?;
+    let rw = rw.unwrap_or("randwrite");
     // fio may print notes before its JSON.
     let json = out.find('{').map_or(out.as_str(), |at| &out[at..]);
     let v: Value = serde_json::from_str(json)
@@ -235,10 +264,24 @@ fn fio_job(uri: &str, rw: &str, depth: u32, seconds: u64) -> anyhow::Result<FioF
     let dir = if rw.contains("read") { "read" } else { "write" };
     let j = &v["jobs"][0][dir];
     let pct = |p: &str| j["clat_ns"]["percentile"][p].as_f64().unwrap_or(f64::NAN) / 1000.0;
+    let mb = |d: &Value| d["bw_bytes"].as_f64().unwrap_or(f64::NAN) / 1e6;
+    anyhow::ensure!(
+        v["jobs"][0]["error"].as_i64() == Some(0),
+        "fio reported an error: {}",
+        v["jobs"][0]["error"]
+    );
     Ok(FioFigure {
         iops: j["iops"].as_f64().unwrap_or(f64::NAN),
         p50_us: pct("50.000000"),
         p99_us: pct("99.000000"),
+        mb_per_s: mb(j),
+        ios: ["read", "write"]
+            .iter()
+            .map(|d| v["jobs"][0][d]["total_ios"].as_f64().unwrap_or(0.0))
+            .sum(),
+        verify_mb_per_s: (dir == "write" && j["total_ios"].as_u64().is_some())
+            .then(|| mb(&v["jobs"][0]["read"]))
+            .filter(|&m| m > 0.0),
         device_cpu_us_per_io: f64::NAN,
         servers_cpu_us_per_io: None,
     })
@@ -304,28 +347,30 @@ fn fio_matrix(
         )?;
     }
     let mut samples: BTreeMap<(&'static str, String), Vec<FioFigure>> = BTreeMap::new();
+    let jobs = [
+        (Some("randread"), 1),
+        (Some("randread"), 32),
+        (Some("randwrite"), 1),
+        (Some("randwrite"), 32),
+        (None, 32),
+    ];
     for round in 0..rounds {
-        for rw in ["randread", "randwrite"] {
-            for depth in [1u32, 32] {
-                let mut order = targets.clone();
-                if round % 2 == 1 {
-                    order.reverse();
+        for (rw, depth) in jobs {
+            let key = rw.map_or(MIXED_JOB.to_string(), |rw| format!("{rw}_qd{depth}"));
+            let mut order = targets.clone();
+            if round % 2 == 1 {
+                order.reverse();
+            }
+            for &(name, uri) in &order {
+                eprintln!("fio: round {round}, {name} {key} ...");
+                let (device, servers) = &pids[name];
+                let (d0, s0) = (cpu_of(&[*device]), cpu_of(servers));
+                let mut f = fio_job(uri, rw, depth, seconds)?;
+                f.device_cpu_us_per_io = (cpu_of(&[*device]) - d0) * 1e6 / f.ios;
+                if !servers.is_empty() {
+                    f.servers_cpu_us_per_io = Some((cpu_of(servers) - s0) * 1e6 / f.ios);
                 }
-                for &(name, uri) in &order {
-                    eprintln!("fio: round {round}, {name} {rw} depth {depth} ...");
-                    let (device, servers) = &pids[name];
-                    let (d0, s0) = (cpu_of(&[*device]), cpu_of(servers));
-                    let mut f = fio_job(uri, rw, depth, seconds)?;
-                    let ios = f.iops * seconds as f64;
-                    f.device_cpu_us_per_io = (cpu_of(&[*device]) - d0) * 1e6 / ios;
-                    if !servers.is_empty() {
-                        f.servers_cpu_us_per_io = Some((cpu_of(servers) - s0) * 1e6 / ios);
-                    }
-                    samples
-                        .entry((name, format!("{rw}_qd{depth}")))
-                        .or_default()
-                        .push(f);
-                }
+                samples.entry((name, key.clone())).or_default().push(f);
             }
         }
     }
@@ -337,6 +382,11 @@ fn fio_matrix(
                 iops: median(figs.iter().map(|f| f.iops).collect()),
                 p50_us: median(figs.iter().map(|f| f.p50_us).collect()),
                 p99_us: median(figs.iter().map(|f| f.p99_us).collect()),
+                mb_per_s: median(figs.iter().map(|f| f.mb_per_s).collect()),
+                verify_mb_per_s: figs[0]
+                    .verify_mb_per_s
+                    .map(|_| median(figs.iter().filter_map(|f| f.verify_mb_per_s).collect())),
+                ios: median(figs.iter().map(|f| f.ios).collect()),
                 device_cpu_us_per_io: median(figs.iter().map(|f| f.device_cpu_us_per_io).collect()),
                 servers_cpu_us_per_io: figs[0].servers_cpu_us_per_io.map(|_| {
                     median(
@@ -742,6 +792,14 @@ fn targets(
             "ge",
         ));
     }
+    if let (Some(n), Some(k)) = (f("netram", MIXED_JOB), f("nbdkit", MIXED_JOB)) {
+        t.push(target(
+            "fio writes of 4-64 KiB qd32, verified, MB/s: netram / nbdkit",
+            n.mb_per_s / k.mb_per_s,
+            1.0,
+            "ge",
+        ));
+    }
     if let (Some(n), Some(k)) = (f("netram", "randread_qd1"), f("nbdkit", "randread_qd1")) {
         t.push(target(
             "fio randread qd1 p50: netram / (nbdkit + 1.3 × raw fast RTT)",
@@ -847,7 +905,10 @@ fn markdown(r: &Value, targets: &[Target], skipped: &[String], plotted: bool) ->
         r["pm_qos_held"]
     );
     if let Some(fio) = r["fio"].as_object().filter(|m| !m.is_empty()) {
-        let _ = writeln!(s, "## fio, 4 KiB, nbd engine, device {FIO_DEVICE}\n");
+        let _ = writeln!(
+            s,
+            "## fio, nbd engine, device {FIO_DEVICE}: 4 KiB blocks, and mixed sizes\n"
+        );
         let _ = writeln!(s, "| job | netram IOPS | nbdkit IOPS | ratio | netram p50 / p99 µs | nbdkit p50 / p99 µs | netram_polling IOPS, p50 µs |");
         let _ = writeln!(s, "|---|---|---|---|---|---|---|");
         for job in FIO_JOBS {
@@ -870,6 +931,20 @@ fn markdown(r: &Value, targets: &[Target], skipped: &[String], plotted: bool) ->
             );
         }
         let _ = writeln!(s);
+        let mixed = |t: &str, f: &str| fio[t][MIXED_JOB][f].as_f64().unwrap_or(f64::NAN);
+        let _ = writeln!(
+            s,
+            "`{MIXED_JOB}`: random writes of 4, 8, 16, 32 and 64 KiB (25/25/20/15/15 %) over \
+             the whole device at depth 32, then every block read back and checked by fio. \
+             Written: netram {:.0} MB/s, nbdkit {:.0} MB/s ({:.2}×); read back and checked: \
+             netram {:.0} MB/s, nbdkit {:.0} MB/s ({:.2}×).\n",
+            mixed("netram", "mb_per_s"),
+            mixed("nbdkit", "mb_per_s"),
+            mixed("netram", "mb_per_s") / mixed("nbdkit", "mb_per_s"),
+            mixed("netram", "verify_mb_per_s"),
+            mixed("nbdkit", "verify_mb_per_s"),
+            mixed("netram", "verify_mb_per_s") / mixed("nbdkit", "verify_mb_per_s"),
+        );
         let _ = writeln!(
             s,
             "Where the CPU goes (a profile by process, from /proc/PID/stat around each job): \
