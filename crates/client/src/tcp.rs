@@ -127,11 +127,52 @@ struct Conn {
     /// Reconnection attempts back off: not before this, and the wait doubles each failure.
     retry_at: Option<Instant>,
     retry_wait: Duration,
+    /// A reconnection under way on a thread of its own (see [`Dial`]).
+    dialing: Option<Dial>,
 }
 
-/// A reconnection attempt waits at most this long for the server: the caller holds the pager
-/// (and its owner's lock) meanwhile, and a host that is gone would hold it for the whole
-/// connect timeout.
+/// A connection being opened (TCP, TLS, HELLO) on a thread of its own. The caller of
+/// `reconnect` or `add_server` holds the pager, and its owner's lock, which the program's
+/// faults need: a server that accepts and never answers would hold them for the whole
+/// handshake timeout at every attempt. The caller waits [`DIAL_WAIT`] at most, long enough for
+/// a server that answers on a local network; a later call takes up what came after.
+#[derive(Debug)]
+struct Dial(std::sync::mpsc::Receiver<Conn>);
+
+/// How long `reconnect` and `add_server` wait for a connection being opened before they
+/// return, leaving it to a later call. A loopback TLS handshake takes about 1 ms here.
+const DIAL_WAIT: Duration = Duration::from_millis(10);
+
+impl Dial {
+    fn start(name: String, cfg: ClientConfig) -> Result<Self, TransportError> {
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::Builder::new()
+            .name("netram-dial".into())
+            .spawn(move || {
+                // Ends by itself, within the connect timeout: the connection is dropped if
+                // nobody takes it any more.
+                let _ = tx.send(open_conn(name, &cfg));
+            })
+            .map_err(|e| TransportError::Disconnected(format!("cannot start connecting: {e}")))?;
+        Ok(Self(rx))
+    }
+
+    /// The connection, once opened (or failed); `None` while still under way.
+    fn take(&self, wait: Duration) -> Option<Conn> {
+        use std::sync::mpsc::RecvTimeoutError;
+        match self.0.recv_timeout(wait) {
+            Ok(conn) => Some(conn),
+            Err(RecvTimeoutError::Timeout) => None,
+            Err(RecvTimeoutError::Disconnected) => Some(Conn::dead(
+                String::new(),
+                "the connecting thread ended without a connection".into(),
+            )),
+        }
+    }
+}
+
+/// A reconnection attempt waits at most this long for the server (on its own thread, see
+/// [`Dial`]): a host that is gone must not keep a thread for the whole connect timeout.
 const RECONNECT_TIMEOUT: Duration = Duration::from_millis(250);
 /// The longest wait between two reconnection attempts to one server.
 const RECONNECT_BACKOFF_MAX: Duration = Duration::from_secs(30);
@@ -152,6 +193,8 @@ pub struct TcpTransport {
     /// The servers came from this machine's daemon (`crate::discover`): members that join
     /// later are added too (`crate::maintain`).
     discovered: bool,
+    /// Connections to servers being added, by name (see [`Dial`]).
+    joining: std::collections::HashMap<String, Dial>,
     _qos: Option<PmQos>,
 }
 
@@ -255,6 +298,7 @@ impl TcpTransport {
             refreshed,
             cfg: cfg.clone(),
             discovered: false,
+            joining: std::collections::HashMap::new(),
             _qos: if cfg.low_latency { PmQos::hold() } else { None },
         }
     }
@@ -293,6 +337,18 @@ impl TcpTransport {
     /// Marks the servers as this machine's daemon's members.
     pub fn set_discovered(&mut self) {
         self.discovered = true;
+    }
+
+    /// How a connection is opened again (to a server that died, or that joined): the same
+    /// node and incarnation, a new session, within [`RECONNECT_TIMEOUT`], and without a
+    /// warning at every failed attempt.
+    fn redial_config(&self) -> ClientConfig {
+        ClientConfig {
+            session: fastrand::u64(..),
+            warn_unreachable: false,
+            connect_timeout: self.cfg.connect_timeout.min(RECONNECT_TIMEOUT),
+            ..self.cfg.clone()
+        }
     }
 
     pub fn servers_unreachable(&self) -> Vec<(String, String)> {
@@ -461,6 +517,25 @@ fn open_conn(name: String, cfg: &ClientConfig) -> Conn {
         },
         retry_at: None,
         retry_wait: Duration::from_millis(500),
+        dialing: None,
+    }
+}
+
+impl Conn {
+    /// A connection that failed before it was made.
+    fn dead(name: String, reason: String) -> Self {
+        Self {
+            broken: Some(TransportError::Disconnected(reason.clone())),
+            info: dead_info(name, reason),
+            reader: None,
+            shared: None,
+            wbuf: Vec::new(),
+            rbuf: FrameBuffer::sealed(None),
+            sealed: false,
+            retry_at: None,
+            retry_wait: Duration::from_millis(500),
+            dialing: None,
+        }
     }
 }
 
@@ -646,20 +721,20 @@ impl Transport for TcpTransport {
     /// shut down, and the old session's pages are freed by its lease.
     fn reconnect(&mut self, server: usize) -> Result<ServerInfo, TransportError> {
         let now = Instant::now();
+        let cfg = self.redial_config();
         let c = &mut self.conns[server];
-        if c.retry_at.is_some_and(|t| now < t) {
-            return Err(TransportError::Disconnected(
-                "not yet: reconnection attempts back off".into(),
-            ));
+        if c.dialing.is_none() {
+            if c.retry_at.is_some_and(|t| now < t) {
+                return Err(TransportError::Disconnected(
+                    "not yet: reconnection attempts back off".into(),
+                ));
+            }
+            c.dialing = Some(Dial::start(c.info.name.clone(), cfg)?);
         }
-        let cfg = ClientConfig {
-            session: fastrand::u64(..),
-            warn_unreachable: false,
-            connect_timeout: self.cfg.connect_timeout.min(RECONNECT_TIMEOUT),
-            ..self.cfg.clone()
+        let Some(conn) = c.dialing.as_ref().and_then(|d| d.take(DIAL_WAIT)) else {
+            return Err(TransportError::Disconnected("connecting".into()));
         };
-        let name = c.info.name.clone();
-        let conn = open_conn(name, &cfg);
+        c.dialing = None;
         if let Some(e) = &conn.broken {
             c.retry_at = Some(now + c.retry_wait);
             c.retry_wait = (c.retry_wait * 2).min(RECONNECT_BACKOFF_MAX);
@@ -679,13 +754,14 @@ impl Transport for TcpTransport {
     }
 
     fn add_server(&mut self, name: &str) -> Result<ServerInfo, TransportError> {
-        let cfg = ClientConfig {
-            session: fastrand::u64(..),
-            warn_unreachable: false,
-            connect_timeout: self.cfg.connect_timeout.min(RECONNECT_TIMEOUT),
-            ..self.cfg.clone()
+        if !self.joining.contains_key(name) {
+            let dial = Dial::start(name.to_string(), self.redial_config())?;
+            self.joining.insert(name.to_string(), dial);
+        }
+        let Some(conn) = self.joining[name].take(DIAL_WAIT) else {
+            return Err(TransportError::Disconnected("connecting".into()));
         };
-        let conn = open_conn(name.to_string(), &cfg);
+        self.joining.remove(name);
         if let Some(e) = &conn.broken {
             return Err(e.clone());
         }

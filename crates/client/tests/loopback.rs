@@ -340,3 +340,79 @@ fn poll_takes_the_replies_that_have_arrived_without_waiting_for_more() {
     }
     p.into_transport().close();
 }
+
+#[test]
+fn reconnecting_to_a_server_that_does_not_answer_never_holds_the_pager() {
+    // A server stops, and something takes its port that accepts connections and never
+    // answers (a hung host, a half-dead machine): each reconnection attempt of the maintenance
+    // schedule then waits for its handshake's timeout. It must not wait holding the pager,
+    // whose lock the program's reads (or a region's faults) need.
+    let a = server(256, Duration::from_secs(30));
+    let b = server(256, Duration::from_secs(30));
+    let b_addr = b.addr();
+    let t = TcpTransport::connect(&[a.addr().to_string(), b_addr.to_string()], &client());
+    let cfg = PagerConfig {
+        pages: 64,
+        cache_pages: 0,
+        ..Default::default()
+    };
+    let mut p = Pager::new(cfg, t, MemDisk::default());
+    p.set_schedule(netram_pager::ScheduleConfig {
+        reconnect_every_us: 50_000,
+        ..Default::default()
+    });
+    for n in 0..64 {
+        p.write(n, &page(n)).unwrap();
+    }
+    p.flush().unwrap();
+    b.stop();
+    // The port again, listening, never accepting: the kernel completes the TCP handshake
+    // from its backlog, and the TLS handshake waits.
+    let hung = std::net::TcpListener::bind(b_addr).unwrap();
+    // The pages on b are lost with it (no redundancy): the reads below are of a's.
+    let pager = Arc::new(std::sync::Mutex::new(p));
+    let stop = Arc::new(AtomicBool::new(false));
+    let maintenance = {
+        let (pager, stop) = (pager.clone(), stop.clone());
+        std::thread::spawn(move || {
+            let start = std::time::Instant::now();
+            let mut ticks = 0u64;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                let now = start.elapsed().as_micros() as u64;
+                let _ = pager.lock().unwrap().on_tick(now);
+                ticks += 1;
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            ticks
+        })
+    };
+    let on_a: Vec<u64> = {
+        let p = pager.lock().unwrap();
+        (0..64).filter(|&n| p.holders(n).contains(&0)).collect()
+    };
+    assert!(!on_a.is_empty());
+    let started = std::time::Instant::now();
+    let mut worst = Duration::ZERO;
+    let mut out = vec![0u8; PAGE_SIZE];
+    let mut i = 0;
+    while started.elapsed() < Duration::from_secs(3) {
+        let n = on_a[i % on_a.len()];
+        i += 1;
+        let t0 = std::time::Instant::now();
+        pager.lock().unwrap().read(n, &mut out).unwrap();
+        worst = worst.max(t0.elapsed());
+        assert_eq!(out, page(n));
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    assert!(maintenance.join().unwrap() > 10);
+    drop(hung);
+    let p = pager.lock().unwrap();
+    assert!(p.counters().servers_dead >= 1, "b was found dead");
+    assert!(
+        worst < Duration::from_millis(100),
+        "a read waited {worst:?} behind a reconnection attempt"
+    );
+    drop(p);
+    a.stop();
+}
