@@ -68,12 +68,14 @@ const FIO_JOBS: [&str; 5] = [
 /// does, and issue 38's write target. It writes the device's size once rather than for a
 /// time, so that every block written is verified; a block that reads back wrong fails the run.
 const MIXED_JOB: &str = "mixedwrite_verify_qd32";
-const MIXED_ARGS: [&str; 5] = [
+const MIXED_ARGS: [&str; 6] = [
     "--rw=randwrite",
     "--bssplit=4k/25:8k/25:16k/20:32k/15:64k/15",
     "--verify=crc32c",
     "--do_verify=1",
     "--verify_fatal=1",
+    // Not a file of fio's state in the working directory.
+    "--verify_state_save=0",
 ];
 
 #[derive(Debug, Clone, Copy, Serialize)]

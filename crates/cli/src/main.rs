@@ -341,6 +341,7 @@ fn init_logging_to(default: &str, file: Option<std::fs::File>) {
 }
 
 fn main() -> anyhow::Result<()> {
+    started();
     let cli = Cli::parse();
     // The demo and the benches run like a cluster: credentials of their own (`netram cluster
     // init` into a temporary directory, named by NETRAM_TLS for every process they start),
@@ -549,10 +550,7 @@ fn main() -> anyhow::Result<()> {
             };
             let outcome = netram_bench::programs::run(&opts)?;
             println!("{}", outcome.report);
-            println!(
-                "wrote {0}/programs.json, {0}/programs.md and {0}/programs.svg",
-                out.display()
-            );
+            wrote(&out, &["programs.json", "programs.md", "programs.svg"]);
             bench_verdict(&outcome.failed)
         }
         Command::Bench(BenchCommand::Uffd {
@@ -569,10 +567,7 @@ fn main() -> anyhow::Result<()> {
             };
             let outcome = netram_bench::uffd::run(&opts)?;
             println!("{}", outcome.report);
-            println!(
-                "wrote {0}/uffd.json, {0}/uffd.md and {0}/uffd.svg",
-                out.display()
-            );
+            wrote(&out, &["uffd.json", "uffd.md", "uffd.svg"]);
             bench_verdict(&outcome.failed)
         }
         Command::Bench(BenchCommand::Nbd {
@@ -602,10 +597,7 @@ fn main() -> anyhow::Result<()> {
             };
             let outcome = netram_bench::nbd::run(&opts)?;
             println!("{}", outcome.report);
-            println!(
-                "wrote {0}/nbd.json, {0}/nbd.md and {0}/nbd.svg",
-                out.display()
-            );
+            wrote(&out, &["nbd.json", "nbd.md", "nbd.svg"]);
             bench_verdict(&outcome.failed)
         }
         Command::Workload { args } => match netram_bench::workload::run(&args) {
@@ -632,4 +624,31 @@ fn bench_verdict(failed: &[String]) -> anyhow::Result<()> {
         failed.len(),
         failed.join("\n  - ")
     )
+}
+
+/// Names the files of `names` that this run wrote into `dir` (a plot is left out when there
+/// was nothing to plot, and so is one an earlier run left there).
+fn wrote(dir: &std::path::Path, names: &[&str]) {
+    let started = started();
+    let written: Vec<String> = names
+        .iter()
+        .map(|n| dir.join(n))
+        .filter(|p| {
+            p.metadata()
+                .and_then(|m| m.modified())
+                .is_ok_and(|t| t >= started)
+        })
+        .map(|p| p.display().to_string())
+        .collect();
+    match written.split_last() {
+        Some((last, [])) => println!("wrote {last}"),
+        Some((last, rest)) => println!("wrote {} and {last}", rest.join(", ")),
+        None => println!("wrote nothing to {}", dir.display()),
+    }
+}
+
+/// When this process started (first asked at the top of `main`).
+fn started() -> std::time::SystemTime {
+    static STARTED: std::sync::OnceLock<std::time::SystemTime> = std::sync::OnceLock::new();
+    *STARTED.get_or_init(std::time::SystemTime::now)
 }
