@@ -230,6 +230,7 @@ where
             reconnect_every_us: cfg.reconnect_every.as_micros() as u64,
             recover_batch: cfg.batch,
             migrate_batch: cfg.migrate_batch,
+            probe_timeout_us: p.transport().reply_timeout().as_micros() as u64,
         })
     });
     let mut membership = Membership::default();

@@ -335,6 +335,11 @@ impl TcpTransport {
     }
 
     /// Marks the servers as this machine's daemon's members.
+    /// How long a reply is waited for before its server is taken for dead.
+    pub fn reply_timeout(&self) -> Duration {
+        self.reply_timeout
+    }
+
     pub fn set_discovered(&mut self) {
         self.discovered = true;
     }

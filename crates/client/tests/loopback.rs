@@ -416,3 +416,83 @@ fn reconnecting_to_a_server_that_does_not_answer_never_holds_the_pager() {
     drop(p);
     a.stop();
 }
+
+#[test]
+fn a_probe_of_a_server_that_hangs_never_holds_the_pager() {
+    // The maintenance schedule probes every server; one has hung (its connection open,
+    // nothing coming back). The probe must not be waited for holding the pager: reads of the
+    // other server's pages go on, and a later tick fails the server whose probe went
+    // unanswered for the probe timeout.
+    let a = server(256, Duration::from_secs(30));
+    let b = server(256, Duration::from_secs(30));
+    let relay = netram_testkit::Relay::start(b.addr().to_string());
+    let cfg = ClientConfig {
+        reply_timeout: Duration::from_secs(1),
+        ..client()
+    };
+    let t = TcpTransport::connect(&[a.addr().to_string(), relay.addr.clone()], &cfg);
+    let mut p = Pager::new(
+        PagerConfig {
+            pages: 64,
+            cache_pages: 0,
+            ..Default::default()
+        },
+        t,
+        MemDisk::default(),
+    );
+    p.set_schedule(netram_pager::ScheduleConfig {
+        probe_every_us: 50_000,
+        probe_timeout_us: 1_000_000,
+        ..Default::default()
+    });
+    for n in 0..64 {
+        p.write(n, &page(n)).unwrap();
+    }
+    p.flush().unwrap();
+    let on_a: Vec<u64> = (0..64).filter(|&n| p.holders(n).contains(&0)).collect();
+    assert!(!on_a.is_empty());
+    relay
+        .frozen
+        .store(true, std::sync::atomic::Ordering::Relaxed);
+    let pager = Arc::new(std::sync::Mutex::new(p));
+    let stop = Arc::new(AtomicBool::new(false));
+    let maintenance = {
+        let (pager, stop) = (pager.clone(), stop.clone());
+        std::thread::spawn(move || {
+            let start = std::time::Instant::now();
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                let now = start.elapsed().as_micros() as u64;
+                let _ = pager.lock().unwrap().on_tick(now);
+                std::thread::sleep(Duration::from_millis(5));
+            }
+        })
+    };
+    let started = std::time::Instant::now();
+    let mut worst = Duration::ZERO;
+    let mut out = vec![0u8; PAGE_SIZE];
+    let mut i = 0;
+    while started.elapsed() < Duration::from_millis(2500) {
+        let n = on_a[i % on_a.len()];
+        i += 1;
+        let t0 = std::time::Instant::now();
+        pager.lock().unwrap().read(n, &mut out).unwrap();
+        worst = worst.max(t0.elapsed());
+        assert_eq!(out, page(n));
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    maintenance.join().unwrap();
+    let p = pager.lock().unwrap();
+    assert_eq!(p.counters().probes_unanswered, 1, "{:?}", p.counters());
+    assert_eq!(p.servers().filter(|&(_, alive)| !alive).count(), 1);
+    assert!(
+        worst < Duration::from_millis(100),
+        "a read waited {worst:?} behind a probe"
+    );
+    drop(p);
+    relay
+        .frozen
+        .store(false, std::sync::atomic::Ordering::Relaxed);
+    a.stop();
+    b.stop();
+}

@@ -51,6 +51,10 @@ counters! {
     missing_pages,
     /// Reads served from the disk copy because the server was dead or the copy bad.
     disk_fallbacks,
+    /// Rounds of probes the maintenance schedule sent (an empty GET to every live server),
+    /// and probes that went unanswered for the probe timeout (their servers failed).
+    probe_rounds,
+    probes_unanswered,
     servers_dead,
     /// Dead servers reconnected (empty: what they held before is gone).
     servers_revived,

@@ -402,14 +402,23 @@ impl<T: Transport, D: Disk> Pager<T, D> {
 
     fn probe(&mut self, servers: Vec<usize>) -> Result<usize, PagerError> {
         let before = self.counters.servers_dead;
+        let mut sent = Vec::new();
         for s in servers {
             if self.servers.get(s).is_some_and(|st| st.alive) {
-                self.submit(s, Op::Get(Vec::new()), &Request::Get(Vec::new()));
+                let id = self.submit(s, Op::Get(Vec::new()), &Request::Get(Vec::new()));
+                sent.extend(id.map(|id| (s, id)));
             }
         }
-        // Not waiting for direct migrations: a server answers them once their pages are
-        // handed over, and a dead server fails them with the rest.
+        // Until each is answered or its server failed (the transport's reply timeout); not
+        // waiting for direct migrations: a server answers them once their pages are handed
+        // over, and a dead server fails them with the rest.
         self.settle()?;
+        while sent
+            .iter()
+            .any(|&(s, id)| self.servers[s].alive && self.pending(s, id))
+        {
+            self.complete_one()?;
+        }
         Ok((self.counters.servers_dead - before) as usize)
     }
 

@@ -186,6 +186,8 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             self.inflight.per_server[server] -= op.credits();
             ops.push(op);
         }
+        // Their places in the sending order go too, as they do when replies come in.
+        self.inflight.compact();
         ops.extend(
             std::mem::take(&mut self.queues[server])
                 .into_iter()

@@ -99,6 +99,19 @@ impl Op {
         matches!(self, Op::Expect(_) | Op::Migrate(_))
     }
 
+    /// A probe: an empty GET (`maintenance.rs`).
+    pub(crate) fn is_probe(&self) -> bool {
+        matches!(self, Op::Get(items) if items.is_empty())
+    }
+
+    /// Whether an operation that settles waits for this request: not for a direct
+    /// migration's (its server answers once it has handed pages over, milliseconds, and
+    /// they carry no data of ours), nor for a probe (it carries nothing; its server may be
+    /// the one that hangs, which the probe's own timeout finds out).
+    pub(crate) fn awaited(&self) -> bool {
+        !self.is_handover() && !self.is_probe()
+    }
+
     /// Credits the request takes from its server's window: one per page, and one for an
     /// empty GET (a probe), so that it is waited for like any request.
     pub(crate) fn credits(&self) -> u32 {
@@ -130,9 +143,10 @@ pub(crate) struct Inflight {
 
 impl Inflight {
     /// The server of the oldest request still in flight, other than a direct migration's
-    /// (`handover.rs`) while there is any other: nothing waits for those, and a server
-    /// answers them only once it has handed the pages over (milliseconds), while the oldest
-    /// is what a wait is for.
+    /// (`handover.rs`) or a probe while there is any other: nothing waits for those (a server
+    /// answers a handover only once it has handed the pages over, milliseconds; a probe's
+    /// server may be the one that hangs, which the probe's own timeout finds out), while the
+    /// oldest is what a wait is for.
     pub(crate) fn oldest(&mut self) -> Option<usize> {
         while let Some(&(id, _)) = self.order.front() {
             if self.ops.contains_key(&id) {
@@ -143,7 +157,7 @@ impl Inflight {
         let mut handover = None;
         for &(id, server) in &self.order {
             match self.ops.get(&id) {
-                Some((_, op)) if op.is_handover() => {
+                Some((_, op)) if !op.awaited() => {
                     handover.get_or_insert(server);
                 }
                 Some(_) => return Some(server),
@@ -164,9 +178,10 @@ impl Inflight {
         }
     }
 
-    /// Whether anything but direct migrations is in flight.
-    pub(crate) fn any_but_handovers(&self) -> bool {
-        self.ops.values().any(|(_, op)| !op.is_handover())
+    /// Whether anything is in flight that an operation waits for: anything but direct
+    /// migrations and probes.
+    pub(crate) fn any_awaited(&self) -> bool {
+        self.ops.values().any(|(_, op)| op.awaited())
     }
 }
 
@@ -326,18 +341,22 @@ impl<T: Transport, D: Disk> Pager<T, D> {
     /// Sends a request whose body does not borrow the slots: at once when nothing queued is
     /// ahead of it and its server has credits, else encoded into the server's queue. Never
     /// waits, so that it may be called while a reply is handled.
-    pub(crate) fn submit(&mut self, server: usize, op: Op, req: &Request<'_>) {
+    /// Returns the request's id, `None` if its server is dead (the op failed over at once).
+    pub(crate) fn submit(&mut self, server: usize, op: Op, req: &Request<'_>) -> Option<u64> {
         if !self.servers[server].alive {
-            return self.fail_op(server, op);
+            self.fail_op(server, op);
+            return None;
         }
         let id = self.next_id();
         if self.queues[server].is_empty() && self.has_credits(server, op.credits()) {
             let sent = self.transport.send(server, id, req);
-            return self.sent(server, id, op, sent);
+            self.sent(server, id, op, sent);
+            return Some(id);
         }
         let mut frame = Vec::new();
         req.encode(id, &mut frame);
         self.queues[server].push_back(Queued::Frame { id, op, frame });
+        Some(id)
     }
 
     /// Sends a server's queued requests, oldest first, while its window has credits: batches
@@ -475,7 +494,8 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         }
     }
 
-    /// Completes everything queued and in flight but direct migrations, which go on.
+    /// Completes everything queued and in flight but direct migrations and probes, which go
+    /// on (see [`Op::awaited`]).
     pub(crate) fn settle(&mut self) -> Result<(), PagerError> {
         while !self.settled() {
             self.complete_one()?;
@@ -483,9 +503,21 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         Ok(())
     }
 
-    /// Whether nothing but direct migrations is queued or in flight.
+    /// Whether nothing but direct migrations and probes is queued or in flight.
     pub(crate) fn settled(&self) -> bool {
-        !self.inflight.any_but_handovers() && self.queues.iter().all(VecDeque::is_empty)
+        !self.inflight.any_awaited()
+            && self.queues.iter().flatten().all(|q| match q {
+                Queued::Frame { op, .. } => !op.awaited(),
+                Queued::Batch(_) => false,
+            })
+    }
+
+    /// Whether request `id` to `server` is still queued or in flight.
+    pub(crate) fn pending(&self, server: usize, id: u64) -> bool {
+        self.inflight.ops.contains_key(&id)
+            || self.queues[server]
+                .iter()
+                .any(|q| matches!(q, Queued::Frame { id: i, .. } if *i == id))
     }
 
     /// Completes everything queued and in flight.

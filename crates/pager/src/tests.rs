@@ -756,6 +756,7 @@ fn the_maintenance_schedule_probes_finds_the_dead_and_rebuilds_on_the_clock_it_i
         reconnect_every_us: 5_000,
         recover_batch: 8,
         migrate_batch: 8,
+        ..ScheduleConfig::default()
     });
     for page in 0..40 {
         p.write(page, &content(page, 1)).unwrap();

@@ -1336,6 +1336,12 @@ fn session_loop(
     let idle_timeout = shared.cfg.idle_timeout();
     let mut last_frame = Instant::now();
     loop {
+        // Checked at every round, not only when a read times out: a client that sends more
+        // often than POLL_INTERVAL (a maintenance thread probing every 100 ms) kept its
+        // connection, and a stopping server waiting for it, open past the stop.
+        if shared.shutdown.load(Ordering::SeqCst) {
+            return Ok(());
+        }
         if let Some(serial) = &serial {
             let g = shared.crl_generation.load(Ordering::SeqCst);
             if g != crl_seen {

@@ -411,6 +411,8 @@ fn play(sc: &Scenario, at: &std::cell::Cell<u32>) -> Result<Report, Failure> {
                 reconnect_every_us: rng.u64(200_000..2_000_000),
                 recover_batch: rng.usize(1..=16),
                 migrate_batch: rng.usize(1..=64),
+                // As a real client's: the transport's reply timeout.
+                probe_timeout_us: crate::transport::REPLY_TIMEOUT_US,
             });
             Client {
                 disk_failures_reported: 0,
@@ -636,9 +638,17 @@ fn play(sc: &Scenario, at: &std::cell::Cell<u32>) -> Result<Report, Failure> {
                 .map_err(|e| fail(step, format!("client {}: {e}", cl.model.client)))?;
             // A client whose every page is whole again on reachable servers has put its
             // failures behind it: from now on, only new ones count against its redundancy.
-            // Not while reads by ticket are in flight: a reply damaged on its way may still
-            // reach one of them.
-            if cl.pager.borrow().tickets() == 0 && check::whole(&w, &cl.pager.borrow(), &cl.model) {
+            // Not while reads by ticket or probes are in flight, nor any request to a server
+            // whose fault touched it: a reply damaged (or lost) on its way may still reach one
+            // of them, a probe that goes unanswered fails its server later, and a damaged
+            // frame leaves its connection to fail at the next read.
+            let busy = {
+                let p = cl.pager.borrow();
+                let touched = &w.touched[cl.model.client];
+                p.tickets() + p.probes_in_flight() > 0
+                    || (0..touched.len()).any(|s| touched[s] && p.in_flight(s) > 0)
+            };
+            if !busy && check::whole(&w, &cl.pager.borrow(), &cl.model) {
                 let alive: Vec<bool> = cl.pager.borrow_mut().servers().map(|(_, a)| a).collect();
                 w.forgive(
                     cl.model.client,

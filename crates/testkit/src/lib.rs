@@ -84,3 +84,58 @@ pub fn have_root(what: &str) -> bool {
     }
     root
 }
+
+/// A TCP relay in front of a server that can be told to hold every byte (the server hangs:
+/// its connections stay open, nothing comes back). Its threads end when both sides close.
+#[derive(Debug)]
+pub struct Relay {
+    /// Where clients connect.
+    pub addr: String,
+    /// While set, nothing is forwarded either way.
+    pub frozen: std::sync::Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl Relay {
+    /// Relays every connection made to [`Relay::addr`] to `to`.
+    pub fn start(to: String) -> Relay {
+        use std::net::{TcpListener, TcpStream};
+        use std::sync::atomic::Ordering;
+        let listener = TcpListener::bind("127.0.0.1:0").expect("a loopback port");
+        let addr = listener.local_addr().expect("bound").to_string();
+        let frozen = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let held = frozen.clone();
+        std::thread::spawn(move || {
+            for client in listener.incoming() {
+                let Ok(client) = client else { return };
+                let Ok(server) = TcpStream::connect(&to) else {
+                    return;
+                };
+                let pipe = |mut from: TcpStream, mut to: TcpStream| {
+                    let held = held.clone();
+                    std::thread::spawn(move || {
+                        use std::io::{Read, Write};
+                        let mut buf = vec![0u8; 1 << 16];
+                        while let Ok(n) = from.read(&mut buf) {
+                            if n == 0 {
+                                break;
+                            }
+                            while held.load(Ordering::Relaxed) {
+                                std::thread::sleep(std::time::Duration::from_millis(5));
+                            }
+                            if to.write_all(&buf[..n]).is_err() {
+                                break;
+                            }
+                        }
+                        let _ = to.shutdown(std::net::Shutdown::Both);
+                    });
+                };
+                let (Ok(c), Ok(s)) = (client.try_clone(), server.try_clone()) else {
+                    continue;
+                };
+                pipe(c, s);
+                pipe(server, client);
+            }
+        });
+        Relay { addr, frozen }
+    }
+}

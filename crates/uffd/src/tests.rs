@@ -928,53 +928,7 @@ fn a_forked_child_is_held_to_its_budget() {
     assert_eq!(RegionCounters::get(&c.errors), 0, "{c:?}");
 }
 
-/// A TCP relay in front of a server that can be told to hold every byte (the server hangs:
-/// its connections stay open, nothing comes back). Its threads end when both sides close.
-struct Relay {
-    addr: String,
-    frozen: Arc<std::sync::atomic::AtomicBool>,
-}
-
-impl Relay {
-    fn start(to: String) -> Relay {
-        use std::net::{TcpListener, TcpStream};
-        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-        let addr = listener.local_addr().unwrap().to_string();
-        let frozen = Arc::new(std::sync::atomic::AtomicBool::new(false));
-        let held = frozen.clone();
-        std::thread::spawn(move || {
-            for client in listener.incoming() {
-                let Ok(client) = client else { return };
-                let Ok(server) = TcpStream::connect(&to) else {
-                    return;
-                };
-                let pipe = |mut from: TcpStream, mut to: TcpStream| {
-                    let held = held.clone();
-                    std::thread::spawn(move || {
-                        use std::io::{Read, Write};
-                        let mut buf = vec![0u8; 1 << 16];
-                        while let Ok(n) = from.read(&mut buf) {
-                            if n == 0 {
-                                break;
-                            }
-                            while held.load(Ordering::Relaxed) {
-                                std::thread::sleep(Duration::from_millis(5));
-                            }
-                            if to.write_all(&buf[..n]).is_err() {
-                                break;
-                            }
-                        }
-                        let _ = to.shutdown(std::net::Shutdown::Both);
-                    });
-                };
-                pipe(client.try_clone().unwrap(), server.try_clone().unwrap());
-                pipe(server, client);
-            }
-        });
-        Relay { addr, frozen }
-    }
-}
-
+use netram_testkit::Relay;
 use std::time::Duration;
 
 #[test]

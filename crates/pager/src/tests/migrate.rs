@@ -20,6 +20,7 @@ fn ticks_until_moved(p: &mut Pager<MemCluster, MemDisk>) {
         reconnect_every_us: 1_000_000,
         recover_batch: 8,
         migrate_batch: 8,
+        ..ScheduleConfig::default()
     });
     let mut now = 0;
     loop {
