@@ -94,7 +94,10 @@ impl<T: Transport, D: Disk> Shared<T, D> {
             self.counters
                 .write_protect_calls
                 .fetch_add(1, Ordering::Relaxed);
-            if let Err(errno) = self.uffd.set_write_protect_range(addr, run.len(), true, true) {
+            if let Err(errno) = self
+                .uffd
+                .set_write_protect_range(addr, run.len(), true, true)
+            {
                 self.counters
                     .errors
                     .fetch_add(run.len() as u64, Ordering::Relaxed);
