@@ -370,50 +370,14 @@ fn reconnecting_to_a_server_that_does_not_answer_never_holds_the_pager() {
     // from its backlog, and the TLS handshake waits.
     let hung = std::net::TcpListener::bind(b_addr).unwrap();
     // The pages on b are lost with it (no redundancy): the reads below are of a's.
-    let pager = Arc::new(std::sync::Mutex::new(p));
-    let stop = Arc::new(AtomicBool::new(false));
-    let maintenance = {
-        let (pager, stop) = (pager.clone(), stop.clone());
-        std::thread::spawn(move || {
-            let start = std::time::Instant::now();
-            let mut ticks = 0u64;
-            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
-                let now = start.elapsed().as_micros() as u64;
-                let _ = pager.lock().unwrap().on_tick(now);
-                ticks += 1;
-                std::thread::sleep(Duration::from_millis(5));
-            }
-            ticks
-        })
-    };
-    let on_a: Vec<u64> = {
-        let p = pager.lock().unwrap();
-        (0..64).filter(|&n| p.holders(n).contains(&0)).collect()
-    };
-    assert!(!on_a.is_empty());
-    let started = std::time::Instant::now();
-    let mut worst = Duration::ZERO;
-    let mut out = vec![0u8; PAGE_SIZE];
-    let mut i = 0;
-    while started.elapsed() < Duration::from_secs(3) {
-        let n = on_a[i % on_a.len()];
-        i += 1;
-        let t0 = std::time::Instant::now();
-        pager.lock().unwrap().read(n, &mut out).unwrap();
-        worst = worst.max(t0.elapsed());
-        assert_eq!(out, page(n));
-        std::thread::sleep(Duration::from_millis(1));
-    }
-    stop.store(true, std::sync::atomic::Ordering::Relaxed);
-    assert!(maintenance.join().unwrap() > 10);
+    let (p, worst, ticks) = reads_beside_ticks(p, 0, Duration::from_secs(3));
+    assert!(ticks > 10);
     drop(hung);
-    let p = pager.lock().unwrap();
     assert!(p.counters().servers_dead >= 1, "b was found dead");
     assert!(
         worst < Duration::from_millis(100),
         "a read waited {worst:?} behind a reconnection attempt"
     );
-    drop(p);
     a.stop();
 }
 
@@ -449,31 +413,58 @@ fn a_probe_of_a_server_that_hangs_never_holds_the_pager() {
         p.write(n, &page(n)).unwrap();
     }
     p.flush().unwrap();
-    let on_a: Vec<u64> = (0..64).filter(|&n| p.holders(n).contains(&0)).collect();
-    assert!(!on_a.is_empty());
     relay
         .frozen
         .store(true, std::sync::atomic::Ordering::Relaxed);
+    let (p, worst, _) = reads_beside_ticks(p, 0, Duration::from_millis(2500));
+    assert_eq!(p.counters().probes_unanswered, 1, "{:?}", p.counters());
+    assert_eq!(p.servers().filter(|&(_, alive)| !alive).count(), 1);
+    assert!(
+        worst < Duration::from_millis(100),
+        "a read waited {worst:?} behind a probe"
+    );
+    relay
+        .frozen
+        .store(false, std::sync::atomic::Ordering::Relaxed);
+    a.stop();
+    b.stop();
+}
+
+/// Reads the pages `server` holds, one a millisecond, each checked, for `dur`, while a thread
+/// ticks the pager's maintenance schedule every 5 ms (as `netram_client::maintain` does, under
+/// the same lock); returns the pager, the longest read (lock included) and the ticks.
+fn reads_beside_ticks(
+    p: Pager<TcpTransport, MemDisk>,
+    server: usize,
+    dur: Duration,
+) -> (Pager<TcpTransport, MemDisk>, Duration, u64) {
+    let held: Vec<u64> = (0..p.config().pages)
+        .filter(|&n| p.holders(n).contains(&server))
+        .collect();
+    assert!(!held.is_empty());
     let pager = Arc::new(std::sync::Mutex::new(p));
     let stop = Arc::new(AtomicBool::new(false));
     let maintenance = {
         let (pager, stop) = (pager.clone(), stop.clone());
         std::thread::spawn(move || {
             let start = std::time::Instant::now();
+            let mut ticks = 0u64;
             while !stop.load(std::sync::atomic::Ordering::Relaxed) {
                 let now = start.elapsed().as_micros() as u64;
                 let _ = pager.lock().unwrap().on_tick(now);
+                ticks += 1;
                 std::thread::sleep(Duration::from_millis(5));
             }
+            ticks
         })
     };
     let started = std::time::Instant::now();
     let mut worst = Duration::ZERO;
     let mut out = vec![0u8; PAGE_SIZE];
-    let mut i = 0;
-    while started.elapsed() < Duration::from_millis(2500) {
-        let n = on_a[i % on_a.len()];
-        i += 1;
+    for &n in held.iter().cycle() {
+        if started.elapsed() >= dur {
+            break;
+        }
         let t0 = std::time::Instant::now();
         pager.lock().unwrap().read(n, &mut out).unwrap();
         worst = worst.max(t0.elapsed());
@@ -481,18 +472,10 @@ fn a_probe_of_a_server_that_hangs_never_holds_the_pager() {
         std::thread::sleep(Duration::from_millis(1));
     }
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
-    maintenance.join().unwrap();
-    let p = pager.lock().unwrap();
-    assert_eq!(p.counters().probes_unanswered, 1, "{:?}", p.counters());
-    assert_eq!(p.servers().filter(|&(_, alive)| !alive).count(), 1);
-    assert!(
-        worst < Duration::from_millis(100),
-        "a read waited {worst:?} behind a probe"
-    );
-    drop(p);
-    relay
-        .frozen
-        .store(false, std::sync::atomic::Ordering::Relaxed);
-    a.stop();
-    b.stop();
+    let ticks = maintenance.join().unwrap();
+    let pager = Arc::try_unwrap(pager)
+        .expect("the maintenance thread is gone")
+        .into_inner()
+        .unwrap();
+    (pager, worst, ticks)
 }
