@@ -20,6 +20,21 @@ fn region_with_cache(
     budget_pages: usize,
     cache_pages: usize,
 ) -> Region<TcpTransport, MemDisk> {
+    // Sampling on (it is off by default): these tests exercise its machinery.
+    let options = RegionOptions {
+        max_samples: 8,
+        ..Default::default()
+    };
+    region_with(cluster, budget_pages, cache_pages, options)
+}
+
+/// A region of `PAGES` pages on `cluster`, `budget_pages` of them local.
+fn region_with(
+    cluster: &LocalCluster,
+    budget_pages: usize,
+    cache_pages: usize,
+    options: RegionOptions,
+) -> Region<TcpTransport, MemDisk> {
     let t = TcpTransport::connect(&cluster.addrs(), &cluster.client());
     let cfg = PagerConfig {
         pages: PAGES as u64,
@@ -27,11 +42,6 @@ fn region_with_cache(
         ..Default::default()
     };
     let pager = Pager::new(cfg, t, MemDisk::default());
-    // Sampling on (it is off by default): these tests exercise its machinery.
-    let options = RegionOptions {
-        max_samples: 8,
-        ..Default::default()
-    };
     Region::with_options(pager, PAGES * PAGE_SIZE, budget_pages * PAGE_SIZE, options)
         .expect("a region")
 }
@@ -81,23 +91,11 @@ fn consecutive_dirty_victims_are_write_protected_together() {
     // victims of a batch that are consecutive pages go in one call. First in, first out,
     // without sampling, pages written in order leave in order.
     let cluster = LocalCluster::start(2, 8 << 20, false).unwrap();
-    let t = TcpTransport::connect(&cluster.addrs(), &cluster.client());
-    let cfg = PagerConfig {
-        pages: PAGES as u64,
-        cache_pages: 32,
-        ..Default::default()
-    };
     let options = RegionOptions {
         max_samples: 0,
         ..Default::default()
     };
-    let mut r = Region::with_options(
-        Pager::new(cfg, t, MemDisk::default()),
-        PAGES * PAGE_SIZE,
-        128 * PAGE_SIZE,
-        options,
-    )
-    .expect("a region");
+    let mut r = region_with(&cluster, 128, 32, options);
     for round in 1..=2 {
         let mem = r.as_mut_slice();
         for p in 0..PAGES {
@@ -615,23 +613,11 @@ fn system_calls_fault_pages_in() {
 #[test]
 fn a_spinning_handler_serves_faults() {
     let cluster = LocalCluster::start(2, 8 << 20, false).unwrap();
-    let t = TcpTransport::connect(&cluster.addrs(), &cluster.client());
-    let cfg = PagerConfig {
-        pages: PAGES as u64,
-        cache_pages: 32,
-        ..Default::default()
-    };
     let options = RegionOptions {
         spin: std::time::Duration::from_micros(50),
         ..Default::default()
     };
-    let mut r = Region::with_options(
-        Pager::new(cfg, t, MemDisk::default()),
-        PAGES * PAGE_SIZE,
-        32 * PAGE_SIZE,
-        options,
-    )
-    .unwrap();
+    let mut r = region_with(&cluster, 32, 32, options);
     for round in 1..3u8 {
         let mem = r.as_mut_slice();
         for p in 0..PAGES {
