@@ -1096,7 +1096,12 @@ fn python_and_bash_fork_under_netram() {
         String::from_utf8_lossy(&plain.stdout),
         "child 134999550000 67500000000 parent 300000\n"
     );
-    assert_eq!(out.stdout, plain.stdout, "python3's output under netram");
+    assert_eq!(
+        out.stdout,
+        plain.stdout,
+        "python3's output under netram (its stderr: {})",
+        String::from_utf8_lossy(&out.stderr)
+    );
     assert!(r["forks"].as_u64().unwrap() >= 1, "{r}");
     let sh = br#"a=(); for i in $(seq 1 60000); do a+=("item$i-$((i*7))"); done
 x=$(printf "%s\n" "${a[@]}" | sort | tail -1)
@@ -1108,7 +1113,12 @@ for i in 1 2 3 4 5; do y=$(echo ${a[$((i*10000))]}); echo -n "$y "; done; echo $
         "{}",
         String::from_utf8_lossy(&plain.stdout)
     );
-    assert_eq!(out.stdout, plain.stdout, "bash's output under netram");
+    assert_eq!(
+        out.stdout,
+        plain.stdout,
+        "bash's output under netram (its stderr: {})",
+        String::from_utf8_lossy(&out.stderr)
+    );
     assert!(r["forks"].as_u64().unwrap() >= 5, "{r}");
 }
 

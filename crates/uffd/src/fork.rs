@@ -79,6 +79,17 @@ impl Drop for ForkChannel {
     }
 }
 
+/// Who forked (see [`Shared::fork_event`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Forker {
+    /// This process, which announced the fork (`Region::prepare_fork`).
+    Us,
+    /// Forked child `i` (its index in `State::children`).
+    Child(usize),
+    /// A descendant the handler does not know (its child sent no agent's hello).
+    Unknown,
+}
+
 /// What a child sends with its descriptor: its pid, its parent's, and 1 if it registered its
 /// copy (0: it could not, and sends no descriptor).
 pub(crate) const FORK_MESSAGE: usize = 12;
@@ -354,11 +365,15 @@ impl<T: Transport, D: Disk> Region<T, D> {
 }
 
 impl<T: Transport, D: Disk> Shared<T, D> {
-    /// The process forked (`announced`: this process, not one of its children): the child's
+    /// A process forked (`forker`: this process, or one of its children): the new child's
     /// copy of the region faults to `uffd` from now on.
-    pub(crate) fn fork_event(&self, st: &mut State<T, D>, uffd: Uffd, announced: bool) {
+    pub(crate) fn fork_event(&self, st: &mut State<T, D>, uffd: Uffd, forker: Forker) {
+        let announced = forker == Forker::Us;
         let mut pages = vec![page::PARENT; self.pages];
         let mut order = VecDeque::new();
+        if let Forker::Child(i) = forker {
+            self.inherit_from_child(st, i, &uffd, &mut pages);
+        }
         if announced && st.forking > 0 {
             if let Some(resident) = &st.fork_resident {
                 for (p, state) in pages.iter_mut().enumerate() {
@@ -370,9 +385,10 @@ impl<T: Transport, D: Disk> Shared<T, D> {
             }
             self.fork_done(st);
         } else {
-            // A fork nobody announced (a child forking in turn, a raw clone): nothing is known
-            // of the pages the child has, so any page the parent's side changes is installed
-            // in it first. A change between that fork and this event is not (see README).
+            // A fork nobody announced (a child forking in turn, a raw clone): which pages the
+            // new child holds is not known (beyond its forker's, `inherit_from_child`), so any
+            // page the parent's side changes is installed in it first. A change between that
+            // fork and this event is not (see README).
             tracing::debug!("a fork that was not announced");
         }
         // The agent's socket made for this fork (`prepare_fork`), and a slot for the child's
@@ -412,6 +428,67 @@ impl<T: Transport, D: Disk> Shared<T, D> {
         });
         st.apply_sampling();
         self.child_count.store(st.children.len(), Ordering::Release);
+    }
+
+    /// A child `i` forked (a grandchild, `uffd` its descriptor): the grandchild's copy is the
+    /// child's, not the parent's. Pages the child holds are in the grandchild's page tables
+    /// (its own); pages the child keeps in the pager under its own page numbers are copied
+    /// into the grandchild now, as they will change or be deleted with the child's; the rest
+    /// are the parent's copy, as for the child. The fork waits in the child until its event
+    /// is read, so the child's side has not changed since (its agent's copies sent before
+    /// the fork are taken in first).
+    fn inherit_from_child(&self, st: &mut State<T, D>, i: usize, uffd: &Uffd, pages: &mut [u8]) {
+        self.agent_messages(st, i);
+        let child = &st.children[i];
+        let slot = child.budget.as_ref().map(|b| b.slot);
+        let mut copy = Vec::new();
+        for (p, state) in pages.iter_mut().enumerate() {
+            *state = match child.state(p) {
+                page::OWN | page::PRIVATE_CLEAN => page::OWN,
+                page::LOST => page::LOST,
+                // Its copy is sent before the page is dropped: one still awaited was resident
+                // at the fork, and so is in the grandchild.
+                page::TO_PRIVATE if child.awaiting_copy(p) => page::OWN,
+                page::PRIVATE | page::TO_PRIVATE => {
+                    copy.push(p);
+                    page::OWN
+                }
+                _ => page::PARENT,
+            };
+        }
+        let Some(slot) = slot else {
+            return;
+        };
+        for p in copy {
+            let private = self.private(slot, p);
+            let State {
+                pager, child_buf, ..
+            } = &mut *st;
+            let read = if pager.is_written(private) {
+                pager.read(private, child_buf)
+            } else {
+                child_buf.fill(0);
+                Ok(())
+            };
+            if let Err(e) = read {
+                self.counters.errors.fetch_add(1, Ordering::Relaxed);
+                tracing::error!("page {p} cannot be read for a forked child's child: {e}");
+                pages[p] = page::LOST;
+                continue;
+            }
+            self.counters.child_copies.fetch_add(1, Ordering::Relaxed);
+            match uffd.copy(child_buf, self.base.page(p), false) {
+                // Already there: it was resident in the child at the fork.
+                Ok(()) | Err(Errno::EXIST) => {}
+                // Its memory is gone already: its descriptor says so at the next probe.
+                Err(Errno::SRCH) => return,
+                Err(e) => {
+                    self.counters.errors.fetch_add(1, Ordering::Relaxed);
+                    tracing::error!("page {p} cannot be installed in a forked child's child: {e}");
+                    pages[p] = page::LOST;
+                }
+            }
+        }
     }
 
     /// A child slot no live child uses (1..=`child_slots`).
@@ -468,7 +545,21 @@ impl<T: Transport, D: Disk> Shared<T, D> {
             let announced = parent == self.pid;
             let mut st = self.lock();
             match (registered, uffd) {
-                (true, Some(u)) => self.fork_event(&mut st, Uffd::from_child(u), announced),
+                (true, Some(u)) => {
+                    let forker = if announced {
+                        Forker::Us
+                    } else {
+                        st.children
+                            .iter()
+                            .position(|c| {
+                                c.budget
+                                    .as_ref()
+                                    .is_some_and(|b| b.child_pid == parent as u32)
+                            })
+                            .map_or(Forker::Unknown, Forker::Child)
+                    };
+                    self.fork_event(&mut st, Uffd::from_child(u), forker)
+                }
                 _ => {
                     tracing::warn!("forked child {child} could not follow the region");
                     if announced && st.forking > 0 {
@@ -724,7 +815,7 @@ impl<T: Transport, D: Disk> Shared<T, D> {
                         self.child_fault(&mut st, i, addr, wp, tid)
                     }
                     Ok(Some(Event::Fork(grandchild))) => {
-                        self.fork_event(&mut st, grandchild, false)
+                        self.fork_event(&mut st, grandchild, Forker::Child(i))
                     }
                     Ok(Some(Event::Other(_))) => {}
                     Ok(None) => break,

@@ -265,7 +265,7 @@ impl<T: Transport, D: Disk> Shared<T, D> {
                 wp,
                 tid,
             } => (addr, write, wp, tid),
-            Event::Fork(child) => return self.fork_event(st, child, true),
+            Event::Fork(child) => return self.fork_event(st, child, fork::Forker::Us),
             // Not asked for (no remap, remove or unmap events).
             Event::Other(e) => return tracing::debug!("userfaultfd event {e} ignored"),
         };

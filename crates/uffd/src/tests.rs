@@ -880,6 +880,34 @@ fn a_forked_child_is_held_to_its_budget() {
         if most > BUDGET + fork::MAX_REQUESTS * agent::BATCH + 1 {
             code |= 4;
         }
+        // A grandchild forked by a system call (not announced: as a shell's subshell forks a
+        // pipeline) sees the child's memory, its writes included, though most of them are
+        // in the pager under the child's own page numbers.
+        // SAFETY: the grandchild only reads memory and ends with _exit.
+        let grandchild = unsafe { libc::fork() };
+        if grandchild == 0 {
+            let mut bad = 0;
+            for p in 0..PAGES {
+                // SAFETY: the grandchild's copy of the region, read by its only thread.
+                let page = unsafe {
+                    std::slice::from_raw_parts((base + p * PAGE_SIZE) as *const u8, PAGE_SIZE)
+                };
+                let want = if p % 8 == 0 { fill(p, 3) } else { fill(p, 1) };
+                if page.iter().any(|&b| b != want) {
+                    bad = 1;
+                }
+            }
+            // SAFETY: ends the grandchild at once.
+            unsafe { libc::_exit(bad) };
+        }
+        let mut status = 0;
+        let waited = grandchild > 0 && {
+            // SAFETY: waiting for the child's own child.
+            unsafe { libc::waitpid(grandchild, &mut status, 0) == grandchild }
+        };
+        if !waited || !libc::WIFEXITED(status) || libc::WEXITSTATUS(status) != 0 {
+            code |= 16;
+        }
         // SAFETY: ends the child without running the parent's exit handlers.
         unsafe { libc::_exit(code) };
     }
@@ -897,7 +925,8 @@ fn a_forked_child_is_held_to_its_budget() {
     assert!(
         libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0,
         "the child saw other memory than at the fork with its writes (1, 2), held more than \
-         its budget (4), or could not follow the region (8): {status:#x} {c:?}"
+         its budget (4), could not follow the region (8), or its own child saw other memory \
+         than the child's (16): {status:#x} {c:?}"
     );
     let mem = r.as_slice();
     for p in 0..PAGES {
