@@ -72,6 +72,10 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             if let Some(s) = self.free_slots.pop() {
                 return Ok(s);
             }
+            if self.idle() && self.cache.is_empty() && self.start_rebuilds()? {
+                // Recovery's reads that were in held slots: their copies are out now.
+                continue;
+            }
             if self.idle() && self.cache.is_empty() {
                 // Every slot waits in an open parity group: ship them.
                 self.seal_open(None)?;

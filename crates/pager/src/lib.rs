@@ -164,6 +164,11 @@ pub struct Pager<T: Transport, D: Disk> {
     scheme: Redundancy,
     /// Pages with fewer copies than `copies` (a server died, a copy was bad): recovery's list.
     degraded: BTreeSet<u64>,
+    /// Pages taken off `degraded` whose surviving copy is being read (whole copies'
+    /// recovery, `scheme/mirror.rs`), with the version read; and those whose read failed on
+    /// every copy, for recovery's next step.
+    rebuilding: std::collections::BTreeMap<u64, u32>,
+    rebuild_failed: Vec<u64>,
     /// Pages on their way off a leaving server (`migrate.rs`), counted when they land.
     migrating: BTreeSet<u64>,
     /// Pages moving straight from server to server (`handover.rs`).
@@ -184,7 +189,7 @@ pub struct Pager<T: Transport, D: Disk> {
     disk_failed: Option<std::io::Error>,
     /// GETs that failed on one copy, to be tried on another.
     retry: Vec<GetItem>,
-    /// The pager's own finished reads (recovery): page and slot.
+    /// The pager's own finished reads (recovery, migration through the owner): page and slot.
     fetched: Vec<(u64, u32)>,
     /// Reads whose piece is out of reach, to be decoded from the rest of their stripe.
     reconstruct: Vec<GetItem>,
@@ -253,6 +258,8 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             table: Table::new(cfg.pages, scheme.copies()),
             scheme,
             degraded: BTreeSet::new(),
+            rebuilding: std::collections::BTreeMap::new(),
+            rebuild_failed: Vec::new(),
             migrating: BTreeSet::new(),
             handing: std::collections::BTreeMap::new(),
             no_direct: BTreeSet::new(),

@@ -193,7 +193,11 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             self.resubmit_retries();
             self.copy_out_reads(&mut [])?;
         }
-        let fetched = std::mem::take(&mut self.fetched);
+        // Recovery's reads finished meanwhile stay for its next step.
+        let fetched: Vec<(u64, u32)>;
+        (fetched, self.fetched) = std::mem::take(&mut self.fetched)
+            .into_iter()
+            .partition(|&(page, _)| !self.rebuilding.contains_key(&page));
         for (page, slot) in fetched {
             let Some(&(_, leaving)) = batch.iter().find(|(p, _)| *p == page) else {
                 self.release_slot(slot);
@@ -230,11 +234,12 @@ impl<T: Transport, D: Disk> Pager<T, D> {
 
     /// Whether a move of `page` may start: not in write-back (a write-back places its page
     /// anew, away from a leaving server), not waiting in the cache after a failed one, not
-    /// in a move already.
+    /// in a move already, not being rebuilt (recovery writes its copies anew).
     pub(crate) fn movable(&self, page: u64) -> bool {
         !self.writeback.contains_key(&page)
             && !self.rehomed.contains(&page)
             && !self.handing.contains_key(&page)
+            && !self.rebuilding.contains_key(&page)
     }
 
     /// Up to `want` pages of ours whose moving frees a frame on `server`: pages with a copy

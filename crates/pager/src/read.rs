@@ -179,7 +179,11 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             }
         }
         if it.pos == INTERNAL {
-            // Recovery's own read: it finds the page unrecoverable by its absence.
+            // The pager's own read: whole copies' recovery learns of it at its next step;
+            // the other users find the page unrecoverable by its absence.
+            if self.rebuilding.contains_key(&it.page) {
+                self.rebuild_failed.push(it.page);
+            }
         } else if is_ticket(it.pos) {
             let err = match what {
                 Some(what) => self.corrupt_error(server, it.page, what),
@@ -275,6 +279,20 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             }
         }
         Ok(())
+    }
+
+    /// Moves the pager's own finished reads from `reads_done` to `fetched`, leaving a
+    /// caller's reads where they are.
+    pub(crate) fn take_internal_reads(&mut self) {
+        let mut i = 0;
+        while i < self.reads_done.len() {
+            if self.reads_done[i].pos == INTERNAL {
+                let d = self.reads_done.swap_remove(i);
+                self.fetched.push((d.page, d.slot));
+            } else {
+                i += 1;
+            }
+        }
     }
 
     pub(crate) fn read_outcome(&mut self) -> Result<(), PagerError> {

@@ -20,6 +20,8 @@ struct MemServer {
     corrupt_always: bool,
     /// Flip a bit in the last page of every PUT on its way here.
     corrupt_puts: bool,
+    /// Replies wait here (as on a slow network): `try_recv` finds none, and `recv` times out.
+    held: bool,
 }
 
 impl MemServer {
@@ -35,6 +37,7 @@ impl MemServer {
             corrupt_next: false,
             corrupt_always: false,
             corrupt_puts: false,
+            held: false,
         }
     }
 }
@@ -175,6 +178,9 @@ impl Transport for MemCluster {
         if s.dead {
             return Err(TransportError::Disconnected("killed".into()));
         }
+        if s.held {
+            return Err(TransportError::Timeout(0));
+        }
         let i = match &mut self.rng {
             Some(rng) if !s.replies.is_empty() => rng.usize(0..s.replies.len()),
             _ => 0,
@@ -200,7 +206,8 @@ impl Transport for MemCluster {
     }
 
     fn try_recv(&mut self, server: usize) -> Option<Result<(u64, Reply<'_>), TransportError>> {
-        if self.servers[server].replies.is_empty() && !self.servers[server].dead {
+        let s = &self.servers[server];
+        if (s.replies.is_empty() || s.held) && !s.dead {
             return None;
         }
         Some(self.recv(server))
@@ -1055,6 +1062,83 @@ fn parity_consistent(p: &Pager<MemCluster, MemDisk>) {
     for s in &p.transport().servers {
         s.store.check_invariants();
         assert_eq!(s.store.counters().parity_groups_inconsistent, 0);
+    }
+}
+
+/// A recovery step never waits for the network (issue 38): it sends its reads and returns,
+/// its replies held back; a page written while its recovery read is out keeps its new
+/// version's copies (the read's old version is not written back over them), and recovery
+/// ends once the replies are in. (A step that waited would time out on the held replies and
+/// declare both live servers dead.)
+#[test]
+fn a_recovery_step_sends_its_reads_and_does_not_wait_for_them() {
+    let mut p = Pager::new(
+        PagerConfig {
+            pages: 24,
+            cache_pages: 0,
+            redundancy: "mirror:2".parse().unwrap(),
+            ..sealed()
+        },
+        MemCluster::new(&[100, 100, 100]),
+        MemDisk::default(),
+    );
+    for page in 0..24 {
+        p.write(page, &content(page, 1)).unwrap();
+    }
+    p.flush().unwrap();
+    let on_dead: Vec<u64> = (0..24).filter(|&pg| p.holders(pg).contains(&2)).collect();
+    assert!(on_dead.len() > 1, "{on_dead:?}");
+    p.transport_mut().servers[2].dead = true;
+    p.on_failure(2, TransportError::Disconnected("killed".into()));
+    assert_eq!(p.degraded_pages(), on_dead.len());
+    for s in 0..2 {
+        p.transport_mut().servers[s].held = true;
+    }
+    let step = p.recover(64).unwrap();
+    assert_eq!(step.started, 0, "no read is in yet");
+    assert_eq!(
+        step.remaining,
+        on_dead.len(),
+        "every degraded page is being read"
+    );
+    assert_eq!(
+        p.counters().servers_dead,
+        1,
+        "nothing waited for the held replies"
+    );
+    // A page being rebuilt is written again before its read is in.
+    let written = on_dead[0];
+    for s in 0..2 {
+        p.transport_mut().servers[s].held = false;
+    }
+    p.write(written, &content(written, 2)).unwrap();
+    recover_all(&mut p);
+    p.flush().unwrap();
+    p.check_invariants().unwrap();
+    assert_eq!(p.counters().servers_dead, 1);
+    for page in 0..24 {
+        let holders = p.holders(page);
+        assert_eq!(holders.len(), 2, "page {page}: {holders:?}");
+        assert!(!holders.contains(&2), "page {page}");
+        let round = if page == written { 2 } else { 1 };
+        assert_eq!(
+            read(&mut p, page).unwrap(),
+            content(page, round),
+            "page {page}"
+        );
+    }
+    // Every holder the table names has the page's current version.
+    for page in 0..24 {
+        let loc = p.location(page).expect("written, settled");
+        for s in loc.holders {
+            let server = &p.transport().servers[s];
+            let stored = server.store.peek(server.session, p.stored_key(page));
+            assert_eq!(
+                stored.map(|st| st.version),
+                Some(loc.version),
+                "page {page} on server {s}"
+            );
+        }
     }
 }
 

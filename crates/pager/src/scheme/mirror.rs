@@ -88,6 +88,25 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         what: Option<&'static str>,
     ) {
         let mut holders = self.table.holders(it.page);
+        // A GET of a version written over since (recovery's read, out while the page was
+        // written again) says nothing of the copies the table names now: the new version's,
+        // which a delete here would take away.
+        let current = it.version == self.table.get(it.page).version;
+        if !current && it.pos == INTERNAL {
+            // No copy of that version is left to read: recovery's next step sees the page
+            // changed and leaves it to what changed it.
+            if self.rebuilding.contains_key(&it.page) {
+                self.rebuild_failed.push(it.page);
+            }
+            return self.release_slot(it.slot);
+        }
+        if !current {
+            // A caller's read out while its page was written again (a read by ticket restarts
+            // before it gets here, see `get_failed`; a waiting read cannot be overtaken): an
+            // error, rather than old data or a hunt through copies that all hold the new
+            // version.
+            return self.disk_copy_or_report(server, it, what);
+        }
         if let Some(what) = what {
             if holders.len() > 1 && holders.contains(server) {
                 tracing::warn!(server, page = it.page, what, "dropping a bad copy");
@@ -95,6 +114,12 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                 holders.remove(server);
                 self.table.set_holders(it.page, holders);
                 self.degraded.insert(it.page);
+                // A rebuild out for this version counts that copy no more.
+                if let Some(wb) = self.writeback.get_mut(&it.page) {
+                    if wb.version == it.version {
+                        wb.keep.remove(server);
+                    }
+                }
                 if what != "missing on server" && self.servers[server].alive {
                     self.counters.deletes += 1;
                     self.submit(
@@ -118,6 +143,11 @@ impl<T: Transport, D: Disk> Pager<T, D> {
     /// A server back from the dead is empty: its copies are gone. A page with another copy is
     /// degraded (recovery makes a new one); a page whose only copy it held is lost.
     pub(crate) fn copies_server_revived(&mut self, server: usize) {
+        // Nor do copies it held or acknowledged for write-backs still out.
+        for wb in self.writeback.values_mut() {
+            wb.keep.remove(server);
+            wb.done.remove(server);
+        }
         for page in self.table.pages_on(server) {
             let mut holders = self.table.holders(page);
             if holders.len() > 1 {
@@ -130,14 +160,20 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         }
     }
 
-    /// Rebuilds the missing copies of up to `max_pages` degraded pages: reads each from a
-    /// surviving copy (pipelined), then writes the copies it lacks to servers that hold none.
-    /// The writes are not waited for; a read of such a page meanwhile is served from memory.
+    /// One step of recovery, which never waits: the degraded pages whose surviving copy has
+    /// been read since the last step get their missing copies written (not waited for either;
+    /// a read of such a page meanwhile is served from memory), and up to `max_pages` more are
+    /// read from a surviving copy (pipelined; taken in by whatever reads replies next, and
+    /// written out at the next step, or at once if they are in before this one ends).
     pub(crate) fn copies_recover(&mut self, max_pages: usize) -> Result<RecoveryStep, PagerError> {
         let mut step = RecoveryStep::default();
+        self.poll()?;
+        self.resubmit_retries();
+        self.take_internal_reads();
+        self.rebuild_read_pages(&mut step)?;
         // Each page holds a slot from its read to its last acknowledgement: stay well inside
         // the staging slots.
-        let staging = self.free_slots.len() / 2;
+        let staging = (self.free_slots.len() / 2).saturating_sub(self.rebuilding.len());
         let mut batch: Vec<(u64, Servers)> = Vec::new();
         while batch.len() < max_pages.min(staging) {
             let Some(page) = self.degraded.pop_first() else {
@@ -147,6 +183,10 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             if !e.present || e.lost || self.writeback.contains_key(&page) {
                 // Discarded, lost, or being written: a write-back places every copy anew
                 // and puts the page back on the list if it falls short.
+                continue;
+            }
+            if self.rebuilding.contains_key(&page) {
+                // Its read is out: the copies it lacks are counted when it is in.
                 continue;
             }
             let holders = self.table.holders(page);
@@ -169,6 +209,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         for &(page, alive) in &batch {
             let slot = self.take_slot()?;
             let it = self.page_get_item(page, slot, INTERNAL);
+            self.rebuilding.insert(page, it.version);
             match alive.first() {
                 Some(s) => self.submit_get_item(s, it),
                 None => {
@@ -180,19 +221,49 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                 }
             }
         }
-        while !self.idle() || !self.retry.is_empty() || !self.reads_done.is_empty() {
-            self.drain()?;
-            self.resubmit_retries();
-            self.copy_out_reads(&mut [])?;
+        self.pump_all();
+        // Whatever has answered already (a local disk's copy, a fast server) goes on now.
+        self.poll()?;
+        self.take_internal_reads();
+        self.rebuild_read_pages(&mut step)?;
+        step.remaining = self.degraded.len() + self.rebuilding.len();
+        Ok(step)
+    }
+
+    /// Starts the copies of recovery's reads that are in, ahead of its next step (a slot is
+    /// wanted and they hold some); whether there were any.
+    pub(crate) fn start_rebuilds(&mut self) -> Result<bool, PagerError> {
+        if self.rebuilding.is_empty() {
+            return Ok(false);
         }
-        let fetched = std::mem::take(&mut self.fetched);
-        let got: Vec<u64> = fetched.iter().map(|&(p, _)| p).collect();
-        for &(page, _) in &batch {
-            if got.contains(&page) {
+        self.take_internal_reads();
+        let before = self.free_slots.len();
+        let ready = self
+            .fetched
+            .iter()
+            .any(|(p, _)| self.rebuilding.contains_key(p))
+            || !self.rebuild_failed.is_empty();
+        if ready {
+            self.rebuild_read_pages(&mut RecoveryStep::default())?;
+        }
+        Ok(ready && (self.free_slots.len() > before || !self.idle()))
+    }
+
+    /// Writes the missing copies of the pages whose recovery read is in (`fetched`), unless
+    /// the page changed meanwhile (written: its write-back places every copy; discarded; or
+    /// lost); a read that failed on every copy puts its page back on the list if a copy is
+    /// left to read, else the page is lost.
+    fn rebuild_read_pages(&mut self, step: &mut RecoveryStep) -> Result<(), PagerError> {
+        for page in std::mem::take(&mut self.rebuild_failed) {
+            if self.rebuilding.remove(&page).is_none() {
                 continue;
             }
-            if self.alive_holder(page, None).is_some() {
-                // A read that failed on the way (a bad checksum in transit): try again later.
+            let e = *self.table.get(page);
+            if !e.present || e.lost || self.writeback.contains_key(&page) {
+                continue;
+            }
+            if self.alive_holder(page, None).is_some() || e.on_disk {
+                // A read that failed on the way (a bad checksum in transit): again later.
                 self.degraded.insert(page);
             } else {
                 // Every copy failed while being read: gone.
@@ -201,14 +272,29 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                 self.table.get_mut(page).lost = true;
             }
         }
-        for (page, slot) in fetched {
+        let read: Vec<(u64, u32)>;
+        (read, self.fetched) = std::mem::take(&mut self.fetched)
+            .into_iter()
+            .partition(|(page, _)| self.rebuilding.contains_key(page));
+        for (page, slot) in read {
+            let version = self.rebuilding.remove(&page).expect("partitioned on it");
             let e = *self.table.get(page);
+            if !e.present || e.lost || e.version != version || self.writeback.contains_key(&page) {
+                // Changed while it was read: whatever changed it placed its copies, or
+                // needs none.
+                self.release_slot(slot);
+                continue;
+            }
             let keep: Servers = self
                 .table
                 .holders(page)
                 .iter()
                 .filter(|&s| self.servers[s].alive)
                 .collect();
+            if keep.len() >= self.scheme.copies() {
+                self.release_slot(slot);
+                continue;
+            }
             self.begin_writeback(
                 page,
                 Writeback {
@@ -221,8 +307,6 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             step.started += 1;
             self.place_copies(page)?;
         }
-        self.pump_all();
-        step.remaining = self.degraded.len();
-        Ok(step)
+        Ok(())
     }
 }

@@ -335,7 +335,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         match &self.scheme {
             Redundancy::Stripe(_) => self.rs_degraded(),
             Redundancy::Parity(p) => p.pending(),
-            Redundancy::Copies(_) => self.degraded.len(),
+            Redundancy::Copies(_) => self.degraded.len() + self.rebuilding.len(),
         }
     }
 

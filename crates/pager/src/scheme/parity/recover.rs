@@ -511,15 +511,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                 break;
             }
         }
-        let mut i = 0;
-        while i < self.reads_done.len() {
-            if self.reads_done[i].pos == INTERNAL {
-                let d = self.reads_done.swap_remove(i);
-                self.fetched.push((d.page, d.slot));
-            } else {
-                i += 1;
-            }
-        }
+        self.take_internal_reads();
         Ok(())
     }
 
