@@ -13,9 +13,9 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-/// How often the answers of moves server to server are taken in at least, while any is under
-/// way (each tick holds the pager only for that): short, since each answer lets the next
-/// batch go.
+/// How often the answers of moves server to server, and recovery's reads, are taken in at
+/// least while any is under way (each tick holds the pager only for that): short, since each
+/// answer lets the next batch go.
 const HANDOVER_POLL: Duration = Duration::from_micros(300);
 
 #[derive(Debug, Clone, Copy)]
@@ -243,13 +243,14 @@ where
             membership.check(every, &with_pager);
         }
         let started = Instant::now();
-        let (mut rebuilt, mut migrated, mut handing) = (0, 0, 0);
+        let (mut rebuilt, mut migrated, mut handing, mut rebuilding) = (0, 0, 0, 0);
         with_pager(
             &mut |p| match p.on_tick(epoch.elapsed().as_micros() as u64) {
                 Ok(tick) => {
                     rebuilt = tick.rebuilt;
                     migrated = tick.migrated;
                     handing = tick.handing;
+                    rebuilding = tick.rebuilding;
                     if tick.revived > 0 {
                         tracing::info!("{} server(s) reconnected (empty)", tick.revived);
                     }
@@ -278,6 +279,10 @@ where
             let duty = cfg.duty.clamp(0.01, 1.0);
             let share = held.mul_f64((1.0 - duty) / duty);
             rate.saturating_sub(held).max(share)
+        } else if rebuilding > 0 {
+            // Recovery's reads are out and none was in yet: their copies go at the next tick,
+            // soon (the replies of a front end that waits on nothing come in at a tick).
+            HANDOVER_POLL
         } else {
             Duration::from_millis(50)
         };

@@ -71,6 +71,9 @@ pub struct Tick {
     pub migrated: usize,
     /// Pages moving server to server after the tick, whose answers the next ticks take in.
     pub handing: usize,
+    /// Pages whose recovery read is out after the tick (`none`, `mirror:N`): a later tick
+    /// writes their copies.
+    pub rebuilding: usize,
 }
 
 impl Schedule {
@@ -135,6 +138,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             tick.migrated = self.migrate(cfg.migrate_batch)?.started;
         }
         tick.handing = self.pages_in_handover();
+        tick.rebuilding = self.rebuilding.len();
         Ok(tick)
     }
 }
