@@ -1072,16 +1072,7 @@ fn parity_consistent(p: &Pager<MemCluster, MemDisk>) {
 /// declare both live servers dead.)
 #[test]
 fn a_recovery_step_sends_its_reads_and_does_not_wait_for_them() {
-    let mut p = Pager::new(
-        PagerConfig {
-            pages: 24,
-            cache_pages: 0,
-            redundancy: "mirror:2".parse().unwrap(),
-            ..sealed()
-        },
-        MemCluster::new(&[100, 100, 100]),
-        MemDisk::default(),
-    );
+    let mut p = rs_pager(3, 24, "mirror:2");
     for page in 0..24 {
         p.write(page, &content(page, 1)).unwrap();
     }
