@@ -6,6 +6,8 @@
 //!   data of one write-back, carried by one GET (queued, in flight, to retry, to reconstruct,
 //!   done), or owned by the redundancy scheme — and a PUT carries a slot some write-back or
 //!   stripe write owns.
+//! * **A waiting read counts its own reads**: the caller's GETs queued, in flight, to retry,
+//!   to decode or done are as many as it waits for.
 //! * **Credits equal the operations in flight**: per server, the credits taken are the sum
 //!   of what its requests in flight hold, within its window (a batch larger than the window
 //!   goes out alone).
@@ -34,6 +36,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             ));
         }
         self.check_slots()?;
+        self.check_caller_reads()?;
         self.check_credits()?;
         self.check_table()?;
         // A page on its way off a leaving server is in write-back until it lands.
@@ -56,6 +59,32 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             .enumerate()
             .flat_map(|(s, q)| q.iter().map(move |q| (s, q.op(), false)));
         sent.chain(queued)
+    }
+
+    /// A waiting read waits for a count of its own GETs: the count is what is out.
+    fn check_caller_reads(&self) -> Result<(), String> {
+        let caller = |pos: usize| usize::from(crate::read::is_caller(pos));
+        let mut out: usize = self
+            .requests()
+            .map(|(_, op, _)| match op {
+                Op::Get(items) => items.iter().map(|it| caller(it.pos)).sum(),
+                _ => 0,
+            })
+            .sum();
+        out += self
+            .retry
+            .iter()
+            .chain(&self.reconstruct)
+            .map(|it| caller(it.pos))
+            .sum::<usize>();
+        out += self.reads_done.iter().map(|d| caller(d.pos)).sum::<usize>();
+        if out != self.caller_reads {
+            return Err(format!(
+                "the waiting read counts {} of its reads out, {out} are",
+                self.caller_reads
+            ));
+        }
+        Ok(())
     }
 
     fn check_slots(&self) -> Result<(), String> {

@@ -202,6 +202,9 @@ pub struct Pager<T: Transport, D: Disk> {
     /// and not yet taken.
     finished: Vec<ticket::Finished>,
     tickets: usize,
+    /// The waiting caller's reads (`read.rs`) not yet copied out or reported: it waits for
+    /// these, not for everything in flight.
+    caller_reads: usize,
     lost: Vec<(usize, u64)>,
     corrupt: Option<(usize, u64, &'static str)>,
     next_req: u64,
@@ -291,6 +294,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             reads_done: Vec::new(),
             finished: Vec::new(),
             tickets: 0,
+            caller_reads: 0,
             lost: Vec::new(),
             corrupt: None,
             next_req: 1,

@@ -8,6 +8,12 @@ use crate::ticket::is_ticket;
 use crate::{Disk, LostPages, Pager, PagerError, Transport, STRIPE_LOST};
 use netram_proto::PAGE_SIZE;
 
+/// Whether a read's `pos` is a waiting caller's buffer position (not recovery's, not a
+/// ticket's).
+pub(crate) fn is_caller(pos: usize) -> bool {
+    pos != INTERNAL && !is_ticket(pos)
+}
+
 impl<T: Transport, D: Disk> Pager<T, D> {
     /// Reads one page into `out` (PAGE_SIZE bytes).
     pub fn read(&mut self, page: u64, out: &mut [u8]) -> Result<(), PagerError> {
@@ -47,7 +53,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         let mut callers: Vec<u32> = Vec::new();
         // (So do reads by ticket: they are other callers'.)
         let mut ours = |pos: usize, slot: u32| {
-            let keep = pos == INTERNAL || is_ticket(pos);
+            let keep = !is_caller(pos);
             if !keep {
                 callers.push(slot);
             }
@@ -59,6 +65,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         for slot in callers {
             self.release_slot(slot);
         }
+        self.caller_reads = 0;
         self.lost.clear();
         self.corrupt = None;
     }
@@ -87,11 +94,13 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             match self.alive_holder(page, None) {
                 Some(server) => {
                     let slot = self.take_slot_for_read(out)?;
+                    self.caller_reads += 1;
                     self.submit_get(server, page, slot, pos);
                 }
                 None if !e.on_disk && self.reconstructible(page) => {
                     let slot = self.take_slot_for_read(out)?;
                     let it = self.page_get_item(page, slot, pos);
+                    self.caller_reads += 1;
                     self.reconstruct.push(it);
                 }
                 None if e.on_disk => {
@@ -116,22 +125,34 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             }
             self.copy_out_reads(out)?;
         }
-        // Copying out may insert into the cache and evict dirty pages, and a failed copy is
-        // retried on another: settle until all are done. Not direct migrations: they carry
-        // no data of ours, and a read waiting for the old server's handovers to the new one
-        // waited for as many round trips between them (this client's read p99 during a
-        // migration was ten times its p99 without).
-        while !self.settled()
-            || !self.reads_done.is_empty()
-            || !self.retry.is_empty()
-            || !self.reconstruct.is_empty()
-        {
-            self.settle()?;
+        // Waits for this call's reads only. Copying out may evict dirty pages, recovery's
+        // and migration's reads go on, other callers' tickets arrive: none of that is this
+        // read's business, and a read that waited for all of it waited for as many round
+        // trips (the owner's read p99 during a migration was more than twice its p99 with
+        // moves that did not go through the owner).
+        loop {
             self.resubmit_retries();
             self.copy_out_reads(out)?;
-            if self.settled() && self.reads_done.is_empty() {
-                self.run_reconstructions()?;
+            if self.caller_reads == 0 {
+                break;
             }
+            let decoding = self
+                .reconstruct
+                .iter()
+                .filter(|it| is_caller(it.pos))
+                .count();
+            if decoding == self.caller_reads && self.settled() {
+                // Only degraded reads are left (rare): decoded once the rest has settled,
+                // so that their stripes' pieces are not in flight.
+                self.run_reconstructions()?;
+                continue;
+            }
+            assert!(
+                !self.idle(),
+                "{} of the caller's reads are neither in flight nor done",
+                self.caller_reads
+            );
+            self.complete_one()?;
         }
         self.read_outcome()
     }
@@ -191,8 +212,10 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             };
             self.ticket_failed(&it, err);
         } else if let Some(what) = what {
+            self.caller_reads -= 1;
             self.corrupt = Some((server, it.page, what));
         } else {
+            self.caller_reads -= 1;
             self.lost.push((server, it.page));
         }
         self.release_slot(it.slot);
@@ -221,6 +244,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                     let err = self.lost_error(&[(s, it.page)]);
                     self.ticket_failed(&it, err);
                 } else {
+                    self.caller_reads -= 1;
                     self.lost.push((s, it.page));
                 }
                 self.release_slot(it.slot);
@@ -271,6 +295,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                 self.ticket_done(d);
                 continue;
             }
+            self.caller_reads -= 1;
             out[d.pos * PAGE_SIZE..(d.pos + 1) * PAGE_SIZE].copy_from_slice(self.slot(d.slot));
             if self.cfg.cache_pages > 0 && !self.cache.contains(&d.page) {
                 self.insert_clean(d.page, d.slot)?;

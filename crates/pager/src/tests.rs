@@ -965,7 +965,10 @@ fn run_actions(
         check_settled(
             p,
             kills,
-            matches!(a, Action::Write(..) | Action::Kill(_) | Action::Discard(_)),
+            matches!(
+                a,
+                Action::Write(..) | Action::Read(_) | Action::Kill(_) | Action::Discard(_)
+            ),
         )?;
     }
     // Whatever writes left in flight, a flush settles.
@@ -973,8 +976,8 @@ fn run_actions(
     check_settled(p, kills, false)
 }
 
-/// After an action: nothing in flight but the write-back a write (or a kill after it) may leave behind (with a
-/// cache, evictions are sent and not waited for), no slot leaked, and, once idle and without
+/// After an action: nothing in flight but the write-back a write, a read (which waits for its own
+/// GETs only) or a kill may leave behind (with a cache, evictions are sent and not waited for), no slot leaked, and, once idle and without
 /// kills, the servers hold exactly the table's pages.
 fn check_settled(
     p: &Pager<MemCluster, MemDisk>,
