@@ -244,6 +244,7 @@ where
         }
         let started = Instant::now();
         let (mut rebuilt, mut migrated, mut handing, mut rebuilding) = (0, 0, 0, 0);
+        let mut replies = Vec::new();
         with_pager(
             &mut |p| match p.on_tick(epoch.elapsed().as_micros() as u64) {
                 Ok(tick) => {
@@ -257,20 +258,28 @@ where
                     if tick.unrecoverable > 0 {
                         tracing::error!("{} page(s) lost for good", tick.unrecoverable);
                     }
+                    if handing > 0 || rebuilding > 0 {
+                        p.reply_fds(&mut replies);
+                    }
                 }
                 Err(e) => tracing::warn!("maintenance: {e}"),
             },
         );
-        let pause = if migrated > 0 || handing > 0 {
+        // The next tick comes after `least` (the program's share of the pager), and at the
+        // latest after `most`; sooner than `most` when a reply that moves or recovery wait
+        // for arrives.
+        let (least, most) = if migrated > 0 || handing > 0 {
             // Back soon: the pages go as fast as the program's share of the pager allows.
-            // Moves server to server hold the pager only to send keys and take answers in;
-            // their answers are polled for at least every `HANDOVER_POLL`.
+            // Moves that do not wait hold the pager only to send requests and take answers
+            // in; each answer lets the next request of its move go, so the thread wakes for
+            // it rather than only after a fixed pause.
             let duty = cfg.migrate_duty.clamp(0.01, 1.0);
             let share = started.elapsed().mul_f64((1.0 - duty) / duty);
             if handing > 0 {
-                share.max(HANDOVER_POLL).min(Duration::from_millis(5))
+                let least = share.min(Duration::from_millis(5));
+                (least, least.max(HANDOVER_POLL))
             } else {
-                share
+                (share, share)
             }
         } else if rebuilt > 0 {
             // Spaced so that `pages_per_s` and `duty` hold; the step itself counts.
@@ -278,14 +287,49 @@ where
             let rate = Duration::from_secs_f64(rebuilt as f64 / cfg.pages_per_s.max(1) as f64);
             let duty = cfg.duty.clamp(0.01, 1.0);
             let share = held.mul_f64((1.0 - duty) / duty);
-            rate.saturating_sub(held).max(share)
+            let pause = rate.saturating_sub(held).max(share);
+            (pause, pause)
         } else if rebuilding > 0 {
             // Recovery's reads are out and none was in yet: their copies go at the next tick,
             // soon (the replies of a front end that waits on nothing come in at a tick).
-            HANDOVER_POLL
+            (Duration::ZERO, HANDOVER_POLL)
         } else {
-            Duration::from_millis(50)
+            let idle = Duration::from_millis(50);
+            (idle, idle)
         };
-        std::thread::park_timeout(pause);
+        std::thread::park_timeout(least);
+        if most > least && !replies.is_empty() {
+            wait_for_replies(&replies, most - least);
+        } else if most > least {
+            std::thread::park_timeout(most - least);
+        }
+    }
+}
+
+/// Waits up to `most` for one of the pager's connections to have a reply to read (or to
+/// close). The descriptors were taken under the pager's lock, and the wait is outside it: one
+/// closed or reused meanwhile (this thread reconnecting a server, later) is at worst an early
+/// wake-up, after which the tick reads replies through the pager, by its current connections.
+fn wait_for_replies(fds: &[std::os::fd::RawFd], most: Duration) {
+    use rustix::event::{poll, PollFd, PollFlags, Timespec};
+    let mut polled: Vec<PollFd<'_>> = fds
+        .iter()
+        .map(|&fd| {
+            // SAFETY: poll only looks at the descriptor number, for the length of this call;
+            // see above for one closed or reused meanwhile.
+            PollFd::from_borrowed_fd(
+                unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) },
+                PollFlags::IN,
+            )
+        })
+        .collect();
+    let timeout = Timespec {
+        tv_sec: most.as_secs() as i64,
+        tv_nsec: i64::from(most.subsec_nanos()),
+    };
+    if let Err(e) = poll(&mut polled, Some(&timeout)) {
+        if e != rustix::io::Errno::INTR {
+            tracing::debug!("maintenance: poll: {e}");
+        }
     }
 }

@@ -72,8 +72,9 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             if let Some(s) = self.free_slots.pop() {
                 return Ok(s);
             }
-            if self.idle() && self.cache.is_empty() && self.start_rebuilds()? {
-                // Recovery's reads that were in held slots: their copies are out now.
+            if self.idle() && self.cache.is_empty() && self.start_own_reads()? {
+                // Recovery's and moves' reads that were in held slots: their copies are
+                // out now.
                 continue;
             }
             if self.idle() && self.cache.is_empty() {

@@ -165,10 +165,13 @@ pub struct Pager<T: Transport, D: Disk> {
     /// Pages with fewer copies than `copies` (a server died, a copy was bad): recovery's list.
     degraded: BTreeSet<u64>,
     /// Pages taken off `degraded` whose surviving copy is being read (whole copies'
-    /// recovery, `scheme/mirror.rs`), with the version read; and those whose read failed on
-    /// every copy, for recovery's next step.
+    /// recovery, `scheme/mirror.rs`), with the version read.
     rebuilding: std::collections::BTreeMap<u64, u32>,
-    rebuild_failed: Vec<u64>,
+    /// Pages whose read for a move through this pager is out (whole copies, `migrate.rs`),
+    /// with the version read and the server they leave.
+    moving: std::collections::BTreeMap<u64, (u32, usize)>,
+    /// Pages of `rebuilding` or `moving` whose read failed on every copy, for the next step.
+    own_failed: Vec<u64>,
     /// Pages on their way off a leaving server (`migrate.rs`), counted when they land.
     migrating: BTreeSet<u64>,
     /// Pages moving straight from server to server (`handover.rs`).
@@ -262,7 +265,8 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             scheme,
             degraded: BTreeSet::new(),
             rebuilding: std::collections::BTreeMap::new(),
-            rebuild_failed: Vec::new(),
+            moving: std::collections::BTreeMap::new(),
+            own_failed: Vec::new(),
             migrating: BTreeSet::new(),
             handing: std::collections::BTreeMap::new(),
             no_direct: BTreeSet::new(),

@@ -69,7 +69,8 @@ pub struct Tick {
     pub unrecoverable: usize,
     /// Pages whose move off a server that shrank its offer started.
     pub migrated: usize,
-    /// Pages moving server to server after the tick, whose answers the next ticks take in.
+    /// Pages moving after the tick, whose answers the next ticks take in: server to server,
+    /// or through this pager with their read out (`none`, `mirror:N`).
     pub handing: usize,
     /// Pages whose recovery read is out after the tick (`none`, `mirror:N`): a later tick
     /// writes their copies.
@@ -137,7 +138,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         if self.migration_due() {
             tick.migrated = self.migrate(cfg.migrate_batch)?.started;
         }
-        tick.handing = self.pages_in_handover();
+        tick.handing = self.pages_in_handover() + self.moving.len();
         tick.rebuilding = self.rebuilding.len();
         Ok(tick)
     }

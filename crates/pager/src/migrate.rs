@@ -55,11 +55,14 @@ impl<T: Transport, D: Disk> Pager<T, D> {
     }
 
     /// Whether a migration step has something to do: a live server wants pages of ours moved
-    /// and the last step did not find that it holds none we can move.
+    /// and the last step did not find that it holds none we can move; or reads for moves are
+    /// out, whose pages the next step moves.
     pub fn migration_due(&self) -> bool {
-        self.servers
-            .iter()
-            .any(|s| s.alive && s.leaving > 0 && s.leaving != s.leaving_stuck)
+        !self.moving.is_empty()
+            || self
+                .servers
+                .iter()
+                .any(|s| s.alive && s.leaving > 0 && s.leaving != s.leaving_stuck)
     }
 
     /// Starts moving up to `max_pages` pages off servers that asked for it: reads them
@@ -69,22 +72,37 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         // Server to server (`handover.rs`): nothing to wait for, the replies drive each move;
         // pages in a move are not picked again, and its server's count still includes them.
         let direct = self.moves_directly();
-        if direct {
+        // Whole copies move through this pager without waiting too: a step sends the reads
+        // and returns; the next one writes the pages that are in (`move_read_pages`). As with
+        // moves server to server, a server's count may still include pages moved off it
+        // whose deletes it has not answered yet: a step may then move a few more than it
+        // asks for.
+        let resumable = self.scheme.copies_only();
+        let mut step = MigrationStep::default();
+        if direct || resumable {
             self.poll()?;
+            if resumable {
+                self.resubmit_retries();
+                self.take_internal_reads();
+                self.move_read_pages(&mut step)?;
+            }
         } else {
             // What earlier steps sent has landed, so the counts the servers' last replies
             // carry include it: nothing is moved twice.
             self.drain()?;
         }
-        let mut step = MigrationStep {
-            leaving: self.pages_leaving(),
-            ..MigrationStep::default()
-        };
+        step.leaving = self.pages_leaving();
         // Each page the owner moves holds a slot from its read to its last acknowledgement;
-        // a direct move holds none, and at most a step's worth are under way (twice that
-        // moved no faster on this 2-vCPU VM and cost the owner's reads more).
+        // a direct move holds none. At most a step's worth are under way, read or written
+        // (twice that moved no faster on this 2-vCPU VM and cost the owner's reads more:
+        // they queue behind the moves' requests on the same connections).
         let budget = if direct {
             max_pages.saturating_sub(self.handing.len())
+        } else if resumable {
+            let under_way = self.moving.len() + self.migrating.len();
+            max_pages
+                .saturating_sub(under_way)
+                .min(self.free_slots.len() / 2)
         } else {
             max_pages.min(self.free_slots.len() / 2)
         };
@@ -97,7 +115,9 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             if batch.len() >= budget {
                 break;
             }
-            let leaving = (st.leaving as usize).saturating_sub(self.handing_from(s));
+            let leaving = (st.leaving as usize)
+                .saturating_sub(self.handing_from(s))
+                .saturating_sub(self.moving_from(s));
             let want = leaving.min(budget - batch.len());
             if want == 0 {
                 continue;
@@ -109,7 +129,11 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             // they are. When it names none, what is left is not ours to move; looked at again
             // when the server's count changes, or at the next probe. (A page whose write-back
             // waits in an open parity group is not in flight: maintenance ships its group.)
-            if pages.is_empty() && self.handing_from(s) == 0 && self.settled() {
+            if pages.is_empty()
+                && self.handing_from(s) == 0
+                && self.moving_from(s) == 0
+                && self.settled()
+            {
                 if matches!(self.scheme, Redundancy::Parity(_)) {
                     pages = self.par_release_holder(s, want)?;
                 }
@@ -158,7 +182,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             if stay.is_empty() || !self.handing.is_empty() {
                 return Ok(step);
             }
-            stay.truncate(self.free_slots.len() / 2);
+            stay.truncate((self.free_slots.len() / 2).saturating_sub(self.moving.len()));
             batch = stay;
         }
         if batch.is_empty() {
@@ -173,11 +197,18 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             {
                 Some(from) => {
                     let it = self.page_get_item(page, slot, INTERNAL);
+                    if resumable {
+                        self.moving.insert(page, (it.version, server));
+                    }
                     self.submit_get_item(from, it);
                 }
                 None if self.table.get(page).on_disk => {
                     // A striped page whose own piece is out of reach, backed by the disk
                     // while its stripe is short: the disk has it in clear.
+                    if resumable {
+                        self.moving
+                            .insert(page, (self.table.get(page).version, server));
+                    }
                     let at = slot as usize * netram_proto::PAGE_SIZE;
                     self.counters.disk_reads += 1;
                     self.disk
@@ -188,16 +219,24 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                 None => self.release_slot(slot),
             }
         }
+        if resumable {
+            self.pump_all();
+            // Whatever has answered already (the local disk, a fast server) moves now.
+            self.poll()?;
+            self.take_internal_reads();
+            self.move_read_pages(&mut step)?;
+            return Ok(step);
+        }
         while !self.idle() || !self.retry.is_empty() || !self.reads_done.is_empty() {
             self.drain()?;
             self.resubmit_retries();
             self.copy_out_reads(&mut [])?;
         }
-        // Recovery's reads finished meanwhile stay for its next step.
+        // Reads of recovery's or of resumable moves stay for their next step.
         let fetched: Vec<(u64, u32)>;
         (fetched, self.fetched) = std::mem::take(&mut self.fetched)
             .into_iter()
-            .partition(|&(page, _)| !self.rebuilding.contains_key(&page));
+            .partition(|(p, _)| !self.rebuilding.contains_key(p) && !self.moving.contains_key(p));
         for (page, slot) in fetched {
             let Some(&(_, leaving)) = batch.iter().find(|(p, _)| *p == page) else {
                 self.release_slot(slot);
@@ -221,6 +260,46 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         Ok(step)
     }
 
+    /// Pages whose read for a move through this pager is out, off `server`.
+    fn moving_from(&self, server: usize) -> usize {
+        self.moving.values().filter(|&&(_, s)| s == server).count()
+    }
+
+    /// Moves the pages whose read is in (`fetched`), unless the page changed meanwhile
+    /// (written: its write-back places it anew; discarded; lost; or no longer on the server
+    /// it was to leave); a read that failed on every copy leaves its page where it is, for a
+    /// later step to pick again.
+    pub(crate) fn move_read_pages(&mut self, step: &mut MigrationStep) -> Result<(), PagerError> {
+        let failed: Vec<u64>;
+        (failed, self.own_failed) = std::mem::take(&mut self.own_failed)
+            .into_iter()
+            .partition(|p| self.moving.contains_key(p));
+        for page in failed {
+            self.moving.remove(&page);
+        }
+        let read: Vec<(u64, u32)>;
+        (read, self.fetched) = std::mem::take(&mut self.fetched)
+            .into_iter()
+            .partition(|(page, _)| self.moving.contains_key(page));
+        for (page, slot) in read {
+            let (version, from) = self.moving.remove(&page).expect("partitioned on it");
+            let e = *self.table.get(page);
+            let still = e.present
+                && !e.lost
+                && e.version == version
+                && !self.writeback.contains_key(&page)
+                && self.table.holders(page).contains(from);
+            if !still {
+                self.release_slot(slot);
+                continue;
+            }
+            step.started += 1;
+            self.counters.migrations_started += 1;
+            self.move_copy(page, slot, from)?;
+        }
+        Ok(())
+    }
+
     /// A write-back ended: if it moved a page, the move is done (to the disk alone when
     /// `on_disk_only`).
     pub(crate) fn landed(&mut self, page: u64, on_disk_only: bool) {
@@ -234,12 +313,14 @@ impl<T: Transport, D: Disk> Pager<T, D> {
 
     /// Whether a move of `page` may start: not in write-back (a write-back places its page
     /// anew, away from a leaving server), not waiting in the cache after a failed one, not
-    /// in a move already, not being rebuilt (recovery writes its copies anew).
+    /// in a move already (server to server, or its read out for one through this pager), not
+    /// being rebuilt (recovery writes its copies anew).
     pub(crate) fn movable(&self, page: u64) -> bool {
         !self.writeback.contains_key(&page)
             && !self.rehomed.contains(&page)
             && !self.handing.contains_key(&page)
             && !self.rebuilding.contains_key(&page)
+            && !self.moving.contains_key(&page)
     }
 
     /// Up to `want` pages of ours whose moving frees a frame on `server`: pages with a copy

@@ -200,11 +200,9 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             }
         }
         if it.pos == INTERNAL {
-            // The pager's own read: whole copies' recovery learns of it at its next step;
-            // the other users find the page unrecoverable by its absence.
-            if self.rebuilding.contains_key(&it.page) {
-                self.rebuild_failed.push(it.page);
-            }
+            // The pager's own read: whole copies' recovery and moves learn of it at their
+            // next step; the other users find the page unrecoverable by its absence.
+            self.own_read_failed(it.page);
         } else if is_ticket(it.pos) {
             let err = match what {
                 Some(what) => self.corrupt_error(server, it.page, what),

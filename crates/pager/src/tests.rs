@@ -1136,6 +1136,71 @@ fn a_recovery_step_sends_its_reads_and_does_not_wait_for_them() {
     }
 }
 
+/// A move through the owner never waits either (whole copies, issue 38): a migration step
+/// sends its reads and returns, its replies held back; once they are in, later steps move the
+/// pages, and a page written while its read was out keeps its new version. (A step that waited
+/// would time out on the held replies and declare the servers dead.)
+#[test]
+fn a_migration_step_through_the_owner_does_not_wait_for_its_reads() {
+    let mut p = Pager::new(
+        PagerConfig {
+            pages: 24,
+            cache_pages: 0,
+            redundancy: "mirror:2".parse().unwrap(),
+            ..sealed()
+        },
+        MemCluster::new(&[100, 100, 100, 100]),
+        MemDisk::default(),
+    );
+    p.set_direct_migration(false);
+    for page in 0..24 {
+        p.write(page, &content(page, 1)).unwrap();
+    }
+    p.flush().unwrap();
+    let on_0: Vec<u64> = (0..24).filter(|&pg| p.holders(pg).contains(&0)).collect();
+    assert!(on_0.len() > 1, "{on_0:?}");
+    // Server 0's machine wants its memory back: its next replies say how many of ours leave.
+    p.transport_mut().servers[0].store.set_offer(0);
+    p.probe_servers().unwrap();
+    assert!(p.migration_due());
+    for s in 0..4 {
+        p.transport_mut().servers[s].held = true;
+    }
+    let step = p.migrate(64).unwrap();
+    assert_eq!(step.started, 0, "no read is in yet");
+    assert_eq!(
+        p.counters().servers_dead,
+        0,
+        "nothing waited for the held replies"
+    );
+    for s in 0..4 {
+        p.transport_mut().servers[s].held = false;
+    }
+    let written = on_0[0];
+    p.write(written, &content(written, 2)).unwrap();
+    for _ in 0..100 {
+        if !p.migration_due() {
+            break;
+        }
+        p.migrate(64).unwrap();
+        p.flush().unwrap();
+        p.probe_servers().unwrap();
+    }
+    assert!(!p.migration_due(), "the migration ends");
+    p.check_invariants().unwrap();
+    assert_eq!(p.counters().servers_dead, 0);
+    for page in 0..24 {
+        assert!(!p.holders(page).contains(&0), "page {page} left server 0");
+        assert_eq!(p.holders(page).len(), 2, "page {page}");
+        let round = if page == written { 2 } else { 1 };
+        assert_eq!(
+            read(&mut p, page).unwrap(),
+            content(page, round),
+            "page {page}"
+        );
+    }
+}
+
 fn recover_all(p: &mut Pager<MemCluster, MemDisk>) {
     for _ in 0..100 {
         if p.recover(64).unwrap().remaining == 0 && p.degraded_pages() == 0 {

@@ -93,11 +93,9 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         // which a delete here would take away.
         let current = it.version == self.table.get(it.page).version;
         if !current && it.pos == INTERNAL {
-            // No copy of that version is left to read: recovery's next step sees the page
-            // changed and leaves it to what changed it.
-            if self.rebuilding.contains_key(&it.page) {
-                self.rebuild_failed.push(it.page);
-            }
+            // No copy of that version is left to read: the next step of recovery (or of
+            // migration) sees the page changed and leaves it to what changed it.
+            self.own_read_failed(it.page);
             return self.release_slot(it.slot);
         }
         if !current {
@@ -175,6 +173,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         // the staging slots.
         let staging = (self.free_slots.len() / 2).saturating_sub(self.rebuilding.len());
         let mut batch: Vec<(u64, Servers)> = Vec::new();
+        let mut later = Vec::new();
         while batch.len() < max_pages.min(staging) {
             let Some(page) = self.degraded.pop_first() else {
                 break;
@@ -187,6 +186,11 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             }
             if self.rebuilding.contains_key(&page) {
                 // Its read is out: the copies it lacks are counted when it is in.
+                continue;
+            }
+            if self.moving.contains_key(&page) {
+                // Being moved: the move writes every copy it lacks; looked at again after.
+                later.push(page);
                 continue;
             }
             let holders = self.table.holders(page);
@@ -205,6 +209,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             }
             batch.push((page, alive));
         }
+        self.degraded.extend(later);
         // Read every page of the batch from a surviving copy (or the disk copy).
         for &(page, alive) in &batch {
             let slot = self.take_slot()?;
@@ -230,10 +235,17 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         Ok(step)
     }
 
-    /// Starts the copies of recovery's reads that are in, ahead of its next step (a slot is
-    /// wanted and they hold some); whether there were any.
-    pub(crate) fn start_rebuilds(&mut self) -> Result<bool, PagerError> {
-        if self.rebuilding.is_empty() {
+    /// A read of recovery's or of a move's failed on every copy: their next step sees it.
+    pub(crate) fn own_read_failed(&mut self, page: u64) {
+        if self.rebuilding.contains_key(&page) || self.moving.contains_key(&page) {
+            self.own_failed.push(page);
+        }
+    }
+
+    /// Starts the copies of recovery's and moves' reads that are in, ahead of their next step
+    /// (a slot is wanted and they hold some); whether there were any.
+    pub(crate) fn start_own_reads(&mut self) -> Result<bool, PagerError> {
+        if self.rebuilding.is_empty() && self.moving.is_empty() {
             return Ok(false);
         }
         self.take_internal_reads();
@@ -241,10 +253,11 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         let ready = self
             .fetched
             .iter()
-            .any(|(p, _)| self.rebuilding.contains_key(p))
-            || !self.rebuild_failed.is_empty();
+            .any(|(p, _)| self.rebuilding.contains_key(p) || self.moving.contains_key(p))
+            || !self.own_failed.is_empty();
         if ready {
             self.rebuild_read_pages(&mut RecoveryStep::default())?;
+            self.move_read_pages(&mut crate::migrate::MigrationStep::default())?;
         }
         Ok(ready && (self.free_slots.len() > before || !self.idle()))
     }
@@ -254,7 +267,11 @@ impl<T: Transport, D: Disk> Pager<T, D> {
     /// lost); a read that failed on every copy puts its page back on the list if a copy is
     /// left to read, else the page is lost.
     fn rebuild_read_pages(&mut self, step: &mut RecoveryStep) -> Result<(), PagerError> {
-        for page in std::mem::take(&mut self.rebuild_failed) {
+        let failed: Vec<u64>;
+        (failed, self.own_failed) = std::mem::take(&mut self.own_failed)
+            .into_iter()
+            .partition(|p| self.rebuilding.contains_key(p));
+        for page in failed {
             if self.rebuilding.remove(&page).is_none() {
                 continue;
             }
