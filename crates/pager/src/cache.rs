@@ -77,6 +77,11 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                 // out now.
                 continue;
             }
+            if self.idle() && self.cache.is_empty() && self.rs_yield() {
+                // Pieces read for stripes being rebuilt held them: those rebuilds start
+                // again at a later step.
+                continue;
+            }
             if self.idle() && self.cache.is_empty() {
                 // Every slot waits in an open parity group: ship them.
                 self.seal_open(None)?;

@@ -72,8 +72,8 @@ pub struct Tick {
     /// Pages moving after the tick, whose answers the next ticks take in: server to server,
     /// or through this pager with their read out (`none`, `mirror:N`).
     pub handing: usize,
-    /// Pages whose recovery read is out after the tick (`none`, `mirror:N`): a later tick
-    /// writes their copies.
+    /// Pages (stripes under `rs:K+M`) whose recovery reads are out after the tick: a later
+    /// tick writes their copies (rebuilds their pieces).
     pub rebuilding: usize,
 }
 
@@ -139,7 +139,8 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             tick.migrated = self.migrate(cfg.migrate_batch)?.started;
         }
         tick.handing = self.pages_in_handover() + self.moving.len();
-        tick.rebuilding = self.rebuilding.len();
+        tick.rebuilding =
+            self.rebuilding.len() + self.scheme.stripe().map_or(0, |rs| rs.rebuilding());
         Ok(tick)
     }
 }

@@ -29,7 +29,7 @@
 //! placement passes it by); a page being moved is kept off it even where it would otherwise
 //! stay in place (its write-back starts with that server among those that refused it).
 
-use crate::requests::INTERNAL;
+use crate::requests::{INTERNAL, RECOVERY};
 use crate::scheme::Redundancy;
 use crate::table::Servers;
 use crate::writeback::Writeback;
@@ -227,7 +227,9 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             self.move_read_pages(&mut step)?;
             return Ok(step);
         }
-        while !self.idle() || !self.retry.is_empty() || !self.reads_done.is_empty() {
+        // (Reed-Solomon recovery's piece reads stay in `reads_done` for its next step.)
+        let others_done = |p: &Self| p.reads_done.iter().any(|d| d.pos != RECOVERY);
+        while !self.idle() || !self.retry.is_empty() || others_done(self) {
             self.drain()?;
             self.resubmit_retries();
             self.copy_out_reads(&mut [])?;

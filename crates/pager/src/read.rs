@@ -3,7 +3,7 @@
 //! §2), or decoded by its redundancy scheme; and what a read reports when none of that works
 //! (the lost pages by server, or a page that came back corrupt).
 
-use crate::requests::{GetItem, Part, ReadDone, INTERNAL};
+use crate::requests::{GetItem, Part, ReadDone, INTERNAL, RECOVERY};
 use crate::ticket::is_ticket;
 use crate::{Disk, LostPages, Pager, PagerError, Transport, STRIPE_LOST};
 use netram_proto::PAGE_SIZE;
@@ -11,7 +11,7 @@ use netram_proto::PAGE_SIZE;
 /// Whether a read's `pos` is a waiting caller's buffer position (not recovery's, not a
 /// ticket's).
 pub(crate) fn is_caller(pos: usize) -> bool {
-    pos != INTERNAL && !is_ticket(pos)
+    pos != INTERNAL && pos != RECOVERY && !is_ticket(pos)
 }
 
 impl<T: Transport, D: Disk> Pager<T, D> {
@@ -282,9 +282,11 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         }
     }
 
-    /// Copies finished reads to the caller and hands their slots to the cache.
+    /// Copies finished reads to the caller and hands their slots to the cache. Reed-Solomon
+    /// recovery's stay where they are, for its next step (`rs_harvest`).
     pub(crate) fn copy_out_reads(&mut self, out: &mut [u8]) -> Result<(), PagerError> {
-        while let Some(d) = self.reads_done.pop() {
+        while let Some(i) = self.reads_done.iter().rposition(|d| d.pos != RECOVERY) {
+            let d = self.reads_done.swap_remove(i);
             if d.pos == INTERNAL {
                 self.fetched.push((d.page, d.slot));
                 continue;

@@ -41,6 +41,12 @@ pub(crate) enum Part {
 /// The `pos` of the pager's own reads (recovery), which go to no caller's buffer.
 pub(crate) const INTERNAL: usize = usize::MAX;
 
+/// The `pos` of Reed-Solomon recovery's piece reads (`scheme/stripe/recover.rs`), which stay
+/// out from one recovery step to the next: told apart from the pager's other own reads (a
+/// degraded read's pieces of the same stripe, `rs_fetch`) so that neither takes the other's.
+/// Bit 63 alone: neither `INTERNAL` nor a ticket's (bit 62) nor a caller's buffer position.
+pub(crate) const RECOVERY: usize = 1 << 63;
+
 /// One page of a batched PUT: its data is in `slot` until the server acknowledges it.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct PutItem {

@@ -180,11 +180,14 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                 self.release_slot(it.slot);
             }
             (Part::Piece(piece), _) => {
-                // The pager's own read of a stripe's piece: its caller sees it missing.
+                // The pager's own read of a stripe's piece: its caller sees it missing
+                // (recovery by its count of reads out, `rs_fetch` by its absence).
                 if let Some(what) = what {
                     self.rs_bad_piece(it.page as u32, piece, server, what);
                 }
-                self.rs_read_settled(it.page as u32);
+                if it.pos == crate::requests::RECOVERY {
+                    self.rs_read_settled(it.page as u32);
+                }
                 self.release_slot(it.slot);
             }
             (Part::Page, Redundancy::Stripe(_)) => self.rs_get_failed(server, it, what),

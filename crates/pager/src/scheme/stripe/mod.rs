@@ -13,7 +13,7 @@
 //! Left out: compaction of stripes whose members are mostly dead (their pieces are kept until
 //! the last member dies), and parity logging for overwrites in place (Nswap's `parity:N`).
 
-use crate::requests::{GetItem, Op, Part, PutItem, PutKind, INTERNAL};
+use crate::requests::{GetItem, Op, Part, PutItem, PutKind, INTERNAL, RECOVERY};
 use crate::scheme::RecoveryStep;
 use crate::table::Servers;
 use crate::{Disk, PagerError, Transport, PAGE_SIZE};
@@ -124,6 +124,10 @@ pub(crate) struct Rs {
     reading: HashMap<u32, u32>,
     /// Stripes being rebuilt whose piece reads are all back or failed.
     read: Vec<u32>,
+    /// Stripes read and waiting for the decoder, which runs for a batch of them.
+    decode_wait: Vec<u32>,
+    /// A recovery step is running (`rs_stream`): its rebuilds are not given up for a slot.
+    streaming: bool,
     next_gen: u32,
     /// Per member count: whether the pieces of such a stripe XOR to zero ([`xor_code`]).
     xor: Vec<bool>,
@@ -159,11 +163,19 @@ impl Rs {
             prefetched: HashMap::default(),
             restored: HashMap::default(),
             reading: HashMap::default(),
+            decode_wait: Vec::new(),
+            streaming: false,
             read: Vec::new(),
             next_gen: 1,
             xor: (0..=k).map(|j| j > 0 && xor_code(j, m)).collect(),
             encoder: None,
         }
+    }
+
+    /// Stripes recovery has started and not finished: reads out, read, or waiting for the
+    /// decoder.
+    pub(crate) fn rebuilding(&self) -> usize {
+        self.reading.len() + self.read.len() + self.decode_wait.len()
     }
 
     /// Whether one lost piece of a stripe of `k` members is the XOR of the others.
@@ -724,9 +736,10 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         n
     }
 
-    /// Stripes with pieces missing, which recovery still has to look at.
+    /// Stripes missing pieces: on recovery's list, or being rebuilt (their reads out).
     pub(crate) fn rs_degraded(&self) -> usize {
-        self.rs().degraded.len()
+        let rs = self.rs();
+        rs.degraded.len() + rs.rebuilding()
     }
 
     /// The stripes of these pages, whose data pieces are out of reach, go back on recovery's

@@ -243,23 +243,37 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         Some((lost, live))
     }
 
-    /// Piece reads that came back for stripes being rebuilt, put where `rs_decode` finds them.
+    /// Piece reads of recovery's that came back, put where `rs_decode` finds them; those for
+    /// a stripe no longer being rebuilt (given up, `rs_yield`) or of another version of the
+    /// piece (the stripe's number reused since) are let go.
     pub(super) fn rs_harvest(&mut self) {
-        let mut rest = Vec::new();
-        for d in std::mem::take(&mut self.reads_done) {
-            let id = d.page as u32;
+        let mut i = 0;
+        while i < self.reads_done.len() {
+            let d = &self.reads_done[i];
+            let Part::Piece(piece) = d.part else {
+                i += 1;
+                continue;
+            };
+            if d.pos != RECOVERY {
+                i += 1;
+                continue;
+            }
+            let d = self.reads_done.swap_remove(i);
+            let (id, piece) = (d.page as u32, usize::from(piece));
             let rs = self.rs_mut();
-            match d.part {
-                Part::Piece(piece) if d.pos == INTERNAL && rs.reading.contains_key(&id) => {
-                    rs.settle(id);
-                    if let Some(old) = rs.prefetched.insert((id, usize::from(piece)), d.slot) {
-                        self.release_slot(old);
-                    }
-                }
-                _ => rest.push(d),
+            let current = rs
+                .stripes
+                .get(id as usize)
+                .is_some_and(|st| piece < st.servers.len() && st.version(piece) == d.version);
+            if !rs.reading.contains_key(&id) || !current {
+                self.release_slot(d.slot);
+                continue;
+            }
+            rs.settle(id);
+            if let Some(old) = rs.prefetched.insert((id, piece), d.slot) {
+                self.release_slot(old);
             }
         }
-        self.reads_done = rest;
     }
 
     /// A piece read for a stripe being rebuilt that will not come back.
@@ -323,50 +337,90 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         Ok(())
     }
 
-    /// Rebuilds the lost pieces of up to `max` degraded stripes, streaming: the reads of the
-    /// next stripes go out while the pieces of those already read are restored and written,
-    /// as far as the slots allow, so that neither the servers nor the pager wait on each
-    /// other's turn. Stripes that need the decoder wait for a batch (`rs_decode_batch`).
+    /// Rebuilds the lost pieces of up to `max` degraded stripes, streaming and never waiting:
+    /// a step takes in the piece reads that are back, rebuilds those stripes and writes their
+    /// pieces, sends the reads of the next stripes as far as the slots allow, and returns; the
+    /// next step goes on from there (the replies come in meanwhile, to whoever reads them).
+    /// Stripes that need the decoder wait for a batch (`rs_decode_batch`).
     pub(crate) fn rs_recover(&mut self, max: usize) -> Result<RecoveryStep, PagerError> {
         let mut step = RecoveryStep::default();
+        self.poll()?;
         let mut plan: VecDeque<u32> = VecDeque::new();
-        while plan.len() < max {
+        while plan.len() + self.rs().rebuilding() < max {
             let Some(id) = self.rs_mut().degraded.pop_first() else {
                 break;
             };
             plan.push_back(id);
         }
-        let mut decode_wait: Vec<u32> = Vec::new();
-        let streamed = self.rs_stream(&mut plan, &mut decode_wait, &mut step);
-        // Whatever was not rebuilt (the rest after an error, or for want of room) goes back on
-        // the list, unpinned; pieces read for stripes that did not need them are let go.
+        self.rs_mut().streaming = true;
+        let streamed = self.rs_stream(&mut plan, &mut step);
+        self.rs_mut().streaming = false;
+        // Stripes not started go back on the list.
+        self.rs_mut().degraded.extend(plan);
+        if streamed.is_err() {
+            // Whatever was under way goes back on the list too, unpinned.
+            self.rs_yield();
+        }
+        self.rs_release_unclaimed();
+        streamed?;
+        self.send_everything()?;
+        step.remaining = self.rs_degraded();
+        Ok(step)
+    }
+
+    /// Gives up the rebuilds under way (their reads not out: they are answered or failed)
+    /// and puts their stripes back on the list, so that their slots serve a caller that has
+    /// none; whether any slot came free.
+    pub(crate) fn rs_yield(&mut self) -> bool {
+        if self.scheme.stripe().is_none_or(|rs| rs.streaming) {
+            return false;
+        }
+        self.rs_harvest();
+        let before = self.free_slots.len();
         let rs = self.rs_mut();
         let unfinished: Vec<u32> = rs
             .reading
             .drain()
             .map(|(id, _)| id)
             .chain(rs.read.drain(..))
-            .chain(decode_wait)
+            .chain(rs.decode_wait.drain(..))
             .collect();
         for id in unfinished {
             self.rs_release_pin(id);
             self.rs_mut().degraded.insert(id);
         }
+        self.rs_release_unclaimed();
+        self.free_slots.len() > before
+    }
+
+    /// Lets go of the pieces read or decoded for stripes no longer being rebuilt (a degraded
+    /// read's decode that left some, a stripe given up).
+    fn rs_release_unclaimed(&mut self) {
         let rs = self.rs_mut();
-        rs.degraded.extend(plan);
-        let left: Vec<u32> = rs
-            .prefetched
-            .drain()
-            .chain(rs.restored.drain())
-            .map(|(_, s)| s)
+        let busy = |rs: &Rs, id: u32| {
+            rs.reading.contains_key(&id) || rs.read.contains(&id) || rs.decode_wait.contains(&id)
+        };
+        let mut left = Vec::new();
+        let mut keep = |rs: &Rs, &(id, _): &(u32, usize), &slot: &u32| {
+            let b = busy(rs, id);
+            if !b {
+                left.push(slot);
+            }
+            b
+        };
+        let prefetched: HashMap<(u32, usize), u32> = std::mem::take(&mut rs.prefetched)
+            .into_iter()
+            .filter(|(k, v)| keep(rs, k, v))
             .collect();
+        rs.prefetched = prefetched;
+        let restored: HashMap<(u32, usize), u32> = std::mem::take(&mut rs.restored)
+            .into_iter()
+            .filter(|(k, v)| keep(rs, k, v))
+            .collect();
+        rs.restored = restored;
         for slot in left {
             self.release_slot(slot);
         }
-        streamed?;
-        self.send_everything()?;
-        step.remaining = self.rs().degraded.len();
-        Ok(step)
     }
 
     /// Unpins a stripe, and frees it if its last member died while it was pinned.
@@ -383,11 +437,10 @@ impl<T: Transport, D: Disk> Pager<T, D> {
     /// The loop of [`Pager::rs_recover`]: stripes leave `plan` as their reads go out, are
     /// pinned until rebuilt (a write-back that kills their last member must not free them,
     /// and their number be reused, under the reads), and wait in `decode_wait` for the
-    /// decoder.
+    /// decoder. Returns when what is left waits for replies.
     pub(super) fn rs_stream(
         &mut self,
         plan: &mut VecDeque<u32>,
-        decode_wait: &mut Vec<u32>,
         step: &mut RecoveryStep,
     ) -> Result<(), PagerError> {
         let rs = self.rs();
@@ -417,7 +470,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                     let it = GetItem {
                         page: u64::from(id),
                         slot,
-                        pos: INTERNAL,
+                        pos: RECOVERY,
                         key: self.piece_key(id, j),
                         version: st.version(j),
                         part: Part::Piece(j as u8),
@@ -435,17 +488,17 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                     && (k..st.servers.len()).any(|j| rs.prefetched.contains_key(&(id, j)))
                     && !rs.xor_code(k);
                 if by_decoder {
-                    decode_wait.push(id);
+                    self.rs_mut().decode_wait.push(id);
                 } else {
                     self.rs_rebuild(id, step)?;
                 }
             }
             let rs = self.rs();
             let busy = !rs.reading.is_empty() || !rs.read.is_empty();
-            if decode_wait.len() >= 64 || (!busy && !decode_wait.is_empty()) {
-                let ids: BTreeSet<u32> = decode_wait.iter().copied().collect();
+            if rs.decode_wait.len() >= 64 || (!busy && !rs.decode_wait.is_empty()) {
+                let ids: BTreeSet<u32> = rs.decode_wait.iter().copied().collect();
                 self.rs_decode_batch(&ids)?;
-                while let Some(id) = decode_wait.pop() {
+                while let Some(id) = self.rs_mut().decode_wait.pop() {
                     self.rs_rebuild(id, step)?;
                 }
                 continue;
@@ -470,7 +523,8 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                     }
                     continue;
                 }
-                self.complete_one()?;
+                // Reads are out: a later step takes their replies in.
+                return Ok(());
             }
         }
     }
