@@ -399,6 +399,8 @@ fn recovery(
     };
     let t0 = Instant::now();
     let before = read_blocks(&pager, &survivors, &all, &|| t0.elapsed() >= dur)?;
+    // Held from before the death: the first phase is one without recovery.
+    maintenance.pause(true);
     cluster.kill(second);
     lock(&pager).probe_servers()?;
     let busy = Arc::new(AtomicBool::new(true));
@@ -418,10 +420,11 @@ fn recovery(
     };
     // Recovery running and held in alternating phases, so that the program's reads with and
     // without it are side by side under the same machine load (on these VMs, read rates move
-    // by a tenth from one minute to the next) and the same failure.
+    // by a tenth from one minute to the next) and the same failure. Held first: a recovery
+    // that ends within its first phase still has a phase without it to compare with.
     let t1 = Instant::now();
     let mut phases = [[(Duration::ZERO, 0u64); 2]; 2];
-    let (mut running, mut running_for) = (true, Duration::ZERO);
+    let (mut running, mut running_for) = (false, Duration::ZERO);
     while busy.load(Ordering::SeqCst) && t1.elapsed() < Duration::from_secs(120) {
         maintenance.pause(!running);
         let t = Instant::now();
@@ -445,7 +448,11 @@ fn recovery(
     let done = done_at.load(Ordering::SeqCst) > 0;
     r.background_recovery_s = done.then_some(running_for.as_secs_f64());
     let [held, run] = phases;
-    r.recovery_slowdown = Some(1.0 - rate(run[0]) / rate(held[0]));
+    // Both phases must have read something for a ratio (a phase cut short at its start
+    // reads nothing): otherwise there is no figure, not an infinite one.
+    let measured = |a: (Duration, u64), b: (Duration, u64)| a.1 > 0 && b.1 > 0;
+    r.recovery_slowdown =
+        measured(run[0], held[0]).then(|| 1.0 - rate(run[0]) / rate(held[0]));
     r.recovery_slowdown_any_page = Some(1.0 - rate(run[1]) / rate(before[1]));
     cluster.restart(second)?;
     let p = Arc::try_unwrap(pager).map_err(|_| anyhow::anyhow!("pager still shared"))?;
