@@ -451,8 +451,7 @@ fn recovery(
     // Both phases must have read something for a ratio (a phase cut short at its start
     // reads nothing): otherwise there is no figure, not an infinite one.
     let measured = |a: (Duration, u64), b: (Duration, u64)| a.1 > 0 && b.1 > 0;
-    r.recovery_slowdown =
-        measured(run[0], held[0]).then(|| 1.0 - rate(run[0]) / rate(held[0]));
+    r.recovery_slowdown = measured(run[0], held[0]).then(|| 1.0 - rate(run[0]) / rate(held[0]));
     r.recovery_slowdown_any_page = Some(1.0 - rate(run[1]) / rate(before[1]));
     cluster.restart(second)?;
     let p = Arc::try_unwrap(pager).map_err(|_| anyhow::anyhow!("pager still shared"))?;

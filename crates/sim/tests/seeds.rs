@@ -133,7 +133,7 @@ fn redundancy_loses_nothing_to_crashes_it_tolerates() {
                 default_faults: false,
                 ..Scenario::new(seed)
             };
-            let r = run(&sc).unwrap_or_else(|f| panic!("{f}"));
+            let r = run(&sc).unwrap_or_else(|f| panic!("{scheme}: {f}"));
             assert_eq!(r.reads_failed_allowed, 0, "{scheme} seed {seed}");
             rebuilt += r.rebuilds_started;
             crashed += r.faults.crashes;

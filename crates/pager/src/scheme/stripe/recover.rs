@@ -346,14 +346,8 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         let mut step = RecoveryStep::default();
         self.poll()?;
         let mut plan: VecDeque<u32> = VecDeque::new();
-        while plan.len() + self.rs().rebuilding() < max {
-            let Some(id) = self.rs_mut().degraded.pop_first() else {
-                break;
-            };
-            plan.push_back(id);
-        }
         self.rs_mut().streaming = true;
-        let streamed = self.rs_stream(&mut plan, &mut step);
+        let streamed = self.rs_stream(&mut plan, max, &mut step);
         self.rs_mut().streaming = false;
         // Stripes not started go back on the list.
         self.rs_mut().degraded.extend(plan);
@@ -434,13 +428,14 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         }
     }
 
-    /// The loop of [`Pager::rs_recover`]: stripes leave `plan` as their reads go out, are
-    /// pinned until rebuilt (a write-back that kills their last member must not free them,
-    /// and their number be reused, under the reads), and wait in `decode_wait` for the
-    /// decoder. Returns when what is left waits for replies.
+    /// The loop of [`Pager::rs_recover`]: stripes come off the list into `plan`, leave it as
+    /// their reads go out, are pinned until rebuilt (a write-back that kills their last
+    /// member must not free them, and their number be reused, under the reads), and wait in
+    /// `decode_wait` for the decoder. Returns when what is left waits for replies.
     pub(super) fn rs_stream(
         &mut self,
         plan: &mut VecDeque<u32>,
+        max: usize,
         step: &mut RecoveryStep,
     ) -> Result<(), PagerError> {
         let rs = self.rs();
@@ -449,6 +444,30 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         // reads failed fetch others (`rs_decode`).
         let (per_stripe, reserve) = (total + rs.m, 2 * total + 2);
         loop {
+            // Topped up as stripes' reads come back: at most `max` with reads out, so that
+            // the reads of the next ones go out in the step that rebuilds these (what is read
+            // is rebuilt, or waits for the decoder, before the step returns). Counting the
+            // stripes read as well halved the stripes under way (bench reliability: 1.9-2.0 s
+            // of background recovery against 1.4-1.5).
+            self.rs_harvest();
+            let mut later = Vec::new();
+            while plan.len() + self.rs().reading.len() < max {
+                let rs = self.rs_mut();
+                let Some(id) = rs.degraded.pop_first() else {
+                    break;
+                };
+                if rs.reading.contains_key(&id)
+                    || rs.read.contains(&id)
+                    || rs.decode_wait.contains(&id)
+                {
+                    // Degraded again (another death) while its rebuild is under way: looked
+                    // at again once that is done, never rebuilt twice at once.
+                    later.push(id);
+                    continue;
+                }
+                plan.push_back(id);
+            }
+            self.rs_mut().degraded.extend(later);
             while let Some(&id) = plan.front() {
                 if self.free_slots.len() < reserve + per_stripe {
                     break;
@@ -495,6 +514,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             }
             let rs = self.rs();
             let busy = !rs.reading.is_empty() || !rs.read.is_empty();
+            // Decoded in batches of 64, or whatever waits once no read is out.
             if rs.decode_wait.len() >= 64 || (!busy && !rs.decode_wait.is_empty()) {
                 let ids: BTreeSet<u32> = rs.decode_wait.iter().copied().collect();
                 self.rs_decode_batch(&ids)?;
