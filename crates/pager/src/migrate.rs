@@ -198,9 +198,12 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                 Some(from) => {
                     let it = self.page_get_item(page, slot, INTERNAL);
                     if resumable {
+                        // Queued, never waited for: a full window sends it later.
                         self.moving.insert(page, (it.version, server));
+                        self.queue_get(from, it);
+                    } else {
+                        self.submit_get_item(from, it);
                     }
-                    self.submit_get_item(from, it);
                 }
                 None if self.table.get(page).on_disk => {
                     // A striped page whose own piece is out of reach, backed by the disk

@@ -216,7 +216,8 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             let it = self.page_get_item(page, slot, INTERNAL);
             self.rebuilding.insert(page, it.version);
             match alive.first() {
-                Some(s) => self.submit_get_item(s, it),
+                // Queued, never waited for: a full window sends it later.
+                Some(s) => self.queue_get(s, it),
                 None => {
                     let at = slot as usize * netram_proto::PAGE_SIZE;
                     self.counters.disk_reads += 1;

@@ -357,7 +357,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         }
         self.rs_release_unclaimed();
         streamed?;
-        self.send_everything()?;
+        self.send_queued();
         step.remaining = self.rs_degraded();
         Ok(step)
     }
@@ -494,10 +494,11 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                         version: st.version(j),
                         part: Part::Piece(j as u8),
                     };
-                    self.submit_get_item(usize::from(st.servers[j]), it);
+                    // Queued, never waited for: a full window sends it later.
+                    self.queue_get(usize::from(st.servers[j]), it);
                 }
             }
-            self.send_everything()?;
+            self.send_queued();
             self.rs_harvest();
             while let Some(id) = self.rs_mut().read.pop() {
                 let rs = self.rs();
