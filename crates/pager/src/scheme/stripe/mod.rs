@@ -178,6 +178,11 @@ impl Rs {
         self.reading.len() + self.read.len() + self.decode_wait.len()
     }
 
+    /// Whether recovery has started stripe `id` and not finished it.
+    pub(crate) fn under_way(&self, id: u32) -> bool {
+        self.reading.contains_key(&id) || self.read.contains(&id) || self.decode_wait.contains(&id)
+    }
+
     /// Whether one lost piece of a stripe of `k` members is the XOR of the others.
     pub(crate) fn xor_code(&self, k: usize) -> bool {
         self.xor.get(k).copied().unwrap_or(false)

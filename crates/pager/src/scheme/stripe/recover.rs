@@ -391,12 +391,9 @@ impl<T: Transport, D: Disk> Pager<T, D> {
     /// read's decode that left some, a stripe given up).
     fn rs_release_unclaimed(&mut self) {
         let rs = self.rs_mut();
-        let busy = |rs: &Rs, id: u32| {
-            rs.reading.contains_key(&id) || rs.read.contains(&id) || rs.decode_wait.contains(&id)
-        };
         let mut left = Vec::new();
         let mut keep = |rs: &Rs, &(id, _): &(u32, usize), &slot: &u32| {
-            let b = busy(rs, id);
+            let b = rs.under_way(id);
             if !b {
                 left.push(slot);
             }
@@ -456,10 +453,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                 let Some(id) = rs.degraded.pop_first() else {
                     break;
                 };
-                if rs.reading.contains_key(&id)
-                    || rs.read.contains(&id)
-                    || rs.decode_wait.contains(&id)
-                {
+                if rs.under_way(id) {
                     // Degraded again (another death) while its rebuild is under way: looked
                     // at again once that is done, never rebuilt twice at once.
                     later.push(id);
