@@ -8,8 +8,10 @@
 //! A ticket's read goes the same way as a caller's (`read.rs`): a GET on its holder's batch,
 //! another copy when one fails, the disk copy, or its scheme's reconstruction. It is told from
 //! the other reads by its `pos`: [`TICKET`] plus the caller's tag. What it reads stays in its
-//! slot until taken. A degraded read (a stripe's data piece out of reach) is decoded when its
-//! tickets are taken, which waits for the other pieces: that path is rare and still blocks.
+//! slot until taken. A degraded read under Reed-Solomon (its data piece out of reach) waits for
+//! its stripe's rebuild, started at once and decoding its page on the way, without waiting
+//! (`rs_serve_waiters`); under parity it runs recovery until its page is back when its ticket
+//! is taken, which waits: that path is rare and still blocks.
 
 use crate::requests::{GetItem, ReadDone};
 use crate::{Disk, Pager, PagerError, Transport};
@@ -61,7 +63,12 @@ impl<T: Transport, D: Disk> Pager<T, D> {
 
     /// Where a read by ticket goes, at the page's current version. `slot`: the one it holds
     /// already (a restart, see `restart_ticket`), else one is taken.
-    fn start_ticket(&mut self, page: u64, tag: u64, slot: Option<u32>) -> Result<(), PagerError> {
+    pub(crate) fn start_ticket(
+        &mut self,
+        page: u64,
+        tag: u64,
+        slot: Option<u32>,
+    ) -> Result<(), PagerError> {
         let mut held = slot;
         let mut take = |p: &mut Self| match held.take() {
             Some(s) => Ok(s),
@@ -122,7 +129,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             None if !e.on_disk && self.reconstructible(page) => {
                 let slot = take(self)?;
                 let it = self.page_get_item(page, slot, pos);
-                self.reconstruct.push(it);
+                self.reconstruct_later(it);
             }
             None if e.on_disk => {
                 if !self.table.holders(page).is_empty() {
@@ -226,7 +233,8 @@ impl<T: Transport, D: Disk> Pager<T, D> {
 
     /// Gives every finished read by ticket to `f` (tag, page, its data or why there is none),
     /// then keeps its page in the cache if it is still the page's current version. A read that
-    /// failed on one copy is sent to another here, and a degraded one decoded (which waits).
+    /// failed on one copy is sent to another here, and a degraded one moved on (under parity,
+    /// decoded, which waits).
     pub fn take_finished(
         &mut self,
         mut f: impl FnMut(u64, u64, Result<&[u8], PagerError>),
@@ -240,6 +248,13 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             let done = self.run_reconstructions();
             self.reconstruct.extend::<Vec<GetItem>>(rest);
             done?;
+        }
+        if self
+            .scheme
+            .stripe()
+            .is_some_and(|rs| !rs.waiters.is_empty())
+        {
+            self.rs_serve_waiters()?;
         }
         self.route_ticket_reads();
         self.pump_all();

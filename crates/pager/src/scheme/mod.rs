@@ -217,6 +217,16 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         }
     }
 
+    /// A read whose page has no copy in reach but can be reconstructed. A read by ticket under
+    /// Reed-Solomon waits for its stripe's rebuild, which never waits (`rs_serve_waiters`);
+    /// the others are decoded by `run_reconstructions`, which does.
+    pub(crate) fn reconstruct_later(&mut self, it: GetItem) {
+        match self.scheme.stripe_mut() {
+            Some(rs) if crate::ticket::is_ticket(it.pos) => rs.waiters.push(it),
+            _ => self.reconstruct.push(it),
+        }
+    }
+
     /// Decodes a page into `slot` from the rest of its stripe or group; false when it cannot.
     pub(crate) fn reconstruct(&mut self, page: u64, slot: u32) -> Result<bool, PagerError> {
         match &self.scheme {

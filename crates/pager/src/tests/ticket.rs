@@ -268,3 +268,65 @@ fn a_pager_driven_by_its_replies_alone_does_not_grow() {
     assert!(p.counters().gets > 1_000, "the reads went to the servers");
     p.check_invariants().unwrap();
 }
+
+/// A degraded read by ticket under Reed-Solomon never waits: its stripe's rebuild is started
+/// when its ticket is taken, with every reply held back (a decode that waited would time out
+/// on them and fail the servers), and the page is served from that rebuild once the pieces
+/// are in: decoded once, for the read and the rebuild both.
+#[test]
+fn a_degraded_read_by_ticket_does_not_wait_for_its_stripe() {
+    let mut p = rs_pager(5, 24, "rs:2+2");
+    for page in 0..24 {
+        p.write(page, &content(page, 1)).unwrap();
+    }
+    p.flush().unwrap();
+    let page = (0..24)
+        .find(|&pg| p.holders(pg).contains(&4))
+        .expect("some data piece is on server 4");
+    p.transport_mut().servers[4].dead = true;
+    p.on_failure(4, TransportError::Disconnected("killed".into()));
+    let degraded = p.degraded_pages();
+    for s in 0..4 {
+        p.transport_mut().servers[s].held = true;
+    }
+    p.start_read(page, 7).unwrap();
+    p.check_invariants().unwrap();
+    let mut got = None;
+    p.take_finished(|_, _, _| panic!("nothing is in yet"))
+        .unwrap();
+    p.check_invariants().unwrap();
+    assert_eq!(
+        p.counters().servers_dead,
+        1,
+        "nothing waited for the held replies"
+    );
+    assert!(p.counters().gets > 0, "the stripe's pieces are asked for");
+    for s in 0..4 {
+        p.transport_mut().servers[s].held = false;
+    }
+    let mut rng = fastrand::Rng::with_seed(3);
+    for _ in 0..100 {
+        if got.is_some() {
+            break;
+        }
+        deliver(&mut p, &mut rng, usize::MAX);
+        p.take_finished(|tag, pg, data| {
+            assert_eq!((tag, pg), (7, page));
+            got = Some(data.unwrap().to_vec());
+        })
+        .unwrap();
+        p.check_invariants().unwrap();
+    }
+    assert_eq!(got.expect("the read finished"), content(page, 1));
+    assert_eq!(p.counters().degraded_reads, 1);
+    assert_eq!(p.tickets(), 0);
+    assert!(
+        p.degraded_pages() < degraded,
+        "the read's stripe was rebuilt on the way"
+    );
+    p.flush().unwrap();
+    for pg in 0..24 {
+        assert_eq!(read(&mut p, pg).unwrap(), content(pg, 1), "page {pg}");
+    }
+    p.check_invariants().unwrap();
+}

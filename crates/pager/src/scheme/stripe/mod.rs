@@ -128,6 +128,9 @@ pub(crate) struct Rs {
     decode_wait: Vec<u32>,
     /// A recovery step is running (`rs_stream`): its rebuilds are not given up for a slot.
     streaming: bool,
+    /// Degraded reads by ticket, each waiting for its stripe's rebuild, which decodes its
+    /// page on the way (`rs_serve_waiters`). Each holds the slot its page goes to.
+    pub(crate) waiters: Vec<GetItem>,
     next_gen: u32,
     /// Per member count: whether the pieces of such a stripe XOR to zero ([`xor_code`]).
     xor: Vec<bool>,
@@ -165,6 +168,7 @@ impl Rs {
             reading: HashMap::default(),
             decode_wait: Vec::new(),
             streaming: false,
+            waiters: Vec::new(),
             read: Vec::new(),
             next_gen: 1,
             xor: (0..=k).map(|j| j > 0 && xor_code(j, m)).collect(),
@@ -253,7 +257,8 @@ impl Rs {
     }
 
     /// For [`Pager::check_invariants`]: the slots this scheme owns (stripe writes' parity and
-    /// rebuilt pieces, pieces read ahead and decoded for recovery), and the slots each stripe
+    /// rebuilt pieces, pieces read ahead and decoded for recovery, degraded reads by ticket
+    /// waiting for their stripe), and the slots each stripe
     /// write reads from (its own and its members' write-back slots).
     pub(crate) fn slots_held(&self, owned: &mut Vec<u32>, used: &mut Vec<u32>) {
         for w in self.writing.values() {
@@ -262,6 +267,7 @@ impl Rs {
         }
         owned.extend(self.prefetched.values().copied());
         owned.extend(self.restored.values().copied());
+        owned.extend(self.waiters.iter().map(|it| it.slot));
     }
 }
 

@@ -467,30 +467,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                     break;
                 }
                 plan.pop_front();
-                let Some((_, read)) = self.rs_read_plan(id) else {
-                    continue;
-                };
-                let rs = self.rs_mut();
-                rs.pinned.insert(id);
-                if read.is_empty() {
-                    rs.read.push(id);
-                } else {
-                    rs.reading.insert(id, read.len() as u32);
-                }
-                for j in read {
-                    let slot = self.take_slot()?;
-                    let st = &self.rs().stripes[id as usize];
-                    let it = GetItem {
-                        page: u64::from(id),
-                        slot,
-                        pos: RECOVERY,
-                        key: self.piece_key(id, j),
-                        version: st.version(j),
-                        part: Part::Piece(j as u8),
-                    };
-                    // Queued, never waited for: a full window sends it later.
-                    self.queue_get(usize::from(st.servers[j]), it);
-                }
+                self.rs_start(id)?;
             }
             self.send_queued();
             self.rs_harvest();
@@ -540,6 +517,159 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                 }
                 // Reads are out: a later step takes their replies in.
                 return Ok(());
+            }
+        }
+    }
+
+    /// Starts rebuilding stripe `id`: pins it and queues the reads of its live pieces (tagged
+    /// [`RECOVERY`], taken in by `rs_harvest`); false when there is nothing to rebuild (see
+    /// `rs_read_plan`). Its caller has checked that the slots are free.
+    fn rs_start(&mut self, id: u32) -> Result<bool, PagerError> {
+        let Some((_, read)) = self.rs_read_plan(id) else {
+            return Ok(false);
+        };
+        let rs = self.rs_mut();
+        rs.pinned.insert(id);
+        if read.is_empty() {
+            rs.read.push(id);
+        } else {
+            rs.reading.insert(id, read.len() as u32);
+        }
+        for j in read {
+            let slot = self.take_slot()?;
+            let st = &self.rs().stripes[id as usize];
+            let it = GetItem {
+                page: u64::from(id),
+                slot,
+                pos: RECOVERY,
+                key: self.piece_key(id, j),
+                version: st.version(j),
+                part: Part::Piece(j as u8),
+            };
+            // Queued, never waited for: a full window sends it later.
+            self.queue_get(usize::from(st.servers[j]), it);
+        }
+        Ok(true)
+    }
+
+    /// Moves the degraded reads by ticket on ([`Rs::waiters`]), never waiting: a read waits
+    /// for its stripe's rebuild, which decodes its page on the way (`rs_serve_from`). The
+    /// stripe's rebuild is started here if recovery has not started it (and the slots allow:
+    /// else at a later call, or by recovery), and rebuilt here as soon as its pieces are in,
+    /// not at recovery's next step. A read whose page came within reach some other way
+    /// (rebuilt and stored, written, gone to the disk) or is lost starts again the ordinary
+    /// way. Before, a degraded read decoded its page when its ticket was taken, waiting for
+    /// every reply in flight under the region's lock.
+    pub(crate) fn rs_serve_waiters(&mut self) -> Result<(), PagerError> {
+        self.rs_harvest();
+        let rs = self.rs();
+        let wanted = |id: u32| {
+            rs.waiters
+                .iter()
+                .any(|it| rs.stripe_of[it.page as usize] == id)
+        };
+        let ready: Vec<u32> = rs
+            .read
+            .iter()
+            .chain(&rs.decode_wait)
+            .copied()
+            .filter(|&id| wanted(id))
+            .collect();
+        let mut step = RecoveryStep::default();
+        for id in ready {
+            let rs = self.rs_mut();
+            rs.read.retain(|&x| x != id);
+            rs.decode_wait.retain(|&x| x != id);
+            self.rs_rebuild(id, &mut step)?;
+        }
+        let rs = self.rs();
+        let per_stripe = 2 * (rs.k + rs.m);
+        for it in std::mem::take(&mut self.rs_mut().waiters) {
+            let rs = self.rs();
+            let id = rs.stripe_of[it.page as usize];
+            let e = *self.table.get(it.page);
+            let waits = id != NO_STRIPE
+                && e.present
+                && !e.lost
+                && !e.on_disk
+                && e.version == it.version
+                && !self.cache.contains(&it.page)
+                && !self.writeback.contains_key(&it.page)
+                && self.alive_holder(it.page, None).is_none()
+                && self.rs_reconstructible(it.page);
+            if !waits {
+                let tag = (it.pos & !crate::ticket::TICKET) as u64;
+                if let Err(err) = self.start_ticket(it.page, tag, Some(it.slot)) {
+                    self.ticket_failed(&it, err);
+                }
+                continue;
+            }
+            let rs = self.rs();
+            let started = rs.under_way(id) || rs.writing.contains_key(&id);
+            if !started && self.free_slots.len() >= per_stripe {
+                // Not given up for a slot while its reads are being queued.
+                self.rs_mut().streaming = true;
+                let r = self.rs_start(id);
+                self.rs_mut().streaming = false;
+                if r? {
+                    self.rs_mut().degraded.remove(&id);
+                }
+            }
+            self.rs_mut().waiters.push(it);
+        }
+        self.send_queued();
+        Ok(())
+    }
+
+    /// Serves the degraded reads by ticket waiting for stripe `id` from its data pieces, just
+    /// decoded by its rebuild (`data`: piece, slot), if their page is still that member.
+    fn rs_serve_from(&mut self, id: u32, data: &[(usize, u32)]) {
+        if self.rs().waiters.is_empty() {
+            return;
+        }
+        for it in std::mem::take(&mut self.rs_mut().waiters) {
+            let rs = self.rs();
+            let page = it.page as usize;
+            let piece = usize::from(rs.index_of[page]);
+            let e = *self.table.get(it.page);
+            let from = data
+                .iter()
+                .find(|&&(j, _)| j == piece)
+                .map(|&(_, slot)| slot)
+                .filter(|_| {
+                    rs.stripe_of[page] == id
+                        && e.present
+                        && !e.lost
+                        && e.version == it.version
+                        && !self.cache.contains(&it.page)
+                        && !self.writeback.contains_key(&it.page)
+                });
+            let Some(from) = from else {
+                self.rs_mut().waiters.push(it);
+                continue;
+            };
+            let at = from as usize * PAGE_SIZE;
+            self.slots
+                .copy_within(at..at + PAGE_SIZE, it.slot as usize * PAGE_SIZE);
+            // Decoded ciphertext: it must be what this pager sealed (see `rs_reconstruct`).
+            if self.unseal_slot(it.page, it.version, it.slot) {
+                self.counters.degraded_reads += 1;
+                self.reads_done.push(crate::requests::ReadDone {
+                    pos: it.pos,
+                    page: it.page,
+                    version: it.version,
+                    slot: it.slot,
+                    part: Part::Page,
+                });
+            } else {
+                let s = self
+                    .table
+                    .holders(it.page)
+                    .first()
+                    .unwrap_or(crate::STRIPE_LOST);
+                let err = self.lost_error(&[(s, it.page)]);
+                self.ticket_failed(&it, err);
+                self.release_slot(it.slot);
             }
         }
     }
@@ -595,6 +725,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             }
             return Ok(());
         };
+        self.rs_serve_from(id, &restored);
         let total = self.rs().stripes[id as usize].servers.len();
         let mut slots = vec![u32::MAX; total];
         let mut owned = Vec::new();
@@ -647,7 +778,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         }
         let e = *self.table.get(it.page);
         if it.pos != INTERNAL && !e.on_disk && self.rs_reconstructible(it.page) {
-            self.reconstruct.push(it);
+            self.reconstruct_later(it);
             return;
         }
         self.disk_copy_or_report(server, it, what)
