@@ -167,9 +167,10 @@ pub struct Pager<T: Transport, D: Disk> {
     /// Pages taken off `degraded` whose surviving copy is being read (whole copies'
     /// recovery, `scheme/mirror.rs`), with the version read.
     rebuilding: std::collections::BTreeMap<u64, u32>,
-    /// Pages whose read for a move through this pager is out (whole copies, `migrate.rs`),
-    /// with the version read and the server they leave.
-    moving: std::collections::BTreeMap<u64, (u32, usize)>,
+    /// Pages whose read for a move through this pager is out (`migrate.rs`), with the
+    /// version read, the server they leave and the slot read into (a page's move and a
+    /// parity survivor read of it can be out together).
+    moving: std::collections::BTreeMap<u64, (u32, usize, u32)>,
     /// Pages of `rebuilding` or `moving` whose read failed on every copy, for the next step.
     own_failed: Vec<u64>,
     /// Pages on their way off a leaving server (`migrate.rs`), counted when they land.

@@ -70,7 +70,7 @@ pub struct Tick {
     /// Pages whose move off a server that shrank its offer started.
     pub migrated: usize,
     /// Pages moving after the tick, whose answers the next ticks take in: server to server,
-    /// or through this pager with their read out (`none`, `mirror:N`).
+    /// or through this pager with their read out.
     pub handing: usize,
     /// Pages (stripes under `rs:K+M`) whose recovery reads are out after the tick: a later
     /// tick writes their copies (rebuilds their pieces).

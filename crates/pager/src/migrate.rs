@@ -72,12 +72,13 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         // Server to server (`handover.rs`): nothing to wait for, the replies drive each move;
         // pages in a move are not picked again, and its server's count still includes them.
         let direct = self.moves_directly();
-        // Whole copies move through this pager without waiting too: a step sends the reads
-        // and returns; the next one writes the pages that are in (`move_read_pages`). As with
-        // moves server to server, a server's count may still include pages moved off it
-        // whose deletes it has not answered yet: a step may then move a few more than it
-        // asks for.
-        let resumable = self.scheme.copies_only();
+        // Whole copies and Reed-Solomon pages move through this pager without waiting too: a
+        // step sends the reads and returns; the next one writes the pages that are in
+        // (`move_read_pages`). As with moves server to server, a server's count may still
+        // include pages moved off it whose deletes it has not answered yet: a step may then
+        // move a few more than it asks for. Parity still waits (see `docs/limits.md`): its
+        // leaving holders' scans (`par_release_holder`) are answered within the step.
+        let resumable = !matches!(self.scheme, Redundancy::Parity(_));
         let mut step = MigrationStep::default();
         if direct || resumable {
             self.poll()?;
@@ -199,7 +200,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                     let it = self.page_get_item(page, slot, INTERNAL);
                     if resumable {
                         // Queued, never waited for: a full window sends it later.
-                        self.moving.insert(page, (it.version, server));
+                        self.moving.insert(page, (it.version, server, slot));
                         self.queue_get(from, it);
                     } else {
                         self.submit_get_item(from, it);
@@ -210,7 +211,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                     // while its stripe is short: the disk has it in clear.
                     if resumable {
                         self.moving
-                            .insert(page, (self.table.get(page).version, server));
+                            .insert(page, (self.table.get(page).version, server, slot));
                     }
                     let at = slot as usize * netram_proto::PAGE_SIZE;
                     self.counters.disk_reads += 1;
@@ -267,12 +268,15 @@ impl<T: Transport, D: Disk> Pager<T, D> {
 
     /// Pages whose read for a move through this pager is out, off `server`.
     fn moving_from(&self, server: usize) -> usize {
-        self.moving.values().filter(|&&(_, s)| s == server).count()
+        self.moving
+            .values()
+            .filter(|&&(_, s, _)| s == server)
+            .count()
     }
 
     /// Moves the pages whose read is in (`fetched`), unless the page changed meanwhile
-    /// (written: its write-back places it anew; discarded; lost; or no longer on the server
-    /// it was to leave); a read that failed on every copy leaves its page where it is, for a
+    /// (written: its write-back places it anew; discarded; lost; or, as whole copies, no
+    /// longer on the server it was to leave); a read that failed on every copy leaves its page where it is, for a
     /// later step to pick again.
     pub(crate) fn move_read_pages(&mut self, step: &mut MigrationStep) -> Result<(), PagerError> {
         let failed: Vec<u64>;
@@ -285,22 +289,36 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         let read: Vec<(u64, u32)>;
         (read, self.fetched) = std::mem::take(&mut self.fetched)
             .into_iter()
-            .partition(|(page, _)| self.moving.contains_key(page));
+            .partition(|(page, slot)| self.moving.get(page).is_some_and(|m| m.2 == *slot));
+        let copies = self.scheme.copies_only();
         for (page, slot) in read {
-            let (version, from) = self.moving.remove(&page).expect("partitioned on it");
+            let (version, from, _) = self.moving.remove(&page).expect("partitioned on it");
             let e = *self.table.get(page);
+            // Under Reed-Solomon a page moves for any piece of its stripe on the leaving
+            // server, its own or not: only a new version (written, discarded) ends its move.
+            // A page whose write-back the disk failed meanwhile waits dirty in the cache for
+            // its next one, which places it anew (`movable`).
             let still = e.present
                 && !e.lost
                 && e.version == version
                 && !self.writeback.contains_key(&page)
-                && self.table.holders(page).contains(from);
+                && !self.rehomed.contains(&page)
+                && (!copies || self.table.holders(page).contains(from));
             if !still {
                 self.release_slot(slot);
                 continue;
             }
             step.started += 1;
             self.counters.migrations_started += 1;
-            self.move_copy(page, slot, from)?;
+            if copies {
+                self.move_copy(page, slot, from)?;
+            } else {
+                // Written again: the page leaves its stripe and joins a new one away from the
+                // leaving server.
+                self.migrating.insert(page);
+                let member_only = !self.table.holders(page).contains(from);
+                self.write_back_avoiding(page, slot, Some(from), member_only)?;
+            }
         }
         Ok(())
     }
