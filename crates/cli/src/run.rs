@@ -323,6 +323,17 @@ pub fn run(args: RunArgs) -> anyhow::Result<i32> {
             g("puts"),
             g("spills"),
         );
+        if g("servers_dead") > 0 || g("pages_unrecoverable") > 0 {
+            eprintln!(
+                "netram: {} server(s) lost on the way: {} reads served from another copy, {} \
+                 decoded from a stripe or parity group, {} pages rebuilt, {} lost for good",
+                g("servers_dead"),
+                g("reads_from_other_copy"),
+                g("degraded_reads"),
+                g("pages_rebuilt"),
+                g("pages_unrecoverable"),
+            );
+        }
         if g("forks") > 0 {
             eprintln!(
                 "netram: {} forked child(ren) served: {} faults, {} pages dropped to stay \

@@ -661,6 +661,56 @@ fn a_program_whose_pages_are_lost_dies_of_sigbus() {
     assert!(err.contains("killed by signal 7 (SIGBUS"), "{err}");
 }
 
+/// Under `rs:2+2` one of five servers is SIGKILLed while most of the program's memory is on
+/// the servers: the program reads every page back right (its faults on pages whose data piece
+/// died are decoded from their stripes, by ticket, without holding the region), and the report
+/// says what the redundancy did.
+#[test]
+fn a_program_reads_its_memory_back_after_a_server_dies_under_reed_solomon() {
+    let dir = Scratch::new("rs-degraded");
+    let Some(exe) = compile_c(&dir.0, "touch_after_pause", &[]) else {
+        return;
+    };
+    let (servers, addrs) = cluster(5);
+    let rep = dir.0.join("report.json");
+    let mut run = common::netram_env(Command::new("timeout"))
+        .args([
+            "120",
+            NETRAM,
+            "run",
+            "--local-mem",
+            "4M",
+            "--redundancy",
+            "rs:2+2",
+        ])
+        .args(["--servers", &addrs, "--report", rep.to_str().unwrap(), "--"])
+        .arg(&exe)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdout = std::io::BufReader::new(run.stdout.take().unwrap());
+    let mut line = String::new();
+    std::io::BufRead::read_line(&mut stdout, &mut line).unwrap();
+    assert_eq!(line, "filled\n", "the program filled its memory");
+    servers[2].signal(libc::SIGKILL);
+    std::io::Write::write_all(&mut run.stdin.take().unwrap(), b"go\n").unwrap();
+    let out = run.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    line.clear();
+    std::io::BufRead::read_line(&mut stdout, &mut line).unwrap();
+    assert_eq!(line, "checked\n", "every page read back right: {err}");
+    assert!(out.status.success(), "{err}");
+    let report: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&rep).unwrap()).unwrap();
+    let n = |k: &str| report[k].as_u64().unwrap_or(0);
+    assert!(n("servers_dead") >= 1, "the death was seen: {report}");
+    assert!(n("degraded_reads") > 0, "pages were decoded: {report}");
+    assert_eq!(n("pages_unrecoverable"), 0, "{report}");
+    assert!(err.contains("server(s) lost on the way"), "{err}");
+}
+
 /// GNU sort keeps its buffer in one large malloc: sorted under netram with a quarter of it
 /// local, the output is the same as without.
 #[test]

@@ -228,6 +228,23 @@ pub(crate) extern "C" fn at_exit() {
             "io_guarded": io::GUARDED_CALLS.load(Ordering::Relaxed),
             "io_refaults": io::REFAULTS.load(Ordering::Relaxed),
         });
+        let mut report = report;
+        // What the redundancy did: servers lost, reads served from another copy or decoded
+        // from a stripe or group, pages rebuilt, pages lost for good, pages moved off donors.
+        // (Added apart: one `json!` of them all passes the macro's recursion limit.)
+        let redundancy = [
+            ("servers_dead", pager.servers_dead),
+            ("reads_from_other_copy", pager.reads_from_other_copy),
+            ("degraded_reads", pager.degraded_reads),
+            ("pages_rebuilt", pager.pages_rebuilt),
+            ("pages_unrecoverable", pager.pages_unrecoverable),
+            ("pages_migrated", pager.pages_migrated),
+        ];
+        if let Some(m) = report.as_object_mut() {
+            for (k, v) in redundancy {
+                m.insert(k.into(), v.into());
+            }
+        }
         let path = std::path::Path::new(&dir).join(format!("{}.json", std::process::id()));
         if let Err(e) = std::fs::write(&path, report.to_string()) {
             eprintln!("netram: cannot write {}: {e}", path.display());
