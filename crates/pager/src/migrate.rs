@@ -25,11 +25,15 @@
 //!   (`Pager::par_release_holder`), and their members are written again where they are,
 //!   into new groups; the emptied groups leave it.
 //!
+//! A step never waits for the pages it moves: it sends their reads and returns, and a later
+//! step writes the pages whose reads are in, once their version is checked unchanged
+//! (`Pager::move_read_pages`). Only a leaving parity holder's scan is waited for.
+//!
 //! A server with pages leaving takes no new page ([`netram_store::Store::room`] is zero, so
 //! placement passes it by); a page being moved is kept off it even where it would otherwise
 //! stay in place (its write-back starts with that server among those that refused it).
 
-use crate::requests::{INTERNAL, RECOVERY};
+use crate::requests::INTERNAL;
 use crate::scheme::Redundancy;
 use crate::table::Servers;
 use crate::writeback::Writeback;
@@ -72,26 +76,20 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         // Server to server (`handover.rs`): nothing to wait for, the replies drive each move;
         // pages in a move are not picked again, and its server's count still includes them.
         let direct = self.moves_directly();
-        // Whole copies and Reed-Solomon pages move through this pager without waiting too: a
-        // step sends the reads and returns; the next one writes the pages that are in
-        // (`move_read_pages`). As with moves server to server, a server's count may still
-        // include pages moved off it whose deletes it has not answered yet: a step may then
-        // move a few more than it asks for. Parity still waits (see `docs/limits.md`): its
-        // leaving holders' scans (`par_release_holder`) are answered within the step.
-        let resumable = !matches!(self.scheme, Redundancy::Parity(_));
+        // Moves through this pager do not wait either (what no server could take in a direct
+        // move goes that way too): a step sends the reads and returns; the next one writes
+        // the pages that are in (`move_read_pages`). As with moves server to server, a
+        // server's count may still include pages moved off it whose deletes it has not
+        // answered yet: a step may then move a few more than it asks for. (Until 2026-11,
+        // moves under parity and Reed-Solomon drained everything in flight first and waited
+        // for their reads, under the region's lock. A leaving parity holder's scan,
+        // `par_release_holder`, still waits: rare, and its answer taken at a later step
+        // failed 5 of 10,000 parity seeds, see `docs/limits.md`.)
         let mut step = MigrationStep::default();
-        if direct || resumable {
-            self.poll()?;
-            if resumable {
-                self.resubmit_retries();
-                self.take_internal_reads();
-                self.move_read_pages(&mut step)?;
-            }
-        } else {
-            // What earlier steps sent has landed, so the counts the servers' last replies
-            // carry include it: nothing is moved twice.
-            self.drain()?;
-        }
+        self.poll()?;
+        self.resubmit_retries();
+        self.take_internal_reads();
+        self.move_read_pages(&mut step)?;
         step.leaving = self.pages_leaving();
         // Each page the owner moves holds a slot from its read to its last acknowledgement;
         // a direct move holds none. At most a step's worth are under way, read or written
@@ -99,13 +97,11 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         // they queue behind the moves' requests on the same connections).
         let budget = if direct {
             max_pages.saturating_sub(self.handing.len())
-        } else if resumable {
+        } else {
             let under_way = self.moving.len() + self.migrating.len();
             max_pages
                 .saturating_sub(under_way)
                 .min(self.free_slots.len() / 2)
-        } else {
-            max_pages.min(self.free_slots.len() / 2)
         };
         let mut batch: Vec<(u64, usize)> = Vec::new();
         for s in 0..self.servers.len() {
@@ -198,21 +194,15 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             {
                 Some(from) => {
                     let it = self.page_get_item(page, slot, INTERNAL);
-                    if resumable {
-                        // Queued, never waited for: a full window sends it later.
-                        self.moving.insert(page, (it.version, server, slot));
-                        self.queue_get(from, it);
-                    } else {
-                        self.submit_get_item(from, it);
-                    }
+                    // Queued, never waited for: a full window sends it later.
+                    self.moving.insert(page, (it.version, server, slot));
+                    self.queue_get(from, it);
                 }
                 None if self.table.get(page).on_disk => {
                     // A striped page whose own piece is out of reach, backed by the disk
                     // while its stripe is short: the disk has it in clear.
-                    if resumable {
-                        self.moving
-                            .insert(page, (self.table.get(page).version, server, slot));
-                    }
+                    self.moving
+                        .insert(page, (self.table.get(page).version, server, slot));
                     let at = slot as usize * netram_proto::PAGE_SIZE;
                     self.counters.disk_reads += 1;
                     self.disk
@@ -223,46 +213,11 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                 None => self.release_slot(slot),
             }
         }
-        if resumable {
-            self.pump_all();
-            // Whatever has answered already (the local disk, a fast server) moves now.
-            self.poll()?;
-            self.take_internal_reads();
-            self.move_read_pages(&mut step)?;
-            return Ok(step);
-        }
-        // (Reed-Solomon recovery's piece reads stay in `reads_done` for its next step.)
-        let others_done = |p: &Self| p.reads_done.iter().any(|d| d.pos != RECOVERY);
-        while !self.idle() || !self.retry.is_empty() || others_done(self) {
-            self.drain()?;
-            self.resubmit_retries();
-            self.copy_out_reads(&mut [])?;
-        }
-        // Reads of recovery's or of resumable moves stay for their next step.
-        let fetched: Vec<(u64, u32)>;
-        (fetched, self.fetched) = std::mem::take(&mut self.fetched)
-            .into_iter()
-            .partition(|(p, _)| !self.rebuilding.contains_key(p) && !self.moving.contains_key(p));
-        for (page, slot) in fetched {
-            let Some(&(_, leaving)) = batch.iter().find(|(p, _)| *p == page) else {
-                self.release_slot(slot);
-                continue;
-            };
-            step.started += 1;
-            self.counters.migrations_started += 1;
-            match self.scheme {
-                Redundancy::Copies(_) => self.move_copy(page, slot, leaving)?,
-                Redundancy::Parity(_) | Redundancy::Stripe(_) => {
-                    // Written again: the page leaves its group or stripe and joins a new one
-                    // away from the leaving server; a member of a group whose parity is there
-                    // (`par_release_holder`) joins a new group where it is.
-                    self.migrating.insert(page);
-                    let member_only = !self.table.holders(page).contains(leaving);
-                    self.write_back_avoiding(page, slot, Some(leaving), member_only)?;
-                }
-            }
-        }
         self.pump_all();
+        // Whatever has answered already (the local disk, a fast server) moves now.
+        self.poll()?;
+        self.take_internal_reads();
+        self.move_read_pages(&mut step)?;
         Ok(step)
     }
 
@@ -294,8 +249,9 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         for (page, slot) in read {
             let (version, from, _) = self.moving.remove(&page).expect("partitioned on it");
             let e = *self.table.get(page);
-            // Under Reed-Solomon a page moves for any piece of its stripe on the leaving
-            // server, its own or not: only a new version (written, discarded) ends its move.
+            // Under parity or Reed-Solomon a page moves for anything of its group or stripe on
+            // the leaving server, its own copy or not: only a new version (written,
+            // discarded) ends its move.
             // A page whose write-back the disk failed meanwhile waits dirty in the cache for
             // its next one, which places it anew (`movable`).
             let still = e.present
@@ -313,8 +269,9 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             if copies {
                 self.move_copy(page, slot, from)?;
             } else {
-                // Written again: the page leaves its stripe and joins a new one away from the
-                // leaving server.
+                // Written again: the page leaves its group or stripe and joins a new one away
+                // from the leaving server; a member of a group whose parity is there
+                // (`par_release_holder`) joins a new group where it is.
                 self.migrating.insert(page);
                 let member_only = !self.table.holders(page).contains(from);
                 self.write_back_avoiding(page, slot, Some(from), member_only)?;

@@ -1136,14 +1136,14 @@ fn a_recovery_step_sends_its_reads_and_does_not_wait_for_them() {
     }
 }
 
-/// A move through the owner never waits either, under whole copies and Reed-Solomon (issue
-/// 38): a migration step sends its reads and returns, its replies held back; once they are in,
-/// later steps move the pages, a page written while its read was out keeps its new version,
-/// and nothing of ours is left on the leaving server. (A step that waited would time out on
-/// the held replies and declare the servers dead.)
+/// A move through the owner never waits either, under any scheme (issue 38): a migration step
+/// sends its reads and returns, its replies held back; once they are in, later steps move the
+/// pages, a page written while its read was out keeps its new version, and nothing of ours is
+/// left on the leaving server (groups' parity included). (A step that waited would time out
+/// on the held replies and declare the servers dead.)
 #[test]
 fn a_migration_step_through_the_owner_does_not_wait_for_its_reads() {
-    for scheme in ["mirror:2", "rs:2+2"] {
+    for scheme in ["mirror:2", "rs:2+2", "parity:2"] {
         a_migration_step_does_not_wait(scheme);
     }
 }

@@ -126,7 +126,19 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         // Matched by slot, not by page: one page can be a survivor of two groups at two
         // versions (a superseded copy not deleted yet), and the XOR of a page sealed at the
         // wrong version would still pass the CRC, which is linear.
-        let fetched: BTreeSet<(u64, u32)> = std::mem::take(&mut self.fetched).into_iter().collect();
+        // (Other reads of the pager's own, a move's, stay for their step.)
+        let asked: BTreeSet<(u64, u32)> = planned
+            .iter()
+            .flat_map(|(_, g, slots)| {
+                let survivors = g.members.iter().filter(|m| m.server != dead);
+                survivors.zip(slots).map(|(m, &slot)| (m.key.page, slot))
+            })
+            .collect();
+        let fetched: Vec<(u64, u32)>;
+        (fetched, self.fetched) = std::mem::take(&mut self.fetched)
+            .into_iter()
+            .partition(|f| asked.contains(f));
+        let fetched: BTreeSet<(u64, u32)> = fetched.into_iter().collect();
         let failed = std::mem::take(&mut self.par_mut().read_failed);
         for (h, g, slots) in planned {
             let lost = *g.members.iter().find(|m| m.server == dead).expect("one");
@@ -470,13 +482,14 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         }
         self.par_drain()?;
         self.par_mut().read_failed.clear();
-        for (page, slot) in std::mem::take(&mut self.fetched) {
+        // (Other reads of the pager's own, a move's, stay for their step.)
+        let fetched: Vec<(u64, u32)>;
+        (fetched, self.fetched) = std::mem::take(&mut self.fetched)
+            .into_iter()
+            .partition(|f| asked.contains(f));
+        for (page, slot) in fetched {
             let e = *self.table.get(page);
-            if !asked.contains(&(page, slot))
-                || !e.present
-                || e.lost
-                || self.writeback.contains_key(&page)
-            {
+            if !e.present || e.lost || self.writeback.contains_key(&page) {
                 self.release_slot(slot);
                 continue;
             }
