@@ -237,18 +237,24 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                     part: Part::Page,
                 });
             } else {
-                let s = self.table.holders(it.page).first().unwrap_or(STRIPE_LOST);
-                if is_ticket(it.pos) {
-                    let err = self.lost_error(&[(s, it.page)]);
-                    self.ticket_failed(&it, err);
-                } else {
-                    self.caller_reads -= 1;
-                    self.lost.push((s, it.page));
-                }
-                self.release_slot(it.slot);
+                self.reconstruction_failed(&it);
             }
         }
         Ok(())
+    }
+
+    /// A read whose page could not be decoded (too few pieces answered, or what they gave
+    /// does not open): lost, for its ticket or its waiting read; its slot goes back.
+    pub(crate) fn reconstruction_failed(&mut self, it: &GetItem) {
+        let s = self.table.holders(it.page).first().unwrap_or(STRIPE_LOST);
+        if is_ticket(it.pos) {
+            let err = self.lost_error(&[(s, it.page)]);
+            self.ticket_failed(it, err);
+        } else {
+            self.caller_reads -= 1;
+            self.lost.push((s, it.page));
+        }
+        self.release_slot(it.slot);
     }
 
     /// Sends the GETs that failed on one copy to another.

@@ -582,6 +582,8 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             rs.decode_wait.retain(|&x| x != id);
             self.rs_rebuild(id, &mut step)?;
         }
+        // Room for a stripe's piece reads (K+M-1 at most) and the pieces its rebuild
+        // restores (M at most), with room to spare: a start never waits for a slot.
         let rs = self.rs();
         let per_stripe = 2 * (rs.k + rs.m);
         for it in std::mem::take(&mut self.rs_mut().waiters) {
@@ -654,7 +656,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             // Decoded ciphertext: it must be what this pager sealed (see `rs_reconstruct`).
             if self.unseal_slot(it.page, it.version, it.slot) {
                 self.counters.degraded_reads += 1;
-                self.reads_done.push(crate::requests::ReadDone {
+                self.reads_done.push(ReadDone {
                     pos: it.pos,
                     page: it.page,
                     version: it.version,
@@ -662,14 +664,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                     part: Part::Page,
                 });
             } else {
-                let s = self
-                    .table
-                    .holders(it.page)
-                    .first()
-                    .unwrap_or(crate::STRIPE_LOST);
-                let err = self.lost_error(&[(s, it.page)]);
-                self.ticket_failed(&it, err);
-                self.release_slot(it.slot);
+                self.reconstruction_failed(&it);
             }
         }
     }
