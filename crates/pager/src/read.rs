@@ -229,18 +229,23 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                 continue;
             }
             if self.reconstruct(it.page, it.slot)? {
-                self.reads_done.push(ReadDone {
-                    pos: it.pos,
-                    page: it.page,
-                    version: it.version,
-                    slot: it.slot,
-                    part: Part::Page,
-                });
+                self.reconstructed(&it);
             } else {
                 self.reconstruction_failed(&it);
             }
         }
         Ok(())
+    }
+
+    /// A read whose page was decoded into its slot: done, for its ticket or its waiting read.
+    pub(crate) fn reconstructed(&mut self, it: &GetItem) {
+        self.reads_done.push(ReadDone {
+            pos: it.pos,
+            page: it.page,
+            version: it.version,
+            slot: it.slot,
+            part: Part::Page,
+        });
     }
 
     /// A read whose page could not be decoded (too few pieces answered, or what they gave

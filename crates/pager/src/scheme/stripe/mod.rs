@@ -13,7 +13,7 @@
 //! Left out: compaction of stripes whose members are mostly dead (their pieces are kept until
 //! the last member dies), and parity logging for overwrites in place (Nswap's `parity:N`).
 
-use crate::requests::{GetItem, Op, Part, PutItem, PutKind, ReadDone, INTERNAL, RECOVERY};
+use crate::requests::{GetItem, Op, Part, PutItem, PutKind, INTERNAL, RECOVERY};
 use crate::scheme::RecoveryStep;
 use crate::table::Servers;
 use crate::{Disk, PagerError, Transport, PAGE_SIZE};

@@ -656,13 +656,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             // Decoded ciphertext: it must be what this pager sealed (see `rs_reconstruct`).
             if self.unseal_slot(it.page, it.version, it.slot) {
                 self.counters.degraded_reads += 1;
-                self.reads_done.push(ReadDone {
-                    pos: it.pos,
-                    page: it.page,
-                    version: it.version,
-                    slot: it.slot,
-                    part: Part::Page,
-                });
+                self.reconstructed(&it);
             } else {
                 self.reconstruction_failed(&it);
             }
