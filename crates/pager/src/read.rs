@@ -136,6 +136,12 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             if self.caller_reads == 0 {
                 break;
             }
+            if !self.retry.is_empty() {
+                // Failed over while copying out (keeping a page in the cache may write
+                // another back, and that pump fails over what was queued for a server found
+                // dead): sent elsewhere first.
+                continue;
+            }
             let decoding = self
                 .reconstruct
                 .iter()

@@ -761,7 +761,16 @@ impl<T: Transport, D: Disk> Pager<T, D> {
     /// A page's data piece could not be read: decoded from the rest of its stripe, unless the
     /// disk has a copy.
     pub(crate) fn rs_get_failed(&mut self, server: usize, it: GetItem, what: Option<&'static str>) {
-        if let (Some(what), Some(key)) = (what, self.rs_key(it.page)) {
+        // A GET of a version written over since (a move's read, out while the page was
+        // written again) says nothing of the piece the table names now, which may be the new
+        // version's stripe or still the old one's: blaming it would drop a good piece.
+        let current = it.version == self.table.get(it.page).version;
+        if !current && it.pos == INTERNAL {
+            // The move sees the page changed and leaves it to what changed it.
+            self.own_read_failed(it.page);
+            return self.release_slot(it.slot);
+        }
+        if let (Some(what), Some(key), true) = (what, self.rs_key(it.page), current) {
             let (id, piece) = ((key.page / 32) as u32, (key.page % 32) as u8);
             self.rs_bad_piece(id, piece, server, what);
         }
