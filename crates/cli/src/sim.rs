@@ -97,7 +97,7 @@ pub fn run_sim(args: SimArgs) -> anyhow::Result<()> {
 fn print_report(label: &str, r: &Report) {
     let f = &r.faults;
     println!(
-        "{label}: {} steps, {:.1} s virtual: {} writes, {} reads, {} discards, {} flushes; \
+        "{label}: {} steps, {:.1} s virtual: {} writes ({} without waiting), {} reads, {} discards, {} flushes; \
          {} reads by ticket left in flight ({} verified, {} failed where allowed; {} operations \
          of the same client begun meanwhile); {} pages verified, {} reads failed where the faults allowed it, {} servers reconnected; \
          {} disk writes failed, {} reported; {} replies pushed to idle clients ({} while another \
@@ -105,6 +105,7 @@ fn print_report(label: &str, r: &Report) {
         r.steps,
         r.virtual_ms as f64 / 1000.0,
         r.writes,
+        r.writes_without_waiting,
         r.reads,
         r.discards,
         r.flushes,

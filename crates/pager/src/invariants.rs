@@ -28,11 +28,11 @@ use crate::{Disk, Op, Pager, Transport};
 impl<T: Transport, D: Disk> Pager<T, D> {
     /// Checks the pager's own bookkeeping; the first violation found, in words.
     pub fn check_invariants(&self) -> Result<(), String> {
-        if self.waits_in_reply > 0 {
+        if self.forbidden_waits > 0 {
             return Err(format!(
-                "handling a reply waited for another {} times: requests without credits must \
-                 queue, not wait",
-                self.waits_in_reply
+                "handling a reply or a non-waiting write waited {} times: requests without \
+                 credits must queue, not wait",
+                self.forbidden_waits
             ));
         }
         self.check_slots()?;

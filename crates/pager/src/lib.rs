@@ -150,6 +150,10 @@ pub struct Pager<T: Transport, D: Disk> {
     servers: Vec<ServerState>,
     /// Page buffers: `cache_pages + staging` slots of PAGE_SIZE bytes.
     slots: Vec<u8>,
+    /// Slots meant for write-backs in flight: a full window and a batch per server at start.
+    /// What [`Pager::try_write`] leaves in write-back at most, so that writes that do not wait
+    /// do not take the slots of recovery (nor grow the process by them).
+    staging: usize,
     free_slots: Vec<u32>,
     dirty: Vec<bool>,
     /// Slots holding ciphertext (`seal.rs`): those of write-backs, and what a scheme rebuilds
@@ -212,11 +216,12 @@ pub struct Pager<T: Transport, D: Disk> {
     lost: Vec<(usize, u64)>,
     corrupt: Option<(usize, u64, &'static str)>,
     next_req: u64,
-    /// Replies being handled (nested when handling one waits for another), and the waits
-    /// that happened while handling one: reply handling is to become an event that never
-    /// waits, and `check_invariants` counts what still does.
-    in_reply: u32,
-    waits_in_reply: u64,
+    /// Replies being handled (nested when handling one waits for another) and non-waiting
+    /// writes (`try_write`, `try_discard`) under way, and the waits that happened meanwhile:
+    /// neither may wait (requests without credits stay queued), and `check_invariants`
+    /// counts any wait.
+    must_not_wait: u32,
+    forbidden_waits: u64,
     /// When the maintenance tasks last ran ([`Pager::on_tick`]).
     schedule: maintenance::Schedule,
     rng: fastrand::Rng,
@@ -287,6 +292,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             followups: Vec::new(),
             servers,
             slots: vec![0u8; nslots * PAGE_SIZE],
+            staging,
             free_slots: (0..nslots as u32).rev().collect(),
             dirty: vec![false; nslots],
             sealed: vec![false; nslots],
@@ -303,8 +309,8 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             lost: Vec::new(),
             corrupt: None,
             next_req: 1,
-            in_reply: 0,
-            waits_in_reply: 0,
+            must_not_wait: 0,
+            forbidden_waits: 0,
             schedule: maintenance::Schedule::default(),
             rng: fastrand::Rng::with_seed(cfg.seed),
             counters: PagerCounters::default(),
@@ -338,6 +344,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         self.dirty.resize(self.dirty.len() + more, false);
         self.sealed.resize(self.sealed.len() + more, false);
         self.free_slots.extend(first..first + more as u32);
+        self.staging += more;
         Ok(self.servers.len() - 1)
     }
 
@@ -551,6 +558,70 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         }
     }
 
+    /// Writes `page` straight to write-back if that needs no waiting, and says whether it did:
+    /// the event-driven writer's form of [`Pager::write`] (the userfaultfd handler evicting a
+    /// victim). It does not when the page's last write-back is still in flight (versions land
+    /// in order), when no slot is free, counting those that sealing a Reed-Solomon stripe
+    /// may take besides, or when the staging slots' worth of pages is in write-back already
+    /// (the recovery's slots are not for this): then nothing has changed, and the caller keeps the page and tries
+    /// again once replies have come in ([`Pager::poll`], [`Pager::on_reply`]). A copy of the
+    /// page in the cache is superseded (its slot carries the write). Nothing is sent until
+    /// [`Pager::send_queued`], so that a batch of victims leaves in full frames; nothing is
+    /// waited for either, not even credits (`write` sends everything it queued first).
+    pub fn try_write(&mut self, page: u64, data: &[u8]) -> Result<bool, PagerError> {
+        self.check(page)?;
+        if data.len() != PAGE_SIZE {
+            return Err(PagerError::BadBuffer {
+                got: data.len(),
+                pages: 1,
+            });
+        }
+        if self.writeback.contains_key(&page) {
+            return Ok(false);
+        }
+        let cached = usize::from(self.cache.contains(&page));
+        let needed = 1 + self.scheme.seal_slots();
+        if self.free_slots.len() + cached < needed || self.writeback.len() >= self.staging {
+            return Ok(false);
+        }
+        self.counters.writes += 1;
+        if let Some(stale) = self.cache.pop(&page) {
+            // Superseded: given back clean (and marked plaintext) before a slot is taken.
+            self.release_slot(stale);
+        }
+        let slot = self.free_slots.pop().expect("counted above");
+        self.slot_mut(slot).copy_from_slice(data);
+        self.dirty[slot as usize] = false;
+        self.counters.evictions_dirty += 1;
+        self.must_not_wait += 1;
+        let written = self.write_back(page, slot);
+        self.must_not_wait -= 1;
+        written.map(|()| true)
+    }
+
+    /// Pages [`Pager::try_write`] takes now at most (fewer if some are still in write-back):
+    /// what is left of the staging slots.
+    pub fn write_room(&self) -> usize {
+        self.free_slots
+            .len()
+            .saturating_sub(self.scheme.seal_slots())
+            .min(self.staging.saturating_sub(self.writeback.len()))
+    }
+
+    /// Forgets `page` as [`Pager::discard`] does if that needs no waiting, and says whether
+    /// it did: not while its last write-back is in flight. Its DELETEs go with the next
+    /// [`Pager::send_queued`].
+    pub fn try_discard(&mut self, page: u64) -> Result<bool, PagerError> {
+        self.check(page)?;
+        if self.writeback.contains_key(&page) {
+            return Ok(false);
+        }
+        self.must_not_wait += 1;
+        let discarded = self.discard_queued(&[page]);
+        self.must_not_wait -= 1;
+        discarded.map(|()| true)
+    }
+
     /// The local disk's failed write since the last report, if any (the pages it was writing
     /// are still in memory and are written again later).
     fn disk_outcome(&mut self) -> Result<(), PagerError> {
@@ -596,9 +667,24 @@ impl<T: Transport, D: Disk> Pager<T, D> {
     /// waited for (see `write_many`).
     pub fn discard_many(&mut self, pages: &[u64]) -> Result<(), PagerError> {
         pages.iter().try_for_each(|&p| self.check(p))?;
-        let mut deletes: Vec<Vec<PageKey>> = vec![Vec::new(); self.servers.len()];
         for &page in pages {
             self.wait_writeback(page)?;
+        }
+        self.discard_queued(pages)?;
+        if self.cfg.cache_pages > 0 {
+            // As with write-back, not waited for: a connection applies its requests in order,
+            // so a later PUT of the same page to the same server lands after the DELETE.
+            self.send_everything()
+        } else {
+            self.drain()
+        }
+    }
+
+    /// Forgets pages none of which is in write-back, their DELETEs queued, not sent.
+    fn discard_queued(&mut self, pages: &[u64]) -> Result<(), PagerError> {
+        let mut deletes: Vec<Vec<PageKey>> = vec![Vec::new(); self.servers.len()];
+        for &page in pages {
+            debug_assert!(!self.writeback.contains_key(&page));
             if let Some(slot) = self.cache.pop(&page) {
                 self.release_slot(slot);
             }
@@ -618,13 +704,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                 self.delete(s, chunk.to_vec());
             }
         }
-        if self.cfg.cache_pages > 0 {
-            // As with write-back, not waited for: a connection applies its requests in order,
-            // so a later PUT of the same page to the same server lands after the DELETE.
-            self.send_everything()
-        } else {
-            self.drain()
-        }
+        Ok(())
     }
 
     /// Whether a page holds data: written (perhaps only into the cache so far) and not

@@ -117,13 +117,13 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         // `check_invariants` counts any wait); the buffer is put back to keep its capacity.
         let mut followups = std::mem::take(&mut self.followups);
         let mut result = Ok(());
-        self.in_reply += 1;
+        self.must_not_wait += 1;
         for f in followups.drain(..) {
             if let Err(e) = self.after_reply(server, f) {
                 result = Err(e);
             }
         }
-        self.in_reply -= 1;
+        self.must_not_wait -= 1;
         if self.followups.is_empty() {
             self.followups = followups;
         }

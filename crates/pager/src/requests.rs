@@ -293,7 +293,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
     /// takes its answers before asking more, rather than filling every free slot first.
     pub(crate) fn pump_paced(&mut self, server: usize) {
         self.pump(server, false);
-        while self.in_reply == 0
+        while self.must_not_wait == 0
             && self.servers[server].alive
             && self.queues[server]
                 .front()
@@ -490,8 +490,8 @@ impl<T: Transport, D: Disk> Pager<T, D> {
     /// longest (the oldest in flight), so that every server's pipeline keeps moving.
     /// Returns without waiting when nothing is in flight (everything queued failed over).
     pub(crate) fn complete_one(&mut self) -> Result<(), PagerError> {
-        if self.in_reply > 0 {
-            self.waits_in_reply += 1;
+        if self.must_not_wait > 0 {
+            self.forbidden_waits += 1;
         }
         self.pump_all();
         match self.inflight.oldest() {

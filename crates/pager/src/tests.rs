@@ -1488,3 +1488,74 @@ fn a_server_revived_while_a_rebuild_is_out_gets_its_copies() {
 mod migrate;
 mod seal;
 mod ticket;
+
+/// `try_write` (the userfaultfd handler's eviction) never waits: with every reply held back
+/// (a wait would time out on them and fail the servers), it takes pages while it has room,
+/// then refuses without changing anything, as it does for a page whose last write-back is
+/// still out; once replies are in, the refused pages go too, and every page reads back at its
+/// last write. Under every scheme.
+#[test]
+fn try_write_takes_what_it_has_room_for_and_never_waits() {
+    for scheme in ["none", "mirror:2", "rs:2+2", "parity:2"] {
+        let mut p = Pager::new(
+            PagerConfig {
+                pages: 800,
+                cache_pages: 8,
+                redundancy: scheme.parse().unwrap(),
+                ..sealed()
+            },
+            MemCluster::new(&[2000, 2000, 2000, 2000, 2000]),
+            MemDisk::default(),
+        );
+        for s in 0..5 {
+            p.transport_mut().servers[s].held = true;
+        }
+        let mut taken = Vec::new();
+        let mut refused = Vec::new();
+        for page in 0..800u64 {
+            let room = p.write_room();
+            if p.try_write(page, &content(page, 1)).unwrap() {
+                assert!(room > 0, "{scheme}: page {page} taken without room");
+                taken.push(page);
+                p.send_queued();
+            } else {
+                refused.push(page);
+            }
+            if page % 64 == 0 {
+                p.check_invariants().unwrap();
+            }
+        }
+        p.check_invariants().unwrap();
+        assert_eq!(p.counters().servers_dead, 0, "{scheme}: nothing waited");
+        assert!(!taken.is_empty(), "{scheme}: pages were taken");
+        assert!(!refused.is_empty(), "{scheme}: the pager ran out of room");
+        assert_eq!(p.write_room(), 0, "{scheme}: refused for want of room");
+        for s in 0..5 {
+            p.transport_mut().servers[s].held = false;
+        }
+        // A page still in write-back is refused whatever the room (none of its replies has
+        // been read yet).
+        assert!(
+            !p.try_write(taken[0], &content(taken[0], 2)).unwrap(),
+            "{scheme}: a page in write-back is refused"
+        );
+        let mut rounds = 0;
+        while !refused.is_empty() {
+            rounds += 1;
+            assert!(rounds < 1000, "{scheme}: the refused pages never went");
+            p.poll().unwrap();
+            refused.retain(|&page| !p.try_write(page, &content(page, 1)).unwrap());
+            p.send_queued();
+            p.check_invariants().unwrap();
+        }
+        p.flush().unwrap();
+        assert_eq!(p.counters().servers_dead, 0, "{scheme}");
+        for page in 0..800u64 {
+            assert_eq!(
+                read(&mut p, page).unwrap(),
+                content(page, 1),
+                "{scheme}: page {page}"
+            );
+        }
+    }
+}

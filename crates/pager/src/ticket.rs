@@ -169,6 +169,12 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         self.transport.flush();
     }
 
+    /// Whether anything is in flight whose reply a loop should wait for (see
+    /// [`Pager::reply_fds`]).
+    pub fn awaits_replies(&self) -> bool {
+        !self.inflight.ops.is_empty()
+    }
+
     /// The descriptors a loop waits on for the replies of what is in flight (see
     /// [`crate::Transport::reply_fd`]), appended to `out`.
     pub fn reply_fds(&self, out: &mut Vec<std::os::fd::RawFd>) {

@@ -239,6 +239,11 @@ pub(crate) extern "C" fn at_exit() {
             ("pages_rebuilt", pager.pages_rebuilt),
             ("pages_unrecoverable", pager.pages_unrecoverable),
             ("pages_migrated", pager.pages_migrated),
+            // How often eviction found the pager without room and left its victims for
+            // later, or waited (the region a batch over its budget: servers behind).
+            ("evictions_deferred", get(&rc.evictions_deferred)),
+            ("victims_kept", get(&rc.victims_kept)),
+            ("evictions_waited", get(&rc.evictions_waited)),
         ];
         if let Some(m) = report.as_object_mut() {
             for (k, v) in redundancy {

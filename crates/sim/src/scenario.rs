@@ -99,6 +99,9 @@ pub struct Report {
     pub replies_polled: u64,
     /// Ticks of the clients' maintenance schedules (`Pager::on_tick`).
     pub ticks: u64,
+    /// Writes made page by page with `Pager::try_write` (falling back on `write` for a page
+    /// it did not take), as the userfaultfd handler evicts.
+    pub writes_without_waiting: u64,
     /// Reads by ticket (`Pager::start_read`) started, finished with a version they may see,
     /// and failed where the faults allowed it: several of one client in flight at once,
     /// interleaved with its other operations and its maintenance.
@@ -134,6 +137,7 @@ impl Report {
         self.tickets_verified += r.tickets_verified;
         self.tickets_failed_allowed += r.tickets_failed_allowed;
         self.ops_during_tickets += r.ops_during_tickets;
+        self.writes_without_waiting += r.writes_without_waiting;
         let (a, b) = (&mut self.faults, &r.faults);
         a.crashes += b.crashes;
         a.resets += b.resets;
@@ -475,7 +479,14 @@ fn play(sc: &Scenario, at: &std::cell::Cell<u32>) -> Result<Report, Failure> {
                     candidates.push((p, Some(tag)));
                 }
                 report.writes += 1;
-                let result = cl.pager.borrow_mut().write_many(&pages, &data);
+                let result = if rng.u32(0..4) == 0 {
+                    // As the userfaultfd handler evicts: each page written if the pager takes
+                    // it without waiting, else the waiting way; sent together.
+                    report.writes_without_waiting += 1;
+                    try_write_many(&mut cl.pager.borrow_mut(), &pages, &data)
+                } else {
+                    cl.pager.borrow_mut().write_many(&pages, &data)
+                };
 
                 match result {
                     Ok(()) => {}
@@ -957,4 +968,21 @@ fn inject_faults(w: &mut World, sc: &Scenario, crash_chance: f64) {
         let frames = w.rng.u64(0..=arena);
         w.move_offer(s, frames);
     }
+}
+
+/// Writes `pages` one by one with [`Pager::try_write`], the pages it refuses with
+/// [`Pager::write`], then sends what was queued.
+fn try_write_many<T: netram_pager::Transport, D: netram_pager::Disk>(
+    pager: &mut Pager<T, D>,
+    pages: &[u64],
+    data: &[u8],
+) -> Result<(), PagerError> {
+    for (i, &p) in pages.iter().enumerate() {
+        let page = &data[i * PAGE_SIZE..(i + 1) * PAGE_SIZE];
+        if !pager.try_write(p, page)? {
+            pager.write(p, page)?;
+        }
+    }
+    pager.send_queued();
+    Ok(())
 }

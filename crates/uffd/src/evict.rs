@@ -15,6 +15,14 @@ impl<T: Transport, D: Disk> Shared<T, D> {
     /// (6.16 on) flushes once. A victim chosen but not dropped yet stays mapped
     /// write-protected (or aside, if sampled): a write to it blocks until the batch is gone
     /// and then faults it back in.
+    ///
+    /// Nothing here waits for the network: a dirty victim is written only if the pager takes
+    /// it at once ([`Pager::try_write`]), so a batch holds at most as many dirty victims as
+    /// the pager has room for, and the rest stay resident, over the budget, until replies
+    /// return slots (read here, and by the handler's loop, which waits on them while the
+    /// region is over its budget). Past [`OVER_BUDGET`] pages over, or with forked children
+    /// (whose bookkeeping goes page by page, `fork.rs`), victims wait for room as they always
+    /// did: the servers are behind, and the program's memory must not grow with them.
     pub(crate) fn make_room(&self, st: &mut State<T, D>, keep: usize) {
         if st.clock.len() <= keep || st.forking > 0 {
             // While a fork is pending nothing leaves: the child gets every page resident at
@@ -24,12 +32,39 @@ impl<T: Transport, D: Disk> Shared<T, D> {
         // A batch small next to the budget, so that residency stays close to it.
         let batch = (st.budget / 16).clamp(1, EVICT_BATCH);
         let target = keep.saturating_sub(batch - 1);
+        let wait = !st.children.is_empty() || st.clock.len() > keep + OVER_BUDGET;
+        let mut room = usize::MAX;
+        if !wait {
+            room = st.pager.write_room();
+            if room < batch {
+                // Slots come back with the acknowledgements that have arrived.
+                if let Err(e) = st.pager.poll() {
+                    tracing::debug!("while making room: {e}");
+                }
+                room = st.pager.write_room();
+            }
+            if room == 0 {
+                self.counters
+                    .evictions_deferred
+                    .fetch_add(1, Ordering::Relaxed);
+                return;
+            }
+        } else if st.children.is_empty() {
+            self.counters
+                .evictions_waited
+                .fetch_add(1, Ordering::Relaxed);
+        }
         let mut chosen = std::mem::take(&mut st.victims);
         chosen.clear();
-        while st.clock.len() > target {
+        while st.clock.len() > target && room > 0 {
             let Some(victim) = st.clock.victim() else {
                 break;
             };
+            if st.dirty[victim.page as usize] {
+                // A page of zeros is discarded rather than written, but which is which shows
+                // only once it is copied out.
+                room -= 1;
+            }
             for &p in &victim.sample {
                 match self.sample(p as usize) {
                     Ok(()) => {
@@ -51,15 +86,16 @@ impl<T: Transport, D: Disk> Shared<T, D> {
         let mut failed = false;
         for &(page, sampled) in &chosen {
             let evicted = if sampled {
-                self.evict_sampled(st, page)
-                    .map(|a| Some((page, a as usize, false)))
+                self.evict_sampled(st, page, wait)
+                    .map(|a| a.map(|a| (page, a as usize, false)))
             } else {
-                self.evict_mapped(st, page)
+                self.evict_mapped(st, page, wait)
                     .map(|a| a.map(|a| (page, a as usize, true)))
             };
             match evicted {
                 Ok(Some(d)) => drops.push(d),
-                // Unreadable, kept (at the back of the ring).
+                // Unreadable, or the pager had no room for it after all: kept (at the back
+                // of the ring).
                 Ok(None) => {}
                 // The page stays resident (see `evict_mapped`); the rest of the batch is
                 // tried, as it is already write-protected, and the first failure logged.
@@ -72,6 +108,8 @@ impl<T: Transport, D: Disk> Shared<T, D> {
                 }
             }
         }
+        // The batch's write-backs leave together, in full frames.
+        st.pager.send_queued();
         self.drop_batch(st, &drops);
         drops.clear();
         st.drops = drops;
@@ -173,13 +211,15 @@ impl<T: Transport, D: Disk> Shared<T, D> {
     }
 
     /// Evicts a sampled page: it is aside, out of reach of the program, so it is copied and
-    /// stored without any write-protection; the caller drops it. On failure it goes back into
+    /// stored without any write-protection; the caller drops it. On failure, or when the
+    /// pager cannot take it without waiting and `wait` is false (`None`), it goes back into
     /// the region.
     pub(crate) fn evict_sampled(
         &self,
         st: &mut State<T, D>,
         page: usize,
-    ) -> Result<*mut c_void, PageError> {
+        wait: bool,
+    ) -> Result<Option<*mut c_void>, PageError> {
         let aside = self
             .shadow
             .expect("sampled pages live in the shadow")
@@ -189,34 +229,61 @@ impl<T: Transport, D: Disk> Shared<T, D> {
             unsafe {
                 std::ptr::copy_nonoverlapping(aside.cast::<u8>(), st.buf.as_mut_ptr(), PAGE_SIZE)
             };
-            if let Err(source) = self.store(st, page) {
+            let stored = self.store(st, page, wait);
+            if !matches!(stored, Ok(true)) {
                 if let Err(e) = self.uffd.move_page(aside, self.base.page(page)) {
                     tracing::error!("page {page} could not be put back after a failed store: {e}");
                 }
                 st.clock.insert(page as u64);
-                return Err(PageError::Store { page, source });
+                return match stored {
+                    Err(source) => Err(PageError::Store { page, source }),
+                    Ok(_) => Ok(None),
+                };
             }
         } else {
             self.counters.evicted_clean.fetch_add(1, Ordering::Relaxed);
         }
         st.dirty[page] = false;
         self.counters.evictions.fetch_add(1, Ordering::Relaxed);
-        Ok(aside)
+        Ok(Some(aside))
     }
 
-    /// Stores the page in `st.buf` as page `page` (an all-zero page is discarded instead).
+    /// Stores the page in `st.buf` as page `page` (an all-zero page is discarded instead);
+    /// false if `wait` is false and the pager cannot take it without waiting (nothing done).
     pub(crate) fn store(
         &self,
         st: &mut State<T, D>,
         page: usize,
-    ) -> Result<(), netram_pager::PagerError> {
-        self.settle(st, page);
-        if st.buf.iter().all(|&b| b == 0) {
-            self.counters.evicted_zero.fetch_add(1, Ordering::Relaxed);
-            st.pager.discard(page as u64)
+        wait: bool,
+    ) -> Result<bool, netram_pager::PagerError> {
+        let zeros = st.buf.iter().all(|&b| b == 0);
+        let stored = if wait {
+            self.settle(st, page);
+            if zeros {
+                st.pager.discard(page as u64)
+            } else {
+                st.pager.write(page as u64, &st.buf)
+            }
+            .map(|()| true)
         } else {
-            st.pager.write(page as u64, &st.buf)
+            // No children (see `make_room`): nothing to settle.
+            debug_assert!(st.children.is_empty());
+            if zeros {
+                st.pager.try_discard(page as u64)
+            } else {
+                st.pager.try_write(page as u64, &st.buf)
+            }
+        };
+        match stored {
+            Ok(true) if zeros => {
+                self.counters.evicted_zero.fetch_add(1, Ordering::Relaxed);
+            }
+            Ok(false) => {
+                self.counters.victims_kept.fetch_add(1, Ordering::Relaxed);
+            }
+            _ => {}
         }
+        stored
     }
 
     /// Evicts a page still mapped, write-protected by `protect_victims` if dirty: copy out,
@@ -226,6 +293,7 @@ impl<T: Transport, D: Disk> Shared<T, D> {
         &self,
         st: &mut State<T, D>,
         page: usize,
+        wait: bool,
     ) -> Result<Option<*mut c_void>, PageError> {
         let addr = self.base.page(page);
         if !st.dirty[page] {
@@ -268,11 +336,17 @@ impl<T: Transport, D: Disk> Shared<T, D> {
                 return Err(PageError::Copy { page, errno });
             }
         }
-        if let Err(source) = self.store(st, page) {
+        let stored = self.store(st, page, wait);
+        if !matches!(stored, Ok(true)) {
             // Keep the page: writable again, and the writers blocked on it woken.
             let _ = self.uffd.set_write_protect(addr, false, true);
             st.clock.insert(page as u64);
-            return Err(PageError::Store { page, source });
+            return match stored {
+                Err(source) => Err(PageError::Store { page, source }),
+                // The pager had no room for it after all (its last write-back is still out):
+                // it stays, dirty, for a later batch.
+                Ok(_) => Ok(None),
+            };
         }
         st.dirty[page] = false;
         self.counters.evictions.fetch_add(1, Ordering::Relaxed);

@@ -52,8 +52,8 @@ impl<T: Transport, D: Disk> Shared<T, D> {
         // Whether to spin before sleeping: only while faults come closer together than the
         // spin (a scan), not when the program computes between faults.
         let mut spin_next = !self.spin.is_zero();
-        // Whether fetches were in flight when the last events were handled (`fetch.rs`): then
-        // the loop waits for their replies too.
+        // Whether fetches were in flight when the last events were handled (`fetch.rs`), or
+        // victims wait for the pager's room (`evict.rs`): then the loop waits for replies too.
         let mut fetching = false;
         loop {
             let wait_started = std::time::Instant::now();
@@ -77,11 +77,10 @@ impl<T: Transport, D: Disk> Shared<T, D> {
                     let agent = c.budget.as_ref().map(|b| b.agent.as_fd().as_raw_fd());
                     std::iter::once(c.uffd.as_fd().as_raw_fd()).chain(agent)
                 }));
-                if !st.fetching.is_empty() {
+                fetching = self.awaits_replies(&st);
+                if fetching {
                     st.pager.reply_fds(&mut replies);
                 }
-                // Fetches finished by another holder of the lock (maintenance) since.
-                fetching = !st.fetching.is_empty();
             }
             let mut fds = vec![
                 PollFd::new(&self.uffd, PollFlags::IN),
@@ -205,8 +204,13 @@ impl<T: Transport, D: Disk> Shared<T, D> {
                         let keep = st.budget.saturating_sub(st.fetching.len());
                         self.make_room(&mut st, keep);
                         self.progress_fetches(&mut st);
+                    } else if self.over_budget(&st) {
+                        // Victims left for want of the pager's room: acknowledgements may have
+                        // returned some (`make_room` reads them).
+                        let keep = st.budget;
+                        self.make_room(&mut st, keep);
                     }
-                    return Some(!st.fetching.is_empty());
+                    return Some(self.awaits_replies(&st));
                 }
                 Err(e) => {
                     tracing::error!("userfaultfd handler: read: {e}");
@@ -236,6 +240,18 @@ impl<T: Transport, D: Disk> Shared<T, D> {
             Event::Pagefault { .. } | Event::Other(_) => {}
         }
         self.handle(st, event)
+    }
+
+    /// Whether the region holds more pages than its budget, with victims to evict (not while
+    /// a fork is pending, when nothing leaves).
+    fn over_budget(&self, st: &State<T, D>) -> bool {
+        st.forking == 0 && st.clock.len() > st.budget
+    }
+
+    /// Whether the loop waits for replies as well as events: fetches in flight, or victims
+    /// that wait for acknowledgements to return the pager's slots.
+    fn awaits_replies(&self, st: &State<T, D>) -> bool {
+        !st.fetching.is_empty() || (self.over_budget(st) && st.pager.awaits_replies())
     }
 
     /// Polls the userfaultfd without sleeping for up to the spin; true once an event is

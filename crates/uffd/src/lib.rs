@@ -180,6 +180,15 @@ pub struct RegionCounters {
     pub evicted_zero: AtomicU64,
     /// ... of which clean (fetched and never written since): dropped without any I/O.
     pub evicted_clean: AtomicU64,
+    /// Times the region was over its budget and the pager had no room for a dirty victim
+    /// without waiting: the eviction was left for when acknowledgements return slots.
+    pub evictions_deferred: AtomicU64,
+    /// Dirty victims chosen that the pager could not take without waiting after all (their
+    /// last write-back still in flight): kept resident for a later batch.
+    pub victims_kept: AtomicU64,
+    /// Batches of victims that waited for the pager: more than `OVER_BUDGET` pages over the
+    /// budget (servers behind), where the program's memory must not grow further.
+    pub evictions_waited: AtomicU64,
     /// First writes to fetched pages (write-protect faults that mark a page dirty).
     pub first_writes: AtomicU64,
     /// Pages fetched ahead by the prefetcher and left in the pager's cache to be faulted on.
@@ -246,6 +255,9 @@ static ZEROS: [u8; PAGE_SIZE] = [0; PAGE_SIZE];
 
 /// The most victims dropped together (see `Shared::make_room`).
 const EVICT_BATCH: usize = 32;
+/// Pages over its budget a region holds at most while its victims wait for the pager's room
+/// without blocking the handler (see `Shared::make_room`): two batches.
+const OVER_BUDGET: usize = 2 * EVICT_BATCH;
 /// One prefetched page in this many is left to be faulted on, to measure the hit rate; the
 /// others are installed at once.
 const PREFETCH_CHECK: usize = 4;

@@ -92,6 +92,15 @@ impl Redundancy {
         }
     }
 
+    /// Slots a write-back may take besides its own page's: sealing a full stripe takes one
+    /// per parity piece (`rs_seal`); a parity group's parity is computed by its holder.
+    pub(crate) fn seal_slots(&self) -> usize {
+        match self {
+            Redundancy::Stripe(rs) => rs.m,
+            Redundancy::Copies(_) | Redundancy::Parity(_) => 0,
+        }
+    }
+
     /// Slots set aside for rebuilding (decoding stripes, XORing groups, waves of copies) and
     /// for moving pages off a leaving server.
     pub(crate) fn recovery_slots(&self, cfg: &PagerConfig) -> usize {
