@@ -647,7 +647,9 @@ impl<T: Transport, D: Disk> Region<T, D> {
         self.shared.lock().budget * PAGE_SIZE
     }
 
-    /// Changes the local budget (at least one page); lowering it evicts at once.
+    /// Changes the local budget (at least one page); lowering it evicts at once what the
+    /// pager has room to write without waiting, and waits only for what stays more than
+    /// `OVER_BUDGET` pages over (see `make_room`); the rest follows as replies return room.
     pub fn set_budget(&self, bytes: usize) {
         let mut st = self.shared.lock();
         st.budget = (bytes / PAGE_SIZE).max(1);

@@ -974,8 +974,11 @@ fn a_server_that_hangs_mid_fetch_is_timed_out_and_the_other_copy_serves() {
     for p in 0..PAGES {
         mem[p * PAGE_SIZE..(p + 1) * PAGE_SIZE].fill(fill(p, 3));
     }
-    // Out to both servers, then the first one hangs.
+    // Out to both servers, acknowledged (victims' writes do not wait: one still in flight
+    // when the relay freezes would find the hung server by itself, not a fetch), then the
+    // first one hangs.
     r.set_budget(PAGE_SIZE);
+    r.with_pager(|p| p.flush()).unwrap();
     r.set_budget(32 * PAGE_SIZE);
     relay.frozen.store(true, Ordering::Relaxed);
     let started = std::time::Instant::now();
