@@ -73,7 +73,9 @@ fn swap_through_netram(via: Via, backing: &str, kill_server: bool) {
     if !prerequisites_met() {
         return;
     }
-    let working_set: u64 = 256 << 20;
+    // Four runs in turn; 128 MiB through a 32 MiB cgroup swaps out three quarters of it and
+    // reads it all back (kernel swap through FUSE and a loop device moves a few MiB/s here).
+    let working_set: u64 = 128 << 20;
     let limit = working_set / 4;
     let mut cleanup = Cleanup::default();
 
@@ -205,7 +207,10 @@ fn swap_through_netram(via: Via, backing: &str, kill_server: bool) {
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr)
     );
-    assert!(String::from_utf8_lossy(&out.stdout).contains("65536 pages written and verified"));
+    assert!(String::from_utf8_lossy(&out.stdout).contains(&format!(
+        "{} pages written and verified",
+        working_set / 4096
+    )));
     assert!(
         used_max > working_set / 2,
         "swap on {lo} was used: at most {used_max} bytes"
