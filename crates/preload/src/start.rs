@@ -244,6 +244,7 @@ pub(crate) extern "C" fn at_exit() {
             ("evictions_deferred", get(&rc.evictions_deferred)),
             ("victims_kept", get(&rc.victims_kept)),
             ("evictions_waited", get(&rc.evictions_waited)),
+            ("releases_waited", get(&rc.releases_waited)),
         ];
         if let Some(m) = report.as_object_mut() {
             for (k, v) in redundancy {

@@ -416,6 +416,23 @@ impl<T: Transport, D: Disk> Shared<T, D> {
         self.counters
             .released
             .fetch_add(count as u64, Ordering::Relaxed);
-        st.pager.discard_many(&written).map_err(PageError::Delete)
+        // Forgotten at once, their DELETEs sent as credits allow (never waited for: a
+        // connection applies its requests in order, so a later PUT of a page lands after its
+        // DELETE). Only a page whose last write-back is still out waits for it, so that the
+        // acknowledgement does not bring the page back.
+        let mut busy = Vec::new();
+        for p in written {
+            if !st.pager.try_discard(p).map_err(PageError::Delete)? {
+                busy.push(p);
+            }
+        }
+        st.pager.send_queued();
+        if !busy.is_empty() {
+            self.counters
+                .releases_waited
+                .fetch_add(1, Ordering::Relaxed);
+            st.pager.discard_many(&busy).map_err(PageError::Delete)?;
+        }
+        Ok(())
     }
 }

@@ -207,6 +207,9 @@ pub struct RegionCounters {
     pub sample_failures: AtomicU64,
     /// Pages given back by the program (`release`).
     pub released: AtomicU64,
+    /// Releases that waited for the write-back of one of their pages still in flight (the
+    /// rest are forgotten without waiting).
+    pub releases_waited: AtomicU64,
     /// Resident pages the program dropped behind the region's back (`madvise(MADV_DONTNEED)`
     /// by system call): found on their next fault, they read as zeros, as anonymous memory
     /// does.

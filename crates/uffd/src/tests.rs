@@ -535,6 +535,39 @@ fn released_pages_read_as_zeros_and_leave_their_servers() {
     assert!((0..16).all(|p| r.as_slice()[p * PAGE_SIZE] == 7));
 }
 
+/// Pages released while their write-backs are still out (victims' writes do not wait) are
+/// gone for good: no acknowledgement brings one back, on the servers or in the region.
+#[test]
+fn pages_released_while_being_written_stay_released() {
+    let cluster = LocalCluster::start(2, 8 << 20, false).unwrap();
+    let mut r = region(&cluster, 256);
+    for round in 0..8u8 {
+        let mem = r.as_mut_slice();
+        for p in 0..256 {
+            mem[p * PAGE_SIZE..(p + 1) * PAGE_SIZE].fill(fill(p, round));
+        }
+        // Out to the servers without waiting, then released at once: some of those
+        // write-backs are in flight (the release waits for those), the rest are forgotten.
+        r.set_budget(16 * PAGE_SIZE);
+        r.release(0, 128 * PAGE_SIZE).unwrap();
+        r.set_budget(256 * PAGE_SIZE);
+        let mem = r.as_slice();
+        for p in 0..256 {
+            let want = if p < 128 { 0 } else { fill(p, round) };
+            assert!(
+                mem[p * PAGE_SIZE..(p + 1) * PAGE_SIZE]
+                    .iter()
+                    .all(|&b| b == want),
+                "round {round}, page {p}"
+            );
+        }
+    }
+    r.release(0, 256 * PAGE_SIZE).unwrap();
+    r.with_pager(|p| p.flush()).unwrap();
+    let stored: u64 = (0..2).map(|s| cluster.stat(s, "stored_pages")).sum();
+    assert_eq!(stored, 0, "{:?}", r.counters());
+}
+
 /// A forked child either inherits the region with its contents (root: forks are followed)
 /// or has no region at all (SIGSEGV, never zeros).
 #[test]
