@@ -12,7 +12,7 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use crate::{run, target_dir};
+use crate::{cargo, run, target_dir};
 
 pub(crate) const USAGE: &str = "\
 usage: cargo xtask deb [--no-build] [--out DIR]
@@ -38,12 +38,11 @@ pub(crate) fn deb(args: &[String]) -> Result<PathBuf, String> {
         .expect("xtask lives in the workspace")
         .to_path_buf();
     if build {
-        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-        run(Command::new(cargo).current_dir(&root).args([
+        run(cargo().current_dir(&root).args([
             "build",
             "--release",
             "-p",
-            "netram",
+            "netram-cli",
             "-p",
             "netram-preload",
             "-p",

@@ -136,8 +136,7 @@ fn test(no_skip: bool, install: bool, passed: &[String]) -> Result<ExitCode, Str
         .map_err(|e| format!("creating {}: {e}", log.display()))?;
     // A fresh log per run: only this run's skips count.
     let _ = std::fs::remove_file(&log);
-    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-    let status = Command::new(cargo)
+    let status = cargo()
         .args(["test", "--workspace", "--release"])
         .args(passed)
         .env("NETRAM_SKIP_LOG", &log)
@@ -210,6 +209,28 @@ fn is_root() -> bool {
                 .and_then(|l| l.split_whitespace().nth(2).map(|u| u == "0"))
         })
         .unwrap_or(false)
+}
+
+/// Cargo, as the shell that ran `cargo xtask` would start it: without the variables `cargo run`
+/// set for this program (`CARGO_MANIFEST_DIR`, `CARGO_PKG_NAME` …). Build scripts that read
+/// those (ring's does, through `rerun-if-env-changed`) would otherwise see them change between
+/// this cargo and the user's next one, and ring and every crate above it would be built again:
+/// `cargo run -- demo` after `cargo xtask test` cost CI 2.5 minutes that way.
+pub(crate) fn cargo() -> Command {
+    let mut cmd = Command::new(std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into()));
+    for (key, _) in std::env::vars_os() {
+        let Some(key) = key.to_str() else { continue };
+        if key.starts_with("CARGO_PKG_")
+            || key.starts_with("CARGO_MANIFEST_")
+            || matches!(
+                key,
+                "CARGO_CRATE_NAME" | "CARGO_BIN_NAME" | "CARGO_PRIMARY_PACKAGE"
+            )
+        {
+            cmd.env_remove(key);
+        }
+    }
+    cmd
 }
 
 fn run(cmd: &mut Command) -> Result<(), String> {
