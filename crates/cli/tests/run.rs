@@ -1274,7 +1274,7 @@ fn works_for_an_ordinary_user() {
     std::fs::write(&sql, netram_bench::programs::sqlite_script(50_000)).unwrap();
     let input = dir.0.join("sort.txt");
     let mut rng = fastrand::Rng::with_seed(9);
-    let text: String = (0..300_000)
+    let text: String = (0..100_000)
         .map(|_| format!("{:016x} {}\n", rng.u64(..), rng.u32(..)))
         .collect();
     std::fs::write(&input, text).unwrap();
@@ -1324,8 +1324,8 @@ my $t = 0; $t += $h{"k$_"}[0] for 1..30000; print scalar(keys %h), " $t\n";
     assert!(String::from_utf8_lossy(&out.stdout).contains("jemalloc_mix: ok"));
     // Debian's programs, each against its own run without netram: only their blocks of 128K
     // or more are on netram here (see `netram run --help`), but every one of those is. GNU
-    // sort reads its input straight into its large buffer (8 MB of it with 4M local): a
-    // user-mode-only userfaultfd cannot serve the kernel's fault there, so the preload
+    // sort reads its input straight into its large buffer (24 MB of fresh region memory, with
+    // 4M local): a user-mode-only userfaultfd cannot serve the kernel's fault there, so the preload
     // library brings the pages in before the read (it failed with EFAULT before that).
     let read_sql = format!(".read {}", sql.display());
     let programs: [Vec<&std::ffi::OsStr>; 3] = [

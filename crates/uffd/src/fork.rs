@@ -809,8 +809,15 @@ impl<T: Transport, D: Disk> Shared<T, D> {
                 self.agent_messages(&mut st, i);
                 self.resume_waiting(&mut st, i);
             }
-            while ready && !st.children[i].gone {
-                match st.children[i].uffd.read_event() {
+            // One turn, as for the parent's (`handler::Round`): a child whose threads fault
+            // in a loop does not hold up the parent or its siblings.
+            let mut round = handler::Round::new(true);
+            while ready && !st.children[i].gone && round.more() {
+                let event = st.children[i].uffd.read_event();
+                if let Ok(Some(e)) = &event {
+                    round.note(e);
+                }
+                match event {
                     Ok(Some(Event::Pagefault { addr, wp, tid, .. })) => {
                         self.child_fault(&mut st, i, addr, wp, tid)
                     }

@@ -11,6 +11,59 @@ pub(crate) const STOP: u64 = 1;
 
 pub(crate) const DIE: u64 = 2;
 
+/// Events read from one userfaultfd before the loop turns to the others: large enough that the
+/// faults of many threads that wait together still go out as one batch. See [`Round`].
+pub(crate) const EVENTS_PER_ROUND: usize = 64;
+
+/// One turn of a userfaultfd (the region's, or a forked child's) in the handler's loop: up to
+/// [`EVENTS_PER_ROUND`] events, and, while there are children, only until a thread served in
+/// this turn faults again.
+///
+/// With children the parent's faults are served synchronously (`Shared::fetchable`), and a
+/// thread that faults in a loop has its next fault queued by the time the last one is served:
+/// read until empty, two such threads of the parent kept its descriptor full for seconds on
+/// end while the child's faults, read after it, waited (`a_program_that_forks_while_its_threads_fault`
+/// ran for minutes). Ending the turn at the first thread seen twice gives each faulting
+/// thread, the parent's and the children's alike, about one fault served per turn.
+pub(crate) struct Round {
+    fair: bool,
+    events: usize,
+    /// The threads served this turn (the first few: enough to see a loop).
+    tids: [u32; 8],
+    seen: usize,
+    repeated: bool,
+}
+
+impl Round {
+    pub(crate) fn new(fair: bool) -> Self {
+        Self {
+            fair,
+            events: 0,
+            tids: [0; 8],
+            seen: 0,
+            repeated: false,
+        }
+    }
+
+    /// Whether another event may be read in this turn.
+    pub(crate) fn more(&self) -> bool {
+        self.events < EVENTS_PER_ROUND && !(self.fair && self.repeated)
+    }
+
+    /// Counts an event read (the fault of thread `tid`, if it is one).
+    pub(crate) fn note(&mut self, event: &Event) {
+        self.events += 1;
+        if let Event::Pagefault { tid, .. } = *event {
+            if self.tids[..self.seen].contains(&tid) {
+                self.repeated = true;
+            } else if self.seen < self.tids.len() {
+                self.tids[self.seen] = tid;
+                self.seen += 1;
+            }
+        }
+    }
+}
+
 /// See `Shared::run`.
 pub(crate) struct DeadHandler<'a> {
     base: Base,
@@ -183,35 +236,23 @@ impl<T: Transport, D: Disk> Shared<T, D> {
         }
     }
 
-    /// Handles every event that has arrived (the descriptor is non-blocking), then sends the
-    /// requests they made and installs the fetches that are in; `None` if the userfaultfd
-    /// failed, else whether fetches are still in flight.
+    /// Handles the events that have arrived, a [`Round`]'s worth at most (the descriptor is
+    /// non-blocking), then sends the requests they made and installs the fetches that are in;
+    /// `None` if the userfaultfd failed, else whether fetches are still in flight.
     ///
     /// A missing fault on a stored page starts its fetch and the next event is read at once
     /// (`fetch.rs`): the faults of several threads that wait together go out in one batch per
     /// server, and the ones that come later join the pipeline rather than wait for it.
     pub(crate) fn drain_events(&self) -> Option<bool> {
-        loop {
+        // One turn: what is left is read after the children's (see `Round`).
+        let mut round = Round::new(self.child_count.load(Ordering::Acquire) > 0);
+        while round.more() {
             match self.uffd.read_event() {
-                Ok(Some(event)) => self.dispatch(&mut self.lock(), event),
-                Ok(None) => {
-                    let mut st = self.lock();
-                    if !st.fetching.is_empty() {
-                        st.pager.send_queued();
-                        // The room the fetches need is made while their requests are on the
-                        // wire, not after their pages are installed: on the faulting
-                        // thread's CPU, eviction after the install delays its wake-up.
-                        let keep = st.budget.saturating_sub(st.fetching.len());
-                        self.make_room(&mut st, keep);
-                        self.progress_fetches(&mut st);
-                    } else if self.over_budget(&st) {
-                        // Victims left for want of the pager's room: acknowledgements may have
-                        // returned some (`make_room` reads them).
-                        let keep = st.budget;
-                        self.make_room(&mut st, keep);
-                    }
-                    return Some(self.awaits_replies(&st));
+                Ok(Some(event)) => {
+                    round.note(&event);
+                    self.dispatch(&mut self.lock(), event)
                 }
+                Ok(None) => break,
                 Err(e) => {
                     tracing::error!("userfaultfd handler: read: {e}");
                     self.finish_all(&mut self.lock());
@@ -219,6 +260,22 @@ impl<T: Transport, D: Disk> Shared<T, D> {
                 }
             }
         }
+        let mut st = self.lock();
+        if !st.fetching.is_empty() {
+            st.pager.send_queued();
+            // The room the fetches need is made while their requests are on the wire, not
+            // after their pages are installed: on the faulting thread's CPU, eviction after
+            // the install delays its wake-up.
+            let keep = st.budget.saturating_sub(st.fetching.len());
+            self.make_room(&mut st, keep);
+            self.progress_fetches(&mut st);
+        } else if self.over_budget(&st) {
+            // Victims left for want of the pager's room: acknowledgements may have returned
+            // some (`make_room` reads them).
+            let keep = st.budget;
+            self.make_room(&mut st, keep);
+        }
+        Some(self.awaits_replies(&st))
     }
 
     /// One event: a missing fault on a stored page starts (or joins) a fetch; a fork waits
