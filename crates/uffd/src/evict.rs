@@ -416,6 +416,10 @@ impl<T: Transport, D: Disk> Shared<T, D> {
         self.counters
             .released
             .fetch_add(count as u64, Ordering::Relaxed);
+        if written.is_empty() {
+            // Nothing stored: nothing to delete (a `free` of memory that never left).
+            return Ok(());
+        }
         // Forgotten at once, their DELETEs sent as credits allow (never waited for: a
         // connection applies its requests in order, so a later PUT of a page lands after its
         // DELETE). Only a page whose last write-back is still out waits for it, so that the
