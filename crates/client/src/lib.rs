@@ -6,7 +6,7 @@
 //! * [`discover`]: the servers of the cluster, from this machine's daemon when none are given;
 //! * [`disk`]: the local spill file behind [`netram_pager::Disk`] (Markatos, paper 003);
 //! * [`open`]: a client pager from servers, backing, size and redundancy, for every front end;
-//! * [`env`]: the `NETRAM_*` environment as one typed configuration (`netram run` writes it,
+//! * [`env`](mod@env): the `NETRAM_*` environment as one typed configuration (`netram run` writes it,
 //!   the preload library and the C ABI read it);
 //! * [`maintain`]: the background thread that probes servers, reconnects them and runs
 //!   recovery at a bounded rate (Nswap §IV-B3);

@@ -1,6 +1,6 @@
 //! The TCP plumbing that page servers and clients share, and nothing else: a receive buffer
 //! that yields whole frames ([`framing`]), the low-latency mode ([`latency`]: PM QoS request and
-//! adaptive polling, `../shared/MACHINE-NOTES.md`), opening a connection ([`handshake`]), and
+//! adaptive polling, `../shared/MACHINE-NOTES.md`), opening a connection ([`handshake`](mod@handshake)), and
 //! who may open one: mutual TLS against the cluster's CA ([`tls`]), the certificates and
 //! revocation lists themselves ([`pki`]), and the sealed frames that follow ([`record`]).
 //! The roles themselves live in `netram-server` (the daemon) and `netram-client` (the transport

@@ -11,7 +11,7 @@
 //! reservations and the `MAP_FIXED` anonymous mappings that commit and uncommit inside them
 //! (a JVM's heap); `fork`; `mprotect` (a range of the region made unreadable is reported to
 //! it); and, for an ordinary user's region, the calls that copy bulk data
-//! to or from the program's memory (`read`, `write`, `fread`..., see [`io`]). glibc's
+//! to or from the program's memory (`read`, `write`, `fread`..., see `io.rs`). glibc's
 //! `malloc` reaches its own internal `mmap` without passing through the interposed one, which
 //! is why `malloc` itself is interposed. Everything else (blocks under the threshold, file
 //! mappings, shared or fixed mappings, stacks, `PROT_NONE` reservations) goes to the C library
@@ -24,7 +24,7 @@
 //! exit), `NETRAM_REQUIRED` (exit with status 70 rather than run without netram).
 //!
 //! A program that brings its own allocator as a shared library (jemalloc, tcmalloc, mimalloc)
-//! keeps it: the `malloc` family is passed through to it (see [`Foreign`]), and its memory
+//! keeps it: the `malloc` family is passed through to it (see `Foreign`), and its memory
 //! reaches the region through the interposed `mmap`.
 //!
 //! By concern: `arena.rs` (this library's own memory), `start.rs` (start, exit, `fork`,
@@ -37,7 +37,7 @@
 //! allocations, and every block that a thread of netram's own or a thread already inside the
 //! region's heap asks of the `malloc` family (the C library asks for some by itself), so the
 //! heap's lock is never taken twice and no netram thread waits for a lock that `fork` holds. `fork` is announced to the region (see the
-//! interposed [`fork`]): as root the child inherits the region and is served its memory as it
+//! interposed `fork`): as root the child inherits the region and is served its memory as it
 //! was at the fork; it allocates from the C library, and frees of inherited blocks do nothing.
 //! As an ordinary user the child has no region.
 

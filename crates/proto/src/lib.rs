@@ -6,7 +6,7 @@
 //! The protocol is the user-space TCP counterpart of Distributed Anemone's RMAP (paper 001, §2.3)
 //! and of Nswap's paging messages (paper 004, §III):
 //!
-//! * a versioned [handshake](handshake): the client says who it is (node id, boot incarnation,
+//! * a versioned [handshake]: the client says who it is (node id, boot incarnation,
 //!   session id), the server answers with its capacity, the lease period and the credit window;
 //! * then length-prefixed [frames](message), each with a request id, so that one connection carries
 //!   many requests in flight and replies may come back out of order. The credit window (Anemone's

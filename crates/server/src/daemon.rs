@@ -115,12 +115,12 @@ pub struct ServerConfig {
     pub adapt: Option<crate::donor::AdaptConfig>,
     /// Membership: seeds to join through, the address to be reached at ([`crate::gossip`]).
     pub gossip: crate::gossip::GossipConfig,
-    /// Where `/metrics` is answered over TCP ([`crate::http`]); `None`: nowhere.
+    /// Where `/metrics` is answered over TCP (`http.rs`); `None`: nowhere.
     pub metrics: Option<SocketAddr>,
     /// The token a `/metrics` request must bear (`Authorization: Bearer`); required when
     /// `metrics` is beyond loopback.
     pub metrics_token: Option<String>,
-    /// The control socket, where local clients ask for `/members` ([`crate::http`]); `None`:
+    /// The control socket, where local clients ask for `/members` (`http.rs`); `None`:
     /// none.
     pub control: Option<std::path::PathBuf>,
     /// The metrics address was chosen by the operator: failing to bind it stops the start.

@@ -261,7 +261,7 @@ impl<T: Transport, D: Disk> Region<T, D> {
     }
 
     /// In a child just forked (from a `pthread_atfork` child handler, before the program goes
-    /// on), where the region's faults cannot follow forks by themselves ([`Forks::ByChild`]):
+    /// on), where the region's faults cannot follow forks by themselves (`Forks::ByChild`):
     /// opens a userfaultfd of the child's own, registers the child's copy of the region and
     /// sends the descriptor to the parent's handler, which serves it from then on as it would
     /// a descriptor from a fork event. Until the handler has it, the parent waits

@@ -712,7 +712,7 @@ impl<T: Transport, D: Disk> Region<T, D> {
     /// Whether the kernel's own accesses to the region (a `read(2)` into it, a `write(2)` from
     /// it) are served when they fault. Not for an ordinary user where
     /// `vm.unprivileged_userfaultfd` is 0: there such a call fails with EFAULT on a page that
-    /// is not resident (see [`open_userfaultfd`]).
+    /// is not resident (see `open_userfaultfd`).
     pub fn serves_kernel_faults(&self) -> bool {
         !self.shared.uffd.user_mode_only()
     }
