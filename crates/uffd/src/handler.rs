@@ -389,3 +389,37 @@ impl<T: Transport, D: Disk> Shared<T, D> {
         }
     }
 }
+
+#[cfg(test)]
+mod round_tests {
+    use super::*;
+
+    fn fault(tid: u32) -> Event {
+        Event::Pagefault {
+            addr: 0,
+            write: false,
+            wp: false,
+            tid,
+        }
+    }
+
+    /// With children a turn ends at the first thread served twice; without, only the bound.
+    #[test]
+    fn a_turn_ends_at_a_thread_seen_again_only_with_children() {
+        let mut fair = Round::new(true);
+        for tid in [1, 2, 3] {
+            assert!(fair.more());
+            fair.note(&fault(tid));
+        }
+        assert!(fair.more(), "three different threads");
+        fair.note(&fault(2));
+        assert!(!fair.more(), "thread 2 faulted again in the turn");
+
+        let mut plain = Round::new(false);
+        for _ in 0..EVENTS_PER_ROUND {
+            assert!(plain.more());
+            plain.note(&fault(7));
+        }
+        assert!(!plain.more(), "{EVENTS_PER_ROUND} events at most");
+    }
+}
