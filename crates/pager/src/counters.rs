@@ -96,6 +96,9 @@ counters! {
     /// dissolved (their members protected again).
     parity_audits,
     parity_groups_dissolved,
+    /// Recovery's reads whose slots a caller wanted (nothing else held one): given back, and
+    /// their phase started again at a later step.
+    parity_recovery_yields,
     /// Groups whose parity a holder that shrank its offer held above it (Nswap §III), whose
     /// members were sent to new groups elsewhere so that they empty and leave.
     parity_groups_leaving,

@@ -204,6 +204,9 @@ pub struct Pager<T: Transport, D: Disk> {
     inflight: Inflight,
     /// Per server: requests not sent yet, oldest first.
     queues: Vec<VecDeque<Queued>>,
+    /// Per server: how many requests have ever left its queue (sent, or failed over with a
+    /// dead server): what a [`requests::Barrier`] counts.
+    dequeued: Vec<u64>,
     followups: Vec<Followup>,
     reads_done: Vec<ReadDone>,
     /// Reads by ticket (`ticket.rs`) finished and not yet taken, and how many were started
@@ -289,6 +292,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                 order: VecDeque::new(),
             },
             queues: (0..servers.len()).map(|_| VecDeque::new()).collect(),
+            dequeued: vec![0; servers.len()],
             followups: Vec::new(),
             servers,
             slots: vec![0u8; nslots * PAGE_SIZE],
@@ -337,6 +341,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         self.servers.push(ServerState::new(info));
         self.inflight.per_server.push(0);
         self.queues.push(VecDeque::new());
+        self.dequeued.push(0);
         // Its staging: a full window in flight and a batch being filled, as at start.
         let more = window + self.cfg.batch_max;
         let first = self.dirty.len() as u32;

@@ -143,7 +143,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             Followup::Unprotected(it) => self.par_unprotected(it, server)?,
             Followup::Shipped(id) => self.par_shipped(id)?,
             Followup::ShipFailed(id) => self.par_ship_failed(id)?,
-            Followup::Scanned(groups, orphans) => self.par_scanned(server, groups, orphans),
+            Followup::Scanned(id, groups, orphans) => self.par_scanned(server, id, groups, orphans),
             Followup::Stale(keys) => self.par_stale(server, keys),
             Followup::Expected(hand, status) => self.expected(*hand, status),
             Followup::Migrated(hand, status) => self.migrated(*hand, &status),
@@ -188,6 +188,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         }
         // Their places in the sending order go too, as they do when replies come in.
         self.inflight.compact();
+        self.dequeued[server] += self.queues[server].len() as u64;
         ops.extend(
             std::mem::take(&mut self.queues[server])
                 .into_iter()
@@ -266,14 +267,14 @@ impl Inbox<'_> {
         }
         self.inflight.per_server[s] -= op.credits();
         self.inflight.compact();
-        self.complete(server, op, reply);
+        self.complete(server, id, op, reply);
         Ok(())
     }
 
     /// Takes what a reply to `op` carries: pages into their slots, statuses into follow-ups.
     /// Anything that sends or reads the disk is queued as a [`Followup`] for
     /// [`Pager::after_reply`].
-    fn complete(&mut self, server: usize, op: Op, reply: &Reply<'_>) {
+    fn complete(&mut self, server: usize, id: u64, op: Op, reply: &Reply<'_>) {
         let Inbox {
             counters,
             slots,
@@ -414,7 +415,7 @@ impl Inbox<'_> {
                         }
                     })
                     .collect();
-                followups.push(Followup::Scanned(groups, orphans.clone()));
+                followups.push(Followup::Scanned(id, groups, orphans.clone()));
             }
             (Op::Gc(keys), Reply::Delete { status, .. }) if status.len() == keys.len() => {
                 let stale: Vec<PageKey> = keys
@@ -466,7 +467,8 @@ pub(crate) enum Followup {
     Unprotected(PutItem),
     Shipped(u64),
     ShipFailed(u64),
-    Scanned(Vec<parity::ScannedGroup>, Vec<PageKey>),
+    /// A parity scan's answer, by its request's id.
+    Scanned(u64, Vec<parity::ScannedGroup>, Vec<PageKey>),
     /// Copies a parity pager could not delete yet.
     Stale(Vec<PageKey>),
     /// A direct migration's EXPECT, and its MIGRATE, answered (`handover.rs`).

@@ -191,6 +191,16 @@ impl Inflight {
     }
 }
 
+/// See [`Pager::barrier`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Barrier {
+    /// Per server, how many requests must have left its queue (what was queued at the
+    /// barrier); `None` once they have.
+    dequeued: Option<Vec<u64>>,
+    /// Requests with a smaller id must be answered.
+    id: u64,
+}
+
 /// A request waiting to be sent, in a per-server queue kept in the order the requests were
 /// made: a connection applies its requests in order, so a DELETE of a superseded copy is never
 /// overtaken by a later PUT of the same page. Requests wait there for their server's credits
@@ -331,6 +341,42 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         self.inflight.ops.is_empty() && self.queues.iter().all(VecDeque::is_empty)
     }
 
+    /// A point in the stream of requests, for a step that must see what the servers have once
+    /// everything sent or queued before it is answered (a parity scan), without waiting for it
+    /// and without waiting for what is sent after it (a busy program never stops sending).
+    pub(crate) fn barrier(&mut self) -> Barrier {
+        self.pump_all();
+        let queued = self.queues.iter().any(|q| !q.is_empty());
+        Barrier {
+            dequeued: queued.then(|| {
+                self.queues
+                    .iter()
+                    .zip(&self.dequeued)
+                    .map(|(q, &n)| n + q.len() as u64)
+                    .collect()
+            }),
+            id: self.next_req,
+        }
+    }
+
+    /// Whether everything queued or sent before `b` (but probes and direct migrations, which
+    /// nothing waits for: [`Op::awaited`]) is answered or failed over.
+    pub(crate) fn passed(&self, b: &mut Barrier) -> bool {
+        if let Some(want) = &b.dequeued {
+            if want.iter().zip(&self.dequeued).any(|(w, n)| n < w) {
+                return false;
+            }
+            // What was queued then is on the wire now, under ids taken since.
+            b.dequeued = None;
+            b.id = self.next_req;
+        }
+        !self
+            .inflight
+            .ops
+            .iter()
+            .any(|(&id, (_, op))| id < b.id && op.awaited())
+    }
+
     pub(crate) fn next_id(&mut self) -> u64 {
         let id = self.next_req;
         self.next_req += 1;
@@ -371,6 +417,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
     pub(crate) fn pump(&mut self, server: usize, all: bool) {
         if !self.servers[server].alive {
             // Queued after `mark_dead` failed the rest over: fail these over too.
+            self.dequeued[server] += self.queues[server].len() as u64;
             for q in std::mem::take(&mut self.queues[server]) {
                 let (Queued::Batch(op) | Queued::Frame { op, .. }) = q;
                 self.fail_op(server, op);
@@ -387,6 +434,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             {
                 break;
             }
+            self.dequeued[server] += 1;
             match self.queues[server].pop_front().expect("front") {
                 Queued::Frame { id, op, frame } => {
                     let sent = self.transport.send_frame(server, &frame);

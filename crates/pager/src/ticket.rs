@@ -10,8 +10,9 @@
 //! the other reads by its `pos`: [`TICKET`] plus the caller's tag. What it reads stays in its
 //! slot until taken. A degraded read under Reed-Solomon (its data piece out of reach) waits for
 //! its stripe's rebuild, started at once and decoding its page on the way, without waiting
-//! (`rs_serve_waiters`); under parity it runs recovery until its page is back when its ticket
-//! is taken, which waits: that path is rare and still blocks.
+//! (`rs_serve_waiters`); under parity it waits for recovery, driven on by each call that
+//! takes finished reads, to bring its page back (`par_serve_waiters`), without waiting
+//! either.
 
 use crate::requests::{GetItem, ReadDone};
 use crate::{Disk, Pager, PagerError, Transport};
@@ -193,12 +194,34 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         loop {
             self.resubmit_ticket_retries();
             self.route_ticket_reads();
-            // Idle with tickets unfinished: only degraded reads are left, decoded when taken.
+            // Degraded reads waiting for recovery drive it on (it sends, and never waits).
+            self.serve_waiters()?;
+            // Idle with tickets unfinished: nothing in flight can finish them (degraded reads
+            // decoded when taken, or waiting for a rebuild that cannot start yet).
             if self.finished.len() >= self.tickets || self.idle() {
                 return Ok(());
             }
             self.complete_one()?;
         }
+    }
+
+    /// Moves the degraded reads by ticket on (see `rs_serve_waiters`, `par_serve_waiters`).
+    fn serve_waiters(&mut self) -> Result<(), PagerError> {
+        if self
+            .scheme
+            .stripe()
+            .is_some_and(|rs| !rs.waiters.is_empty())
+        {
+            self.rs_serve_waiters()?;
+        }
+        if self
+            .scheme
+            .parity()
+            .is_some_and(|par| !par.waiters.is_empty())
+        {
+            self.par_serve_waiters()?;
+        }
+        Ok(())
     }
 
     /// Whether the page changed since a read by ticket asked for `it.version`: written (into
@@ -255,13 +278,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             self.reconstruct.extend::<Vec<GetItem>>(rest);
             done?;
         }
-        if self
-            .scheme
-            .stripe()
-            .is_some_and(|rs| !rs.waiters.is_empty())
-        {
-            self.rs_serve_waiters()?;
-        }
+        self.serve_waiters()?;
         self.route_ticket_reads();
         self.pump_all();
         let mut result = Ok(());

@@ -226,12 +226,14 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         }
     }
 
-    /// A read whose page has no copy in reach but can be reconstructed. A read by ticket under
-    /// Reed-Solomon waits for its stripe's rebuild, which never waits (`rs_serve_waiters`);
-    /// the others are decoded by `run_reconstructions`, which does.
+    /// A read whose page has no copy in reach but can be reconstructed. A read by ticket waits
+    /// for recovery to bring its page back, which never waits (`rs_serve_waiters`,
+    /// `par_serve_waiters`); the others are decoded by `run_reconstructions`, which does.
     pub(crate) fn reconstruct_later(&mut self, it: GetItem) {
-        match self.scheme.stripe_mut() {
-            Some(rs) if crate::ticket::is_ticket(it.pos) => rs.waiters.push(it),
+        let ticket = crate::ticket::is_ticket(it.pos);
+        match &mut self.scheme {
+            Redundancy::Stripe(rs) if ticket => rs.waiters.push(it),
+            Redundancy::Parity(par) if ticket => par.waiters.push(it),
             _ => self.reconstruct.push(it),
         }
     }

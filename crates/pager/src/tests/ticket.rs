@@ -330,3 +330,58 @@ fn a_degraded_read_by_ticket_does_not_wait_for_its_stripe() {
     }
     p.check_invariants().unwrap();
 }
+
+/// The same under parity: a degraded read by ticket drives recovery on each time finished
+/// reads are taken (scans, then the survivors' reads), never waiting for the held replies,
+/// and is served once its group has rebuilt its page.
+#[test]
+fn a_degraded_read_by_ticket_under_parity_does_not_wait_for_recovery() {
+    let mut p = parity_pager(6, 24, 0);
+    for page in 0..24 {
+        p.write(page, &content(page, 1)).unwrap();
+    }
+    p.flush().unwrap();
+    let page = (0..24)
+        .find(|&pg| p.holders(pg).contains(&5))
+        .expect("some page is on server 5");
+    p.transport_mut().servers[5].dead = true;
+    p.on_failure(5, TransportError::Disconnected("killed".into()));
+    for s in 0..5 {
+        p.transport_mut().servers[s].held = true;
+    }
+    p.start_read(page, 7).unwrap();
+    p.take_finished(|_, _, _| panic!("nothing is in yet"))
+        .unwrap();
+    p.check_invariants().unwrap();
+    assert_eq!(
+        p.counters().servers_dead,
+        1,
+        "nothing waited for the held replies"
+    );
+    assert_eq!(p.tickets(), 1, "the read waits for its page");
+    for s in 0..5 {
+        p.transport_mut().servers[s].held = false;
+    }
+    let mut rng = fastrand::Rng::with_seed(5);
+    let mut got = None;
+    for _ in 0..1_000 {
+        if got.is_some() {
+            break;
+        }
+        deliver(&mut p, &mut rng, usize::MAX);
+        p.take_finished(|tag, pg, data| {
+            assert_eq!((tag, pg), (7, page));
+            got = Some(data.unwrap().to_vec());
+        })
+        .unwrap();
+        p.check_invariants().unwrap();
+    }
+    assert_eq!(got.expect("the read finished"), content(page, 1));
+    assert_eq!(p.tickets(), 0);
+    assert!(p.counters().parity_members_rebuilt > 0);
+    p.flush().unwrap();
+    for pg in 0..24 {
+        assert_eq!(read(&mut p, pg).unwrap(), content(pg, 1), "page {pg}");
+    }
+    p.check_invariants().unwrap();
+}

@@ -95,6 +95,16 @@ pub(crate) struct ScannedGroup {
     pub parity: OwnedRecord,
 }
 
+/// A scan's answer.
+#[derive(Debug)]
+pub(crate) struct Scanned {
+    server: usize,
+    /// The scan's request.
+    id: u64,
+    groups: Vec<ScannedGroup>,
+    orphans: Vec<PageKey>,
+}
+
 /// The parity state of a `parity:N` pager.
 #[derive(Debug)]
 pub(crate) struct Par {
@@ -112,13 +122,18 @@ pub(crate) struct Par {
     /// Pages stored outside any group (their holder died, their group was damaged): recovery
     /// protects them again.
     unprotected: BTreeSet<u64>,
-    /// Pages whose write-back ended in a group (joined and shipped, or kept in place) since
-    /// recovery's last scans went out: a scan may have answered before the write-back reached
-    /// the page's server and still call the page an orphan, and protecting such a page again
-    /// would delete the very copy its new group counts on.
+    /// Pages whose write-back ended in a new group (joined and shipped) since recovery's last
+    /// scans went out, after their server's scan answered: that scan may still call the page
+    /// an orphan, and protecting such a page again would delete the very copy its new group
+    /// counts on (`Pager::par_protected`).
     pub(crate) rejoined: BTreeSet<u64>,
-    /// Scan answers, by the server that gave them.
-    scanned: Vec<(usize, Vec<ScannedGroup>, Vec<PageKey>)>,
+    /// Scan answers: the server that gave them and the scan's request id.
+    scanned: Vec<Scanned>,
+    /// Where recovery's round is: it never waits, a later step takes the answers.
+    round: recover::Round,
+    /// Degraded reads by ticket (a fault on a page whose server died), each waiting in its
+    /// slot for recovery to bring its page back (`Pager::par_serve_waiters`).
+    pub(crate) waiters: Vec<GetItem>,
     /// Survivor reads that failed: page, slot, and whether trying again may help.
     read_failed: Vec<(u64, u32, bool)>,
     /// Superseded survivors found missing, by (server, key, version), and how many times.
@@ -152,6 +167,8 @@ impl Par {
             unprotected: BTreeSet::new(),
             rejoined: BTreeSet::new(),
             scanned: Vec::new(),
+            round: recover::Round::Idle,
+            waiters: Vec::new(),
             read_failed: Vec::new(),
             missing_tries: HashMap::new(),
             stale: Vec::new(),
@@ -172,16 +189,17 @@ impl Par {
             + self.stale.len()
             + self.open.iter().filter(|g| g.unattended).count()
             + self.suspects.len()
+            + usize::from(!matches!(self.round, recover::Round::Idle))
     }
 
     pub(crate) fn is_open(&self, page: u64) -> bool {
         self.member_of.contains_key(&page)
     }
 
-    /// For [`Pager::check_invariants`]: the slots this scheme owns (survivor reads that
-    /// failed, waiting for recovery to look at them).
+    /// For [`Pager::check_invariants`]: the slots this scheme holds (degraded reads by ticket
+    /// waiting for their page; a survivor read that failed gave its slot back at once).
     pub(crate) fn slots_held(&self, owned: &mut Vec<u32>) {
-        owned.extend(self.read_failed.iter().map(|&(_, slot, _)| slot));
+        owned.extend(self.waiters.iter().map(|it| it.slot));
     }
 }
 
@@ -370,19 +388,27 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                 Ok(())
             }
             _ => {
-                // Kept in place: in a group whose holder took the delta.
-                self.par_protected(it.page);
+                // Kept in place: in a group whose holder took the delta. Which holder only the
+                // server knows: possibly one this pager has given up for dead that the server
+                // still reaches, which a scan's orphan report then tells (not `rejoined`).
+                self.par_mut().unprotected.remove(&it.page);
                 self.finish_writeback(it.page)
             }
         }
     }
 
-    /// A page's write-back ended in a group someone holds: it is protected, whatever an
-    /// older scan said (see `Par::rejoined`).
-    fn par_protected(&mut self, page: u64) {
+    /// A page's write-back ended in a new group, shipped to a live holder, stored on
+    /// `server`: it is protected, whatever an older scan said (see `Par::rejoined`). A scan of
+    /// `server` still unanswered is not older: that server applied the write first (a
+    /// connection's requests are applied in order), so its answer, an orphan or not, is the
+    /// newer word (recovery does not stop the program, and the holder may die meanwhile).
+    fn par_protected(&mut self, page: u64, server: usize) {
+        let newer_scan = self.par_scan_pending(server);
         let par = self.par_mut();
         par.unprotected.remove(&page);
-        par.rejoined.insert(page);
+        if !newer_scan {
+            par.rejoined.insert(page);
+        }
     }
 
     /// Stored, but outside any group (its old group is gone): it joins a new one, where it is.
@@ -521,7 +547,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                 .get(&m.page)
                 .is_some_and(|wb| wb.version == m.version && wb.pending.is_empty())
             {
-                self.par_protected(m.page);
+                self.par_protected(m.page, m.server);
                 self.finish_writeback(m.page)?;
             }
         }
@@ -649,7 +675,9 @@ impl<T: Transport, D: Disk> Pager<T, D> {
     /// A degraded read: recovery runs until the page is rebuilt (its data then waits in its
     /// write-back slot) or known lost. True when `slot` holds the page.
     pub(crate) fn par_reconstruct(&mut self, page: u64, slot: u32) -> Result<bool, PagerError> {
-        for _ in 0..10_000 {
+        // A bound against a bookkeeping slip, not a limit: recovery's phases each take a
+        // step, and a page may be many rounds away.
+        for _ in 0..1_000_000 {
             // Rebuilt and in flight, or kept in memory because the disk failed to take it.
             let rebuilt = self
                 .writeback
@@ -689,7 +717,11 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             if self.par().recovering.is_empty() {
                 return Ok(false);
             }
+            // Recovery never waits: this read does, for recovery's answers.
             self.par_recover(usize::MAX)?;
+            if !self.idle() {
+                self.complete_one()?;
+            }
         }
         Ok(false)
     }
@@ -713,10 +745,16 @@ impl<T: Transport, D: Disk> Pager<T, D> {
     pub(crate) fn par_scanned(
         &mut self,
         server: usize,
+        id: u64,
         groups: Vec<ScannedGroup>,
         orphans: Vec<PageKey>,
     ) {
-        self.par_mut().scanned.push((server, groups, orphans));
+        self.par_mut().scanned.push(Scanned {
+            server,
+            id,
+            groups,
+            orphans,
+        });
     }
 
     /// A page's GET that got no good data from `server`. Its one copy is the only one, so a
@@ -755,17 +793,21 @@ impl<T: Transport, D: Disk> Pager<T, D> {
     }
 
     /// A survivor read failed. Trying again may help after a bad checksum (in transit), and
-    /// for a copy this pager has superseded since, missing because it deleted it after the
-    /// holder's scan: the member's server tells the holder of the removal, and a later scan
-    /// no longer lists it (`netram sim --seed 89 --scheme parity:4`: a write-back ended
-    /// during recovery, and the group of a member on the dead server was given up for it).
-    /// A copy missing for another reason (its server restarted empty) is missing for good,
-    /// so such a copy is waited for [`MISSING_TRIES`] rounds at most.
+    /// for a copy of a page that changed since the holder's scan (written again, moved,
+    /// discarded: recovery does not stop the program): its old copy may be deleted or
+    /// overwritten in place, the member's server then tells the holder, and a later scan
+    /// names the group as it is now (`netram sim --seed 89 --scheme parity:4`: a write-back
+    /// ended during recovery, and the group of a member on the dead server was given up for
+    /// it). A copy missing for another reason (its server restarted empty) is missing for
+    /// good, so a changed page's copy is waited for [`MISSING_TRIES`] rounds at most.
     pub(crate) fn par_read_failed(&mut self, server: usize, it: &GetItem, what: Option<&str>) {
-        let superseded = it.page < self.cfg.pages && self.table.get(it.page).version != it.version;
+        let changed = it.page < self.cfg.pages && {
+            let e = self.table.get(it.page);
+            !e.present || e.version != it.version || !self.table.holders(it.page).contains(server)
+        };
         let transient = match what {
             Some("checksum mismatch") => true,
-            Some("missing on server") if superseded => {
+            Some(_) if changed => {
                 let tries = self
                     .par_mut()
                     .missing_tries

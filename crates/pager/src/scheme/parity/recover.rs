@@ -2,95 +2,264 @@
 //! server for what it holds for the dead one, the groups rebuilt by XOR from their parity and
 //! survivors, orphans protected again, damaged groups audited and dissolved, superseded copies
 //! deleted again. Kept apart from the open groups and their replies (`mod.rs`): this half runs
-//! only when something failed, and is the half that waits for its own reads.
+//! only when something failed.
+//!
+//! A round of recovery never waits (issue 38: the maintenance thread held the region's lock
+//! across every round trip of it, and faults waited behind it). It is a sequence of phases,
+//! [`Round`]: each sends its requests and returns, and a later step, finding their answers in,
+//! takes them and starts the next phase. Where a phase must see what the servers have after
+//! what was sent before it (a scan), it waits for a [`Barrier`] to pass, not for everything in
+//! flight: a busy program keeps sending.
 
 use super::*;
+use crate::requests::Barrier;
+
+/// Where a round of parity recovery is.
+#[derive(Debug, Default)]
+pub(crate) enum Round {
+    /// Nothing out: the next step starts a round.
+    #[default]
+    Idle,
+    /// The requests out when the round began must be answered first (deltas, write-backs,
+    /// deletes: a scan must report what the holders have after them).
+    Settling(Barrier),
+    /// Superseded copies deleted again; their answers first, for the same reason.
+    Deleting(Barrier),
+    /// Pages stored outside any group (`batch`: page, version read) being read to join one again;
+    /// `asked`: their (page, slot).
+    Reprotecting {
+        batch: Vec<(u64, u32)>,
+        asked: BTreeSet<(u64, u32)>,
+    },
+    /// Every live server asked for its damaged groups: (server, request).
+    Auditing { asked: Vec<(usize, u64)> },
+    /// Every live server asked what it holds for recovering server `x`.
+    Scanning { x: usize, asked: Vec<(usize, u64)> },
+    /// The survivors of `x`'s groups being read: (holder, group, the survivors' slots).
+    Reading {
+        x: usize,
+        planned: Vec<(usize, ScannedGroup, Vec<u32>)>,
+    },
+}
 
 impl<T: Transport, D: Disk> Pager<T, D> {
-    /// One round of recovery: scans every live server about the first recovering server,
-    /// rebuilds the groups reported (as many as the free slots allow) and protects the orphans
-    /// again; when the scans report nothing more, what is still missing is lost.
+    /// One step of recovery: takes in the answers of the round's phase under way and goes on
+    /// with the next phases while their answers are in, a round at most. A round deletes
+    /// superseded copies again, protects pages outside any group again, audits groups an
+    /// overwrite may have damaged, scans every live server about the first recovering server
+    /// and rebuilds the groups reported (as many as half the free slots allow); when the scans
+    /// report nothing more, what is still missing there is lost.
     pub(crate) fn par_recover(&mut self, max: usize) -> Result<RecoveryStep, PagerError> {
         let mut step = RecoveryStep::default();
-        // Deltas and write-backs in flight must have settled: a scan reports what holders have.
-        self.drain()?;
-        self.par_retry_stale();
-        self.drain()?;
-        self.par_reprotect(max, &mut step)?;
-        self.par_audit(&mut step)?;
+        self.poll()?;
+        self.take_internal_reads();
+        // Seven phases a round: the bound only guards against a phase that never stops.
+        let mut rounds_ended = 0;
+        for _ in 0..32 {
+            let round = std::mem::take(&mut self.par_mut().round);
+            let (next, go_on) = self.par_phase(round, max, &mut step)?;
+            self.par_mut().round = next;
+            if !go_on {
+                // A round that ended with nothing in flight goes on to the next at once
+                // (once): nothing would bring a waiting read's next step otherwise.
+                rounds_ended += 1;
+                let idle_round_end = matches!(self.par().round, Round::Idle) && self.idle();
+                if !(idle_round_end && rounds_ended < 2 && self.par().pending() > 0) {
+                    break;
+                }
+            }
+        }
+        self.pump_all();
+        step.remaining = self.par().pending();
+        Ok(step)
+    }
+
+    /// Runs one phase if its answers are in: the round after it, and whether to go on now.
+    fn par_phase(
+        &mut self,
+        round: Round,
+        max: usize,
+        step: &mut RecoveryStep,
+    ) -> Result<(Round, bool), PagerError> {
+        Ok(match round {
+            Round::Idle => (Round::Settling(self.barrier()), true),
+            Round::Settling(mut b) => {
+                if !self.passed(&mut b) {
+                    return Ok((Round::Settling(b), false));
+                }
+                self.par_retry_stale();
+                (Round::Deleting(self.barrier()), true)
+            }
+            Round::Deleting(mut b) => {
+                if !self.passed(&mut b) {
+                    return Ok((Round::Deleting(b), false));
+                }
+                self.par_reprotect_start(max)?
+            }
+            Round::Reprotecting { batch, asked } => {
+                if !self.par_reads_in(&asked) {
+                    return Ok((Round::Reprotecting { batch, asked }, false));
+                }
+                self.par_reprotect_finish(batch, &asked, step)?;
+                self.par_audit_start()?
+            }
+            Round::Auditing { asked } => {
+                if !self.par_scans_in(&asked) {
+                    return Ok((Round::Auditing { asked }, false));
+                }
+                self.par_audit_finish(&asked, step);
+                self.par_scan_start()?
+            }
+            Round::Scanning { x, asked } => {
+                if !self.par_scans_in(&asked) {
+                    return Ok((Round::Scanning { x, asked }, false));
+                }
+                self.par_scan_finish(x, &asked, step)?
+            }
+            Round::Reading { x, planned } => {
+                let asked = planned_reads(&self.par().addrs[x], &planned);
+                if !self.par_reads_in(&asked) {
+                    return Ok((Round::Reading { x, planned }, false));
+                }
+                self.par_rebuild(x, planned, &asked, step)?;
+                (Round::Idle, false)
+            }
+        })
+    }
+
+    /// Whether every read of `asked` (page, slot) is back, good (`fetched`) or failed
+    /// (`read_failed`).
+    fn par_reads_in(&self, asked: &BTreeSet<(u64, u32)>) -> bool {
+        let back: BTreeSet<(u64, u32)> = self
+            .fetched
+            .iter()
+            .copied()
+            .chain(self.par().read_failed.iter().map(|&(p, s, _)| (p, s)))
+            .collect();
+        asked.is_subset(&back)
+    }
+
+    /// Whether recovery's scan of `server` is out, unanswered.
+    pub(super) fn par_scan_pending(&self, server: usize) -> bool {
+        match &self.par().round {
+            Round::Scanning { asked, .. } => asked
+                .iter()
+                .any(|&(s, id)| s == server && self.pending(s, id)),
+            _ => false,
+        }
+    }
+
+    /// Whether every scan of `asked` is answered, or its server failed.
+    fn par_scans_in(&self, asked: &[(usize, u64)]) -> bool {
+        asked
+            .iter()
+            .all(|&(s, id)| !self.servers[s].alive || !self.pending(s, id))
+    }
+
+    /// Sends a scan to every server of `to`; the scans sent, to find their answers by.
+    fn par_send_scans(&mut self, to: &[usize], dead: SocketAddr, max: u32) -> Vec<(usize, u64)> {
+        let mut asked = Vec::new();
+        for &s in to {
+            if let Some(id) = self.submit(s, Op::Scan, &Request::ParityScan { dead, max }) {
+                asked.push((s, id));
+            }
+        }
+        asked
+    }
+
+    /// Takes the answers to the scans of `asked`, in their order; whether every one of them
+    /// answered (and its server is still alive).
+    fn par_take_scans(&mut self, asked: &[(usize, u64)]) -> (Vec<Scanned>, bool) {
+        let (mine, rest): (Vec<Scanned>, Vec<Scanned>) =
+            std::mem::take(&mut self.par_mut().scanned)
+                .into_iter()
+                .partition(|a| asked.contains(&(a.server, a.id)));
+        self.par_mut().scanned = rest;
+        let answered =
+            mine.len() == asked.len() && asked.iter().all(|&(s, _)| self.servers[s].alive);
+        (mine, answered)
+    }
+
+    /// The scan of the first recovering server's groups; or, when none is left, the round's
+    /// end: pages placed again since the last round wait in open groups and are shipped.
+    fn par_scan_start(&mut self) -> Result<(Round, bool), PagerError> {
         let Some(&x) = self.par().recovering.first() else {
-            // Pages placed again since the last round wait in open groups: ship them.
             self.par_seal(None)?;
-            self.pump_all();
-            step.remaining = self.par().pending();
-            return Ok(step);
+            return Ok((Round::Idle, false));
         };
         let dead = self.par().addrs[x];
         self.par_mut().rejoined.clear();
         let budget = (self.free_slots.len() / 2).max(1);
         let per_scan = (budget / self.par().n.max(1)).clamp(1, netram_proto::MAX_BATCH);
-        let asked: Vec<usize> = (0..self.servers.len())
+        let to: Vec<usize> = (0..self.servers.len())
             .filter(|&s| self.servers[s].alive && s != x)
             .collect();
-        for &s in &asked {
-            self.submit(
-                s,
-                Op::Scan,
-                &Request::ParityScan {
-                    dead,
-                    max: per_scan as u32,
-                },
-            );
-        }
-        self.drain()?;
-        let scanned = std::mem::take(&mut self.par_mut().scanned);
-        let answered = scanned.len() == asked.len() && asked.iter().all(|s| self.servers[*s].alive);
-        if answered && scanned.iter().all(|(_, g, o)| g.is_empty() && o.is_empty()) {
-            self.par_finish_server(x, &mut step);
-            step.remaining = self.par().pending();
-            return Ok(step);
+        let asked = self.par_send_scans(&to, dead, per_scan as u32);
+        Ok((Round::Scanning { x, asked }, true))
+    }
+
+    /// Takes the scans about `x`: orphans are protected again (or, superseded, deleted),
+    /// groups damaged or past rebuilding are dissolved or dropped, and the survivors of the
+    /// others are read (as many as half the free slots allow). When every scan answered with
+    /// nothing, what the page table still had on `x` is lost and the round ends.
+    fn par_scan_finish(
+        &mut self,
+        x: usize,
+        asked: &[(usize, u64)],
+        step: &mut RecoveryStep,
+    ) -> Result<(Round, bool), PagerError> {
+        let dead = self.par().addrs[x];
+        let (scanned, answered) = self.par_take_scans(asked);
+        if answered
+            && scanned
+                .iter()
+                .all(|a| a.groups.is_empty() && a.orphans.is_empty())
+        {
+            self.par_finish_server(x, step);
+            return Ok((Round::Idle, false));
         }
         // Orphans: pages whose parity the dead server held.
         let mut reprotect = Vec::new();
-        for (s, _, orphans) in &scanned {
-            for k in orphans {
+        for a in &scanned {
+            for k in &a.orphans {
                 if k.region != self.cfg.region || k.page >= self.cfg.pages {
                     continue;
                 }
                 let e = *self.table.get(k.page);
                 if self.par().rejoined.contains(&k.page) {
                     // Protected again while the scans were out: the answer is older.
-                } else if e.present && !e.lost && self.table.holders(k.page).contains(*s) {
+                } else if e.present && !e.lost && self.table.holders(k.page).contains(a.server) {
                     reprotect.push(k.page);
                 } else if !self.writeback.contains_key(&k.page) {
                     // A superseded copy left behind: delete it (its tag is gone, so the delete
                     // needs no holder).
                     self.counters.deletes += 1;
-                    self.delete(*s, vec![*k]);
+                    self.delete(a.server, vec![*k]);
                 }
             }
         }
         self.par_mut().unprotected.extend(reprotect);
         // Groups with a member on the dead server.
+        let budget = (self.free_slots.len() / 2).max(1);
         let mut work: Vec<(usize, ScannedGroup)> = Vec::new();
         let mut reads = 0;
-        for (s, groups, _) in scanned {
-            for g in groups {
+        for a in scanned {
+            for g in a.groups {
                 if reads + g.members.len() > budget && !work.is_empty() {
                     break;
                 }
                 reads += g.members.len();
-                work.push((s, g));
+                work.push((a.server, g));
             }
         }
         let mut planned = Vec::new();
         for (h, g) in work {
             if g.damaged {
-                self.par_dissolve(h, &g, Some(dead), &mut step);
+                self.par_dissolve(h, &g, Some(dead), step);
                 continue;
             }
             let index = |a: SocketAddr| self.par().addrs.iter().position(|&b| b == a);
-            let lost: Vec<&Member> = g.members.iter().filter(|m| m.server == dead).collect();
+            let lost = g.members.iter().filter(|m| m.server == dead).count();
             let survivors: Vec<(usize, Member)> = g
                 .members
                 .iter()
@@ -100,15 +269,16 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             let readable = survivors
                 .iter()
                 .all(|&(s, _)| s != usize::MAX && self.servers[s].alive);
-            if lost.len() != 1 || !readable {
-                self.par_drop_group(h, &g, dead, &mut step);
+            if lost != 1 || !readable {
+                self.par_drop_group(h, &g, dead, step);
                 continue;
             }
             let mut slots = Vec::with_capacity(survivors.len());
             for &(s, m) in &survivors {
                 let slot = self.take_slot()?;
                 slots.push(slot);
-                self.submit_get_item(
+                // Queued, never waited for: a full window sends it as answers come in.
+                self.queue_get(
                     s,
                     GetItem {
                         page: m.key.page,
@@ -122,24 +292,39 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             }
             planned.push((h, g, slots));
         }
-        self.par_drain()?;
+        self.pump_all();
+        if planned.is_empty() {
+            // Nothing to read: the orphans, drops and dissolutions go with the next round.
+            self.par_seal(None)?;
+            return Ok((Round::Idle, false));
+        }
+        Ok((Round::Reading { x, planned }, true))
+    }
+
+    /// Rebuilds the members on `x` of the groups whose survivors are read: the parity XORed
+    /// with them gives the lost member, which leaves its group by a delta and, still wanted
+    /// (its current version, with no holder), is written out again into a new group.
+    fn par_rebuild(
+        &mut self,
+        x: usize,
+        planned: Vec<(usize, ScannedGroup, Vec<u32>)>,
+        asked: &BTreeSet<(u64, u32)>,
+        step: &mut RecoveryStep,
+    ) -> Result<(), PagerError> {
+        let dead = self.par().addrs[x];
         // Matched by slot, not by page: one page can be a survivor of two groups at two
         // versions (a superseded copy not deleted yet), and the XOR of a page sealed at the
         // wrong version would still pass the CRC, which is linear.
         // (Other reads of the pager's own, a move's, stay for their step.)
-        let asked: BTreeSet<(u64, u32)> = planned
-            .iter()
-            .flat_map(|(_, g, slots)| {
-                let survivors = g.members.iter().filter(|m| m.server != dead);
-                survivors.zip(slots).map(|(m, &slot)| (m.key.page, slot))
-            })
-            .collect();
         let fetched: Vec<(u64, u32)>;
         (fetched, self.fetched) = std::mem::take(&mut self.fetched)
             .into_iter()
             .partition(|f| asked.contains(f));
         let fetched: BTreeSet<(u64, u32)> = fetched.into_iter().collect();
-        let failed = std::mem::take(&mut self.par_mut().read_failed);
+        let failed: Vec<(u64, u32, bool)>;
+        (failed, self.par_mut().read_failed) = std::mem::take(&mut self.par_mut().read_failed)
+            .into_iter()
+            .partition(|&(p, s, _)| asked.contains(&(p, s)));
         for (h, g, slots) in planned {
             let lost = *g.members.iter().find(|m| m.server == dead).expect("one");
             let survivors: Vec<(&Member, u32)> = g
@@ -154,7 +339,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                     .iter()
                     .all(|&(m, slot)| got(m, slot) || failed.contains(&(m.key.page, slot, true)));
                 if !transient {
-                    self.par_drop_group(h, &g, dead, &mut step);
+                    self.par_drop_group(h, &g, dead, step);
                 }
                 continue;
             }
@@ -167,7 +352,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             let page = r.as_record().page(lost.key);
             if !page.verify() || page.version != lost.version {
                 // The parity does not rebuild it (damaged): the member leaves the group.
-                self.par_drop_group(h, &g, dead, &mut step);
+                self.par_drop_group(h, &g, dead, step);
                 continue;
             }
             // Wanted back: it must be what its owner sealed (a survivor or the parity may lie in
@@ -178,7 +363,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                 self.slots[at..at + PAGE_SIZE].copy_from_slice(r.data.as_ref());
                 if !self.unseal_slot(lost.key.page, lost.version, slot) {
                     self.release_slot(slot);
-                    self.par_drop_group(h, &g, dead, &mut step);
+                    self.par_drop_group(h, &g, dead, step);
                     continue;
                 }
                 Some(slot)
@@ -210,8 +395,70 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         // fill: ship the groups they joined, full or not (holders merge small ones).
         self.par_seal(None)?;
         self.pump_all();
-        step.remaining = self.par().pending();
-        Ok(step)
+        Ok(())
+    }
+
+    /// Degraded reads by ticket: recovery goes on a step (its answers taken in, its next
+    /// requests sent: it never waits), and a read whose page came within reach (rebuilt and
+    /// in write-back or stored, written, gone to the disk) or is lost starts again the
+    /// ordinary way; the others wait on. Called by whoever takes finished reads, so that a
+    /// fault on a lost page drives its recovery at the pace replies come in, not at the
+    /// maintenance thread's. (Before, such a read ran recovery until its page was back, waiting
+    /// for every reply under the region's lock.)
+    pub(crate) fn par_serve_waiters(&mut self) -> Result<(), PagerError> {
+        // (A step's reads take half the free slots at most: the rest stays for faults.)
+        self.par_recover(usize::MAX)?;
+        for it in std::mem::take(&mut self.par_mut().waiters) {
+            let e = *self.table.get(it.page);
+            let waits = e.present
+                && !e.lost
+                && !e.on_disk
+                && e.version == it.version
+                && !self.cache.contains(&it.page)
+                && !self.writeback.contains_key(&it.page)
+                && self.alive_holder(it.page, None).is_none()
+                && self.par_reconstructible(it.page);
+            if waits {
+                self.par_mut().waiters.push(it);
+                continue;
+            }
+            let tag = (it.pos & !crate::ticket::TICKET) as u64;
+            if let Err(err) = self.start_ticket(it.page, tag, Some(it.slot)) {
+                self.ticket_failed(&it, err);
+            }
+        }
+        self.send_queued();
+        Ok(())
+    }
+
+    /// Gives back the slots of recovery's reads that are in but not yet taken (a caller wants
+    /// a slot and nothing else holds one); the phase that read them starts again at a later
+    /// step. Whether any slot was freed.
+    pub(crate) fn par_yield(&mut self) -> bool {
+        let Some(par) = self.scheme.parity_mut() else {
+            return false;
+        };
+        let asked = match &par.round {
+            Round::Reprotecting { asked, .. } => asked.clone(),
+            Round::Reading { x, planned } => planned_reads(&par.addrs[*x], planned),
+            _ => return false,
+        };
+        if let Round::Reprotecting { batch, .. } = std::mem::take(&mut par.round) {
+            par.unprotected.extend(batch.iter().map(|&(p, _)| p));
+        }
+        par.read_failed
+            .retain(|&(p, s, _)| !asked.contains(&(p, s)));
+        self.take_internal_reads();
+        let before = self.free_slots.len();
+        let mine: Vec<(u64, u32)>;
+        (mine, self.fetched) = std::mem::take(&mut self.fetched)
+            .into_iter()
+            .partition(|f| asked.contains(f));
+        for (_, slot) in mine {
+            self.release_slot(slot);
+        }
+        self.counters.parity_recovery_yields += 1;
+        self.free_slots.len() > before
     }
 
     /// A holder whose offer shrank below the parity pages it holds for us (Nswap §III): only
@@ -229,20 +476,17 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         h: usize,
         want: usize,
     ) -> Result<Vec<u64>, PagerError> {
-        self.submit(
-            h,
-            Op::Scan,
-            &Request::ParityScan {
-                dead: netram_proto::SCAN_LEAVING,
-                max: netram_proto::MAX_BATCH as u32,
-            },
+        let asked = self.par_send_scans(
+            &[h],
+            netram_proto::SCAN_LEAVING,
+            netram_proto::MAX_BATCH as u32,
         );
         self.drain()?;
-        let scanned = std::mem::take(&mut self.par_mut().scanned);
+        let (scanned, _) = self.par_take_scans(&asked);
         let mut out = Vec::new();
-        for (_, groups, _) in scanned.iter().filter(|(s, _, _)| *s == h) {
-            self.counters.parity_groups_leaving += groups.len() as u64;
-            for m in groups.iter().flat_map(|g| &g.members) {
+        for a in &scanned {
+            self.counters.parity_groups_leaving += a.groups.len() as u64;
+            for m in a.groups.iter().flat_map(|g| &g.members) {
                 let page = m.key.page;
                 if m.key.region != self.cfg.region || page >= self.cfg.pages {
                     continue;
@@ -370,58 +614,54 @@ impl<T: Transport, D: Disk> Pager<T, D> {
     }
 
     /// Audits the groups that overwrites sent elsewhere may have damaged (see
-    /// [`Par::suspects`]). It waits until the page's copy on that server has been deleted:
-    /// the holder then finds the delete stale, marks the group damaged and reports it to a
-    /// scan that names no dead server. Until the audit, the group's other members have no
-    /// working parity.
-    pub(super) fn par_audit(&mut self, step: &mut RecoveryStep) -> Result<(), PagerError> {
-        let settled = |p: &Self, page: u64, s: usize| {
-            !p.writeback.contains_key(&page) && !p.par().stale.contains(&(s, p.key(page)))
-        };
+    /// [`Par::suspects`]), once the page's copy on that server has been deleted: the holder
+    /// then finds the delete stale, marks the group damaged and reports it to a scan that
+    /// names no dead server. Until the audit, the group's other members have no working
+    /// parity. With no such suspect, the recovery scan is next.
+    fn par_audit_start(&mut self) -> Result<(Round, bool), PagerError> {
         if !self
             .par()
             .suspects
             .iter()
-            .any(|&(page, s)| settled(self, page, s))
+            .any(|&(page, s)| self.par_suspect_settled(page, s))
         {
-            return Ok(());
+            return self.par_scan_start();
         }
         self.counters.parity_audits += 1;
-        let asked: Vec<usize> = (0..self.servers.len())
+        let to: Vec<usize> = (0..self.servers.len())
             .filter(|&s| self.servers[s].alive)
             .collect();
         // No server listens on port 0: only damaged groups are reported.
         let nobody = SocketAddr::from(([0, 0, 0, 0], 0));
-        for &s in &asked {
-            self.submit(
-                s,
-                Op::Scan,
-                &Request::ParityScan {
-                    dead: nobody,
-                    max: netram_proto::MAX_BATCH as u32,
-                },
-            );
-        }
-        self.drain()?;
-        let scanned = std::mem::take(&mut self.par_mut().scanned);
-        let answered = scanned.len() == asked.len() && asked.iter().all(|s| self.servers[*s].alive);
+        let asked = self.par_send_scans(&to, nobody, netram_proto::MAX_BATCH as u32);
+        Ok((Round::Auditing { asked }, true))
+    }
+
+    fn par_suspect_settled(&self, page: u64, s: usize) -> bool {
+        !self.writeback.contains_key(&page) && !self.par().stale.contains(&(s, self.key(page)))
+    }
+
+    /// Dissolves the damaged groups the audit's scans report; when every server answered and
+    /// none was, the suspects settled before it are cleared.
+    fn par_audit_finish(&mut self, asked: &[(usize, u64)], step: &mut RecoveryStep) {
+        let (scanned, answered) = self.par_take_scans(asked);
         let mut found = false;
-        for (h, groups, _) in scanned {
-            for g in groups.iter().filter(|g| g.damaged) {
+        for a in scanned {
+            for g in a.groups.iter().filter(|g| g.damaged) {
                 found = true;
-                self.par_dissolve(h, g, None, step);
+                self.par_dissolve(a.server, g, None, step);
             }
         }
         if answered && !found {
+            // (A suspect that settled while the scans were out is audited again next round.)
             let suspects = std::mem::take(&mut self.par_mut().suspects);
             let left = suspects
                 .into_iter()
-                .filter(|&(page, s)| !settled(self, page, s))
+                .filter(|&(page, s)| !self.par_suspect_settled(page, s))
                 .collect();
             self.par_mut().suspects = left;
         }
         self.pump_all();
-        Ok(())
     }
 
     /// The scans report nothing more about `x`: what the page table still had there and nobody
@@ -442,13 +682,9 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         }
     }
 
-    /// Pages stored outside any group join one again, where they are (read first, unless
-    /// cached).
-    pub(super) fn par_reprotect(
-        &mut self,
-        max: usize,
-        step: &mut RecoveryStep,
-    ) -> Result<(), PagerError> {
+    /// Pages stored outside any group join one again, where they are: their reads go out
+    /// (as many as half the free slots allow, `max` at most). With none, the audit is next.
+    fn par_reprotect_start(&mut self, max: usize) -> Result<(Round, bool), PagerError> {
         let budget = (self.free_slots.len() / 2).min(max);
         let mut batch = Vec::new();
         while batch.len() < budget {
@@ -465,14 +701,16 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             batch.push((page, s));
         }
         if batch.is_empty() {
-            return Ok(());
+            return self.par_audit_start();
         }
         let mut asked = BTreeSet::new();
-        for &(page, s) in &batch {
+        let mut read = Vec::with_capacity(batch.len());
+        for (page, s) in batch {
+            read.push((page, self.table.get(page).version));
             let slot = self.take_slot()?;
             asked.insert((page, slot));
             let it = self.page_get_item(page, slot, INTERNAL);
-            self.submit_get_item(
+            self.queue_get(
                 s,
                 GetItem {
                     part: Part::Survivor,
@@ -480,8 +718,22 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                 },
             );
         }
-        self.par_drain()?;
-        self.par_mut().read_failed.clear();
+        self.pump_all();
+        Ok((Round::Reprotecting { batch: read, asked }, true))
+    }
+
+    /// The pages read back are written out again into new groups (unless written, discarded
+    /// or lost meanwhile); those whose read failed wait for a later round.
+    fn par_reprotect_finish(
+        &mut self,
+        batch: Vec<(u64, u32)>,
+        asked: &BTreeSet<(u64, u32)>,
+        step: &mut RecoveryStep,
+    ) -> Result<(), PagerError> {
+        let read_at: HashMap<u64, u32> = batch.iter().copied().collect();
+        self.par_mut()
+            .read_failed
+            .retain(|&(p, s, _)| !asked.contains(&(p, s)));
         // (Other reads of the pager's own, a move's, stay for their step.)
         let fetched: Vec<(u64, u32)>;
         (fetched, self.fetched) = std::mem::take(&mut self.fetched)
@@ -489,7 +741,13 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             .partition(|f| asked.contains(f));
         for (page, slot) in fetched {
             let e = *self.table.get(page);
-            if !e.present || e.lost || self.writeback.contains_key(&page) {
+            if !e.present
+                || e.lost
+                || self.writeback.contains_key(&page)
+                || read_at.get(&page) != Some(&e.version)
+            {
+                // Written (its write-back places it in a group), discarded or lost since
+                // its read went out.
                 self.release_slot(slot);
                 continue;
             }
@@ -502,9 +760,9 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             step.started += 1;
             self.par_rewrite(page, slot, false)?;
         }
-        for (page, _) in batch {
+        for (page, version) in batch {
             let e = *self.table.get(page);
-            if !self.writeback.contains_key(&page) && e.present && !e.lost {
+            if !self.writeback.contains_key(&page) && e.present && !e.lost && e.version == version {
                 // Its read failed on the way: try again later.
                 self.par_mut().unprotected.insert(page);
             }
@@ -574,4 +832,18 @@ fn drop_delta<'a>(group: u64, m: &Member, zero: &'a OwnedRecord) -> Delta<'a> {
         kind: DeltaKind::Drop,
         record: zero.as_record(),
     }
+}
+
+/// The (page, slot) of the survivor reads of `planned` (members not on `dead`).
+fn planned_reads(
+    dead: &SocketAddr,
+    planned: &[(usize, ScannedGroup, Vec<u32>)],
+) -> BTreeSet<(u64, u32)> {
+    planned
+        .iter()
+        .flat_map(|(_, g, slots)| {
+            let survivors = g.members.iter().filter(move |m| m.server != *dead);
+            survivors.zip(slots).map(|(m, &slot)| (m.key.page, slot))
+        })
+        .collect()
 }
