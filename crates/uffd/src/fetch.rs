@@ -31,12 +31,12 @@ pub(crate) struct Fetch {
 
 impl<T: Transport, D: Disk> Shared<T, D> {
     /// Whether a missing fault on `page` is served by a fetch in flight: a page stored in the
-    /// pager, neither resident nor aside, and no fork pending or child alive (their bookkeeping
-    /// goes fault by fault, see `fork.rs`).
+    /// pager, neither resident nor aside, and no fork pending (a fork waits for every fetch to
+    /// be installed, see `fork.rs`). Forked children alive do not matter: a fetch leaves the
+    /// pager's copy, which they read, as it is.
     pub(crate) fn fetchable(&self, st: &State<T, D>, page: usize) -> bool {
         let p = page as u64;
         st.forking == 0
-            && st.children.is_empty()
             && !st.clock.is_sampled(p)
             && !st.clock.is_resident(p)
             && (st.fetching.contains_key(&p) || st.pager.is_written(p))

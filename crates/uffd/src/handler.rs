@@ -19,12 +19,12 @@ pub(crate) const EVENTS_PER_ROUND: usize = 64;
 /// [`EVENTS_PER_ROUND`] events, and, while there are children, only until a thread served in
 /// this turn faults again.
 ///
-/// With children the parent's faults are served synchronously (`Shared::fetchable`), and a
-/// thread that faults in a loop has its next fault queued by the time the last one is served:
-/// read until empty, two such threads of the parent kept its descriptor full for seconds on
-/// end while the child's faults, read after it, waited (`a_program_that_forks_while_its_threads_fault`
-/// ran for minutes). Ending the turn at the first thread seen twice gives each faulting
-/// thread, the parent's and the children's alike, about one fault served per turn.
+/// A thread that faults in a loop has its next fault queued by the time the last one is
+/// served: read until empty, two such threads of the parent (whose faults were then served
+/// synchronously while it had children) kept its descriptor full for seconds on end while the
+/// child's faults, read after it, waited (`a_program_that_forks_while_its_threads_fault` ran
+/// for minutes). Ending the turn at the first thread seen twice gives each faulting thread,
+/// the parent's and the children's alike, about one fault served per turn.
 pub(crate) struct Round {
     fair: bool,
     events: usize,
