@@ -178,6 +178,18 @@ fn seeds_that_found_bugs_hold() {
         // page written meanwhile blamed the piece of the page's new version.
         ("mirror:3", 8570),
         ("rs:3+2", 2409),
+        // Once parity recovery stopped waiting: survivors rewritten between the scan and
+        // their reads; an overwrite kept in place by a holder this pager had given up
+        // hiding a scan's orphan report; a new group's shipping hiding the orphan report of
+        // a scan its server answered after; a round ending with nothing in flight leaving a
+        // degraded read by ticket waiting.
+        ("parity:4", 5981),
+        ("parity:4", 4967),
+        ("parity:4", 4733),
+        ("parity:4", 3449),
+        // A Join the server had no room to tag, answered Unprotected: the page stayed a
+        // member of the group it could not join, which then waited for it forever.
+        ("parity:4", 28841),
     ] {
         let sc = Scenario {
             scheme: scheme.parse().unwrap(),

@@ -411,13 +411,20 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         }
     }
 
-    /// Stored, but outside any group (its old group is gone): it joins a new one, where it is.
+    /// Stored, but outside any group: kept in place, its old group is gone, and it joins a
+    /// new one where it is; joining, the server had no room to remember the group, and it
+    /// leaves that group (which would otherwise wait for it forever: `netram sim --seed 28841
+    /// --scheme parity:4`) and joins one elsewhere.
     pub(crate) fn par_unprotected(&mut self, it: PutItem, server: usize) -> Result<(), PagerError> {
         let Some(wb) = self.writeback.get_mut(&it.page) else {
             return Ok(());
         };
         wb.pending.remove(server);
         wb.join = true;
+        if let PutKind::Parity(PutOp::Join { group, .. }) = it.kind {
+            wb.refused.insert(server);
+            self.par_leave(group, it.page);
+        }
         self.counters.parity_rejoins += 1;
         // The server holds this version now: it is where the page is.
         self.par_moved(it.page, server);
