@@ -238,6 +238,29 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         }
     }
 
+    /// Whether a degraded read by ticket waits on for recovery: its page is as it was when
+    /// the read started, still out of reach, and can come back from its stripe or group.
+    pub(crate) fn waits_for_recovery(&self, it: &GetItem) -> bool {
+        let e = self.table.get(it.page);
+        e.present
+            && !e.lost
+            && !e.on_disk
+            && e.version == it.version
+            && !self.cache.contains(&it.page)
+            && !self.writeback.contains_key(&it.page)
+            && self.alive_holder(it.page, None).is_none()
+            && self.reconstructible(it.page)
+    }
+
+    /// A degraded read by ticket that no longer waits for recovery (its page came within
+    /// reach, changed, or is lost) starts again the ordinary way.
+    pub(crate) fn restart_waiter(&mut self, it: GetItem) {
+        let tag = (it.pos & !crate::ticket::TICKET) as u64;
+        if let Err(err) = self.start_ticket(it.page, tag, Some(it.slot)) {
+            self.ticket_failed(&it, err);
+        }
+    }
+
     /// Decodes a page into `slot` from the rest of its stripe or group; false when it cannot.
     pub(crate) fn reconstruct(&mut self, page: u64, slot: u32) -> Result<bool, PagerError> {
         match &self.scheme {

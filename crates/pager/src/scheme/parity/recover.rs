@@ -409,22 +409,10 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         // (A step's reads take half the free slots at most: the rest stays for faults.)
         self.par_recover(usize::MAX)?;
         for it in std::mem::take(&mut self.par_mut().waiters) {
-            let e = *self.table.get(it.page);
-            let waits = e.present
-                && !e.lost
-                && !e.on_disk
-                && e.version == it.version
-                && !self.cache.contains(&it.page)
-                && !self.writeback.contains_key(&it.page)
-                && self.alive_holder(it.page, None).is_none()
-                && self.par_reconstructible(it.page);
-            if waits {
+            if self.waits_for_recovery(&it) {
                 self.par_mut().waiters.push(it);
-                continue;
-            }
-            let tag = (it.pos & !crate::ticket::TICKET) as u64;
-            if let Err(err) = self.start_ticket(it.page, tag, Some(it.slot)) {
-                self.ticket_failed(&it, err);
+            } else {
+                self.restart_waiter(it);
             }
         }
         self.send_queued();

@@ -587,25 +587,11 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         let rs = self.rs();
         let per_stripe = 2 * (rs.k + rs.m);
         for it in std::mem::take(&mut self.rs_mut().waiters) {
-            let rs = self.rs();
-            let id = rs.stripe_of[it.page as usize];
-            let e = *self.table.get(it.page);
-            let waits = id != NO_STRIPE
-                && e.present
-                && !e.lost
-                && !e.on_disk
-                && e.version == it.version
-                && !self.cache.contains(&it.page)
-                && !self.writeback.contains_key(&it.page)
-                && self.alive_holder(it.page, None).is_none()
-                && self.rs_reconstructible(it.page);
-            if !waits {
-                let tag = (it.pos & !crate::ticket::TICKET) as u64;
-                if let Err(err) = self.start_ticket(it.page, tag, Some(it.slot)) {
-                    self.ticket_failed(&it, err);
-                }
+            if !self.waits_for_recovery(&it) {
+                self.restart_waiter(it);
                 continue;
             }
+            let id = self.rs().stripe_of[it.page as usize];
             let rs = self.rs();
             let started = rs.under_way(id) || rs.writing.contains_key(&id);
             if !started && self.free_slots.len() >= per_stripe {
