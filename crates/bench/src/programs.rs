@@ -370,6 +370,7 @@ fn measure(
                 "evictions": r["evictions"],
                 "forks": r["forks"],
                 "child_faults": r["child_faults"],
+                "child_prefetched": r["child_prefetched"],
                 "child_drops": r["child_drops"],
                 "processes": r["processes"],
                 "program_peak_rss_kib": r["peak_rss_kib"],

@@ -336,10 +336,12 @@ pub fn run(args: RunArgs) -> anyhow::Result<i32> {
         }
         if g("forks") > 0 {
             eprintln!(
-                "netram: {} forked child(ren) served: {} faults, {} pages dropped to stay \
-                 within the budget (at most {} resident), {} pages stored as a child's own",
+                "netram: {} forked child(ren) served: {} faults, {} pages fetched ahead of \
+                 them, {} pages dropped to stay within the budget (at most {} resident), {} \
+                 pages stored as a child's own",
                 g("forks"),
                 g("child_faults"),
+                g("child_prefetched"),
                 g("child_drops"),
                 g("child_peak_resident_pages"),
                 g("child_private_pages"),

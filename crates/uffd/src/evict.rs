@@ -82,6 +82,16 @@ impl<T: Transport, D: Disk> Shared<T, D> {
             chosen.push((victim.page as usize, victim.sampled));
         }
         self.protect_victims(st, &mut chosen);
+        if !st.children.is_empty() {
+            // What the children still read of the dirty victims, read in one go (each
+            // victim's write-back would otherwise read its page for them first, in turn).
+            let dirty: Vec<usize> = chosen
+                .iter()
+                .filter(|&&(page, _)| st.dirty[page])
+                .map(|&(page, _)| page)
+                .collect();
+            self.settle_many(st, &dirty);
+        }
         let mut drops = std::mem::take(&mut st.drops);
         let mut failed = false;
         for &(page, sampled) in &chosen {
@@ -395,6 +405,10 @@ impl<T: Transport, D: Disk> Shared<T, D> {
         // One call drops every mapped page of the range (and the zero page's mappings).
         drop_pages(self.base.page(first), count * PAGE_SIZE).map_err(PageError::Drop)?;
         let mut written = Vec::new();
+        if !st.children.is_empty() {
+            let pages: Vec<usize> = (first..first + count).collect();
+            self.settle_many(st, &pages);
+        }
         for page in first..first + count {
             let p = page as u64;
             if st.clock.is_sampled(p) {

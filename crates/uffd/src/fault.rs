@@ -94,7 +94,7 @@ impl<T: Transport, D: Disk> Shared<T, D> {
         // first write is seen, and if there is none it is evicted without I/O. That costs a
         // second fault for every page that is written after all, so it is done only while it
         // pays: not for a write fault, and not while most fetched pages get written.
-        let protect = !write && st.protect_fetched();
+        let protect = !write && st.protection.decide();
         self.counters.fetches.fetch_add(1, Ordering::Relaxed);
         match self.uffd.copy(data, addr, protect) {
             Ok(()) => {

@@ -106,7 +106,7 @@ impl<T: Transport, D: Disk> Shared<T, D> {
     }
 
     fn start_one(&self, st: &mut State<T, D>, page: u64, fetch: Fetch) -> Result<(), PagerError> {
-        if st.fetching.is_empty() {
+        if !st.fetches_out() {
             st.fetch_progress = std::time::Instant::now();
         }
         st.pager.start_read(page, page)?;
@@ -128,12 +128,12 @@ impl<T: Transport, D: Disk> Shared<T, D> {
             ..
         } = &mut *st;
         fetch_buf.clear();
-        let taken = pager.take_finished(|_, page, data| {
+        let taken = pager.take_finished(|tag, page, data| {
             let data = data.map(|d| {
                 fetch_buf.extend_from_slice(d);
                 fetch_buf.len() - PAGE_SIZE
             });
-            fetch_done.push((page, data));
+            fetch_done.push((tag, page, data));
         });
         if let Err(e) = taken {
             tracing::warn!("after a fetch: {e}");
@@ -144,14 +144,20 @@ impl<T: Transport, D: Disk> Shared<T, D> {
         st.fetch_progress = std::time::Instant::now();
         let mut done = std::mem::take(&mut st.fetch_done);
         let buf = std::mem::take(&mut st.fetch_buf);
-        // The pages threads wait for first; then the ones fetched ahead, in address order,
-        // which is the order they queue for eviction in: consecutive victims are
-        // write-protected together (`evict.rs`).
-        done.sort_unstable_by_key(|&(page, _)| {
-            let ahead = st.fetching.get(&page).is_none_or(|f| f.fault.is_none());
-            (ahead, page)
+        // The pages threads wait for first (the region's, then its children's); then the ones
+        // fetched ahead, in address order, which is the order they queue for eviction in:
+        // consecutive victims are write-protected together (`evict.rs`).
+        done.sort_unstable_by_key(|&(tag, page, _)| {
+            let child = fork::is_child_tag(tag);
+            let ahead = !child && st.fetching.get(&page).is_none_or(|f| f.fault.is_none());
+            (ahead, child, page)
         });
-        for (page, data) in done.iter() {
+        for (tag, page, data) in done.iter() {
+            if fork::is_child_tag(*tag) {
+                let data = data.as_ref().map(|&at| &buf[at..at + PAGE_SIZE]);
+                self.child_fetched(st, *tag, data);
+                continue;
+            }
             let Some(f) = st.fetching.remove(page) else {
                 continue;
             };
@@ -196,7 +202,7 @@ impl<T: Transport, D: Disk> Shared<T, D> {
             tracing::debug!("while fetching: {e}");
         }
         self.finish_fetches(st);
-        if !st.fetching.is_empty() && st.fetch_progress.elapsed() > STALLED {
+        if st.fetches_out() && st.fetch_progress.elapsed() > STALLED {
             self.counters
                 .fetches_stalled
                 .fetch_add(1, Ordering::Relaxed);
@@ -210,7 +216,7 @@ impl<T: Transport, D: Disk> Shared<T, D> {
         // Each round finishes a read or declares a server dead (its reads go elsewhere):
         // bounded; a few rounds cover reads sent again.
         for _ in 0..64 {
-            if st.fetching.is_empty() {
+            if !st.fetches_out() {
                 return;
             }
             if let Err(e) = st.pager.wait_finished() {
@@ -229,5 +235,6 @@ impl<T: Transport, D: Disk> Shared<T, D> {
                 }
             }
         }
+        self.abandon_child_fetches(st);
     }
 }

@@ -112,12 +112,57 @@ pub(crate) const FORK_MESSAGE: usize = 12;
 /// children (a grandchild, one forked while every slot is taken, a fork made by system call
 /// rather than the C library's `fork`) keep every page they touch, as before.
 pub(crate) struct ForkChild {
+    /// Its name for reads by ticket made for it (`ChildFetch`), which outlive its index.
+    pub(crate) id: u64,
     pub(crate) uffd: Uffd,
     /// What each page is to the child: one of the `page::*` states.
     pub(crate) pages: Vec<u8>,
     /// Its memory is gone: forgotten at the handler's next turn.
     pub(crate) gone: bool,
     pub(crate) budget: Option<Budget>,
+    /// Its faults' trend, as the region's own (`prefetch.rs`): the pages proposed are read
+    /// with the faulting one and installed in it, one in `PREFETCH_CHECK` left as a guess
+    /// (not installed) whose fault, or not, within the last `CHILD_GUESSES` says whether
+    /// fetching ahead pays.
+    prefetcher: Prefetcher,
+    guesses: HashMap<usize, Mode>,
+    guess_order: VecDeque<usize>,
+    prefetch_seq: u64,
+    /// Whether installing its pages write-protected pays (a child with a budget): a page
+    /// never written is dropped without a copy, but each written one costs a fault more.
+    /// Those installed writable are its own at once (`page::OWN`).
+    protection: Protection,
+}
+
+/// Pages `settle_many` reads at once.
+const SETTLE_BATCH: usize = 256;
+
+/// Guesses a child's prefetcher keeps (see `ForkChild::prefetcher`).
+const CHILD_GUESSES: usize = 64;
+
+/// The tags of children's reads by ticket carry this bit (the region's own carry their page
+/// number, far below it).
+const CHILD_TAG: u64 = 1 << 61;
+
+/// Whether a read by ticket was made for a forked child (`ChildFetch`).
+pub(crate) fn is_child_tag(tag: u64) -> bool {
+    tag & CHILD_TAG != 0
+}
+
+/// A forked child's missing page being read by ticket, as the region's own are (`fetch.rs`):
+/// the handler goes on serving the parent and the other children meanwhile, and installs it
+/// when the read finishes — if the child still reads that page from the copy that was read
+/// (`Shared::child_fetched`).
+pub(crate) struct ChildFetch {
+    /// `ForkChild::id`.
+    child: u64,
+    page: usize,
+    /// The pager's page that was read: the parent's copy or the child's own.
+    source: u64,
+    /// The thread that faulted last (for SIGBUS if the read fails).
+    tid: u32,
+    /// Fetched ahead (by this rule of its prefetcher), no thread waiting for it.
+    ahead: Option<Mode>,
 }
 
 /// Where a child's page is (`ForkChild::pages`). Without a budget only `PARENT` and `OWN`.
@@ -128,8 +173,9 @@ pub(crate) mod page {
     /// Resident in the child, write-protected, equal to the pager's copy of the parent's page:
     /// dropped without a copy.
     pub(crate) const CLEAN: u8 = 1;
-    /// Resident in the child, its only copy (written by it, resident at the fork, or changed
-    /// by the parent in the pager since it was installed).
+    /// Resident in the child, its only copy (written by it, resident at the fork, changed
+    /// by the parent in the pager since it was installed, or installed writable because
+    /// protecting its pages does not pay: `ForkChild::protection`).
     pub(crate) const OWN: u8 = 2;
     /// Not resident: its contents are in the pager under the child's own page number (zeros
     /// if that was never written).
@@ -420,11 +466,21 @@ impl<T: Transport, D: Disk> Shared<T, D> {
             None
         };
         self.counters.forks.fetch_add(1, Ordering::Relaxed);
+        st.next_child_id += 1;
         st.children.push(ForkChild {
+            id: st.next_child_id,
             uffd,
             pages,
             gone: false,
             budget,
+            prefetcher: Prefetcher::new(
+                MAX_PREFETCH.min(st.prefetch_window / 2),
+                MAX_CLUSTER.min(st.prefetch_window / 2),
+            ),
+            guesses: HashMap::new(),
+            guess_order: VecDeque::new(),
+            prefetch_seq: 0,
+            protection: Protection::default(),
         });
         st.apply_sampling();
         self.child_count.store(st.children.len(), Ordering::Release);
@@ -658,6 +714,53 @@ impl<T: Transport, D: Disk> Shared<T, D> {
     /// every child that still reads it from there (see `ForkChild`): installed in a child
     /// without a budget, stored under the child's own page number for one with.
     pub(crate) fn settle(&self, st: &mut State<T, D>, page: usize) {
+        self.settle_from(st, page, None);
+    }
+
+    /// [`Shared::settle`] for each of `pages`, with one pipelined read of those that some
+    /// child still reads from the pager, rather than a round trip each: a batch of victims
+    /// (`make_room`) or a range given back (`release`).
+    pub(crate) fn settle_many(&self, st: &mut State<T, D>, pages: &[usize]) {
+        if st.children.is_empty() {
+            return;
+        }
+        let wanted: Vec<u64> = pages
+            .iter()
+            .filter(|&&p| {
+                st.children
+                    .iter()
+                    .any(|c| !c.gone && matches!(c.state(p), page::PARENT | page::TO_PARENT))
+                    && st.pager.is_written(p as u64)
+            })
+            .map(|&p| p as u64)
+            .collect();
+        if wanted.len() < 2 {
+            // One page: its own settle reads it.
+            return;
+        }
+        let mut buf = std::mem::take(&mut st.settle_buf);
+        // A bounded buffer, however large the range given back.
+        for chunk in wanted.chunks(SETTLE_BATCH) {
+            buf.resize(chunk.len() * PAGE_SIZE, 0);
+            match st.pager.read_many(chunk, &mut buf) {
+                Ok(()) => {
+                    for (k, &p) in chunk.iter().enumerate() {
+                        let data = &buf[k * PAGE_SIZE..(k + 1) * PAGE_SIZE];
+                        self.settle_from(st, p as usize, Some(data));
+                    }
+                }
+                // Each page's own settle tries again, and says what is lost.
+                Err(e) => {
+                    tracing::debug!("reading {} pages to keep for children: {e}", chunk.len())
+                }
+            }
+        }
+        st.settle_buf = buf;
+    }
+
+    /// [`Shared::settle`], with the page's current contents in `known` if they were read
+    /// already.
+    fn settle_from(&self, st: &mut State<T, D>, page: usize, known: Option<&[u8]>) {
         for i in 0..st.children.len() {
             if st.children[i].gone {
                 continue;
@@ -666,14 +769,19 @@ impl<T: Transport, D: Disk> Shared<T, D> {
             if st.children[i].budget.is_none() {
                 if state == page::PARENT {
                     self.counters.child_copies.fetch_add(1, Ordering::Relaxed);
-                    self.install_in_child(st, i, page, 0);
+                    match known {
+                        Some(data) => {
+                            self.place_in_child(&mut st.children[i], page, false, Some(data))
+                        }
+                        None => self.install_in_child(st, i, page, 0),
+                    }
                 }
                 continue;
             }
             match state {
                 page::PARENT | page::TO_PARENT => {
                     self.counters.child_copies.fetch_add(1, Ordering::Relaxed);
-                    let kept = self.keep_for_child(st, i, page);
+                    let kept = self.keep_for_child(st, i, page, known);
                     st.children[i].pages[page] = match (kept, state) {
                         (false, _) => page::LOST,
                         (true, page::PARENT) => page::PRIVATE,
@@ -687,8 +795,15 @@ impl<T: Transport, D: Disk> Shared<T, D> {
         }
     }
 
-    /// Copies the pager's `page` to child `i`'s own page number; false if it cannot be read.
-    fn keep_for_child(&self, st: &mut State<T, D>, i: usize, page: usize) -> bool {
+    /// Copies the pager's `page` (its contents in `known` if read already) to child `i`'s
+    /// own page number; false if it cannot be read.
+    fn keep_for_child(
+        &self,
+        st: &mut State<T, D>,
+        i: usize,
+        page: usize,
+        known: Option<&[u8]>,
+    ) -> bool {
         let slot = st.children[i].budget.as_ref().expect("a budget").slot;
         let private = self.private(slot, page);
         let State {
@@ -698,9 +813,12 @@ impl<T: Transport, D: Disk> Shared<T, D> {
             // Zeros: the child's own page number was never written (or was deleted).
             return true;
         }
-        let copied = pager
-            .read(page as u64, child_buf)
-            .and_then(|()| pager.write(private, child_buf));
+        let copied = match known {
+            Some(data) => pager.write(private, data),
+            None => pager
+                .read(page as u64, child_buf)
+                .and_then(|()| pager.write(private, child_buf)),
+        };
         match copied {
             Ok(()) => {
                 self.counters
@@ -716,50 +834,71 @@ impl<T: Transport, D: Disk> Shared<T, D> {
         }
     }
 
-    /// Installs `page` in child `i` as it reads it (for its thread `tid` if it faulted): the
-    /// parent's copy or the child's own, from the pager; write-protected for a child with a
-    /// budget, so that its first write is seen.
-    pub(crate) fn install_in_child(&self, st: &mut State<T, D>, i: usize, page: usize, tid: u32) {
-        let addr = self.base.page(page);
-        let state = st.children[i].state(page);
-        let budgeted = st.children[i].budget.is_some();
-        let own = matches!(state, page::PRIVATE | page::TO_PRIVATE);
-        let source = match (&st.children[i].budget, own) {
+    /// Where child `i` reads `page` from in the pager: the parent's copy, or (true) its own.
+    fn child_source(&self, child: &ForkChild, page: usize) -> (u64, bool) {
+        let own = matches!(child.state(page), page::PRIVATE | page::TO_PRIVATE);
+        let source = match (&child.budget, own) {
             (Some(b), true) => self.private(b.slot, page),
             _ => page as u64,
         };
+        (source, own)
+    }
+
+    /// Installs `page` in child `i` as it reads it (for its thread `tid` if it faulted): the
+    /// parent's copy or the child's own, read from the pager now (waiting for it: see
+    /// [`Shared::fetch_for_child`] for the way that does not); write-protected for a child
+    /// with a budget while that pays, so that its first write is seen.
+    pub(crate) fn install_in_child(&self, st: &mut State<T, D>, i: usize, page: usize, tid: u32) {
+        let (source, own) = self.child_source(&st.children[i], page);
         let State {
             pager,
             children,
             child_buf,
             ..
         } = st;
-        let child = &mut children[i];
-        let installed = if pager.is_written(source) {
+        let data = if pager.is_written(source) {
             if let Err(e) = pager.read(source, child_buf) {
-                self.counters.errors.fetch_add(1, Ordering::Relaxed);
-                eprintln!(
-                    "netram: page {page} of a region (address {:#x}) cannot be read for a \
-                     forked child: {e}; SIGBUS to its thread {tid}",
-                    addr as usize
-                );
-                if tid != 0 {
-                    // SAFETY: kill(2) takes no pointers; the child's faulting thread is the
-                    // child's (its id from the fault).
-                    unsafe { libc::kill(tid as libc::pid_t, libc::SIGBUS) };
-                }
-                let _ = child.uffd.wake(addr, PAGE_SIZE);
-                return;
+                return self.child_unreadable(&children[i], page, tid, &e);
             }
-            child.uffd.copy(child_buf, addr, budgeted)
-        } else if budgeted {
-            child.uffd.copy(&ZEROS, addr, true)
+            Some(&child_buf[..])
         } else {
-            child.uffd.zeropage(addr)
+            None
+        };
+        self.place_in_child(&mut children[i], page, own, data);
+    }
+
+    /// A child's page that could not be read from the pager: SIGBUS to its thread `tid`
+    /// (if a thread faulted on it), never other data.
+    fn child_unreadable(&self, child: &ForkChild, page: usize, tid: u32, e: &PagerError) {
+        let addr = self.base.page(page);
+        self.counters.errors.fetch_add(1, Ordering::Relaxed);
+        eprintln!(
+            "netram: page {page} of a region (address {:#x}) cannot be read for a forked \
+             child: {e}; SIGBUS to its thread {tid}",
+            addr as usize
+        );
+        if tid != 0 {
+            // SAFETY: kill(2) takes no pointers; the child's faulting thread is the child's
+            // (its id from the fault).
+            unsafe { libc::kill(tid as libc::pid_t, libc::SIGBUS) };
+        }
+        let _ = child.uffd.wake(addr, PAGE_SIZE);
+    }
+
+    /// Installs `data` (zeros if `None`: never written) as `page` of `child`, which reads it
+    /// from its own copy if `own`; see [`Shared::install_in_child`].
+    fn place_in_child(&self, child: &mut ForkChild, page: usize, own: bool, data: Option<&[u8]>) {
+        let addr = self.base.page(page);
+        let budgeted = child.budget.is_some();
+        let protect = budgeted && child.protection.decide();
+        let installed = match data {
+            Some(bytes) => child.uffd.copy(bytes, addr, protect),
+            None if budgeted => child.uffd.copy(&ZEROS, addr, protect),
+            None => child.uffd.zeropage(addr),
         };
         match installed {
             Ok(()) => {
-                child.pages[page] = match (budgeted, own) {
+                child.pages[page] = match (protect, own) {
                     (false, _) => page::OWN,
                     (true, false) => page::CLEAN,
                     (true, true) => page::PRIVATE_CLEAN,
@@ -780,6 +919,168 @@ impl<T: Transport, D: Disk> Shared<T, D> {
                 // The mapping is changing in the child: it faults again.
                 tracing::debug!("installing page {page} in a child: {e}");
                 let _ = child.uffd.wake(addr, PAGE_SIZE);
+            }
+        }
+    }
+
+    /// A missing fault of child `i`'s thread `tid` on `page`, which it reads from the pager:
+    /// its read by ticket is started (or joined, if one is in flight) with those of the
+    /// pages its prefetcher proposes, and the handler goes on; each page is installed when
+    /// its read finishes (`child_fetched`). A page never written is installed at once.
+    fn fetch_for_child(&self, st: &mut State<T, D>, i: usize, page: usize, tid: u32) {
+        let (source, _) = self.child_source(&st.children[i], page);
+        if !st.pager.is_written(source) {
+            return self.install_in_child(st, i, page, tid);
+        }
+        let child = &mut st.children[i];
+        if let Some(mode) = child.guesses.remove(&page) {
+            child.prefetcher.hit(mode);
+        }
+        let (proposed, mode) = child.prefetcher.on_fault(page as u64, self.pages as u64);
+        let key = (child.id, page);
+        if let Some(f) = st
+            .child_fetching
+            .get(&key)
+            .and_then(|tag| st.child_fetches.get_mut(tag))
+        {
+            // Another of its threads faulted on it, or it was fetched ahead: the install
+            // wakes them.
+            if let Some(mode) = f.ahead.take() {
+                st.children[i].prefetcher.hit(mode);
+            }
+            f.tid = tid;
+            return;
+        }
+        if let Err(e) = self.start_child_fetch(st, i, page, source, tid, None) {
+            return self.child_unreadable(&st.children[i], page, tid, &e);
+        }
+        for p in proposed {
+            let p = p as usize;
+            let child = &st.children[i];
+            let absent = matches!(child.state(p), page::PARENT | page::PRIVATE);
+            if !absent
+                || child.guesses.contains_key(&p)
+                || st.child_fetching.contains_key(&(child.id, p))
+            {
+                continue;
+            }
+            let (source, _) = self.child_source(child, p);
+            if !st.pager.is_written(source) {
+                continue;
+            }
+            if let Err(e) = self.start_child_fetch(st, i, p, source, 0, Some(mode)) {
+                tracing::debug!("fetching page {p} ahead for a child: {e}");
+            }
+        }
+    }
+
+    /// Starts the read by ticket of `source` for `page` of child `i`.
+    fn start_child_fetch(
+        &self,
+        st: &mut State<T, D>,
+        i: usize,
+        page: usize,
+        source: u64,
+        tid: u32,
+        ahead: Option<Mode>,
+    ) -> Result<(), PagerError> {
+        if !st.fetches_out() {
+            st.fetch_progress = std::time::Instant::now();
+        }
+        st.next_child_fetch += 1;
+        let tag = CHILD_TAG | (st.next_child_fetch & (CHILD_TAG - 1));
+        st.pager.start_read(source, tag)?;
+        self.counters.child_fetches.fetch_add(1, Ordering::Relaxed);
+        let child = st.children[i].id;
+        st.child_fetches.insert(
+            tag,
+            ChildFetch {
+                child,
+                page,
+                source,
+                tid,
+                ahead,
+            },
+        );
+        st.child_fetching.insert((child, page), tag);
+        Ok(())
+    }
+
+    /// A child's read by ticket finished: its page is installed if the child still lacks it
+    /// and reads it from the copy that was read. Otherwise its fault is served afresh: the
+    /// parent's side changed the page meanwhile (and kept its old contents for the child
+    /// first, `settle`: the read may have brought the new ones), or the page came in another
+    /// way, or it was lost.
+    pub(crate) fn child_fetched(
+        &self,
+        st: &mut State<T, D>,
+        tag: u64,
+        data: Result<&[u8], &PagerError>,
+    ) {
+        let Some(f) = st.child_fetches.remove(&tag) else {
+            // Its child is gone, or the fetch was given up on (`finish_all`).
+            return;
+        };
+        st.child_fetching.remove(&(f.child, f.page));
+        let Some(i) = st.children.iter().position(|c| c.id == f.child && !c.gone) else {
+            return;
+        };
+        let child = &st.children[i];
+        let (source, own) = self.child_source(child, f.page);
+        let reads_it = source == f.source
+            && match child.state(f.page) {
+                page::PARENT | page::TO_PARENT | page::PRIVATE => true,
+                page::TO_PRIVATE => !child.awaiting_copy(f.page),
+                _ => false,
+            };
+        if let Some(mode) = f.ahead {
+            // Nobody faulted on it (yet): installed if still wanted, or one in
+            // PREFETCH_CHECK kept as a guess.
+            let child = &mut st.children[i];
+            child.prefetch_seq += 1;
+            // Not past the budget a fault would wait at (`child_fault`).
+            let full = child.budget.as_ref().is_some_and(|b| {
+                b.resident >= b.limit && b.requests.len() >= MAX_REQUESTS && !b.broken
+            });
+            if !reads_it || data.is_err() || full {
+                return;
+            }
+            if child.prefetch_seq.is_multiple_of(PREFETCH_CHECK as u64) {
+                child.guesses.insert(f.page, mode);
+                child.guess_order.push_back(f.page);
+                while child.guess_order.len() > CHILD_GUESSES {
+                    let old = child.guess_order.pop_front().expect("not empty");
+                    if let Some(mode) = child.guesses.remove(&old) {
+                        child.prefetcher.wasted(mode);
+                    }
+                }
+                return;
+            }
+            self.counters
+                .child_prefetched
+                .fetch_add(1, Ordering::Relaxed);
+        }
+        if !reads_it {
+            self.counters
+                .child_fetches_redone
+                .fetch_add(1, Ordering::Relaxed);
+            self.child_missing(st, i, f.page, f.tid);
+        } else {
+            match data {
+                Ok(bytes) => self.place_in_child(&mut st.children[i], f.page, own, Some(bytes)),
+                Err(e) => self.child_unreadable(&st.children[i], f.page, f.tid, e),
+            }
+        }
+        self.enforce_budget(st, i);
+    }
+
+    /// Gives up on the children's reads by ticket (see `finish_all`): their threads are woken
+    /// to fault again.
+    pub(crate) fn abandon_child_fetches(&self, st: &mut State<T, D>) {
+        st.child_fetching.clear();
+        for (_, f) in std::mem::take(&mut st.child_fetches) {
+            if let Some(c) = st.children.iter().find(|c| c.id == f.child) {
+                let _ = c.uffd.wake(self.base.page(f.page), PAGE_SIZE);
             }
         }
     }
@@ -863,10 +1164,20 @@ impl<T: Transport, D: Disk> Shared<T, D> {
         st.children.retain(|c| !c.gone);
         self.child_count.store(st.children.len(), Ordering::Release);
         st.apply_sampling();
+        if !st.child_fetches.is_empty() {
+            // The reads these faults started go out now, and those already answered (from
+            // the pager's cache) are installed.
+            st.pager.send_queued();
+            self.progress_fetches(&mut st);
+        }
     }
 
     /// A child whose memory is gone: its own pages are deleted from the pager.
     fn forget_child(&self, st: &mut State<T, D>, i: usize) {
+        // Its reads in flight are dropped when they finish.
+        let id = st.children[i].id;
+        st.child_fetching.retain(|&(child, _), _| child != id);
+        st.child_fetches.retain(|_, f| f.child != id);
         let Some(b) = &st.children[i].budget else {
             return;
         };
@@ -916,6 +1227,10 @@ impl<T: Transport, D: Disk> Shared<T, D> {
                         return self.enforce_budget(st, i);
                     }
                     // Written: its copy is the only one now.
+                    page::CLEAN | page::PRIVATE_CLEAN => {
+                        st.children[i].protection.written();
+                        st.children[i].pages[page] = page::OWN;
+                    }
                     _ => st.children[i].pages[page] = page::OWN,
                 }
             }
@@ -939,7 +1254,15 @@ impl<T: Transport, D: Disk> Shared<T, D> {
             }
         }
         self.counters.child_faults.fetch_add(1, Ordering::Relaxed);
-        match state {
+        self.child_missing(st, i, page, tid);
+        self.enforce_budget(st, i);
+    }
+
+    /// A missing fault of child `i`'s thread `tid` on `page`, served by what the page is to
+    /// the child.
+    fn child_missing(&self, st: &mut State<T, D>, i: usize, page: usize, tid: u32) {
+        let at = self.base.page(page);
+        match st.children[i].state(page) {
             page::LOST => {
                 self.counters.sigbus.fetch_add(1, Ordering::Relaxed);
                 eprintln!(
@@ -953,7 +1276,7 @@ impl<T: Transport, D: Disk> Shared<T, D> {
                 let _ = st.children[i].uffd.wake(at, PAGE_SIZE);
             }
             page::PARENT | page::TO_PARENT | page::PRIVATE => {
-                self.install_in_child(st, i, page, tid)
+                self.fetch_for_child(st, i, page, tid)
             }
             page::TO_PRIVATE => {
                 if st.children[i].awaiting_copy(page) {
@@ -967,7 +1290,7 @@ impl<T: Transport, D: Disk> Shared<T, D> {
                         let _ = st.children[i].uffd.wake(at, PAGE_SIZE);
                     }
                 } else {
-                    self.install_in_child(st, i, page, tid);
+                    self.fetch_for_child(st, i, page, tid);
                 }
             }
             _ => {
@@ -980,7 +1303,6 @@ impl<T: Transport, D: Disk> Shared<T, D> {
                 }
             }
         }
-        self.enforce_budget(st, i);
     }
 
     /// Asks child `i`'s agent to drop its oldest pages while it holds more than its budget:
@@ -1304,6 +1626,8 @@ impl<T: Transport, D: Disk> Shared<T, D> {
             }
         }
         st.children.clear();
+        st.child_fetches.clear();
+        st.child_fetching.clear();
         self.child_count.store(0, Ordering::Release);
     }
 }

@@ -261,7 +261,7 @@ impl<T: Transport, D: Disk> Shared<T, D> {
             }
         }
         let mut st = self.lock();
-        if !st.fetching.is_empty() {
+        if st.fetches_out() {
             st.pager.send_queued();
             // The room the fetches need is made while their requests are on the wire, not
             // after their pages are installed: on the faulting thread's CPU, eviction after
@@ -308,7 +308,7 @@ impl<T: Transport, D: Disk> Shared<T, D> {
     /// Whether the loop waits for replies as well as events: fetches in flight, or victims
     /// that wait for acknowledgements to return the pager's slots.
     fn awaits_replies(&self, st: &State<T, D>) -> bool {
-        !st.fetching.is_empty() || (self.over_budget(st) && st.pager.awaits_replies())
+        st.fetches_out() || (self.over_budget(st) && st.pager.awaits_replies())
     }
 
     /// Polls the userfaultfd without sleeping for up to the spin; true once an event is
@@ -362,7 +362,7 @@ impl<T: Transport, D: Disk> Shared<T, D> {
                     Ok(()) => {
                         self.counters.first_writes.fetch_add(1, Ordering::Relaxed);
                         st.dirty[page] = true;
-                        st.written_after_fetch += 1;
+                        st.protection.written();
                     }
                     // The mapping is changing (a fork copying it): the writer, woken, faults
                     // again and is served then. (Left asleep, it would never be.)

@@ -230,6 +230,13 @@ pub struct RegionCounters {
     pub forks: AtomicU64,
     /// Faults of forked children served (their pages installed in their memory).
     pub child_faults: AtomicU64,
+    /// Children's pages read from the pager by ticket (see `fork.rs` `ChildFetch`), and how
+    /// many of those reads were not installed because the page changed for the child
+    /// meanwhile (its fault served afresh).
+    pub child_fetches: AtomicU64,
+    pub child_fetches_redone: AtomicU64,
+    /// Children's pages fetched ahead of their faults and installed in them.
+    pub child_prefetched: AtomicU64,
     /// Pages kept for a child before the parent changed them in the pager (its
     /// copy-on-write, done by the handler): installed in it, or stored as its own.
     pub child_copies: AtomicU64,
@@ -557,11 +564,14 @@ where
                 fetch_progress: std::time::Instant::now(),
                 fetch_buf: Vec::new(),
                 fetch_done: Vec::new(),
-                protected_fetches: 0,
-                written_after_fetch: 0,
-                skipped_protection: 0,
+                child_fetches: HashMap::new(),
+                child_fetching: HashMap::new(),
+                next_child_fetch: 0,
+                next_child_id: 0,
+                protection: Protection::default(),
                 prefetch_seq: 0,
                 child_buf: vec![0u8; PAGE_SIZE],
+                settle_buf: Vec::new(),
                 agent_buf: Vec::new(),
                 children: Vec::new(),
                 forking: 0,
@@ -824,6 +834,42 @@ struct Shared<T: Transport, D: Disk> {
     forked: Condvar,
 }
 
+/// Whether installing fetched pages write-protected pays: a protected page that is never
+/// written is dropped without I/O, but each one written costs a second fault (its first
+/// write). Kept for the region's fetches and for each forked child's.
+#[derive(Debug, Default)]
+pub(crate) struct Protection {
+    /// Pages installed protected, and how many of them were written later (both halved now
+    /// and then, so that they follow the program's phases); installs since the last check.
+    protected: u32,
+    written: u32,
+    skipped: u32,
+}
+
+impl Protection {
+    /// Whether to install the next fetched page write-protected: while fewer than half of
+    /// the protected ones were written afterwards, and one in 16 otherwise, to notice when
+    /// that changes.
+    pub(crate) fn decide(&mut self) -> bool {
+        if self.protected >= 512 {
+            self.protected /= 2;
+            self.written /= 2;
+        }
+        self.skipped = self.skipped.wrapping_add(1);
+        let pays = self.protected < 16 || self.written * 2 < self.protected;
+        let protect = pays || self.skipped.is_multiple_of(16);
+        if protect {
+            self.protected += 1;
+        }
+        protect
+    }
+
+    /// A page installed protected was written.
+    pub(crate) fn written(&mut self) {
+        self.written += 1;
+    }
+}
+
 struct State<T: Transport, D: Disk> {
     pager: Pager<T, D>,
     /// Resident pages and which of them are sampled: the LRU approximation.
@@ -852,18 +898,24 @@ struct State<T: Transport, D: Disk> {
     fetching: HashMap<u64, fetch::Fetch>,
     fetch_progress: std::time::Instant,
     fetch_buf: Vec<u8>,
-    fetch_done: Vec<(u64, Result<usize, PagerError>)>,
-    /// Fetched pages installed write-protected, and how many of them were written later:
-    /// whether protecting fetched pages pays (see `protect_fetched`). Halved now and then.
-    protected_fetches: u32,
-    written_after_fetch: u32,
-    skipped_protection: u32,
+    fetch_done: Vec<(u64, u64, Result<usize, PagerError>)>,
+    /// Forked children's pages being read by ticket (`fork.rs`, `ChildFetch`), by the tag
+    /// their reads carry, and which one reads each (child, page); the next tag's number and
+    /// the next child's id.
+    child_fetches: HashMap<u64, fork::ChildFetch>,
+    child_fetching: HashMap<(u64, usize), u64>,
+    next_child_fetch: u64,
+    next_child_id: u64,
+    /// Whether protecting the region's fetched pages pays.
+    protection: Protection,
     /// Pages prefetched so far: every PREFETCH_CHECK-th is left to be faulted on.
     prefetch_seq: u64,
     /// Forked children whose memory is still there, a page buffer for them, and one for
     /// their agents' messages.
     children: Vec<ForkChild>,
     child_buf: Vec<u8>,
+    /// Pages read for `settle_many`.
+    settle_buf: Vec<u8>,
     agent_buf: Vec<u8>,
     /// Forks announced by `prepare_fork` whose event has not arrived: meanwhile nothing is
     /// evicted (so every page resident at the announcement is in the child) and no page
@@ -878,30 +930,17 @@ struct State<T: Transport, D: Disk> {
 }
 
 impl<T: Transport, D: Disk> State<T, D> {
+    /// Whether reads by ticket of the region's or its children's faults are in flight.
+    fn fetches_out(&self) -> bool {
+        !self.fetching.is_empty() || !self.child_fetches.is_empty()
+    }
+
     /// Sets how many pages the hand samples per victim: none while a fork is pending or a
     /// child lives (see `prepare_fork`).
     fn apply_sampling(&mut self) {
         let on = self.children.is_empty() && self.forking == 0;
         self.clock
             .set_max_samples(if on { self.max_samples } else { 0 });
-    }
-
-    /// Whether to install the next fetched page write-protected: while fewer than half of
-    /// the protected ones were written afterwards, and one in 16 otherwise, to notice when
-    /// that changes.
-    fn protect_fetched(&mut self) -> bool {
-        if self.protected_fetches >= 512 {
-            self.protected_fetches /= 2;
-            self.written_after_fetch /= 2;
-        }
-        self.skipped_protection = self.skipped_protection.wrapping_add(1);
-        let pays =
-            self.protected_fetches < 16 || self.written_after_fetch * 2 < self.protected_fetches;
-        let protect = pays || self.skipped_protection.is_multiple_of(16);
-        if protect {
-            self.protected_fetches += 1;
-        }
-        protect
     }
 }
 

@@ -36,7 +36,7 @@ impl<T: Transport, D: Disk> Shared<T, D> {
         for (i, &p) in pages.iter().enumerate() {
             st.prefetch_seq = st.prefetch_seq.wrapping_add(1);
             if !st.prefetch_seq.is_multiple_of(PREFETCH_CHECK as u64) {
-                let protect = st.protect_fetched();
+                let protect = st.protection.decide();
                 let page = &data[i * PAGE_SIZE..(i + 1) * PAGE_SIZE];
                 match self.uffd.copy(page, self.base.page(p as usize), protect) {
                     Ok(()) => {

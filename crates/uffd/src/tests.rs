@@ -824,9 +824,11 @@ fn a_forked_child_sees_its_memory_as_at_the_fork() {
     let c = r.counters();
     // At least this fork (another test's in the same process copies this region too).
     assert!(RegionCounters::get(&c.forks) >= 1, "{c:?}");
-    // Most pages were on the servers at the fork: the child got them by fault or before the
-    // parent overwrote them.
-    let served = RegionCounters::get(&c.child_faults) + RegionCounters::get(&c.child_copies);
+    // Most pages were on the servers at the fork: the child got them by fault, fetched ahead
+    // of its faults, or before the parent overwrote them.
+    let served = RegionCounters::get(&c.child_faults)
+        + RegionCounters::get(&c.child_prefetched)
+        + RegionCounters::get(&c.child_copies);
     assert!(served > (PAGES / 2) as u64, "{c:?}");
     assert_eq!(RegionCounters::get(&c.errors), 0, "{c:?}");
 }
@@ -976,6 +978,9 @@ fn a_forked_child_is_held_to_its_budget() {
     }
     assert!(RegionCounters::get(&c.child_drops) > PAGES as u64, "{c:?}");
     assert!(RegionCounters::get(&c.child_private_pages) > 0, "{c:?}");
+    // The child read its memory in address order: its faults' trend was followed, pages
+    // fetched ahead of them (with the budget bound above still held).
+    assert!(RegionCounters::get(&c.child_prefetched) > 0, "{c:?}");
     assert_eq!(RegionCounters::get(&c.errors), 0, "{c:?}");
 }
 
