@@ -77,6 +77,8 @@ counters! {
     /// decoder (each for one stripe, or for a batch of stripes with one erasure pattern).
     pieces_restored_by_xor,
     decoder_runs,
+    /// Reed-Solomon pieces a rebuild asked for after reads of its first pieces failed.
+    pieces_asked_again,
     /// Parity groups opened, shipped to their holders, and failed to ship (their members
     /// joined other groups).
     parity_groups_opened,

@@ -190,6 +190,9 @@ fn seeds_that_found_bugs_hold() {
         // A Join the server had no room to tag, answered Unprotected: the page stayed a
         // member of the group it could not join, which then waited for it forever.
         ("parity:4", 28841),
+        // An earlier try at a Reed-Solomon rebuild that does not wait for the pieces it asks
+        // after a read failed left a stripe short of pieces (`rs_top_up` now).
+        ("rs:4+2", 2110),
     ] {
         let sc = Scenario {
             scheme: scheme.parse().unwrap(),

@@ -122,6 +122,9 @@ pub(crate) struct Rs {
     restored: HashMap<(u32, usize), u32>,
     /// Stripes being rebuilt whose piece reads are out, and how many.
     reading: HashMap<u32, u32>,
+    /// The pieces asked for so far for each stripe being rebuilt (a bit each): where reads
+    /// failed, the rebuild asks the others (`rs_top_up`), never the same piece twice.
+    asked: HashMap<u32, u64>,
     /// Stripes being rebuilt whose piece reads are all back or failed.
     read: Vec<u32>,
     /// Stripes read and waiting for the decoder, which runs for a batch of them.
@@ -166,6 +169,7 @@ impl Rs {
             prefetched: HashMap::default(),
             restored: HashMap::default(),
             reading: HashMap::default(),
+            asked: HashMap::default(),
             decode_wait: Vec::new(),
             streaming: false,
             waiters: Vec::new(),

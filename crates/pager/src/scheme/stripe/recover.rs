@@ -48,14 +48,19 @@ impl<T: Transport, D: Disk> Pager<T, D> {
     /// Decodes a stripe's data pieces from any K of its live pieces (not those in `avoid`):
     /// returns the data pieces `wanted` as (piece, slot), or `None` when too few pieces
     /// answered.
+    ///
+    /// With `fetch`, pieces not at hand are read, waiting for them (a waiting read's
+    /// decode); without, only the pieces at hand are used (a rebuild, whose missing pieces
+    /// `rs_top_up` asked for beforehand).
     pub(super) fn rs_decode(
         &mut self,
         id: u32,
         wanted: &[usize],
         avoid: &[usize],
+        fetch: bool,
     ) -> Result<Option<Vec<(usize, u32)>>, PagerError> {
         let pinned_here = self.rs_mut().pinned.insert(id);
-        let decoded = self.rs_decode_pinned(id, wanted, avoid);
+        let decoded = self.rs_decode_pinned(id, wanted, avoid, fetch);
         if pinned_here {
             self.rs_mut().pinned.remove(&id);
         }
@@ -79,6 +84,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         id: u32,
         wanted: &[usize],
         avoid: &[usize],
+        fetch: bool,
     ) -> Result<Option<Vec<(usize, u32)>>, PagerError> {
         let stripe = &self.rs().stripes[id as usize];
         let (k, m) = (stripe.k(), stripe.servers.len() - stripe.k());
@@ -119,7 +125,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             let first = absent.next();
             (first.map_or(0, |_| 1 + absent.count()), first)
         };
-        while missing(&have).0 > 0 && have.len() < need && !candidates.is_empty() {
+        while fetch && missing(&have).0 > 0 && have.len() < need && !candidates.is_empty() {
             let n = (need - have.len()).min(candidates.len());
             let batch: Vec<usize> = candidates.drain(..n).collect();
             have.extend(self.rs_fetch(id, &batch)?);
@@ -195,7 +201,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             return Ok(false);
         }
         let i = usize::from(rs.index_of[page as usize]);
-        match self.rs_decode(id, &[i], &[i])? {
+        match self.rs_decode(id, &[i], &[i], true)? {
             Some(v) => {
                 let (_, s) = v[0];
                 let at = s as usize * PAGE_SIZE;
@@ -418,6 +424,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
     pub(super) fn rs_release_pin(&mut self, id: u32) {
         let rs = self.rs_mut();
         rs.pinned.remove(&id);
+        rs.asked.remove(&id);
         let st = &rs.stripes[id as usize];
         // A freed stripe has no servers: freed once only.
         if !st.in_use() && !st.servers.is_empty() && !rs.writing.contains_key(&id) {
@@ -530,12 +537,19 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         };
         let rs = self.rs_mut();
         rs.pinned.insert(id);
+        rs.asked.insert(id, read.iter().fold(0, |m, &j| m | 1 << j));
         if read.is_empty() {
             rs.read.push(id);
         } else {
             rs.reading.insert(id, read.len() as u32);
         }
-        for j in read {
+        self.rs_queue_pieces(id, &read)
+    }
+
+    /// Queues the reads of pieces `pieces` of stripe `id` (tagged [`RECOVERY`], taken in by
+    /// `rs_harvest`); never waits: the caller has checked that the slots are free.
+    fn rs_queue_pieces(&mut self, id: u32, pieces: &[usize]) -> Result<bool, PagerError> {
+        for &j in pieces {
             let slot = self.take_slot()?;
             let st = &self.rs().stripes[id as usize];
             let it = GetItem {
@@ -649,6 +663,54 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         }
     }
 
+    /// Before a rebuild decodes stripe `id`: where reads failed and the pieces at hand are
+    /// too few, asks live pieces not asked yet for it (as many as are missing) and returns
+    /// true: the stripe waits in `reading` for them, still pinned, and is rebuilt when they
+    /// are in. False when the pieces at hand do, or no other piece can be asked now (then
+    /// the decode finds too few, and the stripe is tried again at a later step). Before, the
+    /// decode read the other pieces itself and waited for them (`rs_fetch`), under the
+    /// region's lock.
+    fn rs_top_up(&mut self, id: u32, wanted: &[usize], lost: &[usize]) -> Result<bool, PagerError> {
+        let rs = self.rs();
+        let st = &rs.stripes[id as usize];
+        let (k, total) = (st.k(), st.servers.len());
+        let alive = |j: usize| {
+            let s = st.servers[j];
+            !lost.contains(&j) && s != NO_SERVER && self.servers[usize::from(s)].alive
+        };
+        // What the decode would use (see `rs_decode_pinned`).
+        let at_hand = |j: usize| {
+            (j < k && rs.restored.contains_key(&(id, j)))
+                || (!lost.contains(&j) && rs.prefetched.contains_key(&(id, j)))
+        };
+        let have = (0..total).filter(|&j| at_hand(j)).count();
+        let live = (0..total).filter(|&j| alive(j)).count();
+        let need = if rs.xor_code(k) && live + 1 == total {
+            total - 1
+        } else {
+            k
+        };
+        if wanted.iter().all(|&j| at_hand(j)) || have >= need {
+            return Ok(false);
+        }
+        let asked = rs.asked.get(&id).copied().unwrap_or(0);
+        let more: Vec<usize> = (0..total)
+            .filter(|&j| alive(j) && !at_hand(j) && asked & (1 << j) == 0)
+            .take(need - have)
+            .collect();
+        // Room for them beside what a stripe's rebuild takes (`rs_stream`'s reserve).
+        if more.is_empty() || self.free_slots.len() < more.len() + 2 * total {
+            return Ok(false);
+        }
+        let rs = self.rs_mut();
+        *rs.asked.entry(id).or_default() |= more.iter().fold(0, |m, &j| m | 1 << j);
+        rs.reading.insert(id, more.len() as u32);
+        self.counters.pieces_asked_again += more.len() as u64;
+        self.rs_queue_pieces(id, &more)?;
+        self.send_queued();
+        Ok(true)
+    }
+
     /// Restores and writes out the lost pieces of one stripe whose reads are back (in
     /// `prefetched` and `restored`; `rs_decode` fetches what is missing).
     pub(super) fn rs_rebuild(
@@ -657,17 +719,20 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         step: &mut RecoveryStep,
     ) -> Result<(), PagerError> {
         let r = self.rs_rebuild_pinned(id, step);
-        self.rs_release_pin(id);
-        r
+        if !matches!(r, Ok(true)) {
+            self.rs_release_pin(id);
+        }
+        r.map(|_| ())
     }
 
+    /// True when the stripe waits for more of its pieces (`rs_top_up`): still pinned.
     pub(super) fn rs_rebuild_pinned(
         &mut self,
         id: u32,
         step: &mut RecoveryStep,
-    ) -> Result<(), PagerError> {
+    ) -> Result<bool, PagerError> {
         let Some((lost, _)) = self.rs_read_plan(id) else {
-            return Ok(()); // its last member died while it was read
+            return Ok(false); // its last member died while it was read
         };
         let rs = self.rs();
         let st = &rs.stripes[id as usize];
@@ -678,14 +743,17 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         // Every data piece: parity is recomputed from them, and should the rebuilt pieces
         // find too few servers, the live members go to the local disk from them.
         let wanted: Vec<usize> = (0..k).collect();
-        let Some(restored) = self.rs_decode(id, &wanted, &lost)? else {
+        if self.rs_top_up(id, &wanted, &lost)? {
+            return Ok(true);
+        }
+        let Some(restored) = self.rs_decode(id, &wanted, &lost, false)? else {
             // Fewer than K pieces answered. If K are still out there (a read failed on
             // the way), try again later; otherwise the members whose data piece is gone
             // and that have no disk copy are lost: their reads fail from now on.
             let st = &self.rs().stripes[id as usize];
             if st.in_use() && self.rs_live_pieces(id) >= st.k() {
                 self.rs_mut().degraded.insert(id);
-                return Ok(());
+                return Ok(false);
             }
             for (i, &(page, _)) in members.iter().enumerate() {
                 let rs = self.rs();
@@ -698,7 +766,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                     self.counters.pages_unrecoverable += 1;
                 }
             }
-            return Ok(());
+            return Ok(false);
         };
         self.rs_serve_from(id, &restored);
         let total = self.rs().stripes[id as usize].servers.len();
@@ -741,7 +809,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             .insert(id, StripeWrite::new(slots, owned, true, data, revivals));
         step.started += lost.len();
         self.rs_place(id)?;
-        Ok(())
+        Ok(false)
     }
 
     /// A page's data piece could not be read: decoded from the rest of its stripe, unless the
