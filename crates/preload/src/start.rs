@@ -211,6 +211,7 @@ pub(crate) extern "C" fn at_exit() {
             "child_fetches": get(&rc.child_fetches),
             "child_fetches_redone": get(&rc.child_fetches_redone),
             "child_prefetched": get(&rc.child_prefetched),
+            "victims_settling": get(&rc.victims_settling),
             "child_copies": get(&rc.child_copies),
             "child_drops": get(&rc.child_drops),
             "child_private_pages": get(&rc.child_private_pages),

@@ -83,14 +83,10 @@ impl<T: Transport, D: Disk> Shared<T, D> {
         }
         self.protect_victims(st, &mut chosen);
         if !st.children.is_empty() {
-            // What the children still read of the dirty victims, read in one go (each
-            // victim's write-back would otherwise read its page for them first, in turn).
-            let dirty: Vec<usize> = chosen
-                .iter()
-                .filter(|&&(page, _)| st.dirty[page])
-                .map(|&(page, _)| page)
-                .collect();
-            self.settle_many(st, &dirty);
+            // What the children still read of the dirty victims is read first: by ticket,
+            // those victims waiting resident for it, or else in one go (each victim's
+            // write-back would otherwise read its page for them first, in turn).
+            self.settle_ahead(st, &mut chosen);
         }
         let mut drops = std::mem::take(&mut st.drops);
         let mut failed = false;

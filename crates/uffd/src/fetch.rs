@@ -148,11 +148,16 @@ impl<T: Transport, D: Disk> Shared<T, D> {
         // fetched ahead, in address order, which is the order they queue for eviction in:
         // consecutive victims are write-protected together (`evict.rs`).
         done.sort_unstable_by_key(|&(tag, page, _)| {
-            let child = fork::is_child_tag(tag);
+            let child = fork::is_child_tag(tag) || fork::settle_tag(tag).is_some();
             let ahead = !child && st.fetching.get(&page).is_none_or(|f| f.fault.is_none());
             (ahead, child, page)
         });
         for (tag, page, data) in done.iter() {
+            if let Some(p) = fork::settle_tag(*tag) {
+                let data = data.as_ref().map(|&at| &buf[at..at + PAGE_SIZE]);
+                self.settled(st, p, data);
+                continue;
+            }
             if fork::is_child_tag(*tag) {
                 let data = data.as_ref().map(|&at| &buf[at..at + PAGE_SIZE]);
                 self.child_fetched(st, *tag, data);

@@ -149,6 +149,19 @@ pub(crate) fn is_child_tag(tag: u64) -> bool {
     tag & CHILD_TAG != 0
 }
 
+/// The tags of the reads of victims' pager copies kept for children (`settle_ahead`) carry
+/// this bit and the page number.
+const SETTLE_TAG: u64 = 1 << 60;
+
+/// Whether a read by ticket was made by `settle_ahead`, and for which page.
+pub(crate) fn settle_tag(tag: u64) -> Option<usize> {
+    (tag & SETTLE_TAG != 0 && tag & CHILD_TAG == 0).then_some((tag & !SETTLE_TAG) as usize)
+}
+
+/// Victims' pager copies read for children at once at most (`settle_ahead`): the region may
+/// be over its budget by as many pages meanwhile.
+const MAX_SETTLING: usize = 64;
+
 /// A forked child's missing page being read by ticket, as the region's own are (`fetch.rs`):
 /// the handler goes on serving the parent and the other children meanwhile, and installs it
 /// when the read finishes — if the child still reads that page from the copy that was read
@@ -756,6 +769,86 @@ impl<T: Transport, D: Disk> Shared<T, D> {
             }
         }
         st.settle_buf = buf;
+    }
+
+    /// Whether some child still reads `page` from the pager (its contents must be kept for
+    /// it before the parent's side changes them).
+    fn read_by_children(&self, st: &State<T, D>, page: usize) -> bool {
+        st.children.iter().any(|c| {
+            !c.gone
+                && matches!(
+                    (c.state(page), &c.budget),
+                    (page::PARENT, _) | (page::TO_PARENT, Some(_))
+                )
+        }) && st.pager.is_written(page as u64)
+    }
+
+    /// Before dirty victims leave while children live: the pager copies some child still
+    /// reads are read by ticket (a few at a time, [`MAX_SETTLING`]), and those victims are
+    /// taken out of the batch and stay resident (dirty, and to be written back later) until
+    /// their read is in and their old contents are kept for the children (`settled`); no
+    /// victim waits for that read. What cannot be read this way is read in one pipelined,
+    /// waiting read (`settle_many`). Returns the victims to evict now.
+    pub(crate) fn settle_ahead(&self, st: &mut State<T, D>, chosen: &mut Vec<(usize, bool)>) {
+        let mut now = Vec::new();
+        let mut later = Vec::new();
+        for &(page, sampled) in chosen.iter() {
+            if !st.dirty[page] || !self.read_by_children(st, page) {
+                continue;
+            }
+            if sampled {
+                // Aside (none is while children live, see `prepare_fork`): read now.
+                now.push(page);
+                continue;
+            }
+            if st.settling.contains(&page) {
+                later.push(page);
+                continue;
+            }
+            if st.settling.len() < MAX_SETTLING {
+                if !st.fetches_out() {
+                    st.fetch_progress = std::time::Instant::now();
+                }
+                match st.pager.start_read(page as u64, SETTLE_TAG | page as u64) {
+                    Ok(()) => {
+                        st.settling.insert(page);
+                        later.push(page);
+                        continue;
+                    }
+                    Err(e) => tracing::debug!("reading page {page} for children: {e}"),
+                }
+            }
+            now.push(page);
+        }
+        if !later.is_empty() {
+            chosen.retain(|(page, _)| !later.contains(page));
+            for page in later {
+                // Resident again (still write-protected: a write unprotects it, as any).
+                st.clock.insert(page as u64);
+            }
+            self.counters
+                .victims_settling
+                .fetch_add(1, Ordering::Relaxed);
+        }
+        self.settle_many(st, &now);
+    }
+
+    /// A read of `settle_ahead` finished: the page's old contents are kept for the children
+    /// that still read it from the pager. Its current pager copy is what such a child must
+    /// see: the parent's side changes it only after settling it (which moves every child off
+    /// it), and a child forked since then saw the current one at its fork.
+    pub(crate) fn settled(
+        &self,
+        st: &mut State<T, D>,
+        page: usize,
+        data: Result<&[u8], &PagerError>,
+    ) {
+        st.settling.remove(&page);
+        match data {
+            Ok(bytes) => self.settle_from(st, page, Some(bytes)),
+            // Its write-back settles it the waiting way (and says what is lost).
+            Err(e) => tracing::debug!("reading page {page} for children: {e}"),
+        }
     }
 
     /// [`Shared::settle`], with the page's current contents in `known` if they were read

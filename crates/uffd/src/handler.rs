@@ -360,9 +360,13 @@ impl<T: Transport, D: Disk> Shared<T, D> {
                 // now on it differs from its remote copy.
                 match self.uffd.set_write_protect(addr, false, true) {
                     Ok(()) => {
-                        self.counters.first_writes.fetch_add(1, Ordering::Relaxed);
+                        // (A dirty page protected is a victim that stayed resident, see
+                        // `settle_ahead`: not a fetched page written.)
+                        if !st.dirty[page] {
+                            self.counters.first_writes.fetch_add(1, Ordering::Relaxed);
+                            st.protection.written();
+                        }
                         st.dirty[page] = true;
-                        st.protection.written();
                     }
                     // The mapping is changing (a fork copying it): the writer, woken, faults
                     // again and is served then. (Left asleep, it would never be.)

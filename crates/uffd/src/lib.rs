@@ -96,7 +96,7 @@ use netram_proto::PAGE_SIZE;
 use rustix::event::{eventfd, poll, EventfdFlags, PollFd, PollFlags};
 use rustix::fd::OwnedFd;
 use rustix::io::Errno;
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::ffi::c_void;
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -237,6 +237,9 @@ pub struct RegionCounters {
     pub child_fetches_redone: AtomicU64,
     /// Children's pages fetched ahead of their faults and installed in them.
     pub child_prefetched: AtomicU64,
+    /// Batches of victims some of which stayed resident while their pager copies were read
+    /// for children (`settle_ahead`).
+    pub victims_settling: AtomicU64,
     /// Pages kept for a child before the parent changed them in the pager (its
     /// copy-on-write, done by the handler): installed in it, or stored as its own.
     pub child_copies: AtomicU64,
@@ -572,6 +575,7 @@ where
                 prefetch_seq: 0,
                 child_buf: vec![0u8; PAGE_SIZE],
                 settle_buf: Vec::new(),
+                settling: HashSet::new(),
                 agent_buf: Vec::new(),
                 children: Vec::new(),
                 forking: 0,
@@ -916,6 +920,8 @@ struct State<T: Transport, D: Disk> {
     child_buf: Vec<u8>,
     /// Pages read for `settle_many`.
     settle_buf: Vec<u8>,
+    /// Victims whose pager copy is being read for children (`settle_ahead`).
+    settling: HashSet<usize>,
     agent_buf: Vec<u8>,
     /// Forks announced by `prepare_fork` whose event has not arrived: meanwhile nothing is
     /// evicted (so every page resident at the announcement is in the child) and no page
@@ -932,7 +938,7 @@ struct State<T: Transport, D: Disk> {
 impl<T: Transport, D: Disk> State<T, D> {
     /// Whether reads by ticket of the region's or its children's faults are in flight.
     fn fetches_out(&self) -> bool {
-        !self.fetching.is_empty() || !self.child_fetches.is_empty()
+        !self.fetching.is_empty() || !self.child_fetches.is_empty() || !self.settling.is_empty()
     }
 
     /// Sets how many pages the hand samples per victim: none while a fork is pending or a
