@@ -804,6 +804,98 @@ fn plain_and_on_netram(program: &[&str], stdin: &[u8]) -> (Output, Output, serde
     (plain, out, report(&rep))
 }
 
+/// A process that forks and then leaves by `_exit` (Python's `os._exit`, as a daemon's parent
+/// may) hands its child its memory first, as at `exit`: before, the child was left with
+/// its pages on servers nobody served any more and read garbage (a forked Python was seen
+/// spinning at full CPU for good).
+#[test]
+fn a_child_keeps_its_memory_when_its_parent_leaves_by_underscore_exit() {
+    if !netram_testkit::have_root("following forks (CAP_SYS_PTRACE)")
+        || !netram_testkit::have_tools(&[("python3", "python3")])
+    {
+        return;
+    }
+    let dir = Scratch::new("parent-exits");
+    let (result, pid_file) = (dir.0.join("result"), dir.0.join("child.pid"));
+    // The child waits until its parent is gone, then reads the whole list.
+    let script = r#"import os, sys, time
+n = int(sys.argv[1])
+data = [('k%d' % i, i * 3) for i in range(n)]
+pid = os.fork()
+if pid == 0:
+    fd = os.open(os.devnull, os.O_RDWR)
+    for s in (0, 1, 2):
+        os.dup2(fd, s)
+    t = time.time()
+    while os.getppid() == int(sys.argv[4]) and time.time() - t < 60:
+        time.sleep(0.01)
+    with open(sys.argv[2] + '.tmp', 'w') as f:
+        f.write('%d\n' % sum(v for _, v in data))
+    os.rename(sys.argv[2] + '.tmp', sys.argv[2])
+    os._exit(0)
+with open(sys.argv[3], 'w') as f:
+    f.write('%d' % pid)
+os._exit(0)
+"#;
+    let (_servers, addrs) = cluster(2);
+    let rep = dir.0.join("report.json");
+    let py = dir.0.join("parent_exits.py");
+    std::fs::write(&py, script).unwrap();
+    // The parent is python3 itself (`exec`, so `$$` is its pid): the child waits until it
+    // is no longer its parent's child.
+    let out = common::netram_env(Command::new("timeout"))
+        .args([
+            "120",
+            NETRAM,
+            "run",
+            "--local-mem",
+            "8M",
+            "--servers",
+            &addrs,
+        ])
+        .args(["--report", rep.to_str().unwrap(), "--", "sh", "-c"])
+        .arg(r#"exec python3 "$0" 300000 "$1" "$2" $$"#)
+        .arg(&py)
+        .arg(&result)
+        .arg(&pid_file)
+        .output()
+        .unwrap();
+    assert_ran(&out, "python3 under netram run");
+    let child: i32 = std::fs::read_to_string(&pid_file)
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    // The child by its pid, whatever happens below.
+    let _child = KillPid(child);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while !result.exists() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the child (pid {child}) never wrote its sum: it lost its memory with its parent"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    let expected: u64 = (0..300_000u64).map(|i| i * 3).sum();
+    assert_eq!(
+        std::fs::read_to_string(&result).unwrap().trim(),
+        expected.to_string()
+    );
+    // The parent's counters reached the report though it skipped `exit`.
+    let r = report(&rep);
+    assert!(r["forks"].as_u64().unwrap_or(0) >= 1, "{r}");
+}
+
+/// Kills a process by its pid when dropped (if it still runs).
+struct KillPid(i32);
+
+impl Drop for KillPid {
+    fn drop(&mut self) {
+        // SAFETY: kill(2) takes no pointers; the pid is the test's own grandchild.
+        unsafe { libc::kill(self.0, libc::SIGKILL) };
+    }
+}
+
 /// A program whose memory is all small blocks, run with `--threshold 0`, keeps to its local
 /// memory: its blocks live on the cluster (many pages written out), and its peak resident
 /// memory is the budget plus code and stacks, well under what it takes without netram.

@@ -106,6 +106,8 @@ static ALL: &[&Next] = &[
     &crate::io::FWRITE,
     &crate::io::FWRITE_UNLOCKED,
     &crate::FORK,
+    &crate::start::EXIT,
+    &crate::start::EXIT_UPPER,
     &crate::PTHREAD_CREATE,
     &THREAD_ATEXIT,
 ];

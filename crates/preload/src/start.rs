@@ -86,6 +86,7 @@ pub(crate) fn start() -> Result<bool, StartError> {
         // What the kernel copies to or from the region is brought in first (see `io`).
         io::arm(usize::try_from(budget).unwrap_or(usize::MAX));
     }
+    OWNER.store(std::process::id(), Ordering::Relaxed);
     // SAFETY: registering plain functions with the C library; they only touch atomics and
     // (at exit) write a file.
     unsafe {
@@ -93,6 +94,58 @@ pub(crate) fn start() -> Result<bool, StartError> {
         libc::atexit(at_exit);
     }
     Ok(true)
+}
+
+/// The process whose region this is (see `_exit`).
+static OWNER: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+
+pub(crate) static EXIT: loader::Next = loader::Next::new(c"_exit");
+pub(crate) static EXIT_UPPER: loader::Next = loader::Next::new(c"_Exit");
+
+/// `_exit` (and `_Exit`): the end of a process that skips the C library's exit handlers,
+/// [`at_exit`] among them. A process that forked and leaves this way (Python's `os._exit`,
+/// a C program's `_exit`) would take its children's memory with it: their pages on the
+/// servers were served by its handler, and they read garbage (a forked Python was seen
+/// spinning at full CPU on it). The C library's own calls (`daemon(3)`'s parent) do not
+/// come through here: see docs/limits.md. So its children get their pages first and the run's report
+/// gets its counters, as at `exit`. Only in the process that owns the region (a `vfork`
+/// child shares its memory, and must not touch the pager under its parent's threads), and
+/// only with children alive: `_exit` is also what a signal handler calls, maybe while this
+/// library's own locks are held by the thread it interrupted; without children nothing is
+/// lost but the report.
+fn leave(status: c_int, next: &loader::Next) -> ! {
+    if OWNER.load(Ordering::Relaxed) == std::process::id()
+        && HEAP.get().is_some_and(|h| h.region().has_children())
+    {
+        at_exit();
+    }
+    type Exit = unsafe extern "C" fn(c_int) -> !;
+    // SAFETY: the symbol is `_exit` or `_Exit`, with this signature.
+    if let Some(real) = unsafe { next.get::<Exit>() } {
+        // SAFETY: passed through.
+        unsafe { real(status) }
+    }
+    // SAFETY: exit_group(2) takes no pointers and does not return.
+    unsafe { libc::syscall(libc::SYS_exit_group, status) };
+    unreachable!("exit_group returned")
+}
+
+/// See [`leave`].
+///
+/// # Safety
+/// The C library's contract for `_exit`.
+#[no_mangle]
+pub unsafe extern "C" fn _exit(status: c_int) -> ! {
+    leave(status, &EXIT)
+}
+
+/// See [`leave`].
+///
+/// # Safety
+/// The C library's contract for `_Exit`.
+#[no_mangle]
+pub unsafe extern "C" fn _Exit(status: c_int) -> ! {
+    leave(status, &EXIT_UPPER)
 }
 
 pub(crate) extern "C" fn after_fork_in_child() {
@@ -173,9 +226,11 @@ netram run (the child touched it and dies of SIGSEGV)\n";
     };
 }
 
-/// Writes this process's counters to `$NETRAM_REPORT/<pid>.json`.
+/// Hands the region's pages to forked children still running, and writes this process's
+/// counters to `$NETRAM_REPORT/<pid>.json`: at `exit`, and at `_exit` (see [`leave`]), once.
 pub(crate) extern "C" fn at_exit() {
-    if IN_CHILD.load(Ordering::Relaxed) {
+    static DONE: AtomicBool = AtomicBool::new(false);
+    if IN_CHILD.load(Ordering::Relaxed) || DONE.swap(true, Ordering::AcqRel) {
         return;
     }
     if let Some(heap) = HEAP.get() {
