@@ -534,36 +534,59 @@ impl<T: Transport, D: Disk> Shared<T, D> {
         let Some(slot) = slot else {
             return;
         };
-        for p in copy {
-            let private = self.private(slot, p);
-            let State {
-                pager, child_buf, ..
-            } = &mut *st;
-            let read = if pager.is_written(private) {
-                pager.read(private, child_buf)
-            } else {
-                child_buf.fill(0);
-                Ok(())
-            };
-            if let Err(e) = read {
-                self.counters.errors.fetch_add(1, Ordering::Relaxed);
-                tracing::error!("page {p} cannot be read for a forked child's child: {e}");
-                pages[p] = page::LOST;
-                continue;
+        // Read a batch at a time in one pipelined read (the fork waits in the child).
+        let mut buf = std::mem::take(&mut st.settle_buf);
+        'copying: for chunk in copy.chunks(SETTLE_BATCH) {
+            let written: Vec<u64> = chunk
+                .iter()
+                .map(|&p| self.private(slot, p))
+                .filter(|&q| st.pager.is_written(q))
+                .collect();
+            buf.resize(written.len() * PAGE_SIZE, 0);
+            let batch = st.pager.read_many(&written, &mut buf);
+            if let Err(e) = &batch {
+                tracing::debug!("reading {} pages for a child's child: {e}", written.len());
             }
-            self.counters.child_copies.fetch_add(1, Ordering::Relaxed);
-            match uffd.copy(child_buf, self.base.page(p), false) {
-                // Already there: it was resident in the child at the fork.
-                Ok(()) | Err(Errno::EXIST) => {}
-                // Its memory is gone already: its descriptor says so at the next probe.
-                Err(Errno::SRCH) => return,
-                Err(e) => {
+            let mut k = 0;
+            for &p in chunk {
+                let private = self.private(slot, p);
+                let State {
+                    pager, child_buf, ..
+                } = &mut *st;
+                let read = if !pager.is_written(private) {
+                    child_buf.fill(0);
+                    Ok(())
+                } else if batch.is_ok() {
+                    child_buf.copy_from_slice(&buf[k * PAGE_SIZE..(k + 1) * PAGE_SIZE]);
+                    k += 1;
+                    Ok(())
+                } else {
+                    // Page by page, each failure said.
+                    pager.read(private, child_buf)
+                };
+                if let Err(e) = read {
                     self.counters.errors.fetch_add(1, Ordering::Relaxed);
-                    tracing::error!("page {p} cannot be installed in a forked child's child: {e}");
+                    tracing::error!("page {p} cannot be read for a forked child's child: {e}");
                     pages[p] = page::LOST;
+                    continue;
+                }
+                self.counters.child_copies.fetch_add(1, Ordering::Relaxed);
+                match uffd.copy(child_buf, self.base.page(p), false) {
+                    // Already there: it was resident in the child at the fork.
+                    Ok(()) | Err(Errno::EXIST) => {}
+                    // Its memory is gone already: its descriptor says so at the next probe.
+                    Err(Errno::SRCH) => break 'copying,
+                    Err(e) => {
+                        self.counters.errors.fetch_add(1, Ordering::Relaxed);
+                        tracing::error!(
+                            "page {p} cannot be installed in a forked child's child: {e}"
+                        );
+                        pages[p] = page::LOST;
+                    }
                 }
             }
         }
+        st.settle_buf = buf;
     }
 
     /// A child slot no live child uses (1..=`child_slots`).
