@@ -844,16 +844,9 @@ os._exit(0)
     // The parent is python3 itself (`exec`, so `$$` is its pid): the child waits until it
     // is no longer its parent's child.
     let out = common::netram_env(Command::new("timeout"))
-        .args([
-            "120",
-            NETRAM,
-            "run",
-            "--local-mem",
-            "8M",
-            "--servers",
-            &addrs,
-        ])
-        .args(["--report", rep.to_str().unwrap(), "--", "sh", "-c"])
+        .args(["120", NETRAM, "run", "--local-mem", "8M"])
+        .args(["--servers", &addrs, "--report", rep.to_str().unwrap()])
+        .args(["--", "sh", "-c"])
         .arg(r#"exec python3 "$0" 300000 "$1" "$2" $$"#)
         .arg(&py)
         .arg(&result)

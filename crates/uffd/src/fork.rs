@@ -768,12 +768,7 @@ impl<T: Transport, D: Disk> Shared<T, D> {
         }
         let wanted: Vec<u64> = pages
             .iter()
-            .filter(|&&p| {
-                st.children
-                    .iter()
-                    .any(|c| !c.gone && matches!(c.state(p), page::PARENT | page::TO_PARENT))
-                    && st.pager.is_written(p as u64)
-            })
+            .filter(|&&p| self.read_by_children(st, p))
             .map(|&p| p as u64)
             .collect();
         if wanted.len() < 2 {
@@ -817,7 +812,7 @@ impl<T: Transport, D: Disk> Shared<T, D> {
     /// taken out of the batch and stay resident (dirty, and to be written back later) until
     /// their read is in and their old contents are kept for the children (`settled`); no
     /// victim waits for that read. What cannot be read this way is read in one pipelined,
-    /// waiting read (`settle_many`). Returns the victims to evict now.
+    /// waiting read (`settle_many`). `chosen` keeps the victims to evict now.
     pub(crate) fn settle_ahead(&self, st: &mut State<T, D>, chosen: &mut Vec<(usize, bool)>) {
         let mut now = Vec::new();
         let mut later = Vec::new();
