@@ -393,6 +393,59 @@ fn bad_requests_get_nbd_errors_and_other_clients_are_served() {
     );
 }
 
+/// Issue 38: a read holds the device only while it starts its GETs and takes in replies, not
+/// across their round trip. One connection reads a page from a server that is stopped
+/// (SIGSTOP: its socket open, no answer); another connection's read of a cached page is
+/// answered meanwhile (before, it waited for the device's lock until the first read was
+/// done: here, until the server was let go on). The first read then gets its page.
+#[test]
+fn a_read_from_a_stalled_server_does_not_hold_up_another_connections_read() {
+    let server = ServerProcess::start(&["--capacity", "64M"]);
+    let nbd = NbdProcess::start(std::slice::from_ref(&server), "16M", &["--cache", "1M"]);
+    let mut a = RawClient::connect(&nbd.socket);
+    a.go();
+    // 4 MiB written: the first pages end up on the server only, the last 1 MiB cached too.
+    let data: Vec<u8> = (0..4u32 << 20).map(|i| (i % 253) as u8).collect();
+    for (i, chunk) in data.chunks(1 << 20).enumerate() {
+        a.request(0, 1, i as u64, (i as u64) << 20, 1 << 20, chunk);
+        assert_eq!(a.simple_reply(0).1, 0, "write {i}");
+    }
+    a.request(0, 3, 9, 0, 0, &[]);
+    assert_eq!(a.simple_reply(0).1, 0, "FLUSH");
+    let mut b = RawClient::connect(&nbd.socket);
+    b.go();
+
+    server.signal(libc::SIGSTOP);
+    struct Resume<'a>(&'a ServerProcess);
+    impl Drop for Resume<'_> {
+        fn drop(&mut self) {
+            self.0.signal(libc::SIGCONT);
+        }
+    }
+    let resume = Resume(&server);
+    a.request(0, 0, 10, 0, 4096, &[]);
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    let started = std::time::Instant::now();
+    let last = (4 << 20) - 4096;
+    b.request(0, 0, 11, last, 4096, &[]);
+    let (cookie, err, got) = b.simple_reply(4096);
+    let waited = started.elapsed();
+    assert_eq!((cookie, err), (11, 0));
+    assert!(got[..] == data[last as usize..], "the cached page");
+    assert!(
+        waited < std::time::Duration::from_secs(2),
+        "a cached page's read waited {waited:?} for another connection's stalled read"
+    );
+    drop(resume);
+    let (cookie, err, got) = a.simple_reply(4096);
+    assert_eq!(
+        (cookie, err),
+        (10, 0),
+        "the stalled read, once its server goes on"
+    );
+    assert!(got[..] == data[..4096]);
+}
+
 /// `netram nbd --fuse`: the device as a file. Unaligned writes read back; a punched hole reads
 /// as zeros and deletes the pages on their servers; the file neither grows nor shrinks; the
 /// file system is unmounted when the process is asked to stop.

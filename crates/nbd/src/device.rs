@@ -8,8 +8,11 @@
 //! all-zero page is stored as nothing at all rather than as 4 KiB.
 //!
 //! One pager serves every connection, behind one mutex: a FLUSH on any connection writes back
-//! the whole cache, which is what makes NBD multi-conn safe here.
+//! the whole cache, which is what makes NBD multi-conn safe here. Reads do not hold it across
+//! a round trip (`reads.rs`); writes, FLUSH, TRIM and partial pages' read-modify-write still
+//! do, until they are done.
 
+use crate::reads::{self, Inner};
 use netram_pager::{Disk, Pager, PagerError, Transport};
 use netram_proto::PAGE_SIZE;
 use std::collections::BTreeMap;
@@ -48,7 +51,7 @@ pub enum DeviceError {
 
 /// A block device of `size` bytes on the pages of one pager.
 pub struct Device<T: Transport, D: Disk> {
-    pager: Mutex<Pager<T, D>>,
+    inner: Mutex<Inner<T, D>>,
     size: u64,
 }
 
@@ -82,7 +85,7 @@ impl<T: Transport, D: Disk> Device<T, D> {
             "device larger than its pager"
         );
         Self {
-            pager: Mutex::new(pager),
+            inner: Mutex::new(Inner::new(pager)),
             size,
         }
     }
@@ -91,14 +94,28 @@ impl<T: Transport, D: Disk> Device<T, D> {
         self.size
     }
 
-    fn pager(&self) -> std::sync::MutexGuard<'_, Pager<T, D>> {
-        // A panic while holding the lock is a bug in the pager; the data it guards would be as
-        // broken after it as before, so carrying on is no worse.
-        self.pager.lock().unwrap_or_else(|p| p.into_inner())
+    /// The pager, under the device's lock (see `reads::guard`).
+    fn pager(&self) -> impl std::ops::DerefMut<Target = Pager<T, D>> + '_ {
+        struct Locked<'a, T: Transport, D: Disk>(std::sync::MutexGuard<'a, Inner<T, D>>);
+        impl<T: Transport, D: Disk> std::ops::Deref for Locked<'_, T, D> {
+            type Target = Pager<T, D>;
+            fn deref(&self) -> &Pager<T, D> {
+                &self.0.pager
+            }
+        }
+        impl<T: Transport, D: Disk> std::ops::DerefMut for Locked<'_, T, D> {
+            fn deref_mut(&mut self) -> &mut Pager<T, D> {
+                &mut self.0.pager
+            }
+        }
+        Locked(reads::guard(&self.inner))
     }
 
     pub fn into_pager(self) -> Pager<T, D> {
-        self.pager.into_inner().unwrap_or_else(|p| p.into_inner())
+        self.inner
+            .into_inner()
+            .unwrap_or_else(|p| p.into_inner())
+            .pager
     }
 
     /// Runs `f` on the pager, e.g. to read its counters or close its sessions.
@@ -138,12 +155,12 @@ impl<T: Transport, D: Disk> Device<T, D> {
             .collect();
         if aligned {
             // Whole pages, the kernel's and fio's case: straight into the caller's buffer.
-            data.resize(total, 0);
-            self.pager().read_many(&numbers, data)?;
+            debug_assert_eq!(total, numbers.len() * PAGE_SIZE);
+            reads::read_pages(&self.inner, &numbers, data)?;
             return Ok(());
         }
-        let mut buf = vec![0u8; numbers.len() * PAGE_SIZE];
-        self.pager().read_many(&numbers, &mut buf)?;
+        let mut buf = Vec::new();
+        reads::read_pages(&self.inner, &numbers, &mut buf)?;
         data.reserve(total);
         let parts = ranges.iter().flat_map(|&(o, l)| pages_of(o, u64::from(l)));
         for (i, (_, start, stop)) in parts.enumerate() {

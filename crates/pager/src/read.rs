@@ -70,27 +70,55 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         self.corrupt = None;
     }
 
+    /// Reads `page` into `out` (PAGE_SIZE bytes) if that needs no I/O at all — it is in the
+    /// cache or in write-back, or was never written (zeros) — and says whether it did. A page
+    /// it does not read is for [`Pager::start_read`]: so a front end serving several callers
+    /// answers hits at once and sends only the misses by ticket, with no slot and no copy
+    /// spent on a hit.
+    pub fn read_at_hand(&mut self, page: u64, out: &mut [u8]) -> Result<bool, PagerError> {
+        self.check(page)?;
+        if out.len() != PAGE_SIZE {
+            return Err(PagerError::BadBuffer {
+                got: out.len(),
+                pages: 1,
+            });
+        }
+        let served = self.serve_at_hand(page, out);
+        if served {
+            self.counters.reads += 1;
+        }
+        Ok(served)
+    }
+
+    /// A cache or write-back hit copied out, or zeros for a page never written.
+    fn serve_at_hand(&mut self, page: u64, dst: &mut [u8]) -> bool {
+        let cached = self
+            .cache
+            .get(&page)
+            .map(|&slot| (slot, 0))
+            .or_else(|| self.writeback.get(&page).map(|w| (w.slot, w.version)));
+        if let Some((slot, version)) = cached {
+            self.counters.cache_hits += 1;
+            // A write-back's slot holds ciphertext: opened on the way out.
+            self.copy_plain(page, version, slot, dst);
+            return true;
+        }
+        if !self.table.get(page).present {
+            self.counters.zero_reads += 1;
+            dst.fill(0);
+            return true;
+        }
+        false
+    }
+
     pub(crate) fn read_into(&mut self, pages: &[u64], out: &mut [u8]) -> Result<(), PagerError> {
         for (pos, &page) in pages.iter().enumerate() {
             self.counters.reads += 1;
             let dst = &mut out[pos * PAGE_SIZE..(pos + 1) * PAGE_SIZE];
-            let cached = self
-                .cache
-                .get(&page)
-                .map(|&slot| (slot, 0))
-                .or_else(|| self.writeback.get(&page).map(|w| (w.slot, w.version)));
-            if let Some((slot, version)) = cached {
-                self.counters.cache_hits += 1;
-                // A write-back's slot holds ciphertext: opened on the way out.
-                self.copy_plain(page, version, slot, dst);
+            if self.serve_at_hand(page, dst) {
                 continue;
             }
             let e = *self.table.get(page);
-            if !e.present {
-                self.counters.zero_reads += 1;
-                dst.fill(0);
-                continue;
-            }
             match self.alive_holder(page, None) {
                 Some(server) => {
                     let slot = self.take_slot_for_read(out)?;

@@ -41,9 +41,22 @@ impl<T: Transport, D: Disk> Pager<T, D> {
     /// operations. Returns how many replies it handled. A transport that cannot tell whether
     /// a reply is there handles none.
     pub fn poll(&mut self) -> Result<usize, PagerError> {
+        self.poll_from(0..self.servers.len())
+    }
+
+    /// [`Pager::poll`] of some servers only: those whose descriptors a loop found readable
+    /// (see [`Pager::reply_fds_by_server`]), so that it spends no system call on a connection
+    /// with nothing to read.
+    pub fn poll_from(
+        &mut self,
+        servers: impl IntoIterator<Item = usize>,
+    ) -> Result<usize, PagerError> {
         let mut handled = 0;
         let mut result = Ok(());
-        for server in 0..self.servers.len() {
+        for server in servers {
+            if server >= self.servers.len() {
+                continue;
+            }
             while self.inflight.per_server[server] > 0 {
                 match self.receive(server, false) {
                     Ok(true) => handled += 1,

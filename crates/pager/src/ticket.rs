@@ -186,6 +186,15 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         }
     }
 
+    /// [`Pager::reply_fds`] with the server each descriptor belongs to.
+    pub fn reply_fds_by_server(&self, out: &mut Vec<(usize, std::os::fd::RawFd)>) {
+        for (s, &n) in self.inflight.per_server.iter().enumerate() {
+            if n > 0 {
+                out.extend(self.transport.reply_fd(s).map(|fd| (s, fd)));
+            }
+        }
+    }
+
     /// Waits until every read by ticket has finished (the transport's reply timeout bounds
     /// each wait: a server that does not answer is declared dead and its reads go elsewhere).
     /// What a loop falls back on when nothing arrives for long, or before a step that must
@@ -248,6 +257,16 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         if let Err(e) = self.start_ticket(it.page, tag, Some(it.slot)) {
             self.ticket_failed(&it, e);
         }
+    }
+
+    /// Reads by ticket [`Pager::start_read`] starts now without waiting for a slot: the free
+    /// slots, less those sealing a Reed-Solomon stripe may take. A loop that starts no more
+    /// than this (or starts one anyway when [`Pager::awaits_replies`] is false, when no reply
+    /// could free a slot) never waits in `start_read`.
+    pub fn read_room(&self) -> usize {
+        self.free_slots
+            .len()
+            .saturating_sub(self.scheme.seal_slots())
     }
 
     /// Reads by ticket started and not yet taken.

@@ -1,0 +1,228 @@
+//! Reads of several connections in flight together, none holding the pager across a round
+//! trip (Anemone §2.2: each request is served as its own, and the pipeline, not a lock held
+//! per request, hides the round trips).
+//!
+//! A read takes the pager's lock, copies out what needs no I/O (cache and write-back hits,
+//! pages never written), starts reads by ticket for the misses (`netram_pager`'s `ticket.rs`)
+//! and lets the lock go. Then it waits on the connections to the page servers, without the
+//! lock; whichever waiting read takes the lock next reads every reply that has come in and
+//! copies each finished page into the buffer of the read it belongs to (its ticket's tag
+//! names the read and the page's place in it). So a read of a cached page on one connection
+//! never waits for another connection's round trip, and the misses of all connections travel
+//! in the same batches. Writes, FLUSH, TRIM and read-modify-write of partial pages still run
+//! under the lock until they are done (`device.rs`).
+
+use netram_pager::{Disk, Pager, PagerError, Transport};
+use netram_proto::PAGE_SIZE;
+use rustix::event::{poll, PollFd, PollFlags, Timespec};
+use std::collections::HashMap;
+use std::os::fd::{BorrowedFd, RawFd};
+use std::sync::{Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+/// Bits of a ticket's tag that give the page's place in its read; the rest name the read.
+/// A read is at most a pipeline batch (16 MiB: 4,096 pages), far below this.
+const PLACE_BITS: u32 = 24;
+
+/// How long a waiting read sleeps before it looks again without a wake-up: a reply may have
+/// been read off the socket by another holder of the lock (a write waiting for a slot, the
+/// maintenance thread) and left among the pager's finished reads.
+const NAP: Duration = Duration::from_millis(5);
+
+/// A read whose replies have not come for this long is waited for under the lock, the old
+/// way: the transport's reply timeout then decides whether its server is dead. Longer than
+/// the maintenance schedule's probe cycle (a probe every 2 s, its server failed when it has
+/// not answered in 5 s: `ScheduleConfig`), which finds a server that hangs without holding
+/// the lock for it; this is for a device without maintenance.
+const STALLED: Duration = Duration::from_secs(10);
+
+/// The pager and the reads by ticket of every connection, behind the device's one lock.
+pub(crate) struct Inner<T: Transport, D: Disk> {
+    pub(crate) pager: Pager<T, D>,
+    reads: HashMap<u64, Reading>,
+    next: u64,
+}
+
+/// One caller's read in flight: where its pages go and how many are still out.
+struct Reading {
+    /// The pages still to be started, in order, with their places in `out`.
+    pages: Vec<(u64, usize)>,
+    started: usize,
+    out: Vec<u8>,
+    left: usize,
+    failed: Option<PagerError>,
+}
+
+impl<T: Transport, D: Disk> Inner<T, D> {
+    pub(crate) fn new(pager: Pager<T, D>) -> Self {
+        Self {
+            pager,
+            reads: HashMap::new(),
+            next: 0,
+        }
+    }
+
+    /// Hands every finished read by ticket to the read it belongs to. A page whose read was
+    /// given up on (its caller failed early) is dropped.
+    fn route(&mut self) {
+        let Self { pager, reads, .. } = self;
+        let taken = pager.take_finished(|tag, _page, data| {
+            let Some(r) = reads.get_mut(&(tag >> PLACE_BITS)) else {
+                return;
+            };
+            let place = (tag & ((1 << PLACE_BITS) - 1)) as usize;
+            r.left -= 1;
+            match data {
+                Ok(d) => r.out[place * PAGE_SIZE..(place + 1) * PAGE_SIZE].copy_from_slice(d),
+                Err(e) => {
+                    r.failed.get_or_insert(e);
+                }
+            }
+        });
+        if let Err(e) = taken {
+            // Keeping a finished page in the cache evicted another whose write-back failed:
+            // the pager keeps it and reports it to the next write or flush.
+            tracing::debug!("after a read by ticket: {e}");
+        }
+    }
+
+    /// Starts as many of read `id`'s pages as the pager has slots for without waiting (one
+    /// even without, when nothing in flight could free one: then `start_read` makes room by
+    /// evicting, which needs no reply).
+    fn start(&mut self, id: u64) -> Result<(), PagerError> {
+        let r = self.reads.get_mut(&id).expect("a read in flight");
+        while r.started < r.pages.len() {
+            if self.pager.read_room() == 0 && self.pager.awaits_replies() {
+                break;
+            }
+            let (page, place) = r.pages[r.started];
+            self.pager
+                .start_read(page, (id << PLACE_BITS) | place as u64)?;
+            r.started += 1;
+        }
+        self.pager.send_queued();
+        Ok(())
+    }
+}
+
+/// The device's lock. A panic while holding it is a bug in the pager; the data it guards would
+/// be as broken after it as before, so carrying on is no worse.
+pub(crate) fn guard<T: Transport, D: Disk>(
+    lock: &Mutex<Inner<T, D>>,
+) -> MutexGuard<'_, Inner<T, D>> {
+    lock.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Reads `pages` into `out` (PAGE_SIZE bytes each) through the pager behind `lock`, holding
+/// the lock only while it starts reads and takes in replies.
+pub(crate) fn read_pages<T: Transport, D: Disk>(
+    lock: &Mutex<Inner<T, D>>,
+    pages: &[u64],
+    out: &mut Vec<u8>,
+) -> Result<(), PagerError> {
+    out.resize(pages.len() * PAGE_SIZE, 0);
+    let id = {
+        let mut inner = guard(lock);
+        let mut misses = Vec::new();
+        for (place, &page) in pages.iter().enumerate() {
+            let dst = &mut out[place * PAGE_SIZE..(place + 1) * PAGE_SIZE];
+            if !inner.pager.read_at_hand(page, dst)? {
+                misses.push((page, place));
+            }
+        }
+        if misses.is_empty() {
+            return Ok(());
+        }
+        let id = inner.next;
+        inner.next = (inner.next + 1) % (1 << (62 - PLACE_BITS));
+        let left = misses.len();
+        inner.reads.insert(
+            id,
+            Reading {
+                pages: misses,
+                started: 0,
+                out: std::mem::take(out),
+                left,
+                failed: None,
+            },
+        );
+        id
+    };
+    let result = wait(lock, id);
+    let mut inner = guard(lock);
+    let r = inner.reads.remove(&id).expect("a read in flight");
+    *out = r.out;
+    // Its tickets still out, if it failed early, finish into nothing (see `Inner::route`).
+    result.and(r.failed.map_or(Ok(()), Err))
+}
+
+/// Moves read `id` on until every page of it has finished.
+fn wait<T: Transport, D: Disk>(lock: &Mutex<Inner<T, D>>, id: u64) -> Result<(), PagerError> {
+    let mut fds: Vec<(usize, RawFd)> = Vec::new();
+    let mut readable: Vec<usize> = Vec::new();
+    let mut progress = Instant::now();
+    let mut left_before = usize::MAX;
+    loop {
+        {
+            let mut inner = guard(lock);
+            // Only the connections poll found readable are read: one recv each, none spent
+            // on a server whose reply has not come (the first round, for reads not started
+            // yet, reads none). A reply another holder of the lock read off a socket is among
+            // the pager's finished reads already.
+            if let Err(e) = inner.pager.poll_from(readable.drain(..)) {
+                tracing::debug!("while reading: {e}");
+            }
+            inner.route();
+            inner.start(id)?;
+            let r = &inner.reads[&id];
+            if r.left == 0 {
+                return Ok(());
+            }
+            if r.left < left_before {
+                left_before = r.left;
+                progress = Instant::now();
+            }
+            fds.clear();
+            inner.pager.reply_fds_by_server(&mut fds);
+            // Nothing to wait on (a transport in memory, or only degraded reads left, which
+            // the next take decodes), or nothing has come for long: waited for under the
+            // lock, as every read was before.
+            if fds.is_empty() || progress.elapsed() > STALLED {
+                inner.pager.wait_finished()?;
+                progress = Instant::now();
+                continue;
+            }
+        }
+        let mut polled: Vec<PollFd<'_>> = fds
+            .iter()
+            .map(|&(_, fd)| {
+                // SAFETY: a connection of the pager's transport, only looked at by poll. One
+                // closed or reused meanwhile (a reconnection by another holder of the lock) is
+                // at worst a spurious wake-up: the replies are read through the pager, under
+                // the lock, by its current connections.
+                PollFd::from_borrowed_fd(unsafe { BorrowedFd::borrow_raw(fd) }, PollFlags::IN)
+            })
+            .collect();
+        let nap = Timespec {
+            tv_sec: 0,
+            tv_nsec: NAP.as_nanos() as i64,
+        };
+        match poll(&mut polled, Some(&nap)) {
+            Ok(0) => {
+                // Nothing readable for a while: a reply may wait in a connection's buffer,
+                // read off the socket with another by a holder of the lock that waited for
+                // one only (a write waiting for a slot). Every connection is looked at.
+                readable.extend(fds.iter().map(|&(s, _)| s));
+            }
+            Ok(_) => readable.extend(
+                polled
+                    .iter()
+                    .zip(&fds)
+                    .filter(|(p, _)| !p.revents().is_empty())
+                    .map(|(_, &(s, _))| s),
+            ),
+            Err(rustix::io::Errno::INTR) => {}
+            Err(e) => tracing::debug!("poll while reading: {e}"),
+        }
+    }
+}
