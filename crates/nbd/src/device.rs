@@ -8,11 +8,11 @@
 //! all-zero page is stored as nothing at all rather than as 4 KiB.
 //!
 //! One pager serves every connection, behind one mutex: a FLUSH on any connection writes back
-//! the whole cache, which is what makes NBD multi-conn safe here. Reads do not hold it across
-//! a round trip (`reads.rs`); writes, FLUSH, TRIM and partial pages' read-modify-write still
-//! do, until they are done.
+//! the whole cache, which is what makes NBD multi-conn safe here. Reads and writes of whole
+//! pages do not hold it across a round trip (`inflight.rs`); FLUSH, TRIM and partial pages'
+//! read-modify-write still do, until they are done.
 
-use crate::reads::{self, Inner};
+use crate::inflight::{self, Inner};
 use netram_pager::{Disk, Pager, PagerError, Transport};
 use netram_proto::PAGE_SIZE;
 use std::collections::BTreeMap;
@@ -94,7 +94,7 @@ impl<T: Transport, D: Disk> Device<T, D> {
         self.size
     }
 
-    /// The pager, under the device's lock (see `reads::guard`).
+    /// The pager, under the device's lock (see `inflight::guard`).
     fn pager(&self) -> impl std::ops::DerefMut<Target = Pager<T, D>> + '_ {
         struct Locked<'a, T: Transport, D: Disk>(std::sync::MutexGuard<'a, Inner<T, D>>);
         impl<T: Transport, D: Disk> std::ops::Deref for Locked<'_, T, D> {
@@ -108,7 +108,7 @@ impl<T: Transport, D: Disk> Device<T, D> {
                 &mut self.0.pager
             }
         }
-        Locked(reads::guard(&self.inner))
+        Locked(inflight::guard(&self.inner))
     }
 
     pub fn into_pager(self) -> Pager<T, D> {
@@ -156,11 +156,11 @@ impl<T: Transport, D: Disk> Device<T, D> {
         if aligned {
             // Whole pages, the kernel's and fio's case: straight into the caller's buffer.
             debug_assert_eq!(total, numbers.len() * PAGE_SIZE);
-            reads::read_pages(&self.inner, &numbers, data)?;
+            inflight::read_pages(&self.inner, &numbers, data)?;
             return Ok(());
         }
         let mut buf = Vec::new();
-        reads::read_pages(&self.inner, &numbers, &mut buf)?;
+        inflight::read_pages(&self.inner, &numbers, &mut buf)?;
         data.reserve(total);
         let parts = ranges.iter().flat_map(|&(o, l)| pages_of(o, u64::from(l)));
         for (i, (_, start, stop)) in parts.enumerate() {
@@ -239,7 +239,8 @@ impl<T: Transport, D: Disk> Device<T, D> {
 
     /// The common case of [`Device::put_many`] without staging: writes of whole, aligned pages,
     /// no page written twice. Each run of non-zero pages goes to the pager straight from the
-    /// request's buffer. `None` if the writes are not of that kind.
+    /// request's buffer, without holding the device across a round trip (`inflight.rs`).
+    /// `None` if the writes are not of that kind.
     fn put_whole_pages(
         &self,
         writes: &[(u64, u64, Option<&[u8]>)],
@@ -256,7 +257,6 @@ impl<T: Transport, D: Disk> Device<T, D> {
         if spans.windows(2).any(|w| w[1].0 < w[0].1) {
             return None;
         }
-        let mut pager = self.pager();
         let result = (|| {
             let mut zero_pages = Vec::new();
             let mut numbers = Vec::new();
@@ -269,7 +269,8 @@ impl<T: Transport, D: Disk> Device<T, D> {
                     let page = &data[i * PAGE_SIZE..(i + 1) * PAGE_SIZE];
                     if page.iter().all(|&b| b == 0) {
                         if !numbers.is_empty() {
-                            pager.write_many(
+                            inflight::write_pages(
+                                &self.inner,
                                 &numbers,
                                 &data[run_start * PAGE_SIZE..i * PAGE_SIZE],
                             )?;
@@ -282,14 +283,14 @@ impl<T: Transport, D: Disk> Device<T, D> {
                     }
                 }
                 if !numbers.is_empty() {
-                    pager.write_many(&numbers, &data[run_start * PAGE_SIZE..])?;
+                    inflight::write_pages(&self.inner, &numbers, &data[run_start * PAGE_SIZE..])?;
                 }
             }
             if !zero_pages.is_empty() {
-                pager.discard_many(&zero_pages)?;
+                inflight::discard_pages(&self.inner, &zero_pages)?;
             }
             if fua {
-                pager.flush()?;
+                self.pager().flush()?;
             }
             Ok(())
         })();

@@ -23,13 +23,37 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         self.evict_over_budget()
     }
 
+    /// [`Pager::insert_clean`] for a read by ticket, whose taker must not wait: the evictions
+    /// it makes room with are deferred where they would wait.
+    pub(crate) fn insert_clean_without_waiting(
+        &mut self,
+        page: u64,
+        slot: u32,
+    ) -> Result<(), PagerError> {
+        self.dirty[slot as usize] = false;
+        self.cache.put(page, slot);
+        self.evict_without_waiting()
+    }
+
     /// Evicts least recently used pages while the cache is over budget, a batch at a time, so
     /// that dirty pages go out as pipelined PUTs.
     pub(crate) fn evict_over_budget(&mut self) -> Result<(), PagerError> {
+        self.evict(true)
+    }
+
+    /// [`Pager::evict_over_budget`] that never waits: it stops, leaving the cache over its
+    /// budget until a later call, at a dirty victim whose last write-back is still in flight
+    /// (versions land in order) or when no slot is left for sealing a stripe.
+    pub(crate) fn evict_without_waiting(&mut self) -> Result<(), PagerError> {
+        self.evict(false)
+    }
+
+    fn evict(&mut self, wait: bool) -> Result<(), PagerError> {
         // Pages the disk failed to write stay in memory on top of the budget: evicting others
         // for them would only push more pages at the failing disk.
         let budget = |p: &Self| p.cfg.cache_pages + p.rehomed.len();
         if self.cache.len() <= budget(self) {
+            self.evictions_deferred = 0;
             return Ok(());
         }
         let n = (self.cache.len() - budget(self))
@@ -40,9 +64,18 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             if evicted >= n && self.cache.len() <= budget(self) {
                 break;
             }
-            let Some((page, slot)) = self.cache.pop_lru() else {
+            let Some((&page, &slot)) = self.cache.peek_lru() else {
                 break;
             };
+            let blocked = self.dirty[slot as usize]
+                && (self.writeback.contains_key(&page)
+                    || self.free_slots.len() < self.scheme.seal_slots());
+            if !wait && blocked {
+                // Over the budget by as many pages as are left: a later call evicts them.
+                self.evictions_deferred = self.cache.len().saturating_sub(budget(self));
+                return Ok(());
+            }
+            self.cache.pop_lru();
             if self.dirty[slot as usize] {
                 self.counters.evictions_dirty += 1;
                 self.dirty[slot as usize] = false;
@@ -51,6 +84,9 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                 self.counters.evictions_clean += 1;
                 self.release_slot(slot);
             }
+        }
+        if self.cache.len() <= budget(self) {
+            self.evictions_deferred = 0;
         }
         Ok(())
     }

@@ -295,13 +295,16 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                 }
             }
         }
-        // Pages whose write the disk failed stay cached over the budget until written.
-        if self.cache.len() > self.cfg.cache_pages + self.rehomed.len() {
+        // Pages whose write the disk failed stay cached over the budget until written, and so
+        // do the pages an eviction that would have waited left for a later call.
+        if self.cache.len() > self.cfg.cache_pages + self.rehomed.len() + self.evictions_deferred {
             return Err(format!(
-                "{} pages cached, over the budget of {} and the {} the disk failed",
+                "{} pages cached, over the budget of {}, the {} the disk failed and the {} \
+                 whose eviction was deferred",
                 self.cache.len(),
                 self.cfg.cache_pages,
-                self.rehomed.len()
+                self.rehomed.len(),
+                self.evictions_deferred
             ));
         }
         if let Some(&page) = self

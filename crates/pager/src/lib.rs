@@ -193,6 +193,9 @@ pub struct Pager<T: Transport, D: Disk> {
     /// Pages kept in the cache, dirty, because the local disk failed to write them and no
     /// server holds their current version: the cache may exceed its budget by these.
     rehomed: BTreeSet<u64>,
+    /// Pages the cache may hold over its budget because an eviction that would have waited
+    /// was left for a later call (`evict_without_waiting`); zero once it is within budget.
+    evictions_deferred: usize,
     /// The local disk's last failed write, reported by the next `flush` (as fsync does).
     disk_failed: Option<std::io::Error>,
     /// GETs that failed on one copy, to be tried on another.
@@ -282,6 +285,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             migrate_cursor: 0,
             short: BTreeSet::new(),
             rehomed: BTreeSet::new(),
+            evictions_deferred: 0,
             disk_failed: None,
             retry: Vec::new(),
             fetched: Vec::new(),
@@ -561,6 +565,70 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             self.settle_writes()?;
             self.disk_outcome()
         }
+    }
+
+    /// Writes pages as [`Pager::write_many`] does, in order, as far as that needs no waiting,
+    /// and says how many it wrote (a prefix of `pages`): the event-driven form for a front end
+    /// that serves several callers and must not hold the pager across a round trip (the NBD
+    /// device). It stops before a page that needs a slot when none is free (counting those
+    /// that sealing a Reed-Solomon stripe may take), or when the staging slots' worth of
+    /// pages is in write-back already; the caller waits for replies
+    /// ([`Pager::reply_fds`], [`Pager::poll_from`]) and goes on with the rest. Evictions that
+    /// would wait (a victim whose last write-back is in flight) are left for a later call,
+    /// the cache over its budget meanwhile. Write-backs are queued and sent as the credits
+    /// allow ([`Pager::send_queued`] at the end), never waited for. Without a cache, pages
+    /// go to write-back one by one as [`Pager::try_write`] takes them.
+    pub fn try_write_many(&mut self, pages: &[u64], data: &[u8]) -> Result<usize, PagerError> {
+        if data.len() != pages.len() * PAGE_SIZE {
+            return Err(PagerError::BadBuffer {
+                got: data.len(),
+                pages: pages.len(),
+            });
+        }
+        pages.iter().try_for_each(|&p| self.check(p))?;
+        if self.cfg.cache_pages == 0 {
+            let mut written = 0;
+            for (pos, &page) in pages.iter().enumerate() {
+                if !self.try_write(page, &data[pos * PAGE_SIZE..(pos + 1) * PAGE_SIZE])? {
+                    break;
+                }
+                written += 1;
+            }
+            self.send_queued();
+            return Ok(written);
+        }
+        self.must_not_wait += 1;
+        let mut written = 0;
+        let mut result = Ok(());
+        for (pos, &page) in pages.iter().enumerate() {
+            let src = &data[pos * PAGE_SIZE..(pos + 1) * PAGE_SIZE];
+            // A new page in the cache evicts another: as `try_write`, the staging slots' worth
+            // of pages in write-back at most (under Reed-Solomon a sealed stripe's pages free
+            // their slots before they are acknowledged, so the free slots alone would not bound
+            // what is in flight).
+            let room = self.free_slots.len() > self.scheme.seal_slots()
+                && self.writeback.len() < self.staging;
+            let slot = match self.cache.get(&page).copied() {
+                Some(slot) => slot,
+                None if room => {
+                    let slot = self.free_slots.pop().expect("counted above");
+                    self.cache.put(page, slot);
+                    slot
+                }
+                None => break,
+            };
+            self.counters.writes += 1;
+            self.slot_mut(slot).copy_from_slice(src);
+            self.dirty[slot as usize] = true;
+            written += 1;
+            if let Err(e) = self.evict_without_waiting() {
+                result = Err(e);
+                break;
+            }
+        }
+        self.must_not_wait -= 1;
+        self.send_queued();
+        result.map(|()| written)
     }
 
     /// Writes `page` straight to write-back if that needs no waiting, and says whether it did:

@@ -1549,6 +1549,74 @@ mod migrate;
 mod seal;
 mod ticket;
 
+/// `try_write_many` (the NBD device's write) never waits: with every reply held back, it takes
+/// pages into the cache while it has slots, deferring the evictions that would wait (the
+/// cache over its budget, which `check_invariants` allows for), and stops, having written a
+/// prefix; rewriting pages in the cache or in write-back takes no slot; once replies come in,
+/// the rest goes, and every page reads back at its last write. Under every scheme.
+#[test]
+fn try_write_many_takes_what_it_has_room_for_and_never_waits() {
+    for scheme in ["none", "mirror:2", "rs:2+2", "parity:2"] {
+        let mut p = Pager::new(
+            PagerConfig {
+                pages: 800,
+                cache_pages: 16,
+                redundancy: scheme.parse().unwrap(),
+                ..sealed()
+            },
+            MemCluster::new(&[2000, 2000, 2000, 2000, 2000]),
+            MemDisk::default(),
+        );
+        for s in 0..5 {
+            p.transport_mut().servers[s].held = true;
+        }
+        let pages: Vec<u64> = (0..800).collect();
+        let data: Vec<u8> = pages.iter().flat_map(|&pg| content(pg, 1)).collect();
+        let mut done = p.try_write_many(&pages, &data).unwrap();
+        p.check_invariants().unwrap();
+        assert_eq!(p.counters().servers_dead, 0, "{scheme}: nothing waited");
+        assert!(
+            done > 16,
+            "{scheme}: more than the cache was taken ({done})"
+        );
+        assert!(
+            done < 800,
+            "{scheme}: the pager ran out of slots {:?}",
+            p.counters()
+        );
+        // Again at once: nothing has come back, so nothing more is taken.
+        let again = p.try_write_many(&pages[done..], &data[done * PAGE_SIZE..]);
+        assert_eq!(again.unwrap(), 0, "{scheme}: no slot came back");
+        // A page written already is rewritten in place (or next to its write-back).
+        let first = [pages[done - 1]];
+        let rewritten = p.try_write_many(&first, &content(first[0], 1)).unwrap();
+        assert_eq!(rewritten, 1, "{scheme}: a cached page needs no slot");
+        for s in 0..5 {
+            p.transport_mut().servers[s].held = false;
+        }
+        let mut rounds = 0;
+        while done < pages.len() {
+            rounds += 1;
+            assert!(rounds < 1000, "{scheme}: the rest never went");
+            p.poll().unwrap();
+            done += p
+                .try_write_many(&pages[done..], &data[done * PAGE_SIZE..])
+                .unwrap();
+            p.check_invariants().unwrap();
+        }
+        p.flush().unwrap();
+        p.check_invariants().unwrap();
+        assert_eq!(p.counters().servers_dead, 0, "{scheme}");
+        for page in 0..800u64 {
+            assert_eq!(
+                read(&mut p, page).unwrap(),
+                content(page, 1),
+                "{scheme}: page {page}"
+            );
+        }
+    }
+}
+
 /// `try_write` (the userfaultfd handler's eviction) never waits: with every reply held back
 /// (a wait would time out on them and fail the servers), it takes pages while it has room,
 /// then refuses without changing anything, as it does for a page whose last write-back is

@@ -170,6 +170,13 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         self.transport.flush();
     }
 
+    /// Whether requests wait in a server's queue for credits that only replies return: then a
+    /// loop that has not read replies for a while does well to take them in before it adds
+    /// more (`send_queued` sends what they allow).
+    pub fn sends_waiting(&self) -> bool {
+        self.queues.iter().any(|q| !q.is_empty())
+    }
+
     /// Whether anything is in flight whose reply a loop should wait for (see
     /// [`Pager::reply_fds`]).
     pub fn awaits_replies(&self) -> bool {
@@ -315,7 +322,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                         && e.version == done.version
                         && !self.writeback.contains_key(&done.page);
                     if self.cfg.cache_pages > 0 && current && !self.cache.contains(&done.page) {
-                        if let Err(e) = self.insert_clean(done.page, slot) {
+                        if let Err(e) = self.insert_clean_without_waiting(done.page, slot) {
                             result = Err(e);
                         }
                     } else {

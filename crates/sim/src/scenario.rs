@@ -99,8 +99,9 @@ pub struct Report {
     pub replies_polled: u64,
     /// Ticks of the clients' maintenance schedules (`Pager::on_tick`).
     pub ticks: u64,
-    /// Writes made page by page with `Pager::try_write` (falling back on `write` for a page
-    /// it did not take), as the userfaultfd handler evicts.
+    /// Writes made without waiting, with `Pager::try_write` page by page as the userfaultfd
+    /// handler evicts or with `Pager::try_write_many` as the NBD device writes (falling back on
+    /// `write` for a page they did not take).
     pub writes_without_waiting: u64,
     /// Reads by ticket (`Pager::start_read`) started, finished with a version they may see,
     /// and failed where the faults allowed it: several of one client in flight at once,
@@ -480,10 +481,17 @@ fn play(sc: &Scenario, at: &std::cell::Cell<u32>) -> Result<Report, Failure> {
                 }
                 report.writes += 1;
                 let result = if rng.u32(0..4) == 0 {
-                    // As the userfaultfd handler evicts: each page written if the pager takes
-                    // it without waiting, else the waiting way; sent together.
+                    // As the userfaultfd handler evicts (each page written if the pager takes
+                    // it without waiting, else the waiting way; sent together), or as the NBD
+                    // device writes (as many pages as the pager takes without waiting, the
+                    // cache over its budget meanwhile, then one the waiting way).
                     report.writes_without_waiting += 1;
-                    try_write_many(&mut cl.pager.borrow_mut(), &pages, &data)
+                    try_write_many(
+                        &mut cl.pager.borrow_mut(),
+                        &pages,
+                        &data,
+                        tag.is_multiple_of(2),
+                    )
                 } else {
                     cl.pager.borrow_mut().write_many(&pages, &data)
                 };
@@ -971,12 +979,25 @@ fn inject_faults(w: &mut World, sc: &Scenario, crash_chance: f64) {
 }
 
 /// Writes `pages` one by one with [`Pager::try_write`], the pages it refuses with
-/// [`Pager::write`], then sends what was queued.
+/// [`Pager::write`], then sends what was queued; or, `batched`, with
+/// [`Pager::try_write_many`], a page it stops at with [`Pager::write`].
 fn try_write_many<T: netram_pager::Transport, D: netram_pager::Disk>(
     pager: &mut Pager<T, D>,
     pages: &[u64],
     data: &[u8],
+    batched: bool,
 ) -> Result<(), PagerError> {
+    if batched {
+        let mut done = 0;
+        while done < pages.len() {
+            done += pager.try_write_many(&pages[done..], &data[done * PAGE_SIZE..])?;
+            if done < pages.len() {
+                pager.write(pages[done], &data[done * PAGE_SIZE..(done + 1) * PAGE_SIZE])?;
+                done += 1;
+            }
+        }
+        return Ok(());
+    }
     for (i, &p) in pages.iter().enumerate() {
         let page = &data[i * PAGE_SIZE..(i + 1) * PAGE_SIZE];
         if !pager.try_write(p, page)? {

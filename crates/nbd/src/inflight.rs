@@ -1,6 +1,6 @@
-//! Reads of several connections in flight together, none holding the pager across a round
-//! trip (Anemone §2.2: each request is served as its own, and the pipeline, not a lock held
-//! per request, hides the round trips).
+//! The device's reads and writes of several connections in flight together, none holding
+//! the pager across a round trip (Anemone §2.2: each request is served as its own, and the
+//! pipeline, not a lock held per request, hides the round trips).
 //!
 //! A read takes the pager's lock, copies out what needs no I/O (cache and write-back hits,
 //! pages never written), starts reads by ticket for the misses (`netram_pager`'s `ticket.rs`)
@@ -9,8 +9,15 @@
 //! copies each finished page into the buffer of the read it belongs to (its ticket's tag
 //! names the read and the page's place in it). So a read of a cached page on one connection
 //! never waits for another connection's round trip, and the misses of all connections travel
-//! in the same batches. Writes, FLUSH, TRIM and read-modify-write of partial pages still run
-//! under the lock until they are done (`device.rs`).
+//! in the same batches.
+//!
+//! Writes of whole pages go into the pager's cache under the lock, the pages they evict
+//! queued for write-back and sent as credits allow, nothing waited for
+//! (`Pager::try_write_many`); only when no slot is free does a write let the lock go and wait
+//! for acknowledgements the same way. Discards wait so for a page's write-back in flight.
+//! FLUSH (and FUA), TRIM's steps, CACHE and the read-modify-write of partial pages still run
+//! under the lock until they are done (`device.rs`): a partial page's read and its write
+//! must not let another connection's write of the same page in between.
 
 use netram_pager::{Disk, Pager, PagerError, Transport};
 use netram_proto::PAGE_SIZE;
@@ -193,36 +200,170 @@ fn wait<T: Transport, D: Disk>(lock: &Mutex<Inner<T, D>>, id: u64) -> Result<(),
                 continue;
             }
         }
-        let mut polled: Vec<PollFd<'_>> = fds
-            .iter()
-            .map(|&(_, fd)| {
-                // SAFETY: a connection of the pager's transport, only looked at by poll. One
-                // closed or reused meanwhile (a reconnection by another holder of the lock) is
-                // at worst a spurious wake-up: the replies are read through the pager, under
-                // the lock, by its current connections.
-                PollFd::from_borrowed_fd(unsafe { BorrowedFd::borrow_raw(fd) }, PollFlags::IN)
-            })
-            .collect();
-        let nap = Timespec {
-            tv_sec: 0,
-            tv_nsec: NAP.as_nanos() as i64,
-        };
-        match poll(&mut polled, Some(&nap)) {
-            Ok(0) => {
-                // Nothing readable for a while: a reply may wait in a connection's buffer,
-                // read off the socket with another by a holder of the lock that waited for
-                // one only (a write waiting for a slot). Every connection is looked at.
-                readable.extend(fds.iter().map(|&(s, _)| s));
-            }
-            Ok(_) => readable.extend(
-                polled
-                    .iter()
-                    .zip(&fds)
-                    .filter(|(p, _)| !p.revents().is_empty())
-                    .map(|(_, &(s, _))| s),
-            ),
-            Err(rustix::io::Errno::INTR) => {}
-            Err(e) => tracing::debug!("poll while reading: {e}"),
+        nap(&fds, &mut readable);
+    }
+}
+
+/// What `poll` waits on for the connections in `fds`.
+fn poll_fds(fds: &[(usize, RawFd)]) -> Vec<PollFd<'static>> {
+    fds.iter()
+        .map(|&(_, fd)| {
+            // SAFETY: a connection of the pager's transport, only looked at by poll. One closed
+            // or reused meanwhile (a reconnection by another holder of the lock, when the lock
+            // is not held) is at worst a spurious wake-up: the replies are read through the
+            // pager, under the lock, by its current connections.
+            PollFd::from_borrowed_fd(unsafe { BorrowedFd::borrow_raw(fd) }, PollFlags::IN)
+        })
+        .collect()
+}
+
+/// Sleeps until a connection in `fds` (with its server) is readable or [`NAP`] has passed,
+/// and adds the servers to read to `readable`.
+fn nap(fds: &[(usize, RawFd)], readable: &mut Vec<usize>) {
+    let mut polled = poll_fds(fds);
+    let nap = Timespec {
+        tv_sec: 0,
+        tv_nsec: NAP.as_nanos() as i64,
+    };
+    match poll(&mut polled, Some(&nap)) {
+        Ok(0) => {
+            // Nothing readable for a while: a reply may wait in a connection's buffer, read
+            // off the socket with another by a holder of the lock that waited for one only (a
+            // partial page's read-modify-write, a FLUSH). Every connection is looked at.
+            readable.extend(fds.iter().map(|&(s, _)| s));
         }
+        Ok(_) => readable.extend(
+            polled
+                .iter()
+                .zip(fds)
+                .filter(|(p, _)| !p.revents().is_empty())
+                .map(|(_, &(s, _))| s),
+        ),
+        Err(rustix::io::Errno::INTR) => {}
+        Err(e) => tracing::debug!("poll while waiting for replies: {e}"),
+    }
+}
+
+/// Takes in, without waiting, the replies that have come: the credits and slots they return
+/// let a write go on. One `poll` on the connections with requests in flight, then a read of
+/// each readable one.
+fn take_in<T: Transport, D: Disk>(pager: &mut Pager<T, D>) {
+    let mut fds = Vec::new();
+    pager.reply_fds_by_server(&mut fds);
+    if fds.is_empty() {
+        return;
+    }
+    let mut polled = poll_fds(&fds);
+    let zero = Timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    if !matches!(poll(&mut polled, Some(&zero)), Ok(n) if n > 0) {
+        return;
+    }
+    let readable: Vec<usize> = polled
+        .iter()
+        .zip(&fds)
+        .filter(|(p, _)| !p.revents().is_empty())
+        .map(|(_, &(s, _))| s)
+        .collect();
+    if let Err(e) = pager.poll_from(readable) {
+        tracing::debug!("while taking in replies: {e}");
+    }
+}
+
+/// Writes `pages` from `data` (PAGE_SIZE bytes each), in order, through the pager behind
+/// `lock`, holding the lock only while the pager takes them (`Pager::try_write_many`: into
+/// the cache, evicted pages queued for write-back, nothing waited for). When the pager has no
+/// slot free, the lock is let go while replies come in.
+pub(crate) fn write_pages<T: Transport, D: Disk>(
+    lock: &Mutex<Inner<T, D>>,
+    pages: &[u64],
+    data: &[u8],
+) -> Result<(), PagerError> {
+    let mut done = 0;
+    let mut fds: Vec<(usize, RawFd)> = Vec::new();
+    let mut readable: Vec<usize> = Vec::new();
+    let mut progress = Instant::now();
+    let mut first = true;
+    loop {
+        {
+            let mut inner = guard(lock);
+            if std::mem::take(&mut first) {
+                // Acknowledgements that came since the last operation return credits, so
+                // that write-backs queued behind them go now (none queued: they wait until
+                // a write runs out of slots, one `poll` a write saved).
+                if inner.pager.sends_waiting() {
+                    take_in(&mut inner.pager);
+                }
+            } else if let Err(e) = inner.pager.poll_from(readable.drain(..)) {
+                tracing::debug!("while writing: {e}");
+            }
+            let n = inner
+                .pager
+                .try_write_many(&pages[done..], &data[done * PAGE_SIZE..])?;
+            done += n;
+            if done == pages.len() {
+                return Ok(());
+            }
+            if n > 0 {
+                progress = Instant::now();
+            }
+            fds.clear();
+            inner.pager.reply_fds_by_server(&mut fds);
+            // Nothing in flight could free a slot (a victim's page waits in a stripe or group
+            // not sealed yet), or nothing has come for long: the next page is written the
+            // waiting way, as every write was before.
+            if fds.is_empty() || progress.elapsed() > STALLED {
+                let at = done * PAGE_SIZE;
+                inner
+                    .pager
+                    .write_many(&pages[done..done + 1], &data[at..at + PAGE_SIZE])?;
+                done += 1;
+                progress = Instant::now();
+                continue;
+            }
+        }
+        nap(&fds, &mut readable);
+    }
+}
+
+/// Discards `pages` (see `Pager::discard_many`) through the pager behind `lock`, letting the
+/// lock go while a page's last write-back, which a discard must not overtake, is in flight.
+pub(crate) fn discard_pages<T: Transport, D: Disk>(
+    lock: &Mutex<Inner<T, D>>,
+    pages: &[u64],
+) -> Result<(), PagerError> {
+    let mut done = 0;
+    let mut fds: Vec<(usize, RawFd)> = Vec::new();
+    let mut readable: Vec<usize> = Vec::new();
+    let mut progress = Instant::now();
+    loop {
+        {
+            let mut inner = guard(lock);
+            if let Err(e) = inner.pager.poll_from(readable.drain(..)) {
+                tracing::debug!("while discarding: {e}");
+            }
+            let before = done;
+            while done < pages.len() && inner.pager.try_discard(pages[done])? {
+                done += 1;
+            }
+            inner.pager.send_queued();
+            if done == pages.len() {
+                return Ok(());
+            }
+            if done > before {
+                progress = Instant::now();
+            }
+            fds.clear();
+            inner.pager.reply_fds_by_server(&mut fds);
+            if fds.is_empty() || progress.elapsed() > STALLED {
+                inner.pager.discard_many(&pages[done..done + 1])?;
+                done += 1;
+                progress = Instant::now();
+                continue;
+            }
+        }
+        nap(&fds, &mut readable);
     }
 }
