@@ -55,13 +55,20 @@ pub struct Options {
 const SWAP_PRIORITY: &str = "32000";
 const FIO_DEVICE: &str = "256M";
 /// The fio jobs of the report, as keyed in `fio.<target>`.
-const FIO_JOBS: [&str; 5] = [
+const FIO_JOBS: [&str; 7] = [
     "randread_qd1",
     "randread_qd32",
     "randwrite_qd1",
     "randwrite_qd32",
     MIXED_JOB,
+    "randread_4x_qd8",
+    "randwrite_4x_qd8",
 ];
+
+/// Connections of the multi-connection jobs (`_4x_`): four clients of one device at once, as a
+/// multi-conn NBD client or several programs use it, each at depth 8. What issue 38's reads
+/// and writes that do not hold the device across a round trip are for.
+const CONNECTIONS: u32 = 4;
 
 /// Random writes of mixed sizes, 4 to 64 KiB, at depth 32, then every block read back and
 /// checked by fio (a crc32c in each block): what a file system or database on the device
@@ -234,9 +241,15 @@ fn start_nbdkit(socket: &Path, size: &str) -> anyhow::Result<ChildGuard> {
     Ok(g)
 }
 
-/// One fio job: `rw` of 4 KiB blocks at `depth` for `seconds`, or [`MIXED_JOB`] (`rw` of
-/// `None`).
-fn fio_job(uri: &str, rw: Option<&str>, depth: u32, seconds: u64) -> anyhow::Result<FioFigure> {
+/// One fio job: `rw` of 4 KiB blocks at `depth` on each of `connections` connections for
+/// `seconds` (their figures reported as one), or [`MIXED_JOB`] (`rw` of `None`).
+fn fio_job(
+    uri: &str,
+    rw: Option<&str>,
+    depth: u32,
+    connections: u32,
+    seconds: u64,
+) -> anyhow::Result<FioFigure> {
     let mut args = vec![
         "--name=bench".to_string(),
         "--ioengine=nbd".into(),
@@ -247,6 +260,13 @@ fn fio_job(uri: &str, rw: Option<&str>, depth: u32, seconds: u64) -> anyhow::Res
         "--randrepeat=0".into(),
         "--output-format=json".into(),
     ];
+    if connections > 1 {
+        // One connection per fio job (libnbd's), their figures summed into the first.
+        args.extend([
+            format!("--numjobs={connections}"),
+            "--group_reporting".into(),
+        ]);
+    }
     match rw {
         Some(rw) => args.extend([
             format!("--rw={rw}"),
@@ -350,15 +370,22 @@ fn fio_matrix(
     }
     let mut samples: BTreeMap<(&'static str, String), Vec<FioFigure>> = BTreeMap::new();
     let jobs = [
-        (Some("randread"), 1),
-        (Some("randread"), 32),
-        (Some("randwrite"), 1),
-        (Some("randwrite"), 32),
-        (None, 32),
+        (Some("randread"), 1, 1),
+        (Some("randread"), 32, 1),
+        (Some("randwrite"), 1, 1),
+        (Some("randwrite"), 32, 1),
+        (None, 32, 1),
+        (Some("randread"), 8, CONNECTIONS),
+        (Some("randwrite"), 8, CONNECTIONS),
     ];
     for round in 0..rounds {
-        for (rw, depth) in jobs {
-            let key = rw.map_or(MIXED_JOB.to_string(), |rw| format!("{rw}_qd{depth}"));
+        for (rw, depth, connections) in jobs {
+            let key = match rw {
+                None => MIXED_JOB.to_string(),
+                Some(rw) if connections > 1 => format!("{rw}_{connections}x_qd{depth}"),
+                Some(rw) => format!("{rw}_qd{depth}"),
+            };
+            debug_assert!(FIO_JOBS.contains(&key.as_str()), "{key} in the report");
             let mut order = targets.clone();
             if round % 2 == 1 {
                 order.reverse();
@@ -367,7 +394,7 @@ fn fio_matrix(
                 eprintln!("fio: round {round}, {name} {key} ...");
                 let (device, servers) = &pids[name];
                 let (d0, s0) = (cpu_of(&[*device]), cpu_of(servers));
-                let mut f = fio_job(uri, rw, depth, seconds)?;
+                let mut f = fio_job(uri, rw, depth, connections, seconds)?;
                 f.device_cpu_us_per_io = (cpu_of(&[*device]) - d0) * 1e6 / f.ios;
                 if !servers.is_empty() {
                     f.servers_cpu_us_per_io = Some((cpu_of(servers) - s0) * 1e6 / f.ios);
@@ -932,7 +959,11 @@ fn markdown(r: &Value, targets: &[Target], skipped: &[String], plotted: bool) ->
                 g(np, "p50_us"),
             );
         }
-        let _ = writeln!(s);
+        let _ = writeln!(
+            s,
+            "\n`_{CONNECTIONS}x_qd8`: {CONNECTIONS} connections at once, each at depth 8 (fio's \
+             `numjobs`, one libnbd connection each); IOPS and latencies of all of them.\n"
+        );
         let mixed = |t: &str, f: &str| fio[t][MIXED_JOB][f].as_f64().unwrap_or(f64::NAN);
         let _ = writeln!(
             s,
