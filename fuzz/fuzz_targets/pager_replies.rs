@@ -100,6 +100,9 @@ enum Act {
     },
     /// The finished reads by ticket taken and checked.
     Take,
+    /// A step of a flush that never waits (`Pager::try_flush`, the NBD device's FLUSH), the
+    /// flush left in progress across what follows until it says it is done.
+    TryFlush,
 }
 
 struct Server {
@@ -349,6 +352,7 @@ fuzz_target!(|input: Input| {
     // (or its write failed) meanwhile, which excuses a failure.
     let mut tickets: HashMap<u64, (u64, Vec<Vec<u8>>, bool)> = HashMap::new();
     let mut next_ticket = 0u64;
+    let mut flushing = None;
     let changed = |tickets: &mut HashMap<u64, (u64, Vec<Vec<u8>>, bool)>,
                    page: u64,
                    to: Option<Vec<u8>>| {
@@ -445,6 +449,15 @@ fuzz_target!(|input: Input| {
             }
             Act::Flush => {
                 let _ = pager.flush();
+            }
+            Act::TryFlush => {
+                let flush = flushing.get_or_insert_with(|| pager.start_flush());
+                if !matches!(pager.try_flush(flush), Ok(false)) {
+                    flushing = None;
+                }
+                pager
+                    .check_invariants()
+                    .expect("invariants after a step of a flush");
             }
             Act::Recover => {
                 let _ = pager.recover(16);

@@ -400,38 +400,12 @@ fn bad_requests_get_nbd_errors_and_other_clients_are_served() {
 /// done: here, until the server was let go on). The first read then gets its page.
 #[test]
 fn a_read_from_a_stalled_server_does_not_hold_up_another_connections_read() {
-    let server = ServerProcess::start(&["--capacity", "64M"]);
-    let nbd = NbdProcess::start(std::slice::from_ref(&server), "16M", &["--cache", "1M"]);
-    let mut a = RawClient::connect(&nbd.socket);
-    a.go();
-    // 4 MiB written: the first pages end up on the server only, the last 1 MiB cached too.
-    let data: Vec<u8> = (0..4u32 << 20).map(|i| (i % 253) as u8).collect();
-    for (i, chunk) in data.chunks(1 << 20).enumerate() {
-        a.request(0, 1, i as u64, (i as u64) << 20, 1 << 20, chunk);
-        assert_eq!(a.simple_reply(0).1, 0, "write {i}");
-    }
-    a.request(0, 3, 9, 0, 0, &[]);
-    assert_eq!(a.simple_reply(0).1, 0, "FLUSH");
-    let mut b = RawClient::connect(&nbd.socket);
-    b.go();
-
-    server.signal(libc::SIGSTOP);
-    struct Resume<'a>(&'a ServerProcess);
-    impl Drop for Resume<'_> {
-        fn drop(&mut self) {
-            self.0.signal(libc::SIGCONT);
-        }
-    }
-    let resume = Resume(&server);
+    let (server, _nbd, mut a, mut b, data) = two_connections_over_one_server();
+    let resume = Stopped::stop(&server);
     a.request(0, 0, 10, 0, 4096, &[]);
     std::thread::sleep(std::time::Duration::from_millis(300));
-    let started = std::time::Instant::now();
     let last = (4 << 20) - 4096;
-    b.request(0, 0, 11, last, 4096, &[]);
-    let (cookie, err, got) = b.simple_reply(4096);
-    let waited = started.elapsed();
-    assert_eq!((cookie, err), (11, 0));
-    assert!(got[..] == data[last as usize..], "the cached page");
+    let waited = read_is_answered(&mut b, last, &data[last as usize..]);
     assert!(
         waited < std::time::Duration::from_secs(2),
         "a cached page's read waited {waited:?} for another connection's stalled read"
@@ -444,6 +418,87 @@ fn a_read_from_a_stalled_server_does_not_hold_up_another_connections_read() {
         "the stalled read, once its server goes on"
     );
     assert!(got[..] == data[..4096]);
+}
+
+/// The same for a FLUSH: one connection flushes dirty pages while their server is stopped;
+/// another connection's read of a cached page is answered meanwhile (before, the FLUSH held
+/// the device until its write-backs were acknowledged). The FLUSH succeeds once the server
+/// goes on, and the pages it wrote back read back.
+#[test]
+fn a_flush_waiting_for_a_stalled_server_does_not_hold_up_another_connections_read() {
+    let (server, _nbd, mut a, mut b, mut data) = two_connections_over_one_server();
+    // The last 256 KiB again, other bytes: cached and dirty.
+    let at = (4 << 20) - (256 << 10);
+    for (i, byte) in data[at..].iter_mut().enumerate() {
+        *byte = (i % 251) as u8 ^ 0x5a;
+    }
+    a.request(0, 1, 12, at as u64, 256 << 10, &data[at..]);
+    assert_eq!(a.simple_reply(0).1, 0, "the write");
+    let resume = Stopped::stop(&server);
+    a.request(0, 3, 13, 0, 0, &[]);
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    let last = (4 << 20) - 4096;
+    let waited = read_is_answered(&mut b, last, &data[last as usize..]);
+    assert!(
+        waited < std::time::Duration::from_secs(2),
+        "a cached page's read waited {waited:?} for another connection's FLUSH"
+    );
+    drop(resume);
+    let (cookie, err, _) = a.simple_reply(0);
+    assert_eq!((cookie, err), (13, 0), "the FLUSH, once its server goes on");
+    b.request(0, 0, 14, at as u64, 256 << 10, &[]);
+    let (cookie, err, got) = b.simple_reply(256 << 10);
+    assert_eq!((cookie, err), (14, 0));
+    assert!(got[..] == data[at..], "the flushed pages read back");
+}
+
+/// A device with a 1 MiB cache over one server, 4 MiB written through connection `a` and
+/// flushed (the first pages on the server only, the last 1 MiB cached too), and a second
+/// connection `b`; with what was written.
+fn two_connections_over_one_server() -> (ServerProcess, NbdProcess, RawClient, RawClient, Vec<u8>) {
+    let server = ServerProcess::start(&["--capacity", "64M"]);
+    let nbd = NbdProcess::start(std::slice::from_ref(&server), "16M", &["--cache", "1M"]);
+    let mut a = RawClient::connect(&nbd.socket);
+    a.go();
+    let data: Vec<u8> = (0..4u32 << 20).map(|i| (i % 253) as u8).collect();
+    for (i, chunk) in data.chunks(1 << 20).enumerate() {
+        a.request(0, 1, i as u64, (i as u64) << 20, 1 << 20, chunk);
+        assert_eq!(a.simple_reply(0).1, 0, "write {i}");
+    }
+    a.request(0, 3, 9, 0, 0, &[]);
+    assert_eq!(a.simple_reply(0).1, 0, "FLUSH");
+    let mut b = RawClient::connect(&nbd.socket);
+    b.go();
+    (server, nbd, a, b, data)
+}
+
+/// A server stopped (SIGSTOP: its socket open, no answer) until this is dropped, also when a
+/// test fails.
+struct Stopped<'a>(&'a ServerProcess);
+
+impl<'a> Stopped<'a> {
+    fn stop(server: &'a ServerProcess) -> Self {
+        server.signal(libc::SIGSTOP);
+        Self(server)
+    }
+}
+
+impl Drop for Stopped<'_> {
+    fn drop(&mut self) {
+        self.0.signal(libc::SIGCONT);
+    }
+}
+
+/// Reads the page at `offset` through `client`, checks it is `want`, and says how long the
+/// answer took.
+fn read_is_answered(client: &mut RawClient, offset: u64, want: &[u8]) -> std::time::Duration {
+    let started = std::time::Instant::now();
+    client.request(0, 0, 11, offset, 4096, &[]);
+    let (cookie, err, got) = client.simple_reply(4096);
+    let waited = started.elapsed();
+    assert_eq!((cookie, err), (11, 0));
+    assert!(got[..] == want[..4096], "the cached page");
+    waited
 }
 
 /// `netram nbd --fuse`: the device as a file. Unaligned writes read back; a punched hole reads

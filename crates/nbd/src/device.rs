@@ -8,9 +8,9 @@
 //! all-zero page is stored as nothing at all rather than as 4 KiB.
 //!
 //! One pager serves every connection, behind one mutex: a FLUSH on any connection writes back
-//! the whole cache, which is what makes NBD multi-conn safe here. Reads and writes of whole
-//! pages do not hold it across a round trip (`inflight.rs`); FLUSH, TRIM and partial pages'
-//! read-modify-write still do, until they are done.
+//! the whole cache, which is what makes NBD multi-conn safe here. Reads, writes of whole
+//! pages, TRIM, CACHE and FLUSH do not hold it across a round trip (`inflight.rs`); a partial
+//! page's read-modify-write does, but its page is read into the cache by ticket first.
 
 use crate::inflight::{self, Inner};
 use netram_pager::{Disk, Pager, PagerError, Transport};
@@ -178,6 +178,7 @@ impl<T: Transport, D: Disk> Device<T, D> {
         if let Some(result) = self.put_whole_pages(writes, fua) {
             return result;
         }
+        self.bring_in_partial_pages(writes)?;
         let mut pager = self.pager();
         // page -> its new content; None: all zeros, so the page is discarded, not stored.
         let mut staged: BTreeMap<u64, Option<Vec<u8>>> = BTreeMap::new();
@@ -231,9 +232,43 @@ impl<T: Transport, D: Disk> Device<T, D> {
         if !zero_pages.is_empty() {
             pager.discard_many(&zero_pages)?;
         }
+        drop(pager);
         if fua {
-            pager.flush()?;
+            self.flush()?;
         }
+        Ok(())
+    }
+
+    /// Reads the partial pages of `writes` into the pager's cache by ticket, without holding
+    /// the device across the round trip, so that their read-modify-write under the lock finds
+    /// them there (unless evicted meanwhile: then it reads them again, waiting). Pages a
+    /// whole-page write of the same batch covers are not read at all. Nothing to do without
+    /// a cache.
+    fn bring_in_partial_pages(
+        &self,
+        writes: &[(u64, u64, Option<&[u8]>)],
+    ) -> Result<(), DeviceError> {
+        if self.pager().config().cache_pages == 0 {
+            return Ok(());
+        }
+        let mut whole = std::collections::HashSet::new();
+        let mut partial = Vec::new();
+        for &(offset, len, _) in writes {
+            for (p, start, stop) in pages_of(offset, len) {
+                if stop - start == PAGE_SIZE {
+                    whole.insert(p);
+                } else if !whole.contains(&p) {
+                    partial.push(p);
+                }
+            }
+        }
+        partial.sort_unstable();
+        partial.dedup();
+        if partial.is_empty() {
+            return Ok(());
+        }
+        let mut scratch = Vec::new();
+        inflight::read_pages(&self.inner, &partial, &mut scratch)?;
         Ok(())
     }
 
@@ -290,7 +325,7 @@ impl<T: Transport, D: Disk> Device<T, D> {
                 inflight::discard_pages(&self.inner, &zero_pages)?;
             }
             if fua {
-                self.pager().flush()?;
+                inflight::flush(&self.inner)?;
             }
             Ok(())
         })();
@@ -330,25 +365,25 @@ impl<T: Transport, D: Disk> Device<T, D> {
                 .filter(|&(_, start, stop)| stop - start == PAGE_SIZE)
                 .map(|(p, _, _)| p)
                 .collect();
-            self.pager().discard_many(&whole)?;
+            inflight::discard_pages(&self.inner, &whole)?;
         }
         Ok(())
     }
 
-    /// Writes every dirty cached page to its backing.
+    /// Writes every page dirty in the cache now to its backing and waits until all are
+    /// acknowledged, without holding the device across the round trips (`inflight::flush`).
     pub fn flush(&self) -> Result<(), DeviceError> {
-        self.pager().flush()?;
+        inflight::flush(&self.inner)?;
         Ok(())
     }
 
-    /// Brings the range into the pager's cache (NBD_CMD_CACHE), [`STEP_BYTES`] at a time.
+    /// Brings the range into the pager's cache (NBD_CMD_CACHE), [`STEP_BYTES`] at a time, by
+    /// reads by ticket that do not hold the device across their round trips.
     pub fn cache(&self, offset: u64, len: u64) -> Result<(), DeviceError> {
-        let mut buf = vec![0u8; PAGE_SIZE];
+        let mut scratch = Vec::new();
         for (o, l) in steps(offset, len) {
-            let mut pager = self.pager();
-            for (p, _, _) in pages_of(o, l) {
-                pager.read(p, &mut buf)?;
-            }
+            let pages: Vec<u64> = pages_of(o, l).map(|(p, _, _)| p).collect();
+            inflight::read_pages(&self.inner, &pages, &mut scratch)?;
         }
         Ok(())
     }

@@ -14,10 +14,13 @@
 //! Writes of whole pages go into the pager's cache under the lock, the pages they evict
 //! queued for write-back and sent as credits allow, nothing waited for
 //! (`Pager::try_write_many`); only when no slot is free does a write let the lock go and wait
-//! for acknowledgements the same way. Discards wait so for a page's write-back in flight.
-//! FLUSH (and FUA), TRIM's steps, CACHE and the read-modify-write of partial pages still run
-//! under the lock until they are done (`device.rs`): a partial page's read and its write
-//! must not let another connection's write of the same page in between.
+//! for acknowledgements the same way. Discards (TRIM, pages written all zeros) wait so for a
+//! page's write-back in flight. A FLUSH (and FUA) writes back the pages dirty when it came
+//! as slots allow and waits for their acknowledgements without the lock
+//! (`Pager::try_flush`); only the last step, `Pager::flush`, sealing what is open, runs under
+//! it. A partial page's read and its write must not let another connection's write of the
+//! same page in between, so that read-modify-write runs under the lock (`device.rs`); its
+//! pages are read by ticket into the cache first, so it seldom waits there.
 
 use netram_pager::{Disk, Pager, PagerError, Transport};
 use netram_proto::PAGE_SIZE;
@@ -272,6 +275,61 @@ fn take_in<T: Transport, D: Disk>(pager: &mut Pager<T, D>) {
     }
 }
 
+/// What one step of an operation under the lock came to.
+enum Step {
+    Done,
+    /// Some of it is done; the rest waits for replies.
+    Progress,
+    /// Nothing could be done before replies come in.
+    Waiting,
+}
+
+/// Runs an operation on the pager behind `lock` in steps, each under the lock and none
+/// waiting (`step(pager, false)`), letting the lock go between them while replies come in.
+/// When nothing is in flight that could let it go on (a victim's page waits in a stripe or
+/// group not sealed yet), or nothing has moved for [`STALLED`], one step is done the waiting
+/// way instead (`step(pager, true)`), as every operation was before.
+fn drive<T: Transport, D: Disk>(
+    lock: &Mutex<Inner<T, D>>,
+    what: &str,
+    mut step: impl FnMut(&mut Pager<T, D>, bool) -> Result<Step, PagerError>,
+) -> Result<(), PagerError> {
+    let mut fds: Vec<(usize, RawFd)> = Vec::new();
+    let mut readable: Vec<usize> = Vec::new();
+    let mut progress = Instant::now();
+    let mut first = true;
+    loop {
+        {
+            let mut inner = guard(lock);
+            if std::mem::take(&mut first) {
+                // Acknowledgements that came since the last operation return credits, so
+                // that requests queued behind them go now (none queued: they wait until an
+                // operation runs out of room, one `poll` each saved).
+                if inner.pager.sends_waiting() {
+                    take_in(&mut inner.pager);
+                }
+            } else if let Err(e) = inner.pager.poll_from(readable.drain(..)) {
+                tracing::debug!("while {what}: {e}");
+            }
+            match step(&mut inner.pager, false)? {
+                Step::Done => return Ok(()),
+                Step::Progress => progress = Instant::now(),
+                Step::Waiting => {}
+            }
+            fds.clear();
+            inner.pager.reply_fds_by_server(&mut fds);
+            if fds.is_empty() || progress.elapsed() > STALLED {
+                if let Step::Done = step(&mut inner.pager, true)? {
+                    return Ok(());
+                }
+                progress = Instant::now();
+                continue;
+            }
+        }
+        nap(&fds, &mut readable);
+    }
+}
+
 /// Writes `pages` from `data` (PAGE_SIZE bytes each), in order, through the pager behind
 /// `lock`, holding the lock only while the pager takes them (`Pager::try_write_many`: into
 /// the cache, evicted pages queued for write-back, nothing waited for). When the pager has no
@@ -282,50 +340,17 @@ pub(crate) fn write_pages<T: Transport, D: Disk>(
     data: &[u8],
 ) -> Result<(), PagerError> {
     let mut done = 0;
-    let mut fds: Vec<(usize, RawFd)> = Vec::new();
-    let mut readable: Vec<usize> = Vec::new();
-    let mut progress = Instant::now();
-    let mut first = true;
-    loop {
-        {
-            let mut inner = guard(lock);
-            if std::mem::take(&mut first) {
-                // Acknowledgements that came since the last operation return credits, so
-                // that write-backs queued behind them go now (none queued: they wait until
-                // a write runs out of slots, one `poll` a write saved).
-                if inner.pager.sends_waiting() {
-                    take_in(&mut inner.pager);
-                }
-            } else if let Err(e) = inner.pager.poll_from(readable.drain(..)) {
-                tracing::debug!("while writing: {e}");
-            }
-            let n = inner
-                .pager
-                .try_write_many(&pages[done..], &data[done * PAGE_SIZE..])?;
-            done += n;
-            if done == pages.len() {
-                return Ok(());
-            }
-            if n > 0 {
-                progress = Instant::now();
-            }
-            fds.clear();
-            inner.pager.reply_fds_by_server(&mut fds);
-            // Nothing in flight could free a slot (a victim's page waits in a stripe or group
-            // not sealed yet), or nothing has come for long: the next page is written the
-            // waiting way, as every write was before.
-            if fds.is_empty() || progress.elapsed() > STALLED {
-                let at = done * PAGE_SIZE;
-                inner
-                    .pager
-                    .write_many(&pages[done..done + 1], &data[at..at + PAGE_SIZE])?;
-                done += 1;
-                progress = Instant::now();
-                continue;
-            }
-        }
-        nap(&fds, &mut readable);
-    }
+    drive(lock, "writing", |pager, wait| {
+        let n = if wait {
+            let at = done * PAGE_SIZE;
+            pager.write_many(&pages[done..done + 1], &data[at..at + PAGE_SIZE])?;
+            1
+        } else {
+            pager.try_write_many(&pages[done..], &data[done * PAGE_SIZE..])?
+        };
+        done += n;
+        Ok(progressed(done == pages.len(), n > 0))
+    })
 }
 
 /// Discards `pages` (see `Pager::discard_many`) through the pager behind `lock`, letting the
@@ -335,35 +360,39 @@ pub(crate) fn discard_pages<T: Transport, D: Disk>(
     pages: &[u64],
 ) -> Result<(), PagerError> {
     let mut done = 0;
-    let mut fds: Vec<(usize, RawFd)> = Vec::new();
-    let mut readable: Vec<usize> = Vec::new();
-    let mut progress = Instant::now();
-    loop {
-        {
-            let mut inner = guard(lock);
-            if let Err(e) = inner.pager.poll_from(readable.drain(..)) {
-                tracing::debug!("while discarding: {e}");
-            }
-            let before = done;
-            while done < pages.len() && inner.pager.try_discard(pages[done])? {
-                done += 1;
-            }
-            inner.pager.send_queued();
-            if done == pages.len() {
-                return Ok(());
-            }
-            if done > before {
-                progress = Instant::now();
-            }
-            fds.clear();
-            inner.pager.reply_fds_by_server(&mut fds);
-            if fds.is_empty() || progress.elapsed() > STALLED {
-                inner.pager.discard_many(&pages[done..done + 1])?;
-                done += 1;
-                progress = Instant::now();
-                continue;
-            }
+    drive(lock, "discarding", |pager, wait| {
+        let before = done;
+        if wait {
+            pager.discard_many(&pages[done..done + 1])?;
+            done += 1;
         }
-        nap(&fds, &mut readable);
+        while done < pages.len() && pager.try_discard(pages[done])? {
+            done += 1;
+        }
+        pager.send_queued();
+        Ok(progressed(done == pages.len(), done > before))
+    })
+}
+
+/// Writes back every page dirty in the pager's cache now and waits for their
+/// acknowledgements, without the lock (`Pager::try_flush`); then `Pager::flush` under the
+/// lock seals what is open and reports a failed disk write, with little left to wait for.
+pub(crate) fn flush<T: Transport, D: Disk>(lock: &Mutex<Inner<T, D>>) -> Result<(), PagerError> {
+    let mut flush = guard(lock).pager.start_flush();
+    drive(lock, "flushing", |pager, wait| {
+        let before = flush.pages_left();
+        if wait || pager.try_flush(&mut flush)? {
+            pager.flush()?;
+            return Ok(Step::Done);
+        }
+        Ok(progressed(false, flush.pages_left() < before))
+    })
+}
+
+fn progressed(done: bool, some: bool) -> Step {
+    match (done, some) {
+        (true, _) => Step::Done,
+        (false, true) => Step::Progress,
+        (false, false) => Step::Waiting,
     }
 }

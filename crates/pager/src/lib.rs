@@ -92,6 +92,22 @@ use writeback::Writeback;
 /// or stripe piece.
 pub type Pieces = Vec<(usize, PageKey, u32)>;
 
+/// A flush in progress that never waits ([`Pager::start_flush`], [`Pager::try_flush`]).
+#[derive(Debug)]
+pub struct Flush {
+    /// Pages dirty when it started and not written back yet.
+    pages: Vec<u64>,
+    /// Once they all are: the point everything sent before must be answered by.
+    barrier: Option<requests::Barrier>,
+}
+
+impl Flush {
+    /// Pages it has still to write back (0 once it waits for their acknowledgements).
+    pub fn pages_left(&self) -> usize {
+        self.pages.len()
+    }
+}
+
 /// Where a page's current version lives, by the page table ([`Pager::location`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PageLocation {
@@ -702,6 +718,73 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             Some(e) => Err(PagerError::Disk(e)),
             None => Ok(()),
         }
+    }
+
+    /// The start of a flush that never waits ([`Pager::try_flush`]): the pages dirty in the
+    /// cache now. What is written after this is not its concern.
+    pub fn start_flush(&self) -> Flush {
+        Flush {
+            pages: self
+                .cache
+                .iter()
+                .filter(|(_, &s)| self.dirty[s as usize])
+                .map(|(&p, _)| p)
+                .collect(),
+            barrier: None,
+        }
+    }
+
+    /// Moves `flush` on without waiting, and says whether its pages have all been written back
+    /// and everything sent before that is answered: then [`Pager::flush`] finishes it with
+    /// hardly any waiting (sealing the last stripe or group, and reporting a disk's failed
+    /// write as `flush` does). A page is written back when its last write-back is no longer
+    /// in flight (versions land in order) and a staging slot is free beyond those a seal may
+    /// take, as [`Pager::try_write`] decides; the rest waits for a later call, once replies
+    /// have come in ([`Pager::poll_from`]). Its write-backs go with [`Pager::send_queued`] at
+    /// the end. The caller waits between calls without holding the pager, so a FLUSH on one
+    /// NBD connection does not stop the others for the round trips of a whole cache.
+    pub fn try_flush(&mut self, flush: &mut Flush) -> Result<bool, PagerError> {
+        if let Some(barrier) = &mut flush.barrier {
+            return Ok(self.passed(barrier));
+        }
+        self.must_not_wait += 1;
+        let mut result = Ok(());
+        let mut left = Vec::new();
+        for &page in &flush.pages {
+            let Some(slot) = self.cache.get(&page).copied() else {
+                // Evicted since: its write-back carries it.
+                continue;
+            };
+            if !self.dirty[slot as usize] {
+                continue;
+            }
+            let room = self.free_slots.len() > self.scheme.seal_slots()
+                && self.writeback.len() < self.staging;
+            if result.is_err() || !room || self.writeback.contains_key(&page) {
+                left.push(page);
+                continue;
+            }
+            // The page stays cached: write-back works from a copy, as in `flush`.
+            let copy = self.free_slots.pop().expect("counted above");
+            let at = slot as usize * PAGE_SIZE;
+            self.slots
+                .copy_within(at..at + PAGE_SIZE, copy as usize * PAGE_SIZE);
+            self.dirty[slot as usize] = false;
+            if let Err(e) = self.write_back(page, copy) {
+                result = Err(e);
+            }
+        }
+        self.must_not_wait -= 1;
+        flush.pages = left;
+        self.send_queued();
+        result?;
+        if !flush.pages.is_empty() {
+            return Ok(false);
+        }
+        let mut barrier = self.barrier();
+        let passed = self.passed(&mut barrier);
+        flush.barrier = Some(barrier);
+        Ok(passed)
     }
 
     /// Writes every dirty cached page to its backing and waits until all are acknowledged.

@@ -1617,6 +1617,77 @@ fn try_write_many_takes_what_it_has_room_for_and_never_waits() {
     }
 }
 
+/// `try_flush` (the NBD device's FLUSH, which lets the device go while it waits) never
+/// waits: with every reply held back (a wait would time out on them and fail the servers) it
+/// writes back what it has room for and says it is not done; once replies come in it
+/// finishes, and `flush` after it completes what is open. Every page dirty at its start then
+/// has its copies or pieces on the servers and reads back. Under every scheme.
+#[test]
+fn try_flush_writes_back_without_waiting() {
+    for scheme in ["none", "mirror:2", "rs:2+2", "parity:2"] {
+        let mut p = Pager::new(
+            PagerConfig {
+                pages: 800,
+                cache_pages: 64,
+                redundancy: scheme.parse().unwrap(),
+                ..sealed()
+            },
+            MemCluster::new(&[2000, 2000, 2000, 2000, 2000]),
+            MemDisk::default(),
+        );
+        let pages: Vec<u64> = (0..48).collect();
+        let data: Vec<u8> = pages.iter().flat_map(|&pg| content(pg, 1)).collect();
+        p.write_many(&pages, &data).unwrap();
+        for s in 0..5 {
+            p.transport_mut().servers[s].held = true;
+        }
+        let mut flush = p.start_flush();
+        assert_eq!(flush.pages_left(), 48, "{scheme}: every page is dirty");
+        for _ in 0..3 {
+            assert!(
+                !p.try_flush(&mut flush).unwrap(),
+                "{scheme}: nothing came back"
+            );
+        }
+        p.check_invariants().unwrap();
+        assert_eq!(p.counters().servers_dead, 0, "{scheme}: nothing waited");
+        assert!(
+            flush.pages_left() < 48,
+            "{scheme}: nothing was written back"
+        );
+        for s in 0..5 {
+            p.transport_mut().servers[s].held = false;
+        }
+        let mut rounds = 0;
+        while !p.try_flush(&mut flush).unwrap() {
+            rounds += 1;
+            assert!(rounds < 1000, "{scheme}: the flush never finished");
+            p.poll().unwrap();
+            p.check_invariants().unwrap();
+        }
+        assert_eq!(flush.pages_left(), 0, "{scheme}");
+        p.flush().unwrap();
+        p.check_invariants().unwrap();
+        assert_eq!(
+            p.start_flush().pages_left(),
+            0,
+            "{scheme}: nothing is dirty"
+        );
+        for &page in &pages {
+            let (pieces, wanted) = p.pieces(page).expect("not in write-back");
+            assert!(
+                !pieces.is_empty() && pieces.len() >= wanted,
+                "{scheme}: page {page} has {pieces:?}, wants {wanted}"
+            );
+            assert_eq!(
+                read(&mut p, page).unwrap(),
+                content(page, 1),
+                "{scheme}: page {page}"
+            );
+        }
+    }
+}
+
 /// `try_write` (the userfaultfd handler's eviction) never waits: with every reply held back
 /// (a wait would time out on them and fail the servers), it takes pages while it has room,
 /// then refuses without changing anything, as it does for a page whose last write-back is

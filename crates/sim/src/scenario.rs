@@ -595,7 +595,24 @@ fn play(sc: &Scenario, at: &std::cell::Cell<u32>) -> Result<Report, Failure> {
             }
             88..=91 => {
                 report.flushes += 1;
-                let result = cl.pager.borrow_mut().flush();
+                // Half of them as the NBD device flushes: `try_flush` between spells of
+                // virtual time while replies come in, then `flush` for what is left.
+                let result = if rng.bool() {
+                    (|| {
+                        let mut flush = cl.pager.borrow().start_flush();
+                        for _ in 0..8 {
+                            if cl.pager.borrow_mut().try_flush(&mut flush)? {
+                                break;
+                            }
+                            let d = rng.u64(0..2_000);
+                            world.borrow_mut().run_for(d);
+                            cl.pager.borrow_mut().poll()?;
+                        }
+                        cl.pager.borrow_mut().flush()
+                    })()
+                } else {
+                    cl.pager.borrow_mut().flush()
+                };
 
                 match result {
                     Ok(()) => {}
