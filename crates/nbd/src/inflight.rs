@@ -16,9 +16,8 @@
 //! (`Pager::try_write_many`); only when no slot is free does a write let the lock go and wait
 //! for acknowledgements the same way. Discards (TRIM, pages written all zeros) wait so for a
 //! page's write-back in flight. A FLUSH (and FUA) writes back the pages dirty when it came
-//! as slots allow and waits for their acknowledgements without the lock
-//! (`Pager::try_flush`); only the last step, `Pager::flush`, sealing what is open, runs under
-//! it. A partial page's read and its write must not let another connection's write of the
+//! as slots allow, seals what the scheme keeps open and waits for the acknowledgements
+//! without the lock (`Pager::try_flush`). A partial page's read and its write must not let another connection's write of the
 //! same page in between, so that read-modify-write runs under the lock (`device.rs`); its
 //! pages are read by ticket into the cache first, so it seldom waits there.
 
@@ -374,15 +373,17 @@ pub(crate) fn discard_pages<T: Transport, D: Disk>(
     })
 }
 
-/// Writes back every page dirty in the pager's cache now and waits for their
-/// acknowledgements, without the lock (`Pager::try_flush`); then `Pager::flush` under the
-/// lock seals what is open and reports a failed disk write, with little left to wait for.
+/// Writes back every page dirty in the pager's cache now, seals what its scheme keeps open
+/// and waits for the acknowledgements, without the lock between steps (`Pager::try_flush`).
 pub(crate) fn flush<T: Transport, D: Disk>(lock: &Mutex<Inner<T, D>>) -> Result<(), PagerError> {
     let mut flush = guard(lock).pager.start_flush();
     drive(lock, "flushing", |pager, wait| {
-        let before = flush.pages_left();
-        if wait || pager.try_flush(&mut flush)? {
+        if wait {
             pager.flush()?;
+            return Ok(Step::Done);
+        }
+        let before = flush.pages_left();
+        if pager.try_flush(&mut flush)? {
             return Ok(Step::Done);
         }
         Ok(progressed(false, flush.pages_left() < before))

@@ -79,7 +79,7 @@ use netram_proto::{PageKey, Request, PAGE_SIZE};
 use reply::Followup;
 use requests::{GetItem, Inflight, Op, Queued, ReadDone};
 pub use scheme::RecoveryStep;
-use scheme::Redundancy;
+use scheme::{Redundancy, Sealed};
 use seal::Sealer;
 pub use seal::{SealKey, SEAL_KEY_LEN, SEAL_TAG_LEN};
 use std::collections::{BTreeSet, HashMap, VecDeque};
@@ -99,6 +99,8 @@ pub struct Flush {
     pages: Vec<u64>,
     /// Once they all are: the point everything sent before must be answered by.
     barrier: Option<requests::Barrier>,
+    /// Rounds of sealing what the scheme kept open.
+    rounds: u32,
 }
 
 impl Flush {
@@ -731,13 +733,16 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                 .map(|(&p, _)| p)
                 .collect(),
             barrier: None,
+            rounds: 0,
         }
     }
 
-    /// Moves `flush` on without waiting, and says whether its pages have all been written back
-    /// and everything sent before that is answered: then [`Pager::flush`] finishes it with
-    /// hardly any waiting (sealing the last stripe or group, and reporting a disk's failed
-    /// write as `flush` does). A page is written back when its last write-back is no longer
+    /// Moves `flush` on without waiting, and says whether it is done: its pages written back,
+    /// what the scheme kept open sealed (a stripe, a parity group), and everything sent
+    /// before that answered; a disk's failed write is reported then, as [`Pager::flush`]
+    /// reports it. What other callers send meanwhile is not waited for (a `Barrier` on the
+    /// request stream), nor are pages dirtied after [`Pager::start_flush`] written back. A
+    /// page is written back when its last write-back is no longer
     /// in flight (versions land in order) and a staging slot is free beyond those a seal may
     /// take, as [`Pager::try_write`] decides; the rest waits for a later call, once replies
     /// have come in ([`Pager::poll_from`]). Its write-backs go with [`Pager::send_queued`] at
@@ -745,7 +750,34 @@ impl<T: Transport, D: Disk> Pager<T, D> {
     /// NBD connection does not stop the others for the round trips of a whole cache.
     pub fn try_flush(&mut self, flush: &mut Flush) -> Result<bool, PagerError> {
         if let Some(barrier) = &mut flush.barrier {
-            return Ok(self.passed(barrier));
+            if !self.passed(barrier) {
+                return Ok(false);
+            }
+            // Its pages are acknowledged; what the scheme keeps open (a stripe, a parity
+            // group) is sealed now, and its requests waited for the same way. Parity may open
+            // groups again while settling (a failed ship re-places pages): as `par_settle`,
+            // a bounded number of rounds.
+            self.must_not_wait += 1;
+            let sealed = self.seal_without_waiting();
+            self.must_not_wait -= 1;
+            match sealed? {
+                Sealed::Nothing => {}
+                Sealed::NoRoom => return Ok(false),
+                Sealed::Sent if flush.rounds >= 64 => {}
+                Sealed::Sent => {
+                    flush.rounds += 1;
+                    self.send_queued();
+                    let mut barrier = self.barrier();
+                    let passed = self.passed(&mut barrier);
+                    flush.barrier = Some(barrier);
+                    if !passed {
+                        return Ok(false);
+                    }
+                    return self.try_flush(flush);
+                }
+            }
+            // As fsync does: a write the disk failed since the last flush is reported once.
+            return self.disk_outcome().map(|()| true);
         }
         self.must_not_wait += 1;
         let mut result = Ok(());
@@ -773,6 +805,14 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             if let Err(e) = self.write_back(page, copy) {
                 result = Err(e);
             }
+        }
+        let allowed = self.cfg.cache_pages + self.rehomed.len() + self.evictions_deferred;
+        if result.is_ok() && self.cache.len() > allowed {
+            // A page the disk had failed, written now, no longer counts above the budget: the
+            // cache goes back to it (as `flush` evicts after its writes, but without waiting).
+            // Only then: an eviction takes a whole batch, and a flush is no reason to empty
+            // the cache of pages about to be read.
+            result = self.evict_without_waiting();
         }
         self.must_not_wait -= 1;
         flush.pages = left;

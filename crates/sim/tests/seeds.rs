@@ -64,6 +64,10 @@ fn many(scheme: &str, first: u64, step: u64) {
         t.writes_without_waiting > 0,
         "no write went the way the userfaultfd handler's evictions go"
     );
+    assert!(
+        t.flushes_without_waiting > 0,
+        "no flush finished the way the NBD device's FLUSH finishes"
+    );
 }
 
 /// The default scenario's seeds, six schemes taking turns (1,000 seeds in all by default).

@@ -18,6 +18,17 @@ pub(crate) mod mirror;
 pub(crate) mod parity;
 pub(crate) mod stripe;
 
+/// What [`Pager::seal_without_waiting`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Sealed {
+    /// Nothing was open.
+    Nothing,
+    /// What was open is sealed or forced to ship: its requests are queued or sent.
+    Sent,
+    /// An open stripe waits for free slots for its parity pieces.
+    NoRoom,
+}
+
 use crate::requests::{GetItem, Op, Part, PutItem, PutKind};
 use crate::{Disk, Pager, PagerConfig, PagerError, ServerState, Transport};
 use netram_policy::redundancy::Scheme;
@@ -311,6 +322,28 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             (Redundancy::Parity(p), Some(page)) if !p.is_open(page) => Ok(()),
             (Redundancy::Parity(_), page) => self.par_seal(page),
             (Redundancy::Copies(_), _) => Ok(()),
+        }
+    }
+
+    /// `settle_writes`' sealing without its waiting, for [`Pager::try_flush`]: seals what the
+    /// scheme keeps open (an open stripe, when slots for its parity pieces are free; every
+    /// open group, forced to ship once its members are acknowledged) and says what it did.
+    pub(crate) fn seal_without_waiting(&mut self) -> Result<Sealed, PagerError> {
+        match &self.scheme {
+            Redundancy::Copies(_) => Ok(Sealed::Nothing),
+            Redundancy::Stripe(rs) if rs.open_is_empty() => Ok(Sealed::Nothing),
+            Redundancy::Stripe(rs) => {
+                if self.free_slots.len() < rs.m {
+                    return Ok(Sealed::NoRoom);
+                }
+                self.rs_seal()?;
+                Ok(Sealed::Sent)
+            }
+            Redundancy::Parity(p) if p.open_is_empty() => Ok(Sealed::Nothing),
+            Redundancy::Parity(_) => {
+                self.par_seal(None)?;
+                Ok(Sealed::Sent)
+            }
         }
     }
 

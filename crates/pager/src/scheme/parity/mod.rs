@@ -196,6 +196,11 @@ impl Par {
         self.member_of.contains_key(&page)
     }
 
+    /// No group is open (every one shipped and acknowledged).
+    pub(crate) fn open_is_empty(&self) -> bool {
+        self.open.is_empty()
+    }
+
     /// For [`Pager::check_invariants`]: the slots this scheme holds (degraded reads by ticket
     /// waiting for their page; a survivor read that failed gave its slot back at once).
     pub(crate) fn slots_held(&self, owned: &mut Vec<u32>) {

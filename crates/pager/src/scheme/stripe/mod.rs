@@ -141,6 +141,13 @@ pub(crate) struct Rs {
     encoder: Option<Encoder>,
 }
 
+impl Rs {
+    /// No page waits in an open stripe.
+    pub(crate) fn open_is_empty(&self) -> bool {
+        self.open.is_empty()
+    }
+}
+
 /// `reed-solomon-simd`'s encoder, which has no `Debug`.
 pub(crate) struct Encoder(reed_solomon_simd::ReedSolomonEncoder);
 
