@@ -417,15 +417,30 @@ impl<T: Transport, D: Disk> Region<T, D> {
     /// Gives every live forked child the pages it still lacks and forgets the children:
     /// called before the process exits, which takes the region (and the pager they are served
     /// from) away.
+    ///
+    /// A fork still pending is waited for first (up to 10 s): the kernel lets a `fork` return
+    /// once the handler has read its event, and a parent that leaves at once (Python's
+    /// `os._exit` right after `os.fork`) could otherwise go before the handler has made the
+    /// child one of its children, and leave it nothing.
     pub fn hand_over_to_children(&self) {
+        let since = std::time::Instant::now();
         let mut st = self.shared.lock();
+        while st.forking > 0 && since.elapsed() < std::time::Duration::from_secs(10) {
+            st = self
+                .shared
+                .forked
+                .wait_timeout(st, std::time::Duration::from_millis(50))
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
         self.shared.hand_over(&mut st);
     }
 
-    /// Whether forked children are being served this region's pages (see
-    /// [`Region::hand_over_to_children`]).
+    /// Whether forked children are being served this region's pages, or a fork is pending
+    /// (see [`Region::hand_over_to_children`]).
     pub fn has_children(&self) -> bool {
         self.shared.child_count.load(Ordering::Acquire) > 0
+            || self.shared.forks_pending.load(Ordering::Acquire) > 0
     }
 }
 
@@ -718,12 +733,14 @@ impl<T: Transport, D: Disk> Shared<T, D> {
             }
         }
         st.forking += 1;
+        self.forks_pending.store(st.forking, Ordering::Release);
     }
 
     /// An announced fork happened (its event came), did not happen, or its event will never
     /// come: once none is pending, evictions resume and `release` goes on.
     pub(crate) fn fork_done(&self, st: &mut State<T, D>) {
         st.forking = st.forking.saturating_sub(1);
+        self.forks_pending.store(st.forking, Ordering::Release);
         if st.forking == 0 {
             st.fork_resident = None;
             st.forking_since = None;

@@ -99,7 +99,7 @@ use rustix::io::Errno;
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::ffi::c_void;
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use sys::{Event, Uffd};
@@ -586,6 +586,7 @@ where
             follows_forks,
             fork_channel,
             child_count: AtomicUsize::new(0),
+            forks_pending: AtomicU32::new(0),
             child_slots: if follows_forks {
                 options.child_slots
             } else {
@@ -828,6 +829,8 @@ struct Shared<T: Transport, D: Disk> {
     fork_channel: Option<ForkChannel>,
     /// `state.children.len()`, read without the lock by the handler's loop.
     child_count: AtomicUsize,
+    /// `state.forking`, read without the lock at `_exit` (`Region::has_children`).
+    forks_pending: AtomicU32,
     /// See [`RegionOptions::child_slots`] and [`RegionOptions::child_budget`] (in pages).
     child_slots: usize,
     child_budget: Option<usize>,
