@@ -783,7 +783,8 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         let mut result = Ok(());
         let mut left = Vec::new();
         for &page in &flush.pages {
-            let Some(slot) = self.cache.get(&page).copied() else {
+            // `peek`: a flush is not a use, and must not reorder what is evicted next.
+            let Some(slot) = self.cache.peek(&page).copied() else {
                 // Evicted since: its write-back carries it.
                 continue;
             };

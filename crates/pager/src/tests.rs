@@ -1696,6 +1696,45 @@ fn try_flush_writes_back_without_waiting() {
     }
 }
 
+/// A flush is not a use: it leaves the cache's recency order as it was, so the pages it
+/// wrote back are evicted next in the order they were used, not in the order it met them
+/// (it met them newest first, and once made the newest page the next to go: a CI failure
+/// of the NBD test of a stalled read, whose cached page had been evicted).
+#[test]
+fn a_flush_leaves_the_order_of_eviction_alone() {
+    for waiting in [false, true] {
+        let mut p = Pager::new(
+            PagerConfig {
+                pages: 800,
+                cache_pages: 64,
+                ..sealed()
+            },
+            MemCluster::new(&[2000, 2000]),
+            MemDisk::default(),
+        );
+        let pages: Vec<u64> = (0..40).collect();
+        let data: Vec<u8> = pages.iter().flat_map(|&pg| content(pg, 1)).collect();
+        p.write_many(&pages, &data).unwrap();
+        let order = |p: &Pager<MemCluster, MemDisk>| -> Vec<u64> {
+            p.cache.iter().map(|(&page, _)| page).collect()
+        };
+        let before = order(&p);
+        if waiting {
+            p.flush().unwrap();
+        } else {
+            let mut flush = p.start_flush();
+            let mut rounds = 0;
+            while !p.try_flush(&mut flush).unwrap() {
+                rounds += 1;
+                assert!(rounds < 1000, "the flush never finished");
+                p.poll().unwrap();
+            }
+        }
+        assert_eq!(p.start_flush().pages_left(), 0, "nothing is dirty");
+        assert_eq!(order(&p), before, "waiting: {waiting}");
+    }
+}
+
 /// `try_write` (the userfaultfd handler's eviction) never waits: with every reply held back
 /// (a wait would time out on them and fail the servers), it takes pages while it has room,
 /// then refuses without changing anything, as it does for a page whose last write-back is
