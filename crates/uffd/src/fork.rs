@@ -275,16 +275,9 @@ impl<T: Transport, D: Disk> Region<T, D> {
     /// Announced forks go one at a time (bounded: 30 s), so that the agent's socket made for
     /// one reaches that child and no other.
     pub fn prepare_fork(&self) {
-        let since = std::time::Instant::now();
-        let mut st = self.shared.lock();
-        while st.forking > 0 && since.elapsed() < std::time::Duration::from_secs(30) {
-            st = self
-                .shared
-                .forked
-                .wait_timeout(st, std::time::Duration::from_millis(50))
-                .unwrap_or_else(|p| p.into_inner())
-                .0;
-        }
+        let mut st = self
+            .shared
+            .await_forks(self.shared.lock(), std::time::Duration::from_secs(30));
         self.shared.prepare_fork(&mut st);
     }
 
@@ -423,16 +416,9 @@ impl<T: Transport, D: Disk> Region<T, D> {
     /// `os._exit` right after `os.fork`) could otherwise go before the handler has made the
     /// child one of its children, and leave it nothing.
     pub fn hand_over_to_children(&self) {
-        let since = std::time::Instant::now();
-        let mut st = self.shared.lock();
-        while st.forking > 0 && since.elapsed() < std::time::Duration::from_secs(10) {
-            st = self
-                .shared
-                .forked
-                .wait_timeout(st, std::time::Duration::from_millis(50))
-                .unwrap_or_else(|p| p.into_inner())
-                .0;
-        }
+        let mut st = self
+            .shared
+            .await_forks(self.shared.lock(), std::time::Duration::from_secs(10));
         self.shared.hand_over(&mut st);
     }
 
@@ -738,6 +724,25 @@ impl<T: Transport, D: Disk> Shared<T, D> {
 
     /// An announced fork happened (its event came), did not happen, or its event will never
     /// come: once none is pending, evictions resume and `release` goes on.
+    /// Waits, the lock let go meanwhile, until no announced fork is pending or `limit` has
+    /// passed, and gives the lock back. A fork pending is bounded anyway: the handler fails
+    /// one whose event has not come in 5 s (`serve_children`).
+    pub(crate) fn await_forks<'a>(
+        &'a self,
+        mut st: MutexGuard<'a, State<T, D>>,
+        limit: std::time::Duration,
+    ) -> MutexGuard<'a, State<T, D>> {
+        let since = std::time::Instant::now();
+        while st.forking > 0 && since.elapsed() < limit {
+            st = self
+                .forked
+                .wait_timeout(st, std::time::Duration::from_millis(50))
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+        st
+    }
+
     pub(crate) fn fork_done(&self, st: &mut State<T, D>) {
         st.forking = st.forking.saturating_sub(1);
         self.forks_pending.store(st.forking, Ordering::Release);

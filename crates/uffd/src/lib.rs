@@ -685,16 +685,11 @@ impl<T: Transport, D: Disk> Region<T, D> {
         {
             return Err(RegionError::BadRange { offset, len });
         }
-        let mut st = self.shared.lock();
-        while st.forking > 0 {
-            // The pages must not change in the pager before the child knows them.
-            st = self
-                .shared
-                .forked
-                .wait_timeout(st, std::time::Duration::from_millis(100))
-                .unwrap_or_else(|p| p.into_inner())
-                .0;
-        }
+        // The pages must not change in the pager before the child knows them: every pending
+        // fork is waited for (ended within 5 s by `serve_children` if its event never comes).
+        let mut st = self
+            .shared
+            .await_forks(self.shared.lock(), std::time::Duration::MAX);
         self.shared
             .release(&mut st, offset / PAGE_SIZE, len / PAGE_SIZE)
             .map_err(RegionError::Release)
