@@ -496,8 +496,9 @@ pub fn run(opts: &Options) -> anyhow::Result<String> {
     let pages = bytes / PAGE_SIZE as u64;
     let machine = Machine::describe();
     eprintln!("bench adapt on {}", machine.one_line());
-    let tmp = crate::nbd::tempfile_dir("netram-bench-adapt")?;
-    let _cleanup = Cleanup(tmp.clone());
+    // The stand-in /proc files and the spill file, removed when done.
+    let scratch = crate::nbd::tempfile_dir("netram-bench-adapt")?;
+    let tmp = scratch.path().to_path_buf();
     // D has room, B not: every page goes to D.
     let capacity = bytes + 256 * MIB;
     let d = Donor::start(&opts.netram_exe, capacity, tmp.join("d"), ROOMY, 0xd0, None)?;
@@ -667,15 +668,6 @@ pub fn run(opts: &Options) -> anyhow::Result<String> {
     let md = markdown(&r);
     std::fs::write(opts.out.join("adapt.md"), &md)?;
     Ok(md)
-}
-
-/// Removes the bench's directory (stand-in /proc files, the spill file) when done.
-struct Cleanup(PathBuf);
-
-impl Drop for Cleanup {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
 }
 
 fn markdown(r: &AdaptResult) -> String {

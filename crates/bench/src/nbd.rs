@@ -319,7 +319,8 @@ fn fio_matrix(
     opts: &Options,
 ) -> anyhow::Result<BTreeMap<&'static str, BTreeMap<String, FioFigure>>> {
     let (rounds, seconds) = if opts.quick { (1, 2) } else { (3, 5) };
-    let dir = tempfile_dir("netram-bench-fio")?;
+    let scratch = tempfile_dir("netram-bench-fio")?;
+    let dir = scratch.path().to_path_buf();
     let mut guards = Vec::new();
     let mut uris = Vec::new();
     // Per target: the device's PID and its servers' PIDs, for the CPU each I/O costs them.
@@ -432,14 +433,16 @@ fn fio_matrix(
         drop(servers);
     }
     drop(kit);
-    let _ = std::fs::remove_dir_all(&dir);
     Ok(out)
 }
 
-pub(crate) fn tempfile_dir(prefix: &str) -> anyhow::Result<PathBuf> {
-    let dir = std::env::temp_dir().join(format!("{prefix}-{}", std::process::id()));
-    std::fs::create_dir_all(&dir)?;
-    Ok(dir)
+/// A scratch directory of this run, removed when the guard is dropped: also when the
+/// benchmark fails or is interrupted on the way (declared before the guards of what is made
+/// in it, it goes after them).
+pub(crate) fn tempfile_dir(prefix: &str) -> anyhow::Result<tempfile::TempDir> {
+    Ok(tempfile::Builder::new()
+        .prefix(&format!("{prefix}-"))
+        .tempdir()?)
 }
 
 /// The swap configurations, in the order of the report.
@@ -726,7 +729,8 @@ fn swap_matrix(
 ) -> anyhow::Result<BTreeMap<&'static str, BTreeMap<&'static str, Value>>> {
     let w = working_set(opts);
     let seconds = opts.seconds.unwrap_or(if opts.quick { 3 } else { 20 });
-    let dir = tempfile_dir("netram-bench-swap")?;
+    let scratch = tempfile_dir("netram-bench-swap")?;
+    let dir = scratch.path().to_path_buf();
     let mut out: BTreeMap<&'static str, BTreeMap<&'static str, Value>> = BTreeMap::new();
     // Generous bounds: a slow backing must not hang the benchmark forever.
     let timeout = Duration::from_secs(if opts.quick { 600 } else { 3600 });
@@ -802,7 +806,6 @@ fn swap_matrix(
         }
         drop(dev.cleanup);
     }
-    let _ = std::fs::remove_dir_all(&dir);
     Ok(out)
 }
 

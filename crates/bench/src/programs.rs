@@ -505,7 +505,8 @@ pub fn run_one(name: &str, quick: bool, netram_exe: &Path, servers: &str) -> any
         .ok_or_else(|| anyhow::anyhow!("no program {name}"))?;
     let missing: Vec<&str> = p.tools.iter().copied().filter(|t| !have(t)).collect();
     anyhow::ensure!(missing.is_empty(), "not installed: {}", missing.join(", "));
-    let dir = tempfile_dir("netram-program")?;
+    let scratch = tempfile_dir("netram-program")?;
+    let dir = scratch.path().to_path_buf();
     let result = (|| {
         let swap_dev = match crate::uffd::Way::SwapDisk.unavailable() {
             Some(_) => None,
@@ -523,14 +524,14 @@ pub fn run_one(name: &str, quick: bool, netram_exe: &Path, servers: &str) -> any
         std::fs::create_dir_all(&pdir)?;
         measure(p, &opts, servers, swap_path.as_deref(), &pdir)
     })();
-    let _ = std::fs::remove_dir_all(&dir);
     result
 }
 
 pub fn run(opts: &Options) -> anyhow::Result<crate::Outcome> {
     std::fs::create_dir_all(&opts.out)?;
     crate::process::catch_interrupts()?;
-    let dir = tempfile_dir("netram-bench-programs")?;
+    let scratch = tempfile_dir("netram-bench-programs")?;
+    let dir = scratch.path().to_path_buf();
     let (mut skipped, mut failed) = (Vec::new(), Vec::new());
     let capacity = if opts.quick { "1G" } else { "4G" };
     let (servers, list) = start_servers(&opts.netram_exe, capacity, false)?;
@@ -574,7 +575,6 @@ pub fn run(opts: &Options) -> anyhow::Result<crate::Outcome> {
     }
     drop(swap_dev);
     drop(servers);
-    let _ = std::fs::remove_dir_all(&dir);
     let machine = Machine::describe();
     let doc = json!({
         "bench": "programs",

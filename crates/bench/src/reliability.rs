@@ -153,15 +153,6 @@ impl Cluster {
     }
 }
 
-/// The pagers' spill directory, removed when done.
-struct SpillDir(PathBuf);
-
-impl Drop for SpillDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
 fn lock(p: &Mutex<ClientPager>) -> std::sync::MutexGuard<'_, ClientPager> {
     p.lock().unwrap_or_else(|e| e.into_inner())
 }
@@ -470,20 +461,29 @@ pub fn run(opts: &Options) -> anyhow::Result<String> {
     let machine = Machine::describe();
     eprintln!("bench reliability on {}", machine.one_line());
     let mut cluster = Cluster::start(&opts.netram_exe, capacity)?;
-    let spill = SpillDir(crate::nbd::tempfile_dir("netram-bench-reliability")?);
+    // The pagers' spill directory, removed when done.
+    let spill = crate::nbd::tempfile_dir("netram-bench-reliability")?;
     let mut all = Vec::new();
     for (key, name) in SCHEMES {
         let scheme: Scheme = name.parse()?;
         all.push((key, scheme));
     }
     let list: Vec<Scheme> = all.iter().map(|&(_, s)| s).collect();
-    let results = side_by_side(&cluster, &list, pages, iters, dur, &spill.0)?;
+    let results = side_by_side(&cluster, &list, pages, iters, dur, spill.path())?;
     let mut schemes = BTreeMap::new();
     for (&(key, scheme), mut r) in all.iter().zip(results) {
         if scheme != Scheme::None {
             eprintln!("{scheme}: recovery after a SIGKILL ...");
             let victim = schemes.len() % SERVERS;
-            recovery(&mut cluster, scheme, pages, dur, victim, &spill.0, &mut r)?;
+            recovery(
+                &mut cluster,
+                scheme,
+                pages,
+                dur,
+                victim,
+                spill.path(),
+                &mut r,
+            )?;
         }
         schemes.insert(key, r);
     }

@@ -504,7 +504,8 @@ pub fn run(opts: &Options) -> anyhow::Result<crate::Outcome> {
     let remote_fast = remote_fault_latency(&opts.netram_exe, true, n)?;
 
     // The workloads, all in the low-latency mode (the PM QoS request is still held).
-    let dir = tempfile_dir("netram-bench-uffd")?;
+    let scratch = tempfile_dir("netram-bench-uffd")?;
+    let dir = scratch.path().to_path_buf();
     let capacity = (w + (64 << 20)).to_string();
     let (servers, list) = start_servers(&opts.netram_exe, &capacity, true)?;
     let ctx = Ctx {
@@ -535,7 +536,6 @@ pub fn run(opts: &Options) -> anyhow::Result<crate::Outcome> {
     }
     drop(servers);
     drop(qos);
-    let _ = std::fs::remove_dir_all(&dir);
 
     let g = |wl: &str, way: &str, k: &str| workloads.get(wl)?.get(way)?.get(k)?.as_f64();
     let prefetch_hit_rate = match (

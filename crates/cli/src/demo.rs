@@ -237,8 +237,9 @@ pub fn run(args: DemoArgs) -> anyhow::Result<()> {
              (with ca.key) or NETRAM_INSECURE is set"
         ),
     };
-    let dir = std::env::temp_dir().join(format!("netram-demo-{}", std::process::id()));
-    std::fs::create_dir_all(&dir)?;
+    // Removed when dropped, also when the demo is stopped on the way.
+    let scratch = tempfile::Builder::new().prefix("netram-demo-").tempdir()?;
+    let dir = scratch.path().to_path_buf();
     let ctx = Ctx {
         exe,
         working_set: w,
@@ -327,7 +328,7 @@ pub fn run(args: DemoArgs) -> anyhow::Result<()> {
     }
     cluster.stop();
     drop(qos);
-    let _ = std::fs::remove_dir_all(&dir);
+    drop(scratch);
 
     let workloads = Value::Object(results);
     println!("\n{}", workloads_table(&workloads));
