@@ -810,58 +810,88 @@ fn plain_and_on_netram(program: &[&str], stdin: &[u8]) -> (Output, Output, serde
 /// spinning at full CPU for good).
 #[test]
 fn a_child_keeps_its_memory_when_its_parent_leaves_by_underscore_exit() {
+    a_child_outlives_its_parent(
+        "parent-exits",
+        "pid = os.fork()\nif pid == 0:\n    child()\nos._exit(0)\n",
+    );
+}
+
+/// The same for a program that daemonizes itself with the C library's `daemon(3)` (`ssh -f`,
+/// iproute2's `nstat -d`; here Python through ctypes): the C library's `daemon` forks and
+/// leaves by its own internal calls, which nothing interposes, so the child read zeros where
+/// its pages were on the servers; `netram run`'s library has its own `daemon`.
+#[test]
+fn a_child_keeps_its_memory_when_its_parent_daemonizes_it() {
+    a_child_outlives_its_parent(
+        "daemon",
+        "import ctypes\nif ctypes.CDLL(None).daemon(1, 0) != 0:\n    sys.exit(1)\nchild()\n",
+    );
+}
+
+/// A Python under `netram run --local-mem 8M` builds a list of 300,000 tuples (most of it on
+/// the servers), and `leave` (Python) makes a child that calls `child()` and a parent that
+/// goes. The child waits until its parent is gone, then sums the list: the sum must be
+/// right.
+fn a_child_outlives_its_parent(name: &str, leave: &str) {
     if !netram_testkit::have_root("following forks (CAP_SYS_PTRACE)")
         || !netram_testkit::have_tools(&[("python3", "python3")])
     {
         return;
     }
-    let dir = Scratch::new("parent-exits");
+    let dir = Scratch::new(name);
     let (result, pid_file) = (dir.0.join("result"), dir.0.join("child.pid"));
-    // The child waits until its parent is gone, then reads the whole list.
-    let script = r#"import os, sys, time
+    let script = format!(
+        r#"import os, sys, time
 n = int(sys.argv[1])
 data = [('k%d' % i, i * 3) for i in range(n)]
-pid = os.fork()
-if pid == 0:
+parent = os.getpid()
+def child():
+    with open(sys.argv[3] + '.tmp', 'w') as f:
+        f.write('%d' % os.getpid())
+    os.rename(sys.argv[3] + '.tmp', sys.argv[3])
     fd = os.open(os.devnull, os.O_RDWR)
     for s in (0, 1, 2):
         os.dup2(fd, s)
     t = time.time()
-    while os.getppid() == int(sys.argv[4]) and time.time() - t < 60:
+    while os.getppid() == parent and time.time() - t < 60:
         time.sleep(0.01)
     with open(sys.argv[2] + '.tmp', 'w') as f:
         f.write('%d\n' % sum(v for _, v in data))
     os.rename(sys.argv[2] + '.tmp', sys.argv[2])
     os._exit(0)
-with open(sys.argv[3], 'w') as f:
-    f.write('%d' % pid)
-os._exit(0)
-"#;
+{leave}"#
+    );
     let (_servers, addrs) = cluster(2);
     let rep = dir.0.join("report.json");
-    let py = dir.0.join("parent_exits.py");
+    let py = dir.0.join("leave.py");
     std::fs::write(&py, script).unwrap();
-    // The parent is python3 itself (`exec`, so `$$` is its pid): the child waits until it
-    // is no longer its parent's child.
     let out = common::netram_env(Command::new("timeout"))
         .args(["120", NETRAM, "run", "--local-mem", "8M"])
         .args(["--servers", &addrs, "--report", rep.to_str().unwrap()])
-        .args(["--", "sh", "-c"])
-        .arg(r#"exec python3 "$0" 300000 "$1" "$2" $$"#)
+        .args(["--", "python3"])
         .arg(&py)
+        .arg("300000")
         .arg(&result)
         .arg(&pid_file)
         .output()
         .unwrap();
     assert_ran(&out, "python3 under netram run");
-    let child: i32 = std::fs::read_to_string(&pid_file)
-        .unwrap()
-        .trim()
-        .parse()
-        .unwrap();
+    // A child that dies or spins before it writes its pid is found by its script's path,
+    // unique to this test, and killed by its pid.
+    let _stray = KillRunning(py.clone());
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    let child: i32 = loop {
+        if let Ok(pid) = std::fs::read_to_string(&pid_file) {
+            break pid.trim().parse().unwrap();
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the child never wrote its pid"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    };
     // The child by its pid, whatever happens below.
     let _child = KillPid(child);
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
     while !result.exists() {
         assert!(
             std::time::Instant::now() < deadline,
@@ -881,6 +911,35 @@ os._exit(0)
 
 /// Kills a process by its pid when dropped (if it still runs).
 struct KillPid(i32);
+
+/// Kills, when dropped, every process still running the script at this path (a path unique
+/// to its test), each by its pid.
+struct KillRunning(PathBuf);
+
+impl Drop for KillRunning {
+    fn drop(&mut self) {
+        let Ok(procs) = std::fs::read_dir("/proc") else {
+            return;
+        };
+        let script = self.0.as_os_str().as_encoded_bytes();
+        for entry in procs.flatten() {
+            let Some(pid) = entry
+                .file_name()
+                .to_str()
+                .and_then(|n| n.parse::<i32>().ok())
+            else {
+                continue;
+            };
+            let Ok(cmdline) = std::fs::read(entry.path().join("cmdline")) else {
+                continue;
+            };
+            if cmdline.split(|&b| b == 0).any(|arg| arg == script) {
+                // SAFETY: kill(2) takes no pointers; the process runs this test's script.
+                unsafe { libc::kill(pid, libc::SIGKILL) };
+            }
+        }
+    }
+}
 
 impl Drop for KillPid {
     fn drop(&mut self) {

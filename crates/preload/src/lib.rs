@@ -9,9 +9,9 @@
 //! anonymous private read-write `mmap` of at least the threshold, with the `munmap`, `mremap`
 //! and `madvise(DONTNEED/FREE/REMOVE)` that give such memory back; anonymous `PROT_NONE`
 //! reservations and the `MAP_FIXED` anonymous mappings that commit and uncommit inside them
-//! (a JVM's heap); `fork`; `mprotect` (a range of the region made unreadable is reported to
-//! it); and, for an ordinary user's region, the calls that copy bulk data
-//! to or from the program's memory (`read`, `write`, `fread`..., see `io.rs`). glibc's
+//! (a JVM's heap); `fork`, `_exit` and `daemon`; `mprotect` (a range of the region made
+//! unreadable is reported to it); and, for an ordinary user's region, the calls that copy bulk
+//! data to or from the program's memory (`read`, `write`, `fread`..., see `io.rs`). glibc's
 //! `malloc` reaches its own internal `mmap` without passing through the interposed one, which
 //! is why `malloc` itself is interposed. Everything else (blocks under the threshold, file
 //! mappings, shared or fixed mappings, stacks, `PROT_NONE` reservations) goes to the C library
@@ -27,7 +27,7 @@
 //! keeps it: the `malloc` family is passed through to it (see `Foreign`), and its memory
 //! reaches the region through the interposed `mmap`.
 //!
-//! By concern: `arena.rs` (this library's own memory), `start.rs` (start, exit, `fork`,
+//! By concern: `arena.rs` (this library's own memory), `start.rs` (start, exit, `fork`, `daemon`,
 //! `pthread_create`), `foreign.rs` (an allocator the program brings), `malloc.rs` (the `malloc`
 //! family), `mmap.rs` (the `mmap` family), `loader.rs` (the dynamic loader), `io.rs` (bulk
 //! copies for an ordinary user); this file, the state they share and the heap's entry points.

@@ -106,9 +106,9 @@ pub(crate) static EXIT_UPPER: loader::Next = loader::Next::new(c"_Exit");
 /// [`at_exit`] among them. A process that forked and leaves this way (Python's `os._exit`,
 /// a C program's `_exit`) would take its children's memory with it: their pages on the
 /// servers were served by its handler, and they read garbage (a forked Python was seen
-/// spinning at full CPU on it). The C library's own calls (`daemon(3)`'s parent) do not
-/// come through here: see docs/limits.md. So its children get their pages first and the run's report
-/// gets its counters, as at `exit`. Only in the process that owns the region (a `vfork`
+/// spinning at full CPU on it). The C library's own calls do not come through here (hence
+/// this library's own [`daemon`]; a raw `exit_group` is not seen: docs/limits.md). So its
+/// children get their pages first and the run's report gets its counters, as at `exit`. Only in the process that owns the region (a `vfork`
 /// child shares its memory, and must not touch the pager under its parent's threads), and
 /// only with children alive: `_exit` is also what a signal handler calls, maybe while this
 /// library's own locks are held by the thread it interrupted; without children nothing is
@@ -146,6 +146,68 @@ pub unsafe extern "C" fn _exit(status: c_int) -> ! {
 #[no_mangle]
 pub unsafe extern "C" fn _Exit(status: c_int) -> ! {
     leave(status, &EXIT_UPPER)
+}
+
+/// `daemon(3)`, as the C library's (fork; the parent leaves; the child starts a session, goes
+/// to `/` unless `nochdir`, and points 0, 1 and 2 at `/dev/null` unless `noclose`), but by
+/// this library's `fork` and `_exit`. The C library's own calls its internal `fork` and
+/// `_exit`, which nothing can interpose: the fork was not announced, and the parent left
+/// without handing its child the pages it had on the servers, so a program that daemonized
+/// itself (`ssh -f`, iproute2's `nstat -d`) read zeros there.
+///
+/// # Safety
+/// The C library's contract for `daemon`.
+#[no_mangle]
+pub unsafe extern "C" fn daemon(nochdir: c_int, noclose: c_int) -> c_int {
+    // SAFETY: this library's own `fork` (the C library's contract, passed through).
+    match unsafe { fork() } {
+        -1 => return -1,
+        0 => {}
+        // SAFETY: the parent leaves as the C library's `daemon` makes it (with `_exit`).
+        _ => unsafe { _exit(0) },
+    }
+    // SAFETY: setsid and chdir take no pointers but the static path.
+    if unsafe { libc::setsid() } == -1 {
+        return -1;
+    }
+    if nochdir == 0 {
+        // SAFETY: a static C string. As the C library's, a failure is not one of `daemon`'s.
+        let _ = unsafe { libc::chdir(c"/".as_ptr()) };
+    }
+    if noclose == 0 {
+        // SAFETY: a static C string.
+        let fd = unsafe { libc::open(c"/dev/null".as_ptr(), libc::O_RDWR) };
+        if fd == -1 {
+            return -1;
+        }
+        // SAFETY: a plain C struct, all zeros a valid value.
+        let mut st: libc::stat = unsafe { std::mem::zeroed() };
+        // SAFETY: `st` is written by fstat, `fd` is the descriptor just opened.
+        if unsafe { libc::fstat(fd, &mut st) } != 0 {
+            // SAFETY: our own descriptor.
+            unsafe { libc::close(fd) };
+            return -1;
+        }
+        // As the C library checks: a character device, and the null one (1, 3), not a file
+        // someone put at that path.
+        let null =
+            (st.st_mode & libc::S_IFMT) == libc::S_IFCHR && st.st_rdev == libc::makedev(1, 3);
+        if !null {
+            // SAFETY: our own descriptor.
+            unsafe { libc::close(fd) };
+            set_errno(libc::ENODEV);
+            return -1;
+        }
+        for to in [libc::STDIN_FILENO, libc::STDOUT_FILENO, libc::STDERR_FILENO] {
+            // SAFETY: both descriptors are open; dup2 replaces the standard one.
+            unsafe { libc::dup2(fd, to) };
+        }
+        if fd > 2 {
+            // SAFETY: our own descriptor, duplicated above.
+            unsafe { libc::close(fd) };
+        }
+    }
+    0
 }
 
 pub(crate) extern "C" fn after_fork_in_child() {
