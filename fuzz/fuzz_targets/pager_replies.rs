@@ -103,6 +103,12 @@ enum Act {
     /// A step of a flush that never waits (`Pager::try_flush`, the NBD device's FLUSH), the
     /// flush left in progress across what follows until it says it is done.
     TryFlush,
+    /// The same for some pages only (`Pager::start_flush_of`, a write with FUA), if no flush
+    /// is in progress; else a step of that one.
+    TryFlushOf {
+        first: u8,
+        n: u8,
+    },
 }
 
 struct Server {
@@ -450,8 +456,16 @@ fuzz_target!(|input: Input| {
             Act::Flush => {
                 let _ = pager.flush();
             }
-            Act::TryFlush => {
-                let flush = flushing.get_or_insert_with(|| pager.start_flush());
+            Act::TryFlush | Act::TryFlushOf { .. } => {
+                let flush = flushing.get_or_insert_with(|| match *act {
+                    Act::TryFlushOf { first, n } => {
+                        let first = u64::from(first) % PAGES;
+                        let pages: Vec<u64> =
+                            (first..(first + u64::from(n) % 16).min(PAGES)).collect();
+                        pager.start_flush_of(&pages)
+                    }
+                    _ => pager.start_flush(),
+                });
                 if !matches!(pager.try_flush(flush), Ok(false)) {
                     flushing = None;
                 }

@@ -214,6 +214,11 @@ impl<T: Transport, D: Disk> Device<T, D> {
         let mut zero_pages = Vec::new();
         let mut data_pages = Vec::new();
         let mut data_buf = Vec::new();
+        let written: Vec<u64> = if fua {
+            staged.keys().copied().collect()
+        } else {
+            Vec::new()
+        };
         for (p, content) in staged {
             match content {
                 None => zero_pages.push(p),
@@ -234,7 +239,7 @@ impl<T: Transport, D: Disk> Device<T, D> {
         }
         drop(pager);
         if fua {
-            self.flush()?;
+            inflight::flush(&self.inner, Some(&written))?;
         }
         Ok(())
     }
@@ -325,7 +330,12 @@ impl<T: Transport, D: Disk> Device<T, D> {
                 inflight::discard_pages(&self.inner, &zero_pages)?;
             }
             if fua {
-                inflight::flush(&self.inner)?;
+                // Only this batch's pages need to be stored before it is answered.
+                let written: Vec<u64> = writes
+                    .iter()
+                    .flat_map(|&(offset, len, _)| offset / PAGE..(offset + len) / PAGE)
+                    .collect();
+                inflight::flush(&self.inner, Some(&written))?;
             }
             Ok(())
         })();
@@ -373,7 +383,7 @@ impl<T: Transport, D: Disk> Device<T, D> {
     /// Writes every page dirty in the cache now to its backing and waits until all are
     /// acknowledged, without holding the device across the round trips (`inflight::flush`).
     pub fn flush(&self) -> Result<(), DeviceError> {
-        inflight::flush(&self.inner)?;
+        inflight::flush(&self.inner, None)?;
         Ok(())
     }
 
@@ -467,6 +477,39 @@ mod tests {
             4,
             "data, hole, data, hole"
         );
+    }
+
+    /// A write with FUA stores its own pages before it returns and leaves the rest of the
+    /// cache dirty (before, it flushed the whole cache): whole pages, and a partial page
+    /// (read-modify-write).
+    #[test]
+    fn a_fua_write_stores_its_own_pages_only() {
+        let d = device(8);
+        d.write(0, &[1u8; 4 * PAGE_SIZE], false).unwrap();
+        let dirty = |d: &Device<NoServers, MemDisk>| d.with_pager(|p| p.start_flush().pages_left());
+        assert_eq!(dirty(&d), 4);
+        d.write(5 * PAGE, &[2u8; PAGE_SIZE], true).unwrap();
+        assert_eq!(
+            dirty(&d),
+            4,
+            "the earlier pages are still dirty, page 5 is not"
+        );
+        d.write(6 * PAGE + 100, &[3u8; 200], true).unwrap();
+        assert_eq!(dirty(&d), 4, "page 6 is stored too");
+        for page in [5, 6] {
+            assert!(
+                d.with_pager(|p| p.location(page).is_some_and(|l| l.on_disk)),
+                "page {page} is on its backing"
+            );
+        }
+        d.flush().unwrap();
+        assert_eq!(dirty(&d), 0);
+        let mut got = vec![0u8; 7 * PAGE_SIZE];
+        d.read(0, &mut got).unwrap();
+        assert!(got[..4 * PAGE_SIZE].iter().all(|&b| b == 1));
+        assert!(got[5 * PAGE_SIZE..6 * PAGE_SIZE].iter().all(|&b| b == 2));
+        let six = &got[6 * PAGE_SIZE..];
+        assert!(six[..100].iter().all(|&b| b == 0) && six[100..300].iter().all(|&b| b == 3));
     }
 
     proptest! {

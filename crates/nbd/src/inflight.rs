@@ -15,9 +15,9 @@
 //! queued for write-back and sent as credits allow, nothing waited for
 //! (`Pager::try_write_many`); only when no slot is free does a write let the lock go and wait
 //! for acknowledgements the same way. Discards (TRIM, pages written all zeros) wait so for a
-//! page's write-back in flight. A FLUSH (and FUA) writes back the pages dirty when it came
-//! as slots allow, seals what the scheme keeps open and waits for the acknowledgements
-//! without the lock (`Pager::try_flush`). A partial page's read and its write must not let another connection's write of the
+//! page's write-back in flight. A FLUSH writes back the pages dirty when it came (a write
+//! with FUA: its own pages) as slots allow, seals what the scheme keeps open and waits for
+//! the acknowledgements without the lock (`Pager::try_flush`). A partial page's read and its write must not let another connection's write of the
 //! same page in between, so that read-modify-write runs under the lock (`device.rs`); its
 //! pages are read by ticket into the cache first, so it seldom waits there.
 
@@ -373,10 +373,21 @@ pub(crate) fn discard_pages<T: Transport, D: Disk>(
     })
 }
 
-/// Writes back every page dirty in the pager's cache now, seals what its scheme keeps open
-/// and waits for the acknowledgements, without the lock between steps (`Pager::try_flush`).
-pub(crate) fn flush<T: Transport, D: Disk>(lock: &Mutex<Inner<T, D>>) -> Result<(), PagerError> {
-    let mut flush = guard(lock).pager.start_flush();
+/// Writes back every page dirty in the pager's cache now (or only those of `only`: a write
+/// with FUA), seals what its scheme keeps open and waits for the acknowledgements, without the
+/// lock between steps (`Pager::try_flush`). Past [`STALLED`] the whole cache is flushed the
+/// waiting way, which covers the pages of `only` too.
+pub(crate) fn flush<T: Transport, D: Disk>(
+    lock: &Mutex<Inner<T, D>>,
+    only: Option<&[u64]>,
+) -> Result<(), PagerError> {
+    let mut flush = {
+        let inner = guard(lock);
+        match only {
+            Some(pages) => inner.pager.start_flush_of(pages),
+            None => inner.pager.start_flush(),
+        }
+    };
     drive(lock, "flushing", |pager, wait| {
         if wait {
             pager.flush()?;

@@ -737,6 +737,25 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         }
     }
 
+    /// [`Pager::start_flush`] for some pages only: those of `pages` dirty in the cache now.
+    /// What a write with FUA needs (its own data stored before it is answered): the rest of
+    /// the cache stays dirty. Finished as any flush is, so what the scheme keeps open is sealed
+    /// and everything sent before it answered too.
+    pub fn start_flush_of(&self, pages: &[u64]) -> Flush {
+        let mut pages: Vec<u64> = pages
+            .iter()
+            .copied()
+            .filter(|p| self.cache.peek(p).is_some_and(|&s| self.dirty[s as usize]))
+            .collect();
+        pages.sort_unstable();
+        pages.dedup();
+        Flush {
+            pages,
+            barrier: None,
+            rounds: 0,
+        }
+    }
+
     /// Moves `flush` on without waiting, and says whether it is done: its pages written back,
     /// what the scheme kept open sealed (a stripe, a parity group), and everything sent
     /// before that answered; a disk's failed write is reported then, as [`Pager::flush`]
