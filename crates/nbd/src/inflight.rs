@@ -17,9 +17,10 @@
 //! for acknowledgements the same way. Discards (TRIM, pages written all zeros) wait so for a
 //! page's write-back in flight. A FLUSH writes back the pages dirty when it came (a write
 //! with FUA: its own pages) as slots allow, seals what the scheme keeps open and waits for
-//! the acknowledgements without the lock (`Pager::try_flush`). A partial page's read and its write must not let another connection's write of the
-//! same page in between, so that read-modify-write runs under the lock (`device.rs`); its
-//! pages are read by ticket into the cache first, so it seldom waits there.
+//! the acknowledgements without the lock (`Pager::try_flush`). A partial page's read and its
+//! write must not let another connection's write of the same page in between, so that
+//! read-modify-write runs under the lock (`device.rs`); its pages are read by ticket into the
+//! cache first, so it seldom waits there.
 
 use netram_pager::{Disk, Pager, PagerError, Transport};
 use netram_proto::PAGE_SIZE;

@@ -722,8 +722,6 @@ impl<T: Transport, D: Disk> Shared<T, D> {
         self.forks_pending.store(st.forking, Ordering::Release);
     }
 
-    /// An announced fork happened (its event came), did not happen, or its event will never
-    /// come: once none is pending, evictions resume and `release` goes on.
     /// Waits, the lock let go meanwhile, until no announced fork is pending or `limit` has
     /// passed, and gives the lock back. A fork pending is bounded anyway: the handler fails
     /// one whose event has not come in 5 s (`serve_children`).
@@ -743,6 +741,8 @@ impl<T: Transport, D: Disk> Shared<T, D> {
         st
     }
 
+    /// An announced fork happened (its event came), did not happen, or its event will never
+    /// come: once none is pending, evictions resume and `release` goes on.
     pub(crate) fn fork_done(&self, st: &mut State<T, D>) {
         st.forking = st.forking.saturating_sub(1);
         self.forks_pending.store(st.forking, Ordering::Release);
