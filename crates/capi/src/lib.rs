@@ -15,7 +15,7 @@ use netram_pager::{Backing, ParseBackingError};
 use netram_proto::PAGE_SIZE;
 use netram_uffd::alloc::enter;
 use netram_uffd::heap::FreeError;
-use netram_uffd::{Region, RegionCounters, RegionError, RegionHeap, RegionOptions};
+use netram_uffd::{Region, RegionCounters, RegionError, RegionHeap, RegionOptions, Upkeep};
 use std::cell::RefCell;
 use std::ffi::{c_char, c_int, c_void, CStr, CString};
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -30,8 +30,9 @@ pub const CACHE_PAGES: usize = 64;
 /// where a child stores a page).
 pub const CHILD_SLOTS: usize = 3;
 
-/// A region for C: a heap over it, and the thread that probes its servers and rebuilds lost
-/// copies in the background (declared first: it stops before the region goes).
+/// A region for C: a heap over it (whose handler probes its servers and rebuilds lost copies
+/// between faults), and the thread that follows membership (declared first: it stops before
+/// the region goes).
 #[allow(non_camel_case_types)]
 #[derive(Debug)]
 pub struct netram_region {
@@ -41,14 +42,22 @@ pub struct netram_region {
 
 /// Starts the background half of reliability for a region (Nswap §IV-B3): servers probed,
 /// dead ones reconnected when they come back, lost copies and pieces rebuilt at a bounded
-/// pace. The thread's own allocations stay off the region (`enter`): it holds the pager's
-/// lock, which a fault on the region would wait for.
+/// pace, pages moved off donors that need their memory. The region's handler runs that
+/// schedule between faults, for as long as the region lives; the thread returned only asks
+/// the local daemon about membership (`cfg.membership_every`), and its own allocations stay
+/// off the region (`enter`): it takes the region's lock, which a fault would wait for.
 pub fn start_maintenance(
     heap: &RegionHeap<TcpTransport, FileDisk>,
     cfg: MaintainConfig,
 ) -> Maintenance {
-    let pager = heap.region().pager_handle();
-    maintain::spawn(
+    let region = heap.region();
+    let probe_timeout = region.with_pager(|p| p.transport().reply_timeout());
+    region.set_upkeep(Some(Upkeep {
+        schedule: cfg.schedule(probe_timeout),
+        pacing: cfg.pacing(),
+    }));
+    let pager = region.pager_handle();
+    maintain::spawn_membership(
         move |f| {
             let _ = enter(|| pager.with(|p| f(p)));
         },

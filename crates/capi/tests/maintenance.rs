@@ -1,6 +1,6 @@
 //! A region's background recovery (Nswap §IV-B3): a region on three in-process page servers
-//! with two copies of every page; one server stops, and the region's maintenance thread (the
-//! one `netram_region_create` and `netram run` start) finds it dead and rebuilds the lost
+//! with two copies of every page; one server stops, and the region's handler (running the
+//! schedule `netram_region_create` and `netram run` start) finds it dead and rebuilds the lost
 //! copies while the region stays in use. A second server stopping afterwards loses nothing,
 //! which it would without the rebuild.
 

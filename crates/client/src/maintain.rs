@@ -7,16 +7,11 @@
 //! the thread takes that lock for one bounded step at a time.
 
 use crate::open::ClientPager;
-use netram_pager::{ScheduleConfig, Transport};
+use netram_pager::{NextTick, Pacing, ScheduleConfig, Transport};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
-
-/// How often the answers of moves server to server, and recovery's reads, are taken in at
-/// least while any is under way (each tick holds the pager only for that): short, since each
-/// answer lets the next batch go.
-const HANDOVER_POLL: Duration = Duration::from_micros(300);
 
 #[derive(Debug, Clone, Copy)]
 pub struct MaintainConfig {
@@ -96,13 +91,39 @@ pub fn spawn<F>(with_pager: F, cfg: MaintainConfig) -> Maintenance
 where
     F: Fn(&mut dyn FnMut(&mut ClientPager)) + Send + 'static,
 {
+    start(with_pager, cfg, true)
+}
+
+/// Starts a thread that only follows membership (`cfg.membership_every`; none if that is
+/// `None`), for a pager whose schedule another loop ticks: a region's handler runs it between
+/// faults. Asking the local daemon is a blocking HTTP call, which that loop must not make; the
+/// thread takes the pager's lock only when the daemon's answer calls for it (a server declared
+/// down, a member that joined).
+pub fn spawn_membership<F>(with_pager: F, cfg: MaintainConfig) -> Maintenance
+where
+    F: Fn(&mut dyn FnMut(&mut ClientPager)) + Send + 'static,
+{
+    if cfg.membership_every.is_none() {
+        return Maintenance {
+            stop: Arc::new(AtomicBool::new(false)),
+            paused: Arc::new(AtomicBool::new(false)),
+            thread: None,
+        };
+    }
+    start(with_pager, cfg, false)
+}
+
+fn start<F>(with_pager: F, cfg: MaintainConfig, ticks: bool) -> Maintenance
+where
+    F: Fn(&mut dyn FnMut(&mut ClientPager)) + Send + 'static,
+{
     let stop = Arc::new(AtomicBool::new(false));
     let paused = Arc::new(AtomicBool::new(false));
     let thread = {
         let (stop, paused) = (stop.clone(), paused.clone());
         std::thread::Builder::new()
             .name("netram-maintain".into())
-            .spawn(move || run(with_pager, cfg, &stop, &paused))
+            .spawn(move || run(with_pager, cfg, ticks, &stop, &paused))
             .expect("spawn maintenance thread")
     };
     Maintenance {
@@ -217,22 +238,41 @@ impl Membership {
     }
 }
 
-fn run<F>(with_pager: F, cfg: MaintainConfig, stop: &AtomicBool, paused: &AtomicBool)
+impl MaintainConfig {
+    /// The pager's schedule under this configuration; `probe_timeout` is the transport's
+    /// reply timeout (a probe unanswered that long fails its server).
+    pub fn schedule(&self, probe_timeout: Duration) -> ScheduleConfig {
+        ScheduleConfig {
+            probe_every_us: self.probe_every.as_micros() as u64,
+            reconnect_every_us: self.reconnect_every.as_micros() as u64,
+            recover_batch: self.batch,
+            migrate_batch: self.migrate_batch,
+            probe_timeout_us: probe_timeout.as_micros() as u64,
+        }
+    }
+
+    /// How the ticks are spaced.
+    pub fn pacing(&self) -> Pacing {
+        Pacing {
+            pages_per_s: self.pages_per_s,
+            duty: self.duty,
+            migrate_duty: self.migrate_duty,
+            ..Pacing::default()
+        }
+    }
+}
+
+fn run<F>(with_pager: F, cfg: MaintainConfig, ticks: bool, stop: &AtomicBool, paused: &AtomicBool)
 where
     F: Fn(&mut dyn FnMut(&mut ClientPager)),
 {
     // The schedule itself (what is due when) is the pager's, run on this thread's clock; the
-    // simulator runs the same one on its virtual clock.
+    // simulator runs the same one on its virtual clock, a region's handler on its own.
     let epoch = Instant::now();
-    with_pager(&mut |p| {
-        p.set_schedule(ScheduleConfig {
-            probe_every_us: cfg.probe_every.as_micros() as u64,
-            reconnect_every_us: cfg.reconnect_every.as_micros() as u64,
-            recover_batch: cfg.batch,
-            migrate_batch: cfg.migrate_batch,
-            probe_timeout_us: p.transport().reply_timeout().as_micros() as u64,
-        })
-    });
+    let pacing = cfg.pacing();
+    if ticks {
+        with_pager(&mut |p| p.set_schedule(cfg.schedule(p.transport().reply_timeout())));
+    }
     let mut membership = Membership::default();
     while !stop.load(Ordering::SeqCst) {
         if paused.load(Ordering::SeqCst) {
@@ -242,23 +282,23 @@ where
         if let Some(every) = cfg.membership_every {
             membership.check(every, &with_pager);
         }
+        if !ticks {
+            // Membership alone: its own pace.
+            std::thread::park_timeout(cfg.membership_every.unwrap_or(Duration::from_secs(1)));
+            continue;
+        }
         let started = Instant::now();
-        let (mut rebuilt, mut migrated, mut handing, mut rebuilding) = (0, 0, 0, 0);
+        let mut next = NextTick {
+            least_us: pacing.idle_us,
+            most_us: pacing.idle_us,
+        };
         let mut replies = Vec::new();
         with_pager(
             &mut |p| match p.on_tick(epoch.elapsed().as_micros() as u64) {
                 Ok(tick) => {
-                    rebuilt = tick.rebuilt;
-                    migrated = tick.migrated;
-                    handing = tick.handing;
-                    rebuilding = tick.rebuilding;
-                    if tick.revived > 0 {
-                        tracing::info!("{} server(s) reconnected (empty)", tick.revived);
-                    }
-                    if tick.unrecoverable > 0 {
-                        tracing::error!("{} page(s) lost for good", tick.unrecoverable);
-                    }
-                    if handing > 0 || rebuilding > 0 {
+                    tick.report();
+                    next = pacing.next(&tick, started.elapsed().as_micros() as u64);
+                    if next.awaits_answers() {
                         p.reply_fds(&mut replies);
                     }
                 }
@@ -268,35 +308,8 @@ where
         // The next tick comes after `least` (the program's share of the pager), and at the
         // latest after `most`; sooner than `most` when a reply that moves or recovery wait
         // for arrives.
-        let (least, most) = if migrated > 0 || handing > 0 {
-            // Back soon: the pages go as fast as the program's share of the pager allows.
-            // Moves that do not wait hold the pager only to send requests and take answers
-            // in; each answer lets the next request of its move go, so the thread wakes for
-            // it rather than only after a fixed pause.
-            let duty = cfg.migrate_duty.clamp(0.01, 1.0);
-            let share = started.elapsed().mul_f64((1.0 - duty) / duty);
-            if handing > 0 {
-                let least = share.min(Duration::from_millis(5));
-                (least, least.max(HANDOVER_POLL))
-            } else {
-                (share, share)
-            }
-        } else if rebuilt > 0 {
-            // Spaced so that `pages_per_s` and `duty` hold; the step itself counts.
-            let held = started.elapsed();
-            let rate = Duration::from_secs_f64(rebuilt as f64 / cfg.pages_per_s.max(1) as f64);
-            let duty = cfg.duty.clamp(0.01, 1.0);
-            let share = held.mul_f64((1.0 - duty) / duty);
-            let pause = rate.saturating_sub(held).max(share);
-            (pause, pause)
-        } else if rebuilding > 0 {
-            // Recovery's reads are out and none was in yet: their copies go at the next tick,
-            // soon (the replies of a front end that waits on nothing come in at a tick).
-            (Duration::ZERO, HANDOVER_POLL)
-        } else {
-            let idle = Duration::from_millis(50);
-            (idle, idle)
-        };
+        let least = Duration::from_micros(next.least_us);
+        let most = Duration::from_micros(next.most_us);
         std::thread::park_timeout(least);
         if most > least && !replies.is_empty() {
             wait_for_replies(&replies, most - least);

@@ -42,6 +42,99 @@ impl Default for ScheduleConfig {
     }
 }
 
+/// How a loop that ticks the schedule in real time spaces its ticks, so that maintenance takes
+/// a bounded share of the pager (Nswap Table III: recovery must not slow programs down) and
+/// migration a larger one (the donor's machine is waiting for its memory). The same rule for
+/// every such loop: the maintenance thread (`netram_client::maintain`) and a region's handler,
+/// which runs the schedule between faults.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Pacing {
+    /// Pages (Reed-Solomon: stripes) rebuilt per second at most.
+    pub pages_per_s: u64,
+    /// The share of the pager's time recovery may take: after a tick that held the pager for
+    /// `t`, the next comes after `t · (1 − duty) / duty` at the earliest.
+    pub duty: f64,
+    /// The same for migration.
+    pub migrate_duty: f64,
+    /// The pause between ticks with nothing under way (µs).
+    pub idle_us: u64,
+    /// While pages move or recovery's reads are out, the next tick comes at the latest this
+    /// long after the last (µs), sooner when one of their answers arrives: each answer lets
+    /// the next request go.
+    pub answer_poll_us: u64,
+}
+
+impl Default for Pacing {
+    fn default() -> Self {
+        Self {
+            pages_per_s: 100_000,
+            duty: 0.05,
+            migrate_duty: 0.5,
+            idle_us: 50_000,
+            answer_poll_us: 300,
+        }
+    }
+}
+
+/// When the next tick is due, from the end of the last (µs): not before `least`, and at
+/// `most` at the latest; between the two, as soon as an answer that moves or recovery wait
+/// for arrives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct NextTick {
+    pub least_us: u64,
+    pub most_us: u64,
+}
+
+impl NextTick {
+    /// Whether replies arriving between `least` and `most` are worth a tick.
+    pub fn awaits_answers(&self) -> bool {
+        self.most_us > self.least_us
+    }
+}
+
+impl Pacing {
+    /// The next tick after `tick`, which held the pager for `held_us`.
+    pub fn next(&self, tick: &Tick, held_us: u64) -> NextTick {
+        let share = |duty: f64| {
+            let duty = duty.clamp(0.01, 1.0);
+            (held_us as f64 * (1.0 - duty) / duty) as u64
+        };
+        let fixed = |us: u64| NextTick {
+            least_us: us,
+            most_us: us,
+        };
+        if tick.migrated > 0 || tick.handing > 0 {
+            // Back soon: the pages go as fast as the program's share of the pager allows.
+            // Moves that do not wait hold the pager only to send requests and take answers
+            // in; each answer lets the next request of its move go, so the loop wakes for it
+            // rather than only after a fixed pause.
+            let share = share(self.migrate_duty);
+            if tick.handing > 0 {
+                let least = share.min(5_000);
+                NextTick {
+                    least_us: least,
+                    most_us: least.max(self.answer_poll_us),
+                }
+            } else {
+                fixed(share)
+            }
+        } else if tick.rebuilt > 0 {
+            // Spaced so that `pages_per_s` and `duty` hold; the step itself counts.
+            let rate = tick.rebuilt as u64 * 1_000_000 / self.pages_per_s.max(1);
+            fixed(rate.saturating_sub(held_us).max(share(self.duty)))
+        } else if tick.rebuilding > 0 {
+            // Recovery's reads are out and none was in yet: their copies go at the next tick,
+            // soon.
+            NextTick {
+                least_us: 0,
+                most_us: self.answer_poll_us,
+            }
+        } else {
+            fixed(self.idle_us)
+        }
+    }
+}
+
 /// When each task last ran; `None` before the first tick, which starts the clocks.
 #[derive(Debug, Clone, Default)]
 pub(crate) struct Schedule {
@@ -75,6 +168,18 @@ pub struct Tick {
     /// Pages (stripes under `rs:K+M`) whose recovery reads are out after the tick: a later
     /// tick writes their copies (rebuilds their pieces).
     pub rebuilding: usize,
+}
+
+impl Tick {
+    /// Logs what a tick found that its owner should hear of.
+    pub fn report(&self) {
+        if self.revived > 0 {
+            tracing::info!("{} server(s) reconnected (empty)", self.revived);
+        }
+        if self.unrecoverable > 0 {
+            tracing::error!("{} page(s) lost for good", self.unrecoverable);
+        }
+    }
 }
 
 impl Schedule {
@@ -196,5 +301,50 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             );
             self.on_failure(s, TransportError::Timeout(timeout / 1000));
         }
+    }
+}
+
+#[cfg(test)]
+mod pacing_tests {
+    use super::*;
+
+    #[test]
+    fn ticks_are_spaced_by_what_is_under_way() {
+        let p = Pacing::default();
+        let idle = p.next(&Tick::default(), 10);
+        assert_eq!((idle.least_us, idle.most_us), (50_000, 50_000));
+        assert!(!idle.awaits_answers());
+        // A migration step that held the pager 100 µs at a duty of one half: 100 µs for the
+        // program; with moves out, woken by their answers until the poll interval.
+        let moving = Tick {
+            migrated: 64,
+            handing: 64,
+            ..Tick::default()
+        };
+        let next = p.next(&moving, 100);
+        assert_eq!((next.least_us, next.most_us), (100, 300));
+        assert!(next.awaits_answers());
+        // A long step: the program's share caps at 5 ms.
+        assert_eq!(p.next(&moving, 1_000_000).least_us, 5_000);
+        let through_owner = Tick {
+            migrated: 64,
+            ..Tick::default()
+        };
+        assert_eq!(p.next(&through_owner, 2_000).most_us, 2_000);
+        // Recovery: 64 pages at 100,000 a second is 640 µs, less the step's own 10 µs; a
+        // longer step is followed by 19 times its length (a 5 % duty).
+        let rebuilt = Tick {
+            rebuilt: 64,
+            ..Tick::default()
+        };
+        assert_eq!(p.next(&rebuilt, 10).least_us, 630);
+        assert_eq!(p.next(&rebuilt, 40).least_us, 760);
+        assert_eq!(p.next(&rebuilt, 1_000).least_us, 19_000);
+        let reading = Tick {
+            rebuilding: 3,
+            ..Tick::default()
+        };
+        let next = p.next(&reading, 10);
+        assert_eq!((next.least_us, next.most_us), (0, 300));
     }
 }

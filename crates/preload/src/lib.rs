@@ -83,7 +83,8 @@ const OFF: u8 = 3;
 
 static STATE: AtomicU8 = AtomicU8::new(UNINIT);
 static HEAP: OnceLock<Heap> = OnceLock::new();
-/// The region's background thread (see `netram::start_maintenance`).
+/// The thread that follows membership for the region (see `netram::start_maintenance`; the
+/// region's handler runs probes, reconnections and recovery itself).
 static MAINTENANCE: OnceLock<netram_client::maintain::Maintenance> = OnceLock::new();
 static THRESHOLD: AtomicUsize = AtomicUsize::new(usize::MAX);
 /// The threshold where the region cannot serve the kernel's own accesses.

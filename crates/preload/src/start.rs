@@ -51,7 +51,8 @@ pub(crate) fn start() -> Result<bool, StartError> {
     REGION_END.store(start + heap.region().len(), Ordering::Relaxed);
     let _ = HEAP.set(heap);
     if let Some(h) = HEAP.get() {
-        // Probes, reconnections and recovery in the background, for the process's lifetime.
+        // Probes, reconnections and recovery (by the handler, between faults) and membership,
+        // for the process's lifetime.
         let _ = MAINTENANCE.set(netram::start_maintenance(h, Default::default()));
     }
     // An ordinary user's userfaultfd does not serve faults raised inside system calls: a

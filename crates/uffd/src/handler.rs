@@ -11,6 +11,11 @@ pub(crate) const STOP: u64 = 1;
 
 pub(crate) const DIE: u64 = 2;
 
+/// Written to the same eventfd: look again (the maintenance schedule changed, see
+/// [`Region::set_upkeep`]). A multiple of 4, so that any number of them added up by the
+/// eventfd leaves [`STOP`] and [`DIE`] readable.
+pub(crate) const WAKE: u64 = 4;
+
 /// Events read from one userfaultfd before the loop turns to the others: large enough that the
 /// faults of many threads that wait together still go out as one batch. See [`Round`].
 pub(crate) const EVENTS_PER_ROUND: usize = 64;
@@ -108,7 +113,11 @@ impl<T: Transport, D: Disk> Shared<T, D> {
         // Whether fetches were in flight when the last events were handled (`fetch.rs`), or
         // victims wait for the pager's room (`evict.rs`): then the loop waits for replies too.
         let mut fetching = false;
+        // The maintenance schedule (`upkeep.rs`), and whether a reply it waits for arrived.
+        let mut ticker = upkeep::Ticker::new();
+        let mut answered = false;
         loop {
+            self.upkeep(&mut ticker, std::mem::take(&mut answered));
             let wait_started = std::time::Instant::now();
             let with_children = self.child_count.load(Ordering::Acquire) > 0;
             if spin_next && !with_children && !fetching && self.spin_for_event(wait_started) {
@@ -123,7 +132,10 @@ impl<T: Transport, D: Disk> Shared<T, D> {
             // says so). And the connections whose replies fetches wait for.
             let mut children = Vec::new();
             let mut replies = Vec::new();
-            if with_children || fetching {
+            let upkeep = self.upkeep_on();
+            // Moves or recovery wait for answers, and the program's share has passed.
+            let listening = upkeep && ticker.listens(wait_started);
+            if with_children || fetching || listening {
                 use std::os::fd::{AsFd, AsRawFd};
                 let st = self.lock();
                 children.extend(st.children.iter().flat_map(|c| {
@@ -131,7 +143,7 @@ impl<T: Transport, D: Disk> Shared<T, D> {
                     std::iter::once(c.uffd.as_fd().as_raw_fd()).chain(agent)
                 }));
                 fetching = self.awaits_replies(&st);
-                if fetching {
+                if fetching || listening {
                     st.pager.reply_fds(&mut replies);
                 }
             }
@@ -154,6 +166,7 @@ impl<T: Transport, D: Disk> Shared<T, D> {
                 ));
             }
             let first_child = fds.len();
+            let first_reply = first_child + children.len();
             for &fd in &children {
                 // SAFETY: a child's descriptor (or its agent's socket) is closed only by this
                 // thread (`serve_children`, after the poll) or after it has been joined.
@@ -175,9 +188,17 @@ impl<T: Transport, D: Disk> Shared<T, D> {
             // Bounded with children (see above) and with fetches in flight: their replies may
             // be read by another holder of the lock (maintenance), and a fetch that stalls is
             // waited for the old way (`fetch::STALLED`).
+            // And by the schedule's next tick.
+            let mut bound = std::time::Duration::from_millis(if fetching { 20 } else { 100 });
+            let mut bounded = !children.is_empty() || fetching;
+            if upkeep {
+                let until = ticker.until(wait_started);
+                bound = if bounded { bound.min(until) } else { until };
+                bounded = true;
+            }
             let timeout = rustix::event::Timespec {
-                tv_sec: 0,
-                tv_nsec: if fetching { 20_000_000 } else { 100_000_000 },
+                tv_sec: bound.as_secs() as i64,
+                tv_nsec: i64::from(bound.subsec_nanos()),
             };
             // With children or fetches, the spin covers their descriptors too: a child's
             // faults wait for this thread as the parent's do, and a reply is as close as a
@@ -197,7 +218,6 @@ impl<T: Transport, D: Disk> Shared<T, D> {
                 }
             }
             if matches!(polled, Ok(0)) {
-                let bounded = !children.is_empty() || fetching;
                 polled = poll(&mut fds, bounded.then_some(&timeout));
             }
             spin_next = !self.spin.is_zero() && wait_started.elapsed() <= self.spin * 2;
@@ -212,14 +232,20 @@ impl<T: Transport, D: Disk> Shared<T, D> {
             if !fds[1].revents().is_empty() {
                 let mut word = [0u8; 8];
                 let _ = rustix::io::read(stop, &mut word);
-                if u64::from_ne_bytes(word) == DIE {
+                let word = u64::from_ne_bytes(word);
+                if word & DIE != 0 {
                     // The fault point of the test for a handler that dies.
                     tracing::error!("userfaultfd handler: told to die");
                     return;
                 }
-                guard.armed = false;
-                return;
+                if word & STOP != 0 {
+                    guard.armed = false;
+                    return;
+                }
+                // Otherwise a WAKE: the loop looks at the schedule again.
             }
+            answered = listening && fds[first_reply..].iter().any(|f| !f.revents().is_empty());
+            // (A reply counts: the children's fetches wait for replies too.)
             let children_ready = fds[first_child..].iter().any(|f| !f.revents().is_empty());
             let sent = channel.is_some() && !fds[2].revents().is_empty();
             drop(fds);

@@ -83,6 +83,7 @@ mod handler;
 pub mod heap;
 mod prefetch;
 mod sys;
+mod upkeep;
 
 pub use alloc::NetramAlloc;
 pub use fork::{children_follow, children_follow_regions};
@@ -103,6 +104,7 @@ use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use sys::{Event, Uffd};
+pub use upkeep::Upkeep;
 
 #[derive(Debug, thiserror::Error)]
 pub enum RegionError {
@@ -445,6 +447,9 @@ pub struct RegionOptions {
     /// Resident pages at most for such a child, in bytes (`None`: the parent's budget at the
     /// fork).
     pub child_budget: Option<usize>,
+    /// The pager's maintenance schedule, run by the handler between faults (`None`, the
+    /// default: not run; see [`Region::set_upkeep`]).
+    pub upkeep: Option<Upkeep>,
 }
 
 impl Default for RegionOptions {
@@ -454,6 +459,7 @@ impl Default for RegionOptions {
             spin: std::time::Duration::ZERO,
             child_slots: 0,
             child_budget: None,
+            upkeep: None,
         }
     }
 }
@@ -582,7 +588,9 @@ where
                 fork_resident: None,
                 forking_since: None,
                 last_probe: std::time::Instant::now(),
+                upkeep: options.upkeep,
             }),
+            upkeep_on: std::sync::atomic::AtomicBool::new(options.upkeep.is_some()),
             follows_forks,
             fork_channel,
             child_count: AtomicUsize::new(0),
@@ -834,6 +842,8 @@ struct Shared<T: Transport, D: Disk> {
     agent_fds: [std::sync::atomic::AtomicI32; 2],
     /// Signalled when no fork is pending any more (`release` waits for it).
     forked: Condvar,
+    /// `state.upkeep.is_some()`, read without the lock by the handler's loop.
+    upkeep_on: std::sync::atomic::AtomicBool,
 }
 
 /// Whether installing fetched pages write-protected pays: a protected page that is never
@@ -931,6 +941,8 @@ struct State<T: Transport, D: Disk> {
     forking_since: Option<std::time::Instant>,
     /// When the children were last asked whether their memory is still there.
     last_probe: std::time::Instant,
+    /// The maintenance schedule the handler runs (`upkeep.rs`).
+    upkeep: Option<Upkeep>,
 }
 
 impl<T: Transport, D: Disk> State<T, D> {
