@@ -9,6 +9,7 @@ use common::{eventually, vm_rss, ServerProcess};
 use netram_pager::{MemDisk, Pager, PagerConfig};
 use netram_proto::PAGE_SIZE;
 use std::path::Path;
+use std::time::Duration;
 
 const MIB: u64 = 1 << 20;
 
@@ -224,10 +225,15 @@ fn verify(pager: &mut Pager<netram_client::TcpTransport, MemDisk>, n: u64, when:
 /// offer to nothing when its machine needs the memory; the client (a real pager over TLS,
 /// ticked as its maintenance thread would) moves them to the other server; the donor ends up
 /// holding nothing, its resident memory falls, and every page reads back as written.
+///
+/// The moves pause halfway for longer than the other server's idle timeout (the owner busy
+/// elsewhere), which closes the donor's idle connection to it: the next handover opens
+/// another, and every page still goes server to server. (A stale connection failed the next
+/// handover, after which the owner moved the rest itself: `netram bench adapt` found it.)
 #[test]
 fn pages_leave_a_donor_that_shrinks_for_another_server() {
     let proc_dir = tempfile::tempdir().unwrap();
-    let other = ServerProcess::start(&["--capacity", "512M"]);
+    let other = ServerProcess::start(&["--capacity", "512M", "--idle-timeout", "2s"]);
     let donor = start_donor_seeded(proc_dir.path(), 256 * MIB, Some(&other.addr));
     eventually("the other server knows the donor", 30, || {
         other.stat("other_members_alive") >= 1
@@ -251,6 +257,22 @@ fn pages_leave_a_donor_that_shrinks_for_another_server() {
     });
     let started = std::time::Instant::now();
     let mut now_us = 0;
+    eventually("some pages moved server to server", 60, || {
+        now_us += 10_000;
+        pager.on_tick(now_us).unwrap();
+        pager.counters().pages_migrated_direct > 0
+    });
+    // The pause: the pager's own connections kept alive (a live client refreshes its
+    // sessions), the donor's to the other server left idle.
+    let paused = std::time::Instant::now();
+    while paused.elapsed() < Duration::from_millis(3000) {
+        pager.probe_servers().unwrap();
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    assert!(
+        pager.pages_leaving() > 0,
+        "pages are left to move after the pause"
+    );
     eventually("the donor holds nothing", 60, || {
         // A tick as the maintenance thread runs them; the server is asked again only after
         // the pager thinks it is done.

@@ -74,6 +74,18 @@ struct Peer {
     next_id: u64,
 }
 
+/// Whether a connection with no request outstanding has anything to read: the holder closed
+/// it (or broke the protocol by speaking unasked); either way it cannot carry a request.
+fn closed_by_holder(s: &TcpStream) -> bool {
+    use rustix::event::{poll, PollFd, PollFlags, Timespec};
+    let mut fds = [PollFd::new(s, PollFlags::IN)];
+    let zero = Timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    matches!(poll(&mut fds, Some(&zero)), Ok(n) if n > 0)
+}
+
 /// The connections of one server to the holders it forwards to.
 #[derive(Debug)]
 pub struct Peers {
@@ -234,6 +246,18 @@ impl Peers {
             _ => unreachable!("peers only send deltas and adopted pages"),
         };
         for attempt in 0..2 {
+            if peer
+                .conn
+                .as_ref()
+                .is_some_and(|(s, _, _)| closed_by_holder(s))
+            {
+                // The holder closed the connection while it was idle (its idle timeout: a
+                // peer refreshes nothing between requests): nothing was sent on it, so a new
+                // one is as good. Sending on it would fail this request, and a handover that
+                // fails tells the owner to stop asking this server for that holder.
+                tracing::debug!(%holder, "peer connection closed while idle: opening another");
+                peer.conn = None;
+            }
             if peer.conn.is_none() {
                 if peer
                     .failed_at
