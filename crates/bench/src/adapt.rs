@@ -21,11 +21,14 @@
 use crate::machine::Machine;
 use crate::process::ChildGuard;
 use crate::{page_content, target, Summary, Target};
+use netram_client::disk::FileDisk;
 use netram_client::maintain::{self, MaintainConfig};
 use netram_client::open::{open_pager, ClientPager, OpenOptions};
 use netram_client::query_stats;
-use netram_pager::{Backing, Scheme};
+use netram_client::TcpTransport;
+use netram_pager::{Backing, PagerCounters, Scheme};
 use netram_proto::PAGE_SIZE;
+use netram_uffd::{Region, RegionOptions, Upkeep};
 use serde::Serialize;
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
@@ -192,32 +195,87 @@ fn lock(p: &Mutex<ClientPager>) -> std::sync::MutexGuard<'_, ClientPager> {
     p.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// One depth-1 read of a random page, checked; its latency in ns. Returns the pager's moves
-/// started and landed, read under the same hold of its lock.
-fn read_one(
-    pager: &Mutex<ClientPager>,
-    pages: u64,
-    rng: &mut fastrand::Rng,
-    buf: &mut [u8],
-    want: &mut [u8],
-) -> anyhow::Result<(u64, u64, u64, u64)> {
-    let pg = rng.u64(0..pages);
-    let t = Instant::now();
-    let mut p = lock(pager);
-    p.read(pg, buf)?;
-    let ns = t.elapsed().as_nanos() as u64;
+/// Whoever owns the pages that move and reads them meanwhile: a pager behind its owner's lock
+/// (as `netram nbd` holds it), its schedule ticked by the maintenance thread; or a region,
+/// whose faults fetch them (`netram run`, the C ABI).
+trait Owner {
+    /// One depth-1 read of a random page, checked: its latency in ns, and the pager's moves
+    /// started and landed and its pages leaving, read right after.
+    fn read_one(
+        &self,
+        pages: u64,
+        rng: &mut fastrand::Rng,
+        buf: &mut [u8],
+        want: &mut [u8],
+    ) -> anyhow::Result<(u64, u64, u64, u64)>;
+
+    fn counters(&self) -> PagerCounters;
+}
+
+/// A move ends landed or refused (the page stays and is moved again).
+fn moves(p: &ClientPager) -> (u64, u64, u64) {
     let c = p.counters();
-    // A move ends landed or refused (the page stays and is moved again).
-    let out = (
-        ns,
+    (
         c.migrations_started,
         c.pages_migrated + c.migrations_refused,
         p.pages_leaving(),
-    );
-    drop(p);
-    page_content(SEED, pg, want);
-    anyhow::ensure!(buf == want, "page {pg} read back wrong");
-    Ok(out)
+    )
+}
+
+impl Owner for Mutex<ClientPager> {
+    fn read_one(
+        &self,
+        pages: u64,
+        rng: &mut fastrand::Rng,
+        buf: &mut [u8],
+        want: &mut [u8],
+    ) -> anyhow::Result<(u64, u64, u64, u64)> {
+        let pg = rng.u64(0..pages);
+        let t = Instant::now();
+        let mut p = lock(self);
+        p.read(pg, buf)?;
+        let ns = t.elapsed().as_nanos() as u64;
+        // Under the same hold of the lock.
+        let (started, landed, leaving) = moves(&p);
+        drop(p);
+        page_content(SEED, pg, want);
+        anyhow::ensure!(buf == want, "page {pg} read back wrong");
+        Ok((ns, started, landed, leaving))
+    }
+
+    fn counters(&self) -> PagerCounters {
+        lock(self).counters().clone()
+    }
+}
+
+impl Owner for Region<TcpTransport, FileDisk> {
+    fn read_one(
+        &self,
+        pages: u64,
+        rng: &mut fastrand::Rng,
+        _buf: &mut [u8],
+        want: &mut [u8],
+    ) -> anyhow::Result<(u64, u64, u64, u64)> {
+        let pg = rng.u64(0..pages);
+        let at = self.as_ptr().wrapping_add(pg as usize * PAGE_SIZE);
+        let t = Instant::now();
+        // SAFETY: the first byte of a page of the region, which lives as long as `self`: the
+        // access that faults the page in if it is not resident.
+        let first = unsafe { std::ptr::read_volatile(at) };
+        let ns = t.elapsed().as_nanos() as u64;
+        let (started, landed, leaving) = self.with_pager(|p| moves(p));
+        page_content(SEED, pg, want);
+        let page = &self.as_slice()[pg as usize * PAGE_SIZE..][..PAGE_SIZE];
+        anyhow::ensure!(
+            first == want[0] && page == want,
+            "page {pg} of the region read back wrong"
+        );
+        Ok((ns, started, landed, leaving))
+    }
+
+    fn counters(&self) -> PagerCounters {
+        self.with_pager(|p| p.counters().clone())
+    }
 }
 
 #[derive(Debug, Default, Serialize)]
@@ -281,6 +339,12 @@ pub struct AdaptResult {
     pub migration: Migration,
     /// The same pages back, B → D, moved by their owner itself (C → A → B), side by side.
     pub migration_through_client: Migration,
+    /// A region's pages moved (`netram run`'s front end), its pager's schedule run by its
+    /// handler between faults or by a maintenance thread, alternately, in the same run.
+    pub region_migrations: Vec<RegionMigration>,
+    /// Handler over thread, means of their two runs each.
+    pub region_handler_over_thread_pages_per_s: f64,
+    pub region_handler_over_thread_p99_during: f64,
     pub swaps: Vec<Swap>,
     pub targets: Vec<Target>,
 }
@@ -340,7 +404,7 @@ fn bystander(
 
 /// The migration experiment. Returns the donors with the pages on `b` now.
 fn migration(
-    pager: &Arc<Mutex<ClientPager>>,
+    pager: &dyn Owner,
     pages: u64,
     d: &Donor,
     b: &Donor,
@@ -359,9 +423,9 @@ fn migration(
     let t = Instant::now();
     let before_start = t;
     while t.elapsed() < phase {
-        without.push(read_one(pager, pages, &mut rng, &mut buf, &mut want)?.0);
+        without.push(pager.read_one(pages, &mut rng, &mut buf, &mut want)?.0);
     }
-    let c0 = lock(pager).counters().clone();
+    let c0 = pager.counters();
     let started0 = c0.migrations_started;
     r.donor_rss_before_mib = d.rss() as f64 / MIB as f64;
     let held_bytes = r.pages * PAGE_SIZE as u64;
@@ -375,21 +439,14 @@ fn migration(
             shrink.elapsed() < Duration::from_secs(300),
             "the migration did not end within 300 s"
         );
-        let (ns, started, _, leaving) = read_one(pager, pages, &mut rng, &mut buf, &mut want)?;
+        let (ns, started, landed, leaving) =
+            pager.read_one(pages, &mut rng, &mut buf, &mut want)?;
         if first.is_none() && started > started0 {
             first = Some(Instant::now());
         }
         if first.is_some() && last.is_none() {
             during.push(ns);
-            let (landed, started_now) = {
-                let p = lock(pager);
-                let c = p.counters();
-                (
-                    c.pages_migrated + c.migrations_refused,
-                    c.migrations_started,
-                )
-            };
-            if leaving == 0 && landed == started_now {
+            if leaving == 0 && landed == started {
                 last = Some(Instant::now());
             }
         }
@@ -420,8 +477,7 @@ fn migration(
     r.bystander_p50_during_migration_us = bd.p50_us;
     r.bystander_p99_during_migration_us = bd.p99_us;
     {
-        let p = lock(pager);
-        let c = p.counters();
+        let c = pager.counters();
         r.pages_migrated = c.pages_migrated - c0.pages_migrated;
         r.pages_migrated_to_disk = c.pages_migrated_to_disk - c0.pages_migrated_to_disk;
         r.pages_migrated_direct = c.pages_migrated_direct - c0.pages_migrated_direct;
@@ -444,6 +500,137 @@ fn migration(
     r.reads_without = w.samples;
     r.reads_during = dur.samples;
     Ok(r)
+}
+
+/// One move of a region's pages off a donor, and who ran the pager's schedule.
+#[derive(Debug, Serialize)]
+pub struct RegionMigration {
+    /// `handler`: the region's handler, between faults (what `netram run` does); `thread`: a
+    /// maintenance thread taking the region's lock for each step (what it did before).
+    pub schedule_by: &'static str,
+    pub from: &'static str,
+    pub to: &'static str,
+    #[serde(flatten)]
+    pub m: Migration,
+}
+
+/// The region's pages and its local memory: one in eight pages resident, so that most reads
+/// fault and fetch.
+fn region_size(quick: bool) -> (u64, u64) {
+    let bytes = if quick { 64 * MIB } else { 256 * MIB };
+    (bytes / PAGE_SIZE as u64, bytes / PAGE_SIZE as u64 / 8)
+}
+
+/// A region's pages moved off a donor four times, its schedule run alternately by its handler
+/// and by a maintenance thread (handler, thread, thread, handler: each direction and each
+/// place in the run for both), its faults timed meanwhile. Starts with both donors roomy and
+/// no other client's pages on them.
+fn region_migrations(
+    d: &Donor,
+    b: &Donor,
+    quick: bool,
+    tmp: &Path,
+    phase: Duration,
+) -> anyhow::Result<Vec<RegionMigration>> {
+    let (pages, budget) = region_size(quick);
+    // Every page on D: B has no room while they are written.
+    b.set_available(SHORT)?;
+    b.wait_offer(0, Duration::from_secs(60))?;
+    let p = open_pager(&OpenOptions {
+        security: crate::security()?,
+        servers: vec![d.addr.clone(), b.addr.clone()],
+        backing: Backing::Cluster,
+        pages,
+        cache_pages: 64,
+        spill_dir: Some(tmp.to_path_buf()),
+        low_latency: false,
+        redundancy: Scheme::None,
+    })?;
+    let cfg = MaintainConfig {
+        probe_every: Duration::from_millis(100),
+        ..Default::default()
+    };
+    let upkeep = Upkeep {
+        schedule: cfg.schedule(p.transport().reply_timeout()),
+        pacing: cfg.pacing(),
+    };
+    let mut region = Region::with_options(
+        p,
+        pages as usize * PAGE_SIZE,
+        budget as usize * PAGE_SIZE,
+        RegionOptions::default(),
+    )?;
+    eprintln!(
+        "a region of {} MiB ({} MiB local) written to one donor ...",
+        pages * PAGE_SIZE as u64 / MIB,
+        budget * PAGE_SIZE as u64 / MIB
+    );
+    for (pg, page) in region
+        .as_mut_slice()
+        .chunks_exact_mut(PAGE_SIZE)
+        .enumerate()
+    {
+        page_content(SEED, pg as u64, page);
+    }
+    region.with_pager(|p| p.flush())?;
+    let mut out = Vec::new();
+    let (mut from, mut to) = (d, b);
+    for (i, by_handler) in [true, false, false, true].into_iter().enumerate() {
+        to.set_available(ROOMY)?;
+        to.wait_offer(pages, Duration::from_secs(60))?;
+        let thread = if by_handler {
+            region.set_upkeep(Some(upkeep));
+            None
+        } else {
+            region.set_upkeep(None);
+            let handle = region.pager_handle();
+            Some(maintain::spawn(move |f| handle.with(|p| f(p)), cfg))
+        };
+        let by = if by_handler { "handler" } else { "thread" };
+        eprintln!(
+            "region migration {} of 4, schedule run by its {by} ...",
+            i + 1
+        );
+        let m = migration(&region, pages, from, to, phase)?;
+        drop(thread);
+        out.push(RegionMigration {
+            schedule_by: by,
+            from: if i % 2 == 0 { "D" } else { "B" },
+            to: if i % 2 == 0 { "B" } else { "D" },
+            m,
+        });
+        std::mem::swap(&mut from, &mut to);
+    }
+    region.set_upkeep(None);
+    // Every page, checked after the moves (each read faults it in if it is not resident).
+    let mut want = vec![0u8; PAGE_SIZE];
+    for pg in 0..pages {
+        page_content(SEED, pg, &mut want);
+        anyhow::ensure!(
+            region.as_slice()[pg as usize * PAGE_SIZE..][..PAGE_SIZE] == want[..],
+            "page {pg} of the region wrong after its migrations"
+        );
+    }
+    Ok(out)
+}
+
+/// The handler's runs over the thread's, each summed over its two runs: (pages per second,
+/// the owner's read p99 during the moves).
+fn handler_over_thread(runs: &[RegionMigration]) -> Option<(f64, f64)> {
+    let mean = |by: &str, f: &dyn Fn(&Migration) -> f64| {
+        let v: Vec<f64> = runs
+            .iter()
+            .filter(|r| r.schedule_by == by)
+            .map(|r| f(&r.m))
+            .collect();
+        (!v.is_empty()).then(|| v.iter().sum::<f64>() / v.len() as f64)
+    };
+    let rate = |m: &Migration| m.migration_pages_per_s;
+    let p99 = |m: &Migration| m.client_p99_during_migration_us;
+    Some((
+        mean("handler", &rate)? / mean("thread", &rate)?.max(1e-9),
+        mean("handler", &p99)? / mean("thread", &p99)?.max(1e-9),
+    ))
 }
 
 /// The paging program for `dur`: depth-1 random reads and writes (one in four), every read
@@ -556,7 +743,7 @@ pub fn run(opts: &Options) -> anyhow::Result<String> {
         )
     };
     eprintln!("migration: the donor's machine needs its memory ...");
-    let m = migration(&pager, pages, &d, &b, phase)?;
+    let m = migration(&*pager, pages, &d, &b, phase)?;
     // Every page, checked after the move.
     let mut want = vec![0u8; PAGE_SIZE];
     for start in (0..pages).step_by(64) {
@@ -575,7 +762,7 @@ pub fn run(opts: &Options) -> anyhow::Result<String> {
     d.set_available(ROOMY)?;
     d.wait_offer(pages, Duration::from_secs(60))?;
     lock(&pager).set_direct_migration(false);
-    let through = migration(&pager, pages, &b, &d, phase)?;
+    let through = migration(&*pager, pages, &b, &d, phase)?;
     lock(&pager).set_direct_migration(true);
     anyhow::ensure!(
         through.pages_migrated_direct == 0,
@@ -639,6 +826,11 @@ pub fn run(opts: &Options) -> anyhow::Result<String> {
         .unwrap_or_else(|e| e.into_inner())
         .into_transport()
         .close();
+    // The same moves under a region, its schedule run by its handler and by a thread.
+    d.set_available(ROOMY)?;
+    let region = region_migrations(&d, &b, opts.quick, &tmp, phase)?;
+    let (rate_ratio, p99_ratio) =
+        handler_over_thread(&region).expect("both kinds of run, by construction");
     let targets = vec![
         target(
             "migration_pages_per_s / 50000",
@@ -661,6 +853,9 @@ pub fn run(opts: &Options) -> anyhow::Result<String> {
         client_p99_without_migration_us: m.client_p99_without_migration_us,
         migration: m,
         migration_through_client: through,
+        region_migrations: region,
+        region_handler_over_thread_pages_per_s: rate_ratio,
+        region_handler_over_thread_p99_during: p99_ratio,
         swaps,
         targets,
     };
@@ -754,6 +949,42 @@ fn markdown(r: &AdaptResult) -> String {
         m.bystander_p99_during_migration_us,
         t.bystander_p99_during_migration_us,
         m.bystander_p99_during_migration_us / t.bystander_p99_during_migration_us.max(1e-9),
+    );
+    let _ = writeln!(
+        s,
+        "## A region's pages: its schedule run by its handler or by a thread, side by side\n\n\
+         A region (`netram run`'s front end) of {} MiB, one page in eight resident, its pages \
+         moved off a donor four times, its pager's maintenance schedule run alternately by the \
+         handler between faults (as `netram run` does) and by a maintenance thread taking the \
+         region's lock for each step (as it did before); the owner's reads fault meanwhile.\n\n\
+         | run | schedule by | move | pages/s | direct | owner p50 / p99 without | owner p50 / p99 during | reads during |\n\
+         |---|---|---|---|---|---|---|---|",
+        region_size(r.quick).0 * PAGE_SIZE as u64 / MIB
+    );
+    for (i, x) in r.region_migrations.iter().enumerate() {
+        let m = &x.m;
+        let _ = writeln!(
+            s,
+            "| {} | {} | {} → {} | {:.0} | {} of {} | {:.1} / {:.1} µs | {:.1} / {:.1} µs | {} |",
+            i + 1,
+            x.schedule_by,
+            x.from,
+            x.to,
+            m.migration_pages_per_s,
+            m.pages_migrated_direct,
+            m.pages_migrated,
+            m.client_p50_without_migration_us,
+            m.client_p99_without_migration_us,
+            m.client_p50_during_migration_us,
+            m.client_p99_during_migration_us,
+            m.reads_during,
+        );
+    }
+    let _ = writeln!(
+        s,
+        "\nHandler over thread (means of two runs each): pages per second {:.2}, the owner's \
+         read p99 during the moves {:.2}.\n",
+        r.region_handler_over_thread_pages_per_s, r.region_handler_over_thread_p99_during
     );
     let _ = writeln!(
         s,

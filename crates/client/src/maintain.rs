@@ -266,9 +266,9 @@ fn run<F>(with_pager: F, cfg: MaintainConfig, ticks: bool, stop: &AtomicBool, pa
 where
     F: Fn(&mut dyn FnMut(&mut ClientPager)),
 {
-    // The schedule itself (what is due when) is the pager's, run on this thread's clock; the
-    // simulator runs the same one on its virtual clock, a region's handler on its own.
-    let epoch = Instant::now();
+    // The schedule itself (what is due when) is the pager's, run on the process's clock
+    // (`real_time_us`, as a region's handler runs it); the simulator runs the same one on its
+    // virtual clock.
     let pacing = cfg.pacing();
     if ticks {
         with_pager(&mut |p| p.set_schedule(cfg.schedule(p.transport().reply_timeout())));
@@ -293,18 +293,16 @@ where
             most_us: pacing.idle_us,
         };
         let mut replies = Vec::new();
-        with_pager(
-            &mut |p| match p.on_tick(epoch.elapsed().as_micros() as u64) {
-                Ok(tick) => {
-                    tick.report();
-                    next = pacing.next(&tick, started.elapsed().as_micros() as u64);
-                    if next.awaits_answers() {
-                        p.reply_fds(&mut replies);
-                    }
+        with_pager(&mut |p| match p.on_tick(netram_pager::real_time_us()) {
+            Ok(tick) => {
+                tick.report();
+                next = pacing.next(&tick, started.elapsed().as_micros() as u64);
+                if next.awaits_answers() {
+                    p.reply_fds(&mut replies);
                 }
-                Err(e) => tracing::warn!("maintenance: {e}"),
-            },
-        );
+            }
+            Err(e) => tracing::warn!("maintenance: {e}"),
+        });
         // The next tick comes after `least` (the program's share of the pager), and at the
         // latest after `most`; sooner than `most` when a reply that moves or recovery wait
         // for arrives.

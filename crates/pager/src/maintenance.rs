@@ -42,6 +42,18 @@ impl Default for ScheduleConfig {
     }
 }
 
+/// The time to give [`Pager::on_tick`] in a loop that runs on real time: microseconds since
+/// the first call in this process. One origin for every such loop, so that a pager ticked by
+/// one and later by another (a region's handler, a maintenance thread) never sees its clock go
+/// back: a probe sent at a later time than "now" would never be late, nor the next one due.
+pub fn real_time_us() -> u64 {
+    static ORIGIN: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
+    ORIGIN
+        .get_or_init(std::time::Instant::now)
+        .elapsed()
+        .as_micros() as u64
+}
+
 /// How a loop that ticks the schedule in real time spaces its ticks, so that maintenance takes
 /// a bounded share of the pager (Nswap Table III: recovery must not slow programs down) and
 /// migration a larger one (the donor's machine is waiting for its memory). The same rule for

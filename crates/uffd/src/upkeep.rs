@@ -28,7 +28,6 @@ pub struct Upkeep {
 /// handler), at `most` at the latest, and in between as soon as a reply arrives when moves or
 /// recovery wait for answers.
 pub(crate) struct Ticker {
-    epoch: Instant,
     /// The schedule last given to the pager.
     given: Option<ScheduleConfig>,
     least: Instant,
@@ -39,7 +38,6 @@ impl Ticker {
     pub(crate) fn new() -> Self {
         let now = Instant::now();
         Self {
-            epoch: now,
             given: None,
             least: now,
             most: now,
@@ -92,7 +90,7 @@ impl<T: Transport, D: Disk> Shared<T, D> {
             t.given = Some(cfg.schedule);
         }
         let started = Instant::now();
-        let next = match st.pager.on_tick(t.epoch.elapsed().as_micros() as u64) {
+        let next = match st.pager.on_tick(netram_pager::real_time_us()) {
             Ok(tick) => {
                 tick.report();
                 cfg.pacing.next(&tick, started.elapsed().as_micros() as u64)
