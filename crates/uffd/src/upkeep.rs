@@ -24,6 +24,9 @@ pub struct Upkeep {
     pub pacing: Pacing,
 }
 
+/// How long past its latest time a tick waits for the faults already raised to be served.
+const DEFER_FOR_FAULTS: Duration = Duration::from_millis(2);
+
 /// When the handler's loop ticks next: not before `least` (the program's share of the
 /// handler), at `most` at the latest, and in between as soon as a reply arrives when moves or
 /// recovery wait for answers.
@@ -75,10 +78,28 @@ impl<T: Transport, D: Disk> Shared<T, D> {
         self.upkeep_on.load(Ordering::Acquire)
     }
 
+    /// Whether a fault (or another event) waits on the region's userfaultfd.
+    fn fault_waiting(&self) -> bool {
+        let mut fds = [rustix::event::PollFd::new(
+            &self.uffd,
+            rustix::event::PollFlags::IN,
+        )];
+        let zero = rustix::event::Timespec {
+            tv_sec: 0,
+            tv_nsec: 0,
+        };
+        matches!(rustix::event::poll(&mut fds, Some(&zero)), Ok(n) if n > 0)
+    }
+
     /// Runs a tick of the schedule if one is due: at the ticker's `most`, or from its `least`
     /// on if a reply arrived (`answered`). The replies the tick reads finish fetches too.
     pub(crate) fn upkeep(&self, t: &mut Ticker, answered: bool) {
-        if !self.upkeep_on() || !t.due(Instant::now(), answered) {
+        let now = Instant::now();
+        if !self.upkeep_on() || !t.due(now, answered) {
+            return;
+        }
+        // The program's faults first: a tick waits for those already raised, a little.
+        if now < t.most + DEFER_FOR_FAULTS && self.fault_waiting() {
             return;
         }
         let mut st = self.lock();
