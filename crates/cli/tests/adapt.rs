@@ -306,6 +306,68 @@ fn pages_leave_a_donor_that_shrinks_for_another_server() {
     verify(&mut pager, n, "after the move");
 }
 
+/// A real program under `netram run` whose pages a donor gives back while the program is
+/// idle (waiting on its stdin): no fault happens, the region's handler moves them by its own
+/// schedule (server to server), and the program finds every object intact afterwards.
+#[test]
+fn a_program_under_netram_run_keeps_its_memory_while_a_donor_gives_it_back() {
+    if !netram_testkit::have_tools(&[("python3", "python3")]) {
+        return;
+    }
+    let proc_dir = tempfile::tempdir().unwrap();
+    let other = ServerProcess::start(&["--capacity", "256M"]);
+    let donor = start_donor_seeded(proc_dir.path(), 256 * MIB, Some(&other.addr));
+    eventually("the other server knows the donor", 30, || {
+        other.stat("other_members_alive") >= 1
+    });
+    let rep = proc_dir.path().join("report.json");
+    // 48 MiB of 4 KiB objects, each with its own contents, checked after the move.
+    let script = "import sys\n\
+                  data = [bytes([i % 251]) * 4096 for i in range(12288)]\n\
+                  print('filled', flush=True)\n\
+                  sys.stdin.readline()\n\
+                  ok = all(d == bytes([i % 251]) * 4096 for i, d in enumerate(data))\n\
+                  print('checked' if ok else 'wrong', flush=True)\n";
+    let mut run = common::netram_env(std::process::Command::new("timeout"))
+        .args(["120", common::NETRAM, "run", "--local-mem", "8M"])
+        .args(["--servers", &format!("{},{}", donor.addr, other.addr)])
+        .args([
+            "--report",
+            rep.to_str().unwrap(),
+            "--",
+            "python3",
+            "-c",
+            script,
+        ])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdout = std::io::BufReader::new(run.stdout.take().unwrap());
+    let mut line = String::new();
+    std::io::BufRead::read_line(&mut stdout, &mut line).unwrap();
+    assert_eq!(line, "filled\n", "the program filled its memory");
+    let held = donor.stat("stored_pages");
+    assert!(held > 1000, "the donor took its share ({held} pages)");
+    machine(proc_dir.path(), 512 * MIB);
+    eventually("the donor holds nothing", 60, || {
+        donor.stat("stored_pages") == 0
+    });
+    std::io::Write::write_all(&mut run.stdin.take().unwrap(), b"go\n").unwrap();
+    let out = run.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    line.clear();
+    std::io::BufRead::read_line(&mut stdout, &mut line).unwrap();
+    assert_eq!(line, "checked\n", "every object read back right: {err}");
+    assert!(out.status.success(), "{err}");
+    let report: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&rep).unwrap()).unwrap();
+    let n = |k: &str| report[k].as_u64().unwrap_or(0);
+    assert!(n("pages_migrated") >= held, "{held} pages moved: {report}");
+    assert_eq!(n("servers_dead"), 0, "{report}");
+}
+
 /// The same under `parity:2`, where the donor holds groups' parity besides pages: three real
 /// daemons forwarding deltas to each other. The pages leave through their owner (written
 /// again, joining groups away from the donor), and the parity the donor holds leaves as the
