@@ -3,7 +3,8 @@
 //! do the same from metadata, at the price of a three-minute build on every CI machine).
 //!
 //! What it holds: `/usr/bin/netram`; `/usr/lib/netram/libnetram_preload.so`, where `netram run`
-//! looks (BIN/../lib/netram); the C ABI (`/usr/lib/libnetram.so`, `/usr/include/netram.h`); the
+//! looks (BIN/../lib/netram); the C ABI (`/usr/lib/libnetram.so`, built as `libnetram_capi.so`:
+//! the crate named `netram` is the command; `/usr/include/netram.h`); the
 //! systemd unit (installed, not enabled: the daemon needs credentials and an edited
 //! configuration first); `/etc/netram/netram.toml` as a configuration file dpkg keeps across
 //! upgrades; and a udev rule that lets the group `netram` (made by the package) open
@@ -65,7 +66,7 @@ pub(crate) fn deb(args: &[String]) -> Result<PathBuf, String> {
             0o644,
         ),
         (
-            built(&release, "libnetram.so")?,
+            built(&release, "libnetram_capi.so")?,
             "usr/lib/libnetram.so",
             0o644,
         ),

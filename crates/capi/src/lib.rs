@@ -1,6 +1,6 @@
-//! netram's C ABI (`libnetram.so`, `include/netram.h`): userfaultfd regions of cluster memory
-//! (`netram-uffd`) for programs in any language, the API that Anemone §2.2 says programs that
-//! know about remote memory can use.
+//! netram's C ABI (`libnetram.so` as installed, `libnetram_capi.so` in a build tree;
+//! `include/netram.h`): userfaultfd regions of cluster memory (`netram-uffd`) for programs in
+//! any language, the API that Anemone §2.2 says programs that know about remote memory can use.
 //!
 //! The header is the contract; every function here is its definition. Nothing unwinds into C:
 //! each entry point catches panics and turns them, like every error, into a return value and a

@@ -1,27 +1,23 @@
 //! The C ABI from C: `tests/region.c` is compiled against `include/netram.h`, linked with
-//! `libnetram.so` and run against a local cluster.
+//! `-lnetram` against the built library under its installed name (`libnetram.so`, as
+//! `cargo xtask deb` installs `libnetram_capi.so`) and run against a local cluster.
 
 use netram_cluster::LocalCluster;
 use std::path::PathBuf;
 use std::process::Command;
 
-/// The directory holding `libnetram.so` (cargo builds it next to the test's `deps/`).
-fn lib_dir() -> PathBuf {
+/// The built library, `libnetram_capi.so` (cargo builds it next to the test's `deps/`).
+fn built_lib() -> PathBuf {
     let exe = std::env::current_exe().unwrap();
     let deps = exe.parent().unwrap().to_path_buf();
     // The newest of the two: `cargo build` copies the library up a directory, `cargo test`
     // only builds it in deps, so the copy there may be an old build's.
     let dir = [deps.parent().unwrap().to_path_buf(), deps]
         .into_iter()
-        .filter(|d| d.join("libnetram.so").exists())
-        .max_by_key(|d| {
-            d.join("libnetram.so")
-                .metadata()
-                .unwrap()
-                .modified()
-                .unwrap()
-        });
-    dir.expect("libnetram.so is built with the tests")
+        .map(|d| d.join("libnetram_capi.so"))
+        .filter(|f| f.exists())
+        .max_by_key(|f| f.metadata().unwrap().modified().unwrap());
+    dir.expect("libnetram_capi.so is built with the tests")
 }
 
 #[test]
@@ -30,8 +26,11 @@ fn a_c_program_uses_netram_h() {
         return;
     }
     let here = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
-    let out = std::env::temp_dir().join(format!("netram-capi-test-{}", std::process::id()));
-    let lib = lib_dir();
+    let scratch = tempfile::tempdir().unwrap();
+    let out = scratch.path().join("region");
+    // Under the name a C program links with once installed.
+    let lib = scratch.path().to_path_buf();
+    std::fs::copy(built_lib(), lib.join("libnetram.so")).unwrap();
     let built = Command::new("cc")
         .args(["-std=c11", "-Wall", "-Wextra", "-Werror", "-O1"])
         .arg("-I")
@@ -58,7 +57,6 @@ fn a_c_program_uses_netram_h() {
         .env("NETRAM_TLS", cluster.tls_dir().expect("a TLS cluster"))
         .output()
         .unwrap();
-    let _ = std::fs::remove_file(&out);
     let stdout = String::from_utf8_lossy(&run.stdout);
     assert!(
         run.status.success() && stdout.contains("all checks passed"),

@@ -4,7 +4,7 @@
 //! copies while the region stays in use. A second server stopping afterwards loses nothing,
 //! which it would without the rebuild.
 
-use netram::{region_from, start_maintenance};
+use netram_capi::{region_from, start_maintenance};
 use netram_client::env::RunEnv;
 use netram_client::maintain::MaintainConfig;
 use netram_server::{Server, ServerConfig};

@@ -83,7 +83,7 @@ const OFF: u8 = 3;
 
 static STATE: AtomicU8 = AtomicU8::new(UNINIT);
 static HEAP: OnceLock<Heap> = OnceLock::new();
-/// The thread that follows membership for the region (see `netram::start_maintenance`; the
+/// The thread that follows membership for the region (see `netram_capi::start_maintenance`; the
 /// region's handler runs probes, reconnections and recovery itself).
 static MAINTENANCE: OnceLock<netram_client::maintain::Maintenance> = OnceLock::new();
 static THRESHOLD: AtomicUsize = AtomicUsize::new(usize::MAX);

@@ -12,7 +12,7 @@ pub(crate) enum StartError {
     #[error(transparent)]
     Env(#[from] EnvError),
     #[error(transparent)]
-    Region(#[from] netram::CapiError),
+    Region(#[from] netram_capi::CapiError),
     #[error("{0}={1}: too large for this machine")]
     TooLarge(&'static str, u64),
 }
@@ -45,7 +45,7 @@ pub(crate) fn start() -> Result<bool, StartError> {
     let redundancy = env.redundancy.unwrap_or_default();
     // `after_fork_in_child` serves every child its copy (see `Region::follow_in_child`).
     netram_uffd::children_follow_regions();
-    let heap = netram::region_from(None, backing.as_deref(), size, budget, redundancy, &env)?;
+    let heap = netram_capi::region_from(None, backing.as_deref(), size, budget, redundancy, &env)?;
     let start = heap.region().as_ptr() as usize;
     REGION_START.store(start, Ordering::Relaxed);
     REGION_END.store(start + heap.region().len(), Ordering::Relaxed);
@@ -53,7 +53,7 @@ pub(crate) fn start() -> Result<bool, StartError> {
     if let Some(h) = HEAP.get() {
         // Probes, reconnections and recovery (by the handler, between faults) and membership,
         // for the process's lifetime.
-        let _ = MAINTENANCE.set(netram::start_maintenance(h, Default::default()));
+        let _ = MAINTENANCE.set(netram_capi::start_maintenance(h, Default::default()));
     }
     // An ordinary user's userfaultfd does not serve faults raised inside system calls: a
     // `read(2)` into a buffer whose page is not resident fails with EFAULT. Small blocks are
@@ -304,7 +304,7 @@ pub(crate) extern "C" fn at_exit() {
         return;
     };
     let _ = enter(|| {
-        let c = netram::counters_of(heap.region());
+        let c = netram_capi::counters_of(heap.region());
         let (rc, get) = (heap.region().counters(), netram_uffd::RegionCounters::get);
         let pager = heap.region().with_pager(|p| p.counters().clone());
         let stats = heap.stats();
@@ -409,7 +409,7 @@ pub(crate) extern "C" fn on_load() {
             Ok(false) => STATE.store(OFF, Ordering::Release),
             Err(e) => {
                 STATE.store(OFF, Ordering::Release);
-                eprintln!("netram: {}", netram::error_chain(&e));
+                eprintln!("netram: {}", netram_capi::error_chain(&e));
                 if std::env::var_os(var::REQUIRED).is_some() {
                     // SAFETY: ends the process before main; nothing to unwind.
                     unsafe { libc::_exit(70) };
