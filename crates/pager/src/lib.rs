@@ -137,6 +137,9 @@ struct ServerState {
     /// (parity pages, which only their holder knows; pages in write-back): not looked for
     /// again until it changes or the next probe.
     leaving_stuck: u32,
+    /// How many of its replies have brought a `leaving` other than the one before: what a
+    /// leaving holder's scan answer is dated by (`Pager::par_release_holder`).
+    leaving_changes: u64,
 }
 
 impl ServerState {
@@ -153,6 +156,7 @@ impl ServerState {
             },
             leaving: 0,
             leaving_stuck: 0,
+            leaving_changes: 0,
             info,
         }
     }

@@ -82,9 +82,9 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         // server's count may still include pages moved off it whose deletes it has not
         // answered yet: a step may then move a few more than it asks for. (Until 2026-11,
         // moves under parity and Reed-Solomon drained everything in flight first and waited
-        // for their reads, under the region's lock. A leaving parity holder's scan,
-        // `par_release_holder`, still waits: rare, and its answer taken at a later step
-        // failed 5 of 10,000 parity seeds, see `docs/limits.md`.)
+        // for their reads, under the region's lock; a leaving parity holder's scan,
+        // `par_release_holder`, waited until 2026-11-29: its answer is now taken at a later
+        // step.)
         let mut step = MigrationStep::default();
         self.poll()?;
         self.resubmit_retries();
@@ -107,6 +107,9 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         for s in 0..self.servers.len() {
             let st = &self.servers[s];
             if !st.alive || st.leaving == 0 || st.leaving == st.leaving_stuck {
+                if matches!(self.scheme, Redundancy::Parity(_)) {
+                    self.par_forget_leaving_scan(s);
+                }
                 continue;
             }
             if batch.len() >= budget {
@@ -131,11 +134,19 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                 && self.moving_from(s) == 0
                 && self.settled()
             {
-                if matches!(self.scheme, Redundancy::Parity(_)) {
-                    pages = self.par_release_holder(s, want)?;
-                }
-                if pages.is_empty() {
-                    self.servers[s].leaving_stuck = self.servers[s].leaving;
+                // `None`: its scan is out, or is to be sent again.
+                let released = match self.scheme {
+                    Redundancy::Parity(_) => self.par_release_holder(s, want),
+                    _ => Some(Vec::new()),
+                };
+                match released {
+                    Some(p) if p.is_empty() => {
+                        self.servers[s].leaving_stuck = self.servers[s].leaving;
+                    }
+                    Some(p) => pages = p,
+                    // Not stuck while it waits for the answer, whatever the count meanwhile:
+                    // a count back at its stuck value would leave the answer untaken.
+                    None => self.servers[s].leaving_stuck = 0,
                 }
             }
             if !held {

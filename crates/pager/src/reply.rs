@@ -265,7 +265,10 @@ impl Inbox<'_> {
         let load = reply.load();
         self.servers[server].load.free_pages = load.free_pages;
         self.servers[server].load.requests_per_s = load.requests_per_s;
-        self.servers[server].leaving = load.leaving;
+        if self.servers[server].leaving != load.leaving {
+            self.servers[server].leaving = load.leaving;
+            self.servers[server].leaving_changes += 1;
+        }
         let Some((s, op)) = self.inflight.ops.remove(&id) else {
             return Err(TransportError::Protocol(format!(
                 "reply to unknown request {id}"

@@ -1136,6 +1136,63 @@ fn a_recovery_step_sends_its_reads_and_does_not_wait_for_them() {
     }
 }
 
+/// A leaving parity holder's scan does not wait (issue 38): once server 0 holds nothing of
+/// ours but groups' parity, a migration step asks it which groups those are and returns, its
+/// reply held back; a later step takes the answer and writes the members again into new
+/// groups, and the holder ends with nothing of ours. (The scan waited for its answer until
+/// 2026-11-29: with the replies held, it timed out and declared every server dead.)
+#[test]
+fn a_leaving_parity_holders_scan_is_answered_at_a_later_step() {
+    let mut p = parity_pager(5, 24, 0);
+    p.set_direct_migration(false);
+    for page in 0..24 {
+        p.write(page, &content(page, 1)).unwrap();
+    }
+    p.flush().unwrap();
+    p.transport_mut().servers[0].store.set_offer(0);
+    p.probe_servers().unwrap();
+    let mut held_scan = false;
+    for _ in 0..100 {
+        if !p.migration_due() {
+            break;
+        }
+        let only_parity = (0..24).all(|pg| !p.holders(pg).contains(&0))
+            && p.transport().servers[0].store.stored_pages() > 0;
+        if only_parity && !held_scan {
+            held_scan = true;
+            for s in 0..5 {
+                p.transport_mut().servers[s].held = true;
+            }
+            let before = p.counters().parity_groups_leaving;
+            p.migrate(64).unwrap();
+            assert_eq!(p.counters().servers_dead, 0, "nothing waited for the scan");
+            assert_eq!(p.counters().parity_groups_leaving, before, "no answer yet");
+            assert!(p.migration_due(), "the answer is still to be taken");
+            for s in 0..5 {
+                p.transport_mut().servers[s].held = false;
+            }
+            continue;
+        }
+        p.migrate(64).unwrap();
+        p.flush().unwrap();
+        p.probe_servers().unwrap();
+    }
+    assert!(held_scan, "server 0 came to hold only groups' parity");
+    assert!(!p.migration_due(), "the migration ends");
+    p.check_invariants().unwrap();
+    assert_eq!(p.counters().servers_dead, 0);
+    assert!(p.counters().parity_groups_leaving > 0);
+    assert_eq!(
+        p.transport().servers[0].store.stored_pages(),
+        0,
+        "no group's parity is left on server 0"
+    );
+    for page in 0..24 {
+        assert_eq!(read(&mut p, page).unwrap(), content(page, 1), "page {page}");
+    }
+    parity_consistent(&p);
+}
+
 /// A move through the owner never waits either, under any scheme (issue 38): a migration step
 /// sends its reads and returns, its replies held back; once they are in, later steps move the
 /// pages, a page written while its read was out keeps its new version, and nothing of ours is

@@ -194,6 +194,13 @@ fn seeds_that_found_bugs_hold() {
         // A Join the server had no room to tag, answered Unprotected: the page stayed a
         // member of the group it could not join, which then waited for it forever.
         ("parity:4", 28841),
+        // A leaving parity holder's scan answered without waiting: an earlier try took an
+        // answer many steps old as proof that the holder kept nothing of ours above its
+        // offer, which had shrunk meanwhile (a group's parity stayed above it); another
+        // left the answer untaken when the count came back to its stuck value.
+        ("parity:4", 3371),
+        ("parity:4", 5087),
+        ("parity:4", 1823),
         // An earlier try at a Reed-Solomon rebuild that does not wait for the pieces it asks
         // after a read failed left a stripe short of pieces (`rs_top_up` now).
         ("rs:4+2", 2110),

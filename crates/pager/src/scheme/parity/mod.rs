@@ -103,6 +103,8 @@ pub(crate) struct Scanned {
     id: u64,
     groups: Vec<ScannedGroup>,
     orphans: Vec<PageKey>,
+    /// The server's `leaving_changes` when the answer came.
+    leaving_changes: u64,
 }
 
 /// The parity state of a `parity:N` pager.
@@ -129,6 +131,10 @@ pub(crate) struct Par {
     pub(crate) rejoined: BTreeSet<u64>,
     /// Scan answers: the server that gave them and the scan's request id.
     scanned: Vec<Scanned>,
+    /// A leaving holder's scan (`Pager::par_release_holder`) per server: its request id (none
+    /// when one is to be sent), and how many answers in a row named only members written
+    /// since it was sent.
+    leaving_scans: HashMap<usize, (Option<u64>, u8)>,
     /// Where recovery's round is: it never waits, a later step takes the answers.
     round: recover::Round,
     /// Degraded reads by ticket (a fault on a page whose server died), each waiting in its
@@ -167,6 +173,7 @@ impl Par {
             unprotected: BTreeSet::new(),
             rejoined: BTreeSet::new(),
             scanned: Vec::new(),
+            leaving_scans: HashMap::new(),
             round: recover::Round::Idle,
             waiters: Vec::new(),
             read_failed: Vec::new(),
@@ -761,11 +768,13 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         groups: Vec<ScannedGroup>,
         orphans: Vec<PageKey>,
     ) {
+        let leaving_changes = self.servers[server].leaving_changes;
         self.par_mut().scanned.push(Scanned {
             server,
             id,
             groups,
             orphans,
+            leaving_changes,
         });
     }
 

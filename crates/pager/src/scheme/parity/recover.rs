@@ -14,6 +14,10 @@
 use super::*;
 use crate::requests::Barrier;
 
+/// Answers in a row of a leaving holder's scan with nothing to move and signs of age, after
+/// which the last one is believed (`Pager::par_release_holder`).
+const LEAVING_RESCANS: u8 = 3;
+
 /// Where a round of parity recovery is.
 #[derive(Debug, Default)]
 pub(crate) enum Round {
@@ -451,27 +455,62 @@ impl<T: Transport, D: Disk> Pager<T, D> {
 
     /// A holder whose offer shrank below the parity pages it holds for us (Nswap §III): only
     /// it knows which groups those are, so it is asked (a scan naming [`SCAN_LEAVING`]).
-    /// Returns up to `want` of their members that are their page's current copy and free to
-    /// move: the migration writes each again as a new version that joins a new group where
-    /// it is (its server tells the old holder to take it out, the old group protecting it
-    /// until then, and an emptied group is freed there). Other members are superseded copies,
-    /// which leave the group when they are deleted, or pages being written, whose write-back
-    /// takes them out (or, written in place, a later scan names them again).
+    /// Never waits: the first call sends the scan and returns `None`; a later call (when
+    /// nothing awaited is in flight, so the answer is in) takes the answer and returns up to
+    /// `want` of its members that are their page's current copy and free to move: the
+    /// migration writes each again as a new version that joins a new group where it is (its
+    /// server tells the old holder to take it out, the old group protecting it until then,
+    /// and an emptied group is freed there). Other members are superseded copies, which leave
+    /// the group when they are deleted, or pages being written, whose write-back takes them
+    /// out (or, written in place, a later scan names them again).
+    ///
+    /// The answer may be older than what it describes: a member written in place since
+    /// (still in its group, at a newer version) or in write-back now is not moved; and the
+    /// holder's count of what it wants moved may have changed since it answered (its offer
+    /// moved, a group was shipped to it, pages left: an answer taken many steps later named
+    /// none of the groups above an offer that had shrunk meanwhile). An answer with nothing
+    /// to move and either sign of age is no proof that nothing of ours is left there: `None`,
+    /// and the next call asks again (at most `LEAVING_RESCANS` times in a row; then
+    /// `Some(empty)`, and the migration leaves the server until its count changes or the
+    /// next probe). Until 2026-11-29 the scan waited for its answer with everything else in
+    /// flight (`drain`).
     ///
     /// [`SCAN_LEAVING`]: netram_proto::SCAN_LEAVING
-    pub(crate) fn par_release_holder(
-        &mut self,
-        h: usize,
-        want: usize,
-    ) -> Result<Vec<u64>, PagerError> {
-        let asked = self.par_send_scans(
-            &[h],
-            netram_proto::SCAN_LEAVING,
-            netram_proto::MAX_BATCH as u32,
-        );
-        self.drain()?;
-        let (scanned, _) = self.par_take_scans(&asked);
+    pub(crate) fn par_release_holder(&mut self, h: usize, want: usize) -> Option<Vec<u64>> {
+        let (id, rescans) = match self.par().leaving_scans.get(&h) {
+            Some(&(Some(id), rescans)) => (id, rescans),
+            asked => {
+                let rescans = asked.map_or(0, |&(_, r)| r);
+                let asked = self.par_send_scans(
+                    &[h],
+                    netram_proto::SCAN_LEAVING,
+                    netram_proto::MAX_BATCH as u32,
+                );
+                // Not sent (its server is gone): nothing to move there for now.
+                let &[(_, id)] = asked.as_slice() else {
+                    self.par_mut().leaving_scans.remove(&h);
+                    return Some(Vec::new());
+                };
+                self.par_mut().leaving_scans.insert(h, (Some(id), rescans));
+                self.pump_all();
+                return None;
+            }
+        };
+        if self.pending(h, id) {
+            return None;
+        }
+        self.par_mut().leaving_scans.remove(&h);
+        let (scanned, answered) = self.par_take_scans(&[(h, id)]);
+        if !answered {
+            // Its server failed meanwhile: asked again once it is back and still leaving.
+            return None;
+        }
         let mut out = Vec::new();
+        // What the holder has above its offer may have changed since it answered (its offer
+        // moved, groups were shipped to it, pages left): its count moved meanwhile.
+        let mut changed_since = scanned
+            .iter()
+            .any(|a| a.leaving_changes != self.servers[h].leaving_changes);
         for a in &scanned {
             self.counters.parity_groups_leaving += a.groups.len() as u64;
             for m in a.groups.iter().flat_map(|g| &g.members) {
@@ -481,19 +520,34 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                 }
                 let e = *self.table.get(page);
                 let at = self.par().addrs.iter().position(|&a| a == m.server);
-                if e.present
-                    && !e.lost
-                    && e.version == m.version
-                    && at.is_some_and(|s| self.table.holders(page).contains(s))
-                    && self.movable(page)
-                    && !out.contains(&page)
+                if !e.present || e.lost || !at.is_some_and(|s| self.table.holders(page).contains(s))
                 {
-                    out.push(page);
+                    continue;
+                }
+                if e.version == m.version && self.movable(page) {
+                    if !out.contains(&page) {
+                        out.push(page);
+                    }
+                } else {
+                    changed_since = true;
                 }
             }
         }
+        if out.is_empty() && changed_since && rescans < LEAVING_RESCANS {
+            self.par_mut().leaving_scans.insert(h, (None, rescans + 1));
+            return None;
+        }
         out.truncate(want);
-        Ok(out)
+        Some(out)
+    }
+
+    /// Forgets a leaving holder's scan and its answer: the server stopped leaving, or died.
+    pub(crate) fn par_forget_leaving_scan(&mut self, h: usize) {
+        if let Some((Some(id), _)) = self.par_mut().leaving_scans.remove(&h) {
+            self.par_mut()
+                .scanned
+                .retain(|a| (a.server, a.id) != (h, id));
+        }
     }
 
     /// Whether a rebuilt member is still the page's current version, wanted back.
