@@ -453,6 +453,38 @@ fn cannot_attach(program: &str) -> Option<String> {
     (!has_interp).then(|| format!("{} is statically linked", path.display()))
 }
 
+/// Removes the report directories of `netram run`s of this user that ended without removing
+/// their own (killed with SIGKILL, or by a machine's OOM killer): `netram-run-PID-N` in `tmp`
+/// whose PID is no process. A PID reused by another process keeps its directory until that
+/// one ends too; nothing of another user's is touched.
+fn sweep_stale_tempdirs(tmp: &Path) {
+    use std::os::unix::fs::MetadataExt;
+    let Ok(entries) = std::fs::read_dir(tmp) else {
+        return;
+    };
+    // SAFETY: geteuid only reads this process's effective user id.
+    let me = unsafe { libc::geteuid() };
+    for e in entries.flatten() {
+        let name = e.file_name();
+        let Some(pid) = name
+            .to_str()
+            .and_then(|n| n.strip_prefix("netram-run-"))
+            .and_then(|rest| rest.split_once('-'))
+            .and_then(|(pid, _)| pid.parse::<i32>().ok())
+        else {
+            continue;
+        };
+        let ours = e.metadata().is_ok_and(|m| m.is_dir() && m.uid() == me);
+        // SAFETY: kill with signal 0 sends nothing; it only asks whether `pid` exists.
+        let gone = pid > 0
+            && unsafe { libc::kill(pid, 0) } == -1
+            && std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH);
+        if ours && gone {
+            let _ = std::fs::remove_dir_all(e.path());
+        }
+    }
+}
+
 /// A private directory removed on drop.
 struct TempDir(PathBuf);
 
@@ -463,6 +495,7 @@ impl Drop for TempDir {
 }
 
 fn tempdir() -> anyhow::Result<TempDir> {
+    sweep_stale_tempdirs(&std::env::temp_dir());
     let dir = std::env::temp_dir().join(format!(
         "netram-run-{}-{}",
         std::process::id(),

@@ -268,8 +268,9 @@ fn programs_linked_with_tcmalloc_or_mimalloc_run() {
     }
 }
 
-/// `netram run redis-server`: on drop, Redis (by the PID in its pidfile: `netram run` waits for
-/// its program and would leave it behind) and `netram run` are killed, also when a test fails.
+/// `netram run redis-server`: on drop, Redis is killed (by the PID in its pidfile: `netram run`
+/// waits for its program and would leave it behind), also when a test fails; `netram run` then
+/// ends by itself and removes its report directory (killed after 10 s if it does not).
 struct Redis {
     netram_run: std::process::Child,
     pidfile: PathBuf,
@@ -283,6 +284,11 @@ impl Drop for Redis {
         {
             // SAFETY: kill(2) on the PID Redis wrote for itself; no pointers.
             unsafe { libc::kill(pid, libc::SIGKILL) };
+        }
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while matches!(self.netram_run.try_wait(), Ok(None)) && std::time::Instant::now() < deadline
+        {
+            std::thread::sleep(std::time::Duration::from_millis(20));
         }
         let _ = self.netram_run.kill();
         let _ = self.netram_run.wait();
@@ -1396,6 +1402,51 @@ fn bad_configurations_are_refused_clearly() {
         &["sh", "-c", "exit 3"],
     );
     assert_eq!(out.status.code(), Some(3));
+}
+
+/// A `netram run` killed with SIGKILL leaves its report directory behind (`netram-run-PID-N`
+/// in the temporary directory); the next `netram run` removes those whose process is gone,
+/// and keeps a live one's.
+#[test]
+fn a_killed_runs_directory_is_removed_by_the_next_run() {
+    let tmp = Scratch::new("sweep");
+    let mut dead = Command::new("true").spawn().unwrap();
+    let dead_pid = dead.id();
+    dead.wait().unwrap();
+    let stale = tmp.0.join(format!("netram-run-{dead_pid}-7"));
+    let live = tmp.0.join(format!("netram-run-{}-7", std::process::id()));
+    for d in [&stale, &live] {
+        std::fs::create_dir(d).unwrap();
+        std::fs::write(d.join("attached-1"), b"").unwrap();
+    }
+    let out = common::netram_env(Command::new("timeout"))
+        .args([
+            "300",
+            NETRAM,
+            "run",
+            "--local-mem",
+            "8M",
+            "--backing",
+            "disk",
+            "-q",
+        ])
+        .args(["--", "true"])
+        .env("TMPDIR", &tmp.0)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(!stale.exists(), "the dead run's directory is gone");
+    assert!(live.exists(), "a live process's directory stays");
+    let left: Vec<_> = std::fs::read_dir(&tmp.0)
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name())
+        .collect();
+    assert_eq!(left.len(), 1, "nothing else is left: {left:?}");
 }
 
 /// As root, the C program again as the user nobody: the preload library's region uses a

@@ -366,7 +366,11 @@ fn a_dead_handler_does_not_leave_threads_hanging() {
 /// Runs the test `name` of this binary again as a child process with `env` set (the child
 /// side of a test that is meant to crash), at most 60 s; its exit status and stderr.
 fn run_as_child(name: &str, env: &str, hung: &str) -> (std::process::ExitStatus, String) {
+    // The child dies without running destructors: what it makes in the temporary directory
+    // (its cluster's credentials) goes with this one.
+    let tmp = tempfile::tempdir().unwrap();
     let mut child = std::process::Command::new(std::env::current_exe().unwrap())
+        .env("TMPDIR", tmp.path())
         // The handler thread's messages would otherwise be captured by the harness and lost
         // with the child.
         .args([name, "--exact", "--nocapture"])
