@@ -834,10 +834,25 @@ fn a_child_keeps_its_memory_when_its_parent_daemonizes_it() {
     );
 }
 
+/// A parent killed with SIGKILL cannot hand its child the pages it holds for it on the
+/// servers: the child's agent sees its parent's end of their socket close without the word
+/// that every page was handed over and ends the child, saying why on its stderr, before the
+/// child computes on the zeros the kernel would read where those pages were. (Before, the
+/// child read zeros there and went on: a wrong sum, or a Python spinning.)
+#[test]
+fn a_child_whose_parent_is_killed_is_ended_rather_than_read_zeros() {
+    a_child_outlives_its_parent(
+        "parent-killed",
+        "import signal\npid = os.fork()\nif pid == 0:\n    child()\ntime.sleep(0.5)\n\
+         os.kill(os.getpid(), signal.SIGKILL)\n",
+    );
+}
+
 /// A Python under `netram run --local-mem 8M` builds a list of 300,000 tuples (most of it on
 /// the servers), and `leave` (Python) makes a child that calls `child()` and a parent that
 /// goes. The child waits until its parent is gone, then sums the list: the sum must be
-/// right.
+/// right; or, when the parent goes by SIGKILL (`name` "parent-killed"), the child must be
+/// ended by netram with a message, before it writes any sum.
 fn a_child_outlives_its_parent(name: &str, leave: &str) {
     if !netram_testkit::have_root("following forks (CAP_SYS_PTRACE)")
         || !netram_testkit::have_tools(&[("python3", "python3")])
@@ -856,8 +871,10 @@ def child():
         f.write('%d' % os.getpid())
     os.rename(sys.argv[3] + '.tmp', sys.argv[3])
     fd = os.open(os.devnull, os.O_RDWR)
-    for s in (0, 1, 2):
+    for s in (0, 1):
         os.dup2(fd, s)
+    err = os.open(sys.argv[3] + '.err', os.O_WRONLY | os.O_CREAT, 0o644)
+    os.dup2(err, 2)
     t = time.time()
     while os.getppid() == parent and time.time() - t < 60:
         time.sleep(0.01)
@@ -881,7 +898,16 @@ def child():
         .arg(&pid_file)
         .output()
         .unwrap();
-    assert_ran(&out, "python3 under netram run");
+    let killed = name == "parent-killed";
+    if killed {
+        assert_eq!(
+            out.status.code(),
+            Some(128 + 9),
+            "the parent died of SIGKILL"
+        );
+    } else {
+        assert_ran(&out, "python3 under netram run");
+    }
     // A child that dies or spins before it writes its pid is found by its script's path,
     // unique to this test, and killed by its pid.
     let _stray = KillRunning(py.clone());
@@ -898,6 +924,27 @@ def child():
     };
     // The child by its pid, whatever happens below.
     let _child = KillPid(child);
+    if killed {
+        // SAFETY: kill(2) with signal 0 sends nothing and takes no pointers.
+        while unsafe { libc::kill(child, 0) } == 0 {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the child (pid {child}) still runs a minute after its parent was killed"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+        let err = std::fs::read_to_string(pid_file.with_extension("pid.err")).unwrap_or_default();
+        assert!(
+            !result.exists(),
+            "the child computed on memory it no longer had: {:?}\n{err}",
+            std::fs::read_to_string(&result)
+        );
+        assert!(
+            err.contains("ended without handing it over"),
+            "the child's stderr: {err}"
+        );
+        return;
+    }
     while !result.exists() {
         assert!(
             std::time::Instant::now() < deadline,

@@ -15,6 +15,14 @@
 //!
 //! The messages go over a private `SOCK_SEQPACKET` pair made before the fork; everything the
 //! agent receives comes from its own parent, and everything it does is bounded by the region.
+//!
+//! The parent's handler is also where the child's pages on the cluster are: a parent that
+//! leaves by `exit` (or `_exit`, `daemon`, the region dropped) first installs every page the
+//! child lacks and says so (`HANDED`). A parent that ends without that (SIGKILL, a crash, the
+//! OOM killer) closes the socket with the child's pages out of reach, and the kernel would
+//! serve the child's next touch of them as zeros: the agent then ends the child, with a line
+//! on its stderr saying why, rather than let it compute on zeros (a Redis child writing its
+//! dump, a worker its results).
 
 use netram_proto::PAGE_SIZE;
 use rustix::fd::OwnedFd;
@@ -34,6 +42,10 @@ pub(crate) const HELLO: u32 = 2;
 pub(crate) const COPIED: u32 = 3;
 /// Agent → handler: `DROPPED`, sequence number: every page of that request is gone.
 pub(crate) const DROPPED: u32 = 4;
+
+/// Handler → agent: `HANDED`: every page of the child is in its own memory now, and the
+/// handler lets go of it (its parent is leaving); the agent ends.
+pub(crate) const HANDED: u32 = 5;
 
 /// Header of every message: kind, sequence number (or pid), count.
 pub(crate) const HEADER: usize = 12;
@@ -57,19 +69,52 @@ pub(crate) fn start(socket: OwnedFd, base: usize, pages: usize) -> std::io::Resu
     std::thread::Builder::new()
         .name("netram-child".into())
         .spawn(move || {
-            if let Err(e) = serve(&socket, base, pages) {
-                tracing::debug!("a forked child's agent ends: {e}");
-                if e == Errno::BADF {
-                    // The program closed it, and the number may be another file's now: not
-                    // closed again here.
-                    std::mem::forget(socket);
+            let parent = rustix::process::getppid().map_or(0, |p| p.as_raw_nonzero().get());
+            match serve(&socket, base, pages) {
+                Ok(End::HandedOver) => {}
+                Ok(End::ParentGone) => parent_gone(parent),
+                Err(e) => {
+                    tracing::debug!("a forked child's agent ends: {e}");
+                    if e == Errno::BADF {
+                        // The program closed it, and the number may be another file's now:
+                        // not closed again here.
+                        std::mem::forget(socket);
+                    }
                 }
             }
         })
         .map(drop)
 }
 
-fn serve(socket: &OwnedFd, base: usize, pages: usize) -> Result<(), Errno> {
+/// How the agent's work ended, when its parent ended it.
+#[derive(Debug, PartialEq, Eq)]
+enum End {
+    /// `HANDED`: the child has every page.
+    HandedOver,
+    /// The socket closed without `HANDED`: the parent is gone, the child's pages with it.
+    ParentGone,
+}
+
+/// The parent ended without handing this child its pages: ends the child (SIGKILL, which it
+/// cannot catch and go on from), saying why on its stderr.
+fn parent_gone(parent: i32) -> ! {
+    let pid = rustix::process::getpid().as_raw_nonzero().get();
+    let msg = format!(
+        "netram: process {parent}, which held the memory of its child {pid} on the cluster, \
+         ended without handing it over (killed?): ending {pid}, whose pages are out of reach, \
+         rather than let it read zeros in their place\n"
+    );
+    // Straight to the descriptor: the program's own stderr buffering is not ours to use.
+    // SAFETY: write(2) of a buffer that lives across the call to descriptor 2, whatever it is.
+    let _ = unsafe { libc::write(2, msg.as_ptr().cast(), msg.len()) };
+    // SAFETY: kill(2) takes no pointers; it ends this very process.
+    unsafe { libc::kill(pid, libc::SIGKILL) };
+    // SIGKILL is delivered before kill returns to a process sending it to itself; should the
+    // kernel say otherwise, the process still must not go on.
+    std::process::abort()
+}
+
+fn serve(socket: &OwnedFd, base: usize, pages: usize) -> Result<End, Errno> {
     use rustix::net::{recv, send, RecvFlags, SendFlags};
     // The program may close this descriptor (a child closing every descriptor it inherited)
     // and its number be reused for another file or socket: every use checks that it is still
@@ -87,13 +132,16 @@ fn serve(socket: &OwnedFd, base: usize, pages: usize) -> Result<(), Errno> {
             return Err(Errno::BADF);
         }
         let n = match recv(socket, &mut request, RecvFlags::empty()) {
-            Ok((0, _)) => return Ok(()),
+            Ok((0, _)) => return Ok(End::ParentGone),
             Ok((n, _)) => n,
             Err(Errno::INTR) => continue,
             Err(e) => return Err(e),
         };
         if !ours() {
             return Err(Errno::BADF);
+        }
+        if n == HEADER && word(&request, 0) == HANDED {
+            return Ok(End::HandedOver);
         }
         // Only the parent's handler holds the other end; a message that is not a whole
         // request is a bug there, answered by ending (the handler then stops asking).

@@ -1798,6 +1798,20 @@ impl<T: Transport, D: Disk> Shared<T, D> {
                 }
             }
         }
+        // Every page is in each live child: its agent may end (closing its socket without
+        // this, the agent takes the parent for gone and ends its child).
+        for b in st
+            .children
+            .iter()
+            .filter(|c| !c.gone)
+            .filter_map(|c| c.budget.as_ref())
+        {
+            let _ = rustix::net::send(
+                &b.agent,
+                &agent::header(agent::HANDED, 0, 0),
+                rustix::net::SendFlags::NOSIGNAL,
+            );
+        }
         st.settle_buf = buf;
         st.children.clear();
         st.child_fetches.clear();
