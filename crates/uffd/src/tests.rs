@@ -1032,16 +1032,36 @@ fn a_server_that_hangs_mid_fetch_is_timed_out_and_the_other_copy_serves() {
     };
     let pager = Pager::new(cfg, t, MemDisk::default());
     let mut r = Region::new(pager, PAGES * PAGE_SIZE, 32 * PAGE_SIZE).expect("a region");
-    let mem = r.as_mut_slice();
-    for p in 0..PAGES {
-        mem[p * PAGE_SIZE..(p + 1) * PAGE_SIZE].fill(fill(p, 3));
+    // A read goes to its page's first holder, the first copy acknowledged: the relay's extra
+    // hop makes the other server first for most pages, and once in a while (1 run in 20
+    // here) for every page, when no read would ask the hung server at all. Written again
+    // until some page has the relay first.
+    let mut tries = 0;
+    loop {
+        let mem = r.as_mut_slice();
+        for p in 0..PAGES {
+            mem[p * PAGE_SIZE..(p + 1) * PAGE_SIZE].fill(fill(p, 3));
+        }
+        // Out to both servers, acknowledged (victims' writes do not wait: one still in
+        // flight when the relay freezes would find the hung server by itself, not a fetch).
+        r.set_budget(PAGE_SIZE);
+        r.with_pager(|p| p.flush()).unwrap();
+        r.set_budget(32 * PAGE_SIZE);
+        let relay_first = r.with_pager(|p| {
+            (0..PAGES as u64)
+                .filter(|&pg| p.holders(pg).first() == Some(&0))
+                .count()
+        });
+        tries += 1;
+        if relay_first > 0 {
+            break;
+        }
+        assert!(
+            tries < 20,
+            "no page ever had the relay's server as its first holder"
+        );
     }
-    // Out to both servers, acknowledged (victims' writes do not wait: one still in flight
-    // when the relay freezes would find the hung server by itself, not a fetch), then the
-    // first one hangs.
-    r.set_budget(PAGE_SIZE);
-    r.with_pager(|p| p.flush()).unwrap();
-    r.set_budget(32 * PAGE_SIZE);
+    // Then the relay's server hangs.
     relay.frozen.store(true, Ordering::Relaxed);
     let started = std::time::Instant::now();
     let mem = r.as_mut_slice();
