@@ -43,8 +43,10 @@ pub(crate) const COPIED: u32 = 3;
 /// Agent → handler: `DROPPED`, sequence number: every page of that request is gone.
 pub(crate) const DROPPED: u32 = 4;
 
-/// Handler → agent: `HANDED`: every page of the child is in its own memory now, and the
-/// handler lets go of it (its parent is leaving); the agent ends.
+/// Handler → agent: `HANDED`: the handler lets go of the child, which needs nothing more of
+/// it: every page of the child is in its own memory now (its parent is leaving), or the child
+/// was never held to a budget (no slot was free at its fork). The agent ends, and the child
+/// goes on.
 pub(crate) const HANDED: u32 = 5;
 
 /// Header of every message: kind, sequence number (or pid), count.

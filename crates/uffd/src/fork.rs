@@ -467,6 +467,16 @@ impl<T: Transport, D: Disk> Shared<T, D> {
         let budget = if socket >= 0 {
             // SAFETY: the handler's end of the socket made for this fork, owned from here on.
             let agent = unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(socket) };
+            if self.free_slot(st).is_none() {
+                // No slot after all: the child is not held to a budget. Its agent is told to
+                // end quietly (closing the socket alone would have it take the parent for
+                // gone and end the child).
+                let _ = rustix::net::send(
+                    &agent,
+                    &agent::header(agent::HANDED, 0, 0),
+                    rustix::net::SendFlags::NOSIGNAL,
+                );
+            }
             self.free_slot(st).map(|slot| Budget {
                 agent,
                 slot,
