@@ -1481,11 +1481,7 @@ fn a_killed_runs_directory_is_removed_by_the_next_run() {
         .env("TMPDIR", &tmp.0)
         .output()
         .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert_ran(&out, "netram run -- true");
     assert!(!stale.exists(), "the dead run's directory is gone");
     assert!(live.exists(), "a live process's directory stays");
     let left: Vec<_> = std::fs::read_dir(&tmp.0)
