@@ -77,13 +77,17 @@ impl Drop for Busy {
 
 /// `netram run ARGS -- PROGRAM...` bounded by `timeout`.
 fn netram_run(args: &[&str], program: &[&str]) -> Output {
-    common::netram_env(Command::new("timeout"))
-        .args(["300", NETRAM, "run"])
+    netram_run_command(args, program).output().unwrap()
+}
+
+/// The command [`netram_run`] runs, for a test that sets more on it first.
+fn netram_run_command(args: &[&str], program: &[&str]) -> Command {
+    let mut c = common::netram_env(Command::new("timeout"));
+    c.args(["300", NETRAM, "run"])
         .args(args)
         .arg("--")
-        .args(program)
-        .output()
-        .unwrap()
+        .args(program);
+    c
 }
 
 fn report(path: &Path) -> serde_json::Value {
@@ -1466,18 +1470,7 @@ fn a_killed_runs_directory_is_removed_by_the_next_run() {
         std::fs::create_dir(d).unwrap();
         std::fs::write(d.join("attached-1"), b"").unwrap();
     }
-    let out = common::netram_env(Command::new("timeout"))
-        .args([
-            "300",
-            NETRAM,
-            "run",
-            "--local-mem",
-            "8M",
-            "--backing",
-            "disk",
-            "-q",
-        ])
-        .args(["--", "true"])
+    let out = netram_run_command(&["--local-mem", "8M", "--backing", "disk", "-q"], &["true"])
         .env("TMPDIR", &tmp.0)
         .output()
         .unwrap();
