@@ -23,9 +23,17 @@
 //! serve the child's next touch of them as zeros: the agent then ends the child, with a line
 //! on its stderr saying why, rather than let it compute on zeros (a Redis child writing its
 //! dump, a worker its results).
+//!
+//! That end must come before the child's next fault, and a busy child faults within
+//! microseconds: once the last descriptor of the child's userfaultfd closes, the kernel serves
+//! its faults as zeros at once (a Redis BGSAVE child was seen to die of SIGSEGV on a zeroed
+//! pointer before its agent woke). So the handler gives the agent a descriptor of that very
+//! userfaultfd to hold (`HOLD`): while the agent holds it the parent's death leaves the child's
+//! faults waiting, not zero-filled, until the agent ends the child. On `HANDED` the handler has
+//! unregistered the child's region first, so the agent's letting go changes nothing.
 
 use netram_proto::PAGE_SIZE;
-use rustix::fd::OwnedFd;
+use rustix::fd::{BorrowedFd, OwnedFd};
 use rustix::io::Errno;
 
 /// Victims per request at most (and so page copies per `COPIED`).
@@ -49,6 +57,10 @@ pub(crate) const DROPPED: u32 = 4;
 /// goes on.
 pub(crate) const HANDED: u32 = 5;
 
+/// Handler → agent: `HOLD`, with the child's own userfaultfd as `SCM_RIGHTS`, for the agent to
+/// keep open until `HANDED` (see the module's text).
+pub(crate) const HOLD: u32 = 6;
+
 /// Header of every message: kind, sequence number (or pid), count.
 pub(crate) const HEADER: usize = 12;
 /// The largest message either way: a `COPIED` of a whole batch.
@@ -66,14 +78,42 @@ pub(crate) fn word(msg: &[u8], i: usize) -> u32 {
     u32::from_ne_bytes(msg[i * 4..i * 4 + 4].try_into().expect("4 bytes"))
 }
 
+/// Tells a child's agent that the handler lets go of it (`HANDED`). A failure is not an error:
+/// an agent that is gone has nothing to be told.
+pub(crate) fn let_go(agent: &OwnedFd) {
+    let _ = rustix::net::send(
+        agent,
+        &header(HANDED, 0, 0),
+        rustix::net::SendFlags::NOSIGNAL,
+    );
+}
+
+/// Gives a child's agent the child's own userfaultfd to hold (`HOLD`).
+pub(crate) fn hold(agent: &OwnedFd, uffd: BorrowedFd<'_>) -> Result<(), Errno> {
+    use rustix::net::{SendAncillaryBuffer, SendAncillaryMessage, SendFlags};
+    let mut space = [std::mem::MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
+    let mut ancillary = SendAncillaryBuffer::new(&mut space);
+    let fds = [uffd];
+    ancillary.push(SendAncillaryMessage::ScmRights(&fds));
+    rustix::net::sendmsg(
+        agent,
+        &[std::io::IoSlice::new(&header(HOLD, 0, 0))],
+        &mut ancillary,
+        SendFlags::NOSIGNAL,
+    )
+    .map(drop)
+}
+
 /// Starts the agent in this (just forked) child, for the region at `base` of `pages` pages.
 pub(crate) fn start(socket: OwnedFd, base: usize, pages: usize) -> std::io::Result<()> {
     std::thread::Builder::new()
         .name("netram-child".into())
         .spawn(move || {
             let parent = rustix::process::getppid().map_or(0, |p| p.as_raw_nonzero().get());
-            match serve(&socket, base, pages) {
+            let mut held = None;
+            match serve(&socket, base, pages, &mut held) {
                 Ok(End::HandedOver) => {}
+                // Still holding the userfaultfd: the child's faults wait until it is ended.
                 Ok(End::ParentGone) => parent_gone(parent),
                 Err(e) => {
                     tracing::debug!("a forked child's agent ends: {e}");
@@ -84,8 +124,28 @@ pub(crate) fn start(socket: OwnedFd, base: usize, pages: usize) -> std::io::Resu
                     }
                 }
             }
+            // Ending without ending the child: its faults must not wait on a userfaultfd
+            // nobody reads, should its parent die later.
+            if let Some(held) = held {
+                held.release();
+            }
         })
         .map(drop)
+}
+
+/// The child's own userfaultfd, as the agent holds it (`HOLD`).
+struct Held {
+    fd: OwnedFd,
+    inode: u64,
+}
+
+impl Held {
+    /// Closes it, unless the program closed it first and its number is another file's now.
+    fn release(self) {
+        if !rustix::fs::fstat(&self.fd).is_ok_and(|s| s.st_ino == self.inode) {
+            std::mem::forget(self.fd);
+        }
+    }
 }
 
 /// How the agent's work ended, when its parent ended it.
@@ -116,8 +176,14 @@ fn parent_gone(parent: i32) -> ! {
     std::process::abort()
 }
 
-fn serve(socket: &OwnedFd, base: usize, pages: usize) -> Result<End, Errno> {
-    use rustix::net::{recv, send, RecvFlags, SendFlags};
+fn serve(
+    socket: &OwnedFd,
+    base: usize,
+    pages: usize,
+    held: &mut Option<Held>,
+) -> Result<End, Errno> {
+    use rustix::net::{recvmsg, send, RecvAncillaryBuffer, RecvAncillaryMessage};
+    use rustix::net::{RecvFlags, SendFlags};
     // The program may close this descriptor (a child closing every descriptor it inherited)
     // and its number be reused for another file or socket: every use checks that it is still
     // this socket, before and after, so that nothing read from anything else is acted on and
@@ -133,17 +199,38 @@ fn serve(socket: &OwnedFd, base: usize, pages: usize) -> Result<End, Errno> {
         if !ours() {
             return Err(Errno::BADF);
         }
-        let n = match recv(socket, &mut request, RecvFlags::empty()) {
-            Ok((0, _)) => return Ok(End::ParentGone),
-            Ok((n, _)) => n,
+        let mut space = [std::mem::MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
+        let mut ancillary = RecvAncillaryBuffer::new(&mut space);
+        let n = match recvmsg(
+            socket,
+            &mut [std::io::IoSliceMut::new(&mut request)],
+            &mut ancillary,
+            RecvFlags::CMSG_CLOEXEC,
+        ) {
+            Ok(r) if r.bytes == 0 => return Ok(End::ParentGone),
+            Ok(r) => r.bytes,
             Err(Errno::INTR) => continue,
             Err(e) => return Err(e),
         };
+        // Descriptors come only with `HOLD`; any other is closed here (it is new, and ours).
+        let mut fds: Vec<OwnedFd> = Vec::new();
+        for m in ancillary.drain() {
+            if let RecvAncillaryMessage::ScmRights(rights) = m {
+                fds.extend(rights);
+            }
+        }
         if !ours() {
             return Err(Errno::BADF);
         }
         if n == HEADER && word(&request, 0) == HANDED {
             return Ok(End::HandedOver);
+        }
+        if n == HEADER && word(&request, 0) == HOLD {
+            if let (None, Some(fd)) = (&held, fds.pop()) {
+                let inode = rustix::fs::fstat(&fd)?.st_ino;
+                *held = Some(Held { fd, inode });
+            }
+            continue;
         }
         // Only the parent's handler holds the other end; a message that is not a whole
         // request is a bug there, answered by ending (the handler then stops asking).

@@ -467,17 +467,22 @@ impl<T: Transport, D: Disk> Shared<T, D> {
         let budget = if socket >= 0 {
             // SAFETY: the handler's end of the socket made for this fork, owned from here on.
             let agent = unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(socket) };
-            if self.free_slot(st).is_none() {
+            let slot = self.free_slot(st);
+            match slot {
                 // No slot after all: the child is not held to a budget. Its agent is told to
                 // end quietly (closing the socket alone would have it take the parent for
                 // gone and end the child).
-                let _ = rustix::net::send(
-                    &agent,
-                    &agent::header(agent::HANDED, 0, 0),
-                    rustix::net::SendFlags::NOSIGNAL,
-                );
+                None => agent::let_go(&agent),
+                // Its agent holds the child's userfaultfd, so that this process's death
+                // leaves the child's faults waiting for the agent to end it, not zero-filled.
+                // Without it (the agent gone already) the child runs as before.
+                Some(_) => {
+                    if let Err(e) = agent::hold(&agent, std::os::fd::AsFd::as_fd(&uffd)) {
+                        tracing::debug!("a child's agent was not given its userfaultfd: {e}");
+                    }
+                }
             }
-            self.free_slot(st).map(|slot| Budget {
+            slot.map(|slot| Budget {
                 agent,
                 slot,
                 limit: self.child_budget.unwrap_or(st.budget),
@@ -1808,19 +1813,18 @@ impl<T: Transport, D: Disk> Shared<T, D> {
                 }
             }
         }
-        // Every page is in each live child: its agent may end (closing its socket without
-        // this, the agent takes the parent for gone and ends its child).
-        for b in st
-            .children
-            .iter()
-            .filter(|c| !c.gone)
-            .filter_map(|c| c.budget.as_ref())
-        {
-            let _ = rustix::net::send(
-                &b.agent,
-                &agent::header(agent::HANDED, 0, 0),
-                rustix::net::SendFlags::NOSIGNAL,
-            );
+        // Every page is in each live child: its region becomes plain memory (unregistered
+        // first, so that a copy of its userfaultfd left open anywhere — its agent's until it
+        // reads this, one a grandchild inherited — cannot hold a later fault there), and its
+        // agent may end (closing its socket without this, the agent takes the parent for
+        // gone and ends its child).
+        for c in st.children.iter().filter(|c| !c.gone) {
+            if let Err(e) = c.uffd.unregister(self.base.page(0), self.pages * PAGE_SIZE) {
+                tracing::debug!("unregistering a child's region: {e}");
+            }
+            if let Some(b) = &c.budget {
+                agent::let_go(&b.agent);
+            }
         }
         st.settle_buf = buf;
         st.children.clear();
