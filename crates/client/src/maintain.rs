@@ -247,7 +247,7 @@ impl MaintainConfig {
             reconnect_every_us: self.reconnect_every.as_micros() as u64,
             recover_batch: self.batch,
             migrate_batch: self.migrate_batch,
-            probe_timeout_us: probe_timeout.as_micros() as u64,
+            reply_timeout_us: probe_timeout.as_micros() as u64,
         }
     }
 

@@ -600,6 +600,9 @@ impl Transport for TcpTransport {
     fn servers(&self) -> Vec<ServerInfo> {
         self.conns.iter().map(|c| c.info.clone()).collect()
     }
+    fn reply_timeout_us(&self) -> Option<u64> {
+        Some(self.reply_timeout.as_micros() as u64)
+    }
 
     fn reply_fd(&self, server: usize) -> Option<std::os::fd::RawFd> {
         use std::os::fd::AsRawFd;

@@ -406,7 +406,7 @@ fn a_probe_of_a_server_that_hangs_never_holds_the_pager() {
     );
     p.set_schedule(netram_pager::ScheduleConfig {
         probe_every_us: 50_000,
-        probe_timeout_us: 1_000_000,
+        reply_timeout_us: 1_000_000,
         ..Default::default()
     });
     for n in 0..64 {

@@ -28,7 +28,7 @@ use rustix::event::{poll, PollFd, PollFlags, Timespec};
 use std::collections::HashMap;
 use std::os::fd::{BorrowedFd, RawFd};
 use std::sync::{Mutex, MutexGuard};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// Bits of a ticket's tag that give the page's place in its read; the rest name the read.
 /// A read is at most a pipeline batch (16 MiB: 4,096 pages), far below this.
@@ -38,13 +38,6 @@ const PLACE_BITS: u32 = 24;
 /// been read off the socket by another holder of the lock (a write waiting for a slot, the
 /// maintenance thread) and left among the pager's finished reads.
 const NAP: Duration = Duration::from_millis(5);
-
-/// A read whose replies have not come for this long is waited for under the lock, the old
-/// way: the transport's reply timeout then decides whether its server is dead. Longer than
-/// the maintenance schedule's probe cycle (a probe every 2 s, its server failed when it has
-/// not answered in 5 s: `ScheduleConfig`), which finds a server that hangs without holding
-/// the lock for it; this is for a device without maintenance.
-const STALLED: Duration = Duration::from_secs(10);
 
 /// The pager and the reads by ticket of every connection, behind the device's one lock.
 pub(crate) struct Inner<T: Transport, D: Disk> {
@@ -170,8 +163,6 @@ pub(crate) fn read_pages<T: Transport, D: Disk>(
 fn wait<T: Transport, D: Disk>(lock: &Mutex<Inner<T, D>>, id: u64) -> Result<(), PagerError> {
     let mut fds: Vec<(usize, RawFd)> = Vec::new();
     let mut readable: Vec<usize> = Vec::new();
-    let mut progress = Instant::now();
-    let mut left_before = usize::MAX;
     loop {
         {
             let mut inner = guard(lock);
@@ -188,20 +179,17 @@ fn wait<T: Transport, D: Disk>(lock: &Mutex<Inner<T, D>>, id: u64) -> Result<(),
             if r.left == 0 {
                 return Ok(());
             }
-            if r.left < left_before {
-                left_before = r.left;
-                progress = Instant::now();
-            }
             fds.clear();
             inner.pager.reply_fds_by_server(&mut fds);
             // Nothing to wait on (a transport in memory, or only degraded reads left, which
-            // the next take decodes), or nothing has come for long: waited for under the
-            // lock, as every read was before.
-            if fds.is_empty() || progress.elapsed() > STALLED {
+            // the next take decodes): waited for under the lock, as every read was before.
+            if fds.is_empty() {
                 inner.pager.wait_finished()?;
-                progress = Instant::now();
                 continue;
             }
+            // A server that hangs is failed by the pager's reply timeout, and the reads it
+            // held go to another copy, without waiting for it under the lock.
+            inner.pager.expire(netram_pager::real_time_us());
         }
         nap(&fds, &mut readable);
     }
@@ -275,28 +263,19 @@ fn take_in<T: Transport, D: Disk>(pager: &mut Pager<T, D>) {
     }
 }
 
-/// What one step of an operation under the lock came to.
-enum Step {
-    Done,
-    /// Some of it is done; the rest waits for replies.
-    Progress,
-    /// Nothing could be done before replies come in.
-    Waiting,
-}
-
 /// Runs an operation on the pager behind `lock` in steps, each under the lock and none
-/// waiting (`step(pager, false)`), letting the lock go between them while replies come in.
-/// When nothing is in flight that could let it go on (a victim's page waits in a stripe or
-/// group not sealed yet), or nothing has moved for [`STALLED`], one step is done the waiting
-/// way instead (`step(pager, true)`), as every operation was before.
+/// waiting (`step(pager, false)`, true once the operation is done), letting the lock go
+/// between them while replies come in. When nothing is in flight that could let it go on (a
+/// victim's page waits in a stripe or group not sealed yet), one step is done the waiting way
+/// instead (`step(pager, true)`), as every operation was before. A server that hangs is failed
+/// by the pager's reply timeout (`Pager::expire`), and what it held goes elsewhere.
 fn drive<T: Transport, D: Disk>(
     lock: &Mutex<Inner<T, D>>,
     what: &str,
-    mut step: impl FnMut(&mut Pager<T, D>, bool) -> Result<Step, PagerError>,
+    mut step: impl FnMut(&mut Pager<T, D>, bool) -> Result<bool, PagerError>,
 ) -> Result<(), PagerError> {
     let mut fds: Vec<(usize, RawFd)> = Vec::new();
     let mut readable: Vec<usize> = Vec::new();
-    let mut progress = Instant::now();
     let mut first = true;
     loop {
         {
@@ -311,20 +290,18 @@ fn drive<T: Transport, D: Disk>(
             } else if let Err(e) = inner.pager.poll_from(readable.drain(..)) {
                 tracing::debug!("while {what}: {e}");
             }
-            match step(&mut inner.pager, false)? {
-                Step::Done => return Ok(()),
-                Step::Progress => progress = Instant::now(),
-                Step::Waiting => {}
+            if step(&mut inner.pager, false)? {
+                return Ok(());
             }
             fds.clear();
             inner.pager.reply_fds_by_server(&mut fds);
-            if fds.is_empty() || progress.elapsed() > STALLED {
-                if let Step::Done = step(&mut inner.pager, true)? {
+            if fds.is_empty() {
+                if step(&mut inner.pager, true)? {
                     return Ok(());
                 }
-                progress = Instant::now();
                 continue;
             }
+            inner.pager.expire(netram_pager::real_time_us());
         }
         nap(&fds, &mut readable);
     }
@@ -349,7 +326,7 @@ pub(crate) fn write_pages<T: Transport, D: Disk>(
             pager.try_write_many(&pages[done..], &data[done * PAGE_SIZE..])?
         };
         done += n;
-        Ok(progressed(done == pages.len(), n > 0))
+        Ok(done == pages.len())
     })
 }
 
@@ -361,7 +338,6 @@ pub(crate) fn discard_pages<T: Transport, D: Disk>(
 ) -> Result<(), PagerError> {
     let mut done = 0;
     drive(lock, "discarding", |pager, wait| {
-        let before = done;
         if wait {
             pager.discard_many(&pages[done..done + 1])?;
             done += 1;
@@ -370,14 +346,14 @@ pub(crate) fn discard_pages<T: Transport, D: Disk>(
             done += 1;
         }
         pager.send_queued();
-        Ok(progressed(done == pages.len(), done > before))
+        Ok(done == pages.len())
     })
 }
 
 /// Writes back every page dirty in the pager's cache now (or only those of `only`: a write
 /// with FUA), seals what its scheme keeps open and waits for the acknowledgements, without the
-/// lock between steps (`Pager::try_flush`). Past [`STALLED`] the whole cache is flushed the
-/// waiting way, which covers the pages of `only` too.
+/// lock between steps (`Pager::try_flush`). When nothing is in flight that could move it on,
+/// the whole cache is flushed the waiting way, which covers the pages of `only` too.
 pub(crate) fn flush<T: Transport, D: Disk>(
     lock: &Mutex<Inner<T, D>>,
     only: Option<&[u64]>,
@@ -392,20 +368,8 @@ pub(crate) fn flush<T: Transport, D: Disk>(
     drive(lock, "flushing", |pager, wait| {
         if wait {
             pager.flush()?;
-            return Ok(Step::Done);
+            return Ok(true);
         }
-        let before = flush.pages_left();
-        if pager.try_flush(&mut flush)? {
-            return Ok(Step::Done);
-        }
-        Ok(progressed(false, flush.pages_left() < before))
+        pager.try_flush(&mut flush)
     })
-}
-
-fn progressed(done: bool, some: bool) -> Step {
-    match (done, some) {
-        (true, _) => Step::Done,
-        (false, true) => Step::Progress,
-        (false, false) => Step::Waiting,
-    }
 }

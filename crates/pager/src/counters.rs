@@ -55,6 +55,9 @@ counters! {
     /// and probes that went unanswered for the probe timeout (their servers failed).
     probe_rounds,
     probes_unanswered,
+    /// Servers failed because a request waited for past the reply timeout without an answer
+    /// ([`crate::Pager::expire`]): a server that hangs, found without waiting on it.
+    requests_timed_out,
     servers_dead,
     /// Dead servers reconnected (empty: what they held before is gone).
     servers_revived,

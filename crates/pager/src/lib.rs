@@ -273,6 +273,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             cfg.seal.is_some() || !transport.leaves_pages_to_pager(),
             "a transport that leaves pages' authenticity to the pager needs a pager that seals"
         );
+        let reply_timeout_us = transport.reply_timeout_us();
         let batch_max = cfg
             .batch_max
             .min(cfg.window as usize)
@@ -316,6 +317,8 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                 ops: HashMap::default(),
                 per_server: vec![0; servers.len()],
                 order: VecDeque::new(),
+                sends: 0,
+                marks: VecDeque::new(),
             },
             queues: (0..servers.len()).map(|_| VecDeque::new()).collect(),
             dequeued: vec![0; servers.len()],
@@ -341,7 +344,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             next_req: 1,
             must_not_wait: 0,
             forbidden_waits: 0,
-            schedule: maintenance::Schedule::default(),
+            schedule: maintenance::Schedule::with_reply_timeout(reply_timeout_us),
             rng: fastrand::Rng::with_seed(cfg.seed),
             counters: PagerCounters::default(),
             cfg: PagerConfig { batch_max, ..cfg },

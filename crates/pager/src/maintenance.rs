@@ -25,9 +25,10 @@ pub struct ScheduleConfig {
     pub recover_batch: usize,
     /// Pages moved off servers that shrank their offer, per tick at most.
     pub migrate_batch: usize,
-    /// A probe not answered within this long (µs) fails its server: the transport's reply
-    /// timeout, for a probe nobody waits for.
-    pub probe_timeout_us: u64,
+    /// A probe, or a request an operation waits for, not answered within this long (µs)
+    /// fails its server: the transport's reply timeout, applied by the pager itself to what
+    /// nobody waits on the transport for (reads by ticket, probes, write-backs).
+    pub reply_timeout_us: u64,
 }
 
 impl Default for ScheduleConfig {
@@ -37,7 +38,7 @@ impl Default for ScheduleConfig {
             reconnect_every_us: 1_000_000,
             recover_batch: 64,
             migrate_batch: 256,
-            probe_timeout_us: 5_000_000,
+            reply_timeout_us: 5_000_000,
         }
     }
 }
@@ -158,6 +159,17 @@ pub(crate) struct Schedule {
     probes: BTreeMap<usize, (u64, u64)>,
 }
 
+impl Schedule {
+    /// The default schedule, with the transport's reply timeout if it has one.
+    pub(crate) fn with_reply_timeout(reply_timeout_us: Option<u64>) -> Self {
+        let mut s = Self::default();
+        if let Some(t) = reply_timeout_us {
+            s.cfg.reply_timeout_us = t;
+        }
+        s
+    }
+}
+
 /// What one tick did.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Tick {
@@ -226,7 +238,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
     ///
     /// A tick never waits for a probe: the probe is sent, its reply handled by whichever call
     /// reads that server's replies, and a later tick fails the server if none came within
-    /// `probe_timeout_us`. (Waiting held the pager, and its owner's lock, for every reply in
+    /// `reply_timeout_us`. (Waiting held the pager, and its owner's lock, for every reply in
     /// flight, and for the whole reply timeout when a server hung.)
     pub fn on_tick(&mut self, now_us: u64) -> Result<Tick, PagerError> {
         let cfg = self.schedule.cfg;
@@ -236,6 +248,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         };
         let dead_before = self.counters.servers_dead;
         self.check_probes(now_us);
+        self.expire(now_us);
         if Schedule::due(
             &mut self.schedule.last_reconnect,
             cfg.reconnect_every_us,
@@ -290,10 +303,34 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         self.send_queued();
     }
 
+    /// Fails every server that has left a request unanswered for the reply timeout
+    /// ([`ScheduleConfig::reply_timeout_us`]) at `now_us`; returns how many. A loop that never
+    /// waits on the transport calls this (it is part of [`Pager::on_tick`]) to find a server
+    /// that hangs: a read waiting for it then goes to another copy, the disk or
+    /// reconstruction, as when its connection fails. Never waits; cheap enough to call on
+    /// every turn of a loop.
+    pub fn expire(&mut self, now_us: u64) -> usize {
+        let timeout = self.schedule.cfg.reply_timeout_us;
+        let late = self.inflight.late(now_us, timeout);
+        for &s in &late {
+            if !self.servers[s].alive {
+                continue;
+            }
+            self.counters.requests_timed_out += 1;
+            tracing::warn!(
+                server = s,
+                timeout_ms = timeout / 1000,
+                "a request unanswered past the reply timeout: the server is taken for dead"
+            );
+            self.on_failure(s, TransportError::Timeout(timeout / 1000));
+        }
+        late.len()
+    }
+
     /// Forgets the probes answered (or whose server failed meanwhile), and fails the servers
-    /// whose probe has waited `probe_timeout_us`.
+    /// whose probe has waited `reply_timeout_us`.
     fn check_probes(&mut self, now_us: u64) {
-        let timeout = self.schedule.cfg.probe_timeout_us;
+        let timeout = self.schedule.cfg.reply_timeout_us;
         let mut late = Vec::new();
         for (s, (id, sent)) in std::mem::take(&mut self.schedule.probes) {
             if !self.servers[s].alive || !self.pending(s, id) {

@@ -144,7 +144,14 @@ pub(crate) struct Inflight {
     /// (request, server) in the order sent; answered ones are dropped lazily from the front.
     /// The oldest request still in flight names the server whose reply to wait for: the one
     /// most likely to be there already, so that every server's pipeline keeps moving.
-    pub(crate) order: VecDeque<(u64, usize)>,
+    pub(crate) order: VecDeque<(u64, usize, u64)>,
+    /// Requests sent so far: the third field of `order`, a request's place in sending order.
+    pub(crate) sends: u64,
+    /// (time in µs, `sends` then), taken by [`Inflight::late`] now and then: a request whose
+    /// place is below a mark's was on the wire at the mark's time. Time comes only from the
+    /// caller (the pager reads no clock), and a request's age is counted from the first mark
+    /// after its sending: never more than it is.
+    pub(crate) marks: VecDeque<(u64, u64)>,
 }
 
 impl Inflight {
@@ -154,14 +161,9 @@ impl Inflight {
     /// server may be the one that hangs, which the probe's own timeout finds out), while the
     /// oldest is what a wait is for.
     pub(crate) fn oldest(&mut self) -> Option<usize> {
-        while let Some(&(id, _)) = self.order.front() {
-            if self.ops.contains_key(&id) {
-                break;
-            }
-            self.order.pop_front();
-        }
+        self.forget_answered();
         let mut handover = None;
-        for &(id, server) in &self.order {
+        for &(id, server, _) in &self.order {
             match self.ops.get(&id) {
                 Some((_, op)) if !op.awaited() => {
                     handover.get_or_insert(server);
@@ -180,8 +182,53 @@ impl Inflight {
     pub(crate) fn compact(&mut self) {
         if self.order.len() > 2 * self.ops.len() + 64 {
             let ops = &self.ops;
-            self.order.retain(|(id, _)| ops.contains_key(id));
+            self.order.retain(|(id, _, _)| ops.contains_key(id));
         }
+    }
+
+    fn forget_answered(&mut self) {
+        while let Some(&(id, _, _)) = self.order.front() {
+            if self.ops.contains_key(&id) {
+                break;
+            }
+            self.order.pop_front();
+        }
+    }
+
+    /// The servers with a request that an operation waits for (not a probe, which has its own
+    /// timeout, nor a direct migration) on the wire for `timeout_us` or longer at `now_us`,
+    /// which is also marked for later calls. One mark per sixteenth of the timeout at most, so
+    /// that a caller may ask often; a request is found late between `timeout_us` and that much
+    /// more after its sending, or after the first call following it.
+    pub(crate) fn late(&mut self, now_us: u64, timeout_us: u64) -> Vec<usize> {
+        if self
+            .marks
+            .back()
+            .is_none_or(|&(t, _)| now_us.saturating_sub(t) >= (timeout_us / 16).max(1))
+        {
+            self.marks.push_back((now_us, self.sends));
+        }
+        // The newest mark at least `timeout_us` old is all that matters (and those after it).
+        while self.marks.len() >= 2 && now_us.saturating_sub(self.marks[1].0) >= timeout_us {
+            self.marks.pop_front();
+        }
+        let Some(&(t, before)) = self.marks.front() else {
+            return Vec::new();
+        };
+        if now_us.saturating_sub(t) < timeout_us {
+            return Vec::new();
+        }
+        self.forget_answered();
+        let mut late = Vec::new();
+        for &(id, server, place) in &self.order {
+            if place >= before {
+                break;
+            }
+            if self.ops.get(&id).is_some_and(|(_, op)| op.awaited()) && !late.contains(&server) {
+                late.push(server);
+            }
+        }
+        late
     }
 
     /// Whether anything is in flight that an operation waits for: anything but direct
@@ -524,7 +571,9 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             Ok(()) => {
                 self.inflight.per_server[server] += op.credits();
                 self.inflight.ops.insert(id, (server, op));
-                self.inflight.order.push_back((id, server));
+                let place = self.inflight.sends;
+                self.inflight.sends += 1;
+                self.inflight.order.push_back((id, server, place));
                 self.inflight.compact();
             }
             Err(e) => {

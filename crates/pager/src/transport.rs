@@ -70,6 +70,13 @@ pub trait Transport {
         let _ = server;
         None
     }
+    /// How long `recv` waits for a reply before it fails with [`TransportError::Timeout`]
+    /// (µs), if it does: the pager applies the same to what nobody waits for on the
+    /// transport ([`Pager::expire`](crate::Pager::expire)) unless its schedule says
+    /// otherwise.
+    fn reply_timeout_us(&self) -> Option<u64> {
+        None
+    }
     /// Puts on the wire whatever `send` has only queued (without waiting for anything).
     fn flush(&mut self) {}
     /// Opens a new connection (and session) to a server the pager had declared dead, dropping

@@ -421,7 +421,7 @@ fn play(sc: &Scenario, at: &std::cell::Cell<u32>) -> Result<Report, Failure> {
                 recover_batch: rng.usize(1..=16),
                 migrate_batch: rng.usize(1..=64),
                 // As a real client's: the transport's reply timeout.
-                probe_timeout_us: crate::transport::REPLY_TIMEOUT_US,
+                reply_timeout_us: crate::transport::REPLY_TIMEOUT_US,
             });
             Client {
                 disk_failures_reported: 0,

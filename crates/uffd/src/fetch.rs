@@ -8,13 +8,14 @@
 //!
 //! The lock is held only while a fetch starts and while one is installed, never across the
 //! round trip. What still waits: a fork (its bookkeeping wants every fetch installed first, see
-//! `finish_all`), a degraded read that must be decoded, and a fetch whose server has not
-//! answered for [`STALLED`] (the transport's reply timeout then decides whether it is dead).
+//! `finish_all`) and a degraded read that must be decoded. A server that hangs is found by the
+//! pager's own reply timeout (`Pager::expire`), asked once fetches have had no reply for
+//! [`STALLED`]: its reads then go to another copy, without waiting.
 
 use super::*;
 
-/// A fetch with no reply for this long is waited for the old way, under the transport's reply
-/// timeout, so that a server that hangs is found out as before.
+/// Fetches with no reply for this long have the pager look for requests past its reply
+/// timeout (before, they were waited for under the transport's).
 pub(crate) const STALLED: std::time::Duration = std::time::Duration::from_millis(200);
 
 /// A page being read by ticket.
@@ -197,8 +198,9 @@ impl<T: Transport, D: Disk> Shared<T, D> {
         self.make_room(st, keep);
     }
 
-    /// Reads the replies that have arrived and installs what they finish; falls back on
-    /// waiting (under the transport's reply timeout) when nothing has come for [`STALLED`].
+    /// Reads the replies that have arrived and installs what they finish; when nothing has
+    /// come for [`STALLED`], fails the servers past the reply timeout (their reads go to
+    /// another copy, and are installed when that answers). Never waits.
     pub(crate) fn progress_fetches(&self, st: &mut State<T, D>) {
         if st.pager.tickets() == 0 {
             return;
@@ -208,10 +210,17 @@ impl<T: Transport, D: Disk> Shared<T, D> {
         }
         self.finish_fetches(st);
         if st.fetches_out() && st.fetch_progress.elapsed() > STALLED {
-            self.counters
-                .fetches_stalled
-                .fetch_add(1, Ordering::Relaxed);
-            self.finish_all(st);
+            if !st.stalled {
+                st.stalled = true;
+                self.counters
+                    .fetches_stalled
+                    .fetch_add(1, Ordering::Relaxed);
+            }
+            if st.pager.expire(netram_pager::real_time_us()) > 0 {
+                self.finish_fetches(st);
+            }
+        } else {
+            st.stalled = false;
         }
     }
 

@@ -186,8 +186,8 @@ impl<T: Transport, D: Disk> Shared<T, D> {
                 ));
             }
             // Bounded with children (see above) and with fetches in flight: their replies may
-            // be read by another holder of the lock (maintenance), and a fetch that stalls is
-            // waited for the old way (`fetch::STALLED`).
+            // be read by another holder of the lock (a program's call into the region), and a
+            // fetch that stalls has its server's deadline looked at (`fetch::STALLED`).
             // And by the schedule's next tick.
             let mut bound = std::time::Duration::from_millis(if fetching { 20 } else { 100 });
             let mut bounded = !children.is_empty() || fetching;

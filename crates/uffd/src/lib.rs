@@ -168,8 +168,8 @@ pub struct RegionCounters {
     pub batched_fetches: AtomicU64,
     /// Faults that found their page already installed by an earlier fault (EEXIST).
     pub already_present: AtomicU64,
-    /// Times fetches in flight had no reply for `fetch::STALLED` and were waited for under the
-    /// transport's reply timeout (a server that hangs).
+    /// Times fetches in flight had no reply for `fetch::STALLED` (a server that hangs, or a
+    /// slow one): the pager then looks for requests past its reply timeout.
     pub fetches_stalled: AtomicU64,
     /// Write-protect faults (a write that raced with an eviction).
     pub write_protect_faults: AtomicU64,
@@ -571,6 +571,7 @@ where
                 victims: Vec::new(),
                 fetching: HashMap::new(),
                 fetch_progress: std::time::Instant::now(),
+                stalled: false,
                 fetch_buf: Vec::new(),
                 fetch_done: Vec::new(),
                 child_fetches: HashMap::new(),
@@ -909,6 +910,8 @@ struct State<T: Transport, D: Disk> {
     /// the finished ones.
     fetching: HashMap<u64, fetch::Fetch>,
     fetch_progress: std::time::Instant,
+    /// Fetches have had no reply for `fetch::STALLED` (counted once a stall).
+    stalled: bool,
     fetch_buf: Vec<u8>,
     fetch_done: Vec<(u64, u64, Result<usize, PagerError>)>,
     /// Forked children's pages being read by ticket (`fork.rs`, `ChildFetch`), by the tag

@@ -1014,7 +1014,8 @@ use std::time::Duration;
 #[test]
 fn a_server_that_hangs_mid_fetch_is_timed_out_and_the_other_copy_serves() {
     // Every fetch is in flight while the handler goes on (`fetch.rs`): one whose server has
-    // stopped answering must still end, by the transport's reply timeout, and be served by
+    // stopped answering must still end, by the reply timeout (the pager's, the transport's
+    // value), and be served by
     // the page's other copy; no faulting thread waits for good.
     let cluster = LocalCluster::start_insecure(2, 8 << 20, false).unwrap();
     let addrs = cluster.addrs();
@@ -1070,7 +1071,10 @@ fn a_server_that_hangs_mid_fetch_is_timed_out_and_the_other_copy_serves() {
         assert!(page.iter().all(|&b| b == fill(p, 3)), "page {p}");
     }
     let took = started.elapsed();
-    let dead = r.with_pager(|p| p.counters().servers_dead);
+    let (dead, timed_out) = r.with_pager(|p| {
+        let c = p.counters();
+        (c.servers_dead, c.requests_timed_out)
+    });
     relay.frozen.store(false, Ordering::Relaxed);
     assert_eq!(dead, 1, "the hung server was declared dead");
     assert!(
@@ -1079,8 +1083,13 @@ fn a_server_that_hangs_mid_fetch_is_timed_out_and_the_other_copy_serves() {
     );
     let c = r.counters();
     assert_eq!(RegionCounters::get(&c.sigbus), 0, "{c:?}");
-    // Found out by the handler's own fallback, not by the server closing an idle connection
-    // (which it does after some seconds, and which would end the wait too).
+    // Found out by the pager's own reply timeout, asked by the handler once its fetches
+    // stalled (nothing waits on the transport any more), not by the server closing an idle
+    // connection (which it does after some seconds).
     assert!(RegionCounters::get(&c.fetches_stalled) > 0, "{c:?}");
+    assert!(
+        timed_out >= 1,
+        "the pager's reply timeout failed the hung server"
+    );
     drop(r);
 }

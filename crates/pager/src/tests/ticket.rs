@@ -100,6 +100,77 @@ fn a_ticket_whose_server_dies_is_read_from_another_copy() {
     p.check_invariants().unwrap();
 }
 
+/// A server that hangs (its connection open, its replies never coming) is found by the
+/// pager's own reply timeout, without anything waiting on the transport: `expire` fails it
+/// once a read waited for it has been unanswered for `reply_timeout_us` (not before), and
+/// the reads it held are served by the other copy.
+#[test]
+fn a_ticket_whose_server_hangs_is_timed_out_by_expire_and_read_from_another_copy() {
+    let mut p = Pager::new(
+        PagerConfig {
+            pages: 32,
+            cache_pages: 0,
+            redundancy: "mirror:2".parse().unwrap(),
+            ..sealed()
+        },
+        MemCluster::new(&[64, 64, 64]),
+        MemDisk::default(),
+    );
+    for pg in 0..16 {
+        p.write(pg, &content(pg, 6)).unwrap();
+    }
+    p.flush().unwrap();
+    let timeout = 5_000_000;
+    p.set_schedule(ScheduleConfig {
+        reply_timeout_us: timeout,
+        ..ScheduleConfig::default()
+    });
+    let hung = p.holders(0)[0];
+    p.transport_mut().servers[hung].held = true;
+    // Nothing is late before anything was sent: a mark only.
+    assert_eq!(p.expire(1_000), 0);
+    for pg in 0..16 {
+        p.start_read(pg, pg).unwrap();
+    }
+    p.send_queued();
+    let mut rng = fastrand::Rng::with_seed(5);
+    let mut got = 0;
+    let mut take = |p: &mut Pager<MemCluster, MemDisk>, got: &mut usize| {
+        // The hung server's replies never come.
+        p.transport_mut().servers[hung].replies.clear();
+        deliver(p, &mut rng, usize::MAX);
+        p.take_finished(|_, page, data| {
+            assert_eq!(data.unwrap(), &content(page, 6)[..], "page {page}");
+            *got += 1;
+        })
+        .unwrap();
+        p.check_invariants().unwrap();
+    };
+    // The other servers' reads finish; the hung one's wait. (Marks are taken as time goes.)
+    take(&mut p, &mut got);
+    let held = p.tickets();
+    assert!(held > 0, "some reads went to the hung server first");
+    // The first mark after the reads were sent is at 2 s (one per sixteenth of the timeout
+    // at most: none at 2 ms); their age counts from there, never from before their sending.
+    for now in [2_000, 2_000_000, timeout, 2_000_000 + timeout - 1] {
+        assert_eq!(
+            p.expire(now),
+            0,
+            "at {now} µs no request has waited {timeout} µs"
+        );
+    }
+    assert_eq!(p.counters().servers_dead, 0);
+    assert_eq!(p.expire(2_000_000 + timeout), 1);
+    assert_eq!(p.counters().requests_timed_out, 1);
+    assert_eq!(p.counters().servers_dead, 1);
+    // Its reads go to the other copy.
+    while p.tickets() > 0 {
+        take(&mut p, &mut got);
+    }
+    assert_eq!(got, 16);
+    assert!(p.counters().reads_from_other_copy > 0);
+}
+
 #[derive(Debug, Clone)]
 enum Step {
     Write(u64, u8),
