@@ -51,9 +51,9 @@ pub fn start_maintenance(
     cfg: MaintainConfig,
 ) -> Maintenance {
     let region = heap.region();
-    let probe_timeout = region.with_pager(|p| p.transport().reply_timeout());
+    let reply_timeout = region.with_pager(|p| p.transport().reply_timeout());
     region.set_upkeep(Some(Upkeep {
-        schedule: cfg.schedule(probe_timeout),
+        schedule: cfg.schedule(reply_timeout),
         pacing: cfg.pacing(),
     }));
     let pager = region.pager_handle();

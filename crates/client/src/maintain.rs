@@ -239,15 +239,15 @@ impl Membership {
 }
 
 impl MaintainConfig {
-    /// The pager's schedule under this configuration; `probe_timeout` is the transport's
-    /// reply timeout (a probe unanswered that long fails its server).
-    pub fn schedule(&self, probe_timeout: Duration) -> ScheduleConfig {
+    /// The pager's schedule under this configuration; `reply_timeout` is the transport's
+    /// (a probe, or a request waited for, unanswered that long fails its server).
+    pub fn schedule(&self, reply_timeout: Duration) -> ScheduleConfig {
         ScheduleConfig {
             probe_every_us: self.probe_every.as_micros() as u64,
             reconnect_every_us: self.reconnect_every.as_micros() as u64,
             recover_batch: self.batch,
             migrate_batch: self.migrate_batch,
-            reply_timeout_us: probe_timeout.as_micros() as u64,
+            reply_timeout_us: reply_timeout.as_micros() as u64,
         }
     }
 
