@@ -131,6 +131,18 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         for it in self.retry.iter().chain(&self.reconstruct) {
             claim(it.slot, "a GET to try again")?;
         }
+        // A degraded read by ticket waits for recovery (`reconstruct_later`): decoding it here
+        // would wait.
+        if let Some(it) = self
+            .reconstruct
+            .iter()
+            .find(|it| crate::ticket::is_ticket(it.pos))
+        {
+            return Err(format!(
+                "a read by ticket of page {} is to be decoded the waiting way",
+                it.page
+            ));
+        }
         for d in &self.reads_done {
             claim(d.slot, "a finished read")?;
         }

@@ -204,8 +204,8 @@ impl<T: Transport, D: Disk> Pager<T, D> {
 
     /// Waits until every read by ticket has finished (the transport's reply timeout bounds
     /// each wait: a server that does not answer is declared dead and its reads go elsewhere).
-    /// What a loop falls back on when nothing arrives for long, or before a step that must
-    /// not have reads in flight (a fork).
+    /// What a loop falls back on when it has no descriptor to wait on (a transport in memory),
+    /// or before a step that must not have reads in flight (a fork).
     pub fn wait_finished(&mut self) -> Result<(), PagerError> {
         loop {
             self.resubmit_ticket_retries();
@@ -213,7 +213,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             // Degraded reads waiting for recovery drive it on (it sends, and never waits).
             self.serve_waiters()?;
             // Idle with tickets unfinished: nothing in flight can finish them (degraded reads
-            // decoded when taken, or waiting for a rebuild that cannot start yet).
+            // waiting for a rebuild that cannot start yet).
             if self.finished.len() >= self.tickets || self.idle() {
                 return Ok(());
             }
@@ -288,22 +288,13 @@ impl<T: Transport, D: Disk> Pager<T, D> {
 
     /// Gives every finished read by ticket to `f` (tag, page, its data or why there is none),
     /// then keeps its page in the cache if it is still the page's current version. A read that
-    /// failed on one copy is sent to another here, and a degraded one moved on (under parity,
-    /// decoded, which waits).
+    /// failed on one copy is sent to another here, and a degraded one moved on (it waits for
+    /// recovery to bring its page back, which never waits). Never waits.
     pub fn take_finished(
         &mut self,
         mut f: impl FnMut(u64, u64, Result<&[u8], PagerError>),
     ) -> Result<(), PagerError> {
         self.resubmit_ticket_retries();
-        if self.reconstruct.iter().any(|it| is_ticket(it.pos)) {
-            let (mine, rest) = std::mem::take(&mut self.reconstruct)
-                .into_iter()
-                .partition(|it| is_ticket(it.pos));
-            self.reconstruct = mine;
-            let done = self.run_reconstructions();
-            self.reconstruct.extend::<Vec<GetItem>>(rest);
-            done?;
-        }
         self.serve_waiters()?;
         self.route_ticket_reads();
         self.pump_all();

@@ -8,7 +8,7 @@
 //!
 //! The lock is held only while a fetch starts and while one is installed, never across the
 //! round trip. What still waits: a fork (its bookkeeping wants every fetch installed first, see
-//! `finish_all`) and a degraded read that must be decoded. A server that hangs is found by the
+//! `finish_all`). A server that hangs is found by the
 //! pager's own reply timeout (`Pager::expire`), asked once fetches have had no reply for
 //! [`STALLED`]: its reads then go to another copy, without waiting.
 

@@ -456,3 +456,64 @@ fn a_degraded_read_by_ticket_under_parity_does_not_wait_for_recovery() {
     }
     p.check_invariants().unwrap();
 }
+
+/// A read by ticket under parity whose server sends the page bad on every read: the server is
+/// declared dead (its one copy lies) and the read waits for recovery as any degraded read by
+/// ticket does, never decoded the waiting way. (Before, `take_finished` decoded it, waiting:
+/// here that wait timed out on the held replies and declared every server dead.)
+#[test]
+fn a_read_by_ticket_of_a_page_sent_bad_again_and_again_waits_for_recovery() {
+    let mut p = parity_pager(6, 24, 0);
+    for page in 0..24 {
+        p.write(page, &content(page, 2)).unwrap();
+    }
+    p.flush().unwrap();
+    let page = (0..24)
+        .find(|&pg| p.holders(pg).contains(&5))
+        .expect("some page is on server 5");
+    p.transport_mut().servers[5].corrupt_always = true;
+    for s in 0..5 {
+        p.transport_mut().servers[s].held = true;
+    }
+    p.start_read(page, 7).unwrap();
+    p.send_queued();
+    // Server 5's answers, bad every time, each read sent to it again until it is given up.
+    for _ in 0..20 {
+        let bad: Vec<Vec<u8>> = p.transport_mut().servers[5].replies.drain(..).collect();
+        for frame in bad {
+            let (id, reply) = decode_reply(&frame).unwrap();
+            p.on_reply(5, id, &reply).unwrap();
+        }
+        p.take_finished(|_, _, _| panic!("nothing good is in yet"))
+            .unwrap();
+        p.check_invariants().unwrap();
+        if p.counters().servers_dead > 0 {
+            break;
+        }
+    }
+    assert_eq!(
+        p.counters().servers_dead,
+        1,
+        "server 5 given up, and nothing waited for the held replies"
+    );
+    assert_eq!(p.tickets(), 1, "the read waits for its page");
+    for s in 0..5 {
+        p.transport_mut().servers[s].held = false;
+    }
+    let mut rng = fastrand::Rng::with_seed(9);
+    let mut got = None;
+    for _ in 0..1_000 {
+        if got.is_some() {
+            break;
+        }
+        deliver(&mut p, &mut rng, usize::MAX);
+        p.take_finished(|tag, pg, data| {
+            assert_eq!((tag, pg), (7, page));
+            got = Some(data.unwrap().to_vec());
+        })
+        .unwrap();
+        p.check_invariants().unwrap();
+    }
+    assert_eq!(got.expect("the read finished"), content(page, 2));
+    assert!(p.counters().parity_members_rebuilt > 0);
+}

@@ -806,7 +806,8 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                 }
             }
             if self.par_reconstructible(it.page) && self.alive_holder(it.page, None).is_none() {
-                self.reconstruct.push(it);
+                // (A read by ticket waits for recovery, which never waits.)
+                self.reconstruct_later(it);
                 return;
             }
         }
