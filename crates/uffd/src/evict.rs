@@ -21,7 +21,7 @@ impl<T: Transport, D: Disk> Shared<T, D> {
     /// the pager has room for, and the rest stay resident, over the budget, until replies
     /// return slots (read here, and by the handler's loop, which waits on them while the
     /// region is over its budget). Past [`OVER_BUDGET`] pages over, or with forked children
-    /// (whose bookkeeping goes page by page, `fork.rs`), victims wait for room as they always
+    /// (whose bookkeeping goes page by page, `fork/`), victims wait for room as they always
     /// did: the servers are behind, and the program's memory must not grow with them.
     pub(crate) fn make_room(&self, st: &mut State<T, D>, keep: usize) {
         if st.clock.len() <= keep || st.forking > 0 {

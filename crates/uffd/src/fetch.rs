@@ -33,7 +33,7 @@ pub(crate) struct Fetch {
 impl<T: Transport, D: Disk> Shared<T, D> {
     /// Whether a missing fault on `page` is served by a fetch in flight: a page stored in the
     /// pager, neither resident nor aside, and no fork pending (a fork waits for every fetch to
-    /// be installed, see `fork.rs`). Forked children alive do not matter: a fetch leaves the
+    /// be installed, see `fork/`). Forked children alive do not matter: a fetch leaves the
     /// pager's copy, which they read, as it is.
     pub(crate) fn fetchable(&self, st: &State<T, D>, page: usize) -> bool {
         let p = page as u64;

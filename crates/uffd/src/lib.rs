@@ -70,7 +70,7 @@
 //! By concern: this file has the region, its options, counters and shared state; `handler.rs`
 //! the handler's loop; `fetch.rs` fetches in flight (a fault starts one and the loop goes on;
 //! it is installed when its reply is in); `fault.rs` serving one fault;
-//! `evict.rs` victims and releases; `prefetch.rs` fetching ahead; `fork.rs` forked children;
+//! `evict.rs` victims and releases; `prefetch.rs` fetching ahead; `fork/` forked children (events and descriptors in `mod.rs`, their faults in `child.rs`, what they still read kept in `settle.rs`, their budget in `budget.rs`, a leaving parent's `handover.rs`);
 //! `sys.rs` the kernel's ABI; `heap/` allocations on a region; `alloc.rs` the Rust allocator.
 
 mod agent;
@@ -232,7 +232,7 @@ pub struct RegionCounters {
     pub forks: AtomicU64,
     /// Faults of forked children served (their pages installed in their memory).
     pub child_faults: AtomicU64,
-    /// Children's pages read from the pager by ticket (see `fork.rs` `ChildFetch`), and how
+    /// Children's pages read from the pager by ticket (see `fork/mod.rs` `ChildFetch`), and how
     /// many of those reads were not installed because the page changed for the child
     /// meanwhile (its fault served afresh).
     pub child_fetches: AtomicU64,
@@ -914,7 +914,7 @@ struct State<T: Transport, D: Disk> {
     stalled: bool,
     fetch_buf: Vec<u8>,
     fetch_done: Vec<(u64, u64, Result<usize, PagerError>)>,
-    /// Forked children's pages being read by ticket (`fork.rs`, `ChildFetch`), by the tag
+    /// Forked children's pages being read by ticket (`fork/mod.rs`, `ChildFetch`), by the tag
     /// their reads carry, and which one reads each (child, page); the next tag's number and
     /// the next child's id.
     child_fetches: HashMap<u64, fork::ChildFetch>,
