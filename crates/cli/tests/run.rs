@@ -867,13 +867,25 @@ fn a_busy_child_whose_parent_is_killed_is_ended_before_it_reads_zeros() {
     );
 }
 
+/// The same for a child held to no budget (`--child-mem unlimited`): it has an agent too, which
+/// only watches for its parent's death. (Before, such a child had none, and read zeros.)
+#[test]
+fn a_busy_child_without_a_budget_whose_parent_is_killed_is_ended() {
+    a_child_outlives_its_parent(
+        "parent-killed-busy-unlimited",
+        "import signal\npid = os.fork()\nif pid == 0:\n    child()\ntime.sleep(0.5)\n\
+         os.kill(os.getpid(), signal.SIGKILL)\n",
+    );
+}
+
 /// A Python under `netram run --local-mem 8M` builds a list of 300,000 tuples (most of it on
 /// the servers), and `leave` (Python) makes a child that calls `child()` and a parent that
 /// goes. The child waits until its parent is gone, then sums the list: the sum must be
 /// right; or, when the parent goes by SIGKILL (`name` "parent-killed…"), the child must be
-/// ended by netram with a message, before it writes any sum. A child whose `name` ends in
+/// ended by netram with a message, before it writes any sum. A child whose `name` says
 /// "busy" sums the list over and over meanwhile (and writes a wrong sum at once), until 2 s
-/// after its parent is gone.
+/// after its parent is gone; one whose `name` ends in "unlimited" runs with `--child-mem
+/// unlimited`.
 fn a_child_outlives_its_parent(name: &str, leave: &str) {
     if !netram_testkit::have_root("following forks (CAP_SYS_PTRACE)")
         || !netram_testkit::have_tools(&[("python3", "python3")])
@@ -921,13 +933,18 @@ def child():
     std::fs::write(&py, script).unwrap();
     let out = common::netram_env(Command::new("timeout"))
         .args(["120", NETRAM, "run", "--local-mem", "8M"])
+        .args(if name.ends_with("unlimited") {
+            &["--child-mem", "unlimited"][..]
+        } else {
+            &[]
+        })
         .args(["--servers", &addrs, "--report", rep.to_str().unwrap()])
         .args(["--", "python3"])
         .arg(&py)
         .arg("300000")
         .arg(&result)
         .arg(&pid_file)
-        .arg(if name.ends_with("busy") {
+        .arg(if name.contains("busy") {
             "busy"
         } else {
             "idle"

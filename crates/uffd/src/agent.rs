@@ -1,6 +1,8 @@
 //! A forked child's agent: the one thread netram starts in a child, so that the child's memory
 //! is held to the budget as its parent's is (issue 38; Nswap's and GMS's bound on what a node
-//! keeps locally applied to each process).
+//! keeps locally applied to each process), and so that the child is ended rather than left to
+//! read zeros when its parent dies holding its pages. A child with no budget (no slot free,
+//! `--child-mem unlimited`) has an agent for the second only.
 //!
 //! The parent's handler serves the child's faults through the child's userfaultfd, but the
 //! kernel offers no way to take a page out of another process's memory (`process_madvise`
@@ -153,7 +155,8 @@ impl Held {
 enum End {
     /// `HANDED`: the child has every page.
     HandedOver,
-    /// The socket closed without `HANDED`: the parent is gone, the child's pages with it.
+    /// The socket closed (or was reset) without `HANDED`: the parent is gone, the child's
+    /// pages with it.
     ParentGone,
 }
 
@@ -192,7 +195,19 @@ fn serve(
     let ours = || rustix::fs::fstat(socket).is_ok_and(|s| s.st_ino == inode);
     let pid = rustix::process::getpid().as_raw_nonzero().get() as u32;
     let tid = rustix::thread::gettid().as_raw_nonzero().get() as u32;
-    send(socket, &header(HELLO, pid, tid), SendFlags::NOSIGNAL)?;
+    // The parent's end closed: at its death the kernel says so by EOF, or by ECONNRESET
+    // (EPIPE to a send) when it dies with messages of ours unread, which a busy child's
+    // copies often are. Both mean the parent is gone (its handler never closes a live
+    // child's socket).
+    let gone = |e: Errno| matches!(e, Errno::CONNRESET | Errno::PIPE);
+    let sent = |r: Result<usize, Errno>| match r {
+        Ok(_) => Ok(None),
+        Err(e) if gone(e) => Ok(Some(End::ParentGone)),
+        Err(e) => Err(e),
+    };
+    if let Some(end) = sent(send(socket, &header(HELLO, pid, tid), SendFlags::NOSIGNAL))? {
+        return Ok(end);
+    }
     let mut request = vec![0u8; HEADER + BATCH * 4];
     let mut out = vec![0u8; MAX_MESSAGE];
     loop {
@@ -210,6 +225,7 @@ fn serve(
             Ok(r) if r.bytes == 0 => return Ok(End::ParentGone),
             Ok(r) => r.bytes,
             Err(Errno::INTR) => continue,
+            Err(e) if gone(e) => return Ok(End::ParentGone),
             Err(e) => return Err(e),
         };
         // Descriptors come only with `HOLD`; any other is closed here (it is new, and ours).
@@ -268,11 +284,13 @@ fn serve(
         if !ours() {
             return Err(Errno::BADF);
         }
-        send(
+        if let Some(end) = sent(send(
             socket,
             &out[..HEADER + copied * PAGE_SIZE],
             SendFlags::NOSIGNAL,
-        )?;
+        ))? {
+            return Ok(end);
+        }
         for &(page, _) in &victims {
             // The system call itself: `madvise` may be interposed (`netram run`'s library
             // takes a program's `madvise` on the region for a release, which a child skips).
@@ -288,6 +306,8 @@ fn serve(
                 )
             };
         }
-        send(socket, &header(DROPPED, seq, 0), SendFlags::NOSIGNAL)?;
+        if let Some(end) = sent(send(socket, &header(DROPPED, seq, 0), SendFlags::NOSIGNAL))? {
+            return Ok(end);
+        }
     }
 }

@@ -68,8 +68,8 @@ impl<T: Transport, D: Disk> Shared<T, D> {
             if let Err(e) = c.uffd.unregister(self.base.page(0), self.pages * PAGE_SIZE) {
                 tracing::debug!("unregistering a child's region: {e}");
             }
-            if let Some(b) = &c.budget {
-                agent::let_go(&b.agent);
+            if let Some(agent) = c.budget.as_ref().map(|b| &b.agent).or(c.watch.as_ref()) {
+                agent::let_go(agent);
             }
         }
         st.settle_buf = buf;

@@ -131,6 +131,11 @@ pub(crate) struct ForkChild {
     /// Its memory is gone: forgotten at the handler's next turn.
     pub(crate) gone: bool,
     pub(crate) budget: Option<Budget>,
+    /// The agent's socket of a child without a budget (no slot was free, `--child-mem
+    /// unlimited`): its agent only holds the child's userfaultfd and ends the child if this
+    /// process dies without handing it its pages (`agent.rs`). A child with a budget has it in
+    /// `budget.agent`.
+    pub(crate) watch: Option<OwnedFd>,
     /// Its faults' trend, as the region's own (`prefetch.rs`): the pages proposed are read
     /// with the faulting one and installed in it, one in `PREFETCH_CHECK` left as a guess
     /// (not installed) whose fault, or not, within the last `CHILD_GUESSES` says whether
@@ -469,47 +474,45 @@ impl<T: Transport, D: Disk> Shared<T, D> {
             tracing::debug!("a fork that was not announced");
         }
         // The agent's socket made for this fork (`prepare_fork`), and a slot for the child's
-        // own pages: then the child is held to the budget.
+        // own pages: then the child is held to the budget. Without a slot, the agent only
+        // watches: it ends the child if this process dies without handing it its pages.
         let socket = if announced {
             self.agent_fds[0].swap(-1, Ordering::Relaxed)
         } else {
             -1
         };
-        let budget = if socket >= 0 {
+        let (budget, watch) = if socket >= 0 {
             // SAFETY: the handler's end of the socket made for this fork, owned from here on.
             let agent = unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(socket) };
-            let slot = self.free_slot(st);
-            match slot {
-                // No slot after all: the child is not held to a budget. Its agent is told to
-                // end quietly (closing the socket alone would have it take the parent for
-                // gone and end the child).
-                None => agent::let_go(&agent),
-                // Its agent holds the child's userfaultfd, so that this process's death
-                // leaves the child's faults waiting for the agent to end it, not zero-filled.
-                // Without it (the agent gone already) the child runs as before.
-                Some(_) => {
-                    if let Err(e) = agent::hold(&agent, std::os::fd::AsFd::as_fd(&uffd)) {
-                        tracing::debug!("a child's agent was not given its userfaultfd: {e}");
-                    }
-                }
+            // Its agent holds the child's userfaultfd, so that this process's death leaves the
+            // child's faults waiting for the agent to end it, not zero-filled. Without it (the
+            // agent gone already) the child runs as before.
+            if let Err(e) = agent::hold(&agent, std::os::fd::AsFd::as_fd(&uffd)) {
+                tracing::debug!("a child's agent was not given its userfaultfd: {e}");
             }
-            slot.map(|slot| Budget {
-                agent,
-                slot,
-                limit: self.child_budget.unwrap_or(st.budget),
-                resident: order.len(),
-                order,
-                requests: VecDeque::new(),
-                next_seq: 0,
-                deferred: Vec::new(),
-                waiting: Vec::new(),
-                ready: false,
-                child_pid: 0,
-                agent_thread: 0,
-                broken: false,
-            })
+            match self.free_slot(st) {
+                None => (None, Some(agent)),
+                Some(slot) => (
+                    Some(Budget {
+                        agent,
+                        slot,
+                        limit: self.child_budget.unwrap_or(st.budget),
+                        resident: order.len(),
+                        order,
+                        requests: VecDeque::new(),
+                        next_seq: 0,
+                        deferred: Vec::new(),
+                        waiting: Vec::new(),
+                        ready: false,
+                        child_pid: 0,
+                        agent_thread: 0,
+                        broken: false,
+                    }),
+                    None,
+                ),
+            }
         } else {
-            None
+            (None, None)
         };
         self.counters.forks.fetch_add(1, Ordering::Relaxed);
         st.next_child_id += 1;
@@ -519,6 +522,7 @@ impl<T: Transport, D: Disk> Shared<T, D> {
             pages,
             gone: false,
             budget,
+            watch,
             prefetcher: Prefetcher::new(
                 MAX_PREFETCH.min(st.prefetch_window / 2),
                 MAX_CLUSTER.min(st.prefetch_window / 2),
@@ -722,26 +726,25 @@ impl<T: Transport, D: Disk> Shared<T, D> {
             }
             st.fork_resident = Some(resident);
             st.forking_since = Some(std::time::Instant::now());
-            // A socket for the child's agent, when a slot is free for its pages: the child
-            // inherits both ends, keeps its own and closes the handler's.
+            // A socket for the child's agent (held to a budget when a slot is free for its
+            // pages, else only watching for this process's death): the child inherits both
+            // ends, keeps its own and closes the handler's.
             close_raw(&self.agent_fds[0]);
             close_raw(&self.agent_fds[1]);
-            if self.free_slot(st).is_some() {
-                match rustix::net::socketpair(
-                    rustix::net::AddressFamily::UNIX,
-                    rustix::net::SocketType::SEQPACKET,
-                    rustix::net::SocketFlags::CLOEXEC | rustix::net::SocketFlags::NONBLOCK,
-                    None,
-                ) {
-                    Ok((ours, theirs)) => {
-                        use std::os::fd::IntoRawFd;
-                        // The child's end blocks (its agent waits for requests).
-                        let _ = rustix::io::ioctl_fionbio(&theirs, false);
-                        self.agent_fds[0].store(ours.into_raw_fd(), Ordering::Relaxed);
-                        self.agent_fds[1].store(theirs.into_raw_fd(), Ordering::Relaxed);
-                    }
-                    Err(e) => tracing::warn!("no agent for a forked child: {e}"),
+            match rustix::net::socketpair(
+                rustix::net::AddressFamily::UNIX,
+                rustix::net::SocketType::SEQPACKET,
+                rustix::net::SocketFlags::CLOEXEC | rustix::net::SocketFlags::NONBLOCK,
+                None,
+            ) {
+                Ok((ours, theirs)) => {
+                    use std::os::fd::IntoRawFd;
+                    // The child's end blocks (its agent waits for requests).
+                    let _ = rustix::io::ioctl_fionbio(&theirs, false);
+                    self.agent_fds[0].store(ours.into_raw_fd(), Ordering::Relaxed);
+                    self.agent_fds[1].store(theirs.into_raw_fd(), Ordering::Relaxed);
                 }
+                Err(e) => tracing::warn!("no agent for a forked child: {e}"),
             }
         }
         st.forking += 1;
