@@ -195,18 +195,23 @@ fn serve(
     let ours = || rustix::fs::fstat(socket).is_ok_and(|s| s.st_ino == inode);
     let pid = rustix::process::getpid().as_raw_nonzero().get() as u32;
     let tid = rustix::thread::gettid().as_raw_nonzero().get() as u32;
-    // The parent's end closed: at its death the kernel says so by EOF, or by ECONNRESET
-    // (EPIPE to a send) when it dies with messages of ours unread, which a busy child's
-    // copies often are. Both mean the parent is gone (its handler never closes a live
-    // child's socket).
-    let gone = |e: Errno| matches!(e, Errno::CONNRESET | Errno::PIPE);
+    // The parent's end closed. At its death the kernel says so by an end of file once every
+    // message it sent is read; when it dies with messages of ours unread (a busy child's
+    // copies often are), the socket is reset first: ECONNRESET to the next receive, even
+    // ahead of messages still queued for us, EPIPE to a send. A queued message may be the
+    // parent's `HANDED` (a parent that handed its pages over and exited): so a reset only
+    // sends the agent back to receive what is left, and the end of file, which comes after
+    // it, says the parent is gone (its handler never closes a live child's socket).
+    let reset = |e: Errno| matches!(e, Errno::CONNRESET | Errno::PIPE);
+    let mut resets = 0;
+    // Whether a send found the parent's end closed (then what is queued is read first).
     let sent = |r: Result<usize, Errno>| match r {
-        Ok(_) => Ok(None),
-        Err(e) if gone(e) => Ok(Some(End::ParentGone)),
+        Ok(_) => Ok(false),
+        Err(e) if reset(e) => Ok(true),
         Err(e) => Err(e),
     };
-    if let Some(end) = sent(send(socket, &header(HELLO, pid, tid), SendFlags::NOSIGNAL))? {
-        return Ok(end);
+    if sent(send(socket, &header(HELLO, pid, tid), SendFlags::NOSIGNAL))? {
+        resets += 1;
     }
     let mut request = vec![0u8; HEADER + BATCH * 4];
     let mut out = vec![0u8; MAX_MESSAGE];
@@ -225,7 +230,12 @@ fn serve(
             Ok(r) if r.bytes == 0 => return Ok(End::ParentGone),
             Ok(r) => r.bytes,
             Err(Errno::INTR) => continue,
-            Err(e) if gone(e) => return Ok(End::ParentGone),
+            // (A reset is reported once; a few in a row mean nothing else will come.)
+            Err(e) if reset(e) && resets < 3 => {
+                resets += 1;
+                continue;
+            }
+            Err(e) if reset(e) => return Ok(End::ParentGone),
             Err(e) => return Err(e),
         };
         // Descriptors come only with `HOLD`; any other is closed here (it is new, and ours).
@@ -253,6 +263,12 @@ fn serve(
         let count = if n >= HEADER { word(&request, 2) } else { 0 } as usize;
         if n < HEADER || word(&request, 0) != EVICT || count > BATCH || n != HEADER + count * 4 {
             return Err(Errno::PROTO);
+        }
+        if resets > 0 {
+            // The parent is gone: nobody takes the copies, and a page to copy that is not
+            // resident would fault to nobody. Skipped (the pages stay): what matters now is
+            // whether a `HANDED` follows.
+            continue;
         }
         let seq = word(&request, 1);
         let victims: Vec<(usize, bool)> = (0..count)
@@ -284,12 +300,13 @@ fn serve(
         if !ours() {
             return Err(Errno::BADF);
         }
-        if let Some(end) = sent(send(
+        if sent(send(
             socket,
             &out[..HEADER + copied * PAGE_SIZE],
             SendFlags::NOSIGNAL,
         ))? {
-            return Ok(end);
+            resets += 1;
+            continue;
         }
         for &(page, _) in &victims {
             // The system call itself: `madvise` may be interposed (`netram run`'s library
@@ -306,8 +323,8 @@ fn serve(
                 )
             };
         }
-        if let Some(end) = sent(send(socket, &header(DROPPED, seq, 0), SendFlags::NOSIGNAL))? {
-            return Ok(end);
+        if sent(send(socket, &header(DROPPED, seq, 0), SendFlags::NOSIGNAL))? {
+            resets += 1;
         }
     }
 }
