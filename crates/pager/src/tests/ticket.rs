@@ -402,6 +402,29 @@ fn a_degraded_read_by_ticket_does_not_wait_for_its_stripe() {
     p.check_invariants().unwrap();
 }
 
+/// Lets servers 0..5 answer again and delivers their replies (shuffled by `seed`) until the
+/// read by ticket `tag` of `page` finishes; its data.
+fn released_read(p: &mut Pager<MemCluster, MemDisk>, tag: u64, page: u64, seed: u64) -> Vec<u8> {
+    for s in 0..5 {
+        p.transport_mut().servers[s].held = false;
+    }
+    let mut rng = fastrand::Rng::with_seed(seed);
+    let mut got = None;
+    for _ in 0..1_000 {
+        if got.is_some() {
+            break;
+        }
+        deliver(p, &mut rng, usize::MAX);
+        p.take_finished(|t, pg, data| {
+            assert_eq!((t, pg), (tag, page));
+            got = Some(data.unwrap().to_vec());
+        })
+        .unwrap();
+        p.check_invariants().unwrap();
+    }
+    got.expect("the read finished")
+}
+
 /// The same under parity: a degraded read by ticket drives recovery on each time finished
 /// reads are taken (scans, then the survivors' reads), never waiting for the held replies,
 /// and is served once its group has rebuilt its page.
@@ -430,24 +453,7 @@ fn a_degraded_read_by_ticket_under_parity_does_not_wait_for_recovery() {
         "nothing waited for the held replies"
     );
     assert_eq!(p.tickets(), 1, "the read waits for its page");
-    for s in 0..5 {
-        p.transport_mut().servers[s].held = false;
-    }
-    let mut rng = fastrand::Rng::with_seed(5);
-    let mut got = None;
-    for _ in 0..1_000 {
-        if got.is_some() {
-            break;
-        }
-        deliver(&mut p, &mut rng, usize::MAX);
-        p.take_finished(|tag, pg, data| {
-            assert_eq!((tag, pg), (7, page));
-            got = Some(data.unwrap().to_vec());
-        })
-        .unwrap();
-        p.check_invariants().unwrap();
-    }
-    assert_eq!(got.expect("the read finished"), content(page, 1));
+    assert_eq!(released_read(&mut p, 7, page, 5), content(page, 1));
     assert_eq!(p.tickets(), 0);
     assert!(p.counters().parity_members_rebuilt > 0);
     p.flush().unwrap();
@@ -497,23 +503,6 @@ fn a_read_by_ticket_of_a_page_sent_bad_again_and_again_waits_for_recovery() {
         "server 5 given up, and nothing waited for the held replies"
     );
     assert_eq!(p.tickets(), 1, "the read waits for its page");
-    for s in 0..5 {
-        p.transport_mut().servers[s].held = false;
-    }
-    let mut rng = fastrand::Rng::with_seed(9);
-    let mut got = None;
-    for _ in 0..1_000 {
-        if got.is_some() {
-            break;
-        }
-        deliver(&mut p, &mut rng, usize::MAX);
-        p.take_finished(|tag, pg, data| {
-            assert_eq!((tag, pg), (7, page));
-            got = Some(data.unwrap().to_vec());
-        })
-        .unwrap();
-        p.check_invariants().unwrap();
-    }
-    assert_eq!(got.expect("the read finished"), content(page, 2));
+    assert_eq!(released_read(&mut p, 7, page, 9), content(page, 2));
     assert!(p.counters().parity_members_rebuilt > 0);
 }
