@@ -62,8 +62,9 @@ fn reads_by_ticket_stay_in_flight_together_and_finish_in_any_order() {
     assert!(p.idle());
 }
 
-#[test]
-fn a_ticket_whose_server_dies_is_read_from_another_copy() {
+/// A pager under `mirror:2` over three servers, without a cache, with pages 0..16 written
+/// (`content(page, fill)`).
+fn mirrored_with_16_pages(fill: u8) -> Pager<MemCluster, MemDisk> {
     let mut p = Pager::new(
         PagerConfig {
             pages: 32,
@@ -75,8 +76,14 @@ fn a_ticket_whose_server_dies_is_read_from_another_copy() {
         MemDisk::default(),
     );
     for pg in 0..16 {
-        p.write(pg, &content(pg, 5)).unwrap();
+        p.write(pg, &content(pg, fill)).unwrap();
     }
+    p
+}
+
+#[test]
+fn a_ticket_whose_server_dies_is_read_from_another_copy() {
+    let mut p = mirrored_with_16_pages(5);
     for pg in 0..16 {
         p.start_read(pg, pg).unwrap();
     }
@@ -106,19 +113,7 @@ fn a_ticket_whose_server_dies_is_read_from_another_copy() {
 /// the reads it held are served by the other copy.
 #[test]
 fn a_ticket_whose_server_hangs_is_timed_out_by_expire_and_read_from_another_copy() {
-    let mut p = Pager::new(
-        PagerConfig {
-            pages: 32,
-            cache_pages: 0,
-            redundancy: "mirror:2".parse().unwrap(),
-            ..sealed()
-        },
-        MemCluster::new(&[64, 64, 64]),
-        MemDisk::default(),
-    );
-    for pg in 0..16 {
-        p.write(pg, &content(pg, 6)).unwrap();
-    }
+    let mut p = mirrored_with_16_pages(6);
     p.flush().unwrap();
     let timeout = 5_000_000;
     p.set_schedule(ScheduleConfig {
