@@ -420,6 +420,7 @@ fn migration(
         pages: d.stat("stored_pages")?,
         ..Migration::default()
     };
+    anyhow::ensure!(r.pages > 0, "no page on the donor to move off it");
     let mut rng = fastrand::Rng::with_seed(1);
     let (mut buf, mut want) = (vec![0u8; PAGE_SIZE], vec![0u8; PAGE_SIZE]);
     // Before: the client reads its pages, nothing to move.
@@ -439,13 +440,31 @@ fn migration(
     let (mut during, mut first, mut last, mut gave_back) = (Vec::new(), None, None, None);
     let mut rss_checked = Instant::now();
     let mut done_checked: Option<Instant> = None;
+    let mut seen_moves = (0, 0, 0);
     while last.is_none() || gave_back.is_none() {
-        anyhow::ensure!(
-            shrink.elapsed() < Duration::from_secs(300),
-            "the migration did not end within 300 s"
-        );
+        if shrink.elapsed() >= Duration::from_secs(300) {
+            let (started, landed, leaving) = seen_moves;
+            anyhow::bail!(
+                "the migration did not end within 300 s: the pager's moves since it started: \
+                 {started} started, {landed} landed or refused (before the shrink: {started0} \
+                 started), {leaving} pages leaving; the donor holds {} pages, its resident \
+                 memory {:.1} MiB (it had {:.1} MiB); first move {}, all moved {}, memory \
+                 given back {}",
+                d.stat("stored_pages")?,
+                d.rss() as f64 / MIB as f64,
+                r.donor_rss_before_mib,
+                if first.is_some() {
+                    "seen"
+                } else {
+                    "never seen"
+                },
+                if last.is_some() { "yes" } else { "no" },
+                if gave_back.is_some() { "yes" } else { "no" },
+            );
+        }
         let (ns, started, landed, leaving) =
             pager.read_one(pages, &mut rng, &mut buf, &mut want)?;
+        seen_moves = (started, landed, leaving);
         if first.is_none() && started > started0 {
             first = Some(Instant::now());
         }
@@ -554,9 +573,13 @@ fn region_migrations(
     phase: Duration,
 ) -> anyhow::Result<Vec<RegionMigration>> {
     let (pages, budget) = region_size(quick);
-    // Every page on D: B has no room while they are written.
+    // Every page on D: B has no room while they are written, D room for all of them. D may
+    // come out of the role swaps short: its offer grows again only after `--grow-after`, and
+    // pages written before that went to the owner's disk, leaving nothing on D to move.
     b.set_available(SHORT)?;
     b.wait_offer(0, Duration::from_secs(60))?;
+    d.set_available(ROOMY)?;
+    d.wait_offer(pages, Duration::from_secs(60))?;
     let p = open_pager(&OpenOptions {
         security: crate::security()?,
         servers: vec![d.addr.clone(), b.addr.clone()],
@@ -605,6 +628,11 @@ fn region_migrations(
         );
     }
     region.with_pager(|p| p.flush())?;
+    let on_d = d.stat("stored_pages")?;
+    anyhow::ensure!(
+        on_d == pages,
+        "{on_d} of the region's {pages} pages are on the donor after they were written, not all"
+    );
     let mut out = Vec::new();
     let (mut from, mut to) = (d, b);
     // First a move not counted: the first pages a server adopts fault its arena in, which
@@ -873,7 +901,6 @@ pub fn run(opts: &Options) -> anyhow::Result<String> {
         .into_transport()
         .close();
     // The same moves under a region, its schedule run by its handler and by a thread.
-    d.set_available(ROOMY)?;
     let region = region_migrations(&d, &b, opts.quick, &tmp, phase)?;
     let (rate_ratio, p99_ratio) =
         handler_over_thread(&region).expect("both kinds of run, by construction");
