@@ -452,6 +452,44 @@ fn a_flush_waiting_for_a_stalled_server_does_not_hold_up_another_connections_rea
     assert!(got[..] == data[at..], "the flushed pages read back");
 }
 
+/// The same for a partial page's read-modify-write: while the server is stopped, one
+/// connection's large write fills every slot the pager has (it waits without the device), and
+/// another connection writes 200 bytes of a page; a third connection's read of a page never
+/// written (zeros, no I/O) is answered meanwhile (before, the partial write waited for a slot
+/// under the device's lock, and every connection behind it). Both writes succeed once the
+/// server goes on, and read back.
+#[test]
+fn a_partial_write_waiting_for_a_slot_does_not_hold_up_another_connections_read() {
+    let (server, nbd, mut a, mut b, _) = two_connections_over_one_server();
+    let mut c = RawClient::connect(&nbd.socket);
+    c.go();
+    let whole: Vec<u8> = (0..4u32 << 20).map(|i| (i % 239) as u8).collect();
+    let part = [0x77u8; 200];
+    let part_at = (12 << 20) + 100;
+    let resume = Stopped::stop(&server);
+    a.request(0, 1, 20, 0, 4 << 20, &whole);
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    c.request(0, 1, 21, part_at, 200, &part);
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    let waited = read_is_answered(&mut b, 8 << 20, &[0u8; 4096]);
+    assert!(
+        waited < std::time::Duration::from_secs(2),
+        "a read of a page never written waited {waited:?} for another connection's partial write"
+    );
+    drop(resume);
+    assert_eq!(a.simple_reply(0), (20, 0, vec![]), "the large write");
+    assert_eq!(c.simple_reply(0), (21, 0, vec![]), "the partial write");
+    b.request(0, 0, 22, 12 << 20, 4096, &[]);
+    let (cookie, err, got) = b.simple_reply(4096);
+    assert_eq!((cookie, err), (22, 0));
+    assert!(got[..100].iter().all(|&x| x == 0) && got[100..300] == part[..]);
+    assert!(got[300..].iter().all(|&x| x == 0));
+    b.request(0, 0, 23, 0, 4 << 20, &[]);
+    let (cookie, err, got) = b.simple_reply(4 << 20);
+    assert_eq!((cookie, err), (23, 0));
+    assert!(got == whole, "the large write reads back");
+}
+
 /// Issue 38: a server that hangs (SIGSTOP: its socket open, no answer) under `mirror:2` is
 /// failed by the pager's reply timeout while reads wait for it without holding the device, and
 /// those reads are served by the other copy: every page of 4 MiB read back right, none lost,

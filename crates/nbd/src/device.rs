@@ -9,8 +9,8 @@
 //!
 //! One pager serves every connection, behind one mutex: a FLUSH on any connection writes back
 //! the whole cache, which is what makes NBD multi-conn safe here. Reads, writes of whole
-//! pages, TRIM, CACHE and FLUSH do not hold it across a round trip (`inflight.rs`); a partial
-//! page's read-modify-write does, but its page is read into the cache by ticket first.
+//! pages, TRIM, CACHE and FLUSH do not hold it across a round trip (`inflight.rs`), and neither
+//! does a partial page's read-modify-write: its page is read into the cache by ticket first.
 
 use crate::inflight::{self, Inner};
 use netram_pager::{Disk, Pager, PagerError, Transport};
@@ -62,6 +62,16 @@ impl<T: Transport, D: Disk> std::fmt::Debug for Device<T, D> {
 }
 
 /// The pages a byte range touches, and for each the part of it the range covers.
+/// Pages of a write made and handed to the pager together, under one hold of the lock.
+const RUN_PAGES: usize = 64;
+
+/// One write's bytes on one page: `start..stop`, from the slice, or zeros.
+type Piece<'a> = (usize, usize, Option<&'a [u8]>);
+
+fn is_whole((start, stop, _): Piece<'_>) -> bool {
+    stop - start == PAGE_SIZE
+}
+
 fn pages_of(offset: u64, len: u64) -> impl Iterator<Item = (u64, usize, usize)> {
     let end = offset + len;
     let first = offset / PAGE;
@@ -170,110 +180,122 @@ impl<T: Transport, D: Disk> Device<T, D> {
     }
 
     /// Applies writes in order: each is `data` at `offset` (`Some`) or `len` zeros (`None`).
-    /// Every page's final content is staged first, so that a later write's partial page starts
-    /// from an earlier write's bytes, then all pages go to the pager at once: one batched write
-    /// of the pages with data, one batched discard of the pages that are all zeros. With `fua`,
-    /// everything is on its backing before this returns.
+    /// Each page's pieces are gathered first, so that a later write's bytes land over an
+    /// earlier one's; then page by page, each under one hold of the lock, its content is made
+    /// (a partial page from its current content, which must be at hand: in the cache) and goes
+    /// to the pager as a write into the cache, or a discard if it is all zeros. Nothing holds
+    /// the device across a round trip: a page waits for a slot or for its last write-back with
+    /// the lock let go (`inflight.rs`), and a partial page that is not at hand is read into
+    /// the cache by ticket without the lock, then taken up again. Its read and its write are
+    /// in one hold, so that no other connection's write of the page comes in between. With
+    /// `fua`, everything is on its backing before this returns.
     fn put_many(&self, writes: &[(u64, u64, Option<&[u8]>)], fua: bool) -> Result<(), DeviceError> {
         if let Some(result) = self.put_whole_pages(writes, fua) {
             return result;
         }
-        self.bring_in_partial_pages(writes)?;
-        let mut pager = self.pager();
-        // page -> its new content; None: all zeros, so the page is discarded, not stored.
-        let mut staged: BTreeMap<u64, Option<Vec<u8>>> = BTreeMap::new();
+        // page -> its pieces (start, stop, bytes or zeros), in the order written; a whole
+        // page's piece replaces every earlier one.
+        let mut pieces: BTreeMap<u64, Vec<Piece<'_>>> = BTreeMap::new();
         for &(offset, len, data) in writes {
             let mut at = 0usize;
             for (p, start, stop) in pages_of(offset, len) {
                 let n = stop - start;
-                let src = data.map(|d| &d[at..at + n]);
-                at += n;
+                let on_page = pieces.entry(p).or_default();
                 if n == PAGE_SIZE {
-                    let zero = src.is_none_or(|d| d.iter().all(|&b| b == 0));
-                    staged.insert(p, (!zero).then(|| src.expect("not zero").to_vec()));
-                    continue;
+                    on_page.clear();
                 }
-                // A partial page: read-modify-write, from what is staged if anything is.
-                let mut page = match staged.remove(&p) {
-                    Some(Some(bytes)) => bytes,
-                    Some(None) => vec![0u8; PAGE_SIZE],
-                    None => {
-                        let mut bytes = vec![0u8; PAGE_SIZE];
-                        pager.read(p, &mut bytes)?;
-                        bytes
+                on_page.push((start, stop, data.map(|d| &d[at..at + n])));
+                at += n;
+            }
+        }
+        let plan: Vec<(u64, Vec<Piece<'_>>)> = pieces.into_iter().collect();
+        let mut done = 0;
+        let mut page = vec![0u8; PAGE_SIZE];
+        let (mut run, mut run_data) = (Vec::new(), Vec::new());
+        // A partial page not at hand when its turn comes (never brought in, or evicted since
+        // by other connections' pages) sends this back to read it in by ticket. After two such
+        // rounds it is read the waiting way, under the lock, as every partial page was before:
+        // a cache too small for the pages in flight must not keep a write going round.
+        for round in 0.. {
+            let partial: Vec<u64> = plan[done..]
+                .iter()
+                .filter(|(_, on_page)| !is_whole(on_page[0]))
+                .map(|&(p, _)| p)
+                .collect();
+            self.bring_in(&partial)?;
+            let mut missing = false;
+            inflight::drive(&self.inner, "writing", |pager, wait| {
+                // Runs of pages with data go to the pager together (one batch of sends), each
+                // made in the same hold that writes it; a page of zeros is discarded on its own.
+                // One page at most when waiting: then back to not waiting.
+                let most = if wait { 1 } else { RUN_PAGES };
+                while done < plan.len() {
+                    run.clear();
+                    run_data.clear();
+                    let mut zero = None;
+                    while let Some((p, on_page)) = plan.get(done + run.len()) {
+                        if run.len() == most {
+                            break;
+                        }
+                        if is_whole(on_page[0]) {
+                            page.fill(0);
+                        } else if !pager.read_at_hand(*p, &mut page)? {
+                            if round < 2 {
+                                missing = true;
+                                break;
+                            }
+                            pager.read(*p, &mut page)?;
+                        }
+                        for &(start, stop, src) in on_page {
+                            match src {
+                                Some(d) => page[start..stop].copy_from_slice(d),
+                                None => page[start..stop].fill(0),
+                            }
+                        }
+                        if page.iter().all(|&b| b == 0) {
+                            if run.is_empty() {
+                                zero = Some(*p);
+                            }
+                            break;
+                        }
+                        run.push(*p);
+                        run_data.extend_from_slice(&page);
                     }
-                };
-                match src {
-                    Some(d) => page[start..stop].copy_from_slice(d),
-                    None => page[start..stop].fill(0),
+                    let (taken, wanted) = match (zero, wait) {
+                        (Some(p), false) => (usize::from(pager.try_discard(p)?), 1),
+                        (Some(p), true) => (pager.discard_many(&[p]).map(|()| 1)?, 1),
+                        (None, _) if run.is_empty() => break,
+                        (None, false) => (pager.try_write_many(&run, &run_data)?, run.len()),
+                        (None, true) => (pager.write_many(&run, &run_data).map(|()| 1)?, 1),
+                    };
+                    done += taken;
+                    if taken < wanted || wait {
+                        break;
+                    }
                 }
-                let zero = page.iter().all(|&b| b == 0);
-                staged.insert(p, (!zero).then_some(page));
+                pager.send_queued();
+                Ok(done == plan.len() || missing)
+            })?;
+            if !missing {
+                break;
             }
         }
-        let mut zero_pages = Vec::new();
-        let mut data_pages = Vec::new();
-        let mut data_buf = Vec::new();
-        let written: Vec<u64> = if fua {
-            staged.keys().copied().collect()
-        } else {
-            Vec::new()
-        };
-        for (p, content) in staged {
-            match content {
-                None => zero_pages.push(p),
-                Some(bytes) => {
-                    data_pages.push(p);
-                    data_buf.extend_from_slice(&bytes);
-                }
-            }
-            if data_buf.len() >= 4 << 20 {
-                pager.write_many(&data_pages, &data_buf)?;
-                data_pages.clear();
-                data_buf.clear();
-            }
-        }
-        pager.write_many(&data_pages, &data_buf)?;
-        if !zero_pages.is_empty() {
-            pager.discard_many(&zero_pages)?;
-        }
-        drop(pager);
         if fua {
+            let written: Vec<u64> = plan.iter().map(|&(p, _)| p).collect();
             inflight::flush(&self.inner, Some(&written))?;
         }
         Ok(())
     }
 
-    /// Reads the partial pages of `writes` into the pager's cache by ticket, without holding
-    /// the device across the round trip, so that their read-modify-write under the lock finds
-    /// them there (unless evicted meanwhile: then it reads them again, waiting). Pages a
-    /// whole-page write of the same batch covers are not read at all. Nothing to do without
-    /// a cache.
-    fn bring_in_partial_pages(
-        &self,
-        writes: &[(u64, u64, Option<&[u8]>)],
-    ) -> Result<(), DeviceError> {
-        if self.pager().config().cache_pages == 0 {
-            return Ok(());
-        }
-        let mut whole = std::collections::HashSet::new();
-        let mut partial = Vec::new();
-        for &(offset, len, _) in writes {
-            for (p, start, stop) in pages_of(offset, len) {
-                if stop - start == PAGE_SIZE {
-                    whole.insert(p);
-                } else if !whole.contains(&p) {
-                    partial.push(p);
-                }
-            }
-        }
-        partial.sort_unstable();
-        partial.dedup();
-        if partial.is_empty() {
+    /// Reads `pages` into the pager's cache by ticket, without holding the device across the
+    /// round trip, so that their read-modify-write under the lock finds them there. Nothing to
+    /// do without a cache (the read-modify-write then reads them the waiting way).
+    fn bring_in(&self, pages: &[u64]) -> Result<(), DeviceError> {
+        if pages.is_empty() || self.pager().config().cache_pages == 0 {
             return Ok(());
         }
         let mut scratch = Vec::new();
-        inflight::read_pages(&self.inner, &partial, &mut scratch)?;
+        inflight::read_pages(&self.inner, pages, &mut scratch)?;
         Ok(())
     }
 
@@ -510,6 +532,41 @@ mod tests {
         assert!(got[5 * PAGE_SIZE..6 * PAGE_SIZE].iter().all(|&b| b == 2));
         let six = &got[6 * PAGE_SIZE..];
         assert!(six[..100].iter().all(|&b| b == 0) && six[100..300].iter().all(|&b| b == 3));
+    }
+
+    /// Connections writing different sectors of the same pages at once, with a cache of two
+    /// pages that their read-modify-writes keep evicting from under each other: no sector
+    /// written is lost to another connection's write of the same page.
+    #[test]
+    fn concurrent_partial_writes_of_one_page_lose_no_sector() {
+        let d = std::sync::Arc::new(device(2));
+        let sectors = (4 * PAGE / 512) as usize;
+        let threads: Vec<_> = (0..4u8)
+            .map(|t| {
+                let d = d.clone();
+                std::thread::spawn(move || {
+                    for round in 0..20u8 {
+                        for s in (t as usize..sectors).step_by(4) {
+                            let byte = 1 + t + 4 * (round % 8);
+                            d.write(s as u64 * 512, &[byte; 512], false).unwrap();
+                        }
+                    }
+                })
+            })
+            .collect();
+        for t in threads {
+            t.join().unwrap();
+        }
+        let mut got = vec![0u8; 4 * PAGE_SIZE];
+        d.read(0, &mut got).unwrap();
+        for (s, sector) in got.chunks(512).enumerate() {
+            let want = 1 + (s % 4) as u8 + 4 * (19 % 8);
+            assert!(
+                sector.iter().all(|&b| b == want),
+                "sector {s}: {:?}, not {want}",
+                &sector[..4]
+            );
+        }
     }
 
     proptest! {

@@ -18,9 +18,9 @@
 //! page's write-back in flight. A FLUSH writes back the pages dirty when it came (a write
 //! with FUA: its own pages) as slots allow, seals what the scheme keeps open and waits for
 //! the acknowledgements without the lock (`Pager::try_flush`). A partial page's read and its
-//! write must not let another connection's write of the same page in between, so that
-//! read-modify-write runs under the lock (`device.rs`); its pages are read by ticket into the
-//! cache first, so it seldom waits there.
+//! write must not let another connection's write of the same page in between, so they are in
+//! one hold of the lock (`device.rs`), the page read into the cache by ticket beforehand and
+//! the write taken into the cache as a whole page's is.
 
 use netram_pager::{Disk, Pager, PagerError, Transport};
 use netram_proto::PAGE_SIZE;
@@ -269,7 +269,7 @@ fn take_in<T: Transport, D: Disk>(pager: &mut Pager<T, D>) {
 /// victim's page waits in a stripe or group not sealed yet), one step is done the waiting way
 /// instead (`step(pager, true)`), as every operation was before. A server that hangs is failed
 /// by the pager's reply timeout (`Pager::expire`), and what it held goes elsewhere.
-fn drive<T: Transport, D: Disk>(
+pub(crate) fn drive<T: Transport, D: Disk>(
     lock: &Mutex<Inner<T, D>>,
     what: &str,
     mut step: impl FnMut(&mut Pager<T, D>, bool) -> Result<bool, PagerError>,
