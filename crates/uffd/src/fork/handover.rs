@@ -15,7 +15,7 @@ impl<T: Transport, D: Disk> Shared<T, D> {
     pub(crate) fn hand_over(&self, st: &mut State<T, D>) {
         let mut buf = std::mem::take(&mut st.settle_buf);
         for i in 0..st.children.len() {
-            self.agent_messages(st, i);
+            self.await_drops(st, i);
             let child = &st.children[i];
             let needed: Vec<usize> = (0..self.pages)
                 .filter(|&page| match child.state(page) {
@@ -78,4 +78,44 @@ impl<T: Transport, D: Disk> Shared<T, D> {
         st.child_fetching.clear();
         self.child_count.store(0, Ordering::Release);
     }
+
+    /// Waits (up to [`DROPS_WAIT`]) until child `i`'s agent has ended every drop it was asked
+    /// for. A page being dropped (`TO_PARENT`, `TO_PRIVATE`) may still be resident in the
+    /// child: installing it there finds it (EEXIST), and the agent's drop, read after, would
+    /// leave the child without it once its region is plain memory — it read zeros there
+    /// (found with a parent that leaves by `_exit` right after `fork`, its child's agent slow
+    /// under load). Once the drops have ended, such pages are `PARENT` or `PRIVATE` and the
+    /// hand-over installs them.
+    fn await_drops(&self, st: &mut State<T, D>, i: usize) {
+        let deadline = std::time::Instant::now() + DROPS_WAIT;
+        loop {
+            self.agent_messages(st, i);
+            let child = &st.children[i];
+            let Some(b) = &child.budget else {
+                return;
+            };
+            if b.requests.is_empty() || b.broken || child.gone {
+                return;
+            }
+            if std::time::Instant::now() >= deadline || self.agent_vanished(child) {
+                tracing::warn!(
+                    "a forked child's agent did not end its drops in time: pages it drops \
+                     after the hand-over read as zeros in the child"
+                );
+                return;
+            }
+            let mut fds = [rustix::event::PollFd::new(
+                &b.agent,
+                rustix::event::PollFlags::IN,
+            )];
+            let nap = rustix::event::Timespec {
+                tv_sec: 0,
+                tv_nsec: 50_000_000,
+            };
+            let _ = rustix::event::poll(&mut fds, Some(&nap));
+        }
+    }
 }
+
+/// How long a hand-over waits for a child's agent to end the drops it was asked for.
+const DROPS_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
