@@ -38,6 +38,13 @@ use netram_proto::PAGE_SIZE;
 use rustix::fd::{BorrowedFd, OwnedFd};
 use rustix::io::Errno;
 
+/// Tests only: how long an agent waits, in milliseconds, between sending a request's copies
+/// and dropping its pages: a child's agent slow under load, which a hand-over must wait for
+/// (`fork/handover.rs`). Set before the fork; the child inherits it.
+#[cfg(test)]
+pub(crate) static DROP_DELAY_MS: std::sync::atomic::AtomicU64 =
+    std::sync::atomic::AtomicU64::new(0);
+
 /// Victims per request at most (and so page copies per `COPIED`).
 pub(crate) const BATCH: usize = 32;
 
@@ -308,6 +315,10 @@ fn serve(
             resets += 1;
             continue;
         }
+        #[cfg(test)]
+        std::thread::sleep(std::time::Duration::from_millis(
+            DROP_DELAY_MS.load(std::sync::atomic::Ordering::Relaxed),
+        ));
         for &(page, _) in &victims {
             // The system call itself: `madvise` may be interposed (`netram run`'s library
             // takes a program's `madvise` on the region for a release, which a child skips).

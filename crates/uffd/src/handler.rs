@@ -340,16 +340,9 @@ impl<T: Transport, D: Disk> Shared<T, D> {
     /// Polls the userfaultfd without sleeping for up to the spin; true once an event is
     /// waiting. Sleeping and being woken costs about as much as a fault here.
     pub(crate) fn spin_for_event(&self, started: std::time::Instant) -> bool {
-        let mut fds = [PollFd::new(&self.uffd, PollFlags::IN)];
         while started.elapsed() < self.spin {
-            let zero = rustix::event::Timespec {
-                tv_sec: 0,
-                tv_nsec: 0,
-            };
-            if let Ok(n) = poll(&mut fds, Some(&zero)) {
-                if n > 0 {
-                    return true;
-                }
+            if sys::readable_within(&self.uffd, std::time::Duration::ZERO) {
+                return true;
             }
             std::hint::spin_loop();
         }

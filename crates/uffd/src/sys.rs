@@ -33,6 +33,19 @@ const _: () = assert!(MSG_LEN == 32);
 #[derive(Debug)]
 pub(crate) struct Uffd(OwnedFd, bool);
 
+/// Whether `fd` is readable within `wait` (at once if zero): a readiness check of one
+/// descriptor, for the handler's spin, its upkeep's look for faults and a hand-over's wait for a
+/// child's agent. A failed poll counts as not readable; the caller's next read says why.
+pub(crate) fn readable_within(fd: impl AsFd, wait: std::time::Duration) -> bool {
+    use rustix::event::{poll, PollFd, PollFlags, Timespec};
+    let mut fds = [PollFd::new(&fd, PollFlags::IN)];
+    let timeout = Timespec {
+        tv_sec: wait.as_secs() as i64,
+        tv_nsec: i64::from(wait.subsec_nanos()),
+    };
+    matches!(poll(&mut fds, Some(&timeout)), Ok(n) if n > 0)
+}
+
 /// `USERFAULTFD_IOC_NEW` (`_IO(0xAA, 0x00)` on `/dev/userfaultfd`): its argument is an
 /// integer and its result a new descriptor, which rustix's ready-made ioctl types do not
 /// return.

@@ -80,15 +80,7 @@ impl<T: Transport, D: Disk> Shared<T, D> {
 
     /// Whether a fault (or another event) waits on the region's userfaultfd.
     fn fault_waiting(&self) -> bool {
-        let mut fds = [rustix::event::PollFd::new(
-            &self.uffd,
-            rustix::event::PollFlags::IN,
-        )];
-        let zero = rustix::event::Timespec {
-            tv_sec: 0,
-            tv_nsec: 0,
-        };
-        matches!(rustix::event::poll(&mut fds, Some(&zero)), Ok(n) if n > 0)
+        sys::readable_within(&self.uffd, std::time::Duration::ZERO)
     }
 
     /// Runs a tick of the schedule if one is due: at the ticker's `most`, or from its `least`

@@ -104,15 +104,7 @@ impl<T: Transport, D: Disk> Shared<T, D> {
                 );
                 return;
             }
-            let mut fds = [rustix::event::PollFd::new(
-                &b.agent,
-                rustix::event::PollFlags::IN,
-            )];
-            let nap = rustix::event::Timespec {
-                tv_sec: 0,
-                tv_nsec: 50_000_000,
-            };
-            let _ = rustix::event::poll(&mut fds, Some(&nap));
+            sys::readable_within(&b.agent, std::time::Duration::from_millis(50));
         }
     }
 }
