@@ -270,6 +270,9 @@ fn judge_pushed(
     clients: &mut [Client],
     report: &mut Report,
 ) -> Result<(), String> {
+    if let Some((c, why)) = peers.borrow_mut().broken.first() {
+        return Err(format!("client {c}: pager after a pushed reply: {why}"));
+    }
     let errors = std::mem::take(&mut peers.borrow_mut().errors);
     for (c, e) in errors {
         if !clients[c].disk_failure_explains(&e) {

@@ -23,6 +23,9 @@ pub struct Peers {
     /// Errors a pushed reply returned (a disk failure reported), by client, for the scenario
     /// to judge after the step.
     pub errors: Vec<(usize, PagerError)>,
+    /// Invariants a pushed reply broke (`Pager::check_invariants` right after it), by client:
+    /// the scenario fails the run on the first.
+    pub broken: Vec<(usize, String)>,
     /// Replies (and failures) pushed, and how many of them while another client's operation
     /// was waiting for its own.
     pub pushed: u64,
@@ -80,8 +83,14 @@ pub fn deliver(peers: &Rc<RefCell<Peers>>, world: &Rc<RefCell<World>>, mid_opera
                 }
             },
         };
+        // The pager is at rest between any two events: its invariants hold after each one
+        // pushed, not only after a step.
+        let broken = p.check_invariants().err();
         drop(p);
         pushed += 1;
+        if let Some(why) = broken {
+            peers.borrow_mut().broken.push((c, why));
+        }
         if let Err(e) = result {
             peers.borrow_mut().errors.push((c, e));
         }
