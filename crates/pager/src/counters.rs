@@ -51,6 +51,15 @@ counters! {
     missing_pages,
     /// Reads served from the disk copy because the server was dead or the copy bad.
     disk_fallbacks,
+    /// Replies a caller's operation waited for, with a blocking receive (whether or not the
+    /// reply had arrived by then): what the waiting entry points (`read`, `write`, `flush`,
+    /// ...) still cost. The event-driven ones (`start_read`, `try_write`, `try_flush`,
+    /// `on_reply`, `on_tick`) never add to it.
+    waits,
+    /// Slots `write_over_budget` added to the pool for want of a free one, and its writes
+    /// that waited as `write` does because the pool had grown by its limit already.
+    slots_grown,
+    writes_over_budget_waited,
     /// Rounds of probes the maintenance schedule sent (an empty GET to every live server),
     /// and probes that went unanswered for the probe timeout (their servers failed).
     probe_rounds,

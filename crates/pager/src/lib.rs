@@ -218,6 +218,8 @@ pub struct Pager<T: Transport, D: Disk> {
     /// Pages the cache may hold over its budget because an eviction that would have waited
     /// was left for a later call (`evict_without_waiting`); zero once it is within budget.
     evictions_deferred: usize,
+    /// Slots [`Pager::write_over_budget`] added to the pool (never taken back).
+    spare_slots: usize,
     /// The local disk's last failed write, reported by the next `flush` (as fsync does).
     disk_failed: Option<std::io::Error>,
     /// GETs that failed on one copy, to be tried on another.
@@ -309,6 +311,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             short: BTreeSet::new(),
             rehomed: BTreeSet::new(),
             evictions_deferred: 0,
+            spare_slots: 0,
             disk_failed: None,
             retry: Vec::new(),
             fetched: Vec::new(),
@@ -654,6 +657,61 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         self.must_not_wait -= 1;
         self.send_queued();
         result.map(|()| written)
+    }
+
+    /// Writes `page` without waiting for a slot: into the cache, where [`Pager::write`] would
+    /// wait for a write-back's acknowledgement to free one. With no slot free the pool grows
+    /// by one page (kept for later use: local memory beyond the budget, up to
+    /// [`Pager::spare_slots_max`] pages, after which this waits as `write` does); the cache is
+    /// over its budget until later calls evict without waiting. For a caller that cannot keep
+    /// the data itself (the userfaultfd handler storing a forked child's page its agent copied
+    /// and is dropping): it bounds how many it writes before replies come in.
+    pub fn write_over_budget(&mut self, page: u64, data: &[u8]) -> Result<(), PagerError> {
+        self.check(page)?;
+        if data.len() != PAGE_SIZE {
+            return Err(PagerError::BadBuffer {
+                got: data.len(),
+                pages: 1,
+            });
+        }
+        let cached = self.cache.get(&page).copied();
+        let free = self.free_slots.len() > self.scheme.seal_slots();
+        if cached.is_none() && !free && self.spare_slots >= self.spare_slots_max() {
+            self.counters.writes_over_budget_waited += 1;
+            return self.write(page, data);
+        }
+        self.counters.writes += 1;
+        let slot = match cached {
+            Some(slot) => slot,
+            None => {
+                let slot = if free {
+                    self.free_slots.pop().expect("counted above")
+                } else {
+                    self.counters.slots_grown += 1;
+                    self.spare_slots += 1;
+                    let slot = self.dirty.len() as u32;
+                    self.slots.resize(self.slots.len() + PAGE_SIZE, 0);
+                    self.dirty.push(false);
+                    self.sealed.push(false);
+                    slot
+                };
+                self.cache.put(page, slot);
+                slot
+            }
+        };
+        self.slot_mut(slot).copy_from_slice(data);
+        self.dirty[slot as usize] = true;
+        self.must_not_wait += 1;
+        let evicted = self.evict_without_waiting();
+        self.must_not_wait -= 1;
+        self.send_queued();
+        evicted
+    }
+
+    /// Pages [`Pager::write_over_budget`] may add to the slot pool at most: the cache's
+    /// and the staging slots' worth again.
+    pub fn spare_slots_max(&self) -> usize {
+        self.cfg.cache_pages + self.staging
     }
 
     /// Writes `page` straight to write-back if that needs no waiting, and says whether it did:

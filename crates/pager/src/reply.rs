@@ -101,6 +101,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
     /// already (false when it is not).
     pub(crate) fn receive(&mut self, server: usize, wait: bool) -> Result<bool, PagerError> {
         let got = if wait {
+            self.counters.waits += 1;
             Some(self.transport.recv(server))
         } else {
             self.transport.try_recv(server)

@@ -367,6 +367,10 @@ pub(crate) extern "C" fn at_exit() {
             ("victims_kept", get(&rc.victims_kept)),
             ("evictions_waited", get(&rc.evictions_waited)),
             ("releases_waited", get(&rc.releases_waited)),
+            // Replies the pager blocked for (the waiting paths left: forks, a region's end).
+            ("pager_waits", pager.waits),
+            // Pages the pager's pool grew by rather than wait (`write_over_budget`).
+            ("pager_slots_grown", pager.slots_grown),
         ];
         if let Some(m) = report.as_object_mut() {
             for (k, v) in redundancy {

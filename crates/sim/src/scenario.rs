@@ -103,6 +103,8 @@ pub struct Report {
     /// handler evicts or with `Pager::try_write_many` as the NBD device writes (falling back on
     /// `write` for a page they did not take).
     pub writes_without_waiting: u64,
+    /// Writes made with `Pager::write_over_budget` (never waiting for a slot), page by page.
+    pub writes_over_budget: u64,
     /// Flushes finished by `Pager::try_flush` alone, as the NBD device's FLUSH finishes,
     /// no waiting `flush` after them.
     pub flushes_without_waiting: u64,
@@ -142,6 +144,7 @@ impl Report {
         self.tickets_failed_allowed += r.tickets_failed_allowed;
         self.ops_during_tickets += r.ops_during_tickets;
         self.writes_without_waiting += r.writes_without_waiting;
+        self.writes_over_budget += r.writes_over_budget;
         self.flushes_without_waiting += r.flushes_without_waiting;
         let (a, b) = (&mut self.faults, &r.faults);
         a.crashes += b.crashes;
@@ -487,7 +490,16 @@ fn play(sc: &Scenario, at: &std::cell::Cell<u32>) -> Result<Report, Failure> {
                     candidates.push((p, Some(tag)));
                 }
                 report.writes += 1;
-                let result = if rng.u32(0..4) == 0 {
+                let how = rng.u32(0..8);
+                let result = if how == 0 {
+                    // As the userfaultfd handler stores a forked child's pages its agent
+                    // copied: never waiting, the pager's pool growing if no slot is free.
+                    report.writes_over_budget += 1;
+                    let mut pager = cl.pager.borrow_mut();
+                    pages.iter().enumerate().try_for_each(|(i, &p)| {
+                        pager.write_over_budget(p, &data[i * PAGE_SIZE..(i + 1) * PAGE_SIZE])
+                    })
+                } else if how < 3 {
                     // As the userfaultfd handler evicts (each page written if the pager takes
                     // it without waiting, else the waiting way; sent together), or as the NBD
                     // device writes (as many pages as the pager takes without waiting, the

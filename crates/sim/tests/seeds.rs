@@ -65,6 +65,10 @@ fn many(scheme: &str, first: u64, step: u64) {
         "no write went the way the userfaultfd handler's evictions go"
     );
     assert!(
+        t.writes_over_budget > 0,
+        "no write went the way a forked child's pages are stored"
+    );
+    assert!(
         t.flushes_without_waiting > 0,
         "no flush finished the way the NBD device's FLUSH finishes"
     );

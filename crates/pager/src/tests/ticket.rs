@@ -169,6 +169,8 @@ fn a_ticket_whose_server_hangs_is_timed_out_by_expire_and_read_from_another_copy
 #[derive(Debug, Clone)]
 enum Step {
     Write(u64, u8),
+    /// `write_over_budget`: never waits, the pool growing if no slot is free.
+    WriteOver(u64, u8),
     Start(u64),
     Deliver(usize),
     Take,
@@ -181,6 +183,7 @@ enum Step {
 fn step() -> impl Strategy<Value = Step> {
     prop_oneof![
         5 => (0u64..24, any::<u8>()).prop_map(|(p, r)| Step::Write(p, r)),
+        3 => (0u64..24, any::<u8>()).prop_map(|(p, r)| Step::WriteOver(p, r)),
         6 => (0u64..24).prop_map(Step::Start),
         4 => (1usize..6).prop_map(Step::Deliver),
         3 => Just(Step::Take),
@@ -247,9 +250,19 @@ proptest! {
         };
         for s in steps {
             match s {
-                Step::Write(pg, r) => {
+                Step::Write(pg, r) | Step::WriteOver(pg, r) => {
                     let c = content(pg, r);
-                    p.write(pg, &c).unwrap();
+                    if matches!(s, Step::WriteOver(..)) {
+                        let waits = p.counters().waits;
+                        p.write_over_budget(pg, &c).unwrap();
+                        prop_assert!(
+                            p.counters().waits == waits
+                                || p.counters().writes_over_budget_waited > 0,
+                            "write_over_budget waited with room to grow"
+                        );
+                    } else {
+                        p.write(pg, &c).unwrap();
+                    }
                     for (_, (tp, a)) in open.iter_mut() {
                         if *tp == pg {
                             a.contents.push(c.clone());
@@ -500,4 +513,49 @@ fn a_read_by_ticket_of_a_page_sent_bad_again_and_again_waits_for_recovery() {
     assert_eq!(p.tickets(), 1, "the read waits for its page");
     assert_eq!(released_read(&mut p, 7, page, 9), content(page, 2));
     assert!(p.counters().parity_members_rebuilt > 0);
+}
+
+#[test]
+fn a_write_over_budget_never_waits_for_a_slot_and_grows_the_pool_by_its_limit_at_most() {
+    // The userfaultfd handler storing a forked child's pages as its agent copies them: no
+    // reply comes in meanwhile (the handler reads none until it is done), and every slot is
+    // soon in write-back. `write` would wait there; this takes a new slot instead.
+    let mut p = Pager::new(
+        PagerConfig {
+            pages: 1024,
+            cache_pages: 4,
+            writeback_batch: 4,
+            recovery_slots: 16,
+            ..sealed()
+        },
+        MemCluster::new(&[1024, 1024]),
+        MemDisk::default(),
+    );
+    let waits = p.counters().waits;
+    let max = p.spare_slots_max();
+    let mut pg = 0;
+    while p.counters().slots_grown < max as u64 {
+        p.write_over_budget(pg, &content(pg, 1)).unwrap();
+        p.check_invariants().unwrap();
+        assert_eq!(p.counters().waits, waits, "page {pg} waited");
+        pg += 1;
+        assert!(pg < 900, "the pool never grew: {:?}", p.counters());
+    }
+    assert_eq!(p.counters().writes_over_budget_waited, 0);
+    // Its limit reached: the next one with no slot free waits, as `write` does.
+    let mut rng = fastrand::Rng::with_seed(3);
+    while p.counters().writes_over_budget_waited == 0 {
+        p.write_over_budget(pg, &content(pg, 1)).unwrap();
+        p.check_invariants().unwrap();
+        pg += 1;
+        assert!(pg < 1024, "never waited: {:?}", p.counters());
+    }
+    assert_eq!(p.counters().slots_grown, max as u64);
+    // Replies in, in any order: every page reads back, and the pool keeps its size.
+    deliver(&mut p, &mut rng, usize::MAX);
+    p.flush().unwrap();
+    for q in 0..pg {
+        assert_eq!(read(&mut p, q).unwrap(), content(q, 1), "page {q}");
+    }
+    p.check_invariants().unwrap();
 }

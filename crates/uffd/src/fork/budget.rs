@@ -238,13 +238,20 @@ impl<T: Transport, D: Disk> Shared<T, D> {
             pager, agent_buf, ..
         } = st;
         let data = &agent_buf[at..at + PAGE_SIZE];
+        // Never waited for: the handler holds the region while it stores them, and every fault
+        // (the parent's, the children's) would wait behind a round trip here; the agent has
+        // dropped the page, so the data cannot be left for later either. A page of zeros whose
+        // last write-back is still out is written as zeros rather than deleted after it.
         let stored = if data.iter().all(|&b| b == 0) {
-            pager.discard(private)
+            pager.try_discard(private).and_then(|done| match done {
+                true => Ok(()),
+                false => pager.write_over_budget(private, data),
+            })
         } else {
             self.counters
                 .child_private_pages
                 .fetch_add(1, Ordering::Relaxed);
-            pager.write(private, data)
+            pager.write_over_budget(private, data)
         };
         if let Err(e) = stored {
             self.counters.errors.fetch_add(1, Ordering::Relaxed);

@@ -184,10 +184,10 @@ impl<T: Transport, D: Disk> Shared<T, D> {
             return true;
         }
         let copied = match known {
-            Some(data) => pager.write(private, data),
+            Some(data) => pager.write_over_budget(private, data),
             None => pager
                 .read(page as u64, child_buf)
-                .and_then(|()| pager.write(private, child_buf)),
+                .and_then(|()| pager.write_over_budget(private, child_buf)),
         };
         match copied {
             Ok(()) => {
