@@ -294,6 +294,20 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         &mut self,
         mut f: impl FnMut(u64, u64, Result<&[u8], PagerError>),
     ) -> Result<(), PagerError> {
+        // Keeping a page evicts another, whose write-back must not wait for credits: it
+        // queues, and goes with the replies that return them (or the caller's `send_queued`).
+        // Without this it did: the userfaultfd handler, installing fetches, waited for
+        // acknowledgements under the region's lock (231 replies in a forking Python's run).
+        self.must_not_wait += 1;
+        let result = self.take_finished_without_waiting(&mut f);
+        self.must_not_wait -= 1;
+        result
+    }
+
+    fn take_finished_without_waiting(
+        &mut self,
+        f: &mut impl FnMut(u64, u64, Result<&[u8], PagerError>),
+    ) -> Result<(), PagerError> {
         self.resubmit_ticket_retries();
         self.serve_waiters()?;
         self.route_ticket_reads();

@@ -301,6 +301,7 @@ impl<T: Transport, D: Disk> Shared<T, D> {
             let keep = st.budget;
             self.make_room(&mut st, keep);
         }
+        self.delete_leftovers(&mut st);
         Some(self.awaits_replies(&st))
     }
 
@@ -334,7 +335,8 @@ impl<T: Transport, D: Disk> Shared<T, D> {
     /// Whether the loop waits for replies as well as events: fetches in flight, or victims
     /// that wait for acknowledgements to return the pager's slots.
     fn awaits_replies(&self, st: &State<T, D>) -> bool {
-        st.fetches_out() || (self.over_budget(st) && st.pager.awaits_replies())
+        st.fetches_out()
+            || ((self.over_budget(st) || !st.undeleted.is_empty()) && st.pager.awaits_replies())
     }
 
     /// Polls the userfaultfd without sleeping for up to the spin; true once an event is

@@ -583,6 +583,7 @@ where
                 child_buf: vec![0u8; PAGE_SIZE],
                 settle_buf: Vec::new(),
                 settling: HashSet::new(),
+                undeleted: Vec::new(),
                 agent_buf: Vec::new(),
                 children: Vec::new(),
                 forking: 0,
@@ -797,10 +798,14 @@ impl<T: Transport, D: Disk> Drop for Region<T, D> {
         // when the pager's session ends (forked children given theirs first).
         let mut st = sh.lock();
         sh.hand_over(&mut st);
-        let pager = &mut st.pager;
-        let written: Vec<u64> = (0..sh.pages as u64)
+        let State {
+            pager, undeleted, ..
+        } = &mut *st;
+        // (And what ended children left: see `forget_child`.)
+        let mut written: Vec<u64> = (0..sh.pages as u64)
             .filter(|&p| pager.is_written(p))
             .collect();
+        written.append(undeleted);
         // Flushing waits for the DELETEs' acknowledgements.
         if let Err(e) = pager.discard_many(&written).and_then(|()| pager.flush()) {
             tracing::warn!("freeing a dropped region's pages: {e}");
@@ -933,6 +938,9 @@ struct State<T: Transport, D: Disk> {
     settle_buf: Vec<u8>,
     /// Victims whose pager copy is being read for children (`settle_ahead`).
     settling: HashSet<usize>,
+    /// Pages of ended children still to delete: their last write-back was out when the child
+    /// ended (`forget_child`); deleted once it is in, without waiting.
+    undeleted: Vec<u64>,
     agent_buf: Vec<u8>,
     /// Forks announced by `prepare_fork` whose event has not arrived: meanwhile nothing is
     /// evicted (so every page resident at the announcement is in the child) and no page

@@ -559,3 +559,73 @@ fn a_write_over_budget_never_waits_for_a_slot_and_grows_the_pool_by_its_limit_at
     }
     p.check_invariants().unwrap();
 }
+
+#[test]
+fn taking_a_finished_read_never_waits_for_the_credits_its_eviction_needs() {
+    // Keeping a page read by ticket evicts a dirty one from a full cache; its PUT finds every
+    // server out of credits. It must queue, not wait for replies: the userfaultfd handler
+    // installs fetches under the region's lock (a forking Python waited 231 times there).
+    let mut cluster = MemCluster::new(&[64, 64]);
+    cluster.window = 1;
+    let mut p = Pager::new(
+        PagerConfig {
+            pages: 64,
+            cache_pages: 4,
+            writeback_batch: 1,
+            batch_max: 1,
+            ..sealed()
+        },
+        cluster,
+        MemDisk::default(),
+    );
+    for pg in 0..8 {
+        p.write(pg, &content(pg, 1)).unwrap();
+    }
+    p.flush().unwrap();
+    // A cache of dirty pages.
+    for pg in 10..14 {
+        p.write(pg, &content(pg, 2)).unwrap();
+    }
+    p.flush().unwrap();
+    for pg in 10..14 {
+        p.write(pg, &content(pg, 3)).unwrap();
+    }
+    // A read whose reply comes in, then every server's one credit taken by reads left out.
+    p.start_read(0, 1).unwrap();
+    p.send_queued();
+    let mut rng = fastrand::Rng::with_seed(1);
+    while !p.has_finished() {
+        assert!(deliver(&mut p, &mut rng, 1) > 0, "the read never finished");
+    }
+    for (tag, pg) in (2..).zip(1..8) {
+        p.start_read(pg, tag).unwrap();
+    }
+    p.send_queued();
+    assert!(p.sends_waiting(), "the servers still had credits");
+    let waits = p.counters().waits;
+    let mut got = None;
+    p.take_finished(|tag, page, data| {
+        assert_eq!((tag, page), (1, 0));
+        got = Some(data.unwrap().to_vec());
+    })
+    .unwrap();
+    assert_eq!(got.unwrap(), content(0, 1));
+    assert_eq!(p.counters().waits, waits, "taking it waited for replies");
+    p.check_invariants().unwrap();
+    // Everything else arrives and finishes; the pages read back.
+    for _ in 0..100 {
+        deliver(&mut p, &mut rng, usize::MAX);
+        p.send_queued();
+        p.take_finished(|_, page, data| assert_eq!(data.unwrap(), &content(page, 1)[..]))
+            .unwrap();
+        if p.tickets() == 0 && !p.sends_waiting() && !p.awaits_replies() {
+            break;
+        }
+    }
+    assert_eq!(p.tickets(), 0);
+    p.flush().unwrap();
+    for pg in 10..14 {
+        assert_eq!(read(&mut p, pg).unwrap(), content(pg, 3), "page {pg}");
+    }
+    p.check_invariants().unwrap();
+}

@@ -349,11 +349,61 @@ impl<T: Transport, D: Disk> Shared<T, D> {
             return;
         };
         let slot = b.slot;
-        let written: Vec<u64> = (0..self.pages)
-            .map(|p| self.private(slot, p))
-            .filter(|&p| st.pager.is_written(p))
+        // Not waited for (the handler holds the region, every fault would wait): a page whose
+        // last write-back is still out is deleted once it is in (`delete_leftovers`).
+        for p in (0..self.pages).map(|p| self.private(slot, p)) {
+            if !st.pager.is_written(p) {
+                continue;
+            }
+            match st.pager.try_discard(p) {
+                Ok(true) => {}
+                Ok(false) => st.undeleted.push(p),
+                Err(e) => tracing::warn!("deleting a forked child's page: {e}"),
+            }
+        }
+        st.pager.send_queued();
+    }
+
+    /// Deletes the pages of ended children whose write-back has come in since (see
+    /// `forget_child`); never waits.
+    pub(crate) fn delete_leftovers(&self, st: &mut State<T, D>) {
+        if st.undeleted.is_empty() {
+            return;
+        }
+        let State {
+            pager, undeleted, ..
+        } = st;
+        // The acknowledgements that arrived (nothing else may have read them).
+        if let Err(e) = pager.poll() {
+            tracing::debug!("deleting a forked child's pages: {e}");
+        }
+        undeleted.retain(|&p| match pager.try_discard(p) {
+            Ok(done) => !done,
+            Err(e) => {
+                tracing::warn!("deleting a forked child's page: {e}");
+                false
+            }
+        });
+        pager.send_queued();
+    }
+
+    /// Deletes what an ended child left in child slot `slot`, waiting for the write-backs
+    /// still out (a fork that comes within a round trip of the last child's end): a new child
+    /// in that slot must not have its pages deleted by them later.
+    pub(super) fn clear_slot(&self, st: &mut State<T, D>, slot: u64) {
+        let first = self.private(slot, 0);
+        let range = first..first + self.pages as u64;
+        let left: Vec<u64> = st
+            .undeleted
+            .iter()
+            .copied()
+            .filter(|p| range.contains(p))
             .collect();
-        if let Err(e) = st.pager.discard_many(&written) {
+        if left.is_empty() {
+            return;
+        }
+        st.undeleted.retain(|p| !range.contains(p));
+        if let Err(e) = st.pager.discard_many(&left) {
             tracing::warn!("deleting a forked child's pages: {e}");
         }
     }

@@ -490,7 +490,11 @@ impl<T: Transport, D: Disk> Shared<T, D> {
             if let Err(e) = agent::hold(&agent, std::os::fd::AsFd::as_fd(&uffd)) {
                 tracing::debug!("a child's agent was not given its userfaultfd: {e}");
             }
-            match self.free_slot(st) {
+            let slot = self.free_slot(st);
+            if let Some(slot) = slot {
+                self.clear_slot(st, slot);
+            }
+            match slot {
                 None => (None, Some(agent)),
                 Some(slot) => (
                     Some(Budget {
