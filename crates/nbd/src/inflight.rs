@@ -87,6 +87,8 @@ impl<T: Transport, D: Disk> Inner<T, D> {
             // the pager keeps it and reports it to the next write or flush.
             tracing::debug!("after a read by ticket: {e}");
         }
+        // What keeping the pages evicted goes out now, not at the next reply.
+        pager.send_queued();
     }
 
     /// Starts as many of read `id`'s pages as the pager has slots for without waiting (one

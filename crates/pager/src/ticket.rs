@@ -295,14 +295,13 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         mut f: impl FnMut(u64, u64, Result<&[u8], PagerError>),
     ) -> Result<(), PagerError> {
         // Keeping a page evicts another, whose write-back must not wait for credits: it
-        // queues, and goes now as far as credits allow, the rest with the replies that
-        // return them.
+        // queues, and goes with the replies that return them or the caller's `send_queued`
+        // (which a loop calls after this: left queued, it waits for the next reply).
         // Without this it did: the userfaultfd handler, installing fetches, waited for
         // acknowledgements under the region's lock (231 replies in a forking Python's run).
         self.must_not_wait += 1;
         let result = self.take_finished_without_waiting(&mut f);
         self.must_not_wait -= 1;
-        self.send_queued();
         result
     }
 
