@@ -858,6 +858,32 @@ fn a_forked_child_sees_its_memory_as_at_the_fork() {
 /// overwrites half of them; the child sees its memory as at the fork plus its own writes,
 /// and never has many more pages resident than the budget (its agent drops the oldest, its
 /// own writes stored in the pager under its own page numbers). Needs root (following forks).
+/// A region of `PAGES` pages written with `fill(page, 1)`, `budget` of them local, with one
+/// child slot (its pager twice as large) so that a forked child is held to a budget.
+fn filled_region_with_a_child_slot(
+    cluster: &LocalCluster,
+    budget: usize,
+) -> Region<TcpTransport, MemDisk> {
+    let t = TcpTransport::connect(&cluster.addrs(), &cluster.client());
+    let cfg = PagerConfig {
+        pages: 2 * PAGES as u64,
+        cache_pages: 32,
+        ..Default::default()
+    };
+    let options = RegionOptions {
+        child_slots: 1,
+        ..Default::default()
+    };
+    let pager = Pager::new(cfg, t, MemDisk::default());
+    let mut r = Region::with_options(pager, PAGES * PAGE_SIZE, budget * PAGE_SIZE, options)
+        .expect("a region");
+    let mem = r.as_mut_slice();
+    for p in 0..PAGES {
+        mem[p * PAGE_SIZE..(p + 1) * PAGE_SIZE].fill(fill(p, 1));
+    }
+    r
+}
+
 #[test]
 fn a_forked_child_is_held_to_its_budget() {
     let _forks = FORKS.lock().unwrap_or_else(|p| p.into_inner());
@@ -870,24 +896,8 @@ fn a_forked_child_is_held_to_its_budget() {
         .try_init();
     const BUDGET: usize = 32;
     let cluster = LocalCluster::start(2, 16 << 20, false).unwrap();
-    let t = TcpTransport::connect(&cluster.addrs(), &cluster.client());
-    let cfg = PagerConfig {
-        pages: 2 * PAGES as u64,
-        cache_pages: 32,
-        ..Default::default()
-    };
-    let options = RegionOptions {
-        child_slots: 1,
-        ..Default::default()
-    };
-    let pager = Pager::new(cfg, t, MemDisk::default());
-    let mut r = Region::with_options(pager, PAGES * PAGE_SIZE, BUDGET * PAGE_SIZE, options)
-        .expect("a region");
+    let mut r = filled_region_with_a_child_slot(&cluster, BUDGET);
     assert!(r.follows_forks());
-    let mem = r.as_mut_slice();
-    for p in 0..PAGES {
-        mem[p * PAGE_SIZE..(p + 1) * PAGE_SIZE].fill(fill(p, 1));
-    }
     let base = r.as_ptr() as usize;
     r.prepare_fork();
     // The C library's fork: the child starts its agent (a thread), which allocates.
@@ -1022,23 +1032,7 @@ fn a_hand_over_waits_for_the_drops_a_slow_agent_has_not_ended() {
     }
     const BUDGET: usize = 32;
     let cluster = LocalCluster::start(2, 16 << 20, false).unwrap();
-    let t = TcpTransport::connect(&cluster.addrs(), &cluster.client());
-    let cfg = PagerConfig {
-        pages: 2 * PAGES as u64,
-        cache_pages: 32,
-        ..Default::default()
-    };
-    let options = RegionOptions {
-        child_slots: 1,
-        ..Default::default()
-    };
-    let pager = Pager::new(cfg, t, MemDisk::default());
-    let mut r = Region::with_options(pager, PAGES * PAGE_SIZE, BUDGET * PAGE_SIZE, options)
-        .expect("a region");
-    let mem = r.as_mut_slice();
-    for p in 0..PAGES {
-        mem[p * PAGE_SIZE..(p + 1) * PAGE_SIZE].fill(fill(p, 1));
-    }
+    let r = filled_region_with_a_child_slot(&cluster, BUDGET);
     let base = r.as_ptr() as usize;
     // (ready: child to parent, after its first pass; handed: parent to child, after the
     // hand-over.)
