@@ -39,6 +39,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         self.check_caller_reads()?;
         self.check_credits()?;
         self.check_table()?;
+        self.check_moves()?;
         // A page on its way off a leaving server is in write-back until it lands.
         if let Some(p) = self
             .migrating
@@ -46,6 +47,35 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             .find(|p| !self.writeback.contains_key(p))
         {
             return Err(format!("page {p} is migrating but not in write-back"));
+        }
+        Ok(())
+    }
+
+    /// A move through this pager holds its read's slot until its next step: the read is
+    /// queued, in flight, to be tried again or decoded, done, or failed (then its step
+    /// forgets the move). A move whose read went nowhere would be due forever.
+    fn check_moves(&self) -> Result<(), String> {
+        let mut reading: Vec<(u64, u32)> = Vec::new();
+        for (_, op, _) in self.requests() {
+            if let Op::Get(items) = op {
+                reading.extend(items.iter().map(|it| (it.page, it.slot)));
+            }
+        }
+        reading.extend(
+            self.retry
+                .iter()
+                .chain(&self.reconstruct)
+                .map(|it| (it.page, it.slot)),
+        );
+        reading.extend(self.reads_done.iter().map(|d| (d.page, d.slot)));
+        reading.extend(self.fetched.iter().copied());
+        for (&page, &(_, _, slot)) in &self.moving {
+            if !reading.contains(&(page, slot)) && !self.own_failed.contains(&page) {
+                return Err(format!(
+                    "page {page} is moving, but its read into slot {slot} is neither out, \
+                     done nor failed"
+                ));
+            }
         }
         Ok(())
     }

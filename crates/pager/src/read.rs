@@ -333,7 +333,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         while let Some(i) = self.reads_done.iter().rposition(|d| d.pos != RECOVERY) {
             let d = self.reads_done.swap_remove(i);
             if d.pos == INTERNAL {
-                self.fetched.push((d.page, d.slot));
+                self.own_read_done(&d);
                 continue;
             }
             if is_ticket(d.pos) {
@@ -358,10 +358,19 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         while i < self.reads_done.len() {
             if self.reads_done[i].pos == INTERNAL {
                 let d = self.reads_done.swap_remove(i);
-                self.fetched.push((d.page, d.slot));
+                self.own_read_done(&d);
             } else {
                 i += 1;
             }
+        }
+    }
+
+    /// One of the pager's own reads is in: a parity survivor's for recovery's round, any
+    /// other (recovery of whole copies, a move, a degraded read's) for `fetched`.
+    fn own_read_done(&mut self, d: &ReadDone) {
+        match self.scheme.parity_mut() {
+            Some(par) if d.part == Part::Survivor => par.survivor_read(d.page, d.slot),
+            _ => self.fetched.push((d.page, d.slot)),
         }
     }
 

@@ -252,6 +252,8 @@ impl Client {
                 ));
             }
         });
+        // What the front ends do: send what taking queued (evictions' PUTs) right after.
+        self.pager.borrow_mut().send_queued();
         if let Some(bad) = bad {
             return Err(bad);
         }

@@ -205,6 +205,10 @@ fn seeds_that_found_bugs_hold() {
         ("parity:4", 3371),
         ("parity:4", 5087),
         ("parity:4", 1823),
+        // Once the client sent what taking finished reads queued (as the front ends do): a
+        // move's read, into the slot a failed survivor read of the same page had given
+        // back, was taken for that survivor's by recovery; the move waited forever.
+        ("parity:4", 395),
         // An earlier try at a Reed-Solomon rebuild that does not wait for the pieces it asks
         // after a read failed left a stripe short of pieces (`rs_top_up` now).
         ("rs:4+2", 2110),

@@ -140,6 +140,12 @@ pub(crate) struct Par {
     /// Degraded reads by ticket (a fault on a page whose server died), each waiting in its
     /// slot for recovery to bring its page back (`Pager::par_serve_waiters`).
     pub(crate) waiters: Vec<GetItem>,
+    /// Survivor reads that came back good: page and slot. Kept apart from the pager's other
+    /// reads of its own (`fetched`): a failed survivor read gives its slot back at once, and a
+    /// move of the same page may read into that very slot; matched by (page, slot) in one
+    /// list, the move's read was taken for the survivor's and the move left with no read
+    /// (`netram sim --seed 395 --scheme parity:4`, with its client sending after each take).
+    read_in: Vec<(u64, u32)>,
     /// Survivor reads that failed: page, slot, and whether trying again may help.
     read_failed: Vec<(u64, u32, bool)>,
     /// Superseded survivors found missing, by (server, key, version), and how many times.
@@ -176,6 +182,7 @@ impl Par {
             leaving_scans: HashMap::new(),
             round: recover::Round::Idle,
             waiters: Vec::new(),
+            read_in: Vec::new(),
             read_failed: Vec::new(),
             missing_tries: HashMap::new(),
             stale: Vec::new(),
@@ -209,9 +216,16 @@ impl Par {
     }
 
     /// For [`Pager::check_invariants`]: the slots this scheme holds (degraded reads by ticket
-    /// waiting for their page; a survivor read that failed gave its slot back at once).
+    /// waiting for their page, survivor reads in; a survivor read that failed gave its slot
+    /// back at once).
     pub(crate) fn slots_held(&self, owned: &mut Vec<u32>) {
         owned.extend(self.waiters.iter().map(|it| it.slot));
+        owned.extend(self.read_in.iter().map(|&(_, slot)| slot));
+    }
+
+    /// A survivor read came back good: recovery's round takes it.
+    pub(crate) fn survivor_read(&mut self, page: u64, slot: u32) {
+        self.read_in.push((page, slot));
     }
 }
 

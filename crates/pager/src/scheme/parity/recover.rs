@@ -131,11 +131,12 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         })
     }
 
-    /// Whether every read of `asked` (page, slot) is back, good (`fetched`) or failed
+    /// Whether every read of `asked` (page, slot) is back, good (`read_in`) or failed
     /// (`read_failed`).
     fn par_reads_in(&self, asked: &BTreeSet<(u64, u32)>) -> bool {
         let back: BTreeSet<(u64, u32)> = self
-            .fetched
+            .par()
+            .read_in
             .iter()
             .copied()
             .chain(self.par().read_failed.iter().map(|&(p, s, _)| (p, s)))
@@ -319,12 +320,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         // Matched by slot, not by page: one page can be a survivor of two groups at two
         // versions (a superseded copy not deleted yet), and the XOR of a page sealed at the
         // wrong version would still pass the CRC, which is linear.
-        // (Other reads of the pager's own, a move's, stay for their step.)
-        let fetched: Vec<(u64, u32)>;
-        (fetched, self.fetched) = std::mem::take(&mut self.fetched)
-            .into_iter()
-            .partition(|f| asked.contains(f));
-        let fetched: BTreeSet<(u64, u32)> = fetched.into_iter().collect();
+        let fetched = self.par_take_read_in(asked);
         let failed: Vec<(u64, u32, bool)>;
         (failed, self.par_mut().read_failed) = std::mem::take(&mut self.par_mut().read_failed)
             .into_iter()
@@ -442,11 +438,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             .retain(|&(p, s, _)| !asked.contains(&(p, s)));
         self.take_internal_reads();
         let before = self.free_slots.len();
-        let mine: Vec<(u64, u32)>;
-        (mine, self.fetched) = std::mem::take(&mut self.fetched)
-            .into_iter()
-            .partition(|f| asked.contains(f));
-        for (_, slot) in mine {
+        for (_, slot) in self.par_take_read_in(&asked) {
             self.release_slot(slot);
         }
         self.counters.parity_recovery_yields += 1;
@@ -776,12 +768,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         self.par_mut()
             .read_failed
             .retain(|&(p, s, _)| !asked.contains(&(p, s)));
-        // (Other reads of the pager's own, a move's, stay for their step.)
-        let fetched: Vec<(u64, u32)>;
-        (fetched, self.fetched) = std::mem::take(&mut self.fetched)
-            .into_iter()
-            .partition(|f| asked.contains(f));
-        for (page, slot) in fetched {
+        for (page, slot) in self.par_take_read_in(asked) {
             let e = *self.table.get(page);
             if !e.present
                 || e.lost
@@ -812,6 +799,16 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         self.par_seal(None)?;
         self.pump_all();
         Ok(())
+    }
+
+    /// Takes the survivor reads of `asked` that are in.
+    fn par_take_read_in(&mut self, asked: &BTreeSet<(u64, u32)>) -> BTreeSet<(u64, u32)> {
+        let par = self.par_mut();
+        let mine: Vec<(u64, u32)>;
+        (mine, par.read_in) = std::mem::take(&mut par.read_in)
+            .into_iter()
+            .partition(|f| asked.contains(f));
+        mine.into_iter().collect()
     }
 
     /// Completes everything in flight and collects the pager's own finished reads into
