@@ -113,6 +113,10 @@ counters! {
     /// Recovery's reads whose slots a caller wanted (nothing else held one): given back, and
     /// their phase started again at a later step.
     parity_recovery_yields,
+    /// Reed-Solomon stripes whose pieces were read but found no free slots to be decoded and
+    /// written in (the program took them meanwhile): put back on recovery's list, not waited
+    /// for.
+    rebuilds_deferred,
     /// Groups whose parity a holder that shrank its offer held above it (Nswap §III), whose
     /// members were sent to new groups elsewhere so that they empty and leave.
     parity_groups_leaving,

@@ -241,6 +241,16 @@ impl<T: Transport, D: Disk> Pager<T, D> {
     /// `reply_timeout_us`. (Waiting held the pager, and its owner's lock, for every reply in
     /// flight, and for the whole reply timeout when a server hung.)
     pub fn on_tick(&mut self, now_us: u64) -> Result<Tick, PagerError> {
+        // Recovery's and migration's requests that find no credit queue, and go with the
+        // replies that return credits or the `send_queued` below; they do not wait for them.
+        self.must_not_wait += 1;
+        let tick = self.tick_without_waiting(now_us);
+        self.must_not_wait -= 1;
+        self.send_queued();
+        tick
+    }
+
+    fn tick_without_waiting(&mut self, now_us: u64) -> Result<Tick, PagerError> {
         let cfg = self.schedule.cfg;
         let mut tick = Tick {
             replies: self.poll()?,

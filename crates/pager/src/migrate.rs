@@ -258,6 +258,13 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             .partition(|(page, slot)| self.moving.get(page).is_some_and(|m| m.2 == *slot));
         let copies = self.scheme.copies_only();
         for (page, slot) in read {
+            if self.must_not_wait > 0 && self.free_slots.len() < self.scheme.seal_slots() {
+                // Written again, it may seal a stripe, whose parity takes slots: with none
+                // free that would wait for replies, which a tick must not. The read stays in
+                // for a later step.
+                self.fetched.push((page, slot));
+                continue;
+            }
             let (version, from, _) = self.moving.remove(&page).expect("partitioned on it");
             let e = *self.table.get(page);
             // Under parity or Reed-Solomon a page moves for anything of its group or stripe on

@@ -25,7 +25,10 @@ fn ticks_until_moved(p: &mut Pager<MemCluster, MemDisk>) {
     let mut now = 0;
     loop {
         now += 1_000;
+        let waits = p.counters().waits;
         p.on_tick(now).unwrap();
+        // A tick queues what finds no credit or slot: its replies are taken by later ticks.
+        assert_eq!(p.counters().waits, waits, "a tick waited for replies");
         p.check_invariants().unwrap();
         if now > 3_000 && !p.migration_due() && p.degraded_pages() == 0 {
             break;
@@ -115,6 +118,50 @@ fn pages_above_a_shrunk_offer_move_away_under_every_scheme() {
 /// ticks alone, and the donor ends up holding nothing, groups' parity included. (Between
 /// real daemons, `crates/cli/tests/adapt.rs` `parity_held_by_a_donor_that_shrinks_leaves_with_its_pages`
 /// found such a migration waiting for the program's next flush.)
+#[test]
+fn ticks_move_pages_without_waiting_when_every_credit_is_out() {
+    // A window of one request per server: a step's reads and writes find no credit. They
+    // queue and go with the replies later ticks take in; no tick waits for them (ticks run
+    // under a region's lock, between its faults).
+    for scheme in ["none", "mirror:2", "parity:2", "rs:2+1"] {
+        let mut cluster = MemCluster::new(&[100, 100, 100, 100]);
+        cluster.window = 1;
+        cluster.no_handover = true;
+        let mut p = Pager::new(
+            PagerConfig {
+                pages: 60,
+                cache_pages: 0,
+                writeback_batch: 4,
+                batch_max: 1,
+                redundancy: scheme.parse().unwrap(),
+                ..sealed()
+            },
+            cluster,
+            MemDisk::default(),
+        );
+        for page in 0..60 {
+            p.write(page, &content(page, 1)).unwrap();
+        }
+        p.flush().unwrap();
+        let store = &mut p.transport.servers[0].store;
+        store.set_offer(4);
+        store.compact(usize::MAX);
+        ticks_until_moved(&mut p);
+        p.flush().unwrap();
+        assert!(p.table.pages_on(0).len() <= 4, "{scheme}");
+        for page in 0..60 {
+            assert_eq!(
+                read(&mut p, page).unwrap(),
+                content(page, 1),
+                "{scheme} page {page}"
+            );
+        }
+        let c = p.counters();
+        assert!(c.pages_migrated > 0, "{scheme}: {c:?}");
+        assert_eq!(c.pages_migrated_direct, 0, "{scheme}: through the owner");
+    }
+}
+
 #[test]
 fn a_parity_migration_with_no_room_for_full_groups_ends_by_ticks_alone() {
     let mut p = Pager::new(

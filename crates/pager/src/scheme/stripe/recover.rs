@@ -393,6 +393,21 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         self.free_slots.len() > before
     }
 
+    /// Gives up, for now, the rebuilds of stripes whose pieces are read (no room to decode and
+    /// write them): their pieces' slots go back, and the stripes back on recovery's list.
+    fn rs_defer(&mut self, ids: &[u32]) {
+        if ids.is_empty() {
+            return;
+        }
+        for &id in ids {
+            self.rs_mut().decode_wait.retain(|&d| d != id);
+            self.rs_release_pin(id);
+            self.rs_mut().degraded.insert(id);
+        }
+        self.counters.rebuilds_deferred += ids.len() as u64;
+        self.rs_release_unclaimed();
+    }
+
     /// Lets go of the pieces read or decoded for stripes no longer being rebuilt (a degraded
     /// read's decode that left some, a stripe given up).
     fn rs_release_unclaimed(&mut self) {
@@ -447,6 +462,11 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         // Per stripe: up to K+M−1 pieces read and M restored; what is left lets a stripe whose
         // reads failed fetch others (`rs_decode`).
         let (per_stripe, reserve) = (total + rs.m, 2 * total + 2);
+        // What a read stripe's rebuild takes at most: its decoded pieces and its parity. A
+        // stripe read when slots were free may find them taken by the time its pieces are in
+        // (a tick runs between the program's operations): it is rebuilt later, not waited
+        // for (taking a slot with none free waits for replies, and recovery never waits).
+        let room = 2 * rs.m;
         loop {
             // Topped up as stripes' reads come back: at most `max` with reads out, so that
             // the reads of the next ones go out in the step that rebuilds these (what is read
@@ -487,6 +507,8 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                     && !rs.xor_code(k);
                 if by_decoder {
                     self.rs_mut().decode_wait.push(id);
+                } else if self.free_slots.len() < room {
+                    self.rs_defer(&[id]);
                 } else {
                     self.rs_rebuild(id, step)?;
                 }
@@ -495,7 +517,12 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             let busy = !rs.reading.is_empty() || !rs.read.is_empty();
             // Decoded in batches of 64, or whatever waits once no read is out.
             if rs.decode_wait.len() >= 64 || (!busy && !rs.decode_wait.is_empty()) {
-                let ids: BTreeSet<u32> = rs.decode_wait.iter().copied().collect();
+                let fit = self.free_slots.len() / room;
+                let rs = self.rs_mut();
+                let later = rs.decode_wait.len().saturating_sub(fit);
+                let later: Vec<u32> = rs.decode_wait.drain(..later).collect();
+                self.rs_defer(&later);
+                let ids: BTreeSet<u32> = self.rs().decode_wait.iter().copied().collect();
                 self.rs_decode_batch(&ids)?;
                 while let Some(id) = self.rs_mut().decode_wait.pop() {
                     self.rs_rebuild(id, step)?;
