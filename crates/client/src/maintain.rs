@@ -293,11 +293,13 @@ where
             most_us: pacing.idle_us,
         };
         let mut replies = Vec::new();
+        let mut queued = false;
         with_pager(&mut |p| match p.on_tick(netram_pager::real_time_us()) {
             Ok(tick) => {
                 tick.report();
                 next = pacing.next(&tick, started.elapsed().as_micros() as u64);
-                if next.awaits_answers() {
+                queued = p.sends_waiting();
+                if next.awaits_answers() || queued {
                     p.reply_fds(&mut replies);
                 }
             }
@@ -308,11 +310,52 @@ where
         // for arrives.
         let least = Duration::from_micros(next.least_us);
         let most = Duration::from_micros(next.most_us);
-        std::thread::park_timeout(least);
+        if queued {
+            send_as_credits_return(&with_pager, least, &mut replies);
+        } else {
+            std::thread::park_timeout(least);
+        }
         if most > least && !replies.is_empty() {
             wait_for_replies(&replies, most - least);
         } else if most > least {
             std::thread::park_timeout(most - least);
+        }
+    }
+}
+
+/// Until `least` has passed: takes in the replies that arrive and sends what their credits
+/// let go of what the tick queued (a tick never waits for credits: it runs under the pager's
+/// lock). Without this, a move's or recovery's requests beyond a server's window went only at
+/// the next tick: moves through the client ran at 0.71× the rate of ticks that waited
+/// (`bench adapt --quick`, 4 pairs). `replies` is left with the descriptors to wait on next.
+fn send_as_credits_return<F>(with_pager: &F, least: Duration, replies: &mut Vec<std::os::fd::RawFd>)
+where
+    F: Fn(&mut dyn FnMut(&mut ClientPager)),
+{
+    let until = Instant::now() + least;
+    loop {
+        let left = until.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return;
+        }
+        if replies.is_empty() {
+            std::thread::park_timeout(left);
+            return;
+        }
+        wait_for_replies(replies, left);
+        replies.clear();
+        let mut queued = false;
+        with_pager(&mut |p| {
+            if let Err(e) = p.poll() {
+                tracing::debug!("maintenance: {e}");
+            }
+            p.send_queued();
+            queued = p.sends_waiting();
+            p.reply_fds(replies);
+        });
+        if !queued {
+            std::thread::park_timeout(until.saturating_duration_since(Instant::now()));
+            return;
         }
     }
 }
