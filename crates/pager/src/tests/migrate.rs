@@ -41,6 +41,30 @@ fn ticks_until_moved(p: &mut Pager<MemCluster, MemDisk>) {
     }
 }
 
+/// Pages 0..60 written and flushed, then server 0's offer falls to 4 frames: how many frames
+/// it held.
+fn fill_then_shrink_server_0(p: &mut Pager<MemCluster, MemDisk>) -> u64 {
+    for page in 0..60 {
+        p.write(page, &content(page, 1)).unwrap();
+    }
+    p.flush().unwrap();
+    let held = p.transport.servers[0].store.stored_pages();
+    let store = &mut p.transport.servers[0].store;
+    store.set_offer(4);
+    store.compact(usize::MAX);
+    held
+}
+
+fn assert_every_page_reads_back(p: &mut Pager<MemCluster, MemDisk>, scheme: &str) {
+    for page in 0..60 {
+        assert_eq!(
+            read(p, page).unwrap(),
+            content(page, 1),
+            "{scheme} page {page}"
+        );
+    }
+}
+
 #[test]
 fn pages_above_a_shrunk_offer_move_away_under_every_scheme() {
     for scheme in ["none", "mirror:2", "parity:2", "rs:2+1"] {
@@ -55,16 +79,10 @@ fn pages_above_a_shrunk_offer_move_away_under_every_scheme() {
             MemCluster::new(&[100, 100, 100, 100]),
             MemDisk::default(),
         );
-        for page in 0..60 {
-            p.write(page, &content(page, 1)).unwrap();
-        }
-        p.flush().unwrap();
-        let held = p.transport.servers[0].store.stored_pages();
-        assert!(held > 8, "{scheme}: server 0 holds {held} frames");
         // Server 0's machine wants its memory: its offer falls to 4 frames.
+        let held = fill_then_shrink_server_0(&mut p);
+        assert!(held > 8, "{scheme}: server 0 holds {held} frames");
         let store = &mut p.transport.servers[0].store;
-        store.set_offer(4);
-        store.compact(usize::MAX);
         assert_eq!(store.pages_beyond_offer(), held - 4);
         tick_until_moved(&mut p);
         // The donor compacts what was freed below its offer, as the daemon does every tick.
@@ -79,13 +97,7 @@ fn pages_above_a_shrunk_offer_move_away_under_every_scheme() {
         if scheme.starts_with("parity") {
             assert!(p.counters().parity_groups_leaving > 0, "{scheme}");
         }
-        for page in 0..60 {
-            assert_eq!(
-                read(&mut p, page).unwrap(),
-                content(page, 1),
-                "{scheme} page {page}"
-            );
-        }
+        assert_every_page_reads_back(&mut p, scheme);
         let c = p.counters();
         assert!(c.pages_migrated > 0, "{scheme}: {c:?}");
         assert_eq!(c.pages_migrated, c.migrations_started, "{scheme}");
@@ -113,11 +125,6 @@ fn pages_above_a_shrunk_offer_move_away_under_every_scheme() {
     }
 }
 
-/// Under `parity:2` off one of three servers, no group can get a second member (its holder
-/// and its one member take the other two): the migration ships its groups half full, by
-/// ticks alone, and the donor ends up holding nothing, groups' parity included. (Between
-/// real daemons, `crates/cli/tests/adapt.rs` `parity_held_by_a_donor_that_shrinks_leaves_with_its_pages`
-/// found such a migration waiting for the program's next flush.)
 #[test]
 fn ticks_move_pages_without_waiting_when_every_credit_is_out() {
     // A window of one request per server: a step's reads and writes find no credit. They
@@ -139,29 +146,22 @@ fn ticks_move_pages_without_waiting_when_every_credit_is_out() {
             cluster,
             MemDisk::default(),
         );
-        for page in 0..60 {
-            p.write(page, &content(page, 1)).unwrap();
-        }
-        p.flush().unwrap();
-        let store = &mut p.transport.servers[0].store;
-        store.set_offer(4);
-        store.compact(usize::MAX);
+        fill_then_shrink_server_0(&mut p);
         ticks_until_moved(&mut p);
         p.flush().unwrap();
         assert!(p.table.pages_on(0).len() <= 4, "{scheme}");
-        for page in 0..60 {
-            assert_eq!(
-                read(&mut p, page).unwrap(),
-                content(page, 1),
-                "{scheme} page {page}"
-            );
-        }
+        assert_every_page_reads_back(&mut p, scheme);
         let c = p.counters();
         assert!(c.pages_migrated > 0, "{scheme}: {c:?}");
         assert_eq!(c.pages_migrated_direct, 0, "{scheme}: through the owner");
     }
 }
 
+/// Under `parity:2` off one of three servers, no group can get a second member (its holder
+/// and its one member take the other two): the migration ships its groups half full, by
+/// ticks alone, and the donor ends up holding nothing, groups' parity included. (Between
+/// real daemons, `crates/cli/tests/adapt.rs` `parity_held_by_a_donor_that_shrinks_leaves_with_its_pages`
+/// found such a migration waiting for the program's next flush.)
 #[test]
 fn a_parity_migration_with_no_room_for_full_groups_ends_by_ticks_alone() {
     let mut p = Pager::new(
