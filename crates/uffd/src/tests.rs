@@ -52,6 +52,20 @@ fn region_with(
 /// `prepare_fork`).
 static FORKS: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
+/// For a test that follows forks: [`FORKS`] held, and warnings shown; `None` (the test is
+/// reported skipped) without root, which following forks needs (CAP_SYS_PTRACE).
+fn following_forks() -> Option<std::sync::MutexGuard<'static, ()>> {
+    let forks = FORKS.lock().unwrap_or_else(|p| p.into_inner());
+    if !netram_testkit::have_root("following forks (UFFD_FEATURE_EVENT_FORK)") {
+        return None;
+    }
+    let _ = tracing_subscriber::fmt()
+        .with_test_writer()
+        .with_max_level(tracing::Level::WARN)
+        .try_init();
+    Some(forks)
+}
+
 fn fill(page: usize, round: u8) -> u8 {
     (page as u8).wrapping_mul(31).wrapping_add(round) | 1
 }
@@ -752,14 +766,9 @@ fn pages_the_program_drops_read_as_zeros() {
 /// writes stay its own. Needs root (following forks needs CAP_SYS_PTRACE).
 #[test]
 fn a_forked_child_sees_its_memory_as_at_the_fork() {
-    let _forks = FORKS.lock().unwrap_or_else(|p| p.into_inner());
-    if !netram_testkit::have_root("following forks (UFFD_FEATURE_EVENT_FORK)") {
+    let Some(_forks) = following_forks() else {
         return;
-    }
-    let _ = tracing_subscriber::fmt()
-        .with_test_writer()
-        .with_max_level(tracing::Level::WARN)
-        .try_init();
+    };
     let cluster = LocalCluster::start(2, 16 << 20, false).unwrap();
     let mut r = region(&cluster, 32);
     assert!(r.follows_forks());
@@ -886,14 +895,9 @@ fn filled_region_with_a_child_slot(
 
 #[test]
 fn a_forked_child_is_held_to_its_budget() {
-    let _forks = FORKS.lock().unwrap_or_else(|p| p.into_inner());
-    if !netram_testkit::have_root("following forks (UFFD_FEATURE_EVENT_FORK)") {
+    let Some(_forks) = following_forks() else {
         return;
-    }
-    let _ = tracing_subscriber::fmt()
-        .with_test_writer()
-        .with_max_level(tracing::Level::WARN)
-        .try_init();
+    };
     const BUDGET: usize = 32;
     let cluster = LocalCluster::start(2, 16 << 20, false).unwrap();
     let mut r = filled_region_with_a_child_slot(&cluster, BUDGET);
@@ -1026,10 +1030,9 @@ fn a_hand_over_waits_for_the_drops_a_slow_agent_has_not_ended() {
     // still resident while it installs (EEXIST) and dropped by the agent after would read as
     // zeros in the child once its region is plain memory. Found in CI 1 run in 10 under load;
     // here the agent is made slow on purpose (`agent::DROP_DELAY_MS`).
-    let _forks = FORKS.lock().unwrap_or_else(|p| p.into_inner());
-    if !netram_testkit::have_root("following forks (UFFD_FEATURE_EVENT_FORK)") {
+    let Some(_forks) = following_forks() else {
         return;
-    }
+    };
     const BUDGET: usize = 32;
     let cluster = LocalCluster::start(2, 16 << 20, false).unwrap();
     let r = filled_region_with_a_child_slot(&cluster, BUDGET);
