@@ -25,14 +25,14 @@ use netram_client::disk::FileDisk;
 use netram_client::maintain::{self, MaintainConfig};
 use netram_client::open::{open_pager, ClientPager, OpenOptions};
 use netram_client::query_stats;
-use netram_client::TcpTransport;
+use netram_client::{SharedPager, TcpTransport};
 use netram_pager::{Backing, PagerCounters, Scheme};
 use netram_proto::PAGE_SIZE;
 use netram_uffd::{Region, RegionOptions, Upkeep};
 use serde::Serialize;
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 #[derive(Debug, Clone)]
@@ -191,13 +191,13 @@ fn set_machine(dir: &Path, available: u64) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn lock(p: &Mutex<ClientPager>) -> std::sync::MutexGuard<'_, ClientPager> {
-    p.lock().unwrap_or_else(|e| e.into_inner())
-}
+/// The paging client's pager: shared with its maintenance thread, as `netram nbd`'s is.
+type Shared = SharedPager<TcpTransport, FileDisk>;
 
-/// Whoever owns the pages that move and reads them meanwhile: a pager behind its owner's lock
-/// (as `netram nbd` holds it), its schedule ticked by the maintenance thread; or a region,
-/// whose faults fetch them (`netram run`, the C ABI).
+/// Whoever owns the pages that move and reads them meanwhile: a pager shared by threads (as
+/// `netram nbd` shares it: a read lets the lock go while its replies travel), its schedule
+/// ticked by the maintenance thread; or a region, whose faults fetch them (`netram run`, the
+/// C ABI).
 trait Owner {
     /// One depth-1 read of a random page, checked: its latency in ns, and the pager's moves
     /// started and landed and its pages leaving, read right after.
@@ -205,7 +205,7 @@ trait Owner {
         &self,
         pages: u64,
         rng: &mut fastrand::Rng,
-        buf: &mut [u8],
+        buf: &mut Vec<u8>,
         want: &mut [u8],
     ) -> anyhow::Result<(u64, u64, u64, u64)>;
 
@@ -222,29 +222,26 @@ fn moves(p: &ClientPager) -> (u64, u64, u64) {
     )
 }
 
-impl Owner for Mutex<ClientPager> {
+impl Owner for Shared {
     fn read_one(
         &self,
         pages: u64,
         rng: &mut fastrand::Rng,
-        buf: &mut [u8],
+        buf: &mut Vec<u8>,
         want: &mut [u8],
     ) -> anyhow::Result<(u64, u64, u64, u64)> {
         let pg = rng.u64(0..pages);
         let t = Instant::now();
-        let mut p = lock(self);
-        p.read(pg, buf)?;
+        self.read_pages(&[pg], buf)?;
         let ns = t.elapsed().as_nanos() as u64;
-        // Under the same hold of the lock.
-        let (started, landed, leaving) = moves(&p);
-        drop(p);
+        let (started, landed, leaving) = moves(&self.lock());
         page_content(SEED, pg, want);
-        anyhow::ensure!(buf == want, "page {pg} read back wrong");
+        anyhow::ensure!(buf[..] == want[..], "page {pg} read back wrong");
         Ok((ns, started, landed, leaving))
     }
 
     fn counters(&self) -> PagerCounters {
-        lock(self).counters().clone()
+        self.lock().counters().clone()
     }
 }
 
@@ -253,7 +250,7 @@ impl Owner for Region<TcpTransport, FileDisk> {
         &self,
         pages: u64,
         rng: &mut fastrand::Rng,
-        _buf: &mut [u8],
+        _buf: &mut Vec<u8>,
         want: &mut [u8],
     ) -> anyhow::Result<(u64, u64, u64, u64)> {
         let pg = rng.u64(0..pages);
@@ -711,7 +708,7 @@ fn handler_over_thread(runs: &[RegionMigration]) -> Option<(f64, f64)> {
 /// checked against what was last written. Every `every` (if any) the donor holding the
 /// pages needs its memory and the other has room again. Returns (operations, swaps).
 fn paging(
-    pager: &Mutex<ClientPager>,
+    pager: &Shared,
     pages: u64,
     version: &mut [u8],
     donors: [&Donor; 2],
@@ -737,9 +734,9 @@ fn paging(
         if rng.u8(0..4) == 0 {
             version[pg as usize] = version[pg as usize].wrapping_add(1);
             page_content(SEED + u64::from(version[pg as usize]), pg, &mut buf);
-            lock(pager).write(pg, &buf)?;
+            pager.write_pages(&[pg], &buf)?;
         } else {
-            lock(pager).read(pg, &mut buf)?;
+            pager.read_pages(&[pg], &mut buf)?;
             page_content(seed, pg, &mut want);
             anyhow::ensure!(buf == want, "page {pg} read back wrong");
         }
@@ -805,11 +802,13 @@ pub fn run(opts: &Options) -> anyhow::Result<String> {
     // B gets room; the client's maintenance runs as every front end's does.
     b.set_available(ROOMY)?;
     b.wait_offer(pages, Duration::from_secs(60))?;
-    let pager = Arc::new(Mutex::new(p));
+    let pager = Arc::new(Shared::new(p));
     let maintenance = {
         let pager = pager.clone();
-        maintain::spawn(
-            move |f| f(&mut lock(&pager)),
+        let busy = pager.clone();
+        maintain::spawn_beside(
+            move |f| f(&mut pager.lock()),
+            move || busy.busy(),
             MaintainConfig {
                 probe_every: Duration::from_millis(100),
                 ..Default::default()
@@ -822,7 +821,7 @@ pub fn run(opts: &Options) -> anyhow::Result<String> {
     let mut want = vec![0u8; PAGE_SIZE];
     for start in (0..pages).step_by(64) {
         let batch: Vec<u64> = (start..(start + 64).min(pages)).collect();
-        lock(&pager).read_many(&batch, &mut buf[..batch.len() * PAGE_SIZE])?;
+        pager.read_pages(&batch, &mut buf)?;
         for (i, &pg) in batch.iter().enumerate() {
             page_content(SEED, pg, &mut want);
             anyhow::ensure!(
@@ -835,9 +834,9 @@ pub fn run(opts: &Options) -> anyhow::Result<String> {
     eprintln!("migration back, through the client ...");
     d.set_available(ROOMY)?;
     d.wait_offer(pages, Duration::from_secs(60))?;
-    lock(&pager).set_direct_migration(false);
+    pager.lock().set_direct_migration(false);
     let through = migration(&*pager, pages, &b, &d, phase)?;
-    lock(&pager).set_direct_migration(true);
+    pager.lock().set_direct_migration(true);
     anyhow::ensure!(
         through.pages_migrated_direct == 0,
         "pages went server to server with direct migration off"
@@ -852,7 +851,7 @@ pub fn run(opts: &Options) -> anyhow::Result<String> {
         let dur = Duration::from_secs(swap_min.max(3 * x));
         eprintln!("roles swapping every {x} s, {} s ...", dur.as_secs());
         let (before_m, before_d) = {
-            let p = lock(&pager);
+            let p = pager.lock();
             (
                 p.counters().pages_migrated,
                 p.counters().pages_migrated_to_disk,
@@ -868,7 +867,7 @@ pub fn run(opts: &Options) -> anyhow::Result<String> {
             dur,
         )?;
         let (after_m, after_d) = {
-            let p = lock(&pager);
+            let p = pager.lock();
             (
                 p.counters().pages_migrated,
                 p.counters().pages_migrated_to_disk,
@@ -877,7 +876,7 @@ pub fn run(opts: &Options) -> anyhow::Result<String> {
         // Both donors with room again, the pages settled where they are: the static run.
         donors[1 - holder].set_available(ROOMY)?;
         let settle = Instant::now();
-        while lock(&pager).pages_leaving() > 0 && settle.elapsed() < Duration::from_secs(60) {
+        while pager.lock().pages_leaving() > 0 && settle.elapsed() < Duration::from_secs(60) {
             std::thread::sleep(Duration::from_millis(50));
         }
         let (ops_static, _) = paging(&pager, pages, &mut version, donors, &mut holder, None, dur)?;
@@ -896,10 +895,7 @@ pub fn run(opts: &Options) -> anyhow::Result<String> {
     }
     drop(maintenance);
     let p = Arc::try_unwrap(pager).map_err(|_| anyhow::anyhow!("pager still shared"))?;
-    p.into_inner()
-        .unwrap_or_else(|e| e.into_inner())
-        .into_transport()
-        .close();
+    p.into_pager().into_transport().close();
     // The same moves under a region, its schedule run by its handler and by a thread.
     let region = region_migrations(&d, &b, opts.quick, &tmp, phase)?;
     let (rate_ratio, p99_ratio) =

@@ -146,9 +146,10 @@ pub fn run(args: NbdArgs) -> anyhow::Result<()> {
     })?;
     let device = Arc::new(Device::new(pager, bytes));
     let maintenance = {
-        let device = device.clone();
-        netram_client::maintain::spawn(
+        let (device, busy) = (device.clone(), device.clone());
+        netram_client::maintain::spawn_beside(
             move |f| device.with_pager(|p| f(p)),
+            move || busy.busy(),
             netram_client::maintain::MaintainConfig {
                 pages_per_s: args.recovery_rate,
                 ..Default::default()

@@ -10,7 +10,9 @@
 //!   the preload library and the C ABI read it);
 //! * [`maintain`]: the background thread that probes servers, reconnects them and runs
 //!   recovery at a bounded rate (Nswap §IV-B3);
-//! * [`pressure`]: locking memory and PR_SET_IO_FLUSHER for a process that serves swap.
+//! * [`pressure`]: locking memory and PR_SET_IO_FLUSHER for a process that serves swap;
+//! * [`shared`]: a pager shared by threads (the NBD device's connections, a program's), none
+//!   holding it across a round trip.
 //!
 //! Why the pager's own thread does the socket I/O (no async runtime, no hand-off): see
 //! `netram-server`'s crate documentation and `netram_net::latency`.
@@ -21,9 +23,11 @@ pub mod env;
 pub mod maintain;
 pub mod open;
 pub mod pressure;
+pub mod shared;
 pub mod tcp;
 
 pub use netram_net::latency;
 pub use netram_net::{Credentials, Security};
 pub use open::{open_pager, security, ClientPager, OpenError, OpenOptions, SecurityError};
+pub use shared::SharedPager;
 pub use tcp::{query_stats, ClientConfig, TcpTransport};

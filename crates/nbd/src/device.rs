@@ -9,14 +9,13 @@
 //!
 //! One pager serves every connection, behind one mutex: a FLUSH on any connection writes back
 //! the whole cache, which is what makes NBD multi-conn safe here. Reads, writes of whole
-//! pages, TRIM, CACHE and FLUSH do not hold it across a round trip (`inflight.rs`), and neither
+//! pages, TRIM, CACHE and FLUSH do not hold it across a round trip (`netram_client::shared`), and neither
 //! does a partial page's read-modify-write: its page is read into the cache by ticket first.
 
-use crate::inflight::{self, Inner};
+use netram_client::SharedPager;
 use netram_pager::{Disk, Pager, PagerError, Transport};
 use netram_proto::PAGE_SIZE;
 use std::collections::BTreeMap;
-use std::sync::Mutex;
 
 /// The largest request served; larger ones are refused with EINVAL (advertised as the maximum
 /// block size).
@@ -51,7 +50,7 @@ pub enum DeviceError {
 
 /// A block device of `size` bytes on the pages of one pager.
 pub struct Device<T: Transport, D: Disk> {
-    inner: Mutex<Inner<T, D>>,
+    inner: SharedPager<T, D>,
     size: u64,
 }
 
@@ -95,7 +94,7 @@ impl<T: Transport, D: Disk> Device<T, D> {
             "device larger than its pager"
         );
         Self {
-            inner: Mutex::new(Inner::new(pager)),
+            inner: SharedPager::new(pager),
             size,
         }
     }
@@ -104,33 +103,24 @@ impl<T: Transport, D: Disk> Device<T, D> {
         self.size
     }
 
-    /// The pager, under the device's lock (see `inflight::guard`).
+    /// The pager, under the device's lock.
     fn pager(&self) -> impl std::ops::DerefMut<Target = Pager<T, D>> + '_ {
-        struct Locked<'a, T: Transport, D: Disk>(std::sync::MutexGuard<'a, Inner<T, D>>);
-        impl<T: Transport, D: Disk> std::ops::Deref for Locked<'_, T, D> {
-            type Target = Pager<T, D>;
-            fn deref(&self) -> &Pager<T, D> {
-                &self.0.pager
-            }
-        }
-        impl<T: Transport, D: Disk> std::ops::DerefMut for Locked<'_, T, D> {
-            fn deref_mut(&mut self) -> &mut Pager<T, D> {
-                &mut self.0.pager
-            }
-        }
-        Locked(inflight::guard(&self.inner))
+        self.inner.lock()
     }
 
     pub fn into_pager(self) -> Pager<T, D> {
-        self.inner
-            .into_inner()
-            .unwrap_or_else(|p| p.into_inner())
-            .pager
+        self.inner.into_pager()
     }
 
     /// Runs `f` on the pager, e.g. to read its counters or close its sessions.
     pub fn with_pager<R>(&self, f: impl FnOnce(&mut Pager<T, D>) -> R) -> R {
         f(&mut self.pager())
+    }
+
+    /// Whether a connection's read or write is under way (`SharedPager::busy`): it takes in
+    /// the replies that come, whoever they are for.
+    pub fn busy(&self) -> bool {
+        self.inner.busy()
     }
 
     /// Reads `out.len()` bytes at `offset`.
@@ -166,11 +156,11 @@ impl<T: Transport, D: Disk> Device<T, D> {
         if aligned {
             // Whole pages, the kernel's and fio's case: straight into the caller's buffer.
             debug_assert_eq!(total, numbers.len() * PAGE_SIZE);
-            inflight::read_pages(&self.inner, &numbers, data)?;
+            self.inner.read_pages(&numbers, data)?;
             return Ok(());
         }
         let mut buf = Vec::new();
-        inflight::read_pages(&self.inner, &numbers, &mut buf)?;
+        self.inner.read_pages(&numbers, &mut buf)?;
         data.reserve(total);
         let parts = ranges.iter().flat_map(|&(o, l)| pages_of(o, u64::from(l)));
         for (i, (_, start, stop)) in parts.enumerate() {
@@ -185,7 +175,7 @@ impl<T: Transport, D: Disk> Device<T, D> {
     /// (a partial page from its current content, which must be at hand: in the cache) and goes
     /// to the pager as a write into the cache, or a discard if it is all zeros. Nothing holds
     /// the device across a round trip: a page waits for a slot or for its last write-back with
-    /// the lock let go (`inflight.rs`), and a partial page that is not at hand is read into
+    /// the lock let go (`netram_client::shared`), and a partial page that is not at hand is read into
     /// the cache by ticket without the lock, then taken up again. Its read and its write are
     /// in one hold, so that no other connection's write of the page comes in between. With
     /// `fua`, everything is on its backing before this returns.
@@ -224,7 +214,7 @@ impl<T: Transport, D: Disk> Device<T, D> {
                 .collect();
             self.bring_in(&partial)?;
             let mut missing = false;
-            inflight::drive(&self.inner, "writing", |pager, wait| {
+            self.inner.drive("writing", |pager, wait| {
                 // Runs of pages with data go to the pager together (one batch of sends), each
                 // made in the same hold that writes it; a page of zeros is discarded on its own.
                 // One page at most when waiting: then back to not waiting.
@@ -282,7 +272,7 @@ impl<T: Transport, D: Disk> Device<T, D> {
         }
         if fua {
             let written: Vec<u64> = plan.iter().map(|&(p, _)| p).collect();
-            inflight::flush(&self.inner, Some(&written))?;
+            self.inner.flush(Some(&written))?;
         }
         Ok(())
     }
@@ -295,13 +285,13 @@ impl<T: Transport, D: Disk> Device<T, D> {
             return Ok(());
         }
         let mut scratch = Vec::new();
-        inflight::read_pages(&self.inner, pages, &mut scratch)?;
+        self.inner.read_pages(pages, &mut scratch)?;
         Ok(())
     }
 
     /// The common case of [`Device::put_many`] without staging: writes of whole, aligned pages,
     /// no page written twice. Each run of non-zero pages goes to the pager straight from the
-    /// request's buffer, without holding the device across a round trip (`inflight.rs`).
+    /// request's buffer, without holding the device across a round trip (`netram_client::shared`).
     /// `None` if the writes are not of that kind.
     fn put_whole_pages(
         &self,
@@ -331,8 +321,7 @@ impl<T: Transport, D: Disk> Device<T, D> {
                     let page = &data[i * PAGE_SIZE..(i + 1) * PAGE_SIZE];
                     if page.iter().all(|&b| b == 0) {
                         if !numbers.is_empty() {
-                            inflight::write_pages(
-                                &self.inner,
+                            self.inner.write_pages(
                                 &numbers,
                                 &data[run_start * PAGE_SIZE..i * PAGE_SIZE],
                             )?;
@@ -345,11 +334,12 @@ impl<T: Transport, D: Disk> Device<T, D> {
                     }
                 }
                 if !numbers.is_empty() {
-                    inflight::write_pages(&self.inner, &numbers, &data[run_start * PAGE_SIZE..])?;
+                    self.inner
+                        .write_pages(&numbers, &data[run_start * PAGE_SIZE..])?;
                 }
             }
             if !zero_pages.is_empty() {
-                inflight::discard_pages(&self.inner, &zero_pages)?;
+                self.inner.discard_pages(&zero_pages)?;
             }
             if fua {
                 // Only this batch's pages need to be stored before it is answered.
@@ -357,7 +347,7 @@ impl<T: Transport, D: Disk> Device<T, D> {
                     .iter()
                     .flat_map(|&(offset, len, _)| offset / PAGE..(offset + len) / PAGE)
                     .collect();
-                inflight::flush(&self.inner, Some(&written))?;
+                self.inner.flush(Some(&written))?;
             }
             Ok(())
         })();
@@ -397,15 +387,15 @@ impl<T: Transport, D: Disk> Device<T, D> {
                 .filter(|&(_, start, stop)| stop - start == PAGE_SIZE)
                 .map(|(p, _, _)| p)
                 .collect();
-            inflight::discard_pages(&self.inner, &whole)?;
+            self.inner.discard_pages(&whole)?;
         }
         Ok(())
     }
 
     /// Writes every page dirty in the cache now to its backing and waits until all are
-    /// acknowledged, without holding the device across the round trips (`inflight::flush`).
+    /// acknowledged, without holding the device across the round trips (`SharedPager::flush`).
     pub fn flush(&self) -> Result<(), DeviceError> {
-        inflight::flush(&self.inner, None)?;
+        self.inner.flush(None)?;
         Ok(())
     }
 
@@ -415,7 +405,7 @@ impl<T: Transport, D: Disk> Device<T, D> {
         let mut scratch = Vec::new();
         for (o, l) in steps(offset, len) {
             let pages: Vec<u64> = pages_of(o, l).map(|(p, _, _)| p).collect();
-            inflight::read_pages(&self.inner, &pages, &mut scratch)?;
+            self.inner.read_pages(&pages, &mut scratch)?;
         }
         Ok(())
     }

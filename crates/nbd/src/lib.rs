@@ -6,9 +6,9 @@
 //! `netram nbd`, for the kernel's NBD client, nbdfuse, qemu or any NBD tool.
 //!
 //! * [`wire`]: the NBD protocol's bytes, I/O-free;
-//! * [`device`]: byte ranges over the pager (read-modify-write, discards, block status);
-//! * `inflight`: the reads and writes of several connections in flight together, none
-//!   holding the pager across a round trip;
+//! * [`device`]: byte ranges over the pager (read-modify-write, discards, block status), the
+//!   reads and writes of several connections in flight together through
+//!   `netram_client::SharedPager`, none holding the pager across a round trip;
 //! * [`server`]: the handshake and the transmission phase of one connection;
 //! * [`serve`]: the accept loop, one thread per connection, all sharing one device;
 //! * [`tls`]: NBD_OPT_STARTTLS, mutual TLS with the cluster's certificates on TCP;
@@ -25,7 +25,6 @@
 
 pub mod device;
 pub mod fuse;
-mod inflight;
 pub mod server;
 pub mod tls;
 pub mod wire;

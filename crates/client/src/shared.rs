@@ -1,6 +1,9 @@
-//! The device's reads and writes of several connections in flight together, none holding
-//! the pager across a round trip (Anemone §2.2: each request is served as its own, and the
-//! pipeline, not a lock held per request, hides the round trips).
+//! A pager shared by several threads, none holding it across a round trip (Anemone §2.2:
+//! each request is served as its own, and the pipeline, not a lock held per request, hides the
+//! round trips). The NBD device's connections read and write through it, and so does any
+//! program that reads and writes pages by number from several threads (the C ABI's users,
+//! `netram bench adapt`'s paging client); a maintenance thread ([`crate::maintain`]) takes the
+//! same lock for its ticks.
 //!
 //! A read takes the pager's lock, copies out what needs no I/O (cache and write-back hits,
 //! pages never written), starts reads by ticket for the misses (`netram_pager`'s `ticket.rs`)
@@ -24,24 +27,39 @@
 
 use netram_pager::{Disk, Pager, PagerError, Transport};
 use netram_proto::PAGE_SIZE;
-use rustix::event::{poll, PollFd, PollFlags, Timespec};
+use rustix::event::{eventfd, poll, EventfdFlags, PollFd, PollFlags, Timespec};
 use std::collections::HashMap;
-use std::os::fd::{BorrowedFd, RawFd};
-use std::sync::{Mutex, MutexGuard};
+use std::os::fd::{BorrowedFd, OwnedFd, RawFd};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 /// Bits of a ticket's tag that give the page's place in its read; the rest name the read.
 /// A read is at most a pipeline batch (16 MiB: 4,096 pages), far below this.
 const PLACE_BITS: u32 = 24;
 
-/// How long a waiting read sleeps before it looks again without a wake-up: a reply may have
-/// been read off the socket by another holder of the lock (a write waiting for a slot, the
-/// maintenance thread) and left among the pager's finished reads.
+/// How long a waiting read sleeps before it looks again without a wake-up: a reply may wait
+/// in a connection's buffer, read off the socket with another by a holder of the lock that
+/// waited for one only. (A reply another holder took in for this read wakes it: [`WAKE`].)
 const NAP: Duration = Duration::from_millis(5);
 
+thread_local! {
+    /// This thread's wake-up: an eventfd that another holder of the lock (the maintenance
+    /// thread's tick, another connection's write) writes to when it takes in the last page of
+    /// a read this thread waits for, so that the read does not sleep until [`NAP`] (it did:
+    /// the owner's read p99 during a migration was 3 ms in `netram bench adapt`). Held by
+    /// `Arc` in the read too, so that it stays open as long as anyone may write to it.
+    static WAKE: Option<Arc<OwnedFd>> =
+        eventfd(0, EventfdFlags::NONBLOCK | EventfdFlags::CLOEXEC).ok().map(Arc::new);
+}
+
+fn my_wake() -> Option<Arc<OwnedFd>> {
+    WAKE.with(Clone::clone)
+}
+
 /// The pager and the reads by ticket of every connection, behind the device's one lock.
-pub(crate) struct Inner<T: Transport, D: Disk> {
-    pub(crate) pager: Pager<T, D>,
+struct Inner<T: Transport, D: Disk> {
+    pager: Pager<T, D>,
     reads: HashMap<u64, Reading>,
     next: u64,
 }
@@ -54,10 +72,12 @@ struct Reading {
     out: Vec<u8>,
     left: usize,
     failed: Option<PagerError>,
+    /// Its thread's wake-up ([`WAKE`]).
+    wake: Option<Arc<OwnedFd>>,
 }
 
 impl<T: Transport, D: Disk> Inner<T, D> {
-    pub(crate) fn new(pager: Pager<T, D>) -> Self {
+    fn new(pager: Pager<T, D>) -> Self {
         Self {
             pager,
             reads: HashMap::new(),
@@ -69,6 +89,7 @@ impl<T: Transport, D: Disk> Inner<T, D> {
     /// given up on (its caller failed early) is dropped.
     fn route(&mut self) {
         let Self { pager, reads, .. } = self;
+        let mine = my_wake();
         let taken = pager.take_finished(|tag, _page, data| {
             let Some(r) = reads.get_mut(&(tag >> PLACE_BITS)) else {
                 return;
@@ -80,6 +101,14 @@ impl<T: Transport, D: Disk> Inner<T, D> {
                 Err(e) => {
                     r.failed.get_or_insert(e);
                 }
+            }
+            match &r.wake {
+                Some(w) if r.left == 0 && !mine.as_ref().is_some_and(|m| Arc::ptr_eq(m, w)) => {
+                    // Another thread's read is complete: it is woken. A failed write (the
+                    // counter full, which 2^64 wake-ups unread would take) leaves it to NAP.
+                    let _ = rustix::io::write(&**w, &1u64.to_ne_bytes());
+                }
+                _ => {}
             }
         });
         if let Err(e) = taken {
@@ -110,24 +139,156 @@ impl<T: Transport, D: Disk> Inner<T, D> {
     }
 }
 
-/// The device's lock. A panic while holding it is a bug in the pager; the data it guards would
+/// A pager behind one lock, for threads that read and write pages by number: none holds the
+/// lock across a round trip (see the module's documentation).
+pub struct SharedPager<T: Transport, D: Disk> {
+    lock: Mutex<Inner<T, D>>,
+    /// Reads and writes under way (see [`SharedPager::busy`]).
+    busy: AtomicUsize,
+}
+
+impl<T: Transport, D: Disk> std::fmt::Debug for SharedPager<T, D> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SharedPager").finish_non_exhaustive()
+    }
+}
+
+/// The pager under the lock, for a step that does not wait (a tick, a counter, a setting).
+/// When it is let go, the reads by ticket that the step finished (a tick takes in every reply
+/// that has come) go to the reads they belong to, and a read made complete wakes its thread.
+pub struct Locked<'a, T: Transport, D: Disk>(MutexGuard<'a, Inner<T, D>>);
+
+impl<T: Transport, D: Disk> Drop for Locked<'_, T, D> {
+    fn drop(&mut self) {
+        if !self.0.reads.is_empty() && self.0.pager.has_finished() {
+            self.0.route();
+        }
+    }
+}
+
+impl<T: Transport, D: Disk> std::fmt::Debug for Locked<'_, T, D> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Locked").finish_non_exhaustive()
+    }
+}
+
+impl<T: Transport, D: Disk> std::ops::Deref for Locked<'_, T, D> {
+    type Target = Pager<T, D>;
+    fn deref(&self) -> &Pager<T, D> {
+        &self.0.pager
+    }
+}
+
+impl<T: Transport, D: Disk> std::ops::DerefMut for Locked<'_, T, D> {
+    fn deref_mut(&mut self) -> &mut Pager<T, D> {
+        &mut self.0.pager
+    }
+}
+
+impl<T: Transport, D: Disk> SharedPager<T, D> {
+    pub fn new(pager: Pager<T, D>) -> Self {
+        Self {
+            lock: Mutex::new(Inner::new(pager)),
+            busy: AtomicUsize::new(0),
+        }
+    }
+
+    /// The pager, under the lock. An operation that waits for replies (`Pager::read_many`,
+    /// `Pager::write_many`) run through it holds every other thread off until its replies
+    /// are in: use the methods below instead.
+    pub fn lock(&self) -> Locked<'_, T, D> {
+        guard(&self.lock)
+    }
+
+    pub fn into_pager(self) -> Pager<T, D> {
+        self.lock
+            .into_inner()
+            .unwrap_or_else(|p| p.into_inner())
+            .pager
+    }
+
+    /// Reads `pages` into `out` (resized to PAGE_SIZE bytes each), holding the lock only while
+    /// the reads start and while replies are taken in.
+    pub fn read_pages(&self, pages: &[u64], out: &mut Vec<u8>) -> Result<(), PagerError> {
+        let _busy = Busy::new(&self.busy);
+        read_pages(&self.lock, pages, out)
+    }
+
+    /// Whether a read, write, discard or flush is under way. Each takes in the replies that
+    /// come while it waits, whoever they are for (a move's, recovery's), and sends what they
+    /// let go: a maintenance thread then need not wake for replies too, and race it for them
+    /// (`crate::maintain::spawn_beside`).
+    pub fn busy(&self) -> bool {
+        self.busy.load(Ordering::Relaxed) > 0
+    }
+
+    /// Writes whole pages (PAGE_SIZE bytes each of `data`), in order, into the pager's cache;
+    /// the pages they evict leave as credits allow. Waits, without the lock, only for a slot.
+    pub fn write_pages(&self, pages: &[u64], data: &[u8]) -> Result<(), PagerError> {
+        let _busy = Busy::new(&self.busy);
+        write_pages(&self.lock, pages, data)
+    }
+
+    /// Discards `pages` (`Pager::discard_many`), without the lock while a page's last
+    /// write-back is in flight.
+    pub fn discard_pages(&self, pages: &[u64]) -> Result<(), PagerError> {
+        let _busy = Busy::new(&self.busy);
+        discard_pages(&self.lock, pages)
+    }
+
+    /// Writes back the dirty pages (only those of `only`, if given) and waits for their
+    /// acknowledgements, without the lock between steps.
+    pub fn flush(&self, only: Option<&[u64]>) -> Result<(), PagerError> {
+        let _busy = Busy::new(&self.busy);
+        flush(&self.lock, only)
+    }
+
+    /// Runs an operation in steps that do not wait (see [`drive`]): `step(pager, false)`
+    /// until it returns true, with the lock let go while replies come in; `step(pager, true)`
+    /// may wait, and is called only when nothing in flight could move the operation on.
+    pub fn drive(
+        &self,
+        what: &str,
+        step: impl FnMut(&mut Pager<T, D>, bool) -> Result<bool, PagerError>,
+    ) -> Result<(), PagerError> {
+        let _busy = Busy::new(&self.busy);
+        drive(&self.lock, what, step)
+    }
+}
+
+/// One operation of [`SharedPager::busy`], for as long as it lives.
+struct Busy<'a>(&'a AtomicUsize);
+
+impl<'a> Busy<'a> {
+    fn new(n: &'a AtomicUsize) -> Self {
+        n.fetch_add(1, Ordering::Relaxed);
+        Self(n)
+    }
+}
+
+impl Drop for Busy<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// The lock. A panic while holding it is a bug in the pager; the data it guards would
 /// be as broken after it as before, so carrying on is no worse.
-pub(crate) fn guard<T: Transport, D: Disk>(
-    lock: &Mutex<Inner<T, D>>,
-) -> MutexGuard<'_, Inner<T, D>> {
-    lock.lock().unwrap_or_else(|p| p.into_inner())
+fn guard<T: Transport, D: Disk>(lock: &Mutex<Inner<T, D>>) -> Locked<'_, T, D> {
+    Locked(lock.lock().unwrap_or_else(|p| p.into_inner()))
 }
 
 /// Reads `pages` into `out` (PAGE_SIZE bytes each) through the pager behind `lock`, holding
 /// the lock only while it starts reads and takes in replies.
-pub(crate) fn read_pages<T: Transport, D: Disk>(
+fn read_pages<T: Transport, D: Disk>(
     lock: &Mutex<Inner<T, D>>,
     pages: &[u64],
     out: &mut Vec<u8>,
 ) -> Result<(), PagerError> {
     out.resize(pages.len() * PAGE_SIZE, 0);
     let id = {
-        let mut inner = guard(lock);
+        let mut locked = guard(lock);
+        let inner = &mut *locked.0;
         let mut misses = Vec::new();
         for (place, &page) in pages.iter().enumerate() {
             let dst = &mut out[place * PAGE_SIZE..(place + 1) * PAGE_SIZE];
@@ -149,13 +310,13 @@ pub(crate) fn read_pages<T: Transport, D: Disk>(
                 out: std::mem::take(out),
                 left,
                 failed: None,
+                wake: my_wake(),
             },
         );
         id
     };
     let result = wait(lock, id);
-    let mut inner = guard(lock);
-    let r = inner.reads.remove(&id).expect("a read in flight");
+    let r = guard(lock).0.reads.remove(&id).expect("a read in flight");
     *out = r.out;
     // Its tickets still out, if it failed early, finish into nothing (see `Inner::route`).
     result.and(r.failed.map_or(Ok(()), Err))
@@ -167,7 +328,8 @@ fn wait<T: Transport, D: Disk>(lock: &Mutex<Inner<T, D>>, id: u64) -> Result<(),
     let mut readable: Vec<usize> = Vec::new();
     loop {
         {
-            let mut inner = guard(lock);
+            let mut locked = guard(lock);
+            let inner = &mut *locked.0;
             // Only the connections poll found readable are read: one recv each, none spent
             // on a server whose reply has not come (the first round, for reads not started
             // yet, reads none). A reply another holder of the lock read off a socket is among
@@ -210,10 +372,14 @@ fn poll_fds(fds: &[(usize, RawFd)]) -> Vec<PollFd<'static>> {
         .collect()
 }
 
-/// Sleeps until a connection in `fds` (with its server) is readable or [`NAP`] has passed,
-/// and adds the servers to read to `readable`.
+/// Sleeps until a connection in `fds` (with its server) is readable, this thread is woken
+/// ([`WAKE`]) or [`NAP`] has passed, and adds the servers to read to `readable`.
 fn nap(fds: &[(usize, RawFd)], readable: &mut Vec<usize>) {
+    let wake = my_wake();
     let mut polled = poll_fds(fds);
+    if let Some(w) = &wake {
+        polled.push(PollFd::new(&**w, PollFlags::IN));
+    }
     let nap = Timespec {
         tv_sec: 0,
         tv_nsec: NAP.as_nanos() as i64,
@@ -225,13 +391,22 @@ fn nap(fds: &[(usize, RawFd)], readable: &mut Vec<usize>) {
             // partial page's read-modify-write, a FLUSH). Every connection is looked at.
             readable.extend(fds.iter().map(|&(s, _)| s));
         }
-        Ok(_) => readable.extend(
-            polled
-                .iter()
-                .zip(fds)
-                .filter(|(p, _)| !p.revents().is_empty())
-                .map(|(_, &(s, _))| s),
-        ),
+        Ok(_) => {
+            if let Some(w) = &wake {
+                if polled.last().is_some_and(|p| !p.revents().is_empty()) {
+                    // Taken: the next wake-up is for a later read of this thread.
+                    let mut count = [0u8; 8];
+                    let _ = rustix::io::read(&**w, &mut count);
+                }
+            }
+            readable.extend(
+                polled
+                    .iter()
+                    .zip(fds)
+                    .filter(|(p, _)| !p.revents().is_empty())
+                    .map(|(_, &(s, _))| s),
+            )
+        }
         Err(rustix::io::Errno::INTR) => {}
         Err(e) => tracing::debug!("poll while waiting for replies: {e}"),
     }
@@ -271,7 +446,7 @@ fn take_in<T: Transport, D: Disk>(pager: &mut Pager<T, D>) {
 /// victim's page waits in a stripe or group not sealed yet), one step is done the waiting way
 /// instead (`step(pager, true)`), as every operation was before. A server that hangs is failed
 /// by the pager's reply timeout (`Pager::expire`), and what it held goes elsewhere.
-pub(crate) fn drive<T: Transport, D: Disk>(
+fn drive<T: Transport, D: Disk>(
     lock: &Mutex<Inner<T, D>>,
     what: &str,
     mut step: impl FnMut(&mut Pager<T, D>, bool) -> Result<bool, PagerError>,
@@ -286,24 +461,24 @@ pub(crate) fn drive<T: Transport, D: Disk>(
                 // Acknowledgements that came since the last operation return credits, so
                 // that requests queued behind them go now (none queued: they wait until an
                 // operation runs out of room, one `poll` each saved).
-                if inner.pager.sends_waiting() {
-                    take_in(&mut inner.pager);
+                if inner.sends_waiting() {
+                    take_in(&mut inner);
                 }
-            } else if let Err(e) = inner.pager.poll_from(readable.drain(..)) {
+            } else if let Err(e) = inner.poll_from(readable.drain(..)) {
                 tracing::debug!("while {what}: {e}");
             }
-            if step(&mut inner.pager, false)? {
+            if step(&mut *inner, false)? {
                 return Ok(());
             }
             fds.clear();
-            inner.pager.reply_fds_by_server(&mut fds);
+            inner.reply_fds_by_server(&mut fds);
             if fds.is_empty() {
-                if step(&mut inner.pager, true)? {
+                if step(&mut *inner, true)? {
                     return Ok(());
                 }
                 continue;
             }
-            inner.pager.expire(netram_pager::real_time_us());
+            inner.expire(netram_pager::real_time_us());
         }
         nap(&fds, &mut readable);
     }
@@ -313,7 +488,7 @@ pub(crate) fn drive<T: Transport, D: Disk>(
 /// `lock`, holding the lock only while the pager takes them (`Pager::try_write_many`: into
 /// the cache, evicted pages queued for write-back, nothing waited for). When the pager has no
 /// slot free, the lock is let go while replies come in.
-pub(crate) fn write_pages<T: Transport, D: Disk>(
+fn write_pages<T: Transport, D: Disk>(
     lock: &Mutex<Inner<T, D>>,
     pages: &[u64],
     data: &[u8],
@@ -334,7 +509,7 @@ pub(crate) fn write_pages<T: Transport, D: Disk>(
 
 /// Discards `pages` (see `Pager::discard_many`) through the pager behind `lock`, letting the
 /// lock go while a page's last write-back, which a discard must not overtake, is in flight.
-pub(crate) fn discard_pages<T: Transport, D: Disk>(
+fn discard_pages<T: Transport, D: Disk>(
     lock: &Mutex<Inner<T, D>>,
     pages: &[u64],
 ) -> Result<(), PagerError> {
@@ -356,15 +531,15 @@ pub(crate) fn discard_pages<T: Transport, D: Disk>(
 /// with FUA), seals what its scheme keeps open and waits for the acknowledgements, without the
 /// lock between steps (`Pager::try_flush`). When nothing is in flight that could move it on,
 /// the whole cache is flushed the waiting way, which covers the pages of `only` too.
-pub(crate) fn flush<T: Transport, D: Disk>(
+fn flush<T: Transport, D: Disk>(
     lock: &Mutex<Inner<T, D>>,
     only: Option<&[u64]>,
 ) -> Result<(), PagerError> {
     let mut flush = {
         let inner = guard(lock);
         match only {
-            Some(pages) => inner.pager.start_flush_of(pages),
-            None => inner.pager.start_flush(),
+            Some(pages) => inner.start_flush_of(pages),
+            None => inner.start_flush(),
         }
     };
     drive(lock, "flushing", |pager, wait| {
