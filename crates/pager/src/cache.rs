@@ -162,6 +162,31 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         }
     }
 
+    /// A slot for a read by ticket, without waiting where that can be: a free one; else the
+    /// least recently used cached page's, if it is clean; else, while the pool has grown by
+    /// less than [`Pager::spare_slots_max`], a new one. (A dirty victim's slot is free only
+    /// once its write-back is acknowledged, which [`Pager::take_slot`] waits for: a read
+    /// started when nothing was in flight and the cache was all dirty waited for a PUT.)
+    /// Beyond that it waits as [`Pager::take_slot_for_read`] does; callers that keep their
+    /// tickets within [`Pager::read_room`] do not get there.
+    pub(crate) fn take_slot_for_ticket(&mut self) -> Result<u32, PagerError> {
+        if let Some(s) = self.free_slots.pop() {
+            return Ok(s);
+        }
+        if let Some((_, &slot)) = self.cache.peek_lru() {
+            if !self.dirty[slot as usize] {
+                self.cache.pop_lru();
+                self.counters.evictions_clean += 1;
+                self.release_slot(slot);
+                return Ok(self.free_slots.pop().expect("released above"));
+            }
+        }
+        if self.spare_slots < self.spare_slots_max() {
+            return Ok(self.grow_slot());
+        }
+        self.take_slot_for_read(&mut [])
+    }
+
     pub(crate) fn release_slot(&mut self, slot: u32) {
         debug_assert!(
             !self.free_slots.contains(&slot),

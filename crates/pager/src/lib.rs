@@ -687,13 +687,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                 let slot = if free {
                     self.free_slots.pop().expect("counted above")
                 } else {
-                    self.counters.slots_grown += 1;
-                    self.spare_slots += 1;
-                    let slot = self.dirty.len() as u32;
-                    self.slots.resize(self.slots.len() + PAGE_SIZE, 0);
-                    self.dirty.push(false);
-                    self.sealed.push(false);
-                    slot
+                    self.grow_slot()
                 };
                 self.cache.put(page, slot);
                 slot
@@ -708,7 +702,18 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         evicted
     }
 
-    /// Pages [`Pager::write_over_budget`] may add to the slot pool at most: the cache's
+    /// One more slot in the pool, for good (see [`Pager::spare_slots_max`]).
+    pub(crate) fn grow_slot(&mut self) -> u32 {
+        self.counters.slots_grown += 1;
+        self.spare_slots += 1;
+        let slot = self.dirty.len() as u32;
+        self.slots.resize(self.slots.len() + PAGE_SIZE, 0);
+        self.dirty.push(false);
+        self.sealed.push(false);
+        slot
+    }
+
+    /// Pages [`Pager::write_over_budget`] and reads by ticket may add to the slot pool at most: the cache's
     /// and the staging slots' worth again.
     pub fn spare_slots_max(&self) -> usize {
         self.cfg.cache_pages + self.staging

@@ -50,8 +50,9 @@ impl<T: Transport, D: Disk> Pager<T, D> {
     /// Starts reading `page`; its result is given to [`Pager::take_finished`] under `tag`
     /// (below 2^62), once, however it ends. Never waits for the network: a page in the cache,
     /// never written, or only on the local disk finishes at once; one on a server waits for
-    /// its reply, which any later call that reads replies takes in. Waits only when no slot is
-    /// free for it (every slot is in flight): a caller keeps its tickets in flight bounded.
+    /// its reply, which any later call that reads replies takes in. With no slot free it takes
+    /// a clean cached page's, else grows the pool by one (up to [`Pager::spare_slots_max`]);
+    /// it waits only beyond that: a caller keeps its tickets in flight bounded.
     pub fn start_read(&mut self, page: u64, tag: u64) -> Result<(), PagerError> {
         assert!(tag < TICKET as u64, "a ticket's tag is below 2^62");
         self.check(page)?;
@@ -73,7 +74,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         let mut held = slot;
         let mut take = |p: &mut Self| match held.take() {
             Some(s) => Ok(s),
-            None => p.take_slot_for_read(&mut []),
+            None => p.take_slot_for_ticket(),
         };
         let started = self.start_ticket_with(page, tag, &mut take);
         if let Some(s) = held {

@@ -629,3 +629,46 @@ fn taking_a_finished_read_never_waits_for_the_credits_its_eviction_needs() {
     }
     p.check_invariants().unwrap();
 }
+
+/// A read by ticket started when nothing is in flight, no slot is free and the cache holds
+/// only dirty pages grows the slot pool by one rather than write a victim back and wait for
+/// its acknowledgement (it did).
+#[test]
+fn a_read_by_ticket_with_every_slot_dirty_or_held_does_not_wait() {
+    let mut p = pager(MemCluster::new(&[64, 64]), 64, 8, Backing::Cluster);
+    // Pages 0..8 on the servers, then 8 dirty pages in the cache.
+    for pg in 0..8u64 {
+        p.write(pg, &content(pg, 1)).unwrap();
+    }
+    p.flush().unwrap();
+    for pg in 20..28u64 {
+        p.write(pg, &content(pg, 2)).unwrap();
+    }
+    p.drain().unwrap();
+    assert!(p.idle());
+    assert!(p.cache.iter().all(|(_, &slot)| p.dirty[slot as usize]));
+    // Every free slot held by a finished read not taken yet (cache hits hold a copy).
+    let mut tag = 0;
+    while !p.free_slots.is_empty() {
+        p.start_read(20 + tag % 8, tag).unwrap();
+        tag += 1;
+    }
+    let (waits, grown) = (p.counters().waits, p.counters().slots_grown);
+    p.start_read(3, 100).unwrap();
+    p.check_invariants().unwrap();
+    assert_eq!(p.counters().waits, waits, "the read waited for a reply");
+    assert_eq!(p.counters().slots_grown, grown + 1);
+    p.send_queued();
+    let mut got = None;
+    while got.is_none() {
+        assert!(p.poll().unwrap() > 0 || p.has_finished(), "stuck");
+        p.take_finished(|t, page, data| {
+            if t == 100 {
+                got = Some((page, data.unwrap().to_vec()));
+            }
+        })
+        .unwrap();
+    }
+    assert_eq!(got, Some((3, content(3, 1))));
+    p.check_invariants().unwrap();
+}
