@@ -62,6 +62,12 @@ struct Inner<T: Transport, D: Disk> {
     pager: Pager<T, D>,
     reads: HashMap<u64, Reading>,
     next: u64,
+    /// The waiting read whose thread watches the page servers' connections; the others sleep
+    /// on their own wake-up ([`WAKE`]) until a holder of the lock completes their read or
+    /// hands them this role. One thread woken per reply, not one per waiting read: with four
+    /// connections' reads waiting, each reply woke four threads, which then queued for the
+    /// lock (leader and followers, as in Schmidt's pattern).
+    leader: Option<u64>,
 }
 
 /// One caller's read in flight: where its pages go and how many are still out.
@@ -82,6 +88,7 @@ impl<T: Transport, D: Disk> Inner<T, D> {
             pager,
             reads: HashMap::new(),
             next: 0,
+            leader: None,
         }
     }
 
@@ -118,6 +125,22 @@ impl<T: Transport, D: Disk> Inner<T, D> {
         }
         // What keeping the pages evicted goes out now, not at the next reply.
         pager.send_queued();
+    }
+
+    /// When the reading thread that watched the connections leaves with no one in its role:
+    /// another waiting read's thread is woken to take it.
+    fn hand_lead(&self, from: u64) {
+        if self.leader.is_some() {
+            return;
+        }
+        let next = self
+            .reads
+            .iter()
+            .find(|&(&id, r)| id != from && r.left > 0 && r.wake.is_some());
+        if let Some((_, r)) = next {
+            let w = r.wake.as_ref().expect("filtered above");
+            let _ = rustix::io::write(&**w, &1u64.to_ne_bytes());
+        }
     }
 
     /// Starts as many of read `id`'s pages as the pager has slots for without waiting (one
@@ -327,9 +350,15 @@ fn wait<T: Transport, D: Disk>(lock: &Mutex<Inner<T, D>>, id: u64) -> Result<(),
     let mut fds: Vec<(usize, RawFd)> = Vec::new();
     let mut readable: Vec<usize> = Vec::new();
     loop {
+        let lead;
         {
             let mut locked = guard(lock);
             let inner = &mut *locked.0;
+            // The role of watching the connections is taken again at each round, by whoever
+            // finds it free (see `Inner::leader`).
+            if inner.leader == Some(id) {
+                inner.leader = None;
+            }
             // Only the connections poll found readable are read: one recv each, none spent
             // on a server whose reply has not come (the first round, for reads not started
             // yet, reads none). A reply another holder of the lock read off a socket is among
@@ -341,8 +370,10 @@ fn wait<T: Transport, D: Disk>(lock: &Mutex<Inner<T, D>>, id: u64) -> Result<(),
             inner.start(id)?;
             let r = &inner.reads[&id];
             if r.left == 0 {
+                inner.hand_lead(id);
                 return Ok(());
             }
+            let no_wake = r.wake.is_none();
             fds.clear();
             inner.pager.reply_fds_by_server(&mut fds);
             // Nothing to wait on (a transport in memory, or only degraded reads left, which
@@ -354,8 +385,19 @@ fn wait<T: Transport, D: Disk>(lock: &Mutex<Inner<T, D>>, id: u64) -> Result<(),
             // A server that hangs is failed by the pager's reply timeout, and the reads it
             // held go to another copy, without waiting for it under the lock.
             inner.pager.expire(netram_pager::real_time_us());
+            // Without a wake-up of its own (no eventfd to be had) a read watches the
+            // connections itself, as every read did before.
+            lead = inner.leader.is_none() || no_wake;
+            if lead && !no_wake {
+                inner.leader = Some(id);
+            }
         }
-        nap(&fds, &mut readable);
+        if lead {
+            nap(&fds, &mut readable);
+        } else {
+            // Woken when its read is complete or the role is handed over, or after NAP.
+            nap(&[], &mut readable);
+        }
     }
 }
 
