@@ -57,6 +57,12 @@ fn my_wake() -> Option<Arc<OwnedFd>> {
     WAKE.with(Clone::clone)
 }
 
+/// Wakes the thread whose [`WAKE`] `w` is. A failed write (the counter full, which 2^64
+/// wake-ups unread would take) leaves it to [`NAP`].
+fn wake(w: &OwnedFd) {
+    let _ = rustix::io::write(w, &1u64.to_ne_bytes());
+}
+
 /// The pager and the reads by ticket of every connection, behind the device's one lock.
 struct Inner<T: Transport, D: Disk> {
     pager: Pager<T, D>,
@@ -111,9 +117,8 @@ impl<T: Transport, D: Disk> Inner<T, D> {
             }
             match &r.wake {
                 Some(w) if r.left == 0 && !mine.as_ref().is_some_and(|m| Arc::ptr_eq(m, w)) => {
-                    // Another thread's read is complete: it is woken. A failed write (the
-                    // counter full, which 2^64 wake-ups unread would take) leaves it to NAP.
-                    let _ = rustix::io::write(&**w, &1u64.to_ne_bytes());
+                    // Another thread's read is complete: it is woken.
+                    wake(w);
                 }
                 _ => {}
             }
@@ -139,7 +144,7 @@ impl<T: Transport, D: Disk> Inner<T, D> {
             .find(|&(&id, r)| id != from && r.left > 0 && r.wake.is_some());
         if let Some((_, r)) = next {
             let w = r.wake.as_ref().expect("filtered above");
-            let _ = rustix::io::write(&**w, &1u64.to_ne_bytes());
+            wake(w);
         }
     }
 
