@@ -1193,6 +1193,14 @@ fn the_local_users_multi_conn_clients_are_served_and_aborted_ones_do_not_count()
         c.request(0, 1, i as u64, off, 4096, &[i as u8 + 1; 4096]);
         assert_eq!(c.simple_reply(0).1, 0, "write on connection {i}");
     }
+    // Established connections are served by one loop, not a thread each (there were 40+).
+    let threads = std::fs::read_dir(format!("/proc/{}/task", nbd.child.id()))
+        .unwrap()
+        .count();
+    assert!(
+        threads < 16,
+        "netram nbd runs {threads} threads for 40 established connections"
+    );
     // Eight more fill the limit; the next is refused with NBD_REP_ERR_POLICY, saying why.
     conns.extend(open(8));
     let mut extra = RawClient::connect(&nbd.socket);

@@ -29,9 +29,12 @@ use netram_pager::{Disk, Pager, PagerError, Transport};
 use netram_proto::PAGE_SIZE;
 use rustix::event::{eventfd, poll, EventfdFlags, PollFd, PollFlags, Timespec};
 use std::collections::HashMap;
+use std::future::Future;
 use std::os::fd::{BorrowedFd, OwnedFd, RawFd};
+use std::pin::Pin;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
 /// Bits of a ticket's tag that give the page's place in its read; the rest name the read.
@@ -74,6 +77,9 @@ struct Inner<T: Transport, D: Disk> {
     /// connections' reads waiting, each reply woke four threads, which then queued for the
     /// lock (leader and followers, as in Schmidt's pattern).
     leader: Option<u64>,
+    /// Operations of an event loop waiting for any progress (a slot, a credit, an
+    /// acknowledgement: [`SharedPager::drive_async`]), woken whenever replies are taken in.
+    progress: Vec<Waker>,
 }
 
 /// One caller's read in flight: where its pages go and how many are still out.
@@ -84,8 +90,10 @@ struct Reading {
     out: Vec<u8>,
     left: usize,
     failed: Option<PagerError>,
-    /// Its thread's wake-up ([`WAKE`]).
+    /// Its thread's wake-up ([`WAKE`]), for a thread that waits.
     wake: Option<Arc<OwnedFd>>,
+    /// Its task's, for a read of an event loop ([`SharedPager::read_pages_async`]).
+    waker: Option<Waker>,
 }
 
 impl<T: Transport, D: Disk> Inner<T, D> {
@@ -95,6 +103,14 @@ impl<T: Transport, D: Disk> Inner<T, D> {
             reads: HashMap::new(),
             next: 0,
             leader: None,
+            progress: Vec::new(),
+        }
+    }
+
+    /// Wakes the event loop's operations waiting for progress (see `progress`).
+    fn wake_progress(&mut self) {
+        for w in self.progress.drain(..) {
+            w.wake();
         }
     }
 
@@ -113,6 +129,11 @@ impl<T: Transport, D: Disk> Inner<T, D> {
                 Ok(d) => r.out[place * PAGE_SIZE..(place + 1) * PAGE_SIZE].copy_from_slice(d),
                 Err(e) => {
                     r.failed.get_or_insert(e);
+                }
+            }
+            if r.left == 0 {
+                if let Some(w) = r.waker.take() {
+                    w.wake();
                 }
             }
             match &r.wake {
@@ -191,6 +212,9 @@ impl<T: Transport, D: Disk> Drop for Locked<'_, T, D> {
         if !self.0.reads.is_empty() && self.0.pager.has_finished() {
             self.0.route();
         }
+        // (Operations of an event loop waiting for progress are not woken here: each step of
+        // theirs holds the lock too, and two of them would wake each other for ever. The
+        // loop looks at the servers' connections again after its nap.)
     }
 }
 
@@ -285,7 +309,8 @@ impl<T: Transport, D: Disk> SharedPager<T, D> {
 }
 
 /// One operation of [`SharedPager::busy`], for as long as it lives.
-struct Busy<'a>(&'a AtomicUsize);
+#[derive(Debug)]
+pub struct Busy<'a>(&'a AtomicUsize);
 
 impl<'a> Busy<'a> {
     fn new(n: &'a AtomicUsize) -> Self {
@@ -339,6 +364,7 @@ fn read_pages<T: Transport, D: Disk>(
                 left,
                 failed: None,
                 wake: my_wake(),
+                waker: None,
             },
         );
         id
@@ -531,17 +557,16 @@ fn drive<T: Transport, D: Disk>(
     }
 }
 
-/// Writes `pages` from `data` (PAGE_SIZE bytes each), in order, through the pager behind
-/// `lock`, holding the lock only while the pager takes them (`Pager::try_write_many`: into
-/// the cache, evicted pages queued for write-back, nothing waited for). When the pager has no
-/// slot free, the lock is let go while replies come in.
-fn write_pages<T: Transport, D: Disk>(
-    lock: &Mutex<Inner<T, D>>,
-    pages: &[u64],
-    data: &[u8],
-) -> Result<(), PagerError> {
+/// The step of a write of `pages` from `data` (PAGE_SIZE bytes each), in order, for
+/// [`drive`]: the pager takes what it has room for without waiting (`Pager::try_write_many`:
+/// into the cache, evicted pages queued for write-back); with no slot free the operation lets
+/// the lock go while replies come in.
+fn write_step<'a, T: Transport, D: Disk>(
+    pages: &'a [u64],
+    data: &'a [u8],
+) -> impl FnMut(&mut Pager<T, D>, bool) -> Result<bool, PagerError> + 'a {
     let mut done = 0;
-    drive(lock, "writing", |pager, wait| {
+    move |pager, wait| {
         let n = if wait {
             let at = done * PAGE_SIZE;
             pager.write_many(&pages[done..done + 1], &data[at..at + PAGE_SIZE])?;
@@ -551,17 +576,17 @@ fn write_pages<T: Transport, D: Disk>(
         };
         done += n;
         Ok(done == pages.len())
-    })
+    }
 }
 
-/// Discards `pages` (see `Pager::discard_many`) through the pager behind `lock`, letting the
-/// lock go while a page's last write-back, which a discard must not overtake, is in flight.
-fn discard_pages<T: Transport, D: Disk>(
-    lock: &Mutex<Inner<T, D>>,
-    pages: &[u64],
-) -> Result<(), PagerError> {
+/// The step of a discard of `pages` (see `Pager::discard_many`) for [`drive`]: a page whose
+/// last write-back, which a discard must not overtake, is in flight lets the lock go until it
+/// is acknowledged.
+fn discard_step<'a, T: Transport, D: Disk>(
+    pages: &'a [u64],
+) -> impl FnMut(&mut Pager<T, D>, bool) -> Result<bool, PagerError> + 'a {
     let mut done = 0;
-    drive(lock, "discarding", |pager, wait| {
+    move |pager, wait| {
         if wait {
             pager.discard_many(&pages[done..done + 1])?;
             done += 1;
@@ -571,29 +596,287 @@ fn discard_pages<T: Transport, D: Disk>(
         }
         pager.send_queued();
         Ok(done == pages.len())
-    })
+    }
 }
 
-/// Writes back every page dirty in the pager's cache now (or only those of `only`: a write
-/// with FUA), seals what its scheme keeps open and waits for the acknowledgements, without the
-/// lock between steps (`Pager::try_flush`). When nothing is in flight that could move it on,
-/// the whole cache is flushed the waiting way, which covers the pages of `only` too.
-fn flush<T: Transport, D: Disk>(
-    lock: &Mutex<Inner<T, D>>,
+/// The step of a flush for [`drive`]: writes back every page dirty in the pager's cache now
+/// (or only those of `only`: a write with FUA), seals what its scheme keeps open and ends when
+/// the acknowledgements are in (`Pager::try_flush`). When nothing is in flight that could move
+/// it on, the whole cache is flushed the waiting way, which covers the pages of `only` too.
+fn flush_step<T: Transport, D: Disk>(
+    pager: &Pager<T, D>,
     only: Option<&[u64]>,
-) -> Result<(), PagerError> {
-    let mut flush = {
-        let inner = guard(lock);
-        match only {
-            Some(pages) => inner.start_flush_of(pages),
-            None => inner.start_flush(),
-        }
+) -> impl FnMut(&mut Pager<T, D>, bool) -> Result<bool, PagerError> {
+    let mut flush = match only {
+        Some(pages) => pager.start_flush_of(pages),
+        None => pager.start_flush(),
     };
-    drive(lock, "flushing", |pager, wait| {
+    move |pager, wait| {
         if wait {
             pager.flush()?;
             return Ok(true);
         }
         pager.try_flush(&mut flush)
-    })
+    }
+}
+
+/// Writes `pages` from `data` through the pager behind `lock` ([`write_step`]).
+fn write_pages<T: Transport, D: Disk>(
+    lock: &Mutex<Inner<T, D>>,
+    pages: &[u64],
+    data: &[u8],
+) -> Result<(), PagerError> {
+    drive(lock, "writing", write_step(pages, data))
+}
+
+/// Discards `pages` through the pager behind `lock` ([`discard_step`]).
+fn discard_pages<T: Transport, D: Disk>(
+    lock: &Mutex<Inner<T, D>>,
+    pages: &[u64],
+) -> Result<(), PagerError> {
+    drive(lock, "discarding", discard_step(pages))
+}
+
+/// Flushes the pager behind `lock` ([`flush_step`]), without the lock between steps.
+fn flush<T: Transport, D: Disk>(
+    lock: &Mutex<Inner<T, D>>,
+    only: Option<&[u64]>,
+) -> Result<(), PagerError> {
+    let step = flush_step(&guard(lock), only);
+    drive(lock, "flushing", step)
+}
+
+// ---------------------------------------------------------------------------------------------
+// The same operations for one event loop that serves many requests at once (the NBD server's
+// transmission loop): nothing here waits. A read or a step that cannot go on returns
+// `Poll::Pending` with its task's waker kept; taking replies in (the loop's
+// [`SharedPager::take_in_from`], or any holder of the lock, as a maintenance tick) wakes the
+// reads it finished and every operation waiting for progress. The loop, not the operation,
+// watches the page servers' connections ([`SharedPager::reply_fds`]).
+
+/// A read of an event loop's operation ([`SharedPager::read_pages_async`]).
+struct ReadPages<'a, T: Transport, D: Disk> {
+    lock: &'a Mutex<Inner<T, D>>,
+    pages: &'a [u64],
+    out: &'a mut Vec<u8>,
+    /// Its read by ticket, once one was needed.
+    id: Option<u64>,
+}
+
+impl<T: Transport, D: Disk> ReadPages<'_, T, D> {
+    /// Copies out what needs no I/O and registers the misses as a read by ticket (`None`: no
+    /// miss, the read is done).
+    fn begin(&mut self, inner: &mut Inner<T, D>) -> Result<Option<u64>, PagerError> {
+        self.out.resize(self.pages.len() * PAGE_SIZE, 0);
+        let mut misses = Vec::new();
+        for (place, &page) in self.pages.iter().enumerate() {
+            let dst = &mut self.out[place * PAGE_SIZE..(place + 1) * PAGE_SIZE];
+            if !inner.pager.read_at_hand(page, dst)? {
+                misses.push((page, place));
+            }
+        }
+        if misses.is_empty() {
+            return Ok(None);
+        }
+        let id = inner.next;
+        inner.next = (inner.next + 1) % (1 << (62 - PLACE_BITS));
+        let left = misses.len();
+        inner.reads.insert(
+            id,
+            Reading {
+                pages: misses,
+                started: 0,
+                out: std::mem::take(self.out),
+                left,
+                failed: None,
+                wake: None,
+                waker: None,
+            },
+        );
+        Ok(Some(id))
+    }
+
+    /// Its read's end: the buffer back in place, the first failure if any.
+    fn end(&mut self, inner: &mut Inner<T, D>, id: u64) -> Result<(), PagerError> {
+        self.id = None;
+        let r = inner.reads.remove(&id).expect("a read in flight");
+        *self.out = r.out;
+        r.failed.map_or(Ok(()), Err)
+    }
+}
+
+impl<T: Transport, D: Disk> Future for ReadPages<'_, T, D> {
+    type Output = Result<(), PagerError>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = self.get_mut();
+        let mut locked = guard(this.lock);
+        let inner = &mut *locked.0;
+        let id = match this.id {
+            Some(id) => id,
+            None => match this.begin(inner) {
+                Ok(None) => return Poll::Ready(Ok(())),
+                Ok(Some(id)) => {
+                    this.id = Some(id);
+                    id
+                }
+                Err(e) => return Poll::Ready(Err(e)),
+            },
+        };
+        loop {
+            if let Err(e) = inner.start(id) {
+                // Its tickets already out finish into nothing (see `Inner::route`).
+                let _ = this.end(inner, id);
+                return Poll::Ready(Err(e));
+            }
+            let r = inner.reads.get_mut(&id).expect("a read in flight");
+            if r.left == 0 {
+                return Poll::Ready(this.end(inner, id));
+            }
+            r.waker = Some(cx.waker().clone());
+            if r.started < r.pages.len() {
+                // Pages wait for slots, which any reply may free.
+                inner.progress.push(cx.waker().clone());
+            }
+            if inner.pager.awaits_replies() && inner.pager.has_reply_fds() {
+                return Poll::Pending;
+            }
+            // Nothing the loop could watch (a transport in memory, or only degraded reads
+            // left, which the next take decodes): waited for here, as every read was before.
+            if let Err(e) = inner.pager.wait_finished() {
+                let _ = this.end(inner, id);
+                return Poll::Ready(Err(e));
+            }
+            inner.route();
+        }
+    }
+}
+
+impl<T: Transport, D: Disk> Drop for ReadPages<'_, T, D> {
+    fn drop(&mut self) {
+        // A read given up on before its end: its tickets finish into nothing.
+        if let Some(id) = self.id {
+            guard(self.lock).0.reads.remove(&id);
+        }
+    }
+}
+
+/// Pending once, with its task woken when replies are next taken in (or by a holder of the
+/// lock): an event loop's operation waiting for any progress.
+struct Progress<'a, T: Transport, D: Disk> {
+    lock: &'a Mutex<Inner<T, D>>,
+    waited: bool,
+}
+
+impl<T: Transport, D: Disk> Future for Progress<'_, T, D> {
+    type Output = ();
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
+        let this = self.get_mut();
+        if this.waited {
+            return Poll::Ready(());
+        }
+        this.waited = true;
+        guard(this.lock).0.progress.push(cx.waker().clone());
+        Poll::Pending
+    }
+}
+
+/// [`drive`] for an event loop's operation: `step(pager, false)` until it returns true,
+/// pending (the lock let go) while replies come in.
+async fn drive_async<T: Transport, D: Disk>(
+    lock: &Mutex<Inner<T, D>>,
+    mut step: impl FnMut(&mut Pager<T, D>, bool) -> Result<bool, PagerError>,
+) -> Result<(), PagerError> {
+    let mut first = true;
+    loop {
+        {
+            let mut inner = guard(lock);
+            if std::mem::take(&mut first) && inner.sends_waiting() {
+                take_in(&mut inner);
+            }
+            if step(&mut inner, false)? {
+                return Ok(());
+            }
+            if !inner.has_reply_fds() {
+                // Nothing in flight could move it on: one step the waiting way (see `drive`).
+                if step(&mut inner, true)? {
+                    return Ok(());
+                }
+                continue;
+            }
+        }
+        Progress {
+            lock,
+            waited: false,
+        }
+        .await;
+    }
+}
+
+impl<T: Transport, D: Disk> SharedPager<T, D> {
+    /// [`SharedPager::read_pages`] for an event loop: pending, with nothing held, until the
+    /// loop has taken in the replies the misses wait for.
+    pub fn read_pages_async<'a>(
+        &'a self,
+        pages: &'a [u64],
+        out: &'a mut Vec<u8>,
+    ) -> impl Future<Output = Result<(), PagerError>> + 'a {
+        ReadPages {
+            lock: &self.lock,
+            pages,
+            out,
+            id: None,
+        }
+    }
+
+    /// Counts as an operation under way ([`SharedPager::busy`]) for as long as the result
+    /// lives: an event loop holds one while operations of its are in flight.
+    pub fn hold_busy(&self) -> Busy<'_> {
+        Busy::new(&self.busy)
+    }
+
+    /// [`SharedPager::drive`] for an event loop.
+    pub async fn drive_async(
+        &self,
+        step: impl FnMut(&mut Pager<T, D>, bool) -> Result<bool, PagerError>,
+    ) -> Result<(), PagerError> {
+        drive_async(&self.lock, step).await
+    }
+
+    /// [`SharedPager::write_pages`] for an event loop.
+    pub async fn write_pages_async(&self, pages: &[u64], data: &[u8]) -> Result<(), PagerError> {
+        drive_async(&self.lock, write_step(pages, data)).await
+    }
+
+    /// [`SharedPager::discard_pages`] for an event loop.
+    pub async fn discard_pages_async(&self, pages: &[u64]) -> Result<(), PagerError> {
+        drive_async(&self.lock, discard_step(pages)).await
+    }
+
+    /// [`SharedPager::flush`] for an event loop.
+    pub async fn flush_async(&self, only: Option<&[u64]>) -> Result<(), PagerError> {
+        let step = flush_step(&guard(&self.lock), only);
+        drive_async(&self.lock, step).await
+    }
+
+    /// The page servers' connections an event loop watches for replies, with their servers.
+    pub fn reply_fds(&self, out: &mut Vec<(usize, RawFd)>) {
+        out.clear();
+        guard(&self.lock).reply_fds_by_server(out);
+    }
+
+    /// Takes in the replies of the servers in `readable` (their connections were found
+    /// readable), fails servers past the reply timeout, and wakes the reads this finished and
+    /// the operations waiting for progress.
+    pub fn take_in_from(&self, readable: impl IntoIterator<Item = usize>) {
+        let mut locked = guard(&self.lock);
+        let inner = &mut *locked.0;
+        if let Err(e) = inner.pager.poll_from(readable) {
+            tracing::debug!("while taking in replies: {e}");
+        }
+        inner.pager.expire(netram_pager::real_time_us());
+        inner.route();
+        inner.wake_progress();
+    }
 }

@@ -16,6 +16,131 @@ use netram_client::SharedPager;
 use netram_pager::{Disk, Pager, PagerError, Transport};
 use netram_proto::PAGE_SIZE;
 use std::collections::BTreeMap;
+use std::future::Future;
+use std::task::{Context, Poll, Waker};
+
+/// How a device operation waits for the pager. Every operation is written once, as an
+/// `async fn` generic over this; the waits are what differs:
+/// * [`Blocking`]: the calling thread waits (FUSE's threads, a connection's thread, the plain
+///   methods of [`Device`]); its futures never pend, and [`now`] runs them;
+/// * [`Looped`]: a task of the NBD server's transmission loop (`crate::transmit`): a wait is
+///   `Poll::Pending`, and the loop, which watches the page servers' connections, wakes it.
+///
+/// Neither holds the pager's lock across a round trip (`netram_client::shared`).
+pub trait Waits {
+    fn read_pages<'a, T: Transport, D: Disk>(
+        pager: &'a SharedPager<T, D>,
+        pages: &'a [u64],
+        out: &'a mut Vec<u8>,
+    ) -> impl Future<Output = Result<(), PagerError>> + 'a;
+    fn drive<'a, T: Transport, D: Disk>(
+        pager: &'a SharedPager<T, D>,
+        what: &'static str,
+        step: impl FnMut(&mut Pager<T, D>, bool) -> Result<bool, PagerError> + 'a,
+    ) -> impl Future<Output = Result<(), PagerError>> + 'a;
+    fn write_pages<'a, T: Transport, D: Disk>(
+        pager: &'a SharedPager<T, D>,
+        pages: &'a [u64],
+        data: &'a [u8],
+    ) -> impl Future<Output = Result<(), PagerError>> + 'a;
+    fn discard_pages<'a, T: Transport, D: Disk>(
+        pager: &'a SharedPager<T, D>,
+        pages: &'a [u64],
+    ) -> impl Future<Output = Result<(), PagerError>> + 'a;
+    fn flush<'a, T: Transport, D: Disk>(
+        pager: &'a SharedPager<T, D>,
+        only: Option<&'a [u64]>,
+    ) -> impl Future<Output = Result<(), PagerError>> + 'a;
+}
+
+/// The calling thread waits (see [`Waits`]).
+#[derive(Debug)]
+pub struct Blocking;
+
+impl Waits for Blocking {
+    async fn read_pages<T: Transport, D: Disk>(
+        pager: &SharedPager<T, D>,
+        pages: &[u64],
+        out: &mut Vec<u8>,
+    ) -> Result<(), PagerError> {
+        pager.read_pages(pages, out)
+    }
+    async fn drive<'a, T: Transport, D: Disk>(
+        pager: &'a SharedPager<T, D>,
+        what: &'static str,
+        step: impl FnMut(&mut Pager<T, D>, bool) -> Result<bool, PagerError> + 'a,
+    ) -> Result<(), PagerError> {
+        pager.drive(what, step)
+    }
+    async fn write_pages<T: Transport, D: Disk>(
+        pager: &SharedPager<T, D>,
+        pages: &[u64],
+        data: &[u8],
+    ) -> Result<(), PagerError> {
+        pager.write_pages(pages, data)
+    }
+    async fn discard_pages<T: Transport, D: Disk>(
+        pager: &SharedPager<T, D>,
+        pages: &[u64],
+    ) -> Result<(), PagerError> {
+        pager.discard_pages(pages)
+    }
+    async fn flush<T: Transport, D: Disk>(
+        pager: &SharedPager<T, D>,
+        only: Option<&[u64]>,
+    ) -> Result<(), PagerError> {
+        pager.flush(only)
+    }
+}
+
+/// A task of an event loop: waits pend (see [`Waits`]).
+#[derive(Debug)]
+pub struct Looped;
+
+impl Waits for Looped {
+    async fn read_pages<T: Transport, D: Disk>(
+        pager: &SharedPager<T, D>,
+        pages: &[u64],
+        out: &mut Vec<u8>,
+    ) -> Result<(), PagerError> {
+        pager.read_pages_async(pages, out).await
+    }
+    fn drive<'a, T: Transport, D: Disk>(
+        pager: &'a SharedPager<T, D>,
+        _what: &'static str,
+        step: impl FnMut(&mut Pager<T, D>, bool) -> Result<bool, PagerError> + 'a,
+    ) -> impl Future<Output = Result<(), PagerError>> + 'a {
+        pager.drive_async(step)
+    }
+    async fn write_pages<T: Transport, D: Disk>(
+        pager: &SharedPager<T, D>,
+        pages: &[u64],
+        data: &[u8],
+    ) -> Result<(), PagerError> {
+        pager.write_pages_async(pages, data).await
+    }
+    async fn discard_pages<T: Transport, D: Disk>(
+        pager: &SharedPager<T, D>,
+        pages: &[u64],
+    ) -> Result<(), PagerError> {
+        pager.discard_pages_async(pages).await
+    }
+    async fn flush<T: Transport, D: Disk>(
+        pager: &SharedPager<T, D>,
+        only: Option<&[u64]>,
+    ) -> Result<(), PagerError> {
+        pager.flush_async(only).await
+    }
+}
+
+/// Runs a future of [`Blocking`] waits, which never pends, to its end.
+pub fn now<F: Future>(f: F) -> F::Output {
+    let mut f = std::pin::pin!(f);
+    match f.as_mut().poll(&mut Context::from_waker(Waker::noop())) {
+        Poll::Ready(v) => v,
+        Poll::Pending => unreachable!("an operation that blocks never pends"),
+    }
+}
 
 /// The largest request served; larger ones are refused with EINVAL (advertised as the maximum
 /// block size).
@@ -129,6 +254,11 @@ impl<T: Transport, D: Disk> Device<T, D> {
         Ok(())
     }
 
+    /// The pager, shared by the device's users.
+    pub fn shared(&self) -> &SharedPager<T, D> {
+        &self.inner
+    }
+
     /// Reads several ranges with one pipelined pager read of all their pages; returns their
     /// bytes one after the other.
     pub fn read_ranges(&self, ranges: &[(u64, u32)]) -> Result<Vec<u8>, DeviceError> {
@@ -140,6 +270,15 @@ impl<T: Transport, D: Disk> Device<T, D> {
     /// [`Device::read_ranges`] into a buffer the caller keeps from one request to the next,
     /// so that serving reads allocates nothing once the buffer has grown to its working size.
     pub fn read_ranges_into(
+        &self,
+        ranges: &[(u64, u32)],
+        data: &mut Vec<u8>,
+    ) -> Result<(), DeviceError> {
+        now(self.read_ranges_in::<Blocking>(ranges, data))
+    }
+
+    /// [`Device::read_ranges_into`], waiting as `W` does.
+    pub async fn read_ranges_in<W: Waits>(
         &self,
         ranges: &[(u64, u32)],
         data: &mut Vec<u8>,
@@ -156,11 +295,11 @@ impl<T: Transport, D: Disk> Device<T, D> {
         if aligned {
             // Whole pages, the kernel's and fio's case: straight into the caller's buffer.
             debug_assert_eq!(total, numbers.len() * PAGE_SIZE);
-            self.inner.read_pages(&numbers, data)?;
+            W::read_pages(&self.inner, &numbers, data).await?;
             return Ok(());
         }
         let mut buf = Vec::new();
-        self.inner.read_pages(&numbers, &mut buf)?;
+        W::read_pages(&self.inner, &numbers, &mut buf).await?;
         data.reserve(total);
         let parts = ranges.iter().flat_map(|&(o, l)| pages_of(o, u64::from(l)));
         for (i, (_, start, stop)) in parts.enumerate() {
@@ -179,8 +318,12 @@ impl<T: Transport, D: Disk> Device<T, D> {
     /// the cache by ticket without the lock, then taken up again. Its read and its write are
     /// in one hold, so that no other connection's write of the page comes in between. With
     /// `fua`, everything is on its backing before this returns.
-    fn put_many(&self, writes: &[(u64, u64, Option<&[u8]>)], fua: bool) -> Result<(), DeviceError> {
-        if let Some(result) = self.put_whole_pages(writes, fua) {
+    async fn put_many<W: Waits>(
+        &self,
+        writes: &[(u64, u64, Option<&[u8]>)],
+        fua: bool,
+    ) -> Result<(), DeviceError> {
+        if let Some(result) = self.put_whole_pages::<W>(writes, fua).await {
             return result;
         }
         // page -> its pieces (start, stop, bytes or zeros), in the order written; a whole
@@ -212,9 +355,9 @@ impl<T: Transport, D: Disk> Device<T, D> {
                 .filter(|(_, on_page)| !is_whole(on_page[0]))
                 .map(|&(p, _)| p)
                 .collect();
-            self.bring_in(&partial)?;
+            self.bring_in::<W>(&partial).await?;
             let mut missing = false;
-            self.inner.drive("writing", |pager, wait| {
+            W::drive(&self.inner, "writing", |pager, wait| {
                 // Runs of pages with data go to the pager together (one batch of sends), each
                 // made in the same hold that writes it; a page of zeros is discarded on its own.
                 // One page at most when waiting: then back to not waiting.
@@ -265,14 +408,15 @@ impl<T: Transport, D: Disk> Device<T, D> {
                 }
                 pager.send_queued();
                 Ok(done == plan.len() || missing)
-            })?;
+            })
+            .await?;
             if !missing {
                 break;
             }
         }
         if fua {
             let written: Vec<u64> = plan.iter().map(|&(p, _)| p).collect();
-            self.inner.flush(Some(&written))?;
+            W::flush(&self.inner, Some(&written)).await?;
         }
         Ok(())
     }
@@ -280,12 +424,12 @@ impl<T: Transport, D: Disk> Device<T, D> {
     /// Reads `pages` into the pager's cache by ticket, without holding the device across the
     /// round trip, so that their read-modify-write under the lock finds them there. Nothing to
     /// do without a cache (the read-modify-write then reads them the waiting way).
-    fn bring_in(&self, pages: &[u64]) -> Result<(), DeviceError> {
+    async fn bring_in<W: Waits>(&self, pages: &[u64]) -> Result<(), DeviceError> {
         if pages.is_empty() || self.pager().config().cache_pages == 0 {
             return Ok(());
         }
         let mut scratch = Vec::new();
-        self.inner.read_pages(pages, &mut scratch)?;
+        W::read_pages(&self.inner, pages, &mut scratch).await?;
         Ok(())
     }
 
@@ -293,7 +437,7 @@ impl<T: Transport, D: Disk> Device<T, D> {
     /// no page written twice. Each run of non-zero pages goes to the pager straight from the
     /// request's buffer, without holding the device across a round trip (`netram_client::shared`).
     /// `None` if the writes are not of that kind.
-    fn put_whole_pages(
+    async fn put_whole_pages<W: Waits>(
         &self,
         writes: &[(u64, u64, Option<&[u8]>)],
         fua: bool,
@@ -309,7 +453,7 @@ impl<T: Transport, D: Disk> Device<T, D> {
         if spans.windows(2).any(|w| w[1].0 < w[0].1) {
             return None;
         }
-        let result = (|| {
+        let result = async {
             let mut zero_pages = Vec::new();
             let mut numbers = Vec::new();
             for &(offset, len, data) in writes {
@@ -321,10 +465,12 @@ impl<T: Transport, D: Disk> Device<T, D> {
                     let page = &data[i * PAGE_SIZE..(i + 1) * PAGE_SIZE];
                     if page.iter().all(|&b| b == 0) {
                         if !numbers.is_empty() {
-                            self.inner.write_pages(
+                            W::write_pages(
+                                &self.inner,
                                 &numbers,
                                 &data[run_start * PAGE_SIZE..i * PAGE_SIZE],
-                            )?;
+                            )
+                            .await?;
                             numbers.clear();
                         }
                         zero_pages.push(first + i as u64);
@@ -334,12 +480,11 @@ impl<T: Transport, D: Disk> Device<T, D> {
                     }
                 }
                 if !numbers.is_empty() {
-                    self.inner
-                        .write_pages(&numbers, &data[run_start * PAGE_SIZE..])?;
+                    W::write_pages(&self.inner, &numbers, &data[run_start * PAGE_SIZE..]).await?;
                 }
             }
             if !zero_pages.is_empty() {
-                self.inner.discard_pages(&zero_pages)?;
+                W::discard_pages(&self.inner, &zero_pages).await?;
             }
             if fua {
                 // Only this batch's pages need to be stored before it is answered.
@@ -347,33 +492,53 @@ impl<T: Transport, D: Disk> Device<T, D> {
                     .iter()
                     .flat_map(|&(offset, len, _)| offset / PAGE..(offset + len) / PAGE)
                     .collect();
-                self.inner.flush(Some(&written))?;
+                W::flush(&self.inner, Some(&written)).await?;
             }
-            Ok(())
-        })();
+            Ok::<(), DeviceError>(())
+        }
+        .await;
         Some(result)
     }
 
     pub fn write(&self, offset: u64, data: &[u8], fua: bool) -> Result<(), DeviceError> {
-        self.put_many(&[(offset, data.len() as u64, Some(data))], fua)
+        now(self.put_many::<Blocking>(&[(offset, data.len() as u64, Some(data))], fua))
     }
 
     /// Several writes of one pipeline batch, in order, as one batched pager write.
     pub fn write_many(&self, writes: &[(u64, &[u8])], fua: bool) -> Result<(), DeviceError> {
+        now(self.write_many_in::<Blocking>(writes, fua))
+    }
+
+    /// [`Device::write_many`], waiting as `W` does.
+    pub async fn write_many_in<W: Waits>(
+        &self,
+        writes: &[(u64, &[u8])],
+        fua: bool,
+    ) -> Result<(), DeviceError> {
         let writes: Vec<(u64, u64, Option<&[u8]>)> = writes
             .iter()
             .map(|&(o, d)| (o, d.len() as u64, Some(d)))
             .collect();
-        self.put_many(&writes, fua)
+        self.put_many::<W>(&writes, fua).await
     }
 
     /// Zeroes the range, [`STEP_BYTES`] at a time (see there).
     pub fn write_zeroes(&self, offset: u64, len: u64, fua: bool) -> Result<(), DeviceError> {
+        now(self.write_zeroes_in::<Blocking>(offset, len, fua))
+    }
+
+    /// [`Device::write_zeroes`], waiting as `W` does.
+    pub async fn write_zeroes_in<W: Waits>(
+        &self,
+        offset: u64,
+        len: u64,
+        fua: bool,
+    ) -> Result<(), DeviceError> {
         for (o, l) in steps(offset, len) {
-            self.put_many(&[(o, l, None)], false)?;
+            self.put_many::<W>(&[(o, l, None)], false).await?;
         }
         if fua {
-            self.flush()?;
+            self.flush_in::<W>().await?;
         }
         Ok(())
     }
@@ -382,12 +547,17 @@ impl<T: Transport, D: Disk> Device<T, D> {
     /// as they are: after a TRIM a client may assume nothing about the range until it writes it
     /// again.
     pub fn trim(&self, offset: u64, len: u64) -> Result<(), DeviceError> {
+        now(self.trim_in::<Blocking>(offset, len))
+    }
+
+    /// [`Device::trim`], waiting as `W` does.
+    pub async fn trim_in<W: Waits>(&self, offset: u64, len: u64) -> Result<(), DeviceError> {
         for (o, l) in steps(offset, len) {
             let whole: Vec<u64> = pages_of(o, l)
                 .filter(|&(_, start, stop)| stop - start == PAGE_SIZE)
                 .map(|(p, _, _)| p)
                 .collect();
-            self.inner.discard_pages(&whole)?;
+            W::discard_pages(&self.inner, &whole).await?;
         }
         Ok(())
     }
@@ -395,17 +565,27 @@ impl<T: Transport, D: Disk> Device<T, D> {
     /// Writes every page dirty in the cache now to its backing and waits until all are
     /// acknowledged, without holding the device across the round trips (`SharedPager::flush`).
     pub fn flush(&self) -> Result<(), DeviceError> {
-        self.inner.flush(None)?;
+        now(self.flush_in::<Blocking>())
+    }
+
+    /// [`Device::flush`], waiting as `W` does.
+    pub async fn flush_in<W: Waits>(&self) -> Result<(), DeviceError> {
+        W::flush(&self.inner, None).await?;
         Ok(())
     }
 
     /// Brings the range into the pager's cache (NBD_CMD_CACHE), [`STEP_BYTES`] at a time, by
     /// reads by ticket that do not hold the device across their round trips.
     pub fn cache(&self, offset: u64, len: u64) -> Result<(), DeviceError> {
+        now(self.cache_in::<Blocking>(offset, len))
+    }
+
+    /// [`Device::cache`], waiting as `W` does.
+    pub async fn cache_in<W: Waits>(&self, offset: u64, len: u64) -> Result<(), DeviceError> {
         let mut scratch = Vec::new();
         for (o, l) in steps(offset, len) {
             let pages: Vec<u64> = pages_of(o, l).map(|(p, _, _)| p).collect();
-            self.inner.read_pages(&pages, &mut scratch)?;
+            W::read_pages(&self.inner, &pages, &mut scratch).await?;
         }
         Ok(())
     }

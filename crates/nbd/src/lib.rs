@@ -9,8 +9,11 @@
 //! * [`device`]: byte ranges over the pager (read-modify-write, discards, block status), the
 //!   reads and writes of several connections in flight together through
 //!   `netram_client::SharedPager`, none holding the pager across a round trip;
-//! * [`server`]: the handshake and the transmission phase of one connection;
-//! * [`serve`]: the accept loop, one thread per connection, all sharing one device;
+//! * [`server`]: the handshake of one connection, and the serving of a batch of its requests;
+//! * [`transmit`]: the transmission phase of every connection in one event loop, which also
+//!   watches the pager's connections to the page servers;
+//! * [`serve`]: the accept loop; each handshake on a thread of its own, then the connection
+//!   handed to the transmission loop;
 //! * [`tls`]: NBD_OPT_STARTTLS, mutual TLS with the cluster's certificates on TCP;
 //! * [`fuse`]: the same device as one file through FUSE, for a loop device where the kernel
 //!   has no NBD client.
@@ -27,6 +30,7 @@ pub mod device;
 pub mod fuse;
 pub mod server;
 pub mod tls;
+pub mod transmit;
 pub mod wire;
 
 pub use device::Device;
@@ -137,12 +141,23 @@ where
         counters: Counters::default(),
         allowed_nodes: limits.allowed_nodes.clone(),
     });
+    let (handoff, transmission) =
+        transmit::spawn(device.clone(), shutdown.clone(), limits.write_timeout)?;
     let mut threads = Vec::new();
     let timeout = Timespec {
         tv_sec: 0,
         tv_nsec: 100_000_000,
     };
+    let mut failed = None;
     while !shutdown.load(Ordering::SeqCst) {
+        if transmission.is_finished() {
+            // It ends only when told to, or by a bug: then nothing would serve the
+            // connections, so the server stops rather than take more.
+            failed = Some(io::Error::other(
+                "the NBD transmission loop ended unexpectedly",
+            ));
+            break;
+        }
         // Connections still haggling past the deadline are closed: a client sending its
         // options a byte at a time does not keep a place.
         for c in lock(&open.conns).values() {
@@ -163,13 +178,13 @@ where
         let spawned = match &listener {
             Listener::Unix(l, _) => l
                 .accept()
-                .map(|(s, _)| start(s, &device, &shutdown, &open, &limits, None)),
+                .map(|(s, _)| start(s, &device, &handoff, &open, &limits, None)),
             Listener::Tcp(l) => l.accept().map(|(s, _)| {
                 let _ = s.set_nodelay(true);
                 let config = tls
                     .as_ref()
                     .map(|t| t.read().unwrap_or_else(|p| p.into_inner()).clone());
-                start(s, &device, &shutdown, &open, &limits, config)
+                start(s, &device, &handoff, &open, &limits, config)
             }),
         };
         match spawned {
@@ -182,12 +197,16 @@ where
         }
         threads.retain(|t: &std::thread::JoinHandle<()>| !t.is_finished());
     }
+    shutdown.store(true, Ordering::SeqCst);
     // Unblock connections waiting in `read`, then wait for them.
     for c in lock(&open.conns).values() {
         (c.shut)();
     }
     for t in threads {
         let _ = t.join();
+    }
+    if transmission.join().is_err() {
+        tracing::error!("the NBD transmission loop panicked");
     }
     let c = &open.counters;
     let n = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
@@ -199,7 +218,7 @@ where
         hung_up_freed = n(&c.hung_up_freed),
         "NBD connections refused and freed while serving"
     );
-    Ok(())
+    failed.map_or(Ok(()), Err)
 }
 
 /// An open connection, as the accept loop sees it.
@@ -332,7 +351,7 @@ impl Drop for Registered {
 fn start<S: Socket, T, D>(
     socket: S,
     device: &Arc<Device<T, D>>,
-    shutdown: &Arc<AtomicBool>,
+    handoff: &Arc<transmit::Handoff>,
     open: &Arc<Open>,
     limits: &Limits,
     tls: Option<Arc<rustls::ServerConfig>>,
@@ -397,7 +416,7 @@ where
         tracing::warn!("refusing an NBD connection: {e}");
         return None;
     }
-    let (device, shutdown) = (device.clone(), shutdown.clone());
+    let (device, handoff) = (device.clone(), handoff.clone());
     let handshake_timeout = limits.handshake_timeout;
     let gate = ConnGate {
         open: open.clone(),
@@ -407,17 +426,23 @@ where
     let spawned = std::thread::Builder::new()
         .name("netram-nbd-conn".into())
         .spawn(move || {
-            let _registered = registered;
-            if let Err(e) = server::serve_connection(
-                socket,
-                &device,
-                &shutdown,
-                &negotiated,
-                &gate,
-                tls,
-                handshake_timeout,
-            ) {
-                tracing::info!("NBD connection ended: {e}");
+            let peer = gate.peer.clone();
+            match server::handshake(socket, &device, &negotiated, &gate, tls, handshake_timeout) {
+                Ok(Some(n)) => {
+                    // Its place among the established connections goes with it.
+                    let handed = handoff.hand(transmit::Established {
+                        stream: n.stream,
+                        buffered: n.buffered,
+                        session: n.session,
+                        peer,
+                        held: Box::new(registered),
+                    });
+                    if handed.is_err() {
+                        tracing::info!("NBD connection closed: the server is stopping");
+                    }
+                }
+                Ok(None) => {}
+                Err(e) => tracing::info!("NBD connection ended: {e}"),
             }
         });
     match spawned {

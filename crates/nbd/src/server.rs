@@ -1,5 +1,6 @@
-//! The NBD server: the fixed-newstyle handshake and the transmission phase, one thread per
-//! connection, over a unix or TCP socket.
+//! The NBD server's protocol: the fixed-newstyle handshake, run by a thread per connection
+//! over a unix or TCP socket, and the serving of a batch of transmission-phase requests, which
+//! the transmission loop (`crate::transmit`) runs for every connection.
 //!
 //! Bad input gets the answer the protocol gives it, and the connection goes on: an unknown option
 //! gets NBD_REP_ERR_UNSUP, a request out of range or with bad flags EINVAL (ENOSPC for a write
@@ -8,7 +9,8 @@
 //! Other connections are not affected, and no acknowledged write is lost: a write is answered
 //! only once the pager holds it (and, with FUA, once it is on its backing).
 
-use crate::device::{Device, DeviceError, MAX_REQUEST};
+use crate::device::{Device, DeviceError, Waits, MAX_REQUEST};
+use crate::transmit::{Plain, Stream};
 use crate::wire::*;
 use netram_pager::{Disk, Transport};
 use netram_policy::admission::Source;
@@ -59,6 +61,8 @@ pub trait Socket: Read + Write + Send + Sized + 'static {
     fn into_tcp(self) -> Option<std::net::TcpStream> {
         None
     }
+    /// The socket for the transmission loop: non-blocking, with nothing else holding it.
+    fn into_stream(self) -> io::Result<Box<dyn Stream>>;
 }
 
 impl Socket for std::net::TcpStream {
@@ -87,6 +91,10 @@ impl Socket for std::net::TcpStream {
     }
     fn into_tcp(self) -> Option<std::net::TcpStream> {
         Some(self)
+    }
+    fn into_stream(self) -> io::Result<Box<dyn Stream>> {
+        self.set_nonblocking(true)?;
+        Ok(Box::new(Plain(self)))
     }
 }
 
@@ -125,6 +133,10 @@ impl Socket for std::os::unix::net::UnixStream {
     }
     fn hung_up(&self) -> bool {
         hung_up(self)
+    }
+    fn into_stream(self) -> io::Result<Box<dyn Stream>> {
+        self.set_nonblocking(true)?;
+        Ok(Box::new(Plain(self)))
     }
 }
 
@@ -173,8 +185,8 @@ enum Haggled {
 }
 
 /// What the handshake settled.
-#[derive(Debug, Default)]
-struct Session {
+#[derive(Debug, Default, Clone, Copy)]
+pub(crate) struct Session {
     structured: bool,
     base_allocation: bool,
 }
@@ -206,20 +218,42 @@ impl<S: Socket> Conn<S> {
     }
 }
 
-/// Serves one connection until the client disconnects or `shutdown` is set; sets `negotiated`
-/// once the handshake is over (the accept loop closes connections that take too long to get
-/// there). With `tls`, the client must start TLS before any other option
-/// (NBD_REP_ERR_TLS_REQD otherwise) and present a certificate that `tls` accepts.
-#[allow(clippy::too_many_arguments)]
-pub fn serve_connection<S, T, D>(
+/// A connection whose handshake is over, for the transmission loop (`crate::transmit`).
+pub(crate) struct Negotiated {
+    pub stream: Box<dyn Stream>,
+    /// What the handshake's reader had taken in beyond the handshake (requests sent at once).
+    pub buffered: Vec<u8>,
+    pub session: Session,
+}
+
+impl<S: Socket> Conn<S> {
+    /// The connection for the transmission loop, once its handshake is over.
+    fn negotiated(self, session: Session) -> Result<Negotiated, ConnError> {
+        let Conn { r, w, .. } = self;
+        drop(w);
+        let buffered = r.buffer().to_vec();
+        let stream = r.into_inner().into_stream()?;
+        Ok(Negotiated {
+            stream,
+            buffered,
+            session,
+        })
+    }
+}
+
+/// Runs one connection's handshake; sets `negotiated` once it is over (the accept loop closes
+/// connections that take too long to get there) and returns the connection for the
+/// transmission loop, or `None` if the client left. With `tls`, the client must start TLS
+/// before any other option (NBD_REP_ERR_TLS_REQD otherwise) and present a certificate that
+/// `tls` accepts.
+pub(crate) fn handshake<S, T, D>(
     socket: S,
     device: &Device<T, D>,
-    shutdown: &AtomicBool,
     negotiated: &AtomicBool,
     gate: &dyn Gate,
     tls: Option<Arc<rustls::ServerConfig>>,
     handshake_timeout: Duration,
-) -> Result<(), ConnError>
+) -> Result<Option<Negotiated>, ConnError>
 where
     S: Socket,
     T: Transport,
@@ -234,7 +268,7 @@ where
     };
     let session = match options(&mut c, device, client_flags, &must, gate)? {
         Haggled::Go(session) => session,
-        Haggled::Done => return Ok(()),
+        Haggled::Done => return Ok(None),
         Haggled::StartTls => {
             let config = tls.expect("STARTTLS is agreed only with a TLS configuration");
             // Bytes the client sent after its STARTTLS, before the TLS handshake, would be
@@ -262,15 +296,15 @@ where
             return match options(&mut c, device, client_flags, &must, gate)? {
                 Haggled::Go(session) => {
                     negotiated.store(true, Ordering::SeqCst);
-                    transmission(&mut c, device, &session, shutdown)
+                    c.negotiated(session).map(Some)
                 }
-                Haggled::Done => Ok(()),
+                Haggled::Done => Ok(None),
                 Haggled::StartTls => unreachable!("STARTTLS is refused inside TLS"),
             };
         }
     };
     negotiated.store(true, Ordering::SeqCst);
-    transmission(&mut c, device, &session, shutdown)
+    c.negotiated(session).map(Some)
 }
 
 fn export_info(device_size: u64) -> Vec<u8> {
@@ -513,121 +547,10 @@ fn allowed_flags(kind: u16) -> u16 {
 /// Requests taken at once from what the client has already sent, and their bytes (write data
 /// and read lengths) at most: what one batch holds in memory is bounded by this plus one
 /// request, whatever the client pipelines; the rest waits in the socket.
-const PIPELINE_MAX: usize = 64;
-const PIPELINE_BYTES_MAX: usize = 16 << 20;
-/// The starting size of a connection's request and read buffers.
-const CONN_BUFFER: usize = 2 << 20;
+pub(crate) const PIPELINE_MAX: usize = 64;
+pub(crate) const PIPELINE_BYTES_MAX: usize = 16 << 20;
 /// Bytes of consecutive writes staged together (a single larger write goes alone).
 const WRITE_GROUP_BYTES_MAX: usize = 8 << 20;
-
-/// Reads one request and, for a WRITE, its data (appended to `payload`). `None` when the
-/// client closed the connection between requests.
-fn read_request<S: Socket>(
-    c: &mut Conn<S>,
-    payload: &mut Vec<u8>,
-) -> Result<Option<(Request, std::ops::Range<usize>)>, ConnError> {
-    let mut h = [0u8; REQUEST_LEN];
-    match c.r.read_exact(&mut h) {
-        Ok(()) => {}
-        // A client that goes away between requests is a normal end.
-        Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => return Ok(None),
-        Err(e) => return Err(e.into()),
-    }
-    let req = parse_request(&h)?;
-    let start = payload.len();
-    if req.kind == CMD_WRITE {
-        if req.len > MAX_REQUEST {
-            return Err(ConnError::Closed(format!(
-                "write of {} bytes is larger than the {MAX_REQUEST}-byte limit",
-                req.len
-            )));
-        }
-        payload.resize(start + req.len as usize, 0);
-        c.r.read_exact(&mut payload[start..])?;
-    }
-    Ok(Some((req, start..payload.len())))
-}
-
-fn transmission<S: Socket, T: Transport, D: Disk>(
-    c: &mut Conn<S>,
-    device: &Device<T, D>,
-    session: &Session,
-    shutdown: &AtomicBool,
-) -> Result<(), ConnError> {
-    // Buffers live as long as the connection and are reused by every batch, so a connection
-    // in its steady state allocates nothing (a swap device must not wait for memory). They
-    // start at what a kernel's swap traffic needs (requests of up to 512 KiB, a few in
-    // flight) and grow only for larger batches; under mlockall they are locked as they grow.
-    let mut payload: Vec<u8> = Vec::with_capacity(CONN_BUFFER);
-    let mut data: Vec<u8> = Vec::with_capacity(CONN_BUFFER);
-    let mut batch = Vec::with_capacity(PIPELINE_MAX);
-    loop {
-        if shutdown.load(Ordering::SeqCst) {
-            return Ok(());
-        }
-        payload.clear();
-        batch.clear();
-        // Block for one request, then take every further one the client has already sent: a
-        // client keeping 32 requests in flight gets them served as one pipelined batch.
-        match read_request(c, &mut payload)? {
-            Some(r) => batch.push(r),
-            None => return Ok(()),
-        }
-        let mut ended = None;
-        let read_bytes = |batch: &[(Request, std::ops::Range<usize>)]| -> usize {
-            batch
-                .iter()
-                .filter(|(r, _)| r.kind == CMD_READ)
-                .map(|(r, _)| r.len as usize)
-                .sum()
-        };
-        let mut reads = read_bytes(&batch);
-        while batch.len() < PIPELINE_MAX
-            && payload.len() + reads < PIPELINE_BYTES_MAX
-            && c.r.buffer().len() >= REQUEST_LEN
-        {
-            match read_request(c, &mut payload) {
-                Ok(Some(r)) => {
-                    if r.0.kind == CMD_READ {
-                        reads += r.0.len as usize;
-                    }
-                    batch.push(r);
-                }
-                Ok(None) => break,
-                // Answer what came before the bad request, then close.
-                Err(e) => {
-                    ended = Some(e);
-                    break;
-                }
-            }
-        }
-        // Everything before a DISC is answered; nothing after it.
-        let disc = batch.iter().position(|(r, _)| r.kind == CMD_DISC);
-        run_batch(
-            device,
-            session,
-            &batch[..disc.unwrap_or(batch.len())],
-            &payload,
-            &mut data,
-            &mut c.out,
-        );
-        c.send()?;
-        // A batch of large requests grew the buffers: give the memory back rather than keep it
-        // for the connection's life.
-        for buf in [&mut payload, &mut data, &mut c.out] {
-            if buf.capacity() > 4 * CONN_BUFFER {
-                buf.clear();
-                buf.shrink_to(CONN_BUFFER);
-            }
-        }
-        if let Some(e) = ended {
-            return Err(e);
-        }
-        if disc.is_some() {
-            return Ok(());
-        }
-    }
-}
 
 /// The refusal of an option naming an export that does not exist.
 fn refuse_unknown_export(out: &mut Vec<u8>, option: u32, name: &str) {
@@ -650,7 +573,7 @@ fn refuse(session: &Session, req: &Request, (errno, why): Refusal, out: &mut Vec
 
 /// Runs a batch in order, appending every reply to `out`. Consecutive valid READs become one
 /// pipelined read of all their pages, consecutive valid WRITEs one batched write.
-fn run_batch<T: Transport, D: Disk>(
+pub(crate) async fn run_batch<W: Waits, T: Transport, D: Disk>(
     device: &Device<T, D>,
     session: &Session,
     batch: &[(Request, std::ops::Range<usize>)],
@@ -685,7 +608,7 @@ fn run_batch<T: Transport, D: Disk>(
                 .map(|(r, d)| (r.offset, &payload[d.clone()]))
                 .collect();
             let fua = group.iter().any(|(r, _)| r.flags & CMD_FLAG_FUA != 0);
-            match device.write_many(&ranges, fua) {
+            match device.write_many_in::<W>(&ranges, fua).await {
                 Ok(()) => group.iter().for_each(|(req, _)| done(req, out)),
                 Err(e) => {
                     let refusal = device_error(e);
@@ -700,9 +623,11 @@ fn run_batch<T: Transport, D: Disk>(
         let reads = batch[i..].iter().take_while(|(r, _)| is_read(r)).count();
         if reads == 0 {
             let (req, _) = &batch[i];
-            if let Err(refusal) =
-                check(device, req).and_then(|()| execute(device, session, req, out))
-            {
+            let result = match check(device, req) {
+                Ok(()) => execute::<W, T, D>(device, session, req, out).await,
+                Err(refusal) => Err(refusal),
+            };
+            if let Err(refusal) = result {
                 refuse(session, req, refusal, out);
             }
             i += 1;
@@ -710,7 +635,7 @@ fn run_batch<T: Transport, D: Disk>(
         }
         let group = &batch[i..i + reads];
         let ranges: Vec<(u64, u32)> = group.iter().map(|(r, _)| (r.offset, r.len)).collect();
-        match device.read_ranges_into(&ranges, data) {
+        match device.read_ranges_in::<W>(&ranges, data).await {
             Ok(()) => {
                 let mut at = 0;
                 for (req, _) in group {
@@ -812,7 +737,7 @@ fn check<T: Transport, D: Disk>(device: &Device<T, D>, req: &Request) -> Result<
 
 /// Runs one checked request and appends its successful reply to `out`; a refusal is the
 /// caller's to send.
-fn execute<T: Transport, D: Disk>(
+async fn execute<W: Waits, T: Transport, D: Disk>(
     device: &Device<T, D>,
     session: &Session,
     req: &Request,
@@ -832,23 +757,30 @@ fn execute<T: Transport, D: Disk>(
         CMD_WRITE => unreachable!("writes run in groups (run_batch)"),
         CMD_WRITE_ZEROES => {
             device
-                .write_zeroes(offset, len, fua)
+                .write_zeroes_in::<W>(offset, len, fua)
+                .await
                 .map_err(device_error)?;
             done(out);
         }
         CMD_TRIM => {
-            device.trim(offset, len).map_err(device_error)?;
+            device
+                .trim_in::<W>(offset, len)
+                .await
+                .map_err(device_error)?;
             if fua {
-                device.flush().map_err(device_error)?;
+                device.flush_in::<W>().await.map_err(device_error)?;
             }
             done(out);
         }
         CMD_FLUSH => {
-            device.flush().map_err(device_error)?;
+            device.flush_in::<W>().await.map_err(device_error)?;
             done(out);
         }
         CMD_CACHE => {
-            device.cache(offset, len).map_err(device_error)?;
+            device
+                .cache_in::<W>(offset, len)
+                .await
+                .map_err(device_error)?;
             done(out);
         }
         CMD_BLOCK_STATUS => {

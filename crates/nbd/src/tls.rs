@@ -4,10 +4,12 @@
 //! `netram keygen`). GMS §6's rule for the front end: whoever reaches the device over the
 //! network is a member of the cluster, and nobody on the path sees or changes its blocks.
 //!
-//! A connection is served by one thread that reads a batch of requests and then writes their
-//! replies, never both at once, so one rustls stream behind a mutex serves both of the
-//! connection's handles; shutting the connection down goes to the TCP socket beside it, so
-//! that the accept loop can end a connection blocked in a read without taking the lock.
+//! The handshake is served by the connection's own thread, which reads an option and then
+//! writes its reply, never both at once, so one rustls stream behind a mutex serves both of
+//! the connection's handles; shutting the connection down goes to the TCP socket beside it, so
+//! that the accept loop can end a connection blocked in a read without taking the lock. The
+//! transmission phase takes the rustls session out ([`TlsSocket`]'s `into_stream`) and runs it
+//! without blocking in the transmission loop (`crate::transmit::Tls`).
 
 use crate::server::Socket;
 use rustls::{ServerConfig, ServerConnection, StreamOwned};
@@ -118,5 +120,16 @@ impl Socket for TlsSocket {
     }
     fn node(&self) -> Option<u64> {
         self.node
+    }
+    fn into_stream(self) -> io::Result<Box<dyn crate::transmit::Stream>> {
+        let Self { tls, tcp, .. } = self;
+        drop(tcp);
+        let stream = Arc::try_unwrap(tls)
+            .map_err(|_| io::Error::other("the TLS session is still shared"))?
+            .into_inner()
+            .unwrap_or_else(|p| p.into_inner());
+        let (conn, tcp) = stream.into_parts();
+        tcp.set_nonblocking(true)?;
+        Ok(Box::new(crate::transmit::Tls { conn, tcp }))
     }
 }

@@ -203,6 +203,16 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         }
     }
 
+    /// Whether some server with requests in flight has a descriptor to watch for its replies
+    /// (what [`Pager::reply_fds_by_server`] would list).
+    pub fn has_reply_fds(&self) -> bool {
+        self.inflight
+            .per_server
+            .iter()
+            .enumerate()
+            .any(|(s, &n)| n > 0 && self.transport.reply_fd(s).is_some())
+    }
+
     /// Waits until every read by ticket has finished (the transport's reply timeout bounds
     /// each wait: a server that does not answer is declared dead and its reads go elsewhere).
     /// What a loop falls back on when it has no descriptor to wait on (a transport in memory),
