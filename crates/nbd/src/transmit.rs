@@ -789,3 +789,138 @@ impl<'d, T: Transport, D: Disk> Loop<'d, T, D> {
         });
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::wire::{CMD_FLUSH, CMD_TRIM, REQUEST_MAGIC};
+    use proptest::prelude::*;
+    use std::collections::VecDeque;
+
+    /// A client's bytes, arriving in the given pieces: a read after a whole piece finds
+    /// nothing new (`WouldBlock`), the one after it the next piece.
+    struct Pieces {
+        pieces: VecDeque<Vec<u8>>,
+        ready: bool,
+    }
+
+    impl Stream for Pieces {
+        fn fd(&self) -> BorrowedFd<'_> {
+            unreachable!("not polled")
+        }
+        fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+            if !self.ready {
+                self.ready = true;
+                return Err(io::ErrorKind::WouldBlock.into());
+            }
+            let Some(p) = self.pieces.front_mut() else {
+                return Ok(0);
+            };
+            let n = p.len().min(buf.len());
+            buf[..n].copy_from_slice(&p[..n]);
+            p.drain(..n);
+            if p.is_empty() {
+                self.pieces.pop_front();
+                self.ready = false;
+            }
+            Ok(n)
+        }
+        fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+            Ok(buf.len())
+        }
+    }
+
+    fn encode(kind: u16, cookie: u64, len: u32, out: &mut Vec<u8>) {
+        out.extend_from_slice(&REQUEST_MAGIC.to_be_bytes());
+        out.extend_from_slice(&0u16.to_be_bytes());
+        out.extend_from_slice(&kind.to_be_bytes());
+        out.extend_from_slice(&cookie.to_be_bytes());
+        out.extend_from_slice(&(cookie * 4096).to_be_bytes());
+        out.extend_from_slice(&len.to_be_bytes());
+    }
+
+    fn conn(pieces: Vec<Vec<u8>>) -> Conn {
+        Conn {
+            stream: Box::new(Pieces {
+                pieces: pieces.into(),
+                ready: true,
+            }),
+            peer: "test".into(),
+            session: Session::default(),
+            inbuf: vec![0; READ_AHEAD],
+            in_at: 0,
+            in_end: 0,
+            out: Vec::new(),
+            sent: 0,
+            spare: Some(Batch::default()),
+            end: None,
+            stuck_since: None,
+            _held: Box::new(()),
+        }
+    }
+
+    proptest! {
+        /// Requests split anywhere on the way (and followed, maybe, by garbage) are taken
+        /// whole, in order, with their write data, and nothing after a bad one or a DISC; the
+        /// buffer stays within a read-ahead and one request however the bytes come.
+        #[test]
+        fn requests_split_anywhere_are_taken_whole_and_in_order(
+            reqs in prop::collection::vec((0u16..5, 0u32..20_000), 0..40),
+            garbage in prop::collection::vec(any::<u8>(), 0..64),
+            cuts in prop::collection::vec(1usize..9000, 1..40),
+        ) {
+            let mut bytes = Vec::new();
+            let mut want = Vec::new();
+            for (i, &(kind, len)) in reqs.iter().enumerate() {
+                let kind = [CMD_READ, CMD_WRITE, CMD_FLUSH, CMD_TRIM, CMD_DISC][kind as usize];
+                encode(kind, i as u64, len, &mut bytes);
+                if kind == CMD_WRITE {
+                    bytes.extend((0..len).map(|k| (k as u8) ^ (i as u8)));
+                }
+                if want.last().is_none_or(|&(k, _, _)| k != CMD_DISC) {
+                    want.push((kind, i as u64, len));
+                }
+            }
+            bytes.extend_from_slice(&garbage);
+            let mut pieces = Vec::new();
+            let mut at = 0;
+            for c in cuts.iter().cycle() {
+                if at >= bytes.len() {
+                    break;
+                }
+                let end = (at + c).min(bytes.len());
+                pieces.push(bytes[at..end].to_vec());
+                at = end;
+            }
+            let mut c = conn(pieces);
+            let mut got = Vec::new();
+            for _ in 0..10_000 {
+                c.read_in();
+                prop_assert!(c.inbuf.len() <= READ_AHEAD.max(REQUEST_LEN + 20_000));
+                let mut b = c.spare.take().expect("no batch in flight here");
+                c.take_batch(&mut b);
+                for (r, range) in &b.reqs {
+                    if r.kind == CMD_WRITE {
+                        let body = &b.payload[range.clone()];
+                        let i = r.cookie as u8;
+                        prop_assert!(body.iter().enumerate().all(|(k, &v)| v == (k as u8) ^ i));
+                    }
+                    got.push((r.kind, r.cookie, r.len));
+                }
+                b.clear();
+                c.spare = Some(b);
+                if c.end.is_some() && c.pending().len() < REQUEST_LEN {
+                    break;
+                }
+                if matches!(c.end, Some(End::Disc | End::Bad(_))) {
+                    break;
+                }
+            }
+            let served: Vec<_> = want.iter().filter(|(k, _, _)| *k != CMD_DISC).cloned().collect();
+            prop_assert_eq!(&got, &served);
+            if want.last().is_some_and(|&(k, _, _)| k == CMD_DISC) {
+                prop_assert!(matches!(c.end, Some(End::Disc)));
+            }
+        }
+    }
+}
