@@ -145,16 +145,29 @@ pub fn run(args: NbdArgs) -> anyhow::Result<()> {
         redundancy: args.redundancy,
     })?;
     let device = Arc::new(Device::new(pager, bytes));
+    let cfg = netram_client::maintain::MaintainConfig {
+        pages_per_s: args.recovery_rate,
+        ..Default::default()
+    };
+    let reply_timeout = device.with_pager(|p| p.transport().reply_timeout());
+    let upkeep = netram_pager::Upkeep {
+        schedule: cfg.schedule(reply_timeout),
+        pacing: cfg.pacing(),
+    };
     let maintenance = {
-        let (device, busy) = (device.clone(), device.clone());
-        netram_client::maintain::spawn_beside(
-            move |f| device.with_pager(|p| f(p)),
-            move || busy.busy(),
-            netram_client::maintain::MaintainConfig {
-                pages_per_s: args.recovery_rate,
-                ..Default::default()
-            },
-        )
+        let with_pager = {
+            let device = device.clone();
+            move |f: &mut dyn FnMut(&mut netram_client::ClientPager)| device.with_pager(|p| f(p))
+        };
+        if args.fuse.is_some() {
+            // FUSE's threads share the pager: a thread of its own runs the schedule.
+            let busy = device.clone();
+            netram_client::maintain::spawn_beside(with_pager, move || busy.busy(), cfg)
+        } else {
+            // The transmission loop runs the schedule (`netram_nbd::serve`'s upkeep); this
+            // thread only asks the local daemon about membership, a blocking call.
+            netram_client::maintain::spawn_membership(with_pager, cfg)
+        }
     };
     let shutdown = Arc::new(AtomicBool::new(false));
     for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
@@ -163,7 +176,7 @@ pub fn run(args: NbdArgs) -> anyhow::Result<()> {
     }
     match &args.fuse {
         Some(mountpoint) => serve_fuse(&device, mountpoint, bytes, &shutdown)?,
-        None => serve_nbd(&args, &device, bytes, shutdown)?,
+        None => serve_nbd(&args, &device, bytes, shutdown, upkeep)?,
     }
     drop(maintenance);
     device.with_pager(|p| {
@@ -230,6 +243,7 @@ fn serve_nbd(
     device: &Arc<NetDevice>,
     bytes: u64,
     shutdown: Arc<AtomicBool>,
+    upkeep: netram_pager::Upkeep,
 ) -> anyhow::Result<()> {
     let mut tls = None;
     let (listener, uri) = match args.listen {
@@ -291,7 +305,14 @@ fn serve_nbd(
         allowed_nodes,
         ..netram_nbd::Limits::default()
     };
-    netram_nbd::serve(listener, device.clone(), shutdown, limits, tls)?;
+    netram_nbd::serve(
+        listener,
+        device.clone(),
+        shutdown,
+        limits,
+        tls,
+        Some(upkeep),
+    )?;
     Ok(())
 }
 

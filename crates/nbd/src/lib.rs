@@ -113,7 +113,8 @@ impl Default for Limits {
     }
 }
 
-/// Serves NBD on `listener` until `shutdown` is set, within `limits`. Returns once every
+/// Serves NBD on `listener` until `shutdown` is set, within `limits`; the transmission loop
+/// runs the pager's maintenance schedule between batches if `upkeep` is given. Returns once every
 /// connection has ended. With `tls`, a TCP client must start TLS and present a certificate
 /// the configuration accepts before anything else is served (a unix socket's clients are
 /// this machine's users, let in by the socket's file mode).
@@ -123,6 +124,7 @@ pub fn serve<T, D>(
     shutdown: Arc<AtomicBool>,
     limits: Limits,
     tls: Option<tls::TlsConfig>,
+    upkeep: Option<netram_pager::Upkeep>,
 ) -> io::Result<()>
 where
     T: Transport + Send + 'static,
@@ -141,8 +143,12 @@ where
         counters: Counters::default(),
         allowed_nodes: limits.allowed_nodes.clone(),
     });
-    let (handoff, transmission) =
-        transmit::spawn(device.clone(), shutdown.clone(), limits.write_timeout)?;
+    let (handoff, transmission) = transmit::spawn(
+        device.clone(),
+        shutdown.clone(),
+        limits.write_timeout,
+        upkeep,
+    )?;
     let mut threads = Vec::new();
     let timeout = Timespec {
         tv_sec: 0,

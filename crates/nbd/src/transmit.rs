@@ -9,7 +9,9 @@
 //! as a connection's thread served them before (`server::run_batch`), now as a task whose
 //! waits pend instead of blocking (`device::Looped`). So a read that misses on one connection
 //! never holds another connection's cached read, and every connection's misses travel in the
-//! same batches to the servers, with no thread woken per reply but this one.
+//! same batches to the servers, with no thread woken per reply but this one. The loop also
+//! runs the pager's maintenance schedule between batches (probes, recovery, migration:
+//! `netram_pager::Ticker`, as a region's handler does), so that nothing else takes the pager.
 //!
 //! Why a hand-written loop with `async` tasks rather than tokio (issue 38 asks for the choice
 //! by measurement): `netram bench core` measured tokio's hand-offs costing more than blocking
@@ -35,7 +37,7 @@
 use crate::device::{Device, Looped, MAX_REQUEST};
 use crate::server::{run_batch, Session, PIPELINE_BYTES_MAX, PIPELINE_MAX};
 use crate::wire::{parse_request, Request, CMD_DISC, CMD_READ, CMD_WRITE, REQUEST_LEN};
-use netram_pager::{Disk, Transport};
+use netram_pager::{Disk, Ticker, Transport, Upkeep};
 use rustix::event::{eventfd, poll, EventfdFlags, PollFd, PollFlags, Timespec};
 use std::cell::Cell;
 use std::future::Future;
@@ -245,6 +247,7 @@ pub(crate) fn spawn<T, D>(
     device: Arc<Device<T, D>>,
     shutdown: Arc<AtomicBool>,
     write_timeout: Duration,
+    upkeep: Option<Upkeep>,
 ) -> io::Result<(Arc<Handoff>, std::thread::JoinHandle<()>)>
 where
     T: Transport + Send + 'static,
@@ -265,7 +268,7 @@ where
         .name("netram-nbd-loop".into())
         .spawn(move || {
             IN_LOOP.with(|f| f.set(true));
-            Loop::new(&device, ready, write_timeout).run(&rx, &shutdown);
+            Loop::new(&device, ready, write_timeout, upkeep).run(&rx, &shutdown);
         })?;
     Ok((handoff, thread))
 }
@@ -522,11 +525,22 @@ struct Loop<'d, T: Transport, D: Disk> {
     free: Vec<usize>,
     /// Tasks to poll.
     run: Vec<usize>,
+    /// The pager's maintenance schedule, run by this loop between batches (`None`: another
+    /// thread runs it).
+    upkeep: Option<Upkeep>,
+    ticker: Ticker,
 }
 
 impl<'d, T: Transport, D: Disk> Loop<'d, T, D> {
-    fn new(device: &'d Device<T, D>, ready: Arc<Ready>, write_timeout: Duration) -> Self {
+    fn new(
+        device: &'d Device<T, D>,
+        ready: Arc<Ready>,
+        write_timeout: Duration,
+        upkeep: Option<Upkeep>,
+    ) -> Self {
         Self {
+            upkeep,
+            ticker: Ticker::new(),
             device,
             ready,
             write_timeout,
@@ -547,8 +561,9 @@ impl<'d, T: Transport, D: Disk> Loop<'d, T, D> {
         let mut readable: Vec<usize> = Vec::new();
         let mut conn_ids: Vec<u64> = Vec::new();
         let mut woken = true;
-        // While a batch is in flight the maintenance thread leaves the page servers'
-        // connections to this loop (`maintain::spawn_beside`).
+        let mut answered = false;
+        // While a batch is in flight a maintenance thread (when the schedule is not this
+        // loop's) leaves the page servers' connections to this loop (`maintain::spawn_beside`).
         let mut busy = None;
         while !shutdown.load(Ordering::SeqCst) {
             if std::mem::take(&mut woken) {
@@ -556,6 +571,18 @@ impl<'d, T: Transport, D: Disk> Loop<'d, T, D> {
                 self.ready.take(&mut self.run);
                 while let Ok(e) = rx.try_recv() {
                     self.add(e);
+                }
+            }
+            if let Some(upkeep) = &self.upkeep {
+                if self
+                    .ticker
+                    .due(Instant::now(), std::mem::take(&mut answered))
+                {
+                    // The replies the tick takes in finish reads of batches too: their tasks
+                    // are woken (without the eventfd: this is the loop's thread) and polled
+                    // by the step below.
+                    let ticker = &mut self.ticker;
+                    self.device.with_pager(|p| ticker.tick(p, upkeep));
                 }
             }
             self.step();
@@ -570,7 +597,9 @@ impl<'d, T: Transport, D: Disk> Loop<'d, T, D> {
             // (write-backs' acknowledgements) are the maintenance thread's to take, and two
             // threads woken for each would race for it.
             pager_fds.clear();
-            if self.in_flight() > 0 {
+            let now = Instant::now();
+            let listening = self.upkeep.is_some() && self.ticker.listens(now);
+            if self.in_flight() > 0 || listening {
                 self.device.shared().reply_fds(&mut pager_fds);
             }
             conn_ids.clear();
@@ -596,13 +625,16 @@ impl<'d, T: Transport, D: Disk> Loop<'d, T, D> {
                 let fd = unsafe { BorrowedFd::borrow_raw(fd) };
                 fds.push(PollFd::from_borrowed_fd(fd, PollFlags::IN));
             }
-            let wait = if !self.run.is_empty() {
+            let mut wait = if !self.run.is_empty() {
                 Duration::ZERO
             } else if self.in_flight() > 0 {
                 NAP
             } else {
                 IDLE
             };
+            if self.upkeep.is_some() {
+                wait = wait.min(self.ticker.until(now));
+            }
             let timeout = Timespec {
                 tv_sec: wait.as_secs() as i64,
                 tv_nsec: wait.subsec_nanos() as i64,
@@ -633,7 +665,9 @@ impl<'d, T: Transport, D: Disk> Loop<'d, T, D> {
                 readable.extend(pager_fds.iter().map(|&(s, _)| s));
             }
             if !readable.is_empty() {
-                // Wakes the tasks whose replies came (the next step polls them).
+                // Wakes the tasks whose replies came (the next step polls them); moves' and
+                // recovery's answers make a tick due from its earliest time on.
+                answered = listening;
                 self.device.shared().take_in_from(readable.drain(..));
             }
             for (&id, _) in conn_ids

@@ -71,7 +71,7 @@ pub use config::{Backing, PagerConfig, ParseBackingError};
 pub use counters::PagerCounters;
 pub use error::{LostPages, PagerError};
 use lru::LruCache;
-pub use maintenance::{real_time_us, NextTick, Pacing, ScheduleConfig, Tick};
+pub use maintenance::{real_time_us, NextTick, Pacing, ScheduleConfig, Tick, Ticker, Upkeep};
 pub use migrate::MigrationStep;
 use netram_policy::placement::Candidate;
 pub use netram_policy::redundancy::{ParseSchemeError, Scheme};

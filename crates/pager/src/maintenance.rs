@@ -407,3 +407,126 @@ mod pacing_tests {
         assert_eq!((next.least_us, next.most_us), (0, 300));
     }
 }
+
+/// What a loop that runs the schedule itself between its own work is given (a region's
+/// handler, `netram nbd`'s transmission loop): the schedule, and how its ticks are spaced.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Upkeep {
+    pub schedule: ScheduleConfig,
+    pub pacing: Pacing,
+}
+
+/// When such a loop ticks next, in real time: not before `least` (its own work's share of the
+/// thread), at `most` at the latest, and in between as soon as a reply arrives when moves or
+/// recovery wait for answers.
+#[derive(Debug)]
+pub struct Ticker {
+    /// The schedule last given to the pager.
+    given: Option<ScheduleConfig>,
+    least: std::time::Instant,
+    most: std::time::Instant,
+}
+
+impl Default for Ticker {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Ticker {
+    pub fn new() -> Self {
+        let now = std::time::Instant::now();
+        Self {
+            given: None,
+            least: now,
+            most: now,
+        }
+    }
+
+    /// Whether replies arriving now are worth a tick (the loop then watches the pager's
+    /// connections for them).
+    pub fn listens(&self, now: std::time::Instant) -> bool {
+        self.most > self.least && now >= self.least
+    }
+
+    /// How long the loop may sleep before a tick may be due.
+    pub fn until(&self, now: std::time::Instant) -> std::time::Duration {
+        if now < self.least {
+            self.least - now
+        } else {
+            self.most.saturating_duration_since(now)
+        }
+    }
+
+    /// When the next tick is due at the latest.
+    pub fn latest(&self) -> std::time::Instant {
+        self.most
+    }
+
+    /// Whether a tick is due: at `most`, or from `least` on if a reply arrived (`answered`).
+    pub fn due(&self, now: std::time::Instant, answered: bool) -> bool {
+        now >= self.most || (answered && now >= self.least)
+    }
+
+    /// Spaces the next tick as `next` says, from now.
+    pub fn schedule(&mut self, next: NextTick) {
+        let end = std::time::Instant::now();
+        self.least = end + std::time::Duration::from_micros(next.least_us);
+        self.most = end + std::time::Duration::from_micros(next.most_us);
+    }
+
+    /// Runs a tick of `pager`'s schedule under `upkeep` (given to the pager first if it
+    /// changed) and spaces the next one by its pacing.
+    pub fn tick<T: Transport, D: Disk>(&mut self, pager: &mut Pager<T, D>, upkeep: &Upkeep) {
+        if self.given != Some(upkeep.schedule) {
+            pager.set_schedule(upkeep.schedule);
+            self.given = Some(upkeep.schedule);
+        }
+        let started = std::time::Instant::now();
+        let next = match pager.on_tick(real_time_us()) {
+            Ok(tick) => {
+                tick.report();
+                upkeep
+                    .pacing
+                    .next(&tick, started.elapsed().as_micros() as u64)
+            }
+            Err(e) => {
+                tracing::warn!("maintenance: {e}");
+                NextTick {
+                    least_us: upkeep.pacing.idle_us,
+                    most_us: upkeep.pacing.idle_us,
+                }
+            }
+        };
+        self.schedule(next);
+    }
+}
+
+#[cfg(test)]
+mod ticker_tests {
+    use super::*;
+    use std::time::{Duration, Instant};
+
+    #[test]
+    fn replies_count_only_between_least_and_most() {
+        let mut t = Ticker::new();
+        let now = Instant::now();
+        assert!(t.due(now, false), "the first tick is due at once");
+        t.schedule(NextTick {
+            least_us: 50_000,
+            most_us: 200_000,
+        });
+        let now = Instant::now();
+        assert!(!t.listens(now) && !t.due(now, true), "before least");
+        assert!(t.until(now) <= Duration::from_millis(50));
+        let later = now + Duration::from_millis(60);
+        assert!(t.listens(later) && t.due(later, true) && !t.due(later, false));
+        assert!(t.until(later) <= Duration::from_millis(140));
+        assert!(t.due(now + Duration::from_millis(201), false));
+        t.schedule(NextTick {
+            least_us: 1_000,
+            most_us: 1_000,
+        });
+        assert!(!t.listens(Instant::now() + Duration::from_millis(2)));
+    }
+}

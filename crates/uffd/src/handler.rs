@@ -114,7 +114,7 @@ impl<T: Transport, D: Disk> Shared<T, D> {
         // victims wait for the pager's room (`evict.rs`): then the loop waits for replies too.
         let mut fetching = false;
         // The maintenance schedule (`upkeep.rs`), and whether a reply it waits for arrived.
-        let mut ticker = upkeep::Ticker::new();
+        let mut ticker = netram_pager::Ticker::new();
         let mut answered = false;
         loop {
             self.upkeep(&mut ticker, std::mem::take(&mut answered));
