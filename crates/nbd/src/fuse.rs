@@ -15,6 +15,14 @@
 //!
 //! The FUSE protocol itself is the `fuser` crate's (a well-kept implementation, mounting
 //! directly as root or through `fusermount3`); what is written here is only the file.
+//!
+//! Its requests are served by `fuser`'s threads themselves, not handed to the transmission
+//! loop that serves NBD's connections (`crate::transmit`): tried on 2026-11-30 (each request a
+//! job for the loop, answered from there), the kernel's swap through this file got slower,
+//! `netram bench nbd --quick --swap-only --configs netram_fuse`, two alternating pairs on the
+//! 2-vCPU VM: random read-modify-writes 80 and 88 us/op against 64 and 72, the quicksort 10.1
+//! and 10.8 s against 8.9 and 9.1. The kernel sends this file few requests at once, so the
+//! hand-off to another thread cost each one more than the concurrency gained.
 
 use crate::device::{Device, MAX_REQUEST};
 use fuser::{
