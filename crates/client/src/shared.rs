@@ -338,42 +338,56 @@ fn read_pages<T: Transport, D: Disk>(
     pages: &[u64],
     out: &mut Vec<u8>,
 ) -> Result<(), PagerError> {
-    out.resize(pages.len() * PAGE_SIZE, 0);
     let id = {
         let mut locked = guard(lock);
-        let inner = &mut *locked.0;
-        let mut misses = Vec::new();
-        for (place, &page) in pages.iter().enumerate() {
-            let dst = &mut out[place * PAGE_SIZE..(place + 1) * PAGE_SIZE];
-            if !inner.pager.read_at_hand(page, dst)? {
-                misses.push((page, place));
-            }
+        match begin_read(&mut locked.0, pages, out, my_wake())? {
+            Some(id) => id,
+            None => return Ok(()),
         }
-        if misses.is_empty() {
-            return Ok(());
-        }
-        let id = inner.next;
-        inner.next = (inner.next + 1) % (1 << (62 - PLACE_BITS));
-        let left = misses.len();
-        inner.reads.insert(
-            id,
-            Reading {
-                pages: misses,
-                started: 0,
-                out: std::mem::take(out),
-                left,
-                failed: None,
-                wake: my_wake(),
-                waker: None,
-            },
-        );
-        id
     };
     let result = wait(lock, id);
     let r = guard(lock).0.reads.remove(&id).expect("a read in flight");
     *out = r.out;
     // Its tickets still out, if it failed early, finish into nothing (see `Inner::route`).
     result.and(r.failed.map_or(Ok(()), Err))
+}
+
+/// Copies into `out` what of `pages` needs no I/O and registers the misses as a read by
+/// ticket, woken through `wake` if given (`None`: no miss, the read is done). Shared by the
+/// blocking read and the event loop's [`ReadPages`].
+fn begin_read<T: Transport, D: Disk>(
+    inner: &mut Inner<T, D>,
+    pages: &[u64],
+    out: &mut Vec<u8>,
+    wake: Option<Arc<OwnedFd>>,
+) -> Result<Option<u64>, PagerError> {
+    out.resize(pages.len() * PAGE_SIZE, 0);
+    let mut misses = Vec::new();
+    for (place, &page) in pages.iter().enumerate() {
+        let dst = &mut out[place * PAGE_SIZE..(place + 1) * PAGE_SIZE];
+        if !inner.pager.read_at_hand(page, dst)? {
+            misses.push((page, place));
+        }
+    }
+    if misses.is_empty() {
+        return Ok(None);
+    }
+    let id = inner.next;
+    inner.next = (inner.next + 1) % (1 << (62 - PLACE_BITS));
+    let left = misses.len();
+    inner.reads.insert(
+        id,
+        Reading {
+            pages: misses,
+            started: 0,
+            out: std::mem::take(out),
+            left,
+            failed: None,
+            wake,
+            waker: None,
+        },
+    );
+    Ok(Some(id))
 }
 
 /// Moves read `id` on until every page of it has finished.
@@ -667,33 +681,7 @@ impl<T: Transport, D: Disk> ReadPages<'_, T, D> {
     /// Copies out what needs no I/O and registers the misses as a read by ticket (`None`: no
     /// miss, the read is done).
     fn begin(&mut self, inner: &mut Inner<T, D>) -> Result<Option<u64>, PagerError> {
-        self.out.resize(self.pages.len() * PAGE_SIZE, 0);
-        let mut misses = Vec::new();
-        for (place, &page) in self.pages.iter().enumerate() {
-            let dst = &mut self.out[place * PAGE_SIZE..(place + 1) * PAGE_SIZE];
-            if !inner.pager.read_at_hand(page, dst)? {
-                misses.push((page, place));
-            }
-        }
-        if misses.is_empty() {
-            return Ok(None);
-        }
-        let id = inner.next;
-        inner.next = (inner.next + 1) % (1 << (62 - PLACE_BITS));
-        let left = misses.len();
-        inner.reads.insert(
-            id,
-            Reading {
-                pages: misses,
-                started: 0,
-                out: std::mem::take(self.out),
-                left,
-                failed: None,
-                wake: None,
-                waker: None,
-            },
-        );
-        Ok(Some(id))
+        begin_read(inner, self.pages, self.out, None)
     }
 
     /// Its read's end: the buffer back in place, the first failure if any.
