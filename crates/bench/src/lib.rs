@@ -13,6 +13,7 @@
 //! it, never matched on by a caller; a typed enum would be one `Failed(String)` variant at
 //! nearly every one of its ~90 sites.
 
+pub mod ab;
 pub mod adapt;
 pub mod cgroup;
 pub mod core;

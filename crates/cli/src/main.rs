@@ -188,6 +188,31 @@ enum ClusterCommand {
 
 #[derive(Debug, Subcommand)]
 enum BenchCommand {
+    /// Two builds side by side: runs benchmarks with an earlier build's binary and this one's
+    /// in turn (old, new; new, old; ...) and sets every figure of their results next to each
+    /// other, each build's median and the ratio; writes ab.json and ab.md. For judging a change
+    /// on a shared, noisy machine, where only runs of the same hour compare.
+    Ab {
+        /// The earlier build's `netram` binary (with its `libnetram_preload.so` beside it, for
+        /// the benchmarks that run `netram run`).
+        #[arg(long)]
+        old: PathBuf,
+        /// The later build's [default: this binary].
+        #[arg(long)]
+        new: Option<PathBuf>,
+        /// Pairs of runs of each benchmark.
+        #[arg(long, default_value_t = 2)]
+        pairs: u32,
+        /// Full-size runs; without it each benchmark's --quick run.
+        #[arg(long)]
+        full: bool,
+        /// Where to write ab.json, ab.md and every run's own results.
+        #[arg(long, default_value = "bench-results/ab")]
+        out: PathBuf,
+        /// The benchmarks (core, security, uffd, programs, reliability, adapt, nbd) [default:
+        /// all].
+        benches: Vec<String>,
+    },
     /// The block device: fio against `netram nbd` and `nbdkit memory`, and the kernel's swap on
     /// netram (through nbdfuse and through its FUSE file) against nbdkit, a local swap file,
     /// zram and no limit; writes nbd.json, nbd.md and nbd.svg. The swap part needs root; it
@@ -483,6 +508,36 @@ fn main() -> anyhow::Result<()> {
             let log = demo::open_log(&args)?;
             init_logging_to("info", Some(log));
             demo::run(args)
+        }
+        Command::Bench(BenchCommand::Ab {
+            old,
+            new,
+            pairs,
+            full,
+            out,
+            benches,
+        }) => {
+            init_logging("warn");
+            anyhow::ensure!(pairs > 0, "--pairs: at least one");
+            let opts = netram_bench::ab::Options {
+                old,
+                new: match new {
+                    Some(n) => n,
+                    None => std::env::current_exe()?,
+                },
+                pairs,
+                quick: !full,
+                benches,
+                out: out.clone(),
+            };
+            let (report, all_ran) = netram_bench::ab::run(&opts)?;
+            println!("{report}");
+            wrote(&out, &["ab.json", "ab.md"]);
+            anyhow::ensure!(
+                all_ran,
+                "some runs failed (listed above): no figures from them"
+            );
+            Ok(())
         }
         Command::Bench(BenchCommand::Reliability { quick, out }) => {
             init_logging("warn");
