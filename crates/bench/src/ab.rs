@@ -43,6 +43,8 @@ pub struct Options {
     /// Each benchmark's `--quick` run.
     pub quick: bool,
     pub benches: Vec<String>,
+    /// Arguments given to one benchmark, by name (`nbd` → `["--fio-only"]`), both builds alike.
+    pub extra: BTreeMap<String, Vec<String>>,
     pub out: PathBuf,
 }
 
@@ -62,6 +64,7 @@ struct Results {
     machine: crate::machine::Machine,
     old: String,
     new: String,
+    extra: BTreeMap<String, Vec<String>>,
     pairs: u32,
     quick: bool,
     /// Runs that failed: (benchmark, build, pair).
@@ -78,6 +81,9 @@ pub fn run(opts: &Options) -> anyhow::Result<(String, bool)> {
     if let Some(bad) = opts.benches.iter().find(|b| !BENCHES.contains(&b.as_str())) {
         anyhow::bail!("unknown benchmark {bad:?} (known: {BENCHES:?})");
     }
+    if let Some(bad) = opts.extra.keys().find(|b| !BENCHES.contains(&b.as_str())) {
+        anyhow::bail!("--with: unknown benchmark {bad:?} (known: {BENCHES:?})");
+    }
     let benches: Vec<String> = if opts.benches.is_empty() {
         BENCHES.iter().map(|b| b.to_string()).collect()
     } else {
@@ -89,6 +95,7 @@ pub fn run(opts: &Options) -> anyhow::Result<(String, bool)> {
         machine: crate::machine::Machine::describe(),
         old: opts.old.display().to_string(),
         new: opts.new.display().to_string(),
+        extra: opts.extra.clone(),
         pairs: opts.pairs,
         quick: opts.quick,
         failed: Vec::new(),
@@ -107,7 +114,8 @@ pub fn run(opts: &Options) -> anyhow::Result<(String, bool)> {
                     "netram bench ab: {bench}, {build}, pair {pair} of {}",
                     opts.pairs
                 );
-                match run_one(exe, bench, opts.quick, &dir) {
+                let extra = opts.extra.get(bench).map_or(&[][..], Vec::as_slice);
+                match run_one(exe, bench, opts.quick, extra, &dir) {
                     Ok(json) => {
                         let mut flat = BTreeMap::new();
                         flatten("", &json, &mut flat);
@@ -145,7 +153,13 @@ pub fn run(opts: &Options) -> anyhow::Result<(String, bool)> {
 }
 
 /// One benchmark run with `exe`, its output in `dir`; its JSON result.
-fn run_one(exe: &Path, bench: &str, quick: bool, dir: &Path) -> anyhow::Result<Value> {
+fn run_one(
+    exe: &Path,
+    bench: &str,
+    quick: bool,
+    extra: &[String],
+    dir: &Path,
+) -> anyhow::Result<Value> {
     std::fs::create_dir_all(dir)?;
     let log = std::fs::File::create(dir.join("run.log"))?;
     let mut cmd = Command::new(exe);
@@ -153,7 +167,8 @@ fn run_one(exe: &Path, bench: &str, quick: bool, dir: &Path) -> anyhow::Result<V
     if quick {
         cmd.arg("--quick");
     }
-    cmd.arg("--out")
+    cmd.args(extra)
+        .arg("--out")
         .arg(dir)
         .stdin(Stdio::null())
         .stdout(log.try_clone()?)
@@ -234,6 +249,9 @@ fn report(r: &Results) -> String {
         r.pairs,
         if r.quick { " · quick runs" } else { "" }
     );
+    for (bench, args) in &r.extra {
+        let _ = writeln!(s, "`{bench}` run with `{}`.\n", args.join(" "));
+    }
     let _ = writeln!(
         s,
         "Every figure of each benchmark's JSON: each build's runs, their medians, and new / old. \
@@ -351,6 +369,7 @@ mod tests {
             machine: crate::machine::Machine::describe(),
             old: "a".into(),
             new: "b".into(),
+            extra: BTreeMap::new(),
             pairs: 2,
             quick: true,
             failed: vec![("nbd".into(), "old".into(), 1)],

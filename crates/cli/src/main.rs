@@ -206,6 +206,10 @@ enum BenchCommand {
         /// Full-size runs; without it each benchmark's --quick run.
         #[arg(long)]
         full: bool,
+        /// Arguments for one benchmark, both builds alike: `--with nbd=--fio-only`, `--with
+        /// "programs=--only sort,redis"` (split at spaces; repeatable).
+        #[arg(long = "with", value_name = "BENCH=ARGS")]
+        with: Vec<String>,
         /// Where to write ab.json, ab.md and every run's own results.
         #[arg(long, default_value = "bench-results/ab")]
         out: PathBuf,
@@ -514,11 +518,22 @@ fn main() -> anyhow::Result<()> {
             new,
             pairs,
             full,
+            with,
             out,
             benches,
         }) => {
             init_logging("warn");
             anyhow::ensure!(pairs > 0, "--pairs: at least one");
+            let mut extra: std::collections::BTreeMap<String, Vec<String>> = Default::default();
+            for w in &with {
+                let (bench, args) = w
+                    .split_once('=')
+                    .ok_or_else(|| anyhow::anyhow!("--with {w:?}: BENCH=ARGS"))?;
+                extra
+                    .entry(bench.to_string())
+                    .or_default()
+                    .extend(args.split_whitespace().map(String::from));
+            }
             let opts = netram_bench::ab::Options {
                 old,
                 new: match new {
@@ -528,6 +543,7 @@ fn main() -> anyhow::Result<()> {
                 pairs,
                 quick: !full,
                 benches,
+                extra,
                 out: out.clone(),
             };
             let (report, all_ran) = netram_bench::ab::run(&opts)?;
