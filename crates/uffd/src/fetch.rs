@@ -203,12 +203,19 @@ impl<T: Transport, D: Disk> Shared<T, D> {
 
     /// Reads the replies that have arrived and installs what they finish; when nothing has
     /// come for [`STALLED`], fails the servers past the reply timeout (their reads go to
-    /// another copy, and are installed when that answers). Never waits.
-    pub(crate) fn progress_fetches(&self, st: &mut State<T, D>) {
+    /// another copy, and are installed when that answers). Never waits. `replies`: the
+    /// connections to read (see [`Replies`]); what another holder of the lock read meanwhile is
+    /// installed either way.
+    pub(crate) fn progress_fetches(&self, st: &mut State<T, D>, replies: Replies<'_>) {
         if st.pager.tickets() == 0 {
             return;
         }
-        if let Err(e) = st.pager.poll() {
+        let polled = match replies {
+            Replies::All => st.pager.poll(),
+            Replies::From([]) => Ok(0),
+            Replies::From(servers) => st.pager.poll_from(servers.iter().copied()),
+        };
+        if let Err(e) = polled {
             tracing::debug!("while fetching: {e}");
         }
         self.finish_fetches(st);

@@ -20,6 +20,23 @@ pub(crate) const WAKE: u64 = 4;
 /// faults of many threads that wait together still go out as one batch. See [`Round`].
 pub(crate) const EVENTS_PER_ROUND: usize = 64;
 
+/// What the handler's loop found ready before [`Shared::drain_events`]: whether to read the
+/// userfaultfd, and the servers whose replies to read.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Ready<'a> {
+    pub(crate) events: bool,
+    pub(crate) replies: Replies<'a>,
+}
+
+/// Which servers' connections to read replies from.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Replies<'a> {
+    /// Every one with requests in flight (what was ready is not known: a poll that timed out).
+    All,
+    /// These (by the pager's server index), which the poll found readable; none if empty.
+    From(&'a [usize]),
+}
+
 /// One turn of a userfaultfd (the region's, or a forked child's) in the handler's loop: up to
 /// [`EVENTS_PER_ROUND`] events, and, while there are children, only until a thread served in
 /// this turn faults again.
@@ -121,7 +138,11 @@ impl<T: Transport, D: Disk> Shared<T, D> {
             let wait_started = std::time::Instant::now();
             let with_children = self.child_count.load(Ordering::Acquire) > 0;
             if spin_next && !with_children && !fetching && self.spin_for_event(wait_started) {
-                match self.drain_events() {
+                let ready = Ready {
+                    events: true,
+                    replies: Replies::From(&[]),
+                };
+                match self.drain_events(ready) {
                     Some(f) => fetching = f,
                     None => return,
                 }
@@ -144,7 +165,7 @@ impl<T: Transport, D: Disk> Shared<T, D> {
                 }));
                 fetching = self.awaits_replies(&st);
                 if fetching || listening {
-                    st.pager.reply_fds(&mut replies);
+                    st.pager.reply_fds_by_server(&mut replies);
                 }
             }
             let mut fds = vec![
@@ -175,7 +196,7 @@ impl<T: Transport, D: Disk> Shared<T, D> {
                     PollFlags::IN,
                 ));
             }
-            for &fd in &replies {
+            for &(_, fd) in &replies {
                 // SAFETY: a connection of the pager's transport. Poll only looks at it: one
                 // closed or reused meanwhile (the maintenance thread reconnecting a server) is
                 // at worst a spurious wake-up, after which the loop reads replies through the
@@ -244,12 +265,29 @@ impl<T: Transport, D: Disk> Shared<T, D> {
                 }
                 // Otherwise a WAKE: the loop looks at the schedule again.
             }
-            answered = listening && fds[first_reply..].iter().any(|f| !f.revents().is_empty());
+            let timed_out = matches!(polled, Ok(0));
+            let readable: Vec<usize> = fds[first_reply..]
+                .iter()
+                .zip(&replies)
+                .filter(|(f, _)| !f.revents().is_empty())
+                .map(|(_, &(server, _))| server)
+                .collect();
+            answered = listening && !readable.is_empty();
             // (A reply counts: the children's fetches wait for replies too.)
             let children_ready = fds[first_child..].iter().any(|f| !f.revents().is_empty());
             let sent = channel.is_some() && !fds[2].revents().is_empty();
+            let ready = Ready {
+                events: timed_out || !fds[0].revents().is_empty(),
+                // A poll that timed out reads everything: a fetch may stall, or another holder
+                // of the lock may have taken in part of a reply.
+                replies: if timed_out {
+                    Replies::All
+                } else {
+                    Replies::From(&readable)
+                },
+            };
             drop(fds);
-            match self.drain_events() {
+            match self.drain_events(ready) {
                 Some(f) => fetching = f,
                 None => return,
             }
@@ -269,16 +307,35 @@ impl<T: Transport, D: Disk> Shared<T, D> {
     /// A missing fault on a stored page starts its fetch and the next event is read at once
     /// (`fetch.rs`): the faults of several threads that wait together go out in one batch per
     /// server, and the ones that come later join the pipeline rather than wait for it.
-    pub(crate) fn drain_events(&self) -> Option<bool> {
+    ///
+    /// `ready` says what the loop's poll found, so that no system call goes to a descriptor
+    /// with nothing to read (at depth 1 a fault paid three that failed with `EAGAIN`: the read
+    /// after its event, the replies looked for right after its request went out, the
+    /// userfaultfd read again when only its reply had come).
+    pub(crate) fn drain_events(&self, ready: Ready<'_>) -> Option<bool> {
         // One turn: what is left is read after the children's (see `Round`).
-        let mut round = Round::new(self.child_count.load(Ordering::Acquire) > 0);
-        while round.more() {
-            match self.uffd.read_event() {
-                Ok(Some(event)) => {
-                    round.note(&event);
-                    self.dispatch(&mut self.lock(), event)
+        let fair = self.child_count.load(Ordering::Acquire) > 0;
+        let mut round = Round::new(fair);
+        let mut events = Vec::new();
+        while ready.events && round.more() {
+            // Without children a turn ends only at its bound, so a turn's worth is read at
+            // once; with them, one at a time, since the turn may end at any event.
+            let want = if fair {
+                1
+            } else {
+                EVENTS_PER_ROUND - round.events
+            };
+            match self.uffd.read_events(&mut events, want) {
+                Ok(n) => {
+                    for event in events.drain(..) {
+                        round.note(&event);
+                        self.dispatch(&mut self.lock(), event)
+                    }
+                    if n < want {
+                        // None was left (see `read_events`).
+                        break;
+                    }
                 }
-                Ok(None) => break,
                 Err(e) => {
                     tracing::error!("userfaultfd handler: read: {e}");
                     self.finish_all(&mut self.lock());
@@ -294,7 +351,7 @@ impl<T: Transport, D: Disk> Shared<T, D> {
             // the install delays its wake-up.
             let keep = st.budget.saturating_sub(st.fetching.len());
             self.make_room(&mut st, keep);
-            self.progress_fetches(&mut st);
+            self.progress_fetches(&mut st, ready.replies);
         } else if self.over_budget(&st) {
             // Victims left for want of the pager's room: acknowledgements may have returned
             // some (`make_room` reads them).

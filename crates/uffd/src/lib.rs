@@ -88,7 +88,7 @@ mod upkeep;
 pub use alloc::NetramAlloc;
 pub use fork::{children_follow, children_follow_regions};
 use fork::{ForkChannel, ForkChild, CHILDREN_FOLLOW};
-use handler::STOP;
+use handler::{Replies, STOP};
 pub use heap::RegionHeap;
 use netram_pager::{Disk, Pager, PagerError, Transport};
 use netram_policy::clock::Clock;

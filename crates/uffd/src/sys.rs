@@ -341,38 +341,59 @@ impl Uffd {
 
     /// The next event, or `None` if none is waiting (the descriptor is non-blocking).
     pub(crate) fn read_event(&self) -> Result<Option<Event>, Errno> {
-        let mut msg = [0u8; MSG_LEN];
-        loop {
-            match rustix::io::read(self, &mut msg) {
-                Ok(MSG_LEN) => {
-                    return Ok(Some(match parse(&msg) {
-                        Parsed::Pagefault {
-                            addr,
-                            write,
-                            wp,
-                            tid,
-                        } => Event::Pagefault {
-                            addr,
-                            write,
-                            wp,
-                            tid,
-                        },
-                        Parsed::Other(e) => Event::Other(e),
-                        // SAFETY: the kernel opened this descriptor for us while handing out the
-                        // message (`resolve_userfault_fork`): it is ours alone, and taken once.
-                        Parsed::Fork(fd) => Event::Fork(Uffd(
-                            unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd) },
-                            self.1,
-                        )),
-                    }));
-                }
-                // The kernel hands out whole messages only.
-                Ok(_) => return Err(Errno::IO),
-                Err(Errno::AGAIN) => return Ok(None),
+        let mut one = Vec::with_capacity(1);
+        self.read_events(&mut one, 1)?;
+        Ok(one.pop())
+    }
+
+    /// Up to `max` waiting events, appended to `out`, in one `read`; how many were read (0 if
+    /// none was waiting: the descriptor is non-blocking).
+    ///
+    /// The kernel hands out as many whole messages as the buffer holds and stops at the first
+    /// that is not already queued (`userfaultfd_read_iter` only blocks for the first), so fewer
+    /// than `max` means none was left: the caller need not read again to find out, which would
+    /// be a system call that fails with `EAGAIN` after every fault. A fork's message carries a
+    /// descriptor the kernel opened while handing it out, so every message read is kept.
+    pub(crate) fn read_events(&self, out: &mut Vec<Event>, max: usize) -> Result<usize, Errno> {
+        const MOST: usize = 64;
+        let mut buf = [0u8; MOST * MSG_LEN];
+        let want = max.clamp(1, MOST) * MSG_LEN;
+        let n = loop {
+            match rustix::io::read(self, &mut buf[..want]) {
+                Ok(n) => break n,
+                Err(Errno::AGAIN) => return Ok(0),
                 Err(Errno::INTR) => continue,
                 Err(e) => return Err(e),
             }
+        };
+        // The kernel hands out whole messages only.
+        if n % MSG_LEN != 0 {
+            return Err(Errno::IO);
         }
+        for msg in buf[..n].chunks_exact(MSG_LEN) {
+            let msg: &[u8; MSG_LEN] = msg.try_into().expect("chunks of MSG_LEN");
+            out.push(match parse(msg) {
+                Parsed::Pagefault {
+                    addr,
+                    write,
+                    wp,
+                    tid,
+                } => Event::Pagefault {
+                    addr,
+                    write,
+                    wp,
+                    tid,
+                },
+                Parsed::Other(e) => Event::Other(e),
+                // SAFETY: the kernel opened this descriptor for us while handing out the
+                // message (`resolve_userfault_fork`): it is ours alone, and taken once.
+                Parsed::Fork(fd) => Event::Fork(Uffd(
+                    unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd) },
+                    self.1,
+                )),
+            });
+        }
+        Ok(n / MSG_LEN)
     }
 }
 

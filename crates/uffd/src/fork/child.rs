@@ -335,7 +335,7 @@ impl<T: Transport, D: Disk> Shared<T, D> {
             // The reads these faults started go out now, and those already answered (from
             // the pager's cache) are installed.
             st.pager.send_queued();
-            self.progress_fetches(&mut st);
+            self.progress_fetches(&mut st, Replies::All);
         }
     }
 
