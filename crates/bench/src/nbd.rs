@@ -214,9 +214,20 @@ pub(crate) fn start_servers(
     capacity: &str,
     polling: bool,
 ) -> anyhow::Result<(Vec<ChildGuard>, String)> {
+    start_n_servers(exe, capacity, polling, 3)
+}
+
+/// `count` page servers, as `netram serve` processes, polling or not: their guards and their
+/// addresses, comma-separated.
+pub(crate) fn start_n_servers(
+    exe: &Path,
+    capacity: &str,
+    polling: bool,
+    count: usize,
+) -> anyhow::Result<(Vec<ChildGuard>, String)> {
     let mut servers = Vec::new();
     let mut addrs = Vec::new();
-    for _ in 0..3 {
+    for _ in 0..count {
         let mut args = vec!["serve", "--listen", "127.0.0.1:0", "--capacity", capacity];
         if polling {
             args.push("--low-latency");
