@@ -490,6 +490,45 @@ fn a_partial_write_waiting_for_a_slot_does_not_hold_up_another_connections_read(
     assert!(got == whole, "the large write reads back");
 }
 
+/// A partial page's read-modify-write on a device without a cache: the page is on the server
+/// only, and the server is stopped, so its read cannot come back; a second connection's read of
+/// a page never written (zeros, no I/O) is answered meanwhile. Before, a partial page that two
+/// rounds had not brought into the (absent) cache was read the waiting way, under the pager's
+/// lock, in the transmission loop: every connection waited for that server. The write merges
+/// onto the page's data once the server goes on.
+#[test]
+fn a_partial_write_without_a_cache_reads_its_page_without_holding_up_the_loop() {
+    let server = ServerProcess::start(&["--capacity", "64M"]);
+    let nbd = NbdProcess::start(std::slice::from_ref(&server), "16M", &["--cache", "0"]);
+    let mut a = RawClient::connect(&nbd.socket);
+    a.go();
+    let data: Vec<u8> = (0..1u32 << 20).map(|i| (i % 251) as u8).collect();
+    a.request(0, 1, 1, 0, 1 << 20, &data);
+    assert_eq!(a.simple_reply(0).1, 0, "the write");
+    a.request(0, 3, 2, 0, 0, &[]);
+    assert_eq!(a.simple_reply(0).1, 0, "FLUSH");
+    let mut b = RawClient::connect(&nbd.socket);
+    b.go();
+    let part = [0x5au8; 300];
+    let part_at = (64 << 10) + 1000;
+    let resume = Stopped::stop(&server);
+    a.request(0, 1, 3, part_at, 300, &part);
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    let waited = read_is_answered(&mut b, 8 << 20, &[0u8; 4096]);
+    assert!(
+        waited < std::time::Duration::from_secs(2),
+        "a read of a page never written waited {waited:?} for another connection's partial write"
+    );
+    drop(resume);
+    assert_eq!(a.simple_reply(0), (3, 0, vec![]), "the partial write");
+    b.request(0, 0, 4, 64 << 10, 4096, &[]);
+    let (cookie, err, got) = b.simple_reply(4096);
+    assert_eq!((cookie, err), (4, 0));
+    let mut want = data[64 << 10..(64 << 10) + 4096].to_vec();
+    want[1000..1300].copy_from_slice(&part);
+    assert!(got == want, "the page: its data with the 300 bytes over it");
+}
+
 /// Issue 38: a server that hangs (SIGSTOP: its socket open, no answer) under `mirror:2` is
 /// failed by the pager's reply timeout while reads wait for it without holding the device, and
 /// those reads are served by the other copy: every page of 4 MiB read back right, none lost,

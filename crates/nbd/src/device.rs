@@ -15,7 +15,7 @@
 use netram_client::SharedPager;
 use netram_pager::{Disk, Pager, PagerError, Transport};
 use netram_proto::PAGE_SIZE;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::future::Future;
 use std::task::{Context, Poll, Waker};
 
@@ -189,6 +189,11 @@ impl<T: Transport, D: Disk> std::fmt::Debug for Device<T, D> {
 /// Pages of a write made and handed to the pager together, under one hold of the lock.
 const RUN_PAGES: usize = 64;
 
+/// Rounds of a partial write ([`Device::put_many`]) whose partial pages are read without the
+/// lock before one is read the waiting way: only a page whose version moves at every round
+/// (another connection writing it again and again, out of the cache each time) gets there.
+const PARTIAL_ROUNDS: usize = 8;
+
 /// One write's bytes on one page: `start..stop`, from the slice, or zeros.
 type Piece<'a> = (usize, usize, Option<&'a [u8]>);
 
@@ -311,13 +316,14 @@ impl<T: Transport, D: Disk> Device<T, D> {
     /// Applies writes in order: each is `data` at `offset` (`Some`) or `len` zeros (`None`).
     /// Each page's pieces are gathered first, so that a later write's bytes land over an
     /// earlier one's; then page by page, each under one hold of the lock, its content is made
-    /// (a partial page from its current content, which must be at hand: in the cache) and goes
-    /// to the pager as a write into the cache, or a discard if it is all zeros. Nothing holds
-    /// the device across a round trip: a page waits for a slot or for its last write-back with
-    /// the lock let go (`netram_client::shared`), and a partial page that is not at hand is read into
-    /// the cache by ticket without the lock, then taken up again. Its read and its write are
-    /// in one hold, so that no other connection's write of the page comes in between. With
-    /// `fua`, everything is on its backing before this returns.
+    /// (a partial page from its current content, at hand in the cache or read by ticket and
+    /// still current) and goes to the pager as a write into the cache, or a discard if it is
+    /// all zeros. Nothing holds the device across a round trip: a page waits for a slot or for
+    /// its last write-back with the lock let go (`netram_client::shared`), and a partial page
+    /// that is not at hand is read by ticket without the lock, then taken up again (see the
+    /// rounds below). Its merge and its write are in one hold, so that no other connection's
+    /// write of the page comes in between. With `fua`, everything is on its backing before
+    /// this returns.
     async fn put_many<W: Waits>(
         &self,
         writes: &[(u64, u64, Option<&[u8]>)],
@@ -345,17 +351,47 @@ impl<T: Transport, D: Disk> Device<T, D> {
         let mut done = 0;
         let mut page = vec![0u8; PAGE_SIZE];
         let (mut run, mut run_data) = (Vec::new(), Vec::new());
+        // Partial pages read by ticket for the rounds after the cache's: each with the version
+        // the page table gave it before its read started, and where its data is in `read_buf`.
+        let mut read: HashMap<u64, (u32, usize)> = HashMap::new();
+        let mut read_buf = Vec::new();
+        let cached = self.pager().config().cache_pages > 0;
         // A partial page not at hand when its turn comes (never brought in, or evicted since
-        // by other connections' pages) sends this back to read it in by ticket. After two such
-        // rounds it is read the waiting way, under the lock, as every partial page was before:
-        // a cache too small for the pages in flight must not keep a write going round.
+        // by other connections' pages) sends this back for another round. The first two bring
+        // the pages into the cache by ticket (`bring_in`); later ones (and every one without a
+        // cache, or with a cache too small for the pages in flight) read them by ticket into a
+        // buffer of this call's, whose page is merged only if the page's version is still the
+        // one from before its read: versions never go back, so an equal one means no write of
+        // the page came in between (one that did is in the cache, in write-back, or a newer
+        // version). Nothing holds the device across a round trip. Only a page whose version
+        // moves at every round for [`PARTIAL_ROUNDS`] rounds is read the waiting way, under
+        // the lock, as every partial page was before.
         for round in 0.. {
             let partial: Vec<u64> = plan[done..]
                 .iter()
                 .filter(|(_, on_page)| !is_whole(on_page[0]))
                 .map(|&(p, _)| p)
                 .collect();
-            self.bring_in::<W>(&partial).await?;
+            if cached && round < 2 {
+                self.bring_in::<W>(&partial).await?;
+            } else if !partial.is_empty() && round < PARTIAL_ROUNDS {
+                let mut versions = Vec::new();
+                W::drive(&self.inner, "writing", |pager, _| {
+                    versions = partial
+                        .iter()
+                        .map(|&p| pager.location(p).map(|l| l.version))
+                        .collect();
+                    Ok(true)
+                })
+                .await?;
+                W::read_pages(&self.inner, &partial, &mut read_buf).await?;
+                read = partial
+                    .iter()
+                    .zip(versions)
+                    .enumerate()
+                    .filter_map(|(i, (&p, v))| Some((p, (v?, i * PAGE_SIZE))))
+                    .collect();
+            }
             let mut missing = false;
             W::drive(&self.inner, "writing", |pager, wait| {
                 // Runs of pages with data go to the pager together (one batch of sends), each
@@ -373,11 +409,17 @@ impl<T: Transport, D: Disk> Device<T, D> {
                         if is_whole(on_page[0]) {
                             page.fill(0);
                         } else if !pager.read_at_hand(*p, &mut page)? {
-                            if round < 2 {
-                                missing = true;
-                                break;
+                            let current = pager.location(*p).map(|l| l.version);
+                            match read.get(p) {
+                                Some(&(v, at)) if current == Some(v) => {
+                                    page.copy_from_slice(&read_buf[at..at + PAGE_SIZE]);
+                                }
+                                _ if round < PARTIAL_ROUNDS => {
+                                    missing = true;
+                                    break;
+                                }
+                                _ => pager.read(*p, &mut page)?,
                             }
-                            pager.read(*p, &mut page)?;
                         }
                         for &(start, stop, src) in on_page {
                             match src {
@@ -705,11 +747,18 @@ mod tests {
     }
 
     /// Connections writing different sectors of the same pages at once, with a cache of two
-    /// pages that their read-modify-writes keep evicting from under each other: no sector
+    /// pages that their read-modify-writes keep evicting from under each other, and with no
+    /// cache (every partial page read by ticket and merged only if still current): no sector
     /// written is lost to another connection's write of the same page.
     #[test]
     fn concurrent_partial_writes_of_one_page_lose_no_sector() {
-        let d = std::sync::Arc::new(device(2));
+        for cache in [2, 0] {
+            concurrent_partial_writes(cache);
+        }
+    }
+
+    fn concurrent_partial_writes(cache: usize) {
+        let d = std::sync::Arc::new(device(cache));
         let sectors = (4 * PAGE / 512) as usize;
         let threads: Vec<_> = (0..4u8)
             .map(|t| {
@@ -733,7 +782,7 @@ mod tests {
             let want = 1 + (s % 4) as u8 + 4 * (19 % 8);
             assert!(
                 sector.iter().all(|&b| b == want),
-                "sector {s}: {:?}, not {want}",
+                "cache {cache}, sector {s}: {:?}, not {want}",
                 &sector[..4]
             );
         }
