@@ -167,8 +167,8 @@ impl<T: Transport, D: Disk> Pager<T, D> {
     /// less than [`Pager::spare_slots_max`], a new one. (A dirty victim's slot is free only
     /// once its write-back is acknowledged, which [`Pager::take_slot`] waits for: a read
     /// started when nothing was in flight and the cache was all dirty waited for a PUT.)
-    /// Beyond that it waits as [`Pager::take_slot_for_read`] does; callers that keep their
-    /// tickets within [`Pager::read_room`] do not get there.
+    /// Beyond that it waits as [`Pager::take_slot_for_read`] does, which only a waiting call
+    /// gets to: `start_read` keeps a read that would as a slot waiter instead (`ticket.rs`).
     pub(crate) fn take_slot_for_ticket(&mut self) -> Result<u32, PagerError> {
         if let Some(s) = self.free_slots.pop() {
             return Ok(s);

@@ -60,6 +60,9 @@ counters! {
     /// that waited as `write` does because the pool had grown by its limit already.
     slots_grown,
     writes_over_budget_waited,
+    /// Reads by ticket that found no slot to be had without waiting (none free, no clean
+    /// cached page, the pool grown by its limit) and waited for one as a state, not a call.
+    ticket_slot_waits,
     /// Rounds of probes the maintenance schedule sent (an empty GET to every live server),
     /// and probes that went unanswered for the probe timeout (their servers failed).
     probe_rounds,

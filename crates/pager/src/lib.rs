@@ -240,6 +240,9 @@ pub struct Pager<T: Transport, D: Disk> {
     /// and not yet taken.
     finished: Vec<ticket::Finished>,
     tickets: usize,
+    /// Reads by ticket started when no slot could be had without waiting (page, tag), in
+    /// the order started: each starts once a slot is at hand (`ticket.rs`).
+    slot_waiters: VecDeque<(u64, u64)>,
     /// The waiting caller's reads (`read.rs`) not yet copied out or reported: it waits for
     /// these, not for everything in flight.
     caller_reads: usize,
@@ -341,6 +344,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             reads_done: Vec::new(),
             finished: Vec::new(),
             tickets: 0,
+            slot_waiters: VecDeque::new(),
             caller_reads: 0,
             lost: Vec::new(),
             corrupt: None,

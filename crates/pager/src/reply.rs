@@ -68,6 +68,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                 }
             }
         }
+        self.start_slot_waiters(false);
         self.pump_all();
         result.map(|()| handled)
     }
@@ -84,6 +85,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
     ) -> Result<(), PagerError> {
         let accepted = inbox!(self).accept(server, id, reply);
         let handled = self.after_accept(server, accepted);
+        self.start_slot_waiters(false);
         self.pump_all();
         handled
     }
@@ -94,6 +96,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
     /// Never waits.
     pub fn on_failure(&mut self, server: usize, err: TransportError) {
         self.mark_dead(server, err);
+        self.start_slot_waiters(false);
         self.pump_all();
     }
 

@@ -52,15 +52,81 @@ impl<T: Transport, D: Disk> Pager<T, D> {
     /// never written, or only on the local disk finishes at once; one on a server waits for
     /// its reply, which any later call that reads replies takes in. With no slot free it takes
     /// a clean cached page's, else grows the pool by one (up to [`Pager::spare_slots_max`]);
-    /// it waits only beyond that: a caller keeps its tickets in flight bounded.
+    /// beyond that the read waits for a slot as a state (`slot_waiters`), a dirty victim's
+    /// write-back started for it, and starts from a later call that takes replies in or
+    /// finished reads out. Never waits.
     pub fn start_read(&mut self, page: u64, tag: u64) -> Result<(), PagerError> {
         assert!(tag < TICKET as u64, "a ticket's tag is below 2^62");
         self.check(page)?;
         self.counters.reads += 1;
-        // Counted once started: a start that fails (no slot to be had) leaves no ticket.
+        if !self.slot_waiters.is_empty() || !self.ticket_slot_at_hand() {
+            // Behind those that wait already: reads start in the order asked for.
+            self.slot_waiters.push_back((page, tag));
+            self.tickets += 1;
+            self.counters.ticket_slot_waits += 1;
+            self.make_room_for_waiters();
+            return Ok(());
+        }
+        // Counted once started: a start that fails (a disk error) leaves no ticket.
         self.start_ticket(page, tag, None)?;
         self.tickets += 1;
         Ok(())
+    }
+
+    /// Whether [`Pager::take_slot_for_ticket`] has a slot without waiting.
+    fn ticket_slot_at_hand(&self) -> bool {
+        !self.free_slots.is_empty()
+            || self
+                .cache
+                .peek_lru()
+                .is_some_and(|(_, &slot)| !self.dirty[slot as usize])
+            || self.spare_slots < self.spare_slots_max()
+    }
+
+    /// Starts the write-back of the least recently used cached page for a read waiting for a
+    /// slot (its slot is free once acknowledged), unless that would wait: its last write-back
+    /// still in flight, or no slot left for sealing a stripe. Slots held otherwise come back
+    /// as replies and taken reads return them.
+    fn make_room_for_waiters(&mut self) {
+        let Some((&page, &slot)) = self.cache.peek_lru() else {
+            return;
+        };
+        if !self.dirty[slot as usize]
+            || self.writeback.contains_key(&page)
+            || self.free_slots.len() < self.scheme.seal_slots()
+        {
+            return;
+        }
+        self.cache.pop_lru();
+        self.dirty[slot as usize] = false;
+        self.counters.evictions_dirty += 1;
+        self.must_not_wait += 1;
+        let written = self.write_back(page, slot);
+        self.must_not_wait -= 1;
+        if let Err(e) = written {
+            tracing::debug!("writing page {page} back for a read waiting for a slot: {e}");
+        }
+    }
+
+    /// Starts the reads waiting for a slot, in order, while slots are at hand; `wait`: the
+    /// first may wait for one when nothing else would free it (only from a waiting call).
+    pub(crate) fn start_slot_waiters(&mut self, wait: bool) {
+        while let Some(&(page, tag)) = self.slot_waiters.front() {
+            if !(self.ticket_slot_at_hand() || wait && self.idle()) {
+                self.make_room_for_waiters();
+                return;
+            }
+            self.slot_waiters.pop_front();
+            if let Err(err) = self.start_ticket(page, tag, None) {
+                // Said to its taker, as a read that failed in flight is.
+                self.finished.push(Finished {
+                    tag,
+                    page,
+                    version: 0,
+                    data: Err(err),
+                });
+            }
+        }
     }
 
     /// Where a read by ticket goes, at the page's current version. `slot`: the one it holds
@@ -167,6 +233,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
     /// Sends whatever is queued that the servers' credits allow, open batches too: what a loop
     /// does once it has started the reads of every fault it has read. Never waits.
     pub fn send_queued(&mut self) {
+        self.start_slot_waiters(false);
         self.pump_all();
         self.transport.flush();
     }
@@ -220,6 +287,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
     pub fn wait_finished(&mut self) -> Result<(), PagerError> {
         loop {
             self.resubmit_ticket_retries();
+            self.start_slot_waiters(true);
             self.route_ticket_reads();
             // Degraded reads waiting for recovery drive it on (it sends, and never waits).
             self.serve_waiters()?;
@@ -325,27 +393,37 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         self.route_ticket_reads();
         self.pump_all();
         let mut result = Ok(());
-        for done in std::mem::take(&mut self.finished) {
-            self.tickets -= 1;
-            match done.data {
-                Ok(Data::Zeros) => f(done.tag, done.page, Ok(&ZEROS)),
-                Err(e) => f(done.tag, done.page, Err(e)),
-                Ok(Data::Slot(slot)) => {
-                    f(done.tag, done.page, Ok(self.slot(slot)));
-                    // What it read is worth keeping only while it is the page's current
-                    // version: a write or a discard may have come in while it was on its way.
-                    let e = *self.table.get(done.page);
-                    let current = e.present
-                        && e.version == done.version
-                        && !self.writeback.contains_key(&done.page);
-                    if self.cfg.cache_pages > 0 && current && !self.cache.contains(&done.page) {
-                        if let Err(e) = self.insert_clean_without_waiting(done.page, slot) {
-                            result = Err(e);
+        // Reads waiting for a slot start as the slots these give back allow; those that
+        // finish at once (a cache hit, a page never written) are given out in the same call.
+        loop {
+            for done in std::mem::take(&mut self.finished) {
+                self.tickets -= 1;
+                match done.data {
+                    Ok(Data::Zeros) => f(done.tag, done.page, Ok(&ZEROS)),
+                    Err(e) => f(done.tag, done.page, Err(e)),
+                    Ok(Data::Slot(slot)) => {
+                        f(done.tag, done.page, Ok(self.slot(slot)));
+                        // What it read is worth keeping only while it is the page's current
+                        // version: a write or a discard may have come in while it was on its way.
+                        let e = *self.table.get(done.page);
+                        let current = e.present
+                            && e.version == done.version
+                            && !self.writeback.contains_key(&done.page);
+                        if self.cfg.cache_pages > 0 && current && !self.cache.contains(&done.page) {
+                            if let Err(e) = self.insert_clean_without_waiting(done.page, slot) {
+                                result = Err(e);
+                            }
+                        } else {
+                            self.release_slot(slot);
                         }
-                    } else {
-                        self.release_slot(slot);
                     }
                 }
+            }
+            let waiting = self.slot_waiters.len();
+            self.start_slot_waiters(false);
+            self.route_ticket_reads();
+            if self.finished.is_empty() || self.slot_waiters.len() == waiting {
+                break;
             }
         }
         result

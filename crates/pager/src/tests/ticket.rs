@@ -672,3 +672,62 @@ fn a_read_by_ticket_with_every_slot_dirty_or_held_does_not_wait() {
     assert_eq!(got, Some((3, content(3, 1))));
     p.check_invariants().unwrap();
 }
+
+/// Reads by ticket beyond what the slot pool can give without waiting (every slot held by a
+/// finished read not taken yet or dirty in the cache, the pool grown by its limit) wait for a
+/// slot as a state: `start_read` returns at once, no reply is waited for, and each read
+/// starts, in order, as taken reads and write-backs give slots back; every one reads back
+/// right. (Before, the one past the limit waited inside `start_read`.)
+#[test]
+fn reads_by_ticket_past_the_pools_limit_wait_for_a_slot_without_waiting() {
+    let mut p = pager(MemCluster::new(&[256, 256]), 128, 8, Backing::Cluster);
+    for pg in 0..64u64 {
+        p.write(pg, &content(pg, 1)).unwrap();
+    }
+    p.flush().unwrap();
+    // Dirty pages in the cache, so that no clean one gives its slot.
+    for pg in 100..108u64 {
+        p.write(pg, &content(pg, 2)).unwrap();
+    }
+    let waits = p.counters().waits;
+    let mut tag = 0u64;
+    // Reads of pages on the servers, none taken: their slots stay held.
+    while p.counters().ticket_slot_waits < 5 {
+        p.start_read(tag % 64, tag).unwrap();
+        p.check_invariants().unwrap();
+        tag += 1;
+        assert!(tag < 1000, "never ran out of slots: {:?}", p.counters());
+    }
+    assert_eq!(p.counters().waits, waits, "a start waited for a reply");
+    assert_eq!(p.counters().slots_grown as usize, p.spare_slots_max());
+    assert_eq!(p.tickets() as u64, tag);
+    // Replies in, in any order, reads taken as they finish: every one, the waiting ones too.
+    let mut rng = fastrand::Rng::with_seed(5);
+    let mut got = std::collections::BTreeMap::new();
+    for _ in 0..10_000 {
+        if p.tickets() == 0 {
+            break;
+        }
+        p.send_queued();
+        deliver(&mut p, &mut rng, 4);
+        p.take_finished(|t, page, data| {
+            assert_eq!(page, t % 64);
+            assert!(
+                got.insert(t, data.unwrap().to_vec()).is_none(),
+                "read {t} twice"
+            );
+        })
+        .unwrap();
+        p.check_invariants().unwrap();
+    }
+    assert_eq!(p.tickets(), 0, "reads never finished: {:?}", p.counters());
+    assert_eq!(p.counters().waits, waits, "a read waited for a reply");
+    assert_eq!(got.len() as u64, tag);
+    for (t, data) in got {
+        assert_eq!(data, content(t % 64, 1), "read {t}");
+    }
+    p.flush().unwrap();
+    for pg in 100..108u64 {
+        assert_eq!(read(&mut p, pg).unwrap(), content(pg, 2), "page {pg}");
+    }
+}
