@@ -743,7 +743,14 @@ impl<'d, T: Transport, D: Disk> Loop<'d, T, D> {
         self.tasks[slot] = None;
         self.free.push(slot);
         if let Some(c) = self.conns.get_mut(&conn) {
-            c.out.extend_from_slice(&b.out);
+            if c.out.is_empty() {
+                // Nothing waits to be sent: the batch's replies become the connection's
+                // without a copy (a batch of reads' is their data: 1.5 % of the loop's time
+                // copied here in `perf` of fio's verified mixed writes).
+                std::mem::swap(&mut c.out, &mut b.out);
+            } else {
+                c.out.extend_from_slice(&b.out);
+            }
             b.clear();
             c.spare = Some(b);
         }
