@@ -73,6 +73,13 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         Ok(())
     }
 
+    /// Whether a read by ticket started now would start at once rather than wait for a slot
+    /// (see [`Pager::start_read`]): what a guess (a page fetched ahead) should ask first, so
+    /// that it never waits in line ahead of a read somebody waits for.
+    pub fn read_starts_now(&self) -> bool {
+        self.slot_waiters.is_empty() && self.ticket_slot_at_hand()
+    }
+
     /// Whether [`Pager::take_slot_for_ticket`] has a slot without waiting.
     fn ticket_slot_at_hand(&self) -> bool {
         !self.free_slots.is_empty()

@@ -79,6 +79,10 @@ impl<T: Transport, D: Disk> Shared<T, D> {
             return self.unreadable(page, tid, &e);
         }
         for a in ahead {
+            if !st.pager.read_starts_now() {
+                // A guess never waits for a slot ahead of a fault's read.
+                break;
+            }
             let fetch = Fetch {
                 fault: None,
                 ahead: Some(mode),
@@ -95,6 +99,9 @@ impl<T: Transport, D: Disk> Shared<T, D> {
     pub(crate) fn prefetch(&self, st: &mut State<T, D>, page: usize) {
         let (wanted, mode) = self.proposals(st, page);
         for p in wanted {
+            if !st.pager.read_starts_now() {
+                break;
+            }
             let fetch = Fetch {
                 fault: None,
                 ahead: Some(mode),

@@ -690,6 +690,7 @@ fn reads_by_ticket_past_the_pools_limit_wait_for_a_slot_without_waiting() {
         p.write(pg, &content(pg, 2)).unwrap();
     }
     let waits = p.counters().waits;
+    assert!(p.read_starts_now());
     let mut tag = 0u64;
     // Reads of pages on the servers, none taken: their slots stay held.
     while p.counters().ticket_slot_waits < 5 {
@@ -699,6 +700,10 @@ fn reads_by_ticket_past_the_pools_limit_wait_for_a_slot_without_waiting() {
         assert!(tag < 1000, "never ran out of slots: {:?}", p.counters());
     }
     assert_eq!(p.counters().waits, waits, "a start waited for a reply");
+    assert!(
+        !p.read_starts_now(),
+        "reads wait for slots: a guess would wait behind them"
+    );
     assert_eq!(p.counters().slots_grown as usize, p.spare_slots_max());
     assert_eq!(p.tickets() as u64, tag);
     // Replies in, in any order, reads taken as they finish: every one, the waiting ones too.
@@ -721,6 +726,7 @@ fn reads_by_ticket_past_the_pools_limit_wait_for_a_slot_without_waiting() {
         p.check_invariants().unwrap();
     }
     assert_eq!(p.tickets(), 0, "reads never finished: {:?}", p.counters());
+    assert!(p.read_starts_now());
     assert_eq!(p.counters().waits, waits, "a read waited for a reply");
     assert_eq!(got.len() as u64, tag);
     for (t, data) in got {

@@ -122,6 +122,10 @@ impl<T: Transport, D: Disk> Shared<T, D> {
             return self.child_unreadable(&st.children[i], page, tid, &e);
         }
         for p in proposed {
+            if !st.pager.read_starts_now() {
+                // A guess never waits for a slot ahead of a fault's read.
+                break;
+            }
             let p = p as usize;
             let child = &st.children[i];
             let absent = matches!(child.state(p), page::PARENT | page::PRIVATE);
