@@ -113,13 +113,9 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                 // out now.
                 continue;
             }
-            if self.idle() && self.cache.is_empty() && self.par_yield() {
-                // Parity recovery's reads held them: their phase starts again later.
-                continue;
-            }
-            if self.idle() && self.cache.is_empty() && self.rs_yield() {
-                // Pieces read for stripes being rebuilt held them: those rebuilds start
-                // again at a later step.
+            if self.idle() && self.cache.is_empty() && self.recovery_yield() {
+                // The scheme's recovery held them (parity survivors', pieces of stripes being
+                // rebuilt): it starts again at a later step.
                 continue;
             }
             if self.idle() && self.cache.is_empty() {

@@ -75,9 +75,8 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         // A page short of copies is the owner's to move: it writes every copy anew (and its
         // one copy must not go to the server whose failure made it short: that server failing
         // again would lose it).
-        let (short, pages): (Vec<u64>, Vec<u64>) = pages.into_iter().partition(|p| {
-            self.degraded.contains(p) || self.rebuilding.contains_key(p) || self.short.contains(p)
-        });
+        let (short, pages): (Vec<u64>, Vec<u64>) =
+            pages.into_iter().partition(|&p| self.in_recovery(p));
         if pages.is_empty() {
             return short;
         }
@@ -139,9 +138,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             && holders.contains(from)
             && !holders.contains(to)
             && !self.writeback.contains_key(&page)
-            && !self.degraded.contains(&page)
-            && !self.rebuilding.contains_key(&page)
-            && !self.short.contains(&page)
+            && !self.in_recovery(page)
     }
 
     /// B answered the EXPECT: what it expects goes to C as a MIGRATE; the rest stays.

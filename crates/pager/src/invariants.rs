@@ -185,12 +185,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             }
         }
         let (mut owned, mut used) = (Vec::new(), Vec::new());
-        if let Some(rs) = self.scheme.stripe() {
-            rs.slots_held(&mut owned, &mut used);
-        }
-        if let Some(par) = self.scheme.parity() {
-            par.slots_held(&mut owned);
-        }
+        self.scheme.slots_held(&mut owned, &mut used);
         for s in owned {
             claim(s, "the redundancy scheme's")?;
         }
@@ -358,7 +353,12 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                 "page {page} waits to be written again but is not dirty in the cache"
             ));
         }
-        for &page in self.degraded.iter().chain(&self.short) {
+        let listed = self
+            .scheme
+            .whole_copies()
+            .into_iter()
+            .flat_map(|c| c.listed());
+        for page in listed {
             if page >= self.cfg.pages || !self.table.get(page).present {
                 return Err(format!(
                     "recovery lists page {page}, which the table does not have"

@@ -188,11 +188,6 @@ pub struct Pager<T: Transport, D: Disk> {
     writeback: HashMap<u64, Writeback>,
     /// What keeps pages safe when a server dies, and its state ([`scheme`]).
     scheme: Redundancy,
-    /// Pages with fewer copies than `copies` (a server died, a copy was bad): recovery's list.
-    degraded: BTreeSet<u64>,
-    /// Pages taken off `degraded` whose surviving copy is being read (whole copies'
-    /// recovery, `scheme/mirror.rs`), with the version read.
-    rebuilding: std::collections::BTreeMap<u64, u32>,
     /// Pages whose read for a move through this pager is out (`migrate.rs`), with the
     /// version read, the server they leave and the slot read into (a page's move and a
     /// parity survivor read of it can be out together).
@@ -209,9 +204,6 @@ pub struct Pager<T: Transport, D: Disk> {
     no_direct: BTreeSet<(usize, usize)>,
     /// Where the next search for pages to move starts in the page table.
     migrate_cursor: u64,
-    /// Pages recovery could not give every copy (no server with room) and that the local disk
-    /// backs meanwhile: tried again when a server comes back.
-    short: BTreeSet<u64>,
     /// Pages kept in the cache, dirty, because the local disk failed to write them and no
     /// server holds their current version: the cache may exceed its budget by these.
     rehomed: BTreeSet<u64>,
@@ -303,15 +295,12 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             disk,
             table: Table::new(cfg.pages, scheme.copies()),
             scheme,
-            degraded: BTreeSet::new(),
-            rebuilding: std::collections::BTreeMap::new(),
             moving: std::collections::BTreeMap::new(),
             own_failed: Vec::new(),
             migrating: BTreeSet::new(),
             handing: std::collections::BTreeMap::new(),
             no_direct: BTreeSet::new(),
             migrate_cursor: 0,
-            short: BTreeSet::new(),
             rehomed: BTreeSet::new(),
             evictions_deferred: 0,
             spare_slots: 0,
@@ -520,9 +509,6 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                 wb.done.remove(s);
                 wb.keep.remove(s);
             }
-            // Room again, perhaps: what lacked copies for want of servers tries again.
-            let short = std::mem::take(&mut self.short);
-            self.degraded.extend(short);
         }
         revived
     }
@@ -985,8 +971,6 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                 self.disk.discard(page)?;
             }
             self.table.forget(page);
-            self.degraded.remove(&page);
-            self.short.remove(&page);
         }
         for (s, keys) in deletes.into_iter().enumerate() {
             for chunk in keys.chunks(netram_proto::MAX_BATCH) {

@@ -279,8 +279,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             tick.migrated = self.migrate(cfg.migrate_batch)?.started;
         }
         tick.handing = self.pages_in_handover() + self.moving.len();
-        tick.rebuilding =
-            self.rebuilding.len() + self.scheme.stripe().map_or(0, |rs| rs.rebuilding());
+        tick.rebuilding = self.rebuilding_pages();
         Ok(tick)
     }
 }

@@ -34,7 +34,6 @@
 //! stay in place (its write-back starts with that server among those that refused it).
 
 use crate::requests::INTERNAL;
-use crate::scheme::Redundancy;
 use crate::table::Servers;
 use crate::writeback::Writeback;
 use crate::{Disk, Pager, PagerError, Transport};
@@ -107,9 +106,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         for s in 0..self.servers.len() {
             let st = &self.servers[s];
             if !st.alive || st.leaving == 0 || st.leaving == st.leaving_stuck {
-                if matches!(self.scheme, Redundancy::Parity(_)) {
-                    self.par_forget_leaving_scan(s);
-                }
+                self.not_leaving(s);
                 continue;
             }
             if batch.len() >= budget {
@@ -135,10 +132,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                 && self.settled()
             {
                 // `None`: its scan is out, or is to be sent again.
-                let released = match self.scheme {
-                    Redundancy::Parity(_) => self.par_release_holder(s, want),
-                    _ => Some(Vec::new()),
-                };
+                let released = self.release_leaving(s, want);
                 match released {
                     Some(p) if p.is_empty() => {
                         self.servers[s].leaving_stuck = self.servers[s].leaving;
@@ -317,7 +311,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         !self.writeback.contains_key(&page)
             && !self.rehomed.contains(&page)
             && !self.handing.contains_key(&page)
-            && !self.rebuilding.contains_key(&page)
+            && !self.recovery_reading(page)
             && !self.moving.contains_key(&page)
     }
 
@@ -328,36 +322,9 @@ impl<T: Transport, D: Disk> Pager<T, D> {
     /// migration from scanning the table from the start each step.
     fn leaving_pages(&mut self, server: usize, want: usize) -> (Vec<u64>, bool) {
         let mut out = Vec::new();
-        if let Some(rs) = self.scheme.stripe() {
-            // Every stripe there, not the first `want`: a stripe none of whose members can move
-            // now (one waits to be rebuilt) must not hide the others (`netram sim --seed 3225
-            // --scheme rs:3+2` left a piece above the offer so, the server taken for stuck).
-            let members = rs.members_with_piece_on(server, usize::MAX);
-            let held = !members.is_empty();
-            let mut unread = Vec::new();
-            for (page, _) in members {
-                // A member whose data piece is out of reach is read from the disk if the disk
-                // backs it, else left to recovery to rebuild first.
-                let readable =
-                    self.alive_holder(page, None).is_some() || self.table.get(page).on_disk;
-                if !readable {
-                    unread.push(page);
-                }
-                if self.movable(page) && !out.contains(&page) && readable {
-                    out.push(page);
-                }
-                if out.len() >= want {
-                    break;
-                }
-            }
-            // ... and recovery is told: such a stripe may have been left out of its list (its
-            // other lost member superseded meanwhile), and then nothing would ever rebuild the
-            // page, or find it lost and free the stripe's pieces (`netram sim --seed 3457
-            // --scheme rs:2+1`: a parity piece stayed above a shrunk offer).
-            if !unread.is_empty() {
-                self.rs_recheck(&unread);
-            }
-            return (out, held);
+        if let Some(found) = self.scheme_leaving_pages(server, want) {
+            // A scheme that keeps pages other than by the page table (stripes' pieces).
+            return found;
         }
         let pages = self.cfg.pages;
         if pages == 0 {

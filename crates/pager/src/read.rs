@@ -368,9 +368,8 @@ impl<T: Transport, D: Disk> Pager<T, D> {
     /// One of the pager's own reads is in: a parity survivor's for recovery's round, any
     /// other (recovery of whole copies, a move, a degraded read's) for `fetched`.
     fn own_read_done(&mut self, d: &ReadDone) {
-        match self.scheme.parity_mut() {
-            Some(par) if d.part == Part::Survivor => par.survivor_read(d.page, d.slot),
-            _ => self.fetched.push((d.page, d.slot)),
+        if !self.scheme_read_done(d) {
+            self.fetched.push((d.page, d.slot));
         }
     }
 

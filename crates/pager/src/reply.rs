@@ -154,14 +154,8 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                 self.servers[server].load.free_pages = 0;
                 self.put_failed(it, server)?;
             }
-            // Answers that only a parity pager's requests get (see `complete`).
             Followup::Damaged(it) => self.put_failed(it, server)?,
-            Followup::Refused(it) => self.par_holder_unreachable(it, server)?,
-            Followup::Unprotected(it) => self.par_unprotected(it, server)?,
-            Followup::Shipped(id) => self.par_shipped(id)?,
-            Followup::ShipFailed(id) => self.par_ship_failed(id)?,
-            Followup::Scanned(id, groups, orphans) => self.par_scanned(server, id, groups, orphans),
-            Followup::Stale(keys) => self.par_stale(server, keys),
+            Followup::Parity(answer) => self.scheme_answer(server, answer)?,
             Followup::Expected(hand, status) => self.expected(*hand, status),
             Followup::Migrated(hand, status) => self.migrated(*hand, &status),
             Followup::Dead(why, op) => {
@@ -243,7 +237,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             Op::Expect(hand) => self.handover_failed(*hand, false),
             Op::Migrate(hand) => self.handover_failed(*hand, true),
             Op::Ship(id) => {
-                if let Err(e) = self.par_ship_failed(id) {
+                if let Err(e) = self.scheme_answer(server, parity::Answer::ShipFailed(id)) {
                     tracing::error!("could not place pages after a holder failed: {e}");
                 }
             }
@@ -371,11 +365,11 @@ impl Inbox<'_> {
                         PutStatus::Stored => Followup::Stored(it),
                         // Stored outside any group: it joins a new one.
                         PutStatus::Unprotected if matches!(it.kind, PutKind::Parity(_)) => {
-                            Followup::Unprotected(it)
+                            Followup::Parity(parity::Answer::Unprotected(it))
                         }
                         PutStatus::Unprotected => Followup::Stored(it),
                         PutStatus::HolderUnreachable if matches!(it.kind, PutKind::Parity(_)) => {
-                            Followup::Refused(it)
+                            Followup::Parity(parity::Answer::Refused(it))
                         }
                         // Only a parity PUT involves a holder: said of any other, it is a lie
                         // (found by the simulator: a flipped status left a stripe's piece
@@ -404,9 +398,9 @@ impl Inbox<'_> {
             }
             (Op::Ship(id), Reply::Put { status, .. }) => {
                 followups.push(if status.first() == Some(&PutStatus::Stored) {
-                    Followup::Shipped(id)
+                    Followup::Parity(parity::Answer::Shipped(id))
                 } else {
-                    Followup::ShipFailed(id)
+                    Followup::Parity(parity::Answer::ShipFailed(id))
                 });
             }
             (Op::Delta, Reply::ParityDelta { .. }) => {}
@@ -435,7 +429,11 @@ impl Inbox<'_> {
                         }
                     })
                     .collect();
-                followups.push(Followup::Scanned(id, groups, orphans.clone()));
+                followups.push(Followup::Parity(parity::Answer::Scanned(
+                    id,
+                    groups,
+                    orphans.clone(),
+                )));
             }
             (Op::Gc(keys), Reply::Delete { status, .. }) if status.len() == keys.len() => {
                 let stale: Vec<PageKey> = keys
@@ -445,7 +443,7 @@ impl Inbox<'_> {
                     .map(|(k, _)| *k)
                     .collect();
                 if !stale.is_empty() {
-                    followups.push(Followup::Stale(stale));
+                    followups.push(Followup::Parity(parity::Answer::Stale(stale)));
                 }
             }
             (Op::Delete, Reply::Delete { status, .. }) => {
@@ -478,19 +476,10 @@ pub(crate) enum Followup {
     GetFailed(GetItem, &'static str),
     Stored(PutItem),
     Replace(PutItem),
-    /// Not stored: the server could not tell the page's parity holder (which may have changed
-    /// its group all the same). Sent again, or placed elsewhere.
-    Refused(PutItem),
     /// Not stored: damaged on the way (the server's checksum check failed).
     Damaged(PutItem),
-    /// Stored outside any parity group.
-    Unprotected(PutItem),
-    Shipped(u64),
-    ShipFailed(u64),
-    /// A parity scan's answer, by its request's id.
-    Scanned(u64, Vec<parity::ScannedGroup>, Vec<PageKey>),
-    /// Copies a parity pager could not delete yet.
-    Stale(Vec<PageKey>),
+    /// An answer only a parity pager's requests get.
+    Parity(parity::Answer),
     /// A direct migration's EXPECT, and its MIGRATE, answered (`handover.rs`).
     Expected(Box<crate::handover::Hand>, Vec<netram_proto::MoveStatus>),
     Migrated(Box<crate::handover::Hand>, Vec<netram_proto::MoveStatus>),

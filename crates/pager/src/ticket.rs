@@ -307,25 +307,6 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         }
     }
 
-    /// Moves the degraded reads by ticket on (see `rs_serve_waiters`, `par_serve_waiters`).
-    fn serve_waiters(&mut self) -> Result<(), PagerError> {
-        if self
-            .scheme
-            .stripe()
-            .is_some_and(|rs| !rs.waiters.is_empty())
-        {
-            self.rs_serve_waiters()?;
-        }
-        if self
-            .scheme
-            .parity()
-            .is_some_and(|par| !par.waiters.is_empty())
-        {
-            self.par_serve_waiters()?;
-        }
-        Ok(())
-    }
-
     /// Whether the page changed since a read by ticket asked for `it.version`: written (into
     /// the cache, which it was not in when the read started; a write-back of another version
     /// in flight, or done), or discarded. A server may then answer for the newer version, and

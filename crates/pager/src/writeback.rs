@@ -3,6 +3,7 @@
 //! scheme sends is acknowledged; the page table then learns where it is. A page the local disk
 //! fails to write stays in memory, dirty, and is written again later.
 
+use crate::scheme::Landed;
 use crate::table::Servers;
 use crate::{Backing, Disk, Pager, PagerError, Transport};
 use netram_proto::PAGE_SIZE;
@@ -154,7 +155,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             .chain(wb.done.iter())
             .filter(|&s| self.servers[s].alive)
             .collect();
-        if holders.len() < self.scheme.copies() {
+        let landed = if holders.len() < self.scheme.copies() {
             // Too few servers alive or with room for every copy: the local disk makes up
             // for the missing ones (Markatos: the disk when the cluster is full). Recovery
             // adds the missing copies when servers come back.
@@ -165,8 +166,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                 if !self.write_to_disk(page, wb.slot) {
                     // Fewer copies than promised and no disk to make up for them: the copies
                     // made count, and the page stays in memory until it is written again.
-                    self.degraded.remove(&page);
-                    self.short.remove(&page);
+                    self.copies_landed(page, Landed::InMemory);
                     self.set_location(page, holders);
                     self.table.get_mut(page).on_disk = false;
                     self.rehome(page, wb.slot);
@@ -174,26 +174,25 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                 }
                 self.table.get_mut(page).on_disk = true;
             }
-            self.degraded.remove(&page);
             if holders.is_empty() {
-                self.short.remove(&page);
-            } else if wb.rebuild && wb.revivals == self.counters.servers_revived {
-                self.short.insert(page);
+                Landed::OnDiskOnly
             } else if wb.rebuild {
-                // A server came back while this copy was out: its revival found the page not
-                // yet short, so recovery tries again now rather than at the next revival.
-                self.degraded.insert(page);
+                // A server that came back while this copy was out found the page not yet
+                // short: recovery tries again now rather than at the next revival.
+                Landed::Short {
+                    rebuilt: wb.revivals == self.counters.servers_revived,
+                }
             } else {
                 self.counters.writes_degraded += 1;
-                self.degraded.insert(page);
+                Landed::Short { rebuilt: false }
             }
         } else {
             if wb.rebuild {
                 self.counters.pages_rebuilt += 1;
             }
-            self.degraded.remove(&page);
-            self.short.remove(&page);
-        }
+            Landed::Enough
+        };
+        self.copies_landed(page, landed);
         self.landed(page, holders.is_empty());
         self.set_location(page, holders);
         self.release_slot(wb.slot);

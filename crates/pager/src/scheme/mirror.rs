@@ -9,8 +9,112 @@ use crate::writeback::Writeback;
 use crate::{Disk, Op, Pager, PagerError, Transport};
 use netram_policy::placement::{self, Candidate};
 use netram_proto::Request;
+use std::collections::{BTreeMap, BTreeSet};
+
+/// Whole copies' state: how many each page gets, and recovery's lists.
+#[derive(Debug)]
+pub(crate) struct Copies {
+    /// Copies per page: 1 under `none`, N under `mirror:N`.
+    pub(crate) n: usize,
+    /// Pages with fewer copies than `n` (a server died, a copy was bad): recovery's list.
+    degraded: BTreeSet<u64>,
+    /// Pages taken off `degraded` whose surviving copy is being read, with the version read.
+    rebuilding: BTreeMap<u64, u32>,
+    /// Pages recovery could not give every copy (no server with room) and that the local disk
+    /// backs meanwhile: tried again when a server comes back.
+    short: BTreeSet<u64>,
+}
+
+impl Copies {
+    pub(crate) fn new(n: usize) -> Self {
+        Self {
+            n,
+            degraded: BTreeSet::new(),
+            rebuilding: BTreeMap::new(),
+            short: BTreeSet::new(),
+        }
+    }
+
+    /// Pages recovery still has to look at, and those whose read for it is out.
+    pub(crate) fn pending(&self) -> usize {
+        self.degraded.len() + self.rebuilding.len()
+    }
+
+    /// Pages recovery could not give every copy, backed by the local disk meanwhile.
+    pub(crate) fn short(&self) -> usize {
+        self.short.len()
+    }
+
+    /// Pages whose surviving copy is being read for recovery.
+    pub(crate) fn rebuilding(&self) -> usize {
+        self.rebuilding.len()
+    }
+
+    /// Whether recovery has `page` on a list: degraded, being rebuilt, or short of copies.
+    pub(crate) fn has(&self, page: u64) -> bool {
+        self.degraded.contains(&page)
+            || self.rebuilding.contains_key(&page)
+            || self.short.contains(&page)
+    }
+
+    /// Whether recovery's read of `page` is out.
+    pub(crate) fn reading(&self, page: u64) -> bool {
+        self.rebuilding.contains_key(&page)
+    }
+
+    /// A page gone (discarded): off every list.
+    pub(crate) fn forget(&mut self, page: u64) {
+        self.degraded.remove(&page);
+        self.short.remove(&page);
+    }
+
+    /// Pages on recovery's lists, for the invariants.
+    pub(crate) fn listed(&self) -> impl Iterator<Item = u64> + '_ {
+        self.degraded.iter().chain(&self.short).copied()
+    }
+
+    /// A write-back settled with `holders` copies: what recovery still owes the page
+    /// (`finish_writeback`'s cases, see [`Landed`]).
+    pub(crate) fn landed(&mut self, page: u64, landed: Landed) {
+        match landed {
+            Landed::Enough | Landed::InMemory | Landed::OnDiskOnly => self.forget(page),
+            Landed::Short { rebuilt: true } => {
+                self.degraded.remove(&page);
+                self.short.insert(page);
+            }
+            Landed::Short { rebuilt: false } => {
+                self.degraded.insert(page);
+            }
+        }
+    }
+}
+
+/// How a write-back of whole copies ended, for recovery's lists ([`Copies::landed`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Landed {
+    /// Every copy found a server.
+    Enough,
+    /// Too few copies and no disk to make up for them: the page stays in memory until it is
+    /// written again.
+    InMemory,
+    /// No copy on any server: the local disk alone holds it.
+    OnDiskOnly,
+    /// Some copies, fewer than wanted, the local disk backing the rest. `rebuilt`: recovery's
+    /// own rebuild with no server revived since it began (short until a server comes back);
+    /// otherwise degraded, for recovery to try again.
+    Short { rebuilt: bool },
+}
 
 impl<T: Transport, D: Disk> Pager<T, D> {
+    fn cp(&self) -> &Copies {
+        self.scheme.whole_copies().expect("a pager of whole copies")
+    }
+    fn cp_mut(&mut self) -> &mut Copies {
+        self.scheme
+            .whole_copies_mut()
+            .expect("a pager of whole copies")
+    }
+
     /// Sends the copies a page in write-back still lacks, each to a live server that holds no
     /// other copy of it: its current holders first (an overwrite stays in place), then by
     /// placement. Settles the write-back when nothing is left in flight.
@@ -23,8 +127,8 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                 || wb.keep.contains(s)
         };
         let need = self
-            .scheme
-            .copies()
+            .cp()
+            .n
             .saturating_sub(wb.done.len() + wb.pending.len() + wb.keep.len());
         let mut full = Vec::new();
         for _ in 0..need {
@@ -111,7 +215,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                 self.counters.copies_dropped_bad += 1;
                 holders.remove(server);
                 self.table.set_holders(it.page, holders);
-                self.degraded.insert(it.page);
+                self.cp_mut().degraded.insert(it.page);
                 // A rebuild out for this version counts that copy no more.
                 if let Some(wb) = self.writeback.get_mut(&it.page) {
                     if wb.version == it.version {
@@ -133,8 +237,9 @@ impl<T: Transport, D: Disk> Pager<T, D> {
 
     /// Every page with a copy on a dead server has one copy fewer: recovery's work.
     pub(crate) fn copies_server_dead(&mut self, server: usize) {
-        if self.scheme.copies() > 1 {
-            self.degraded.extend(self.table.pages_on(server));
+        if self.cp().n > 1 {
+            let pages = self.table.pages_on(server);
+            self.cp_mut().degraded.extend(pages);
         }
     }
 
@@ -151,11 +256,15 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             if holders.len() > 1 {
                 holders.remove(server);
                 self.table.set_holders(page, holders);
-                self.degraded.insert(page);
+                self.cp_mut().degraded.insert(page);
             } else {
                 self.table.get_mut(page).lost = true;
             }
         }
+        // Room again, perhaps: what lacked copies for want of servers tries again.
+        let c = self.cp_mut();
+        let short = std::mem::take(&mut c.short);
+        c.degraded.extend(short);
     }
 
     /// One step of recovery, which never waits: the degraded pages whose surviving copy has
@@ -171,11 +280,11 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         self.rebuild_read_pages(&mut step)?;
         // Each page holds a slot from its read to its last acknowledgement: stay well inside
         // the staging slots.
-        let staging = (self.free_slots.len() / 2).saturating_sub(self.rebuilding.len());
+        let staging = (self.free_slots.len() / 2).saturating_sub(self.cp().rebuilding.len());
         let mut batch: Vec<(u64, Servers)> = Vec::new();
         let mut later = Vec::new();
         while batch.len() < max_pages.min(staging) {
-            let Some(page) = self.degraded.pop_first() else {
+            let Some(page) = self.cp_mut().degraded.pop_first() else {
                 break;
             };
             let e = *self.table.get(page);
@@ -184,7 +293,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                 // and puts the page back on the list if it falls short.
                 continue;
             }
-            if self.rebuilding.contains_key(&page) {
+            if self.cp().rebuilding.contains_key(&page) {
                 // Its read is out: the copies it lacks are counted when it is in.
                 continue;
             }
@@ -195,7 +304,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             }
             let holders = self.table.holders(page);
             let alive: Servers = holders.iter().filter(|&s| self.servers[s].alive).collect();
-            if alive.len() >= self.scheme.copies() {
+            if alive.len() >= self.cp().n {
                 if alive.len() < holders.len() {
                     self.table.set_holders(page, alive);
                 }
@@ -209,12 +318,12 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             }
             batch.push((page, alive));
         }
-        self.degraded.extend(later);
+        self.cp_mut().degraded.extend(later);
         // Read every page of the batch from a surviving copy (or the disk copy).
         for &(page, alive) in &batch {
             let slot = self.take_slot()?;
             let it = self.page_get_item(page, slot, INTERNAL);
-            self.rebuilding.insert(page, it.version);
+            self.cp_mut().rebuilding.insert(page, it.version);
             match alive.first() {
                 // Queued, never waited for: a full window sends it later.
                 Some(s) => self.queue_get(s, it),
@@ -232,13 +341,14 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         self.poll()?;
         self.take_internal_reads();
         self.rebuild_read_pages(&mut step)?;
-        step.remaining = self.degraded.len() + self.rebuilding.len();
+        step.remaining = self.cp().pending();
         Ok(step)
     }
 
     /// A read of recovery's or of a move's failed on every copy: their next step sees it.
     pub(crate) fn own_read_failed(&mut self, page: u64) {
-        if self.rebuilding.contains_key(&page) || self.moving.contains_key(&page) {
+        let rebuilding = self.scheme.whole_copies().is_some_and(|c| c.reading(page));
+        if rebuilding || self.moving.contains_key(&page) {
             self.own_failed.push(page);
         }
     }
@@ -246,7 +356,8 @@ impl<T: Transport, D: Disk> Pager<T, D> {
     /// Starts the copies of recovery's and moves' reads that are in, ahead of their next step
     /// (a slot is wanted and they hold some); whether there were any.
     pub(crate) fn start_own_reads(&mut self) -> Result<bool, PagerError> {
-        if self.rebuilding.is_empty() && self.moving.is_empty() {
+        let rebuilding = self.scheme.whole_copies().map_or(0, Copies::rebuilding);
+        if rebuilding == 0 && self.moving.is_empty() {
             return Ok(false);
         }
         self.take_internal_reads();
@@ -254,7 +365,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         let ready = self
             .fetched
             .iter()
-            .any(|(p, _)| self.rebuilding.contains_key(p) || self.moving.contains_key(p))
+            .any(|(p, _)| self.cp().reading(*p) || self.moving.contains_key(p))
             || !self.own_failed.is_empty();
         if ready {
             self.rebuild_read_pages(&mut RecoveryStep::default())?;
@@ -271,9 +382,9 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         let failed: Vec<u64>;
         (failed, self.own_failed) = std::mem::take(&mut self.own_failed)
             .into_iter()
-            .partition(|p| self.rebuilding.contains_key(p));
+            .partition(|p| self.cp().reading(*p));
         for page in failed {
-            if self.rebuilding.remove(&page).is_none() {
+            if self.cp_mut().rebuilding.remove(&page).is_none() {
                 continue;
             }
             let e = *self.table.get(page);
@@ -282,7 +393,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             }
             if self.alive_holder(page, None).is_some() || e.on_disk {
                 // A read that failed on the way (a bad checksum in transit): again later.
-                self.degraded.insert(page);
+                self.cp_mut().degraded.insert(page);
             } else {
                 // Every copy failed while being read: gone.
                 step.unrecoverable += 1;
@@ -293,9 +404,13 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         let read: Vec<(u64, u32)>;
         (read, self.fetched) = std::mem::take(&mut self.fetched)
             .into_iter()
-            .partition(|(page, _)| self.rebuilding.contains_key(page));
+            .partition(|(page, _)| self.cp().reading(*page));
         for (page, slot) in read {
-            let version = self.rebuilding.remove(&page).expect("partitioned on it");
+            let version = self
+                .cp_mut()
+                .rebuilding
+                .remove(&page)
+                .expect("partitioned on it");
             let e = *self.table.get(page);
             if !e.present || e.lost || e.version != version || self.writeback.contains_key(&page) {
                 // Changed while it was read: whatever changed it placed its copies, or
@@ -309,7 +424,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                 .iter()
                 .filter(|&s| self.servers[s].alive)
                 .collect();
-            if keep.len() >= self.scheme.copies() {
+            if keep.len() >= self.cp().n {
                 self.release_slot(slot);
                 continue;
             }

@@ -18,6 +18,8 @@ pub(crate) mod mirror;
 pub(crate) mod parity;
 pub(crate) mod stripe;
 
+pub(crate) use mirror::Landed;
+
 /// What [`Pager::seal_without_waiting`] did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Sealed {
@@ -48,8 +50,8 @@ pub struct RecoveryStep {
 /// The redundancy scheme of a pager and the state it keeps.
 #[derive(Debug)]
 pub(crate) enum Redundancy {
-    /// `none` (one copy) or `mirror:N` (N copies on N servers).
-    Copies(usize),
+    /// `none` (one copy) or `mirror:N` (N copies on N servers), and recovery's lists.
+    Copies(Box<mirror::Copies>),
     /// `parity:N`: open groups, the groups' holders, recovery's state.
     Parity(Box<parity::Par>),
     /// `rs:K+M`: the stripes and where their pieces are.
@@ -59,8 +61,10 @@ pub(crate) enum Redundancy {
 impl Redundancy {
     pub(crate) fn new(cfg: &PagerConfig, servers: &[ServerState]) -> Self {
         match cfg.redundancy {
-            Scheme::None => Redundancy::Copies(1),
-            Scheme::Mirror { copies } => Redundancy::Copies(usize::from(copies)),
+            Scheme::None => Redundancy::Copies(Box::new(mirror::Copies::new(1))),
+            Scheme::Mirror { copies } => {
+                Redundancy::Copies(Box::new(mirror::Copies::new(usize::from(copies))))
+            }
             Scheme::ReedSolomon { data, parity } => {
                 assert!(
                     // The last region of all is the servers' parity frames.
@@ -98,7 +102,7 @@ impl Redundancy {
 
     pub(crate) fn copies(&self) -> usize {
         match self {
-            Redundancy::Copies(n) => *n,
+            Redundancy::Copies(c) => c.n,
             Redundancy::Parity(_) | Redundancy::Stripe(_) => 1,
         }
     }
@@ -121,6 +125,28 @@ impl Redundancy {
         }
     }
 
+    /// Slots the scheme holds (`owned`), and slots of others' it uses (`used`), for the
+    /// invariants.
+    pub(crate) fn slots_held(&self, owned: &mut Vec<u32>, used: &mut Vec<u32>) {
+        match self {
+            Redundancy::Stripe(rs) => rs.slots_held(owned, used),
+            Redundancy::Parity(par) => par.slots_held(owned),
+            Redundancy::Copies(_) => {}
+        }
+    }
+
+    pub(crate) fn whole_copies(&self) -> Option<&mirror::Copies> {
+        match self {
+            Redundancy::Copies(c) => Some(c),
+            _ => None,
+        }
+    }
+    pub(crate) fn whole_copies_mut(&mut self) -> Option<&mut mirror::Copies> {
+        match self {
+            Redundancy::Copies(c) => Some(c),
+            _ => None,
+        }
+    }
     pub(crate) fn parity(&self) -> Option<&parity::Par> {
         match self {
             Redundancy::Parity(p) => Some(p),
@@ -301,8 +327,10 @@ impl<T: Transport, D: Disk> Pager<T, D> {
     /// A page is discarded: the copies to delete, per server, go to `deletes`. A striped
     /// page's piece stays while its stripe has other live members.
     pub(crate) fn discarded(&mut self, page: u64, deletes: &mut [Vec<PageKey>]) {
-        if let Redundancy::Stripe(_) = &self.scheme {
-            return self.rs_member_dead(page);
+        match &mut self.scheme {
+            Redundancy::Stripe(_) => return self.rs_member_dead(page),
+            Redundancy::Copies(c) => c.forget(page),
+            Redundancy::Parity(_) => {}
         }
         for s in self.table.holders(page).iter() {
             if self.servers[s].alive {
@@ -360,6 +388,107 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         }
     }
 
+    /// A write-back of whole copies settled ([`Landed`]): recovery's lists learn what the
+    /// page still lacks. Other schemes keep no such list.
+    pub(crate) fn copies_landed(&mut self, page: u64, landed: Landed) {
+        if let Some(c) = self.scheme.whole_copies_mut() {
+            c.landed(page, landed);
+        }
+    }
+
+    /// Whether recovery has work on a page (it lacks copies, or is being rebuilt): such a page
+    /// is moved by its owner, which writes every copy anew, never handed server to server.
+    pub(crate) fn in_recovery(&self, page: u64) -> bool {
+        self.scheme.whole_copies().is_some_and(|c| c.has(page))
+    }
+
+    /// Whether recovery's own read of a page is out (a move waits for it to land).
+    pub(crate) fn recovery_reading(&self, page: u64) -> bool {
+        self.scheme.whole_copies().is_some_and(|c| c.reading(page))
+    }
+
+    /// Pages (stripes, under Reed-Solomon) whose rebuild's reads are out.
+    pub(crate) fn rebuilding_pages(&self) -> usize {
+        match &self.scheme {
+            Redundancy::Copies(c) => c.rebuilding(),
+            Redundancy::Stripe(rs) => rs.rebuilding(),
+            Redundancy::Parity(_) => 0,
+        }
+    }
+
+    /// One of the pager's own reads is in: whether the scheme took it (a parity survivor's,
+    /// for recovery's round); the others go to `fetched`.
+    pub(crate) fn scheme_read_done(&mut self, d: &crate::requests::ReadDone) -> bool {
+        match &mut self.scheme {
+            Redundancy::Parity(par) if d.part == Part::Survivor => {
+                par.survivor_read(d.page, d.slot);
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// Moves the degraded reads by ticket that wait for recovery on (`rs_serve_waiters`,
+    /// `par_serve_waiters`).
+    pub(crate) fn serve_waiters(&mut self) -> Result<(), PagerError> {
+        match &self.scheme {
+            Redundancy::Stripe(rs) if !rs.waiters.is_empty() => self.rs_serve_waiters(),
+            Redundancy::Parity(par) if !par.waiters.is_empty() => self.par_serve_waiters(),
+            _ => Ok(()),
+        }
+    }
+
+    /// Every slot is taken and nothing is in flight: whether recovery gave back slots its
+    /// reads held (its round starts again later).
+    pub(crate) fn recovery_yield(&mut self) -> bool {
+        match &self.scheme {
+            Redundancy::Parity(_) => self.par_yield(),
+            Redundancy::Stripe(_) => self.rs_yield(),
+            Redundancy::Copies(_) => false,
+        }
+    }
+
+    /// A server is not (or no longer) leaving: what the scheme asked it about its pages is
+    /// forgotten (a parity holder's scan).
+    pub(crate) fn not_leaving(&mut self, server: usize) {
+        if let Redundancy::Parity(_) = &self.scheme {
+            self.par_forget_leaving_scan(server);
+        }
+    }
+
+    /// A leaving server has none of our pages the page table knows of: pages the scheme keeps
+    /// there otherwise, to move (a parity holder's groups' members, sent to new groups);
+    /// `None` while it waits for the server's answer.
+    pub(crate) fn release_leaving(&mut self, server: usize, want: usize) -> Option<Vec<u64>> {
+        match &self.scheme {
+            Redundancy::Parity(_) => self.par_release_holder(server, want),
+            _ => Some(Vec::new()),
+        }
+    }
+
+    /// Up to `want` pages whose move frees a frame on a leaving `server`, and whether we hold
+    /// anything there, for a scheme whose pieces the page table does not list (stripes);
+    /// `None` for the others, whose pages the table finds.
+    pub(crate) fn scheme_leaving_pages(
+        &mut self,
+        server: usize,
+        want: usize,
+    ) -> Option<(Vec<u64>, bool)> {
+        match &self.scheme {
+            Redundancy::Stripe(_) => Some(self.rs_leaving_pages(server, want)),
+            _ => None,
+        }
+    }
+
+    /// An answer only a scheme's own requests get (a parity holder's, see [`parity::Answer`]).
+    pub(crate) fn scheme_answer(
+        &mut self,
+        server: usize,
+        answer: parity::Answer,
+    ) -> Result<(), PagerError> {
+        self.par_answer(server, answer)
+    }
+
     /// A server was declared dead, before its requests fail over.
     pub(crate) fn server_lost(&mut self, server: usize) {
         if let Redundancy::Parity(_) = &self.scheme {
@@ -415,7 +544,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         match &self.scheme {
             Redundancy::Stripe(_) => self.rs_degraded(),
             Redundancy::Parity(p) => p.pending(),
-            Redundancy::Copies(_) => self.degraded.len() + self.rebuilding.len(),
+            Redundancy::Copies(c) => c.pending(),
         }
     }
 
@@ -424,7 +553,8 @@ impl<T: Transport, D: Disk> Pager<T, D> {
     pub fn pages_short_of_copies(&self) -> usize {
         match &self.scheme {
             Redundancy::Stripe(rs) => rs.short.len(),
-            _ => self.short.len(),
+            Redundancy::Copies(c) => c.short(),
+            Redundancy::Parity(_) => 0,
         }
     }
 

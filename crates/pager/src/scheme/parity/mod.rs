@@ -85,6 +85,24 @@ struct OpenGroup {
     unattended: bool,
 }
 
+/// What a server answered to a parity pager's own requests (the reply's meaning, taken in by
+/// [`Pager::par_answer`]).
+#[derive(Debug)]
+pub(crate) enum Answer {
+    /// A PUT not stored: the server could not tell the page's parity holder (which may have
+    /// changed its group all the same). Sent again, or placed elsewhere.
+    Refused(PutItem),
+    /// A PUT stored outside any parity group: it joins a new one.
+    Unprotected(PutItem),
+    /// A group's parity shipped to its holder, or not (by the SHIP's request id).
+    Shipped(u64),
+    ShipFailed(u64),
+    /// A holder's scan of its groups, by its request's id.
+    Scanned(u64, Vec<ScannedGroup>, Vec<PageKey>),
+    /// Copies the server could not delete yet (their holder unreachable).
+    Stale(Vec<PageKey>),
+}
+
 /// A group as a scan reported it.
 #[derive(Debug)]
 pub(crate) struct ScannedGroup {
@@ -434,6 +452,24 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         par.unprotected.remove(&page);
         if !newer_scan {
             par.rejoined.insert(page);
+        }
+    }
+
+    /// What a server answered to one of this pager's parity requests.
+    pub(crate) fn par_answer(&mut self, server: usize, answer: Answer) -> Result<(), PagerError> {
+        match answer {
+            Answer::Refused(it) => self.par_holder_unreachable(it, server),
+            Answer::Unprotected(it) => self.par_unprotected(it, server),
+            Answer::Shipped(id) => self.par_shipped(id),
+            Answer::ShipFailed(id) => self.par_ship_failed(id),
+            Answer::Scanned(id, groups, orphans) => {
+                self.par_scanned(server, id, groups, orphans);
+                Ok(())
+            }
+            Answer::Stale(keys) => {
+                self.par_stale(server, keys);
+                Ok(())
+            }
         }
     }
 

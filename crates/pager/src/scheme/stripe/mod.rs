@@ -566,6 +566,41 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         Ok(())
     }
 
+    /// Up to `want` members whose move frees a frame on a leaving `server` (the live members
+    /// of stripes with a piece there, readable and movable now), and whether we hold anything
+    /// there at all.
+    pub(crate) fn rs_leaving_pages(&mut self, server: usize, want: usize) -> (Vec<u64>, bool) {
+        // Every stripe there, not the first `want`: a stripe none of whose members can move
+        // now (one waits to be rebuilt) must not hide the others (`netram sim --seed 3225
+        // --scheme rs:3+2` left a piece above the offer so, the server taken for stuck).
+        let members = self.rs().members_with_piece_on(server, usize::MAX);
+        let held = !members.is_empty();
+        let mut out = Vec::new();
+        let mut unread = Vec::new();
+        for (page, _) in members {
+            // A member whose data piece is out of reach is read from the disk if the disk
+            // backs it, else left to recovery to rebuild first.
+            let readable = self.alive_holder(page, None).is_some() || self.table.get(page).on_disk;
+            if !readable {
+                unread.push(page);
+            }
+            if self.movable(page) && !out.contains(&page) && readable {
+                out.push(page);
+            }
+            if out.len() >= want {
+                break;
+            }
+        }
+        // ... and recovery is told: such a stripe may have been left out of its list (its
+        // other lost member superseded meanwhile), and then nothing would ever rebuild the
+        // page, or find it lost and free the stripe's pieces (`netram sim --seed 3457
+        // --scheme rs:2+1`: a parity piece stayed above a shrunk offer).
+        if !unread.is_empty() {
+            self.rs_recheck(&unread);
+        }
+        (out, held)
+    }
+
     /// A page's version in its stripe is superseded or discarded. The last live member takes
     /// the whole stripe with it.
     pub(crate) fn rs_member_dead(&mut self, page: u64) {
