@@ -69,7 +69,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             };
             let blocked = self.dirty[slot as usize]
                 && (self.writeback.contains_key(&page)
-                    || self.free_slots.len() < self.scheme.seal_slots());
+                    || self.free_slots.len() < self.shape.seal_slots);
             if !wait && blocked {
                 // Over the budget by as many pages as are left: a later call evicts them.
                 self.evictions_deferred = self.cache.len().saturating_sub(budget(self));

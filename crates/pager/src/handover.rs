@@ -65,7 +65,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
 
     /// Whether pages of this scheme move server to server.
     pub(crate) fn moves_directly(&self) -> bool {
-        self.scheme.copies_only() && self.cfg.direct_migration
+        self.shape.whole_copies && self.cfg.direct_migration
     }
 
     /// Starts moving `pages` (on `from`, none in write-back or in a move) straight to another

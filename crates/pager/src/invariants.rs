@@ -185,7 +185,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             }
         }
         let (mut owned, mut used) = (Vec::new(), Vec::new());
-        self.scheme.slots_held(&mut owned, &mut used);
+        self.scheme.slots_held(self, &mut owned, &mut used);
         for s in owned {
             claim(s, "the redundancy scheme's")?;
         }
@@ -290,11 +290,11 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             if holders.iter().any(|s| s >= n) {
                 return Err(format!("page {page}: a holder beyond the {n} servers"));
             }
-            if holders.len() > self.scheme.copies() {
+            if holders.len() > self.shape.copies {
                 return Err(format!(
                     "page {page}: {} holders, the scheme keeps {}",
                     holders.len(),
-                    self.scheme.copies()
+                    self.shape.copies
                 ));
             }
             if !self.table.get(page).present && !holders.is_empty() {
@@ -354,8 +354,8 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             ));
         }
         let listed = self
-            .scheme
-            .whole_copies()
+            .scheme_state
+            .get::<crate::scheme::mirror::Copies>()
             .into_iter()
             .flat_map(|c| c.listed());
         for page in listed {

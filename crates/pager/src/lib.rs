@@ -79,7 +79,7 @@ use netram_proto::{PageKey, Request, PAGE_SIZE};
 use reply::Followup;
 use requests::{GetItem, Inflight, Op, Queued, ReadDone};
 pub use scheme::RecoveryStep;
-use scheme::{Redundancy, Sealed};
+use scheme::{Redundancy, SchemeState, Sealed, Shape};
 use seal::Sealer;
 pub use seal::{SealKey, SEAL_KEY_LEN, SEAL_TAG_LEN};
 use std::collections::{BTreeSet, HashMap, VecDeque};
@@ -186,8 +186,10 @@ pub struct Pager<T: Transport, D: Disk> {
     cache: LruCache<u64, u32>,
     /// Pages whose write-back is in flight, with the slot holding their data.
     writeback: HashMap<u64, Writeback>,
-    /// What keeps pages safe when a server dies, and its state ([`scheme`]).
-    scheme: Redundancy,
+    /// What keeps pages safe when a server dies ([`scheme`]), what it keeps, and its numbers.
+    scheme: &'static dyn Redundancy<T, D>,
+    scheme_state: SchemeState,
+    shape: Shape,
     /// Pages whose read for a move through this pager is out (`migrate.rs`), with the
     /// version read, the server they leave and the slot read into (a page's move and a
     /// parity survivor read of it can be out together).
@@ -287,14 +289,20 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             .sum::<usize>()
             .max(cfg.writeback_batch)
             .max(1);
-        let scheme = Redundancy::new(&cfg, &servers);
-        let rebuilding = scheme.recovery_slots(&cfg);
+        let scheme::Built {
+            scheme,
+            state: scheme_state,
+            shape,
+        } = scheme::build(&cfg, &servers);
+        let rebuilding = shape.recovery_slots;
         let nslots = cfg.cache_pages + staging + rebuilding;
         Self {
             transport,
             disk,
-            table: Table::new(cfg.pages, scheme.copies()),
+            table: Table::new(cfg.pages, shape.copies),
             scheme,
+            scheme_state,
+            shape,
             moving: std::collections::BTreeMap::new(),
             own_failed: Vec::new(),
             migrating: BTreeSet::new(),
@@ -624,7 +632,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             // of pages in write-back at most (under Reed-Solomon a sealed stripe's pages free
             // their slots before they are acknowledged, so the free slots alone would not bound
             // what is in flight).
-            let room = self.free_slots.len() > self.scheme.seal_slots()
+            let room = self.free_slots.len() > self.shape.seal_slots
                 && self.writeback.len() < self.staging;
             let slot = match self.cache.get(&page).copied() {
                 Some(slot) => slot,
@@ -665,7 +673,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             });
         }
         let cached = self.cache.get(&page).copied();
-        let free = self.free_slots.len() > self.scheme.seal_slots();
+        let free = self.free_slots.len() > self.shape.seal_slots;
         if cached.is_none() && !free && self.spare_slots >= self.spare_slots_max() {
             self.counters.writes_over_budget_waited += 1;
             return self.write(page, data);
@@ -731,7 +739,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             return Ok(false);
         }
         let cached = usize::from(self.cache.contains(&page));
-        let needed = 1 + self.scheme.seal_slots();
+        let needed = 1 + self.shape.seal_slots;
         if self.free_slots.len() + cached < needed || self.writeback.len() >= self.staging {
             return Ok(false);
         }
@@ -755,7 +763,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
     pub fn write_room(&self) -> usize {
         self.free_slots
             .len()
-            .saturating_sub(self.scheme.seal_slots())
+            .saturating_sub(self.shape.seal_slots)
             .min(self.staging.saturating_sub(self.writeback.len()))
     }
 
@@ -870,7 +878,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             if !self.dirty[slot as usize] {
                 continue;
             }
-            let room = self.free_slots.len() > self.scheme.seal_slots()
+            let room = self.free_slots.len() > self.shape.seal_slots
                 && self.writeback.len() < self.staging;
             if result.is_err() || !room || self.writeback.contains_key(&page) {
                 left.push(page);

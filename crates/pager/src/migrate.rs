@@ -250,9 +250,9 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         (read, self.fetched) = std::mem::take(&mut self.fetched)
             .into_iter()
             .partition(|(page, slot)| self.moving.get(page).is_some_and(|m| m.2 == *slot));
-        let copies = self.scheme.copies_only();
+        let copies = self.shape.whole_copies;
         for (page, slot) in read {
-            if self.must_not_wait > 0 && self.free_slots.len() < self.scheme.seal_slots() {
+            if self.must_not_wait > 0 && self.free_slots.len() < self.shape.seal_slots {
                 // Written again, it may seal a stripe, whose parity takes slots: with none
                 // free that would wait for replies, which a tick must not. The read stays in
                 // for a later step.

@@ -100,7 +100,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         };
         if !self.dirty[slot as usize]
             || self.writeback.contains_key(&page)
-            || self.free_slots.len() < self.scheme.seal_slots()
+            || self.free_slots.len() < self.shape.seal_slots
         {
             return;
         }
@@ -338,9 +338,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
     /// than this (or starts one anyway when [`Pager::awaits_replies`] is false, when no reply
     /// could free a slot) never waits in `start_read`.
     pub fn read_room(&self) -> usize {
-        self.free_slots
-            .len()
-            .saturating_sub(self.scheme.seal_slots())
+        self.free_slots.len().saturating_sub(self.shape.seal_slots)
     }
 
     /// Reads by ticket started and not yet taken.

@@ -39,8 +39,9 @@ pub enum TransportError {
 ///
 /// `send` may queue the request; `recv` must first make sure every queued request (to any
 /// server) is on its way, then wait for the next reply from `server`. Replies of one server may
-/// come in any order; the pager matches them by request id.
-pub trait Transport {
+/// come in any order; the pager matches them by request id. It owns its connections
+/// (`'static`: it borrows nothing), as the pager owns it.
+pub trait Transport: 'static {
     fn servers(&self) -> Vec<ServerInfo>;
     fn send(&mut self, server: usize, req_id: u64, req: &Request<'_>)
         -> Result<(), TransportError>;
@@ -104,8 +105,8 @@ pub trait Transport {
     }
 }
 
-/// The local disk: one page-sized slot per page number.
-pub trait Disk {
+/// The local disk: one page-sized slot per page number. Owned, as the transport is.
+pub trait Disk: 'static {
     fn write(&mut self, page: u64, data: &[u8]) -> std::io::Result<()>;
     fn read(&mut self, page: u64, out: &mut [u8]) -> std::io::Result<()>;
     /// The page is dead: its space may be given back.

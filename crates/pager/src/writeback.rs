@@ -155,7 +155,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             .chain(wb.done.iter())
             .filter(|&s| self.servers[s].alive)
             .collect();
-        let landed = if holders.len() < self.scheme.copies() {
+        let landed = if holders.len() < self.shape.copies {
             // Too few servers alive or with room for every copy: the local disk makes up
             // for the missing ones (Markatos: the disk when the cluster is full). Recovery
             // adds the missing copies when servers come back.

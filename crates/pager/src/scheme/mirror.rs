@@ -3,12 +3,12 @@
 //! a surviving copy and writes the missing ones (§IV-B3).
 
 use crate::requests::{GetItem, PutItem, PutKind, INTERNAL};
-use crate::scheme::RecoveryStep;
+use crate::scheme::{delete_copies, Built, RecoveryStep, Redundancy, SchemeState, Shape};
 use crate::table::Servers;
 use crate::writeback::Writeback;
-use crate::{Disk, Op, Pager, PagerError, Transport};
+use crate::{Disk, Op, Pager, PagerConfig, PagerError, Transport};
 use netram_policy::placement::{self, Candidate};
-use netram_proto::Request;
+use netram_proto::{PageKey, Request};
 use std::collections::{BTreeMap, BTreeSet};
 
 /// Whole copies' state: how many each page gets, and recovery's lists.
@@ -105,13 +105,91 @@ pub(crate) enum Landed {
     Short { rebuilt: bool },
 }
 
+/// The scheme of whole copies (its state: [`Copies`]).
+pub(crate) struct Mirror;
+
+/// `none` (`copies` 1) or `mirror:N`.
+pub(crate) fn build<T: Transport, D: Disk>(cfg: &PagerConfig, copies: usize) -> Built<T, D> {
+    Built {
+        scheme: &Mirror,
+        state: SchemeState::new(Copies::new(copies)),
+        shape: Shape {
+            copies,
+            seal_slots: 0,
+            // Waves of copies need few slots at a time.
+            recovery_slots: cfg.recovery_slots.min(512),
+            whole_copies: true,
+        },
+    }
+}
+
+impl<T: Transport, D: Disk> Redundancy<T, D> for Mirror {
+    fn written_back(&self, p: &mut Pager<T, D>, page: u64) -> Result<(), PagerError> {
+        p.place_copies(page)
+    }
+    fn place(&self, p: &mut Pager<T, D>, page: u64) -> Result<(), PagerError> {
+        p.place_copies(page)
+    }
+    fn stored(&self, p: &mut Pager<T, D>, it: PutItem, server: usize) -> Result<(), PagerError> {
+        p.copy_stored(it, server)
+    }
+    fn put_failed(
+        &self,
+        p: &mut Pager<T, D>,
+        it: PutItem,
+        server: usize,
+    ) -> Result<(), PagerError> {
+        p.copy_failed(it.page, server)
+    }
+    fn landed(&self, p: &mut Pager<T, D>, page: u64, landed: Landed) {
+        p.cp_mut().landed(page, landed);
+    }
+    fn get_failed(
+        &self,
+        p: &mut Pager<T, D>,
+        server: usize,
+        it: GetItem,
+        what: Option<&'static str>,
+    ) {
+        p.copy_get_failed(server, it, what);
+    }
+    fn discarded(&self, p: &mut Pager<T, D>, page: u64, deletes: &mut [Vec<PageKey>]) {
+        p.cp_mut().forget(page);
+        delete_copies(p, page, deletes);
+    }
+    fn server_failed_over(&self, p: &mut Pager<T, D>, server: usize) {
+        p.copies_server_dead(server);
+    }
+    fn server_revived(&self, p: &mut Pager<T, D>, server: usize) {
+        p.copies_server_revived(server);
+    }
+    fn recover(&self, p: &mut Pager<T, D>, max_pages: usize) -> Result<RecoveryStep, PagerError> {
+        p.copies_recover(max_pages)
+    }
+    fn degraded_pages(&self, p: &Pager<T, D>) -> usize {
+        p.cp().pending()
+    }
+    fn pages_short_of_copies(&self, p: &Pager<T, D>) -> usize {
+        p.cp().short()
+    }
+    fn rebuilding_pages(&self, p: &Pager<T, D>) -> usize {
+        p.cp().rebuilding()
+    }
+    fn in_recovery(&self, p: &Pager<T, D>, page: u64) -> bool {
+        p.cp().has(page)
+    }
+    fn recovery_reading(&self, p: &Pager<T, D>, page: u64) -> bool {
+        p.cp().reading(page)
+    }
+}
+
 impl<T: Transport, D: Disk> Pager<T, D> {
     fn cp(&self) -> &Copies {
-        self.scheme.whole_copies().expect("a pager of whole copies")
+        self.scheme_state.get().expect("a pager of whole copies")
     }
     fn cp_mut(&mut self) -> &mut Copies {
-        self.scheme
-            .whole_copies_mut()
+        self.scheme_state
+            .get_mut()
             .expect("a pager of whole copies")
     }
 
@@ -347,8 +425,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
 
     /// A read of recovery's or of a move's failed on every copy: their next step sees it.
     pub(crate) fn own_read_failed(&mut self, page: u64) {
-        let rebuilding = self.scheme.whole_copies().is_some_and(|c| c.reading(page));
-        if rebuilding || self.moving.contains_key(&page) {
+        if self.recovery_reading(page) || self.moving.contains_key(&page) {
             self.own_failed.push(page);
         }
     }
@@ -356,7 +433,10 @@ impl<T: Transport, D: Disk> Pager<T, D> {
     /// Starts the copies of recovery's and moves' reads that are in, ahead of their next step
     /// (a slot is wanted and they hold some); whether there were any.
     pub(crate) fn start_own_reads(&mut self) -> Result<bool, PagerError> {
-        let rebuilding = self.scheme.whole_copies().map_or(0, Copies::rebuilding);
+        let rebuilding = self
+            .scheme_state
+            .get::<Copies>()
+            .map_or(0, Copies::rebuilding);
         if rebuilding == 0 && self.moving.is_empty() {
             return Ok(false);
         }
@@ -365,7 +445,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         let ready = self
             .fetched
             .iter()
-            .any(|(p, _)| self.cp().reading(*p) || self.moving.contains_key(p))
+            .any(|(p, _)| self.recovery_reading(*p) || self.moving.contains_key(p))
             || !self.own_failed.is_empty();
         if ready {
             self.rebuild_read_pages(&mut RecoveryStep::default())?;
@@ -379,6 +459,10 @@ impl<T: Transport, D: Disk> Pager<T, D> {
     /// lost); a read that failed on every copy puts its page back on the list if a copy is
     /// left to read, else the page is lost.
     fn rebuild_read_pages(&mut self, step: &mut RecoveryStep) -> Result<(), PagerError> {
+        if self.scheme_state.get::<Copies>().is_none() {
+            // Called for moves under any scheme: only whole copies rebuild this way.
+            return Ok(());
+        }
         let failed: Vec<u64>;
         (failed, self.own_failed) = std::mem::take(&mut self.own_failed)
             .into_iter()

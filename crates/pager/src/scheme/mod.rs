@@ -1,18 +1,23 @@
 //! Redundancy behind one seam: what keeps a page safe when a server dies (paper 004, Reliable
 //! Nswap §IV: mirroring and parity; Reed-Solomon stripes go past it with K+M pieces).
 //!
-//! One module per scheme: [`mirror`] (`none` and `mirror:N`: whole copies), [`parity`]
-//! (`parity:N`: Nswap's parity groups, the parity on a server that holds no member) and
-//! [`stripe`] (`rs:K+M`: Reed-Solomon stripes). The rest of the pager calls only the hooks
-//! below, one per event that matters to a scheme: a page written back, a PUT stored or failed,
-//! a GET failed, a server dead or back, a page to reconstruct, a recovery step. Each hook
-//! dispatches on the scheme (or, for a reply, on what the request was for: [`Part`],
-//! [`PutKind`]); nothing outside this folder asks which scheme it runs.
+//! A scheme is a type implementing one trait, [`Redundancy`], in its own module: [`mirror`]
+//! (`none` and `mirror:N`: whole copies), [`parity`] (`parity:N`: Nswap's parity groups, the
+//! parity on a server that holds no member) and [`stripe`] (`rs:K+M`: Reed-Solomon stripes).
+//! The trait has one method per event that matters to a scheme — a page written back, a PUT
+//! stored or failed, a GET failed, a server dead, back or leaving, a page to reconstruct, what
+//! is open to seal, a recovery step — and [`build`] is the one place where schemes are named.
+//! The rest of the pager calls the hooks at the end of this file, which hand each event to
+//! the pager's scheme; nothing outside this folder asks which scheme it runs. What a scheme
+//! keeps (its lists, groups, stripes) is its own type ([`mirror::Copies`], [`parity::Par`],
+//! [`stripe::Rs`]), which the pager holds without knowing it ([`SchemeState`]); the numbers the
+//! pager sizes its slots by are its [`Shape`].
 //!
-//! The schemes are `impl Pager` blocks rather than structs over a narrower core because their
-//! recovery and sealing wait for replies, and waiting runs the reply handlers, which call back
-//! into the scheme. What each scheme keeps of its own lives in its struct ([`parity::Par`],
-//! [`stripe::Rs`]); the page table, slots, write-backs and requests stay the pager's.
+//! A scheme's methods take the pager, not the scheme's state by `&mut self`: a scheme's work
+//! re-enters it (sending finds a server dead and its failed PUTs come back to `put_failed`
+//! while `written_back` still places; recovery reads replies, which reach `stored`), so each
+//! borrows its state only while it uses it. The schemes still use the page table, slots,
+//! write-backs and requests through the pager's own fields and methods.
 
 pub(crate) mod mirror;
 pub(crate) mod parity;
@@ -31,10 +36,11 @@ pub(crate) enum Sealed {
     NoRoom,
 }
 
-use crate::requests::{GetItem, Op, Part, PutItem, PutKind};
+use crate::requests::{GetItem, Op, PutItem};
 use crate::{Disk, Pager, PagerConfig, PagerError, ServerState, Transport};
 use netram_policy::redundancy::Scheme;
 use netram_proto::PageKey;
+use std::any::Any;
 
 /// What one call to [`Pager::recover`] did.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -47,168 +53,299 @@ pub struct RecoveryStep {
     pub remaining: usize,
 }
 
-/// The redundancy scheme of a pager and the state it keeps.
-#[derive(Debug)]
-pub(crate) enum Redundancy {
-    /// `none` (one copy) or `mirror:N` (N copies on N servers), and recovery's lists.
-    Copies(Box<mirror::Copies>),
-    /// `parity:N`: open groups, the groups' holders, recovery's state.
-    Parity(Box<parity::Par>),
-    /// `rs:K+M`: the stripes and where their pieces are.
-    Stripe(Box<stripe::Rs>),
-}
+/// A redundancy scheme: what it does on each event that matters to it. Implemented once per
+/// folder ([`mirror::Mirror`], [`parity::Parity`], [`stripe::Stripe`]) by a type without
+/// fields; what a scheme keeps (its lists, groups, stripes) is its state type, held by the
+/// pager as a [`SchemeState`] and reached by the scheme alone.
+///
+/// The methods take the pager rather than `&mut self` of the state because a scheme's work
+/// re-enters the scheme: sending may find a server dead, whose failed PUTs come back to
+/// `put_failed` while `written_back` is still placing; recovery reads replies, which reach
+/// `stored`. A method borrows its state for as long as it uses it, never across a call into
+/// the pager. Defaults are what a scheme of whole copies without lists does.
+pub(crate) trait Redundancy<T: Transport, D: Disk>: Sync {
+    // Placing.
 
-impl Redundancy {
-    pub(crate) fn new(cfg: &PagerConfig, servers: &[ServerState]) -> Self {
-        match cfg.redundancy {
-            Scheme::None => Redundancy::Copies(Box::new(mirror::Copies::new(1))),
-            Scheme::Mirror { copies } => {
-                Redundancy::Copies(Box::new(mirror::Copies::new(usize::from(copies))))
-            }
-            Scheme::ReedSolomon { data, parity } => {
-                assert!(
-                    // The last region of all is the servers' parity frames.
-                    cfg.region < stripe::PIECE_REGION - 1,
-                    "region {} leaves no room for stripe pieces",
-                    cfg.region
-                );
-                let rs = stripe::Rs::new(usize::from(data), usize::from(parity), cfg.pages);
-                Redundancy::Stripe(Box::new(rs))
-            }
-            Scheme::Parity { group } => {
-                let addrs = servers
-                    .iter()
-                    .map(|s| {
-                        s.info.addr.unwrap_or_else(|| {
-                            panic!("parity needs every server's address ({})", s.info.name)
-                        })
-                    })
-                    .collect();
-                Redundancy::Parity(Box::new(parity::Par::new(
-                    usize::from(group),
-                    addrs,
-                    cfg.seed,
-                )))
-            }
-        }
-    }
-
-    /// Copies the page table records per page: N under `mirror:N`, else one (a parity page has
-    /// one copy; a striped page's data piece is found through its stripe, not the table).
-    /// Whether pages are kept as whole copies (`none`, `mirror:N`), not in groups or stripes.
-    pub(crate) fn copies_only(&self) -> bool {
-        matches!(self, Redundancy::Copies(_))
-    }
-
-    pub(crate) fn copies(&self) -> usize {
-        match self {
-            Redundancy::Copies(c) => c.n,
-            Redundancy::Parity(_) | Redundancy::Stripe(_) => 1,
-        }
-    }
-
-    /// Slots a write-back may take besides its own page's: sealing a full stripe takes one
-    /// per parity piece (`rs_seal`); a parity group's parity is computed by its holder.
-    pub(crate) fn seal_slots(&self) -> usize {
-        match self {
-            Redundancy::Stripe(rs) => rs.m,
-            Redundancy::Copies(_) | Redundancy::Parity(_) => 0,
-        }
-    }
-
-    /// Slots set aside for rebuilding (decoding stripes, XORing groups, waves of copies) and
-    /// for moving pages off a leaving server.
-    pub(crate) fn recovery_slots(&self, cfg: &PagerConfig) -> usize {
-        match self {
-            Redundancy::Copies(_) => cfg.recovery_slots.min(512),
-            Redundancy::Parity(_) | Redundancy::Stripe(_) => cfg.recovery_slots,
-        }
-    }
-
-    /// Slots the scheme holds (`owned`), and slots of others' it uses (`used`), for the
-    /// invariants.
-    pub(crate) fn slots_held(&self, owned: &mut Vec<u32>, used: &mut Vec<u32>) {
-        match self {
-            Redundancy::Stripe(rs) => rs.slots_held(owned, used),
-            Redundancy::Parity(par) => par.slots_held(owned),
-            Redundancy::Copies(_) => {}
-        }
-    }
-
-    pub(crate) fn whole_copies(&self) -> Option<&mirror::Copies> {
-        match self {
-            Redundancy::Copies(c) => Some(c),
-            _ => None,
-        }
-    }
-    pub(crate) fn whole_copies_mut(&mut self) -> Option<&mut mirror::Copies> {
-        match self {
-            Redundancy::Copies(c) => Some(c),
-            _ => None,
-        }
-    }
-    pub(crate) fn parity(&self) -> Option<&parity::Par> {
-        match self {
-            Redundancy::Parity(p) => Some(p),
-            _ => None,
-        }
-    }
-    pub(crate) fn parity_mut(&mut self) -> Option<&mut parity::Par> {
-        match self {
-            Redundancy::Parity(p) => Some(p),
-            _ => None,
-        }
-    }
-    pub(crate) fn stripe(&self) -> Option<&stripe::Rs> {
-        match self {
-            Redundancy::Stripe(rs) => Some(rs),
-            _ => None,
-        }
-    }
-    pub(crate) fn stripe_mut(&mut self) -> Option<&mut stripe::Rs> {
-        match self {
-            Redundancy::Stripe(rs) => Some(rs),
-            _ => None,
-        }
-    }
-}
-
-/// The hooks: each event a scheme reacts to, dispatched to the scheme's module.
-impl<T: Transport, D: Disk> Pager<T, D> {
     /// A page's write-back has begun (its data in `writeback`): send what keeps it safe.
-    pub(crate) fn written_back(&mut self, page: u64) -> Result<(), PagerError> {
-        match &self.scheme {
-            Redundancy::Stripe(_) => self.rs_write(page),
-            Redundancy::Parity(_) => self.par_place(page),
-            Redundancy::Copies(_) => self.place_copies(page),
-        }
-    }
-
+    fn written_back(&self, p: &mut Pager<T, D>, page: u64) -> Result<(), PagerError>;
     /// Places what a page in write-back still lacks (after a refusal or a failure).
-    pub(crate) fn place(&mut self, page: u64) -> Result<(), PagerError> {
-        match &self.scheme {
-            Redundancy::Parity(_) => self.par_place(page),
-            Redundancy::Copies(_) => self.place_copies(page),
-            Redundancy::Stripe(_) => unreachable!("a stripe places pieces, not pages"),
-        }
-    }
-
-    /// A server stored a PUT.
-    pub(crate) fn stored(&mut self, it: PutItem, server: usize) -> Result<(), PagerError> {
-        match it.kind {
-            PutKind::Copy => self.copy_stored(it, server),
-            PutKind::Piece(piece) => self.rs_stored(it.page as u32, piece, server),
-            PutKind::Parity(_) => self.par_stored(it, server),
-        }
-    }
-
+    fn place(&self, p: &mut Pager<T, D>, page: u64) -> Result<(), PagerError>;
+    /// A server stored one of the scheme's PUTs.
+    fn stored(&self, p: &mut Pager<T, D>, it: PutItem, server: usize) -> Result<(), PagerError>;
     /// A PUT that will not be stored (refused, server dead): the data is still in its slot.
-    pub(crate) fn put_failed(&mut self, it: PutItem, server: usize) -> Result<(), PagerError> {
-        match it.kind {
-            PutKind::Copy => self.copy_failed(it.page, server),
-            PutKind::Piece(piece) => self.rs_piece_failed(it.page as u32, piece, server),
-            PutKind::Parity(_) => self.par_put_failed(it, server),
+    fn put_failed(&self, p: &mut Pager<T, D>, it: PutItem, server: usize)
+        -> Result<(), PagerError>;
+    /// A write-back of whole copies settled ([`Landed`]): what the page still lacks.
+    fn landed(&self, _p: &mut Pager<T, D>, _page: u64, _landed: Landed) {}
+    /// An answer only the scheme's own requests get (a parity holder's).
+    fn answer(
+        &self,
+        _p: &mut Pager<T, D>,
+        _server: usize,
+        answer: parity::Answer,
+    ) -> Result<(), PagerError> {
+        unreachable!("an answer to a request this scheme never sends: {answer:?}")
+    }
+
+    // Reading.
+
+    /// A GET of the scheme's that got no good data from `server` (dead, bad checksum,
+    /// missing: `what`); a read by ticket outdated meanwhile has been restarted before.
+    fn get_failed(
+        &self,
+        p: &mut Pager<T, D>,
+        server: usize,
+        it: GetItem,
+        what: Option<&'static str>,
+    );
+    /// The first live server that holds a page's current version, other than `not`.
+    fn alive_holder(&self, p: &Pager<T, D>, page: u64, not: Option<usize>) -> Option<usize> {
+        let live = |s: &usize| p.servers[*s].alive && Some(*s) != not;
+        p.table.holders(page).iter().find(live)
+    }
+    /// Whether a page out of reach can be decoded from the rest of its stripe or group.
+    fn reconstructible(&self, _p: &Pager<T, D>, _page: u64) -> bool {
+        false
+    }
+    /// A degraded read by ticket, parked until recovery brings its page back (`Err` gives it
+    /// back when the scheme keeps no such list: it is decoded the waiting way).
+    fn park(&self, _p: &mut Pager<T, D>, it: GetItem) -> Result<(), GetItem> {
+        Err(it)
+    }
+    /// Moves the parked degraded reads on.
+    fn serve_parked(&self, _p: &mut Pager<T, D>) -> Result<(), PagerError> {
+        Ok(())
+    }
+    /// Decodes a page into `slot` from the rest of its stripe or group; false when it cannot.
+    fn reconstruct(
+        &self,
+        _p: &mut Pager<T, D>,
+        _page: u64,
+        _slot: u32,
+    ) -> Result<bool, PagerError> {
+        Ok(false)
+    }
+    /// The key a page's current version is stored under, when not the page's own (a striped
+    /// page's data piece).
+    fn stored_key(&self, _p: &Pager<T, D>, _page: u64) -> Option<PageKey> {
+        None
+    }
+    /// One of the pager's own reads is in: whether the scheme takes it (else `fetched` does).
+    fn read_done(&self, _p: &mut Pager<T, D>, _d: &crate::requests::ReadDone) -> bool {
+        false
+    }
+
+    // Deleting.
+
+    /// What deletes superseded copies on a server.
+    fn delete_op(&self, _keys: &[PageKey]) -> Op {
+        Op::Delete
+    }
+    /// A page is discarded: the copies to delete, per server, go to `deletes`.
+    fn discarded(&self, p: &mut Pager<T, D>, page: u64, deletes: &mut [Vec<PageKey>]) {
+        delete_copies(p, page, deletes);
+    }
+
+    // Sealing.
+
+    /// Sends what waits to be sealed (an open stripe or group) before a page of it is waited
+    /// for; with `None` (every slot is waiting in one), everything open that holds slots.
+    fn seal_open(&self, _p: &mut Pager<T, D>, _page: Option<u64>) -> Result<(), PagerError> {
+        Ok(())
+    }
+    /// Seals what is open without waiting, and says what it did.
+    fn seal_without_waiting(&self, _p: &mut Pager<T, D>) -> Result<Sealed, PagerError> {
+        Ok(Sealed::Nothing)
+    }
+    /// What `flush` and a write-through promise: every page written is stored and everything
+    /// in flight is answered.
+    fn settle_writes(&self, p: &mut Pager<T, D>) -> Result<(), PagerError> {
+        p.drain()
+    }
+
+    // Servers.
+
+    /// A server was declared dead, before its requests fail over.
+    fn server_lost(&self, _p: &mut Pager<T, D>, _server: usize) {}
+    /// A dead server's requests have failed over.
+    fn server_failed_over(&self, _p: &mut Pager<T, D>, _server: usize) {}
+    /// A dead server came back, empty.
+    fn server_revived(&self, _p: &mut Pager<T, D>, _server: usize) {}
+    /// A server is not (or no longer) leaving: what was asked of it about its pages goes.
+    fn not_leaving(&self, _p: &mut Pager<T, D>, _server: usize) {}
+    /// A leaving server has none of our pages the page table knows of: pages kept there
+    /// otherwise, to move; `None` while the server's answer is awaited.
+    fn release_leaving(
+        &self,
+        _p: &mut Pager<T, D>,
+        _server: usize,
+        _want: usize,
+    ) -> Option<Vec<u64>> {
+        Some(Vec::new())
+    }
+    /// Up to `want` pages whose move frees a frame on a leaving `server`, and whether we hold
+    /// anything there, when the page table does not say (stripes' pieces).
+    fn leaving_pages(
+        &self,
+        _p: &mut Pager<T, D>,
+        _server: usize,
+        _want: usize,
+    ) -> Option<(Vec<u64>, bool)> {
+        None
+    }
+
+    // Recovery.
+
+    /// One step of rebuilding what up to `max_pages` degraded pages lack; never waits.
+    fn recover(&self, p: &mut Pager<T, D>, max_pages: usize) -> Result<RecoveryStep, PagerError>;
+    /// Pages (stripes) recovery still has to look at.
+    fn degraded_pages(&self, p: &Pager<T, D>) -> usize;
+    /// Pages (stripes) recovery could not make whole for want of servers with room.
+    fn pages_short_of_copies(&self, _p: &Pager<T, D>) -> usize {
+        0
+    }
+    /// Pages (stripes) whose rebuild's reads are out.
+    fn rebuilding_pages(&self, _p: &Pager<T, D>) -> usize {
+        0
+    }
+    /// Every slot is taken and nothing is in flight: whether recovery gave back slots its
+    /// reads held.
+    fn recovery_yield(&self, _p: &mut Pager<T, D>) -> bool {
+        false
+    }
+    /// Whether recovery has work on a page (moved by its owner, not handed server to server).
+    fn in_recovery(&self, _p: &Pager<T, D>, _page: u64) -> bool {
+        false
+    }
+    /// Whether recovery's own read of a page is out.
+    fn recovery_reading(&self, _p: &Pager<T, D>, _page: u64) -> bool {
+        false
+    }
+
+    // Reports.
+
+    /// How many of this pager's pages (pieces) each server holds.
+    fn pages_per_server(&self, p: &Pager<T, D>) -> Vec<u64> {
+        p.table.pages_per_server(p.servers.len())
+    }
+    /// (server, key, version) of every piece of a page, and how many the scheme wants, when
+    /// they are not its copies in the page table.
+    fn pieces(&self, _p: &Pager<T, D>, _page: u64) -> Option<(crate::Pieces, usize)> {
+        None
+    }
+    /// Slots the scheme holds (`owned`), and others' it uses (`used`), for the invariants.
+    fn slots_held(&self, _p: &Pager<T, D>, _owned: &mut Vec<u32>, _used: &mut Vec<u32>) {}
+}
+
+/// The copies of a discarded page that the page table lists, to delete from live servers.
+pub(crate) fn delete_copies<T: Transport, D: Disk>(
+    p: &Pager<T, D>,
+    page: u64,
+    deletes: &mut [Vec<PageKey>],
+) {
+    for s in p.table.holders(page).iter() {
+        if p.servers[s].alive {
+            deletes[s].push(p.key(page));
         }
+    }
+}
+
+/// What a scheme keeps of its own (its state type, e.g. [`parity::Par`]), held by the pager
+/// and reached by the scheme alone.
+pub(crate) struct SchemeState(Box<dyn Any + Send>);
+
+impl SchemeState {
+    pub(crate) fn new<S: Any + Send>(state: S) -> Self {
+        Self(Box::new(state))
+    }
+    pub(crate) fn get<S: Any>(&self) -> Option<&S> {
+        self.0.downcast_ref()
+    }
+    pub(crate) fn get_mut<S: Any>(&mut self) -> Option<&mut S> {
+        self.0.downcast_mut()
+    }
+}
+
+impl std::fmt::Debug for SchemeState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("SchemeState")
+    }
+}
+
+/// The numbers of a scheme that the rest of the pager sizes things by.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Shape {
+    /// Copies the page table records per page: N under `mirror:N`, else one (a parity page
+    /// has one copy; a striped page's data piece is found through its stripe).
+    pub(crate) copies: usize,
+    /// Slots a write-back may take besides its own page's (sealing a full stripe takes one per
+    /// parity piece; a parity group's parity is computed by its holder).
+    pub(crate) seal_slots: usize,
+    /// Slots set aside for rebuilding and for moving pages off a leaving server.
+    pub(crate) recovery_slots: usize,
+    /// Whether pages are kept as whole copies (`none`, `mirror:N`), not in groups or stripes:
+    /// a move copies the page, and may go server to server.
+    pub(crate) whole_copies: bool,
+}
+
+/// A pager's scheme, built from its configuration: the one place where schemes are named.
+pub(crate) struct Built<T: Transport, D: Disk> {
+    pub(crate) scheme: &'static dyn Redundancy<T, D>,
+    pub(crate) state: SchemeState,
+    pub(crate) shape: Shape,
+}
+
+pub(crate) fn build<T: Transport, D: Disk>(
+    cfg: &PagerConfig,
+    servers: &[ServerState],
+) -> Built<T, D> {
+    match cfg.redundancy {
+        Scheme::None => mirror::build(cfg, 1),
+        Scheme::Mirror { copies } => mirror::build(cfg, usize::from(copies)),
+        Scheme::ReedSolomon { data, parity } => {
+            stripe::build(cfg, usize::from(data), usize::from(parity))
+        }
+        Scheme::Parity { group } => parity::build(cfg, servers, usize::from(group)),
+    }
+}
+
+/// The hooks the rest of the pager calls, each handed to the scheme (what is the same under
+/// every scheme is done here).
+impl<T: Transport, D: Disk> Pager<T, D> {
+    pub(crate) fn written_back(&mut self, page: u64) -> Result<(), PagerError> {
+        let s = self.scheme;
+        s.written_back(self, page)
+    }
+
+    pub(crate) fn place(&mut self, page: u64) -> Result<(), PagerError> {
+        let s = self.scheme;
+        s.place(self, page)
+    }
+
+    pub(crate) fn stored(&mut self, it: PutItem, server: usize) -> Result<(), PagerError> {
+        let s = self.scheme;
+        s.stored(self, it, server)
+    }
+
+    pub(crate) fn put_failed(&mut self, it: PutItem, server: usize) -> Result<(), PagerError> {
+        let s = self.scheme;
+        s.put_failed(self, it, server)
+    }
+
+    /// A write-back of whole copies settled ([`Landed`]).
+    pub(crate) fn copies_landed(&mut self, page: u64, landed: Landed) {
+        let s = self.scheme;
+        s.landed(self, page, landed);
+    }
+
+    /// An answer only a scheme's own requests get (a parity holder's, see [`parity::Answer`]).
+    pub(crate) fn scheme_answer(
+        &mut self,
+        server: usize,
+        answer: parity::Answer,
+    ) -> Result<(), PagerError> {
+        let s = self.scheme;
+        s.answer(self, server, answer)
     }
 
     /// A GET that got no good data from `server` (dead, bad checksum, missing: `what`).
@@ -218,28 +355,8 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             // for the newer version, not wrongly (`ticket.rs`).
             return self.restart_ticket(it);
         }
-        match (it.part, &self.scheme) {
-            (Part::Survivor, _) => {
-                // A survivor of a parity group, or a page to protect again: recovery looks at
-                // what came back.
-                self.par_read_failed(server, &it, what);
-                self.release_slot(it.slot);
-            }
-            (Part::Piece(piece), _) => {
-                // The pager's own read of a stripe's piece: its caller sees it missing
-                // (recovery by its count of reads out, `rs_fetch` by its absence).
-                if let Some(what) = what {
-                    self.rs_bad_piece(it.page as u32, piece, server, what);
-                }
-                if it.pos == crate::requests::RECOVERY {
-                    self.rs_read_settled(it.page as u32);
-                }
-                self.release_slot(it.slot);
-            }
-            (Part::Page, Redundancy::Stripe(_)) => self.rs_get_failed(server, it, what),
-            (Part::Page, Redundancy::Parity(_)) => self.par_get_failed(server, it, what),
-            (Part::Page, Redundancy::Copies(_)) => self.copy_get_failed(server, it, what),
-        }
+        let s = self.scheme;
+        s.get_failed(self, server, it, what);
     }
 
     /// The first live server that holds a page's current version, other than `not`.
@@ -247,32 +364,28 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         if self.table.get(page).lost {
             return None;
         }
-        let live = |s: &usize| self.servers[*s].alive && Some(*s) != not;
-        match &self.scheme {
-            Redundancy::Stripe(_) => self.rs_data_server(page).flatten().filter(live),
-            _ => self.table.holders(page).iter().find(live),
-        }
+        self.scheme.alive_holder(self, page, not)
     }
 
     /// Whether a page out of reach can be decoded from the rest of its stripe or group.
     pub(crate) fn reconstructible(&self, page: u64) -> bool {
-        match &self.scheme {
-            Redundancy::Stripe(_) => self.rs_reconstructible(page),
-            Redundancy::Parity(_) => self.par_reconstructible(page),
-            Redundancy::Copies(_) => false,
-        }
+        self.scheme.reconstructible(self, page)
     }
 
     /// A read whose page has no copy in reach but can be reconstructed. A read by ticket waits
-    /// for recovery to bring its page back, which never waits (`rs_serve_waiters`,
-    /// `par_serve_waiters`); the others are decoded by `run_reconstructions`, which does.
+    /// for recovery to bring its page back, which never waits (the scheme parks it); the others
+    /// are decoded by `run_reconstructions`, which does.
     pub(crate) fn reconstruct_later(&mut self, it: GetItem) {
-        let ticket = crate::ticket::is_ticket(it.pos);
-        match &mut self.scheme {
-            Redundancy::Stripe(rs) if ticket => rs.waiters.push(it),
-            Redundancy::Parity(par) if ticket => par.waiters.push(it),
-            _ => self.reconstruct.push(it),
-        }
+        let it = if crate::ticket::is_ticket(it.pos) {
+            let s = self.scheme;
+            match s.park(self, it) {
+                Ok(()) => return,
+                Err(it) => it,
+            }
+        } else {
+            it
+        };
+        self.reconstruct.push(it);
     }
 
     /// Whether a degraded read by ticket waits on for recovery: its page is as it was when
@@ -298,231 +411,112 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         }
     }
 
+    /// Moves the degraded reads by ticket that wait for recovery on.
+    pub(crate) fn serve_waiters(&mut self) -> Result<(), PagerError> {
+        let s = self.scheme;
+        s.serve_parked(self)
+    }
+
     /// Decodes a page into `slot` from the rest of its stripe or group; false when it cannot.
     pub(crate) fn reconstruct(&mut self, page: u64, slot: u32) -> Result<bool, PagerError> {
-        match &self.scheme {
-            Redundancy::Stripe(_) => self.rs_reconstruct(page, slot),
-            Redundancy::Parity(_) => {
-                let rebuilt = self.par_reconstruct(page, slot)?;
-                self.counters.degraded_reads += u64::from(rebuilt);
-                Ok(rebuilt)
-            }
-            Redundancy::Copies(_) => Ok(false),
-        }
+        let s = self.scheme;
+        s.reconstruct(self, page, slot)
     }
 
     /// The key a page's current version is stored under (under Reed-Solomon, its data piece's).
     pub(crate) fn stored_key(&self, page: u64) -> PageKey {
-        self.rs_key(page).unwrap_or_else(|| self.key(page))
+        self.scheme
+            .stored_key(self, page)
+            .unwrap_or_else(|| self.key(page))
+    }
+
+    /// One of the pager's own reads is in: whether the scheme took it.
+    pub(crate) fn scheme_read_done(&mut self, d: &crate::requests::ReadDone) -> bool {
+        let s = self.scheme;
+        s.read_done(self, d)
     }
 
     /// What deletes superseded copies on a server (a parity pager tracks them, see [`Op::Gc`]).
     pub(crate) fn delete_op(&self, keys: &[PageKey]) -> Op {
-        match &self.scheme {
-            Redundancy::Parity(_) => Op::Gc(keys.to_vec()),
-            _ => Op::Delete,
-        }
+        self.scheme.delete_op(keys)
     }
 
-    /// A page is discarded: the copies to delete, per server, go to `deletes`. A striped
-    /// page's piece stays while its stripe has other live members.
+    /// A page is discarded: the copies to delete, per server, go to `deletes`.
     pub(crate) fn discarded(&mut self, page: u64, deletes: &mut [Vec<PageKey>]) {
-        match &mut self.scheme {
-            Redundancy::Stripe(_) => return self.rs_member_dead(page),
-            Redundancy::Copies(c) => c.forget(page),
-            Redundancy::Parity(_) => {}
-        }
-        for s in self.table.holders(page).iter() {
-            if self.servers[s].alive {
-                deletes[s].push(self.key(page));
-            }
-        }
+        let s = self.scheme;
+        s.discarded(self, page, deletes);
     }
 
-    /// Sends what waits to be sealed (an open stripe, an open parity group) before a page of it
-    /// is waited for; with `None` (every slot is waiting in one), every open parity group.
     pub(crate) fn seal_open(&mut self, page: Option<u64>) -> Result<(), PagerError> {
-        match (&self.scheme, page) {
-            (Redundancy::Stripe(rs), Some(p)) if !rs.is_open(p) => Ok(()),
-            (Redundancy::Stripe(_), Some(_)) => self.rs_seal(),
-            // Only parity keeps whole slots waiting for a batch that may never fill.
-            (Redundancy::Stripe(_), None) => Ok(()),
-            (Redundancy::Parity(p), Some(page)) if !p.is_open(page) => Ok(()),
-            (Redundancy::Parity(_), page) => self.par_seal(page),
-            (Redundancy::Copies(_), _) => Ok(()),
-        }
+        let s = self.scheme;
+        s.seal_open(self, page)
     }
 
-    /// `settle_writes`' sealing without its waiting, for [`Pager::try_flush`]: seals what the
-    /// scheme keeps open (an open stripe, when slots for its parity pieces are free; every
-    /// open group, forced to ship once its members are acknowledged) and says what it did.
+    /// `settle_writes`' sealing without its waiting, for [`Pager::try_flush`].
     pub(crate) fn seal_without_waiting(&mut self) -> Result<Sealed, PagerError> {
-        match &self.scheme {
-            Redundancy::Copies(_) => Ok(Sealed::Nothing),
-            Redundancy::Stripe(rs) if rs.open_is_empty() => Ok(Sealed::Nothing),
-            Redundancy::Stripe(rs) => {
-                if self.free_slots.len() < rs.m {
-                    return Ok(Sealed::NoRoom);
-                }
-                self.rs_seal()?;
-                Ok(Sealed::Sent)
-            }
-            Redundancy::Parity(p) if p.open_is_empty() => Ok(Sealed::Nothing),
-            Redundancy::Parity(_) => {
-                self.par_seal(None)?;
-                Ok(Sealed::Sent)
-            }
-        }
+        let s = self.scheme;
+        s.seal_without_waiting(self)
     }
 
-    /// What `flush` and a write-through promise: every page written is stored (its stripe
-    /// sealed, its group's parity shipped) and everything in flight is answered.
     pub(crate) fn settle_writes(&mut self) -> Result<(), PagerError> {
-        match &self.scheme {
-            Redundancy::Parity(_) => self.par_settle(),
-            Redundancy::Stripe(_) => {
-                self.rs_seal()?;
-                self.drain()
-            }
-            Redundancy::Copies(_) => self.drain(),
-        }
+        let s = self.scheme;
+        s.settle_writes(self)
     }
 
-    /// A write-back of whole copies settled ([`Landed`]): recovery's lists learn what the
-    /// page still lacks. Other schemes keep no such list.
-    pub(crate) fn copies_landed(&mut self, page: u64, landed: Landed) {
-        if let Some(c) = self.scheme.whole_copies_mut() {
-            c.landed(page, landed);
-        }
+    pub(crate) fn server_lost(&mut self, server: usize) {
+        let s = self.scheme;
+        s.server_lost(self, server);
     }
 
-    /// Whether recovery has work on a page (it lacks copies, or is being rebuilt): such a page
-    /// is moved by its owner, which writes every copy anew, never handed server to server.
-    pub(crate) fn in_recovery(&self, page: u64) -> bool {
-        self.scheme.whole_copies().is_some_and(|c| c.has(page))
+    pub(crate) fn server_failed_over(&mut self, server: usize) {
+        let s = self.scheme;
+        s.server_failed_over(self, server);
     }
 
-    /// Whether recovery's own read of a page is out (a move waits for it to land).
-    pub(crate) fn recovery_reading(&self, page: u64) -> bool {
-        self.scheme.whole_copies().is_some_and(|c| c.reading(page))
+    pub(crate) fn server_revived(&mut self, server: usize) {
+        let s = self.scheme;
+        s.server_revived(self, server);
     }
 
-    /// Pages (stripes, under Reed-Solomon) whose rebuild's reads are out.
-    pub(crate) fn rebuilding_pages(&self) -> usize {
-        match &self.scheme {
-            Redundancy::Copies(c) => c.rebuilding(),
-            Redundancy::Stripe(rs) => rs.rebuilding(),
-            Redundancy::Parity(_) => 0,
-        }
-    }
-
-    /// One of the pager's own reads is in: whether the scheme took it (a parity survivor's,
-    /// for recovery's round); the others go to `fetched`.
-    pub(crate) fn scheme_read_done(&mut self, d: &crate::requests::ReadDone) -> bool {
-        match &mut self.scheme {
-            Redundancy::Parity(par) if d.part == Part::Survivor => {
-                par.survivor_read(d.page, d.slot);
-                true
-            }
-            _ => false,
-        }
-    }
-
-    /// Moves the degraded reads by ticket that wait for recovery on (`rs_serve_waiters`,
-    /// `par_serve_waiters`).
-    pub(crate) fn serve_waiters(&mut self) -> Result<(), PagerError> {
-        match &self.scheme {
-            Redundancy::Stripe(rs) if !rs.waiters.is_empty() => self.rs_serve_waiters(),
-            Redundancy::Parity(par) if !par.waiters.is_empty() => self.par_serve_waiters(),
-            _ => Ok(()),
-        }
-    }
-
-    /// Every slot is taken and nothing is in flight: whether recovery gave back slots its
-    /// reads held (its round starts again later).
-    pub(crate) fn recovery_yield(&mut self) -> bool {
-        match &self.scheme {
-            Redundancy::Parity(_) => self.par_yield(),
-            Redundancy::Stripe(_) => self.rs_yield(),
-            Redundancy::Copies(_) => false,
-        }
-    }
-
-    /// A server is not (or no longer) leaving: what the scheme asked it about its pages is
-    /// forgotten (a parity holder's scan).
     pub(crate) fn not_leaving(&mut self, server: usize) {
-        if let Redundancy::Parity(_) = &self.scheme {
-            self.par_forget_leaving_scan(server);
-        }
+        let s = self.scheme;
+        s.not_leaving(self, server);
     }
 
-    /// A leaving server has none of our pages the page table knows of: pages the scheme keeps
-    /// there otherwise, to move (a parity holder's groups' members, sent to new groups);
-    /// `None` while it waits for the server's answer.
     pub(crate) fn release_leaving(&mut self, server: usize, want: usize) -> Option<Vec<u64>> {
-        match &self.scheme {
-            Redundancy::Parity(_) => self.par_release_holder(server, want),
-            _ => Some(Vec::new()),
-        }
+        let s = self.scheme;
+        s.release_leaving(self, server, want)
     }
 
-    /// Up to `want` pages whose move frees a frame on a leaving `server`, and whether we hold
-    /// anything there, for a scheme whose pieces the page table does not list (stripes);
-    /// `None` for the others, whose pages the table finds.
     pub(crate) fn scheme_leaving_pages(
         &mut self,
         server: usize,
         want: usize,
     ) -> Option<(Vec<u64>, bool)> {
-        match &self.scheme {
-            Redundancy::Stripe(_) => Some(self.rs_leaving_pages(server, want)),
-            _ => None,
-        }
+        let s = self.scheme;
+        s.leaving_pages(self, server, want)
     }
 
-    /// An answer only a scheme's own requests get (a parity holder's, see [`parity::Answer`]).
-    pub(crate) fn scheme_answer(
-        &mut self,
-        server: usize,
-        answer: parity::Answer,
-    ) -> Result<(), PagerError> {
-        self.par_answer(server, answer)
+    pub(crate) fn recovery_yield(&mut self) -> bool {
+        let s = self.scheme;
+        s.recovery_yield(self)
     }
 
-    /// A server was declared dead, before its requests fail over.
-    pub(crate) fn server_lost(&mut self, server: usize) {
-        if let Redundancy::Parity(_) = &self.scheme {
-            // A read that failed there is rebuilt from parity, and the pages it held wait for
-            // recovery.
-            self.par_server_dead(server);
-        }
+    pub(crate) fn in_recovery(&self, page: u64) -> bool {
+        self.scheme.in_recovery(self, page)
     }
 
-    /// A dead server's requests have failed over.
-    pub(crate) fn server_failed_over(&mut self, server: usize) {
-        match &self.scheme {
-            Redundancy::Copies(_) => self.copies_server_dead(server),
-            Redundancy::Stripe(_) => self.rs_server_dead(server),
-            Redundancy::Parity(_) => {}
-        }
+    pub(crate) fn recovery_reading(&self, page: u64) -> bool {
+        self.scheme.recovery_reading(self, page)
     }
 
-    /// A dead server came back, empty.
-    pub(crate) fn server_revived(&mut self, server: usize) {
-        match &self.scheme {
-            Redundancy::Copies(_) => self.copies_server_revived(server),
-            Redundancy::Stripe(_) => self.rs_server_revived(server),
-            // Parity recovery rebuilt (or is rebuilding) what it held from the groups.
-            Redundancy::Parity(_) => {}
-        }
+    pub(crate) fn rebuilding_pages(&self) -> usize {
+        self.scheme.rebuilding_pages(self)
     }
 
     /// How many of this pager's pages (pieces, under Reed-Solomon) each server holds.
     pub fn pages_per_server(&self) -> Vec<u64> {
-        match &self.scheme {
-            Redundancy::Stripe(_) => self.rs_pieces_per_server(),
-            _ => self.table.pages_per_server(self.servers.len()),
-        }
+        self.scheme.pages_per_server(self)
     }
 
     /// What keeps a page safe, for checkers: (server, key, version) of every piece the page
@@ -530,42 +524,31 @@ impl<T: Transport, D: Disk> Pager<T, D> {
     /// `None` while its write-back is in flight.
     pub fn pieces(&self, page: u64) -> Option<(crate::Pieces, usize)> {
         let loc = self.location(page)?;
-        if let Some(p) = self.rs_pieces(page) {
+        if let Some(p) = self.scheme.pieces(self, page) {
             return Some(p);
         }
         let key = self.key(page);
         let pieces = loc.holders.iter().map(|&s| (s, key, loc.version)).collect();
-        Some((pieces, self.scheme.copies()))
+        Some((pieces, self.shape.copies))
     }
 
     /// Pages (under Reed-Solomon: stripes) that lack some of what keeps them safe, which
     /// recovery still has to look at.
     pub fn degraded_pages(&self) -> usize {
-        match &self.scheme {
-            Redundancy::Stripe(_) => self.rs_degraded(),
-            Redundancy::Parity(p) => p.pending(),
-            Redundancy::Copies(c) => c.pending(),
-        }
+        self.scheme.degraded_pages(self)
     }
 
     /// Pages recovery could not give every copy for want of servers with room; the local disk
     /// backs them meanwhile. They are tried again when a server comes back.
     pub fn pages_short_of_copies(&self) -> usize {
-        match &self.scheme {
-            Redundancy::Stripe(rs) => rs.short.len(),
-            Redundancy::Copies(c) => c.short(),
-            Redundancy::Parity(_) => 0,
-        }
+        self.scheme.pages_short_of_copies(self)
     }
 
     /// Rebuilds what up to `max_pages` degraded pages lack (Nswap §IV-B3): new copies from a
     /// surviving one, a lost page from its group's parity, lost pieces from their stripe. The
     /// caller sets the pace ([`Pager::on_tick`] spreads it over time).
     pub fn recover(&mut self, max_pages: usize) -> Result<RecoveryStep, PagerError> {
-        match &self.scheme {
-            Redundancy::Stripe(_) => self.rs_recover(max_pages),
-            Redundancy::Parity(_) => self.par_recover(max_pages),
-            Redundancy::Copies(_) => self.copies_recover(max_pages),
-        }
+        let s = self.scheme;
+        s.recover(self, max_pages)
     }
 }

@@ -21,12 +21,12 @@
 //! what a scan reports about it is all old.
 
 use crate::requests::{GetItem, Op, Part, PutItem, PutKind, INTERNAL};
-use crate::scheme::RecoveryStep;
+use crate::scheme::{Built, RecoveryStep, Redundancy, SchemeState, Sealed, Shape};
 use crate::table::Servers;
 use crate::writeback::Writeback;
 
 mod recover;
-use crate::{Disk, Pager, PagerError, Transport, TransportError};
+use crate::{Disk, Pager, PagerConfig, PagerError, ServerState, Transport, TransportError};
 use netram_policy::placement::{self, Candidate};
 use netram_proto::{
     Delta, DeltaKind, Member, OwnedRecord, Owner, Page, PageKey, Record, Request, PAGE_SIZE,
@@ -247,12 +247,151 @@ impl Par {
     }
 }
 
+/// Nswap's parity groups (its state: [`Par`]).
+pub(crate) struct Parity;
+
+/// `parity:N`: groups of `group` pages, each group's parity on a server that holds none of
+/// them.
+pub(crate) fn build<T: Transport, D: Disk>(
+    cfg: &PagerConfig,
+    servers: &[ServerState],
+    group: usize,
+) -> Built<T, D> {
+    let addrs = servers
+        .iter()
+        .map(|s| {
+            s.info
+                .addr
+                .unwrap_or_else(|| panic!("parity needs every server's address ({})", s.info.name))
+        })
+        .collect();
+    Built {
+        scheme: &Parity,
+        state: SchemeState::new(Par::new(group, addrs, cfg.seed)),
+        shape: Shape {
+            copies: 1,
+            // A group's parity is computed by its holder, not in a slot of ours.
+            seal_slots: 0,
+            recovery_slots: cfg.recovery_slots,
+            whole_copies: false,
+        },
+    }
+}
+
+impl<T: Transport, D: Disk> Redundancy<T, D> for Parity {
+    fn written_back(&self, p: &mut Pager<T, D>, page: u64) -> Result<(), PagerError> {
+        p.par_place(page)
+    }
+    fn place(&self, p: &mut Pager<T, D>, page: u64) -> Result<(), PagerError> {
+        p.par_place(page)
+    }
+    fn stored(&self, p: &mut Pager<T, D>, it: PutItem, server: usize) -> Result<(), PagerError> {
+        p.par_stored(it, server)
+    }
+    fn put_failed(
+        &self,
+        p: &mut Pager<T, D>,
+        it: PutItem,
+        server: usize,
+    ) -> Result<(), PagerError> {
+        p.par_put_failed(it, server)
+    }
+    fn answer(&self, p: &mut Pager<T, D>, server: usize, answer: Answer) -> Result<(), PagerError> {
+        p.par_answer(server, answer)
+    }
+    fn get_failed(
+        &self,
+        p: &mut Pager<T, D>,
+        server: usize,
+        it: GetItem,
+        what: Option<&'static str>,
+    ) {
+        if it.part == Part::Survivor {
+            // A survivor of a parity group, or a page to protect again: recovery looks at
+            // what came back.
+            p.par_read_failed(server, &it, what);
+            p.release_slot(it.slot);
+        } else {
+            p.par_get_failed(server, it, what);
+        }
+    }
+    fn reconstructible(&self, p: &Pager<T, D>, page: u64) -> bool {
+        p.par_reconstructible(page)
+    }
+    fn park(&self, p: &mut Pager<T, D>, it: GetItem) -> Result<(), GetItem> {
+        p.par_mut().waiters.push(it);
+        Ok(())
+    }
+    fn serve_parked(&self, p: &mut Pager<T, D>) -> Result<(), PagerError> {
+        if p.par().waiters.is_empty() {
+            return Ok(());
+        }
+        p.par_serve_waiters()
+    }
+    fn reconstruct(&self, p: &mut Pager<T, D>, page: u64, slot: u32) -> Result<bool, PagerError> {
+        let rebuilt = p.par_reconstruct(page, slot)?;
+        p.counters.degraded_reads += u64::from(rebuilt);
+        Ok(rebuilt)
+    }
+    fn read_done(&self, p: &mut Pager<T, D>, d: &crate::requests::ReadDone) -> bool {
+        if d.part != Part::Survivor {
+            return false;
+        }
+        p.par_mut().survivor_read(d.page, d.slot);
+        true
+    }
+    fn delete_op(&self, keys: &[PageKey]) -> Op {
+        Op::Gc(keys.to_vec())
+    }
+    fn seal_open(&self, p: &mut Pager<T, D>, page: Option<u64>) -> Result<(), PagerError> {
+        match page {
+            Some(page) if !p.par().is_open(page) => Ok(()),
+            page => p.par_seal(page),
+        }
+    }
+    fn seal_without_waiting(&self, p: &mut Pager<T, D>) -> Result<Sealed, PagerError> {
+        if p.par().open_is_empty() {
+            return Ok(Sealed::Nothing);
+        }
+        // Every open group, forced to ship once its members are acknowledged.
+        p.par_seal(None)?;
+        Ok(Sealed::Sent)
+    }
+    fn settle_writes(&self, p: &mut Pager<T, D>) -> Result<(), PagerError> {
+        p.par_settle()
+    }
+    fn server_lost(&self, p: &mut Pager<T, D>, server: usize) {
+        // A read that failed there is rebuilt from parity, and the pages it held wait for
+        // recovery. (Its revival needs nothing: recovery rebuilt, or is rebuilding, what it
+        // held from the groups.)
+        p.par_server_dead(server);
+    }
+    fn not_leaving(&self, p: &mut Pager<T, D>, server: usize) {
+        p.par_forget_leaving_scan(server);
+    }
+    fn release_leaving(&self, p: &mut Pager<T, D>, server: usize, want: usize) -> Option<Vec<u64>> {
+        p.par_release_holder(server, want)
+    }
+    fn recover(&self, p: &mut Pager<T, D>, max_pages: usize) -> Result<RecoveryStep, PagerError> {
+        p.par_recover(max_pages)
+    }
+    fn degraded_pages(&self, p: &Pager<T, D>) -> usize {
+        p.par().pending()
+    }
+    fn recovery_yield(&self, p: &mut Pager<T, D>) -> bool {
+        p.par_yield()
+    }
+    fn slots_held(&self, p: &Pager<T, D>, owned: &mut Vec<u32>, _used: &mut Vec<u32>) {
+        p.par().slots_held(owned);
+    }
+}
+
 impl<T: Transport, D: Disk> Pager<T, D> {
     fn par(&self) -> &Par {
-        self.scheme.parity().expect("a parity pager")
+        self.scheme_state.get().expect("a parity pager")
     }
-    fn par_mut(&mut self) -> &mut Par {
-        self.scheme.parity_mut().expect("a parity pager")
+    pub(crate) fn par_mut(&mut self) -> &mut Par {
+        self.scheme_state.get_mut().expect("a parity pager")
     }
 
     /// Whether a server may take pages or parity now.
@@ -734,7 +873,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
 
     /// Whether a page with no live holder can come back through its group's parity.
     pub(crate) fn par_reconstructible(&self, page: u64) -> bool {
-        let Some(par) = self.scheme.parity() else {
+        let Some(par) = self.scheme_state.get::<Par>() else {
             return false;
         };
         let e = self.table.get(page);

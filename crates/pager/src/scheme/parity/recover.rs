@@ -423,7 +423,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
     /// a slot and nothing else holds one); the phase that read them starts again at a later
     /// step. Whether any slot was freed.
     pub(crate) fn par_yield(&mut self) -> bool {
-        let Some(par) = self.scheme.parity_mut() else {
+        let Some(par) = self.scheme_state.get_mut::<Par>() else {
             return false;
         };
         let asked = match &par.round {

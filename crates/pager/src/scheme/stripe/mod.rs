@@ -14,9 +14,9 @@
 //! the last member dies), and parity logging for overwrites in place (Nswap's `parity:N`).
 
 use crate::requests::{GetItem, Op, Part, PutItem, PutKind, INTERNAL, RECOVERY};
-use crate::scheme::RecoveryStep;
+use crate::scheme::{Built, RecoveryStep, Redundancy, SchemeState, Sealed, Shape};
 use crate::table::Servers;
-use crate::{Disk, PagerError, Transport, PAGE_SIZE};
+use crate::{Disk, PagerConfig, PagerError, Transport, PAGE_SIZE};
 use crate::{Pager, Request};
 use netram_policy::placement::{self, Candidate};
 use netram_proto::PageKey;
@@ -282,12 +282,172 @@ impl Rs {
     }
 }
 
+/// Reed-Solomon stripes of K data and M parity pieces (its state: [`Rs`]).
+pub(crate) struct ReedSolomon;
+
+/// `rs:K+M`.
+pub(crate) fn build<T: Transport, D: Disk>(cfg: &PagerConfig, k: usize, m: usize) -> Built<T, D> {
+    assert!(
+        // The last region of all is the servers' parity frames.
+        cfg.region < PIECE_REGION - 1,
+        "region {} leaves no room for stripe pieces",
+        cfg.region
+    );
+    Built {
+        scheme: &ReedSolomon,
+        state: SchemeState::new(Rs::new(k, m, cfg.pages)),
+        shape: Shape {
+            copies: 1,
+            // Sealing a full stripe takes a slot per parity piece.
+            seal_slots: m,
+            recovery_slots: cfg.recovery_slots,
+            whole_copies: false,
+        },
+    }
+}
+
+impl<T: Transport, D: Disk> Redundancy<T, D> for ReedSolomon {
+    fn written_back(&self, p: &mut Pager<T, D>, page: u64) -> Result<(), PagerError> {
+        p.rs_write(page)
+    }
+    fn place(&self, _p: &mut Pager<T, D>, _page: u64) -> Result<(), PagerError> {
+        unreachable!("a stripe places pieces, not pages")
+    }
+    fn stored(&self, p: &mut Pager<T, D>, it: PutItem, server: usize) -> Result<(), PagerError> {
+        let PutKind::Piece(piece) = it.kind else {
+            unreachable!("a Reed-Solomon pager sends pieces only: {it:?}")
+        };
+        p.rs_stored(it.page as u32, piece, server)
+    }
+    fn put_failed(
+        &self,
+        p: &mut Pager<T, D>,
+        it: PutItem,
+        server: usize,
+    ) -> Result<(), PagerError> {
+        let PutKind::Piece(piece) = it.kind else {
+            unreachable!("a Reed-Solomon pager sends pieces only: {it:?}")
+        };
+        p.rs_piece_failed(it.page as u32, piece, server)
+    }
+    fn get_failed(
+        &self,
+        p: &mut Pager<T, D>,
+        server: usize,
+        it: GetItem,
+        what: Option<&'static str>,
+    ) {
+        let Part::Piece(piece) = it.part else {
+            return p.rs_get_failed(server, it, what);
+        };
+        // The pager's own read of a stripe's piece: its caller sees it missing (recovery by
+        // its count of reads out, `rs_fetch` by its absence).
+        if let Some(what) = what {
+            p.rs_bad_piece(it.page as u32, piece, server, what);
+        }
+        if it.pos == RECOVERY {
+            p.rs_read_settled(it.page as u32);
+        }
+        p.release_slot(it.slot);
+    }
+    fn alive_holder(&self, p: &Pager<T, D>, page: u64, not: Option<usize>) -> Option<usize> {
+        // The stripe, not the page table, is the authority.
+        let live = |s: &usize| p.servers[*s].alive && Some(*s) != not;
+        p.rs_data_server(page).flatten().filter(live)
+    }
+    fn reconstructible(&self, p: &Pager<T, D>, page: u64) -> bool {
+        p.rs_reconstructible(page)
+    }
+    fn park(&self, p: &mut Pager<T, D>, it: GetItem) -> Result<(), GetItem> {
+        p.rs_mut().waiters.push(it);
+        Ok(())
+    }
+    fn serve_parked(&self, p: &mut Pager<T, D>) -> Result<(), PagerError> {
+        if p.rs().waiters.is_empty() {
+            return Ok(());
+        }
+        p.rs_serve_waiters()
+    }
+    fn reconstruct(&self, p: &mut Pager<T, D>, page: u64, slot: u32) -> Result<bool, PagerError> {
+        p.rs_reconstruct(page, slot)
+    }
+    fn stored_key(&self, p: &Pager<T, D>, page: u64) -> Option<PageKey> {
+        p.rs_key(page)
+    }
+    fn discarded(&self, p: &mut Pager<T, D>, page: u64, _deletes: &mut [Vec<PageKey>]) {
+        // Its piece stays while its stripe has other live members.
+        p.rs_member_dead(page);
+    }
+    fn seal_open(&self, p: &mut Pager<T, D>, page: Option<u64>) -> Result<(), PagerError> {
+        match page {
+            Some(page) if p.rs().is_open(page) => p.rs_seal(),
+            // Only parity keeps whole slots waiting for a batch that may never fill.
+            _ => Ok(()),
+        }
+    }
+    fn seal_without_waiting(&self, p: &mut Pager<T, D>) -> Result<Sealed, PagerError> {
+        let rs = p.rs();
+        if rs.open_is_empty() {
+            return Ok(Sealed::Nothing);
+        }
+        if p.free_slots.len() < rs.m {
+            return Ok(Sealed::NoRoom);
+        }
+        p.rs_seal()?;
+        Ok(Sealed::Sent)
+    }
+    fn settle_writes(&self, p: &mut Pager<T, D>) -> Result<(), PagerError> {
+        p.rs_seal()?;
+        p.drain()
+    }
+    fn server_failed_over(&self, p: &mut Pager<T, D>, server: usize) {
+        p.rs_server_dead(server);
+    }
+    fn server_revived(&self, p: &mut Pager<T, D>, server: usize) {
+        p.rs_server_revived(server);
+    }
+    fn leaving_pages(
+        &self,
+        p: &mut Pager<T, D>,
+        server: usize,
+        want: usize,
+    ) -> Option<(Vec<u64>, bool)> {
+        Some(p.rs_leaving_pages(server, want))
+    }
+    fn recover(&self, p: &mut Pager<T, D>, max_pages: usize) -> Result<RecoveryStep, PagerError> {
+        p.rs_recover(max_pages)
+    }
+    fn degraded_pages(&self, p: &Pager<T, D>) -> usize {
+        p.rs_degraded()
+    }
+    fn pages_short_of_copies(&self, p: &Pager<T, D>) -> usize {
+        p.rs().short.len()
+    }
+    fn rebuilding_pages(&self, p: &Pager<T, D>) -> usize {
+        p.rs().rebuilding()
+    }
+    fn recovery_yield(&self, p: &mut Pager<T, D>) -> bool {
+        p.rs_yield()
+    }
+    fn pages_per_server(&self, p: &Pager<T, D>) -> Vec<u64> {
+        p.rs_pieces_per_server()
+    }
+    fn pieces(&self, p: &Pager<T, D>, page: u64) -> Option<(crate::Pieces, usize)> {
+        p.rs_pieces(page)
+    }
+    fn slots_held(&self, p: &Pager<T, D>, owned: &mut Vec<u32>, used: &mut Vec<u32>) {
+        p.rs().slots_held(owned, used);
+    }
+}
+
 impl<T: Transport, D: Disk> Pager<T, D> {
     fn rs(&self) -> &Rs {
-        self.scheme.stripe().expect("a Reed-Solomon pager")
+        self.scheme_state.get().expect("a Reed-Solomon pager")
     }
-    fn rs_mut(&mut self) -> &mut Rs {
-        self.scheme.stripe_mut().expect("a Reed-Solomon pager")
+    pub(crate) fn rs_mut(&mut self) -> &mut Rs {
+        self.scheme_state
+            .get_mut::<Rs>()
+            .expect("a Reed-Solomon pager")
     }
 
     pub(crate) fn piece_key(&self, id: u32, piece: usize) -> PageKey {
@@ -299,7 +459,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
 
     /// The key of a page's data piece, if the page lives in a stripe.
     pub(crate) fn rs_key(&self, page: u64) -> Option<PageKey> {
-        let rs = self.scheme.stripe()?;
+        let rs = self.scheme_state.get::<Rs>()?;
         let id = rs.stripe_of[page as usize];
         (id != NO_STRIPE).then(|| self.piece_key(id, usize::from(rs.index_of[page as usize])))
     }
@@ -317,7 +477,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
     /// Seals the open stripe, full or not (a flush, or a page of it that must be waited for):
     /// computes the parity and sends every piece.
     pub(crate) fn rs_seal(&mut self) -> Result<(), PagerError> {
-        let m = match self.scheme.stripe() {
+        let m = match self.scheme_state.get::<Rs>() {
             Some(rs) if !rs.open.is_empty() => rs.m,
             _ => return Ok(()),
         };
@@ -639,7 +799,10 @@ impl<T: Transport, D: Disk> Pager<T, D> {
     /// Computes the parity pieces of the data pieces in slots `data` into slots `parity`.
     fn rs_encode(&mut self, data: &[u32], parity: &[u32]) {
         let (k, m) = (data.len(), parity.len());
-        let rs = self.scheme.stripe_mut().expect("a Reed-Solomon pager");
+        let rs = self
+            .scheme_state
+            .get_mut::<Rs>()
+            .expect("a Reed-Solomon pager");
         let enc = match &mut rs.encoder {
             Some(Encoder(enc)) => {
                 enc.reset(k, m, PAGE_SIZE).expect("a valid stripe shape");
@@ -669,7 +832,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
     /// The server of a page's data piece, if the page lives in a stripe and the piece has
     /// one: the stripe, not the page table, is the authority.
     pub(crate) fn rs_data_server(&self, page: u64) -> Option<Option<usize>> {
-        let rs = self.scheme.stripe()?;
+        let rs = self.scheme_state.get::<Rs>()?;
         let id = rs.stripe_of[page as usize];
         if id == NO_STRIPE {
             return Some(None);
@@ -680,7 +843,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
 
     /// Whether a page that lives in a stripe can be read by reconstruction.
     pub(crate) fn rs_reconstructible(&self, page: u64) -> bool {
-        self.scheme.stripe().is_some_and(|rs| {
+        self.scheme_state.get::<Rs>().is_some_and(|rs| {
             let id = rs.stripe_of[page as usize];
             id != NO_STRIPE && self.rs_live_pieces(id) >= rs.stripes[id as usize].k()
         })
@@ -766,7 +929,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
     /// The pieces that make a page safe, for checkers: (server, key, version) of each piece
     /// of its stripe that has a server, and how many pieces the stripe has.
     pub(crate) fn rs_pieces(&self, page: u64) -> Option<(crate::Pieces, usize)> {
-        let rs = self.scheme.stripe()?;
+        let rs = self.scheme_state.get::<Rs>()?;
         let id = rs.stripe_of[page as usize];
         if id == NO_STRIPE {
             return Some((Vec::new(), 0));

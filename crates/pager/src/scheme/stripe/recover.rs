@@ -284,7 +284,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
 
     /// A piece read for a stripe being rebuilt that will not come back.
     pub(crate) fn rs_read_settled(&mut self, id: u32) {
-        if let Some(rs) = self.scheme.stripe_mut() {
+        if let Some(rs) = self.scheme_state.get_mut::<Rs>() {
             rs.settle(id);
         }
     }
@@ -372,7 +372,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
     /// and puts their stripes back on the list, so that their slots serve a caller that has
     /// none; whether any slot came free.
     pub(crate) fn rs_yield(&mut self) -> bool {
-        if self.scheme.stripe().is_none_or(|rs| rs.streaming) {
+        if self.scheme_state.get::<Rs>().is_none_or(|rs| rs.streaming) {
             return false;
         }
         self.rs_harvest();
