@@ -4,6 +4,7 @@
 
 use super::*;
 use crate::scheme::stripe;
+use crate::*;
 use netram_proto::{decode_reply, decode_request, Reply};
 use netram_store::{serve, SessionHandle, Store, StoreConfig};
 use proptest::prelude::*;
