@@ -68,7 +68,7 @@ pub use pager::maintenance::{
     real_time_us, NextTick, Pacing, ScheduleConfig, Tick, Ticker, Upkeep,
 };
 pub use pager::migrate::MigrationStep;
-pub(crate) use pager::{handover, migrate, read, requests, seal, ticket, writeback};
+pub(crate) use pager::{handover, read, requests, seal, ticket, writeback};
 pub use pager::{Flush, PageLocation, Pager, Pieces};
 pub(crate) use pager::{Op, ServerState, STRIPE_LOST};
 pub use scheme::RecoveryStep;

@@ -292,6 +292,34 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         Ok(())
     }
 
+    /// A read of recovery's or of a move's failed on every copy: their next step sees it.
+    pub(crate) fn own_read_failed(&mut self, page: u64) {
+        if self.recovery_reading(page) || self.moving(page) {
+            self.own_failed.push(page);
+        }
+    }
+
+    /// Starts the copies of recovery's and moves' reads that are in, ahead of their next step
+    /// (a slot is wanted and they hold some); whether there were any.
+    pub(crate) fn start_own_reads(&mut self) -> Result<bool, PagerError> {
+        if !self.scheme.own_reads_out(self) && self.moving.is_empty() {
+            return Ok(false);
+        }
+        self.take_internal_reads();
+        let before = self.free_slot_count();
+        let ready = self
+            .fetched
+            .iter()
+            .any(|&(p, _)| self.recovery_reading(p) || self.moving(p))
+            || !self.own_failed.is_empty();
+        if ready {
+            let s = self.scheme;
+            s.own_reads_in(self)?;
+            self.move_read_pages(&mut MigrationStep::default())?;
+        }
+        Ok(ready && (self.free_slot_count() > before || !self.idle()))
+    }
+
     /// A write-back ended: if it moved a page, the move is done (to the disk alone when
     /// `on_disk_only`).
     pub(crate) fn landed(&mut self, page: u64, on_disk_only: bool) {

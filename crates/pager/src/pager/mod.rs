@@ -1,11 +1,14 @@
 //! The pager's machinery under its redundancy scheme: its state ([`Pager`]), its public
 //! operations, and everything that moves a page — the slot pool and cache, reads and reads by
 //! ticket, write-back, requests and replies, migration, maintenance (see the crate's docs for
-//! the map). The schemes (`crate::scheme`) sit beside it, not inside: the fields a scheme
-//! still reaches are marked `pub(crate)`; the others are private to this folder.
+//! the map). The schemes (`crate::scheme`) sit beside it, not inside, so the pager's fields
+//! are private to them: a scheme uses the pager's operations (take a slot, queue a PUT, finish
+//! a write-back, …) and what `hooks.rs` gives it (the page table, counters, servers, the
+//! write-backs in flight, its own state).
 
 mod cache;
 pub(crate) mod handover;
+mod hooks;
 mod invariants;
 pub(crate) mod maintenance;
 pub(crate) mod migrate;
@@ -107,94 +110,94 @@ impl ServerState {
 /// The pager. Single-threaded: every call runs to completion on the caller's thread, which
 /// writes requests and reads replies itself (no hand-off to another thread on the critical path).
 pub struct Pager<T: Transport, D: Disk> {
-    pub(crate) transport: T,
-    pub(crate) disk: D,
-    pub(crate) cfg: PagerConfig,
-    pub(crate) table: Table,
-    pub(crate) servers: Vec<ServerState>,
+    transport: T,
+    disk: D,
+    cfg: PagerConfig,
+    table: Table,
+    servers: Vec<ServerState>,
     /// Page buffers: `cache_pages + staging` slots of PAGE_SIZE bytes.
-    pub(crate) slots: Vec<u8>,
+    slots: Vec<u8>,
     /// Slots meant for write-backs in flight: a full window and a batch per server at start.
     /// What [`Pager::try_write`] leaves in write-back at most, so that writes that do not wait
     /// do not take the slots of recovery (nor grow the process by them).
-    pub(crate) staging: usize,
-    pub(crate) free_slots: Vec<u32>,
-    pub(crate) dirty: Vec<bool>,
+    staging: usize,
+    free_slots: Vec<u32>,
+    dirty: Vec<bool>,
     /// Slots holding ciphertext (`seal.rs`): those of write-backs, and what a scheme rebuilds
     /// before it is opened.
-    pub(crate) sealed: Vec<bool>,
+    sealed: Vec<bool>,
     /// The pages' seal, when they travel sealed.
-    pub(crate) sealer: Option<Sealer>,
-    pub(crate) cache: LruCache<u64, u32>,
+    sealer: Option<Sealer>,
+    cache: LruCache<u64, u32>,
     /// Pages whose write-back is in flight, with the slot holding their data.
-    pub(crate) writeback: HashMap<u64, Writeback>,
+    writeback: HashMap<u64, Writeback>,
     /// What keeps pages safe when a server dies ([`scheme`]), what it keeps, and its numbers.
-    pub(crate) scheme: &'static dyn Redundancy<T, D>,
-    pub(crate) scheme_state: SchemeState,
-    pub(crate) shape: Shape,
+    scheme: &'static dyn Redundancy<T, D>,
+    scheme_state: SchemeState,
+    shape: Shape,
     /// Pages whose read for a move through this pager is out (`migrate.rs`), with the
     /// version read, the server they leave and the slot read into (a page's move and a
     /// parity survivor read of it can be out together).
-    pub(crate) moving: std::collections::BTreeMap<u64, (u32, usize, u32)>,
+    moving: std::collections::BTreeMap<u64, (u32, usize, u32)>,
     /// Pages of `rebuilding` or `moving` whose read failed on every copy, for the next step.
-    pub(crate) own_failed: Vec<u64>,
+    own_failed: Vec<u64>,
     /// Pages on their way off a leaving server (`migrate.rs`), counted when they land.
-    pub(crate) migrating: BTreeSet<u64>,
+    migrating: BTreeSet<u64>,
     /// Pages moving straight from server to server (`handover.rs`).
-    pub(crate) handing: std::collections::BTreeMap<u64, usize>,
+    handing: std::collections::BTreeMap<u64, usize>,
     /// (old, new) server pairs whose old server would not hand over to the new one (it does
     /// not count it a member of its cluster): their pages move through this pager instead,
     /// until one of the two restarts (`handover.rs`).
-    pub(crate) no_direct: BTreeSet<(usize, usize)>,
+    no_direct: BTreeSet<(usize, usize)>,
     /// Where the next search for pages to move starts in the page table.
-    pub(crate) migrate_cursor: u64,
+    migrate_cursor: u64,
     /// Pages kept in the cache, dirty, because the local disk failed to write them and no
     /// server holds their current version: the cache may exceed its budget by these.
-    pub(crate) rehomed: BTreeSet<u64>,
+    rehomed: BTreeSet<u64>,
     /// Pages the cache may hold over its budget because an eviction that would have waited
     /// was left for a later call (`evict_without_waiting`); zero once it is within budget.
-    pub(crate) evictions_deferred: usize,
+    evictions_deferred: usize,
     /// Slots [`Pager::write_over_budget`] added to the pool (never taken back).
-    pub(crate) spare_slots: usize,
+    spare_slots: usize,
     /// The local disk's last failed write, reported by the next `flush` (as fsync does).
-    pub(crate) disk_failed: Option<std::io::Error>,
+    disk_failed: Option<std::io::Error>,
     /// GETs that failed on one copy, to be tried on another.
-    pub(crate) retry: Vec<GetItem>,
+    retry: Vec<GetItem>,
     /// The pager's own finished reads (recovery, migration through the owner): page and slot.
-    pub(crate) fetched: Vec<(u64, u32)>,
+    fetched: Vec<(u64, u32)>,
     /// Reads whose piece is out of reach, to be decoded from the rest of their stripe.
-    pub(crate) reconstruct: Vec<GetItem>,
-    pub(crate) inflight: Inflight,
+    reconstruct: Vec<GetItem>,
+    inflight: Inflight,
     /// Per server: requests not sent yet, oldest first.
-    pub(crate) queues: Vec<VecDeque<Queued>>,
+    queues: Vec<VecDeque<Queued>>,
     /// Per server: how many requests have ever left its queue (sent, or failed over with a
     /// dead server): what a [`requests::Barrier`] counts.
-    pub(crate) dequeued: Vec<u64>,
-    pub(crate) followups: Vec<Followup>,
-    pub(crate) reads_done: Vec<ReadDone>,
+    dequeued: Vec<u64>,
+    followups: Vec<Followup>,
+    reads_done: Vec<ReadDone>,
     /// Reads by ticket (`ticket.rs`) finished and not yet taken, and how many were started
     /// and not yet taken.
-    pub(crate) finished: Vec<ticket::Finished>,
-    pub(crate) tickets: usize,
+    finished: Vec<ticket::Finished>,
+    tickets: usize,
     /// Reads by ticket started when no slot could be had without waiting (page, tag), in
     /// the order started: each starts once a slot is at hand (`ticket.rs`).
-    pub(crate) slot_waiters: VecDeque<(u64, u64)>,
+    slot_waiters: VecDeque<(u64, u64)>,
     /// The waiting caller's reads (`read.rs`) not yet copied out or reported: it waits for
     /// these, not for everything in flight.
-    pub(crate) caller_reads: usize,
-    pub(crate) lost: Vec<(usize, u64)>,
-    pub(crate) corrupt: Option<(usize, u64, &'static str)>,
-    pub(crate) next_req: u64,
+    caller_reads: usize,
+    lost: Vec<(usize, u64)>,
+    corrupt: Option<(usize, u64, &'static str)>,
+    next_req: u64,
     /// Replies being handled (nested when handling one waits for another) and non-waiting
     /// writes (`try_write`, `try_discard`) under way, and the waits that happened meanwhile:
     /// neither may wait (requests without credits stay queued), and `check_invariants`
     /// counts any wait.
-    pub(crate) must_not_wait: u32,
-    pub(crate) forbidden_waits: u64,
+    must_not_wait: u32,
+    forbidden_waits: u64,
     /// When the maintenance tasks last ran ([`Pager::on_tick`]).
-    pub(crate) schedule: maintenance::Schedule,
-    pub(crate) rng: fastrand::Rng,
-    pub(crate) counters: PagerCounters,
+    schedule: maintenance::Schedule,
+    rng: fastrand::Rng,
+    counters: PagerCounters,
 }
 
 impl<T: Transport, D: Disk> fmt::Debug for Pager<T, D> {

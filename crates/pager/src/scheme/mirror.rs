@@ -181,23 +181,27 @@ impl<T: Transport, D: Disk> Redundancy<T, D> for Mirror {
     fn recovery_reading(&self, p: &Pager<T, D>, page: u64) -> bool {
         p.cp().reading(page)
     }
+    fn own_reads_out(&self, p: &Pager<T, D>) -> bool {
+        p.cp().rebuilding() > 0
+    }
+    fn own_reads_in(&self, p: &mut Pager<T, D>) -> Result<(), PagerError> {
+        p.rebuild_read_pages(&mut RecoveryStep::default())
+    }
 }
 
 impl<T: Transport, D: Disk> Pager<T, D> {
     fn cp(&self) -> &Copies {
-        self.scheme_state.get().expect("a pager of whole copies")
+        self.state().expect("a pager of whole copies")
     }
     fn cp_mut(&mut self) -> &mut Copies {
-        self.scheme_state
-            .get_mut()
-            .expect("a pager of whole copies")
+        self.state_mut().expect("a pager of whole copies")
     }
 
     /// Sends the copies a page in write-back still lacks, each to a live server that holds no
     /// other copy of it: its current holders first (an overwrite stays in place), then by
     /// placement. Settles the write-back when nothing is left in flight.
     pub(crate) fn place_copies(&mut self, page: u64) -> Result<(), PagerError> {
-        let mut wb = *self.writeback.get(&page).expect("page in write-back");
+        let mut wb = *self.writebacks().get(&page).expect("page in write-back");
         let busy = |wb: &Writeback, s: usize| {
             wb.done.contains(s)
                 || wb.pending.contains(s)
@@ -211,19 +215,21 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         let mut full = Vec::new();
         for _ in 0..need {
             let holder = self
-                .table
+                .table()
                 .holders(page)
                 .iter()
-                .find(|&s| self.servers[s].alive && !busy(&wb, s));
+                .find(|&s| self.server_states()[s].alive && !busy(&wb, s));
             let target = holder.or_else(|| {
-                let candidates: Vec<Candidate> = self.servers.iter().map(|s| s.load).collect();
-                let exclude: Vec<usize> =
-                    (0..self.servers.len()).filter(|&s| busy(&wb, s)).collect();
-                placement::choose(&candidates, &exclude, &mut self.rng)
+                let candidates: Vec<Candidate> =
+                    self.server_states().iter().map(|s| s.load).collect();
+                let exclude: Vec<usize> = (0..self.server_states().len())
+                    .filter(|&s| busy(&wb, s))
+                    .collect();
+                placement::choose(&candidates, &exclude, self.rng())
             });
             let Some(server) = target else { break };
             wb.pending.insert(server);
-            self.counters.puts += 1;
+            self.counters_mut().puts += 1;
             let key = self.key(page);
             let it = PutItem {
                 page,
@@ -238,7 +244,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         }
         // Recorded before anything is sent: sending may wait for credits and complete PUTs of
         // this very page.
-        self.writeback.insert(page, wb);
+        self.writebacks_mut().insert(page, wb);
         if wb.pending.is_empty() {
             return self.finish_writeback(page);
         }
@@ -250,8 +256,8 @@ impl<T: Transport, D: Disk> Pager<T, D> {
 
     /// A server acknowledged a copy: the write-back is settled once every copy is.
     pub(crate) fn copy_stored(&mut self, it: PutItem, server: usize) -> Result<(), PagerError> {
-        debug_assert_eq!(self.table.get(it.page).version, it.version);
-        if let Some(wb) = self.writeback.get_mut(&it.page) {
+        debug_assert_eq!(self.table().get(it.page).version, it.version);
+        if let Some(wb) = self.writebacks_mut().get_mut(&it.page) {
             wb.pending.remove(server);
             wb.done.insert(server);
             if wb.pending.is_empty() {
@@ -269,11 +275,11 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         it: GetItem,
         what: Option<&'static str>,
     ) {
-        let mut holders = self.table.holders(it.page);
+        let mut holders = self.table().holders(it.page);
         // A GET of a version written over since (recovery's read, out while the page was
         // written again) says nothing of the copies the table names now: the new version's,
         // which a delete here would take away.
-        let current = it.version == self.table.get(it.page).version;
+        let current = it.version == self.table().get(it.page).version;
         if !current && it.pos == INTERNAL {
             // No copy of that version is left to read: the next step of recovery (or of
             // migration) sees the page changed and leaves it to what changed it.
@@ -290,18 +296,18 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         if let Some(what) = what {
             if holders.len() > 1 && holders.contains(server) {
                 tracing::warn!(server, page = it.page, what, "dropping a bad copy");
-                self.counters.copies_dropped_bad += 1;
+                self.counters_mut().copies_dropped_bad += 1;
                 holders.remove(server);
-                self.table.set_holders(it.page, holders);
+                self.table_mut().set_holders(it.page, holders);
                 self.cp_mut().degraded.insert(it.page);
                 // A rebuild out for this version counts that copy no more.
-                if let Some(wb) = self.writeback.get_mut(&it.page) {
+                if let Some(wb) = self.writebacks_mut().get_mut(&it.page) {
                     if wb.version == it.version {
                         wb.keep.remove(server);
                     }
                 }
-                if what != "missing on server" && self.servers[server].alive {
-                    self.counters.deletes += 1;
+                if what != "missing on server" && self.server_states()[server].alive {
+                    self.counters_mut().deletes += 1;
                     self.submit(
                         server,
                         Op::Delete,
@@ -316,7 +322,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
     /// Every page with a copy on a dead server has one copy fewer: recovery's work.
     pub(crate) fn copies_server_dead(&mut self, server: usize) {
         if self.cp().n > 1 {
-            let pages = self.table.pages_on(server);
+            let pages = self.table().pages_on(server);
             self.cp_mut().degraded.extend(pages);
         }
     }
@@ -325,18 +331,18 @@ impl<T: Transport, D: Disk> Pager<T, D> {
     /// degraded (recovery makes a new one); a page whose only copy it held is lost.
     pub(crate) fn copies_server_revived(&mut self, server: usize) {
         // Nor do copies it held or acknowledged for write-backs still out.
-        for wb in self.writeback.values_mut() {
+        for wb in self.writebacks_mut().values_mut() {
             wb.keep.remove(server);
             wb.done.remove(server);
         }
-        for page in self.table.pages_on(server) {
-            let mut holders = self.table.holders(page);
+        for page in self.table().pages_on(server) {
+            let mut holders = self.table().holders(page);
             if holders.len() > 1 {
                 holders.remove(server);
-                self.table.set_holders(page, holders);
+                self.table_mut().set_holders(page, holders);
                 self.cp_mut().degraded.insert(page);
             } else {
-                self.table.get_mut(page).lost = true;
+                self.table_mut().get_mut(page).lost = true;
             }
         }
         // Room again, perhaps: what lacked copies for want of servers tries again.
@@ -358,15 +364,15 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         self.rebuild_read_pages(&mut step)?;
         // Each page holds a slot from its read to its last acknowledgement: stay well inside
         // the staging slots.
-        let staging = (self.free_slots.len() / 2).saturating_sub(self.cp().rebuilding.len());
+        let staging = (self.free_slot_count() / 2).saturating_sub(self.cp().rebuilding.len());
         let mut batch: Vec<(u64, Servers)> = Vec::new();
         let mut later = Vec::new();
         while batch.len() < max_pages.min(staging) {
             let Some(page) = self.cp_mut().degraded.pop_first() else {
                 break;
             };
-            let e = *self.table.get(page);
-            if !e.present || e.lost || self.writeback.contains_key(&page) {
+            let e = *self.table().get(page);
+            if !e.present || e.lost || self.writebacks().contains_key(&page) {
                 // Discarded, lost, or being written: a write-back places every copy anew
                 // and puts the page back on the list if it falls short.
                 continue;
@@ -375,23 +381,26 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                 // Its read is out: the copies it lacks are counted when it is in.
                 continue;
             }
-            if self.moving.contains_key(&page) {
+            if self.moving(page) {
                 // Being moved: the move writes every copy it lacks; looked at again after.
                 later.push(page);
                 continue;
             }
-            let holders = self.table.holders(page);
-            let alive: Servers = holders.iter().filter(|&s| self.servers[s].alive).collect();
+            let holders = self.table().holders(page);
+            let alive: Servers = holders
+                .iter()
+                .filter(|&s| self.server_states()[s].alive)
+                .collect();
             if alive.len() >= self.cp().n {
                 if alive.len() < holders.len() {
-                    self.table.set_holders(page, alive);
+                    self.table_mut().set_holders(page, alive);
                 }
                 continue;
             }
             if alive.is_empty() && !e.on_disk {
                 step.unrecoverable += 1;
-                self.counters.pages_unrecoverable += 1;
-                self.table.get_mut(page).lost = true;
+                self.counters_mut().pages_unrecoverable += 1;
+                self.table_mut().get_mut(page).lost = true;
                 continue;
             }
             batch.push((page, alive));
@@ -406,11 +415,8 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                 // Queued, never waited for: a full window sends it later.
                 Some(s) => self.queue_get(s, it),
                 None => {
-                    let at = slot as usize * netram_proto::PAGE_SIZE;
-                    self.counters.disk_reads += 1;
-                    self.disk
-                        .read(page, &mut self.slots[at..at + netram_proto::PAGE_SIZE])?;
-                    self.fetched.push((page, slot));
+                    self.read_disk_into(page, slot)?;
+                    self.fetched_push(page, slot);
                 }
             }
         }
@@ -423,56 +429,18 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         Ok(step)
     }
 
-    /// A read of recovery's or of a move's failed on every copy: their next step sees it.
-    pub(crate) fn own_read_failed(&mut self, page: u64) {
-        if self.recovery_reading(page) || self.moving.contains_key(&page) {
-            self.own_failed.push(page);
-        }
-    }
-
-    /// Starts the copies of recovery's and moves' reads that are in, ahead of their next step
-    /// (a slot is wanted and they hold some); whether there were any.
-    pub(crate) fn start_own_reads(&mut self) -> Result<bool, PagerError> {
-        let rebuilding = self
-            .scheme_state
-            .get::<Copies>()
-            .map_or(0, Copies::rebuilding);
-        if rebuilding == 0 && self.moving.is_empty() {
-            return Ok(false);
-        }
-        self.take_internal_reads();
-        let before = self.free_slots.len();
-        let ready = self
-            .fetched
-            .iter()
-            .any(|(p, _)| self.recovery_reading(*p) || self.moving.contains_key(p))
-            || !self.own_failed.is_empty();
-        if ready {
-            self.rebuild_read_pages(&mut RecoveryStep::default())?;
-            self.move_read_pages(&mut crate::migrate::MigrationStep::default())?;
-        }
-        Ok(ready && (self.free_slots.len() > before || !self.idle()))
-    }
-
     /// Writes the missing copies of the pages whose recovery read is in (`fetched`), unless
     /// the page changed meanwhile (written: its write-back places every copy; discarded; or
     /// lost); a read that failed on every copy puts its page back on the list if a copy is
     /// left to read, else the page is lost.
     fn rebuild_read_pages(&mut self, step: &mut RecoveryStep) -> Result<(), PagerError> {
-        if self.scheme_state.get::<Copies>().is_none() {
-            // Called for moves under any scheme: only whole copies rebuild this way.
-            return Ok(());
-        }
-        let failed: Vec<u64>;
-        (failed, self.own_failed) = std::mem::take(&mut self.own_failed)
-            .into_iter()
-            .partition(|p| self.cp().reading(*p));
+        let failed = self.take_own_failed(|p, page| p.cp().reading(page));
         for page in failed {
             if self.cp_mut().rebuilding.remove(&page).is_none() {
                 continue;
             }
-            let e = *self.table.get(page);
-            if !e.present || e.lost || self.writeback.contains_key(&page) {
+            let e = *self.table().get(page);
+            if !e.present || e.lost || self.writebacks().contains_key(&page) {
                 continue;
             }
             if self.alive_holder(page, None).is_some() || e.on_disk {
@@ -481,43 +449,42 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             } else {
                 // Every copy failed while being read: gone.
                 step.unrecoverable += 1;
-                self.counters.pages_unrecoverable += 1;
-                self.table.get_mut(page).lost = true;
+                self.counters_mut().pages_unrecoverable += 1;
+                self.table_mut().get_mut(page).lost = true;
             }
         }
-        let read: Vec<(u64, u32)>;
-        (read, self.fetched) = std::mem::take(&mut self.fetched)
-            .into_iter()
-            .partition(|(page, _)| self.cp().reading(*page));
+        let read = self.take_fetched(|p, page, _| p.cp().reading(page));
         for (page, slot) in read {
             let version = self
                 .cp_mut()
                 .rebuilding
                 .remove(&page)
                 .expect("partitioned on it");
-            let e = *self.table.get(page);
-            if !e.present || e.lost || e.version != version || self.writeback.contains_key(&page) {
+            let e = *self.table().get(page);
+            if !e.present || e.lost || e.version != version || self.writebacks().contains_key(&page)
+            {
                 // Changed while it was read: whatever changed it placed its copies, or
                 // needs none.
                 self.release_slot(slot);
                 continue;
             }
             let keep: Servers = self
-                .table
+                .table()
                 .holders(page)
                 .iter()
-                .filter(|&s| self.servers[s].alive)
+                .filter(|&s| self.server_states()[s].alive)
                 .collect();
             if keep.len() >= self.cp().n {
                 self.release_slot(slot);
                 continue;
             }
+            let revivals = self.counters().servers_revived;
             self.begin_writeback(
                 page,
                 Writeback {
                     keep,
                     rebuild: true,
-                    revivals: self.counters.servers_revived,
+                    revivals,
                     ..Writeback::new(slot, e.version)
                 },
             );

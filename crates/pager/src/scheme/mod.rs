@@ -16,8 +16,8 @@
 //! A scheme's methods take the pager, not the scheme's state by `&mut self`: a scheme's work
 //! re-enters it (sending finds a server dead and its failed PUTs come back to `put_failed`
 //! while `written_back` still places; recovery reads replies, which reach `stored`), so each
-//! borrows its state only while it uses it. The schemes still use the page table, slots,
-//! write-backs and requests through the pager's own fields and methods.
+//! borrows its state only while it uses it. The pager's fields are private to its folder
+//! (`crate::pager`): a scheme uses its operations and the accessors of `pager/hooks.rs`.
 
 pub(crate) mod mirror;
 pub(crate) mod parity;
@@ -100,8 +100,8 @@ pub(crate) trait Redundancy<T: Transport, D: Disk>: Sync {
     );
     /// The first live server that holds a page's current version, other than `not`.
     fn alive_holder(&self, p: &Pager<T, D>, page: u64, not: Option<usize>) -> Option<usize> {
-        let live = |s: &usize| p.servers[*s].alive && Some(*s) != not;
-        p.table.holders(page).iter().find(live)
+        let live = |s: &usize| p.server_states()[*s].alive && Some(*s) != not;
+        p.table().holders(page).iter().find(live)
     }
     /// Whether a page out of reach can be decoded from the rest of its stripe or group.
     fn reconstructible(&self, _p: &Pager<T, D>, _page: u64) -> bool {
@@ -221,12 +221,21 @@ pub(crate) trait Redundancy<T: Transport, D: Disk>: Sync {
     fn recovery_reading(&self, _p: &Pager<T, D>, _page: u64) -> bool {
         false
     }
+    /// Whether recovery has reads of its own out that land in `fetched` (whole copies').
+    fn own_reads_out(&self, _p: &Pager<T, D>) -> bool {
+        false
+    }
+    /// Recovery's reads that landed in `fetched` (or failed) go on now, ahead of its next
+    /// step: a slot is wanted and they hold some.
+    fn own_reads_in(&self, _p: &mut Pager<T, D>) -> Result<(), PagerError> {
+        Ok(())
+    }
 
     // Reports.
 
     /// How many of this pager's pages (pieces) each server holds.
     fn pages_per_server(&self, p: &Pager<T, D>) -> Vec<u64> {
-        p.table.pages_per_server(p.servers.len())
+        p.table().pages_per_server(p.server_states().len())
     }
     /// (server, key, version) of every piece of a page, and how many the scheme wants, when
     /// they are not its copies in the page table.
@@ -243,8 +252,8 @@ pub(crate) fn delete_copies<T: Transport, D: Disk>(
     page: u64,
     deletes: &mut [Vec<PageKey>],
 ) {
-    for s in p.table.holders(page).iter() {
-        if p.servers[s].alive {
+    for s in p.table().holders(page).iter() {
+        if p.server_states()[s].alive {
             deletes[s].push(p.key(page));
         }
     }
@@ -306,249 +315,5 @@ pub(crate) fn build<T: Transport, D: Disk>(
             stripe::build(cfg, usize::from(data), usize::from(parity))
         }
         Scheme::Parity { group } => parity::build(cfg, servers, usize::from(group)),
-    }
-}
-
-/// The hooks the rest of the pager calls, each handed to the scheme (what is the same under
-/// every scheme is done here).
-impl<T: Transport, D: Disk> Pager<T, D> {
-    pub(crate) fn written_back(&mut self, page: u64) -> Result<(), PagerError> {
-        let s = self.scheme;
-        s.written_back(self, page)
-    }
-
-    pub(crate) fn place(&mut self, page: u64) -> Result<(), PagerError> {
-        let s = self.scheme;
-        s.place(self, page)
-    }
-
-    pub(crate) fn stored(&mut self, it: PutItem, server: usize) -> Result<(), PagerError> {
-        let s = self.scheme;
-        s.stored(self, it, server)
-    }
-
-    pub(crate) fn put_failed(&mut self, it: PutItem, server: usize) -> Result<(), PagerError> {
-        let s = self.scheme;
-        s.put_failed(self, it, server)
-    }
-
-    /// A write-back of whole copies settled ([`Landed`]).
-    pub(crate) fn copies_landed(&mut self, page: u64, landed: Landed) {
-        let s = self.scheme;
-        s.landed(self, page, landed);
-    }
-
-    /// An answer only a scheme's own requests get (a parity holder's, see [`parity::Answer`]).
-    pub(crate) fn scheme_answer(
-        &mut self,
-        server: usize,
-        answer: parity::Answer,
-    ) -> Result<(), PagerError> {
-        let s = self.scheme;
-        s.answer(self, server, answer)
-    }
-
-    /// A GET that got no good data from `server` (dead, bad checksum, missing: `what`).
-    pub(crate) fn get_failed(&mut self, server: usize, it: GetItem, what: Option<&'static str>) {
-        if crate::ticket::is_ticket(it.pos) && self.ticket_outdated(&it) {
-            // The page changed while its read by ticket was on its way: the server answered
-            // for the newer version, not wrongly (`ticket.rs`).
-            return self.restart_ticket(it);
-        }
-        let s = self.scheme;
-        s.get_failed(self, server, it, what);
-    }
-
-    /// The first live server that holds a page's current version, other than `not`.
-    pub(crate) fn alive_holder(&self, page: u64, not: Option<usize>) -> Option<usize> {
-        if self.table.get(page).lost {
-            return None;
-        }
-        self.scheme.alive_holder(self, page, not)
-    }
-
-    /// Whether a page out of reach can be decoded from the rest of its stripe or group.
-    pub(crate) fn reconstructible(&self, page: u64) -> bool {
-        self.scheme.reconstructible(self, page)
-    }
-
-    /// A read whose page has no copy in reach but can be reconstructed. A read by ticket waits
-    /// for recovery to bring its page back, which never waits (the scheme parks it); the others
-    /// are decoded by `run_reconstructions`, which does.
-    pub(crate) fn reconstruct_later(&mut self, it: GetItem) {
-        let it = if crate::ticket::is_ticket(it.pos) {
-            let s = self.scheme;
-            match s.park(self, it) {
-                Ok(()) => return,
-                Err(it) => it,
-            }
-        } else {
-            it
-        };
-        self.reconstruct.push(it);
-    }
-
-    /// Whether a degraded read by ticket waits on for recovery: its page is as it was when
-    /// the read started, still out of reach, and can come back from its stripe or group.
-    pub(crate) fn waits_for_recovery(&self, it: &GetItem) -> bool {
-        let e = self.table.get(it.page);
-        e.present
-            && !e.lost
-            && !e.on_disk
-            && e.version == it.version
-            && !self.cache.contains(&it.page)
-            && !self.writeback.contains_key(&it.page)
-            && self.alive_holder(it.page, None).is_none()
-            && self.reconstructible(it.page)
-    }
-
-    /// A degraded read by ticket that no longer waits for recovery (its page came within
-    /// reach, changed, or is lost) starts again the ordinary way.
-    pub(crate) fn restart_waiter(&mut self, it: GetItem) {
-        let tag = (it.pos & !crate::ticket::TICKET) as u64;
-        if let Err(err) = self.start_ticket(it.page, tag, Some(it.slot)) {
-            self.ticket_failed(&it, err);
-        }
-    }
-
-    /// Moves the degraded reads by ticket that wait for recovery on.
-    pub(crate) fn serve_waiters(&mut self) -> Result<(), PagerError> {
-        let s = self.scheme;
-        s.serve_parked(self)
-    }
-
-    /// Decodes a page into `slot` from the rest of its stripe or group; false when it cannot.
-    pub(crate) fn reconstruct(&mut self, page: u64, slot: u32) -> Result<bool, PagerError> {
-        let s = self.scheme;
-        s.reconstruct(self, page, slot)
-    }
-
-    /// The key a page's current version is stored under (under Reed-Solomon, its data piece's).
-    pub(crate) fn stored_key(&self, page: u64) -> PageKey {
-        self.scheme
-            .stored_key(self, page)
-            .unwrap_or_else(|| self.key(page))
-    }
-
-    /// One of the pager's own reads is in: whether the scheme took it.
-    pub(crate) fn scheme_read_done(&mut self, d: &crate::requests::ReadDone) -> bool {
-        let s = self.scheme;
-        s.read_done(self, d)
-    }
-
-    /// What deletes superseded copies on a server (a parity pager tracks them, see [`Op::Gc`]).
-    pub(crate) fn delete_op(&self, keys: &[PageKey]) -> Op {
-        self.scheme.delete_op(keys)
-    }
-
-    /// A page is discarded: the copies to delete, per server, go to `deletes`.
-    pub(crate) fn discarded(&mut self, page: u64, deletes: &mut [Vec<PageKey>]) {
-        let s = self.scheme;
-        s.discarded(self, page, deletes);
-    }
-
-    pub(crate) fn seal_open(&mut self, page: Option<u64>) -> Result<(), PagerError> {
-        let s = self.scheme;
-        s.seal_open(self, page)
-    }
-
-    /// `settle_writes`' sealing without its waiting, for [`Pager::try_flush`].
-    pub(crate) fn seal_without_waiting(&mut self) -> Result<Sealed, PagerError> {
-        let s = self.scheme;
-        s.seal_without_waiting(self)
-    }
-
-    pub(crate) fn settle_writes(&mut self) -> Result<(), PagerError> {
-        let s = self.scheme;
-        s.settle_writes(self)
-    }
-
-    pub(crate) fn server_lost(&mut self, server: usize) {
-        let s = self.scheme;
-        s.server_lost(self, server);
-    }
-
-    pub(crate) fn server_failed_over(&mut self, server: usize) {
-        let s = self.scheme;
-        s.server_failed_over(self, server);
-    }
-
-    pub(crate) fn server_revived(&mut self, server: usize) {
-        let s = self.scheme;
-        s.server_revived(self, server);
-    }
-
-    pub(crate) fn not_leaving(&mut self, server: usize) {
-        let s = self.scheme;
-        s.not_leaving(self, server);
-    }
-
-    pub(crate) fn release_leaving(&mut self, server: usize, want: usize) -> Option<Vec<u64>> {
-        let s = self.scheme;
-        s.release_leaving(self, server, want)
-    }
-
-    pub(crate) fn scheme_leaving_pages(
-        &mut self,
-        server: usize,
-        want: usize,
-    ) -> Option<(Vec<u64>, bool)> {
-        let s = self.scheme;
-        s.leaving_pages(self, server, want)
-    }
-
-    pub(crate) fn recovery_yield(&mut self) -> bool {
-        let s = self.scheme;
-        s.recovery_yield(self)
-    }
-
-    pub(crate) fn in_recovery(&self, page: u64) -> bool {
-        self.scheme.in_recovery(self, page)
-    }
-
-    pub(crate) fn recovery_reading(&self, page: u64) -> bool {
-        self.scheme.recovery_reading(self, page)
-    }
-
-    pub(crate) fn rebuilding_pages(&self) -> usize {
-        self.scheme.rebuilding_pages(self)
-    }
-
-    /// How many of this pager's pages (pieces, under Reed-Solomon) each server holds.
-    pub fn pages_per_server(&self) -> Vec<u64> {
-        self.scheme.pages_per_server(self)
-    }
-
-    /// What keeps a page safe, for checkers: (server, key, version) of every piece the page
-    /// table counts (its copies, or its stripe's pieces), and how many the scheme wants.
-    /// `None` while its write-back is in flight.
-    pub fn pieces(&self, page: u64) -> Option<(crate::Pieces, usize)> {
-        let loc = self.location(page)?;
-        if let Some(p) = self.scheme.pieces(self, page) {
-            return Some(p);
-        }
-        let key = self.key(page);
-        let pieces = loc.holders.iter().map(|&s| (s, key, loc.version)).collect();
-        Some((pieces, self.shape.copies))
-    }
-
-    /// Pages (under Reed-Solomon: stripes) that lack some of what keeps them safe, which
-    /// recovery still has to look at.
-    pub fn degraded_pages(&self) -> usize {
-        self.scheme.degraded_pages(self)
-    }
-
-    /// Pages recovery could not give every copy for want of servers with room; the local disk
-    /// backs them meanwhile. They are tried again when a server comes back.
-    pub fn pages_short_of_copies(&self) -> usize {
-        self.scheme.pages_short_of_copies(self)
-    }
-
-    /// Rebuilds what up to `max_pages` degraded pages lack (Nswap §IV-B3): new copies from a
-    /// surviving one, a lost page from its group's parity, lost pieces from their stripe. The
-    /// caller sets the pace ([`Pager::on_tick`] spreads it over time).
-    pub fn recover(&mut self, max_pages: usize) -> Result<RecoveryStep, PagerError> {
-        let s = self.scheme;
-        s.recover(self, max_pages)
     }
 }

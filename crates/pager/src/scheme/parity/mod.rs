@@ -28,9 +28,7 @@ use crate::writeback::Writeback;
 mod recover;
 use crate::{Disk, Pager, PagerConfig, PagerError, ServerState, Transport, TransportError};
 use netram_policy::placement::{self, Candidate};
-use netram_proto::{
-    Delta, DeltaKind, Member, OwnedRecord, Owner, Page, PageKey, Record, Request, PAGE_SIZE,
-};
+use netram_proto::{Delta, DeltaKind, Member, OwnedRecord, Owner, Page, PageKey, Record, Request};
 use std::collections::{BTreeSet, HashMap};
 use std::net::SocketAddr;
 
@@ -330,7 +328,7 @@ impl<T: Transport, D: Disk> Redundancy<T, D> for Parity {
     }
     fn reconstruct(&self, p: &mut Pager<T, D>, page: u64, slot: u32) -> Result<bool, PagerError> {
         let rebuilt = p.par_reconstruct(page, slot)?;
-        p.counters.degraded_reads += u64::from(rebuilt);
+        p.counters_mut().degraded_reads += u64::from(rebuilt);
         Ok(rebuilt)
     }
     fn read_done(&self, p: &mut Pager<T, D>, d: &crate::requests::ReadDone) -> bool {
@@ -388,21 +386,20 @@ impl<T: Transport, D: Disk> Redundancy<T, D> for Parity {
 
 impl<T: Transport, D: Disk> Pager<T, D> {
     fn par(&self) -> &Par {
-        self.scheme_state.get().expect("a parity pager")
+        self.state().expect("a parity pager")
     }
     pub(crate) fn par_mut(&mut self) -> &mut Par {
-        self.scheme_state.get_mut().expect("a parity pager")
+        self.state_mut().expect("a parity pager")
     }
 
     /// Whether a server may take pages or parity now.
     fn par_usable(&self, s: usize) -> bool {
-        self.servers[s].alive && !self.par().recovering.contains(&s)
+        self.server_states()[s].alive && !self.par().recovering.contains(&s)
     }
 
     /// The image of a page in write-back, as its group's parity covers it.
     fn par_record(&self, page: u64, version: u32, slot: u32) -> OwnedRecord {
-        let at = slot as usize * PAGE_SIZE;
-        let p = Page::seal(self.key(page), version, &self.slots[at..at + PAGE_SIZE]);
+        let p = Page::seal(self.key(page), version, self.slot(slot));
         let mut r = OwnedRecord::default();
         r.xor(&Record::of(&p));
         r
@@ -411,12 +408,12 @@ impl<T: Transport, D: Disk> Pager<T, D> {
     /// Sends a page in write-back: in place if its server is usable and it may stay in its
     /// group, else into an open group. With no server to take it, it goes to the local disk.
     pub(crate) fn par_place(&mut self, page: u64) -> Result<(), PagerError> {
-        let wb = *self.writeback.get(&page).expect("page in write-back");
+        let wb = *self.writebacks().get(&page).expect("page in write-back");
         if !wb.pending.is_empty() || self.par().member_of.contains_key(&page) {
             return Ok(());
         }
         let cur = self
-            .table
+            .table()
             .holders(page)
             .first()
             .filter(|&s| self.par_usable(s) && !wb.refused.contains(s));
@@ -427,7 +424,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         match self.par_choose(prefer, wb.refused) {
             Some((gi, server)) => {
                 let rec = self.par_record(page, wb.version, wb.slot);
-                let migrating = self.migrating.contains(&page);
+                let migrating = self.migrating(page);
                 let (group, holder) = {
                     let g = &mut self.par_mut().open[gi];
                     g.unattended |= wb.join || wb.rebuild || migrating;
@@ -448,10 +445,13 @@ impl<T: Transport, D: Disk> Pager<T, D> {
     }
 
     fn par_send(&mut self, page: u64, server: usize, op: PutOp) -> Result<(), PagerError> {
-        let wb = self.writeback.get_mut(&page).expect("page in write-back");
+        let wb = self
+            .writebacks_mut()
+            .get_mut(&page)
+            .expect("page in write-back");
         wb.pending.insert(server);
         let (slot, version) = (wb.slot, wb.version);
-        self.counters.puts += 1;
+        self.counters_mut().puts += 1;
         let key = self.key(page);
         let it = PutItem {
             page,
@@ -470,7 +470,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
     /// placement. Opens a new group (its holder chosen by placement) when none fits.
     fn par_choose(&mut self, prefer: Option<usize>, refused: Servers) -> Option<(usize, usize)> {
         let candidates: Vec<Candidate> = self
-            .servers
+            .server_states()
             .iter()
             .enumerate()
             .map(|(i, s)| Candidate {
@@ -486,7 +486,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                 || g.force
                 || g.members.len() >= n
                 || !self.par_usable(g.holder)
-                || self.servers[g.holder].leaving > 0
+                || self.server_states()[g.holder].leaving > 0
             {
                 continue;
             }
@@ -495,7 +495,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             exclude.extend(refused.iter());
             let server = match prefer {
                 Some(p) => (!exclude.contains(&p)).then_some(p),
-                None => placement::choose(&candidates, &exclude, &mut self.rng),
+                None => placement::choose(&candidates, &exclude, self.rng()),
             };
             if let Some(s) = server {
                 return Some((gi, s));
@@ -509,11 +509,11 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         }
         let mut exclude: Vec<usize> = refused.iter().collect();
         exclude.extend(prefer);
-        let holder = placement::choose(&candidates, &exclude, &mut self.rng)?;
+        let holder = placement::choose(&candidates, &exclude, self.rng())?;
         exclude.push(holder);
         let server = match prefer {
             Some(p) => p,
-            None => placement::choose(&candidates, &exclude, &mut self.rng)?,
+            None => placement::choose(&candidates, &exclude, self.rng())?,
         };
         let par = self.par_mut();
         let id = par.next_group;
@@ -527,7 +527,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             shipping: false,
             unattended: false,
         });
-        self.counters.parity_groups_opened += 1;
+        self.counters_mut().parity_groups_opened += 1;
         Some((self.par().open.len() - 1, server))
     }
 
@@ -538,7 +538,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
     /// A PUT of a parity page was stored.
     pub(crate) fn par_stored(&mut self, it: PutItem, server: usize) -> Result<(), PagerError> {
         self.par_mut().put_retries.remove(&it.page);
-        let Some(wb) = self.writeback.get_mut(&it.page) else {
+        let Some(wb) = self.writebacks_mut().get_mut(&it.page) else {
             return Ok(());
         };
         if wb.version != it.version {
@@ -560,11 +560,14 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                         // Its group was given up while the PUT was in flight (the holder
                         // died): stored, but in no group anyone holds. It joins another.
                         self.par_mut().member_of.remove(&it.page);
-                        let wb = self.writeback.get_mut(&it.page).expect("checked above");
+                        let wb = self
+                            .writebacks_mut()
+                            .get_mut(&it.page)
+                            .expect("checked above");
                         wb.done.remove(server);
                         wb.join = true;
                         self.par_moved(it.page, server);
-                        self.counters.parity_rejoins += 1;
+                        self.counters_mut().parity_rejoins += 1;
                         return self.par_place(it.page);
                     }
                 }
@@ -617,7 +620,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
     /// leaves that group (which would otherwise wait for it forever: `netram sim --seed 28841
     /// --scheme parity:4`) and joins one elsewhere.
     pub(crate) fn par_unprotected(&mut self, it: PutItem, server: usize) -> Result<(), PagerError> {
-        let Some(wb) = self.writeback.get_mut(&it.page) else {
+        let Some(wb) = self.writebacks_mut().get_mut(&it.page) else {
             return Ok(());
         };
         wb.pending.remove(server);
@@ -626,7 +629,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             wb.refused.insert(server);
             self.par_leave(group, it.page);
         }
-        self.counters.parity_rejoins += 1;
+        self.counters_mut().parity_rejoins += 1;
         // The server holds this version now: it is where the page is.
         self.par_moved(it.page, server);
         self.par_place(it.page)
@@ -651,14 +654,14 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         server: usize,
     ) -> Result<(), PagerError> {
         let current = self
-            .writeback
+            .writebacks()
             .get(&it.page)
             .is_some_and(|wb| wb.version == it.version && wb.pending.contains(server));
         let tries = self.par_mut().put_retries.entry(it.page).or_insert(0);
         *tries += 1;
-        if current && *tries <= HOLDER_TRIES && self.servers[server].alive {
-            self.counters.puts += 1;
-            self.counters.parity_puts_retried += 1;
+        if current && *tries <= HOLDER_TRIES && self.server_states()[server].alive {
+            self.counters_mut().puts += 1;
+            self.counters_mut().parity_puts_retried += 1;
             self.queue_put(server, it);
             return Ok(());
         }
@@ -691,7 +694,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             return;
         };
         let m = self.par().open[gi].members[i];
-        if let Some(wb) = self.writeback.get(&page) {
+        if let Some(wb) = self.writebacks().get(&page) {
             let rec = self.par_record(page, m.version, wb.slot);
             let g = &mut self.par_mut().open[gi];
             g.parity.xor(&rec.as_record());
@@ -723,15 +726,15 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             .iter()
             .map(|m| Member {
                 server: addrs[m.server],
-                node: self.servers[m.server].info.node,
-                key: PageKey::new(self.cfg.region, m.page),
+                node: self.server_states()[m.server].info.node,
+                key: PageKey::new(self.config().region, m.page),
                 version: m.version,
             })
             .collect();
         let (id, holder, parity) = (g.id, g.holder, g.parity.clone());
         // Recorded before sending: a failed send fails the group at once.
         self.par_mut().open[gi].shipping = true;
-        self.counters.parity_ships += 1;
+        self.counters_mut().parity_ships += 1;
         let req = Request::ParityShip {
             group: id,
             max_members: n as u8,
@@ -747,11 +750,11 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             return Ok(());
         };
         let g = self.par_mut().open.swap_remove(gi);
-        self.counters.parity_groups_shipped += 1;
+        self.counters_mut().parity_groups_shipped += 1;
         for m in g.members {
             self.par_mut().member_of.remove(&m.page);
             if self
-                .writeback
+                .writebacks()
                 .get(&m.page)
                 .is_some_and(|wb| wb.version == m.version && wb.pending.is_empty())
             {
@@ -769,14 +772,14 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             return Ok(());
         };
         let g = self.par_mut().open.swap_remove(gi);
-        self.counters.parity_ships_failed += 1;
+        self.counters_mut().parity_ships_failed += 1;
         self.par_rejoin_all(g.members)
     }
 
     fn par_rejoin_all(&mut self, members: Vec<OpenMember>) -> Result<(), PagerError> {
         for m in members {
             self.par_mut().member_of.remove(&m.page);
-            let Some(wb) = self.writeback.get_mut(&m.page) else {
+            let Some(wb) = self.writebacks_mut().get_mut(&m.page) else {
                 continue;
             };
             if wb.version != m.version || !m.acked {
@@ -785,10 +788,10 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             }
             wb.done.remove(m.server);
             wb.join = true;
-            if self.servers[m.server].alive {
+            if self.server_states()[m.server].alive {
                 self.par_moved(m.page, m.server);
             }
-            self.counters.parity_rejoins += 1;
+            self.counters_mut().parity_rejoins += 1;
             self.par_place(m.page)?;
         }
         Ok(())
@@ -858,13 +861,13 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                 tracing::error!(page, "could not place page after server failure: {e}");
             }
         }
-        let pages = self.table.pages_on(server);
+        let pages = self.table().pages_on(server);
         let mut lost = Vec::with_capacity(pages.len());
         for page in pages {
-            let mut h = self.table.holders(page);
+            let mut h = self.table().holders(page);
             h.remove(server);
-            self.table.set_holders(page, h);
-            lost.push((page, self.table.get(page).version));
+            self.table_mut().set_holders(page, h);
+            lost.push((page, self.table().get(page).version));
         }
         let par = self.par_mut();
         par.recovering.insert(server);
@@ -873,10 +876,10 @@ impl<T: Transport, D: Disk> Pager<T, D> {
 
     /// Whether a page with no live holder can come back through its group's parity.
     pub(crate) fn par_reconstructible(&self, page: u64) -> bool {
-        let Some(par) = self.scheme_state.get::<Par>() else {
+        let Some(par) = self.state::<Par>() else {
             return false;
         };
-        let e = self.table.get(page);
+        let e = self.table().get(page);
         e.present && !e.lost && !e.on_disk && !par.recovering.is_empty()
     }
 
@@ -887,31 +890,16 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         // step, and a page may be many rounds away.
         for _ in 0..1_000_000 {
             // Rebuilt and in flight, or kept in memory because the disk failed to take it.
-            let rebuilt = self
-                .writeback
-                .get(&page)
-                .map(|wb| (wb.slot, wb.version))
-                .or_else(|| self.cache.peek(&page).map(|&s| (s, 0)));
-            if let Some((from, version)) = rebuilt {
-                let sealed = self.sealed[from as usize];
-                let (from, to) = (from as usize * PAGE_SIZE, slot as usize * PAGE_SIZE);
-                self.slots.copy_within(from..from + PAGE_SIZE, to);
-                if sealed {
-                    // A write-back's ciphertext, sealed by this pager: it opens.
-                    self.sealed[slot as usize] = true;
-                    self.unseal_own(page, version, slot);
-                }
+            if self.copy_from_memory(page, slot) {
                 return Ok(true);
             }
-            let e = *self.table.get(page);
+            let e = *self.table().get(page);
             if e.lost || !e.present {
                 return Ok(false);
             }
             if e.on_disk {
                 // Rebuilt, but no server could take it: the local disk has it.
-                let at = slot as usize * PAGE_SIZE;
-                self.counters.disk_reads += 1;
-                self.disk.read(page, &mut self.slots[at..at + PAGE_SIZE])?;
+                self.read_disk_into(page, slot)?;
                 return Ok(true);
             }
             if let Some(s) = self.alive_holder(page, None) {
@@ -919,8 +907,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                 let it = self.page_get_item(page, slot, INTERNAL);
                 self.submit_get_item(s, it);
                 self.par_drain()?;
-                let i = self.fetched.iter().position(|&f| f == (page, slot));
-                return Ok(i.map(|i| self.fetched.swap_remove(i)).is_some());
+                return Ok(self.take_fetched_one(page, slot));
             }
             if self.par().recovering.is_empty() {
                 return Ok(false);
@@ -957,7 +944,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         groups: Vec<ScannedGroup>,
         orphans: Vec<PageKey>,
     ) {
-        let leaving_changes = self.servers[server].leaving_changes;
+        let leaving_changes = self.server_states()[server].leaving_changes;
         self.par_mut().scanned.push(Scanned {
             server,
             id,
@@ -982,14 +969,14 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             // server that holds its only copy is lost there all the same.
             if let Some(what) = what {
                 if self.par_retry(it.page) {
-                    self.retry.push(it);
+                    self.retry_elsewhere(it);
                     return;
                 }
                 // The server sends the page bad again and again: it is broken or lying. Under
                 // parity a page has one copy, so the server is declared dead and what it held
                 // is rebuilt from the groups' parity (Nswap §IV-B) instead of being reported
                 // corrupt while its parity could rebuild it.
-                if self.servers[server].alive {
+                if self.server_states()[server].alive {
                     let why = format!("page {} came back bad on every read ({what})", it.page);
                     self.mark_dead(server, TransportError::Protocol(why));
                 }
@@ -1012,9 +999,9 @@ impl<T: Transport, D: Disk> Pager<T, D> {
     /// it). A copy missing for another reason (its server restarted empty) is missing for
     /// good, so a changed page's copy is waited for [`MISSING_TRIES`] rounds at most.
     pub(crate) fn par_read_failed(&mut self, server: usize, it: &GetItem, what: Option<&str>) {
-        let changed = it.page < self.cfg.pages && {
-            let e = self.table.get(it.page);
-            !e.present || e.version != it.version || !self.table.holders(it.page).contains(server)
+        let changed = it.page < self.config().pages && {
+            let e = self.table().get(it.page);
+            !e.present || e.version != it.version || !self.table().holders(it.page).contains(server)
         };
         let transient = match what {
             Some("checksum mismatch") => true,

@@ -158,7 +158,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
     fn par_scans_in(&self, asked: &[(usize, u64)]) -> bool {
         asked
             .iter()
-            .all(|&(s, id)| !self.servers[s].alive || !self.pending(s, id))
+            .all(|&(s, id)| !self.server_states()[s].alive || !self.pending(s, id))
     }
 
     /// Sends a scan to every server of `to`; the scans sent, to find their answers by.
@@ -181,7 +181,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                 .partition(|a| asked.contains(&(a.server, a.id)));
         self.par_mut().scanned = rest;
         let answered =
-            mine.len() == asked.len() && asked.iter().all(|&(s, _)| self.servers[s].alive);
+            mine.len() == asked.len() && asked.iter().all(|&(s, _)| self.server_states()[s].alive);
         (mine, answered)
     }
 
@@ -194,10 +194,10 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         };
         let dead = self.par().addrs[x];
         self.par_mut().rejoined.clear();
-        let budget = (self.free_slots.len() / 2).max(1);
+        let budget = (self.free_slot_count() / 2).max(1);
         let per_scan = (budget / self.par().n.max(1)).clamp(1, netram_proto::MAX_BATCH);
-        let to: Vec<usize> = (0..self.servers.len())
-            .filter(|&s| self.servers[s].alive && s != x)
+        let to: Vec<usize> = (0..self.server_states().len())
+            .filter(|&s| self.server_states()[s].alive && s != x)
             .collect();
         let asked = self.par_send_scans(&to, dead, per_scan as u32);
         Ok((Round::Scanning { x, asked }, true))
@@ -227,25 +227,25 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         let mut reprotect = Vec::new();
         for a in &scanned {
             for k in &a.orphans {
-                if k.region != self.cfg.region || k.page >= self.cfg.pages {
+                if k.region != self.config().region || k.page >= self.config().pages {
                     continue;
                 }
-                let e = *self.table.get(k.page);
+                let e = *self.table().get(k.page);
                 if self.par().rejoined.contains(&k.page) {
                     // Protected again while the scans were out: the answer is older.
-                } else if e.present && !e.lost && self.table.holders(k.page).contains(a.server) {
+                } else if e.present && !e.lost && self.table().holders(k.page).contains(a.server) {
                     reprotect.push(k.page);
-                } else if !self.writeback.contains_key(&k.page) {
+                } else if !self.writebacks().contains_key(&k.page) {
                     // A superseded copy left behind: delete it (its tag is gone, so the delete
                     // needs no holder).
-                    self.counters.deletes += 1;
+                    self.counters_mut().deletes += 1;
                     self.delete(a.server, vec![*k]);
                 }
             }
         }
         self.par_mut().unprotected.extend(reprotect);
         // Groups with a member on the dead server.
-        let budget = (self.free_slots.len() / 2).max(1);
+        let budget = (self.free_slot_count() / 2).max(1);
         let mut work: Vec<(usize, ScannedGroup)> = Vec::new();
         let mut reads = 0;
         for a in scanned {
@@ -273,7 +273,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                 .collect();
             let readable = survivors
                 .iter()
-                .all(|&(s, _)| s != usize::MAX && self.servers[s].alive);
+                .all(|&(s, _)| s != usize::MAX && self.server_states()[s].alive);
             if lost != 1 || !readable {
                 self.par_drop_group(h, &g, dead, step);
                 continue;
@@ -345,8 +345,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             }
             let mut r = g.parity.clone();
             for &(m, slot) in &survivors {
-                let at = slot as usize * PAGE_SIZE;
-                let p = Page::seal(m.key, m.version, &self.slots[at..at + PAGE_SIZE]);
+                let p = Page::seal(m.key, m.version, self.slot(slot));
                 r.xor(&Record::of(&p));
             }
             let page = r.as_record().page(lost.key);
@@ -359,8 +358,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             // a way the crc32c, which is linear, cannot see). If not, it is not rebuilt.
             let rebuilt = if self.par_wanted(lost.key.page, lost.version) {
                 let slot = self.take_slot()?;
-                let at = slot as usize * PAGE_SIZE;
-                self.slots[at..at + PAGE_SIZE].copy_from_slice(r.data.as_ref());
+                self.slot_mut(slot).copy_from_slice(r.data.as_ref());
                 if !self.unseal_slot(lost.key.page, lost.version, slot) {
                     self.release_slot(slot);
                     self.par_drop_group(h, &g, dead, step);
@@ -370,7 +368,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             } else {
                 None
             };
-            self.counters.parity_members_rebuilt += 1;
+            self.counters_mut().parity_members_rebuilt += 1;
             let delta = Delta {
                 owner: Owner::SELF,
                 group: g.group,
@@ -423,7 +421,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
     /// a slot and nothing else holds one); the phase that read them starts again at a later
     /// step. Whether any slot was freed.
     pub(crate) fn par_yield(&mut self) -> bool {
-        let Some(par) = self.scheme_state.get_mut::<Par>() else {
+        let Some(par) = self.state_mut::<Par>() else {
             return false;
         };
         let asked = match &par.round {
@@ -437,12 +435,12 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         par.read_failed
             .retain(|&(p, s, _)| !asked.contains(&(p, s)));
         self.take_internal_reads();
-        let before = self.free_slots.len();
+        let before = self.free_slot_count();
         for (_, slot) in self.par_take_read_in(&asked) {
             self.release_slot(slot);
         }
-        self.counters.parity_recovery_yields += 1;
-        self.free_slots.len() > before
+        self.counters_mut().parity_recovery_yields += 1;
+        self.free_slot_count() > before
     }
 
     /// A holder whose offer shrank below the parity pages it holds for us (Nswap §III): only
@@ -502,17 +500,19 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         // moved, groups were shipped to it, pages left): its count moved meanwhile.
         let mut changed_since = scanned
             .iter()
-            .any(|a| a.leaving_changes != self.servers[h].leaving_changes);
+            .any(|a| a.leaving_changes != self.server_states()[h].leaving_changes);
         for a in &scanned {
-            self.counters.parity_groups_leaving += a.groups.len() as u64;
+            self.counters_mut().parity_groups_leaving += a.groups.len() as u64;
             for m in a.groups.iter().flat_map(|g| &g.members) {
                 let page = m.key.page;
-                if m.key.region != self.cfg.region || page >= self.cfg.pages {
+                if m.key.region != self.config().region || page >= self.config().pages {
                     continue;
                 }
-                let e = *self.table.get(page);
+                let e = *self.table().get(page);
                 let at = self.par().addrs.iter().position(|&a| a == m.server);
-                if !e.present || e.lost || !at.is_some_and(|s| self.table.holders(page).contains(s))
+                if !e.present
+                    || e.lost
+                    || !at.is_some_and(|s| self.table().holders(page).contains(s))
                 {
                     continue;
                 }
@@ -544,10 +544,10 @@ impl<T: Transport, D: Disk> Pager<T, D> {
 
     /// Whether a rebuilt member is still the page's current version, wanted back.
     pub(super) fn par_wanted(&self, page: u64, version: u32) -> bool {
-        if page >= self.cfg.pages || self.writeback.contains_key(&page) {
+        if page >= self.config().pages || self.writebacks().contains_key(&page) {
             return false;
         }
-        let e = self.table.get(page);
+        let e = self.table().get(page);
         e.present
             && !e.lost
             && !e.on_disk
@@ -569,7 +569,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         slot: u32,
         rebuild: bool,
     ) -> Result<(), PagerError> {
-        let e = *self.table.get(page);
+        let e = *self.table().get(page);
         self.begin_writeback(
             page,
             Writeback {
@@ -596,8 +596,8 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         for m in g.members.iter().filter(|m| m.server == dead) {
             drops.push(drop_delta(g.group, m, &zero));
             if self.par_wanted(m.key.page, m.version) {
-                self.table.get_mut(m.key.page).lost = true;
-                self.counters.pages_unrecoverable += 1;
+                self.table_mut().get_mut(m.key.page).lost = true;
+                self.counters_mut().pages_unrecoverable += 1;
                 step.unrecoverable += 1;
             }
         }
@@ -607,7 +607,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         let others: Vec<u64> = g
             .members
             .iter()
-            .filter(|m| m.server != dead && m.key.page < self.cfg.pages)
+            .filter(|m| m.server != dead && m.key.page < self.config().pages)
             .map(|m| m.key.page)
             .collect();
         self.par_mut().unprotected.extend(others);
@@ -623,7 +623,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         dead: Option<SocketAddr>,
         step: &mut RecoveryStep,
     ) {
-        self.counters.parity_groups_dissolved += 1;
+        self.counters_mut().parity_groups_dissolved += 1;
         let zero = OwnedRecord::default();
         let drops = g
             .members
@@ -632,13 +632,13 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             .collect();
         self.submit(h, Op::Delta, &Request::ParityDelta(drops));
         for m in &g.members {
-            if m.key.region != self.cfg.region || m.key.page >= self.cfg.pages {
+            if m.key.region != self.config().region || m.key.page >= self.config().pages {
                 continue;
             }
             if Some(m.server) == dead {
                 if self.par_wanted(m.key.page, m.version) {
-                    self.table.get_mut(m.key.page).lost = true;
-                    self.counters.pages_unrecoverable += 1;
+                    self.table_mut().get_mut(m.key.page).lost = true;
+                    self.counters_mut().pages_unrecoverable += 1;
                     step.unrecoverable += 1;
                 }
             } else {
@@ -661,9 +661,9 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         {
             return self.par_scan_start();
         }
-        self.counters.parity_audits += 1;
-        let to: Vec<usize> = (0..self.servers.len())
-            .filter(|&s| self.servers[s].alive)
+        self.counters_mut().parity_audits += 1;
+        let to: Vec<usize> = (0..self.server_states().len())
+            .filter(|&s| self.server_states()[s].alive)
             .collect();
         // No server listens on port 0: only damaged groups are reported.
         let nobody = SocketAddr::from(([0, 0, 0, 0], 0));
@@ -672,7 +672,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
     }
 
     fn par_suspect_settled(&self, page: u64, s: usize) -> bool {
-        !self.writeback.contains_key(&page) && !self.par().stale.contains(&(s, self.key(page)))
+        !self.writebacks().contains_key(&page) && !self.par().stale.contains(&(s, self.key(page)))
     }
 
     /// Dissolves the damaged groups the audit's scans report; when every server answered and
@@ -709,8 +709,8 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         let lost = par.lost_on.remove(&x).unwrap_or_default();
         for (page, version) in lost {
             if self.par_wanted(page, version) {
-                self.table.get_mut(page).lost = true;
-                self.counters.pages_unrecoverable += 1;
+                self.table_mut().get_mut(page).lost = true;
+                self.counters_mut().pages_unrecoverable += 1;
                 step.unrecoverable += 1;
             }
         }
@@ -719,14 +719,14 @@ impl<T: Transport, D: Disk> Pager<T, D> {
     /// Pages stored outside any group join one again, where they are: their reads go out
     /// (as many as half the free slots allow, `max` at most). With none, the audit is next.
     fn par_reprotect_start(&mut self, max: usize) -> Result<(Round, bool), PagerError> {
-        let budget = (self.free_slots.len() / 2).min(max);
+        let budget = (self.free_slot_count() / 2).min(max);
         let mut batch = Vec::new();
         while batch.len() < budget {
             let Some(page) = self.par_mut().unprotected.pop_first() else {
                 break;
             };
-            let e = *self.table.get(page);
-            if !e.present || e.lost || self.writeback.contains_key(&page) {
+            let e = *self.table().get(page);
+            if !e.present || e.lost || self.writebacks().contains_key(&page) {
                 continue;
             }
             let Some(s) = self.alive_holder(page, None) else {
@@ -740,7 +740,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         let mut asked = BTreeSet::new();
         let mut read = Vec::with_capacity(batch.len());
         for (page, s) in batch {
-            read.push((page, self.table.get(page).version));
+            read.push((page, self.table().get(page).version));
             let slot = self.take_slot()?;
             asked.insert((page, slot));
             let it = self.page_get_item(page, slot, INTERNAL);
@@ -769,10 +769,10 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             .read_failed
             .retain(|&(p, s, _)| !asked.contains(&(p, s)));
         for (page, slot) in self.par_take_read_in(asked) {
-            let e = *self.table.get(page);
+            let e = *self.table().get(page);
             if !e.present
                 || e.lost
-                || self.writeback.contains_key(&page)
+                || self.writebacks().contains_key(&page)
                 || read_at.get(&page) != Some(&e.version)
             {
                 // Written (its write-back places it in a group), discarded or lost since
@@ -785,13 +785,17 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                 self.release_slot(slot);
                 continue;
             }
-            self.counters.parity_reprotected += 1;
+            self.counters_mut().parity_reprotected += 1;
             step.started += 1;
             self.par_rewrite(page, slot, false)?;
         }
         for (page, version) in batch {
-            let e = *self.table.get(page);
-            if !self.writeback.contains_key(&page) && e.present && !e.lost && e.version == version {
+            let e = *self.table().get(page);
+            if !self.writebacks().contains_key(&page)
+                && e.present
+                && !e.lost
+                && e.version == version
+            {
                 // Its read failed on the way: try again later.
                 self.par_mut().unprotected.insert(page);
             }
@@ -833,14 +837,14 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         for (s, k) in stale {
             // Deletes go by key: a copy of the current version there must not be deleted in
             // its place, and one may be on its way.
-            if k.page < self.cfg.pages && self.writeback.contains_key(&k.page) {
+            if k.page < self.config().pages && self.writebacks().contains_key(&k.page) {
                 self.par_mut().stale.push((s, k));
                 continue;
             }
-            let current = k.page < self.cfg.pages
-                && self.table.holders(k.page).contains(s)
-                && !self.table.get(k.page).lost;
-            if current || !self.servers[s].alive {
+            let current = k.page < self.config().pages
+                && self.table().holders(k.page).contains(s)
+                && !self.table().get(k.page).lost;
+            if current || !self.server_states()[s].alive {
                 self.par_mut().stale_tries.remove(&(s, k));
                 continue;
             }
@@ -852,7 +856,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                 continue;
             }
             // Its answer puts it back on the list if the server kept it again.
-            self.counters.deletes += 1;
+            self.counters_mut().deletes += 1;
             self.delete(s, vec![k]);
         }
     }

@@ -13,7 +13,7 @@
 //! Left out: compaction of stripes whose members are mostly dead (their pieces are kept until
 //! the last member dies), and parity logging for overwrites in place (Nswap's `parity:N`).
 
-use crate::requests::{GetItem, Op, Part, PutItem, PutKind, INTERNAL, RECOVERY};
+use crate::requests::{GetItem, Op, Part, PutItem, PutKind, ReadDone, INTERNAL, RECOVERY};
 use crate::scheme::{Built, RecoveryStep, Redundancy, SchemeState, Sealed, Shape};
 use crate::table::Servers;
 use crate::{Disk, PagerConfig, PagerError, Transport, PAGE_SIZE};
@@ -352,7 +352,7 @@ impl<T: Transport, D: Disk> Redundancy<T, D> for ReedSolomon {
     }
     fn alive_holder(&self, p: &Pager<T, D>, page: u64, not: Option<usize>) -> Option<usize> {
         // The stripe, not the page table, is the authority.
-        let live = |s: &usize| p.servers[*s].alive && Some(*s) != not;
+        let live = |s: &usize| p.server_states()[*s].alive && Some(*s) != not;
         p.rs_data_server(page).flatten().filter(live)
     }
     fn reconstructible(&self, p: &Pager<T, D>, page: u64) -> bool {
@@ -390,7 +390,7 @@ impl<T: Transport, D: Disk> Redundancy<T, D> for ReedSolomon {
         if rs.open_is_empty() {
             return Ok(Sealed::Nothing);
         }
-        if p.free_slots.len() < rs.m {
+        if p.free_slot_count() < rs.m {
             return Ok(Sealed::NoRoom);
         }
         p.rs_seal()?;
@@ -442,24 +442,22 @@ impl<T: Transport, D: Disk> Redundancy<T, D> for ReedSolomon {
 
 impl<T: Transport, D: Disk> Pager<T, D> {
     fn rs(&self) -> &Rs {
-        self.scheme_state.get().expect("a Reed-Solomon pager")
+        self.state().expect("a Reed-Solomon pager")
     }
     pub(crate) fn rs_mut(&mut self) -> &mut Rs {
-        self.scheme_state
-            .get_mut::<Rs>()
-            .expect("a Reed-Solomon pager")
+        self.state_mut::<Rs>().expect("a Reed-Solomon pager")
     }
 
     pub(crate) fn piece_key(&self, id: u32, piece: usize) -> PageKey {
         PageKey::new(
-            self.cfg.region | PIECE_REGION,
+            self.config().region | PIECE_REGION,
             u64::from(id) * KEY_STRIDE + piece as u64,
         )
     }
 
     /// The key of a page's data piece, if the page lives in a stripe.
     pub(crate) fn rs_key(&self, page: u64) -> Option<PageKey> {
-        let rs = self.scheme_state.get::<Rs>()?;
+        let rs = self.state::<Rs>()?;
         let id = rs.stripe_of[page as usize];
         (id != NO_STRIPE).then(|| self.piece_key(id, usize::from(rs.index_of[page as usize])))
     }
@@ -477,7 +475,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
     /// Seals the open stripe, full or not (a flush, or a page of it that must be waited for):
     /// computes the parity and sends every piece.
     pub(crate) fn rs_seal(&mut self) -> Result<(), PagerError> {
-        let m = match self.scheme_state.get::<Rs>() {
+        let m = match self.state::<Rs>() {
             Some(rs) if !rs.open.is_empty() => rs.m,
             _ => return Ok(()),
         };
@@ -509,14 +507,14 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                 (rs.stripes.len() - 1) as u32
             }
         };
-        let member_slots: Vec<u32> = pages.iter().map(|p| self.writeback[p].slot).collect();
+        let member_slots: Vec<u32> = pages.iter().map(|p| self.writebacks()[p].slot).collect();
         self.rs_encode(&member_slots, &owned);
         let members: Vec<(u64, u32)> = pages
             .iter()
-            .map(|&p| (p, self.writeback[&p].version))
+            .map(|&p| (p, self.writebacks()[&p].version))
             .collect();
         let total = pages.len() + m;
-        let revivals = self.counters.servers_revived;
+        let revivals = self.counters_mut().servers_revived;
         let rs = self.rs_mut();
         rs.stripes[id as usize] = Stripe {
             live: vec![true; pages.len()],
@@ -561,17 +559,17 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             );
             let (slot, version) = (w.slots[piece], stripe.version(piece));
             let candidates = candidates.get_or_insert_with(|| {
-                self.servers
+                self.server_states()
                     .iter()
                     .map(|s| s.load)
                     .collect::<Vec<Candidate>>()
             });
-            let Some(server) = placement::choose(candidates, &exclude, &mut self.rng) else {
+            let Some(server) = placement::choose(candidates, &exclude, self.rng()) else {
                 continue;
             };
             let key = self.piece_key(id, piece);
             self.rs_mut().writing.get_mut(&id).expect("writing").target[piece] = server as u16;
-            self.counters.puts += 1;
+            self.counters_mut().puts += 1;
             let it = PutItem {
                 page: u64::from(id),
                 slot,
@@ -640,7 +638,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             .remove(&id)
             .expect("stripe being written");
         let stripe = &self.rs().stripes[id as usize];
-        let up: Vec<bool> = self.servers.iter().map(|s| s.alive).collect();
+        let up: Vec<bool> = self.server_states().iter().map(|s| s.alive).collect();
         let mut spill_failed = false;
         let alive = move |s: u16| s != NO_SERVER && up[usize::from(s)];
         let whole = stripe.servers.iter().all(|&s| alive(s));
@@ -651,23 +649,26 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                 let rs = self.rs();
                 let current = rs.stripe_of[page as usize] == id
                     && rs.stripes[id as usize].live[i]
-                    && self.table.get(page).version == version;
+                    && self.table().get(page).version == version;
                 if current && w.slots[i] != u32::MAX && alive(servers[i]) {
-                    self.table
+                    self.table_mut()
                         .set_holders(page, Servers::from_iter([usize::from(servers[i])]));
                 }
-                if current && !whole && !self.table.get(page).on_disk {
+                if current && !whole && !self.table().get(page).on_disk {
                     // A failed write leaves the stripe short: recovery tries again. The disk
                     // takes plaintext: the decoded piece must open (else it is not written).
-                    self.counters.spills += 1;
+                    self.counters_mut().spills += 1;
                     let written = self.unseal_slot(page, version, w.data[i])
                         && self.write_to_disk(page, w.data[i]);
-                    self.table.get_mut(page).on_disk = written;
+                    self.table_mut().get_mut(page).on_disk = written;
                     spill_failed |= !written;
                 }
                 continue;
             }
-            let wb = self.writeback.remove(&page).expect("member in write-back");
+            let wb = self
+                .writebacks_mut()
+                .remove(&page)
+                .expect("member in write-back");
             debug_assert_eq!(wb.version, version);
             self.rs_member_dead(page);
             let rs = self.rs_mut();
@@ -679,9 +680,9 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                 .into_iter()
                 .collect();
             self.landed(page, holders.is_empty());
-            self.table.set_holders(page, holders);
-            if !whole && !self.table.get(page).on_disk {
-                self.counters.spills += 1;
+            self.table_mut().set_holders(page, holders);
+            if !whole && !self.table().get(page).on_disk {
+                self.counters_mut().spills += 1;
                 self.unseal_own(page, version, wb.slot);
                 if !self.write_to_disk(page, wb.slot) {
                     // Its piece counts as far as it goes; the page stays in memory until it
@@ -689,7 +690,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                     self.rehome(page, wb.slot);
                     continue;
                 }
-                self.table.get_mut(page).on_disk = true;
+                self.table_mut().get_mut(page).on_disk = true;
             }
             self.release_slot(wb.slot);
         }
@@ -700,7 +701,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                 .zip(&servers)
                 .filter(|&(&slot, &s)| slot != u32::MAX && alive(s))
                 .count();
-            self.counters.pages_rebuilt += rebuilt as u64;
+            self.counters_mut().pages_rebuilt += rebuilt as u64;
         }
         for slot in w.owned {
             self.release_slot(slot);
@@ -712,7 +713,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             let rs = self.rs_mut();
             rs.degraded.remove(&id);
             rs.short.remove(&id);
-        } else if w.rebuild && !spill_failed && w.revivals == self.counters.servers_revived {
+        } else if w.rebuild && !spill_failed && w.revivals == self.counters_mut().servers_revived {
             self.rs_mut().short.insert(id);
         } else if w.rebuild {
             // Short of servers and the disk failed to back its members, or a server came back
@@ -720,7 +721,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             // tries again at its next step, not only when a server comes back.
             self.rs_mut().degraded.insert(id);
         } else {
-            self.counters.writes_degraded += 1;
+            self.counters_mut().writes_degraded += 1;
             self.rs_mut().degraded.insert(id);
         }
         Ok(())
@@ -740,7 +741,8 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         for (page, _) in members {
             // A member whose data piece is out of reach is read from the disk if the disk
             // backs it, else left to recovery to rebuild first.
-            let readable = self.alive_holder(page, None).is_some() || self.table.get(page).on_disk;
+            let readable =
+                self.alive_holder(page, None).is_some() || self.table().get(page).on_disk;
             if !readable {
                 unread.push(page);
             }
@@ -783,8 +785,8 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         let servers = std::mem::take(&mut self.rs_mut().stripes[id as usize].servers);
         for (piece, &s) in servers.iter().enumerate() {
             let s = usize::from(s);
-            if s != usize::from(NO_SERVER) && self.servers[s].alive {
-                self.counters.deletes += 1;
+            if s != usize::from(NO_SERVER) && self.server_states()[s].alive {
+                self.counters_mut().deletes += 1;
                 let key = self.piece_key(id, piece);
                 self.submit(s, Op::Delete, &Request::Delete(vec![key]));
             }
@@ -799,40 +801,32 @@ impl<T: Transport, D: Disk> Pager<T, D> {
     /// Computes the parity pieces of the data pieces in slots `data` into slots `parity`.
     fn rs_encode(&mut self, data: &[u32], parity: &[u32]) {
         let (k, m) = (data.len(), parity.len());
-        let rs = self
-            .scheme_state
-            .get_mut::<Rs>()
-            .expect("a Reed-Solomon pager");
-        let enc = match &mut rs.encoder {
-            Some(Encoder(enc)) => {
+        // Taken out while the slots are read, put back for the next stripe.
+        let mut enc = match self.rs_mut().encoder.take() {
+            Some(Encoder(mut enc)) => {
                 enc.reset(k, m, PAGE_SIZE).expect("a valid stripe shape");
                 enc
             }
-            None => {
-                &mut rs
-                    .encoder
-                    .insert(Encoder(
-                        reed_solomon_simd::ReedSolomonEncoder::new(k, m, PAGE_SIZE)
-                            .expect("a valid stripe shape"),
-                    ))
-                    .0
-            }
+            None => reed_solomon_simd::ReedSolomonEncoder::new(k, m, PAGE_SIZE)
+                .expect("a valid stripe shape"),
         };
-        let at = |s: u32| s as usize * PAGE_SIZE..(s as usize + 1) * PAGE_SIZE;
         for &s in data {
-            enc.add_original_shard(&self.slots[at(s)])
+            enc.add_original_shard(self.slot(s))
                 .expect("page-sized shards, K of them");
         }
-        let out = enc.encode().expect("K shards added");
-        for (shard, &s) in out.recovery_iter().zip(parity) {
-            self.slots[at(s)].copy_from_slice(shard);
+        {
+            let out = enc.encode().expect("K shards added");
+            for (shard, &s) in out.recovery_iter().zip(parity) {
+                self.slot_mut(s).copy_from_slice(shard);
+            }
         }
+        self.rs_mut().encoder = Some(Encoder(enc));
     }
 
     /// The server of a page's data piece, if the page lives in a stripe and the piece has
     /// one: the stripe, not the page table, is the authority.
     pub(crate) fn rs_data_server(&self, page: u64) -> Option<Option<usize>> {
-        let rs = self.scheme_state.get::<Rs>()?;
+        let rs = self.state::<Rs>()?;
         let id = rs.stripe_of[page as usize];
         if id == NO_STRIPE {
             return Some(None);
@@ -843,7 +837,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
 
     /// Whether a page that lives in a stripe can be read by reconstruction.
     pub(crate) fn rs_reconstructible(&self, page: u64) -> bool {
-        self.scheme_state.get::<Rs>().is_some_and(|rs| {
+        self.state::<Rs>().is_some_and(|rs| {
             let id = rs.stripe_of[page as usize];
             id != NO_STRIPE && self.rs_live_pieces(id) >= rs.stripes[id as usize].k()
         })
@@ -854,7 +848,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         self.rs().stripes[id as usize]
             .servers
             .iter()
-            .filter(|&&s| s != NO_SERVER && self.servers[usize::from(s)].alive)
+            .filter(|&&s| s != NO_SERVER && self.server_states()[usize::from(s)].alive)
             .count()
     }
 
@@ -873,12 +867,12 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         if piece < stripe.k() {
             let page = stripe.members[piece].0;
             if rs.stripe_of[page as usize] == id {
-                self.table.set_holders(page, Servers::default());
+                self.table_mut().set_holders(page, Servers::default());
             }
         }
-        self.counters.copies_dropped_bad += 1;
-        if what != "missing on server" && self.servers[server].alive {
-            self.counters.deletes += 1;
+        self.counters_mut().copies_dropped_bad += 1;
+        if what != "missing on server" && self.server_states()[server].alive {
+            self.counters_mut().deletes += 1;
             let key = self.piece_key(id, piece);
             self.submit(server, Op::Delete, &Request::Delete(vec![key]));
         }
@@ -922,14 +916,14 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             w.refused.remove(server);
         }
         for page in lost_data {
-            self.table.set_holders(page, Servers::default());
+            self.table_mut().set_holders(page, Servers::default());
         }
     }
 
     /// The pieces that make a page safe, for checkers: (server, key, version) of each piece
     /// of its stripe that has a server, and how many pieces the stripe has.
     pub(crate) fn rs_pieces(&self, page: u64) -> Option<(crate::Pieces, usize)> {
-        let rs = self.scheme_state.get::<Rs>()?;
+        let rs = self.state::<Rs>()?;
         let id = rs.stripe_of[page as usize];
         if id == NO_STRIPE {
             return Some((Vec::new(), 0));
@@ -947,7 +941,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
 
     /// Pieces each server holds, by the stripes.
     pub(crate) fn rs_pieces_per_server(&self) -> Vec<u64> {
-        let mut n = vec![0u64; self.servers.len()];
+        let mut n = vec![0u64; self.server_states().len()];
         for st in &self.rs().stripes {
             for &s in st.servers.iter().filter(|&&s| s != NO_SERVER) {
                 n[usize::from(s)] += 1;

@@ -31,18 +31,17 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         while !self.idle() {
             self.complete_one()?;
         }
-        let mut got = Vec::new();
-        let mut rest = Vec::new();
-        for d in std::mem::take(&mut self.reads_done) {
-            match d.part {
-                Part::Piece(piece) if d.pos == INTERNAL && d.page == u64::from(id) => {
-                    got.push((usize::from(piece), d.slot));
-                }
-                _ => rest.push(d),
-            }
-        }
-        self.reads_done = rest;
-        Ok(got)
+        let mine = |d: &ReadDone| {
+            matches!(d.part, Part::Piece(_)) && d.pos == INTERNAL && d.page == u64::from(id)
+        };
+        let got = self
+            .take_reads_done(mine)
+            .into_iter()
+            .map(|d| match d.part {
+                Part::Piece(piece) => (usize::from(piece), d.slot),
+                _ => unreachable!("taken for being a piece"),
+            });
+        Ok(got.collect())
     }
 
     /// Decodes a stripe's data pieces from any K of its live pieces (not those in `avoid`):
@@ -92,7 +91,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         let mut candidates: Vec<usize> = (0..total)
             .filter(|&j| {
                 let s = stripe.servers[j];
-                !avoid.contains(&j) && s != NO_SERVER && self.servers[usize::from(s)].alive
+                !avoid.contains(&j) && s != NO_SERVER && self.server_states()[usize::from(s)].alive
             })
             .collect();
         // One piece out of reach of a code whose pieces XOR to zero: the others give it by
@@ -134,7 +133,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             if xor && have.len() == total - 1 {
                 let slot = self.take_slot()?;
                 self.rs_xor_of(slot, &have);
-                self.counters.pieces_restored_by_xor += 1;
+                self.counters_mut().pieces_restored_by_xor += 1;
                 have.push((x, slot));
             }
         }
@@ -150,7 +149,8 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         } else {
             // Any K pieces, data first: the decoder gives back the data pieces missing.
             have.sort_unstable_by_key(|&(j, _)| j);
-            let slots = &self.slots;
+            self.counters_mut().decoder_runs += 1;
+            let slots = self.slot_pool();
             let shard =
                 |slot: u32| &slots[slot as usize * PAGE_SIZE..(slot as usize + 1) * PAGE_SIZE];
             let originals = have[..k]
@@ -161,7 +161,6 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                 .iter()
                 .filter(|(j, _)| *j >= k)
                 .map(|&(j, s)| (j - k, shard(s)));
-            self.counters.decoder_runs += 1;
             reed_solomon_simd::decode(k, m, originals, recovery)
                 .expect("K pieces of page size decode")
         };
@@ -204,18 +203,16 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         match self.rs_decode(id, &[i], &[i], true)? {
             Some(v) => {
                 let (_, s) = v[0];
-                let at = s as usize * PAGE_SIZE;
-                self.slots
-                    .copy_within(at..at + PAGE_SIZE, slot as usize * PAGE_SIZE);
+                self.copy_slot(s, slot);
                 self.release_slot(s);
                 self.rs_mut().degraded.insert(id);
                 // Decoded ciphertext: it must be what this pager sealed (a piece that lied in
                 // a way its crc32c could not see makes a page that does not open).
-                let version = self.table.get(page).version;
+                let version = self.table().get(page).version;
                 if !self.unseal_slot(page, version, slot) {
                     return Ok(false);
                 }
-                self.counters.degraded_reads += 1;
+                self.counters_mut().degraded_reads += 1;
                 Ok(true)
             }
             None => Ok(false),
@@ -236,8 +233,9 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             return None;
         }
         let (k, total) = (st.k(), st.servers.len());
-        let up =
-            |j: usize| st.servers[j] != NO_SERVER && self.servers[usize::from(st.servers[j])].alive;
+        let up = |j: usize| {
+            st.servers[j] != NO_SERVER && self.server_states()[usize::from(st.servers[j])].alive
+        };
         let (mut live, lost): (Vec<usize>, Vec<usize>) = (0..total).partition(|&j| up(j));
         if lost.is_empty() {
             return None;
@@ -253,18 +251,11 @@ impl<T: Transport, D: Disk> Pager<T, D> {
     /// a stripe no longer being rebuilt (given up, `rs_yield`) or of another version of the
     /// piece (the stripe's number reused since) are let go.
     pub(super) fn rs_harvest(&mut self) {
-        let mut i = 0;
-        while i < self.reads_done.len() {
-            let d = &self.reads_done[i];
+        let mine = |d: &ReadDone| matches!(d.part, Part::Piece(_)) && d.pos == RECOVERY;
+        for d in self.take_reads_done(mine) {
             let Part::Piece(piece) = d.part else {
-                i += 1;
-                continue;
+                unreachable!("taken for being a piece")
             };
-            if d.pos != RECOVERY {
-                i += 1;
-                continue;
-            }
-            let d = self.reads_done.swap_remove(i);
             let (id, piece) = (d.page as u32, usize::from(piece));
             let rs = self.rs_mut();
             let current = rs
@@ -284,7 +275,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
 
     /// A piece read for a stripe being rebuilt that will not come back.
     pub(crate) fn rs_read_settled(&mut self, id: u32) {
-        if let Some(rs) = self.scheme_state.get_mut::<Rs>() {
+        if let Some(rs) = self.state_mut::<Rs>() {
             rs.settle(id);
         }
     }
@@ -328,7 +319,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                 .filter(|&&j| j >= k)
                 .map(|&j| (j - k, shard(self, j)))
                 .collect();
-            self.counters.decoder_runs += 1;
+            self.counters_mut().decoder_runs += 1;
             let decoded = reed_solomon_simd::decode(k, m, originals, recovery)
                 .expect("K pieces of equal size decode");
             for (j, bytes) in decoded {
@@ -372,11 +363,11 @@ impl<T: Transport, D: Disk> Pager<T, D> {
     /// and puts their stripes back on the list, so that their slots serve a caller that has
     /// none; whether any slot came free.
     pub(crate) fn rs_yield(&mut self) -> bool {
-        if self.scheme_state.get::<Rs>().is_none_or(|rs| rs.streaming) {
+        if self.state::<Rs>().is_none_or(|rs| rs.streaming) {
             return false;
         }
         self.rs_harvest();
-        let before = self.free_slots.len();
+        let before = self.free_slot_count();
         let rs = self.rs_mut();
         let unfinished: Vec<u32> = rs
             .reading
@@ -390,7 +381,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             self.rs_mut().degraded.insert(id);
         }
         self.rs_release_unclaimed();
-        self.free_slots.len() > before
+        self.free_slot_count() > before
     }
 
     /// Gives up, for now, the rebuilds of stripes whose pieces are read (no room to decode and
@@ -404,7 +395,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             self.rs_release_pin(id);
             self.rs_mut().degraded.insert(id);
         }
-        self.counters.rebuilds_deferred += ids.len() as u64;
+        self.counters_mut().rebuilds_deferred += ids.len() as u64;
         self.rs_release_unclaimed();
     }
 
@@ -490,7 +481,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             }
             self.rs_mut().degraded.extend(later);
             while let Some(&id) = plan.front() {
-                if self.free_slots.len() < reserve + per_stripe {
+                if self.free_slot_count() < reserve + per_stripe {
                     break;
                 }
                 plan.pop_front();
@@ -507,7 +498,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                     && !rs.xor_code(k);
                 if by_decoder {
                     self.rs_mut().decode_wait.push(id);
-                } else if self.free_slots.len() < room {
+                } else if self.free_slot_count() < room {
                     self.rs_defer(&[id]);
                 } else {
                     self.rs_rebuild(id, step)?;
@@ -517,7 +508,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             let busy = !rs.reading.is_empty() || !rs.read.is_empty();
             // Decoded in batches of 64, or whatever waits once no read is out.
             if rs.decode_wait.len() >= 64 || (!busy && !rs.decode_wait.is_empty()) {
-                let fit = self.free_slots.len() / room;
+                let fit = self.free_slot_count() / room;
                 let rs = self.rs_mut();
                 let later = rs.decode_wait.len().saturating_sub(fit);
                 let later: Vec<u32> = rs.decode_wait.drain(..later).collect();
@@ -532,7 +523,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             if plan.is_empty() && !busy {
                 return Ok(());
             }
-            if !busy && self.idle() && self.free_slots.len() < reserve + per_stripe {
+            if !busy && self.idle() && self.free_slot_count() < reserve + per_stripe {
                 // No room, and nothing under way to make some: the rest waits for a later call.
                 return Ok(());
             }
@@ -635,7 +626,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             let id = self.rs().stripe_of[it.page as usize];
             let rs = self.rs();
             let started = rs.under_way(id) || rs.writing.contains_key(&id);
-            if !started && self.free_slots.len() >= per_stripe {
+            if !started && self.free_slot_count() >= per_stripe {
                 // Not given up for a slot while its reads are being queued.
                 self.rs_mut().streaming = true;
                 let r = self.rs_start(id);
@@ -660,7 +651,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             let rs = self.rs();
             let page = it.page as usize;
             let piece = usize::from(rs.index_of[page]);
-            let e = *self.table.get(it.page);
+            let e = *self.table().get(it.page);
             let from = data
                 .iter()
                 .find(|&&(j, _)| j == piece)
@@ -670,19 +661,17 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                         && e.present
                         && !e.lost
                         && e.version == it.version
-                        && !self.cache.contains(&it.page)
-                        && !self.writeback.contains_key(&it.page)
+                        && !self.cached(it.page)
+                        && !self.writebacks().contains_key(&it.page)
                 });
             let Some(from) = from else {
                 self.rs_mut().waiters.push(it);
                 continue;
             };
-            let at = from as usize * PAGE_SIZE;
-            self.slots
-                .copy_within(at..at + PAGE_SIZE, it.slot as usize * PAGE_SIZE);
+            self.copy_slot(from, it.slot);
             // Decoded ciphertext: it must be what this pager sealed (see `rs_reconstruct`).
             if self.unseal_slot(it.page, it.version, it.slot) {
-                self.counters.degraded_reads += 1;
+                self.counters_mut().degraded_reads += 1;
                 self.reconstructed(&it);
             } else {
                 self.reconstruction_failed(&it);
@@ -703,7 +692,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         let (k, total) = (st.k(), st.servers.len());
         let alive = |j: usize| {
             let s = st.servers[j];
-            !lost.contains(&j) && s != NO_SERVER && self.servers[usize::from(s)].alive
+            !lost.contains(&j) && s != NO_SERVER && self.server_states()[usize::from(s)].alive
         };
         // What the decode would use (see `rs_decode_pinned`).
         let at_hand = |j: usize| {
@@ -726,13 +715,13 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             .take(need - have)
             .collect();
         // Room for them beside what a stripe's rebuild takes (`rs_stream`'s reserve).
-        if more.is_empty() || self.free_slots.len() < more.len() + 2 * total {
+        if more.is_empty() || self.free_slot_count() < more.len() + 2 * total {
             return Ok(false);
         }
         let rs = self.rs_mut();
         *rs.asked.entry(id).or_default() |= more.iter().fold(0, |m, &j| m | 1 << j);
         rs.reading.insert(id, more.len() as u32);
-        self.counters.pieces_asked_again += more.len() as u64;
+        self.counters_mut().pieces_asked_again += more.len() as u64;
         self.rs_queue_pieces(id, &more)?;
         self.send_queued();
         Ok(true)
@@ -787,10 +776,10 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                 if live[i]
                     && rs.stripe_of[page as usize] == id
                     && lost.contains(&i)
-                    && !self.table.get(page).on_disk
+                    && !self.table().get(page).on_disk
                 {
                     step.unrecoverable += 1;
-                    self.counters.pages_unrecoverable += 1;
+                    self.counters_mut().pages_unrecoverable += 1;
                 }
             }
             return Ok(false);
@@ -827,7 +816,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                 owned.push(slot);
             }
         }
-        let revivals = self.counters.servers_revived;
+        let revivals = self.counters_mut().servers_revived;
         let rs = self.rs_mut();
         for &j in &lost {
             rs.stripes[id as usize].servers[j] = NO_SERVER;
@@ -845,7 +834,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         // A GET of a version written over since (a move's read, out while the page was
         // written again) says nothing of the piece the table names now, which may be the new
         // version's stripe or still the old one's: blaming it would drop a good piece.
-        let current = it.version == self.table.get(it.page).version;
+        let current = it.version == self.table().get(it.page).version;
         if !current && it.pos == INTERNAL {
             // The move sees the page changed and leaves it to what changed it.
             self.own_read_failed(it.page);
@@ -855,7 +844,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             let (id, piece) = ((key.page / 32) as u32, (key.page % 32) as u8);
             self.rs_bad_piece(id, piece, server, what);
         }
-        let e = *self.table.get(it.page);
+        let e = *self.table().get(it.page);
         if it.pos != INTERNAL && !e.on_disk && self.rs_reconstructible(it.page) {
             self.reconstruct_later(it);
             return;
