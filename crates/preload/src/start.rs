@@ -367,6 +367,8 @@ pub(crate) extern "C" fn at_exit() {
             ("victims_kept", get(&rc.victims_kept)),
             ("evictions_waited", get(&rc.evictions_waited)),
             ("releases_waited", get(&rc.releases_waited)),
+            // Faults that came while a fork was pending, served after it.
+            ("faults_deferred", get(&rc.faults_deferred)),
             // Replies the pager blocked for (the waiting paths left: forks, a region's end).
             ("pager_waits", pager.waits),
             // Pages the pager's pool grew by rather than wait (`write_over_budget`).

@@ -8,6 +8,11 @@ impl<T: Transport, D: Disk> Shared<T, D> {
     /// A missing-page fault on `page` by thread `tid`; `write`: the access was a write.
     pub(crate) fn missing(&self, st: &mut State<T, D>, page: usize, write: bool, tid: u32) {
         self.counters.faults.fetch_add(1, Ordering::Relaxed);
+        self.serve_missing(st, page, write, tid);
+    }
+
+    /// [`Shared::missing`] of a fault already counted.
+    pub(crate) fn serve_missing(&self, st: &mut State<T, D>, page: usize, write: bool, tid: u32) {
         let addr = self.base.page(page);
         if st.clock.is_sampled(page as u64) {
             return self.sampled_fault(st, page, write);
@@ -21,37 +26,18 @@ impl<T: Transport, D: Disk> Shared<T, D> {
             st.prefetcher.hit(mode);
         }
         if st.pager.is_written(page as u64) {
-            // The pages the prefetcher proposes travel in the same request as the faulting
-            // one: a page used soon costs no round trip of its own.
-            let (ahead, mode) = self.proposals(st, page);
-            // (Not `st.buf`: evictions below copy victims through it.)
-            let mut buf = std::mem::take(&mut st.pbuf);
-            buf.resize((1 + ahead.len()) * PAGE_SIZE, 0);
-            let mut pages = Vec::with_capacity(1 + ahead.len());
-            pages.push(page as u64);
-            pages.extend_from_slice(&ahead);
-            let mut read = st.pager.read_many(&pages, &mut buf);
-            if read.is_err() && !ahead.is_empty() {
-                // Only a guess may have failed: the faulting page alone says.
-                read = st.pager.read(page as u64, &mut buf[..PAGE_SIZE]);
-                pages.truncate(1);
+            if st.forking > 0 {
+                // A fork is pending: the page is fetched once it has happened (a fetch
+                // installed meanwhile would be in the parent and not in the child's share).
+                st.deferred.push((page, write, tid));
+                self.counters
+                    .faults_deferred
+                    .fetch_add(1, Ordering::Relaxed);
+                return;
             }
-            let installed =
-                read.is_ok() && self.install_fetched(st, page, write, &buf[..PAGE_SIZE]);
-            if let Err(e) = read {
-                st.pbuf = buf;
-                self.counters.errors.fetch_add(1, Ordering::Relaxed);
-                return self.unreadable(page, tid, &e);
-            }
-            if installed {
-                // The faulting thread runs again: installing the others and evicting are off
-                // its path (the region holds pages over its budget meanwhile).
-                self.install_ahead(st, &pages[1..], mode, &buf[PAGE_SIZE..]);
-                let keep = st.budget;
-                self.make_room(st, keep);
-            }
-            st.pbuf = buf;
-            return;
+            // (Here only when the page was not fetchable as its event came: given back while
+            // its fetch was out, or deferred over a fork.)
+            return self.fetch_fault(st, page, write, tid);
         }
         self.counters.zero_fills.fetch_add(1, Ordering::Relaxed);
         let result = if write {
@@ -77,6 +63,21 @@ impl<T: Transport, D: Disk> Shared<T, D> {
         let keep = st.budget;
         self.make_room(st, keep);
         self.prefetch(st, page);
+    }
+
+    /// Serves the faults deferred over a fork, once none is pending (the handler's loop, each
+    /// turn): each as its event would have been served now.
+    pub(crate) fn serve_deferred(&self, st: &mut State<T, D>) {
+        if st.forking > 0 || st.deferred.is_empty() {
+            return;
+        }
+        for (page, write, tid) in std::mem::take(&mut st.deferred) {
+            if self.fetchable(st, page) {
+                self.fetch_fault(st, page, write, tid);
+            } else {
+                self.serve_missing(st, page, write, tid);
+            }
+        }
     }
 
     /// Installs a fetched page's `data` (waking the threads waiting on it) and makes it

@@ -47,6 +47,11 @@ impl<T: Transport, D: Disk> Shared<T, D> {
     /// flight, else starts one, with the pages the prefetcher proposes.
     pub(crate) fn start_fetch(&self, st: &mut State<T, D>, page: usize, write: bool, tid: u32) {
         self.counters.faults.fetch_add(1, Ordering::Relaxed);
+        self.fetch_fault(st, page, write, tid);
+    }
+
+    /// [`Shared::start_fetch`] of a fault already counted.
+    pub(crate) fn fetch_fault(&self, st: &mut State<T, D>, page: usize, write: bool, tid: u32) {
         let p = page as u64;
         if let Some(f) = st.fetching.get_mut(&p) {
             // Another thread's fault on the same page, or a page fetched ahead and faulted on

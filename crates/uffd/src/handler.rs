@@ -344,6 +344,8 @@ impl<T: Transport, D: Disk> Shared<T, D> {
             }
         }
         let mut st = self.lock();
+        // Faults that came while a fork was pending, once it is not.
+        self.serve_deferred(&mut st);
         if st.fetches_out() {
             st.pager.send_queued();
             // The room the fetches need is made while their requests are on the wire, not
@@ -352,6 +354,10 @@ impl<T: Transport, D: Disk> Shared<T, D> {
             let keep = st.budget.saturating_sub(st.fetching.len());
             self.make_room(&mut st, keep);
             self.progress_fetches(&mut st, ready.replies);
+            if st.forking > 0 && st.fetching.is_empty() && st.settling.is_empty() {
+                // A thread about to fork waits for these (`prepare_fork`).
+                self.forked.notify_all();
+            }
         } else if self.over_budget(&st) {
             // Victims left for want of the pager's room: acknowledgements may have returned
             // some (`make_room` reads them).
@@ -377,8 +383,12 @@ impl<T: Transport, D: Disk> Shared<T, D> {
                     return self.start_fetch(st, page, write, tid);
                 }
             }
-            Event::Fork(_) => self.finish_all(st),
-            Event::Pagefault { .. } | Event::Other(_) => {}
+            // An announced fork started none (`prepare_fork`); another may have fetches out,
+            // which the child must not miss.
+            Event::Fork(_) if !st.fetching.is_empty() || !st.settling.is_empty() => {
+                self.finish_all(st)
+            }
+            Event::Pagefault { .. } | Event::Fork(_) | Event::Other(_) => {}
         }
         self.handle(st, event)
     }

@@ -168,6 +168,9 @@ pub struct RegionCounters {
     pub batched_fetches: AtomicU64,
     /// Faults that found their page already installed by an earlier fault (EEXIST).
     pub already_present: AtomicU64,
+    /// Faults on stored pages that came while a fork was pending, served once it happened
+    /// (no fetch starts while the child's share is being fixed).
+    pub faults_deferred: AtomicU64,
     /// Times fetches in flight had no reply for `fetch::STALLED` (a server that hangs, or a
     /// slow one): the pager then looks for requests past its reply timeout.
     pub fetches_stalled: AtomicU64,
@@ -566,7 +569,6 @@ where
                 prefetched: HashMap::new(),
                 prefetch_order: VecDeque::new(),
                 prefetch_window,
-                pbuf: Vec::new(),
                 drops: Vec::new(),
                 victims: Vec::new(),
                 fetching: HashMap::new(),
@@ -589,6 +591,7 @@ where
                 forking: 0,
                 fork_resident: None,
                 forking_since: None,
+                deferred: Vec::new(),
                 last_probe: std::time::Instant::now(),
                 upkeep: options.upkeep,
             }),
@@ -608,6 +611,7 @@ where
                 std::sync::atomic::AtomicI32::new(-1),
             ],
             forked: Condvar::new(),
+            wake: stop.clone(),
             pidfd: rustix::process::pidfd_open(
                 rustix::process::getpid(),
                 rustix::process::PidfdFlags::empty(),
@@ -848,6 +852,9 @@ struct Shared<T: Transport, D: Disk> {
     agent_fds: [std::sync::atomic::AtomicI32; 2],
     /// Signalled when no fork is pending any more (`release` waits for it).
     forked: Condvar,
+    /// The handler loop's eventfd (the region's `stop`), written [`handler::WAKE`] to have it
+    /// look again from another thread: faults deferred over a fork that no longer pends.
+    wake: Arc<OwnedFd>,
     /// `state.upkeep.is_some()`, read without the lock by the handler's loop.
     upkeep_on: std::sync::atomic::AtomicBool,
 }
@@ -906,7 +913,6 @@ struct State<T: Transport, D: Disk> {
     prefetch_order: VecDeque<u64>,
     /// How many guesses the pager's cache is taken to hold.
     prefetch_window: usize,
-    pbuf: Vec<u8>,
     /// Victims chosen and not dropped yet (see `make_room`), kept to reuse its allocation.
     drops: Vec<(usize, usize, bool)>,
     /// The batch of victims being evicted, `(page, sampled)` (see `make_room`).
@@ -950,6 +956,10 @@ struct State<T: Transport, D: Disk> {
     /// child will have.
     fork_resident: Option<Vec<u64>>,
     forking_since: Option<std::time::Instant>,
+    /// Missing faults on stored pages that came while a fork was pending (page, write, thread):
+    /// served once none is (`Shared::serve_deferred`), so that nothing is fetched, and nothing
+    /// waits for the network, while the child's share is being fixed.
+    deferred: Vec<(usize, bool, u32)>,
     /// When the children were last asked whether their memory is still there.
     last_probe: std::time::Instant,
     /// The maintenance schedule the handler runs (`upkeep.rs`).

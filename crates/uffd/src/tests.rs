@@ -862,6 +862,79 @@ fn a_forked_child_sees_its_memory_as_at_the_fork() {
     assert_eq!(RegionCounters::get(&c.errors), 0, "{c:?}");
 }
 
+/// A fault on a stored page while a fork is pending waits for the fork to be over (issue 38:
+/// nothing is fetched, and no thread waits for the network under the region's lock, while the
+/// child's share is being fixed), and is served then: here the fork fails. Needs root
+/// (following forks).
+#[test]
+fn a_fault_while_a_fork_is_pending_is_served_once_it_is_over() {
+    let Some(_forks) = following_forks() else {
+        return;
+    };
+    let cluster = LocalCluster::start(2, 16 << 20, false).unwrap();
+    let mut r = region(&cluster, 32);
+    assert!(r.follows_forks());
+    let mem = r.as_mut_slice();
+    for p in 0..PAGES {
+        mem[p * PAGE_SIZE..(p + 1) * PAGE_SIZE].fill(fill(p, 1));
+    }
+    let base = r.as_ptr() as usize;
+    r.prepare_fork();
+    // A page not in memory now (sampled pages came back with `prepare_fork`): its next access
+    // faults.
+    let resident = |p: usize| {
+        let mut v = 0u8;
+        // SAFETY: one page of the region, which is mapped; `v` takes one byte.
+        let rc = unsafe {
+            libc::mincore(
+                (base + p * PAGE_SIZE) as *mut libc::c_void,
+                PAGE_SIZE,
+                &mut v,
+            )
+        };
+        assert_eq!(rc, 0, "mincore: {}", std::io::Error::last_os_error());
+        v & 1 == 1
+    };
+    let page = (0..PAGES)
+        .find(|&p| !resident(p))
+        .expect("pages over the budget");
+    let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let reader = {
+        let done = done.clone();
+        std::thread::spawn(move || {
+            // SAFETY: a page of the region, which outlives the thread (joined below).
+            let bytes = unsafe {
+                std::slice::from_raw_parts((base + page * PAGE_SIZE) as *const u8, PAGE_SIZE)
+            };
+            let ok = bytes.iter().all(|&b| b == fill(page, 1));
+            done.store(true, Ordering::Release);
+            ok
+        })
+    };
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    assert!(
+        !done.load(Ordering::Acquire),
+        "page {page} was fetched while a fork was pending"
+    );
+    let c = r.counters();
+    assert!(RegionCounters::get(&c.faults_deferred) >= 1, "{c:?}");
+    r.fork_failed();
+    let since = std::time::Instant::now();
+    while !done.load(Ordering::Acquire) {
+        assert!(
+            since.elapsed() < std::time::Duration::from_secs(10),
+            "the deferred fault on page {page} was not served after the fork"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    assert!(
+        reader.join().unwrap(),
+        "page {page} read other data than was written"
+    );
+    let c = r.counters();
+    assert_eq!(RegionCounters::get(&c.errors), 0, "{c:?}");
+}
+
 /// A forked child is held to the budget as its parent is (issue 38): it reads every page of
 /// the region (most of them on the servers) and writes some, twice over, while the parent
 /// overwrites half of them; the child sees its memory as at the fork plus its own writes,

@@ -291,10 +291,10 @@ impl<T: Transport, D: Disk> Region<T, D> {
     /// Announced forks go one at a time (bounded: 30 s), so that the agent's socket made for
     /// one reaches that child and no other.
     pub fn prepare_fork(&self) {
-        let mut st = self
+        let st = self
             .shared
             .await_forks(self.shared.lock(), std::time::Duration::from_secs(30));
-        self.shared.prepare_fork(&mut st);
+        drop(self.shared.prepare_fork(st));
     }
 
     /// In the parent, after an announced `fork` made child `pid`: where children open their
@@ -704,12 +704,25 @@ impl<T: Transport, D: Disk> Shared<T, D> {
     }
 
     /// See [`Region::prepare_fork`].
-    pub(crate) fn prepare_fork(&self, st: &mut State<T, D>) {
+    pub(crate) fn prepare_fork<'a>(
+        &'a self,
+        mut st: MutexGuard<'a, State<T, D>>,
+    ) -> MutexGuard<'a, State<T, D>> {
         if !self.follows_forks {
-            return;
+            return st;
         }
-        // Every fetch installed first: the child is to have exactly what is resident now.
-        self.finish_all(st);
+        let first = st.forking == 0;
+        // Announced from here: no fetch starts, a fault on a stored page waits for the fork
+        // (`serve_deferred`), nothing is evicted.
+        st.forking += 1;
+        self.forks_pending.store(st.forking, Ordering::Release);
+        // Every fetch of the region's installed first, the child is to have exactly what is
+        // resident now: by the handler's loop, which owns the sockets, while this thread waits
+        // with the lock let go. Only a fetch that outlasts the bound is waited for here.
+        st = self.await_own_fetches(st, std::time::Duration::from_secs(10));
+        if !st.fetching.is_empty() || !st.settling.is_empty() {
+            self.finish_all(&mut st);
+        }
         // No sampling while a child lives: moving a page aside (`UFFDIO_MOVE`) after a fork
         // was seen to leave the shadow's page missing (the handler then faulted on it and
         // waited for itself). Resumed once the children are gone (`serve_children`).
@@ -718,10 +731,10 @@ impl<T: Transport, D: Disk> Shared<T, D> {
         // region, where the child gets them with everything else resident.
         for page in 0..self.pages {
             if st.clock.is_sampled(page as u64) {
-                self.put_back(st, page);
+                self.put_back(&mut st, page);
             }
         }
-        if st.forking == 0 {
+        if first {
             let mut resident = vec![0u64; self.pages.div_ceil(64)];
             for page in 0..self.pages {
                 if st.clock.is_resident(page as u64) {
@@ -751,8 +764,27 @@ impl<T: Transport, D: Disk> Shared<T, D> {
                 Err(e) => tracing::warn!("no agent for a forked child: {e}"),
             }
         }
-        st.forking += 1;
-        self.forks_pending.store(st.forking, Ordering::Release);
+        st
+    }
+
+    /// Waits, the lock let go meanwhile, until none of the region's own fetches and settling
+    /// reads is in flight or `limit` has passed (the handler's loop finishes them and says
+    /// so), and gives the lock back. The children's fetches go on: they change nothing of the
+    /// region's.
+    fn await_own_fetches<'a>(
+        &'a self,
+        mut st: MutexGuard<'a, State<T, D>>,
+        limit: std::time::Duration,
+    ) -> MutexGuard<'a, State<T, D>> {
+        let since = std::time::Instant::now();
+        while (!st.fetching.is_empty() || !st.settling.is_empty()) && since.elapsed() < limit {
+            st = self
+                .forked
+                .wait_timeout(st, std::time::Duration::from_millis(5))
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+        st
     }
 
     /// Waits, the lock let go meanwhile, until no announced fork is pending or `limit` has
@@ -783,6 +815,10 @@ impl<T: Transport, D: Disk> Shared<T, D> {
             st.fork_resident = None;
             st.forking_since = None;
             self.forked.notify_all();
+            if !st.deferred.is_empty() {
+                // Its loop serves them (`serve_deferred`), and may be asleep without deadline.
+                let _ = rustix::io::write(&*self.wake, &handler::WAKE.to_ne_bytes());
+            }
         }
     }
 
