@@ -510,6 +510,11 @@ fn redis_saves_in_the_background_within_its_budget() {
     }
     let r = report(&rep);
     let g = |k: &str| r[k].as_u64().unwrap_or_else(|| panic!("{k} in {r}"));
+    eprintln!(
+        "pager waits {}, faults deferred over the fork {}",
+        g("pager_waits"),
+        g("faults_deferred")
+    );
     // Every page of the data set read by the child: on a fault, or fetched ahead of one.
     assert!(
         g("forks") >= 1 && g("child_faults") + g("child_prefetched") > 17_000,
