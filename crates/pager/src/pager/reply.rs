@@ -12,7 +12,7 @@ use crate::requests::{GetItem, Inflight, Op, Part, PutItem, PutKind, Queued, Rea
 use crate::scheme::parity;
 use crate::seal::Sealer;
 use crate::{Disk, Pager, PagerCounters, PagerError, ServerState, Transport, TransportError};
-use netram_proto::{DeleteStatus, ErrorCode, GetResult, PageKey, PutStatus, Reply, PAGE_SIZE};
+use netram_proto::{DeleteStatus, ErrorCode, GetResult, PutStatus, Reply, PAGE_SIZE};
 
 /// The fields a reply is read into, borrowed one by one: all disjoint from the transport,
 /// whose receive buffer the reply may still borrow (a method taking `&mut self` could not).
@@ -361,16 +361,15 @@ impl Inbox<'_> {
             }
             (Op::Put(items), Reply::Put { status, .. }) if status.len() == items.len() => {
                 for (it, st) in items.into_iter().zip(status) {
+                    if let PutKind::Parity(_) = it.kind {
+                        if let Some(answer) = parity::put_answer(it, *st) {
+                            followups.push(Followup::Parity(answer));
+                            continue;
+                        }
+                    }
                     followups.push(match st {
                         PutStatus::Stored => Followup::Stored(it),
-                        // Stored outside any group: it joins a new one.
-                        PutStatus::Unprotected if matches!(it.kind, PutKind::Parity(_)) => {
-                            Followup::Parity(parity::Answer::Unprotected(it))
-                        }
                         PutStatus::Unprotected => Followup::Stored(it),
-                        PutStatus::HolderUnreachable if matches!(it.kind, PutKind::Parity(_)) => {
-                            Followup::Parity(parity::Answer::Refused(it))
-                        }
                         // Only a parity PUT involves a holder: said of any other, it is a lie
                         // (found by the simulator: a flipped status left a stripe's piece
                         // waiting forever).
@@ -396,55 +395,18 @@ impl Inbox<'_> {
                     });
                 }
             }
-            (Op::Ship(id), Reply::Put { status, .. }) => {
-                followups.push(if status.first() == Some(&PutStatus::Stored) {
-                    Followup::Parity(parity::Answer::Shipped(id))
-                } else {
-                    Followup::Parity(parity::Answer::ShipFailed(id))
-                });
+            (op @ (Op::Ship(_) | Op::Delta | Op::Scan | Op::Gc(_)), reply)
+                if parity::answers(&op, reply) =>
+            {
+                if let Some(answer) = parity::answer(id, op, reply) {
+                    followups.push(Followup::Parity(answer));
+                }
             }
-            (Op::Delta, Reply::ParityDelta { .. }) => {}
             (Op::Expect(hand), Reply::Move { status, .. }) if status.len() == hand.pages.len() => {
                 followups.push(Followup::Expected(hand, status.clone()));
             }
             (Op::Migrate(hand), Reply::Move { status, .. }) if status.len() == hand.pages.len() => {
                 followups.push(Followup::Migrated(hand, status.clone()));
-            }
-            (
-                Op::Scan,
-                Reply::ParityScan {
-                    groups, orphans, ..
-                },
-            ) => {
-                let groups = groups
-                    .iter()
-                    .map(|g| {
-                        let mut parity = netram_proto::OwnedRecord::default();
-                        parity.xor(&g.record);
-                        parity::ScannedGroup {
-                            group: g.group,
-                            damaged: g.damaged,
-                            members: g.members.clone(),
-                            parity,
-                        }
-                    })
-                    .collect();
-                followups.push(Followup::Parity(parity::Answer::Scanned(
-                    id,
-                    groups,
-                    orphans.clone(),
-                )));
-            }
-            (Op::Gc(keys), Reply::Delete { status, .. }) if status.len() == keys.len() => {
-                let stale: Vec<PageKey> = keys
-                    .iter()
-                    .zip(status)
-                    .filter(|(_, s)| **s == DeleteStatus::HolderUnreachable)
-                    .map(|(k, _)| *k)
-                    .collect();
-                if !stale.is_empty() {
-                    followups.push(Followup::Parity(parity::Answer::Stale(stale)));
-                }
             }
             (Op::Delete, Reply::Delete { status, .. }) => {
                 debug_assert!(status.iter().all(|s| matches!(

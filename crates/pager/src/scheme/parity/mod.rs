@@ -28,7 +28,10 @@ use crate::writeback::Writeback;
 mod recover;
 use crate::{Disk, Pager, PagerConfig, PagerError, ServerState, Transport, TransportError};
 use netram_policy::placement::{self, Candidate};
-use netram_proto::{Delta, DeltaKind, Member, OwnedRecord, Owner, Page, PageKey, Record, Request};
+use netram_proto::{
+    DeleteStatus, Delta, DeltaKind, Member, OwnedRecord, Owner, Page, PageKey, PutStatus, Record,
+    Reply, Request,
+};
 use std::collections::{BTreeSet, HashMap};
 use std::net::SocketAddr;
 
@@ -99,6 +102,74 @@ pub(crate) enum Answer {
     Scanned(u64, Vec<ScannedGroup>, Vec<PageKey>),
     /// Copies the server could not delete yet (their holder unreachable).
     Stale(Vec<PageKey>),
+}
+
+/// What a status to one of a parity pager's PUTs means, when it means something only such a
+/// PUT can get (`None`: as for any PUT).
+pub(crate) fn put_answer(it: PutItem, status: PutStatus) -> Option<Answer> {
+    match status {
+        // Stored outside any group: it joins a new one.
+        PutStatus::Unprotected => Some(Answer::Unprotected(it)),
+        PutStatus::HolderUnreachable => Some(Answer::Refused(it)),
+        _ => None,
+    }
+}
+
+/// Whether `reply` is the answer to a parity pager's own request `op` (a SHIP, a delta, a
+/// scan, a collection of superseded copies), of the right shape.
+pub(crate) fn answers(op: &Op, reply: &Reply<'_>) -> bool {
+    match (op, reply) {
+        (Op::Ship(_), Reply::Put { .. })
+        | (Op::Delta, Reply::ParityDelta { .. })
+        | (Op::Scan, Reply::ParityScan { .. }) => true,
+        (Op::Gc(keys), Reply::Delete { status, .. }) => status.len() == keys.len(),
+        _ => false,
+    }
+}
+
+/// What a reply to a parity pager's own request says (see [`answers`]); `None`: nothing to
+/// do (a delta applied, every superseded copy collected).
+pub(crate) fn answer(id: u64, op: Op, reply: &Reply<'_>) -> Option<Answer> {
+    match (op, reply) {
+        (Op::Ship(id), Reply::Put { status, .. }) => {
+            Some(if status.first() == Some(&PutStatus::Stored) {
+                Answer::Shipped(id)
+            } else {
+                Answer::ShipFailed(id)
+            })
+        }
+        (
+            Op::Scan,
+            Reply::ParityScan {
+                groups, orphans, ..
+            },
+        ) => {
+            let groups = groups
+                .iter()
+                .map(|g| {
+                    let mut parity = OwnedRecord::default();
+                    parity.xor(&g.record);
+                    ScannedGroup {
+                        group: g.group,
+                        damaged: g.damaged,
+                        members: g.members.clone(),
+                        parity,
+                    }
+                })
+                .collect();
+            Some(Answer::Scanned(id, groups, orphans.clone()))
+        }
+        (Op::Gc(keys), Reply::Delete { status, .. }) => {
+            let stale: Vec<PageKey> = keys
+                .iter()
+                .zip(status)
+                .filter(|(_, s)| **s == DeleteStatus::HolderUnreachable)
+                .map(|(k, _)| *k)
+                .collect();
+            (!stale.is_empty()).then_some(Answer::Stale(stale))
+        }
+        _ => None,
+    }
 }
 
 /// A group as a scan reported it.
