@@ -7,7 +7,7 @@
 //! The trait has one method per event that matters to a scheme — a page written back, a PUT
 //! stored or failed, a GET failed, a server dead, back or leaving, a page to reconstruct, what
 //! is open to seal, a recovery step — and [`build`] is the one place where schemes are named.
-//! The rest of the pager calls the hooks at the end of this file, which hand each event to
+//! The rest of the pager calls the hooks of `pager/hooks.rs`, which hand each event to
 //! the pager's scheme; nothing outside this folder asks which scheme it runs. What a scheme
 //! keeps (its lists, groups, stripes) is its own type ([`mirror::Copies`], [`parity::Par`],
 //! [`stripe::Rs`]), which the pager holds without knowing it ([`SchemeState`]); the numbers the
