@@ -263,6 +263,19 @@ impl<T: Transport, D: Disk> Shared<T, D> {
         wait: bool,
     ) -> Result<bool, netram_pager::PagerError> {
         let zeros = st.buf.iter().all(|&b| b == 0);
+        if st.released.contains(&(page as u64)) {
+            if zeros {
+                // Given back while its write-back was out, and still zeros: the delete to
+                // come takes the old copy away, which is all a page of zeros needs.
+                self.counters.evicted_zero.fetch_add(1, Ordering::Relaxed);
+                return Ok(true);
+            }
+            // Written again since: children forked meanwhile read it as zeros, kept so for
+            // them (while it still counts as never written) before the new contents supersede
+            // the old copy, which must no longer be deleted after them.
+            self.settle_from(st, page, Some(&ZEROS));
+            st.released.remove(&(page as u64));
+        }
         let stored = if wait {
             self.settle(st, page);
             if zeros {
@@ -391,6 +404,16 @@ impl<T: Transport, D: Disk> Shared<T, D> {
         }
     }
 
+    /// A page given back (or dropped by the program) whose last write-back is still out:
+    /// its pager copy is deleted once that is in (`delete_leftovers`), and it counts as never
+    /// written meanwhile ([`State::holds`]). Nothing waits.
+    pub(crate) fn defer_delete(&self, st: &mut State<T, D>, page: u64) {
+        st.released.insert(page);
+        self.counters
+            .releases_deferred
+            .fetch_add(1, Ordering::Relaxed);
+    }
+
     /// Pages `first..first + count` are given back by the program (see `Region::release`).
     pub(crate) fn release(
         &self,
@@ -418,7 +441,7 @@ impl<T: Transport, D: Disk> Shared<T, D> {
                 // On its way: what arrives is the old contents, not to be installed.
                 f.released = true;
             }
-            if st.pager.is_written(p) {
+            if st.holds(p) {
                 self.settle(st, page);
                 written.push(p);
             }
@@ -432,21 +455,15 @@ impl<T: Transport, D: Disk> Shared<T, D> {
         }
         // Forgotten at once, their DELETEs sent as credits allow (never waited for: a
         // connection applies its requests in order, so a later PUT of a page lands after its
-        // DELETE). Only a page whose last write-back is still out waits for it, so that the
-        // acknowledgement does not bring the page back.
-        let mut busy = Vec::new();
+        // DELETE).
         for p in written {
             if !st.pager.try_discard(p).map_err(PageError::Delete)? {
-                busy.push(p);
+                // Its last write-back is still out: deleted once it is in (reading as zeros
+                // meanwhile), so that the acknowledgement does not bring the page back.
+                self.defer_delete(st, p);
             }
         }
         st.pager.send_queued();
-        if !busy.is_empty() {
-            self.counters
-                .releases_waited
-                .fetch_add(1, Ordering::Relaxed);
-            st.pager.discard_many(&busy).map_err(PageError::Delete)?;
-        }
         Ok(())
     }
 }

@@ -25,7 +25,7 @@ impl<T: Transport, D: Disk> Shared<T, D> {
             self.counters.prefetch_hits.fetch_add(1, Ordering::Relaxed);
             st.prefetcher.hit(mode);
         }
-        if st.pager.is_written(page as u64) {
+        if st.holds(page as u64) {
             if st.forking > 0 {
                 // A fork is pending: the page is fetched once it has happened (a fetch
                 // installed meanwhile would be in the parent and not in the child's share).
@@ -159,10 +159,12 @@ impl<T: Transport, D: Disk> Shared<T, D> {
                     .dropped_by_program
                     .fetch_add(1, Ordering::Relaxed);
                 st.dirty[page] = true;
-                if st.pager.is_written(page as u64) {
+                if st.holds(page as u64) {
                     self.settle(st, page);
-                    if let Err(e) = st.pager.discard(page as u64) {
-                        tracing::warn!("deleting page {page} the program dropped: {e}");
+                    match st.pager.try_discard(page as u64) {
+                        Ok(true) => {}
+                        Ok(false) => self.defer_delete(st, page as u64),
+                        Err(e) => tracing::warn!("deleting page {page} the program dropped: {e}"),
                     }
                 }
             }

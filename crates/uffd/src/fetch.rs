@@ -40,7 +40,7 @@ impl<T: Transport, D: Disk> Shared<T, D> {
         st.forking == 0
             && !st.clock.is_sampled(p)
             && !st.clock.is_resident(p)
-            && (st.fetching.contains_key(&p) || st.pager.is_written(p))
+            && (st.fetching.contains_key(&p) || st.holds(p))
     }
 
     /// A missing fault by thread `tid` on a fetchable page: joins its fetch if one is in

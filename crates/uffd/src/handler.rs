@@ -399,11 +399,15 @@ impl<T: Transport, D: Disk> Shared<T, D> {
         st.forking == 0 && st.clock.len() > st.budget
     }
 
-    /// Whether the loop waits for replies as well as events: fetches in flight, or victims
-    /// that wait for acknowledgements to return the pager's slots.
+    /// Whether the loop waits for replies as well as events (and so with a bound): fetches
+    /// in flight, victims that wait for acknowledgements to return the pager's slots, or
+    /// pages to delete once their write-back is in (whose acknowledgement another holder of
+    /// the lock may have taken in: the next turn deletes them then).
     fn awaits_replies(&self, st: &State<T, D>) -> bool {
         st.fetches_out()
-            || ((self.over_budget(st) || !st.undeleted.is_empty()) && st.pager.awaits_replies())
+            || !st.undeleted.is_empty()
+            || !st.released.is_empty()
+            || (self.over_budget(st) && st.pager.awaits_replies())
     }
 
     /// Polls the userfaultfd without sleeping for up to the spin; true once an event is

@@ -212,9 +212,9 @@ pub struct RegionCounters {
     pub sample_failures: AtomicU64,
     /// Pages given back by the program (`release`).
     pub released: AtomicU64,
-    /// Releases that waited for the write-back of one of their pages still in flight (the
-    /// rest are forgotten without waiting).
-    pub releases_waited: AtomicU64,
+    /// Pages given back (or dropped by the program) while their write-back was still in
+    /// flight: deleted once it is in, without waiting (reading as zeros meanwhile).
+    pub releases_deferred: AtomicU64,
     /// Resident pages the program dropped behind the region's back (`madvise(MADV_DONTNEED)`
     /// by system call): found on their next fault, they read as zeros, as anonymous memory
     /// does.
@@ -586,6 +586,7 @@ where
                 settle_buf: Vec::new(),
                 settling: HashSet::new(),
                 undeleted: Vec::new(),
+                released: HashSet::new(),
                 agent_buf: Vec::new(),
                 children: Vec::new(),
                 forking: 0,
@@ -947,6 +948,10 @@ struct State<T: Transport, D: Disk> {
     /// Pages of ended children still to delete: their last write-back was out when the child
     /// ended (`forget_child`); deleted once it is in, without waiting.
     undeleted: Vec<u64>,
+    /// Pages the program gave back (or dropped) whose last write-back was still out: their
+    /// pager copy is deleted once it is in (`delete_leftovers`), without waiting; meanwhile
+    /// they count as never written ([`State::holds`]): a fault fills zeros.
+    released: HashSet<u64>,
     agent_buf: Vec<u8>,
     /// Forks announced by `prepare_fork` whose event has not arrived: meanwhile nothing is
     /// evicted (so every page resident at the announcement is in the child) and no page
@@ -967,6 +972,12 @@ struct State<T: Transport, D: Disk> {
 }
 
 impl<T: Transport, D: Disk> State<T, D> {
+    /// Whether the pager holds contents for region page (or child page number) `p`: written,
+    /// and not given back since.
+    fn holds(&self, p: u64) -> bool {
+        self.pager.is_written(p) && !self.released.contains(&p)
+    }
+
     /// Whether reads by ticket of the region's or its children's faults are in flight.
     fn fetches_out(&self) -> bool {
         !self.fetching.is_empty() || !self.child_fetches.is_empty() || !self.settling.is_empty()

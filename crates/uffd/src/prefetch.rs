@@ -14,7 +14,7 @@ impl<T: Transport, D: Disk> Shared<T, D> {
             !st.clock.is_resident(p)
                 && !st.prefetched.contains_key(&p)
                 && !st.fetching.contains_key(&p)
-                && st.pager.is_written(p)
+                && st.holds(p)
         });
         (proposed, mode)
     }

@@ -45,8 +45,19 @@ fn large_allocations_live_on_the_region() {
     assert!(heap.region().resident_pages() <= 1024);
     drop(v);
     assert_eq!(heap.allocated(), 0);
-    // Freed pages leave their servers.
-    heap.region().with_pager(|p| p.flush()).unwrap();
-    let stored: u64 = (0..2).map(|s| cluster.stat(s, "stored_pages")).sum();
-    assert_eq!(stored, 0);
+    // Freed pages leave their servers: at once, or those whose write-back was still out
+    // within a turn or two of the handler's loop after it is in (a free never waits).
+    let since = std::time::Instant::now();
+    loop {
+        heap.region().with_pager(|p| p.flush()).unwrap();
+        let stored: u64 = (0..2).map(|s| cluster.stat(s, "stored_pages")).sum();
+        if stored == 0 {
+            break;
+        }
+        assert!(
+            since.elapsed() < std::time::Duration::from_secs(10),
+            "{stored} freed pages still on the servers"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
 }

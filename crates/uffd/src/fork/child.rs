@@ -11,13 +11,14 @@ impl<T: Transport, D: Disk> Shared<T, D> {
     /// with a budget while that pays, so that its first write is seen.
     pub(crate) fn install_in_child(&self, st: &mut State<T, D>, i: usize, page: usize, tid: u32) {
         let (source, own) = self.child_source(&st.children[i], page);
+        let held = st.holds(source);
         let State {
             pager,
             children,
             child_buf,
             ..
         } = st;
-        let data = if pager.is_written(source) {
+        let data = if held {
             if let Err(e) = pager.read(source, child_buf) {
                 return self.child_unreadable(&children[i], page, tid, &e);
             }
@@ -96,7 +97,7 @@ impl<T: Transport, D: Disk> Shared<T, D> {
     /// its read finishes (`child_fetched`). A page never written is installed at once.
     fn fetch_for_child(&self, st: &mut State<T, D>, i: usize, page: usize, tid: u32) {
         let (source, _) = self.child_source(&st.children[i], page);
-        if !st.pager.is_written(source) {
+        if !st.holds(source) {
             return self.install_in_child(st, i, page, tid);
         }
         let child = &mut st.children[i];
@@ -136,7 +137,7 @@ impl<T: Transport, D: Disk> Shared<T, D> {
                 continue;
             }
             let (source, _) = self.child_source(child, p);
-            if !st.pager.is_written(source) {
+            if !st.holds(source) {
                 continue;
             }
             if let Err(e) = self.start_child_fetch(st, i, p, source, 0, Some(mode)) {
@@ -356,7 +357,7 @@ impl<T: Transport, D: Disk> Shared<T, D> {
         // Not waited for (the handler holds the region, every fault would wait): a page whose
         // last write-back is still out is deleted once it is in (`delete_leftovers`).
         for p in (0..self.pages).map(|p| self.private(slot, p)) {
-            if !st.pager.is_written(p) {
+            if !st.holds(p) {
                 continue;
             }
             match st.pager.try_discard(p) {
@@ -369,13 +370,17 @@ impl<T: Transport, D: Disk> Shared<T, D> {
     }
 
     /// Deletes the pages of ended children whose write-back has come in since (see
-    /// `forget_child`); never waits.
+    /// `forget_child`), and the pages given back while theirs was out (`defer_delete`); never
+    /// waits.
     pub(crate) fn delete_leftovers(&self, st: &mut State<T, D>) {
-        if st.undeleted.is_empty() {
+        if st.undeleted.is_empty() && st.released.is_empty() {
             return;
         }
         let State {
-            pager, undeleted, ..
+            pager,
+            undeleted,
+            released,
+            ..
         } = st;
         // The acknowledgements that arrived (nothing else may have read them).
         if let Err(e) = pager.poll() {
@@ -385,6 +390,14 @@ impl<T: Transport, D: Disk> Shared<T, D> {
             Ok(done) => !done,
             Err(e) => {
                 tracing::warn!("deleting a forked child's page: {e}");
+                false
+            }
+        });
+        // And the pages given back while their write-back was out.
+        released.retain(|&p| match pager.try_discard(p) {
+            Ok(done) => !done,
+            Err(e) => {
+                tracing::warn!("deleting page {p} given back: {e}");
                 false
             }
         });

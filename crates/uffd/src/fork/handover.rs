@@ -19,7 +19,7 @@ impl<T: Transport, D: Disk> Shared<T, D> {
             let child = &st.children[i];
             let needed: Vec<usize> = (0..self.pages)
                 .filter(|&page| match child.state(page) {
-                    page::PARENT | page::TO_PARENT => st.pager.is_written(page as u64),
+                    page::PARENT | page::TO_PARENT => st.holds(page as u64),
                     page::PRIVATE | page::TO_PRIVATE => !child.awaiting_copy(page),
                     _ => false,
                 })
@@ -34,7 +34,7 @@ impl<T: Transport, D: Disk> Shared<T, D> {
                     .iter()
                     .map(|&page| {
                         let (source, own) = self.child_source(&st.children[i], page);
-                        (page, source, own, st.pager.is_written(source))
+                        (page, source, own, st.holds(source))
                     })
                     .collect();
                 let written: Vec<u64> = sources.iter().filter(|s| s.3).map(|s| s.1).collect();

@@ -575,7 +575,7 @@ impl<T: Transport, D: Disk> Shared<T, D> {
             let written: Vec<u64> = chunk
                 .iter()
                 .map(|&p| self.private(slot, p))
-                .filter(|&q| st.pager.is_written(q))
+                .filter(|&q| st.holds(q))
                 .collect();
             buf.resize(written.len() * PAGE_SIZE, 0);
             let batch = st.pager.read_many(&written, &mut buf);

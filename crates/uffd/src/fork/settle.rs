@@ -57,7 +57,7 @@ impl<T: Transport, D: Disk> Shared<T, D> {
                     (c.state(page), &c.budget),
                     (page::PARENT, _) | (page::TO_PARENT, Some(_))
                 )
-        }) && st.pager.is_written(page as u64)
+        }) && st.holds(page as u64)
     }
 
     /// Before dirty victims leave while children live: the pager copies some child still
@@ -130,7 +130,7 @@ impl<T: Transport, D: Disk> Shared<T, D> {
 
     /// [`Shared::settle`], with the page's current contents in `known` if they were read
     /// already.
-    fn settle_from(&self, st: &mut State<T, D>, page: usize, known: Option<&[u8]>) {
+    pub(crate) fn settle_from(&self, st: &mut State<T, D>, page: usize, known: Option<&[u8]>) {
         for i in 0..st.children.len() {
             if st.children[i].gone {
                 continue;
@@ -176,10 +176,11 @@ impl<T: Transport, D: Disk> Shared<T, D> {
     ) -> bool {
         let slot = st.children[i].budget.as_ref().expect("a budget").slot;
         let private = self.private(slot, page);
+        let held = st.holds(page as u64);
         let State {
             pager, child_buf, ..
         } = st;
-        if !pager.is_written(page as u64) {
+        if !held {
             // Zeros: the child's own page number was never written (or was deleted).
             return true;
         }
