@@ -8,7 +8,9 @@
 //! stored or failed, a GET failed, a server dead, back or leaving, a page to reconstruct, what
 //! is open to seal, a recovery step — and [`build`] is the one place where schemes are named.
 //! The rest of the pager calls the hooks of `pager/hooks.rs`, which hand each event to
-//! the pager's scheme; nothing outside this folder asks which scheme it runs. What a scheme
+//! the pager's scheme; nothing outside this folder asks which scheme it runs (but the kinds
+//! of request only one scheme sends are named in `pager/requests.rs`, and the reply handler
+//! hands the answers to parity's own requests to `parity::answer`). What a scheme
 //! keeps (its lists, groups, stripes) is its own type ([`mirror::Copies`], [`parity::Par`],
 //! [`stripe::Rs`]), which the pager holds without knowing it ([`SchemeState`]); the numbers the
 //! pager sizes its slots by are its [`Shape`].
