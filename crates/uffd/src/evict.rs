@@ -456,14 +456,21 @@ impl<T: Transport, D: Disk> Shared<T, D> {
         // Forgotten at once, their DELETEs sent as credits allow (never waited for: a
         // connection applies its requests in order, so a later PUT of a page lands after its
         // DELETE).
+        let mut deferred = false;
         for p in written {
             if !st.pager.try_discard(p).map_err(PageError::Delete)? {
                 // Its last write-back is still out: deleted once it is in (reading as zeros
                 // meanwhile), so that the acknowledgement does not bring the page back.
                 self.defer_delete(st, p);
+                deferred = true;
             }
         }
         st.pager.send_queued();
+        if deferred {
+            // The handler's loop deletes them, and may be asleep without a deadline (this
+            // runs on the program's thread).
+            let _ = rustix::io::write(&*self.wake, &handler::WAKE.to_ne_bytes());
+        }
         Ok(())
     }
 }

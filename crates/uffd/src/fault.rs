@@ -26,9 +26,11 @@ impl<T: Transport, D: Disk> Shared<T, D> {
             st.prefetcher.hit(mode);
         }
         if st.holds(page as u64) {
-            if st.forking > 0 {
+            if st.forking > 0 && st.forking_tid != Some(tid) {
                 // A fork is pending: the page is fetched once it has happened (a fetch
                 // installed meanwhile would be in the parent and not in the child's share).
+                // Not the forking thread's own fault: its fork waits for it (then the child
+                // reads that page from the pager, as one not resident at the announcement).
                 st.deferred.push((page, write, tid));
                 self.counters
                     .faults_deferred
@@ -36,7 +38,7 @@ impl<T: Transport, D: Disk> Shared<T, D> {
                 return;
             }
             // (Here only when the page was not fetchable as its event came: given back while
-            // its fetch was out, or deferred over a fork.)
+            // its fetch was out, deferred over a fork, or the forking thread's own.)
             return self.fetch_fault(st, page, write, tid);
         }
         self.counters.zero_fills.fetch_add(1, Ordering::Relaxed);

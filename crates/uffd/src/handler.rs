@@ -344,7 +344,11 @@ impl<T: Transport, D: Disk> Shared<T, D> {
             }
         }
         let mut st = self.lock();
-        // Faults that came while a fork was pending, once it is not.
+        // Faults that came while a fork was pending, once it is not (or once it has been
+        // pending too long: then it failed unseen).
+        if !st.deferred.is_empty() {
+            self.expire_fork(&mut st);
+        }
         self.serve_deferred(&mut st);
         if st.fetches_out() {
             st.pager.send_queued();
@@ -407,6 +411,7 @@ impl<T: Transport, D: Disk> Shared<T, D> {
         st.fetches_out()
             || !st.undeleted.is_empty()
             || !st.released.is_empty()
+            || !st.deferred.is_empty()
             || (self.over_budget(st) && st.pager.awaits_replies())
     }
 

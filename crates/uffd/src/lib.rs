@@ -593,6 +593,7 @@ where
                 fork_resident: None,
                 forking_since: None,
                 deferred: Vec::new(),
+                forking_tid: None,
                 last_probe: std::time::Instant::now(),
                 upkeep: options.upkeep,
             }),
@@ -965,6 +966,9 @@ struct State<T: Transport, D: Disk> {
     /// served once none is (`Shared::serve_deferred`), so that nothing is fetched, and nothing
     /// waits for the network, while the child's share is being fixed.
     deferred: Vec<(usize, bool, u32)>,
+    /// The thread that announced the pending fork: its own faults until the fork (the C
+    /// library's and the program's `atfork` handlers run between) are served, not deferred.
+    forking_tid: Option<u32>,
     /// When the children were last asked whether their memory is still there.
     last_probe: std::time::Instant,
     /// The maintenance schedule the handler runs (`upkeep.rs`).

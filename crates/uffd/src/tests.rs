@@ -987,6 +987,65 @@ fn pages_released_before_a_fork_read_as_zeros_in_the_child() {
     assert_eq!(RegionCounters::get(&c.errors), 0, "{c:?}");
 }
 
+/// A fork announced and never made (nor said to have failed) stops deferring faults after
+/// 5 s: a thread's fault on a stored page is served then, not never. Needs root (following
+/// forks).
+#[test]
+fn a_fault_deferred_over_a_fork_that_never_comes_is_served_after_5_s() {
+    let Some(_forks) = following_forks() else {
+        return;
+    };
+    let cluster = LocalCluster::start(2, 16 << 20, false).unwrap();
+    let mut r = region(&cluster, 32);
+    let mem = r.as_mut_slice();
+    for p in 0..PAGES {
+        mem[p * PAGE_SIZE..(p + 1) * PAGE_SIZE].fill(fill(p, 1));
+    }
+    let base = r.as_ptr() as usize;
+    r.prepare_fork();
+    let resident = |p: usize| {
+        let mut v = 0u8;
+        // SAFETY: one page of the region, which is mapped; `v` takes one byte.
+        let rc = unsafe {
+            libc::mincore(
+                (base + p * PAGE_SIZE) as *mut libc::c_void,
+                PAGE_SIZE,
+                &mut v,
+            )
+        };
+        assert_eq!(rc, 0, "mincore: {}", std::io::Error::last_os_error());
+        v & 1 == 1
+    };
+    let page = (0..PAGES)
+        .find(|&p| !resident(p))
+        .expect("pages over the budget");
+    let since = std::time::Instant::now();
+    let reader = std::thread::spawn(move || {
+        // SAFETY: a page of the region, which outlives the thread (joined below).
+        let bytes = unsafe {
+            std::slice::from_raw_parts((base + page * PAGE_SIZE) as *const u8, PAGE_SIZE)
+        };
+        bytes.iter().all(|&b| b == fill(page, 1))
+    });
+    while !reader.is_finished() {
+        assert!(
+            since.elapsed() < std::time::Duration::from_secs(15),
+            "a fault deferred over a fork that never came was never served"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    assert!(
+        reader.join().unwrap(),
+        "page {page} read other data than was written"
+    );
+    assert!(
+        since.elapsed() >= std::time::Duration::from_secs(4),
+        "served after {:?}, while the fork was pending",
+        since.elapsed()
+    );
+    assert_eq!(RegionCounters::get(&r.counters().errors), 0);
+}
+
 /// A fault on a stored page while a fork is pending waits for the fork to be over (issue 38:
 /// nothing is fetched, and no thread waits for the network under the region's lock, while the
 /// child's share is being fixed), and is served then: here the fork fails. Needs root
@@ -1020,9 +1079,20 @@ fn a_fault_while_a_fork_is_pending_is_served_once_it_is_over() {
         assert_eq!(rc, 0, "mincore: {}", std::io::Error::last_os_error());
         v & 1 == 1
     };
-    let page = (0..PAGES)
-        .find(|&p| !resident(p))
-        .expect("pages over the budget");
+    let mut away = (0..PAGES).filter(|&p| !resident(p));
+    let page = away.next().expect("pages over the budget");
+    // The announcing thread's own fault (as in an `atfork` handler) is served at once: its
+    // fork would otherwise wait for itself.
+    let own = away.next().expect("pages over the budget");
+    let since = std::time::Instant::now();
+    assert!(r.as_slice()[own * PAGE_SIZE..(own + 1) * PAGE_SIZE]
+        .iter()
+        .all(|&b| b == fill(own, 1)));
+    assert!(
+        since.elapsed() < std::time::Duration::from_secs(2),
+        "the forking thread's own fault waited {:?}",
+        since.elapsed()
+    );
     let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let reader = {
         let done = done.clone();

@@ -56,7 +56,8 @@ fn large_allocations_live_on_the_region() {
         }
         assert!(
             since.elapsed() < std::time::Duration::from_secs(10),
-            "{stored} freed pages still on the servers"
+            "{stored} freed pages still on the servers: {:?}",
+            heap.region().counters()
         );
         std::thread::sleep(std::time::Duration::from_millis(10));
     }

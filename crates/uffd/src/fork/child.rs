@@ -265,16 +265,7 @@ impl<T: Transport, D: Disk> Shared<T, D> {
         let probe = now.duration_since(st.last_probe) >= std::time::Duration::from_millis(100);
         if probe {
             st.last_probe = now;
-            if st
-                .forking_since
-                .is_some_and(|t| now.duration_since(t) > std::time::Duration::from_secs(5))
-            {
-                // Announced, and no event in 5 s: that fork failed unseen.
-                tracing::warn!("a fork announced 5 s ago never happened");
-                st.forking = 1;
-                self.fork_done(&mut st);
-                close_raw(&self.agent_fds[0]);
-            }
+            self.expire_fork(&mut st);
         }
         let mut i = 0;
         while i < st.children.len() {

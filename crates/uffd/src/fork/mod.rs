@@ -713,8 +713,10 @@ impl<T: Transport, D: Disk> Shared<T, D> {
         }
         let first = st.forking == 0;
         // Announced from here: no fetch starts, a fault on a stored page waits for the fork
-        // (`serve_deferred`), nothing is evicted.
+        // (`serve_deferred`), nothing is evicted; but this thread's own (the `atfork` handlers
+        // run between this and the fork) are served, or its fork would wait for itself.
         st.forking += 1;
+        st.forking_tid = Some(rustix::thread::gettid().as_raw_nonzero().get() as u32);
         self.forks_pending.store(st.forking, Ordering::Release);
         // Every fetch of the region's installed first, the child is to have exactly what is
         // resident now: by the handler's loop, which owns the sockets, while this thread waits
@@ -806,6 +808,20 @@ impl<T: Transport, D: Disk> Shared<T, D> {
         st
     }
 
+    /// A fork announced 5 s ago whose event has not come failed unseen: it is pending no
+    /// more (the faults deferred over it are served).
+    pub(crate) fn expire_fork(&self, st: &mut State<T, D>) {
+        if st
+            .forking_since
+            .is_some_and(|t| t.elapsed() > std::time::Duration::from_secs(5))
+        {
+            tracing::warn!("a fork announced 5 s ago never happened");
+            st.forking = 1;
+            self.fork_done(st);
+            close_raw(&self.agent_fds[0]);
+        }
+    }
+
     /// An announced fork happened (its event came), did not happen, or its event will never
     /// come: once none is pending, evictions resume and `release` goes on.
     pub(crate) fn fork_done(&self, st: &mut State<T, D>) {
@@ -814,6 +830,7 @@ impl<T: Transport, D: Disk> Shared<T, D> {
         if st.forking == 0 {
             st.fork_resident = None;
             st.forking_since = None;
+            st.forking_tid = None;
             self.forked.notify_all();
             if !st.deferred.is_empty() {
                 // Its loop serves them (`serve_deferred`), and may be asleep without deadline.
