@@ -92,7 +92,8 @@ impl<T: Transport, D: Disk> Pager<T, D> {
     }
 
     /// A free slot, completing requests in flight until one is released. There is always one to
-    /// wait for: slots not free are cached (at most `cache_pages`) or carry a request.
+    /// wait for: slots not free are cached (at most `cache_pages`) or carry a request; or they
+    /// all hold finished reads by ticket not taken yet, and the pool grows by one.
     pub(crate) fn take_slot(&mut self) -> Result<u32, PagerError> {
         // Evictions go back to the cache when the disk fails them: once more have failed than
         // pages are cached, there is no room to be had.
@@ -121,8 +122,26 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             if self.idle() && self.cache.is_empty() {
                 // Every slot waits in an open parity group: ship them.
                 self.seal_open(None)?;
+                if self.idle() && self.finished_hold_slots() {
+                    // Every slot holds a read by ticket that has finished and is not taken
+                    // yet: its caller takes it once this call is over, and this waiting
+                    // caller (which holds the pager meanwhile) gets one more slot instead.
+                    return Ok(self.grow_slot());
+                }
                 if self.idle() {
-                    panic!("no slot free, cached or in flight");
+                    panic!(
+                        "no slot free, cached or in flight: {} slots ({} grown), {} finished \
+                         reads by ticket, {} waiting, {} own reads fetched, {} moving, {} \
+                         write-backs, {} reads done",
+                        self.dirty.len(),
+                        self.spare_slots,
+                        self.finished.len(),
+                        self.slot_waiters.len(),
+                        self.fetched.len(),
+                        self.moving.len(),
+                        self.writeback.len(),
+                        self.reads_done.len()
+                    );
                 }
                 continue;
             }

@@ -73,6 +73,15 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         Ok(())
     }
 
+    /// Whether finished reads by ticket not taken yet hold slots (in `finished`, or in
+    /// `reads_done` still, where replies taken in by a waiting call leave them).
+    pub(crate) fn finished_hold_slots(&self) -> bool {
+        self.finished
+            .iter()
+            .any(|f| matches!(f.data, Ok(Data::Slot(_))))
+            || self.reads_done.iter().any(|d| is_ticket(d.pos))
+    }
+
     /// Whether a read by ticket started now would start at once rather than wait for a slot
     /// (see [`Pager::start_read`]): what a guess (a page fetched ahead) should ask first, so
     /// that it never waits in line ahead of a read somebody waits for.

@@ -737,3 +737,54 @@ fn reads_by_ticket_past_the_pools_limit_wait_for_a_slot_without_waiting() {
         assert_eq!(read(&mut p, pg).unwrap(), content(pg, 2), "page {pg}");
     }
 }
+
+/// A waiting read while every slot holds a read by ticket that has finished and is not taken
+/// yet (a caller that takes them later, holding the pager meanwhile: the userfaultfd handler
+/// serving a forked child's fault behind reads of pages given back): the pool grows by a
+/// slot, where before `take_slot` panicked ("no slot free, cached or in flight").
+#[test]
+fn a_waiting_read_behind_finished_reads_holding_every_slot_grows_the_pool() {
+    let mut p = pager(MemCluster::new(&[512, 512]), 256, 8, Backing::Cluster);
+    for pg in (0..200u64).chain([250]) {
+        p.write(pg, &content(pg, 1)).unwrap();
+    }
+    p.flush().unwrap();
+    let mut tag = 0u64;
+    while p.counters().ticket_slot_waits == 0 {
+        p.start_read(tag % 200, tag).unwrap();
+        tag += 1;
+        assert!(tag < 2000, "never ran out of slots: {:?}", p.counters());
+    }
+    // Every reply in, nothing taken: the slots are held by finished reads.
+    let mut rng = fastrand::Rng::with_seed(3);
+    for _ in 0..100 {
+        p.send_queued();
+        if deliver(&mut p, &mut rng, usize::MAX) == 0 {
+            break;
+        }
+    }
+    assert!(p.has_finished());
+    let grown = p.counters().slots_grown;
+    let mut buf = vec![0; PAGE_SIZE];
+    p.read(250, &mut buf).unwrap();
+    assert_eq!(buf, content(250, 1));
+    assert!(p.counters().slots_grown > grown, "{:?}", p.counters());
+    p.check_invariants().unwrap();
+    // And the reads by ticket finish, each with its page.
+    let mut got = 0;
+    for _ in 0..1000 {
+        p.send_queued();
+        deliver(&mut p, &mut rng, usize::MAX);
+        p.take_finished(|t, page, data| {
+            assert_eq!(page, t % 200);
+            assert_eq!(data.unwrap(), &content(page, 1)[..]);
+            got += 1;
+        })
+        .unwrap();
+        if p.tickets() == 0 {
+            break;
+        }
+    }
+    assert_eq!(got, tag);
+    p.check_invariants().unwrap();
+}
