@@ -367,6 +367,7 @@ pub(crate) extern "C" fn at_exit() {
             ("victims_kept", get(&rc.victims_kept)),
             ("evictions_waited", get(&rc.evictions_waited)),
             ("releases_deferred", get(&rc.releases_deferred)),
+            ("releases_settling", get(&rc.releases_settling)),
             // Faults that came while a fork was pending, served after it.
             ("faults_deferred", get(&rc.faults_deferred)),
             // Replies the pager blocked for (the waiting paths left: forks, a region's end).

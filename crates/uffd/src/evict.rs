@@ -424,9 +424,11 @@ impl<T: Transport, D: Disk> Shared<T, D> {
         // One call drops every mapped page of the range (and the zero page's mappings).
         drop_pages(self.base.page(first), count * PAGE_SIZE).map_err(PageError::Drop)?;
         let mut written = Vec::new();
+        let mut deferred = false;
         if !st.children.is_empty() {
             let pages: Vec<usize> = (first..first + count).collect();
-            self.settle_many(st, &pages);
+            let now = self.settle_released(st, &pages);
+            self.settle_many(st, &now);
         }
         for page in first..first + count {
             let p = page as u64;
@@ -441,6 +443,12 @@ impl<T: Transport, D: Disk> Shared<T, D> {
                 // On its way: what arrives is the old contents, not to be installed.
                 f.released = true;
             }
+            if st.release_settling.contains(&p) {
+                // Read for the children by ticket (`settle_released`): deleted once it is in.
+                st.released.insert(p);
+                deferred = true;
+                continue;
+            }
             if st.holds(p) {
                 self.settle(st, page);
                 written.push(p);
@@ -449,14 +457,9 @@ impl<T: Transport, D: Disk> Shared<T, D> {
         self.counters
             .released
             .fetch_add(count as u64, Ordering::Relaxed);
-        if written.is_empty() {
-            // Nothing stored: nothing to delete (a `free` of memory that never left).
-            return Ok(());
-        }
         // Forgotten at once, their DELETEs sent as credits allow (never waited for: a
         // connection applies its requests in order, so a later PUT of a page lands after its
         // DELETE).
-        let mut deferred = false;
         for p in written {
             if !st.pager.try_discard(p).map_err(PageError::Delete)? {
                 // Its last write-back is still out: deleted once it is in (reading as zeros

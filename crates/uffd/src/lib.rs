@@ -215,6 +215,9 @@ pub struct RegionCounters {
     /// Pages given back (or dropped by the program) while their write-back was still in
     /// flight: deleted once it is in, without waiting (reading as zeros meanwhile).
     pub releases_deferred: AtomicU64,
+    /// Pages given back that forked children still read from the pager: their copy read for
+    /// the children by ticket, the delete deferred until it is in (rather than waited for).
+    pub releases_settling: AtomicU64,
     /// Resident pages the program dropped behind the region's back (`madvise(MADV_DONTNEED)`
     /// by system call): found on their next fault, they read as zeros, as anonymous memory
     /// does.
@@ -587,6 +590,7 @@ where
                 settling: HashSet::new(),
                 undeleted: Vec::new(),
                 released: HashSet::new(),
+                release_settling: HashSet::new(),
                 agent_buf: Vec::new(),
                 children: Vec::new(),
                 forking: 0,
@@ -953,6 +957,11 @@ struct State<T: Transport, D: Disk> {
     /// pager copy is deleted once it is in (`delete_leftovers`), without waiting; meanwhile
     /// they count as never written ([`State::holds`]): a fault fills zeros.
     released: HashSet<u64>,
+    /// Pages given back (so also in `released`) whose pager copy some child still reads: it
+    /// is being read by ticket for those children (`settling`, `Shared::settle_released`);
+    /// until it is in, the children read that copy ([`State::child_holds`]), the region reads
+    /// zeros, and its delete waits.
+    release_settling: HashSet<u64>,
     agent_buf: Vec<u8>,
     /// Forks announced by `prepare_fork` whose event has not arrived: meanwhile nothing is
     /// evicted (so every page resident at the announcement is in the child) and no page
@@ -980,6 +989,13 @@ impl<T: Transport, D: Disk> State<T, D> {
     /// and not given back since.
     fn holds(&self, p: u64) -> bool {
         self.pager.is_written(p) && !self.released.contains(&p)
+    }
+
+    /// [`State::holds`] as a forked child sees it: a page given back whose copy is still
+    /// being read for the children (`release_settling`) holds their contents until then.
+    fn child_holds(&self, p: u64) -> bool {
+        self.pager.is_written(p)
+            && (!self.released.contains(&p) || self.release_settling.contains(&p))
     }
 
     /// Whether reads by ticket of the region's or its children's faults are in flight.

@@ -987,6 +987,111 @@ fn pages_released_before_a_fork_read_as_zeros_in_the_child() {
     assert_eq!(RegionCounters::get(&c.errors), 0, "{c:?}");
 }
 
+/// Pages given back after a fork, while the child still reads them from the pager, keep
+/// their contents for the child: the release does not wait to read them for it (they are read
+/// by ticket, `settle_released`, while the server is behind a relay frozen), the parent reads
+/// zeros at once, the child its fork-time contents, and the copies leave the server once no
+/// child reads them. Needs root (following forks).
+#[test]
+fn pages_given_back_after_a_fork_keep_their_contents_for_the_child() {
+    let Some(_forks) = following_forks() else {
+        return;
+    };
+    let cluster = LocalCluster::start_insecure(1, 16 << 20, false).unwrap();
+    let relay = netram_testkit::Relay::start(cluster.addrs()[0].clone());
+    let t = TcpTransport::connect(std::slice::from_ref(&relay.addr), &cluster.client());
+    let cfg = PagerConfig {
+        pages: PAGES as u64,
+        cache_pages: 0,
+        ..Default::default()
+    };
+    let pager = Pager::new(cfg, t, MemDisk::default());
+    let mut r = Region::new(pager, PAGES * PAGE_SIZE, 64 * PAGE_SIZE).expect("a region");
+    let mem = r.as_mut_slice();
+    for p in 0..64 {
+        mem[p * PAGE_SIZE..(p + 1) * PAGE_SIZE].fill(fill(p, 1));
+    }
+    // All but 8 on the server at the fork, their write-backs in (none is left to the
+    // handler, which would write it back the waiting way while the server is frozen): the
+    // child reads those 56 from there. Eviction leaves what finds no room for later.
+    for _ in 0..10 {
+        r.set_budget(8 * PAGE_SIZE);
+        r.with_pager(|p| p.flush()).unwrap();
+        if r.resident_pages() <= 8 {
+            break;
+        }
+    }
+    let stored = cluster.stat(0, "stored_pages");
+    assert_eq!(stored, 56, "pages stored: {:?}", r.counters());
+    let base = r.as_ptr() as usize;
+    // The parent says when the pages are given back; the child reads them then.
+    let mut pipe = [0; 2];
+    // SAFETY: pipe(2) writes two descriptors into the array.
+    assert_eq!(unsafe { libc::pipe(pipe.as_mut_ptr()) }, 0);
+    r.prepare_fork();
+    // SAFETY: the child only reads the pipe and the region and calls _exit: no allocation,
+    // no lock another thread of this process may hold.
+    let pid = unsafe { libc::syscall(libc::SYS_fork) } as libc::pid_t;
+    if pid == 0 {
+        let mut byte = [0u8];
+        // SAFETY: closing the child's copy of the write end, then one byte into a local.
+        let n = unsafe {
+            libc::close(pipe[1]);
+            libc::read(pipe[0], byte.as_mut_ptr().cast(), 1)
+        };
+        let mut code = if n == 1 { 0 } else { 2 };
+        // SAFETY: the child's copy of the region, read by its only thread.
+        let pages = unsafe { std::slice::from_raw_parts(base as *const u8, 64 * PAGE_SIZE) };
+        for p in 0..64 {
+            if pages[p * PAGE_SIZE..(p + 1) * PAGE_SIZE]
+                .iter()
+                .any(|&b| b != fill(p, 1))
+            {
+                code |= 1;
+            }
+        }
+        // SAFETY: ends the child without running the parent's exit handlers.
+        unsafe { libc::_exit(code) };
+    }
+    assert!(pid > 0, "fork: {}", std::io::Error::last_os_error());
+    // SAFETY: closing the parent's copy of the read end.
+    unsafe { libc::close(pipe[0]) };
+    relay.frozen.store(true, Ordering::Relaxed);
+    let waits = r.with_pager(|p| p.counters().waits);
+    r.release(0, 64 * PAGE_SIZE).unwrap();
+    // Zeros in the parent at once, the server still frozen; nothing waited for it.
+    assert!(r.as_slice()[..64 * PAGE_SIZE].iter().all(|&b| b == 0));
+    assert_eq!(
+        r.with_pager(|p| p.counters().waits),
+        waits,
+        "the release waited"
+    );
+    let settling = RegionCounters::get(&r.counters().releases_settling);
+    assert!(settling >= stored, "{stored} stored: {:?}", r.counters());
+    relay.frozen.store(false, Ordering::Relaxed);
+    // SAFETY: one byte from a local to the pipe's write end, which is then closed.
+    unsafe {
+        libc::write(pipe[1], [1u8].as_ptr().cast(), 1);
+        libc::close(pipe[1]);
+    }
+    let mut status = 0;
+    // SAFETY: waiting for our own child.
+    assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
+    assert!(
+        libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0,
+        "the child read pages given back after its fork as other than at the fork (1), or \
+         was not told (2): {status:#x}"
+    );
+    // Gone from the server once the child is (its own copies with it).
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while cluster.stat(0, "stored_pages") > 0 && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    assert_eq!(cluster.stat(0, "stored_pages"), 0, "{:?}", r.counters());
+    let c = r.counters();
+    assert_eq!(RegionCounters::get(&c.errors), 0, "{c:?}");
+}
+
 /// A fork announced and never made (nor said to have failed) stops deferring faults after
 /// 5 s: a thread's fault on a stored page is served then, not never. Needs root (following
 /// forks).

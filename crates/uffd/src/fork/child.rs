@@ -11,7 +11,7 @@ impl<T: Transport, D: Disk> Shared<T, D> {
     /// with a budget while that pays, so that its first write is seen.
     pub(crate) fn install_in_child(&self, st: &mut State<T, D>, i: usize, page: usize, tid: u32) {
         let (source, own) = self.child_source(&st.children[i], page);
-        let held = st.holds(source);
+        let held = st.child_holds(source);
         let State {
             pager,
             children,
@@ -97,7 +97,7 @@ impl<T: Transport, D: Disk> Shared<T, D> {
     /// its read finishes (`child_fetched`). A page never written is installed at once.
     fn fetch_for_child(&self, st: &mut State<T, D>, i: usize, page: usize, tid: u32) {
         let (source, _) = self.child_source(&st.children[i], page);
-        if !st.holds(source) {
+        if !st.child_holds(source) {
             return self.install_in_child(st, i, page, tid);
         }
         let child = &mut st.children[i];
@@ -137,7 +137,7 @@ impl<T: Transport, D: Disk> Shared<T, D> {
                 continue;
             }
             let (source, _) = self.child_source(child, p);
-            if !st.holds(source) {
+            if !st.child_holds(source) {
                 continue;
             }
             if let Err(e) = self.start_child_fetch(st, i, p, source, 0, Some(mode)) {
@@ -302,20 +302,8 @@ impl<T: Transport, D: Disk> Shared<T, D> {
                 self.agent_lost(&mut st, i);
                 self.resume_waiting(&mut st, i);
             }
-            if probe && !st.children[i].gone {
-                // No event says that a child's memory is gone; an ioctl on it does (ESRCH).
-                // Write-protecting its first page as it already is changes nothing it can see.
-                let first = self.base.page(0);
-                let protected = matches!(
-                    st.children[i].state(0),
-                    page::CLEAN | page::PRIVATE_CLEAN | page::TO_PARENT | page::TO_PRIVATE
-                );
-                if let Err(rustix::io::Errno::SRCH) = st.children[i]
-                    .uffd
-                    .set_write_protect(first, protected, false)
-                {
-                    st.children[i].gone = true;
-                }
+            if probe && !st.children[i].gone && self.memory_gone(&st.children[i]) {
+                st.children[i].gone = true;
             }
             i += 1;
         }
@@ -333,6 +321,22 @@ impl<T: Transport, D: Disk> Shared<T, D> {
             st.pager.send_queued();
             self.progress_fetches(&mut st, Replies::All);
         }
+    }
+
+    /// Whether `child`'s memory is gone (it exited or exec'd). No event says so; an ioctl on
+    /// it does (ESRCH): write-protecting its first page as it already is changes nothing it
+    /// can see.
+    pub(super) fn memory_gone(&self, child: &ForkChild) -> bool {
+        let protected = matches!(
+            child.state(0),
+            page::CLEAN | page::PRIVATE_CLEAN | page::TO_PARENT | page::TO_PRIVATE
+        );
+        matches!(
+            child
+                .uffd
+                .set_write_protect(self.base.page(0), protected, false),
+            Err(rustix::io::Errno::SRCH)
+        )
     }
 
     /// A child whose memory is gone: its own pages are deleted from the pager.
@@ -371,6 +375,7 @@ impl<T: Transport, D: Disk> Shared<T, D> {
             pager,
             undeleted,
             released,
+            release_settling,
             ..
         } = st;
         // The acknowledgements that arrived (nothing else may have read them).
@@ -384,13 +389,18 @@ impl<T: Transport, D: Disk> Shared<T, D> {
                 false
             }
         });
-        // And the pages given back while their write-back was out.
-        released.retain(|&p| match pager.try_discard(p) {
-            Ok(done) => !done,
-            Err(e) => {
-                tracing::warn!("deleting page {p} given back: {e}");
-                false
-            }
+        // And the pages given back while their write-back was out, or their copy was being
+        // read for children.
+        released.retain(|&p| match release_settling.contains(&p) {
+            // Still read for the children (`settle_released`).
+            true => true,
+            false => match pager.try_discard(p) {
+                Ok(done) => !done,
+                Err(e) => {
+                    tracing::warn!("deleting page {p} given back: {e}");
+                    false
+                }
+            },
         });
         pager.send_queued();
     }

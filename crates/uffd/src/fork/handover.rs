@@ -15,11 +15,16 @@ impl<T: Transport, D: Disk> Shared<T, D> {
     pub(crate) fn hand_over(&self, st: &mut State<T, D>) {
         let mut buf = std::mem::take(&mut st.settle_buf);
         for i in 0..st.children.len() {
+            if !st.children[i].gone && self.memory_gone(&st.children[i]) {
+                // Ended already, unnoticed (a parent that waited for its child, then left):
+                // nothing to read for it.
+                st.children[i].gone = true;
+            }
             self.await_drops(st, i);
             let child = &st.children[i];
             let needed: Vec<usize> = (0..self.pages)
                 .filter(|&page| match child.state(page) {
-                    page::PARENT | page::TO_PARENT => st.holds(page as u64),
+                    page::PARENT | page::TO_PARENT => st.child_holds(page as u64),
                     page::PRIVATE | page::TO_PRIVATE => !child.awaiting_copy(page),
                     _ => false,
                 })
@@ -34,7 +39,7 @@ impl<T: Transport, D: Disk> Shared<T, D> {
                     .iter()
                     .map(|&page| {
                         let (source, own) = self.child_source(&st.children[i], page);
-                        (page, source, own, st.holds(source))
+                        (page, source, own, st.child_holds(source))
                     })
                     .collect();
                 let written: Vec<u64> = sources.iter().filter(|s| s.3).map(|s| s.1).collect();

@@ -70,6 +70,12 @@ impl<T: Transport, D: Disk> Shared<T, D> {
         let mut now = Vec::new();
         let mut later = Vec::new();
         for &(page, sampled) in chosen.iter() {
+            if st.release_settling.contains(&(page as u64)) {
+                // Given back and touched again while its old copy is read for the children:
+                // stored now, it would replace that copy (see `settle_released`).
+                later.push(page);
+                continue;
+            }
             if !st.dirty[page] || !self.read_by_children(st, page) {
                 continue;
             }
@@ -121,11 +127,55 @@ impl<T: Transport, D: Disk> Shared<T, D> {
         data: Result<&[u8], &PagerError>,
     ) {
         st.settling.remove(&page);
+        let given_back = st.release_settling.contains(&(page as u64));
         match data {
             Ok(bytes) => self.settle_from(st, page, Some(bytes)),
+            // Given back: read once more, waiting (and what cannot be is lost to them).
+            Err(e) if given_back => {
+                tracing::debug!("reading page {page} given back, for children: {e}");
+                self.settle_from(st, page, None);
+            }
             // Its write-back settles it the waiting way (and says what is lost).
             Err(e) => tracing::debug!("reading page {page} for children: {e}"),
         }
+        // No child reads it from there any more: its delete goes ahead (`delete_leftovers`).
+        st.release_settling.remove(&(page as u64));
+    }
+
+    /// Of `pages`, being given back (`release`), those some child still reads from the
+    /// pager: their copies are read for the children by ticket, as `settle_ahead` reads
+    /// victims', rather than waited for; meanwhile the children read them there, and their
+    /// deletes wait (`release_settling`). Returns the pages to read now, the waiting way:
+    /// those whose read could not start, or all of them while a fork is pending (its child
+    /// must not be given the old contents of a page given back before it; `prepare_fork` and
+    /// a fork's event finish the reads in flight before a child is added).
+    pub(crate) fn settle_released(&self, st: &mut State<T, D>, pages: &[usize]) -> Vec<usize> {
+        if st.forking > 0 {
+            return pages.to_vec();
+        }
+        let mut now = Vec::new();
+        for &page in pages {
+            if !self.read_by_children(st, page) {
+                continue;
+            }
+            if !st.settling.contains(&page) {
+                if !st.fetches_out() {
+                    st.fetch_progress = std::time::Instant::now();
+                }
+                if let Err(e) = st.pager.start_read(page as u64, SETTLE_TAG | page as u64) {
+                    tracing::debug!("reading page {page} given back, for children: {e}");
+                    now.push(page);
+                    continue;
+                }
+                st.settling.insert(page);
+            }
+            // (A victim's read already out serves as well: it reads the same copy.)
+            st.release_settling.insert(page as u64);
+            self.counters
+                .releases_settling
+                .fetch_add(1, Ordering::Relaxed);
+        }
+        now
     }
 
     /// [`Shared::settle`], with the page's current contents in `known` if they were read
@@ -176,7 +226,7 @@ impl<T: Transport, D: Disk> Shared<T, D> {
     ) -> bool {
         let slot = st.children[i].budget.as_ref().expect("a budget").slot;
         let private = self.private(slot, page);
-        let held = st.holds(page as u64);
+        let held = st.child_holds(page as u64);
         let State {
             pager, child_buf, ..
         } = st;
