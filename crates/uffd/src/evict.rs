@@ -20,9 +20,10 @@ impl<T: Transport, D: Disk> Shared<T, D> {
     /// it at once ([`Pager::try_write`]), so a batch holds at most as many dirty victims as
     /// the pager has room for, and the rest stay resident, over the budget, until replies
     /// return slots (read here, and by the handler's loop, which waits on them while the
-    /// region is over its budget). Past [`OVER_BUDGET`] pages over, or with forked children
-    /// (whose bookkeeping goes page by page, `fork/`), victims wait for room as they always
-    /// did: the servers are behind, and the program's memory must not grow with them.
+    /// region is over its budget). Past [`OVER_BUDGET`] pages over, victims wait for room as
+    /// they always did: the servers are behind, and the program's memory must not grow with
+    /// them. Forked children change nothing here: what they still read of the dirty victims
+    /// is read for them by ticket first (`settle_ahead`).
     pub(crate) fn make_room(&self, st: &mut State<T, D>, keep: usize) {
         if st.clock.len() <= keep || st.forking > 0 {
             // While a fork is pending nothing leaves: the child gets every page resident at
@@ -32,7 +33,7 @@ impl<T: Transport, D: Disk> Shared<T, D> {
         // A batch small next to the budget, so that residency stays close to it.
         let batch = (st.budget / 16).clamp(1, EVICT_BATCH);
         let target = keep.saturating_sub(batch - 1);
-        let wait = !st.children.is_empty() || st.clock.len() > keep + OVER_BUDGET;
+        let wait = st.clock.len() > keep + OVER_BUDGET;
         let mut room = usize::MAX;
         if !wait {
             room = st.pager.write_room();
@@ -49,7 +50,7 @@ impl<T: Transport, D: Disk> Shared<T, D> {
                     .fetch_add(1, Ordering::Relaxed);
                 return;
             }
-        } else if st.children.is_empty() {
+        } else {
             self.counters
                 .evictions_waited
                 .fetch_add(1, Ordering::Relaxed);
@@ -276,8 +277,12 @@ impl<T: Transport, D: Disk> Shared<T, D> {
             self.settle_from(st, page, Some(&ZEROS));
             st.released.remove(&(page as u64));
         }
+        // What a forked child still reads of it is kept for it first: `settle_ahead` has read
+        // the dirty victims' copies for them by ticket (or the waiting way), so this finds
+        // nothing left. Kept for them even if the page then stays (no room): a copy they hold
+        // is as good as the one they read.
+        self.settle(st, page);
         let stored = if wait {
-            self.settle(st, page);
             if zeros {
                 st.pager.discard(page as u64)
             } else {
@@ -285,8 +290,6 @@ impl<T: Transport, D: Disk> Shared<T, D> {
             }
             .map(|()| true)
         } else {
-            // No children (see `make_room`): nothing to settle.
-            debug_assert!(st.children.is_empty());
             if zeros {
                 st.pager.try_discard(page as u64)
             } else {
