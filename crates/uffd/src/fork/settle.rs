@@ -88,7 +88,9 @@ impl<T: Transport, D: Disk> Shared<T, D> {
                 later.push(page);
                 continue;
             }
-            if st.settling.len() < MAX_SETTLING {
+            // Victims' reads only: those of pages given back (`settle_released`) hold no
+            // victim resident.
+            if st.settling.len().saturating_sub(st.release_settling.len()) < MAX_SETTLING {
                 if !st.fetches_out() {
                     st.fetch_progress = std::time::Instant::now();
                 }
