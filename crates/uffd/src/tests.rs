@@ -881,17 +881,12 @@ fn a_forked_child_sees_its_memory_as_at_the_fork() {
     assert_eq!(RegionCounters::get(&c.errors), 0, "{c:?}");
 }
 
-/// Pages given back while their write-backs were out (deleted later, without waiting) read
-/// as zeros at once, and in a child forked right after, also once the parent has written
-/// them again and evicted them (the child is kept its zeros before the new contents supersede
-/// the old copy). The server is behind a relay frozen while the pages are given back, so their
-/// write-backs are surely in flight. Needs root (following forks).
-#[test]
-fn pages_released_before_a_fork_read_as_zeros_in_the_child() {
-    let Some(_forks) = following_forks() else {
-        return;
-    };
-    let cluster = LocalCluster::start_insecure(1, 16 << 20, false).unwrap();
+/// A region of `PAGES` pages on `cluster`'s one server, reached through a relay the test can
+/// freeze, its pager without a cache (every miss goes to the server); its first 64 pages
+/// written with `fill(page, 1)`, all resident (the budget).
+fn relayed_region(
+    cluster: &LocalCluster,
+) -> (netram_testkit::Relay, Region<TcpTransport, MemDisk>) {
     let relay = netram_testkit::Relay::start(cluster.addrs()[0].clone());
     let t = TcpTransport::connect(std::slice::from_ref(&relay.addr), &cluster.client());
     let cfg = PagerConfig {
@@ -905,6 +900,21 @@ fn pages_released_before_a_fork_read_as_zeros_in_the_child() {
     for p in 0..64 {
         mem[p * PAGE_SIZE..(p + 1) * PAGE_SIZE].fill(fill(p, 1));
     }
+    (relay, r)
+}
+
+/// Pages given back while their write-backs were out (deleted later, without waiting) read
+/// as zeros at once, and in a child forked right after, also once the parent has written
+/// them again and evicted them (the child is kept its zeros before the new contents supersede
+/// the old copy). The server is behind a relay frozen while the pages are given back, so their
+/// write-backs are surely in flight. Needs root (following forks).
+#[test]
+fn pages_released_before_a_fork_read_as_zeros_in_the_child() {
+    let Some(_forks) = following_forks() else {
+        return;
+    };
+    let cluster = LocalCluster::start_insecure(1, 16 << 20, false).unwrap();
+    let (relay, mut r) = relayed_region(&cluster);
     relay.frozen.store(true, Ordering::Relaxed);
     // The first 24 pages go out (not waited for: their write-backs stay in flight), and all
     // 64 are given back: those 24 are deleted later.
@@ -998,19 +1008,7 @@ fn pages_given_back_after_a_fork_keep_their_contents_for_the_child() {
         return;
     };
     let cluster = LocalCluster::start_insecure(1, 16 << 20, false).unwrap();
-    let relay = netram_testkit::Relay::start(cluster.addrs()[0].clone());
-    let t = TcpTransport::connect(std::slice::from_ref(&relay.addr), &cluster.client());
-    let cfg = PagerConfig {
-        pages: PAGES as u64,
-        cache_pages: 0,
-        ..Default::default()
-    };
-    let pager = Pager::new(cfg, t, MemDisk::default());
-    let mut r = Region::new(pager, PAGES * PAGE_SIZE, 64 * PAGE_SIZE).expect("a region");
-    let mem = r.as_mut_slice();
-    for p in 0..64 {
-        mem[p * PAGE_SIZE..(p + 1) * PAGE_SIZE].fill(fill(p, 1));
-    }
+    let (relay, r) = relayed_region(&cluster);
     // All but 8 on the server at the fork, their write-backs in (none is left to the
     // handler, which would write it back the waiting way while the server is frozen): the
     // child reads those 56 from there. Eviction leaves what finds no room for later.
