@@ -643,6 +643,9 @@ fn a_forked_child_gets_the_region_or_nothing() {
     let pid = unsafe { libc::syscall(libc::SYS_fork) } as libc::pid_t;
     assert!(pid >= 0, "fork failed");
     if pid == 0 {
+        // SAFETY: alarm(2) only arms a timer: a child left behind by a parent that failed
+        // (its faults then served by nobody) ends within a minute.
+        unsafe { libc::alarm(60) };
         // SAFETY: in the child the mapping is gone: the read faults with SIGSEGV. If it were
         // still there (the bug this guards against), the child exits with what it read.
         let v = unsafe { std::ptr::read_volatile(at as *const u8) };
@@ -820,6 +823,9 @@ fn a_forked_child_sees_its_memory_as_at_the_fork() {
     // lock another thread of this process may hold.
     let pid = unsafe { libc::syscall(libc::SYS_fork) } as libc::pid_t;
     if pid == 0 {
+        // SAFETY: alarm(2) only arms a timer: a child left behind by a parent that failed
+        // (its faults then served by nobody) ends within a minute.
+        unsafe { libc::alarm(60) };
         let mut code = 0;
         for p in 0..PAGES {
             // SAFETY: the child's copy of the region, read and written by its only thread.
@@ -932,6 +938,9 @@ fn pages_released_before_a_fork_read_as_zeros_in_the_child() {
     // another thread of this process may hold.
     let pid = unsafe { libc::syscall(libc::SYS_fork) } as libc::pid_t;
     if pid == 0 {
+        // SAFETY: alarm(2) only arms a timer: a child left behind by a parent that failed
+        // (its faults then served by nobody) ends within a minute.
+        unsafe { libc::alarm(60) };
         let mut code = 0;
         for pass in 0..2 {
             // SAFETY: the child's copy of the region, read by its only thread.
@@ -1031,6 +1040,9 @@ fn pages_given_back_after_a_fork_keep_their_contents_for_the_child() {
     // no lock another thread of this process may hold.
     let pid = unsafe { libc::syscall(libc::SYS_fork) } as libc::pid_t;
     if pid == 0 {
+        // SAFETY: alarm(2) only arms a timer: a child left behind by a parent that failed
+        // (its faults then served by nobody) ends within a minute.
+        unsafe { libc::alarm(60) };
         let mut byte = [0u8];
         // SAFETY: closing the child's copy of the write end, then one byte into a local.
         let n = unsafe {
@@ -1280,6 +1292,9 @@ fn a_forked_child_is_held_to_its_budget() {
     // _exit; the C library's allocator is reset for it by fork.
     let pid = unsafe { libc::fork() };
     if pid == 0 {
+        // SAFETY: alarm(2) only arms a timer: a child left behind by a parent that failed
+        // (its faults then served by nobody) ends within a minute.
+        unsafe { libc::alarm(60) };
         let mut code = 0;
         if r.follow_in_child().is_err() {
             code |= 8;
@@ -1422,6 +1437,9 @@ fn a_hand_over_waits_for_the_drops_a_slow_agent_has_not_ended() {
     // SAFETY: the child reads the region, talks over the two pipes and ends with _exit.
     let pid = unsafe { libc::fork() };
     if pid == 0 {
+        // SAFETY: alarm(2) only arms a timer: a child left behind by a parent that failed
+        // (its faults then served by nobody) ends within a minute.
+        unsafe { libc::alarm(60) };
         let mut code = 0;
         if r.follow_in_child().is_err() {
             code |= 8;
