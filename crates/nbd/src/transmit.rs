@@ -523,8 +523,14 @@ struct Loop<'d, T: Transport, D: Disk> {
     next_conn: u64,
     tasks: Vec<Option<Task<'d>>>,
     free: Vec<usize>,
+    /// Task slots' wakers, made once per slot (a slot is reused by the next batch).
+    wakers: Vec<Waker>,
     /// Tasks to poll.
     run: Vec<usize>,
+    /// The tasks being polled by `step` (kept for its capacity, as are the next two).
+    polling: Vec<usize>,
+    /// Which of the last poll's descriptors had events.
+    revents: Vec<bool>,
     /// The pager's maintenance schedule, run by this loop between batches (`None`: another
     /// thread runs it).
     upkeep: Option<Upkeep>,
@@ -548,7 +554,10 @@ impl<'d, T: Transport, D: Disk> Loop<'d, T, D> {
             next_conn: 0,
             tasks: Vec::new(),
             free: Vec::new(),
+            wakers: Vec::new(),
             run: Vec::new(),
+            polling: Vec::new(),
+            revents: Vec::new(),
         }
     }
 
@@ -648,7 +657,9 @@ impl<'d, T: Transport, D: Disk> Loop<'d, T, D> {
                     continue;
                 }
             };
-            let revents: Vec<bool> = fds.iter().map(|f| !f.revents().is_empty()).collect();
+            let mut revents = std::mem::take(&mut self.revents);
+            revents.clear();
+            revents.extend(fds.iter().map(|f| !f.revents().is_empty()));
             drop(fds);
             woken = revents[0];
             readable.clear();
@@ -679,6 +690,7 @@ impl<'d, T: Transport, D: Disk> Loop<'d, T, D> {
                     c.read_in();
                 }
             }
+            self.revents = revents;
         }
         let n = self.conns.len();
         if n > 0 {
@@ -714,12 +726,13 @@ impl<'d, T: Transport, D: Disk> Loop<'d, T, D> {
             });
             let slot = self.free.pop().unwrap_or_else(|| {
                 self.tasks.push(None);
+                self.wakers.push(Waker::from(Arc::new(TaskWake {
+                    id: self.tasks.len() - 1,
+                    ready: self.ready.clone(),
+                })));
                 self.tasks.len() - 1
             });
-            let waker = Waker::from(Arc::new(TaskWake {
-                id: slot,
-                ready: self.ready.clone(),
-            }));
+            let waker = self.wakers[slot].clone();
             self.tasks[slot] = Some(Task {
                 conn: id,
                 fut,
@@ -785,7 +798,7 @@ impl<'d, T: Transport, D: Disk> Loop<'d, T, D> {
     /// the connections that are over, until no task is left to poll.
     fn step(&mut self) {
         let now = Instant::now();
-        let mut run = Vec::new();
+        let mut run = std::mem::take(&mut self.polling);
         loop {
             // Replies out first: a connection whose replies have gone may start its next batch.
             for c in self.conns.values_mut() {
@@ -807,6 +820,7 @@ impl<'d, T: Transport, D: Disk> Loop<'d, T, D> {
                 self.poll_task(slot);
             }
         }
+        self.polling = run;
         let timeout = self.write_timeout;
         self.conns.retain(|_, c| {
             if c.wants_write() {
