@@ -370,6 +370,8 @@ pub(crate) extern "C" fn at_exit() {
             ("releases_settling", get(&rc.releases_settling)),
             // Faults that came while a fork was pending, served after it.
             ("faults_deferred", get(&rc.faults_deferred)),
+            // Faults held while the region was past its budget's margin, servers behind.
+            ("faults_held", get(&rc.faults_held)),
             // Replies the pager blocked for (the waiting paths left: forks, a region's end).
             ("pager_waits", pager.waits),
             // Pages the pager's pool grew by rather than wait (`write_over_budget`).

@@ -22,7 +22,9 @@ impl<T: Transport, D: Disk> Shared<T, D> {
     /// return slots (read here, and by the handler's loop, which waits on them while the
     /// region is over its budget). Past [`OVER_BUDGET`] pages over, victims wait for room as
     /// they always did: the servers are behind, and the program's memory must not grow with
-    /// them. Forked children change nothing here: what they still read of the dirty victims
+    /// them; but not on the handler's thread while acknowledgements are awaited, which
+    /// instead holds new faults until they return room (`holds_faults`), so that it never
+    /// waits. Forked children change nothing here: what they still read of the dirty victims
     /// is read for them by ticket first (`settle_ahead`).
     pub(crate) fn make_room(&self, st: &mut State<T, D>, keep: usize) {
         if st.clock.len() <= keep || st.forking > 0 {
@@ -33,7 +35,8 @@ impl<T: Transport, D: Disk> Shared<T, D> {
         // A batch small next to the budget, so that residency stays close to it.
         let batch = (st.budget / 16).clamp(1, EVICT_BATCH);
         let target = keep.saturating_sub(batch - 1);
-        let wait = st.clock.len() > keep + OVER_BUDGET;
+        let wait = st.clock.len() > keep + OVER_BUDGET
+            && !(handler::on_handler() && st.pager.awaits_replies());
         let mut room = usize::MAX;
         if !wait {
             room = st.pager.write_room();
@@ -121,6 +124,14 @@ impl<T: Transport, D: Disk> Shared<T, D> {
         drops.clear();
         st.drops = drops;
         st.victims = chosen;
+    }
+
+    /// Whether the handler holds new faults rather than serve them: the region more than
+    /// [`OVER_BUDGET`] pages over its budget, with acknowledgements on their way to return
+    /// the room its victims wait for (see `make_room`). Not while a fork is pending (nothing
+    /// is evicted then: the fork's own deferral applies).
+    pub(crate) fn holds_faults(&self, st: &State<T, D>) -> bool {
+        st.forking == 0 && st.clock.len() > st.budget + OVER_BUDGET && st.pager.awaits_replies()
     }
 
     /// Write-protects the chosen victims that are mapped and dirty, each run of consecutive

@@ -67,19 +67,30 @@ impl<T: Transport, D: Disk> Shared<T, D> {
         self.prefetch(st, page);
     }
 
-    /// Serves the faults deferred over a fork, once none is pending (the handler's loop, each
-    /// turn): each as its event would have been served now.
+    /// Serves the faults deferred over a fork, once none is pending, and those held past the
+    /// budget, while room lasts (the handler's loop, each turn): each as its event would have
+    /// been served now, in the order they came.
     pub(crate) fn serve_deferred(&self, st: &mut State<T, D>) {
         if st.forking > 0 || st.deferred.is_empty() {
             return;
         }
-        for (page, write, tid) in std::mem::take(&mut st.deferred) {
+        let mut deferred = std::mem::take(&mut st.deferred);
+        let mut served = 0;
+        for &(page, write, tid) in &deferred {
+            if self.holds_faults(st) {
+                break;
+            }
+            served += 1;
             if self.fetchable(st, page) {
                 self.fetch_fault(st, page, write, tid);
             } else {
                 self.serve_missing(st, page, write, tid);
             }
         }
+        deferred.drain(..served);
+        // (Serving may have deferred more: those came after.)
+        deferred.append(&mut st.deferred);
+        st.deferred = deferred;
     }
 
     /// Installs a fetched page's `data` (waking the threads waiting on it) and makes it

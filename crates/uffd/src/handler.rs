@@ -113,8 +113,19 @@ impl Drop for DeadHandler<'_> {
     }
 }
 
+thread_local! {
+    /// Set on a region's handler thread: the one that must never wait for the pager.
+    static ON_HANDLER: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Whether this thread is a region's handler (see [`Shared::make_room`]).
+pub(crate) fn on_handler() -> bool {
+    ON_HANDLER.with(std::cell::Cell::get)
+}
+
 impl<T: Transport, D: Disk> Shared<T, D> {
     pub(crate) fn run(&self, stop: &OwnedFd) {
+        ON_HANDLER.with(|h| h.set(true));
         // However this thread ends other than by the region's drop (an error, a panic), the
         // guard makes the region inaccessible and wakes every waiting thread: they die of
         // SIGSEGV instead of waiting forever for a handler that is gone.
@@ -368,6 +379,8 @@ impl<T: Transport, D: Disk> Shared<T, D> {
             let keep = st.budget;
             self.make_room(&mut st, keep);
         }
+        // Faults held past the budget, once the room made above allows.
+        self.serve_deferred(&mut st);
         self.delete_leftovers(&mut st);
         Some(self.awaits_replies(&st))
     }
@@ -383,6 +396,17 @@ impl<T: Transport, D: Disk> Shared<T, D> {
                 tid,
             } => {
                 let page = (addr - self.base.0.as_ptr() as usize) / PAGE_SIZE;
+                if page < self.pages
+                    && (self.holds_faults(st) || !st.deferred.is_empty())
+                    && st.forking == 0
+                {
+                    // Past the budget's margin, servers behind: the fault waits for room,
+                    // the handler does not (behind faults already held, in order).
+                    self.counters.faults.fetch_add(1, Ordering::Relaxed);
+                    self.counters.faults_held.fetch_add(1, Ordering::Relaxed);
+                    st.deferred.push((page, write, tid));
+                    return;
+                }
                 if page < self.pages && self.fetchable(st, page) {
                     return self.start_fetch(st, page, write, tid);
                 }

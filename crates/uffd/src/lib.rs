@@ -171,6 +171,10 @@ pub struct RegionCounters {
     /// Faults on stored pages that came while a fork was pending, served once it happened
     /// (no fetch starts while the child's share is being fixed).
     pub faults_deferred: AtomicU64,
+    /// Faults held by the handler, not served until acknowledgements returned room: the region
+    /// was more than `OVER_BUDGET` pages over its budget (servers behind). The faulting
+    /// threads wait; the handler does not, and serves everything else meanwhile.
+    pub faults_held: AtomicU64,
     /// Times fetches in flight had no reply for `fetch::STALLED` (a server that hangs, or a
     /// slow one): the pager then looks for requests past its reply timeout.
     pub fetches_stalled: AtomicU64,
@@ -277,7 +281,9 @@ static ZEROS: [u8; PAGE_SIZE] = [0; PAGE_SIZE];
 /// The most victims dropped together (see `Shared::make_room`).
 const EVICT_BATCH: usize = 32;
 /// Pages over its budget a region holds at most while its victims wait for the pager's room
-/// without blocking the handler (see `Shared::make_room`): two batches.
+/// without blocking the handler (see `Shared::make_room`): two batches. Past it the handler
+/// holds new faults until room returns (`Shared::holds_faults`); other threads that make
+/// room (a program's `set_budget`) wait for it.
 const OVER_BUDGET: usize = 2 * EVICT_BATCH;
 /// One prefetched page in this many is left to be faulted on, to measure the hit rate; the
 /// others are installed at once.

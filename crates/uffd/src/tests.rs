@@ -909,6 +909,54 @@ fn relayed_region(
     (relay, r)
 }
 
+/// A region more than `OVER_BUDGET` pages over its budget while its server is behind: the
+/// handler holds the new faults until acknowledgements return room, rather than wait for
+/// them itself (issue 38: nothing in the handler waits for the pager), and every page is
+/// right afterwards. The server is behind a relay frozen while a thread writes new pages,
+/// more than the pager can have in flight. (Before, the handler waited: `evictions_waited`.)
+#[test]
+fn a_region_past_its_budget_holds_faults_and_its_handler_does_not_wait() {
+    let cluster = LocalCluster::start_insecure(1, 16 << 20, false).unwrap();
+    let (relay, mut r) = relayed_region(&cluster);
+    relay.frozen.store(true, Ordering::Relaxed);
+    let base = r.as_mut_slice().as_mut_ptr() as usize;
+    let writer = std::thread::spawn(move || {
+        for p in 64..PAGES {
+            // SAFETY: pages of the region, which outlives this thread (joined below).
+            unsafe {
+                std::ptr::write_bytes((base + p * PAGE_SIZE) as *mut u8, fill(p, 2), PAGE_SIZE)
+            };
+        }
+    });
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while RegionCounters::get(&r.counters().faults_held) == 0 {
+        assert!(
+            std::time::Instant::now() < deadline && !writer.is_finished(),
+            "no fault was held with the server frozen: {:?}",
+            r.counters()
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    // Held, not waited for: the writer is still stuck in its fault a while later.
+    std::thread::sleep(Duration::from_millis(200));
+    assert!(
+        !writer.is_finished(),
+        "the writer went on with the server frozen"
+    );
+    relay.frozen.store(false, Ordering::Relaxed);
+    writer.join().unwrap();
+    let c = r.counters();
+    assert_eq!(RegionCounters::get(&c.evictions_waited), 0, "{c:?}");
+    assert_eq!(RegionCounters::get(&c.sigbus), 0, "{c:?}");
+    let mem = r.as_mut_slice();
+    for p in 0..PAGES {
+        let want = if p < 64 { fill(p, 1) } else { fill(p, 2) };
+        let page = &mem[p * PAGE_SIZE..(p + 1) * PAGE_SIZE];
+        assert!(page.iter().all(|&b| b == want), "page {p}");
+    }
+    drop(relay);
+}
+
 /// Pages given back while their write-backs were out (deleted later, without waiting) read
 /// as zeros at once, and in a child forked right after, also once the parent has written
 /// them again and evicted them (the child is kept its zeros before the new contents supersede
