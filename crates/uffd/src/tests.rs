@@ -492,6 +492,9 @@ fn fifo_misses(trace: &[usize], frames: usize) -> u64 {
 /// were not sampling faults.
 #[test]
 fn victims_approximate_lru() {
+    // Its misses are counted exactly: a fork of another test meanwhile would give this
+    // region a child too (every region of the process is copied), whose reads change them.
+    let _forks = FORKS.lock().unwrap_or_else(|p| p.into_inner());
     let cluster = LocalCluster::start(2, 8 << 20, false).unwrap();
     let budget = 64;
     // No prefetching: the cold scan would be fetched ahead, and every miss must be a fault.
@@ -1147,6 +1150,142 @@ fn pages_given_back_after_a_fork_keep_their_contents_for_the_child() {
     }
     assert_eq!(cluster.stat(0, "stored_pages"), 0, "{:?}", r.counters());
     let c = r.counters();
+    assert_eq!(RegionCounters::get(&c.errors), 0, "{c:?}");
+}
+
+/// Dirty victims a forked child still reads from the pager, more than can be read for it by
+/// ticket at once (`MAX_SETTLING`), with the server behind a relay frozen: those beyond the
+/// reads in flight stay resident for a later batch rather than be read for the child the
+/// waiting way (`settle_many`, which blocked the handler until the server answered); the
+/// child reads its fork-time contents afterwards, the parent its own. Needs root (following
+/// forks).
+#[test]
+fn victims_beyond_the_reads_for_children_in_flight_wait_resident_not_for_the_pager() {
+    let Some(_forks) = following_forks() else {
+        return;
+    };
+    const STORED: usize = 200;
+    const DIRTY: usize = 150;
+    const NEW: usize = 200;
+    let cluster = LocalCluster::start_insecure(1, 16 << 20, false).unwrap();
+    let (relay, mut r) = relayed_region(&cluster);
+    let mem = r.as_mut_slice();
+    for p in 64..STORED {
+        mem[p * PAGE_SIZE..(p + 1) * PAGE_SIZE].fill(fill(p, 1));
+    }
+    // Every page on the server, its write-back in, before the fork.
+    for _ in 0..10 {
+        r.set_budget(8 * PAGE_SIZE);
+        r.with_pager(|p| p.flush()).unwrap();
+        if r.resident_pages() <= 8 {
+            break;
+        }
+    }
+    let base = r.as_ptr() as usize;
+    let mut pipe = [0; 2];
+    // SAFETY: pipe(2) writes two descriptors into the array.
+    assert_eq!(unsafe { libc::pipe(pipe.as_mut_ptr()) }, 0);
+    r.prepare_fork();
+    // SAFETY: the child only reads the pipe and the region and calls _exit: no allocation,
+    // no lock another thread of this process may hold.
+    let pid = unsafe { libc::syscall(libc::SYS_fork) } as libc::pid_t;
+    if pid == 0 {
+        // SAFETY: alarm(2) only arms a timer: a child left behind by a parent that failed
+        // (its faults then served by nobody) ends within a minute.
+        unsafe { libc::alarm(60) };
+        let mut byte = [0u8];
+        // SAFETY: closing the child's copy of the write end, then one byte into a local.
+        let n = unsafe {
+            libc::close(pipe[1]);
+            libc::read(pipe[0], byte.as_mut_ptr().cast(), 1)
+        };
+        let mut code = if n == 1 { 0 } else { 2 };
+        // SAFETY: the child's copy of the region, read by its only thread.
+        let pages = unsafe { std::slice::from_raw_parts(base as *const u8, STORED * PAGE_SIZE) };
+        for p in 0..STORED {
+            if pages[p * PAGE_SIZE..(p + 1) * PAGE_SIZE]
+                .iter()
+                .any(|&b| b != fill(p, 1))
+            {
+                code |= 1;
+            }
+        }
+        // SAFETY: ends the child without running the parent's exit handlers.
+        unsafe { libc::_exit(code) };
+    }
+    assert!(pid > 0, "fork: {}", std::io::Error::last_os_error());
+    // SAFETY: closing the parent's copy of the read end.
+    unsafe { libc::close(pipe[0]) };
+    // The parent fetches DIRTY pages (the server still answers); then, the server frozen, a
+    // thread rewrites them and writes NEW pages never stored: the handler evicts the
+    // rewritten ones, each a dirty victim whose old contents the child still reads.
+    r.set_budget((DIRTY + 16) * PAGE_SIZE);
+    for p in 0..DIRTY {
+        assert_eq!(r.as_slice()[p * PAGE_SIZE], fill(p, 1), "page {p} before");
+    }
+    relay.frozen.store(true, Ordering::Relaxed);
+    let waits = r.with_pager(|p| p.counters().waits);
+    let addr = r.as_mut_slice().as_mut_ptr() as usize;
+    let writer = std::thread::spawn(move || {
+        for p in (0..DIRTY).chain(STORED..STORED + NEW) {
+            let round = if p < DIRTY { 2 } else { 3 };
+            // SAFETY: pages of the region, which outlives this thread (joined below).
+            unsafe {
+                std::ptr::write_bytes((addr + p * PAGE_SIZE) as *mut u8, fill(p, round), PAGE_SIZE)
+            };
+        }
+    });
+    // More victims than reads by ticket go out at once: the rest wait resident.
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while r.resident_pages() <= DIRTY + 16 + 64 && !writer.is_finished() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the region never went past its budget: {:?}",
+            r.counters()
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    std::thread::sleep(Duration::from_millis(100));
+    assert_eq!(
+        r.with_pager(|p| p.counters().waits),
+        waits,
+        "the handler waited for the frozen server: {:?}",
+        r.counters()
+    );
+    relay.frozen.store(false, Ordering::Relaxed);
+    writer.join().unwrap();
+    // SAFETY: one byte from a local to the pipe's write end, which is then closed.
+    unsafe {
+        libc::write(pipe[1], [1u8].as_ptr().cast(), 1);
+        libc::close(pipe[1]);
+    }
+    let mut status = 0;
+    // SAFETY: waiting for our own child.
+    assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
+    assert!(
+        libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0,
+        "the child read other than its fork-time contents (1), or was not told (2): \
+         {status:#x} {:?}",
+        r.counters()
+    );
+    let mem = r.as_slice();
+    for p in 0..STORED + NEW {
+        let want = if p < DIRTY {
+            fill(p, 2)
+        } else if p < STORED {
+            fill(p, 1)
+        } else {
+            fill(p, 3)
+        };
+        assert!(
+            mem[p * PAGE_SIZE..(p + 1) * PAGE_SIZE]
+                .iter()
+                .all(|&b| b == want),
+            "the parent's page {p}"
+        );
+    }
+    let c = r.counters();
+    assert!(RegionCounters::get(&c.victims_settling) > 0, "{c:?}");
     assert_eq!(RegionCounters::get(&c.errors), 0, "{c:?}");
 }
 

@@ -64,8 +64,12 @@ impl<T: Transport, D: Disk> Shared<T, D> {
     /// reads are read by ticket (a few at a time, [`MAX_SETTLING`]), and those victims are
     /// taken out of the batch and stay resident (dirty, and to be written back later) until
     /// their read is in and their old contents are kept for the children (`settled`); no
-    /// victim waits for that read. What cannot be read this way is read in one pipelined,
-    /// waiting read (`settle_many`). `chosen` keeps the victims to evict now.
+    /// victim waits for that read. With [`MAX_SETTLING`] reads out already, such a victim
+    /// stays resident without one, chosen again by a later batch: the region goes over its
+    /// budget meanwhile, and past its margin the handler holds new faults until room returns
+    /// (`holds_faults`). Only what cannot be read by ticket at all (a victim aside, a read
+    /// that fails to start) is read in one pipelined, waiting read (`settle_many`). `chosen`
+    /// keeps the victims to evict now.
     pub(crate) fn settle_ahead(&self, st: &mut State<T, D>, chosen: &mut Vec<(usize, bool)>) {
         let mut now = Vec::new();
         let mut later = Vec::new();
@@ -102,8 +106,12 @@ impl<T: Transport, D: Disk> Shared<T, D> {
                     }
                     Err(e) => tracing::debug!("reading page {page} for children: {e}"),
                 }
+                now.push(page);
+            } else {
+                // Enough reads out: this victim waits resident for a later batch, rather
+                // than the handler for its read.
+                later.push(page);
             }
-            now.push(page);
         }
         if !later.is_empty() {
             chosen.retain(|(page, _)| !later.contains(page));
