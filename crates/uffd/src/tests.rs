@@ -1432,11 +1432,6 @@ fn a_fault_while_a_fork_is_pending_is_served_once_it_is_over() {
     assert_eq!(RegionCounters::get(&c.errors), 0, "{c:?}");
 }
 
-/// A forked child is held to the budget as its parent is (issue 38): it reads every page of
-/// the region (most of them on the servers) and writes some, twice over, while the parent
-/// overwrites half of them; the child sees its memory as at the fork plus its own writes,
-/// and never has many more pages resident than the budget (its agent drops the oldest, its
-/// own writes stored in the pager under its own page numbers). Needs root (following forks).
 /// A region of `PAGES` pages written with `fill(page, 1)`, `budget` of them local, with one
 /// child slot (its pager twice as large) so that a forked child is held to a budget.
 fn filled_region_with_a_child_slot(
@@ -1463,6 +1458,11 @@ fn filled_region_with_a_child_slot(
     r
 }
 
+/// A forked child is held to the budget as its parent is (issue 38): it reads every page of
+/// the region (most of them on the servers) and writes some, twice over, while the parent
+/// overwrites half of them; the child sees its memory as at the fork plus its own writes,
+/// and never has many more pages resident than the budget (its agent drops the oldest, its
+/// own writes stored in the pager under its own page numbers). Needs root (following forks).
 #[test]
 fn a_forked_child_is_held_to_its_budget() {
     let Some(_forks) = following_forks() else {
