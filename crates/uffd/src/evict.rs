@@ -154,14 +154,22 @@ impl<T: Transport, D: Disk> Shared<T, D> {
                 .uffd
                 .set_write_protect_range(addr, run.len(), true, true)
             {
-                self.counters
-                    .errors
-                    .fetch_add(run.len() as u64, Ordering::Relaxed);
-                let e = PageError::WriteProtect {
-                    page: run[0],
-                    errno,
-                };
-                tracing::error!("evicting {} pages: {e}", run.len());
+                if errno == rustix::io::Errno::AGAIN {
+                    // The mapping is changing (a fork copying it, announced or not, until
+                    // the handler reads its event): not an error; a later batch tries again.
+                    self.counters
+                        .retried
+                        .fetch_add(run.len() as u64, Ordering::Relaxed);
+                } else {
+                    self.counters
+                        .errors
+                        .fetch_add(run.len() as u64, Ordering::Relaxed);
+                    let e = PageError::WriteProtect {
+                        page: run[0],
+                        errno,
+                    };
+                    tracing::error!("evicting {} pages: {e}", run.len());
+                }
                 for &page in run {
                     st.clock.insert(page as u64);
                     kept.push(page);

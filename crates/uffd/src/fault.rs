@@ -224,6 +224,13 @@ impl<T: Transport, D: Disk> Shared<T, D> {
                 }
                 st.clock.touched(page as u64);
             }
+            // The mapping is changing (a fork copying it, announced or not): the page stays
+            // aside, sampled, and the woken thread faults again, as for a fetched page's
+            // install (`install_failed`). Not an error.
+            Err(rustix::io::Errno::AGAIN) => {
+                self.counters.retried.fetch_add(1, Ordering::Relaxed);
+                let _ = self.uffd.wake(addr, PAGE_SIZE);
+            }
             Err(e) => {
                 // The page stays aside, sampled; the woken thread faults again.
                 self.counters.errors.fetch_add(1, Ordering::Relaxed);

@@ -236,7 +236,8 @@ pub struct RegionCounters {
     /// copy, the local disk failing): the faulting thread got SIGBUS, as the kernel answers a
     /// swap-in it cannot read.
     pub sigbus: AtomicU64,
-    /// Faults woken to be retried because the mapping was changing (a fork copying it).
+    /// Faults woken to be retried, and victims kept resident for a later batch, because the
+    /// mapping was changing (a fork copying it, until the handler has read its event).
     pub retried: AtomicU64,
     /// Forked children that inherited the region.
     pub forks: AtomicU64,

@@ -543,6 +543,154 @@ fn victims_approximate_lru() {
     );
 }
 
+/// Forks that the region is not told of (as by a library calling the system call), made
+/// while another thread keeps faulting, sampling and evicting: a victim's write-protection
+/// or a sampled page's put-back that meets the mapping changing (EAGAIN until the handler
+/// has read the fork event) is tried again, not counted as an error, and every page still
+/// reads what was written. Needs root (following forks).
+#[test]
+fn faults_during_unannounced_forks_are_retried_not_errors() {
+    let Some(_forks) = following_forks() else {
+        return;
+    };
+    let cluster = LocalCluster::start(2, 8 << 20, false).unwrap();
+    let mut r = region_with_cache(&cluster, 64, 0);
+    let mem = r.as_mut_slice();
+    for p in 0..PAGES {
+        mem[p * PAGE_SIZE] = fill(p, 1);
+    }
+    let base = r.as_ptr() as usize;
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let reader = {
+        let stop = stop.clone();
+        std::thread::spawn(move || {
+            let (mut rng, mut wrong, mut cold, mut i) = (0x9e37_79b9_7f4a_7c15u64, 0, 32, 0);
+            while !stop.load(Ordering::Relaxed) {
+                rng ^= rng << 13;
+                rng ^= rng >> 7;
+                rng ^= rng << 17;
+                i += 1;
+                // As in victims_approximate_lru: a hot set used all the time and a cold scan,
+                // so that the clock samples (hot pages among them) to choose its victims.
+                let p = if i % 3 == 0 {
+                    cold = if cold + 1 == PAGES { 32 } else { cold + 1 };
+                    cold
+                } else {
+                    (rng % 32) as usize
+                };
+                // SAFETY: the region outlives this thread (joined below); reads only.
+                let v = unsafe { std::ptr::read_volatile((base + p * PAGE_SIZE) as *const u8) };
+                wrong += usize::from(v != fill(p, 1));
+            }
+            wrong
+        })
+    };
+    let samples_at_start = RegionCounters::get(&r.counters().sample_faults);
+    for _ in 0..200 {
+        // SAFETY: the child only exits (async-signal-safe); see
+        // a_forked_child_gets_the_region_or_nothing for why the system call.
+        let pid = unsafe { libc::syscall(libc::SYS_fork) } as libc::pid_t;
+        assert!(pid >= 0, "fork: {}", std::io::Error::last_os_error());
+        if pid == 0 {
+            // SAFETY: _exit is async-signal-safe.
+            unsafe { libc::_exit(0) };
+        }
+        let mut status = 0;
+        // SAFETY: waiting for our own child.
+        assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
+        // Sampling resumes once no child lives.
+        std::thread::sleep(std::time::Duration::from_millis(2));
+    }
+    stop.store(true, Ordering::Relaxed);
+    assert_eq!(reader.join().unwrap(), 0, "the reader read a page wrong");
+    for p in 0..PAGES {
+        assert_eq!(r.as_slice()[p * PAGE_SIZE], fill(p, 1), "page {p}");
+    }
+    let c = r.counters();
+    eprintln!("{c:?}");
+    assert!(
+        RegionCounters::get(&c.sample_faults) > samples_at_start,
+        "no sampled page was touched: the test tried nothing: {c:?}"
+    );
+    assert_eq!(RegionCounters::get(&c.errors), 0, "{c:?}");
+}
+
+/// A fork the region is not told of, made while pages are sampled aside (in the shadow,
+/// which a child does not inherit, and dirty ones with no up-to-date copy in the pager): the
+/// child still reads every page as it was at the fork. Needs root (following forks).
+#[test]
+fn a_child_of_an_unannounced_fork_reads_the_pages_sampled_aside() {
+    let Some(_forks) = following_forks() else {
+        return;
+    };
+    let cluster = LocalCluster::start(2, 8 << 20, false).unwrap();
+    let mut r = region_with_cache(&cluster, 64, 0);
+    let mem = r.as_mut_slice();
+    for p in 0..PAGES {
+        mem[p * PAGE_SIZE] = fill(p, 1);
+    }
+    // The hot pages rewritten (their stored copies, if any, stale now) among reads of a cold
+    // scan, until some of them are sampled aside (bounded).
+    let (hot, mut cold, mut rng, mut sampled) = (32usize, 32usize, 0x2545_f491_4f6c_dd1du64, 0);
+    // What each page holds: a hot page's value changes with every write.
+    let mut want: Vec<u8> = (0..PAGES).map(|p| fill(p, 1)).collect();
+    for round in 0..50 {
+        for i in 0..3_000 {
+            rng ^= rng << 13;
+            rng ^= rng >> 7;
+            rng ^= rng << 17;
+            if i % 3 == 0 {
+                cold = if cold + 1 == PAGES { hot } else { cold + 1 };
+                assert_eq!(r.as_slice()[cold * PAGE_SIZE], fill(cold, 1));
+            } else {
+                let p = (rng % hot as u64) as usize;
+                want[p] = want[p].wrapping_add(2);
+                r.as_mut_slice()[p * PAGE_SIZE] = want[p];
+            }
+        }
+        sampled = {
+            let st = r.shared.lock();
+            (0..hot).filter(|&p| st.clock.is_sampled(p as u64)).count()
+        };
+        if sampled > 0 || round == 49 {
+            break;
+        }
+    }
+    assert!(
+        sampled > 0,
+        "no hot page was sampled: the test tried nothing"
+    );
+    let base = r.as_ptr() as usize;
+    // SAFETY: the child only reads the region and calls _exit; see
+    // a_forked_child_gets_the_region_or_nothing for why the system call.
+    let pid = unsafe { libc::syscall(libc::SYS_fork) } as libc::pid_t;
+    assert!(pid >= 0, "fork: {}", std::io::Error::last_os_error());
+    if pid == 0 {
+        // SAFETY: alarm(2) only arms a timer: a child left behind ends within a minute.
+        unsafe { libc::alarm(60) };
+        let mut code = 0;
+        for (p, &w) in want.iter().enumerate() {
+            // SAFETY: the child's copy of the region, read by its only thread.
+            let v = unsafe { std::ptr::read_volatile((base + p * PAGE_SIZE) as *const u8) };
+            if v != w {
+                code = 1;
+            }
+        }
+        // SAFETY: _exit is async-signal-safe.
+        unsafe { libc::_exit(code) };
+    }
+    let mut status = 0;
+    // SAFETY: waiting for our own child.
+    assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
+    assert!(
+        libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0,
+        "the child read a page other than at the fork ({sampled} hot pages sampled aside): \
+         {status:#x}"
+    );
+    let c = r.counters();
+    assert_eq!(RegionCounters::get(&c.errors), 0, "{c:?}");
+}
+
 #[test]
 fn released_pages_read_as_zeros_and_leave_their_servers() {
     let cluster = LocalCluster::start(1, 8 << 20, false).unwrap();

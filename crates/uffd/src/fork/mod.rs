@@ -472,6 +472,7 @@ impl<T: Transport, D: Disk> Shared<T, D> {
             // page the parent's side changes is installed in it first. A change between that
             // fork and this event is not (see README).
             tracing::debug!("a fork that was not announced");
+            self.give_sampled_to_child(st, &uffd, &mut pages);
         }
         // The agent's socket made for this fork (`prepare_fork`), and a slot for the child's
         // own pages: then the child is held to the budget. Without a slot, the agent only
@@ -538,6 +539,36 @@ impl<T: Transport, D: Disk> Shared<T, D> {
         });
         st.apply_sampling();
         self.child_count.store(st.children.len(), Ordering::Release);
+    }
+
+    /// Pages sampled aside (in the shadow) when a fork nobody announced came: nothing put them
+    /// back first (`prepare_fork` does), so the new child's copy of the region lacks them and
+    /// the pager may hold an older copy of a dirty one, or none. Each still the parent's copy
+    /// to the child is installed in it from the shadow, its own from then on; one that cannot
+    /// be is lost to it (SIGBUS when touched, never older data).
+    fn give_sampled_to_child(&self, st: &State<T, D>, uffd: &Uffd, pages: &mut [u8]) {
+        let Some(shadow) = self.shadow else {
+            return;
+        };
+        for (p, state) in pages.iter_mut().enumerate() {
+            if *state != page::PARENT || !st.clock.is_sampled(p as u64) {
+                continue;
+            }
+            // SAFETY: a sampled page is present in the shadow, touched only by this handler,
+            // which holds the state.
+            let contents =
+                unsafe { std::slice::from_raw_parts(shadow.page(p).cast::<u8>(), PAGE_SIZE) };
+            match uffd.copy(contents, self.base.page(p), false) {
+                Ok(()) | Err(Errno::EXIST) => *state = page::OWN,
+                // The child is gone already: nothing to give.
+                Err(Errno::SRCH) => return,
+                Err(e) => {
+                    self.counters.errors.fetch_add(1, Ordering::Relaxed);
+                    tracing::error!("page {p}, sampled aside, cannot be given to a child: {e}");
+                    *state = page::LOST;
+                }
+            }
+        }
     }
 
     /// A child `i` forked (a grandchild, `uffd` its descriptor): the grandchild's copy is the
