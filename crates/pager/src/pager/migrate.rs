@@ -27,7 +27,8 @@
 //!
 //! A step never waits for the pages it moves: it sends their reads and returns, and a later
 //! step writes the pages whose reads are in, once their version is checked unchanged
-//! (`Pager::move_read_pages`). Only a leaving parity holder's scan is waited for.
+//! (`Pager::move_read_pages`); a leaving parity holder's scan too: its answer is taken at a
+//! later step (`Pager::par_release_holder`).
 //!
 //! A server with pages leaving takes no new page ([`netram_store::Store::room`] is zero, so
 //! placement passes it by); a page being moved is kept off it even where it would otherwise
