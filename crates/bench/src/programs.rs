@@ -33,6 +33,9 @@ pub struct Options {
     pub only: Vec<String>,
     /// Say on stderr what runs (the demo, which shows a spinner instead, does not).
     pub progress: bool,
+    /// Also run the kernel's swap 4 MiB below and above netram's size (`SWAP_AROUND_MIB`);
+    /// the demo, which shows one comparison, does not.
+    pub swap_around: bool,
 }
 
 /// A program: its name, what it stands for, the Debian packages it needs, and its script
@@ -389,6 +392,22 @@ fn measure(
         let (k, why) = swap_run(&script, dir, limit, &local.stdout, timeout, opts.progress);
         failed.extend(why.map(|w| format!("swap_disk: {w}")));
         v["swap_disk"] = k;
+        // The kernel's time swings with a few MiB: also a little below and above that size,
+        // once each (each ratio is netram's time over that run's).
+        let mut around = Vec::new();
+        for mib in SWAP_AROUND_MIB.iter().filter(|_| opts.swap_around) {
+            let size = limit.saturating_add_signed(*mib << 20).max(1 << 20);
+            say(&format!(
+                "under the kernel's swap to disk in {} MiB",
+                size >> 20
+            ));
+            let (k, why) = swap_once(&script, dir, size, &local.stdout, timeout);
+            failed.extend(why.map(|w| format!("swap_disk at {} MiB: {w}", size >> 20)));
+            around.push(k);
+        }
+        if opts.swap_around {
+            v["swap_disk_around"] = json!(around);
+        }
     }
     // Ratios only between runs that completed with the right output.
     let verified = |w: &str| w == "local" || v[w]["output_ok"].as_bool() == Some(true);
@@ -398,8 +417,22 @@ fn measure(
             .flatten()
     };
     let (over_local, over_swap) = (ratio("netram", "local"), ratio("netram", "swap_disk"));
+    let around: Option<Vec<Option<f64>>> = v["swap_disk_around"].as_array().map(|runs| {
+        runs.iter()
+            .map(|k| {
+                (verified("netram") && k["output_ok"].as_bool() == Some(true))
+                    .then(|| {
+                        Some(v["netram"]["seconds"].as_f64()? / k["seconds"].as_f64()?.max(0.01))
+                    })
+                    .flatten()
+            })
+            .collect()
+    });
     v["netram_over_local"] = json!(over_local);
     v["netram_over_swap_disk"] = json!(over_swap);
+    if let Some(ratios) = around {
+        v["netram_over_swap_disk_around"] = json!(ratios);
+    }
     v["failed"] = json!(failed);
     Ok(v)
 }
@@ -407,6 +440,10 @@ fn measure(
 /// How much more memory the kernel's run is given each time its OOM killer ends it (of the
 /// first limit, in eighths): ×1, ×1.5, ×2, ×3.
 const SWAP_LIMITS_EIGHTHS: [u64; 4] = [8, 12, 16, 24];
+
+/// The other sizes at which the kernel's swap runs each program, in MiB beside the size of
+/// netram's run (issue 38: its time swings with a few MiB, so one size says little).
+const SWAP_AROUND_MIB: [i64; 2] = [-4, 4];
 
 /// The script in a memory cgroup of `limit` bytes with the swap file on. When the kernel's
 /// OOM killer ends it, that is the kernel's result at that size (recorded in
@@ -428,39 +465,12 @@ fn swap_run(
     let mut killed_at = Vec::new();
     for eighths in SWAP_LIMITS_EIGHTHS {
         let size = limit / 8 * eighths;
-        let name = format!(
-            "netram-bench-programs-{}-{}",
-            std::process::id(),
-            fastrand::u32(..)
-        );
-        let cg = match hierarchy.create(&name, Some(size)) {
-            Ok(c) => c,
-            Err(e) => {
-                let why = format!("cannot make a memory cgroup: {e}");
-                return (json!({ "error": why }), Some(why));
-            }
-        };
-        let enter = ["sh", "-c", &cg.enter_then("exec \"$@\""), "sh"].map(String::from);
-        match timed(&enter, script, dir, timeout) {
-            Ok(run) => {
-                let ok = run.stdout == expected;
-                let v = json!({
-                    "seconds": run.seconds,
-                    "peak_rss_kib": run.peak_rss_kib,
-                    "output_ok": ok,
-                    "cgroup_limit_bytes": size,
-                    "oom_killed_at_bytes": killed_at,
-                });
-                let why = (!ok).then(|| {
-                    format!(
-                        "output differs from the all-local run's ({:?} against {:?})",
-                        run.stdout.trim(),
-                        expected.trim()
-                    )
-                });
+        match swap_try(&hierarchy, script, dir, size, expected, timeout) {
+            SwapTry::Ran(mut v, why) => {
+                v["oom_killed_at_bytes"] = json!(killed_at);
                 return (v, why);
             }
-            Err(_) if cg.oom_kills() > 0 => {
+            SwapTry::OomKilled => {
                 if progress {
                     eprintln!(
                         "  the kernel's OOM killer ended it at {} MiB; again with more",
@@ -469,8 +479,7 @@ fn swap_run(
                 }
                 killed_at.push(size);
             }
-            Err(e) => {
-                let why = format!("{e:#}");
+            SwapTry::Failed(why) => {
                 return (
                     json!({ "error": why, "cgroup_limit_bytes": size, "oom_killed_at_bytes": killed_at }),
                     Some(why),
@@ -483,6 +492,86 @@ fn swap_run(
         json!({ "oom_killed_at_bytes": killed_at, "output_ok": false }),
         None,
     )
+}
+
+/// The script once in a memory cgroup of exactly `size` bytes with the swap file on (a size
+/// beside netram's peak, `SWAP_AROUND_MIB`): an OOM kill is the kernel's result at that size
+/// (`oom_killed`), not a failure of the run, and is not tried again with more.
+fn swap_once(
+    script: &str,
+    dir: &Path,
+    size: u64,
+    expected: &str,
+    timeout: Duration,
+) -> (Value, Option<String>) {
+    let hierarchy = match crate::cgroup::Hierarchy::find() {
+        Ok(h) => h,
+        Err(why) => return (json!({ "error": why }), Some(why)),
+    };
+    match swap_try(&hierarchy, script, dir, size, expected, timeout) {
+        SwapTry::Ran(v, why) => (v, why),
+        SwapTry::OomKilled => (
+            json!({ "cgroup_limit_bytes": size, "oom_killed": true, "output_ok": false }),
+            None,
+        ),
+        SwapTry::Failed(why) => (
+            json!({ "error": why, "cgroup_limit_bytes": size }),
+            Some(why),
+        ),
+    }
+}
+
+/// How one run of a script under the kernel's swap ended.
+enum SwapTry {
+    /// It ran: its figures, and why it counts as failed (an output that differs), if it does.
+    Ran(Value, Option<String>),
+    /// The kernel's OOM killer ended it.
+    OomKilled,
+    /// It could not be run, or failed otherwise.
+    Failed(String),
+}
+
+/// The script once in a new memory cgroup of `size` bytes (of `hierarchy`), its output
+/// checked against `expected`.
+fn swap_try(
+    hierarchy: &crate::cgroup::Hierarchy,
+    script: &str,
+    dir: &Path,
+    size: u64,
+    expected: &str,
+    timeout: Duration,
+) -> SwapTry {
+    let name = format!(
+        "netram-bench-programs-{}-{}",
+        std::process::id(),
+        fastrand::u32(..)
+    );
+    let cg = match hierarchy.create(&name, Some(size)) {
+        Ok(c) => c,
+        Err(e) => return SwapTry::Failed(format!("cannot make a memory cgroup: {e}")),
+    };
+    let enter = ["sh", "-c", &cg.enter_then("exec \"$@\""), "sh"].map(String::from);
+    match timed(&enter, script, dir, timeout) {
+        Ok(run) => {
+            let ok = run.stdout == expected;
+            let v = json!({
+                "seconds": run.seconds,
+                "peak_rss_kib": run.peak_rss_kib,
+                "output_ok": ok,
+                "cgroup_limit_bytes": size,
+            });
+            let why = (!ok).then(|| {
+                format!(
+                    "output differs from the all-local run's ({:?} against {:?})",
+                    run.stdout.trim(),
+                    expected.trim()
+                )
+            });
+            SwapTry::Ran(v, why)
+        }
+        Err(_) if cg.oom_kills() > 0 => SwapTry::OomKilled,
+        Err(e) => SwapTry::Failed(format!("{e:#}")),
+    }
 }
 
 /// What program `name` stands for (its line in the report), and the commands it needs that
@@ -519,6 +608,7 @@ pub fn run_one(name: &str, quick: bool, netram_exe: &Path, servers: &str) -> any
             netram_exe: netram_exe.into(),
             only: Vec::new(),
             progress: false,
+            swap_around: false,
         };
         let pdir = dir.join(name);
         std::fs::create_dir_all(&pdir)?;
@@ -576,11 +666,19 @@ pub fn run(opts: &Options) -> anyhow::Result<crate::Outcome> {
     drop(swap_dev);
     drop(servers);
     let machine = Machine::describe();
+    let over_swap: Vec<f64> = results
+        .values()
+        .filter_map(|v| v["netram_over_swap_disk"].as_f64())
+        .collect();
     let doc = json!({
         "bench": "programs",
         "machine": machine,
         "machine_line": machine.one_line(),
         "quick": opts.quick,
+        // Over the programs the kernel's swap ran with the right output (issue 38's target:
+        // at most 0.6).
+        "geomean_netram_over_swap_disk": geomean(&over_swap),
+        "programs_over_swap_disk": over_swap.len(),
         "programs": results,
         "skipped": skipped,
         "failed": failed,
@@ -600,6 +698,11 @@ pub fn run(opts: &Options) -> anyhow::Result<crate::Outcome> {
     let md = markdown(&doc);
     std::fs::write(opts.out.join("programs.md"), &md)?;
     Ok(crate::Outcome { report: md, failed })
+}
+
+/// The geometric mean of `xs` (`None` for none).
+fn geomean(xs: &[f64]) -> Option<f64> {
+    (!xs.is_empty()).then(|| (xs.iter().map(|x| x.ln()).sum::<f64>() / xs.len() as f64).exp())
 }
 
 /// A program's panel in a plot: the seconds of its run all local, and of the runs under
@@ -699,6 +802,50 @@ fn markdown(doc: &Value) -> String {
             },
         );
     }
+    if let Some(g) = doc["geomean_netram_over_swap_disk"].as_f64() {
+        let _ = writeln!(
+            s,
+            "\nGeometric mean of netram/swap over the {} programs the kernel ran: {g:.2} \
+             (target: at most 0.6).",
+            doc["programs_over_swap_disk"]
+        );
+    }
+    let around: Vec<String> = doc["programs"]
+        .as_object()
+        .unwrap_or(&empty)
+        .iter()
+        .filter_map(|(name, v)| {
+            let runs = v["swap_disk_around"].as_array()?;
+            let ratios = v["netram_over_swap_disk_around"].as_array();
+            let cells: Vec<String> = runs
+                .iter()
+                .enumerate()
+                .map(|(i, k)| {
+                    let mib = k["cgroup_limit_bytes"].as_u64().unwrap_or(0) >> 20;
+                    let ratio = ratios
+                        .and_then(|r| r.get(i)?.as_f64())
+                        .map_or(String::new(), |x| format!(", netram/swap {x:.2}"));
+                    match (k["seconds"].as_f64(), k["oom_killed"].as_bool()) {
+                        (_, Some(true)) => format!("{mib} MiB: OOM-killed"),
+                        (Some(t), _) if k["output_ok"].as_bool() == Some(true) => {
+                            format!("{mib} MiB: {t:.1} s{ratio}")
+                        }
+                        (Some(_), _) => format!("{mib} MiB: **output differs**"),
+                        _ => format!("{mib} MiB: **failed**"),
+                    }
+                })
+                .collect();
+            Some(format!("| {name} | {} |", cells.join(" · ")))
+        })
+        .collect();
+    if !around.is_empty() {
+        let _ = writeln!(
+            s,
+            "\nThe kernel's swap beside that size (its time swings with a few MiB), once each:\n\n\
+             | program | runs |\n|---|---|\n{}",
+            around.join("\n")
+        );
+    }
     let failed: Vec<String> = doc["failed"]
         .as_array()
         .into_iter()
@@ -719,4 +866,53 @@ fn markdown(doc: &Value) -> String {
          child is held to `--local-mem` as its parent is)."
     );
     s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_geometric_mean_is_of_the_ratios_given() {
+        assert_eq!(geomean(&[]), None);
+        let g = geomean(&[0.5, 2.0, 4.0]).unwrap();
+        assert!((g - 4f64.powf(1.0 / 3.0)).abs() < 1e-12, "{g}");
+    }
+
+    /// The report says every size the kernel ran at: a run, an OOM kill, a wrong output.
+    #[test]
+    fn the_report_gives_the_kernel_at_every_size() {
+        let doc = json!({
+            "machine_line": "vm",
+            "geomean_netram_over_swap_disk": 1.5,
+            "programs_over_swap_disk": 1,
+            "programs": { "sort": {
+                "local": { "seconds": 1.0, "peak_rss_kib": 4096 },
+                "netram": { "seconds": 3.0, "output_ok": true },
+                "swap_disk": { "seconds": 2.0, "output_ok": true, "oom_killed_at_bytes": [] },
+                "netram_over_local": 3.0,
+                "netram_over_swap_disk": 1.5,
+                "swap_disk_around": [
+                    { "cgroup_limit_bytes": 60u64 << 20, "oom_killed": true, "output_ok": false },
+                    { "cgroup_limit_bytes": 68u64 << 20, "seconds": 1.0, "output_ok": true },
+                    { "cgroup_limit_bytes": 72u64 << 20, "seconds": 1.0, "output_ok": false },
+                ],
+                "netram_over_swap_disk_around": [null, 3.0, null],
+            }},
+            "failed": [],
+            "skipped": [],
+        });
+        let md = markdown(&doc);
+        assert!(
+            md.contains("over the 1 programs the kernel ran: 1.50"),
+            "{md}"
+        );
+        assert!(
+            md.contains(
+                "| sort | 60 MiB: OOM-killed · 68 MiB: 1.0 s, netram/swap 3.00 · 72 MiB: \
+                 **output differs** |"
+            ),
+            "{md}"
+        );
+    }
 }

@@ -618,6 +618,7 @@ fn main() -> anyhow::Result<()> {
                 netram_exe: std::env::current_exe()?,
                 only,
                 progress: true,
+                swap_around: true,
             };
             let outcome = netram_bench::programs::run(&opts)?;
             println!("{}", outcome.report);
