@@ -66,6 +66,22 @@ fn following_forks() -> Option<std::sync::MutexGuard<'static, ()>> {
     Some(forks)
 }
 
+/// Lowers `r`'s budget to `pages` and waits until it holds no more, every write-back
+/// acknowledged (bounded: ten rounds).
+fn evict_down_to(r: &Region<TcpTransport, MemDisk>, pages: usize) {
+    for _ in 0..10 {
+        r.set_budget(pages * PAGE_SIZE);
+        r.with_pager(|p| p.flush()).unwrap();
+        if r.resident_pages() <= pages {
+            break;
+        }
+    }
+    // The handler evicts the rest as acknowledgements return room, possibly after the last
+    // flush: the pages it took out are queued in the pager (under the lock `resident_pages`
+    // takes), so one more flush has them all acknowledged.
+    r.with_pager(|p| p.flush()).unwrap();
+}
+
 fn fill(page: usize, round: u8) -> u8 {
     (page as u8).wrapping_mul(31).wrapping_add(round) | 1
 }
@@ -103,7 +119,11 @@ fn pages_survive_eviction_and_come_back() {
 fn consecutive_dirty_victims_are_write_protected_together() {
     // Each write-protect call flushes the TLB of every CPU running the program: the dirty
     // victims of a batch that are consecutive pages go in one call. First in, first out,
-    // without sampling, pages written in order leave in order.
+    // without sampling, pages written in order leave in order. Its calls are counted: a fork
+    // of another test meanwhile copies this region too, and until the handler reads that
+    // fork's event a write-protection is refused (EAGAIN) and its victims wait for a later
+    // batch, in more calls.
+    let _forks = FORKS.lock().unwrap_or_else(|p| p.into_inner());
     let cluster = LocalCluster::start(2, 8 << 20, false).unwrap();
     let options = RegionOptions {
         max_samples: 0,
@@ -1220,13 +1240,7 @@ fn pages_given_back_after_a_fork_keep_their_contents_for_the_child() {
     // All but 8 on the server at the fork, their write-backs in (none is left to the
     // handler, which would write it back the waiting way while the server is frozen): the
     // child reads those 56 from there. Eviction leaves what finds no room for later.
-    for _ in 0..10 {
-        r.set_budget(8 * PAGE_SIZE);
-        r.with_pager(|p| p.flush()).unwrap();
-        if r.resident_pages() <= 8 {
-            break;
-        }
-    }
+    evict_down_to(&r, 8);
     let stored = cluster.stat(0, "stored_pages");
     assert_eq!(stored, 56, "pages stored: {:?}", r.counters());
     let base = r.as_ptr() as usize;
@@ -1322,13 +1336,7 @@ fn victims_beyond_the_reads_for_children_in_flight_wait_resident_not_for_the_pag
         mem[p * PAGE_SIZE..(p + 1) * PAGE_SIZE].fill(fill(p, 1));
     }
     // Every page on the server, its write-back in, before the fork.
-    for _ in 0..10 {
-        r.set_budget(8 * PAGE_SIZE);
-        r.with_pager(|p| p.flush()).unwrap();
-        if r.resident_pages() <= 8 {
-            break;
-        }
-    }
+    evict_down_to(&r, 8);
     let base = r.as_ptr() as usize;
     let mut pipe = [0; 2];
     // SAFETY: pipe(2) writes two descriptors into the array.
