@@ -1,5 +1,5 @@
 //! Which resident page of a userfaultfd region goes out next: CLOCK (second chance) over
-//! sampled accesses, the way GMS (paper 002, §4.2) approximated LRU without hardware help.
+//! sampled accesses, the way GMS (paper 000, §4.2) approximated LRU without hardware help.
 //!
 //! The kernel does not tell a user-space pager which pages were used. GMS made accesses visible
 //! by flushing TLB entries so that the next access traps; the region does the same by
