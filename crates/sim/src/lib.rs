@@ -18,6 +18,7 @@
 //! reliability model being checked.
 
 pub mod check;
+pub mod gms;
 pub mod scenario;
 pub mod transport;
 pub mod world;

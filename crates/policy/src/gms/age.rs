@@ -114,8 +114,12 @@ impl Histogram {
 pub struct Summary {
     pub node: NodeId,
     pub free: u32,
-    /// Pages the node evicted since its last summary: the initiator sizes M from them.
+    /// Pages the node evicted (forwarded or dropped) since its last summary.
     pub evicted: u32,
+    /// Pages that left the cluster from this node since its last summary (dropped, or given
+    /// up for a forwarded page): the initiator sizes M, the replacements an epoch plans for,
+    /// from them (§3.2: "the expected rate at which pages will be discarded").
+    pub discarded: u32,
     pub ages: Histogram,
 }
 

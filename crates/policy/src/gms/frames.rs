@@ -130,6 +130,26 @@ impl Frames {
         false
     }
 
+    /// A global page used where it is held without changing hands (a data cache's hit at the
+    /// page's home): it becomes the youngest of its kind.
+    pub fn touch_global(&mut self, uid: Uid, now_ms: u64) -> bool {
+        match self.global.get_mut(&uid) {
+            Some(m) => {
+                m.last_ms = now_ms;
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Takes out the oldest page of one kind.
+    pub fn pop_oldest_of(&mut self, kind: Kind) -> Option<(Uid, Meta)> {
+        match kind {
+            Kind::Local => self.local.pop_lru(),
+            Kind::Global => self.global.pop_lru(),
+        }
+    }
+
     /// A page the node just read, as a local page. The caller made room first.
     pub fn insert_local(&mut self, uid: Uid, now_ms: u64, duplicate: bool) {
         debug_assert!(self.kind(&uid).is_none(), "inserting a page already held");
@@ -217,12 +237,21 @@ impl Frames {
         self.global.put(uid, meta);
     }
 
+    /// Every page held, local ones first (no particular order within a kind).
+    pub fn pages(&self) -> impl Iterator<Item = (Uid, Kind)> + '_ {
+        self.local
+            .iter()
+            .map(|(u, _)| (*u, Kind::Local))
+            .chain(self.global.iter().map(|(u, _)| (*u, Kind::Global)))
+    }
+
     /// This node's summary for an epoch: its free frames and the effective ages of its pages.
-    pub fn summary(&self, node: NodeId, now_ms: u64, evicted: u32) -> Summary {
+    pub fn summary(&self, node: NodeId, now_ms: u64, evicted: u32, discarded: u32) -> Summary {
         let mut s = Summary {
             node,
             free: u32::try_from(self.free()).unwrap_or(u32::MAX),
             evicted,
+            discarded,
             ages: Default::default(),
         };
         for (_, m) in self.local.iter() {
@@ -285,8 +314,11 @@ mod tests {
         let mut f = Frames::new(10);
         f.insert_local(Uid(1), 0, false);
         f.insert_global(Uid(2), meta(0));
-        let s = f.summary(7, 1_000, 3);
-        assert_eq!((s.node, s.free, s.evicted, s.ages.total()), (7, 8, 3, 2));
+        let s = f.summary(7, 1_000, 4, 3);
+        assert_eq!(
+            (s.node, s.free, s.evicted, s.discarded, s.ages.total()),
+            (7, 8, 4, 3, 2)
+        );
         assert_eq!(s.ages.count(crate::gms::age::bucket(1_000)), 1);
         assert_eq!(s.ages.count(crate::gms::age::bucket(2_000)), 1);
         f.set_capacity(1);

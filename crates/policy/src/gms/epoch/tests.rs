@@ -18,6 +18,7 @@ fn summary(node: NodeId, free: u32, ages: &[(u64, u32)]) -> Summary {
         node,
         free,
         evicted: 0,
+        discarded: 0,
         ages: h,
     }
 }
@@ -42,7 +43,7 @@ fn free_frames_then_the_oldest_pages_take_the_weight() {
         summary(2, 0, &[(60_000, 300), (5_000, 100)]),
         summary(3, 50, &[(20, 10)]),
     ];
-    let p = Plan::compute(1, 1, &s, 200, &params());
+    let p = Plan::compute(1, 1, &s, 200, 200, &params());
     assert_eq!(p.m, 200);
     assert_eq!(p.weights, vec![(2, 150), (3, 50)]);
     assert_eq!(p.next_initiator(), 2);
@@ -52,13 +53,24 @@ fn free_frames_then_the_oldest_pages_take_the_weight() {
         p.min_age_ms
     );
 
+    // Fewer discards expected than evictions: the weights are the same, MinAge is the age of
+    // the 100th oldest (after 50 free frames, a page of a minute); 50: a free frame, so
+    // nothing is old enough; none expected: the same.
+    let d = Plan::compute(1, 1, &s, 200, 100, &params());
+    assert_eq!(d.weights, p.weights);
+    assert_eq!(d.min_age_ms, bucket_floor_ms(bucket(60_000)));
+    let free = Plan::compute(1, 1, &s, 200, 50, &params());
+    assert_eq!(free.min_age_ms, u64::MAX);
+    let none = Plan::compute(1, 1, &s, 200, 0, &params());
+    assert_eq!(none.min_age_ms, u64::MAX);
+
     // Only free frames needed: nothing cached is among the M oldest.
-    let p = Plan::compute(1, 1, &s, 40, &params());
+    let p = Plan::compute(1, 1, &s, 40, 40, &params());
     assert_eq!(p.weights, vec![(3, 40)]);
     assert_eq!(p.min_age_ms, u64::MAX);
 
     // More wanted than is old: M is what there is; the busy node's pages never count.
-    let p = Plan::compute(1, 1, &s, 5_000, &params());
+    let p = Plan::compute(1, 1, &s, 5_000, 5_000, &params());
     assert_eq!(p.m, 450);
     assert_eq!(p.weight(1), 0);
     assert_eq!(p.weight(3), 50);
@@ -67,7 +79,7 @@ fn free_frames_then_the_oldest_pages_take_the_weight() {
 #[test]
 fn a_cluster_without_old_pages_drops_everything() {
     let s = [summary(1, 0, &[(10, 500)]), summary(2, 0, &[(50, 500)])];
-    let p = Plan::compute(1, 1, &s, 100, &params());
+    let p = Plan::compute(1, 1, &s, 100, 100, &params());
     assert_eq!((p.m, p.min_age_ms), (0, 0));
     assert!(p.weights.is_empty());
     let mut rng = fastrand::Rng::with_seed(1);
@@ -85,7 +97,7 @@ fn the_eviction_rule_drops_old_and_duplicate_pages_and_spreads_the_rest_by_weigh
         summary(3, 100, &[]),
         summary(4, 0, &[(1_000_000, 100)]),
     ];
-    let p = Plan::compute(1, 1, &s, 450, &params());
+    let p = Plan::compute(1, 1, &s, 450, 450, &params());
     assert_eq!(p.weights, vec![(2, 300), (3, 100), (4, 50)]);
     let mut rng = fastrand::Rng::with_seed(7);
     assert_eq!(
@@ -111,7 +123,7 @@ fn the_eviction_rule_drops_old_and_duplicate_pages_and_spreads_the_rest_by_weigh
     for _ in 0..1_000 {
         assert_ne!(p.evict(2, 10, false, &mut rng), Evict::Forward(2));
     }
-    let alone = Plan::compute(1, 2, &[summary(2, 10, &[])], 10, &params());
+    let alone = Plan::compute(1, 2, &[summary(2, 10, &[])], 10, 10, &params());
     assert_eq!(
         alone.evict(2, 10, false, &mut rng),
         Evict::Drop(DropReason::NoOtherNode)
@@ -121,7 +133,7 @@ fn the_eviction_rule_drops_old_and_duplicate_pages_and_spreads_the_rest_by_weigh
 #[test]
 fn a_plan_carries_at_most_max_weights() {
     let s: Vec<Summary> = (0..100).map(|n| summary(n, 10 + n as u32, &[])).collect();
-    let p = Plan::compute(1, 0, &s, 100_000, &params());
+    let p = Plan::compute(1, 0, &s, 100_000, 100_000, &params());
     assert_eq!(p.weights.len(), 16);
     assert_eq!(p.weights[0], (99, 109));
     assert_eq!(p.m, p.weights.iter().map(|w| w.1).sum::<u32>());
@@ -130,7 +142,7 @@ fn a_plan_carries_at_most_max_weights() {
 
 #[test]
 fn plans_that_lie_are_refused() {
-    let good = Plan::compute(1, 1, &[summary(2, 100, &[])], 50, &params());
+    let good = Plan::compute(1, 1, &[summary(2, 100, &[])], 50, 50, &params());
     assert_eq!(good.check(1, &params()), Ok(()));
     assert_eq!(good.check(2, &params()), Err(PlanError::NotFromInitiator));
     let mut p = good.clone();
@@ -167,7 +179,7 @@ proptest! {
     fn weights_are_the_m_oldest(s in arb_summaries(), m in 1u32..2_000) {
         let mut params = params();
         params.max_weights = 64;
-        let p = Plan::compute(3, 0, &s, m, &params);
+        let p = Plan::compute(3, 0, &s, m, m, &params);
         prop_assert_eq!(p.check(0, &params), Ok(()));
         // M is what was wanted, or every old page there is.
         let first_old = (0..BUCKETS).find(|&b| bucket_floor_ms(b) >= params.active_age_ms).unwrap();
@@ -253,7 +265,7 @@ impl Cluster {
             let mut o = Vec::new();
             match msg {
                 Out::RequestSummary { epoch, .. } => {
-                    node.on_request(from, epoch, |ev| summary_of(to, free, ev), &mut o)
+                    node.on_request(from, epoch, |ev, d| summary_of(to, free, ev, d), &mut o)
                 }
                 Out::Summary { epoch, summary, .. } => node.on_summary(from, epoch, *summary),
                 Out::Plan { plan, .. } => {
@@ -270,7 +282,7 @@ impl Cluster {
             self.nodes.get_mut(&n).unwrap().on_tick(
                 now,
                 &live,
-                |ev| summary_of(n, free, ev),
+                |ev, d| summary_of(n, free, ev, d),
                 &mut o,
             );
             out.extend(o.into_iter().map(|m| (n, m)));
@@ -295,11 +307,12 @@ impl Cluster {
     }
 }
 
-fn summary_of(node: NodeId, free: u32, evicted: u32) -> Summary {
+fn summary_of(node: NodeId, free: u32, evicted: u32, discarded: u32) -> Summary {
     Summary {
         node,
         free,
         evicted,
+        discarded,
         ages: Histogram::default(),
     }
 }
@@ -307,8 +320,8 @@ fn summary_of(node: NodeId, free: u32, evicted: u32) -> Summary {
 #[test]
 fn epochs_start_on_time_and_the_largest_weight_initiates_the_next() {
     let mut c = Cluster::new(5);
-    // Node 1 (the lowest id, no plan yet) starts after the first T.
-    for _ in 0..120 {
+    // Node 1 (the lowest id, no plan yet) starts at once.
+    for _ in 0..5 {
         c.step(10);
     }
     assert_eq!(c.agreed(), Some((1, 1)), "{:?}", c.epochs());
@@ -324,7 +337,7 @@ fn epochs_start_on_time_and_the_largest_weight_initiates_the_next() {
 #[test]
 fn a_dead_initiator_is_replaced_by_the_next_in_line() {
     let mut c = Cluster::new(5);
-    for _ in 0..120 {
+    for _ in 0..5 {
         c.step(10);
     }
     assert_eq!(c.agreed(), Some((1, 1)));
@@ -360,7 +373,7 @@ fn a_dead_initiator_is_replaced_by_the_next_in_line() {
 #[test]
 fn an_epoch_ends_early_when_its_weight_is_used_up_or_its_plan_is_stale() {
     let mut c = Cluster::new(3);
-    for _ in 0..120 {
+    for _ in 0..5 {
         c.step(10);
     }
     assert_eq!(c.agreed(), Some((1, 1)));
@@ -392,25 +405,25 @@ fn an_epoch_ends_early_when_its_weight_is_used_up_or_its_plan_is_stale() {
 fn forged_summaries_and_replayed_requests_are_ignored() {
     let mut e = Epochs::new(1, params(), 0);
     let mut out = Vec::new();
-    e.on_tick(1_000, &[1, 2, 3], |ev| summary_of(1, 5, ev), &mut out);
+    e.on_tick(1_000, &[1, 2, 3], |ev, d| summary_of(1, 5, ev, d), &mut out);
     assert_eq!(out.len(), 2);
     // Node 3 sends a summary claiming to be node 2; then node 2 its own twice.
-    e.on_summary(3, 1, summary_of(2, 1_000, 0));
-    e.on_summary(2, 1, summary_of(2, 7, 0));
-    e.on_summary(2, 1, summary_of(2, 7, 0));
+    e.on_summary(3, 1, summary_of(2, 1_000, 0, 0));
+    e.on_summary(2, 1, summary_of(2, 7, 0, 0));
+    e.on_summary(2, 1, summary_of(2, 7, 0, 0));
     assert_eq!(e.stats.summaries_refused, 2);
     out.clear();
-    e.on_tick(1_100, &[1, 2, 3], |ev| summary_of(1, 5, ev), &mut out);
+    e.on_tick(1_100, &[1, 2, 3], |ev, d| summary_of(1, 5, ev, d), &mut out);
     assert_eq!(e.plan().epoch, 1);
     // M is m_min (10: no evictions seen yet), shared 7:5 with the largest remainder to node 2.
     assert_eq!(e.plan().weights, vec![(2, 6), (1, 4)]);
     assert_eq!(e.stats.summaries_missing, 1);
     // A request for an epoch already planned is not answered.
     out.clear();
-    e.on_request(2, 1, |ev| summary_of(1, 5, ev), &mut out);
+    e.on_request(2, 1, |ev, d| summary_of(1, 5, ev, d), &mut out);
     assert!(out.is_empty());
     // A plan from someone else claiming to be epoch 2 by node 2 but sent by 3: refused.
-    let forged = Plan::compute(2, 2, &[summary_of(3, 50, 0)], 50, &params());
+    let forged = Plan::compute(2, 2, &[summary_of(3, 50, 0, 0)], 50, 50, &params());
     assert_eq!(
         e.on_plan(3, forged, 1_200),
         Err(PlanError::NotFromInitiator)
