@@ -20,13 +20,14 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
 /// The benchmarks `netram bench` has, in the order `ab` runs them by default (short ones first).
-pub const BENCHES: [&str; 7] = [
+pub const BENCHES: [&str; 8] = [
     "core",
     "security",
     "uffd",
     "programs",
     "reliability",
     "adapt",
+    "gms",
     "nbd",
 ];
 

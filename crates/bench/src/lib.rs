@@ -17,6 +17,7 @@ pub mod ab;
 pub mod adapt;
 pub mod cgroup;
 pub mod core;
+pub mod gms;
 pub mod machine;
 pub mod nbd;
 pub mod process;

@@ -213,8 +213,8 @@ enum BenchCommand {
         /// Where to write ab.json, ab.md and every run's own results.
         #[arg(long, default_value = "bench-results/ab")]
         out: PathBuf,
-        /// The benchmarks (core, security, uffd, programs, reliability, adapt, nbd) [default:
-        /// all].
+        /// The benchmarks (core, security, uffd, programs, reliability, adapt, gms, nbd)
+        /// [default: all].
         benches: Vec<String>,
     },
     /// The block device: fio against `netram nbd` and `nbdkit memory`, and the kernel's swap on
@@ -303,6 +303,23 @@ enum BenchCommand {
         #[arg(long)]
         migration_only: bool,
         /// Where to write adapt.json and adapt.md.
+        #[arg(long, default_value = "bench-results")]
+        out: PathBuf,
+    },
+    /// Global memory management (GMS), simulated with the production state machines: GMS
+    /// §5.5-5.6's skewed clusters (Fig. 9-11) with GMS, N-chance forwarding, a hashed data
+    /// cache and no cluster; epochs' cost (Table 5); the same on 100 to 10,000 nodes; writes
+    /// gms.json, gms.md and gms.svg (about 5 minutes; --quick under one). The run between
+    /// hosts (`netram cache`) is not built yet.
+    Gms {
+        /// Smaller clusters and fewer accesses.
+        #[arg(long)]
+        quick: bool,
+        /// Node counts of the scale runs (comma-separated) [default: 100,1000,10000;
+        /// 100,1000 with --quick].
+        #[arg(long, value_delimiter = ',')]
+        nodes: Vec<usize>,
+        /// Where to write gms.json, gms.md and gms.svg.
         #[arg(long, default_value = "bench-results")]
         out: PathBuf,
     },
@@ -597,6 +614,21 @@ fn main() -> anyhow::Result<()> {
             println!("{report}");
             println!("wrote {0}/security.json and {0}/security.md", out.display());
             Ok(())
+        }
+        Command::Bench(BenchCommand::Gms { quick, nodes, out }) => {
+            init_logging("warn");
+            if nodes.iter().any(|&n| n < 10) {
+                anyhow::bail!("--nodes: every scale run needs at least 10 nodes");
+            }
+            let opts = netram_bench::gms::Options {
+                quick,
+                nodes,
+                out: out.clone(),
+            };
+            let outcome = netram_bench::gms::run_bench(&opts)?;
+            println!("{}", outcome.report);
+            wrote(&out, &["gms.json", "gms.md", "gms.svg"]);
+            bench_verdict(&outcome.failed)
         }
         Command::Bench(BenchCommand::Core { quick, out }) => {
             init_logging("warn");

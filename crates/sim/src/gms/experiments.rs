@@ -37,8 +37,7 @@ impl SkewSize {
 }
 
 /// The epoch settings of the runs: the paper's T of 5 s; pages used within the last second
-/// count as in use; at most 32 weights a plan (measured: at 10,000 nodes the same hit ratio
-/// as 256, with 7× less sent by the initiator per epoch).
+/// count as in use; at most 32 weights a plan (`Params::max_weights` says why).
 pub fn params() -> Params {
     Params {
         duration_ms: 5_000,

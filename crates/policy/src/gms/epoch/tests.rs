@@ -430,3 +430,44 @@ fn forged_summaries_and_replayed_requests_are_ignored() {
     );
     assert_eq!(e.plan().epoch, 1);
 }
+
+proptest! {
+    /// Whatever another node sends, a node neither panics nor adopts a plan that does not
+    /// check out, and its eviction rule only ever names a node the plan weighs.
+    #[test]
+    fn hostile_plans_and_summaries_are_refused_or_harmless(
+        msgs in proptest::collection::vec(
+            (0u64..6, 0u64..5, 0u32..3_000, any::<u64>(),
+             proptest::collection::vec((0u64..6, 0u32..2_000), 0..40)),
+            1..30),
+        ages in proptest::collection::vec(0u64..100_000, 1..20),
+    ) {
+        let mut e = Epochs::new(1, params(), 0);
+        let mut out = Vec::new();
+        e.on_tick(10, &[1, 2, 3, 4, 5], |ev, d| summary_of(1, 3, ev, d), &mut out);
+        let mut rng = fastrand::Rng::with_seed(9);
+        for (i, (from, epoch, m, min_age, weights)) in msgs.into_iter().enumerate() {
+            let plan = Plan {
+                epoch,
+                initiator: from,
+                m,
+                min_age_ms: min_age,
+                weights: weights.clone(),
+                duration_ms: 1_000,
+            };
+            e.on_summary(from, epoch, summary_of(from, m, 0, 0));
+            let valid = plan.check(from, e.params()).is_ok();
+            if let Ok(true) = e.on_plan(from, plan, 100 + i as u64) {
+                prop_assert!(valid);
+            }
+            prop_assert!(e.plan().check(e.plan().initiator, e.params()).is_ok());
+            for &a in &ages {
+                if let Evict::Forward(n) = e.plan().evict(1, a, false, &mut rng) {
+                    prop_assert!(n != 1 && e.plan().weight(n) > 0);
+                }
+            }
+            out.clear();
+            e.on_tick(200 + i as u64 * 300, &[1, 2, 3, 4, 5], |ev, d| summary_of(1, 3, ev, d), &mut out);
+        }
+    }
+}
