@@ -1,6 +1,6 @@
-//! Every decoder of untrusted bytes: it must return a value or an error, never panic, and a
-//! request it accepts must encode back to exactly the same bytes (the encoding is canonical,
-//! so nothing a peer sends is silently reinterpreted).
+//! Every decoder of untrusted bytes (GMS's too): it must return a value or an error, never
+//! panic, and a request it accepts must encode back to exactly the same bytes (the encoding is
+//! canonical, so nothing a peer sends is silently reinterpreted).
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
@@ -12,6 +12,12 @@ fuzz_target!(|data: &[u8]| {
     let _ = decode_reply(data);
     if let Ok(Some(len)) = frame_len(data) {
         assert!(len >= netram_proto::FRAME_HEADER_LEN && len <= netram_proto::MAX_FRAME_LEN);
+    }
+    let _ = netram_proto::gms::decode_reply(data);
+    if let Ok((id, req)) = netram_proto::gms::decode_request(data) {
+        let mut again = Vec::new();
+        req.encode(id, &mut again);
+        assert_eq!(again, data, "a decoded GMS request re-encodes to the same bytes");
     }
     if let Ok((id, req)) = decode_request(data) {
         let mut again = Vec::new();

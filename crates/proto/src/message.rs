@@ -49,6 +49,10 @@ pub enum Kind {
     Expect = 0x0b,
     Migrate = 0x0c,
     Adopt = 0x0d,
+    /// GMS (`crate::gms`): epoch messages between daemons, clean pages to and from daemons.
+    GmsEpoch = 0x0e,
+    PutCached = 0x0f,
+    GetCached = 0x10,
     PutReply = 0x81,
     GetReply = 0x82,
     DeleteReply = 0x83,
@@ -57,6 +61,8 @@ pub enum Kind {
     ParityDeltaReply = 0x89,
     ParityScanReply = 0x8a,
     MoveReply = 0x8c,
+    PutCachedReply = 0x8f,
+    GetCachedReply = 0x90,
     Error = 0xff,
 }
 
@@ -139,7 +145,7 @@ pub struct Load {
 }
 
 impl Load {
-    fn decode(r: &mut Reader<'_>) -> Result<Self, DecodeError> {
+    pub(crate) fn decode(r: &mut Reader<'_>) -> Result<Self, DecodeError> {
         Ok(Self {
             free_pages: r.u64()?,
             requests_per_s: r.u32()?,
@@ -324,7 +330,7 @@ pub fn frame_len(buf: &[u8]) -> Result<Option<usize>, DecodeError> {
 }
 
 /// Checks the header of one whole frame and returns its kind, request id and body.
-fn split_frame(frame: &[u8]) -> Result<(u8, u64, Reader<'_>), DecodeError> {
+pub(crate) fn split_frame(frame: &[u8]) -> Result<(u8, u64, Reader<'_>), DecodeError> {
     let len = frame_len(frame)?.ok_or_else(|| DecodeError::Truncated {
         needed: 4 - frame.len(),
     })?;
