@@ -544,3 +544,134 @@ fn strangers_holding_every_handshake_slot_cannot_keep_a_member_out() {
     );
     assert!(taken >= 5, "the member's connections took slots over");
 }
+
+/// GMS's clean pages on a running daemon (issue 39): held and read back byte for byte,
+/// taken away by their user; a damaged or mislabelled one refused and counted; a younger one
+/// replaces the oldest, an older one is refused; owned pages take clean pages' frames rather
+/// than be refused; an epoch message is counted and dropped (daemons do not run epochs yet);
+/// a malformed GMS frame closes only its own connection.
+#[test]
+fn clean_pages_are_held_checked_and_give_way_to_owned_pages() {
+    use netram_proto::gms::{
+        CachedPage, CachedStatus, Epoch, Reply as GmsReply, Request as GmsRequest,
+    };
+    let server = ServerProcess::start(&["--insecure", "--capacity", "1M"]);
+    let frames = 256u128;
+    let mut s = session(HONEST, &server.addr, 0x9e5);
+    let gms_call = |s: &mut TcpStream, id: u64, req: &GmsRequest<'_>| {
+        let mut buf = Vec::new();
+        req.encode(id, &mut buf);
+        s.write_all(&buf).unwrap();
+        read_frame(s)
+    };
+    let put_status = |s: &mut TcpStream, id: u64, pages: Vec<CachedPage<'_>>| {
+        let frame = gms_call(s, id, &GmsRequest::PutCached(pages));
+        match netram_proto::gms::decode_reply(&frame).unwrap().1 {
+            GmsReply::PutCached { status, .. } => status,
+            other => panic!("{other:?}"),
+        }
+    };
+    let datas: Vec<Vec<u8>> = (0..frames as u64 + 2).map(page_data).collect();
+    let chunk_of = |chunk: u128| -> Vec<CachedPage<'_>> {
+        (chunk * 64..(chunk + 1) * 64)
+            .map(|u| CachedPage::seal(u, 60_000, &datas[u as usize]))
+            .collect()
+    };
+    // One client may hold three quarters of the daemon's frames (its quota), clean pages
+    // counted apart from its owned ones: the fourth chunk is refused.
+    for chunk in 0..4 {
+        let st = put_status(&mut s, chunk as u64, chunk_of(chunk));
+        let want = if chunk < 3 {
+            CachedStatus::Taken
+        } else {
+            CachedStatus::Refused
+        };
+        assert!(st.iter().all(|&st| st == want), "chunk {chunk}: {st:?}");
+    }
+    // Another client fills the rest.
+    let mut other = session(ATTACKER, &server.addr, 0x07e5);
+    let st = put_status(&mut other, 1, chunk_of(3));
+    assert!(st.iter().all(|&st| st == CachedStatus::Taken), "{st:?}");
+    // Damaged, and under another uid.
+    let mut bad = CachedPage::seal(900, 10, &datas[0]);
+    bad.uid = 901;
+    assert_eq!(put_status(&mut s, 10, vec![bad]), [CachedStatus::Corrupt]);
+    // Full: a page older than every one held is refused; a younger one replaces the oldest.
+    let old = CachedPage::seal(frames, 3_600_000, &datas[frames as usize]);
+    let young = CachedPage::seal(frames + 1, 5, &datas[frames as usize + 1]);
+    assert_eq!(
+        put_status(&mut other, 11, vec![old]),
+        [CachedStatus::Refused]
+    );
+    assert_eq!(
+        put_status(&mut other, 12, vec![young]),
+        [CachedStatus::Replaced]
+    );
+    // Read back, verified; taken away by its user.
+    let frame = gms_call(
+        &mut s,
+        13,
+        &GmsRequest::GetCached {
+            take: true,
+            uids: vec![frames + 1, 5],
+        },
+    );
+    let GmsReply::GetCached { pages, .. } = netram_proto::gms::decode_reply(&frame).unwrap().1
+    else {
+        panic!("not a GET_CACHED reply");
+    };
+    for (p, want) in pages.iter().zip([frames as usize + 1, 5]) {
+        let p = p.expect("held");
+        assert!(p.verify() && p.data == datas[want]);
+    }
+    let frame = gms_call(
+        &mut s,
+        14,
+        &GmsRequest::GetCached {
+            take: false,
+            uids: vec![5],
+        },
+    );
+    assert!(matches!(
+        netram_proto::gms::decode_reply(&frame).unwrap().1,
+        GmsReply::GetCached { pages, .. } if pages == [None]
+    ));
+    // Owned pages are never refused while clean pages can give way.
+    for p in 0..16u64 {
+        let frame = call(
+            &mut s,
+            100 + p,
+            &Request::Put(vec![Page::seal(PageKey::new(1, p), 1, &datas[0])]),
+        );
+        assert!(
+            matches!(decode_reply(&frame).unwrap().1, Reply::Put { status, .. } if status == [PutStatus::Stored])
+        );
+    }
+    // An epoch message has no reply: the next request's reply is the next frame.
+    let mut buf = Vec::new();
+    GmsRequest::Epoch(Epoch::Stale { epoch: 3 }).encode(200, &mut buf);
+    s.write_all(&buf).unwrap();
+    let frame = call(&mut s, 201, &Request::Stats);
+    assert_eq!(decode_reply(&frame).unwrap().0, 201);
+    assert_eq!(counter(&server.addr, "gms_epoch_messages_ignored"), 1);
+    assert_eq!(counter(&server.addr, "clean_refused_corrupt"), 1);
+    assert_eq!(counter(&server.addr, "clean_refused_younger"), 1);
+    assert_eq!(counter(&server.addr, "clean_refused_quota"), 64);
+    assert_eq!(counter(&server.addr, "clean_replaced"), 1);
+    assert_eq!(counter(&server.addr, "clean_taken"), 2);
+    assert!(counter(&server.addr, "clean_dropped_for_owned") >= 14);
+    // A summary whose buckets go up: the connection is closed, nobody else is harmed.
+    let mut m = session(ATTACKER, &server.addr, 0xbad);
+    let mut body = vec![1u8];
+    body.extend_from_slice(&1u64.to_le_bytes());
+    body.extend_from_slice(&[0; 12]);
+    body.extend_from_slice(&[2, 3, 1, 0, 0, 0, 4, 1, 0, 0, 0]);
+    let mut frame = Vec::new();
+    let mut w =
+        netram_proto::FrameBuilder::begin(&mut frame, netram_proto::Kind::GmsEpoch as u8, 1);
+    w.bytes(&body);
+    w.finish();
+    m.write_all(&frame).unwrap();
+    assert!(closed_within(&mut m, Duration::from_secs(10)));
+    well_behaved_client_is_served(&server.addr);
+}

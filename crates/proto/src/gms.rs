@@ -25,8 +25,10 @@
 //! forge a matching checksum: pages that must be trusted against members are verified against
 //! their source by the front end, see `netram cache`.)
 //!
-//! These decoders are fuzzed (`fuzz/fuzz_targets/decode.rs`); the daemon does not serve these
-//! kinds yet (issue 39): until it does, `decode_request` refuses them as unknown.
+//! These decoders are fuzzed (`fuzz/fuzz_targets/decode.rs`). The owned-page protocol's
+//! `decode_request` refuses these kinds as unknown; the daemon then decodes them here: clean
+//! pages are served by `netram_store::serve::handle_gms`, and epoch messages are counted and
+//! dropped until daemons run epochs (issue 39).
 
 use crate::codec::{DecodeError, FrameBuilder, Reader};
 use crate::message::{split_frame, Kind, Load};

@@ -261,6 +261,8 @@ node_counters! {
     /// Times a connection stopped serving requests to write replies first (a full window or
     /// `REPLY_BUFFER_MAX` bytes of replies).
     replies_flushed_early,
+    /// GMS epoch messages received and dropped: daemons do not run GMS's epochs yet.
+    gms_epoch_messages_ignored,
     /// The peer sent no complete handshake in time, or hung up during it.
     handshakes_incomplete,
     /// Not a netram peer (wrong magic).
@@ -1496,6 +1498,37 @@ fn handle_frames(
         };
         let (id, req) = match decode_request(frame) {
             Ok(r) => r,
+            Err(DecodeError::UnknownKind(_)) => {
+                // GMS's clean pages and epoch messages (`netram_proto::gms`).
+                let (id, req) = match netram_proto::gms::decode_request(frame) {
+                    Ok(r) => r,
+                    Err(e) => break Err(e),
+                };
+                served += 1;
+                let mark = out.len();
+                let rps = store.note_requests(1, now);
+                let cost = match &req {
+                    netram_proto::gms::Request::PutCached(p) => p.len().max(1) as u32,
+                    netram_proto::gms::Request::GetCached { uids, .. } => uids.len().max(1) as u32,
+                    netram_proto::gms::Request::Epoch(_) => 1,
+                };
+                match serve::handle_gms(&mut store, h, id, req, now, rps, out) {
+                    serve::GmsOutcome::Replied => {
+                        if sealed {
+                            reserve_tags(out, mark);
+                        }
+                    }
+                    // Daemons do not run GMS's epochs yet (issue 39): counted and dropped.
+                    serve::GmsOutcome::Epoch(_) => {
+                        Shared::bump(&shared.counters.gms_epoch_messages_ignored);
+                    }
+                }
+                throttle_ms = store.charge(h, cost, now);
+                if throttle_ms > 0 {
+                    break Ok(false);
+                }
+                continue;
+            }
             Err(e) => break Err(e),
         };
         served += 1;

@@ -33,11 +33,13 @@
 //! virtual one. One counter per reason a page was stored, refused or freed ([`Counters`]).
 
 mod adopt;
+mod clean;
 mod parity;
 pub mod serve;
 
 pub use adopt::{EXPECT_TTL_MS, MAX_EXPECTED, MAX_EXPECTED_PER_PEER, MAX_EXPECTED_PER_SESSION};
 
+pub use clean::CleanPage;
 pub use parity::{ParityTag, PARITY_REGION};
 
 use hashbrown::HashTable;
@@ -349,6 +351,25 @@ counters! {
     adopts_refused_exists,
     /// ... for want of room, or damaged on the way.
     adopts_refused_full,
+    /// Clean pages (GMS, `clean.rs`) taken into a free frame, and in place of an older one.
+    clean_stored,
+    clean_replaced,
+    /// ... refused: every clean page here is younger (the plan that sent it was wrong), or
+    /// the offer is shrinking.
+    clean_refused_younger,
+    /// ... refused: their sender holds its quota of frames in clean pages.
+    clean_refused_quota,
+    /// ... refused: the checksum does not match the uid and contents.
+    clean_refused_corrupt,
+    /// ... already here.
+    clean_present,
+    /// Clean pages asked for and found (and of those, taken away by their user), or not found.
+    clean_hits,
+    clean_taken,
+    clean_misses,
+    /// Clean pages dropped to give their frame to an owned page, and above a shrunk offer.
+    clean_dropped_for_owned,
+    clean_dropped_for_offer,
 }
 
 /// The page store. `A` is the arena: the daemon passes an mmap, tests a `Vec<u8>`.
@@ -377,6 +398,8 @@ pub struct Store<A> {
     load_window_s: u64,
     load_count: u32,
     load_last: u32,
+    /// Clean pages held for other nodes (GMS; `clean.rs`).
+    clean: clean::CleanPages,
 }
 
 impl<A> std::fmt::Debug for Store<A> {
@@ -394,7 +417,8 @@ impl<A: AsRef<[u8]> + AsMut<[u8]>> Store<A> {
     pub fn new(arena: A, cfg: StoreConfig) -> Self {
         let frames = arena.as_ref().len() / PAGE_SIZE;
         assert!(frames < NIL as usize, "at most 2^32 - 1 frames");
-        assert!(cfg.max_sessions > 0 && cfg.max_sessions <= SLOT_MASK as usize);
+        // The last slot value marks clean pages' frames (`clean::CLEAN`).
+        assert!(cfg.max_sessions > 0 && cfg.max_sessions < SLOT_MASK as usize);
         // Free list threaded through the metadata, lowest frame first.
         let meta = (0..frames as u32)
             .map(|i| FrameMeta {
@@ -424,6 +448,7 @@ impl<A: AsRef<[u8]> + AsMut<[u8]>> Store<A> {
             load_window_s: 0,
             load_count: 0,
             load_last: 0,
+            clean: clean::CleanPages::default(),
         }
     }
 
@@ -519,6 +544,11 @@ impl<A: AsRef<[u8]> + AsMut<[u8]>> Store<A> {
                 if m.owner == FREE {
                     self.free_frames += 1;
                 } else {
+                    debug_assert_ne!(
+                        m.slot(),
+                        clean::CLEAN,
+                        "clean pages above the offer are dropped"
+                    );
                     self.used_beyond -= 1;
                     self.sessions[m.slot() as usize].beyond.remove(&f);
                 }
@@ -532,6 +562,16 @@ impl<A: AsRef<[u8]> + AsMut<[u8]>> Store<A> {
                         Some((start, n)) if *start + *n == f => *n += 1,
                         _ => runs.push((f, 1)),
                     }
+                } else if m.slot() == clean::CLEAN {
+                    // A copy: dropped rather than moved, its frame given back.
+                    self.drop_clean_frame(f);
+                    self.meta[f as usize] = FrameMeta {
+                        key: [NIL, 0],
+                        owner: FREE,
+                        version: 0,
+                        crc: 0,
+                    };
+                    self.given_back.push(f);
                 } else {
                     self.used_beyond += 1;
                     self.sessions[m.slot() as usize].beyond.insert(f);
@@ -971,14 +1011,19 @@ impl<A: AsRef<[u8]> + AsMut<[u8]>> Store<A> {
     fn insert_frame(&mut self, slot: u32, packed: u64) -> Result<u32, PutStatus> {
         let peer = self.sessions[slot as usize].peer;
         // A full server is full, whoever asks; the quota decides while frames remain. While
-        // pages wait above a shrunk offer, the frames freed below it are theirs.
-        if self.free_head == NIL || self.used_beyond > 0 {
+        // pages wait above a shrunk offer, the frames freed below it are theirs. A clean page
+        // is never a reason to refuse: the oldest one gives up its frame (`clean.rs`).
+        if (self.free_head == NIL && self.clean_pages() == 0) || self.used_beyond > 0 {
             self.counters.puts_refused_full += 1;
             return Err(PutStatus::Full);
         }
         if self.peers.get(&peer).map_or(0, |u| u.pages) >= self.cfg.max_peer_pages {
             self.counters.puts_refused_quota += 1;
             return Err(PutStatus::Full);
+        }
+        if self.free_head == NIL {
+            let dropped = self.drop_clean_for_owned();
+            debug_assert!(dropped, "a clean page, checked above");
         }
         let f = self.take_free_frame().expect("a free frame, checked above");
         self.meta[f as usize].key = [packed as u32, (packed >> 32) as u32];
@@ -1139,6 +1184,11 @@ impl<A: AsRef<[u8]> + AsMut<[u8]>> Store<A> {
                 "sessions list {listed} frames above the offer, {beyond} are (or a list is wrong)"
             ));
         }
+        if let Some(why) = self.clean_violation() {
+            return Some(why);
+        }
+        // Owned pages (and parity pages): the frames used less those holding clean pages.
+        let used = used - self.clean_pages();
         if self.index.len() as u64 != used {
             return Some(format!(
                 "index has {} keys, {used} frames used",

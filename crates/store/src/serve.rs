@@ -149,6 +149,79 @@ struct PendingPut {
     delta: Option<usize>,
 }
 
+/// What became of a GMS request ([`handle_gms`]).
+#[derive(Debug)]
+pub enum GmsOutcome {
+    /// Answered (clean pages put or got).
+    Replied,
+    /// An epoch message: the daemon's, not the store's (it has no reply).
+    Epoch(netram_proto::gms::Epoch),
+}
+
+/// Runs one GMS request (`netram_proto::gms`) from session `h`: clean pages put and got
+/// against the store (`clean.rs`), epoch messages handed back to the caller.
+pub fn handle_gms<A: AsRef<[u8]> + AsMut<[u8]>>(
+    store: &mut Store<A>,
+    h: SessionHandle,
+    id: u64,
+    req: netram_proto::gms::Request<'_>,
+    now_ms: u64,
+    rps: u32,
+    out: &mut Vec<u8>,
+) -> GmsOutcome {
+    use netram_proto::gms::{CachedPage, Reply as GmsReply, Request as GmsRequest};
+    match req {
+        GmsRequest::Epoch(e) => GmsOutcome::Epoch(e),
+        GmsRequest::PutCached(pages) => {
+            let mut status = Vec::with_capacity(pages.len());
+            for p in &pages {
+                match store.put_clean(h, p.uid, p.age_ms, p.crc, p.flags, p.data, now_ms) {
+                    Ok(s) => status.push(s),
+                    Err(_) => {
+                        expired_reply(store, id, rps, out);
+                        return GmsOutcome::Replied;
+                    }
+                }
+            }
+            GmsReply::PutCached {
+                load: store.load(h, rps),
+                status,
+            }
+            .encode(id, out);
+            GmsOutcome::Replied
+        }
+        GmsRequest::GetCached { take, uids } => {
+            let mut found = Vec::with_capacity(uids.len());
+            for &uid in &uids {
+                match store.get_clean(h, uid, take, now_ms) {
+                    Ok(p) => found.push(p.map(|p| (uid, p))),
+                    Err(_) => {
+                        expired_reply(store, id, rps, out);
+                        return GmsOutcome::Replied;
+                    }
+                }
+            }
+            GmsReply::GetCached {
+                load: store.load(h, rps),
+                pages: found
+                    .iter()
+                    .map(|p| {
+                        p.as_ref().map(|(uid, p)| CachedPage {
+                            uid: *uid,
+                            age_ms: p.age_ms,
+                            crc: p.crc,
+                            flags: p.flags,
+                            data: &p.data,
+                        })
+                    })
+                    .collect(),
+            }
+            .encode(id, out);
+            GmsOutcome::Replied
+        }
+    }
+}
+
 /// Runs one request from the session `h` and appends its reply (if it has one) to `out`.
 /// `rps` is the request rate piggy-backed on the reply; `stats` lists the counters a STATS
 /// request returns (the daemon adds its own to the store's).

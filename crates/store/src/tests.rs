@@ -216,6 +216,10 @@ enum Op {
     Delete(u8, u64),
     Close(u8),
     Tick(u64),
+    /// A clean page (GMS): session, uid, age in ms, contents.
+    PutClean(u8, u128, u64, u8),
+    /// Session, uid, take.
+    GetClean(u8, u128, bool),
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -225,6 +229,8 @@ fn op() -> impl Strategy<Value = Op> {
         2 => (0u8..3, 0u64..12).prop_map(|(s, p)| Op::Delete(s, p)),
         1 => (0u8..3).prop_map(Op::Close),
         1 => (0u64..200).prop_map(Op::Tick),
+        3 => (0u8..3, 0u128..10, 0u64..3_000, any::<u8>()).prop_map(|(s, u, a, b)| Op::PutClean(s, u, a, b)),
+        2 => (0u8..3, 0u128..10, any::<bool>()).prop_map(|(s, u, t)| Op::GetClean(s, u, t)),
     ]
 }
 
@@ -238,10 +244,16 @@ proptest! {
         let mut handles: Vec<Option<SessionHandle>> = vec![None; 3];
         let mut model: Vec<HashMap<u64, u8>> = vec![HashMap::new(); 3];
         let mut last: Vec<u64> = vec![0; 3];
+        // Clean pages: uid -> (contents, last use). They outlive sessions.
+        let mut clean: HashMap<u128, (u8, u64)> = HashMap::new();
+        let oldest_clean = |clean: &HashMap<u128, (u8, u64)>| {
+            clean.iter().map(|(&u, &(_, t))| (t, u)).min()
+        };
         for op in ops {
             match op {
                 // The first operation of a session opens it.
-                Op::Put(i, ..) | Op::Get(i, _) | Op::Delete(i, _) if handles[i as usize].is_none() => {
+                Op::Put(i, ..) | Op::Get(i, _) | Op::Delete(i, _) | Op::PutClean(i, ..) | Op::GetClean(i, ..)
+                    if handles[i as usize].is_none() => {
                     handles[i as usize] = Some(s.open_session(u64::from(i), 1, 1, now).unwrap());
                     last[i as usize] = now;
                 }
@@ -250,8 +262,13 @@ proptest! {
                     let total: usize = model.iter().map(|m| m.len()).sum();
                     let st = put_at(&mut s, h, p, b, now);
                     let m = &mut model[i as usize];
-                    if m.contains_key(&p) || total < cap {
+                    if m.contains_key(&p) || total + clean.len() < cap {
                         prop_assert_eq!(st, PutStatus::Stored);
+                        m.insert(p, b);
+                    } else if let Some((_, victim)) = oldest_clean(&clean) {
+                        // An owned page takes the oldest clean page's frame.
+                        prop_assert_eq!(st, PutStatus::Stored);
+                        clean.remove(&victim);
                         m.insert(p, b);
                     } else {
                         prop_assert_eq!(st, PutStatus::Full);
@@ -268,6 +285,42 @@ proptest! {
                     let h = handles[i as usize].unwrap();
                     let d = s.delete(h, PageKey::new(1, p), now).unwrap();
                     prop_assert_eq!(d, model[i as usize].remove(&p).is_some());
+                    last[i as usize] = now;
+                }
+                Op::PutClean(i, uid, age, b) => {
+                    let h = handles[i as usize].unwrap();
+                    let data = page(b);
+                    let c = netram_proto::gms::cached_checksum(uid, PageFlags::default(), &data);
+                    let st = s.put_clean(h, uid, age as u32, c, PageFlags::default(), &data, now).unwrap();
+                    let owned: usize = model.iter().map(|m| m.len()).sum();
+                    let t = now.saturating_sub(age);
+                    use netram_proto::gms::CachedStatus;
+                    if clean.contains_key(&uid) {
+                        prop_assert_eq!(st, CachedStatus::Present);
+                    } else if owned + clean.len() < cap {
+                        prop_assert_eq!(st, CachedStatus::Taken);
+                        clean.insert(uid, (b, t));
+                    } else {
+                        match oldest_clean(&clean) {
+                            Some((vt, victim)) if (now - vt) * 2 >= age * 2 => {
+                                prop_assert_eq!(st, CachedStatus::Replaced);
+                                clean.remove(&victim);
+                                clean.insert(uid, (b, t));
+                            }
+                            _ => prop_assert_eq!(st, CachedStatus::Refused),
+                        }
+                    }
+                    last[i as usize] = now;
+                }
+                Op::GetClean(i, uid, take) => {
+                    let h = handles[i as usize].unwrap();
+                    let got = s.get_clean(h, uid, take, now).unwrap().map(|g| g.data[0]);
+                    prop_assert_eq!(got, clean.get(&uid).map(|&(b, _)| b));
+                    if take {
+                        clean.remove(&uid);
+                    } else if let Some(e) = clean.get_mut(&uid) {
+                        e.1 = e.1.max(now);
+                    }
                     last[i as usize] = now;
                 }
                 Op::Close(i) => {
@@ -288,7 +341,10 @@ proptest! {
                 }
             }
             s.check_invariants();
-            prop_assert_eq!(s.stored_pages() as usize, model.iter().map(|m| m.len()).sum::<usize>());
+            prop_assert_eq!(
+                s.stored_pages() as usize,
+                model.iter().map(|m| m.len()).sum::<usize>() + clean.len()
+            );
         }
     }
 }

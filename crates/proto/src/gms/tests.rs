@@ -189,7 +189,7 @@ fn lying_counts_orders_and_values_are_refused() {
         decode_request(&frame(Kind::PutCached, &flags)),
         Err(DecodeError::Reserved { .. })
     ));
-    // The ordinary decoder does not accept them yet: the daemon does not serve them.
+    // The owned-page decoder refuses them (the daemon falls back to this module's).
     assert_eq!(
         crate::decode_request(&frame(Kind::GmsEpoch, &[3, 0, 0, 0, 0, 0, 0, 0, 0])),
         Err(DecodeError::UnknownKind(Kind::GmsEpoch as u8))

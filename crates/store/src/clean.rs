@@ -1,0 +1,320 @@
+//! Clean pages (GMS, paper 000, §3.3 and §4.5; issue 39): copies of pages that also exist in a
+//! source (a file, the owner's disk), held here for other nodes as *global* pages.
+//!
+//! They share the arena and the offer with owned pages but are a different kind of thing: any
+//! of them may be dropped at any time, since its user can read it again from the source. So:
+//! - an owned page that finds no free frame takes the oldest clean page's instead of being
+//!   refused ([`Store::put`]'s `Full` only when no clean page is left): a full cluster evicts
+//!   a copy rather than refuse the only one;
+//! - a clean page sent here takes a free frame, or the frame of the oldest clean page if that
+//!   page is at least as old as it (GMS's receiving rule: this node's own ages outweigh the
+//!   plan that sent it), or is refused ([`CachedStatus::Refused`]);
+//! - a shrinking offer drops the clean pages above it instead of moving them;
+//! - they outlive the session that sent them (they are the cluster's cache, not a client's
+//!   data), and count against their sender's quota of frames (`max_peer_pages`) apart from
+//!   its owned pages.
+//!
+//! A clean page is checked against its checksum (over its uid and contents) when it arrives;
+//! a damaged or mislabelled one is refused and counted. Frames holding clean pages are marked
+//! with the session slot [`CLEAN`], which no session has, and are not in the owned-page index;
+//! the clean pages' own index keeps them in order of last use, oldest first.
+
+use crate::{FrameMeta, Peer, SessionHandle, Store, StoreError, FREE, NIL, SLOT_BITS, SLOT_MASK};
+use netram_proto::gms::{cached_checksum, CachedStatus};
+use netram_proto::{PageFlags, PAGE_SIZE};
+use std::collections::{BTreeSet, HashMap};
+
+/// The session slot that marks a frame holding a clean page.
+pub(crate) const CLEAN: u32 = SLOT_MASK;
+
+/// How much faster a held clean page ages than a page in use by its own node (GMS §3.1; the
+/// same factor as `netram_policy::gms::GLOBAL_AGE_BOOST`).
+const AGE_BOOST: u64 = 2;
+
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct CleanMeta {
+    frame: u32,
+    crc: u32,
+    flags: PageFlags,
+    /// When its user last touched it, on this store's clock.
+    last_ms: u64,
+    /// Who sent it (its quota).
+    peer: Peer,
+}
+
+/// The clean pages' index, and their order by age (a page arrives with the age its sender
+/// gives it, so arrival order is not age order).
+#[derive(Debug, Default)]
+pub(crate) struct CleanPages {
+    pages: HashMap<u128, CleanMeta>,
+    by_age: BTreeSet<(u64, u128)>,
+    /// Which page each clean frame holds (a shrink drops them by frame).
+    by_frame: HashMap<u32, u128>,
+    per_peer: HashMap<Peer, u64>,
+}
+
+impl CleanPages {
+    fn len(&self) -> usize {
+        self.pages.len()
+    }
+
+    fn insert(&mut self, uid: u128, m: CleanMeta) {
+        self.by_age.insert((m.last_ms, uid));
+        self.by_frame.insert(m.frame, uid);
+        *self.per_peer.entry(m.peer).or_default() += 1;
+        self.pages.insert(uid, m);
+    }
+
+    fn remove(&mut self, uid: u128) -> Option<CleanMeta> {
+        let m = self.pages.remove(&uid)?;
+        self.by_age.remove(&(m.last_ms, uid));
+        self.by_frame.remove(&m.frame);
+        self.forget_peer_page(m.peer);
+        Some(m)
+    }
+
+    fn oldest(&self) -> Option<(u128, CleanMeta)> {
+        let &(_, uid) = self.by_age.first()?;
+        Some((uid, self.pages[&uid]))
+    }
+
+    fn touch(&mut self, uid: u128, now_ms: u64) {
+        if let Some(m) = self.pages.get_mut(&uid) {
+            self.by_age.remove(&(m.last_ms, uid));
+            m.last_ms = m.last_ms.max(now_ms);
+            self.by_age.insert((m.last_ms, uid));
+        }
+    }
+
+    fn forget_peer_page(&mut self, peer: Peer) {
+        if let Some(n) = self.per_peer.get_mut(&peer) {
+            *n -= 1;
+            if *n == 0 {
+                self.per_peer.remove(&peer);
+            }
+        }
+    }
+}
+
+/// A clean page as read back.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CleanPage {
+    /// How long ago its user last touched it, as this store knows (ms).
+    pub age_ms: u32,
+    pub crc: u32,
+    pub flags: PageFlags,
+    /// `PAGE_SIZE` bytes, or none for a zero page.
+    pub data: Vec<u8>,
+}
+
+impl<A: AsRef<[u8]> + AsMut<[u8]>> Store<A> {
+    /// Clean pages held.
+    pub fn clean_pages(&self) -> u64 {
+        self.clean.len() as u64
+    }
+
+    /// The ages (ms, boosted as global pages' are) of the clean pages held: a node's part of
+    /// an epoch's summary, with [`Store::room`] as its free frames.
+    pub fn clean_ages(&self, now_ms: u64) -> impl Iterator<Item = u64> + '_ {
+        self.clean
+            .pages
+            .values()
+            .map(move |m| now_ms.saturating_sub(m.last_ms).saturating_mul(AGE_BOOST))
+    }
+
+    /// A clean page sent by session `h`'s client (GMS's putpage, received).
+    #[allow(clippy::too_many_arguments)]
+    pub fn put_clean(
+        &mut self,
+        h: SessionHandle,
+        uid: u128,
+        age_ms: u32,
+        crc: u32,
+        flags: PageFlags,
+        data: &[u8],
+        now_ms: u64,
+    ) -> Result<CachedStatus, StoreError> {
+        self.session(h, now_ms)?;
+        if cached_checksum(uid, flags, data) != crc
+            || data.len() != if flags.is_zero() { 0 } else { PAGE_SIZE }
+        {
+            self.counters.clean_refused_corrupt += 1;
+            return Ok(CachedStatus::Corrupt);
+        }
+        if self.clean.pages.contains_key(&uid) {
+            self.counters.clean_present += 1;
+            return Ok(CachedStatus::Present);
+        }
+        let peer = self.sessions[h.slot as usize].peer;
+        let held = self.clean.per_peer.get(&peer).copied().unwrap_or(0);
+        if held >= self.cfg.max_peer_pages {
+            self.counters.clean_refused_quota += 1;
+            return Ok(CachedStatus::Refused);
+        }
+        let last_ms = now_ms.saturating_sub(u64::from(age_ms));
+        let (frame, status) = if self.room() > 0 {
+            let f = self.take_free_frame().expect("room means a free frame");
+            self.counters.clean_stored += 1;
+            (f, CachedStatus::Taken)
+        } else {
+            // GMS's receiving rule: only in place of a page at least as old.
+            let incoming = u64::from(age_ms).saturating_mul(AGE_BOOST);
+            let oldest = self.clean.oldest();
+            match oldest {
+                Some((victim, m))
+                    if now_ms.saturating_sub(m.last_ms).saturating_mul(AGE_BOOST) >= incoming
+                        && self.used_beyond == 0 =>
+                {
+                    self.clean.remove(victim);
+                    self.counters.clean_replaced += 1;
+                    (m.frame, CachedStatus::Replaced)
+                }
+                _ => {
+                    self.counters.clean_refused_younger += 1;
+                    return Ok(CachedStatus::Refused);
+                }
+            }
+        };
+        self.meta[frame as usize] = FrameMeta {
+            key: [0, 0],
+            owner: CLEAN | (u32::from(flags.0 as u8) << SLOT_BITS),
+            version: 0,
+            crc,
+        };
+        let at = frame as usize * PAGE_SIZE;
+        let dst = &mut self.arena.as_mut()[at..at + PAGE_SIZE];
+        if flags.is_zero() {
+            dst.fill(0);
+        } else {
+            dst.copy_from_slice(data);
+        }
+        self.clean.insert(
+            uid,
+            CleanMeta {
+                frame,
+                crc,
+                flags,
+                last_ms,
+                peer,
+            },
+        );
+        Ok(status)
+    }
+
+    /// A clean page asked for by uid (GMS's getpage). `take`: the asker will use it, so it
+    /// leaves this node (a global page has one copy, §4.5); otherwise it stays, as the
+    /// youngest.
+    pub fn get_clean(
+        &mut self,
+        h: SessionHandle,
+        uid: u128,
+        take: bool,
+        now_ms: u64,
+    ) -> Result<Option<CleanPage>, StoreError> {
+        self.session(h, now_ms)?;
+        let Some(m) = self.clean.pages.get(&uid).copied() else {
+            self.counters.clean_misses += 1;
+            return Ok(None);
+        };
+        let page = CleanPage {
+            age_ms: u32::try_from(now_ms.saturating_sub(m.last_ms)).unwrap_or(u32::MAX),
+            crc: m.crc,
+            flags: m.flags,
+            data: if m.flags.is_zero() {
+                Vec::new()
+            } else {
+                self.frame(m.frame).to_vec()
+            },
+        };
+        self.counters.clean_hits += 1;
+        if take {
+            self.clean.remove(uid);
+            self.release_clean_frame(m.frame);
+            self.counters.clean_taken += 1;
+        } else {
+            self.clean.touch(uid, now_ms);
+        }
+        Ok(Some(page))
+    }
+
+    /// Drops the oldest clean page to free its frame for an owned page; false when there is
+    /// none.
+    pub(crate) fn drop_clean_for_owned(&mut self) -> bool {
+        let Some((uid, m)) = self.clean.oldest() else {
+            return false;
+        };
+        self.clean.remove(uid);
+        self.release_clean_frame(m.frame);
+        self.counters.clean_dropped_for_owned += 1;
+        true
+    }
+
+    /// Drops the clean page in frame `f` (above a shrinking offer).
+    pub(crate) fn drop_clean_frame(&mut self, f: u32) {
+        if let Some(&uid) = self.clean.by_frame.get(&f) {
+            self.clean.remove(uid);
+        }
+        self.counters.clean_dropped_for_offer += 1;
+    }
+
+    /// A clean page's frame, freed: onto the free list, or above the offer among the frames to
+    /// give back.
+    fn release_clean_frame(&mut self, f: u32) {
+        debug_assert_eq!(self.meta[f as usize].slot(), CLEAN);
+        if f >= self.offered {
+            self.meta[f as usize] = FrameMeta {
+                key: [NIL, 0],
+                owner: FREE,
+                version: 0,
+                crc: 0,
+            };
+            self.used_beyond -= 1;
+            self.given_back.push(f);
+            return;
+        }
+        self.meta[f as usize] = FrameMeta {
+            key: [self.free_head, 0],
+            owner: FREE,
+            version: 0,
+            crc: 0,
+        };
+        self.free_head = f;
+        self.free_frames += 1;
+    }
+
+    /// What is wrong with the clean pages' accounting, if anything.
+    pub(crate) fn clean_violation(&self) -> Option<String> {
+        let marked = self
+            .meta
+            .iter()
+            .filter(|m| m.owner != FREE && m.slot() == CLEAN)
+            .count();
+        if marked != self.clean.len()
+            || self.clean.by_age.len() != self.clean.len()
+            || self.clean.by_frame.len() != self.clean.len()
+        {
+            return Some(format!(
+                "{marked} frames marked clean, {} clean pages indexed",
+                self.clean.pages.len()
+            ));
+        }
+        if let Some((u, m)) = self.clean.pages.iter().find(|(_, m)| {
+            self.meta[m.frame as usize].slot() != CLEAN || self.meta[m.frame as usize].owner == FREE
+        }) {
+            return Some(format!(
+                "clean page {u:#x} indexed at frame {} not marked",
+                m.frame
+            ));
+        }
+        let per_peer: u64 = self.clean.per_peer.values().sum();
+        (per_peer != self.clean.pages.len() as u64).then(|| {
+            format!(
+                "senders count {per_peer} clean pages, {} held",
+                self.clean.pages.len()
+            )
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests;
