@@ -1,6 +1,7 @@
 //! `netram`: the one binary. Thin glue (ripgrep style): flags are parsed raw by clap, checked
 //! into a configuration, and handed to the library crates.
 
+mod cache;
 mod demo;
 mod nbd;
 mod run;
@@ -133,6 +134,13 @@ enum Command {
     /// plus a loop device where the kernel has no NBD driver, or with any NBD tool (qemu-img,
     /// nbdcopy, fio). The device lives as long as this process: it is memory, not storage.
     Nbd(nbd::NbdArgs),
+    /// Mount a read-only mirror of a directory whose files' pages are held in memory.
+    ///
+    /// Reads through the mount are served from this machine's memory (at most --local-mem) or
+    /// read once from the source; the kernel keeps no second copy (direct I/O). For data sets,
+    /// model weights, build trees or VM images read again and again. The cluster-wide cache
+    /// (pages a machine drops held by others' daemons, GMS) is not built yet.
+    Cache(cache::CacheArgs),
     /// Run an unmodified program with its heap on cluster memory.
     ///
     /// A preload library puts the program's heap (the malloc family, every size, and private
@@ -513,6 +521,10 @@ fn main() -> anyhow::Result<()> {
         Command::Nbd(args) => {
             init_logging("info");
             nbd::run(args)
+        }
+        Command::Cache(args) => {
+            init_logging("info");
+            cache::run(args)
         }
         Command::Run(args) => {
             init_logging("warn");

@@ -1,0 +1,33 @@
+//! `netram cache`: a read-only FUSE file system that mirrors a directory (a local one, or a
+//! network file system's mount) and keeps its files' pages in memory, so that data sets,
+//! model weights, build trees or VM images bigger than one machine's RAM are read from memory
+//! (GMS, paper 000, §4.1: file pages named by (source, file, offset); issue 39).
+//!
+//! - [`tree`]: the source directory as inodes: names, attributes, the files' identities.
+//! - [`pages`]: the pages this machine holds, within its budget (`--local-mem`), oldest out
+//!   first; a page is read from the source on a miss.
+//! - [`fs`]: the FUSE file system over both.
+//!
+//! **One copy of each page on this machine.** The kernel's page cache would keep a second
+//! copy of every page read through the mount, and of every page this file system reads from
+//! the source, outside netram's budget and invisible to it. So: files are opened with
+//! `FOPEN_DIRECT_IO` (every read comes here; the kernel caches none of it), and after reading
+//! a page from the source the range is dropped from the source's page cache
+//! (`POSIX_FADV_DONTNEED`). What a machine holds of the data set is then exactly this budget.
+//!
+//! **A page's identity** is a 128-bit uid: the file's key (a hash of the source, the file's
+//! device, inode, size and modification time) and the page's index. A file changed at its
+//! source (checked at every open) gets a new key, so its old pages are never read again and age
+//! out; they cannot be served for the new contents.
+//!
+//! Not built yet: the cluster. Today the pages a machine drops are simply dropped; the next
+//! step sends them to other machines' daemons by the GMS epoch's plan (`netram_policy::gms`)
+//! and fetches them back from there before going to the source.
+
+pub mod fs;
+pub mod pages;
+pub mod tree;
+
+pub use fs::{mount, Mounted};
+pub use pages::{Counters, Pages};
+pub use tree::Tree;

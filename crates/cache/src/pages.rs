@@ -1,0 +1,159 @@
+//! The pages of the mirrored files this machine holds: at most its budget, the least recently
+//! read out first (GMS's local pages, §3.1). A page missing here is read from the source.
+//!
+//! The lock is never held across a read of the source: two readers of the same missing page
+//! may both read it (counted as two misses), which is cheaper than making one wait behind
+//! another file's slow read.
+
+use netram_policy::gms::Uid;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
+
+/// Bytes of a page.
+pub const PAGE: usize = 4096;
+
+/// What the cache did, one counter per outcome.
+#[derive(Debug, Default)]
+pub struct Counters {
+    /// Pages found in this machine's memory.
+    pub hits: AtomicU64,
+    /// Pages read from the source.
+    pub source_reads: AtomicU64,
+    pub source_bytes: AtomicU64,
+    /// Pages dropped to stay within the budget.
+    pub evicted: AtomicU64,
+    /// Files found changed at their source when opened: their old pages are never read again.
+    pub files_changed: AtomicU64,
+    /// Reads of the source that failed (the reader got EIO).
+    pub source_errors: AtomicU64,
+}
+
+impl Counters {
+    pub fn snapshot(&self) -> Vec<(&'static str, u64)> {
+        let g = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        vec![
+            ("hits", g(&self.hits)),
+            ("source_reads", g(&self.source_reads)),
+            ("source_bytes", g(&self.source_bytes)),
+            ("evicted", g(&self.evicted)),
+            ("files_changed", g(&self.files_changed)),
+            ("source_errors", g(&self.source_errors)),
+        ]
+    }
+}
+
+/// The pages held, and the budget.
+#[derive(Debug)]
+pub struct Pages {
+    budget: usize,
+    held: Mutex<lru::LruCache<Uid, Box<[u8]>>>,
+    pub counters: Counters,
+}
+
+impl Pages {
+    /// At most `budget` pages (at least one).
+    pub fn new(budget: usize) -> Self {
+        Self {
+            budget: budget.max(1),
+            held: Mutex::new(lru::LruCache::unbounded()),
+            counters: Counters::default(),
+        }
+    }
+
+    pub fn budget(&self) -> usize {
+        self.budget
+    }
+
+    pub fn len(&self) -> usize {
+        self.lock().len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, lru::LruCache<Uid, Box<[u8]>>> {
+        self.held.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Appends bytes `from..to` of page `uid` to `out`, reading the whole page with `source`
+    /// on a miss (it fills the buffer it is given and returns how many bytes it read; the rest
+    /// of the page reads as zeros, as past the end of a file).
+    pub fn read(
+        &self,
+        uid: Uid,
+        from: usize,
+        to: usize,
+        out: &mut Vec<u8>,
+        source: impl FnOnce(&mut [u8]) -> std::io::Result<usize>,
+    ) -> std::io::Result<()> {
+        debug_assert!(from <= to && to <= PAGE);
+        if let Some(p) = self.lock().get(&uid) {
+            out.extend_from_slice(&p[from..to]);
+            self.counters.hits.fetch_add(1, Ordering::Relaxed);
+            return Ok(());
+        }
+        let mut page = vec![0u8; PAGE].into_boxed_slice();
+        let n = match source(&mut page) {
+            Ok(n) => n,
+            Err(e) => {
+                self.counters.source_errors.fetch_add(1, Ordering::Relaxed);
+                return Err(e);
+            }
+        };
+        self.counters.source_reads.fetch_add(1, Ordering::Relaxed);
+        self.counters
+            .source_bytes
+            .fetch_add(n as u64, Ordering::Relaxed);
+        out.extend_from_slice(&page[from..to]);
+        let mut held = self.lock();
+        held.put(uid, page);
+        while held.len() > self.budget {
+            held.pop_lru();
+            self.counters.evicted.fetch_add(1, Ordering::Relaxed);
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_page_is_read_from_the_source_once_and_the_oldest_leaves_first() {
+        let p = Pages::new(2);
+        let mut out = Vec::new();
+        let fill = |b: u8| {
+            move |buf: &mut [u8]| -> std::io::Result<usize> {
+                buf.fill(b);
+                Ok(PAGE)
+            }
+        };
+        p.read(Uid(1), 0, 10, &mut out, fill(1)).unwrap();
+        p.read(Uid(2), 0, 10, &mut out, fill(2)).unwrap();
+        p.read(Uid(1), 5, 6, &mut out, |_| panic!("held")).unwrap();
+        p.read(Uid(3), 0, 1, &mut out, fill(3)).unwrap(); // page 2 leaves
+        p.read(Uid(2), 0, 1, &mut out, fill(9)).unwrap();
+        assert_eq!(out[..10], [1; 10]);
+        assert_eq!(out[20..], [1, 3, 9]);
+        let c = p.counters.snapshot();
+        assert_eq!(c[0], ("hits", 1));
+        assert_eq!(c[1], ("source_reads", 4));
+        assert_eq!(c[3], ("evicted", 2));
+        assert_eq!(p.len(), 2);
+        // A short read (the end of a file) reads as zeros beyond it; an error is counted.
+        p.read(Uid(4), 0, PAGE, &mut out, |b| {
+            b[..3].fill(7);
+            Ok(3)
+        })
+        .unwrap();
+        assert_eq!(out[out.len() - PAGE..out.len() - PAGE + 4], [7, 7, 7, 0]);
+        assert!(p
+            .read(Uid(5), 0, 1, &mut out, |_| Err(std::io::Error::other(
+                "gone"
+            )))
+            .is_err());
+        assert_eq!(p.counters.snapshot()[5], ("source_errors", 1));
+    }
+}

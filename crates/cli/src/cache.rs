@@ -1,0 +1,92 @@
+//! `netram cache`: mount a read-only mirror of a directory whose file pages are held in
+//! memory (`netram_cache`), until a signal asks to stop.
+
+use anyhow::{bail, Context};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+#[derive(Debug, clap::Args)]
+pub struct CacheArgs {
+    /// The directory to mirror: a local one, or a network file system's mount.
+    #[arg(long)]
+    source: PathBuf,
+    /// Where to mount the mirror (an existing, empty directory).
+    #[arg(long)]
+    mount: PathBuf,
+    /// How much of the files' contents this machine holds in memory (K, M, G: 1024-based).
+    #[arg(long, default_value = "256M")]
+    local_mem: String,
+    /// Let every user read the mirror (with the source's permissions), not only this one.
+    #[arg(long)]
+    allow_other: bool,
+}
+
+pub fn run(args: CacheArgs) -> anyhow::Result<()> {
+    let bytes = crate::size("--local-mem", &args.local_mem)?;
+    if bytes < netram_cache::pages::PAGE as u64 {
+        bail!("--local-mem {}: at least one page (4K)", args.local_mem);
+    }
+    if !args.mount.is_dir() {
+        bail!("--mount {}: not a directory", args.mount.display());
+    }
+    let tree = Arc::new(
+        netram_cache::Tree::new(&args.source)
+            .with_context(|| format!("--source {}", args.source.display()))?,
+    );
+    if args.mount.canonicalize()?.starts_with(tree.root()) {
+        bail!(
+            "--mount {} is inside --source: the mirror would contain itself",
+            args.mount.display()
+        );
+    }
+    let pages = Arc::new(netram_cache::Pages::new(
+        (bytes / netram_cache::pages::PAGE as u64) as usize,
+    ));
+    let shutdown = Arc::new(AtomicBool::new(false));
+    for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
+        signal_hook::flag::register(sig, shutdown.clone())?;
+    }
+    let mut mounted =
+        netram_cache::mount(tree.clone(), pages.clone(), &args.mount, args.allow_other)
+            .with_context(|| format!("cannot mount FUSE on {}", args.mount.display()))?;
+    println!(
+        "netram cache: {} mirrored on {}, {} pages in memory at most",
+        tree.root().display(),
+        args.mount.display(),
+        pages.budget()
+    );
+    let mut warned = false;
+    while mounted.is_serving() {
+        std::thread::sleep(Duration::from_millis(100));
+        if !shutdown.load(Ordering::SeqCst) {
+            continue;
+        }
+        match mounted.unmount() {
+            Ok(()) => break,
+            Err(e) if e.raw_os_error() == Some(rustix::io::Errno::BUSY.raw_os_error()) => {
+                if !warned {
+                    tracing::warn!("{} is in use: still serving it", args.mount.display());
+                    warned = true;
+                }
+            }
+            Err(e) => return Err(e).context("cannot unmount"),
+        }
+    }
+    drop(mounted);
+    let counters: Vec<String> = pages
+        .counters
+        .snapshot()
+        .iter()
+        .map(|(k, v)| format!("{k} {v}"))
+        .collect();
+    // Whoever started it may have stopped reading: a closed stdout is no error here.
+    use std::io::Write as _;
+    let _ = writeln!(
+        std::io::stdout(),
+        "netram cache: stopped; {}",
+        counters.join(", ")
+    );
+    Ok(())
+}

@@ -1,0 +1,256 @@
+//! `netram cache` on a real directory (issue 39): every file read through the mount is the
+//! source's, byte for byte, whole and at random offsets, by this test and by tools nobody here
+//! wrote (sha256sum, cmp, sort); nothing can be written; a file changed at the source reads
+//! as changed at its next open; neither the mount nor the source keeps the pages in the
+//! kernel's page cache; the process stops on SIGTERM, unmounting and reporting its counters.
+
+mod common;
+
+use common::NETRAM;
+use std::io::{BufRead, BufReader};
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+/// The cache process, its stdout lines, and its mount, detached if the test fails.
+struct Cache {
+    child: Child,
+    lines: mpsc::Receiver<String>,
+    mount: PathBuf,
+}
+
+impl Cache {
+    fn start(source: &Path, mount: &Path, local_mem: &str) -> Self {
+        let mut child = Command::new(NETRAM)
+            .args(["cache", "--source"])
+            .arg(source)
+            .arg("--mount")
+            .arg(mount)
+            .args(["--local-mem", local_mem])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("start netram cache");
+        let out = child.stdout.take().unwrap();
+        let (tx, lines) = mpsc::channel();
+        std::thread::spawn(move || {
+            for l in BufReader::new(out).lines().map_while(Result::ok) {
+                let _ = tx.send(l);
+            }
+        });
+        let first = lines
+            .recv_timeout(Duration::from_secs(20))
+            .expect("netram cache reports its mount");
+        assert!(first.starts_with("netram cache: "), "{first}");
+        Self {
+            child,
+            lines,
+            mount: mount.to_path_buf(),
+        }
+    }
+
+    /// SIGTERM, then the last line it printed (its counters).
+    fn stop(mut self) -> String {
+        // SAFETY: kill(2) on the PID of a child not yet reaped.
+        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                assert!(status.success(), "netram cache exited with {status}");
+                break;
+            }
+            assert!(Instant::now() < deadline, "netram cache did not stop");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let last = self
+            .lines
+            .recv_timeout(Duration::from_secs(5))
+            .unwrap_or_default();
+        let mounts = std::fs::read_to_string("/proc/mounts").unwrap();
+        assert!(
+            !mounts.contains(self.mount.to_str().unwrap()),
+            "still mounted"
+        );
+        std::mem::forget(self);
+        last
+    }
+}
+
+impl Drop for Cache {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = Command::new("umount").arg("-l").arg(&self.mount).status();
+    }
+}
+
+fn random_bytes(n: usize, seed: u64) -> Vec<u8> {
+    let mut rng = fastrand::Rng::with_seed(seed);
+    (0..n).map(|_| rng.u8(..)).collect()
+}
+
+/// Pages of `path` in the kernel's page cache, by fincore(1).
+fn cached_pages(path: &Path) -> u64 {
+    let out = Command::new("fincore")
+        .args(["--bytes", "--noheadings", "--output", "RES"])
+        .arg(path)
+        .output()
+        .expect("fincore");
+    String::from_utf8_lossy(&out.stdout)
+        .trim()
+        .parse::<u64>()
+        .unwrap_or_else(|_| panic!("fincore said {:?}", String::from_utf8_lossy(&out.stdout)))
+        / 4096
+}
+
+fn drop_page_cache(path: &Path) {
+    let f = std::fs::File::open(path).unwrap();
+    f.sync_all().unwrap();
+    rustix::fs::fadvise(&f, 0, None, rustix::fs::Advice::DontNeed).unwrap();
+}
+
+#[test]
+fn a_directory_reads_through_the_mount_byte_for_byte() {
+    if !netram_testkit::have_root("mounting FUSE") {
+        return;
+    }
+    if !Path::new("/dev/fuse").exists() {
+        netram_testkit::skip("no /dev/fuse (the kernel has no FUSE)", None);
+        return;
+    }
+    if !netram_testkit::have_tools(&[("fincore", "util-linux"), ("sha256sum", "coreutils")]) {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let src = dir.path().join("src");
+    let mnt = dir.path().join("mnt");
+    std::fs::create_dir_all(src.join("sub/deeper")).unwrap();
+    std::fs::create_dir(&mnt).unwrap();
+    let sizes = [0usize, 1, 4095, 4096, 4097, 3 * 1024 * 1024 + 123];
+    for (i, &n) in sizes.iter().enumerate() {
+        std::fs::write(src.join(format!("f{i}")), random_bytes(n, i as u64)).unwrap();
+    }
+    std::fs::write(src.join("sub/deeper/data.bin"), random_bytes(100_000, 77)).unwrap();
+    let text: String = (0..20_000)
+        .map(|i| format!("line {}\n", (i * 7919) % 20_000))
+        .collect();
+    std::fs::write(src.join("sub/words.txt"), &text).unwrap();
+    std::os::unix::fs::symlink("deeper/data.bin", src.join("sub/link")).unwrap();
+    for e in walk(&src) {
+        drop_page_cache(&e);
+    }
+
+    // 1 MiB of pages for 3+ MiB of files: the cache must drop pages and read them again.
+    let cache = Cache::start(&src, &mnt, "1M");
+    for e in walk(&src) {
+        let rel = e.strip_prefix(&src).unwrap();
+        let through = std::fs::read(mnt.join(rel)).unwrap();
+        assert!(through == std::fs::read(&e).unwrap(), "{rel:?} differs");
+    }
+    let names: Vec<String> = std::fs::read_dir(mnt.join("sub"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    assert_eq!(names.len(), 3, "{names:?}");
+    assert_eq!(
+        std::fs::read_link(mnt.join("sub/link")).unwrap(),
+        Path::new("deeper/data.bin")
+    );
+    // Random reads of the large file.
+    let big_src = std::fs::File::open(src.join("f5")).unwrap();
+    let big = std::fs::File::open(mnt.join("f5")).unwrap();
+    let mut rng = fastrand::Rng::with_seed(5);
+    for _ in 0..300 {
+        let off = rng.u64(0..3 * 1024 * 1024 + 200);
+        let len = rng.usize(1..70_000);
+        let (mut a, mut b) = (vec![0u8; len], vec![0u8; len]);
+        let na = big.read_at(&mut a, off).unwrap();
+        let nb = big_src.read_at(&mut b, off).unwrap();
+        assert_eq!((na, &a[..na]), (nb, &b[..nb]), "at {off}+{len}");
+    }
+    // Tools nobody here wrote.
+    let sha = |p: &Path| {
+        let o = Command::new("sha256sum").arg(p).output().unwrap();
+        String::from_utf8_lossy(&o.stdout)
+            .split_whitespace()
+            .next()
+            .unwrap()
+            .to_string()
+    };
+    assert_eq!(sha(&mnt.join("f5")), sha(&src.join("f5")));
+    assert!(Command::new("cmp")
+        .arg(mnt.join("sub/deeper/data.bin"))
+        .arg(src.join("sub/deeper/data.bin"))
+        .status()
+        .unwrap()
+        .success());
+    let sorted = |p: &Path| Command::new("sort").arg(p).output().unwrap().stdout;
+    assert_eq!(
+        sorted(&mnt.join("sub/words.txt")),
+        sorted(&src.join("sub/words.txt"))
+    );
+    // Read-only.
+    let e = std::fs::OpenOptions::new()
+        .write(true)
+        .open(mnt.join("f1"))
+        .unwrap_err();
+    assert_eq!(e.raw_os_error(), Some(libc::EROFS), "{e}");
+    assert!(std::fs::write(mnt.join("new"), b"x").is_err());
+    // One copy: the mount's files are not in the page cache, nor are the source's pages
+    // this file system read (the test's own reads of the source above were dropped again).
+    assert_eq!(
+        cached_pages(&mnt.join("f5")),
+        0,
+        "the mount's pages in the page cache"
+    );
+    drop_page_cache(&src.join("f4"));
+    std::fs::read(mnt.join("f4")).unwrap();
+    assert_eq!(
+        cached_pages(&src.join("f4")),
+        0,
+        "the source's pages in the page cache"
+    );
+    // A file changed at its source reads as changed at its next open (attributes are cached
+    // for a second).
+    let newer = random_bytes(9_000, 99);
+    std::fs::write(src.join("f3"), &newer).unwrap();
+    std::thread::sleep(Duration::from_millis(1_100));
+    assert_eq!(std::fs::read(mnt.join("f3")).unwrap(), newer);
+
+    // While a file is open the mount is busy and the process keeps serving (a signal does
+    // not pull the files from under their readers).
+    drop(big);
+    let last = cache.stop();
+    assert!(last.starts_with("netram cache: stopped; hits "), "{last}");
+    let counter = |name: &str| -> u64 {
+        last.split(", ")
+            .find_map(|kv| {
+                kv.strip_prefix(&format!("{name} "))
+                    .or_else(|| kv.strip_prefix(&format!("netram cache: stopped; {name} ")))
+            })
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| panic!("no {name} in {last:?}"))
+    };
+    assert!(counter("evicted") > 0, "{last}");
+    assert!(counter("hits") > 0, "{last}");
+    assert_eq!(counter("files_changed"), 1, "{last}");
+    assert_eq!(counter("source_errors"), 0, "{last}");
+}
+
+/// Every regular file below `root`.
+fn walk(root: &Path) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir(root).unwrap() {
+        let e = e.unwrap();
+        let t = e.file_type().unwrap();
+        if t.is_dir() {
+            out.extend(walk(&e.path()));
+        } else if t.is_file() {
+            out.push(e.path());
+        }
+    }
+    out.sort();
+    out
+}
