@@ -41,8 +41,8 @@ pub struct Params {
     /// this bounds the plan's traffic at n·max_weights instead of GMS's n² (Table 5's
     /// "distribute weights" row). 32 by default, measured in the simulator at 10,000 nodes
     /// (`bench-results/gms.md`): against 256, 7× fewer bytes out of the initiator per epoch
-    /// and 26 % less traffic in all, for a speed-up of 2.30 instead of 2.37; epochs end sooner
-    /// (the 32 heaviest nodes hold fewer of the M oldest pages), so there are 2.6× as many.
+    /// and 27 % less traffic in all, for a speed-up of 2.28 instead of 2.37; epochs end sooner
+    /// (the 32 heaviest nodes hold fewer of the M oldest pages), so there are 2.5× as many.
     pub max_weights: usize,
     /// How long an initiator waits for the summaries before it plans without the missing ones.
     pub gather_timeout_ms: u64,

@@ -13,6 +13,7 @@
 use super::age::Summary;
 use super::{effective_age_ms, NodeId, Uid};
 use lru::LruCache;
+use std::collections::{BTreeSet, HashMap};
 
 /// Whether a page is the node's own or held for another.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -45,12 +46,66 @@ pub enum Accept {
     Present,
 }
 
+/// Global pages, in order of their last use rather than of their arrival: a page forwarded
+/// here comes with the age its sender gives it, so the last to arrive is not the youngest.
+#[derive(Debug, Default)]
+struct ByAge {
+    pages: HashMap<Uid, Meta, foldhash::fast::FixedState>,
+    order: BTreeSet<(u64, Uid)>,
+}
+
+impl ByAge {
+    fn len(&self) -> usize {
+        self.pages.len()
+    }
+    fn contains(&self, uid: &Uid) -> bool {
+        self.pages.contains_key(uid)
+    }
+    fn peek(&self, uid: &Uid) -> Option<&Meta> {
+        self.pages.get(uid)
+    }
+    fn put(&mut self, uid: Uid, meta: Meta) {
+        if let Some(old) = self.pages.insert(uid, meta) {
+            self.order.remove(&(old.last_ms, uid));
+        }
+        self.order.insert((meta.last_ms, uid));
+    }
+    fn pop(&mut self, uid: &Uid) -> Option<Meta> {
+        let m = self.pages.remove(uid)?;
+        self.order.remove(&(m.last_ms, *uid));
+        Some(m)
+    }
+    fn set_duplicate(&mut self, uid: &Uid, duplicate: bool) -> bool {
+        self.pages
+            .get_mut(uid)
+            .map(|m| m.duplicate = duplicate)
+            .is_some()
+    }
+    fn touch(&mut self, uid: Uid, now_ms: u64) -> bool {
+        let Some(m) = self.pages.get_mut(&uid) else {
+            return false;
+        };
+        self.order.remove(&(m.last_ms, uid));
+        m.last_ms = m.last_ms.max(now_ms);
+        self.order.insert((m.last_ms, uid));
+        true
+    }
+    fn oldest(&self) -> Option<(Uid, &Meta)> {
+        let &(_, uid) = self.order.first()?;
+        Some((uid, &self.pages[&uid]))
+    }
+    /// Oldest first.
+    fn iter(&self) -> impl Iterator<Item = (Uid, &Meta)> + '_ {
+        self.order.iter().map(|&(_, u)| (u, &self.pages[&u]))
+    }
+}
+
 /// The pages one node holds.
 #[derive(Debug)]
 pub struct Frames {
     capacity: usize,
     local: LruCache<Uid, Meta>,
-    global: LruCache<Uid, Meta>,
+    global: ByAge,
 }
 
 impl Frames {
@@ -58,7 +113,7 @@ impl Frames {
         Self {
             capacity,
             local: LruCache::unbounded(),
-            global: LruCache::unbounded(),
+            global: ByAge::default(),
         }
     }
 
@@ -133,20 +188,17 @@ impl Frames {
     /// A global page used where it is held without changing hands (a data cache's hit at the
     /// page's home): it becomes the youngest of its kind.
     pub fn touch_global(&mut self, uid: Uid, now_ms: u64) -> bool {
-        match self.global.get_mut(&uid) {
-            Some(m) => {
-                m.last_ms = now_ms;
-                true
-            }
-            None => false,
-        }
+        self.global.touch(uid, now_ms)
     }
 
     /// Takes out the oldest page of one kind.
     pub fn pop_oldest_of(&mut self, kind: Kind) -> Option<(Uid, Meta)> {
         match kind {
             Kind::Local => self.local.pop_lru(),
-            Kind::Global => self.global.pop_lru(),
+            Kind::Global => {
+                let (uid, _) = self.global.oldest()?;
+                self.global.pop(&uid).map(|m| (uid, m))
+            }
         }
     }
 
@@ -164,8 +216,11 @@ impl Frames {
     }
 
     pub fn set_duplicate(&mut self, uid: &Uid, duplicate: bool) {
-        if let Some(m) = self.local.peek_mut(uid).or(self.global.peek_mut(uid)) {
-            m.duplicate = duplicate;
+        match self.local.peek_mut(uid) {
+            Some(m) => m.duplicate = duplicate,
+            None => {
+                self.global.set_duplicate(uid, duplicate);
+            }
         }
     }
 
@@ -186,8 +241,8 @@ impl Frames {
             .map(|(u, m)| (*u, Kind::Local, age(m, false)));
         let g = self
             .global
-            .peek_lru()
-            .map(|(u, m)| (*u, Kind::Global, age(m, true)));
+            .oldest()
+            .map(|(u, m)| (u, Kind::Global, age(m, true)));
         match (l, g) {
             (Some(l), Some(g)) => Some(if g.2 >= l.2 { g } else { l }),
             (l, g) => l.or(g),
@@ -203,11 +258,15 @@ impl Frames {
 
     /// The oldest page of one kind that `keep` picks, oldest first (N-chance's victim search).
     pub fn oldest_matching(&self, kind: Kind, mut pick: impl FnMut(&Meta) -> bool) -> Option<Uid> {
-        let list = match kind {
-            Kind::Local => &self.local,
-            Kind::Global => &self.global,
-        };
-        list.iter().rev().find(|(_, m)| pick(m)).map(|(u, _)| *u)
+        match kind {
+            Kind::Local => self
+                .local
+                .iter()
+                .rev()
+                .find(|(_, m)| pick(m))
+                .map(|(u, _)| *u),
+            Kind::Global => self.global.iter().find(|(_, m)| pick(m)).map(|(u, _)| u),
+        }
     }
 
     /// GMS's receiving rule: a forwarded page of effective age `age_ms` takes a free frame,
@@ -242,7 +301,7 @@ impl Frames {
         self.local
             .iter()
             .map(|(u, _)| (*u, Kind::Local))
-            .chain(self.global.iter().map(|(u, _)| (*u, Kind::Global)))
+            .chain(self.global.iter().map(|(u, _)| (u, Kind::Global)))
     }
 
     /// This node's summary for an epoch: its free frames and the effective ages of its pages.
@@ -291,6 +350,21 @@ mod tests {
         assert!(f.touch(Uid(3), 1_000));
         assert_eq!(f.kind(&Uid(3)), Some(Kind::Local));
         assert!(!f.touch(Uid(9), 1_000));
+    }
+
+    #[test]
+    fn global_pages_go_oldest_first_whatever_order_they_came_in() {
+        let mut f = Frames::new(3);
+        // Sent young, old, middling: the old one goes first.
+        f.insert_global(Uid(1), meta(900));
+        f.insert_global(Uid(2), meta(100));
+        f.insert_global(Uid(3), meta(500));
+        assert_eq!(f.oldest(1_000).map(|o| o.0), Some(Uid(2)));
+        assert_eq!(f.oldest_matching(Kind::Global, |_| true), Some(Uid(2)));
+        // Used where it is held (a data cache's hit), it becomes the youngest.
+        assert!(f.touch_global(Uid(2), 1_000));
+        assert_eq!(f.pop_oldest_of(Kind::Global).map(|p| p.0), Some(Uid(3)));
+        assert_eq!(f.pop_oldest(1_000).map(|p| p.0), Some(Uid(1)));
     }
 
     #[test]
