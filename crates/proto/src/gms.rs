@@ -31,7 +31,7 @@
 //! dropped until daemons run epochs (issue 39).
 
 use crate::codec::{DecodeError, FrameBuilder, Reader};
-use crate::message::{split_frame, Kind, Load};
+use crate::message::{byte_enum, split_frame, status_bytes, Kind, Load};
 use crate::page::PageFlags;
 use crate::PAGE_SIZE;
 
@@ -392,10 +392,7 @@ pub fn decode_reply(frame: &[u8]) -> Result<(u64, Reply<'_>), DecodeError> {
         k if k == Kind::PutCachedReply as u8 => {
             let n = r.count(1)?;
             let status = (0..n)
-                .map(|_| {
-                    let v = r.u8()?;
-                    CachedStatus::from_u8(v).ok_or(bad("cached status", v.into()))
-                })
+                .map(|_| byte_enum(&mut r, "cached status", CachedStatus::from_u8))
                 .collect::<Result<_, _>>()?;
             Reply::PutCached { load, status }
         }
@@ -430,10 +427,7 @@ impl Reply<'_> {
         match self {
             Reply::PutCached { load, status } => {
                 load.encode(&mut w);
-                w.u32(status.len() as u32);
-                status.iter().for_each(|&s| {
-                    w.u8(s as u8);
-                });
+                status_bytes(&mut w, status.iter().map(|&s| s as u8));
             }
             Reply::GetCached { load, pages } => {
                 load.encode(&mut w);

@@ -520,7 +520,7 @@ impl Request<'_> {
     }
 }
 
-fn byte_enum<T>(
+pub(crate) fn byte_enum<T>(
     r: &mut Reader<'_>,
     field: &'static str,
     f: fn(u8) -> Option<T>,
@@ -533,7 +533,7 @@ fn byte_enum<T>(
 }
 
 /// A count, then one byte per page: the statuses of PUT, DELETE and PARITY_DELTA replies.
-fn status_bytes(w: &mut FrameBuilder<'_>, s: impl ExactSizeIterator<Item = u8>) {
+pub(crate) fn status_bytes(w: &mut FrameBuilder<'_>, s: impl ExactSizeIterator<Item = u8>) {
     w.u32(s.len() as u32);
     s.for_each(|s| {
         w.u8(s);

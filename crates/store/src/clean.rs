@@ -19,7 +19,7 @@
 //! with the session slot [`CLEAN`], which no session has, and are not in the owned-page index;
 //! the clean pages' own index keeps them in order of last use, oldest first.
 
-use crate::{FrameMeta, Peer, SessionHandle, Store, StoreError, FREE, NIL, SLOT_BITS, SLOT_MASK};
+use crate::{FrameMeta, Peer, SessionHandle, Store, StoreError, FREE, SLOT_BITS, SLOT_MASK};
 use netram_proto::gms::{cached_checksum, CachedStatus};
 use netram_proto::{PageFlags, PAGE_SIZE};
 use std::collections::{BTreeSet, HashMap};
@@ -257,29 +257,10 @@ impl<A: AsRef<[u8]> + AsMut<[u8]>> Store<A> {
         self.counters.clean_dropped_for_offer += 1;
     }
 
-    /// A clean page's frame, freed: onto the free list, or above the offer among the frames to
-    /// give back.
+    /// A clean page's frame, freed (it is in no index but the clean pages').
     fn release_clean_frame(&mut self, f: u32) {
         debug_assert_eq!(self.meta[f as usize].slot(), CLEAN);
-        if f >= self.offered {
-            self.meta[f as usize] = FrameMeta {
-                key: [NIL, 0],
-                owner: FREE,
-                version: 0,
-                crc: 0,
-            };
-            self.used_beyond -= 1;
-            self.given_back.push(f);
-            return;
-        }
-        self.meta[f as usize] = FrameMeta {
-            key: [self.free_head, 0],
-            owner: FREE,
-            version: 0,
-            crc: 0,
-        };
-        self.free_head = f;
-        self.free_frames += 1;
+        self.return_frame(f);
     }
 
     /// What is wrong with the clean pages' accounting, if anything.

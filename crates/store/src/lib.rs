@@ -1070,6 +1070,14 @@ impl<A: AsRef<[u8]> + AsMut<[u8]>> Store<A> {
         self.parity.frame_released(f);
         if f >= self.offered {
             self.sessions[m.slot() as usize].beyond.remove(&f);
+        }
+        self.return_frame(f);
+    }
+
+    /// A frame whose page is gone: onto the free list, or, above the offer, among the frames
+    /// to give back.
+    fn return_frame(&mut self, f: u32) {
+        if f >= self.offered {
             self.meta[f as usize] = FrameMeta {
                 key: [NIL, 0],
                 owner: FREE,

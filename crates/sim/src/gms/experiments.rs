@@ -36,17 +36,19 @@ impl SkewSize {
     };
 }
 
-/// The epoch settings of the runs: the paper's T of 5 s; pages used within the last second
-/// count as in use; at most 32 weights a plan (`Params::max_weights` says why).
-pub fn params() -> Params {
-    Params {
-        duration_ms: 5_000,
-        m_min: 64,
-        m_max: 1 << 20,
-        active_age_ms: 1_000,
-        max_weights: 32,
-        gather_timeout_ms: 500,
-        takeover_ms: 1_000,
+/// The runs' settings: the paper's costs; the default epochs (the paper's T of 5 s, pages
+/// used within the last second in use, at most 32 weights a plan: `Params`); every node's
+/// epoch state ticked every 50 ms; N-chance displacing singlets a minute old.
+fn config(seed: u64, algorithm: Algorithm, nodes: Vec<NodeSpec>) -> Config {
+    Config {
+        seed,
+        algorithm,
+        nodes,
+        costs: Costs::paper(),
+        params: Params::default(),
+        tick_ms: 50,
+        very_old_ms: 60_000,
+        stop_us: None,
     }
 }
 
@@ -109,16 +111,7 @@ pub fn skew_config(
             accesses: None,
         });
     }
-    Config {
-        seed,
-        algorithm,
-        nodes,
-        costs: Costs::paper(),
-        params: params(),
-        tick_ms: 50,
-        very_old_ms: 60_000,
-        stop_us: None,
-    }
+    config(seed, algorithm, nodes)
 }
 
 /// One point of Fig. 9–11.
@@ -230,14 +223,5 @@ pub fn scale_config(seed: u64, algorithm: Algorithm, n: usize, accesses: u64) ->
             }
         })
         .collect();
-    Config {
-        seed,
-        algorithm,
-        nodes,
-        costs: Costs::paper(),
-        params: params(),
-        tick_ms: 50,
-        very_old_ms: 60_000,
-        stop_us: None,
-    }
+    config(seed, algorithm, nodes)
 }
