@@ -6,7 +6,10 @@ use netram_sim::world::Faults;
 use netram_sim::{run, Report, Scenario};
 
 #[derive(Debug, clap::Args)]
+#[command(args_conflicts_with_subcommands = true)]
 pub struct SimArgs {
+    #[command(subcommand)]
+    command: Option<SimCommand>,
     /// The seed: everything in a run (the cluster, the workload, the faults) comes from it.
     #[arg(long, default_value_t = 1)]
     seed: u64,
@@ -37,7 +40,112 @@ pub struct SimArgs {
     trace: bool,
 }
 
+#[derive(Debug, clap::Subcommand)]
+enum SimCommand {
+    /// Global memory management at scale: GMS, N-chance forwarding, a hashed data cache or no
+    /// cluster on a simulated cluster (the production state machines, the GMS paper's costs),
+    /// checked at the end; prints the active nodes' figures and the epochs' cost. `--skew`
+    /// runs GMS §5.5's nine-node cluster instead (`netram bench gms` runs them all).
+    Gms(GmsArgs),
+}
+
+#[derive(Debug, clap::Args)]
+struct GmsArgs {
+    /// gms, nchance, hashed or none.
+    #[arg(long, default_value = "gms")]
+    algorithm: netram_sim::gms::Algorithm,
+    /// Nodes: 1 % need twice their 256 pages, 40 % are idle, the rest loop over their own.
+    #[arg(long, default_value_t = 1_000)]
+    nodes: usize,
+    /// Accesses each active node makes.
+    #[arg(long, default_value_t = 1_000)]
+    accesses: u64,
+    /// The most weights a plan carries [default: 32].
+    #[arg(long)]
+    max_weights: Option<usize>,
+    /// Instead: GMS §5.5's cluster, where this percentage of eight nodes hold the rest of the
+    /// idle memory (25, 37.5, 50 in the paper).
+    #[arg(long)]
+    skew: Option<f64>,
+    /// With --skew: the idle memory, in multiples of what the busy node needs.
+    #[arg(long, default_value_t = 1, requires = "skew")]
+    idle_factor: usize,
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+}
+
+fn run_gms(g: GmsArgs) -> anyhow::Result<()> {
+    use netram_sim::gms::experiments::{scale_config, skew_point, SkewSize};
+    use netram_sim::gms::{run, Algorithm};
+    if let Some(skew) = g.skew {
+        if !(1.0..=99.0).contains(&skew) || g.idle_factor == 0 {
+            anyhow::bail!("--skew is a percentage (1 to 99), --idle-factor at least 1");
+        }
+        let p = skew_point(g.seed, g.algorithm, SkewSize::QUICK, skew, g.idle_factor)
+            .map_err(|e| anyhow::anyhow!("the simulation broke an invariant: {e}"))?;
+        println!(
+            "{} at skew {skew} %, idle memory {}x needed: speed-up {:.2}, the others' slowdown \
+             {:.3}, {:.1} MB on the network; the busy node's accesses {:.2} from its memory, \
+             {:.2} from the cluster, {} reads of the source; {} pages forwarded, {} epochs",
+            g.algorithm.name(),
+            g.idle_factor,
+            p.speedup,
+            p.slowdown,
+            p.traffic_bytes as f64 / 1e6,
+            p.hit_local,
+            p.hit_remote,
+            p.source_reads,
+            p.outcome.forwards,
+            p.outcome.epochs.epochs
+        );
+        return Ok(());
+    }
+    if g.nodes < 10 {
+        anyhow::bail!("--nodes: at least 10");
+    }
+    let mut cfg = scale_config(g.seed, g.algorithm, g.nodes, g.accesses);
+    if let Some(k) = g.max_weights {
+        if k == 0 {
+            anyhow::bail!("--max-weights: at least 1");
+        }
+        cfg.params.max_weights = k;
+    }
+    let broke = |e: String| anyhow::anyhow!("the simulation broke an invariant: {e}");
+    let o = run(&cfg).map_err(broke)?;
+    let none = run(&scale_config(g.seed, Algorithm::None, g.nodes, g.accesses)).map_err(broke)?;
+    let mean_s = |o: &netram_sim::gms::Outcome| {
+        let t: Vec<u64> = o.nodes.iter().filter_map(|s| s.finished_us).collect();
+        t.iter().sum::<u64>() as f64 / t.len().max(1) as f64 / 1e6
+    };
+    let active: Vec<_> = o.nodes.iter().filter(|s| s.finished_us.is_some()).collect();
+    let accesses: u64 = active.iter().map(|s| s.accesses).sum::<u64>().max(1);
+    let e = &o.epochs;
+    println!(
+        "{} on {} nodes: {} active nodes, {:.2} s each ({:.2}x as fast as without a cluster); \
+         {:.3} of their accesses from the source, {:.3} from the cluster; {:.1} MB on the \
+         network ({:.1} MB of it epochs); {} epochs ({} ended early), the initiator's CPU \
+         {:.0} µs and {:.0} KB out an epoch",
+        g.algorithm.name(),
+        g.nodes,
+        active.len(),
+        mean_s(&o),
+        mean_s(&none) / mean_s(&o),
+        active.iter().map(|s| s.source_reads).sum::<u64>() as f64 / accesses as f64,
+        active.iter().map(|s| s.remote_hits).sum::<u64>() as f64 / accesses as f64,
+        o.traffic.bytes() as f64 / 1e6,
+        o.traffic.epoch_bytes as f64 / 1e6,
+        e.epochs,
+        e.early,
+        e.initiator_ns as f64 / 1e3 / e.epochs.max(1) as f64,
+        e.initiator_bytes_out_max as f64 / 1e3
+    );
+    Ok(())
+}
+
 pub fn run_sim(args: SimArgs) -> anyhow::Result<()> {
+    if let Some(SimCommand::Gms(g)) = args.command {
+        return run_gms(g);
+    }
     if args.seeds == 0 {
         anyhow::bail!("--seeds 0: nothing to run");
     }

@@ -30,6 +30,7 @@
 
 pub mod daemon;
 pub mod donor;
+pub mod gms;
 pub mod gossip;
 mod http;
 pub mod peers;

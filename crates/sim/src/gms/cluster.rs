@@ -428,6 +428,8 @@ impl<'a> World<'a> {
             let bytes = out_bytes(&m);
             self.out.traffic.epoch_msgs += 1;
             self.out.traffic.epoch_bytes += bytes;
+            // Table 5's traffic at the initiator: it sends the requests and the plans, and
+            // the summaries come to it.
             let (epoch, initiator) = match &m {
                 Out::RequestSummary { epoch, .. }
                 | Out::Plan {
