@@ -20,14 +20,16 @@
 //! source (checked at every open) gets a new key, so its old pages are never read again and age
 //! out; they cannot be served for the new contents.
 //!
-//! Not built yet: the cluster. Today the pages a machine drops are simply dropped; the next
-//! step sends them to other machines' daemons by the GMS epoch's plan (`netram_policy::gms`)
-//! and fetches them back from there before going to the source.
+//! - [`cluster`]: with a cluster, where the pages this machine drops go (by the GMS epoch's
+//!   plan, to other machines' daemons) and where a miss looks before the source; every page
+//!   that comes back is checked against what was sent.
 
+pub mod cluster;
 pub mod fs;
 pub mod pages;
 pub mod tree;
 
+pub use cluster::{Cluster, ClusterConfig};
 pub use fs::{mount, Mounted};
 pub use pages::{Counters, Pages};
 pub use tree::Tree;

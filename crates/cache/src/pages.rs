@@ -1,13 +1,17 @@
 //! The pages of the mirrored files this machine holds: at most its budget, the least recently
-//! read out first (GMS's local pages, §3.1). A page missing here is read from the source.
+//! read out first (GMS's local pages, §3.1). A page missing here is asked of the cluster, when
+//! there is one ([`crate::cluster`]: where the pages this machine dropped went), then read from
+//! the source; a page dropped goes to the cluster with its age.
 //!
 //! The lock is never held across a read of the source: two readers of the same missing page
 //! may both read it (counted as two misses), which is cheaper than making one wait behind
 //! another file's slow read.
 
+use crate::cluster::Cluster;
 use netram_policy::gms::Uid;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
 
 /// Bytes of a page.
 pub const PAGE: usize = 4096;
@@ -17,6 +21,8 @@ pub const PAGE: usize = 4096;
 pub struct Counters {
     /// Pages found in this machine's memory.
     pub hits: AtomicU64,
+    /// Pages found in the cluster (or still on their way there).
+    pub cluster_hits: AtomicU64,
     /// Pages read from the source.
     pub source_reads: AtomicU64,
     pub source_bytes: AtomicU64,
@@ -33,6 +39,7 @@ impl Counters {
         let g = |c: &AtomicU64| c.load(Ordering::Relaxed);
         vec![
             ("hits", g(&self.hits)),
+            ("cluster_hits", g(&self.cluster_hits)),
             ("source_reads", g(&self.source_reads)),
             ("source_bytes", g(&self.source_bytes)),
             ("evicted", g(&self.evicted)),
@@ -42,22 +49,38 @@ impl Counters {
     }
 }
 
+/// A page held, and when it was last read (ms since the start).
+type Held = lru::LruCache<Uid, (Box<[u8]>, u64)>;
+
 /// The pages held, and the budget.
 #[derive(Debug)]
 pub struct Pages {
     budget: usize,
-    held: Mutex<lru::LruCache<Uid, Box<[u8]>>>,
+    held: Mutex<Held>,
+    cluster: Option<Arc<Cluster>>,
+    start: Instant,
     pub counters: Counters,
 }
 
 impl Pages {
-    /// At most `budget` pages (at least one).
+    /// At most `budget` pages (at least one), on this machine alone.
     pub fn new(budget: usize) -> Self {
+        Self::with_cluster(budget, None)
+    }
+
+    /// At most `budget` pages here; those dropped go to `cluster`, and a miss asks it first.
+    pub fn with_cluster(budget: usize, cluster: Option<Arc<Cluster>>) -> Self {
         Self {
             budget: budget.max(1),
             held: Mutex::new(lru::LruCache::unbounded()),
+            cluster,
+            start: Instant::now(),
             counters: Counters::default(),
         }
+    }
+
+    fn now_ms(&self) -> u64 {
+        self.start.elapsed().as_millis() as u64
     }
 
     pub fn budget(&self) -> usize {
@@ -72,7 +95,7 @@ impl Pages {
         self.len() == 0
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, lru::LruCache<Uid, Box<[u8]>>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Held> {
         self.held.lock().unwrap_or_else(|p| p.into_inner())
     }
 
@@ -88,9 +111,17 @@ impl Pages {
         source: impl FnOnce(&mut [u8]) -> std::io::Result<usize>,
     ) -> std::io::Result<()> {
         debug_assert!(from <= to && to <= PAGE);
-        if let Some(p) = self.lock().get(&uid) {
+        let now = self.now_ms();
+        if let Some((p, last)) = self.lock().get_mut(&uid) {
             out.extend_from_slice(&p[from..to]);
+            *last = now;
             self.counters.hits.fetch_add(1, Ordering::Relaxed);
+            return Ok(());
+        }
+        if let Some(page) = self.cluster.as_ref().and_then(|c| c.fetch(uid)) {
+            out.extend_from_slice(&page[from..to]);
+            self.counters.cluster_hits.fetch_add(1, Ordering::Relaxed);
+            self.hold(uid, page, now);
             return Ok(());
         }
         let mut page = vec![0u8; PAGE].into_boxed_slice();
@@ -106,13 +137,29 @@ impl Pages {
             .source_bytes
             .fetch_add(n as u64, Ordering::Relaxed);
         out.extend_from_slice(&page[from..to]);
-        let mut held = self.lock();
-        held.put(uid, page);
-        while held.len() > self.budget {
-            held.pop_lru();
-            self.counters.evicted.fetch_add(1, Ordering::Relaxed);
-        }
+        self.hold(uid, page, now);
         Ok(())
+    }
+
+    /// Keeps `page`, dropping the least recently read beyond the budget (to the cluster, with
+    /// their ages, once the lock is released: the outbox may make the caller wait).
+    fn hold(&self, uid: Uid, page: Box<[u8]>, now: u64) {
+        let mut out = Vec::new();
+        {
+            let mut held = self.lock();
+            held.put(uid, (page, now));
+            while held.len() > self.budget {
+                if let Some(p) = held.pop_lru() {
+                    out.push(p);
+                }
+                self.counters.evicted.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        if let Some(c) = &self.cluster {
+            for (uid, (page, last)) in out {
+                c.evicted(uid, now.saturating_sub(last), page);
+            }
+        }
     }
 }
 
@@ -139,8 +186,8 @@ mod tests {
         assert_eq!(out[20..], [1, 3, 9]);
         let c = p.counters.snapshot();
         assert_eq!(c[0], ("hits", 1));
-        assert_eq!(c[1], ("source_reads", 4));
-        assert_eq!(c[3], ("evicted", 2));
+        assert_eq!(c[2], ("source_reads", 4));
+        assert_eq!(c[4], ("evicted", 2));
         assert_eq!(p.len(), 2);
         // A short read (the end of a file) reads as zeros beyond it; an error is counted.
         p.read(Uid(4), 0, PAGE, &mut out, |b| {
@@ -154,6 +201,6 @@ mod tests {
                 "gone"
             )))
             .is_err());
-        assert_eq!(p.counters.snapshot()[5], ("source_errors", 1));
+        assert_eq!(p.counters.snapshot()[6], ("source_errors", 1));
     }
 }

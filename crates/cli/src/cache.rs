@@ -21,6 +21,49 @@ pub struct CacheArgs {
     /// Let every user read the mirror (with the source's permissions), not only this one.
     #[arg(long)]
     allow_other: bool,
+    /// Keep the pages this machine drops in the cluster's memory: they go to other machines'
+    /// daemons by the GMS epoch's plan (the globally oldest pages leave the cluster first),
+    /// and a miss asks there before the source. Every page that comes back is checked against
+    /// what was sent. Needs the daemon on this machine (`netram serve`).
+    #[arg(long)]
+    cluster: bool,
+    /// The local daemon's control socket, for --cluster [default: $NETRAM_DAEMON, else
+    /// /run/netram/7077.sock]
+    #[arg(long, value_name = "PATH", requires = "cluster")]
+    daemon: Option<String>,
+    #[command(flatten)]
+    security: crate::SecurityArgs,
+}
+
+type Sender = std::thread::JoinHandle<()>;
+
+/// Connects to the local daemon for `--cluster`.
+fn start_cluster(args: &CacheArgs) -> anyhow::Result<(Arc<netram_cache::Cluster>, Sender)> {
+    let security = args.security.security()?;
+    let node = match &security {
+        netram_net::Security::Tls(c) => c.identity.node,
+        netram_net::Security::Insecure => fastrand::u64(1..),
+    };
+    let daemon = args
+        .daemon
+        .clone()
+        .unwrap_or_else(netram_client::discover::daemon_addr);
+    // Remember where as many pages went as the other members offer (within bounds).
+    let offered: u64 = netram_client::discover::members(&daemon, Duration::from_secs(2))
+        .with_context(|| format!("--cluster: cannot ask the daemon at {daemon}"))?
+        .members
+        .iter()
+        .filter(|m| !m.is_self)
+        .map(|m| m.offered_pages)
+        .sum();
+    let cfg = netram_cache::ClusterConfig {
+        daemon: daemon.clone(),
+        security,
+        node,
+        max_remembered: offered.clamp(1 << 16, 1 << 24) as usize,
+    };
+    netram_cache::Cluster::start(cfg)
+        .with_context(|| format!("--cluster: cannot read the GMS plan from the daemon at {daemon}"))
 }
 
 pub fn run(args: CacheArgs) -> anyhow::Result<()> {
@@ -41,8 +84,10 @@ pub fn run(args: CacheArgs) -> anyhow::Result<()> {
             args.mount.display()
         );
     }
-    let pages = Arc::new(netram_cache::Pages::new(
+    let cluster = args.cluster.then(|| start_cluster(&args)).transpose()?;
+    let pages = Arc::new(netram_cache::Pages::with_cluster(
         (bytes / netram_cache::pages::PAGE as u64) as usize,
+        cluster.as_ref().map(|(c, _)| c.clone()),
     ));
     let shutdown = Arc::new(AtomicBool::new(false));
     for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
@@ -75,12 +120,23 @@ pub fn run(args: CacheArgs) -> anyhow::Result<()> {
         }
     }
     drop(mounted);
-    let counters: Vec<String> = pages
+    let mut counters: Vec<String> = pages
         .counters
         .snapshot()
         .iter()
         .map(|(k, v)| format!("{k} {v}"))
         .collect();
+    if let Some((c, sender)) = cluster {
+        // Pages still in the outbox are sent (or dropped) before the numbers are read.
+        c.stop();
+        let _ = sender.join();
+        counters.extend(
+            c.counters
+                .snapshot()
+                .iter()
+                .map(|(k, v)| format!("cluster_{k} {v}")),
+        );
+    }
     // Whoever started it may have stopped reading: a closed stdout is no error here.
     use std::io::Write as _;
     let _ = writeln!(

@@ -313,6 +313,81 @@ fn hostile_membership_packets_are_refused_and_counted() {
     drop(b);
 }
 
+/// A membership packet carrying GMS epoch message `frame` that names `from` as its sender,
+/// signed with `creds` (which may be another node's).
+fn gms_packet(creds: &netram_client::Credentials, from: u64, frame: &[u8]) -> Vec<u8> {
+    let now_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64;
+    let mut p = Vec::new();
+    netram_member::envelope::encode_gms_body(
+        &mut p,
+        now_ms,
+        &netram_member::Announce::default(),
+        from,
+        frame,
+        true,
+    );
+    netram_member::envelope::encode_cert(&mut p, creds.cert_der());
+    let (scheme, sig) = creds.sign(&p).unwrap();
+    netram_member::envelope::encode_signature(&mut p, scheme, &sig);
+    p
+}
+
+/// GMS's epoch messages ride in membership packets: one in another node's name, one from a
+/// node that is no member, one that does not decode, and a plan that does not add up are
+/// refused and counted, one counter each, and the epochs go on.
+#[test]
+fn hostile_gms_messages_are_refused_and_counted() {
+    use netram_proto::gms::{Epoch, Plan, Request};
+    let a = start(26, None);
+    let b = start(27, Some(&a.proc.addr));
+    eventually("b alive at a", 20, || {
+        states(&a.control)
+            .iter()
+            .any(|&(n, s)| n == 27 && s == netram_member::Liveness::Alive)
+    });
+    let sock = UdpSocket::bind("127.0.0.1:0").unwrap();
+    let to: SocketAddr = a.proc.addr.parse().unwrap();
+    let frame = |e: Epoch| {
+        let mut f = Vec::new();
+        Request::Epoch(e).encode(0, &mut f);
+        f
+    };
+    let outsider = netram_client::Credentials::load(&node_dir(28)).unwrap();
+    let member_b = netram_client::Credentials::load(&node_dir(27)).unwrap();
+    let ask = frame(Epoch::RequestSummary { epoch: 1 << 40 });
+    // Signed by node 28 in b's name.
+    sock.send_to(&gms_packet(&outsider, 27, &ask), to).unwrap();
+    // From node 28, which is no member.
+    sock.send_to(&gms_packet(&outsider, 28, &ask), to).unwrap();
+    // From b, but not an epoch message.
+    sock.send_to(&gms_packet(&member_b, 27, b"not a frame"), to)
+        .unwrap();
+    // From b, a plan whose weights do not add up to its M.
+    let lie = frame(Epoch::Plan(Plan {
+        epoch: 1 << 40,
+        initiator: 27,
+        m: 10,
+        min_age_ms: 1,
+        duration_ms: 1_000,
+        weights: vec![(26, 1_000_000)],
+    }));
+    sock.send_to(&gms_packet(&member_b, 27, &lie), to).unwrap();
+    eventually("the GMS refusals counted", 10, || {
+        a.proc.stat("gms_refused_wrong_sender") >= 1
+            && a.proc.stat("gms_refused_not_member") >= 1
+            && a.proc.stat("gms_refused_malformed") >= 1
+            && a.proc.stat("gms_plans_refused") >= 1
+    });
+    // The lie was not adopted, and the epochs go on past where they were.
+    let epoch = a.proc.stat("gms_epoch");
+    assert!(epoch < 1 << 40, "a lying plan was adopted: epoch {epoch}");
+    eventually("a later epoch", 30, || a.proc.stat("gms_epoch") > epoch);
+    drop(b);
+}
+
 /// CPU time (user + system) of process `pid` so far, in clock ticks.
 fn cpu_ticks(pid: i32) -> u64 {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();

@@ -125,6 +125,16 @@ pub fn members(daemon: &str, timeout: Duration) -> Result<MemberList, DiscoverEr
     })
 }
 
+/// The GMS epoch's plan the daemon whose control socket is `daemon` adopted (`netram cache`
+/// evicts by it).
+pub fn gms_plan(daemon: &str, timeout: Duration) -> Result<netram_member::PlanView, DiscoverError> {
+    let body = control_get(daemon, "/gms", timeout)?;
+    serde_json::from_slice(&body).map_err(|e| DiscoverError::BadAnswer {
+        daemon: daemon.to_string(),
+        why: e.to_string(),
+    })
+}
+
 /// The daemon's counters, as its `/metrics` gives them (Prometheus' text format), from its
 /// control socket (`netram top`).
 pub fn metrics(daemon: &str, timeout: Duration) -> Result<String, DiscoverError> {

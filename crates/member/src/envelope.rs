@@ -3,10 +3,19 @@
 //! secure cluster, the sender's certificate and its signature over all of it.
 //!
 //! ```text
-//! packet   = magic "NRMB" | version:u8 | flags:u8 | sent_ms:u64 | announce | len:u16 | swim
+//! packet   = magic "NRMB" | version:u8 | flags:u8 | sent_ms:u64 | announce | [from:u64]
+//!            len:u16 | message
 //!            [ cert_len:u16 | cert | scheme:u16 | sig_len:u16 | sig ]     (flags & SIGNED)
 //! announce = seq:u64 | offered_pages:u64 | free_pages:u64 | requests_per_s:u32
 //! ```
+//!
+//! The message is foca's SWIM message, or, with the flag GMS, one of GMS's epoch messages
+//! between daemons (`netram_proto::gms`, a whole frame), which then names the node that sends
+//! it (`from`: in a secure cluster the receiver holds it against the certificate). Epoch
+//! messages ride here rather than on the pages' TCP connections because this channel already
+//! is what they need: every member's address, a signature naming the sending node on every
+//! packet, a rate gate per address; and they are small (under 1 KiB) and may be lost (an
+//! epoch tolerates a missing summary or plan, GMS §3.2).
 //!
 //! The signature covers every byte before `scheme`. Hand-written rather than serde: the
 //! signature must cover the exact bytes received, and a decoder this small is easier to
@@ -19,6 +28,7 @@ pub const MAX_PACKET: usize = 4096;
 const MAGIC: &[u8; 4] = b"NRMB";
 const VERSION: u8 = 1;
 const SIGNED: u8 = 1;
+const GMS: u8 = 2;
 const HEAD_LEN: usize = 4 + 1 + 1 + 8 + ANNOUNCE_LEN + 2;
 const ANNOUNCE_LEN: usize = 8 + 8 + 8 + 4;
 
@@ -40,8 +50,11 @@ pub struct Announce {
 pub struct Packet<'a> {
     pub sent_ms: u64,
     pub announce: Announce,
-    /// foca's message, for `Membership::on_packet`.
+    /// foca's message, for `Membership::on_packet`; or, when `gms_from` is set, a GMS epoch
+    /// message (a `netram_proto::gms` frame).
     pub swim: &'a [u8],
+    /// The node a GMS epoch message says it comes from; `None` for a SWIM message.
+    pub gms_from: Option<u64>,
     pub signature: Option<Signature<'a>>,
 }
 
@@ -76,16 +89,43 @@ pub enum EnvelopeError {
 
 /// Appends the part of a packet that a signature covers.
 pub fn encode_body(out: &mut Vec<u8>, sent_ms: u64, a: &Announce, swim: &[u8], signed: bool) {
+    encode(out, sent_ms, a, None, swim, signed);
+}
+
+/// Appends the part of a packet carrying GMS epoch message `frame` from node `from` that a
+/// signature covers.
+pub fn encode_gms_body(
+    out: &mut Vec<u8>,
+    sent_ms: u64,
+    a: &Announce,
+    from: u64,
+    frame: &[u8],
+    signed: bool,
+) {
+    encode(out, sent_ms, a, Some(from), frame, signed);
+}
+
+fn encode(
+    out: &mut Vec<u8>,
+    sent_ms: u64,
+    a: &Announce,
+    gms_from: Option<u64>,
+    message: &[u8],
+    signed: bool,
+) {
     out.extend_from_slice(MAGIC);
     out.push(VERSION);
-    out.push(if signed { SIGNED } else { 0 });
+    out.push(if signed { SIGNED } else { 0 } | if gms_from.is_some() { GMS } else { 0 });
     out.extend_from_slice(&sent_ms.to_le_bytes());
     out.extend_from_slice(&a.seq.to_le_bytes());
     out.extend_from_slice(&a.offered_pages.to_le_bytes());
     out.extend_from_slice(&a.free_pages.to_le_bytes());
     out.extend_from_slice(&a.requests_per_s.to_le_bytes());
-    out.extend_from_slice(&(swim.len() as u16).to_le_bytes());
-    out.extend_from_slice(swim);
+    if let Some(from) = gms_from {
+        out.extend_from_slice(&from.to_le_bytes());
+    }
+    out.extend_from_slice(&(message.len() as u16).to_le_bytes());
+    out.extend_from_slice(message);
 }
 
 /// Appends the certificate of a signed body; the bytes signed are then everything so far.
@@ -148,7 +188,7 @@ pub fn decode(buf: &[u8]) -> Result<Packet<'_>, EnvelopeError> {
         return Err(EnvelopeError::BadVersion(version));
     }
     let flags = c.take(1)?[0];
-    if flags & !SIGNED != 0 {
+    if flags & !(SIGNED | GMS) != 0 {
         return Err(EnvelopeError::BadFlags(flags));
     }
     let sent_ms = c.u64()?;
@@ -157,6 +197,11 @@ pub fn decode(buf: &[u8]) -> Result<Packet<'_>, EnvelopeError> {
         offered_pages: c.u64()?,
         free_pages: c.u64()?,
         requests_per_s: c.u32()?,
+    };
+    let gms_from = if flags & GMS != 0 {
+        Some(c.u64()?)
+    } else {
+        None
     };
     let n = c.u16()? as usize;
     let swim = c.take(n)?;
@@ -183,6 +228,7 @@ pub fn decode(buf: &[u8]) -> Result<Packet<'_>, EnvelopeError> {
         sent_ms,
         announce,
         swim,
+        gms_from,
         signature,
     })
 }
@@ -217,6 +263,7 @@ mod tests {
             (99, &b"swim!"[..], 400)
         );
         assert!(p.signature.is_none());
+        assert_eq!(p.gms_from, None);
         let signed = sample(true);
         let p = decode(&signed).unwrap();
         let s = p.signature.unwrap();
@@ -226,6 +273,25 @@ mod tests {
         );
         // The signature covers everything up to the scheme: the certificate included.
         assert_eq!(s.signed, &signed[..signed.len() - 2 - 2 - 3]);
+    }
+
+    /// A GMS epoch message names its sender, and the signature covers the name.
+    #[test]
+    fn gms_messages_round_trip() {
+        let a = Announce::default();
+        for signed in [false, true] {
+            let mut out = Vec::new();
+            encode_gms_body(&mut out, 5, &a, 0xabcd, b"frame", signed);
+            if signed {
+                encode_cert(&mut out, b"C");
+                encode_signature(&mut out, 1, b"S");
+            }
+            let p = decode(&out).unwrap();
+            assert_eq!((p.gms_from, p.swim), (Some(0xabcd), &b"frame"[..]));
+            if let Some(s) = p.signature {
+                assert!(s.signed.windows(8).any(|w| w == 0xabcdu64.to_le_bytes()));
+            }
+        }
     }
 
     #[test]
@@ -243,6 +309,10 @@ mod tests {
         let mut p = sample(false);
         p[5] = 0x80;
         assert_eq!(decode(&p), Err(EnvelopeError::BadFlags(0x80)));
+        // A SWIM packet read as a GMS one is cut short or misread, never past its end.
+        let mut p = sample(false);
+        p[5] = GMS;
+        assert!(decode(&p).is_err());
         assert_eq!(
             decode(&vec![0; MAX_PACKET + 1]),
             Err(EnvelopeError::TooLong(MAX_PACKET + 1))

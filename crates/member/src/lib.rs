@@ -169,6 +169,26 @@ pub struct MemberList {
     pub members: Vec<MemberRow>,
 }
 
+/// What `/gms` answers on a daemon's control socket: the GMS epoch's plan this daemon has
+/// adopted (GMS §3.2), for the clients of its machine that evict clean pages (`netram cache`).
+/// Node ids are members' ids, found in `/members`.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct PlanView {
+    /// The daemon that answers.
+    pub node: u64,
+    pub epoch: u64,
+    pub initiator: u64,
+    /// Replacements the epoch is planned for.
+    pub m: u32,
+    /// An evicted page at least this old (ms, boosted as global pages' ages are) is dropped.
+    pub min_age_ms: u64,
+    pub duration_ms: u64,
+    /// Since the daemon adopted it (ms).
+    pub adopted_ms_ago: u64,
+    /// (node, weight): the share of the M replacements each node takes.
+    pub weights: Vec<(u64, u32)>,
+}
+
 /// What changed, for the runtime to act on (log it, tell clients).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Event {

@@ -261,8 +261,17 @@ node_counters! {
     /// Times a connection stopped serving requests to write replies first (a full window or
     /// `REPLY_BUFFER_MAX` bytes of replies).
     replies_flushed_early,
-    /// GMS epoch messages received and dropped: daemons do not run GMS's epochs yet.
+    /// GMS epoch messages that came over TCP, dropped: they travel in membership packets
+    /// (`crate::gms`).
     gms_epoch_messages_ignored,
+    /// GMS epoch messages (in membership packets) sent, received and refused, by reason: not
+    /// an epoch message that decodes; from a node that is not a live member; signed by another
+    /// node than the one it names.
+    gms_messages_sent,
+    gms_messages_received,
+    gms_refused_malformed,
+    gms_refused_not_member,
+    gms_refused_wrong_sender,
     /// The peer sent no complete handshake in time, or hung up during it.
     handshakes_incomplete,
     /// Not a netram peer (wrong magic).
@@ -346,6 +355,8 @@ pub(crate) struct Shared {
     /// one down when a newcomer takes its slot).
     admission: Mutex<Admission>,
     handshaking: Mutex<HashMap<ConnId, TcpStream>>,
+    /// What clients and `/metrics` read of this node's GMS epochs (`crate::gms`).
+    gms_view: Mutex<crate::gms::View>,
 }
 
 /// A connection's place in the limits, given back when it is dropped — also when the
@@ -401,6 +412,10 @@ impl Shared {
         })
     }
 
+    pub(crate) fn gms_view(&self) -> MutexGuard<'_, crate::gms::View> {
+        lock(&self.gms_view)
+    }
+
     pub(crate) fn members(&self) -> netram_member::MemberList {
         let now = self.now_ms();
         self.membership().rows(now)
@@ -427,7 +442,7 @@ impl Shared {
     /// The store. If a connection panicked while holding it (a bug), the store may be half
     /// way through a change: its invariants are checked before anyone uses it again, and if
     /// they do not hold the daemon stops rather than serve wrong pages.
-    fn store(&self) -> MutexGuard<'_, Store<Arena>> {
+    pub(crate) fn store(&self) -> MutexGuard<'_, Store<Arena>> {
         match self.store.lock() {
             Ok(g) => g,
             Err(poisoned) => {
@@ -487,7 +502,7 @@ impl Shared {
 }
 
 /// The frame arena: one anonymous mapping, never a heap allocation per page.
-struct Arena(memmap2::MmapMut);
+pub(crate) struct Arena(memmap2::MmapMut);
 
 impl Arena {
     /// Gives the memory of `n` frames from `first` back to the kernel: they read as zeros
@@ -647,6 +662,7 @@ impl Server {
             incarnation,
             admission: Mutex::new(admission),
             handshaking: Mutex::new(HashMap::new()),
+            gms_view: Mutex::new(Default::default()),
         });
         let accept = {
             let shared = shared.clone();
@@ -817,6 +833,19 @@ fn stats_list(store: &Store<Arena>, shared: &Shared) -> Vec<(&'static str, u64)>
     };
     out.push(("other_members_alive", other_members_alive));
     out.extend(shared.counters.snapshot());
+    let g = shared.gms_view().clone();
+    out.extend([
+        ("gms_epoch", g.plan.epoch),
+        ("gms_epochs_started", g.stats.epochs_started),
+        ("gms_epochs_started_early", g.stats.epochs_started_early),
+        ("gms_takeovers", g.stats.takeovers),
+        ("gms_plans_adopted", g.stats.plans_adopted),
+        ("gms_plans_refused", g.stats.plans_refused),
+        ("gms_summaries_sent", g.stats.summaries_sent),
+        ("gms_summaries_missing", g.stats.summaries_missing),
+        ("gms_summaries_refused", g.stats.summaries_refused),
+        ("gms_stale_reports", g.stats.stale_reports),
+    ]);
     out
 }
 

@@ -67,7 +67,9 @@ pub(crate) fn gossip_loop(shared: Arc<Shared>, socket: UdpSocket) {
     let mut gate = Gate::new(GateConfig::default(), shared.now_ms());
     let mut certs = CertCache::default();
     let mut next_tick = 0u64;
+    let mut gms = crate::gms::Runtime::new(&shared, Default::default());
     while !shared.shutdown.load(Ordering::SeqCst) {
+        gms.tick(&shared, &socket);
         if last_announce.elapsed() >= ANNOUNCE_EVERY {
             last_announce = Instant::now();
             refresh_announce(&shared);
@@ -103,7 +105,15 @@ pub(crate) fn gossip_loop(shared: Arc<Shared>, socket: UdpSocket) {
             }
         };
         Shared::bump(&shared.counters.gossip_packets_received);
-        if receive(&shared, &mut gate, &mut certs, &buf[..n], from) {
+        if receive(
+            &shared,
+            &socket,
+            &mut gms,
+            &mut gate,
+            &mut certs,
+            &buf[..n],
+            from,
+        ) {
             flush(&shared, &socket);
         }
     }
@@ -159,10 +169,12 @@ impl CertCache {
     }
 }
 
-/// Checks one packet and hands it to the membership; whether it got that far (so that what
-/// the membership wants sent may be due).
+/// Checks one packet and hands it to the membership (or a GMS epoch message to `gms`);
+/// whether it got that far (so that what the membership wants sent may be due).
 fn receive(
     shared: &Shared,
+    socket: &UdpSocket,
+    gms: &mut crate::gms::Runtime,
     gate: &mut Gate,
     certs: &mut CertCache,
     bytes: &[u8],
@@ -207,6 +219,21 @@ fn receive(
         },
         _ => None,
     };
+    if let Some(claimed) = p.gms_from {
+        // Over TLS the node is the certificate's; without credentials (loopback only) the
+        // packet's word is all there is, as for SWIM.
+        if sender.is_some_and(|s| s != claimed) {
+            tracing::warn!(%from, "node {sender:?} sent a GMS message in node {claimed}'s name");
+            return refuse(&c.gms_refused_wrong_sender);
+        }
+        Shared::bump(&c.gms_messages_received);
+        match gms.receive(shared, socket, claimed, p.swim) {
+            Ok(()) => {}
+            Err(crate::gms::Refused::Malformed) => Shared::bump(&c.gms_refused_malformed),
+            Err(crate::gms::Refused::NotMember) => Shared::bump(&c.gms_refused_not_member),
+        }
+        return false;
+    }
     let now = shared.now_ms();
     let r = shared
         .membership()
@@ -249,21 +276,55 @@ fn flush(shared: &Shared, socket: &UdpSocket) {
     for (to, swim) in sends {
         let mut out = Vec::with_capacity(swim.len() + 800);
         envelope::encode_body(&mut out, wall_ms(), &announce, &swim, creds.is_some());
-        if let Some(creds) = &creds {
-            envelope::encode_cert(&mut out, creds.cert_der());
-            match creds.sign(&out) {
-                Ok((scheme, sig)) => envelope::encode_signature(&mut out, scheme, &sig),
-                Err(e) => {
-                    tracing::error!("cannot sign a membership packet: {e}");
-                    continue;
-                }
-            }
-        }
-        match socket.send_to(&out, to) {
-            Ok(_) => Shared::bump(&shared.counters.gossip_packets_sent),
-            Err(e) => tracing::debug!(%to, "membership packet not sent: {e}"),
+        if sign(creds.as_deref(), &mut out) && send(socket, &out, to) {
+            Shared::bump(&shared.counters.gossip_packets_sent);
         }
     }
+}
+
+/// Appends the certificate and the signature to a body (nothing without credentials);
+/// false if it cannot be signed.
+fn sign(creds: Option<&Credentials>, out: &mut Vec<u8>) -> bool {
+    let Some(creds) = creds else {
+        return true;
+    };
+    envelope::encode_cert(out, creds.cert_der());
+    match creds.sign(out) {
+        Ok((scheme, sig)) => {
+            envelope::encode_signature(out, scheme, &sig);
+            true
+        }
+        Err(e) => {
+            tracing::error!("cannot sign a membership packet: {e}");
+            false
+        }
+    }
+}
+
+fn send(socket: &UdpSocket, packet: &[u8], to: SocketAddr) -> bool {
+    match socket.send_to(packet, to) {
+        Ok(_) => true,
+        Err(e) => {
+            tracing::debug!(%to, "membership packet not sent: {e}");
+            false
+        }
+    }
+}
+
+/// Sends GMS epoch message `frame` from this node (`from`) to the member at `to`, in a
+/// membership packet; whether it left.
+pub(crate) fn send_gms(
+    shared: &Shared,
+    socket: &UdpSocket,
+    to: SocketAddr,
+    from: u64,
+    frame: &[u8],
+) -> bool {
+    let creds = shared.creds();
+    let announce = shared.membership().announce();
+    let mut out = Vec::with_capacity(frame.len() + 800);
+    envelope::encode_gms_body(&mut out, wall_ms(), &announce, from, frame, creds.is_some());
+    sign(creds.as_deref(), &mut out) && send(socket, &out, to)
 }
 
 /// This node's announcement from its store: what it offers, what is free, its load.

@@ -3,15 +3,16 @@
 //!
 //! * the **control socket** (`netram serve --control`, a unix socket, `/run/netram/PORT.sock`
 //!   as root): `GET /members` (what this node believes of the cluster, JSON: `netram members`,
-//!   and what clients on this machine follow) and `GET /metrics`. Clients trust it because of
+//!   and what clients on this machine follow), `GET /gms` (the GMS epoch's plan this node
+//!   adopted, which `netram cache` evicts by: `crate::gms`) and `GET /metrics`. Clients trust it because of
 //!   where it is and who serves it, not because of a port number: they connect only to a
 //!   socket whose directory no other user may write, and only if the process at the other end
 //!   runs as root or as themselves (`netram_client::discover` checks both);
 //! * **`/metrics` on TCP** (`--metrics`, 127.0.0.1:PORT+2000 by default) for Prometheus: every
 //!   counter the daemon keeps, one per reason, as `netram stats` shows them. Beyond loopback it
 //!   answers only a request bearing the token of `--metrics-token-file` (`Authorization: Bearer
-//!   …`): node ids, addresses and counters are nobody else's business. `/members` is never
-//!   served on TCP.
+//!   …`): node ids, addresses and counters are nobody else's business. `/members` and `/gms`
+//!   are never served on TCP.
 //!
 //! Served by hyper on one thread's tokio runtime: connections are handled concurrently (at most
 //! [`MAX_CONNECTIONS`] at once and [`MAX_PER_PEER`] of one peer, more are closed at once), each
@@ -54,6 +55,8 @@ const GAUGES: &[&str] = &[
     "meta_bytes",
     "connections",
     "other_members_alive",
+    "clean_pages",
+    "gms_epoch",
 ];
 
 /// Reads the daemon's statistics at each scrape.
@@ -352,7 +355,15 @@ fn answer(endpoint: &Endpoint, window: Window, req: &Request<Incoming>) -> Respo
                 format!("{e}\n"),
             ),
         },
-        (Window::Tcp, "/members") => reply(
+        (Window::Control, "/gms") => match serde_json::to_string(&shared.gms_view().plan) {
+            Ok(json) => reply(StatusCode::OK, "application/json", json + "\n"),
+            Err(e) => reply(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "text/plain",
+                format!("{e}\n"),
+            ),
+        },
+        (Window::Tcp, "/members" | "/gms") => reply(
             StatusCode::NOT_FOUND,
             "text/plain",
             "members are listed on the daemon's control socket (netram members)\n".into(),
@@ -360,7 +371,7 @@ fn answer(endpoint: &Endpoint, window: Window, req: &Request<Incoming>) -> Respo
         _ => reply(
             StatusCode::NOT_FOUND,
             "text/plain",
-            "try /metrics or /members\n".into(),
+            "try /metrics, /members or /gms\n".into(),
         ),
     }
 }

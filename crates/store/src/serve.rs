@@ -855,6 +855,7 @@ pub fn store_stats<A: AsRef<[u8]> + AsMut<[u8]>>(store: &Store<A>) -> Vec<(&'sta
         ("live_sessions", store.live_sessions() as u64),
         ("meta_bytes", store.meta_bytes() as u64),
         ("expected_pages", store.expected_pages() as u64),
+        ("clean_pages", store.clean_pages()),
     ];
     out.extend(store.counters().iter());
     out

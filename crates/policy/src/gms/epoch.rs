@@ -473,6 +473,14 @@ impl Epochs {
         self.received = self.received.saturating_add(1);
     }
 
+    /// [`Epochs::on_evicted`], [`Epochs::on_discarded`] and [`Epochs::on_received`] at once,
+    /// for a runtime that learns them as counts (a daemon reads its store's counters).
+    pub fn count(&mut self, evicted: u32, discarded: u32, received: u32) {
+        self.evicted = self.evicted.saturating_add(evicted);
+        self.discarded = self.discarded.saturating_add(discarded);
+        self.received = self.received.saturating_add(received);
+    }
+
     /// This node was sent a page but had nothing as old to give up: the plan is wrong.
     pub fn report_stale(&mut self, out: &mut Vec<Out>) {
         self.stats.stale_reports += 1;

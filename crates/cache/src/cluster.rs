@@ -1,0 +1,593 @@
+//! The cluster behind `netram cache` (GMS, paper 000, §3.2 and §4.5; issue 39): where the pages
+//! this machine drops go, and where a miss looks before the source.
+//!
+//! - **putpage**: a page leaving this machine's budget goes into an outbox; a sender thread
+//!   takes it from there in batches, asks the epoch's plan (`netram_policy::gms::epoch::Plan`,
+//!   as this machine's daemon adopted it: `GET /gms` on its control socket) where it goes —
+//!   dropped if at least MinAge old or if the cluster has no idle memory, otherwise to member
+//!   i with probability wᵢ/M — and sends it there (PUT_CACHED). A page still in the outbox
+//!   when it is read again is taken back from there.
+//! - **getpage**: this machine remembers where each page it sent was taken (its own page-frame
+//!   directory, [`Directory`]); a miss asks that member for it (GET_CACHED, take: a global
+//!   page has one copy, §4.5) and falls back to the source when it is gone.
+//!
+//! **A page from the cluster is believed only if it is the page this machine sent.** The
+//! wire's crc32c catches damage, not a member that lies (anyone can compute one), so this
+//! machine keeps, for every page it sends, a SipHash-1-3 of the uid and the contents under a
+//! key drawn at start that never leaves the process: a member cannot make another page match
+//! it. A page that does not match is counted and read from the source.
+//!
+//! Advice never outweighs the data: the plan only says where pages go, so a wrong or lying
+//! plan costs speed (pages dropped, or sent where they are refused), never correctness.
+
+use netram_member::PlanView;
+use netram_net::{handshake, reserve_tags, FrameBuffer, RecordKey, Security};
+use netram_policy::gms::epoch::{DropReason, Evict, Plan};
+use netram_policy::gms::Uid;
+use netram_proto::gms::{self as wire, CachedPage, CachedStatus};
+use netram_proto::{Hello, HELLO_END_ON_CLOSE, MAX_BATCH};
+use std::collections::{HashMap, VecDeque};
+use std::hash::{BuildHasher, Hasher};
+use std::io::{self, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use crate::pages::PAGE;
+
+/// How often the plan and the members' addresses are read again from the daemon.
+const REFRESH: Duration = Duration::from_secs(1);
+/// Pages waiting to leave at most; a reader that would add more waits (4 MiB).
+const OUTBOX_MAX: usize = 1024;
+/// Pages sent in one PUT_CACHED.
+const BATCH: usize = 64;
+const CONNECT_TIMEOUT: Duration = Duration::from_millis(500);
+const REPLY_TIMEOUT: Duration = Duration::from_secs(2);
+/// After a failure, a member is not asked again for this long.
+const UNREACHABLE_FOR: Duration = Duration::from_millis(500);
+
+/// How this machine reaches its cluster.
+#[derive(Debug, Clone)]
+pub struct ClusterConfig {
+    /// The local daemon's control socket (`/gms`, `/members`).
+    pub daemon: String,
+    pub security: Security,
+    /// This client's node id in its sessions (its certificate's over TLS).
+    pub node: u64,
+    /// Pages sent whose whereabouts are remembered at most (the directory's bound).
+    pub max_remembered: usize,
+}
+
+/// What the cluster did for this machine, one counter per outcome.
+#[derive(Debug, Default)]
+pub struct ClusterCounters {
+    /// Pages sent to a member, taken there (or already there).
+    pub forwarded: AtomicU64,
+    /// Evicted pages dropped, by reason: at least MinAge old; the cluster has no idle memory
+    /// (or no plan yet, or no other member has weight).
+    pub dropped_old: AtomicU64,
+    pub dropped_no_idle: AtomicU64,
+    /// Pages a member refused (its pages were all younger, or this client's quota there is
+    /// used up), or that could not be sent (the member unreachable).
+    pub forward_refused: AtomicU64,
+    pub forward_failed: AtomicU64,
+    /// Pages read back from the cluster, verified.
+    pub remote_hits: AtomicU64,
+    /// Pages the member no longer had (it gave them up for older ones), read from the source.
+    pub remote_gone: AtomicU64,
+    /// Pages that came back different from what was sent (refused, read from the source).
+    pub remote_mismatch: AtomicU64,
+    /// Members that could not be asked (read from the source).
+    pub remote_failed: AtomicU64,
+    /// Pages read back from the outbox before they left.
+    pub outbox_hits: AtomicU64,
+    /// Directory entries forgotten to stay within `max_remembered`.
+    pub forgotten: AtomicU64,
+    /// Times the plan or the members could not be read from the daemon.
+    pub plan_errors: AtomicU64,
+    /// The epoch of the plan in use.
+    pub epoch: AtomicU64,
+}
+
+impl ClusterCounters {
+    pub fn snapshot(&self) -> Vec<(&'static str, u64)> {
+        let g = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        vec![
+            ("forwarded", g(&self.forwarded)),
+            ("dropped_old", g(&self.dropped_old)),
+            ("dropped_no_idle", g(&self.dropped_no_idle)),
+            ("forward_refused", g(&self.forward_refused)),
+            ("forward_failed", g(&self.forward_failed)),
+            ("remote_hits", g(&self.remote_hits)),
+            ("remote_gone", g(&self.remote_gone)),
+            ("remote_mismatch", g(&self.remote_mismatch)),
+            ("remote_failed", g(&self.remote_failed)),
+            ("outbox_hits", g(&self.outbox_hits)),
+            ("forgotten", g(&self.forgotten)),
+            ("plan_errors", g(&self.plan_errors)),
+            ("epoch", g(&self.epoch)),
+        ]
+    }
+}
+
+/// A page leaving: its uid, its age (ms since last read), its contents.
+type Leaving = (Uid, u64, Box<[u8]>);
+
+/// Where a page sent was taken, and what it was.
+#[derive(Debug, Clone, Copy)]
+struct Sent {
+    node: u64,
+    mac: u64,
+}
+
+/// This machine's page-frame directory for the pages it sent: uid → member, the oldest
+/// forgotten first beyond its bound (a forgotten page is read from the source).
+type Directory = lru::LruCache<Uid, Sent>;
+
+#[derive(Debug, Default)]
+struct Outbox {
+    pages: HashMap<Uid, (u64, Box<[u8]>)>,
+    order: VecDeque<Uid>,
+}
+
+/// The plan in use and the members' addresses.
+#[derive(Debug)]
+struct View {
+    plan: Plan,
+    me: u64,
+    addrs: HashMap<u64, SocketAddr>,
+    read_at: Option<Instant>,
+}
+
+#[derive(Debug, Default)]
+struct Conn {
+    conn: Option<(TcpStream, FrameBuffer, Option<RecordKey>)>,
+    failed_at: Option<Instant>,
+    next_id: u64,
+}
+
+/// The cluster as `Pages` uses it.
+pub struct Cluster {
+    cfg: ClusterConfig,
+    /// SipHash-1-3 under a key drawn at start (std's `RandomState`).
+    mac_key: std::collections::hash_map::RandomState,
+    directory: Mutex<Directory>,
+    outbox: Mutex<Outbox>,
+    /// Signalled when the outbox gains a page (the sender) or loses some (waiting readers).
+    outbox_changed: Condvar,
+    view: Mutex<View>,
+    conns: Mutex<HashMap<u64, Arc<Mutex<Conn>>>>,
+    stop: AtomicBool,
+    pub counters: ClusterCounters,
+}
+
+impl std::fmt::Debug for Cluster {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Cluster")
+            .field("daemon", &self.cfg.daemon)
+            .finish()
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Why a round trip to a member failed.
+#[derive(Debug, thiserror::Error)]
+enum TripError {
+    #[error("failed moments ago")]
+    FailedRecently,
+    #[error("no address known")]
+    NoAddress,
+    #[error("{0} is beyond loopback: clear TCP (--insecure) goes no further")]
+    Insecure(SocketAddr),
+    #[error(transparent)]
+    Handshake(#[from] netram_net::HandshakeError),
+    #[error("the server there is node {got}, not node {named}")]
+    WrongNode { named: u64, got: u64 },
+    #[error("{0}: {1}")]
+    Io(&'static str, #[source] io::Error),
+    #[error("bad reply: {0}")]
+    Decode(#[from] netram_proto::DecodeError),
+    #[error("no reply in time")]
+    Timeout,
+    #[error("connection closed")]
+    Closed,
+    #[error("reply does not answer the request")]
+    Mismatch,
+}
+
+impl Cluster {
+    /// Reads the plan once (a daemon that cannot be asked is an error at start) and starts
+    /// the sender thread.
+    pub fn start(cfg: ClusterConfig) -> io::Result<(Arc<Self>, std::thread::JoinHandle<()>)> {
+        let max = std::num::NonZeroUsize::new(cfg.max_remembered.max(1)).expect("at least one");
+        let c = Arc::new(Self {
+            cfg,
+            mac_key: Default::default(),
+            directory: Mutex::new(lru::LruCache::new(max)),
+            outbox: Mutex::new(Outbox::default()),
+            outbox_changed: Condvar::new(),
+            view: Mutex::new(View {
+                plan: Plan::empty(0, 0, 0),
+                me: 0,
+                addrs: HashMap::new(),
+                read_at: None,
+            }),
+            conns: Mutex::new(HashMap::new()),
+            stop: AtomicBool::new(false),
+            counters: ClusterCounters::default(),
+        });
+        c.refresh().map_err(io::Error::other)?;
+        let sender = {
+            let c = c.clone();
+            std::thread::Builder::new()
+                .name("netram-cache-put".into())
+                .spawn(move || c.sender_loop())?
+        };
+        Ok((c, sender))
+    }
+
+    /// Ends the sender thread once the outbox is empty.
+    pub fn stop(&self) {
+        self.stop.store(true, Ordering::SeqCst);
+        self.outbox_changed.notify_all();
+    }
+
+    fn mac(&self, uid: Uid, data: &[u8]) -> u64 {
+        let mut h = self.mac_key.build_hasher();
+        h.write_u128(uid.0);
+        h.write(data);
+        h.finish()
+    }
+
+    /// Reads the plan and the members from the daemon.
+    fn refresh(&self) -> Result<(), String> {
+        let t = Duration::from_secs(2);
+        let plan =
+            netram_client::discover::gms_plan(&self.cfg.daemon, t).map_err(|e| e.to_string())?;
+        let members =
+            netram_client::discover::members(&self.cfg.daemon, t).map_err(|e| e.to_string())?;
+        let mut v = lock(&self.view);
+        v.plan = plan_of(&plan);
+        v.me = plan.node;
+        v.addrs = members
+            .members
+            .iter()
+            .filter(|m| m.state != netram_member::Liveness::Down)
+            .map(|m| (m.node, m.addr))
+            .collect();
+        v.read_at = Some(Instant::now());
+        self.counters.epoch.store(plan.epoch, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// A page leaves this machine's budget, `age_ms` after its last read.
+    pub fn evicted(&self, uid: Uid, age_ms: u64, page: Box<[u8]>) {
+        let mut o = lock(&self.outbox);
+        while o.pages.len() >= OUTBOX_MAX && !self.stop.load(Ordering::Relaxed) {
+            o = self
+                .outbox_changed
+                .wait(o)
+                .unwrap_or_else(|p| p.into_inner());
+        }
+        if o.pages.insert(uid, (age_ms, page)).is_none() {
+            o.order.push_back(uid);
+        }
+        drop(o);
+        self.outbox_changed.notify_all();
+    }
+
+    /// The page `uid`, from the outbox or from the member it was sent to, verified; `None`:
+    /// read it from the source.
+    pub fn fetch(&self, uid: Uid) -> Option<Box<[u8]>> {
+        {
+            let mut o = lock(&self.outbox);
+            if let Some((_, page)) = o.pages.remove(&uid) {
+                // Its place in `order` is skipped when the sender comes to it.
+                drop(o);
+                self.outbox_changed.notify_all();
+                self.counters.outbox_hits.fetch_add(1, Ordering::Relaxed);
+                return Some(page);
+            }
+        }
+        let sent = lock(&self.directory).pop(&uid)?;
+        let bump = |c: &AtomicU64| {
+            c.fetch_add(1, Ordering::Relaxed);
+        };
+        let req = wire::Request::GetCached {
+            take: true,
+            uids: vec![uid.0],
+        };
+        let got = self.round_trip(sent.node, &req, |reply| match reply {
+            wire::Reply::GetCached { pages, .. } if pages.len() == 1 => Some(pages[0].map(|p| {
+                let mut page = vec![0u8; PAGE].into_boxed_slice();
+                let ok = p.uid == uid.0 && p.verify() && {
+                    if !p.flags.is_zero() {
+                        page.copy_from_slice(p.data);
+                    }
+                    true
+                };
+                (ok, page)
+            })),
+            _ => None,
+        });
+        match got {
+            Ok(Some((true, page))) if self.mac(uid, &page) == sent.mac => {
+                bump(&self.counters.remote_hits);
+                Some(page)
+            }
+            Ok(Some(_)) => {
+                tracing::warn!(
+                    node = sent.node,
+                    "a page came back different from what was sent"
+                );
+                bump(&self.counters.remote_mismatch);
+                None
+            }
+            Ok(None) => {
+                bump(&self.counters.remote_gone);
+                None
+            }
+            Err(e) => {
+                tracing::debug!(node = sent.node, "cannot fetch a page: {e}");
+                bump(&self.counters.remote_failed);
+                None
+            }
+        }
+    }
+
+    fn sender_loop(&self) {
+        let mut rng = fastrand::Rng::new();
+        loop {
+            let batch: Vec<Leaving> = {
+                let mut o = lock(&self.outbox);
+                while o.order.is_empty() && !self.stop.load(Ordering::SeqCst) {
+                    o = self
+                        .outbox_changed
+                        .wait_timeout(o, REFRESH)
+                        .unwrap_or_else(|p| p.into_inner())
+                        .0;
+                    if o.order.is_empty() {
+                        break;
+                    }
+                }
+                if o.order.is_empty() && self.stop.load(Ordering::SeqCst) {
+                    return;
+                }
+                let mut batch = Vec::new();
+                while batch.len() < BATCH * 4 {
+                    let Some(uid) = o.order.pop_front() else {
+                        break;
+                    };
+                    if let Some((age, page)) = o.pages.remove(&uid) {
+                        batch.push((uid, age, page));
+                    }
+                }
+                batch
+            };
+            self.outbox_changed.notify_all();
+            let stale = lock(&self.view)
+                .read_at
+                .is_none_or(|t| t.elapsed() >= REFRESH);
+            if stale {
+                if let Err(e) = self.refresh() {
+                    tracing::warn!("cannot read the GMS plan from the daemon: {e}");
+                    self.counters.plan_errors.fetch_add(1, Ordering::Relaxed);
+                    lock(&self.view).read_at = Some(Instant::now());
+                }
+            }
+            if !batch.is_empty() {
+                self.send(batch, &mut rng);
+            }
+        }
+    }
+
+    /// Sends each page where the plan says, or drops it.
+    fn send(&self, batch: Vec<Leaving>, rng: &mut fastrand::Rng) {
+        let mut to: HashMap<u64, Vec<Leaving>> = HashMap::new();
+        {
+            let v = lock(&self.view);
+            for (uid, age, page) in batch {
+                match v.plan.evict(v.me, age, false, rng) {
+                    Evict::Forward(n) => to.entry(n).or_default().push((uid, age, page)),
+                    Evict::Drop(DropReason::Old) => {
+                        self.counters.dropped_old.fetch_add(1, Ordering::Relaxed);
+                    }
+                    Evict::Drop(_) => {
+                        self.counters
+                            .dropped_no_idle
+                            .fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+            }
+        }
+        for (node, pages) in to {
+            for chunk in pages.chunks(BATCH.min(MAX_BATCH)) {
+                let req = wire::Request::PutCached(
+                    chunk
+                        .iter()
+                        .map(|(uid, age, page)| {
+                            CachedPage::seal(uid.0, u32::try_from(*age).unwrap_or(u32::MAX), page)
+                        })
+                        .collect(),
+                );
+                let n = chunk.len();
+                let r = self.round_trip(node, &req, |reply| match reply {
+                    wire::Reply::PutCached { status, .. } if status.len() == n => Some(status),
+                    _ => None,
+                });
+                match r {
+                    Ok(status) => {
+                        let mut dir = lock(&self.directory);
+                        for ((uid, _, page), s) in chunk.iter().zip(status) {
+                            match s {
+                                CachedStatus::Taken
+                                | CachedStatus::Replaced
+                                | CachedStatus::Present => {
+                                    let mac = self.mac(*uid, page);
+                                    if dir
+                                        .push(*uid, Sent { node, mac })
+                                        .is_some_and(|(u, _)| u != *uid)
+                                    {
+                                        self.counters.forgotten.fetch_add(1, Ordering::Relaxed);
+                                    }
+                                    self.counters.forwarded.fetch_add(1, Ordering::Relaxed);
+                                }
+                                CachedStatus::Refused | CachedStatus::Corrupt => {
+                                    self.counters
+                                        .forward_refused
+                                        .fetch_add(1, Ordering::Relaxed);
+                                }
+                            }
+                        }
+                    }
+                    Err(e) => {
+                        tracing::debug!(node, "cannot send pages: {e}");
+                        self.counters
+                            .forward_failed
+                            .fetch_add(n as u64, Ordering::Relaxed);
+                    }
+                }
+            }
+        }
+    }
+
+    /// One request to member `node` and its reply, read by `answer` (`None`: not an answer
+    /// to it). Tried twice on a connection that broke (both requests may be repeated: a page
+    /// put twice is `Present`, a page taken twice is gone the second time, read from the
+    /// source).
+    fn round_trip<T>(
+        &self,
+        node: u64,
+        req: &wire::Request<'_>,
+        answer: impl Fn(wire::Reply<'_>) -> Option<T>,
+    ) -> Result<T, TripError> {
+        let addr = lock(&self.view)
+            .addrs
+            .get(&node)
+            .copied()
+            .ok_or(TripError::NoAddress)?;
+        if matches!(self.cfg.security, Security::Insecure) && !addr.ip().is_loopback() {
+            return Err(TripError::Insecure(addr));
+        }
+        let conn = lock(&self.conns).entry(node).or_default().clone();
+        let mut conn = lock(&conn);
+        let mut last = TripError::Closed;
+        for _ in 0..2 {
+            match self.try_once(&mut conn, node, addr, req, &answer) {
+                Ok(t) => return Ok(t),
+                Err(e) => {
+                    conn.conn = None;
+                    if matches!(e, TripError::FailedRecently) {
+                        return Err(e);
+                    }
+                    last = e;
+                }
+            }
+        }
+        conn.failed_at = Some(Instant::now());
+        Err(last)
+    }
+
+    fn try_once<T>(
+        &self,
+        c: &mut Conn,
+        node: u64,
+        addr: SocketAddr,
+        req: &wire::Request<'_>,
+        answer: &impl Fn(wire::Reply<'_>) -> Option<T>,
+    ) -> Result<T, TripError> {
+        if c.conn.as_ref().is_some_and(|(s, _, _)| closed(s)) {
+            // The member closed it while idle (its idle timeout): nothing was sent on it.
+            c.conn = None;
+        }
+        if c.conn.is_none() {
+            if c.failed_at.is_some_and(|t| t.elapsed() < UNREACHABLE_FOR) {
+                return Err(TripError::FailedRecently);
+            }
+            let hello = Hello::new(self.cfg.node, incarnation(), fastrand::u64(..))
+                .with_flags(HELLO_END_ON_CLOSE);
+            let h = handshake(addr, &hello, CONNECT_TIMEOUT, &self.cfg.security)?;
+            if h.welcome.server_node != node {
+                return Err(TripError::WrongNode {
+                    named: node,
+                    got: h.welcome.server_node,
+                });
+            }
+            h.stream
+                .set_read_timeout(Some(REPLY_TIMEOUT))
+                .map_err(|e| TripError::Io("socket", e))?;
+            let (send, recv) = match h.keys {
+                Some(k) => (Some(k.send), Some(k.recv)),
+                None => (None, None),
+            };
+            c.conn = Some((h.stream, FrameBuffer::sealed(recv), send));
+        }
+        c.next_id += 1;
+        let id = c.next_id;
+        let (s, rbuf, seal) = c.conn.as_mut().expect("connected above");
+        let mut wbuf = Vec::new();
+        req.encode(id, &mut wbuf);
+        if let Some(k) = seal {
+            reserve_tags(&mut wbuf, 0);
+            k.seal_all(&mut wbuf);
+        }
+        s.write_all(&wbuf).map_err(|e| TripError::Io("send", e))?;
+        let deadline = Instant::now() + REPLY_TIMEOUT;
+        loop {
+            if let Some(f) = rbuf.next_frame()? {
+                let (got, reply) = wire::decode_reply(f)?;
+                if got != id {
+                    return Err(TripError::Mismatch);
+                }
+                return answer(reply).ok_or(TripError::Mismatch);
+            }
+            if Instant::now() > deadline {
+                return Err(TripError::Timeout);
+            }
+            match rbuf.fill(s, Duration::ZERO) {
+                Ok(0) => return Err(TripError::Closed),
+                Ok(_) => {}
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(TripError::Io("receive", e)),
+            }
+        }
+    }
+}
+
+/// The plan as the daemon gave it, in the policy's terms.
+fn plan_of(v: &PlanView) -> Plan {
+    Plan {
+        epoch: v.epoch,
+        initiator: v.initiator,
+        m: v.m,
+        min_age_ms: v.min_age_ms,
+        duration_ms: v.duration_ms,
+        weights: v.weights.clone(),
+    }
+}
+
+/// This process's incarnation: its start, in nanoseconds of wall-clock time.
+fn incarnation() -> u64 {
+    static AT: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    *AT.get_or_init(|| {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos() as u64)
+            .unwrap_or(1)
+    })
+}
+
+/// Whether an idle connection has something to read: the member closed it.
+fn closed(s: &TcpStream) -> bool {
+    use rustix::event::{poll, PollFd, PollFlags, Timespec};
+    let mut fds = [PollFd::new(s, PollFlags::IN)];
+    let zero = Timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    matches!(poll(&mut fds, Some(&zero)), Ok(n) if n > 0)
+}
