@@ -18,6 +18,7 @@ pub mod adapt;
 pub mod cgroup;
 pub mod core;
 pub mod gms;
+pub mod gms_real;
 pub mod machine;
 pub mod nbd;
 pub mod process;

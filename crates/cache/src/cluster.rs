@@ -47,9 +47,23 @@ const REPLY_TIMEOUT: Duration = Duration::from_secs(2);
 /// After a failure, a member is not asked again for this long.
 const UNREACHABLE_FOR: Duration = Duration::from_millis(500);
 
+/// Where a dropped page goes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Placement {
+    /// GMS: by the epoch's plan (weights and MinAge from every node's page ages).
+    #[default]
+    Gms,
+    /// The baseline GMS §5.5 measures against, N-chance forwarding as far as a client can do
+    /// it: every dropped page goes to a member drawn at random, nothing is dropped for its
+    /// age, and the member's own receiving rule (give up only an older page) decides; a page
+    /// is forwarded once (no recirculation between daemons).
+    Random,
+}
+
 /// How this machine reaches its cluster.
 #[derive(Debug, Clone)]
 pub struct ClusterConfig {
+    pub placement: Placement,
     /// The local daemon's control socket (`/gms`, `/members`).
     pub daemon: String,
     pub security: Security,
@@ -280,63 +294,119 @@ impl Cluster {
         self.outbox_changed.notify_all();
     }
 
-    /// The page `uid`, from the outbox or from the member it was sent to, verified; `None`:
-    /// read it from the source.
-    pub fn fetch(&self, uid: Uid) -> Option<Box<[u8]>> {
+    /// The pages `uids`, from the outbox or from the members they were sent to (one request
+    /// per member), each verified; `None` where it must be read from the source.
+    pub fn fetch_many(&self, uids: &[Uid]) -> Vec<Option<Box<[u8]>>> {
+        let mut out: Vec<Option<Box<[u8]>>> = vec![None; uids.len()];
         {
             let mut o = lock(&self.outbox);
-            if let Some((_, page)) = o.pages.remove(&uid) {
+            for (i, uid) in uids.iter().enumerate() {
                 // Its place in `order` is skipped when the sender comes to it.
-                drop(o);
-                self.outbox_changed.notify_all();
-                self.counters.outbox_hits.fetch_add(1, Ordering::Relaxed);
-                return Some(page);
+                if let Some((_, page)) = o.pages.remove(uid) {
+                    out[i] = Some(page);
+                    self.counters.outbox_hits.fetch_add(1, Ordering::Relaxed);
+                }
             }
         }
-        let sent = lock(&self.directory).pop(&uid)?;
-        let bump = |c: &AtomicU64| {
-            c.fetch_add(1, Ordering::Relaxed);
-        };
-        let req = wire::Request::GetCached {
-            take: true,
-            uids: vec![uid.0],
-        };
-        let got = self.round_trip(sent.node, &req, |reply| match reply {
-            wire::Reply::GetCached { pages, .. } if pages.len() == 1 => Some(pages[0].map(|p| {
-                let mut page = vec![0u8; PAGE].into_boxed_slice();
-                let ok = p.uid == uid.0 && p.verify() && {
-                    if !p.flags.is_zero() {
-                        page.copy_from_slice(p.data);
+        self.outbox_changed.notify_all();
+        let mut by_node: HashMap<u64, Vec<(usize, Sent)>> = HashMap::new();
+        {
+            let mut dir = lock(&self.directory);
+            for (i, uid) in uids.iter().enumerate() {
+                if out[i].is_none() {
+                    if let Some(sent) = dir.pop(uid) {
+                        by_node.entry(sent.node).or_default().push((i, sent));
                     }
-                    true
-                };
-                (ok, page)
-            })),
-            _ => None,
-        });
-        match got {
-            Ok(Some((true, page))) if self.mac(uid, &page) == sent.mac => {
-                bump(&self.counters.remote_hits);
-                Some(page)
-            }
-            Ok(Some(_)) => {
-                tracing::warn!(
-                    node = sent.node,
-                    "a page came back different from what was sent"
-                );
-                bump(&self.counters.remote_mismatch);
-                None
-            }
-            Ok(None) => {
-                bump(&self.counters.remote_gone);
-                None
-            }
-            Err(e) => {
-                tracing::debug!(node = sent.node, "cannot fetch a page: {e}");
-                bump(&self.counters.remote_failed);
-                None
+                }
             }
         }
+        // One request per member, all members at once: a read's pages are spread over them.
+        let got: Vec<(usize, Box<[u8]>)> = if by_node.len() <= 1 {
+            by_node
+                .iter()
+                .flat_map(|(&node, asked)| self.fetch_from(node, asked, uids))
+                .collect()
+        } else {
+            std::thread::scope(|s| {
+                let asks: Vec<_> = by_node
+                    .iter()
+                    .map(|(&node, asked)| s.spawn(move || self.fetch_from(node, asked, uids)))
+                    .collect();
+                asks.into_iter()
+                    .flat_map(|h| h.join().unwrap_or_default())
+                    .collect()
+            })
+        };
+        for (i, page) in got {
+            out[i] = Some(page);
+        }
+        out
+    }
+
+    /// Takes pages `asked` (their index in `uids`, and what was sent) from member `node`;
+    /// those that came back as they were sent.
+    fn fetch_from(
+        &self,
+        node: u64,
+        asked: &[(usize, Sent)],
+        uids: &[Uid],
+    ) -> Vec<(usize, Box<[u8]>)> {
+        let bump = |c: &AtomicU64, n: u64| {
+            c.fetch_add(n, Ordering::Relaxed);
+        };
+        let mut found = Vec::new();
+        for chunk in asked.chunks(MAX_BATCH) {
+            let req = wire::Request::GetCached {
+                take: true,
+                uids: chunk.iter().map(|&(i, _)| uids[i].0).collect(),
+            };
+            let got = self.round_trip(node, &req, |reply| match reply {
+                wire::Reply::GetCached { pages, .. } if pages.len() == chunk.len() => Some(
+                    pages
+                        .iter()
+                        .zip(chunk)
+                        .map(|(p, &(i, _))| {
+                            p.map(|p| {
+                                let mut page = vec![0u8; PAGE].into_boxed_slice();
+                                let len = if p.flags.is_zero() { 0 } else { PAGE };
+                                // Another page than the one asked for is a mismatch too.
+                                let ok = p.uid == uids[i].0 && p.verify() && p.data.len() == len;
+                                if ok && !p.flags.is_zero() {
+                                    page.copy_from_slice(p.data);
+                                }
+                                (ok, page)
+                            })
+                        })
+                        .collect::<Vec<_>>(),
+                ),
+                _ => None,
+            });
+            match got {
+                Ok(pages) => {
+                    for (p, &(i, sent)) in pages.into_iter().zip(chunk) {
+                        match p {
+                            Some((true, page)) if self.mac(uids[i], &page) == sent.mac => {
+                                bump(&self.counters.remote_hits, 1);
+                                found.push((i, page));
+                            }
+                            Some(_) => {
+                                tracing::warn!(
+                                    node,
+                                    "a page came back different from what was sent"
+                                );
+                                bump(&self.counters.remote_mismatch, 1);
+                            }
+                            None => bump(&self.counters.remote_gone, 1),
+                        }
+                    }
+                }
+                Err(e) => {
+                    tracing::debug!(node, "cannot fetch pages: {e}");
+                    bump(&self.counters.remote_failed, chunk.len() as u64);
+                }
+            }
+        }
+        found
     }
 
     fn sender_loop(&self) {
@@ -390,8 +460,14 @@ impl Cluster {
         let mut to: HashMap<u64, Vec<Leaving>> = HashMap::new();
         {
             let v = lock(&self.view);
+            let others: Vec<u64> = v.addrs.keys().copied().filter(|&n| n != v.me).collect();
             for (uid, age, page) in batch {
-                match v.plan.evict(v.me, age, false, rng) {
+                let rule = match self.cfg.placement {
+                    Placement::Gms => v.plan.evict(v.me, age, false, rng),
+                    Placement::Random if others.is_empty() => Evict::Drop(DropReason::NoOtherNode),
+                    Placement::Random => Evict::Forward(others[rng.usize(..others.len())]),
+                };
+                match rule {
                     Evict::Forward(n) => to.entry(n).or_default().push((uid, age, page)),
                     Evict::Drop(DropReason::Old) => {
                         self.counters.dropped_old.fetch_add(1, Ordering::Relaxed);

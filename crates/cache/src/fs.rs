@@ -14,6 +14,7 @@ use fuser::{
     LockOwner, MountOption, OpenFlags, ReplyAttr, ReplyData, ReplyDirectory, ReplyEmpty,
     ReplyEntry, ReplyOpen, ReplyStatfs, Request,
 };
+use netram_policy::gms::Uid;
 use std::collections::HashMap;
 use std::ffi::OsStr;
 use std::fs::File;
@@ -123,36 +124,38 @@ impl CacheFs {
         out: &mut Vec<u8>,
     ) -> std::io::Result<()> {
         let end = (offset + len).min(f.size);
-        let mut at = offset;
-        while at < end {
-            let index = at / PAGE as u64;
-            let page_start = index * PAGE as u64;
-            let from = (at - page_start) as usize;
-            let to = ((end - page_start) as usize).min(PAGE);
-            self.pages.read(f.key.page(index), from, to, out, |buf| {
-                let want = (f.size - page_start).min(PAGE as u64) as usize;
-                let mut got = 0;
-                while got < want {
-                    match f
-                        .file
-                        .read_at(&mut buf[got..want], page_start + got as u64)?
-                    {
-                        0 => break,
-                        n => got += n,
-                    }
-                }
-                // The source's page cache need not keep what is now held here.
-                let _ = rustix::fs::fadvise(
-                    &f.file,
-                    page_start,
-                    std::num::NonZeroU64::new(PAGE as u64),
-                    rustix::fs::Advice::DontNeed,
-                );
-                Ok(got)
-            })?;
-            at = page_start + to as u64;
+        if offset >= end {
+            return Ok(());
         }
-        Ok(())
+        let first = offset / PAGE as u64;
+        let pages: Vec<(Uid, usize, usize)> = (first..=(end - 1) / PAGE as u64)
+            .map(|index| {
+                let start = index * PAGE as u64;
+                let from = offset.saturating_sub(start) as usize;
+                let to = ((end - start) as usize).min(PAGE);
+                (f.key.page(index), from, to)
+            })
+            .collect();
+        self.pages.read_pages(&pages, out, |i, buf| {
+            // Pages `first + i ..` from the source, as far as the file goes.
+            let start = (first + i as u64) * PAGE as u64;
+            let want = (f.size - start).min(buf.len() as u64) as usize;
+            let mut got = 0;
+            while got < want {
+                match f.file.read_at(&mut buf[got..want], start + got as u64)? {
+                    0 => break,
+                    n => got += n,
+                }
+            }
+            // The source's page cache need not keep what is now held here.
+            let _ = rustix::fs::fadvise(
+                &f.file,
+                start,
+                std::num::NonZeroU64::new(buf.len() as u64),
+                rustix::fs::Advice::DontNeed,
+            );
+            Ok(got)
+        })
     }
 }
 

@@ -29,7 +29,7 @@ pub mod fs;
 pub mod pages;
 pub mod tree;
 
-pub use cluster::{Cluster, ClusterConfig};
+pub use cluster::{Cluster, ClusterConfig, Placement};
 pub use fs::{mount, Mounted};
 pub use pages::{Counters, Pages};
 pub use tree::Tree;

@@ -110,44 +110,98 @@ impl Pages {
         out: &mut Vec<u8>,
         source: impl FnOnce(&mut [u8]) -> std::io::Result<usize>,
     ) -> std::io::Result<()> {
-        debug_assert!(from <= to && to <= PAGE);
+        let mut source = Some(source);
+        self.read_pages(&[(uid, from, to)], out, |_, buf| {
+            (source.take().expect("one page, one read"))(buf)
+        })
+    }
+
+    /// Appends bytes `from..to` of each page `(uid, from, to)` to `out`, in order. Pages not
+    /// held here are asked of the cluster all at once (one request per member), and those it
+    /// does not have are read from the source by runs of consecutive ones: `source(i, buf)`
+    /// fills `buf` (a whole number of pages) with pages `i..` of `pages` and returns the bytes
+    /// it read (the rest reads as zeros, as past the end of a file).
+    pub fn read_pages(
+        &self,
+        pages: &[(Uid, usize, usize)],
+        out: &mut Vec<u8>,
+        mut source: impl FnMut(usize, &mut [u8]) -> std::io::Result<usize>,
+    ) -> std::io::Result<()> {
+        debug_assert!(pages.iter().all(|&(_, f, t)| f <= t && t <= PAGE));
         let now = self.now_ms();
-        if let Some((p, last)) = self.lock().get_mut(&uid) {
-            out.extend_from_slice(&p[from..to]);
-            *last = now;
-            self.counters.hits.fetch_add(1, Ordering::Relaxed);
-            return Ok(());
-        }
-        if let Some(page) = self.cluster.as_ref().and_then(|c| c.fetch(uid)) {
-            out.extend_from_slice(&page[from..to]);
-            self.counters.cluster_hits.fetch_add(1, Ordering::Relaxed);
-            self.hold(uid, page, now);
-            return Ok(());
-        }
-        let mut page = vec![0u8; PAGE].into_boxed_slice();
-        let n = match source(&mut page) {
-            Ok(n) => n,
-            Err(e) => {
-                self.counters.source_errors.fetch_add(1, Ordering::Relaxed);
-                return Err(e);
-            }
+        // Copies of the pages held (a page may leave while the others are fetched).
+        let mut have: Vec<Option<Box<[u8]>>> = {
+            let mut held = self.lock();
+            pages
+                .iter()
+                .map(|(uid, _, _)| {
+                    held.get_mut(uid).map(|(p, last)| {
+                        *last = now;
+                        p.clone()
+                    })
+                })
+                .collect()
         };
-        self.counters.source_reads.fetch_add(1, Ordering::Relaxed);
-        self.counters
-            .source_bytes
-            .fetch_add(n as u64, Ordering::Relaxed);
-        out.extend_from_slice(&page[from..to]);
-        self.hold(uid, page, now);
+        let hits = have.iter().filter(|p| p.is_some()).count() as u64;
+        self.counters.hits.fetch_add(hits, Ordering::Relaxed);
+        let mut new = Vec::new();
+        if let Some(c) = &self.cluster {
+            let missing: Vec<usize> = (0..pages.len()).filter(|&i| have[i].is_none()).collect();
+            if !missing.is_empty() {
+                let uids: Vec<Uid> = missing.iter().map(|&i| pages[i].0).collect();
+                for (i, got) in missing.into_iter().zip(c.fetch_many(&uids)) {
+                    if let Some(p) = got {
+                        self.counters.cluster_hits.fetch_add(1, Ordering::Relaxed);
+                        have[i] = Some(p.clone());
+                        new.push((pages[i].0, p));
+                    }
+                }
+            }
+        }
+        let mut i = 0;
+        while i < pages.len() {
+            if have[i].is_some() {
+                i += 1;
+                continue;
+            }
+            let run = (i..pages.len()).take_while(|&j| have[j].is_none()).count();
+            let mut buf = vec![0u8; run * PAGE];
+            let n = match source(i, &mut buf) {
+                Ok(n) => n,
+                Err(e) => {
+                    self.counters.source_errors.fetch_add(1, Ordering::Relaxed);
+                    return Err(e);
+                }
+            };
+            self.counters
+                .source_reads
+                .fetch_add(run as u64, Ordering::Relaxed);
+            self.counters
+                .source_bytes
+                .fetch_add(n as u64, Ordering::Relaxed);
+            for (k, chunk) in buf.chunks(PAGE).enumerate() {
+                let page: Box<[u8]> = chunk.into();
+                have[i + k] = Some(page.clone());
+                new.push((pages[i + k].0, page));
+            }
+            i += run;
+        }
+        for ((_, from, to), p) in pages.iter().zip(&have) {
+            out.extend_from_slice(&p.as_ref().expect("every page found")[*from..*to]);
+        }
+        self.hold(new, now);
         Ok(())
     }
 
-    /// Keeps `page`, dropping the least recently read beyond the budget (to the cluster, with
+    /// Keeps `pages`, dropping the least recently read beyond the budget (to the cluster, with
     /// their ages, once the lock is released: the outbox may make the caller wait).
-    fn hold(&self, uid: Uid, page: Box<[u8]>, now: u64) {
+    fn hold(&self, pages: Vec<(Uid, Box<[u8]>)>, now: u64) {
         let mut out = Vec::new();
         {
             let mut held = self.lock();
-            held.put(uid, (page, now));
+            for (uid, page) in pages {
+                held.put(uid, (page, now));
+            }
             while held.len() > self.budget {
                 if let Some(p) = held.pop_lru() {
                     out.push(p);
@@ -202,5 +256,39 @@ mod tests {
             )))
             .is_err());
         assert_eq!(p.counters.snapshot()[6], ("source_errors", 1));
+    }
+
+    /// A read's missing pages come from the source by runs of consecutive ones, and the bytes
+    /// come out in order, held and fetched ones alike.
+    #[test]
+    fn missing_pages_are_read_by_runs_in_order() {
+        let p = Pages::new(16);
+        let page = |i: u64| vec![i as u8; PAGE];
+        let mut out = Vec::new();
+        for i in [1u64, 3] {
+            p.read(Uid(u128::from(i)), 0, 1, &mut out, |b| {
+                b.copy_from_slice(&page(i));
+                Ok(PAGE)
+            })
+            .unwrap();
+        }
+        let want: Vec<(Uid, usize, usize)> =
+            (0..6u64).map(|i| (Uid(u128::from(i)), 10, 20)).collect();
+        let mut runs = Vec::new();
+        out.clear();
+        p.read_pages(&want, &mut out, |i, buf| {
+            runs.push((i, buf.len() / PAGE));
+            for (k, chunk) in buf.chunks_mut(PAGE).enumerate() {
+                chunk.fill((i + k) as u8);
+            }
+            Ok(buf.len())
+        })
+        .unwrap();
+        assert_eq!(runs, [(0, 1), (2, 1), (4, 2)]);
+        let expected: Vec<u8> = (0..6u8).flat_map(|i| [i; 10]).collect();
+        assert_eq!(out, expected);
+        let c = p.counters.snapshot();
+        assert_eq!(c[0], ("hits", 2));
+        assert_eq!(c[2], ("source_reads", 6)); // 2 at first, then 4
     }
 }

@@ -31,11 +31,22 @@ pub struct CacheArgs {
     /// /run/netram/7077.sock]
     #[arg(long, value_name = "PATH", requires = "cluster")]
     daemon: Option<String>,
+    /// Where the pages this machine drops go, for --cluster: `gms` (by the epoch's plan) or
+    /// `random` (a member drawn at random, none dropped for its age: N-chance forwarding as
+    /// a client can do it, the baseline GMS measures itself against).
+    #[arg(long, value_enum, default_value = "gms", requires = "cluster")]
+    placement: PlacementArg,
     #[command(flatten)]
     security: crate::SecurityArgs,
 }
 
 type Sender = std::thread::JoinHandle<()>;
+
+#[derive(Debug, Clone, Copy, clap::ValueEnum)]
+enum PlacementArg {
+    Gms,
+    Random,
+}
 
 /// Connects to the local daemon for `--cluster`.
 fn start_cluster(args: &CacheArgs) -> anyhow::Result<(Arc<netram_cache::Cluster>, Sender)> {
@@ -57,6 +68,10 @@ fn start_cluster(args: &CacheArgs) -> anyhow::Result<(Arc<netram_cache::Cluster>
         .map(|m| m.offered_pages)
         .sum();
     let cfg = netram_cache::ClusterConfig {
+        placement: match args.placement {
+            PlacementArg::Gms => netram_cache::Placement::Gms,
+            PlacementArg::Random => netram_cache::Placement::Random,
+        },
         daemon: daemon.clone(),
         security,
         node,

@@ -317,12 +317,20 @@ enum BenchCommand {
     /// Global memory management (GMS), simulated with the production state machines: GMS
     /// §5.5-5.6's skewed clusters (Fig. 9-11) with GMS, N-chance forwarding, a hashed data
     /// cache and no cluster; epochs' cost (Table 5); the same on 100 to 10,000 nodes; writes
-    /// gms.json, gms.md and gms.svg (about 5 minutes; --quick under one). The run between
-    /// hosts (`netram cache`) is not built yet.
+    /// gms.json, gms.md and gms.svg (about 5 minutes; --quick under one). Then, as root with
+    /// fio, sshfs and sshd, the real run: `netram cache` on six network-namespace hosts against
+    /// the source read directly and against random forwarding (N-chance), every file verified
+    /// (about 5 minutes more).
     Gms {
-        /// Smaller clusters and fewer accesses.
+        /// Smaller clusters and fewer accesses; a smaller data set.
         #[arg(long)]
         quick: bool,
+        /// Only the real run: the simulated figures are kept from the gms.json in --out.
+        #[arg(long, conflicts_with = "no_real")]
+        no_sim: bool,
+        /// Only the simulated half.
+        #[arg(long)]
+        no_real: bool,
         /// Node counts of the scale runs (comma-separated) [default: 100,1000,10000;
         /// 100,1000 with --quick].
         #[arg(long, value_delimiter = ',')]
@@ -627,13 +635,21 @@ fn main() -> anyhow::Result<()> {
             println!("wrote {0}/security.json and {0}/security.md", out.display());
             Ok(())
         }
-        Command::Bench(BenchCommand::Gms { quick, nodes, out }) => {
+        Command::Bench(BenchCommand::Gms {
+            quick,
+            no_sim,
+            no_real,
+            nodes,
+            out,
+        }) => {
             init_logging("warn");
             if nodes.iter().any(|&n| n < 10) {
                 anyhow::bail!("--nodes: every scale run needs at least 10 nodes");
             }
             let opts = netram_bench::gms::Options {
                 quick,
+                sim: !no_sim,
+                real: !no_real,
                 nodes,
                 out: out.clone(),
             };

@@ -5,7 +5,7 @@
 //!
 //! `cargo run -p netram-member --example fuzz_seeds -- fuzz/seeds/membership`
 
-use netram_member::envelope::{encode_body, encode_cert, encode_signature};
+use netram_member::envelope::{encode_body, encode_cert, encode_gms_body, encode_signature};
 use netram_member::{Announce, MemberConfig, Membership, Node};
 use std::net::SocketAddr;
 
@@ -69,6 +69,21 @@ fn main() -> std::io::Result<()> {
         std::fs::write(format!("{dir}/envelope-{i}"), &p)?;
         n += 1;
     }
+    // An envelope carrying a GMS epoch message's bytes (flag GMS, a sender) instead of SWIM.
+    let mut p = Vec::new();
+    let frame = [
+        0x0e, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+    ];
+    encode_gms_body(
+        &mut p,
+        1_700_000_000_000,
+        &Announce::default(),
+        2,
+        &frame,
+        false,
+    );
+    std::fs::write(format!("{dir}/envelope-gms"), &p)?;
+    n += 1;
     println!("wrote {n} seeds to {dir}");
     Ok(())
 }

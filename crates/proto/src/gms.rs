@@ -2,7 +2,7 @@
 //! between the nodes that use them and the daemons that hold them for others.
 //!
 //! ```text
-//! GMS_EPOCH   = tag:u8 | body                                   (one-way, between daemons)
+//! GMS_EPOCH   = tag:u8 | body                (one-way, between daemons, in membership packets)
 //!   0 REQUEST_SUMMARY epoch:u64
 //!   1 SUMMARY         epoch:u64 free:u32 evicted:u32 discarded:u32 n:u8 (bucket:u8 count:u32)*n
 //!   2 PLAN            epoch:u64 initiator:u64 m:u32 min_age_ms:u64 duration_ms:u64
@@ -14,8 +14,9 @@
 //!                    | GET_CACHED: n:u32 (found:u8 [page])*n
 //! ```
 //!
-//! The sender of an epoch message is the node its connection authenticated, never a field:
-//! a plan names its initiator only so that the receiver can check it against the sender. A
+//! The sender of an epoch message is the node its packet's signature names, never a field of
+//! the message: a plan names its initiator only so that the receiver can check it against the
+//! sender. A
 //! summary's buckets are strictly from the oldest down with no empty ones, and every field has
 //! one encoding, so a decoded message re-encodes to the same bytes (the fuzzer checks it).
 //!
@@ -27,8 +28,9 @@
 //!
 //! These decoders are fuzzed (`fuzz/fuzz_targets/decode.rs`). The owned-page protocol's
 //! `decode_request` refuses these kinds as unknown; the daemon then decodes them here: clean
-//! pages are served by `netram_store::serve::handle_gms`, and epoch messages are counted and
-//! dropped until daemons run epochs (issue 39).
+//! pages are served by `netram_store::serve::handle_gms`. Epoch messages travel between
+//! daemons in membership packets (`netram_member::envelope`, whose signature names the
+//! sender); one arriving on a pages connection is counted and dropped.
 
 use crate::codec::{DecodeError, FrameBuilder, Reader};
 use crate::message::{byte_enum, split_frame, status_bytes, Kind, Load};

@@ -1,0 +1,719 @@
+//! The real half of `netram bench gms` (issue 39): `netram cache` between network-namespace
+//! hosts, against reading the source directly and against N-chance-style random forwarding.
+//!
+//! Six hosts on one bridge, each a network namespace of this machine (`ip netns`, veth): host 1
+//! reads, hosts 2–5 are daemons holding idle memory (evenly, or skewed: one holds most of it),
+//! host 6 is the **source**, a file server reached over SSH (`sshd` on host 6, `sshfs` on host
+//! 1), its files on a tmpfs: a network file system whose server has the data set in memory,
+//! the best case for the source. Host 1 has as much memory for the data set as the cache's
+//! budget: the direct reads run in a memory cgroup of that size (their page cache is charged
+//! to it), and so do the reads through the mount.
+//!
+//! Each case starts the daemons afresh, mounts the cache, and runs fio on host 1 (several
+//! processes): two sequential passes over the data set, then a fixed number of random 4 KiB
+//! reads; then every file is read through the mount and its sha256 compared with the
+//! source's, and the cache's own check of every page the cluster gave back is read from its
+//! counters. A case whose check fails gives no figure. Cleanup (processes by PID, mounts,
+//! cgroups, namespaces) runs when the guard drops, also on failure.
+
+use crate::cgroup::{Hierarchy, MemoryCgroup};
+use serde_json::{json, Value};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+/// The data set and the budgets.
+#[derive(Debug, Clone, Copy)]
+pub struct Size {
+    /// Files (one per reading process) and the bytes of each.
+    pub files: usize,
+    pub file_mib: u64,
+    /// Host 1's memory for the data set (the cache's budget; the direct reads' cgroup).
+    pub local_mib: u64,
+    /// Random 4 KiB reads per process.
+    pub random_reads: u64,
+}
+
+impl Size {
+    pub const FULL: Size = Size {
+        files: 4,
+        file_mib: 192,
+        local_mib: 64,
+        random_reads: 40_000,
+    };
+    pub const QUICK: Size = Size {
+        files: 4,
+        file_mib: 48,
+        local_mib: 16,
+        random_reads: 8_000,
+    };
+    fn data_mib(&self) -> u64 {
+        self.files as u64 * self.file_mib
+    }
+}
+
+/// Memory for fio's own needs in the readers' cgroup, beyond the data set's budget.
+const FIO_ROOM_MIB: u64 = 32;
+const HOSTS: usize = 6;
+const SOURCE: usize = 6;
+const READER: usize = 1;
+const DAEMONS: [usize; 4] = [2, 3, 4, 5];
+
+/// The tools the real run needs, and the Debian package of each.
+const TOOLS: [(&str, &str); 7] = [
+    ("ip", "iproute2"),
+    ("nsenter", "util-linux"),
+    ("fio", "fio"),
+    ("sshfs", "sshfs"),
+    ("/usr/sbin/sshd", "openssh-server"),
+    ("ssh-keygen", "openssh-client"),
+    ("sha256sum", "coreutils"),
+];
+
+/// Why the real run cannot run here, if it cannot.
+pub fn unavailable() -> Option<String> {
+    if !rustix::process::geteuid().is_root() {
+        return Some("needs root (network namespaces, FUSE mounts)".into());
+    }
+    if !Path::new("/dev/fuse").exists() {
+        return Some("no /dev/fuse".into());
+    }
+    let missing: Vec<String> = TOOLS
+        .iter()
+        .filter(|(t, _)| {
+            !Command::new("sh")
+                .args(["-c", &format!("command -v {t}")])
+                .stdout(Stdio::null())
+                .status()
+                .is_ok_and(|s| s.success())
+        })
+        .map(|(t, p)| format!("{t} ({p})"))
+        .collect();
+    (!missing.is_empty()).then(|| format!("missing: {}", missing.join(", ")))
+}
+
+fn run(cmd: &mut Command) -> Result<Output, String> {
+    let out = cmd.output().map_err(|e| format!("{cmd:?}: {e}"))?;
+    if !out.status.success() {
+        return Err(format!(
+            "{cmd:?}: {}: {}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr).trim()
+        ));
+    }
+    Ok(out)
+}
+
+fn sh(args: &[&str]) -> Result<Output, String> {
+    run(Command::new(args[0]).args(&args[1..]))
+}
+
+/// The namespaces, the processes started in them and the mounts, undone on drop.
+struct Net {
+    prefix: String,
+    dir: tempfile::TempDir,
+    procs: Vec<Child>,
+    mounts: Vec<PathBuf>,
+}
+
+fn ip(i: usize) -> String {
+    format!("10.79.0.{i}")
+}
+
+impl Net {
+    fn new() -> Result<Self, String> {
+        let net = Net {
+            prefix: format!("ng{}", std::process::id() % 100_000),
+            dir: tempfile::tempdir().map_err(|e| e.to_string())?,
+            procs: Vec::new(),
+            mounts: Vec::new(),
+        };
+        let hub = net.ns(0);
+        sh(&["ip", "netns", "add", &hub])?;
+        sh(&["ip", "-n", &hub, "link", "add", "br0", "type", "bridge"])?;
+        sh(&["ip", "-n", &hub, "link", "set", "br0", "up"])?;
+        for i in 1..=HOSTS {
+            let ns = net.ns(i);
+            let veth = format!("{}v{i}", net.prefix);
+            sh(&["ip", "netns", "add", &ns])?;
+            sh(&[
+                "ip", "link", "add", &veth, "type", "veth", "peer", "name", "eth0", "netns", &ns,
+            ])?;
+            sh(&["ip", "link", "set", &veth, "netns", &hub])?;
+            sh(&[
+                "ip", "-n", &hub, "link", "set", &veth, "master", "br0", "up",
+            ])?;
+            sh(&[
+                "ip",
+                "-n",
+                &ns,
+                "addr",
+                "add",
+                &format!("{}/24", ip(i)),
+                "dev",
+                "eth0",
+            ])?;
+            sh(&["ip", "-n", &ns, "link", "set", "eth0", "up"])?;
+            sh(&["ip", "-n", &ns, "link", "set", "lo", "up"])?;
+        }
+        Ok(net)
+    }
+
+    fn ns(&self, i: usize) -> String {
+        if i == 0 {
+            format!("{}hub", self.prefix)
+        } else {
+            format!("{}h{i}", self.prefix)
+        }
+    }
+
+    fn path(&self, name: &str) -> PathBuf {
+        self.dir.path().join(name)
+    }
+
+    /// `cmd` on host `i`: in its network namespace only (`nsenter --net`), so that mounts
+    /// made there are everybody's, as on one machine's file system.
+    fn on(&self, i: usize, cmd: &str) -> Command {
+        let mut c = Command::new("nsenter");
+        c.arg(format!("--net=/run/netns/{}", self.ns(i))).arg(cmd);
+        c
+    }
+
+    fn spawn(&mut self, mut cmd: Command, log: &str) -> Result<u32, String> {
+        let out = std::fs::File::create(self.path(log)).map_err(|e| e.to_string())?;
+        let child = cmd
+            .stdout(out.try_clone().map_err(|e| e.to_string())?)
+            .stderr(out)
+            .stdin(Stdio::null())
+            .spawn()
+            .map_err(|e| format!("{cmd:?}: {e}"))?;
+        let pid = child.id();
+        self.procs.push(child);
+        Ok(pid)
+    }
+
+    /// Ends the process `pid` (SIGTERM, then SIGKILL after `grace`).
+    fn stop(&mut self, pid: u32, grace: Duration) {
+        let Some(at) = self.procs.iter().position(|c| c.id() == pid) else {
+            return;
+        };
+        let mut c = self.procs.swap_remove(at);
+        // SAFETY: kill(2) on the PID of a child this guard owns and has not reaped.
+        unsafe { libc::kill(pid as i32, libc::SIGTERM) };
+        let deadline = Instant::now() + grace;
+        while Instant::now() < deadline {
+            if c.try_wait().ok().flatten().is_some() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = c.kill();
+        let _ = c.wait();
+    }
+}
+
+impl Drop for Net {
+    fn drop(&mut self) {
+        for m in self.mounts.iter().rev() {
+            let _ = Command::new("umount").arg("-l").arg(m).status();
+        }
+        for p in &mut self.procs {
+            let _ = p.kill();
+            let _ = p.wait();
+        }
+        for i in (0..=HOSTS).rev() {
+            let _ = Command::new("ip")
+                .args(["netns", "del", &self.ns(i)])
+                .status();
+        }
+    }
+}
+
+fn wait_for(what: &str, secs: u64, mut f: impl FnMut() -> bool) -> Result<(), String> {
+    let deadline = Instant::now() + Duration::from_secs(secs);
+    while !f() {
+        if Instant::now() > deadline {
+            return Err(format!("{what}: not within {secs} s"));
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    Ok(())
+}
+
+/// How a case reads the data set.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Reader {
+    /// fio on the source's mount.
+    Direct,
+    /// fio on `netram cache --cluster --placement P`.
+    Cache(&'static str),
+}
+
+/// The idle memory of hosts 2–5 (MiB) for `skew`: even, or one host holding 5/8 of it.
+fn capacities(total_mib: u64, skewed: bool) -> [u64; 4] {
+    if skewed {
+        let big = total_mib * 5 / 8;
+        let rest = (total_mib - big) / 3;
+        [big, rest, rest, rest]
+    } else {
+        [total_mib / 4; 4]
+    }
+}
+
+/// One fio run's figures: MB/s, IOPS, completion latency p50 and p99 (µs), and the seconds
+/// fio itself counted.
+fn fio_figures(v: &Value) -> (f64, f64, f64, f64, f64) {
+    let r = &v["jobs"][0]["read"];
+    let pct = |p: &str| r["clat_ns"]["percentile"][p].as_f64().unwrap_or(f64::NAN) / 1e3;
+    (
+        r["bw_bytes"].as_f64().unwrap_or(0.0) / 1e6,
+        r["iops"].as_f64().unwrap_or(0.0),
+        pct("50.000000"),
+        pct("99.000000"),
+        r["runtime"].as_f64().unwrap_or(f64::NAN) / 1e3,
+    )
+}
+
+struct Setup {
+    size: Size,
+    netram: PathBuf,
+    creds: PathBuf,
+    source_mnt: PathBuf,
+    want: Vec<String>,
+    cgroups: Hierarchy,
+}
+
+/// Runs fio on host 1 in the budget's cgroup; its JSON and the seconds it took.
+fn fio(
+    net: &Net,
+    s: &Setup,
+    cg: &MemoryCgroup,
+    dir: &Path,
+    args: &[&str],
+) -> Result<(Value, f64), String> {
+    let mut cmd = net.on(READER, "sh");
+    let fio_line = format!(
+        "exec fio --output-format=json --readonly --directory={} --filename_format='f.$jobnum' \
+         --nrfiles=1 --size={}M --numjobs={} --group_reporting --ioengine=psync {}",
+        dir.display(),
+        s.size.file_mib,
+        s.size.files,
+        args.join(" ")
+    );
+    cmd.args(["-c", &cg.enter_then(&fio_line)]);
+    let t = Instant::now();
+    let out = run(&mut cmd)?;
+    let secs = t.elapsed().as_secs_f64();
+    let v: Value = serde_json::from_slice(&out.stdout)
+        .map_err(|e| format!("fio's JSON: {e}: {}", String::from_utf8_lossy(&out.stdout)))?;
+    Ok((v, secs))
+}
+
+/// Reads every file through `dir` and compares it with the source's hash.
+fn verify(net: &Net, s: &Setup, dir: &Path) -> Result<(), String> {
+    for (i, want) in s.want.iter().enumerate() {
+        let f = dir.join(format!("f.{i}"));
+        let out = run(net.on(READER, "sha256sum").arg(&f))?;
+        let got = String::from_utf8_lossy(&out.stdout);
+        if got.split_whitespace().next() != Some(want.as_str()) {
+            return Err(format!("{} differs from the source", f.display()));
+        }
+    }
+    Ok(())
+}
+
+fn counter(line: &str, name: &str) -> Option<u64> {
+    line.split([',', ';'])
+        .map(str::trim)
+        .find_map(|kv| kv.strip_prefix(&format!("{name} ")))
+        .and_then(|v| v.parse().ok())
+}
+
+/// One case: the daemons with `caps` (MiB), the reader, the workload, the checks.
+fn case(net: &mut Net, s: &Setup, reader: Reader, caps: [u64; 4]) -> Result<Value, String> {
+    let mut daemons = Vec::new();
+    let mut ctl = PathBuf::new();
+    if let Reader::Cache(_) = reader {
+        // Host 1's own daemon (its control socket is the cache's), with nothing to offer.
+        let all: Vec<(usize, u64)> = std::iter::once((READER, 4))
+            .chain(DAEMONS.iter().copied().zip(caps))
+            .collect();
+        for (i, mib) in all {
+            let ctl_i = net.path(&format!("h{i}.sock"));
+            let mut c = net.on(i, &s.netram.display().to_string());
+            c.args(["serve", "--listen", &format!("{}:7077", ip(i)), "--tls"])
+                .arg(s.creds.join(format!("node-{i}")))
+                .args(["--capacity", &format!("{mib}M")])
+                .args(["--max-client-memory", &format!("{mib}M")])
+                .args(["--metrics", "off", "--control"])
+                .arg(&ctl_i);
+            if i != READER {
+                c.args(["--seed", &format!("{}:7077", ip(READER))]);
+            }
+            let _ = std::fs::remove_file(&ctl_i);
+            daemons.push(net.spawn(c, &format!("serve-{i}.log"))?);
+            if i == READER {
+                ctl = ctl_i;
+            }
+        }
+        let ctl_s = ctl.display().to_string();
+        wait_for("a GMS plan weighing the four daemons", 60, || {
+            netram_client::discover::gms_plan(&ctl_s, Duration::from_secs(2))
+                .is_ok_and(|p| p.epoch >= 1 && p.weights.len() >= 4)
+        })?;
+    }
+    let mnt = net.path("mnt");
+    let _ = std::fs::create_dir_all(&mnt);
+    let mut cache_pid = None;
+    let dir = match reader {
+        Reader::Direct => s.source_mnt.clone(),
+        Reader::Cache(placement) => {
+            let mut c = net.on(READER, &s.netram.display().to_string());
+            c.args(["cache", "--source"])
+                .arg(&s.source_mnt)
+                .arg("--mount")
+                .arg(&mnt)
+                .args(["--local-mem", &format!("{}M", s.size.local_mib)])
+                .args(["--cluster", "--placement", placement, "--daemon"])
+                .arg(&ctl)
+                .arg("--tls")
+                .arg(s.creds.join("client"));
+            cache_pid = Some(net.spawn(c, "cache.log")?);
+            net.mounts.push(mnt.clone());
+            let log = net.path("cache.log");
+            wait_for("netram cache mounted", 30, || {
+                std::fs::read_to_string(&log).is_ok_and(|l| l.contains("mirrored on"))
+            })?;
+            mnt.clone()
+        }
+    };
+    // Nothing of the data set in host 1's page cache from the case before.
+    let _ = std::fs::write("/proc/sys/vm/drop_caches", "1");
+    // The readers' memory: the budget for the data set, plus room for fio itself (a 16 MiB
+    // limit starves fio's own shared memory and stalls it for tens of seconds). The direct
+    // reads' page cache may use the room too: a little more memory for the source.
+    let cg = s
+        .cgroups
+        .create(
+            &format!("netram-gms-{}", std::process::id()),
+            Some((s.size.local_mib + FIO_ROOM_MIB) << 20),
+        )
+        .map_err(|e| format!("memory cgroup: {e}"))?;
+    let result = (|| {
+        let seq = ["--rw=read", "--bs=128k"];
+        let (seq1, seq1_s) = fio(net, s, &cg, &dir, &[&["--name=seq1"][..], &seq].concat())?;
+        let (seq2, seq2_s) = fio(net, s, &cg, &dir, &[&["--name=seq2"][..], &seq].concat())?;
+        let io_size = s.size.random_reads * 4096;
+        let (rnd, rnd_s) = fio(
+            net,
+            s,
+            &cg,
+            &dir,
+            &[
+                "--name=rand",
+                "--rw=randread",
+                "--bs=4k",
+                &format!("--io_size={io_size}"),
+                "--randrepeat=0",
+            ],
+        )?;
+        verify(net, s, &dir)?;
+        Ok::<_, String>(((seq1, seq1_s), (seq2, seq2_s), (rnd, rnd_s)))
+    })();
+    let mut counters = Value::Null;
+    if let Some(pid) = cache_pid {
+        net.stop(pid, Duration::from_secs(20));
+        net.mounts.retain(|m| m != &mnt);
+        let log = std::fs::read_to_string(net.path("cache.log")).unwrap_or_default();
+        let last = log
+            .lines()
+            .rfind(|l| l.starts_with("netram cache: stopped"))
+            .unwrap_or("")
+            .to_string();
+        let names = [
+            "hits",
+            "cluster_hits",
+            "source_reads",
+            "evicted",
+            "source_errors",
+            "cluster_forwarded",
+            "cluster_dropped_old",
+            "cluster_dropped_no_idle",
+            "cluster_forward_refused",
+            "cluster_forward_failed",
+            "cluster_remote_hits",
+            "cluster_remote_gone",
+            "cluster_remote_mismatch",
+            "cluster_remote_failed",
+            "cluster_epoch",
+        ];
+        let mut m = serde_json::Map::new();
+        for n in names {
+            m.insert(n.into(), json!(counter(&last, n)));
+        }
+        if result.is_ok() && counter(&last, "cluster_remote_mismatch") != Some(0) {
+            return Err(format!(
+                "pages came back different from what was sent: {last}"
+            ));
+        }
+        if result.is_ok() && counter(&last, "source_errors") != Some(0) {
+            return Err(format!("the source failed reads: {last}"));
+        }
+        counters = Value::Object(m);
+    }
+    for pid in daemons {
+        net.stop(pid, Duration::from_secs(5));
+    }
+    let ((seq1, seq1_s), (seq2, seq2_s), (rnd, rnd_s)) = result?;
+    let (seq1_mbs, _, _, _, seq1_fio_s) = fio_figures(&seq1);
+    let (seq2_mbs, _, _, _, seq2_fio_s) = fio_figures(&seq2);
+    let (_, iops, p50, p99, rnd_fio_s) = fio_figures(&rnd);
+    Ok(json!({
+        "reader": match reader { Reader::Direct => "source".to_string(), Reader::Cache(p) => format!("netram cache, {p}") },
+        "idle_mib": if matches!(reader, Reader::Direct) { json!(null) } else { json!(caps) },
+        "seq1_mb_s": seq1_mbs,
+        "seq1_s": seq1_s,
+        "seq1_fio_s": seq1_fio_s,
+        "seq2_mb_s": seq2_mbs,
+        "seq2_s": seq2_s,
+        "seq2_fio_s": seq2_fio_s,
+        "rand_iops": iops,
+        "rand_p50_us": p50,
+        "rand_p99_us": p99,
+        "rand_s": rnd_s,
+        "rand_fio_s": rnd_fio_s,
+        "total_s": seq1_s + seq2_s + rnd_s,
+        "verified": true,
+        "counters": counters,
+    }))
+}
+
+/// Runs the real half; its JSON, or why it could not run.
+pub fn run_real(quick: bool) -> Result<Value, String> {
+    if let Some(why) = unavailable() {
+        return Err(why);
+    }
+    let size = if quick { Size::QUICK } else { Size::FULL };
+    let netram = std::env::current_exe().map_err(|e| e.to_string())?;
+    let cgroups = Hierarchy::find()?;
+    let mut net = Net::new()?;
+    // Credentials: a cluster, a server certificate per host, a client's for the cache.
+    let creds = net.path("tls");
+    run(Command::new(&netram).args(["cluster", "init"]).arg(&creds))?;
+    for i in 1..=5usize {
+        run(Command::new(&netram)
+            .args(["keygen", "--cluster"])
+            .arg(&creds)
+            .args(["--node", &i.to_string(), "--server", "--out"])
+            .arg(creds.join(format!("node-{i}"))))?;
+    }
+    run(Command::new(&netram)
+        .args(["keygen", "--cluster"])
+        .arg(&creds)
+        .args(["--node", "100", "--out"])
+        .arg(creds.join("client")))?;
+
+    // The source: a tmpfs on host 6, served by sshd, mounted on host 1 with sshfs.
+    let data = net.path("data");
+    std::fs::create_dir_all(&data).map_err(|e| e.to_string())?;
+    sh(&[
+        "mount",
+        "-t",
+        "tmpfs",
+        "-o",
+        &format!("size={}M", size.data_mib() + 64),
+        "netram-gms-source",
+        data.to_str().unwrap(),
+    ])?;
+    net.mounts.push(data.clone());
+    let mut want = Vec::new();
+    for i in 0..size.files {
+        let mut rng = fastrand::Rng::with_seed(39 + i as u64);
+        let mut buf = vec![0u8; 1 << 20];
+        let path = data.join(format!("f.{i}"));
+        let mut f = std::fs::File::create(&path).map_err(|e| e.to_string())?;
+        for _ in 0..size.file_mib {
+            rng.fill(&mut buf);
+            std::io::Write::write_all(&mut f, &buf).map_err(|e| e.to_string())?;
+        }
+        drop(f);
+        let out = sh(&["sha256sum", path.to_str().unwrap()])?;
+        want.push(
+            String::from_utf8_lossy(&out.stdout)
+                .split_whitespace()
+                .next()
+                .unwrap_or_default()
+                .to_string(),
+        );
+    }
+    let key = net.path("id");
+    let hostkey = net.path("hostkey");
+    sh(&[
+        "ssh-keygen",
+        "-q",
+        "-t",
+        "ed25519",
+        "-N",
+        "",
+        "-f",
+        key.to_str().unwrap(),
+    ])?;
+    sh(&[
+        "ssh-keygen",
+        "-q",
+        "-t",
+        "ed25519",
+        "-N",
+        "",
+        "-f",
+        hostkey.to_str().unwrap(),
+    ])?;
+    let auth = net.path("authorized_keys");
+    std::fs::copy(key.with_extension("pub"), &auth).map_err(|e| e.to_string())?;
+    let config = net.path("sshd_config");
+    std::fs::write(
+        &config,
+        format!(
+            "ListenAddress {}\nHostKey {}\nAuthorizedKeysFile {}\nPidFile none\nStrictModes no\n\
+             PermitRootLogin yes\nPasswordAuthentication no\nUsePAM no\n\
+             Subsystem sftp internal-sftp\n",
+            ip(SOURCE),
+            hostkey.display(),
+            auth.display()
+        ),
+    )
+    .map_err(|e| e.to_string())?;
+    std::fs::create_dir_all("/run/sshd").map_err(|e| e.to_string())?;
+    let mut sshd = net.on(SOURCE, "/usr/sbin/sshd");
+    sshd.args(["-D", "-e", "-f"]).arg(&config);
+    net.spawn(sshd, "sshd.log")?;
+    let source_mnt = net.path("source");
+    std::fs::create_dir_all(&source_mnt).map_err(|e| e.to_string())?;
+    let mut sshfs = net.on(READER, "sshfs");
+    sshfs
+        .arg(format!("root@{}:{}", ip(SOURCE), data.display()))
+        .arg(&source_mnt)
+        .args(["-f", "-o"])
+        .arg(format!(
+            "ro,IdentityFile={},StrictHostKeyChecking=no,UserKnownHostsFile=/dev/null,\
+             ConnectTimeout=10",
+            key.display()
+        ));
+    let log_src = source_mnt.clone();
+    let sshd_log = net.path("sshd.log");
+    wait_for("sshd listening", 20, || {
+        std::fs::read_to_string(&sshd_log).is_ok_and(|l| l.contains("listening"))
+    })?;
+    net.spawn(sshfs, "sshfs.log")?;
+    net.mounts.push(source_mnt.clone());
+    wait_for("the source mounted over sshfs", 30, || {
+        log_src.join("f.0").exists()
+    })?;
+
+    let setup = Setup {
+        size,
+        netram,
+        creds,
+        source_mnt,
+        want,
+        cgroups,
+    };
+    let needed = size.data_mib() - size.local_mib;
+    let mut cases = Vec::new();
+    let mut failed = Vec::new();
+    // First a source as fast as this machine makes it; then one behind a 1 Gbit/s link (a
+    // file server or object store slower than the cluster's network), shaped by tbf on the
+    // source's side (data flows from it).
+    let plan: [(Reader, bool, bool); 8] = [
+        (Reader::Direct, false, false),
+        (Reader::Cache("gms"), false, false),
+        (Reader::Cache("random"), false, false),
+        (Reader::Cache("gms"), true, false),
+        (Reader::Cache("random"), true, false),
+        (Reader::Direct, false, true),
+        (Reader::Cache("gms"), true, true),
+        (Reader::Cache("random"), true, true),
+    ];
+    let rounds = if quick { 1 } else { 2 };
+    for round in 0..rounds {
+        for (reader, skewed, shaped) in plan {
+            // The source's link, shaped or not for this case (tbf on its side: data flows
+            // from it). Cases alternate round by round, so that the machine's drift falls on
+            // every case alike.
+            let ns = net.ns(SOURCE);
+            let _ = sh(&[
+                "ip", "netns", "exec", &ns, "tc", "qdisc", "del", "dev", "eth0", "root",
+            ]);
+            if shaped {
+                sh(&[
+                    "ip", "netns", "exec", &ns, "tc", "qdisc", "add", "dev", "eth0", "root", "tbf",
+                    "rate", "1gbit", "burst", "512kb", "latency", "10ms",
+                ])?;
+            }
+            let caps = capacities(needed, skewed);
+            let name = format!(
+                "round {round}: {:?}{}{}",
+                reader,
+                if skewed { ", skewed" } else { ", even" },
+                if shaped { ", source at 1 Gbit/s" } else { "" }
+            );
+            let t = Instant::now();
+            match case(&mut net, &setup, reader, caps) {
+                Ok(mut v) => {
+                    v["skewed"] = json!(skewed);
+                    v["source_1gbit"] = json!(shaped);
+                    v["round"] = json!(round);
+                    eprintln!(
+                        "real {name}: {:.1} s, seq {:.0} then {:.0} MB/s, random {:.0} IOPS ({:.0} s)",
+                        v["total_s"].as_f64().unwrap_or(0.0),
+                        v["seq1_mb_s"].as_f64().unwrap_or(0.0),
+                        v["seq2_mb_s"].as_f64().unwrap_or(0.0),
+                        v["rand_iops"].as_f64().unwrap_or(0.0),
+                        t.elapsed().as_secs_f64()
+                    );
+                    cases.push(v);
+                }
+                Err(e) => {
+                    eprintln!("real {name}: FAILED: {e}");
+                    failed.push(format!("{name}: {e}"));
+                }
+            }
+        }
+    }
+    // Mean total time of a case over the rounds.
+    let total = |reader: &str, skewed: bool, shaped: bool| {
+        let t: Vec<f64> = cases
+            .iter()
+            .filter(|c| {
+                c["reader"] == reader
+                    && c["source_1gbit"] == shaped
+                    && (reader == "source" || c["skewed"] == skewed)
+            })
+            .filter_map(|c| c["total_s"].as_f64())
+            .collect();
+        (!t.is_empty()).then(|| t.iter().sum::<f64>() / t.len() as f64)
+    };
+    let ratio = |a: Option<f64>, b: Option<f64>| match (a, b) {
+        (Some(a), Some(b)) if b > 0.0 => json!(a / b),
+        _ => Value::Null,
+    };
+    let (src, gms, rnd) = ("source", "netram cache, gms", "netram cache, random");
+    Ok(json!({
+        "hosts": HOSTS,
+        "source": format!("sshfs from host {SOURCE} (sshd, files on tmpfs: the server has the data set in memory)"),
+        "data_mib": size.data_mib(),
+        "local_mib": size.local_mib,
+        "idle_mib_total": needed,
+        "files": size.files,
+        "random_reads_per_process": size.random_reads,
+        "rounds": rounds,
+        "cases": cases,
+        "speedup_vs_source_even": ratio(total(src, false, false), total(gms, false, false)),
+        "speedup_vs_source_skewed": ratio(total(src, true, false), total(gms, true, false)),
+        "speedup_vs_source_1gbit_skewed": ratio(total(src, true, true), total(gms, true, true)),
+        "speedup_vs_nchance_even": ratio(total(rnd, false, false), total(gms, false, false)),
+        "speedup_vs_nchance_skewed": ratio(total(rnd, true, false), total(gms, true, false)),
+        "speedup_vs_nchance_1gbit_skewed": ratio(total(rnd, true, true), total(gms, true, true)),
+        "failed": failed,
+    }))
+}
