@@ -23,9 +23,12 @@
 //! - [`cluster`]: with a cluster, where the pages this machine drops go (by the GMS epoch's
 //!   plan, to other machines' daemons) and where a miss looks before the source; every page
 //!   that comes back is checked against what was sent.
+//! - [`metrics`]: the counters in Prometheus' text format, in a file that node_exporter's
+//!   textfile collector serves on its `/metrics`.
 
 pub mod cluster;
 pub mod fs;
+pub mod metrics;
 pub mod pages;
 pub mod tree;
 

@@ -36,8 +36,35 @@ pub struct CacheArgs {
     /// a client can do it, the baseline GMS measures itself against).
     #[arg(long, value_enum, default_value = "gms", requires = "cluster")]
     placement: PlacementArg,
+    /// Write the counters to this file every second and at exit, in Prometheus' text format,
+    /// for node_exporter's textfile collector to serve on its /metrics (a directory given to
+    /// its --collector.textfile.directory, a name ending in .prom).
+    #[arg(long, value_name = "PATH")]
+    metrics_file: Option<PathBuf>,
     #[command(flatten)]
     security: crate::SecurityArgs,
+}
+
+/// Every counter: the pages' and, with a cluster, the cluster's (`cluster_` before each).
+fn counters(
+    pages: &netram_cache::Pages,
+    cluster: Option<&netram_cache::Cluster>,
+) -> Vec<(String, u64)> {
+    let mut out: Vec<(String, u64)> = pages
+        .counters
+        .snapshot()
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v))
+        .collect();
+    if let Some(c) = cluster {
+        out.extend(
+            c.counters
+                .snapshot()
+                .into_iter()
+                .map(|(k, v)| (format!("cluster_{k}"), v)),
+        );
+    }
+    out
 }
 
 type Sender = std::thread::JoinHandle<()>;
@@ -117,9 +144,25 @@ pub fn run(args: CacheArgs) -> anyhow::Result<()> {
         args.mount.display(),
         pages.budget()
     );
+    let write_metrics = |final_: bool| {
+        if let Some(f) = &args.metrics_file {
+            let c = counters(&pages, cluster.as_ref().map(|(c, _)| &**c));
+            if let Err(e) = netram_cache::metrics::write(f, &c) {
+                tracing::warn!("--metrics-file {}: {e}", f.display());
+            } else if final_ {
+                tracing::debug!("counters written to {}", f.display());
+            }
+        }
+    };
     let mut warned = false;
+    let mut written = std::time::Instant::now();
+    write_metrics(false);
     while mounted.is_serving() {
         std::thread::sleep(Duration::from_millis(100));
+        if written.elapsed() >= Duration::from_secs(1) {
+            write_metrics(false);
+            written = std::time::Instant::now();
+        }
         if !shutdown.load(Ordering::SeqCst) {
             continue;
         }
@@ -135,23 +178,18 @@ pub fn run(args: CacheArgs) -> anyhow::Result<()> {
         }
     }
     drop(mounted);
-    let mut counters: Vec<String> = pages
-        .counters
-        .snapshot()
+    if let Some((c, sender)) = &cluster {
+        // Pages still in the outbox are sent (or dropped) before the numbers are read.
+        c.stop();
+        while !sender.is_finished() {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+    write_metrics(true);
+    let counters: Vec<String> = counters(&pages, cluster.as_ref().map(|(c, _)| &**c))
         .iter()
         .map(|(k, v)| format!("{k} {v}"))
         .collect();
-    if let Some((c, sender)) = cluster {
-        // Pages still in the outbox are sent (or dropped) before the numbers are read.
-        c.stop();
-        let _ = sender.join();
-        counters.extend(
-            c.counters
-                .snapshot()
-                .iter()
-                .map(|(k, v)| format!("cluster_{k} {v}")),
-        );
-    }
     // Whoever started it may have stopped reading: a closed stdout is no error here.
     use std::io::Write as _;
     let _ = writeln!(

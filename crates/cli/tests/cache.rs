@@ -319,12 +319,19 @@ fn pages_dropped_here_come_back_from_the_cluster() {
             .is_ok_and(|p| p.epoch >= 1 && p.weights.len() == 3)
     });
 
+    let prom = dir.path().join("cache.prom");
     let cache = Cache::start_with(
         common::netram(),
         &src,
         &mnt,
         "2M",
-        &["--cluster", "--daemon", &daemon],
+        &[
+            "--cluster",
+            "--daemon",
+            &daemon,
+            "--metrics-file",
+            prom.to_str().unwrap(),
+        ],
     );
     let pass = |what: &str| {
         for (f, w) in files.iter().zip(&want) {
@@ -359,6 +366,14 @@ fn pages_dropped_here_come_back_from_the_cluster() {
         "every pass from the source: {last}"
     );
     assert!(c("cluster_forwarded") > 0, "{last}");
+    // The same counters for Prometheus (node_exporter's textfile collector), as they ended.
+    let text = std::fs::read_to_string(&prom).unwrap();
+    for name in ["cluster_hits", "source_reads", "cluster_remote_mismatch"] {
+        assert!(
+            text.contains(&format!("\nnetram_cache_{name} {}\n", c(name))),
+            "{name} in {text}"
+        );
+    }
     drop(d2);
     drop(d1);
 }
