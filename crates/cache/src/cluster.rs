@@ -455,80 +455,131 @@ impl Cluster {
         }
     }
 
-    /// Sends each page where the plan says, or drops it.
+    /// Sends each page where the plan says, or drops it. Pages whose member cannot be reached
+    /// are drawn again once among the others (the plan still weighs a member that died until
+    /// the next epoch).
     fn send(&self, batch: Vec<Leaving>, rng: &mut fastrand::Rng) {
-        let mut to: HashMap<u64, Vec<Leaving>> = HashMap::new();
-        {
-            let v = lock(&self.view);
-            let others: Vec<u64> = v.addrs.keys().copied().filter(|&n| n != v.me).collect();
-            for (uid, age, page) in batch {
-                let rule = match self.cfg.placement {
-                    Placement::Gms => v.plan.evict(v.me, age, false, rng),
-                    Placement::Random if others.is_empty() => Evict::Drop(DropReason::NoOtherNode),
-                    Placement::Random => Evict::Forward(others[rng.usize(..others.len())]),
-                };
-                match rule {
-                    Evict::Forward(n) => to.entry(n).or_default().push((uid, age, page)),
-                    Evict::Drop(DropReason::Old) => {
-                        self.counters.dropped_old.fetch_add(1, Ordering::Relaxed);
-                    }
-                    Evict::Drop(_) => {
-                        self.counters
-                            .dropped_no_idle
-                            .fetch_add(1, Ordering::Relaxed);
-                    }
-                }
-            }
-        }
-        for (node, pages) in to {
+        let mut failed = std::collections::HashSet::new();
+        let mut retry = Vec::new();
+        for (node, pages) in self.place(batch, &failed, rng) {
             for chunk in pages.chunks(BATCH.min(MAX_BATCH)) {
-                let req = wire::Request::PutCached(
-                    chunk
-                        .iter()
-                        .map(|(uid, age, page)| {
-                            CachedPage::seal(uid.0, u32::try_from(*age).unwrap_or(u32::MAX), page)
-                        })
-                        .collect(),
-                );
-                let n = chunk.len();
-                let r = self.round_trip(node, &req, |reply| match reply {
-                    wire::Reply::PutCached { status, .. } if status.len() == n => Some(status),
-                    _ => None,
-                });
-                match r {
-                    Ok(status) => {
-                        let mut dir = lock(&self.directory);
-                        for ((uid, _, page), s) in chunk.iter().zip(status) {
-                            match s {
-                                CachedStatus::Taken
-                                | CachedStatus::Replaced
-                                | CachedStatus::Present => {
-                                    let mac = self.mac(*uid, page);
-                                    if dir
-                                        .push(*uid, Sent { node, mac })
-                                        .is_some_and(|(u, _)| u != *uid)
-                                    {
-                                        self.counters.forgotten.fetch_add(1, Ordering::Relaxed);
-                                    }
-                                    self.counters.forwarded.fetch_add(1, Ordering::Relaxed);
-                                }
-                                CachedStatus::Refused | CachedStatus::Corrupt => {
-                                    self.counters
-                                        .forward_refused
-                                        .fetch_add(1, Ordering::Relaxed);
-                                }
-                            }
-                        }
-                    }
-                    Err(e) => {
-                        tracing::debug!(node, "cannot send pages: {e}");
-                        self.counters
-                            .forward_failed
-                            .fetch_add(n as u64, Ordering::Relaxed);
-                    }
+                if !self.put_to(node, chunk) {
+                    failed.insert(node);
+                    retry.extend(chunk.iter().cloned());
                 }
             }
         }
+        if retry.is_empty() {
+            return;
+        }
+        for (node, pages) in self.place(retry, &failed, rng) {
+            for chunk in pages.chunks(BATCH.min(MAX_BATCH)) {
+                if !self.put_to(node, chunk) {
+                    self.counters
+                        .forward_failed
+                        .fetch_add(chunk.len() as u64, Ordering::Relaxed);
+                }
+            }
+        }
+    }
+
+    /// Where each page goes (members in `avoid` left out), or why it is dropped (counted).
+    fn place(
+        &self,
+        batch: Vec<Leaving>,
+        avoid: &std::collections::HashSet<u64>,
+        rng: &mut fastrand::Rng,
+    ) -> HashMap<u64, Vec<Leaving>> {
+        let mut to: HashMap<u64, Vec<Leaving>> = HashMap::new();
+        let v = lock(&self.view);
+        let others: Vec<u64> = v
+            .addrs
+            .keys()
+            .copied()
+            .filter(|n| *n != v.me && !avoid.contains(n))
+            .collect();
+        let plan;
+        let plan = if avoid.is_empty() {
+            &v.plan
+        } else {
+            // The plan without the members to avoid: their share goes to the others.
+            plan = Plan {
+                weights: v
+                    .plan
+                    .weights
+                    .iter()
+                    .copied()
+                    .filter(|(n, _)| !avoid.contains(n))
+                    .collect(),
+                ..v.plan.clone()
+            };
+            &plan
+        };
+        for (uid, age, page) in batch {
+            let rule = match self.cfg.placement {
+                Placement::Gms => plan.evict(v.me, age, false, rng),
+                Placement::Random if others.is_empty() => Evict::Drop(DropReason::NoOtherNode),
+                Placement::Random => Evict::Forward(others[rng.usize(..others.len())]),
+            };
+            match rule {
+                Evict::Forward(n) => to.entry(n).or_default().push((uid, age, page)),
+                Evict::Drop(DropReason::Old) => {
+                    self.counters.dropped_old.fetch_add(1, Ordering::Relaxed);
+                }
+                Evict::Drop(_) => {
+                    self.counters
+                        .dropped_no_idle
+                        .fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        }
+        to
+    }
+
+    /// PUT_CACHED of `chunk` to member `node`, each page taken remembered (counted); false if
+    /// the member could not be reached.
+    fn put_to(&self, node: u64, chunk: &[Leaving]) -> bool {
+        let req = wire::Request::PutCached(
+            chunk
+                .iter()
+                .map(|(uid, age, page)| {
+                    CachedPage::seal(uid.0, u32::try_from(*age).unwrap_or(u32::MAX), page)
+                })
+                .collect(),
+        );
+        let n = chunk.len();
+        let r = self.round_trip(node, &req, |reply| match reply {
+            wire::Reply::PutCached { status, .. } if status.len() == n => Some(status),
+            _ => None,
+        });
+        let status = match r {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::debug!(node, "cannot send pages: {e}");
+                return false;
+            }
+        };
+        let mut dir = lock(&self.directory);
+        for ((uid, _, page), s) in chunk.iter().zip(status) {
+            match s {
+                CachedStatus::Taken | CachedStatus::Replaced | CachedStatus::Present => {
+                    let mac = self.mac(*uid, page);
+                    if dir
+                        .push(*uid, Sent { node, mac })
+                        .is_some_and(|(u, _)| u != *uid)
+                    {
+                        self.counters.forgotten.fetch_add(1, Ordering::Relaxed);
+                    }
+                    self.counters.forwarded.fetch_add(1, Ordering::Relaxed);
+                }
+                CachedStatus::Refused | CachedStatus::Corrupt => {
+                    self.counters
+                        .forward_refused
+                        .fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        }
+        true
     }
 
     /// One request to member `node` and its reply, read by `answer` (`None`: not an answer

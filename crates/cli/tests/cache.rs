@@ -366,6 +366,8 @@ fn pages_dropped_here_come_back_from_the_cluster() {
         "every pass from the source: {last}"
     );
     assert!(c("cluster_forwarded") > 0, "{last}");
+    // Pages the plan sent to the dead daemon went to the live one instead.
+    assert_eq!(c("cluster_forward_failed"), 0, "{last}");
     // The same counters for Prometheus (node_exporter's textfile collector), as they ended.
     let text = std::fs::read_to_string(&prom).unwrap();
     for name in ["cluster_hits", "source_reads", "cluster_remote_mismatch"] {
