@@ -548,26 +548,10 @@ pub fn run_real(quick: bool) -> Result<Value, String> {
     }
     let key = net.path("id");
     let hostkey = net.path("hostkey");
-    sh(&[
-        "ssh-keygen",
-        "-q",
-        "-t",
-        "ed25519",
-        "-N",
-        "",
-        "-f",
-        key.to_str().unwrap(),
-    ])?;
-    sh(&[
-        "ssh-keygen",
-        "-q",
-        "-t",
-        "ed25519",
-        "-N",
-        "",
-        "-f",
-        hostkey.to_str().unwrap(),
-    ])?;
+    for k in [&key, &hostkey] {
+        let k = k.to_str().unwrap();
+        sh(&["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", k])?;
+    }
     let auth = net.path("authorized_keys");
     std::fs::copy(key.with_extension("pub"), &auth).map_err(|e| e.to_string())?;
     let config = net.path("sshd_config");

@@ -21,15 +21,15 @@
 //! plan costs speed (pages dropped, or sent where they are refused), never correctness.
 
 use netram_member::PlanView;
-use netram_net::{handshake, reserve_tags, FrameBuffer, RecordKey, Security};
+use netram_net::{Call, CallError, Patience, Security};
 use netram_policy::gms::epoch::{DropReason, Evict, Plan};
 use netram_policy::gms::Uid;
 use netram_proto::gms::{self as wire, CachedPage, CachedStatus};
 use netram_proto::{Hello, HELLO_END_ON_CLOSE, MAX_BATCH};
 use std::collections::{HashMap, VecDeque};
 use std::hash::{BuildHasher, Hasher};
-use std::io::{self, Write};
-use std::net::{SocketAddr, TcpStream};
+use std::io;
+use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
@@ -42,10 +42,10 @@ const REFRESH: Duration = Duration::from_secs(1);
 const OUTBOX_MAX: usize = 1024;
 /// Pages sent in one PUT_CACHED.
 const BATCH: usize = 64;
-const CONNECT_TIMEOUT: Duration = Duration::from_millis(500);
-const REPLY_TIMEOUT: Duration = Duration::from_secs(2);
-/// After a failure, a member is not asked again for this long.
-const UNREACHABLE_FOR: Duration = Duration::from_millis(500);
+const PATIENCE: Patience = Patience {
+    connect: Duration::from_millis(500),
+    reply: Duration::from_secs(2),
+};
 
 /// Where a dropped page goes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -154,13 +154,6 @@ struct View {
     read_at: Option<Instant>,
 }
 
-#[derive(Debug, Default)]
-struct Conn {
-    conn: Option<(TcpStream, FrameBuffer, Option<RecordKey>)>,
-    failed_at: Option<Instant>,
-    next_id: u64,
-}
-
 /// The cluster as `Pages` uses it.
 pub struct Cluster {
     cfg: ClusterConfig,
@@ -171,7 +164,7 @@ pub struct Cluster {
     /// Signalled when the outbox gains a page (the sender) or loses some (waiting readers).
     outbox_changed: Condvar,
     view: Mutex<View>,
-    conns: Mutex<HashMap<u64, Arc<Mutex<Conn>>>>,
+    conns: Mutex<HashMap<u64, Arc<Mutex<Call>>>>,
     stop: AtomicBool,
     pub counters: ClusterCounters,
 }
@@ -191,24 +184,14 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 /// Why a round trip to a member failed.
 #[derive(Debug, thiserror::Error)]
 enum TripError {
-    #[error("failed moments ago")]
-    FailedRecently,
     #[error("no address known")]
     NoAddress,
     #[error("{0} is beyond loopback: clear TCP (--insecure) goes no further")]
     Insecure(SocketAddr),
     #[error(transparent)]
-    Handshake(#[from] netram_net::HandshakeError),
-    #[error("the server there is node {got}, not node {named}")]
-    WrongNode { named: u64, got: u64 },
-    #[error("{0}: {1}")]
-    Io(&'static str, #[source] io::Error),
+    Call(#[from] CallError),
     #[error("bad reply: {0}")]
     Decode(#[from] netram_proto::DecodeError),
-    #[error("no reply in time")]
-    Timeout,
-    #[error("connection closed")]
-    Closed,
     #[error("reply does not answer the request")]
     Mismatch,
 }
@@ -602,86 +585,42 @@ impl Cluster {
         }
         let conn = lock(&self.conns).entry(node).or_default().clone();
         let mut conn = lock(&conn);
-        let mut last = TripError::Closed;
+        let mut last = None;
         for _ in 0..2 {
-            match self.try_once(&mut conn, node, addr, req, &answer) {
-                Ok(t) => return Ok(t),
-                Err(e) => {
-                    conn.conn = None;
-                    if matches!(e, TripError::FailedRecently) {
-                        return Err(e);
-                    }
-                    last = e;
-                }
-            }
-        }
-        conn.failed_at = Some(Instant::now());
-        Err(last)
-    }
-
-    fn try_once<T>(
-        &self,
-        c: &mut Conn,
-        node: u64,
-        addr: SocketAddr,
-        req: &wire::Request<'_>,
-        answer: &impl Fn(wire::Reply<'_>) -> Option<T>,
-    ) -> Result<T, TripError> {
-        if c.conn.as_ref().is_some_and(|(s, _, _)| closed(s)) {
-            // The member closed it while idle (its idle timeout): nothing was sent on it.
-            c.conn = None;
-        }
-        if c.conn.is_none() {
-            if c.failed_at.is_some_and(|t| t.elapsed() < UNREACHABLE_FOR) {
-                return Err(TripError::FailedRecently);
-            }
-            let hello = Hello::new(self.cfg.node, incarnation(), fastrand::u64(..))
-                .with_flags(HELLO_END_ON_CLOSE);
-            let h = handshake(addr, &hello, CONNECT_TIMEOUT, &self.cfg.security)?;
-            if h.welcome.server_node != node {
-                return Err(TripError::WrongNode {
-                    named: node,
-                    got: h.welcome.server_node,
-                });
-            }
-            h.stream
-                .set_read_timeout(Some(REPLY_TIMEOUT))
-                .map_err(|e| TripError::Io("socket", e))?;
-            let (send, recv) = match h.keys {
-                Some(k) => (Some(k.send), Some(k.recv)),
-                None => (None, None),
+            let hello = || {
+                Hello::new(self.cfg.node, incarnation(), fastrand::u64(..))
+                    .with_flags(HELLO_END_ON_CLOSE)
             };
-            c.conn = Some((h.stream, FrameBuffer::sealed(recv), send));
-        }
-        c.next_id += 1;
-        let id = c.next_id;
-        let (s, rbuf, seal) = c.conn.as_mut().expect("connected above");
-        let mut wbuf = Vec::new();
-        req.encode(id, &mut wbuf);
-        if let Some(k) = seal {
-            reserve_tags(&mut wbuf, 0);
-            k.seal_all(&mut wbuf);
-        }
-        s.write_all(&wbuf).map_err(|e| TripError::Io("send", e))?;
-        let deadline = Instant::now() + REPLY_TIMEOUT;
-        loop {
-            if let Some(f) = rbuf.next_frame()? {
-                let (got, reply) = wire::decode_reply(f)?;
-                if got != id {
-                    return Err(TripError::Mismatch);
+            let r = conn
+                .call(
+                    node,
+                    addr,
+                    hello,
+                    &self.cfg.security,
+                    PATIENCE,
+                    |id, buf| req.encode(id, buf),
+                )
+                .map_err(TripError::from)
+                .and_then(|(id, frame)| {
+                    let (got, reply) = wire::decode_reply(&frame)?;
+                    if got != id {
+                        return Err(TripError::Mismatch);
+                    }
+                    answer(reply).ok_or(TripError::Mismatch)
+                });
+            match r {
+                Ok(t) => return Ok(t),
+                Err(TripError::Call(CallError::FailedRecently)) => {
+                    return Err(CallError::FailedRecently.into())
                 }
-                return answer(reply).ok_or(TripError::Mismatch);
-            }
-            if Instant::now() > deadline {
-                return Err(TripError::Timeout);
-            }
-            match rbuf.fill(s, Duration::ZERO) {
-                Ok(0) => return Err(TripError::Closed),
-                Ok(_) => {}
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e) => return Err(TripError::Io("receive", e)),
+                Err(e) => {
+                    conn.reset();
+                    last = Some(e);
+                }
             }
         }
+        conn.fail();
+        Err(last.expect("two tries failed"))
     }
 }
 
@@ -706,15 +645,4 @@ fn incarnation() -> u64 {
             .map(|d| d.as_nanos() as u64)
             .unwrap_or(1)
     })
-}
-
-/// Whether an idle connection has something to read: the member closed it.
-fn closed(s: &TcpStream) -> bool {
-    use rustix::event::{poll, PollFd, PollFlags, Timespec};
-    let mut fds = [PollFd::new(s, PollFlags::IN)];
-    let zero = Timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    matches!(poll(&mut fds, Some(&zero)), Ok(n) if n > 0)
 }

@@ -13,18 +13,17 @@
 //! address mixed in, so that a server whose machine also runs a client never supersedes that
 //! client's sessions, and two servers of one machine never supersede each other's.
 
-use netram_net::{handshake, reserve_tags, FrameBuffer, HandshakeError, RecordKey, Security};
+use netram_net::{Call, CallError, Patience, Security};
 use netram_proto::{
     decode_reply, DecodeError, DeltaStatus, ErrorCode, Hello, Kind, MoveStatus, Owner, Reply,
     Request, HELLO_END_ON_CLOSE, MAX_BATCH,
 };
 use netram_store::serve::{DeltaOutcome, Holder, OwnedDelta, OwnedPage};
 use std::collections::HashMap;
-use std::io::{self, Write};
-use std::net::{SocketAddr, TcpStream};
+use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// Mixed into a server's node id for its sessions at other servers ("PEER").
 pub const PEER_NODE: u64 = 0x5045_4552_0000_0000;
@@ -32,58 +31,36 @@ pub const PEER_NODE: u64 = 0x5045_4552_0000_0000;
 /// How long a holder has to accept a connection, and to answer a delta.
 const CONNECT_TIMEOUT: Duration = Duration::from_millis(250);
 const REPLY_TIMEOUT: Duration = Duration::from_secs(2);
-/// After a failure, requests to that holder fail at once for this long.
-const UNREACHABLE_FOR: Duration = Duration::from_millis(500);
+const PATIENCE: Patience = Patience {
+    connect: CONNECT_TIMEOUT,
+    reply: REPLY_TIMEOUT,
+};
 
 /// Why a delta did not reach its holder; the deltas come back unreachable.
 #[derive(Debug, thiserror::Error)]
 enum PeerError {
-    #[error("failed moments ago")]
-    FailedRecently,
     #[error(transparent)]
-    Handshake(#[from] HandshakeError),
-    #[error("{0}: {1}")]
-    Io(&'static str, #[source] io::Error),
+    Call(#[from] CallError),
     #[error("bad reply: {0}")]
     Decode(#[from] DecodeError),
-    #[error("no reply in time")]
-    Timeout,
-    #[error("connection closed")]
-    Closed,
     #[error("reply to request {got}, expected {expected}")]
     WrongId { got: u64, expected: u64 },
     #[error("unexpected reply {0:?}")]
     Unexpected(Kind),
     #[error("session expired twice")]
     Expired,
-    #[error("the server there is node {got}, not node {named} as the page's owner named it")]
-    WrongNode { named: u64, got: u64 },
+}
+
+impl PeerError {
+    fn wrong_node(&self) -> bool {
+        matches!(self, PeerError::Call(CallError::WrongNode { .. }))
+    }
 }
 
 /// What a peer answered, one status per delta or page sent.
 enum Statuses {
     Delta(Vec<DeltaStatus>),
     Move(Vec<MoveStatus>),
-}
-
-#[derive(Debug, Default)]
-struct Peer {
-    /// The connection, its receive buffer and (over TLS) the key its requests are sealed with.
-    conn: Option<(TcpStream, FrameBuffer, Option<RecordKey>)>,
-    failed_at: Option<Instant>,
-    next_id: u64,
-}
-
-/// Whether a connection with no request outstanding has anything to read: the holder closed
-/// it (or broke the protocol by speaking unasked); either way it cannot carry a request.
-fn closed_by_holder(s: &TcpStream) -> bool {
-    use rustix::event::{poll, PollFd, PollFlags, Timespec};
-    let mut fds = [PollFd::new(s, PollFlags::IN)];
-    let zero = Timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    matches!(poll(&mut fds, Some(&zero)), Ok(n) if n > 0)
 }
 
 /// The connections of one server to the holders it forwards to.
@@ -93,7 +70,7 @@ pub struct Peers {
     incarnation: u64,
     /// Over TLS, a holder is accepted only with a server certificate of the cluster.
     security: Security,
-    peers: Mutex<HashMap<Holder, Arc<Mutex<Peer>>>>,
+    peers: Mutex<HashMap<Holder, Arc<Mutex<Call>>>>,
 }
 
 /// Peer servers (parity holders, migration targets) a server keeps connection state for.
@@ -120,14 +97,12 @@ impl Peers {
     /// The connection state kept for `holder`, made on first use; `None` once
     /// [`MAX_PEERS`] holders are known (clients name holders: a client naming a new address
     /// in every request would otherwise grow this table without end), and `refused` counts.
-    fn peer(&self, holder: Holder, refused: &AtomicU64) -> Option<Arc<Mutex<Peer>>> {
+    fn peer(&self, holder: Holder, refused: &AtomicU64) -> Option<Arc<Mutex<Call>>> {
         let mut peers = self.peers.lock().unwrap_or_else(|p| p.into_inner());
         if peers.len() >= MAX_PEERS && !peers.contains_key(&holder) {
             // Forget the holders that failed and are not in use, then look again.
             peers.retain(|_, p| {
-                Arc::strong_count(p) > 1
-                    || p.try_lock()
-                        .map_or(true, |p| p.conn.is_some() || p.failed_at.is_none())
+                Arc::strong_count(p) > 1 || p.try_lock().map_or(true, |p| !p.has_failed())
             });
             if peers.len() >= MAX_PEERS {
                 refused.fetch_add(1, Ordering::Relaxed);
@@ -163,7 +138,6 @@ impl Peers {
                 // Deltas are safe to repeat: a connection that broke gets one more try.
                 let sent = self.send(&mut peer, holder, &req).or_else(|e| {
                     tracing::debug!(%holder, "parity holder: {e}; trying once more");
-                    peer.conn = None;
                     self.send(&mut peer, holder, &req)
                 });
                 match sent {
@@ -179,12 +153,11 @@ impl Peers {
                         }
                     }
                     Err(e) => {
-                        if matches!(e, PeerError::WrongNode { .. }) {
+                        if e.wrong_node() {
                             wrong_node.fetch_add(1, Ordering::Relaxed);
                         }
                         tracing::warn!(%holder, "parity holder unreachable: {e}");
-                        peer.conn = None;
-                        peer.failed_at = Some(Instant::now());
+                        peer.fail();
                         break;
                     }
                 }
@@ -219,12 +192,11 @@ impl Peers {
                 Ok(Statuses::Move(status)) => out.extend(status),
                 Ok(Statuses::Delta(_)) => unreachable!("an adopt's answer is checked"),
                 Err(e) => {
-                    if matches!(e, PeerError::WrongNode { .. }) {
+                    if e.wrong_node() {
                         wrong_node.fetch_add(1, Ordering::Relaxed);
                     }
                     tracing::warn!(server = %to, "migration target unreachable: {e}");
-                    peer.conn = None;
-                    peer.failed_at = Some(Instant::now());
+                    peer.fail();
                     break;
                 }
             }
@@ -236,7 +208,7 @@ impl Peers {
     /// One round trip; reconnects once if the holder expired this server's session.
     fn send(
         &self,
-        peer: &mut Peer,
+        peer: &mut Call,
         holder: Holder,
         req: &Request<'_>,
     ) -> Result<Statuses, PeerError> {
@@ -246,70 +218,18 @@ impl Peers {
             _ => unreachable!("peers only send deltas and adopted pages"),
         };
         for attempt in 0..2 {
-            if peer
-                .conn
-                .as_ref()
-                .is_some_and(|(s, _, _)| closed_by_holder(s))
-            {
-                // The holder closed the connection while it was idle (its idle timeout: a
-                // peer refreshes nothing between requests): nothing was sent on it, so a new
-                // one is as good. Sending on it would fail this request, and a handover that
-                // fails tells the owner to stop asking this server for that holder.
-                tracing::debug!(%holder, "peer connection closed while idle: opening another");
-                peer.conn = None;
-            }
-            if peer.conn.is_none() {
-                if peer
-                    .failed_at
-                    .is_some_and(|t| t.elapsed() < UNREACHABLE_FOR)
-                {
-                    return Err(PeerError::FailedRecently);
-                }
-                let hello = Hello::new(self.node, self.incarnation, fastrand::u64(..))
-                    .with_flags(HELLO_END_ON_CLOSE);
-                let c = handshake(holder.addr, &hello, CONNECT_TIMEOUT, &self.security)?;
-                // Over TLS the WELCOME's node id is the certificate's (checked in the
-                // handshake).
-                if c.welcome.server_node != holder.node {
-                    return Err(PeerError::WrongNode {
-                        named: holder.node,
-                        got: c.welcome.server_node,
-                    });
-                }
-                c.stream
-                    .set_read_timeout(Some(REPLY_TIMEOUT))
-                    .map_err(|e| PeerError::Io("socket", e))?;
-                let (send, recv) = match c.keys {
-                    Some(k) => (Some(k.send), Some(k.recv)),
-                    None => (None, None),
-                };
-                peer.conn = Some((c.stream, FrameBuffer::sealed(recv), send));
-            }
-            peer.next_id += 1;
-            let id = peer.next_id;
-            let (s, rbuf, seal) = peer.conn.as_mut().unwrap();
-            let mut wbuf = Vec::new();
-            req.encode(id, &mut wbuf);
-            if let Some(k) = seal {
-                reserve_tags(&mut wbuf, 0);
-                k.seal_all(&mut wbuf);
-            }
-            s.write_all(&wbuf).map_err(|e| PeerError::Io("send", e))?;
-            let deadline = Instant::now() + REPLY_TIMEOUT;
-            let frame = loop {
-                if let Some(f) = rbuf.next_frame()? {
-                    break f.to_vec();
-                }
-                if Instant::now() > deadline {
-                    return Err(PeerError::Timeout);
-                }
-                match rbuf.fill(s, Duration::ZERO) {
-                    Ok(0) => return Err(PeerError::Closed),
-                    Ok(_) => {}
-                    Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                    Err(e) => return Err(PeerError::Io("receive", e)),
-                }
+            let hello = || {
+                Hello::new(self.node, self.incarnation, fastrand::u64(..))
+                    .with_flags(HELLO_END_ON_CLOSE)
             };
+            let (id, frame) = peer.call(
+                holder.node,
+                holder.addr,
+                hello,
+                &self.security,
+                PATIENCE,
+                |id, buf| req.encode(id, buf),
+            )?;
             let (got, reply) = decode_reply(&frame)?;
             if got != id {
                 return Err(PeerError::WrongId { got, expected: id });
@@ -329,7 +249,7 @@ impl Peers {
                     code: ErrorCode::SessionExpired,
                     ..
                 } if attempt == 0 => {
-                    peer.conn = None;
+                    peer.reset();
                 }
                 other => return Err(PeerError::Unexpected(other.kind())),
             }
@@ -365,7 +285,7 @@ mod tests {
             .unwrap()
             .lock()
             .unwrap()
-            .failed_at = Some(Instant::now());
+            .fail();
         assert!(peers.peer(holder(MAX_PEERS), &refused).is_some());
         assert_eq!(refused.load(Ordering::Relaxed), 1);
         assert_eq!(peers.peers.lock().unwrap().len(), MAX_PEERS);
