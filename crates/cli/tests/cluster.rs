@@ -190,6 +190,46 @@ fn a_killed_server_costs_nothing_with_cluster_disk_backing() {
     assert!(p.pages_per_server()[2] == 0);
 }
 
+/// GMS's clean pages (issue 39): a full daemon gives the frames of `cluster+disk` pages (also
+/// on their owner's disk), oldest first, to another client's pages instead of refusing them,
+/// and their owner reads them back from its disk.
+#[test]
+fn a_full_server_gives_cluster_disk_pages_frames_to_other_clients() {
+    let s = [ServerProcess::start(&[
+        "--capacity",
+        "1600K",
+        "--max-client-memory",
+        "1600K",
+    ])]; // 400 pages
+    let (mut a, _da) = pager(&addrs(&s), 400, 0, Backing::ClusterDisk, &common::client());
+    write_all_then_verify(&mut a, 400);
+    assert_eq!(s[0].stat("owned_clean_pages"), 400);
+    assert_eq!(s[0].stat("free_pages"), 0);
+    // Client B (another node; cluster backing, its pages' only copy) finds room for all of
+    // its pages.
+    let other = ClientConfig {
+        security: netram_client::security(Some(&common::node_dir(601)), false).unwrap(),
+        ..ClientConfig::new()
+    };
+    let (mut b, _db) = pager(&addrs(&s), 300, 0, Backing::Cluster, &other);
+    write_all_then_verify(&mut b, 300);
+    assert_eq!(b.counters().spills, 0, "B's pages went to the server");
+    assert_eq!(s[0].stat("clean_owned_dropped"), 300);
+    assert_eq!(s[0].stat("puts_refused_full"), 0);
+    // A's pages all read back right: the 300 dropped from its disk.
+    let fallbacks = a.counters().disk_fallbacks;
+    let mut buf = vec![0u8; PAGE_SIZE];
+    let mut want = vec![0u8; PAGE_SIZE];
+    for pg in 0..400 {
+        a.read(pg, &mut buf).unwrap();
+        content(pg, &mut want);
+        assert!(buf == want, "page {pg} of A read back wrong");
+    }
+    assert_eq!(a.counters().disk_fallbacks - fallbacks, 300);
+    assert_eq!(a.counters().clean_copies_dropped, 300);
+    assert_eq!(s[0].stat("owned_clean_pages"), 100);
+}
+
 #[test]
 fn a_hung_server_times_out_instead_of_hanging_the_client() {
     let s = servers(2, &["--capacity", "4M"]);

@@ -780,6 +780,53 @@ fn gnu_sort_gives_the_same_output() {
     assert!(fetched > 100, "{r}");
 }
 
+/// GNU sort under `netram run --backing cluster+disk` with one small daemon: its pages are
+/// also on its disk, so the full daemon drops the oldest (GMS's clean pages) rather than
+/// refuse the newest, and sort reads those back from the disk. Same output as plain sort.
+#[test]
+fn gnu_sort_with_cluster_disk_backing_on_a_full_daemon_gives_the_same_output() {
+    let dir = Scratch::new("sort-clean");
+    let input = dir.0.join("in.txt");
+    let mut rng = fastrand::Rng::with_seed(11);
+    let text: String = (0..300_000)
+        .map(|_| format!("{:016x} {}\n", rng.u64(..), rng.u32(..)))
+        .collect();
+    std::fs::write(&input, text).unwrap();
+    let sort = |cmd: &mut Command| {
+        cmd.args(["-S", "32M", "--parallel=1"])
+            .arg(&input)
+            .env("LC_ALL", "C")
+            .output()
+            .unwrap()
+    };
+    let plain = sort(&mut Command::new("sort"));
+    assert_ran(&plain, "sort");
+    let server = ServerProcess::start(&["--capacity", "2M", "--max-client-memory", "2M"]);
+    let rep = dir.0.join("report.json");
+    let out = sort(
+        common::netram_env(Command::new("timeout"))
+            .args(["300", NETRAM, "run", "--local-mem", "8M"])
+            .args(["--backing", "cluster+disk", "--servers", &server.addr])
+            .args(["--report", rep.to_str().unwrap(), "--", "sort"]),
+    );
+    assert_ran(&out, "sort under netram run --backing cluster+disk");
+    assert!(
+        out.stdout == plain.stdout,
+        "sort's output differs under netram"
+    );
+    let r = report(&rep);
+    assert!(r["evictions"].as_u64().unwrap() > 4096, "{r}");
+    // The daemon took every page (none was refused) and dropped the oldest for the newest.
+    assert_eq!(server.stat("puts_refused_full"), 0);
+    assert!(
+        server.stat("clean_owned_dropped") > 0,
+        "stored {} clean {} stored_total {} report {r}",
+        server.stat("stored_pages"),
+        server.stat("owned_clean_pages"),
+        server.stat("clean_owned_stored")
+    );
+}
+
 /// `PROGRAM` with `stdin` run plainly and under `netram run --local-mem 8M --threshold 0`
 /// (every allocation on the cluster); the two outputs and the run's report.
 fn plain_and_on_netram(program: &[&str], stdin: &[u8]) -> (Output, Output, serde_json::Value) {

@@ -49,6 +49,9 @@ counters! {
     version_mismatches,
     /// GETs answered "missing" by a server that should hold the page.
     missing_pages,
+    /// ... of which copies sent as clean pages (`cluster+disk`), which a full server may drop
+    /// (GMS): forgotten, and read from the disk, never rebuilt.
+    clean_copies_dropped,
     /// Reads served from the disk copy because the server was dead or the copy bad.
     disk_fallbacks,
     /// Replies a caller's operation waited for, with a blocking receive (whether or not the

@@ -50,10 +50,19 @@ pub struct PageFlags(pub u16);
 impl PageFlags {
     /// The page is all zeros and carries no data (MIRAGE+ and zswap send zero pages as a flag).
     pub const ZERO: u16 = 1 << 0;
-    pub const KNOWN: u16 = Self::ZERO;
+    /// The owner keeps this version on its own disk too (`cluster+disk` backing): the copy
+    /// here is a *clean* page in GMS's sense (paper 000, §4.5), which a server out of frames
+    /// may drop, the globally oldest first, instead of refusing a page; its owner then reads
+    /// it from its disk.
+    pub const CLEAN: u16 = 1 << 1;
+    pub const KNOWN: u16 = Self::ZERO | Self::CLEAN;
 
     pub fn is_zero(self) -> bool {
         self.0 & Self::ZERO != 0
+    }
+
+    pub fn is_clean(self) -> bool {
+        self.0 & Self::CLEAN != 0
     }
 }
 
@@ -75,8 +84,13 @@ pub struct Page<'a> {
 impl<'a> Page<'a> {
     /// Builds the envelope of a page to send, computing its checksum.
     pub fn seal(key: PageKey, version: u32, data: &'a [u8]) -> Self {
+        Self::seal_with(key, version, PageFlags::default(), data)
+    }
+
+    /// [`Page::seal`] with flags (not [`PageFlags::ZERO`]: the data is always a whole page).
+    pub fn seal_with(key: PageKey, version: u32, flags: PageFlags, data: &'a [u8]) -> Self {
         assert_eq!(data.len(), PAGE_SIZE, "a page is {PAGE_SIZE} bytes");
-        let flags = PageFlags::default();
+        assert!(!flags.is_zero(), "a sealed page carries its data");
         Self {
             key,
             version,

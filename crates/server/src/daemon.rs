@@ -1185,7 +1185,7 @@ fn serve_connection(mut stream: TcpStream, shared: &Shared, slot: ConnId) -> Res
             server_node: shared.node(),
             server_incarnation: shared.incarnation,
             capacity_pages: store.capacity_pages(),
-            free_pages: store.free_pages(),
+            free_pages: store.owned_room(),
             lease_period_ms: shared.cfg.lease_period.as_millis() as u32,
             max_frame_len: MAX_FRAME_LEN as u32,
             max_batch: MAX_BATCH as u32,

@@ -56,6 +56,7 @@ const GAUGES: &[&str] = &[
     "connections",
     "other_members_alive",
     "clean_pages",
+    "owned_clean_pages",
     "gms_epoch",
 ];
 

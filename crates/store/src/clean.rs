@@ -18,11 +18,21 @@
 //! a damaged or mislabelled one is refused and counted. Frames holding clean pages are marked
 //! with the session slot [`CLEAN`], which no session has, and are not in the owned-page index;
 //! the clean pages' own index keeps them in order of last use, oldest first.
+//!
+//! **Owners' clean pages** (issue 39's second source): a client with `cluster+disk` backing
+//! keeps every page it sends on its own disk too, and says so with [`PageFlags::CLEAN`]. Such
+//! a page stays its owner's (in its session, read and deleted only by it) but competes with
+//! the cached pages for frames: whichever of the two kinds is oldest goes first when a page
+//! finds no frame, and both count as room in what a reply tells clients. Its age is the time
+//! since it arrived: it came when its owner's LRU let it go, and a GET does not make it
+//! younger, since the page is then in its owner's memory again and the copy here is a
+//! duplicate (GMS: duplicates go first). Arrivals are kept in a queue, oldest first; an entry
+//! whose frame was freed or written again since no longer matches the frame and is skipped.
 
 use crate::{FrameMeta, Peer, SessionHandle, Store, StoreError, FREE, SLOT_BITS, SLOT_MASK};
 use netram_proto::gms::{cached_checksum, CachedStatus};
 use netram_proto::{PageFlags, PAGE_SIZE};
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeSet, HashMap, VecDeque};
 
 /// The session slot that marks a frame holding a clean page.
 pub(crate) const CLEAN: u32 = SLOT_MASK;
@@ -96,6 +106,31 @@ impl CleanPages {
     }
 }
 
+/// An owner's clean page as it arrived: when, and which page (the frame must still hold that
+/// key at that version for the entry to count).
+#[derive(Debug, Clone, Copy)]
+struct Arrival {
+    ms: u64,
+    key: u64,
+    frame: u32,
+    version: u32,
+}
+
+/// Owners' clean pages, oldest arrival first (see the module's documentation).
+#[derive(Debug, Default)]
+pub(crate) struct OwnedClean {
+    queue: VecDeque<Arrival>,
+    /// Frames holding one: exact, kept by `put` and `unindex`.
+    count: u64,
+}
+
+/// The page a full store drops.
+#[derive(Debug, Clone, Copy)]
+enum Victim {
+    Cached(u128),
+    Owned(u32),
+}
+
 /// A clean page as read back.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct CleanPage {
@@ -113,13 +148,162 @@ impl<A: AsRef<[u8]> + AsMut<[u8]>> Store<A> {
         self.clean.len() as u64
     }
 
-    /// The ages (ms, boosted as global pages' are) of the clean pages held: a node's part of
-    /// an epoch's summary, with [`Store::room`] as its free frames.
+    /// The ages (ms, boosted as global pages' are) of the clean pages held, owners' clean
+    /// pages among them: a node's part of an epoch's summary, with [`Store::room`] as its
+    /// free frames.
     pub fn clean_ages(&self, now_ms: u64) -> impl Iterator<Item = u64> + '_ {
+        let owned = self
+            .owned_clean
+            .queue
+            .iter()
+            .filter(|a| self.arrival_holds(a))
+            .map(|a| a.ms);
         self.clean
             .pages
             .values()
-            .map(move |m| now_ms.saturating_sub(m.last_ms).saturating_mul(AGE_BOOST))
+            .map(|m| m.last_ms)
+            .chain(owned)
+            .map(move |ms| now_ms.saturating_sub(ms).saturating_mul(AGE_BOOST))
+    }
+
+    /// Owners' clean pages held ([`PageFlags::CLEAN`]).
+    pub fn owned_clean_pages(&self) -> u64 {
+        self.owned_clean.count
+    }
+
+    /// The age queue's memory: 24 bytes an entry, at most twice the pages it holds plus 64.
+    pub(crate) fn owned_clean_bytes(&self) -> usize {
+        self.owned_clean.queue.capacity() * std::mem::size_of::<Arrival>()
+    }
+
+    /// Frames a page may take by dropping a clean one.
+    pub(crate) fn droppable_pages(&self) -> u64 {
+        self.clean_pages() + self.owned_clean.count
+    }
+
+    /// Whether an arrival still names the page in its frame.
+    fn arrival_holds(&self, a: &Arrival) -> bool {
+        let m = self.meta[a.frame as usize];
+        m.owner != FREE
+            && m.slot() != CLEAN
+            && m.flags().is_clean()
+            && m.packed_key() == a.key
+            && m.version == a.version
+    }
+
+    /// Accounts for an owned page written into frame `f` (`put`): `was` and `is` say whether
+    /// the frame held, and now holds, an owner's clean page.
+    pub(crate) fn owned_clean_put(
+        &mut self,
+        f: u32,
+        key: u64,
+        version: u32,
+        was: bool,
+        is: bool,
+        now_ms: u64,
+    ) {
+        let slot = self.meta[f as usize].slot();
+        match (was, is) {
+            (false, true) => {
+                self.owned_clean.count += 1;
+                let peer = self.sessions[slot as usize].peer;
+                self.peers.entry(peer).or_default().clean += 1;
+            }
+            (true, false) => self.owned_clean_gone(slot),
+            _ => {}
+        }
+        if !is {
+            return;
+        }
+        self.counters.clean_owned_stored += 1;
+        self.owned_clean.queue.push_back(Arrival {
+            ms: now_ms,
+            key,
+            frame: f,
+            version,
+        });
+        // Entries of pages gone or written again are skipped when they reach the front;
+        // pages that stay keep them from it, so the queue is swept once it is twice what it
+        // holds (the sweep's cost is spread over as many PUTs as the queue had entries).
+        if self.owned_clean.queue.len() as u64 > 2 * self.owned_clean.count + 64 {
+            let queue = std::mem::take(&mut self.owned_clean.queue);
+            let mut seen = std::collections::HashSet::new();
+            // The newest entry of a frame is the one that counts (an equal rewrite pushes
+            // a second one); keep it, oldest first.
+            let mut kept: Vec<Arrival> = queue
+                .into_iter()
+                .rev()
+                .filter(|a| self.arrival_holds(a) && seen.insert(a.frame))
+                .collect();
+            kept.reverse();
+            self.owned_clean.queue = kept.into();
+        }
+    }
+
+    /// An owner's clean page of session `slot`'s is gone (freed, or written again as an only
+    /// copy).
+    pub(crate) fn owned_clean_gone(&mut self, slot: u32) {
+        self.owned_clean.count -= 1;
+        let peer = self.sessions[slot as usize].peer;
+        if let Some(u) = self.peers.get_mut(&peer) {
+            u.clean -= 1;
+        }
+    }
+
+    /// The oldest owner's clean page, dropping the queue's stale entries on the way.
+    fn oldest_owned_clean(&mut self) -> Option<Arrival> {
+        while let Some(a) = self.owned_clean.queue.front().copied() {
+            if self.arrival_holds(&a) {
+                return Some(a);
+            }
+            self.owned_clean.queue.pop_front();
+        }
+        None
+    }
+
+    /// The oldest clean page of either kind, and when its user last touched it.
+    fn oldest_droppable(&mut self) -> Option<(u64, Victim)> {
+        let cached = self
+            .clean
+            .oldest()
+            .map(|(uid, m)| (m.last_ms, Victim::Cached(uid)));
+        let owned = self
+            .oldest_owned_clean()
+            .map(|a| (a.ms, Victim::Owned(a.frame)));
+        match (cached, owned) {
+            (Some(c), Some(o)) => Some(if o.0 < c.0 { o } else { c }),
+            (c, o) => c.or(o),
+        }
+    }
+
+    /// Drops a clean page to free its frame; the counters say for what.
+    fn drop_victim(&mut self, v: Victim, for_owned: bool) {
+        match v {
+            Victim::Cached(uid) => {
+                let m = self.clean.remove(uid).expect("the oldest clean page");
+                self.release_clean_frame(m.frame);
+                if for_owned {
+                    self.counters.clean_dropped_for_owned += 1;
+                } else {
+                    self.counters.clean_replaced += 1;
+                }
+            }
+            Victim::Owned(f) => {
+                let slot = self.meta[f as usize].slot();
+                self.release_frame(f);
+                self.page_freed(slot);
+                self.counters.clean_owned_dropped += 1;
+            }
+        }
+    }
+
+    /// An owner's clean page above a shrinking offer, out of every index: the caller frees
+    /// the frame.
+    pub(crate) fn drop_owned_clean_frame(&mut self, f: u32) {
+        let slot = self.meta[f as usize].slot();
+        self.unindex(f);
+        self.page_freed(slot);
+        self.counters.clean_owned_dropped_for_offer += 1;
     }
 
     /// A clean page sent by session `h`'s client (GMS's putpage, received).
@@ -157,17 +341,16 @@ impl<A: AsRef<[u8]> + AsMut<[u8]>> Store<A> {
             self.counters.clean_stored += 1;
             (f, CachedStatus::Taken)
         } else {
-            // GMS's receiving rule: only in place of a page at least as old.
+            // GMS's receiving rule: only in place of a page at least as old, of either kind.
             let incoming = u64::from(age_ms).saturating_mul(AGE_BOOST);
-            let oldest = self.clean.oldest();
-            match oldest {
-                Some((victim, m))
-                    if now_ms.saturating_sub(m.last_ms).saturating_mul(AGE_BOOST) >= incoming
+            match self.oldest_droppable() {
+                Some((last_ms, victim))
+                    if now_ms.saturating_sub(last_ms).saturating_mul(AGE_BOOST) >= incoming
                         && self.used_beyond == 0 =>
                 {
-                    self.clean.remove(victim);
-                    self.counters.clean_replaced += 1;
-                    (m.frame, CachedStatus::Replaced)
+                    self.drop_victim(victim, false);
+                    let f = self.take_free_frame().expect("a frame just freed");
+                    (f, CachedStatus::Replaced)
                 }
                 _ => {
                     self.counters.clean_refused_younger += 1;
@@ -237,15 +420,13 @@ impl<A: AsRef<[u8]> + AsMut<[u8]>> Store<A> {
         Ok(Some(page))
     }
 
-    /// Drops the oldest clean page to free its frame for an owned page; false when there is
-    /// none.
-    pub(crate) fn drop_clean_for_owned(&mut self) -> bool {
-        let Some((uid, m)) = self.clean.oldest() else {
+    /// Drops the oldest clean page of either kind to free its frame for an owned page; false
+    /// when there is none.
+    pub(crate) fn drop_oldest_clean(&mut self) -> bool {
+        let Some((_, victim)) = self.oldest_droppable() else {
             return false;
         };
-        self.clean.remove(uid);
-        self.release_clean_frame(m.frame);
-        self.counters.clean_dropped_for_owned += 1;
+        self.drop_victim(victim, true);
         true
     }
 
@@ -285,6 +466,30 @@ impl<A: AsRef<[u8]> + AsMut<[u8]>> Store<A> {
             return Some(format!(
                 "clean page {u:#x} indexed at frame {} not marked",
                 m.frame
+            ));
+        }
+        let owned = self
+            .meta
+            .iter()
+            .filter(|m| m.owner != FREE && m.slot() != CLEAN && m.flags().is_clean())
+            .count() as u64;
+        if owned != self.owned_clean.count {
+            return Some(format!(
+                "{owned} frames hold owners' clean pages, {} counted",
+                self.owned_clean.count
+            ));
+        }
+        let queued = self
+            .owned_clean
+            .queue
+            .iter()
+            .filter(|a| self.arrival_holds(a))
+            .map(|a| a.frame)
+            .collect::<std::collections::HashSet<_>>()
+            .len() as u64;
+        if queued != owned {
+            return Some(format!(
+                "{owned} owners' clean pages, {queued} in the age queue"
             ));
         }
         let per_peer: u64 = self.clean.per_peer.values().sum();

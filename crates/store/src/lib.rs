@@ -239,6 +239,9 @@ impl Default for StoreConfig {
 struct PeerUse {
     sessions: u32,
     pages: u64,
+    /// Of `pages`, owners' clean pages (`clean.rs`): outside the quota, since they never make
+    /// this store refuse anyone's page.
+    clean: u64,
     /// The client's rate budget, in thousandths of an operation (a token bucket that may go
     /// into debt: a request is served whole, and what it overdrew is waited for after it).
     credit: i64,
@@ -370,6 +373,12 @@ counters! {
     /// Clean pages dropped to give their frame to an owned page, and above a shrunk offer.
     clean_dropped_for_owned,
     clean_dropped_for_offer,
+    /// Owners' clean pages (`cluster+disk`, [`PageFlags::CLEAN`]) stored, and dropped: for
+    /// a page that found no free frame (the globally oldest of the clean pages here), and
+    /// above a shrunk offer. Their owners read them from their disks.
+    clean_owned_stored,
+    clean_owned_dropped,
+    clean_owned_dropped_for_offer,
 }
 
 /// The page store. `A` is the arena: the daemon passes an mmap, tests a `Vec<u8>`.
@@ -400,6 +409,8 @@ pub struct Store<A> {
     load_last: u32,
     /// Clean pages held for other nodes (GMS; `clean.rs`).
     clean: clean::CleanPages,
+    /// Owners' pages they also keep on disk, oldest first (`clean.rs`).
+    owned_clean: clean::OwnedClean,
 }
 
 impl<A> std::fmt::Debug for Store<A> {
@@ -449,6 +460,7 @@ impl<A: AsRef<[u8]> + AsMut<[u8]>> Store<A> {
             load_count: 0,
             load_last: 0,
             clean: clean::CleanPages::default(),
+            owned_clean: clean::OwnedClean::default(),
         }
     }
 
@@ -472,9 +484,19 @@ impl<A: AsRef<[u8]> + AsMut<[u8]>> Store<A> {
             .sessions
             .get(slot as usize)
             .and_then(|s| self.peers.get(&s.peer))
-            .map_or(0, |u| u.pages);
-        self.room()
+            .map_or(0, |u| u.pages - u.clean);
+        self.owned_room()
             .min(self.cfg.max_peer_pages.saturating_sub(used))
+    }
+
+    /// Frames an owned page may take: [`Store::room`] and the frames of clean pages, since a
+    /// clean page is never a reason to refuse one (`clean.rs`). What clients are told.
+    pub fn owned_room(&self) -> u64 {
+        if self.used_beyond > 0 {
+            0
+        } else {
+            self.free_frames + self.droppable_pages()
+        }
     }
 
     /// Frames a new page may take: none while pages wait above the offer, since every frame
@@ -562,9 +584,13 @@ impl<A: AsRef<[u8]> + AsMut<[u8]>> Store<A> {
                         Some((start, n)) if *start + *n == f => *n += 1,
                         _ => runs.push((f, 1)),
                     }
-                } else if m.slot() == clean::CLEAN {
+                } else if m.slot() == clean::CLEAN || m.flags().is_clean() {
                     // A copy: dropped rather than moved, its frame given back.
-                    self.drop_clean_frame(f);
+                    if m.slot() == clean::CLEAN {
+                        self.drop_clean_frame(f);
+                    } else {
+                        self.drop_owned_clean_frame(f);
+                    }
                     self.meta[f as usize] = FrameMeta {
                         key: [NIL, 0],
                         owner: FREE,
@@ -619,7 +645,9 @@ impl<A: AsRef<[u8]> + AsMut<[u8]>> Store<A> {
 
     /// Bytes of index and frame metadata: what the store spends besides the frames themselves.
     pub fn meta_bytes(&self) -> usize {
-        self.meta.capacity() * std::mem::size_of::<FrameMeta>() + self.index.allocation_size()
+        self.meta.capacity() * std::mem::size_of::<FrameMeta>()
+            + self.index.allocation_size()
+            + self.owned_clean_bytes()
     }
 
     /// Counts one request for the load the server piggy-backs on replies (Anemone §2.4);
@@ -843,15 +871,26 @@ impl<A: AsRef<[u8]> + AsMut<[u8]>> Store<A> {
             self.counters.puts_refused_corrupt += 1;
             return Ok(PutStatus::Corrupt);
         }
-        let f = match self.find(h.slot, packed) {
+        let (f, was_clean) = match self.find(h.slot, packed) {
             Some(f) => {
+                let was_clean = self.meta[f as usize].flags().is_clean();
+                // A clean page written again as its owner's only copy counts against the
+                // quota from now on: refused at the quota, as a new page would be.
+                let peer = self.sessions[h.slot as usize].peer;
+                if was_clean
+                    && !flags.is_clean()
+                    && self.quota_used(peer) >= self.cfg.max_peer_pages
+                {
+                    self.counters.puts_refused_quota += 1;
+                    return Ok(PutStatus::Full);
+                }
                 self.counters.pages_overwritten += 1;
-                f
+                (f, was_clean)
             }
-            None => match self.insert_frame(h.slot, packed) {
+            None => match self.insert_frame(h.slot, packed, flags.is_clean()) {
                 Ok(f) => {
                     self.counters.pages_stored += 1;
-                    f
+                    (f, false)
                 }
                 Err(refused) => return Ok(refused),
             },
@@ -862,6 +901,7 @@ impl<A: AsRef<[u8]> + AsMut<[u8]>> Store<A> {
             version,
             crc,
         };
+        self.owned_clean_put(f, packed, version, was_clean, flags.is_clean(), now_ms);
         let at = f as usize * PAGE_SIZE;
         let frame = &mut self.arena.as_mut()[at..at + PAGE_SIZE];
         if flags.is_zero() {
@@ -1008,21 +1048,21 @@ impl<A: AsRef<[u8]> + AsMut<[u8]>> Store<A> {
     /// Takes a free frame for a new key of the session and indexes it; the caller fills in its
     /// metadata. Refused (with the status and the counter) when no frame is free or the
     /// session's client holds its quota.
-    fn insert_frame(&mut self, slot: u32, packed: u64) -> Result<u32, PutStatus> {
+    fn insert_frame(&mut self, slot: u32, packed: u64, clean: bool) -> Result<u32, PutStatus> {
         let peer = self.sessions[slot as usize].peer;
         // A full server is full, whoever asks; the quota decides while frames remain. While
         // pages wait above a shrunk offer, the frames freed below it are theirs. A clean page
         // is never a reason to refuse: the oldest one gives up its frame (`clean.rs`).
-        if (self.free_head == NIL && self.clean_pages() == 0) || self.used_beyond > 0 {
+        if (self.free_head == NIL && self.droppable_pages() == 0) || self.used_beyond > 0 {
             self.counters.puts_refused_full += 1;
             return Err(PutStatus::Full);
         }
-        if self.peers.get(&peer).map_or(0, |u| u.pages) >= self.cfg.max_peer_pages {
+        if !clean && self.quota_used(peer) >= self.cfg.max_peer_pages {
             self.counters.puts_refused_quota += 1;
             return Err(PutStatus::Full);
         }
         if self.free_head == NIL {
-            let dropped = self.drop_clean_for_owned();
+            let dropped = self.drop_oldest_clean();
             debug_assert!(dropped, "a clean page, checked above");
         }
         let f = self.take_free_frame().expect("a free frame, checked above");
@@ -1037,6 +1077,11 @@ impl<A: AsRef<[u8]> + AsMut<[u8]>> Store<A> {
         self.sessions[slot as usize].pages += 1;
         self.peers.entry(peer).or_default().pages += 1;
         Ok(f)
+    }
+
+    /// Pages of `peer`'s that count against its quota: all but its clean ones.
+    fn quota_used(&self, peer: Peer) -> u64 {
+        self.peers.get(&peer).map_or(0, |u| u.pages - u.clean)
     }
 
     /// Accounts for a frame of the session's freed (its page deleted, a parity frame freed).
@@ -1064,14 +1109,23 @@ impl<A: AsRef<[u8]> + AsMut<[u8]>> Store<A> {
     /// among the frames to give back).
     fn release_frame(&mut self, f: u32) {
         let m = self.meta[f as usize];
-        let hash = self.hash(m.slot(), m.packed_key());
-        let entry = self.index.find_entry(hash, |&g| g == f);
-        entry.expect("a used frame is in the index").remove();
-        self.parity.frame_released(f);
+        self.unindex(f);
         if f >= self.offered {
             self.sessions[m.slot() as usize].beyond.remove(&f);
         }
         self.return_frame(f);
+    }
+
+    /// Takes an owned (or parity) frame's page out of the index and of the parity groups.
+    fn unindex(&mut self, f: u32) {
+        let m = self.meta[f as usize];
+        if m.flags().is_clean() {
+            self.owned_clean_gone(m.slot());
+        }
+        let hash = self.hash(m.slot(), m.packed_key());
+        let entry = self.index.find_entry(hash, |&g| g == f);
+        entry.expect("a used frame is in the index").remove();
+        self.parity.frame_released(f);
     }
 
     /// A frame whose page is gone: onto the free list, or, above the offer, among the frames
@@ -1215,6 +1269,13 @@ impl<A: AsRef<[u8]> + AsMut<[u8]>> Store<A> {
             ));
         }
         let per_peer: u64 = self.peers.values().map(|u| u.pages).sum();
+        let clean_per_peer: u64 = self.peers.values().map(|u| u.clean).sum();
+        if clean_per_peer != self.owned_clean_pages() {
+            return Some(format!(
+                "clients count {clean_per_peer} clean pages, {} held",
+                self.owned_clean_pages()
+            ));
+        }
         let peer_sessions: u64 = self.peers.values().map(|u| u64::from(u.sessions)).sum();
         if per_peer != used || peer_sessions != self.live_sessions() as u64 {
             return Some(format!(

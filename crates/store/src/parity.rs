@@ -334,7 +334,7 @@ impl<A: AsRef<[u8]> + AsMut<[u8]>> Store<A> {
         let packed = packed_parity_key(group);
         let f = match self.find(h.slot, packed) {
             Some(f) => f,
-            None => match self.insert_frame(h.slot, packed) {
+            None => match self.insert_frame(h.slot, packed, false) {
                 Ok(f) => f,
                 Err(refused) => {
                     ids.into_iter().for_each(|i| self.parity.unref(i));

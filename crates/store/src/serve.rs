@@ -556,7 +556,7 @@ fn error_reply<A: AsRef<[u8]> + AsMut<[u8]>>(
 ) {
     Reply::Error {
         load: Load {
-            free_pages: store.room(),
+            free_pages: store.owned_room(),
             requests_per_s: rps,
             leaving: 0,
         },
@@ -856,6 +856,7 @@ pub fn store_stats<A: AsRef<[u8]> + AsMut<[u8]>>(store: &Store<A>) -> Vec<(&'sta
         ("meta_bytes", store.meta_bytes() as u64),
         ("expected_pages", store.expected_pages() as u64),
         ("clean_pages", store.clean_pages()),
+        ("owned_clean_pages", store.owned_clean_pages()),
     ];
     out.extend(store.counters().iter());
     out

@@ -354,7 +354,14 @@ impl Inbox<'_> {
                         }
                     };
                     if let Some(what) = what {
-                        tracing::warn!(server, page, what, "bad page from server");
+                        // A missing page is what a server that dropped a clean copy says
+                        // (`cluster+disk`): the disk has it, nothing is wrong. What it costs
+                        // when no copy is left is reported where it is found lost.
+                        if matches!(got, GetResult::Missing(_)) {
+                            tracing::debug!(server, page, what, "page missing on server");
+                        } else {
+                            tracing::warn!(server, page, what, "bad page from server");
+                        }
                         followups.push(Followup::GetFailed(it, what));
                     }
                 }

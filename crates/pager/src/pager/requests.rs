@@ -9,7 +9,7 @@
 
 use crate::scheme::parity::PutOp;
 use crate::{Disk, Pager, PagerError, Transport, TransportError};
-use netram_proto::{Page, PageKey, Request, PAGE_SIZE};
+use netram_proto::{Page, PageFlags, PageKey, Request, PAGE_SIZE};
 use std::collections::{HashMap, VecDeque};
 
 /// One page of a batched GET: where its data goes. `pos` is the page's place in the caller's
@@ -505,9 +505,21 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                 // disjoint fields, so the pages are borrowed, not copied, until the frame is
                 // encoded.
                 let slots = &self.slots;
+                // A whole copy of a page whose version is on the local disk too is a clean
+                // page (GMS §4.5): a full server may drop it rather than refuse another
+                // (`netram_store`'s `clean.rs`); a read then finds it missing and goes to the
+                // disk. Not a stripe's or a parity group's piece: the others need it.
+                let clean_copies =
+                    self.cfg.backing == crate::Backing::ClusterDisk && self.shape.whole_copies;
+                let table = &self.table;
                 let seal = |it: &PutItem| {
                     let at = it.slot as usize * PAGE_SIZE;
-                    Page::seal(it.key, it.version, &slots[at..at + PAGE_SIZE])
+                    let clean = clean_copies && it.kind == PutKind::Copy && {
+                        let e = table.get(it.page);
+                        e.on_disk && e.version == it.version
+                    };
+                    let flags = PageFlags(if clean { PageFlags::CLEAN } else { 0 });
+                    Page::seal_with(it.key, it.version, flags, &slots[at..at + PAGE_SIZE])
                 };
                 let req = if items.iter().all(|it| it.kind == PutKind::Copy) {
                     Request::Put(items.iter().map(seal).collect())

@@ -382,8 +382,9 @@ fn a_write_through_pager_reports_a_failed_disk_write_and_keeps_the_page() {
 
 #[test]
 fn a_read_that_fails_midway_leaves_nothing_for_the_next_read() {
-    // Pages 0 and 2 on the server, page 1 spilled to the disk (the server is full).
-    let mut p = pager(MemCluster::new(&[2]), 4, 0, Backing::ClusterDisk);
+    // Pages 0 and 2 on the server, page 1 spilled to the disk (the server is full). Under
+    // `cluster` backing: under `cluster+disk` page 1 would take page 0's frame, a clean page.
+    let mut p = pager(MemCluster::new(&[2]), 4, 0, Backing::Cluster);
     for pg in [0, 2, 1] {
         p.write(pg, &content(pg, 1)).unwrap();
     }
@@ -860,6 +861,47 @@ fn a_corrupt_page_is_read_from_disk_with_cluster_disk_backing() {
         p.transport.servers[0].corrupt_next = true;
         assert_eq!(read(&mut p, 0).unwrap(), content(0, 7));
         assert_eq!(bad_pages(&p), if seal { (0, 1) } else { (1, 0) });
+    }
+}
+
+#[test]
+fn a_full_server_drops_the_oldest_cluster_disk_pages_and_they_are_read_from_disk() {
+    for seal in [true, false] {
+        let p = pager(MemCluster::new(&[8]), 16, 0, Backing::ClusterDisk);
+        let mut p = if seal { p } else { unsealed(p) };
+        for page in 0..16 {
+            p.write(page, &content(page, 3)).unwrap();
+        }
+        p.flush().unwrap();
+        // Every page went to the server (none spilled): the newest eight are there, the
+        // eight oldest gave their frames up.
+        let store = &p.transport().servers[0].store;
+        assert_eq!(store.counters().clean_owned_dropped, 8);
+        assert_eq!(store.owned_clean_pages(), 8);
+        assert_eq!(p.counters().spills, 0);
+        for page in 0..16 {
+            assert_eq!(read(&mut p, page).unwrap(), content(page, 3), "page {page}");
+        }
+        let c = p.counters();
+        assert_eq!((c.missing_pages, c.disk_fallbacks), (8, 8));
+        assert_eq!(c.clean_copies_dropped, 8);
+        assert_eq!(bad_pages(&p), (0, 0));
+        // Forgotten where they were dropped: read again, straight from the disk.
+        for page in 0..16 {
+            assert_eq!(read(&mut p, page).unwrap(), content(page, 3), "page {page}");
+        }
+        assert_eq!(p.counters().missing_pages, 8);
+        assert_eq!(p.pages_on_disk_only(), 8);
+        // Under `cluster` backing the same server refuses the ninth page (it is the only
+        // copy) and the pager spills.
+        let mut q = pager(MemCluster::new(&[8]), 16, 0, Backing::Cluster);
+        for page in 0..16 {
+            q.write(page, &content(page, 3)).unwrap();
+        }
+        q.flush().unwrap();
+        assert_eq!(q.counters().spills, 8);
+        assert_eq!(q.transport().servers[0].store.owned_clean_pages(), 0);
+        p.check_invariants().unwrap();
     }
 }
 

@@ -293,6 +293,22 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             // version.
             return self.disk_copy_or_report(server, it, what);
         }
+        let clean = self.config().backing == crate::Backing::ClusterDisk
+            && self.table().get(it.page).on_disk;
+        if what == Some("missing on server") && clean && holders.contains(server) {
+            // A clean copy the server dropped for another page (GMS; `requests.rs` sends
+            // them): the disk has the page, and a copy rebuilt would only take another's
+            // frame. Forgotten, so that the next read goes to a copy that is there.
+            self.counters_mut().clean_copies_dropped += 1;
+            holders.remove(server);
+            self.table_mut().set_holders(it.page, holders);
+            if let Some(wb) = self.writebacks_mut().get_mut(&it.page) {
+                if wb.version == it.version {
+                    wb.keep.remove(server);
+                }
+            }
+            return self.read_elsewhere(server, it, what);
+        }
         if let Some(what) = what {
             if holders.len() > 1 && holders.contains(server) {
                 tracing::warn!(server, page = it.page, what, "dropping a bad copy");

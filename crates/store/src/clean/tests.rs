@@ -183,3 +183,200 @@ fn clean_pages_outlive_their_senders_session_and_owned_pages_do_not_see_them() {
     assert_eq!(ages, vec![2_000], "a held page ages twice as fast");
     s.check_invariants();
 }
+
+/// An owner's page at `version`, flagged clean or not, written at `now`.
+fn put_owned_at(
+    s: &mut Store<Vec<u8>>,
+    h: SessionHandle,
+    p: u64,
+    version: u32,
+    clean: bool,
+    now: u64,
+) -> PutStatus {
+    let (key, data) = (PageKey::new(1, p), page(p as u8 ^ version as u8));
+    let flags = PageFlags(if clean { PageFlags::CLEAN } else { 0 });
+    let crc = netram_proto::page_checksum(key, version, flags, &data);
+    s.put(h, key, version, crc, flags, &data, now).unwrap()
+}
+
+fn owned_here(s: &mut Store<Vec<u8>>, h: SessionHandle, p: u64) -> Option<u32> {
+    s.get(h, PageKey::new(1, p), 0)
+        .unwrap()
+        .map(|got| got.version)
+}
+
+#[test]
+fn owners_clean_pages_give_way_oldest_first_and_other_pages_never() {
+    let mut s = store(4, u64::MAX);
+    let a = s.open_session(1, 1, 1, 0).unwrap();
+    let b = s.open_session(2, 1, 1, 0).unwrap();
+    // Client a: pages 0 and 1 clean (on its disk too), page 2 its only copy.
+    assert_eq!(
+        put_owned_at(&mut s, a, 0, 1, true, 1_000),
+        PutStatus::Stored
+    );
+    assert_eq!(
+        put_owned_at(&mut s, a, 1, 1, true, 2_000),
+        PutStatus::Stored
+    );
+    assert_eq!(
+        put_owned_at(&mut s, a, 2, 1, false, 3_000),
+        PutStatus::Stored
+    );
+    assert_eq!(
+        put_owned_at(&mut s, b, 9, 1, false, 3_500),
+        PutStatus::Stored
+    );
+    assert_eq!(s.owned_clean_pages(), 2);
+    // Full, but the two clean pages count as room in what a reply tells the clients.
+    assert_eq!(s.free_pages(), 0);
+    assert_eq!(s.load(b, 0).free_pages, 2);
+    // Page 0 is written again: its new version arrives later than page 1.
+    assert_eq!(
+        put_owned_at(&mut s, a, 0, 2, true, 4_000),
+        PutStatus::Stored
+    );
+    s.check_invariants();
+    // Client b's pages take the oldest clean frames: page 1's, then page 0's.
+    assert_eq!(
+        put_owned_at(&mut s, b, 10, 1, false, 5_000),
+        PutStatus::Stored
+    );
+    assert_eq!(owned_here(&mut s, a, 1), None);
+    assert_eq!(owned_here(&mut s, a, 0), Some(2));
+    assert_eq!(
+        put_owned_at(&mut s, b, 11, 1, false, 6_000),
+        PutStatus::Stored
+    );
+    assert_eq!(owned_here(&mut s, a, 0), None);
+    // What is left is nobody's copy: refused, and a's only copy is still there.
+    assert_eq!(
+        put_owned_at(&mut s, b, 12, 1, false, 7_000),
+        PutStatus::Full
+    );
+    assert_eq!(owned_here(&mut s, a, 2), Some(1));
+    assert_eq!(s.load(b, 0).free_pages, 0);
+    assert_eq!(s.counters().clean_owned_dropped, 2);
+    assert_eq!(s.counters().clean_owned_stored, 3);
+    assert_eq!(s.owned_clean_pages(), 0);
+    s.check_invariants();
+}
+
+#[test]
+fn cached_and_owners_clean_pages_compete_by_age() {
+    let mut s = store(3, u64::MAX);
+    let h = s.open_session(1, 1, 1, 0).unwrap();
+    // A cached page 8 s old, an owner's clean page that arrived 5 s ago, one 1 s ago.
+    assert_eq!(put_clean(&mut s, h, 40, 8_000, 10_000), CachedStatus::Taken);
+    assert_eq!(
+        put_owned_at(&mut s, h, 0, 1, true, 5_000),
+        PutStatus::Stored
+    );
+    assert_eq!(
+        put_owned_at(&mut s, h, 1, 1, true, 9_000),
+        PutStatus::Stored
+    );
+    // An owned page takes the cached page's frame (the oldest) ...
+    assert_eq!(
+        put_owned_at(&mut s, h, 2, 1, false, 10_000),
+        PutStatus::Stored
+    );
+    assert_eq!(s.get_clean(h, 40, false, 10_000).unwrap(), None);
+    // ... a cached page 3 s old takes the owner's page that came 5 s ago, not one 1 s ago.
+    assert_eq!(
+        put_clean(&mut s, h, 41, 3_000, 10_000),
+        CachedStatus::Replaced
+    );
+    assert_eq!(owned_here(&mut s, h, 0), None);
+    assert_eq!(owned_here(&mut s, h, 1), Some(1));
+    // ... and one 4 s old is refused: every clean page here is younger.
+    assert_eq!(
+        put_clean(&mut s, h, 42, 4_000, 10_000),
+        CachedStatus::Refused
+    );
+    // An epoch's summary sees both kinds (boosted as global pages').
+    let mut ages: Vec<u64> = s.clean_ages(10_000).collect();
+    ages.sort_unstable();
+    assert_eq!(ages, vec![2_000, 6_000]);
+    let c = s.counters();
+    assert_eq!((c.clean_dropped_for_owned, c.clean_owned_dropped), (1, 1));
+    s.check_invariants();
+}
+
+#[test]
+fn a_shrinking_offer_drops_owners_clean_pages_and_moves_the_others() {
+    let mut s = store(4, u64::MAX);
+    let h = s.open_session(1, 1, 1, 0).unwrap();
+    for p in 0..4 {
+        assert_eq!(
+            put_owned_at(&mut s, h, p, 1, p % 2 == 1, 0),
+            PutStatus::Stored
+        );
+    }
+    // Frames 2 and 3 leave the offer: page 3 (clean) is dropped, page 2 must move.
+    s.set_offer(2);
+    assert_eq!(s.counters().clean_owned_dropped_for_offer, 1);
+    assert_eq!(s.pages_beyond_offer(), 1);
+    assert_eq!(s.load(h, 0).leaving, 1);
+    assert_eq!(owned_here(&mut s, h, 3), None);
+    assert_eq!(owned_here(&mut s, h, 2), Some(1));
+    s.check_invariants();
+    // The page above moves into the frame that page 1 (clean) gives up when it is deleted.
+    assert!(s.delete(h, PageKey::new(1, 1), 0).unwrap());
+    assert_eq!(s.pages_beyond_offer(), 0);
+    assert_eq!(owned_here(&mut s, h, 2), Some(1));
+    s.check_invariants();
+}
+
+#[test]
+fn the_age_queue_stays_bounded_by_what_it_holds() {
+    let mut s = store(8, u64::MAX);
+    let h = s.open_session(1, 1, 1, 0).unwrap();
+    // One page written 10,000 times: one clean page, and a queue swept as it grows.
+    for v in 1..=10_000u32 {
+        assert_eq!(
+            put_owned_at(&mut s, h, 0, v, true, u64::from(v)),
+            PutStatus::Stored
+        );
+    }
+    assert!(s.owned_clean.queue.len() <= 2 + 64 + 1);
+    // Written again unflagged, it is no longer anyone's to drop.
+    assert_eq!(
+        put_owned_at(&mut s, h, 0, 10_001, false, 10_001),
+        PutStatus::Stored
+    );
+    assert_eq!(s.owned_clean_pages(), 0);
+    assert_eq!(s.load(h, 0).free_pages, 7);
+    s.check_invariants();
+}
+
+#[test]
+fn owners_clean_pages_are_outside_the_quota_and_cannot_be_turned_into_a_way_around_it() {
+    let mut s = store(6, 2);
+    let a = s.open_session_from(Peer::Node(1), 1, 1, 1, 0).unwrap();
+    let b = s.open_session_from(Peer::Node(2), 2, 1, 1, 0).unwrap();
+    // Two only copies fill a's quota; its clean pages still come, beyond it.
+    assert_eq!(put_owned_at(&mut s, a, 0, 1, false, 0), PutStatus::Stored);
+    assert_eq!(put_owned_at(&mut s, a, 1, 1, false, 0), PutStatus::Stored);
+    assert_eq!(put_owned_at(&mut s, a, 2, 1, false, 0), PutStatus::Full);
+    for p in 3..7 {
+        assert_eq!(put_owned_at(&mut s, a, p, 1, true, p), PutStatus::Stored);
+    }
+    assert_eq!(s.free_pages(), 0);
+    // The arena is full: a's next clean page takes its own oldest clean page's frame, and
+    // b's only copies take the next ones.
+    assert_eq!(put_owned_at(&mut s, a, 7, 1, true, 7), PutStatus::Stored);
+    assert_eq!(owned_here(&mut s, a, 3), None);
+    assert_eq!(s.load(b, 0).free_pages, 2);
+    assert_eq!(put_owned_at(&mut s, b, 0, 1, false, 8), PutStatus::Stored);
+    assert_eq!(owned_here(&mut s, a, 4), None);
+    // A clean page written again as an only copy would take a's quota past its limit.
+    assert_eq!(put_owned_at(&mut s, a, 5, 2, false, 9), PutStatus::Full);
+    assert_eq!(owned_here(&mut s, a, 5), Some(1));
+    assert_eq!(s.counters().puts_refused_quota, 2);
+    s.check_invariants();
+    // Ending a's session frees its clean pages and their accounting with them.
+    s.close(a).unwrap();
+    assert_eq!(s.owned_clean_pages(), 0);
+    s.check_invariants();
+}
