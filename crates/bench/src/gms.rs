@@ -26,7 +26,8 @@ pub struct Options {
     pub quick: bool,
     /// Run the simulated half (otherwise keep its figures from the gms.json in `out`).
     pub sim: bool,
-    /// Run the real half.
+    /// Run the real half. Neither half: the report and plot are written again from the
+    /// gms.json in `out`.
     pub real: bool,
     /// Node counts of the scale runs [default: 100, 1,000, 10,000; quick: 100, 1,000].
     pub nodes: Vec<usize>,
@@ -216,18 +217,29 @@ fn simulate(opts: &Options, failed: &mut Vec<String>) -> serde_json::Map<String,
 pub fn run_bench(opts: &Options) -> anyhow::Result<crate::Outcome> {
     let machine = Machine::describe();
     let mut failed = Vec::new();
+    let old: Value = if opts.sim {
+        Value::Null
+    } else {
+        serde_json::from_slice(&std::fs::read(opts.out.join("gms.json"))?)?
+    };
     let sim = if opts.sim {
         simulate(opts, &mut failed)
     } else {
         // The simulated figures of the last full run, kept as they are.
-        let old: Value = serde_json::from_slice(&std::fs::read(opts.out.join("gms.json"))?)?;
         let mut m = serde_json::Map::new();
         for k in SIM_FIELDS {
             m.insert(k.to_string(), old[k].clone());
         }
         m
     };
-    let (real, real_status) = if !opts.real {
+    let (real, real_status) = if !opts.real && !opts.sim {
+        // Neither half: the report and the plot written again from gms.json.
+        let status = old["real_status"].as_str().unwrap_or("").to_string();
+        for f in old["failed"].as_array().into_iter().flatten() {
+            failed.push(f.as_str().unwrap_or("?").to_string());
+        }
+        (old["real"].clone(), status)
+    } else if !opts.real {
         (Value::Null, "not run (--no-real)".to_string())
     } else {
         match crate::gms_real::run_real(opts.quick) {
@@ -254,6 +266,7 @@ pub fn run_bench(opts: &Options) -> anyhow::Result<crate::Outcome> {
         // conditions are in `real`).
         "speedup_vs_source": real["speedup_vs_source_1gbit_skewed"].clone(),
         "speedup_vs_nchance": real["speedup_vs_nchance_1gbit_skewed"].clone(),
+        "speedup_vs_juicefs": real["speedup_vs_juicefs_1gbit_skewed"].clone(),
         "failed": failed,
     });
     for (k, v) in sim {
@@ -334,8 +347,39 @@ fn plot(r: &Value, path: &std::path::Path) -> anyhow::Result<()> {
             panels.push((caption, unit.to_string(), bars));
         }
     }
+    // The real run: mean total time of each reader, per condition.
+    let cases = r["real"]["cases"].as_array().cloned().unwrap_or_default();
+    for (caption, skewed, shaped) in [
+        ("real: idle memory even", false, false),
+        ("real: idle memory skewed", true, false),
+        ("real: skewed, source at 1 Gbit/s", true, true),
+    ] {
+        let mut bars = Vec::new();
+        for (reader, name) in [
+            ("netram cache, gms", "netram GMS"),
+            ("netram cache, random", "random forwarding"),
+            ("source", "source"),
+            ("juicefs", "JuiceFS"),
+        ] {
+            let t: Vec<f64> = cases
+                .iter()
+                .filter(|c| {
+                    c["reader"] == reader
+                        && c["source_1gbit"] == shaped
+                        && (!reader.starts_with("netram") || c["skewed"] == skewed)
+                })
+                .filter_map(|c| c["total_s"].as_f64())
+                .collect();
+            if !t.is_empty() {
+                bars.push((name.to_string(), t.iter().sum::<f64>() / t.len() as f64));
+            }
+        }
+        if !bars.is_empty() {
+            panels.push((caption.to_string(), "s (lower is better)".to_string(), bars));
+        }
+    }
     plot_panels(
-        "bench gms (simulated): GMS §5.5-5.6 and the same algorithms at scale (netram's GMS in blue)",
+        "bench gms: GMS §5.5-5.6 and the same algorithms at scale, simulated; the real run (netram's GMS in blue)",
         &panels,
         path,
     )
@@ -546,4 +590,20 @@ fn real_markdown(s: &mut String, r: &Value) {
         f(&r["speedup_vs_nchance_skewed"], 2),
         f(&r["speedup_vs_nchance_1gbit_skewed"], 2),
     );
+    let j = &r["juicefs"];
+    if let Some(why) = j["skipped"].as_str() {
+        let _ = writeln!(s, "\nJuiceFS was **not compared** in this run: {why}.");
+    } else if !j.is_null() {
+        let _ = writeln!(
+            s,
+            "\nOver JuiceFS ({}; {}): {} even, {} skewed, {} skewed at 1 Gbit/s. JuiceFS's \
+             community edition has no cache shared between machines: it reads with host 1's \
+             memory only, which is what a user of it gets on these hosts.",
+            j["version"].as_str().unwrap_or(""),
+            j["setup"].as_str().unwrap_or(""),
+            f(&r["speedup_vs_juicefs_even"], 2),
+            f(&r["speedup_vs_juicefs_skewed"], 2),
+            f(&r["speedup_vs_juicefs_1gbit_skewed"], 2),
+        );
+    }
 }

