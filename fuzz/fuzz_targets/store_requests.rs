@@ -14,7 +14,8 @@ use libfuzzer_sys::arbitrary::{self, Arbitrary};
 use libfuzzer_sys::fuzz_target;
 use netram_proto::{
     decode_reply, decode_request, frame_len, Delta, DeltaKind, DeltaStatus, Member, MoveStatus,
-    Owner, Page, PageKey, ParityOp, Record, Reply, Request, MAX_BATCH, MAX_FRAME_LEN, PAGE_SIZE,
+    Owner, Page, PageFlags, PageKey, ParityOp, Record, Reply, Request, MAX_BATCH, MAX_FRAME_LEN,
+    PAGE_SIZE,
 };
 use netram_store::serve::{
     finish_forward, finish_handover, handle_request, store_stats, DeltaOutcome, Outcome,
@@ -50,6 +51,8 @@ enum Op {
         n: u16,
         version: u8,
         zero: bool,
+        /// Flagged clean (`cluster+disk`): a full store may drop them for other pages.
+        clean: bool,
     },
     /// The same pages under dynamic parity, each joining `group` (or the next ones).
     Join {
@@ -407,14 +410,17 @@ fuzz_target!(|input: Input| {
                 n,
                 version,
                 zero,
+                clean,
             } => {
+                let flags = PageFlags(if clean { PageFlags::CLEAN } else { 0 });
                 for keys in batches(u32::from(region % 3), first, n) {
                     let data: Vec<Vec<u8>> = keys.iter().map(|&k| contents(k)).collect();
                     let pages: Vec<Page<'_>> = keys
                         .iter()
                         .zip(&data)
                         .map(|(&k, d)| {
-                            Page::seal(k, u32::from(version), if zero { &zeros } else { d })
+                            let d = if zero { &zeros } else { d };
+                            Page::seal_with(k, u32::from(version), flags, d)
                         })
                         .collect();
                     h.request(s, &Request::Put(pages));

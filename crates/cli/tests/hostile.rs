@@ -598,7 +598,9 @@ fn clean_pages_are_held_checked_and_give_way_to_owned_pages() {
     assert_eq!(put_status(&mut s, 10, vec![bad]), [CachedStatus::Corrupt]);
     // Full: a page older than every one held is refused; a younger one replaces the oldest.
     let old = CachedPage::seal(frames, 3_600_000, &datas[frames as usize]);
-    let young = CachedPage::seal(frames + 1, 5, &datas[frames as usize + 1]);
+    // Age 0: the held pages' ages are the daemon's uptime at most (their 60 s is more than
+    // it has been up), which can be under the 5 ms this page once had (CI saw it refused).
+    let young = CachedPage::seal(frames + 1, 0, &datas[frames as usize + 1]);
     assert_eq!(
         put_status(&mut other, 11, vec![old]),
         [CachedStatus::Refused]

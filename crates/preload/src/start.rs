@@ -361,6 +361,10 @@ pub(crate) extern "C" fn at_exit() {
             ("pages_rebuilt", pager.pages_rebuilt),
             ("pages_unrecoverable", pager.pages_unrecoverable),
             ("pages_migrated", pager.pages_migrated),
+            // Reads served from the local disk (a server dead, a copy bad or dropped), and of
+            // those the copies a full server dropped as clean pages (`cluster+disk`, GMS).
+            ("disk_fallbacks", pager.disk_fallbacks),
+            ("clean_copies_dropped", pager.clean_copies_dropped),
             // How often eviction found the pager without room and left its victims for
             // later, or waited (the region a batch over its budget: servers behind).
             ("evictions_deferred", get(&rc.evictions_deferred)),
