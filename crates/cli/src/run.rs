@@ -323,6 +323,13 @@ pub fn run(args: RunArgs) -> anyhow::Result<i32> {
             g("puts"),
             g("spills"),
         );
+        if g("clean_copies_dropped") > 0 {
+            eprintln!(
+                "netram: the full cluster dropped older pages for newer ones (cluster+disk: \
+                 GMS's clean pages); {} of them were read back from the local disk",
+                g("clean_copies_dropped"),
+            );
+        }
         if g("servers_dead") > 0 || g("pages_unrecoverable") > 0 {
             eprintln!(
                 "netram: {} server(s) lost on the way: {} reads served from another copy, {} \

@@ -816,8 +816,10 @@ fn gnu_sort_with_cluster_disk_backing_on_a_full_daemon_gives_the_same_output() {
     );
     let r = report(&rep);
     assert!(r["evictions"].as_u64().unwrap() > 4096, "{r}");
-    // Sort read back pages the daemon had dropped, from the disk.
+    // Sort read back pages the daemon had dropped, from the disk, and netram says so.
     assert!(r["clean_copies_dropped"].as_u64().unwrap() > 0, "{r}");
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(said.contains("read back from the local disk"), "{said}");
     assert!(r["disk_fallbacks"].as_u64().unwrap() > 0, "{r}");
     assert_eq!(r["spills"].as_u64(), Some(0), "{r}");
     // The daemon took every page (none was refused) and dropped the oldest for the newest.
