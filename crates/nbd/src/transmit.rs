@@ -947,9 +947,13 @@ mod tests {
                 pieces.push(bytes[at..end].to_vec());
                 at = end;
             }
+            // A piece takes up to two rounds (the stream says WouldBlock once after each), so
+            // the rounds are bounded by the pieces, not by a constant: 1-byte cuts of two
+            // large writes are 20,000 pieces.
+            let rounds = 2 * pieces.len() + 2;
             let mut c = conn(pieces);
             let mut got = Vec::new();
-            for _ in 0..10_000 {
+            for _ in 0..rounds {
                 c.read_in();
                 prop_assert!(c.inbuf.len() <= READ_AHEAD.max(REQUEST_LEN + 20_000));
                 let mut b = c.spare.take().expect("no batch in flight here");
