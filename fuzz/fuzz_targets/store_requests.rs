@@ -12,13 +12,15 @@
 
 use libfuzzer_sys::arbitrary::{self, Arbitrary};
 use libfuzzer_sys::fuzz_target;
+use netram_proto::gms;
 use netram_proto::{
     decode_reply, decode_request, frame_len, Delta, DeltaKind, DeltaStatus, Member, MoveStatus,
     Owner, Page, PageFlags, PageKey, ParityOp, Record, Reply, Request, MAX_BATCH, MAX_FRAME_LEN,
     PAGE_SIZE,
 };
 use netram_store::serve::{
-    finish_forward, finish_handover, handle_request, store_stats, DeltaOutcome, Outcome,
+    finish_forward, finish_handover, handle_gms, handle_request, store_stats, DeltaOutcome,
+    GmsOutcome, Outcome,
 };
 use netram_store::{DeltaFrom, Peer, SessionHandle, Store, StoreConfig, NO_PEER};
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
@@ -153,6 +155,30 @@ enum Op {
         frames: u16,
         compact: u8,
     },
+    /// Clean pages `first..` (GMS's PUT_CACHED), some damaged.
+    Cached {
+        s: u8,
+        first: u16,
+        n: u8,
+        age: u16,
+        damaged: u8,
+    },
+    /// GET_CACHED of pages `first..`, taking them or not.
+    Fetch {
+        s: u8,
+        first: u16,
+        n: u8,
+        take: bool,
+    },
+    /// GCD_UPDATE: shared pages `first..` registered, `gone..` given up.
+    Shared {
+        s: u8,
+        reset: bool,
+        first: u16,
+        n: u8,
+        gone: u16,
+        m: u8,
+    },
     /// Any bytes as a frame: the decoder's errors, and requests no other operation builds.
     Raw {
         s: u8,
@@ -218,6 +244,49 @@ impl Harness {
             self.run(s, id, decoded, req_limit(req));
         }
         self.frame = frame;
+    }
+
+    /// A GMS request, encoded and decoded as on the wire, run as the daemon runs it; its reply
+    /// must decode, answer it, and carry one item per item asked.
+    fn gms(&mut self, s: u8, req: &gms::Request<'_>) {
+        let Some(h) = self.session(s) else { return };
+        let id = self.next_id;
+        self.next_id += 1;
+        self.frame.clear();
+        req.encode(id, &mut self.frame);
+        let frame = std::mem::take(&mut self.frame);
+        let (got, decoded) = gms::decode_request(&frame).expect("what we encode decodes");
+        assert_eq!(got, id);
+        let asked = match &decoded {
+            gms::Request::PutCached(p) => p.len(),
+            gms::Request::GetCached { uids, .. } => uids.len(),
+            gms::Request::GcdUpdate { remove, .. } => remove.len(),
+            gms::Request::Epoch(_) => 0,
+        };
+        self.out.clear();
+        let outcome = handle_gms(&mut self.store, h, id, decoded, self.now, 0, &mut self.out);
+        if matches!(outcome, GmsOutcome::Replied) {
+            let len = frame_len(&self.out).expect("a frame within the limits");
+            assert_eq!(len, Some(self.out.len()));
+            match gms::decode_reply(&self.out) {
+                Ok((rid, reply)) => {
+                    assert_eq!(rid, id);
+                    let items = match reply {
+                        gms::Reply::PutCached { status, .. } => status.len(),
+                        gms::Reply::GetCached { pages, .. } => {
+                            assert!(pages.iter().flatten().all(|p| p.verify()));
+                            pages.len()
+                        }
+                        gms::Reply::GcdUpdate { elsewhere, .. } => elsewhere.len(),
+                    };
+                    assert_eq!(items, asked);
+                }
+                // An expired session is answered with the owned-page protocol's error.
+                Err(_) => assert!(decode_reply(&self.out).is_ok()),
+            }
+        }
+        self.frame = frame;
+        self.store.check_invariants();
     }
 
     fn raw(&mut self, s: u8, frame: &[u8]) {
@@ -635,6 +704,58 @@ fuzz_target!(|input: Input| {
                 }
                 assert!(back.iter().all(|&f| u64::from(f) >= offered));
                 h.store.check_invariants();
+            }
+            Op::Cached {
+                s,
+                first,
+                n,
+                age,
+                damaged,
+            } => {
+                let n = usize::from(n % MAX_BATCH as u8) + 1;
+                let datas: Vec<Vec<u8>> = (0..n)
+                    .map(|i| contents(PageKey::new(9, u64::from(first) + i as u64)))
+                    .collect();
+                let pages = (0..n)
+                    .map(|i| {
+                        let p = gms::CachedPage::seal(
+                            u128::from(first) + i as u128,
+                            u32::from(age) * 10,
+                            &datas[i],
+                        );
+                        if (damaged >> (i % 8)) & 1 == 1 {
+                            gms::CachedPage { crc: !p.crc, ..p }
+                        } else {
+                            p
+                        }
+                    })
+                    .collect();
+                h.gms(s, &gms::Request::PutCached(pages));
+            }
+            Op::Fetch { s, first, n, take } => {
+                let n = u128::from(n % MAX_BATCH as u8) + 1;
+                let uids = (0..n).map(|i| u128::from(first) + i).collect();
+                h.gms(s, &gms::Request::GetCached { take, uids });
+            }
+            Op::Shared {
+                s,
+                reset,
+                first,
+                n,
+                gone,
+                m,
+            } => {
+                let list = |from: u16, n: u8| -> Vec<u128> {
+                    (0..u128::from(n % (MAX_BATCH as u8 + 1)))
+                        .map(|i| u128::from(from % 512) + i)
+                        .collect()
+                };
+                let req = gms::Request::GcdUpdate {
+                    reset,
+                    add: list(first, n),
+                    remove: list(gone, m),
+                };
+                h.gms(s, &req);
             }
             Op::Raw { s, ref frame } => h.raw(s, frame),
         }

@@ -10,9 +10,20 @@
 //!   3 STALE           epoch:u64
 //! PUT_CACHED  = n:u32 (uid:u128 age_ms:u32 crc:u32 flags:u16 0:u16 data)*n
 //! GET_CACHED  = take:u8 n:u32 uid:u128*n
+//! GCD_UPDATE  = reset:u8 n:u32 add:u128*n m:u32 remove:u128*m
 //! replies     = load | PUT_CACHED: n:u32 status:u8*n
 //!                    | GET_CACHED: n:u32 (found:u8 [page])*n
+//!                    | GCD_UPDATE: taken:u32 held:u32 m:u32 elsewhere:u8*m
 //! ```
+//!
+//! GCD_UPDATE tells the node that keeps a page's entry in the global-cache directory (its
+//! home, `netram_policy::gms::directory::Pod`) which shared pages the sender now holds in its
+//! own memory and which it gave up (§4.4); the reply says, for each page given up, whether
+//! another node still holds it (a duplicate: the sender drops it instead of forwarding it,
+//! §4.5). `reset` first forgets everything the sender registered there (it re-registers after
+//! a membership change or a lost count). The home takes the additions in order until the
+//! sender's bound (`taken` of them) and says how many entries it now holds for the sender
+//! (`held`), so that a sender whose count differs knows its entries there were lost.
 //!
 //! The sender of an epoch message is the node its packet's signature names, never a field of
 //! the message: a plan names its initiator only so that the receiver can check it against the
@@ -197,6 +208,13 @@ pub enum Request<'a> {
         take: bool,
         uids: Vec<u128>,
     },
+    /// The sender's shared pages: `add` now in its memory, `remove` no longer; `reset` first
+    /// forgets all it registered here. Additions are applied before removals.
+    GcdUpdate {
+        reset: bool,
+        add: Vec<u128>,
+        remove: Vec<u128>,
+    },
 }
 
 /// A GMS reply.
@@ -211,12 +229,38 @@ pub enum Reply<'a> {
         load: Load,
         pages: Vec<Option<CachedPage<'a>>>,
     },
+    /// `taken`: the first so many additions were recorded (the rest were beyond the sender's
+    /// bound); `held`: the entries now held for the sender; `elsewhere`: per removal, whether
+    /// another node still holds that page.
+    GcdUpdate {
+        load: Load,
+        taken: u32,
+        held: u32,
+        elsewhere: Vec<bool>,
+    },
 }
 
 fn u128(r: &mut Reader<'_>) -> Result<u128, DecodeError> {
     let lo = r.u64()?;
     let hi = r.u64()?;
     Ok(u128::from(lo) | (u128::from(hi) << 64))
+}
+
+/// A byte that is 0 or 1 (one encoding per value).
+fn flag(r: &mut Reader<'_>, field: &'static str) -> Result<bool, DecodeError> {
+    match r.u8()? {
+        0 => Ok(false),
+        1 => Ok(true),
+        v => Err(bad(field, v.into())),
+    }
+}
+
+fn uid_list(w: &mut FrameBuilder<'_>, uids: &[u128]) {
+    assert!(uids.len() <= crate::MAX_BATCH, "at most MAX_BATCH uids");
+    w.u32(uids.len() as u32);
+    for &u in uids {
+        w.u64(u as u64).u64((u >> 64) as u64);
+    }
 }
 
 fn bad(field: &'static str, value: u64) -> DecodeError {
@@ -325,16 +369,20 @@ pub fn decode_request(frame: &[u8]) -> Result<(u64, Request<'_>), DecodeError> {
             )
         }
         k if k == Kind::GetCached as u8 => {
-            let take = match r.u8()? {
-                0 => false,
-                1 => true,
-                v => return Err(bad("take", v.into())),
-            };
+            let take = flag(&mut r, "take")?;
             let n = r.count(16)?;
             Request::GetCached {
                 take,
                 uids: (0..n).map(|_| u128(&mut r)).collect::<Result<_, _>>()?,
             }
+        }
+        k if k == Kind::GcdUpdate as u8 => {
+            let reset = flag(&mut r, "reset")?;
+            let n = r.count(16)?;
+            let add = (0..n).map(|_| u128(&mut r)).collect::<Result<_, _>>()?;
+            let m = r.count(16)?;
+            let remove = (0..m).map(|_| u128(&mut r)).collect::<Result<_, _>>()?;
+            Request::GcdUpdate { reset, add, remove }
         }
         k => return Err(DecodeError::UnknownKind(k)),
     };
@@ -348,6 +396,7 @@ impl Request<'_> {
             Request::Epoch(_) => Kind::GmsEpoch,
             Request::PutCached(_) => Kind::PutCached,
             Request::GetCached { .. } => Kind::GetCached,
+            Request::GcdUpdate { .. } => Kind::GcdUpdate,
         }
     }
 
@@ -376,10 +425,13 @@ impl Request<'_> {
                 pages.iter().for_each(|p| p.encode(&mut w));
             }
             Request::GetCached { take, uids } => {
-                w.u8(u8::from(*take)).u32(uids.len() as u32);
-                for &u in uids {
-                    w.u64(u as u64).u64((u >> 64) as u64);
-                }
+                w.u8(u8::from(*take));
+                uid_list(&mut w, uids);
+            }
+            Request::GcdUpdate { reset, add, remove } => {
+                w.u8(u8::from(*reset));
+                uid_list(&mut w, add);
+                uid_list(&mut w, remove);
             }
         }
         w.finish();
@@ -409,6 +461,20 @@ pub fn decode_reply(frame: &[u8]) -> Result<(u64, Reply<'_>), DecodeError> {
                 .collect::<Result<_, _>>()?;
             Reply::GetCached { load, pages }
         }
+        k if k == Kind::GcdUpdateReply as u8 => {
+            let taken = r.u32()?;
+            let held = r.u32()?;
+            let n = r.count(1)?;
+            let elsewhere = (0..n)
+                .map(|_| flag(&mut r, "elsewhere"))
+                .collect::<Result<_, _>>()?;
+            Reply::GcdUpdate {
+                load,
+                taken,
+                held,
+                elsewhere,
+            }
+        }
         k => return Err(DecodeError::UnknownKind(k)),
     };
     r.finish()?;
@@ -420,6 +486,7 @@ impl Reply<'_> {
         match self {
             Reply::PutCached { .. } => Kind::PutCachedReply,
             Reply::GetCached { .. } => Kind::GetCachedReply,
+            Reply::GcdUpdate { .. } => Kind::GcdUpdateReply,
         }
     }
 
@@ -445,6 +512,16 @@ impl Reply<'_> {
                         }
                     }
                 }
+            }
+            Reply::GcdUpdate {
+                load,
+                taken,
+                held,
+                elsewhere,
+            } => {
+                load.encode(&mut w);
+                w.u32(*taken).u32(*held);
+                status_bytes(&mut w, elsewhere.iter().map(|&e| u8::from(e)));
             }
         }
         w.finish();

@@ -53,6 +53,8 @@ pub enum Kind {
     GmsEpoch = 0x0e,
     PutCached = 0x0f,
     GetCached = 0x10,
+    /// GMS's global-cache directory (`crate::gms`): which nodes hold a shared page.
+    GcdUpdate = 0x11,
     PutReply = 0x81,
     GetReply = 0x82,
     DeleteReply = 0x83,
@@ -63,6 +65,7 @@ pub enum Kind {
     MoveReply = 0x8c,
     PutCachedReply = 0x8f,
     GetCachedReply = 0x90,
+    GcdUpdateReply = 0x91,
     Error = 0xff,
 }
 

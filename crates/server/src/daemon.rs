@@ -1539,6 +1539,9 @@ fn handle_frames(
                 let cost = match &req {
                     netram_proto::gms::Request::PutCached(p) => p.len().max(1) as u32,
                     netram_proto::gms::Request::GetCached { uids, .. } => uids.len().max(1) as u32,
+                    netram_proto::gms::Request::GcdUpdate { add, remove, .. } => {
+                        (add.len() + remove.len()).max(1) as u32
+                    }
                     netram_proto::gms::Request::Epoch(_) => 1,
                 };
                 match serve::handle_gms(&mut store, h, id, req, now, rps, out) {

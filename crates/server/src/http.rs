@@ -57,6 +57,7 @@ const GAUGES: &[&str] = &[
     "other_members_alive",
     "clean_pages",
     "owned_clean_pages",
+    "gcd_entries",
     "gms_epoch",
 ];
 

@@ -36,11 +36,13 @@ mod adopt;
 mod clean;
 mod parity;
 pub mod serve;
+mod shared;
 
 pub use adopt::{EXPECT_TTL_MS, MAX_EXPECTED, MAX_EXPECTED_PER_PEER, MAX_EXPECTED_PER_SESSION};
 
 pub use clean::CleanPage;
 pub use parity::{ParityTag, PARITY_REGION};
+pub use shared::{GcdOutcome, MAX_ENTRIES as GCD_MAX_ENTRIES, MAX_PER_PEER as GCD_MAX_PER_PEER};
 
 use hashbrown::HashTable;
 use netram_proto::{Load, NodeId, Page, PageFlags, PageKey, PutStatus, PAGE_SIZE};
@@ -379,6 +381,17 @@ counters! {
     clean_owned_stored,
     clean_owned_dropped,
     clean_owned_dropped_for_offer,
+    /// The global-cache directory's part held here (`shared.rs`): shared pages registered,
+    /// registrations refused beyond their peer's bound, pages given up, and given up while
+    /// another node held them (duplicates: their sender drops them).
+    gcd_adds,
+    gcd_adds_refused,
+    gcd_removes,
+    gcd_duplicates,
+    /// Peers that asked to start over, and entries forgotten (by those, or with a peer's last
+    /// session).
+    gcd_resets,
+    gcd_forgotten,
 }
 
 /// The page store. `A` is the arena: the daemon passes an mmap, tests a `Vec<u8>`.
@@ -411,6 +424,8 @@ pub struct Store<A> {
     clean: clean::CleanPages,
     /// Owners' pages they also keep on disk, oldest first (`clean.rs`).
     owned_clean: clean::OwnedClean,
+    /// This daemon's part of the global-cache directory (`shared.rs`).
+    shared: shared::SharedDir,
 }
 
 impl<A> std::fmt::Debug for Store<A> {
@@ -461,6 +476,7 @@ impl<A: AsRef<[u8]> + AsMut<[u8]>> Store<A> {
             load_last: 0,
             clean: clean::CleanPages::default(),
             owned_clean: clean::OwnedClean::default(),
+            shared: Default::default(),
         }
     }
 
@@ -648,6 +664,7 @@ impl<A: AsRef<[u8]> + AsMut<[u8]>> Store<A> {
         self.meta.capacity() * std::mem::size_of::<FrameMeta>()
             + self.index.allocation_size()
             + self.owned_clean_bytes()
+            + self.shared.bytes()
     }
 
     /// Counts one request for the load the server piggy-backs on replies (Anemone §2.4);
@@ -1029,6 +1046,7 @@ impl<A: AsRef<[u8]> + AsMut<[u8]>> Store<A> {
         }
         debug_assert_eq!(pages, 0, "a session's page count disagrees with its frames");
         self.parity.end_sessions(slots);
+        let mut gone = Vec::new();
         for &s in slots {
             let session = &mut self.sessions[s as usize];
             let use_ = self.peers.entry(session.peer).or_default();
@@ -1037,11 +1055,15 @@ impl<A: AsRef<[u8]> + AsMut<[u8]>> Store<A> {
             if use_.sessions == 0 {
                 debug_assert_eq!(use_.pages, 0);
                 self.peers.remove(&session.peer);
+                gone.push(session.peer);
             }
             debug_assert!(session.beyond.is_empty());
             session.live = false;
             session.pages = 0;
             self.free_slots.push(s);
+        }
+        for peer in gone {
+            self.gcd_forget_peer(&peer);
         }
     }
 
@@ -1213,6 +1235,9 @@ impl<A: AsRef<[u8]> + AsMut<[u8]>> Store<A> {
     /// What is wrong with the store's accounting, if anything (for checkers that report rather
     /// than panic, like the simulator's).
     pub fn invariant_violation(&self) -> Option<String> {
+        if let Some(why) = self.shared.violation() {
+            return Some(why);
+        }
         let used = self.meta.iter().filter(|m| m.owner != FREE).count() as u64;
         let beyond = self.meta[self.offered as usize..]
             .iter()

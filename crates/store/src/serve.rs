@@ -219,6 +219,23 @@ pub fn handle_gms<A: AsRef<[u8]> + AsMut<[u8]>>(
             .encode(id, out);
             GmsOutcome::Replied
         }
+        GmsRequest::GcdUpdate { reset, add, remove } => {
+            let o = match store.gcd_update(h, reset, &add, &remove, now_ms) {
+                Ok(o) => o,
+                Err(_) => {
+                    expired_reply(store, id, rps, out);
+                    return GmsOutcome::Replied;
+                }
+            };
+            GmsReply::GcdUpdate {
+                load: store.load(h, rps),
+                taken: o.taken,
+                held: o.held,
+                elsewhere: o.elsewhere,
+            }
+            .encode(id, out);
+            GmsOutcome::Replied
+        }
     }
 }
 
@@ -857,6 +874,7 @@ pub fn store_stats<A: AsRef<[u8]> + AsMut<[u8]>>(store: &Store<A>) -> Vec<(&'sta
         ("expected_pages", store.expected_pages() as u64),
         ("clean_pages", store.clean_pages()),
         ("owned_clean_pages", store.owned_clean_pages()),
+        ("gcd_entries", store.gcd_entries() as u64),
     ];
     out.extend(store.counters().iter());
     out

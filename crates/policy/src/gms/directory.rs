@@ -119,23 +119,34 @@ impl Gcd {
         self.entries.iter()
     }
 
-    /// `node` now holds `uid` as `kind` (replacing what it held it as).
-    pub fn add(&mut self, uid: Uid, node: NodeId, kind: Kind) {
+    /// `node` now holds `uid` as `kind` (replacing what it held it as); `true` if it did not
+    /// hold it before.
+    pub fn add(&mut self, uid: Uid, node: NodeId, kind: Kind) -> bool {
         let e = self.entries.entry(uid).or_default();
         match e.iter_mut().find(|(n, _)| *n == node) {
-            Some(slot) => slot.1 = kind,
-            None => e.push((node, kind)),
+            Some(slot) => {
+                slot.1 = kind;
+                false
+            }
+            None => {
+                e.push((node, kind));
+                true
+            }
         }
     }
 
-    /// `node` no longer holds `uid`.
-    pub fn remove(&mut self, uid: &Uid, node: NodeId) {
-        if let Some(e) = self.entries.get_mut(uid) {
-            e.retain(|&(n, _)| n != node);
-            if e.is_empty() {
-                self.entries.remove(uid);
-            }
+    /// `node` no longer holds `uid`; `true` if it held it.
+    pub fn remove(&mut self, uid: &Uid, node: NodeId) -> bool {
+        let Some(e) = self.entries.get_mut(uid) else {
+            return false;
+        };
+        let before = e.len();
+        e.retain(|&(n, _)| n != node);
+        let held = e.len() < before;
+        if e.is_empty() {
+            self.entries.remove(uid);
         }
+        held
     }
 
     /// Forgets a node that left: its pages are gone with it (they were clean).

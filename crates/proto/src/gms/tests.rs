@@ -100,10 +100,30 @@ proptest! {
         prop_assert_eq!(decode_reply(&buf).unwrap(), (10, status));
     }
 
+    #[test]
+    fn directory_updates_round_trip(
+        reset in any::<bool>(),
+        add in proptest::collection::vec(any::<u128>(), 0..=crate::MAX_BATCH),
+        remove in proptest::collection::vec(any::<u128>(), 0..=crate::MAX_BATCH),
+        taken in any::<u32>(),
+        held in any::<u32>(),
+    ) {
+        let elsewhere: Vec<bool> = remove.iter().map(|u| u % 3 == 0).collect();
+        let req = Request::GcdUpdate { reset, add, remove };
+        let mut buf = Vec::new();
+        req.encode(11, &mut buf);
+        prop_assert_eq!(decode_request(&buf).unwrap(), (11, req));
+        let load = Load { free_pages: 1, requests_per_s: 2, leaving: 0 };
+        let reply = Reply::GcdUpdate { load, taken, held, elsewhere };
+        let mut buf = Vec::new();
+        reply.encode(12, &mut buf);
+        prop_assert_eq!(decode_reply(&buf).unwrap(), (12, reply));
+    }
+
     /// Whatever bytes arrive: a value or an error, never a panic; a request accepted
     /// re-encodes to exactly the bytes received.
     #[test]
-    fn any_bytes_decode_or_are_refused(body in proptest::collection::vec(any::<u8>(), 0..300), kind in 0x0eu8..0x11) {
+    fn any_bytes_decode_or_are_refused(body in proptest::collection::vec(any::<u8>(), 0..300), kind in 0x0eu8..0x12) {
         let mut buf = Vec::new();
         let mut w = FrameBuilder::begin(&mut buf, kind, 1);
         w.bytes(&body);
@@ -181,6 +201,20 @@ fn lying_counts_orders_and_values_are_refused() {
     // An unknown epoch tag, a `take` that is not 0 or 1, unknown page flags.
     assert!(decode_request(&frame(Kind::GmsEpoch, &[9])).is_err());
     assert!(decode_request(&frame(Kind::GetCached, &[2, 0, 0, 0, 0])).is_err());
+    // A directory update whose reset is not 0 or 1, or that announces more uids than the
+    // limit or than it carries.
+    assert!(decode_request(&frame(Kind::GcdUpdate, &[2, 0, 0, 0, 0, 0, 0, 0, 0])).is_err());
+    let mut many = vec![0u8];
+    many.extend_from_slice(&(crate::MAX_BATCH as u32 + 1).to_le_bytes());
+    many.extend(std::iter::repeat_n(0u8, 16 * (crate::MAX_BATCH + 1) + 4));
+    assert!(matches!(
+        decode_request(&frame(Kind::GcdUpdate, &many)),
+        Err(DecodeError::BatchTooLarge { .. })
+    ));
+    let mut short = vec![0u8];
+    short.extend_from_slice(&3u32.to_le_bytes());
+    short.extend_from_slice(&[0; 32]);
+    assert!(decode_request(&frame(Kind::GcdUpdate, &short)).is_err());
     let mut flags = 1u32.to_le_bytes().to_vec();
     flags.extend_from_slice(&[0; 24]);
     flags.extend_from_slice(&0x8000u16.to_le_bytes());
