@@ -34,6 +34,10 @@ use netram_proto::gms::{cached_checksum, CachedStatus};
 use netram_proto::{PageFlags, PAGE_SIZE};
 use std::collections::{BTreeSet, HashMap, VecDeque};
 
+/// How many of the oldest clean pages are looked through for one of a sender's own, when it
+/// sends at its quota.
+const OWN_SCAN: usize = 256;
+
 /// The session slot that marks a frame holding a clean page.
 pub(crate) const CLEAN: u32 = SLOT_MASK;
 
@@ -73,6 +77,17 @@ impl CleanPages {
         self.by_frame.insert(m.frame, uid);
         *self.per_peer.entry(m.peer).or_default() += 1;
         self.pages.insert(uid, m);
+    }
+
+    /// The oldest clean page `peer` sent, among the `scan` oldest held (`None` if none of
+    /// those is its): bounded work, and a sender at its quota is nearly always among the
+    /// oldest.
+    fn oldest_of(&self, peer: &Peer, scan: usize) -> Option<(u64, u128)> {
+        self.by_age
+            .iter()
+            .take(scan)
+            .find(|(_, uid)| self.pages.get(uid).is_some_and(|m| m.peer == *peer))
+            .copied()
     }
 
     fn remove(&mut self, uid: u128) -> Option<CleanMeta> {
@@ -331,18 +346,33 @@ impl<A: AsRef<[u8]> + AsMut<[u8]>> Store<A> {
         }
         let peer = self.sessions[h.slot as usize].peer;
         let held = self.clean.per_peer.get(&peer).copied().unwrap_or(0);
-        if held >= self.cfg.max_peer_pages {
-            self.counters.clean_refused_quota += 1;
-            return Ok(CachedStatus::Refused);
-        }
         let last_ms = now_ms.saturating_sub(u64::from(age_ms));
-        let (frame, status) = if self.room() > 0 {
+        let incoming = u64::from(age_ms).saturating_mul(AGE_BOOST);
+        let (frame, status) = if held >= self.cfg.max_peer_pages {
+            // At its quota a sender's page may still take the frame of one of its own that is
+            // at least as old (GMS's receiving rule within the sender's share: its oldest page
+            // here goes), so a client that holds its share keeps its newest pages, not its
+            // first ones.
+            match self.clean.oldest_of(&peer, OWN_SCAN) {
+                Some((victim_ms, victim))
+                    if now_ms.saturating_sub(victim_ms).saturating_mul(AGE_BOOST) >= incoming
+                        && self.used_beyond == 0 =>
+                {
+                    self.drop_victim(Victim::Cached(victim), false);
+                    let f = self.take_free_frame().expect("a frame just freed");
+                    (f, CachedStatus::Replaced)
+                }
+                _ => {
+                    self.counters.clean_refused_quota += 1;
+                    return Ok(CachedStatus::Refused);
+                }
+            }
+        } else if self.room() > 0 {
             let f = self.take_free_frame().expect("room means a free frame");
             self.counters.clean_stored += 1;
             (f, CachedStatus::Taken)
         } else {
             // GMS's receiving rule: only in place of a page at least as old, of either kind.
-            let incoming = u64::from(age_ms).saturating_mul(AGE_BOOST);
             match self.oldest_droppable() {
                 Some((last_ms, victim))
                     if now_ms.saturating_sub(last_ms).saturating_mul(AGE_BOOST) >= incoming

@@ -157,12 +157,16 @@ fn damaged_mislabelled_and_over_quota_pages_are_refused_and_counted() {
         s.get_clean(a, 3, false, 0).unwrap().unwrap().data,
         Vec::<u8>::new()
     );
-    // The quota of two frames: the third page from the same client is refused, another
-    // client's is taken.
-    assert_eq!(put_clean(&mut s, a, 4, 0, 0), CachedStatus::Taken);
-    assert_eq!(put_clean(&mut s, a, 5, 0, 0), CachedStatus::Refused);
+    // The quota of two frames: a third page from the same client takes the frame of its own
+    // oldest page if that one is at least as old (its newest pages stay), and is refused
+    // otherwise; another client's is taken.
+    assert_eq!(put_clean(&mut s, a, 4, 0, 10), CachedStatus::Taken);
+    assert_eq!(put_clean(&mut s, a, 5, 1_000, 10), CachedStatus::Refused);
+    assert_eq!(put_clean(&mut s, a, 6, 0, 10), CachedStatus::Replaced);
+    assert!(s.get_clean(a, 3, false, 10).unwrap().is_none());
+    assert!(s.get_clean(a, 4, false, 10).unwrap().is_some());
     let b = s.open_session_from(Peer::Node(2), 2, 1, 1, 0).unwrap();
-    assert_eq!(put_clean(&mut s, b, 5, 0, 0), CachedStatus::Taken);
+    assert_eq!(put_clean(&mut s, b, 5, 0, 10), CachedStatus::Taken);
     let c = s.counters();
     assert_eq!((c.clean_refused_corrupt, c.clean_refused_quota), (2, 1));
     s.check_invariants();
