@@ -17,11 +17,21 @@
 //! key drawn at start that never leaves the process: a member cannot make another page match
 //! it. A page that does not match is counted and read from the source.
 //!
+//! - **shared pages** (a source named the same on several machines, `--source-name`): the
+//!   pages that come into this machine's memory are registered at their homes in the
+//!   global-cache directory, and a page leaving is first asked about there
+//!   ([`crate::shared::Registry`], one GCD_UPDATE per home and batch): if another machine
+//!   holds it in its own memory it is a duplicate, and goes first (see [`Cluster::evicted`]),
+//!   so the cluster's idle memory goes to pages nobody else has when it is short.
+//!
 //! Advice never outweighs the data: the plan only says where pages go, so a wrong or lying
-//! plan costs speed (pages dropped, or sent where they are refused), never correctness.
+//! plan costs speed (pages dropped, or sent where they are refused), never correctness; so
+//! does the directory (it says who holds a page, and nobody reads a page because of it).
 
+use crate::shared::{Answer, Registry, Update};
 use netram_member::PlanView;
 use netram_net::{Call, CallError, Patience, Security};
+use netram_policy::gms::directory::Pod;
 use netram_policy::gms::epoch::{DropReason, Evict, Plan};
 use netram_policy::gms::Uid;
 use netram_proto::gms::{self as wire, CachedPage, CachedStatus};
@@ -42,6 +52,12 @@ const REFRESH: Duration = Duration::from_secs(1);
 const OUTBOX_MAX: usize = 1024;
 /// Pages sent in one PUT_CACHED.
 const BATCH: usize = 64;
+/// Pages come into memory remembered for the next directory update at most (beyond, they go
+/// unregistered: other machines then forward their copies instead of dropping them).
+const FRESH_MAX: usize = 1 << 16;
+/// Pages come into memory that make a directory update on their own (a full GCD_UPDATE to
+/// each of a few homes).
+const FRESH_TELL: usize = 512;
 const PATIENCE: Patience = Patience {
     connect: Duration::from_millis(500),
     reply: Duration::from_secs(2),
@@ -71,6 +87,9 @@ pub struct ClusterConfig {
     pub node: u64,
     /// Pages sent whose whereabouts are remembered at most (the directory's bound).
     pub max_remembered: usize,
+    /// The source is named (`--source-name`): its pages' uids are the same on the other
+    /// machines that mirror it, and the global-cache directory tracks who holds them.
+    pub shared: bool,
 }
 
 /// What the cluster did for this machine, one counter per outcome.
@@ -100,6 +119,21 @@ pub struct ClusterCounters {
     pub forgotten: AtomicU64,
     /// Times the plan or the members could not be read from the daemon.
     pub plan_errors: AtomicU64,
+    /// Evicted pages another machine held in its memory (shared pages, §4.5); sent as the
+    /// oldest, of those: dropped by the plan (no room to spare), and taken by a member
+    /// (counted in `forwarded` too; the others a member refused, in `forward_refused`).
+    pub duplicates: AtomicU64,
+    pub dropped_duplicate: AtomicU64,
+    pub forwarded_duplicate: AtomicU64,
+    /// GCD_UPDATEs sent to the pages' homes, and those that failed (unanswered).
+    pub gcd_updates: AtomicU64,
+    pub gcd_failed: AtomicU64,
+    /// This machine's pages registered in the directory now; registrations a home refused
+    /// (this machine's share there used up); homes started over (they lost the entries, could
+    /// not be reached, or the members changed).
+    pub gcd_registered: AtomicU64,
+    pub gcd_refused: AtomicU64,
+    pub gcd_resyncs: AtomicU64,
     /// The epoch of the plan in use.
     pub epoch: AtomicU64,
 }
@@ -120,10 +154,27 @@ impl ClusterCounters {
             ("outbox_hits", g(&self.outbox_hits)),
             ("forgotten", g(&self.forgotten)),
             ("plan_errors", g(&self.plan_errors)),
+            ("duplicates", g(&self.duplicates)),
+            ("dropped_duplicate", g(&self.dropped_duplicate)),
+            ("forwarded_duplicate", g(&self.forwarded_duplicate)),
+            ("gcd_updates", g(&self.gcd_updates)),
+            ("gcd_failed", g(&self.gcd_failed)),
+            ("gcd_registered", g(&self.gcd_registered)),
+            ("gcd_refused", g(&self.gcd_refused)),
+            ("gcd_resyncs", g(&self.gcd_resyncs)),
             ("epoch", g(&self.epoch)),
         ]
     }
 }
+
+/// A home's answer to a directory update, and per page leaving whether another machine
+/// holds it.
+type Answered = (Answer, Vec<bool>);
+
+/// The age a page leaving is sent with when another machine holds it in its own memory (a
+/// duplicate): older than any page can be, so that it is the first to go everywhere (see
+/// [`Cluster::evicted`]).
+const DUPLICATE_AGE_MS: u64 = u32::MAX as u64;
 
 /// A page leaving: its uid, its age (ms since last read), its contents.
 type Leaving = (Uid, u64, Box<[u8]>);
@@ -143,6 +194,9 @@ type Directory = lru::LruCache<Uid, Sent>;
 struct Outbox {
     pages: HashMap<Uid, (u64, Box<[u8]>)>,
     order: VecDeque<Uid>,
+    /// Pages that came into memory since the last directory update (shared sources only):
+    /// taken with the pages leaving, so that the two are told in the order they happened.
+    fresh: Vec<Uid>,
 }
 
 /// The plan in use and the members' addresses.
@@ -161,6 +215,8 @@ pub struct Cluster {
     mac_key: std::collections::hash_map::RandomState,
     directory: Mutex<Directory>,
     outbox: Mutex<Outbox>,
+    /// What the global-cache directory knows of this machine's pages (shared sources only).
+    registry: Mutex<Registry>,
     /// Signalled when the outbox gains a page (the sender) or loses some (waiting readers).
     outbox_changed: Condvar,
     view: Mutex<View>,
@@ -206,6 +262,7 @@ impl Cluster {
             mac_key: Default::default(),
             directory: Mutex::new(lru::LruCache::new(max)),
             outbox: Mutex::new(Outbox::default()),
+            registry: Mutex::new(Registry::default()),
             outbox_changed: Condvar::new(),
             view: Mutex::new(View {
                 plan: Plan::empty(0, 0, 0),
@@ -262,7 +319,17 @@ impl Cluster {
     }
 
     /// A page leaves this machine's budget, `age_ms` after its last read.
+    ///
+    /// **Duplicates go first.** A page of a shared source that another machine holds in its
+    /// own memory (the directory says so when it leaves) is sent as older than any other
+    /// page: the plan drops it whenever the cluster has no room to spare (its age is above
+    /// any MinAge), and a daemon gives it a free frame only, and gives that frame up before
+    /// any other page's. GMS drops such a page outright (§4.5) because any node can copy it
+    /// from the holder's memory (fault case 4); this machine cannot (it has no way to tell
+    /// another machine's copy from a forgery, see ARCHITECTURE.md), so a duplicate is as
+    /// useful to it as any page while there is room, and is the first to go when there is not.
     pub fn evicted(&self, uid: Uid, age_ms: u64, page: Box<[u8]>) {
+        let age_ms = age_ms.min(DUPLICATE_AGE_MS - 1);
         let mut o = lock(&self.outbox);
         while o.pages.len() >= OUTBOX_MAX && !self.stop.load(Ordering::Relaxed) {
             o = self
@@ -275,6 +342,17 @@ impl Cluster {
         }
         drop(o);
         self.outbox_changed.notify_all();
+    }
+
+    /// Pages that came into this machine's memory (read from the source or the cluster), to
+    /// register at their homes with the next directory update.
+    pub fn resident(&self, uids: &[Uid]) {
+        if !self.cfg.shared || uids.is_empty() {
+            return;
+        }
+        let mut o = lock(&self.outbox);
+        let room = FRESH_MAX.saturating_sub(o.fresh.len());
+        o.fresh.extend(uids.iter().take(room).copied());
     }
 
     /// The pages `uids`, from the outbox or from the members they were sent to (one request
@@ -394,8 +472,9 @@ impl Cluster {
 
     fn sender_loop(&self) {
         let mut rng = fastrand::Rng::new();
+        let mut told = Instant::now();
         loop {
-            let batch: Vec<Leaving> = {
+            let (mut batch, fresh, tell) = {
                 let mut o = lock(&self.outbox);
                 while o.order.is_empty() && !self.stop.load(Ordering::SeqCst) {
                     o = self
@@ -419,7 +498,17 @@ impl Cluster {
                         batch.push((uid, age, page));
                     }
                 }
-                batch
+                // Pages that came are told with pages leaving, or once enough of them are
+                // waiting, or a second after the last update: not one message per read.
+                let tell =
+                    !batch.is_empty() || o.fresh.len() >= FRESH_TELL || told.elapsed() >= REFRESH;
+                let fresh = if tell {
+                    told = Instant::now();
+                    std::mem::take(&mut o.fresh)
+                } else {
+                    Vec::new()
+                };
+                (batch, fresh, tell)
             };
             self.outbox_changed.notify_all();
             let stale = lock(&self.view)
@@ -432,10 +521,100 @@ impl Cluster {
                     lock(&self.view).read_at = Some(Instant::now());
                 }
             }
+            if self.cfg.shared && tell {
+                let duplicates = self.ask_directory(&fresh, &batch);
+                for (uid, age, _) in &mut batch {
+                    if duplicates.contains(uid) {
+                        *age = DUPLICATE_AGE_MS;
+                    }
+                }
+                self.counters
+                    .duplicates
+                    .fetch_add(duplicates.len() as u64, Ordering::Relaxed);
+            }
             if !batch.is_empty() {
                 self.send(batch, &mut rng);
             }
         }
+    }
+
+    /// Tells the pages' homes which pages came (`fresh`) and which leave (`batch`), one
+    /// GCD_UPDATE per home at a time and the homes in parallel; returns the leaving pages
+    /// another machine holds (duplicates).
+    fn ask_directory(&self, fresh: &[Uid], batch: &[Leaving]) -> std::collections::HashSet<Uid> {
+        let pod = Pod::new(lock(&self.view).addrs.keys().copied());
+        let leaving: Vec<Uid> = batch.iter().map(|(u, _, _)| *u).collect();
+        let plan = lock(&self.registry).plan(&pod, fresh, &leaving);
+        let mut by_home: HashMap<u64, Vec<Update>> = HashMap::new();
+        for u in plan {
+            by_home.entry(u.home).or_default().push(u);
+        }
+        let ask = |updates: &[Update]| -> Vec<Answered> {
+            let mut out = Vec::new();
+            for u in updates {
+                let req = wire::Request::GcdUpdate {
+                    reset: u.reset,
+                    add: u.add.iter().map(|x| x.0).collect(),
+                    remove: u.remove.iter().map(|x| x.0).collect(),
+                };
+                let n = u.remove.len();
+                self.counters.gcd_updates.fetch_add(1, Ordering::Relaxed);
+                let r = self.round_trip(u.home, &req, |reply| match reply {
+                    wire::Reply::GcdUpdate {
+                        taken,
+                        held,
+                        elsewhere,
+                        ..
+                    } if elsewhere.len() == n => Some((Answer { taken, held }, elsewhere)),
+                    _ => None,
+                });
+                match r {
+                    Ok(a) => out.push(a),
+                    Err(e) => {
+                        tracing::debug!(home = u.home, "cannot update the directory: {e}");
+                        self.counters.gcd_failed.fetch_add(1, Ordering::Relaxed);
+                        // The rest to this home would fail alike; they are booked as unasked.
+                        break;
+                    }
+                }
+            }
+            out
+        };
+        let answers: Vec<(&Vec<Update>, Vec<Answered>)> = if by_home.len() <= 1 {
+            by_home.values().map(|u| (u, ask(u))).collect()
+        } else {
+            std::thread::scope(|s| {
+                let asks: Vec<_> = by_home
+                    .values()
+                    .map(|u| (u, s.spawn(move || ask(u))))
+                    .collect();
+                asks.into_iter()
+                    .map(|(u, h)| (u, h.join().unwrap_or_default()))
+                    .collect()
+            })
+        };
+        let mut duplicates = std::collections::HashSet::new();
+        let mut reg = lock(&self.registry);
+        for (updates, got) in answers {
+            for (i, u) in updates.iter().enumerate() {
+                let answer = got.get(i);
+                reg.answered(u, answer.map(|a| a.0));
+                if let Some((_, elsewhere)) = answer {
+                    duplicates.extend(
+                        u.remove
+                            .iter()
+                            .zip(elsewhere)
+                            .filter(|(_, &e)| e)
+                            .map(|(x, _)| *x),
+                    );
+                }
+            }
+        }
+        let c = &self.counters;
+        c.gcd_registered.store(reg.len() as u64, Ordering::Relaxed);
+        c.gcd_refused.store(reg.refused, Ordering::Relaxed);
+        c.gcd_resyncs.store(reg.resyncs, Ordering::Relaxed);
+        duplicates
     }
 
     /// Sends each page where the plan says, or drops it. Pages whose member cannot be reached
@@ -506,6 +685,11 @@ impl Cluster {
             };
             match rule {
                 Evict::Forward(n) => to.entry(n).or_default().push((uid, age, page)),
+                Evict::Drop(_) if age == DUPLICATE_AGE_MS => {
+                    self.counters
+                        .dropped_duplicate
+                        .fetch_add(1, Ordering::Relaxed);
+                }
                 Evict::Drop(DropReason::Old) => {
                     self.counters.dropped_old.fetch_add(1, Ordering::Relaxed);
                 }
@@ -543,9 +727,14 @@ impl Cluster {
             }
         };
         let mut dir = lock(&self.directory);
-        for ((uid, _, page), s) in chunk.iter().zip(status) {
+        for ((uid, age, page), s) in chunk.iter().zip(status) {
             match s {
                 CachedStatus::Taken | CachedStatus::Replaced | CachedStatus::Present => {
+                    if *age == DUPLICATE_AGE_MS {
+                        self.counters
+                            .forwarded_duplicate
+                            .fetch_add(1, Ordering::Relaxed);
+                    }
                     let mac = self.mac(*uid, page);
                     if dir
                         .push(*uid, Sent { node, mac })

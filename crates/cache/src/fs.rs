@@ -217,7 +217,9 @@ impl Filesystem for CacheFs {
             Ok(_) => return reply.error(Errno::EISDIR),
             Err(e) => return reply.error(errno(e)),
         };
-        let key = FileKey::of(self.tree.source_id(), &m);
+        let Some(key) = self.tree.key(ino.0, &m) else {
+            return reply.error(Errno::ENOENT);
+        };
         {
             let mut keys = self.keys.lock().unwrap_or_else(|p| p.into_inner());
             if keys.insert(ino.0, key).is_some_and(|old| old != key) {

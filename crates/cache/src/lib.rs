@@ -30,6 +30,7 @@ pub mod cluster;
 pub mod fs;
 pub mod metrics;
 pub mod pages;
+pub mod shared;
 pub mod tree;
 
 pub use cluster::{Cluster, ClusterConfig, Placement};

@@ -197,10 +197,13 @@ impl Pages {
     /// their ages, once the lock is released: the outbox may make the caller wait).
     fn hold(&self, pages: Vec<(Uid, Box<[u8]>)>, now: u64) {
         let mut out = Vec::new();
+        let mut fresh = Vec::new();
         {
             let mut held = self.lock();
             for (uid, page) in pages {
-                held.put(uid, (page, now));
+                if held.put(uid, (page, now)).is_none() {
+                    fresh.push(uid);
+                }
             }
             while held.len() > self.budget {
                 if let Some(p) = held.pop_lru() {
@@ -210,6 +213,7 @@ impl Pages {
             }
         }
         if let Some(c) = &self.cluster {
+            c.resident(&fresh);
             for (uid, (page, last)) in out {
                 c.evicted(uid, now.saturating_sub(last), page);
             }

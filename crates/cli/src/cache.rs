@@ -12,6 +12,17 @@ pub struct CacheArgs {
     /// The directory to mirror: a local one, or a network file system's mount.
     #[arg(long)]
     source: PathBuf,
+    /// A name for the source that every machine mirroring the same files gives it (say, the
+    /// data set's or the export's name). A file page then has the same id on all of them
+    /// (from its path below the source, its size and its modification time), so the cluster
+    /// knows when several machines hold it in their own memory, and one that lets such a page
+    /// go drops it instead of filling other machines' idle memory with it (GMS's shared
+    /// pages). Without a name, this machine's pages are its own (named by device and inode).
+    /// Give the same name only to the same files: two different trees under one name would be
+    /// taken for each other's duplicates (which costs reads from the source, never a wrong
+    /// page: no page is read from another machine's memory because of it).
+    #[arg(long, value_name = "NAME", value_parser = source_name)]
+    source_name: Option<String>,
     /// Where to mount the mirror (an existing, empty directory).
     #[arg(long)]
     mount: PathBuf,
@@ -69,6 +80,13 @@ fn counters(
 
 type Sender = std::thread::JoinHandle<()>;
 
+fn source_name(s: &str) -> Result<String, String> {
+    if s.is_empty() || s.len() > 255 || s.chars().any(char::is_control) {
+        return Err("a name of 1 to 255 printable characters".into());
+    }
+    Ok(s.to_string())
+}
+
 #[derive(Debug, Clone, Copy, clap::ValueEnum)]
 enum PlacementArg {
     Gms,
@@ -76,7 +94,10 @@ enum PlacementArg {
 }
 
 /// Connects to the local daemon for `--cluster`.
-fn start_cluster(args: &CacheArgs) -> anyhow::Result<(Arc<netram_cache::Cluster>, Sender)> {
+fn start_cluster(
+    args: &CacheArgs,
+    shared: bool,
+) -> anyhow::Result<(Arc<netram_cache::Cluster>, Sender)> {
     let security = args.security.security()?;
     let node = match &security {
         netram_net::Security::Tls(c) => c.identity.node,
@@ -103,6 +124,7 @@ fn start_cluster(args: &CacheArgs) -> anyhow::Result<(Arc<netram_cache::Cluster>
         security,
         node,
         max_remembered: offered.clamp(1 << 16, 1 << 24) as usize,
+        shared,
     };
     netram_cache::Cluster::start(cfg)
         .with_context(|| format!("--cluster: cannot read the GMS plan from the daemon at {daemon}"))
@@ -116,17 +138,21 @@ pub fn run(args: CacheArgs) -> anyhow::Result<()> {
     if !args.mount.is_dir() {
         bail!("--mount {}: not a directory", args.mount.display());
     }
-    let tree = Arc::new(
-        netram_cache::Tree::new(&args.source)
-            .with_context(|| format!("--source {}", args.source.display()))?,
-    );
+    let tree = match &args.source_name {
+        Some(name) => netram_cache::Tree::named(&args.source, name),
+        None => netram_cache::Tree::new(&args.source),
+    };
+    let tree = Arc::new(tree.with_context(|| format!("--source {}", args.source.display()))?);
     if args.mount.canonicalize()?.starts_with(tree.root()) {
         bail!(
             "--mount {} is inside --source: the mirror would contain itself",
             args.mount.display()
         );
     }
-    let cluster = args.cluster.then(|| start_cluster(&args)).transpose()?;
+    let cluster = args
+        .cluster
+        .then(|| start_cluster(&args, tree.is_named()))
+        .transpose()?;
     let pages = Arc::new(netram_cache::Pages::with_cluster(
         (bytes / netram_cache::pages::PAGE as u64) as usize,
         cluster.as_ref().map(|(c, _)| c.clone()),

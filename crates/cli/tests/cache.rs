@@ -380,6 +380,120 @@ fn pages_dropped_here_come_back_from_the_cluster() {
     drop(d1);
 }
 
+/// GMS's shared pages between two machines (as two TLS identities, each with its own daemon
+/// among three): B mirrors the data set under the same `--source-name` as A and holds its
+/// first file in memory. A, with room for a quarter of a file, reads the second file (its own
+/// pages: the two other daemons take them all, nearly filling their offers) and then the
+/// first: every page of it that A lets go is a duplicate (B holds it) and goes first — dropped,
+/// or into a frame nobody else wants — so that none of the second file's pages, though older,
+/// leaves the cluster for it, and A's next read of the second file comes from the cluster.
+/// When B stops, its sessions end and the homes forget its pages. Every file is checked with
+/// sha256sum through both mounts.
+#[test]
+fn pages_another_machine_holds_go_first() {
+    if !netram_testkit::have_root("mounting FUSE") {
+        return;
+    }
+    if !Path::new("/dev/fuse").exists() {
+        netram_testkit::skip("no /dev/fuse (the kernel has no FUSE)", None);
+        return;
+    }
+    if !netram_testkit::have_tools(&[("sha256sum", "coreutils")]) {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let src = dir.path().join("src");
+    let (mnt_a, mnt_b) = (dir.path().join("a"), dir.path().join("b"));
+    for d in [&src, &mnt_a, &mnt_b] {
+        std::fs::create_dir(d).unwrap();
+    }
+    let pages_per_file = (8 << 20) / 4096;
+    for i in 0..2 {
+        std::fs::write(src.join(format!("part{i}")), random_bytes(8 << 20, 200 + i)).unwrap();
+    }
+    let files = walk(&src);
+    let want: Vec<String> = files.iter().map(|f| sha256(f)).collect();
+    let control = |i: u64| dir.path().join(format!("d{i}.sock"));
+    let serve = |i: u64, capacity: &str, seed: Option<&str>| {
+        let tls = common::node_dir(410 + i);
+        let sock = control(i);
+        let mut args = vec![
+            "--tls",
+            tls.to_str().unwrap(),
+            "--capacity",
+            capacity,
+            "--control",
+            sock.to_str().unwrap(),
+        ];
+        if let Some(s) = seed {
+            args.extend(["--seed", s]);
+        }
+        common::ServerProcess::start(&args)
+    };
+    let d1 = serve(1, "8M", None);
+    // Each may hold 3/4 of its capacity for one client: 2304 pages between them for A, room
+    // for the second file's 2048 and a little more.
+    let d2 = serve(2, "6M", Some(&d1.addr));
+    let d3 = serve(3, "6M", Some(&d1.addr));
+    let daemons = [&d1, &d2, &d3];
+    let sum = |name: &str| daemons.iter().map(|d| d.stat(name)).sum::<u64>();
+    let sock = |i| control(i).to_str().unwrap().to_string();
+    common::eventually("a GMS plan weighing all three daemons", 30, || {
+        netram_client::discover::gms_plan(&sock(1), Duration::from_secs(2))
+            .is_ok_and(|p| p.epoch >= 1 && p.weights.len() == 3)
+    });
+    let start = |cmd: Command, mnt: &Path, mem: &str, daemon: &str| {
+        Cache::start_with(
+            cmd,
+            &src,
+            mnt,
+            mem,
+            &["--cluster", "--daemon", daemon, "--source-name", "data-set"],
+        )
+    };
+    let check = |mnt: &Path, which: &[usize], what: &str| {
+        for &i in which {
+            let through = mnt.join(files[i].strip_prefix(&src).unwrap());
+            assert_eq!(sha256(&through), want[i], "{what}: {}", through.display());
+        }
+    };
+    // B: another machine (its own identity and daemon), room for the whole first file.
+    let mut b_cmd = Command::new(NETRAM);
+    b_cmd.env("NETRAM_TLS", common::node_dir(419));
+    let b = start(b_cmd, &mnt_b, "12M", &sock(2));
+    check(&mnt_b, &[0], "B reads the first file");
+    common::eventually("B's pages registered at their homes", 20, || {
+        sum("gcd_entries") >= pages_per_file
+    });
+    // A: room for a quarter of a file.
+    let a = start(common::netram(), &mnt_a, "2M", &sock(1));
+    check(&mnt_a, &[1], "A reads the second file");
+    check(&mnt_a, &[0], "A reads the first file");
+    check(&mnt_a, &[1], "A reads the second file again");
+    let last = a.stop();
+    eprintln!("A: {last}");
+    let c = |name: &str| counter(&last, name);
+    assert_eq!(c("source_errors"), 0, "{last}");
+    assert_eq!(c("cluster_gcd_failed"), 0, "{last}");
+    assert_eq!(c("cluster_remote_mismatch"), 0, "{last}");
+    // The first file's pages that left A were duplicates, sent as the oldest...
+    let dups = c("cluster_duplicates");
+    assert!(dups >= pages_per_file - 512 - 16, "{last}");
+    assert!(c("cluster_forwarded_duplicate") + c("cluster_dropped_duplicate") <= dups);
+    // ... and took no frame from the second file's pages: the third pass found them all in
+    // the cluster but for the quarter A held itself.
+    assert!(c("cluster_hits") >= pages_per_file - 512 - 64, "{last}");
+    assert!(sum("gcd_duplicates") >= dups);
+    // B stops: its sessions end, and the homes forget its pages.
+    let last_b = b.stop();
+    eprintln!("B: {last_b}");
+    assert_eq!(counter(&last_b, "source_errors"), 0, "{last_b}");
+    assert!(counter(&last_b, "cluster_gcd_registered") >= pages_per_file);
+    common::eventually("B's pages forgotten", 20, || sum("gcd_entries") == 0);
+    assert!(sum("gcd_forgotten") >= pages_per_file);
+    drop((d3, d2, d1));
+}
+
 /// Every regular file below `root`.
 fn walk(root: &Path) -> Vec<PathBuf> {
     let mut out = Vec::new();
