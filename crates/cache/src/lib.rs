@@ -16,13 +16,18 @@
 //! (`POSIX_FADV_DONTNEED`). What a machine holds of the data set is then exactly this budget.
 //!
 //! **A page's identity** is a 128-bit uid: the file's key (a hash of the source, the file's
-//! device, inode, size and modification time) and the page's index. A file changed at its
-//! source (checked at every open) gets a new key, so its old pages are never read again and age
-//! out; they cannot be served for the new contents.
+//! device, inode, size and modification time; for a source named with `--source-name`, of the
+//! name, the file's path below the source, its size and modification time, which is the same
+//! on every machine that mirrors it) and the page's index. A file changed at its source
+//! (checked at every open) gets a new key, so its old pages are never read again and age out;
+//! they cannot be served for the new contents.
 //!
 //! - [`cluster`]: with a cluster, where the pages this machine drops go (by the GMS epoch's
 //!   plan, to other machines' daemons) and where a miss looks before the source; every page
 //!   that comes back is checked against what was sent.
+//! - [`shared`]: for a named source, which of this machine's pages the cluster's global-cache
+//!   directory knows it holds, so that a page another machine also holds (a duplicate) goes
+//!   first when it leaves (GMS §4.4–4.5).
 //! - [`metrics`]: the counters in Prometheus' text format, in a file that node_exporter's
 //!   textfile collector serves on its `/metrics`.
 
