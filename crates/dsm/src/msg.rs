@@ -1,0 +1,91 @@
+//! The messages of MIRAGE+'s protocol (§2.2) between sites and a segment's library site. The
+//! sender of a message is who the transport says it came from (an authenticated connection),
+//! never a field of the message.
+
+/// A site: a machine taking part in a segment (its node id).
+pub type SiteId = u64;
+/// A page of a segment, by index.
+pub type PageNo = u32;
+/// A request's number at the library, per page, increasing: every message about a request
+/// carries it, so that one about another request is recognised and ignored.
+pub type Ticket = u64;
+
+/// What a site may do with its copy of a page.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
+pub enum Access {
+    #[default]
+    None,
+    Read,
+    Write,
+}
+
+/// What a fault asks for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Want {
+    Read,
+    Write,
+}
+
+impl Want {
+    /// The access that satisfies it.
+    pub fn access(self) -> Access {
+        match self {
+            Want::Read => Access::Read,
+            Want::Write => Access::Write,
+        }
+    }
+}
+
+/// One protocol message; `D` is a page's contents (bytes on the wire, a version number in the
+/// model).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum Msg<D> {
+    /// Site → library: a fault on `page` wants `want`.
+    Request { page: PageNo, want: Want },
+    /// Library → the clock site: send your copy to `to`, which gets `grant`; keep a read copy
+    /// if `grant` is `Read` (a writer is downgraded), drop yours if it is `Write`.
+    Send {
+        page: PageNo,
+        to: SiteId,
+        grant: Want,
+        ticket: Ticket,
+    },
+    /// Library → a site holding a copy: drop it, and say so.
+    Invalidate { page: PageNo, ticket: Ticket },
+    /// Site → library: dropped.
+    Invalidated { page: PageNo, ticket: Ticket },
+    /// The clock site → the requester: the newest contents, and the access it now has.
+    Page {
+        page: PageNo,
+        grant: Want,
+        ticket: Ticket,
+        data: D,
+    },
+    /// Library → a requester that holds the newest copy already (an upgrade): it is the
+    /// writer now, every other copy is gone.
+    Grant { page: PageNo, ticket: Ticket },
+    /// Requester → library: the page is installed; the library may serve the next request.
+    Done { page: PageNo, ticket: Ticket },
+}
+
+impl<D> Msg<D> {
+    pub fn page(&self) -> PageNo {
+        match self {
+            Msg::Request { page, .. }
+            | Msg::Send { page, .. }
+            | Msg::Invalidate { page, .. }
+            | Msg::Invalidated { page, .. }
+            | Msg::Page { page, .. }
+            | Msg::Grant { page, .. }
+            | Msg::Done { page, .. } => *page,
+        }
+    }
+
+    /// Whether the library is its receiver (else a site is).
+    pub fn to_library(&self) -> bool {
+        matches!(
+            self,
+            Msg::Request { .. } | Msg::Invalidated { .. } | Msg::Done { .. }
+        )
+    }
+}

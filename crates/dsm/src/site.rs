@@ -1,0 +1,383 @@
+//! One machine's part in a segment (MIRAGE+ §2.1–2.2): the access it has to each page, its
+//! faults turned into requests to the library, and the library's orders carried out.
+//!
+//! **The time window Δ** (§2.1): a page installed here is kept at least Δ before an order
+//! takes it away (or downgrades it), so that the processes that faulted for it use it before
+//! another site takes it. With Δ = 0 MIRAGE+ saw pages taken before they were touched, over
+//! and over (§5.4), and added a check that a page is not given up before it has been used: so
+//! does this site — a page installed for a fault is held until the runtime says the access
+//! happened ([`Site::accessed`]) as well as for Δ. An order that arrives within the window
+//! waits (in order) and is carried out by [`Site::tick`] once the window has passed.
+//!
+//! A page this site never touched is held by nobody here (`Access::None`), except at the
+//! segment's creator, which holds every page at first (a zero page: "checked in" at the
+//! library, §4.3).
+
+use crate::msg::{Access, Msg, PageNo, SiteId, Want};
+use std::collections::{BTreeMap, VecDeque};
+
+/// What a fault needs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Fault<D> {
+    /// The access is here: retry it.
+    Ready,
+    /// A request for the page is on its way: wait for it.
+    Wait,
+    /// Send this request to the library, then wait.
+    Ask(SiteId, Msg<D>),
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+struct Page<D> {
+    access: Access,
+    data: Option<D>,
+    /// Not to be taken away before (ms), nor before it has been used.
+    hold_until: u64,
+    used: bool,
+    /// The request on its way, if any.
+    asked: Option<Want>,
+    /// Orders waiting for the window to pass, in arrival order.
+    deferred: VecDeque<Msg<D>>,
+}
+
+/// What the site dropped, by reason.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Hash)]
+pub struct Counters {
+    pub requests: u64,
+    pub installs: u64,
+    pub upgrades: u64,
+    pub sent: u64,
+    pub invalidated: u64,
+    /// Orders carried out after waiting for the window.
+    pub deferred: u64,
+    /// Messages that did not fit this site's state (a page it did not ask for, an order for a
+    /// copy it does not hold, anything from a site that is not the library where only the
+    /// library may speak): dropped.
+    pub refused: u64,
+}
+
+/// One site of one segment. `D` is a page's contents.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Site<D> {
+    me: SiteId,
+    library: SiteId,
+    creator: bool,
+    delta_ms: u64,
+    pages: BTreeMap<PageNo, Page<D>>,
+    pub counters: Counters,
+}
+
+/// Messages to send: (to whom, what).
+pub type Out<D> = Vec<(SiteId, Msg<D>)>;
+
+impl<D: Clone + Default> Site<D> {
+    /// Site `me` of a segment whose library is `library`; `creator`: this site created it
+    /// (and holds every page at first); `delta_ms`: the segment's time window.
+    pub fn new(me: SiteId, library: SiteId, creator: bool, delta_ms: u64) -> Self {
+        Self {
+            me,
+            library,
+            creator,
+            delta_ms,
+            pages: BTreeMap::new(),
+            counters: Counters::default(),
+        }
+    }
+
+    pub fn id(&self) -> SiteId {
+        self.me
+    }
+
+    fn page(&mut self, page: PageNo) -> &mut Page<D> {
+        let creator = self.creator;
+        self.pages.entry(page).or_insert_with(|| Page {
+            access: if creator { Access::Read } else { Access::None },
+            data: creator.then(D::default),
+            hold_until: 0,
+            used: true,
+            asked: None,
+            deferred: VecDeque::new(),
+        })
+    }
+
+    /// The access this site has to `page`.
+    pub fn access(&self, page: PageNo) -> Access {
+        match self.pages.get(&page) {
+            Some(p) => p.access,
+            None if self.creator => Access::Read,
+            None => Access::None,
+        }
+    }
+
+    /// The page's contents here, if this site holds a copy.
+    pub fn data(&mut self, page: PageNo) -> Option<&mut D> {
+        self.page(page).data.as_mut()
+    }
+
+    /// Whether a request for `page` is on its way.
+    pub fn asked(&self, page: PageNo) -> Option<Want> {
+        self.pages.get(&page).and_then(|p| p.asked)
+    }
+
+    /// A process here faulted on `page`, wanting `want`.
+    pub fn fault(&mut self, page: PageNo, want: Want) -> Fault<D> {
+        let library = self.library;
+        let p = self.page(page);
+        if p.access >= want.access() {
+            return Fault::Ready;
+        }
+        if p.asked.is_some() {
+            // One request per page at a time; a write fault behind a read request asks
+            // again once the read is answered (its retry faults again).
+            return Fault::Wait;
+        }
+        p.asked = Some(want);
+        self.counters.requests += 1;
+        Fault::Ask(library, Msg::Request { page, want })
+    }
+
+    /// The access the faulting process wanted has happened (it ran after its wake-up): the
+    /// page may be taken away once its window has passed.
+    pub fn accessed(&mut self, page: PageNo) {
+        self.page(page).used = true;
+    }
+
+    /// A message from `from` at time `now_ms`: what to send, and the page installed (its
+    /// faulting processes to wake), if any.
+    pub fn on_msg(&mut self, from: SiteId, msg: Msg<D>, now_ms: u64) -> (Out<D>, Option<PageNo>) {
+        let mut out = Vec::new();
+        let page = msg.page();
+        let library = self.library;
+        let delta = self.delta_ms;
+        match msg {
+            Msg::Send { .. } | Msg::Invalidate { .. } if from == library => {
+                let p = self.page(page);
+                if !p.deferred.is_empty() || !Self::releasable(p, now_ms) {
+                    p.deferred.push_back(msg);
+                } else {
+                    self.carry_out(msg, &mut out);
+                }
+            }
+            Msg::Page {
+                grant,
+                ticket,
+                data,
+                ..
+            } => {
+                let p = self.page(page);
+                // Only the page asked for, with no more access than asked: a page nobody
+                // asked for (a forged one, or a confused sender's) changes nothing.
+                if p.asked.is_none_or(|w| w < grant) {
+                    self.counters.refused += 1;
+                    return (out, None);
+                }
+                p.access = grant.access();
+                p.data = Some(data);
+                p.hold_until = now_ms.saturating_add(delta);
+                p.used = false;
+                p.asked = None;
+                self.counters.installs += 1;
+                out.push((library, Msg::Done { page, ticket }));
+                return (out, Some(page));
+            }
+            Msg::Grant { ticket, .. } if from == library => {
+                let p = self.page(page);
+                if p.access != Access::Read || p.asked != Some(Want::Write) {
+                    self.counters.refused += 1;
+                    return (out, None);
+                }
+                p.access = Access::Write;
+                p.hold_until = now_ms.saturating_add(delta);
+                p.used = false;
+                p.asked = None;
+                self.counters.upgrades += 1;
+                out.push((library, Msg::Done { page, ticket }));
+                return (out, Some(page));
+            }
+            _ => self.counters.refused += 1,
+        }
+        (out, None)
+    }
+
+    fn releasable(p: &Page<D>, now_ms: u64) -> bool {
+        p.used && now_ms >= p.hold_until
+    }
+
+    /// Carries out an order of the library's now.
+    fn carry_out(&mut self, msg: Msg<D>, out: &mut Out<D>) {
+        let library = self.library;
+        match msg {
+            Msg::Invalidate { page, ticket } => {
+                let p = self.page(page);
+                p.access = Access::None;
+                p.data = None;
+                self.counters.invalidated += 1;
+                out.push((library, Msg::Invalidated { page, ticket }));
+            }
+            Msg::Send {
+                page,
+                to,
+                grant,
+                ticket,
+            } => {
+                let p = self.page(page);
+                let Some(data) = p.data.clone().filter(|_| p.access != Access::None) else {
+                    // The library thinks this site holds the newest copy, and it does not.
+                    self.counters.refused += 1;
+                    return;
+                };
+                match grant {
+                    Want::Read => p.access = Access::Read,
+                    Want::Write => {
+                        p.access = Access::None;
+                        p.data = None;
+                    }
+                }
+                self.counters.sent += 1;
+                out.push((
+                    to,
+                    Msg::Page {
+                        page,
+                        grant,
+                        ticket,
+                        data,
+                    },
+                ));
+            }
+            _ => unreachable!("only orders are carried out"),
+        }
+    }
+
+    /// Time has passed (or a page was used): carries out the orders whose pages' windows
+    /// have passed.
+    pub fn tick(&mut self, now_ms: u64) -> Out<D> {
+        let mut out = Vec::new();
+        let ready: Vec<PageNo> = self
+            .pages
+            .iter()
+            .filter(|(_, p)| !p.deferred.is_empty() && Self::releasable(p, now_ms))
+            .map(|(&n, _)| n)
+            .collect();
+        for n in ready {
+            while let Some(msg) = self.page(n).deferred.pop_front() {
+                self.counters.deferred += 1;
+                self.carry_out(msg, &mut out);
+                // After an order the page is no longer held here: any next one goes at once.
+            }
+        }
+        out
+    }
+
+    /// Whether an order of the library's waits here (for a window, or for its page's use).
+    pub fn has_deferred(&self) -> bool {
+        self.pages.values().any(|p| !p.deferred.is_empty())
+    }
+
+    /// When [`Site::tick`] next has something to do, if only time is missing (`None`: nothing
+    /// waits, or what waits needs a page to be used first).
+    pub fn next_deadline(&self) -> Option<u64> {
+        self.pages
+            .values()
+            .filter(|p| !p.deferred.is_empty() && p.used)
+            .map(|p| p.hold_until)
+            .min()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An order that arrives within the window, or before the faulting process used its page,
+    /// waits for both; a page nobody asked for, and orders from anyone but the library, change
+    /// nothing.
+    #[test]
+    fn orders_wait_for_the_window_and_the_use() {
+        let mut s: Site<u8> = Site::new(2, 1, false, 10);
+        assert!(matches!(s.fault(0, Want::Write), Fault::Ask(1, _)));
+        assert_eq!(s.fault(0, Want::Write), Fault::Wait);
+        let (out, woke) = s.on_msg(
+            3,
+            Msg::Page {
+                page: 0,
+                grant: Want::Write,
+                ticket: 4,
+                data: 7,
+            },
+            100,
+        );
+        assert_eq!(woke, Some(0));
+        assert_eq!(out, [(1, Msg::Done { page: 0, ticket: 4 })]);
+        assert_eq!(s.access(0), Access::Write);
+        // The library wants it for site 3, at 105: not yet (window, and not used).
+        let send = Msg::Send {
+            page: 0,
+            to: 3,
+            grant: Want::Read,
+            ticket: 5,
+        };
+        assert!(s.on_msg(1, send, 105).0.is_empty());
+        assert_eq!(s.next_deadline(), None, "waits for its use first");
+        s.accessed(0);
+        assert_eq!(s.next_deadline(), Some(110));
+        assert!(s.tick(109).is_empty());
+        let out = s.tick(110);
+        assert_eq!(
+            out,
+            [(
+                3,
+                Msg::Page {
+                    page: 0,
+                    grant: Want::Read,
+                    ticket: 5,
+                    data: 7
+                }
+            )]
+        );
+        assert_eq!(s.access(0), Access::Read);
+        // An invalidation from a site that is not the library; a page not asked for.
+        assert!(s
+            .on_msg(3, Msg::Invalidate { page: 0, ticket: 6 }, 200)
+            .0
+            .is_empty());
+        let forged = Msg::Page {
+            page: 1,
+            grant: Want::Write,
+            ticket: 1,
+            data: 9,
+        };
+        assert_eq!(s.on_msg(3, forged, 200), (vec![], None));
+        assert_eq!(s.access(1), Access::None);
+        assert_eq!(s.counters.refused, 2);
+        assert_eq!(s.access(0), Access::Read);
+    }
+
+    #[test]
+    fn the_creator_holds_every_page_at_first() {
+        let mut c: Site<u8> = Site::new(1, 1, true, 0);
+        assert_eq!(c.access(42), Access::Read);
+        assert_eq!(c.fault(42, Want::Read), Fault::Ready);
+        assert_eq!(c.data(42), Some(&mut 0));
+        let out = c
+            .on_msg(
+                1,
+                Msg::Invalidate {
+                    page: 42,
+                    ticket: 1,
+                },
+                0,
+            )
+            .0;
+        assert_eq!(
+            out,
+            [(
+                1,
+                Msg::Invalidated {
+                    page: 42,
+                    ticket: 1
+                }
+            )]
+        );
+        assert_eq!(c.access(42), Access::None);
+    }
+}
