@@ -1,4 +1,4 @@
-//! Every decoder of untrusted bytes (GMS's too): it must return a value or an error, never
+//! Every decoder of untrusted bytes (GMS's and DSM's too): it must return a value or an error, never
 //! panic, and a request it accepts must encode back to exactly the same bytes (the encoding is
 //! canonical, so nothing a peer sends is silently reinterpreted).
 #![no_main]
@@ -17,7 +17,18 @@ fuzz_target!(|data: &[u8]| {
     if let Ok((id, req)) = netram_proto::gms::decode_request(data) {
         let mut again = Vec::new();
         req.encode(id, &mut again);
-        assert_eq!(again, data, "a decoded GMS request re-encodes to the same bytes");
+        assert_eq!(
+            again, data,
+            "a decoded GMS request re-encodes to the same bytes"
+        );
+    }
+    if let Ok(m) = netram_proto::dsm::decode(data) {
+        let mut again = Vec::new();
+        m.encode(&mut again);
+        assert_eq!(
+            again, data,
+            "a decoded DSM message re-encodes to the same bytes"
+        );
     }
     if let Ok((id, req)) = decode_request(data) {
         let mut again = Vec::new();

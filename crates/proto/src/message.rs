@@ -55,6 +55,8 @@ pub enum Kind {
     GetCached = 0x10,
     /// GMS's global-cache directory (`crate::gms`): which nodes hold a shared page.
     GcdUpdate = 0x11,
+    /// Distributed shared memory (`crate::dsm`): one-way messages between a segment's sites.
+    Dsm = 0x12,
     PutReply = 0x81,
     GetReply = 0x82,
     DeleteReply = 0x83,

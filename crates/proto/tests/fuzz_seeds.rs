@@ -1,5 +1,6 @@
 //! The `decode` fuzz target's committed starting input (`fuzz/seeds/decode/`): a stream of
-//! well-formed parity frames, which random bytes rarely reach. (`store_requests` and
+//! well-formed parity frames, and one DSM message of each kind, which random bytes rarely
+//! reach. (`store_requests` and
 //! `pager_replies` build their frames from structured inputs and need no such seed.) The seeds are generated here, so that they follow
 //! the wire format: the test fails when a committed seed no longer matches, and
 //! `NETRAM_WRITE_FUZZ_SEEDS=1 cargo test -p netram-proto --test fuzz_seeds` writes them anew.
@@ -98,4 +99,65 @@ fn committed_fuzz_seeds_follow_the_wire_format() {
          netram-proto --test fuzz_seeds",
         path.display()
     );
+}
+
+/// One DSM message of each kind, a file each (`fuzz/seeds/decode/dsm-*`): the decode target
+/// reads its input as one frame, and random bytes rarely make a DSM frame.
+fn dsm_seeds() -> Vec<(String, Vec<u8>)> {
+    use netram_proto::dsm::{Access, Body, Message};
+    let data: Vec<u8> = (0..PAGE_SIZE).map(|i| (i % 251) as u8).collect();
+    let bodies = [
+        (
+            "request",
+            Body::Request {
+                want: Access::Write,
+            },
+        ),
+        (
+            "send",
+            Body::Send {
+                to: 3,
+                grant: Access::Read,
+            },
+        ),
+        ("invalidate", Body::Invalidate),
+        ("invalidated", Body::Invalidated),
+        ("page", Message::page(7, 2, 5, Access::Write, &data).body),
+        ("grant", Body::Grant),
+        ("done", Body::Done),
+    ];
+    bodies
+        .into_iter()
+        .map(|(name, body)| {
+            let ticket = if name == "request" { 0 } else { 5 };
+            let mut out = Vec::new();
+            Message {
+                segment: 7,
+                page: 2,
+                ticket,
+                body,
+            }
+            .encode(&mut out);
+            (format!("dsm-{name}"), out)
+        })
+        .collect()
+}
+
+#[test]
+fn committed_dsm_fuzz_seeds_follow_the_wire_format() {
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fuzz/seeds/decode");
+    for (name, seed) in dsm_seeds() {
+        netram_proto::dsm::decode(&seed).expect("a well-formed DSM message");
+        let path = root.join(&name);
+        if std::env::var_os("NETRAM_WRITE_FUZZ_SEEDS").is_some() {
+            std::fs::write(&path, &seed).unwrap();
+        }
+        let committed = std::fs::read(&path).unwrap_or_default();
+        assert!(
+            committed == seed,
+            "{} is not the current seed: run NETRAM_WRITE_FUZZ_SEEDS=1 cargo test -p \
+             netram-proto --test fuzz_seeds",
+            path.display()
+        );
+    }
 }
