@@ -1,4 +1,4 @@
-//! Every decoder of untrusted bytes (GMS's and DSM's too): it must return a value or an error, never
+//! Every decoder of untrusted bytes (GMS's and DSM's too, and the page decompressor): it must return a value or an error, never
 //! panic, and a request it accepts must encode back to exactly the same bytes (the encoding is
 //! canonical, so nothing a peer sends is silently reinterpreted).
 #![no_main]
@@ -22,6 +22,9 @@ fuzz_target!(|data: &[u8]| {
             "a decoded GMS request re-encodes to the same bytes"
         );
     }
+    // A compressed page from a peer: a page or an error.
+    let mut page = vec![0u8; netram_proto::PAGE_SIZE];
+    let _ = netram_proto::compress::unpack(data, &mut page);
     if let Ok(m) = netram_proto::dsm::decode(data) {
         let mut again = Vec::new();
         m.encode(&mut again);

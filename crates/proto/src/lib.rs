@@ -23,6 +23,7 @@
 //! [`DecodeError`] instead of panicking: the daemon closes that one connection and logs the reason.
 
 mod codec;
+pub mod compress;
 pub mod dsm;
 pub mod gms;
 pub mod handshake;
