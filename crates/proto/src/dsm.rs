@@ -81,11 +81,7 @@ impl<'a> Message<'a> {
     /// checksum.
     pub fn page(segment: u64, page: u32, ticket: u64, grant: Access, data: &'a [u8]) -> Self {
         assert_eq!(data.len(), PAGE_SIZE, "a page is {PAGE_SIZE} bytes");
-        let (flags, data) = if data.iter().all(|&b| b == 0) {
-            (PageFlags(PageFlags::ZERO), &data[..0])
-        } else {
-            (PageFlags::default(), data)
-        };
+        let (flags, data) = PageFlags::zero_or(data);
         Self {
             segment,
             page,

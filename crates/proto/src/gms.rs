@@ -109,11 +109,7 @@ impl<'a> CachedPage<'a> {
     /// A page read from its source, to send: a zero page travels as a flag.
     pub fn seal(uid: u128, age_ms: u32, data: &'a [u8]) -> Self {
         assert_eq!(data.len(), PAGE_SIZE, "a page is {PAGE_SIZE} bytes");
-        let (flags, data) = if data.iter().all(|&b| b == 0) {
-            (PageFlags(PageFlags::ZERO), &data[..0])
-        } else {
-            (PageFlags::default(), data)
-        };
+        let (flags, data) = PageFlags::zero_or(data);
         Self {
             uid,
             age_ms,

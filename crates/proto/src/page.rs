@@ -64,6 +64,16 @@ impl PageFlags {
     pub fn is_clean(self) -> bool {
         self.0 & Self::CLEAN != 0
     }
+
+    /// How a page's contents travel: an all-zero page as the flag and no data, any other as
+    /// it is.
+    pub fn zero_or(data: &[u8]) -> (Self, &[u8]) {
+        if data.iter().all(|&b| b == 0) {
+            (Self(Self::ZERO), &data[..0])
+        } else {
+            (Self::default(), data)
+        }
+    }
 }
 
 /// One page as it travels: in a PUT from the client, in a GET reply from the server.
