@@ -346,18 +346,32 @@ fn works_for_an_ordinary_user() {
     use std::os::unix::fs::PermissionsExt;
     std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755)).unwrap();
     std::fs::set_permissions(&exe, std::fs::Permissions::from_mode(0o755)).unwrap();
-    let out = std::process::Command::new("timeout")
-        .args([
-            "120",
-            "setpriv",
-            "--reuid=65534",
-            "--regid=65534",
-            "--clear-groups",
-        ])
-        .arg(&exe)
-        .args(["tests::pages_survive_eviction_and_come_back", "--exact"])
-        .output()
-        .unwrap();
+    let run = || {
+        std::process::Command::new("timeout")
+            .args([
+                "120",
+                "setpriv",
+                "--reuid=65534",
+                "--regid=65534",
+                "--clear-groups",
+            ])
+            .arg(&exe)
+            .args(["tests::pages_survive_eviction_and_come_back", "--exact"])
+            .output()
+            .unwrap()
+    };
+    // The copy's descriptor was open for writing while other tests of this process forked
+    // (the fork tests' children run without exec, so O_CLOEXEC does not close it): until such
+    // a child ends, executing the copy fails with ETXTBSY. Tried again while it does, for at
+    // most 30 s.
+    let mut out = run();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while String::from_utf8_lossy(&out.stderr).contains("Text file busy")
+        && std::time::Instant::now() < deadline
+    {
+        std::thread::sleep(std::time::Duration::from_millis(100));
+        out = run();
+    }
     let _ = std::fs::remove_dir_all(&dir);
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(
