@@ -109,6 +109,14 @@ impl<D: Clone + Default> Site<D> {
         }
     }
 
+    /// The pages this site may write (a mapping attached later must leave them writable).
+    pub fn writable(&self) -> impl Iterator<Item = PageNo> + '_ {
+        self.pages
+            .iter()
+            .filter(|(_, p)| p.access == Access::Write)
+            .map(|(&n, _)| n)
+    }
+
     /// The page's contents here, if this site holds a copy.
     pub fn data(&mut self, page: PageNo) -> Option<&mut D> {
         self.page(page).data.as_mut()

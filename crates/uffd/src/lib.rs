@@ -82,7 +82,7 @@ mod fork;
 mod handler;
 pub mod heap;
 mod prefetch;
-mod sys;
+pub mod sys;
 mod upkeep;
 
 pub use alloc::NetramAlloc;

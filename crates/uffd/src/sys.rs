@@ -31,12 +31,12 @@ const _: () = assert!(MSG_LEN == 32);
 
 /// A userfaultfd descriptor, non-blocking and close-on-exec.
 #[derive(Debug)]
-pub(crate) struct Uffd(OwnedFd, bool);
+pub struct Uffd(OwnedFd, bool);
 
 /// Whether `fd` is readable within `wait` (at once if zero): a readiness check of one
 /// descriptor, for the handler's spin, its upkeep's look for faults and a hand-over's wait for a
 /// child's agent. A failed poll counts as not readable; the caller's next read says why.
-pub(crate) fn readable_within(fd: impl AsFd, wait: std::time::Duration) -> bool {
+pub fn readable_within(fd: impl AsFd, wait: std::time::Duration) -> bool {
     use rustix::event::{poll, PollFd, PollFlags, Timespec};
     let mut fds = [PollFd::new(&fd, PollFlags::IN)];
     let timeout = Timespec {
@@ -77,7 +77,7 @@ unsafe impl rustix::ioctl::Ioctl for NewUffd {
 
 /// An event read from the descriptor.
 #[derive(Debug)]
-pub(crate) enum Event {
+pub enum Event {
     /// A thread faulted at `addr`: on a missing page, or (`wp`) on a write-protected one;
     /// `write` if the access was a write. `tid`: the faulting thread (with
     /// `UFFD_FEATURE_THREAD_ID`; 0 without).
@@ -112,7 +112,7 @@ impl Uffd {
     /// (`UFFD_FEATURE_*`). `user_mode_only`: faults raised inside system calls are not
     /// delivered (what an ordinary user may ask for when `vm.unprivileged_userfaultfd` is 0).
     /// EINVAL from the handshake means a feature is unknown to this kernel.
-    pub(crate) fn open(features: u64, user_mode_only: bool) -> Result<Uffd, Errno> {
+    pub fn open(features: u64, user_mode_only: bool) -> Result<Uffd, Errno> {
         let mut flags =
             rustix::mm::UserfaultfdFlags::CLOEXEC | rustix::mm::UserfaultfdFlags::NONBLOCK;
         if user_mode_only {
@@ -128,7 +128,7 @@ impl Uffd {
     /// whatever `vm.unprivileged_userfaultfd` says (administrators grant it by group, as for
     /// `/dev/kvm`). `UFFD_FEATURE_EVENT_FORK` still needs `CAP_SYS_PTRACE`. Makes no
     /// allocation: a forked child calls it (see `Region::follow_in_child`).
-    pub(crate) fn open_device(features: u64) -> Result<Uffd, Errno> {
+    pub fn open_device(features: u64) -> Result<Uffd, Errno> {
         use rustix::fs::{Mode, OFlags};
         let dev = rustix::fs::open(
             c"/dev/userfaultfd",
@@ -159,18 +159,18 @@ impl Uffd {
     }
 
     /// Wraps a descriptor received from a forked child (see `Region::follow_in_child`).
-    pub(crate) fn from_child(fd: OwnedFd) -> Uffd {
+    pub fn from_child(fd: OwnedFd) -> Uffd {
         Uffd(fd, false)
     }
 
     /// Whether faults raised inside system calls go unserved (see [`Uffd::open`]).
-    pub(crate) fn user_mode_only(&self) -> bool {
+    pub fn user_mode_only(&self) -> bool {
         self.1
     }
 
     /// Registers `len` bytes at `start` for missing-page faults and, if `wp`, write-protect
     /// faults.
-    pub(crate) fn register(&self, start: *mut c_void, len: usize, wp: bool) -> Result<(), Errno> {
+    pub fn register(&self, start: *mut c_void, len: usize, wp: bool) -> Result<(), Errno> {
         let mut mode = u64::from(k::UFFDIO_REGISTER_MODE_MISSING);
         if wp {
             mode |= u64::from(k::UFFDIO_REGISTER_MODE_WP);
@@ -191,7 +191,7 @@ impl Uffd {
     }
 
     /// Undoes [`Uffd::register`] (also waking every thread blocked on a fault in the range).
-    pub(crate) fn unregister(&self, start: *mut c_void, len: usize) -> Result<(), Errno> {
+    pub fn unregister(&self, start: *mut c_void, len: usize) -> Result<(), Errno> {
         let mut r = range(start, len);
         // SAFETY: UFFDIO_UNREGISTER reads one struct uffdio_range (declared _IOR; the kernel
         // does not write it back, so passing it as read-write only over-approximates).
@@ -212,7 +212,7 @@ impl Uffd {
     }
 
     /// Wakes the threads blocked on faults in the range (they retry their access).
-    pub(crate) fn wake(&self, start: *mut c_void, len: usize) -> Result<(), Errno> {
+    pub fn wake(&self, start: *mut c_void, len: usize) -> Result<(), Errno> {
         let mut r = range(start, len);
         // SAFETY: UFFDIO_WAKE reads one struct uffdio_range and changes no memory.
         unsafe {
@@ -228,7 +228,7 @@ impl Uffd {
 
     /// Maps the shared zero page at `dst` (one page of a registered range) and wakes the
     /// faulting threads. EEXIST: a page is already there.
-    pub(crate) fn zeropage(&self, dst: *mut c_void) -> Result<(), Errno> {
+    pub fn zeropage(&self, dst: *mut c_void) -> Result<(), Errno> {
         let mut z = k::uffdio_zeropage {
             range: range(dst, PAGE as usize),
             mode: 0,
@@ -247,7 +247,7 @@ impl Uffd {
     /// Installs a copy of `page` at `dst` and wakes the faulting threads; write-protected if
     /// `protect`, in the same step (protecting it afterwards would let a write slip in unseen).
     /// EEXIST: a page is already there.
-    pub(crate) fn copy(&self, page: &[u8], dst: *mut c_void, protect: bool) -> Result<(), Errno> {
+    pub fn copy(&self, page: &[u8], dst: *mut c_void, protect: bool) -> Result<(), Errno> {
         assert_eq!(page.len() as u64, PAGE);
         let mut c = k::uffdio_copy {
             dst: dst as u64,
@@ -273,7 +273,7 @@ impl Uffd {
     /// Moves the page at `src` to `dst` (page-table entries only, no copy) without waking
     /// anyone. Both are pages of ranges registered here; `dst` must be empty. Needs
     /// `UFFD_FEATURE_MOVE` (Linux 6.8).
-    pub(crate) fn move_page(&self, src: *mut c_void, dst: *mut c_void) -> Result<(), Errno> {
+    pub fn move_page(&self, src: *mut c_void, dst: *mut c_void) -> Result<(), Errno> {
         const UFFDIO_MOVE_MODE_DONTWAKE: u64 = 1 << 0;
         let mut m = k::uffdio_move {
             dst: dst as u64,
@@ -296,7 +296,7 @@ impl Uffd {
     /// Write-protects one page at `addr`, or (`protect` false) lifts the protection and, if
     /// `wake`, wakes the writers blocked on it. (`wake` means nothing when protecting: the
     /// kernel refuses `MODE_WP` with `MODE_DONTWAKE`.)
-    pub(crate) fn set_write_protect(
+    pub fn set_write_protect(
         &self,
         addr: *mut c_void,
         protect: bool,
@@ -307,7 +307,7 @@ impl Uffd {
 
     /// [`Uffd::set_write_protect`] over `pages` consecutive pages: one call, so one TLB flush
     /// for all of them (each flush interrupts every other CPU that runs the program).
-    pub(crate) fn set_write_protect_range(
+    pub fn set_write_protect_range(
         &self,
         addr: *mut c_void,
         pages: usize,
@@ -340,7 +340,7 @@ impl Uffd {
     }
 
     /// The next event, or `None` if none is waiting (the descriptor is non-blocking).
-    pub(crate) fn read_event(&self) -> Result<Option<Event>, Errno> {
+    pub fn read_event(&self) -> Result<Option<Event>, Errno> {
         let mut one = Vec::with_capacity(1);
         self.read_events(&mut one, 1)?;
         Ok(one.pop())
@@ -354,7 +354,7 @@ impl Uffd {
     /// than `max` means none was left: the caller need not read again to find out, which would
     /// be a system call that fails with `EAGAIN` after every fault. A fork's message carries a
     /// descriptor the kernel opened while handing it out, so every message read is kept.
-    pub(crate) fn read_events(&self, out: &mut Vec<Event>, max: usize) -> Result<usize, Errno> {
+    pub fn read_events(&self, out: &mut Vec<Event>, max: usize) -> Result<usize, Errno> {
         const MOST: usize = 64;
         let mut buf = [0u8; MOST * MSG_LEN];
         let want = max.clamp(1, MOST) * MSG_LEN;

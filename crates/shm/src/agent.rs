@@ -1,0 +1,635 @@
+//! A machine's agent for its segments (MIRAGE+ §3): one thread that serves every local
+//! process's faults on every segment attached here, carries out the library's orders, and,
+//! for the segments created here, is their library site.
+//!
+//! The decisions are [`netram_dsm`]'s state machines; this is their I/O. A fault read from a
+//! process's userfaultfd becomes [`Site::fault`]; a message for this machine goes to the
+//! segment's [`Site`] or [`Library`]; what they answer is carried out on the machine's copy
+//! ([`crate::memory`]: write-protect, read, punch, write, wake) and sent — to the network, or
+//! straight back in when it is for this machine (the library's own site). One thread, so no
+//! lock: the protocol's steps for a segment happen in the order they are taken, and a fault
+//! is never served half-way through an order.
+//!
+//! The network is a seam ([`Agent::new`]'s `net`: a frame for a site), so the same agent runs
+//! between threads of one test and between daemons.
+//!
+//! The time window: a page installed here is held for at least [`MIN_HOLD_MS`] (or the
+//! segment's Δ if longer) after the faulting thread is woken, so that it runs its access
+//! before the page can be taken again — MIRAGE+ §5.4's cure for pages stolen before use,
+//! as time: the kernel does not report the access itself.
+
+use crate::memory::{Copy, View};
+use crate::wire::{self, Data};
+use netram_dsm::{Fault, Library, Msg, PageNo, Site, SiteId, Want};
+use netram_proto::PAGE_SIZE;
+use netram_uffd::sys::Event;
+use rustix::fd::{AsFd, OwnedFd};
+use rustix::io::Errno;
+use std::collections::{HashMap, VecDeque};
+use std::sync::mpsc;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// The shortest time a page installed here is kept (see the module comment).
+pub const MIN_HOLD_MS: u64 = 1;
+
+/// A segment's identity in the cluster.
+pub type SegmentId = u64;
+
+/// What the agent did and refused, by reason.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Counters {
+    pub faults: u64,
+    /// Faults served from this machine's copy (the page was here, or a zero page).
+    pub faults_local: u64,
+    pub requests: u64,
+    pub installs: u64,
+    pub upgrades: u64,
+    pub pages_sent: u64,
+    pub zero_pages_sent: u64,
+    pub invalidated: u64,
+    /// Frames refused: undecodable, a bad checksum, or for a segment not attached here.
+    pub frames_refused: u64,
+    /// Views dropped because their process's userfaultfd failed (the process is gone).
+    pub views_lost: u64,
+}
+
+/// Why a segment could not be created, attached or mapped here.
+#[derive(Debug, thiserror::Error)]
+pub enum AgentError {
+    #[error("segment {0:#x} is already attached here")]
+    Exists(SegmentId),
+    #[error("segment {0:#x} is not attached here")]
+    Unknown(SegmentId),
+    #[error("a mapping of {got} pages of segment {segment:#x}, which has {want}")]
+    Size {
+        segment: SegmentId,
+        got: u32,
+        want: u32,
+    },
+    #[error("{0}")]
+    Os(#[from] Errno),
+}
+
+struct Segment {
+    copy: Copy,
+    site: Site<()>,
+    library: Option<Library>,
+    views: Vec<View>,
+}
+
+/// A message on its way: for a site here (`to == me`) or the network.
+struct Letter {
+    segment: SegmentId,
+    from: SiteId,
+    to: SiteId,
+    msg: Msg<()>,
+    data: Data,
+}
+
+/// Sends a frame to a site.
+pub type Net = Box<dyn FnMut(SiteId, Vec<u8>) + Send>;
+
+/// One machine's agent.
+pub struct Agent {
+    me: SiteId,
+    segments: HashMap<SegmentId, Segment>,
+    letters: VecDeque<Letter>,
+    net: Net,
+    epoch: Instant,
+    pub counters: Counters,
+}
+
+impl Agent {
+    /// The agent of site `me`, sending frames for other sites through `net`.
+    pub fn new(me: SiteId, net: Net) -> Agent {
+        Agent {
+            me,
+            segments: HashMap::new(),
+            letters: VecDeque::new(),
+            net,
+            epoch: Instant::now(),
+            counters: Counters::default(),
+        }
+    }
+
+    pub fn id(&self) -> SiteId {
+        self.me
+    }
+
+    fn now_ms(&self) -> u64 {
+        self.epoch.elapsed().as_millis() as u64
+    }
+
+    /// Creates segment `id` of `pages` pages here: this machine is its library site and holds
+    /// every page (zero) at first; `members` may attach. Its memfd, for local processes.
+    pub fn create(
+        &mut self,
+        id: SegmentId,
+        name: &str,
+        pages: u32,
+        delta_ms: u64,
+        members: &[SiteId],
+    ) -> Result<&OwnedFd, AgentError> {
+        self.add(id, name, pages, delta_ms, self.me, Some(members))
+    }
+
+    /// Attaches segment `id` (`pages` pages) whose library site is `library`: this machine
+    /// holds none of its pages. Its memfd, for local processes.
+    pub fn attach(
+        &mut self,
+        id: SegmentId,
+        name: &str,
+        pages: u32,
+        delta_ms: u64,
+        library: SiteId,
+    ) -> Result<&OwnedFd, AgentError> {
+        self.add(id, name, pages, delta_ms, library, None)
+    }
+
+    fn add(
+        &mut self,
+        id: SegmentId,
+        name: &str,
+        pages: u32,
+        delta_ms: u64,
+        library: SiteId,
+        members: Option<&[SiteId]>,
+    ) -> Result<&OwnedFd, AgentError> {
+        if self.segments.contains_key(&id) {
+            return Err(AgentError::Exists(id));
+        }
+        let copy = Copy::new(name, pages)?;
+        let creator = members.is_some();
+        let seg = Segment {
+            copy,
+            site: Site::new(self.me, library, creator, delta_ms.max(MIN_HOLD_MS)),
+            library: members.map(|m| Library::new(self.me, m.iter().copied())),
+            views: Vec::new(),
+        };
+        Ok(self.segments.entry(id).or_insert(seg).copy.fd())
+    }
+
+    /// Takes over a local process's mapping of segment `id` (registered with `view.uffd`,
+    /// wholly write-protected): the pages this machine may write become writable in it.
+    pub fn add_view(&mut self, id: SegmentId, view: View) -> Result<(), AgentError> {
+        let seg = self.segments.get_mut(&id).ok_or(AgentError::Unknown(id))?;
+        if view.pages != seg.copy.pages() {
+            return Err(AgentError::Size {
+                segment: id,
+                got: view.pages,
+                want: seg.copy.pages(),
+            });
+        }
+        view.protect_all()?;
+        for n in seg.site.writable() {
+            view.unprotect(n)?;
+        }
+        seg.views.push(view);
+        Ok(())
+    }
+
+    /// Segment `id`'s copy here.
+    pub fn copy(&self, id: SegmentId) -> Option<&Copy> {
+        self.segments.get(&id).map(|s| &s.copy)
+    }
+
+    /// The library's and site's counters of segment `id`.
+    pub fn protocol_counters(
+        &self,
+        id: SegmentId,
+    ) -> Option<(
+        netram_dsm::site::Counters,
+        Option<netram_dsm::library::Counters>,
+    )> {
+        let s = self.segments.get(&id)?;
+        Some((
+            s.site.counters.clone(),
+            s.library.as_ref().map(|l| l.counters.clone()),
+        ))
+    }
+
+    /// A fault read from view `v` of segment `id`.
+    pub fn on_fault(&mut self, id: SegmentId, v: usize, addr: usize, write: bool) {
+        self.counters.faults += 1;
+        let Some(seg) = self.segments.get_mut(&id) else {
+            return;
+        };
+        let Some(page) = seg.views.get(v).and_then(|view| view.page_of(addr)) else {
+            return;
+        };
+        let want = if write { Want::Write } else { Want::Read };
+        match seg.site.fault(page, want) {
+            Fault::Ready => {
+                self.counters.faults_local += 1;
+                // A hole here is a zero page this machine holds (the creator's, at first):
+                // allocated, never overwritten. A stale protection (a view added while the
+                // page was on its way) is lifted.
+                let view = &seg.views[v];
+                let ok = seg.copy.allocate(page).is_ok()
+                    && if seg.site.access(page) == netram_dsm::Access::Write {
+                        view.unprotect(page).is_ok()
+                    } else {
+                        view.wake(page).is_ok()
+                    };
+                if !ok {
+                    self.drop_view(id, v);
+                }
+            }
+            Fault::Wait => {}
+            Fault::Ask(to, msg) => {
+                self.counters.requests += 1;
+                self.post(id, to, msg, None);
+            }
+        }
+        self.pump();
+    }
+
+    /// A frame from site `from` (the transport vouches for who it is).
+    pub fn on_frame(&mut self, from: SiteId, frame: &[u8]) {
+        match wire::decode(frame) {
+            Ok((id, msg, data)) if self.segments.contains_key(&id) => {
+                self.letters.push_back(Letter {
+                    segment: id,
+                    from,
+                    to: self.me,
+                    msg,
+                    data,
+                });
+                self.pump();
+            }
+            Ok(_) | Err(_) => self.counters.frames_refused += 1,
+        }
+    }
+
+    /// Carries out the orders whose windows have passed.
+    pub fn tick(&mut self) {
+        let now = self.now_ms();
+        let ids: Vec<SegmentId> = self
+            .segments
+            .iter()
+            .filter(|(_, s)| s.site.next_deadline().is_some_and(|d| d <= now))
+            .map(|(&id, _)| id)
+            .collect();
+        for id in ids {
+            let out = self.segments.get_mut(&id).expect("listed").site.tick(now);
+            self.site_out(id, out);
+        }
+        self.pump();
+    }
+
+    /// How long until [`Agent::tick`] has something to do.
+    pub fn next_deadline(&self) -> Option<Duration> {
+        let now = self.now_ms();
+        self.segments
+            .values()
+            .filter_map(|s| s.site.next_deadline())
+            .min()
+            .map(|d| Duration::from_millis(d.saturating_sub(now)))
+    }
+
+    fn post(&mut self, segment: SegmentId, to: SiteId, msg: Msg<()>, data: Data) {
+        if to == self.me {
+            self.letters.push_back(Letter {
+                segment,
+                from: self.me,
+                to,
+                msg,
+                data,
+            });
+        } else {
+            let mut frame = Vec::with_capacity(64 + data.as_ref().map_or(0, |d| d.len()));
+            wire::encode(segment, &msg, data.as_deref(), &mut frame);
+            (self.net)(to, frame);
+        }
+    }
+
+    /// Delivers the messages for this machine until none is left.
+    fn pump(&mut self) {
+        while let Some(l) = self.letters.pop_front() {
+            debug_assert_eq!(l.to, self.me);
+            let now = self.now_ms();
+            let Some(seg) = self.segments.get_mut(&l.segment) else {
+                continue;
+            };
+            if l.msg.to_library() {
+                match seg.library.as_mut() {
+                    Some(lib) => {
+                        for (to, msg) in lib.on_msg(l.from, l.msg) {
+                            self.post(l.segment, to, msg, None);
+                        }
+                    }
+                    None => self.counters.frames_refused += 1,
+                }
+                continue;
+            }
+            let (grant, page) = match l.msg {
+                Msg::Page { grant, page, .. } => (Some(grant), page),
+                Msg::Grant { page, .. } => (Some(Want::Write), page),
+                ref m => (None, m.page()),
+            };
+            let is_page = matches!(l.msg, Msg::Page { .. });
+            let (out, woke) = seg.site.on_msg(l.from, l.msg, now);
+            if woke == Some(page) {
+                // Installed: the contents first, then the access, then the waiting threads.
+                let zero;
+                let bytes: &[u8] = match &l.data {
+                    Some(d) => d,
+                    None => {
+                        zero = [0u8; PAGE_SIZE];
+                        &zero
+                    }
+                };
+                let mut failed = Vec::new();
+                if is_page {
+                    if let Err(e) = seg.copy.write(page, bytes) {
+                        tracing::error!("segment {:#x} page {page}: {e}", l.segment);
+                    }
+                    self.counters.installs += 1;
+                } else {
+                    self.counters.upgrades += 1;
+                }
+                for (i, v) in seg.views.iter().enumerate() {
+                    let r = if grant == Some(Want::Write) {
+                        v.unprotect(page)
+                    } else {
+                        v.wake(page)
+                    };
+                    if r.is_err() {
+                        failed.push(i);
+                    }
+                }
+                seg.site.accessed(page);
+                for i in failed.into_iter().rev() {
+                    self.drop_view(l.segment, i);
+                }
+            }
+            self.site_out(l.segment, out);
+        }
+    }
+
+    /// Sends what a site produced, carrying out on the copy what its orders changed: a page
+    /// sent is write-protected in every view before it is read, and punched out after if
+    /// the receiver gets the write copy; an invalidated page is protected and punched out.
+    fn site_out(&mut self, id: SegmentId, out: Vec<(SiteId, Msg<()>)>) {
+        for (to, msg) in out {
+            let seg = self
+                .segments
+                .get_mut(&id)
+                .expect("segment of a site's output");
+            let mut data = None;
+            match msg {
+                Msg::Page { page, grant, .. } => {
+                    let failed = protect_everywhere(seg, page);
+                    let mut buf = vec![0u8; PAGE_SIZE].into_boxed_slice();
+                    if let Err(e) = seg.copy.read(page, &mut buf) {
+                        tracing::error!("segment {id:#x} page {page}: {e}");
+                    }
+                    if grant == Want::Write {
+                        let _ = seg.copy.punch(page);
+                    }
+                    self.counters.pages_sent += 1;
+                    if buf.iter().all(|&b| b == 0) {
+                        self.counters.zero_pages_sent += 1;
+                    } else {
+                        data = Some(buf);
+                    }
+                    self.drop_views(id, failed);
+                }
+                Msg::Invalidated { page, .. } => {
+                    // Only read copies are invalidated (the write copy is sent away), and
+                    // they are protected already: this is the invariant's second line.
+                    let failed = protect_everywhere(seg, page);
+                    let _ = seg.copy.punch(page);
+                    self.counters.invalidated += 1;
+                    self.drop_views(id, failed);
+                }
+                _ => {}
+            }
+            self.post(id, to, msg, data);
+        }
+    }
+
+    fn drop_views(&mut self, id: SegmentId, failed: Vec<usize>) {
+        for i in failed.into_iter().rev() {
+            self.drop_view(id, i);
+        }
+    }
+
+    fn drop_view(&mut self, id: SegmentId, v: usize) {
+        if let Some(seg) = self.segments.get_mut(&id) {
+            if v < seg.views.len() {
+                let view = seg.views.remove(v);
+                tracing::debug!("segment {id:#x}: process {}'s view dropped", view.pid);
+                self.counters.views_lost += 1;
+            }
+        }
+    }
+
+    /// Every view's userfaultfd with its segment and index, to poll.
+    fn views(&self) -> Vec<(SegmentId, usize)> {
+        let mut v: Vec<(SegmentId, usize)> = self
+            .segments
+            .iter()
+            .flat_map(|(&id, s)| (0..s.views.len()).map(move |i| (id, i)))
+            .collect();
+        v.sort_unstable();
+        v
+    }
+
+    /// Reads and serves the faults waiting on view `v` of segment `id`.
+    fn serve_view(&mut self, id: SegmentId, v: usize) {
+        let mut events = Vec::new();
+        let read = match self.segments.get(&id).and_then(|s| s.views.get(v)) {
+            Some(view) => view.uffd.read_events(&mut events, 64),
+            None => return,
+        };
+        if read.is_err() {
+            self.drop_view(id, v);
+            return;
+        }
+        for e in events {
+            if let Event::Pagefault {
+                addr, write, wp, ..
+            } = e
+            {
+                self.on_fault(id, v, addr, write || wp);
+            }
+        }
+    }
+}
+
+/// Write-protects `page` in every view of `seg`; the views whose process is gone.
+fn protect_everywhere(seg: &Segment, page: PageNo) -> Vec<usize> {
+    seg.views
+        .iter()
+        .enumerate()
+        .filter(|(_, v)| v.protect(page).is_err())
+        .map(|(i, _)| i)
+        .collect()
+}
+
+/// What the agent's thread is handed.
+enum Input {
+    Frame(SiteId, Vec<u8>),
+    Call(Box<dyn FnOnce(&mut Agent) + Send>),
+    Stop,
+}
+
+/// A running agent: its thread, and the way in.
+pub struct Running {
+    tx: mpsc::Sender<Input>,
+    bell: Arc<OwnedFd>,
+    thread: Option<std::thread::JoinHandle<Agent>>,
+}
+
+/// Hands frames and calls to a running agent (clone it for each sender).
+#[derive(Clone)]
+pub struct Door {
+    tx: mpsc::Sender<Input>,
+    bell: Arc<OwnedFd>,
+}
+
+impl Door {
+    fn send(&self, input: Input) -> bool {
+        if self.tx.send(input).is_err() {
+            return false;
+        }
+        let _ = rustix::io::write(&*self.bell, &1u64.to_ne_bytes());
+        true
+    }
+
+    /// A frame that arrived from site `from`.
+    pub fn deliver(&self, from: SiteId, frame: Vec<u8>) -> bool {
+        self.send(Input::Frame(from, frame))
+    }
+
+    /// Runs `f` on the agent's thread and returns its result (`None`: the agent stopped).
+    pub fn call<R: Send + 'static>(
+        &self,
+        f: impl FnOnce(&mut Agent) -> R + Send + 'static,
+    ) -> Option<R> {
+        let (tx, rx) = mpsc::channel();
+        let sent = self.send(Input::Call(Box::new(move |a| {
+            let _ = tx.send(f(a));
+        })));
+        if !sent {
+            return None;
+        }
+        rx.recv().ok()
+    }
+}
+
+impl Running {
+    /// Starts `agent` on its own thread.
+    pub fn start(agent: Agent) -> Result<Running, Errno> {
+        use rustix::event::{eventfd, EventfdFlags};
+        let bell = Arc::new(eventfd(0, EventfdFlags::CLOEXEC | EventfdFlags::NONBLOCK)?);
+        let (tx, rx) = mpsc::channel();
+        let ring = bell.clone();
+        let thread = std::thread::Builder::new()
+            .name(format!("netram-shm-{}", agent.id()))
+            .spawn(move || run(agent, rx, ring))
+            .map_err(|_| Errno::AGAIN)?;
+        Ok(Running {
+            tx,
+            bell,
+            thread: Some(thread),
+        })
+    }
+
+    pub fn door(&self) -> Door {
+        Door {
+            tx: self.tx.clone(),
+            bell: self.bell.clone(),
+        }
+    }
+
+    /// Stops the thread; the agent, with what it holds.
+    pub fn stop(mut self) -> Agent {
+        self.door().send(Input::Stop);
+        self.thread
+            .take()
+            .expect("joined once")
+            .join()
+            .expect("the agent's thread panicked")
+    }
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        if let Some(t) = self.thread.take() {
+            let _ = self.tx.send(Input::Stop);
+            let _ = rustix::io::write(&*self.bell, &1u64.to_ne_bytes());
+            let _ = t.join();
+        }
+    }
+}
+
+/// The agent's loop: its bell, every view's userfaultfd, and the windows' deadlines.
+fn run(mut agent: Agent, rx: mpsc::Receiver<Input>, bell: Arc<OwnedFd>) -> Agent {
+    use rustix::event::{poll, PollFd, PollFlags, Timespec};
+    loop {
+        let views = agent.views();
+        let ready: Vec<bool> = {
+            let mut fds = Vec::with_capacity(views.len() + 1);
+            fds.push(PollFd::new(&*bell, PollFlags::IN));
+            for &(id, v) in &views {
+                let uffd = &agent.segments[&id].views[v].uffd;
+                fds.push(PollFd::new(uffd, PollFlags::IN));
+            }
+            let timeout = agent.next_deadline().map(|d| Timespec {
+                tv_sec: d.as_secs() as i64,
+                tv_nsec: i64::from(d.subsec_nanos()),
+            });
+            match poll(&mut fds, timeout.as_ref()) {
+                Ok(_) | Err(Errno::INTR) => {}
+                Err(e) => {
+                    tracing::error!("the shared-memory agent's poll failed: {e}");
+                    std::thread::sleep(Duration::from_millis(10));
+                }
+            }
+            fds.iter().map(|f| !f.revents().is_empty()).collect()
+        };
+        if ready[0] {
+            let mut b = [0u8; 8];
+            let _ = rustix::io::read(bell.as_fd(), &mut b);
+            while let Ok(input) = rx.try_recv() {
+                match input {
+                    Input::Frame(from, frame) => agent.on_frame(from, &frame),
+                    Input::Call(f) => f(&mut agent),
+                    Input::Stop => return agent,
+                }
+            }
+        }
+        // Views in reverse, so that one dropped does not shift those still to serve.
+        for (i, &(id, v)) in views.iter().enumerate().rev() {
+            if ready[i + 1] {
+                agent.serve_view(id, v);
+            }
+        }
+        agent.tick();
+    }
+}
+
+impl std::fmt::Debug for Agent {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Agent")
+            .field("me", &self.me)
+            .field("segments", &self.segments.len())
+            .field("counters", &self.counters)
+            .finish_non_exhaustive()
+    }
+}
+
+impl std::fmt::Debug for Running {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Running").finish_non_exhaustive()
+    }
+}
+
+impl std::fmt::Debug for Door {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Door").finish_non_exhaustive()
+    }
+}

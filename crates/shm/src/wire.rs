@@ -1,0 +1,185 @@
+//! The protocol's messages ([`netram_dsm::Msg`]) to and from their frames
+//! ([`netram_proto::dsm`]): a page's contents travel beside the message, as the protocol's
+//! state machines keep none (the memfd is the copy).
+
+use netram_dsm::{Msg, Want};
+use netram_proto::dsm::{self, Access, Body, Message};
+use netram_proto::DecodeError;
+
+/// A page's contents in flight: `None` is a zero page.
+pub type Data = Option<Box<[u8]>>;
+
+fn access(w: Want) -> Access {
+    match w {
+        Want::Read => Access::Read,
+        Want::Write => Access::Write,
+    }
+}
+
+fn want(a: Access) -> Want {
+    match a {
+        Access::Read => Want::Read,
+        Access::Write => Want::Write,
+    }
+}
+
+/// Encodes `msg` of `segment` (with `data` for a PAGE) as one frame appended to `out`.
+pub fn encode(segment: u64, msg: &Msg<()>, data: Option<&[u8]>, out: &mut Vec<u8>) {
+    let page = msg.page();
+    let m = |ticket, body| Message {
+        segment,
+        page,
+        ticket,
+        body,
+    };
+    let zero = [0u8; netram_proto::PAGE_SIZE];
+    let message = match *msg {
+        Msg::Request { want, .. } => m(0, Body::Request { want: access(want) }),
+        Msg::Send {
+            to, grant, ticket, ..
+        } => m(
+            ticket,
+            Body::Send {
+                to,
+                grant: access(grant),
+            },
+        ),
+        Msg::Invalidate { ticket, .. } => m(ticket, Body::Invalidate),
+        Msg::Invalidated { ticket, .. } => m(ticket, Body::Invalidated),
+        Msg::Grant { ticket, .. } => m(ticket, Body::Grant),
+        Msg::Done { ticket, .. } => m(ticket, Body::Done),
+        Msg::Page { grant, ticket, .. } => {
+            Message::page(segment, page, ticket, access(grant), data.unwrap_or(&zero))
+        }
+    };
+    message.encode(out);
+}
+
+/// Why a frame was refused.
+#[derive(Debug, thiserror::Error)]
+pub enum WireError {
+    #[error(transparent)]
+    Decode(#[from] DecodeError),
+    #[error("page {page} of segment {segment:#x} fails its checksum")]
+    Checksum { segment: u64, page: u32 },
+}
+
+/// Decodes one frame: its segment, the message, and a PAGE's contents.
+pub fn decode(frame: &[u8]) -> Result<(u64, Msg<()>, Data), WireError> {
+    let m = dsm::decode(frame)?;
+    if !m.verify() {
+        return Err(WireError::Checksum {
+            segment: m.segment,
+            page: m.page,
+        });
+    }
+    let (page, ticket) = (m.page, m.ticket);
+    let mut data = None;
+    let msg = match m.body {
+        Body::Request { want: w } => Msg::Request {
+            page,
+            want: want(w),
+        },
+        Body::Send { to, grant } => Msg::Send {
+            page,
+            to,
+            grant: want(grant),
+            ticket,
+        },
+        Body::Invalidate => Msg::Invalidate { page, ticket },
+        Body::Invalidated => Msg::Invalidated { page, ticket },
+        Body::Grant => Msg::Grant { page, ticket },
+        Body::Done => Msg::Done { page, ticket },
+        Body::Page {
+            grant,
+            flags,
+            data: d,
+            ..
+        } => {
+            if !flags.is_zero() {
+                data = Some(d.into());
+            }
+            Msg::Page {
+                page,
+                grant: want(grant),
+                ticket,
+                data: (),
+            }
+        }
+    };
+    Ok((m.segment, msg, data))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_message_comes_back_as_it_went() {
+        let mut page = vec![0u8; netram_proto::PAGE_SIZE];
+        page[7] = 9;
+        let msgs: [(Msg<()>, Option<&[u8]>); 8] = [
+            (
+                Msg::Request {
+                    page: 1,
+                    want: Want::Write,
+                },
+                None,
+            ),
+            (
+                Msg::Send {
+                    page: 2,
+                    to: 5,
+                    grant: Want::Read,
+                    ticket: 3,
+                },
+                None,
+            ),
+            (Msg::Invalidate { page: 3, ticket: 4 }, None),
+            (Msg::Invalidated { page: 3, ticket: 4 }, None),
+            (Msg::Grant { page: 4, ticket: 5 }, None),
+            (Msg::Done { page: 4, ticket: 5 }, None),
+            (
+                Msg::Page {
+                    page: 6,
+                    grant: Want::Write,
+                    ticket: 7,
+                    data: (),
+                },
+                Some(&page),
+            ),
+            (
+                Msg::Page {
+                    page: 6,
+                    grant: Want::Read,
+                    ticket: 8,
+                    data: (),
+                },
+                None,
+            ),
+        ];
+        for (msg, data) in msgs {
+            let mut frame = Vec::new();
+            encode(77, &msg, data, &mut frame);
+            let (seg, back, d) = decode(&frame).unwrap();
+            assert_eq!((seg, &back), (77, &msg));
+            assert_eq!(d.as_deref(), data);
+        }
+        // A page's byte changed on the way.
+        let mut frame = Vec::new();
+        encode(
+            77,
+            &Msg::Page {
+                page: 6,
+                grant: Want::Write,
+                ticket: 7,
+                data: (),
+            },
+            Some(&page),
+            &mut frame,
+        );
+        let n = frame.len();
+        frame[n - 1] ^= 1;
+        assert!(matches!(decode(&frame), Err(WireError::Checksum { .. })));
+    }
+}
