@@ -62,7 +62,9 @@ pub struct Counters {
 pub struct Library {
     /// The creator: initially the clock site of every page (a zero page it holds).
     creator: SiteId,
-    members: BTreeSet<SiteId>,
+    /// The sites admitted; `None`: every site the transport lets speak (the cluster's
+    /// authenticated members).
+    members: Option<BTreeSet<SiteId>>,
     pages: BTreeMap<PageNo, Page>,
     next_ticket: Ticket,
     pub counters: Counters,
@@ -90,15 +92,30 @@ impl Library {
         members.insert(creator);
         Self {
             creator,
-            members,
+            members: Some(members),
             pages: BTreeMap::new(),
             next_ticket: 1,
             counters: Counters::default(),
         }
     }
 
+    /// The library of a segment created by `creator` that admits every site.
+    pub fn open(creator: SiteId) -> Self {
+        Self {
+            members: None,
+            ..Self::new(creator, [])
+        }
+    }
+
     pub fn admit(&mut self, site: SiteId) {
-        self.members.insert(site);
+        if let Some(m) = self.members.as_mut() {
+            m.insert(site);
+        }
+    }
+
+    /// Whether `site` may take part.
+    pub fn admits(&self, site: SiteId) -> bool {
+        self.members.as_ref().is_none_or(|m| m.contains(&site))
     }
 
     fn page(&mut self, page: PageNo) -> &mut Page {
@@ -134,7 +151,7 @@ impl Library {
     }
 
     fn request<D>(&mut self, from: SiteId, page: PageNo, want: Want, out: &mut Out<D>) {
-        if !self.members.contains(&from) {
+        if !self.admits(from) {
             self.counters.requests_not_member += 1;
             return;
         }

@@ -11,8 +11,15 @@
 //!   4 PAGE         grant:u8 flags:u16 0:u16 crc:u32 data    the clock site → the requester
 //!   5 GRANT                                     library → an upgrading site
 //!   6 DONE                                      requester → library
+//!   7 LOOKUP       len:u8 name                  a machine → every member (ticket: a nonce)
+//!   8 FOUND        pages:u32 delta_ms:u32 uid:u32 mode:u16   the library → the asker
+//!   9 ABSENT                                    any member → the asker
 //! want, grant: 0 read, 1 write
 //! ```
+//!
+//! LOOKUP, FOUND and ABSENT name segments: a machine attaching a segment by name asks every
+//! member; the segment's library answers FOUND (the segment's id in `segment`, its size,
+//! window, owner and permission bits), every other member ABSENT. `page` is 0 in them.
 //!
 //! A page's data is `PAGE_SIZE` bytes, or none with [`PageFlags::ZERO`] (MIRAGE+ §3.4: a zero
 //! page travels as a flag); its crc32c covers the segment, the page number, the flags and the
@@ -55,7 +62,23 @@ pub enum Body<'a> {
     },
     Grant,
     Done,
+    /// Which segment is called `name` (1 to [`MAX_NAME`] bytes)?
+    Lookup {
+        name: &'a [u8],
+    },
+    /// This one: `pages` pages, its window, its owner's uid and permission bits.
+    Found {
+        pages: u32,
+        delta_ms: u32,
+        uid: u32,
+        mode: u16,
+    },
+    /// Not one of mine.
+    Absent,
 }
+
+/// The longest segment name.
+pub const MAX_NAME: usize = 255;
 
 /// One DSM message.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -117,6 +140,9 @@ impl<'a> Message<'a> {
             Body::Page { .. } => 4,
             Body::Grant => 5,
             Body::Done => 6,
+            Body::Lookup { .. } => 7,
+            Body::Found { .. } => 8,
+            Body::Absent => 9,
         };
         w.u64(self.segment).u8(tag).u32(self.page).u64(self.ticket);
         match self.body {
@@ -135,7 +161,22 @@ impl<'a> Message<'a> {
                 debug_assert_eq!(data.len(), if flags.is_zero() { 0 } else { PAGE_SIZE });
                 w.u8(grant as u8).u16(flags.0).u16(0).u32(crc).bytes(data);
             }
-            Body::Invalidate | Body::Invalidated | Body::Grant | Body::Done => {}
+            Body::Lookup { name } => {
+                assert!(
+                    (1..=MAX_NAME).contains(&name.len()),
+                    "a segment's name is 1 to {MAX_NAME} bytes"
+                );
+                w.u8(name.len() as u8).bytes(name);
+            }
+            Body::Found {
+                pages,
+                delta_ms,
+                uid,
+                mode,
+            } => {
+                w.u32(pages).u32(delta_ms).u32(uid).u16(mode);
+            }
+            Body::Invalidate | Body::Invalidated | Body::Grant | Body::Done | Body::Absent => {}
         }
         w.finish();
     }
@@ -200,6 +241,25 @@ pub fn decode(frame: &[u8]) -> Result<Message<'_>, DecodeError> {
         }
         5 => Body::Grant,
         6 => Body::Done,
+        7 => {
+            let len = r.u8()? as usize;
+            if len == 0 {
+                return Err(DecodeError::BadValue {
+                    field: "dsm segment name length",
+                    value: 0,
+                });
+            }
+            Body::Lookup {
+                name: r.bytes(len)?,
+            }
+        }
+        8 => Body::Found {
+            pages: r.u32()?,
+            delta_ms: r.u32()?,
+            uid: r.u32()?,
+            mode: r.u16()?,
+        },
+        9 => Body::Absent,
         t => {
             return Err(DecodeError::BadValue {
                 field: "dsm message",
@@ -239,8 +299,9 @@ mod tests {
             ticket in 1u64..,
             to in any::<u64>(),
             want in arb_access(),
-            tag in 0u8..7,
+            tag in 0u8..10,
             fill in any::<u8>(),
+            name in proptest::collection::vec(any::<u8>(), 1..=MAX_NAME),
         ) {
             let data = vec![fill; PAGE_SIZE];
             let body = match tag {
@@ -250,7 +311,10 @@ mod tests {
                 3 => Body::Invalidated,
                 4 => Message::page(segment, page, ticket, want, &data).body,
                 5 => Body::Grant,
-                _ => Body::Done,
+                6 => Body::Done,
+                7 => Body::Lookup { name: &name },
+                8 => Body::Found { pages: page, delta_ms: fill.into(), uid: to as u32, mode: 0o640 },
+                _ => Body::Absent,
             };
             let ticket = if tag == 0 { 0 } else { ticket };
             let m = Message { segment, page, ticket, body };

@@ -125,6 +125,17 @@ fn dsm_seeds() -> Vec<(String, Vec<u8>)> {
         ("page", Message::page(7, 2, 5, Access::Write, &data).body),
         ("grant", Body::Grant),
         ("done", Body::Done),
+        ("lookup", Body::Lookup { name: b"matrix" }),
+        (
+            "found",
+            Body::Found {
+                pages: 256,
+                delta_ms: 0,
+                uid: 1000,
+                mode: 0o600,
+            },
+        ),
+        ("absent", Body::Absent),
     ];
     bodies
         .into_iter()

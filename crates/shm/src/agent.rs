@@ -19,7 +19,7 @@
 //! as time: the kernel does not report the access itself.
 
 use crate::memory::{Copy, View};
-use crate::wire::{self, Data};
+use crate::wire::{self, Data, Frame, Meta};
 use netram_dsm::{Fault, Library, Msg, PageNo, Site, SiteId, Want};
 use netram_proto::PAGE_SIZE;
 use netram_uffd::sys::Event;
@@ -52,6 +52,37 @@ pub struct Counters {
     pub frames_refused: u64,
     /// Views dropped because their process's userfaultfd failed (the process is gone).
     pub views_lost: u64,
+    pub lookups: u64,
+    /// Lookups answered ABSENT because the asker is not admitted to the segment.
+    pub lookups_refused: u64,
+}
+
+/// A segment found by name.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Found {
+    pub segment: SegmentId,
+    pub meta: Meta,
+    /// Its library site.
+    pub library: SiteId,
+}
+
+/// A lookup's answer: found, or not, with the members that did not answer in time.
+pub type LookupResult = Result<Found, Vec<SiteId>>;
+
+struct Lookup {
+    waiting: std::collections::BTreeSet<SiteId>,
+    reply: mpsc::Sender<LookupResult>,
+    deadline_ms: u64,
+}
+
+/// Who a segment's library is, as [`Agent::add`] is told.
+#[derive(Debug, Clone, Copy)]
+pub enum Role<'a> {
+    /// This machine created it and is its library; the sites admitted (`None`: every
+    /// member).
+    Library(Option<&'a [SiteId]>),
+    /// Another machine is its library.
+    Site(SiteId),
 }
 
 /// Why a segment could not be created, attached or mapped here.
@@ -61,6 +92,8 @@ pub enum AgentError {
     Exists(SegmentId),
     #[error("segment {0:#x} is not attached here")]
     Unknown(SegmentId),
+    #[error("a segment called {0:?} is attached here already")]
+    NameTaken(String),
     #[error("a mapping of {got} pages of segment {segment:#x}, which has {want}")]
     Size {
         segment: SegmentId,
@@ -72,6 +105,9 @@ pub enum AgentError {
 }
 
 struct Segment {
+    name: String,
+    meta: Meta,
+    library_site: SiteId,
     copy: Copy,
     site: Site<()>,
     library: Option<Library>,
@@ -94,6 +130,9 @@ pub type Net = Box<dyn FnMut(SiteId, Vec<u8>) + Send>;
 pub struct Agent {
     me: SiteId,
     segments: HashMap<SegmentId, Segment>,
+    names: HashMap<String, SegmentId>,
+    lookups: HashMap<u64, Lookup>,
+    next_nonce: u64,
     letters: VecDeque<Letter>,
     net: Net,
     epoch: Instant,
@@ -106,6 +145,12 @@ impl Agent {
         Agent {
             me,
             segments: HashMap::new(),
+            names: HashMap::new(),
+            lookups: HashMap::new(),
+            // Nonces of another incarnation of this agent are not mistaken for this one's.
+            next_nonce: std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(1, |d| d.as_nanos() as u64),
             letters: VecDeque::new(),
             net,
             epoch: Instant::now(),
@@ -121,53 +166,160 @@ impl Agent {
         self.epoch.elapsed().as_millis() as u64
     }
 
-    /// Creates segment `id` of `pages` pages here: this machine is its library site and holds
-    /// every page (zero) at first; `members` may attach. Its memfd, for local processes.
-    pub fn create(
+    /// Adds segment `id`, called `name`, here: as its library (this machine created it and
+    /// holds every page, zero, at first) or as a site of another machine's segment (holding
+    /// none of its pages). Its memfd, for local processes.
+    pub fn add(
         &mut self,
         id: SegmentId,
         name: &str,
-        pages: u32,
-        delta_ms: u64,
-        members: &[SiteId],
-    ) -> Result<&OwnedFd, AgentError> {
-        self.add(id, name, pages, delta_ms, self.me, Some(members))
-    }
-
-    /// Attaches segment `id` (`pages` pages) whose library site is `library`: this machine
-    /// holds none of its pages. Its memfd, for local processes.
-    pub fn attach(
-        &mut self,
-        id: SegmentId,
-        name: &str,
-        pages: u32,
-        delta_ms: u64,
-        library: SiteId,
-    ) -> Result<&OwnedFd, AgentError> {
-        self.add(id, name, pages, delta_ms, library, None)
-    }
-
-    fn add(
-        &mut self,
-        id: SegmentId,
-        name: &str,
-        pages: u32,
-        delta_ms: u64,
-        library: SiteId,
-        members: Option<&[SiteId]>,
+        meta: Meta,
+        role: Role<'_>,
     ) -> Result<&OwnedFd, AgentError> {
         if self.segments.contains_key(&id) {
             return Err(AgentError::Exists(id));
         }
-        let copy = Copy::new(name, pages)?;
-        let creator = members.is_some();
+        if self.names.contains_key(name) {
+            return Err(AgentError::NameTaken(name.to_owned()));
+        }
+        let copy = Copy::new(name, meta.pages)?;
+        let delta = u64::from(meta.delta_ms).max(MIN_HOLD_MS);
+        let (library_site, library) = match role {
+            Role::Library(members) => (
+                self.me,
+                Some(match members {
+                    Some(m) => Library::new(self.me, m.iter().copied()),
+                    None => Library::open(self.me),
+                }),
+            ),
+            Role::Site(l) => (l, None),
+        };
         let seg = Segment {
+            name: name.to_owned(),
+            meta,
+            library_site,
             copy,
-            site: Site::new(self.me, library, creator, delta_ms.max(MIN_HOLD_MS)),
-            library: members.map(|m| Library::new(self.me, m.iter().copied())),
+            site: Site::new(self.me, library_site, library.is_some(), delta),
+            library,
             views: Vec::new(),
         };
+        self.names.insert(name.to_owned(), id);
         Ok(self.segments.entry(id).or_insert(seg).copy.fd())
+    }
+
+    /// Looks segment `name` up: here if it is attached here, else by asking every one of
+    /// `members` (its library answers); the answer goes to `reply`, within `wait`.
+    pub fn lookup(
+        &mut self,
+        name: &str,
+        members: &[SiteId],
+        wait: Duration,
+        reply: mpsc::Sender<LookupResult>,
+    ) {
+        self.counters.lookups += 1;
+        if let Some(seg) = self.names.get(name).and_then(|id| {
+            self.segments.get(id).map(|s| Found {
+                segment: *id,
+                meta: s.meta,
+                library: s.library_site,
+            })
+        }) {
+            let _ = reply.send(Ok(seg));
+            return;
+        }
+        let waiting: std::collections::BTreeSet<SiteId> =
+            members.iter().copied().filter(|&m| m != self.me).collect();
+        if waiting.is_empty() {
+            let _ = reply.send(Err(Vec::new()));
+            return;
+        }
+        self.next_nonce = self.next_nonce.wrapping_add(1);
+        let nonce = self.next_nonce;
+        let mut frame = Vec::new();
+        wire::encode_naming(
+            &Frame::Lookup {
+                nonce,
+                name: name.to_owned(),
+            },
+            &mut frame,
+        );
+        for &m in &waiting {
+            (self.net)(m, frame.clone());
+        }
+        let deadline_ms = self.now_ms() + wait.as_millis() as u64;
+        self.lookups.insert(
+            nonce,
+            Lookup {
+                waiting,
+                reply,
+                deadline_ms,
+            },
+        );
+    }
+
+    fn on_naming(&mut self, from: SiteId, frame: Frame) {
+        match frame {
+            Frame::Lookup { nonce, name } => {
+                let seg = self.names.get(&name).and_then(|id| {
+                    let s = &self.segments[id];
+                    s.library.as_ref().map(|l| (*id, s.meta, l.admits(from)))
+                });
+                let answer = match seg {
+                    Some((segment, meta, true)) => Frame::Found {
+                        nonce,
+                        segment,
+                        meta,
+                    },
+                    Some((_, _, false)) => {
+                        self.counters.lookups_refused += 1;
+                        Frame::Absent { nonce }
+                    }
+                    None => Frame::Absent { nonce },
+                };
+                let mut out = Vec::new();
+                wire::encode_naming(&answer, &mut out);
+                (self.net)(from, out);
+            }
+            Frame::Found {
+                nonce,
+                segment,
+                meta,
+            } => {
+                if self
+                    .lookups
+                    .get(&nonce)
+                    .is_some_and(|l| l.waiting.contains(&from))
+                {
+                    let l = self.lookups.remove(&nonce).expect("present");
+                    let _ = l.reply.send(Ok(Found {
+                        segment,
+                        meta,
+                        library: from,
+                    }));
+                } else {
+                    self.counters.frames_refused += 1;
+                }
+            }
+            Frame::Absent { nonce } => {
+                let expected = self
+                    .lookups
+                    .get_mut(&nonce)
+                    .is_some_and(|l| l.waiting.remove(&from));
+                if !expected {
+                    self.counters.frames_refused += 1;
+                } else if self.lookups[&nonce].waiting.is_empty() {
+                    let l = self.lookups.remove(&nonce).expect("present");
+                    let _ = l.reply.send(Err(Vec::new()));
+                }
+            }
+            Frame::Protocol { .. } => unreachable!("naming frames only"),
+        }
+    }
+
+    /// Segment `name`'s id here, if attached.
+    pub fn segment_named(&self, name: &str) -> Option<(SegmentId, Meta)> {
+        let id = *self.names.get(name)?;
+        Some((id, self.segments[&id].meta))
     }
 
     /// Takes over a local process's mapping of segment `id` (registered with `view.uffd`,
@@ -247,10 +399,10 @@ impl Agent {
 
     /// A frame from site `from` (the transport vouches for who it is).
     pub fn on_frame(&mut self, from: SiteId, frame: &[u8]) {
-        match wire::decode(frame) {
-            Ok((id, msg, data)) if self.segments.contains_key(&id) => {
+        match wire::decode_frame(frame) {
+            Ok(Frame::Protocol { segment, msg, data }) if self.segments.contains_key(&segment) => {
                 self.letters.push_back(Letter {
-                    segment: id,
+                    segment,
                     from,
                     to: self.me,
                     msg,
@@ -258,13 +410,24 @@ impl Agent {
                 });
                 self.pump();
             }
-            Ok(_) | Err(_) => self.counters.frames_refused += 1,
+            Ok(Frame::Protocol { .. }) | Err(_) => self.counters.frames_refused += 1,
+            Ok(naming) => self.on_naming(from, naming),
         }
     }
 
     /// Carries out the orders whose windows have passed.
     pub fn tick(&mut self) {
         let now = self.now_ms();
+        let expired: Vec<u64> = self
+            .lookups
+            .iter()
+            .filter(|(_, l)| l.deadline_ms <= now)
+            .map(|(&n, _)| n)
+            .collect();
+        for n in expired {
+            let l = self.lookups.remove(&n).expect("listed");
+            let _ = l.reply.send(Err(l.waiting.into_iter().collect()));
+        }
         let ids: Vec<SegmentId> = self
             .segments
             .iter()
@@ -284,6 +447,7 @@ impl Agent {
         self.segments
             .values()
             .filter_map(|s| s.site.next_deadline())
+            .chain(self.lookups.values().map(|l| l.deadline_ms))
             .min()
             .map(|d| Duration::from_millis(d.saturating_sub(now)))
     }
@@ -420,7 +584,7 @@ impl Agent {
         if let Some(seg) = self.segments.get_mut(&id) {
             if v < seg.views.len() {
                 let view = seg.views.remove(v);
-                tracing::debug!("segment {id:#x}: process {}'s view dropped", view.pid);
+                tracing::debug!("segment {}: process {}'s view dropped", seg.name, view.pid);
                 self.counters.views_lost += 1;
             }
         }

@@ -21,5 +21,6 @@ pub mod agent;
 pub mod memory;
 pub mod wire;
 
-pub use agent::{Agent, AgentError, Counters, Door, Running, SegmentId};
+pub use agent::{Agent, AgentError, Counters, Door, Found, LookupResult, Role, Running, SegmentId};
 pub use memory::{Copy, Mapped, View};
+pub use wire::Meta;

@@ -62,11 +62,128 @@ pub enum WireError {
     Decode(#[from] DecodeError),
     #[error("page {page} of segment {segment:#x} fails its checksum")]
     Checksum { segment: u64, page: u32 },
+    #[error("a segment name that is not UTF-8")]
+    Name,
+    #[error("a naming message where a protocol message belongs")]
+    NotProtocol,
 }
 
-/// Decodes one frame: its segment, the message, and a PAGE's contents.
-pub fn decode(frame: &[u8]) -> Result<(u64, Msg<()>, Data), WireError> {
+/// What a segment is, as its library tells a machine looking it up by name.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Meta {
+    pub pages: u32,
+    pub delta_ms: u32,
+    /// Its owner's uid and permission bits (as System V's `shm_perm`).
+    pub uid: u32,
+    pub mode: u16,
+}
+
+/// A decoded frame.
+#[derive(Debug)]
+pub enum Frame {
+    /// A message of the coherence protocol, with a PAGE's contents.
+    Protocol {
+        segment: u64,
+        msg: Msg<()>,
+        data: Data,
+    },
+    Lookup {
+        nonce: u64,
+        name: String,
+    },
+    Found {
+        nonce: u64,
+        segment: u64,
+        meta: Meta,
+    },
+    Absent {
+        nonce: u64,
+    },
+}
+
+/// Encodes a naming message (LOOKUP, FOUND, ABSENT) appended to `out`.
+pub fn encode_naming(frame: &Frame, out: &mut Vec<u8>) {
+    let (segment, ticket, body) = match *frame {
+        Frame::Lookup { nonce, ref name } => (
+            0,
+            nonce,
+            Body::Lookup {
+                name: name.as_bytes(),
+            },
+        ),
+        Frame::Found {
+            nonce,
+            segment,
+            meta,
+        } => (
+            segment,
+            nonce,
+            Body::Found {
+                pages: meta.pages,
+                delta_ms: meta.delta_ms,
+                uid: meta.uid,
+                mode: meta.mode,
+            },
+        ),
+        Frame::Absent { nonce } => (0, nonce, Body::Absent),
+        Frame::Protocol { .. } => panic!("encode_naming is for naming messages"),
+    };
+    Message {
+        segment,
+        page: 0,
+        ticket,
+        body,
+    }
+    .encode(out);
+}
+
+/// Decodes one frame.
+pub fn decode_frame(frame: &[u8]) -> Result<Frame, WireError> {
     let m = dsm::decode(frame)?;
+    match m.body {
+        Body::Lookup { name } => {
+            let name = std::str::from_utf8(name)
+                .map_err(|_| WireError::Name)?
+                .to_owned();
+            return Ok(Frame::Lookup {
+                nonce: m.ticket,
+                name,
+            });
+        }
+        Body::Found {
+            pages,
+            delta_ms,
+            uid,
+            mode,
+        } => {
+            return Ok(Frame::Found {
+                nonce: m.ticket,
+                segment: m.segment,
+                meta: Meta {
+                    pages,
+                    delta_ms,
+                    uid,
+                    mode,
+                },
+            })
+        }
+        Body::Absent => return Ok(Frame::Absent { nonce: m.ticket }),
+        _ => {}
+    }
+    let (segment, msg, data) = protocol(m)?;
+    Ok(Frame::Protocol { segment, msg, data })
+}
+
+/// Decodes one frame of the coherence protocol: its segment, the message, and a PAGE's
+/// contents.
+pub fn decode(frame: &[u8]) -> Result<(u64, Msg<()>, Data), WireError> {
+    match decode_frame(frame)? {
+        Frame::Protocol { segment, msg, data } => Ok((segment, msg, data)),
+        _ => Err(WireError::NotProtocol),
+    }
+}
+
+fn protocol(m: Message<'_>) -> Result<(u64, Msg<()>, Data), WireError> {
     if !m.verify() {
         return Err(WireError::Checksum {
             segment: m.segment,
@@ -90,6 +207,9 @@ pub fn decode(frame: &[u8]) -> Result<(u64, Msg<()>, Data), WireError> {
         Body::Invalidated => Msg::Invalidated { page, ticket },
         Body::Grant => Msg::Grant { page, ticket },
         Body::Done => Msg::Done { page, ticket },
+        Body::Lookup { .. } | Body::Found { .. } | Body::Absent => {
+            return Err(WireError::NotProtocol)
+        }
         Body::Page {
             grant,
             flags,
@@ -181,5 +301,34 @@ mod tests {
         let n = frame.len();
         frame[n - 1] ^= 1;
         assert!(matches!(decode(&frame), Err(WireError::Checksum { .. })));
+    }
+
+    #[test]
+    fn naming_messages_come_back_as_they_went() {
+        let meta = Meta {
+            pages: 9,
+            delta_ms: 2,
+            uid: 1000,
+            mode: 0o640,
+        };
+        for f in [
+            Frame::Lookup {
+                nonce: 3,
+                name: "matrix".into(),
+            },
+            Frame::Found {
+                nonce: 3,
+                segment: 0xabc,
+                meta,
+            },
+            Frame::Absent { nonce: 3 },
+        ] {
+            let mut out = Vec::new();
+            encode_naming(&f, &mut out);
+            assert_eq!(
+                format!("{:?}", decode_frame(&out).unwrap()),
+                format!("{f:?}")
+            );
+        }
     }
 }

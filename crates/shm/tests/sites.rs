@@ -4,7 +4,7 @@
 //! would; the checks are on what they read.
 
 use netram_dsm::SiteId;
-use netram_shm::{Agent, Door, Mapped, Running, SegmentId, View};
+use netram_shm::{Agent, Door, Mapped, Meta, Role, Running, SegmentId, View};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -20,7 +20,7 @@ struct Cluster {
 }
 
 impl Cluster {
-    fn new(n: u64, pages: u32, delta_ms: u64) -> Cluster {
+    fn new(n: u64, pages: u32, delta_ms: u32) -> Cluster {
         let doors: Arc<Mutex<HashMap<SiteId, Door>>> = Arc::default();
         let mut agents = Vec::new();
         for me in 1..=n {
@@ -35,15 +35,32 @@ impl Cluster {
             doors.lock().unwrap().insert(me, running.door());
             agents.push(running);
         }
-        let members: Vec<SiteId> = (1..=n).collect();
         let c = Cluster { agents, doors };
+        let meta = Meta {
+            pages,
+            delta_ms,
+            uid: 0,
+            mode: 0o600,
+        };
         c.door(1)
-            .call(move |a| a.create(SEG, "test", pages, delta_ms, &members).map(|_| ()))
+            .call(move |a| a.add(SEG, "test", meta, Role::Library(None)).map(|_| ()))
             .unwrap()
             .unwrap();
+        // The others find it by name, as a process attaching it would.
+        let members: Vec<SiteId> = (1..=n).collect();
         for me in 2..=n {
+            let members = members.clone();
+            let (tx, rx) = std::sync::mpsc::channel();
             c.door(me)
-                .call(move |a| a.attach(SEG, "test", pages, delta_ms, 1).map(|_| ()))
+                .call(move |a| a.lookup("test", &members, Duration::from_secs(5), tx))
+                .unwrap();
+            let found = rx.recv().unwrap().unwrap();
+            assert_eq!((found.segment, found.meta, found.library), (SEG, meta, 1));
+            c.door(me)
+                .call(move |a| {
+                    a.add(SEG, "test", meta, Role::Site(found.library))
+                        .map(|_| ())
+                })
                 .unwrap()
                 .unwrap();
         }
@@ -206,4 +223,20 @@ fn random_adds_and_loads_lose_nothing_and_keep_each_word_in_order() {
             assert_eq!(word(m, i).load(Ordering::SeqCst), total, "word {i}");
         }
     }
+}
+
+/// A name nobody created is absent once every member has said so; a member that does not
+/// answer is named when the wait is over.
+#[test]
+fn a_name_nobody_created_is_absent() {
+    let c = Cluster::new(3, 1, 0);
+    let ask = |members: Vec<SiteId>| {
+        let (tx, rx) = std::sync::mpsc::channel();
+        c.door(2)
+            .call(move |a| a.lookup("nothing", &members, Duration::from_millis(300), tx))
+            .unwrap();
+        rx.recv_timeout(Duration::from_secs(5)).unwrap()
+    };
+    assert_eq!(ask(vec![1, 2, 3]), Err(vec![]));
+    assert_eq!(ask(vec![1, 3, 9]), Err(vec![9]));
 }
