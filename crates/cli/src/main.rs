@@ -6,6 +6,7 @@ mod demo;
 mod nbd;
 mod run;
 mod serve;
+mod shm;
 mod sim;
 mod top;
 
@@ -141,6 +142,11 @@ enum Command {
     /// model weights, build trees or VM images read again and again. The cluster-wide cache
     /// (pages a machine drops held by others' daemons, GMS) is not built yet.
     Cache(cache::CacheArgs),
+    /// Memory shared between machines: segments that processes on any machine of the
+    /// cluster attach and use with plain loads and stores, every load seeing the latest
+    /// store (MIRAGE+'s write-invalidate protocol over userfaultfd). From the shell: create
+    /// a segment, write into it, read it out; programs use the Rust API (netram_shm::Segment).
+    Shm(shm::ShmArgs),
     /// Run an unmodified program with its heap on cluster memory.
     ///
     /// A preload library puts the program's heap (the malloc family, every size, and private
@@ -533,6 +539,10 @@ fn main() -> anyhow::Result<()> {
         Command::Nbd(args) => {
             init_logging("info");
             nbd::run(args)
+        }
+        Command::Shm(args) => {
+            init_logging("warn");
+            shm::run(args)
         }
         Command::Cache(args) => {
             init_logging("info");

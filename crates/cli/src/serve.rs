@@ -514,6 +514,7 @@ fn check(args: ServeArgs) -> anyhow::Result<ServerConfig> {
         listen,
         metrics,
         metrics_token,
+        shm_socket: control.as_deref().map(netram_shm::local::socket_of),
         control,
         metrics_required: metrics_given.is_some(),
         gossip: netram_server::gossip::GossipConfig {

@@ -101,35 +101,7 @@ impl Call {
         encode: impl FnOnce(u64, &mut Vec<u8>),
     ) -> Result<(u64, Vec<u8>), CallError> {
         let exchange = || {
-            if self
-                .conn
-                .as_ref()
-                .is_some_and(|(s, _, _)| closed_by_peer(s))
-            {
-                tracing::debug!(node, "connection closed while idle: opening another");
-                self.conn = None;
-            }
-            if self.conn.is_none() {
-                if self.failed_recently() {
-                    return Err(CallError::FailedRecently);
-                }
-                let c = handshake(addr, &hello(), patience.connect, security)?;
-                // Over TLS the WELCOME's node id is the certificate's (checked in the handshake).
-                if c.welcome.server_node != node {
-                    return Err(CallError::WrongNode {
-                        named: node,
-                        got: c.welcome.server_node,
-                    });
-                }
-                c.stream
-                    .set_read_timeout(Some(patience.reply))
-                    .map_err(|e| CallError::Io("socket", e))?;
-                let (send, recv) = match c.keys {
-                    Some(k) => (Some(k.send), Some(k.recv)),
-                    None => (None, None),
-                };
-                self.conn = Some((c.stream, FrameBuffer::sealed(recv), send));
-            }
+            self.open(node, addr, hello, security, patience)?;
             self.next_id += 1;
             let id = self.next_id;
             let (s, rbuf, seal) = self.conn.as_mut().expect("opened above");
@@ -160,6 +132,81 @@ impl Call {
         if r.is_err() {
             // Whatever was half sent or half read, the next call starts on a new connection;
             // whether to stop calling for a while is the caller's (it may try once more).
+            self.conn = None;
+        }
+        r
+    }
+
+    /// Opens the connection to `node` at `addr` unless one is open and not closed by the
+    /// other side.
+    fn open(
+        &mut self,
+        node: u64,
+        addr: SocketAddr,
+        hello: impl FnOnce() -> Hello,
+        security: &Security,
+        patience: Patience,
+    ) -> Result<(), CallError> {
+        if self
+            .conn
+            .as_ref()
+            .is_some_and(|(s, _, _)| closed_by_peer(s))
+        {
+            tracing::debug!(node, "connection closed while idle: opening another");
+            self.conn = None;
+        }
+        if self.conn.is_some() {
+            return Ok(());
+        }
+        if self.failed_recently() {
+            return Err(CallError::FailedRecently);
+        }
+        let c = handshake(addr, &hello(), patience.connect, security)?;
+        // Over TLS the WELCOME's node id is the certificate's (checked in the handshake).
+        if c.welcome.server_node != node {
+            return Err(CallError::WrongNode {
+                named: node,
+                got: c.welcome.server_node,
+            });
+        }
+        c.stream
+            .set_read_timeout(Some(patience.reply))
+            .map_err(|e| CallError::Io("socket", e))?;
+        c.stream
+            .set_write_timeout(Some(patience.reply))
+            .map_err(|e| CallError::Io("socket", e))?;
+        let (send, recv) = match c.keys {
+            Some(k) => (Some(k.send), Some(k.recv)),
+            None => (None, None),
+        };
+        self.conn = Some((c.stream, FrameBuffer::sealed(recv), send));
+        Ok(())
+    }
+
+    /// Sends `frames` (whole frames, each with request id 0: messages that are not
+    /// answered) to `node` at `addr`, opening the connection if need be. Nothing is read
+    /// back; a failure closes the connection, and the caller decides what the frames lost
+    /// mean.
+    pub fn post(
+        &mut self,
+        node: u64,
+        addr: SocketAddr,
+        hello: impl FnOnce() -> Hello,
+        security: &Security,
+        patience: Patience,
+        frames: &mut Vec<u8>,
+    ) -> Result<(), CallError> {
+        let r = self
+            .open(node, addr, hello, security, patience)
+            .and_then(|()| {
+                let (s, _, seal) = self.conn.as_mut().expect("opened above");
+                if let Some(k) = seal {
+                    reserve_tags(frames, 0);
+                    k.seal_all(frames);
+                }
+                s.write_all(frames).map_err(|e| CallError::Io("send", e))
+            });
+        if r.is_err() {
             self.conn = None;
         }
         r

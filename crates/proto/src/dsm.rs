@@ -193,6 +193,12 @@ fn access(r: &mut Reader<'_>, field: &'static str) -> Result<Access, DecodeError
     }
 }
 
+/// Whether `frame` (whole) is a DSM message, by its kind: how a daemon tells them from the
+/// requests it answers.
+pub fn is_dsm(frame: &[u8]) -> bool {
+    split_frame(frame).is_ok_and(|(kind, _, _)| kind == Kind::Dsm as u8)
+}
+
 /// Decodes one whole DSM frame (length prefix included).
 pub fn decode(frame: &[u8]) -> Result<Message<'_>, DecodeError> {
     let (kind, req_id, mut r) = split_frame(frame)?;

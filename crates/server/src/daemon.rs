@@ -123,6 +123,9 @@ pub struct ServerConfig {
     /// The control socket, where local clients ask for `/members` (`http.rs`); `None`:
     /// none.
     pub control: Option<std::path::PathBuf>,
+    /// The shared-memory socket, where local processes create and attach segments
+    /// (`shm.rs`); `None`: none (the daemon still serves other machines' segments' messages).
+    pub shm_socket: Option<std::path::PathBuf>,
     /// The metrics address was chosen by the operator: failing to bind it stops the start.
     /// Otherwise (a default) the daemon warns and serves without it.
     pub metrics_required: bool,
@@ -171,6 +174,7 @@ impl Default for ServerConfig {
             metrics: None,
             metrics_token: None,
             control: None,
+            shm_socket: None,
             metrics_required: false,
         }
     }
@@ -264,6 +268,10 @@ node_counters! {
     /// GMS epoch messages that came over TCP, dropped: they travel in membership packets
     /// (`crate::gms`).
     gms_epoch_messages_ignored,
+    /// Distributed shared memory's messages handed to the agent, and refused (from a
+    /// connection that is not a daemon's).
+    dsm_frames_received,
+    dsm_frames_refused,
     /// GMS epoch messages (in membership packets) sent, received and refused, by reason: not
     /// an epoch message that decodes; from a node that is not a live member; signed by another
     /// node than the one it names.
@@ -357,6 +365,8 @@ pub(crate) struct Shared {
     handshaking: Mutex<HashMap<ConnId, TcpStream>>,
     /// What clients and `/metrics` read of this node's GMS epochs (`crate::gms`).
     gms_view: Mutex<crate::gms::View>,
+    /// Distributed shared memory's agent and links (`crate::shm`), once started.
+    pub(crate) shm: std::sync::OnceLock<crate::shm::Shm>,
 }
 
 /// A connection's place in the limits, given back when it is dropped — also when the
@@ -639,6 +649,7 @@ impl Server {
             .transpose()?;
         let control = cfg.control.as_deref().map(bind_control).transpose()?;
         let me = crate::gossip::identity(node, advertised, incarnation);
+        let member_id = me.id;
         let mut membership =
             netram_member::Membership::new(me, incarnation ^ me.id, cfg.gossip.member.clone(), 0);
         membership.join(&cfg.gossip.seeds);
@@ -663,7 +674,22 @@ impl Server {
             admission: Mutex::new(admission),
             handshaking: Mutex::new(HashMap::new()),
             gms_view: Mutex::new(Default::default()),
+            shm: std::sync::OnceLock::new(),
         });
+        // The agent's site id is this node's id in the membership (its certificate's over
+        // TLS), which is how other daemons name it.
+        let shm = crate::shm::Shm::start(
+            &shared,
+            member_id,
+            incarnation,
+            shared.cfg.security.clone(),
+            shared.cfg.shm_socket.as_deref(),
+        )
+        .map_err(|e| ServerError::Control {
+            path: shared.cfg.shm_socket.clone().unwrap_or_default(),
+            why: format!("shared memory: {e}"),
+        })?;
+        let _ = shared.shm.set(shm);
         let accept = {
             let shared = shared.clone();
             std::thread::Builder::new()
@@ -846,6 +872,18 @@ fn stats_list(store: &Store<Arena>, shared: &Shared) -> Vec<(&'static str, u64)>
         ("gms_summaries_refused", g.stats.summaries_refused),
         ("gms_stale_reports", g.stats.stale_reports),
     ]);
+    if let Some(shm) = shared.shm.get() {
+        out.extend([
+            (
+                "dsm_frames_sent",
+                shm.counters.frames_sent.load(Ordering::Relaxed),
+            ),
+            (
+                "dsm_frames_lost",
+                shm.counters.frames_lost.load(Ordering::Relaxed),
+            ),
+        ]);
+    }
     out
 }
 
@@ -1217,7 +1255,23 @@ fn serve_connection(mut stream: TcpStream, shared: &Shared, slot: ConnId) -> Res
     // A client that seals its pages may have a GET reply's page data outside the record's
     // seal (`netram_net::record`): it checks those pages against its own tags.
     let clear_tails = keys.is_some() && hello.flags & HELLO_SEALED_PAGES != 0;
-    let served = serve_session(stream, shared, peer, session, keys, serial, clear_tails);
+    // Who sends DSM messages on this connection: a daemon, as its certificate names it; over
+    // clear TCP (loopback, development) as its HELLO does.
+    let dsm_from = match principal {
+        Peer::Server(node) => Some(node),
+        Peer::Node(_) => None,
+        Peer::Addr(_) => Some(hello.node ^ crate::shm::DSM_NODE),
+    };
+    let served = serve_session(
+        stream,
+        shared,
+        peer,
+        session,
+        keys,
+        serial,
+        clear_tails,
+        dsm_from,
+    );
     if hello.flags & HELLO_END_ON_CLOSE != 0 {
         // However the connection ended (a CLOSE already ended the session: nothing to do).
         if shared.store().close(session).is_ok() {
@@ -1228,6 +1282,7 @@ fn serve_connection(mut stream: TcpStream, shared: &Shared, slot: ConnId) -> Res
 }
 
 /// Serves the requests of one session's connection until it closes.
+#[allow(clippy::too_many_arguments)]
 fn serve_session(
     stream: TcpStream,
     shared: &Shared,
@@ -1236,6 +1291,7 @@ fn serve_session(
     keys: Option<FrameKeys>,
     serial: Option<Vec<u8>>,
     clear_tails: bool,
+    dsm_from: Option<u64>,
 ) -> Result<(), ConnError> {
     let (seal, open) = match keys {
         Some(k) => (Some(k.send), Some(k.recv)),
@@ -1260,6 +1316,7 @@ fn serve_session(
             open,
             serial,
             clear_tails,
+            dsm_from,
             &writer,
             &mut |ho| {
                 let tx = mover.get_or_insert_with(|| {
@@ -1346,6 +1403,7 @@ fn session_loop(
     open: Option<netram_net::RecordKey>,
     serial: Option<Vec<u8>>,
     clear_tails: bool,
+    dsm_from: Option<u64>,
     writer: &Mutex<ConnWriter>,
     hand_over: &mut dyn FnMut((serve::Handover, u32)),
 ) -> Result<(), ConnError> {
@@ -1424,6 +1482,7 @@ fn session_loop(
             session,
             sealed,
             clear_tails,
+            dsm_from,
             &mut handovers,
         )
         .map_err(|e| {
@@ -1500,6 +1559,7 @@ struct Served {
 /// only while a request waits for parity holders), and appends the replies to `out`: at most
 /// a window's worth of frames, and no more once `out` holds [`REPLY_BUFFER_MAX`] bytes, so
 /// that the replies are written before more requests are served.
+#[allow(clippy::too_many_arguments)]
 fn handle_frames(
     rbuf: &mut FrameBuffer,
     out: &mut Vec<u8>,
@@ -1507,6 +1567,7 @@ fn handle_frames(
     h: SessionHandle,
     sealed: bool,
     clear_tails: bool,
+    dsm_from: Option<u64>,
     handovers: &mut Vec<(serve::Handover, u32)>,
 ) -> Result<Served, DecodeError> {
     let mut now = shared.now_ms();
@@ -1525,6 +1586,17 @@ fn handle_frames(
             Ok(None) => break Ok(false),
             Err(e) => break Err(e),
         };
+        if netram_proto::dsm::is_dsm(frame) {
+            // Distributed shared memory's messages go to the agent, one-way (`crate::shm`).
+            match (dsm_from, shared.shm.get()) {
+                (Some(from), Some(shm)) => {
+                    shm.deliver(from, frame);
+                    Shared::bump(&shared.counters.dsm_frames_received);
+                }
+                _ => Shared::bump(&shared.counters.dsm_frames_refused),
+            }
+            continue;
+        }
         let (id, req) = match decode_request(frame) {
             Ok(r) => r,
             Err(DecodeError::UnknownKind(_)) => {

@@ -9,6 +9,8 @@
 //! * `http`: `/metrics` (Prometheus) and `/members` for operators and local clients;
 //! * [`peers`]: server-to-server connections that carry parity deltas to holders (Nswap
 //!   §IV-B2 and IV-C).
+//! * [`shm`]: distributed shared memory's agent (MIRAGE+), its links to other daemons and
+//!   the local socket where processes create and attach segments.
 //!
 //! # Why threads and blocking sockets, not an async runtime
 //!
@@ -34,5 +36,6 @@ pub mod gms;
 pub mod gossip;
 mod http;
 pub mod peers;
+pub mod shm;
 
 pub use daemon::{Server, ServerConfig, ServerError};

@@ -341,6 +341,13 @@ impl Agent {
         Ok(())
     }
 
+    /// Drops process `pid`'s views of segment `id` (it detached or exited).
+    pub fn drop_views_of(&mut self, id: SegmentId, pid: u32) {
+        if let Some(seg) = self.segments.get_mut(&id) {
+            seg.views.retain(|v| v.pid != pid);
+        }
+    }
+
     /// Segment `id`'s copy here.
     pub fn copy(&self, id: SegmentId) -> Option<&Copy> {
         self.segments.get(&id).map(|s| &s.copy)

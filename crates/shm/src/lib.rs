@@ -9,6 +9,8 @@
 //!   out the library's orders on the copy, is the library site of the segments created here,
 //!   and talks to the other machines' agents through a seam (a frame for a site).
 //! - [`wire`]: the protocol's messages to and from frames.
+//! - [`local`]: between a process and its machine's agent (the daemon's shared-memory
+//!   socket), and [`Segment`], what a program holds.
 //!
 //! From a fault to a page and back: a thread of a process touches a page this machine does
 //! not hold → its userfaultfd reports the fault to the agent → [`netram_dsm::Site::fault`]
@@ -18,9 +20,11 @@
 //! thread, whose access now finds the page.
 
 pub mod agent;
+pub mod local;
 pub mod memory;
 pub mod wire;
 
 pub use agent::{Agent, AgentError, Counters, Door, Found, LookupResult, Role, Running, SegmentId};
+pub use local::{Segment, SegmentError};
 pub use memory::{Copy, Mapped, View};
 pub use wire::Meta;

@@ -1,0 +1,447 @@
+//! The daemon's part in distributed shared memory (MIRAGE+, paper 002; issue 40): it runs
+//! the machine's agent (`netram_shm::agent`, one thread), carries the agent's messages to
+//! other daemons and delivers theirs, and answers this machine's processes on the
+//! shared-memory socket (`netram_shm::local`).
+//!
+//! - **Between daemons** the messages ride the cluster's authenticated connections: a link
+//!   per peer (a thread, a bounded queue, [`netram_net::Call::post`]: one-way frames), and on
+//!   the receiving side `daemon.rs` hands every DSM frame to the agent with the node the
+//!   connection's certificate names (never a field of the message). Over clear TCP
+//!   (`--insecure`, loopback only) the sender's HELLO names it.
+//! - **Local processes** create and attach segments on a `SOCK_SEQPACKET` socket next to the
+//!   control socket: the daemon checks the name, the caller's uid (from the socket) against
+//!   the segment's owner and mode, finds the segment by name in the cluster, and hands back
+//!   its memfd; the process hands over its userfaultfd and the agent serves its faults.
+
+use crate::daemon::Shared;
+use netram_net::{Call, Patience, Security};
+use netram_proto::{Hello, HELLO_END_ON_CLOSE};
+use netram_shm::agent::{Door, Role, Running};
+use netram_shm::local::{self, Request};
+use netram_shm::{Agent, Meta, View};
+use rustix::fd::{AsFd, OwnedFd};
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::mpsc::{self, SyncSender};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::Duration;
+
+/// Mixed into a daemon's node id in the HELLO of its DSM links ("DSM"), so that the session
+/// never supersedes one of a client of the same node; over clear TCP the receiver takes it
+/// back out to know the sender.
+pub const DSM_NODE: u64 = 0x4453_4d00_0000_0000;
+
+/// Frames queued for one peer before the agent waits for the link.
+const LINK_QUEUE: usize = 4096;
+/// Peers a daemon keeps links to.
+const MAX_LINKS: usize = 1024;
+/// How long a lookup by name waits for every member's answer.
+const LOOKUP_WAIT: Duration = Duration::from_secs(2);
+const PATIENCE: Patience = Patience {
+    connect: Duration::from_millis(500),
+    reply: Duration::from_secs(2),
+};
+
+/// What the daemon counts of its links.
+#[derive(Debug, Default)]
+pub(crate) struct LinkCounters {
+    pub frames_sent: AtomicU64,
+    /// Frames given up after the peer could not be reached (the protocol's crash handling is
+    /// not built yet: a request whose message is lost waits).
+    pub frames_lost: AtomicU64,
+}
+
+/// The links to other daemons.
+struct Links {
+    node: u64,
+    incarnation: u64,
+    security: Security,
+    shared: Weak<Shared>,
+    queues: Mutex<HashMap<u64, SyncSender<Vec<u8>>>>,
+    shutdown: Arc<AtomicBool>,
+    counters: Arc<LinkCounters>,
+}
+
+impl Links {
+    fn send(self: &Arc<Self>, to: u64, frame: Vec<u8>) {
+        let q = {
+            let mut queues = self.queues.lock().unwrap_or_else(|p| p.into_inner());
+            if !queues.contains_key(&to) && queues.len() >= MAX_LINKS {
+                tracing::warn!(to, "too many shared-memory peers: {MAX_LINKS}");
+                self.counters.frames_lost.fetch_add(1, Ordering::Relaxed);
+                return;
+            }
+            queues
+                .entry(to)
+                .or_insert_with(|| {
+                    let (tx, rx) = mpsc::sync_channel(LINK_QUEUE);
+                    let me = self.clone();
+                    let _ = std::thread::Builder::new()
+                        .name(format!("netram-dsm-{to:x}"))
+                        .spawn(move || me.run(to, rx));
+                    tx
+                })
+                .clone()
+        };
+        // Blocks while the peer's queue is full: the agent waits for a slow peer rather than
+        // losing a message the protocol needs.
+        if q.send(frame).is_err() {
+            self.counters.frames_lost.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    fn addr_of(&self, node: u64) -> Option<SocketAddr> {
+        let shared = self.shared.upgrade()?;
+        let members = shared.members();
+        members
+            .members
+            .iter()
+            .find(|m| m.node == node && !m.is_self)
+            .map(|m| m.addr)
+    }
+
+    /// One peer's link: sends what is queued, in order, a batch per write.
+    fn run(&self, to: u64, rx: mpsc::Receiver<Vec<u8>>) {
+        let mut call = Call::default();
+        let mut batch = Vec::new();
+        loop {
+            if self.shutdown.load(Ordering::SeqCst) {
+                return;
+            }
+            let first = match rx.recv_timeout(Duration::from_millis(200)) {
+                Ok(f) => f,
+                Err(mpsc::RecvTimeoutError::Timeout) => continue,
+                Err(mpsc::RecvTimeoutError::Disconnected) => return,
+            };
+            batch.clear();
+            batch.extend_from_slice(&first);
+            let mut n = 1u64;
+            while batch.len() < 1 << 20 {
+                match rx.try_recv() {
+                    Ok(f) => {
+                        batch.extend_from_slice(&f);
+                        n += 1;
+                    }
+                    Err(_) => break,
+                }
+            }
+            let mut sent = false;
+            for attempt in 0..5 {
+                if attempt > 0 {
+                    std::thread::sleep(Duration::from_millis(100 << attempt.min(3)));
+                    call.reset();
+                }
+                let Some(addr) = self.addr_of(to) else {
+                    continue;
+                };
+                let mut frames = batch.clone();
+                let hello = || {
+                    let mut h =
+                        Hello::new(self.node ^ DSM_NODE, self.incarnation, fastrand::u64(..));
+                    h.flags |= HELLO_END_ON_CLOSE;
+                    h
+                };
+                match call.post(to, addr, hello, &self.security, PATIENCE, &mut frames) {
+                    Ok(()) => {
+                        sent = true;
+                        break;
+                    }
+                    Err(e) => tracing::debug!(to, %addr, "shared-memory link: {e}"),
+                }
+            }
+            let c = if sent {
+                &self.counters.frames_sent
+            } else {
+                tracing::warn!(
+                    to,
+                    frames = n,
+                    "shared-memory messages lost: the peer cannot be reached"
+                );
+                &self.counters.frames_lost
+            };
+            c.fetch_add(n, Ordering::Relaxed);
+        }
+    }
+}
+
+/// The running shared-memory service of a daemon.
+pub(crate) struct Shm {
+    running: Option<Running>,
+    door: Door,
+    socket: Option<PathBuf>,
+    pub counters: Arc<LinkCounters>,
+}
+
+impl std::fmt::Debug for Shm {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Shm").field("socket", &self.socket).finish()
+    }
+}
+
+impl Shm {
+    /// Starts the agent of node `node` and, if `socket` is given, the local socket there.
+    pub(crate) fn start(
+        shared: &Arc<Shared>,
+        node: u64,
+        incarnation: u64,
+        security: Security,
+        socket: Option<&Path>,
+    ) -> std::io::Result<Shm> {
+        let counters = Arc::new(LinkCounters::default());
+        let links = Arc::new(Links {
+            node,
+            incarnation,
+            security,
+            shared: Arc::downgrade(shared),
+            queues: Mutex::new(HashMap::new()),
+            shutdown: shared.shutdown.clone(),
+            counters: counters.clone(),
+        });
+        let net = Box::new(move |to: u64, frame: Vec<u8>| links.send(to, frame));
+        let running = Running::start(Agent::new(node, net)).map_err(std::io::Error::from)?;
+        let door = running.door();
+        if let Some(path) = socket {
+            let listener = bind_socket(path)?;
+            let door = door.clone();
+            let shared = Arc::downgrade(shared);
+            std::thread::Builder::new()
+                .name("netram-shm-accept".into())
+                .spawn(move || accept_loop(listener, door, shared, node))?;
+            tracing::info!(path = %path.display(), "shared-memory socket");
+        }
+        Ok(Shm {
+            running: Some(running),
+            door,
+            socket: socket.map(Path::to_path_buf),
+            counters,
+        })
+    }
+
+    /// A DSM frame from node `from` (as its connection authenticated it).
+    pub(crate) fn deliver(&self, from: u64, frame: &[u8]) {
+        self.door.deliver(from, frame.to_vec());
+    }
+}
+
+impl Drop for Shm {
+    fn drop(&mut self) {
+        if let Some(r) = self.running.take() {
+            r.stop();
+        }
+        if let Some(p) = self.socket.take() {
+            let _ = std::fs::remove_file(p);
+        }
+    }
+}
+
+fn bind_socket(path: &Path) -> std::io::Result<OwnedFd> {
+    use rustix::net::{
+        bind, listen, socket_with, AddressFamily, SocketAddrUnix, SocketFlags, SocketType,
+    };
+    let _ = std::fs::remove_file(path); // left by a daemon that died (the control socket's bind checked none answers)
+    let sock = socket_with(
+        AddressFamily::UNIX,
+        SocketType::SEQPACKET,
+        SocketFlags::CLOEXEC,
+        None,
+    )?;
+    bind(&sock, &SocketAddrUnix::new(path)?)?;
+    listen(&sock, 64)?;
+    use std::os::unix::fs::PermissionsExt;
+    // Any local user may ask: what each may do is checked per request (its uid from the
+    // socket, against the segment's owner and mode).
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o666))?;
+    Ok(sock)
+}
+
+fn accept_loop(listener: OwnedFd, door: Door, shared: Weak<Shared>, node: u64) {
+    use rustix::event::{poll, PollFd, PollFlags, Timespec};
+    let live = Arc::new(AtomicU64::new(0));
+    loop {
+        let Some(s) = shared.upgrade() else { return };
+        if s.shutdown.load(Ordering::SeqCst) {
+            return;
+        }
+        drop(s);
+        let mut fds = [PollFd::new(&listener, PollFlags::IN)];
+        let t = Timespec {
+            tv_sec: 0,
+            tv_nsec: 200_000_000,
+        };
+        if !matches!(poll(&mut fds, Some(&t)), Ok(n) if n > 0) {
+            continue;
+        }
+        let Ok(conn) = rustix::net::accept_with(&listener, rustix::net::SocketFlags::CLOEXEC)
+        else {
+            continue;
+        };
+        // A bound on local connections: each is a thread.
+        if live.load(Ordering::SeqCst) >= 4096 {
+            let _ = local::send(&conn, b"err too many connections", None);
+            continue;
+        }
+        live.fetch_add(1, Ordering::SeqCst);
+        let (door, shared, live) = (door.clone(), shared.clone(), live.clone());
+        let _ = std::thread::Builder::new()
+            .name("netram-shm-local".into())
+            .spawn(move || {
+                serve_local(&conn, &door, &shared, node);
+                live.fetch_sub(1, Ordering::SeqCst);
+            });
+    }
+}
+
+/// Whether a process of `uid` may attach a segment of `meta` (read and write: System V's
+/// owner and other bits; the group's are not checked, as gids are not known across
+/// machines).
+fn permitted(uid: u32, meta: &Meta) -> bool {
+    uid == 0 || (uid == meta.uid && meta.mode & 0o600 == 0o600) || meta.mode & 0o006 == 0o006
+}
+
+/// Serves one local process's requests until it closes; then its views go.
+fn serve_local(conn: &OwnedFd, door: &Door, shared: &Weak<Shared>, node: u64) {
+    let Ok(cred) = rustix::net::sockopt::socket_peercred(conn) else {
+        return;
+    };
+    let (uid, pid) = (cred.uid.as_raw(), cred.pid.as_raw_nonzero().get() as u32);
+    // The segments this connection was given: only those may it map.
+    let mut opened: Vec<u64> = Vec::new();
+    // At most a request a millisecond's worth: a local process flooding requests only waits.
+    let mut served = 0u32;
+    while let Ok(Some((packet, fd))) = local::recv(conn) {
+        served += 1;
+        if served > 100_000 {
+            break;
+        }
+        let answer = match Request::parse(&packet) {
+            Err(why) => Err(why),
+            Ok(req) => handle(req, fd, door, shared, node, uid, pid, &mut opened),
+        };
+        let sent = match answer {
+            Ok((text, fd)) => local::send(conn, text.as_bytes(), fd.as_ref().map(|f| f.as_fd())),
+            Err(why) => local::send(conn, format!("err {why}").as_bytes(), None),
+        };
+        if sent.is_err() {
+            break;
+        }
+    }
+    for id in opened {
+        door.call(move |a| a.drop_views_of(id, pid));
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn handle(
+    req: Request,
+    fd: Option<OwnedFd>,
+    door: &Door,
+    shared: &Weak<Shared>,
+    node: u64,
+    uid: u32,
+    pid: u32,
+    opened: &mut Vec<u64>,
+) -> Result<(String, Option<OwnedFd>), String> {
+    let members = || -> Vec<u64> {
+        shared.upgrade().map_or_else(Vec::new, |s| {
+            s.members()
+                .members
+                .iter()
+                .filter(|m| !m.is_self && m.state != netram_member::Liveness::Down)
+                .map(|m| m.node)
+                .collect()
+        })
+    };
+    let lookup = |name: String| -> netram_shm::LookupResult {
+        let (tx, rx) = mpsc::channel();
+        let members = members();
+        door.call(move |a| a.lookup(&name, &members, LOOKUP_WAIT, tx))
+            .ok_or_else(Vec::new)?;
+        rx.recv_timeout(LOOKUP_WAIT + Duration::from_secs(1))
+            .unwrap_or_else(|_| Err(Vec::new()))
+    };
+    let dup = |fd: &OwnedFd| fd.try_clone().map_err(|e| e.to_string());
+    match req {
+        Request::Create {
+            name,
+            bytes,
+            delta_ms,
+            mode,
+            members,
+        } => {
+            match lookup(name.clone()) {
+                Ok(_) => return Err(format!("a segment called {name} exists")),
+                Err(unanswered) if !unanswered.is_empty() => {
+                    tracing::warn!(%name, ?unanswered, "creating a segment some members did not say they lack");
+                }
+                Err(_) => {}
+            }
+            let pages = bytes.div_ceil(netram_proto::PAGE_SIZE as u64) as u32;
+            let meta = Meta {
+                pages,
+                delta_ms,
+                uid,
+                mode,
+            };
+            let id = fastrand::u64(1..);
+            let fd = door
+                .call(move |a| {
+                    a.add(id, &name, meta, Role::Library(members.as_deref()))
+                        .map_err(|e| e.to_string())
+                        .and_then(dup)
+                })
+                .ok_or("the agent stopped")??;
+            opened.push(id);
+            Ok((format!("ok {id:x} {pages}"), Some(fd)))
+        }
+        Request::Attach { name } => {
+            let found = lookup(name.clone()).map_err(|unanswered| {
+                if unanswered.is_empty() {
+                    format!("no segment called {name}")
+                } else {
+                    format!("no segment called {name} found; nodes {unanswered:?} did not answer")
+                }
+            })?;
+            if !permitted(uid, &found.meta) {
+                return Err(format!(
+                    "permission denied: segment {name} is uid {}'s, mode {:o}",
+                    found.meta.uid, found.meta.mode
+                ));
+            }
+            let id = found.segment;
+            let fd = door
+                .call(move |a| {
+                    if a.copy(id).is_none() {
+                        if let Err(e) = a.add(id, &name, found.meta, Role::Site(found.library)) {
+                            return Err(e.to_string());
+                        }
+                    }
+                    dup(a.copy(id).expect("added").fd())
+                })
+                .ok_or("the agent stopped")??;
+            let _ = node;
+            opened.push(id);
+            Ok((format!("ok {id:x} {}", found.meta.pages), Some(fd)))
+        }
+        Request::View {
+            segment,
+            base,
+            pages,
+        } => {
+            if !opened.contains(&segment) {
+                return Err("map only a segment created or attached on this connection".into());
+            }
+            let uffd = fd.ok_or("a view needs its userfaultfd")?;
+            let view = View {
+                uffd: netram_uffd::sys::Uffd::from_child(uffd),
+                base,
+                pages,
+                pid,
+            };
+            door.call(move |a| a.add_view(segment, view).map_err(|e| e.to_string()))
+                .ok_or("the agent stopped")??;
+            Ok(("ok".into(), None))
+        }
+    }
+}

@@ -1,0 +1,392 @@
+//! Between a process and its machine's agent (in the daemon): the local socket's requests,
+//! and [`Segment`], what a program holds (MIRAGE+ §3's `shmget`/`shmat`, as an API).
+//!
+//! A `SOCK_SEQPACKET` socket, one request or answer per packet, in text; descriptors travel
+//! beside them (`SCM_RIGHTS`):
+//!
+//! ```text
+//! create NAME BYTES DELTA_MS MODE [NODE,NODE,…]   → ok SEGMENT PAGES + the segment's memfd
+//! attach NAME                                    → ok SEGMENT PAGES + the segment's memfd
+//! view SEGMENT BASE PAGES + the process's uffd   → ok
+//! any                                            → err WHY
+//! ```
+//!
+//! The agent trusts nothing in a request: the name is checked (1–255 bytes, no spaces or
+//! control characters), sizes bounded, the caller's uid taken from the socket
+//! (`SO_PEERCRED`), never from the request. A process's views go when its connection
+//! closes.
+
+use crate::agent::SegmentId;
+use crate::memory::Mapped;
+use rustix::fd::{AsFd, BorrowedFd, OwnedFd};
+use rustix::io::Errno;
+use std::path::{Path, PathBuf};
+
+/// The longest packet either side sends.
+pub const MAX_PACKET: usize = 4096;
+/// The largest segment (bytes): 64 GiB.
+pub const MAX_SEGMENT_BYTES: u64 = 64 << 30;
+
+/// A request, parsed and checked.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Request {
+    Create {
+        name: String,
+        bytes: u64,
+        delta_ms: u32,
+        mode: u16,
+        /// The sites admitted; `None`: every member.
+        members: Option<Vec<u64>>,
+    },
+    Attach {
+        name: String,
+    },
+    View {
+        segment: SegmentId,
+        base: usize,
+        pages: u32,
+    },
+}
+
+/// Whether `name` may name a segment.
+pub fn valid_name(name: &str) -> bool {
+    (1..=netram_proto::dsm::MAX_NAME).contains(&name.len())
+        && !name.chars().any(|c| c.is_whitespace() || c.is_control())
+}
+
+impl Request {
+    /// Parses a packet; why not, if it is not a request.
+    pub fn parse(packet: &[u8]) -> Result<Request, String> {
+        let text = std::str::from_utf8(packet).map_err(|_| "not UTF-8".to_string())?;
+        let words: Vec<&str> = text.split(' ').collect();
+        let name = |w: &str| {
+            if valid_name(w) {
+                Ok(w.to_owned())
+            } else {
+                Err(format!("bad segment name {w:?}"))
+            }
+        };
+        let num = |w: &str, what: &str| -> Result<u64, String> {
+            w.parse::<u64>().map_err(|_| format!("bad {what} {w:?}"))
+        };
+        match words.as_slice() {
+            ["create", n, bytes, delta, mode, rest @ ..] if rest.len() <= 1 => {
+                let bytes = num(bytes, "size")?;
+                if bytes == 0 || bytes > MAX_SEGMENT_BYTES {
+                    return Err(format!(
+                        "a segment is 1 byte to {} GiB",
+                        MAX_SEGMENT_BYTES >> 30
+                    ));
+                }
+                let delta_ms = u32::try_from(num(delta, "window")?)
+                    .map_err(|_| "window too long".to_string())?;
+                let mode = u16::from_str_radix(mode, 8)
+                    .ok()
+                    .filter(|m| *m <= 0o777)
+                    .ok_or_else(|| format!("bad mode {mode:?}"))?;
+                let members = match rest.first() {
+                    None => None,
+                    Some(list) => Some(
+                        list.split(',')
+                            .map(|n| num(n, "node id"))
+                            .collect::<Result<Vec<u64>, String>>()?,
+                    )
+                    .filter(|m| m.len() <= 4096),
+                };
+                Ok(Request::Create {
+                    name: name(n)?,
+                    bytes,
+                    delta_ms,
+                    mode,
+                    members,
+                })
+            }
+            ["attach", n] => Ok(Request::Attach { name: name(n)? }),
+            ["view", seg, base, pages] => Ok(Request::View {
+                segment: u64::from_str_radix(seg, 16).map_err(|_| "bad segment".to_string())?,
+                base: num(base, "address")? as usize,
+                pages: u32::try_from(num(pages, "page count")?)
+                    .map_err(|_| "too many pages".to_string())?,
+            }),
+            _ => Err("unknown request".into()),
+        }
+    }
+
+    /// The packet.
+    pub fn encode(&self) -> String {
+        match self {
+            Request::Create {
+                name,
+                bytes,
+                delta_ms,
+                mode,
+                members,
+            } => {
+                let mut s = format!("create {name} {bytes} {delta_ms} {mode:o}");
+                if let Some(m) = members {
+                    let list: Vec<String> = m.iter().map(u64::to_string).collect();
+                    s.push(' ');
+                    s.push_str(&list.join(","));
+                }
+                s
+            }
+            Request::Attach { name } => format!("attach {name}"),
+            Request::View {
+                segment,
+                base,
+                pages,
+            } => format!("view {segment:x} {base} {pages}"),
+        }
+    }
+}
+
+/// Sends one packet, with a descriptor if given.
+pub fn send(sock: impl AsFd, packet: &[u8], fd: Option<BorrowedFd<'_>>) -> Result<(), Errno> {
+    use rustix::net::{SendAncillaryBuffer, SendAncillaryMessage, SendFlags};
+    let mut space = [std::mem::MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
+    let mut ancillary = SendAncillaryBuffer::new(&mut space);
+    let fds;
+    if let Some(fd) = fd {
+        fds = [fd];
+        ancillary.push(SendAncillaryMessage::ScmRights(&fds));
+    }
+    rustix::net::sendmsg(
+        sock,
+        &[std::io::IoSlice::new(packet)],
+        &mut ancillary,
+        SendFlags::NOSIGNAL,
+    )
+    .map(drop)
+}
+
+/// A packet and the descriptor that came with it.
+pub type Packet = (Vec<u8>, Option<OwnedFd>);
+
+/// Receives one packet and the descriptor beside it, if any; `None` when the other side
+/// closed.
+pub fn recv(sock: impl AsFd) -> Result<Option<Packet>, Errno> {
+    use rustix::net::{RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, ReturnFlags};
+    let mut buf = vec![0u8; MAX_PACKET];
+    let mut space = [std::mem::MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
+    let mut ancillary = RecvAncillaryBuffer::new(&mut space);
+    let got = loop {
+        match rustix::net::recvmsg(
+            &sock,
+            &mut [std::io::IoSliceMut::new(&mut buf)],
+            &mut ancillary,
+            RecvFlags::CMSG_CLOEXEC,
+        ) {
+            Err(Errno::INTR) => continue,
+            r => break r?,
+        }
+    };
+    let mut fd = None;
+    for m in ancillary.drain() {
+        if let RecvAncillaryMessage::ScmRights(fds) = m {
+            // More than one descriptor is a confused or hostile sender: the rest close.
+            for f in fds {
+                fd.get_or_insert(f);
+            }
+        }
+    }
+    if got.bytes == 0 && fd.is_none() {
+        return Ok(None);
+    }
+    if got.flags.contains(ReturnFlags::TRUNC) || got.flags.contains(ReturnFlags::CTRUNC) {
+        return Err(Errno::MSGSIZE);
+    }
+    buf.truncate(got.bytes);
+    Ok(Some((buf, fd)))
+}
+
+/// Where the agent of the daemon whose control socket is `control` listens.
+pub fn socket_of(control: &Path) -> PathBuf {
+    control.with_extension("shm.sock")
+}
+
+/// Why a segment could not be created or attached.
+#[derive(Debug, thiserror::Error)]
+pub enum SegmentError {
+    #[error("cannot reach the netram daemon's shared-memory socket {path}: {source}")]
+    Connect {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("{path} is answered by uid {uid}, neither root nor this user: not trusted")]
+    Untrusted { path: PathBuf, uid: u32 },
+    #[error("the daemon refused: {0}")]
+    Refused(String),
+    #[error("the daemon answered {0:?}")]
+    Confused(String),
+    #[error("{0}")]
+    Os(#[from] Errno),
+}
+
+/// A segment attached to this process: `len` bytes at `ptr`, coherent with every other
+/// process that attached it, on this machine or another.
+#[derive(Debug)]
+pub struct Segment {
+    mapped: Mapped,
+    id: SegmentId,
+    /// Kept open: the daemon drops this process's view when it closes.
+    _sock: OwnedFd,
+}
+
+impl Segment {
+    /// Creates segment `name` of `bytes` bytes (rounded up to pages), with time window
+    /// `delta_ms` and permission bits `mode`, through the daemon whose shared-memory socket is
+    /// `socket`; `members`: the nodes that may attach it (`None`: every member).
+    pub fn create(
+        socket: &Path,
+        name: &str,
+        bytes: u64,
+        delta_ms: u32,
+        mode: u16,
+        members: Option<Vec<u64>>,
+    ) -> Result<Segment, SegmentError> {
+        Self::open(
+            socket,
+            Request::Create {
+                name: name.to_owned(),
+                bytes,
+                delta_ms,
+                mode,
+                members,
+            },
+        )
+    }
+
+    /// Attaches segment `name`, created on this machine or another.
+    pub fn attach(socket: &Path, name: &str) -> Result<Segment, SegmentError> {
+        Self::open(
+            socket,
+            Request::Attach {
+                name: name.to_owned(),
+            },
+        )
+    }
+
+    fn open(socket: &Path, req: Request) -> Result<Segment, SegmentError> {
+        use rustix::net::{socket as mksocket, AddressFamily, SocketAddrUnix, SocketType};
+        let sock = mksocket(AddressFamily::UNIX, SocketType::SEQPACKET, None)?;
+        let addr = SocketAddrUnix::new(socket)?;
+        rustix::net::connect(&sock, &addr).map_err(|e| SegmentError::Connect {
+            path: socket.to_path_buf(),
+            source: e.into(),
+        })?;
+        // Only root's daemon or this user's own may hand out memory to map.
+        let cred = rustix::net::sockopt::socket_peercred(&sock)?;
+        let me = rustix::process::geteuid().as_raw();
+        if cred.uid.as_raw() != 0 && cred.uid.as_raw() != me {
+            return Err(SegmentError::Untrusted {
+                path: socket.to_path_buf(),
+                uid: cred.uid.as_raw(),
+            });
+        }
+        send(&sock, req.encode().as_bytes(), None)?;
+        let (answer, fd) = ask(&sock)?;
+        let (id, pages) = match answer.split(' ').collect::<Vec<_>>().as_slice() {
+            ["ok", id, pages] => (u64::from_str_radix(id, 16).ok(), pages.parse::<u32>().ok()),
+            _ => (None, None),
+        };
+        let (Some(id), Some(pages), Some(fd)) = (id, pages, fd) else {
+            return Err(SegmentError::Confused(answer));
+        };
+        let mut mapped = Mapped::new(&fd, pages)?;
+        let uffd = mapped.take_uffd().expect("a new mapping's userfaultfd");
+        let view = Request::View {
+            segment: id,
+            base: mapped.ptr as usize,
+            pages,
+        };
+        send(&sock, view.encode().as_bytes(), Some(uffd.as_fd()))?;
+        drop(uffd);
+        let (answer, _) = ask(&sock)?;
+        if answer != "ok" {
+            return Err(SegmentError::Confused(answer));
+        }
+        Ok(Segment {
+            mapped,
+            id,
+            _sock: sock,
+        })
+    }
+
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.mapped.ptr
+    }
+
+    pub fn len(&self) -> usize {
+        self.mapped.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.mapped.len == 0
+    }
+
+    pub fn id(&self) -> SegmentId {
+        self.id
+    }
+}
+
+/// Reads an answer: `ok …` with its descriptor, or the daemon's refusal as an error.
+fn ask(sock: &OwnedFd) -> Result<(String, Option<OwnedFd>), SegmentError> {
+    let Some((packet, fd)) = recv(sock)? else {
+        return Err(SegmentError::Confused("connection closed".into()));
+    };
+    let text = String::from_utf8_lossy(&packet).into_owned();
+    match text.strip_prefix("err ") {
+        Some(why) => Err(SegmentError::Refused(why.to_owned())),
+        None => Ok((text, fd)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn requests_parse_as_they_encode_and_bad_ones_are_refused() {
+        for r in [
+            Request::Create {
+                name: "m".into(),
+                bytes: 4096,
+                delta_ms: 3,
+                mode: 0o640,
+                members: Some(vec![1, 2]),
+            },
+            Request::Create {
+                name: "sysv:0x1234".into(),
+                bytes: 1,
+                delta_ms: 0,
+                mode: 0o600,
+                members: None,
+            },
+            Request::Attach { name: "x".into() },
+            Request::View {
+                segment: 0xabc,
+                base: 0x7f00_0000_0000,
+                pages: 9,
+            },
+        ] {
+            assert_eq!(Request::parse(r.encode().as_bytes()), Ok(r));
+        }
+        for bad in [
+            "",
+            "create",
+            "create a 0 0 600",
+            "create a 99999999999999999 0 600",
+            "create a 4096 0 999",
+            "create a 4096 0 600 1,x",
+            "attach",
+            "attach a b",
+            "attach \u{7}",
+            "view zz 0 1",
+            "destroy x",
+        ] {
+            assert!(Request::parse(bad.as_bytes()).is_err(), "{bad:?}");
+        }
+        let long = format!("attach {}", "n".repeat(256));
+        assert!(Request::parse(long.as_bytes()).is_err());
+    }
+}
