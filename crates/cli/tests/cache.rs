@@ -292,7 +292,7 @@ fn pages_dropped_here_come_back_from_the_cluster() {
     let files: Vec<PathBuf> = walk(&src);
     let want: Vec<String> = files.iter().map(|f| sha256(f)).collect();
     // Each may hold 3/4 of its capacity for one client: 60 MiB between them, room for all.
-    let (mut ds, control) = three_daemons(dir.path(), 390, ["8M", "40M", "40M"]);
+    let (mut ds, control) = common::daemons(dir.path(), 390, ["8M", "40M", "40M"]);
     let mut d3 = ds.pop();
     let (d2, d1) = (ds.pop().unwrap(), ds.pop().unwrap());
     let daemon = control(1);
@@ -398,7 +398,7 @@ fn pages_another_machine_holds_go_first() {
     let want: Vec<String> = files.iter().map(|f| sha256(f)).collect();
     // Each may hold 3/4 of its capacity for one client: 2304 pages between them for A, room
     // for the second file's 2048 and a little more.
-    let (daemons, sock) = three_daemons(dir.path(), 410, ["8M", "6M", "6M"]);
+    let (daemons, sock) = common::daemons(dir.path(), 410, ["8M", "6M", "6M"]);
     let sum = |name: &str| daemons.iter().map(|d| d.stat(name)).sum::<u64>();
     common::eventually("a GMS plan weighing all three daemons", 30, || {
         netram_client::discover::gms_plan(&sock(1), Duration::from_secs(2))
@@ -453,36 +453,6 @@ fn pages_another_machine_holds_go_first() {
     assert!(counter(&last_b, "cluster_gcd_registered") >= pages_per_file);
     common::eventually("B's pages forgotten", 20, || sum("gcd_entries") == 0);
     assert!(sum("gcd_forgotten") >= pages_per_file);
-}
-
-/// Three TLS daemons (nodes `first_node + 1..=3`, the second and third seeded with the
-/// first), each with a control socket in `dir`, and the control socket of daemon `i` (1–3).
-fn three_daemons(
-    dir: &Path,
-    first_node: u64,
-    capacities: [&str; 3],
-) -> (Vec<common::ServerProcess>, impl Fn(u64) -> String) {
-    let dir = dir.to_path_buf();
-    let control = move |i: u64| dir.join(format!("d{i}.sock")).to_str().unwrap().to_string();
-    let mut out: Vec<common::ServerProcess> = Vec::new();
-    for (i, capacity) in (1..=3u64).zip(capacities) {
-        let tls = common::node_dir(first_node + i);
-        let sock = control(i);
-        let mut args = vec![
-            "--tls",
-            tls.to_str().unwrap(),
-            "--capacity",
-            capacity,
-            "--control",
-            &sock,
-        ];
-        let seed = out.first().map(|d| d.addr.clone());
-        if let Some(s) = &seed {
-            args.extend(["--seed", s]);
-        }
-        out.push(common::ServerProcess::start(&args));
-    }
-    (out, control)
 }
 
 /// Every regular file below `root`.

@@ -354,3 +354,34 @@ pub fn http_get(addr: &str, path: &str, token: Option<&str>) -> String {
     s.read_to_string(&mut out).unwrap();
     out
 }
+
+/// TLS daemons (nodes `first_node + 1..`, each after the first seeded with the first), one
+/// per capacity, each with a control socket in `dir`; and the control socket of daemon `i`
+/// (from 1).
+pub fn daemons<const N: usize>(
+    dir: &Path,
+    first_node: u64,
+    capacities: [&str; N],
+) -> (Vec<ServerProcess>, impl Fn(u64) -> String) {
+    let dir = dir.to_path_buf();
+    let control = move |i: u64| dir.join(format!("d{i}.sock")).to_str().unwrap().to_string();
+    let mut out: Vec<ServerProcess> = Vec::new();
+    for (i, capacity) in (1..=N as u64).zip(capacities) {
+        let tls = node_dir(first_node + i);
+        let sock = control(i);
+        let mut args = vec![
+            "--tls",
+            tls.to_str().unwrap(),
+            "--capacity",
+            capacity,
+            "--control",
+            &sock,
+        ];
+        let seed = out.first().map(|d| d.addr.clone());
+        if let Some(s) = &seed {
+            args.extend(["--seed", s]);
+        }
+        out.push(ServerProcess::start(&args));
+    }
+    (out, control)
+}

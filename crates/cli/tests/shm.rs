@@ -1,0 +1,189 @@
+//! Memory shared between machines (MIRAGE+; issue 40) through real daemons: three TLS
+//! daemons on loopback, each a machine's agent, and `netram shm` processes attached through
+//! each. What one machine's process stores, the others' processes load; turns taken by
+//! processes on three machines on one word count exactly.
+
+mod common;
+
+use std::process::Output;
+
+fn shm(control: &str, args: &[&str], stdin: Option<&[u8]>) -> Output {
+    use std::io::Write;
+    let mut cmd = common::netram();
+    cmd.args(["shm", "--daemon", control]).args(args);
+    cmd.stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .env("RUST_BACKTRACE", "0");
+    let mut child = cmd.spawn().unwrap();
+    let mut input = child.stdin.take().unwrap();
+    if let Some(data) = stdin {
+        input.write_all(data).unwrap();
+    }
+    drop(input);
+    child.wait_with_output().unwrap()
+}
+
+fn ok(out: Output) -> Vec<u8> {
+    assert!(
+        out.status.success(),
+        "netram shm failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out.stdout
+}
+
+fn refused(out: Output, why: &str) {
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains(why),
+        "expected {why:?}: {err}"
+    );
+}
+
+/// Waits until daemon `control` lists `n` members alive.
+fn wait_members(control: &str, n: usize) {
+    common::eventually("every daemon to know every other", 20, || {
+        let out = common::netram()
+            .args(["members", "--daemon", control, "--json"])
+            .output()
+            .unwrap();
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_default();
+        v["members"]
+            .as_array()
+            .is_some_and(|m| m.iter().filter(|r| r["state"] == "alive").count() == n)
+    });
+}
+
+#[test]
+fn a_segment_is_shared_by_processes_on_three_machines() {
+    let dir = tempfile::tempdir().unwrap();
+    let (daemons, control) = common::daemons(dir.path(), 520, ["8M", "8M", "8M"]);
+    for i in 1..=3 {
+        wait_members(&control(i), 3);
+    }
+    let out = ok(shm(&control(1), &["create", "matrix", "64KiB"], None));
+    assert!(String::from_utf8_lossy(&out).contains("65536 bytes"));
+
+    // Written through machine 2, read through 3 and 1 (a page moves from 2's memory).
+    let data: Vec<u8> = (0..10_000u32).map(|i| (i * 7 % 251) as u8).collect();
+    ok(shm(
+        &control(2),
+        &["write", "matrix", "--offset", "5000"],
+        Some(&data),
+    ));
+    for i in [3, 1] {
+        let got = ok(shm(
+            &control(i),
+            &["cat", "matrix", "--offset", "5000", "--len", "10000"],
+            None,
+        ));
+        assert_eq!(got, data, "read through daemon {i}");
+    }
+    // The rest is still zero; the segment outlived the processes that wrote it.
+    let head = ok(shm(&control(3), &["cat", "matrix", "--len", "5000"], None));
+    assert!(head.iter().all(|&b| b == 0));
+
+    // Three processes on three machines take 200 turns each on one word.
+    let turns: Vec<_> = (0..3u64)
+        .map(|t| {
+            let c = control(t + 1);
+            std::thread::spawn(move || {
+                let turn = t.to_string();
+                let out = ok(shm(
+                    &c,
+                    &[
+                        "turns",
+                        "matrix",
+                        "--parties",
+                        "3",
+                        "--turn",
+                        &turn,
+                        "--rounds",
+                        "200",
+                        "--slot",
+                        "4096",
+                    ],
+                    None,
+                ));
+                String::from_utf8(out)
+                    .unwrap()
+                    .trim()
+                    .parse::<u64>()
+                    .unwrap()
+            })
+        })
+        .collect();
+    let ends: Vec<u64> = turns.into_iter().map(|t| t.join().unwrap()).collect();
+    assert_eq!(ends.iter().max(), Some(&600), "{ends:?}");
+    assert!(ends.iter().all(|&e| (598..=600).contains(&e)), "{ends:?}");
+    let word = ok(shm(
+        &control(2),
+        &["cat", "matrix", "--offset", "32768", "--len", "8"],
+        None,
+    ));
+    assert_eq!(u64::from_le_bytes(word.try_into().unwrap()), 600);
+
+    // The messages went over the daemons' authenticated connections, none refused or lost.
+    let sent: u64 = daemons.iter().map(|d| d.stat("dsm_frames_sent")).sum();
+    let received: u64 = daemons.iter().map(|d| d.stat("dsm_frames_received")).sum();
+    assert!(sent >= 600, "{sent} frames sent");
+    assert_eq!(sent, received);
+    for d in &daemons {
+        assert_eq!(d.stat("dsm_frames_lost"), 0);
+        assert_eq!(d.stat("dsm_frames_refused"), 0);
+    }
+}
+
+#[test]
+fn names_nodes_and_sizes_are_checked() {
+    let dir = tempfile::tempdir().unwrap();
+    let (daemons, control) = common::daemons(dir.path(), 530, ["8M", "8M"]);
+    for i in 1..=2 {
+        wait_members(&control(i), 2);
+    }
+    let node1 = (530 + 1).to_string();
+    ok(shm(
+        &control(1),
+        &["create", "mine", "4096", "--nodes", &node1],
+        None,
+    ));
+    ok(shm(&control(1), &["create", "open", "4096"], None));
+    // A second segment of the same name, created here or on another machine.
+    refused(
+        shm(&control(1), &["create", "open", "4096"], None),
+        "exists",
+    );
+    refused(
+        shm(&control(2), &["create", "open", "4096"], None),
+        "exists",
+    );
+    // Node 2 is not admitted to "mine": to it the segment does not exist.
+    refused(
+        shm(&control(2), &["cat", "mine"], None),
+        "no segment called mine",
+    );
+    ok(shm(&control(1), &["cat", "mine", "--len", "8"], None));
+    refused(
+        shm(&control(2), &["cat", "nothing"], None),
+        "no segment called nothing",
+    );
+    // Out of the segment's range, a bad name, a size beyond the limit.
+    refused(
+        shm(
+            &control(2),
+            &["cat", "open", "--offset", "4000", "--len", "200"],
+            None,
+        ),
+        "past the segment's end",
+    );
+    refused(
+        shm(&control(1), &["create", "a\tb", "4096"], None),
+        "bad segment name",
+    );
+    refused(
+        shm(&control(1), &["create", "huge", "1TiB"], None),
+        "a segment is 1 byte to",
+    );
+    drop(daemons);
+}
