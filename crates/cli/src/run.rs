@@ -81,20 +81,25 @@ pub struct RunArgs {
 /// it in `target/<profile>/` when the workspace is built and in `target/<profile>/deps/` when
 /// only this binary is; the newest wins).
 pub fn preload_library() -> anyhow::Result<PathBuf> {
-    const NAME: &str = "libnetram_preload.so";
-    if let Some(p) = std::env::var_os("NETRAM_PRELOAD") {
+    library("libnetram_preload.so", "NETRAM_PRELOAD", "netram-preload")
+}
+
+/// Where the library `name` of crate `package` is: `$var`, or next to this executable (see
+/// [`preload_library`]).
+pub fn library(name: &str, var: &str, package: &str) -> anyhow::Result<PathBuf> {
+    if let Some(p) = std::env::var_os(var) {
         let p = PathBuf::from(p);
         if !p.is_file() {
-            bail!("NETRAM_PRELOAD={}: no such file", p.display());
+            bail!("{var}={}: no such file", p.display());
         }
         return Ok(p);
     }
     let exe = std::env::current_exe()?;
     let dir = exe.parent().context("the executable has no directory")?;
     let candidates = [
-        dir.join(NAME),
-        dir.join("deps").join(NAME),
-        dir.join("../lib/netram").join(NAME),
+        dir.join(name),
+        dir.join("deps").join(name),
+        dir.join("../lib/netram").join(name),
     ];
     candidates
         .iter()
@@ -103,11 +108,11 @@ pub fn preload_library() -> anyhow::Result<PathBuf> {
         .map(|(_, p)| p.clone())
         .with_context(|| {
             format!(
-                "{NAME} not found (looked in {}, {} and {}). In the netram source tree, \
+                "{name} not found (looked in {}, {} and {}). In the netram source tree, \
                  `cargo build --release` builds it next to target/release/netram; `cargo \
                  install` installs binaries only, so build it there with `cargo build \
-                 --release -p netram-preload` and copy target/release/{NAME} to {}, or set \
-                 NETRAM_PRELOAD to its path",
+                 --release -p {package}` and copy target/release/{name} to {}, or set \
+                 {var} to its path",
                 candidates[0].display(),
                 candidates[1].display(),
                 candidates[2].display(),
@@ -422,7 +427,7 @@ fn read_reports(
 /// LD_PRELOAD), or a set-user-ID or set-group-ID program run by another user than root (the
 /// loader ignores LD_PRELOAD in secure mode). Scripts and what it cannot read are let through
 /// (the attach mark tells after the run).
-fn cannot_attach(program: &str) -> Option<String> {
+pub fn cannot_attach(program: &str) -> Option<String> {
     use object::read::elf::{FileHeader, ProgramHeader};
     use std::os::unix::fs::{MetadataExt, PermissionsExt};
     let path = if program.contains('/') {

@@ -55,6 +55,17 @@ enum ShmCommand {
         #[arg(long, value_parser = parse_size)]
         len: Option<u64>,
     },
+    /// Run an unmodified program with its System V shared memory and semaphores (shmget,
+    /// shmat, semget, semop …) on netram: processes on different machines that use the same
+    /// key share the same segment, coherently. Key K is segment "sysv:K" (semaphores
+    /// "sysv-sem:K"); `netram shm cat sysv:K` shows one. Dynamically linked programs only;
+    /// SEM_UNDO is not undone at exit and SHM_RDONLY attaches read-write (docs/limits.md).
+    /// Exits with the program's status.
+    Run {
+        /// The program and its arguments (after `--`).
+        #[arg(trailing_var_arg = true, required = true, value_name = "PROGRAM")]
+        command: Vec<String>,
+    },
     /// A check for tests and demonstrations: PARTIES processes (on any machines) take turns
     /// adding one to a counter at word SLOT of segment NAME, this one when the counter is
     /// TURN modulo PARTIES, ROUNDS times; prints the counter at the end.
@@ -99,8 +110,12 @@ fn range(seg: &Segment, offset: u64, len: u64) -> anyhow::Result<*mut u8> {
 }
 
 pub fn run(args: ShmArgs) -> anyhow::Result<()> {
+    if let ShmCommand::Run { command } = &args.command {
+        return run_program(args.daemon.as_deref(), command);
+    }
     let sock = socket(args.daemon);
     match args.command {
+        ShmCommand::Run { .. } => unreachable!("handled above"),
         ShmCommand::Create {
             name,
             size,
@@ -169,4 +184,45 @@ pub fn run(args: ShmArgs) -> anyhow::Result<()> {
         }
     }
     Ok(())
+}
+
+/// `netram shm run`: the program with the System V preload library, in place of this process.
+fn run_program(daemon: Option<&str>, command: &[String]) -> anyhow::Result<()> {
+    use std::os::unix::process::CommandExt;
+    let lib = crate::run::library("libnetram_sysv.so", "NETRAM_SYSV", "netram-sysv")?;
+    if let Some(why) = crate::run::cannot_attach(&command[0]) {
+        bail!(
+            "{} cannot use netram's shared memory: {why}; netram shm run reaches a program \
+             through the dynamic loader (LD_PRELOAD)",
+            command[0]
+        );
+    }
+    // The daemon must answer before the program starts: a missing daemon is said here, once.
+    let control = daemon
+        .map(str::to_owned)
+        .unwrap_or_else(netram_client::discover::daemon_addr);
+    let sock = netram_shm::local::socket_of(std::path::Path::new(&control));
+    match std::os::unix::net::UnixStream::connect(&sock) {
+        // A SEQPACKET socket refuses a stream connection with EPROTOTYPE: it is there.
+        Ok(_) => {}
+        Err(e) if e.raw_os_error() == Some(libc::EPROTOTYPE) => {}
+        Err(e) => {
+            return Err(e).with_context(|| {
+                format!(
+                    "no netram daemon's shared-memory socket at {}",
+                    sock.display()
+                )
+            })
+        }
+    }
+    let preload = match std::env::var("LD_PRELOAD") {
+        Ok(old) if !old.is_empty() => format!("{}:{old}", lib.display()),
+        _ => lib.display().to_string(),
+    };
+    let err = std::process::Command::new(&command[0])
+        .args(&command[1..])
+        .env("LD_PRELOAD", preload)
+        .env("NETRAM_DAEMON", &control)
+        .exec();
+    bail!("cannot run {}: {err}", command[0])
 }

@@ -14,12 +14,15 @@
 //!   7 LOOKUP       len:u8 name                  a machine → every member (ticket: a nonce)
 //!   8 FOUND        pages:u32 delta_ms:u32 uid:u32 mode:u16   the library → the asker
 //!   9 ABSENT                                    any member → the asker
+//!  10 UNLINK                                    a machine → every member
 //! want, grant: 0 read, 1 write
 //! ```
 //!
 //! LOOKUP, FOUND and ABSENT name segments: a machine attaching a segment by name asks every
 //! member; the segment's library answers FOUND (the segment's id in `segment`, its size,
-//! window, owner and permission bits), every other member ABSENT. `page` is 0 in them.
+//! window, owner and permission bits), every other member ABSENT. UNLINK takes a segment's
+//! name away (System V's IPC_RMID): no machine attaches it by name any more, the processes
+//! attached keep it. `page` is 0 in them.
 //!
 //! A page's data is `PAGE_SIZE` bytes, or none with [`PageFlags::ZERO`] (MIRAGE+ §3.4: a zero
 //! page travels as a flag); its crc32c covers the segment, the page number, the flags and the
@@ -75,6 +78,8 @@ pub enum Body<'a> {
     },
     /// Not one of mine.
     Absent,
+    /// Segment `segment`'s name is taken away.
+    Unlink,
 }
 
 /// The longest segment name.
@@ -143,6 +148,7 @@ impl<'a> Message<'a> {
             Body::Lookup { .. } => 7,
             Body::Found { .. } => 8,
             Body::Absent => 9,
+            Body::Unlink => 10,
         };
         w.u64(self.segment).u8(tag).u32(self.page).u64(self.ticket);
         match self.body {
@@ -176,7 +182,12 @@ impl<'a> Message<'a> {
             } => {
                 w.u32(pages).u32(delta_ms).u32(uid).u16(mode);
             }
-            Body::Invalidate | Body::Invalidated | Body::Grant | Body::Done | Body::Absent => {}
+            Body::Invalidate
+            | Body::Invalidated
+            | Body::Grant
+            | Body::Done
+            | Body::Absent
+            | Body::Unlink => {}
         }
         w.finish();
     }
@@ -266,6 +277,7 @@ pub fn decode(frame: &[u8]) -> Result<Message<'_>, DecodeError> {
             mode: r.u16()?,
         },
         9 => Body::Absent,
+        10 => Body::Unlink,
         t => {
             return Err(DecodeError::BadValue {
                 field: "dsm message",
@@ -305,7 +317,7 @@ mod tests {
             ticket in 1u64..,
             to in any::<u64>(),
             want in arb_access(),
-            tag in 0u8..10,
+            tag in 0u8..11,
             fill in any::<u8>(),
             name in proptest::collection::vec(any::<u8>(), 1..=MAX_NAME),
         ) {
@@ -320,7 +332,8 @@ mod tests {
                 6 => Body::Done,
                 7 => Body::Lookup { name: &name },
                 8 => Body::Found { pages: page, delta_ms: fill.into(), uid: to as u32, mode: 0o640 },
-                _ => Body::Absent,
+                9 => Body::Absent,
+                _ => Body::Unlink,
             };
             let ticket = if tag == 0 { 0 } else { ticket };
             let m = Message { segment, page, ticket, body };

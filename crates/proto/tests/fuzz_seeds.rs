@@ -136,6 +136,7 @@ fn dsm_seeds() -> Vec<(String, Vec<u8>)> {
             },
         ),
         ("absent", Body::Absent),
+        ("unlink", Body::Unlink),
     ];
     bodies
         .into_iter()

@@ -424,6 +424,38 @@ fn handle(
             opened.push(id);
             Ok((format!("ok {id:x} {}", found.meta.pages), Some(fd)))
         }
+        Request::Lookup { name } => {
+            let found = lookup(name.clone()).map_err(|_| format!("no segment called {name}"))?;
+            let m = found.meta;
+            Ok((
+                format!("ok {:x} {} {} {:o}", found.segment, m.pages, m.uid, m.mode),
+                None,
+            ))
+        }
+        Request::Unlink { name } => {
+            let found = lookup(name.clone()).map_err(|_| format!("no segment called {name}"))?;
+            if uid != 0 && uid != found.meta.uid {
+                return Err(format!(
+                    "permission denied: segment {name} is uid {}'s",
+                    found.meta.uid
+                ));
+            }
+            let members = members();
+            door.call(move |a| a.unlink(found.segment, &members))
+                .ok_or("the agent stopped")?;
+            Ok(("ok".into(), None))
+        }
+        Request::Join { segment } => {
+            let meta = door
+                .call(move |a| a.meta(segment))
+                .ok_or("the agent stopped")?
+                .ok_or_else(|| format!("segment {segment:x} is not attached here"))?;
+            if !permitted(uid, &meta) {
+                return Err("permission denied".into());
+            }
+            opened.push(segment);
+            Ok(("ok".into(), None))
+        }
         Request::View {
             segment,
             base,

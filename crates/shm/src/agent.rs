@@ -55,6 +55,8 @@ pub struct Counters {
     pub lookups: u64,
     /// Lookups answered ABSENT because the asker is not admitted to the segment.
     pub lookups_refused: u64,
+    /// Names taken away here (System V's IPC_RMID).
+    pub unlinked: u64,
 }
 
 /// A segment found by name.
@@ -312,8 +314,39 @@ impl Agent {
                     let _ = l.reply.send(Err(Vec::new()));
                 }
             }
+            Frame::Unlink { segment } => {
+                // From a member: the name goes here too (the processes attached keep it).
+                if let Some(seg) = self.segments.get(&segment) {
+                    if self.names.get(&seg.name) == Some(&segment) {
+                        self.names.remove(&seg.name);
+                        self.counters.unlinked += 1;
+                    }
+                }
+            }
             Frame::Protocol { .. } => unreachable!("naming frames only"),
         }
+    }
+
+    /// Takes segment `segment`'s name away, here and (told) on every one of `members`:
+    /// nobody attaches it by name any more; the processes attached keep it. Whether the
+    /// caller may is the daemon's to check first.
+    pub fn unlink(&mut self, segment: SegmentId, members: &[SiteId]) {
+        if let Some(seg) = self.segments.get(&segment) {
+            if self.names.get(&seg.name) == Some(&segment) {
+                self.names.remove(&seg.name);
+                self.counters.unlinked += 1;
+            }
+        }
+        let mut frame = Vec::new();
+        wire::encode_naming(&Frame::Unlink { segment }, &mut frame);
+        for &m in members.iter().filter(|&&m| m != self.me) {
+            (self.net)(m, frame.clone());
+        }
+    }
+
+    /// Segment `id`'s size and permissions, if it is attached here.
+    pub fn meta(&self, id: SegmentId) -> Option<Meta> {
+        self.segments.get(&id).map(|s| s.meta)
     }
 
     /// Segment `name`'s id here, if attached.

@@ -8,6 +8,9 @@
 //! create NAME BYTES DELTA_MS MODE [NODE,NODE,…]   → ok SEGMENT PAGES + the segment's memfd
 //! attach NAME                                    → ok SEGMENT PAGES + the segment's memfd
 //! view SEGMENT BASE PAGES + the process's uffd   → ok
+//! lookup NAME                                    → ok SEGMENT PAGES UID MODE
+//! unlink NAME                                    → ok  (System V's IPC_RMID)
+//! join SEGMENT                                   → ok  (a forked child's own connection)
 //! any                                            → err WHY
 //! ```
 //!
@@ -45,6 +48,15 @@ pub enum Request {
         segment: SegmentId,
         base: usize,
         pages: u32,
+    },
+    Lookup {
+        name: String,
+    },
+    Unlink {
+        name: String,
+    },
+    Join {
+        segment: SegmentId,
     },
 }
 
@@ -102,6 +114,11 @@ impl Request {
                 })
             }
             ["attach", n] => Ok(Request::Attach { name: name(n)? }),
+            ["lookup", n] => Ok(Request::Lookup { name: name(n)? }),
+            ["unlink", n] => Ok(Request::Unlink { name: name(n)? }),
+            ["join", seg] => Ok(Request::Join {
+                segment: u64::from_str_radix(seg, 16).map_err(|_| "bad segment".to_string())?,
+            }),
             ["view", seg, base, pages] => Ok(Request::View {
                 segment: u64::from_str_radix(seg, 16).map_err(|_| "bad segment".to_string())?,
                 base: num(base, "address")? as usize,
@@ -131,6 +148,9 @@ impl Request {
                 s
             }
             Request::Attach { name } => format!("attach {name}"),
+            Request::Lookup { name } => format!("lookup {name}"),
+            Request::Unlink { name } => format!("unlink {name}"),
+            Request::Join { segment } => format!("join {segment:x}"),
             Request::View {
                 segment,
                 base,
@@ -267,22 +287,31 @@ impl Segment {
     }
 
     fn open(socket: &Path, req: Request) -> Result<Segment, SegmentError> {
-        use rustix::net::{socket as mksocket, AddressFamily, SocketAddrUnix, SocketType};
-        let sock = mksocket(AddressFamily::UNIX, SocketType::SEQPACKET, None)?;
-        let addr = SocketAddrUnix::new(socket)?;
-        rustix::net::connect(&sock, &addr).map_err(|e| SegmentError::Connect {
-            path: socket.to_path_buf(),
-            source: e.into(),
-        })?;
-        // Only root's daemon or this user's own may hand out memory to map.
-        let cred = rustix::net::sockopt::socket_peercred(&sock)?;
-        let me = rustix::process::geteuid().as_raw();
-        if cred.uid.as_raw() != 0 && cred.uid.as_raw() != me {
-            return Err(SegmentError::Untrusted {
-                path: socket.to_path_buf(),
-                uid: cred.uid.as_raw(),
-            });
-        }
+        Self::open_at(socket, req, None)
+    }
+
+    /// Attaches segment `name` at `addr` (replacing what is mapped there: System V's
+    /// `shmat` with an address), or where the kernel picks.
+    pub fn attach_at(
+        socket: &Path,
+        name: &str,
+        addr: Option<*mut u8>,
+    ) -> Result<Segment, SegmentError> {
+        Self::open_at(
+            socket,
+            Request::Attach {
+                name: name.to_owned(),
+            },
+            addr,
+        )
+    }
+
+    fn open_at(
+        socket: &Path,
+        req: Request,
+        addr: Option<*mut u8>,
+    ) -> Result<Segment, SegmentError> {
+        let sock = connect(socket)?;
         send(&sock, req.encode().as_bytes(), None)?;
         let (answer, fd) = ask(&sock)?;
         let (id, pages) = match answer.split(' ').collect::<Vec<_>>().as_slice() {
@@ -292,24 +321,68 @@ impl Segment {
         let (Some(id), Some(pages), Some(fd)) = (id, pages, fd) else {
             return Err(SegmentError::Confused(answer));
         };
-        let mut mapped = Mapped::new(&fd, pages)?;
-        let uffd = mapped.take_uffd().expect("a new mapping's userfaultfd");
-        let view = Request::View {
-            segment: id,
-            base: mapped.ptr as usize,
-            pages,
-        };
-        send(&sock, view.encode().as_bytes(), Some(uffd.as_fd()))?;
-        drop(uffd);
-        let (answer, _) = ask(&sock)?;
-        if answer != "ok" {
-            return Err(SegmentError::Confused(answer));
-        }
+        let mut mapped = Mapped::new_at(&fd, pages, addr)?;
+        view(&sock, id, &mut mapped)?;
         Ok(Segment {
             mapped,
             id,
             _sock: sock,
         })
+    }
+
+    /// Segment `name`'s size and permissions, if it exists (on any machine).
+    pub fn lookup(socket: &Path, name: &str) -> Result<Option<Info>, SegmentError> {
+        let sock = connect(socket)?;
+        let req = Request::Lookup {
+            name: name.to_owned(),
+        };
+        send(&sock, req.encode().as_bytes(), None)?;
+        let answer = match ask(&sock) {
+            Ok((a, _)) => a,
+            Err(SegmentError::Refused(why)) if why.starts_with("no segment") => return Ok(None),
+            Err(e) => return Err(e),
+        };
+        let w: Vec<&str> = answer.split(' ').collect();
+        let parse = || -> Option<Info> {
+            match w.as_slice() {
+                ["ok", id, pages, uid, mode] => Some(Info {
+                    segment: u64::from_str_radix(id, 16).ok()?,
+                    pages: pages.parse().ok()?,
+                    uid: uid.parse().ok()?,
+                    mode: u16::from_str_radix(mode, 8).ok()?,
+                }),
+                _ => None,
+            }
+        };
+        parse().map(Some).ok_or(SegmentError::Confused(answer))
+    }
+
+    /// Takes segment `name`'s name away (System V's IPC_RMID): nobody attaches it by name any
+    /// more; the processes attached keep it.
+    pub fn unlink(socket: &Path, name: &str) -> Result<(), SegmentError> {
+        let sock = connect(socket)?;
+        let req = Request::Unlink {
+            name: name.to_owned(),
+        };
+        send(&sock, req.encode().as_bytes(), None)?;
+        ask(&sock).map(drop)
+    }
+
+    /// In a forked child: the mapping it inherited faults to no one (a child does not inherit
+    /// its parent's userfaultfd registration), so it registers its own and hands it to the
+    /// daemon over its own connection. Until then the child must not touch the segment.
+    pub fn follow_fork(&mut self, socket: &Path) -> Result<(), SegmentError> {
+        let sock = connect(socket)?;
+        send(
+            &sock,
+            Request::Join { segment: self.id }.encode().as_bytes(),
+            None,
+        )?;
+        ask(&sock)?;
+        self.mapped.register_again()?;
+        view(&sock, self.id, &mut self.mapped)?;
+        self._sock = sock;
+        Ok(())
     }
 
     pub fn as_ptr(&self) -> *mut u8 {
@@ -327,6 +400,60 @@ impl Segment {
     pub fn id(&self) -> SegmentId {
         self.id
     }
+}
+
+/// A segment as a lookup finds it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Info {
+    pub segment: SegmentId,
+    pub pages: u32,
+    pub uid: u32,
+    pub mode: u16,
+}
+
+/// Connects to the daemon's shared-memory socket; only root's daemon or this user's own may
+/// hand out memory to map.
+fn connect(socket: &Path) -> Result<OwnedFd, SegmentError> {
+    use rustix::net::{socket_with, AddressFamily, SocketAddrUnix, SocketFlags, SocketType};
+    let sock = socket_with(
+        AddressFamily::UNIX,
+        SocketType::SEQPACKET,
+        SocketFlags::CLOEXEC,
+        None,
+    )?;
+    let addr = SocketAddrUnix::new(socket)?;
+    rustix::net::connect(&sock, &addr).map_err(|e| SegmentError::Connect {
+        path: socket.to_path_buf(),
+        source: e.into(),
+    })?;
+    let cred = rustix::net::sockopt::socket_peercred(&sock)?;
+    let me = rustix::process::geteuid().as_raw();
+    if cred.uid.as_raw() != 0 && cred.uid.as_raw() != me {
+        return Err(SegmentError::Untrusted {
+            path: socket.to_path_buf(),
+            uid: cred.uid.as_raw(),
+        });
+    }
+    Ok(sock)
+}
+
+/// Hands `mapped`'s userfaultfd to the daemon as a view of segment `id`.
+fn view(sock: &OwnedFd, id: SegmentId, mapped: &mut Mapped) -> Result<(), SegmentError> {
+    let uffd = mapped
+        .take_uffd()
+        .expect("a new registration's userfaultfd");
+    let req = Request::View {
+        segment: id,
+        base: mapped.ptr as usize,
+        pages: (mapped.len / netram_proto::PAGE_SIZE) as u32,
+    };
+    send(sock, req.encode().as_bytes(), Some(uffd.as_fd()))?;
+    drop(uffd);
+    let (answer, _) = ask(sock)?;
+    if answer != "ok" {
+        return Err(SegmentError::Confused(answer));
+    }
+    Ok(())
 }
 
 /// Reads an answer: `ok …` with its descriptor, or the daemon's refusal as an error.
@@ -363,6 +490,9 @@ mod tests {
                 members: None,
             },
             Request::Attach { name: "x".into() },
+            Request::Lookup { name: "x".into() },
+            Request::Unlink { name: "x".into() },
+            Request::Join { segment: 7 },
             Request::View {
                 segment: 0xabc,
                 base: 0x7f00_0000_0000,

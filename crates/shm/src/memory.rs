@@ -180,20 +180,21 @@ unsafe impl Sync for Mapped {}
 impl Mapped {
     /// Maps `fd` (a segment's memfd, `pages` pages) and registers it.
     pub fn new(fd: impl AsFd, pages: u32) -> Result<Mapped, Errno> {
+        Self::new_at(fd, pages, None)
+    }
+
+    /// [`Mapped::new`] at `addr` if given (replacing whatever is mapped there, as System V's
+    /// `shmat` with an address does).
+    pub fn new_at(fd: impl AsFd, pages: u32, addr: Option<*mut u8>) -> Result<Mapped, Errno> {
         use rustix::mm::{mmap, MapFlags, ProtFlags};
         let len = pages as usize * PAGE_SIZE;
-        // SAFETY: a new shared mapping of the memfd at an address the kernel picks; nothing
-        // else refers to that range.
-        let ptr = unsafe {
-            mmap(
-                std::ptr::null_mut(),
-                len,
-                ProtFlags::READ | ProtFlags::WRITE,
-                MapFlags::SHARED,
-                fd,
-                0,
-            )
-        }?;
+        let (at, flags) = match addr {
+            Some(a) => (a.cast(), MapFlags::SHARED | MapFlags::FIXED),
+            None => (std::ptr::null_mut(), MapFlags::SHARED),
+        };
+        // SAFETY: a new shared mapping of the memfd, where the kernel picks or where the
+        // caller asked (its own address space, as `shmat(2)` lets it).
+        let ptr = unsafe { mmap(at, len, ProtFlags::READ | ProtFlags::WRITE, flags, fd, 0) }?;
         // Owned from here, so that a failure below unmaps it.
         let mut mapped = Mapped {
             ptr: ptr.cast(),
@@ -205,6 +206,17 @@ impl Mapped {
         uffd.set_write_protect_range(ptr, pages as usize, true, false)?;
         mapped.uffd = Some(uffd);
         Ok(mapped)
+    }
+
+    /// Registers the mapping with a new userfaultfd (a forked child's: the parent's
+    /// registration is not inherited), wholly write-protected.
+    pub fn register_again(&mut self) -> Result<(), Errno> {
+        let uffd = open_uffd()?;
+        let pages = self.len / PAGE_SIZE;
+        uffd.register(self.ptr.cast(), self.len, true)?;
+        uffd.set_write_protect_range(self.ptr.cast(), pages, true, false)?;
+        self.uffd = Some(uffd);
+        Ok(())
     }
 
     /// The userfaultfd serving this mapping (once).

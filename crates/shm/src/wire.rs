@@ -99,6 +99,9 @@ pub enum Frame {
     Absent {
         nonce: u64,
     },
+    Unlink {
+        segment: u64,
+    },
 }
 
 /// Encodes a naming message (LOOKUP, FOUND, ABSENT) appended to `out`.
@@ -126,6 +129,7 @@ pub fn encode_naming(frame: &Frame, out: &mut Vec<u8>) {
             },
         ),
         Frame::Absent { nonce } => (0, nonce, Body::Absent),
+        Frame::Unlink { segment } => (segment, 0, Body::Unlink),
         Frame::Protocol { .. } => panic!("encode_naming is for naming messages"),
     };
     Message {
@@ -168,6 +172,7 @@ pub fn decode_frame(frame: &[u8]) -> Result<Frame, WireError> {
             })
         }
         Body::Absent => return Ok(Frame::Absent { nonce: m.ticket }),
+        Body::Unlink => return Ok(Frame::Unlink { segment: m.segment }),
         _ => {}
     }
     let (segment, msg, data) = protocol(m)?;
@@ -207,7 +212,7 @@ fn protocol(m: Message<'_>) -> Result<(u64, Msg<()>, Data), WireError> {
         Body::Invalidated => Msg::Invalidated { page, ticket },
         Body::Grant => Msg::Grant { page, ticket },
         Body::Done => Msg::Done { page, ticket },
-        Body::Lookup { .. } | Body::Found { .. } | Body::Absent => {
+        Body::Lookup { .. } | Body::Found { .. } | Body::Absent | Body::Unlink => {
             return Err(WireError::NotProtocol)
         }
         Body::Page {
@@ -322,6 +327,7 @@ mod tests {
                 meta,
             },
             Frame::Absent { nonce: 3 },
+            Frame::Unlink { segment: 0xabc },
         ] {
             let mut out = Vec::new();
             encode_naming(&f, &mut out);
