@@ -287,15 +287,17 @@ impl Segment {
     }
 
     fn open(socket: &Path, req: Request) -> Result<Segment, SegmentError> {
-        Self::open_at(socket, req, None)
+        Self::open_at(socket, req, None, false)
     }
 
-    /// Attaches segment `name` at `addr` (replacing what is mapped there: System V's
-    /// `shmat` with an address), or where the kernel picks.
+    /// Attaches segment `name` at `addr` (where nothing is mapped, or replacing what is if
+    /// `replace`: System V's `shmat` with an address, and `SHM_REMAP`), or where the kernel
+    /// picks.
     pub fn attach_at(
         socket: &Path,
         name: &str,
         addr: Option<*mut u8>,
+        replace: bool,
     ) -> Result<Segment, SegmentError> {
         Self::open_at(
             socket,
@@ -303,6 +305,7 @@ impl Segment {
                 name: name.to_owned(),
             },
             addr,
+            replace,
         )
     }
 
@@ -310,6 +313,7 @@ impl Segment {
         socket: &Path,
         req: Request,
         addr: Option<*mut u8>,
+        replace: bool,
     ) -> Result<Segment, SegmentError> {
         let sock = connect(socket)?;
         send(&sock, req.encode().as_bytes(), None)?;
@@ -321,7 +325,7 @@ impl Segment {
         let (Some(id), Some(pages), Some(fd)) = (id, pages, fd) else {
             return Err(SegmentError::Confused(answer));
         };
-        let mut mapped = Mapped::new_at(&fd, pages, addr)?;
+        let mut mapped = Mapped::new_at(&fd, pages, addr, replace)?;
         view(&sock, id, &mut mapped)?;
         Ok(Segment {
             mapped,

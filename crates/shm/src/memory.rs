@@ -180,16 +180,23 @@ unsafe impl Sync for Mapped {}
 impl Mapped {
     /// Maps `fd` (a segment's memfd, `pages` pages) and registers it.
     pub fn new(fd: impl AsFd, pages: u32) -> Result<Mapped, Errno> {
-        Self::new_at(fd, pages, None)
+        Self::new_at(fd, pages, None, false)
     }
 
-    /// [`Mapped::new`] at `addr` if given (replacing whatever is mapped there, as System V's
-    /// `shmat` with an address does).
-    pub fn new_at(fd: impl AsFd, pages: u32, addr: Option<*mut u8>) -> Result<Mapped, Errno> {
+    /// [`Mapped::new`] at `addr` if given: only where nothing is mapped (EEXIST otherwise),
+    /// or replacing what is if `replace` (System V's `shmat` with an address, and with
+    /// `SHM_REMAP`).
+    pub fn new_at(
+        fd: impl AsFd,
+        pages: u32,
+        addr: Option<*mut u8>,
+        replace: bool,
+    ) -> Result<Mapped, Errno> {
         use rustix::mm::{mmap, MapFlags, ProtFlags};
         let len = pages as usize * PAGE_SIZE;
         let (at, flags) = match addr {
-            Some(a) => (a.cast(), MapFlags::SHARED | MapFlags::FIXED),
+            Some(a) if replace => (a.cast(), MapFlags::SHARED | MapFlags::FIXED),
+            Some(a) => (a.cast(), MapFlags::SHARED | MapFlags::FIXED_NOREPLACE),
             None => (std::ptr::null_mut(), MapFlags::SHARED),
         };
         // SAFETY: a new shared mapping of the memfd, where the kernel picks or where the

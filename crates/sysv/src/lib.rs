@@ -287,11 +287,17 @@ pub unsafe extern "C" fn shmat(shmid: c_int, addr: *const c_void, flg: c_int) ->
             }
             Some(a as *mut u8)
         };
-        let seg = Segment::attach_at(socket(), &name, at).map_err(|e| match errno_of(&e) {
-            // Its name was removed: System V says the id is gone.
-            libc::ENOENT => libc::EIDRM,
-            n => n,
-        })?;
+        let seg = Segment::attach_at(socket(), &name, at, flg & libc::SHM_REMAP != 0).map_err(
+            |e| match e {
+                // Something is mapped there already (and no SHM_REMAP).
+                SegmentError::Os(rustix::io::Errno::EXIST) => libc::EINVAL,
+                e => match errno_of(&e) {
+                    // Its name was removed: System V says the id is gone.
+                    libc::ENOENT => libc::EIDRM,
+                    n => n,
+                },
+            },
+        )?;
         follow_forks();
         let p = seg.as_ptr();
         lock()
