@@ -94,31 +94,8 @@ fn report(path: &Path) -> serde_json::Value {
     serde_json::from_str(&std::fs::read_to_string(path).expect("the report")).unwrap()
 }
 
-/// `tests/c/NAME.c` compiled into `dir` (with `libs`), or `None` (the test skipped, said so)
-/// without a C compiler.
-fn compile_c(dir: &Path, name: &str, libs: &[&str]) -> Option<PathBuf> {
-    if !netram_testkit::have_tools(&[("cc", "gcc")]) {
-        return None;
-    }
-    let exe = dir.join(name);
-    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join(format!("tests/c/{name}.c"));
-    let out = Command::new("cc")
-        .args(["-std=c11", "-Wall", "-Wextra", "-Werror", "-O1", "-o"])
-        .arg(&exe)
-        .arg(&src)
-        .args(libs)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "cc {name}.c: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    Some(exe)
-}
-
 fn compile_alloc_mix(dir: &Path) -> Option<PathBuf> {
-    compile_c(dir, "alloc_mix", &[])
+    common::compile_c(dir, "alloc_mix", &[])
 }
 
 fn assert_ran(out: &Output, what: &str) {
@@ -136,7 +113,7 @@ fn assert_ran(out: &Output, what: &str) {
 /// without a C compiler.
 fn c_program_on_netram(name: &str, libs: &[&str], local: &str) -> Option<serde_json::Value> {
     let dir = Scratch::new(name);
-    let exe = compile_c(&dir.0, name, libs)?;
+    let exe = common::compile_c(&dir.0, name, libs)?;
     let (_servers, addrs) = cluster(2);
     let rep = dir.0.join("report.json");
     let out = netram_run(
@@ -257,7 +234,7 @@ fn programs_linked_with_tcmalloc_or_mimalloc_run() {
     let dir = Scratch::new("allocators");
     let (_servers, addrs) = cluster(2);
     for (lib, _) in libs {
-        let Some(exe) = compile_c(&dir.0, "plain_mix", &[lib]) else {
+        let Some(exe) = common::compile_c(&dir.0, "plain_mix", &[lib]) else {
             return;
         };
         let out = netram_run(
@@ -557,7 +534,7 @@ fn children_that_close_their_descriptors_keep_their_memory() {
         return;
     }
     let dir = Scratch::new("child-closes-all");
-    let Some(exe) = compile_c(&dir.0, "child_closes_all", &[]) else {
+    let Some(exe) = common::compile_c(&dir.0, "child_closes_all", &[]) else {
         return;
     };
     let (_servers, addrs) = cluster(2);
@@ -636,7 +613,7 @@ fn every_populated_value_is_intact(port: &str, n: u32, size: usize) {
 #[test]
 fn a_program_whose_pages_are_lost_dies_of_sigbus() {
     let dir = Scratch::new("sigbus");
-    let Some(exe) = compile_c(&dir.0, "touch_after_pause", &[]) else {
+    let Some(exe) = common::compile_c(&dir.0, "touch_after_pause", &[]) else {
         return;
     };
     let server = ServerProcess::start(&["--capacity", "256M"]);
@@ -690,7 +667,7 @@ fn a_program_whose_pages_are_lost_dies_of_sigbus() {
 #[test]
 fn a_program_reads_its_memory_back_after_a_server_dies_under_reed_solomon() {
     let dir = Scratch::new("rs-degraded");
-    let Some(exe) = compile_c(&dir.0, "touch_after_pause", &[]) else {
+    let Some(exe) = common::compile_c(&dir.0, "touch_after_pause", &[]) else {
         return;
     };
     let (servers, addrs) = cluster(5);
@@ -1606,7 +1583,7 @@ fn works_for_an_ordinary_user() {
     let Some(exe) = compile_alloc_mix(&dir.0) else {
         return;
     };
-    let Some(jemalloc) = compile_c(&dir.0, "jemalloc_mix", &["-ljemalloc"]) else {
+    let Some(jemalloc) = common::compile_c(&dir.0, "jemalloc_mix", &["-ljemalloc"]) else {
         return;
     };
     let (netram, lib, tls) = files_for_nobody(&dir.0, 65534);

@@ -187,3 +187,159 @@ fn names_nodes_and_sizes_are_checked() {
     );
     drop(daemons);
 }
+
+/// Three daemons that know each other, for the System V tests.
+fn three(
+    dir: &std::path::Path,
+    first: u64,
+) -> (Vec<common::ServerProcess>, impl Fn(u64) -> String) {
+    let (daemons, control) = common::daemons(dir, first, ["8M", "8M", "8M"]);
+    for i in 1..=3 {
+        wait_members(&control(i), 3);
+    }
+    (daemons, control)
+}
+
+/// `netram shm run` of `program` through daemon `control`, as a child.
+fn sysv(control: &str, program: &[&str]) -> std::process::Child {
+    common::netram()
+        .args(["shm", "--daemon", control, "run", "--"])
+        .args(program)
+        .env("RUST_BACKTRACE", "0")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap()
+}
+
+fn output(child: std::process::Child, what: &str) -> String {
+    let out = child.wait_with_output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "{what} failed: {text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    text
+}
+
+/// A C program written against System V shared memory and semaphores (it knows nothing of
+/// netram) multiplies matrices with its coordinator on one machine and two workers on two
+/// others; the coordinator checks every entry against its own product.
+#[test]
+fn an_unmodified_system_v_program_runs_on_three_machines() {
+    let dir = tempfile::tempdir().unwrap();
+    let Some(exe) = common::compile_c(dir.path(), "sysv_matmul", &[]) else {
+        return;
+    };
+    let exe = exe.to_str().unwrap().to_string();
+    let (_daemons, control) = three(dir.path(), 540);
+    let n = "96";
+    let coordinator = sysv(&control(1), &[&exe, "coordinator", "0x5107", "2", n]);
+    let workers: Vec<_> = (0..2)
+        .map(|w| {
+            let index = w.to_string();
+            sysv(&control(w + 2), &[&exe, "worker", "0x5107", "2", n, &index])
+        })
+        .collect();
+    for (w, child) in workers.into_iter().enumerate() {
+        let out = output(child, "a worker");
+        assert!(out.contains(&format!("worker {w} done")), "{out}");
+    }
+    let out = output(coordinator, "the coordinator");
+    assert!(out.starts_with("ok "), "{out}");
+    // Its segments were removed (IPC_RMID): the key is free again.
+    refused(
+        shm(&control(3), &["cat", "sysv:00005107"], None),
+        "no segment",
+    );
+}
+
+/// Python's sysv_ipc (Debian's python3-sysv-ipc, not ours): a segment and a semaphore made
+/// on one machine, written there by a forked child, read and removed on another.
+#[test]
+fn python_sysv_ipc_shares_memory_between_machines_and_with_a_child() {
+    let python = "/usr/bin/python3";
+    let has_module = std::process::Command::new(python)
+        .args(["-c", "import sysv_ipc"])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !has_module {
+        netram_testkit::skip(
+            "Python's sysv_ipc module is missing",
+            Some("python3-sysv-ipc"),
+        );
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let script = dir.path().join("ipc.py");
+    std::fs::write(
+        &script,
+        r#"
+import os, sys, sysv_ipc
+key = 0x7171
+if sys.argv[1] == "make":
+    m = sysv_ipc.SharedMemory(key, sysv_ipc.IPC_CREX, mode=0o600, size=3 * 4096)
+    s = sysv_ipc.Semaphore(key, sysv_ipc.IPC_CREX, initial_value=0)
+    m.write(b"from the parent", 5000)
+    pid = os.fork()
+    if pid == 0:
+        m.write(b"from the child", 9000)
+        s.release()
+        os._exit(0)
+    s.acquire(timeout=20)
+    _, status = os.waitpid(pid, 0)
+    assert status == 0, status
+    print("parent reads", m.read(14, 9000).decode())
+else:
+    m = sysv_ipc.SharedMemory(key)
+    print("other reads", m.read(15, 5000).decode(), "and", m.read(14, 9000).decode())
+    m.detach()
+    m.remove()
+    sysv_ipc.Semaphore(key).remove()
+"#,
+    )
+    .unwrap();
+    let script = script.to_str().unwrap();
+    let (_daemons, control) = three(dir.path(), 550);
+    let out = output(sysv(&control(1), &[python, script, "make"]), "the maker");
+    assert_eq!(out.trim(), "parent reads from the child");
+    let out = output(sysv(&control(3), &[python, script, "read"]), "the reader");
+    assert_eq!(out.trim(), "other reads from the parent and from the child");
+    refused(
+        shm(&control(2), &["cat", "sysv:00007171"], None),
+        "no segment",
+    );
+}
+
+/// stress-ng's System V shared-memory stressor (Debian's): segments made, attached (also at
+/// addresses it picks, where something is mapped), touched, checked and removed by several
+/// processes; it checks its own data.
+#[test]
+fn stress_ng_shm_sysv_passes() {
+    if !netram_testkit::have_tools(&[("stress-ng", "stress-ng")]) {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let (daemons, control) = common::daemons(dir.path(), 560, ["8M"]);
+    let child = sysv(
+        &control(1),
+        &[
+            "stress-ng",
+            "--shm-sysv",
+            "2",
+            "--shm-sysv-bytes",
+            "1M",
+            "-t",
+            "4",
+            "--metrics-brief",
+        ],
+    );
+    let out = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success() && err.contains("successful run completed"),
+        "stress-ng: {err}"
+    );
+    drop(daemons);
+}

@@ -308,6 +308,8 @@ fn serve_local(conn: &OwnedFd, door: &Door, shared: &Weak<Shared>, node: u64) {
     let (uid, pid) = (cred.uid.as_raw(), cred.pid.as_raw_nonzero().get() as u32);
     // The segments this connection was given: only those may it map.
     let mut opened: Vec<u64> = Vec::new();
+    // The views this connection added: they go when it closes (and only they).
+    let mut views: Vec<(u64, u64)> = Vec::new();
     // At most a request a millisecond's worth: a local process flooding requests only waits.
     let mut served = 0u32;
     while let Ok(Some((packet, fd))) = local::recv(conn) {
@@ -317,7 +319,17 @@ fn serve_local(conn: &OwnedFd, door: &Door, shared: &Weak<Shared>, node: u64) {
         }
         let answer = match Request::parse(&packet) {
             Err(why) => Err(why),
-            Ok(req) => handle(req, fd, door, shared, node, uid, pid, &mut opened),
+            Ok(req) => handle(
+                req,
+                fd,
+                door,
+                shared,
+                node,
+                uid,
+                pid,
+                &mut opened,
+                &mut views,
+            ),
         };
         let sent = match answer {
             Ok((text, fd)) => local::send(conn, text.as_bytes(), fd.as_ref().map(|f| f.as_fd())),
@@ -327,8 +339,8 @@ fn serve_local(conn: &OwnedFd, door: &Door, shared: &Weak<Shared>, node: u64) {
             break;
         }
     }
-    for id in opened {
-        door.call(move |a| a.drop_views_of(id, pid));
+    for (id, number) in views {
+        door.call(move |a| a.drop_view_by_number(id, number));
     }
 }
 
@@ -342,6 +354,7 @@ fn handle(
     uid: u32,
     pid: u32,
     opened: &mut Vec<u64>,
+    views: &mut Vec<(u64, u64)>,
 ) -> Result<(String, Option<OwnedFd>), String> {
     let members = || -> Vec<u64> {
         shared.upgrade().map_or_else(Vec::new, |s| {
@@ -470,9 +483,12 @@ fn handle(
                 base,
                 pages,
                 pid,
+                number: 0,
             };
-            door.call(move |a| a.add_view(segment, view).map_err(|e| e.to_string()))
+            let number = door
+                .call(move |a| a.add_view(segment, view).map_err(|e| e.to_string()))
                 .ok_or("the agent stopped")??;
+            views.push((segment, number));
             Ok(("ok".into(), None))
         }
     }

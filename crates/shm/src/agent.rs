@@ -134,6 +134,7 @@ pub struct Agent {
     segments: HashMap<SegmentId, Segment>,
     names: HashMap<String, SegmentId>,
     lookups: HashMap<u64, Lookup>,
+    next_view: u64,
     next_nonce: u64,
     letters: VecDeque<Letter>,
     net: Net,
@@ -149,6 +150,7 @@ impl Agent {
             segments: HashMap::new(),
             names: HashMap::new(),
             lookups: HashMap::new(),
+            next_view: 0,
             // Nonces of another incarnation of this agent are not mistaken for this one's.
             next_nonce: std::time::SystemTime::now()
                 .duration_since(std::time::UNIX_EPOCH)
@@ -357,7 +359,8 @@ impl Agent {
 
     /// Takes over a local process's mapping of segment `id` (registered with `view.uffd`,
     /// wholly write-protected): the pages this machine may write become writable in it.
-    pub fn add_view(&mut self, id: SegmentId, view: View) -> Result<(), AgentError> {
+    /// Returns the view's number, by which [`Agent::drop_view_by_number`] takes it away.
+    pub fn add_view(&mut self, id: SegmentId, mut view: View) -> Result<u64, AgentError> {
         let seg = self.segments.get_mut(&id).ok_or(AgentError::Unknown(id))?;
         if view.pages != seg.copy.pages() {
             return Err(AgentError::Size {
@@ -370,14 +373,18 @@ impl Agent {
         for n in seg.site.writable() {
             view.unprotect(n)?;
         }
+        self.next_view += 1;
+        view.number = self.next_view;
         seg.views.push(view);
-        Ok(())
+        Ok(self.next_view)
     }
 
-    /// Drops process `pid`'s views of segment `id` (it detached or exited).
-    pub fn drop_views_of(&mut self, id: SegmentId, pid: u32) {
+    /// Drops view `number` of segment `id` (its process detached or exited). By number, not
+    /// by process: a process that detaches and attaches again has an old view going while
+    /// its new one is in use.
+    pub fn drop_view_by_number(&mut self, id: SegmentId, number: u64) {
         if let Some(seg) = self.segments.get_mut(&id) {
-            seg.views.retain(|v| v.pid != pid);
+            seg.views.retain(|v| v.number != number);
         }
     }
 

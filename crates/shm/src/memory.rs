@@ -123,6 +123,8 @@ pub struct View {
     pub pages: u32,
     /// The process, for reports.
     pub pid: u32,
+    /// Its number at the agent (set there).
+    pub number: u64,
 }
 
 impl View {

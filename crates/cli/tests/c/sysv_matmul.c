@@ -1,3 +1,4 @@
+#define _DEFAULT_SOURCE
 /* A parallel matrix multiply written against System V shared memory and semaphores, as
  * MIRAGE+'s Table 7 measured: it knows nothing of netram. One coordinator and W workers
  * (separate processes, on any machines) share A, B and C by key; semaphore 0 starts the

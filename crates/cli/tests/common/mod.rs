@@ -385,3 +385,26 @@ pub fn daemons<const N: usize>(
     }
     (out, control)
 }
+
+/// `tests/c/NAME.c` compiled into `dir` (with `libs`), or `None` (the test skipped, said so)
+/// without a C compiler.
+pub fn compile_c(dir: &Path, name: &str, libs: &[&str]) -> Option<PathBuf> {
+    if !netram_testkit::have_tools(&[("cc", "gcc")]) {
+        return None;
+    }
+    let exe = dir.join(name);
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join(format!("tests/c/{name}.c"));
+    let out = Command::new("cc")
+        .args(["-std=c11", "-Wall", "-Wextra", "-Werror", "-O1", "-o"])
+        .arg(&exe)
+        .arg(&src)
+        .args(libs)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "cc {name}.c: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Some(exe)
+}
