@@ -66,6 +66,21 @@ enum ShmCommand {
         #[arg(trailing_var_arg = true, required = true, value_name = "PROGRAM")]
         command: Vec<String>,
     },
+    /// A check for tests: OPS random operations on WORDS words of segment NAME (two words a
+    /// page, so that pages move and a page's other word changes under a reader): one in
+    /// three adds one, the rest load. A word only grows, so a load below what this process
+    /// saw before is a stale read (exit 1). Prints the additions made to each word (JSON), for
+    /// the caller to check that the final values count every one.
+    #[command(hide = true)]
+    Check {
+        name: String,
+        #[arg(long)]
+        seed: u64,
+        #[arg(long)]
+        ops: u64,
+        #[arg(long, default_value = "8")]
+        words: usize,
+    },
     /// A check for tests and demonstrations: PARTIES processes (on any machines) take turns
     /// adding one to a counter at word SLOT of segment NAME, this one when the counter is
     /// TURN modulo PARTIES, ROUNDS times; prints the counter at the end.
@@ -149,6 +164,39 @@ pub fn run(args: ShmArgs) -> anyhow::Result<()> {
             // SAFETY: `len` bytes from `at` are inside the live mapping (checked).
             unsafe { std::ptr::copy_nonoverlapping(at, copy.as_mut_ptr(), copy.len()) };
             std::io::stdout().write_all(&copy)?;
+        }
+        ShmCommand::Check {
+            name,
+            seed,
+            ops,
+            words,
+        } => {
+            let seg = Segment::attach(&sock, &name)?;
+            let stride = netram_proto::PAGE_SIZE / 2;
+            range(&seg, 0, (words * stride) as u64)?;
+            // SAFETY: word i is at i · stride, inside the live mapping (checked above),
+            // aligned, used only atomically while `seg` is held.
+            let word = |i: usize| unsafe { &*(seg.as_ptr().add(i * stride) as *const AtomicU64) };
+            let mut rng = fastrand::Rng::with_seed(seed);
+            let mut seen = vec![0u64; words];
+            let mut added = vec![0u64; words];
+            for op in 0..ops {
+                let i = rng.usize(..words);
+                let v = if rng.u8(..3) == 0 {
+                    added[i] += 1;
+                    word(i).fetch_add(1, Ordering::SeqCst) + 1
+                } else {
+                    word(i).load(Ordering::SeqCst)
+                };
+                if v < seen[i] {
+                    bail!(
+                        "operation {op}: word {i} read {v} after {}: a stale read",
+                        seen[i]
+                    );
+                }
+                seen[i] = v;
+            }
+            println!("{}", serde_json::json!({ "added": added }));
         }
         ShmCommand::Turns {
             name,

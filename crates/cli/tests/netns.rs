@@ -46,12 +46,13 @@ fn must(args: &[&str]) {
 
 impl Net {
     fn new(shaped: bool) -> Self {
+        Self::tagged(shaped, if shaped { 's' } else { 'u' })
+    }
+
+    /// A net whose namespaces' names carry `tag`: tests that run at once each their own.
+    fn tagged(shaped: bool, tag: char) -> Self {
         let net = Net {
-            prefix: format!(
-                "nr{}{}",
-                std::process::id() % 100_000,
-                if shaped { "s" } else { "u" }
-            ),
+            prefix: format!("nr{}{tag}", std::process::id() % 100_000),
             procs: Vec::new(),
             ctl: tempfile::tempdir().unwrap(),
         };
@@ -447,4 +448,126 @@ fn netns_cluster_shaped_1gbit() {
 #[test]
 fn netns_cluster_unshaped() {
     cluster_pages_to_a_growing_donor(false);
+}
+
+/// Memory shared between five hosts (MIRAGE+; issue 40), over links shaped to 1 Gbit/s: every
+/// host's daemon its own certificate, every host running real processes. Randomized adds and
+/// loads on hot words from all five at once: no process reads a word below what it saw
+/// before (per-location order), and each word ends equal to the adds made to it (none lost).
+/// Then an unmodified System V program: a matrix multiply's coordinator on host 1 and a
+/// worker on each of the four others, its product checked entry by entry.
+#[test]
+fn netns_shared_memory_on_five_hosts() {
+    if !have_root("network namespaces") {
+        return;
+    }
+    if !have_tools(&[("ip", "iproute2"), ("tc", "iproute2")]) {
+        return;
+    }
+    let scratch = tempfile::tempdir().unwrap();
+    let dir = scratch.path();
+    let Some(matmul) = common::compile_c(dir, "sysv_matmul", &[]) else {
+        return;
+    };
+    let matmul = matmul.to_str().unwrap().to_string();
+    let mut net = Net::tagged(true, 'm');
+    for i in 1..=HOSTS {
+        let tls = credentials(dir, i);
+        let ctl = net.control(i).display().to_string();
+        let args = [
+            "serve",
+            "--tls",
+            tls.to_str().unwrap(),
+            "--listen",
+            &addr(i),
+            "--seed",
+            "10.77.0.1:7077",
+            "--capacity",
+            "32M",
+            "--control",
+            &ctl,
+        ];
+        net.spawn(i, common::NETRAM, &args, &dir.join(format!("serve{i}.log")));
+    }
+    for i in 1..=HOSTS {
+        eventually("every host sees every other", 30, || {
+            members_alive(&net, i).len() == HOSTS
+        });
+    }
+    let ok = |out: Output, what: &str| -> String {
+        assert!(
+            out.status.success(),
+            "{what}: {}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    ok(net.netram(1, &["shm", "create", "hot", "16KiB"]), "create");
+
+    // Five hosts at once, each its own process and its own random sequence.
+    let words = 8;
+    let runs: Vec<std::thread::JoinHandle<Output>> = (1..=HOSTS)
+        .map(|i| {
+            let ns = net.ns(i);
+            let ctl = net.control(i);
+            std::thread::spawn(move || {
+                // Bounded: a process that hangs ends by itself (timeout), as every process a
+                // test starts must.
+                Command::new("ip")
+                    .args(["netns", "exec", &ns, "timeout", "120", common::NETRAM])
+                    .args(["shm", "check", "hot"])
+                    .args(["--seed", &i.to_string(), "--ops", "1500", "--words", "8"])
+                    .env("NETRAM_DAEMON", ctl)
+                    .output()
+                    .unwrap()
+            })
+        })
+        .collect();
+    let mut total = vec![0u64; words];
+    for (i, r) in runs.into_iter().enumerate() {
+        let out = ok(r.join().unwrap(), &format!("check on host {}", i + 1));
+        let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+        for (w, n) in v["added"].as_array().unwrap().iter().enumerate() {
+            total[w] += n.as_u64().unwrap();
+        }
+    }
+    for (w, &want) in total.iter().enumerate() {
+        let offset = (w * 2048).to_string();
+        let out = net.netram(3, &["shm", "cat", "hot", "--offset", &offset, "--len", "8"]);
+        assert!(out.status.success());
+        let got = u64::from_le_bytes(out.stdout[..8].try_into().unwrap());
+        assert_eq!(got, want, "word {w}: every add from five hosts counted");
+    }
+
+    // The System V program: a coordinator and four workers on five hosts.
+    let sysv = |i: usize, args: &[&str]| {
+        let mut c = Command::new("ip");
+        c.args([
+            "netns",
+            "exec",
+            &net.ns(i),
+            common::NETRAM,
+            "shm",
+            "run",
+            "--",
+        ])
+        .args(args)
+        .env("NETRAM_DAEMON", net.control(i))
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+        c.spawn().unwrap()
+    };
+    let coordinator = sysv(1, &[&matmul, "coordinator", "0x5108", "4", "96"]);
+    let workers: Vec<Child> = (2..=HOSTS)
+        .map(|i| {
+            let index = (i - 2).to_string();
+            sysv(i, &[&matmul, "worker", "0x5108", "4", "96", &index])
+        })
+        .collect();
+    for w in workers {
+        ok(w.wait_with_output().unwrap(), "a worker");
+    }
+    let out = ok(coordinator.wait_with_output().unwrap(), "the coordinator");
+    assert!(out.starts_with("ok "), "{out}");
 }

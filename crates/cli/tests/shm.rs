@@ -7,9 +7,16 @@ mod common;
 
 use std::process::Output;
 
+/// `netram` under `timeout`: every process a test starts ends by itself.
+fn bounded() -> std::process::Command {
+    let mut c = std::process::Command::new("timeout");
+    c.args(["120", common::NETRAM]);
+    c
+}
+
 fn shm(control: &str, args: &[&str], stdin: Option<&[u8]>) -> Output {
     use std::io::Write;
-    let mut cmd = common::netram();
+    let mut cmd = bounded();
     cmd.args(["shm", "--daemon", control]).args(args);
     cmd.stdin(std::process::Stdio::piped())
         .stdout(std::process::Stdio::piped())
@@ -202,7 +209,7 @@ fn three(
 
 /// `netram shm run` of `program` through daemon `control`, as a child.
 fn sysv(control: &str, program: &[&str]) -> std::process::Child {
-    common::netram()
+    bounded()
         .args(["shm", "--daemon", control, "run", "--"])
         .args(program)
         .env("RUST_BACKTRACE", "0")
