@@ -76,6 +76,37 @@ int netram_counters(netram_region *region, struct netram_counters *out);
 /* The last error on this thread, or "" if none. Valid until the next call on this thread. */
 const char *netram_last_error(void);
 
+/*
+ * Segments shared between machines (MIRAGE+): memory that processes on any machine of the
+ * cluster attach by name and use with plain loads and stores; every load sees the latest
+ * store, whichever machine made it (write-invalidate: one writer or many readers per page).
+ * Through the local daemon (`netram serve`, asked beside its control socket NETRAM_DAEMON).
+ * A segment lives in the daemons until destroyed, like a System V segment; a forked child
+ * does not inherit the attachment's coherence (attach again in the child).
+ */
+typedef struct netram_shm netram_shm;
+
+/* Creates segment `name` (1-255 bytes, no spaces) of `size` bytes (rounded up to pages), every
+ * byte zero, this machine its library; `mode`: permission bits as System V's (owner and
+ * others, read and write together: 0600, 0666); `window_ms`: how long a machine keeps a page
+ * it got before it must give it up (0 allowed). NULL on error (a segment of that name exists,
+ * no daemon answers ...). */
+netram_shm *netram_shm_create(const char *name, uint64_t size, uint32_t mode, uint32_t window_ms);
+
+/* Attaches segment `name`, created on this machine or another. NULL on error. */
+netram_shm *netram_shm_attach(const char *name);
+
+/* Where the segment is in this process, and its size in bytes. */
+void *netram_shm_base(netram_shm *shm);
+uint64_t netram_shm_size(netram_shm *shm);
+
+/* Detaches it: its memory is unmapped, the handle freed. 0, or -1. NULL is ignored. */
+int netram_shm_detach(netram_shm *shm);
+
+/* Takes segment `name`'s name away (System V's IPC_RMID): nobody attaches it by name any
+ * more; processes attached keep it. 0, or -1. */
+int netram_shm_destroy(const char *name);
+
 #ifdef __cplusplus
 }
 #endif

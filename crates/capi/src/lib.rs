@@ -1,11 +1,14 @@
 //! netram's C ABI (`libnetram.so` as installed, `libnetram_capi.so` in a build tree;
 //! `include/netram.h`): userfaultfd regions of cluster memory (`netram-uffd`) for programs in
-//! any language, the API that Anemone §2.2 says programs that know about remote memory can use.
+//! any language, the API that Anemone §2.2 says programs that know about remote memory can use;
+//! and segments shared between machines (`shm`: MIRAGE+'s, through the local daemon).
 //!
 //! The header is the contract; every function here is its definition. Nothing unwinds into C:
 //! each entry point catches panics and turns them, like every error, into a return value and a
 //! message for `netram_last_error`.
 
+pub mod shm;
+use ::netram_shm::SegmentError;
 use netram_client::disk::FileDisk;
 use netram_client::env::{EnvError, RunEnv};
 use netram_client::maintain::{self, MaintainConfig, Maintenance};
@@ -164,6 +167,10 @@ pub enum CapiError {
     NoRange(usize),
     #[error(transparent)]
     Free(#[from] FreeError),
+    #[error(transparent)]
+    Segment(SegmentError),
+    #[error("mode {0:o}: permission bits are at most 0777")]
+    Mode(u32),
 }
 
 /// Creates a region from the arguments of `netram_region_create`, or the environment
