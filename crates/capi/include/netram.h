@@ -81,8 +81,10 @@ const char *netram_last_error(void);
  * cluster attach by name and use with plain loads and stores; every load sees the latest
  * store, whichever machine made it (write-invalidate: one writer or many readers per page).
  * Through the local daemon (`netram serve`, asked beside its control socket NETRAM_DAEMON).
- * A segment lives in the daemons until destroyed, like a System V segment; a forked child
- * does not inherit the attachment's coherence (attach again in the child).
+ * A segment lives in the daemons until destroyed, like a System V segment. A forked child
+ * keeps its parent's attachments (registered again in the child before fork() returns there;
+ * a child that cannot reach the daemon exits with status 127 rather than use them
+ * incoherently).
  */
 typedef struct netram_shm netram_shm;
 

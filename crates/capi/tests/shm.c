@@ -24,17 +24,25 @@ int main(void) {
     CHECK(q != p && memcmp(p, q, 100000) == 0);
     pid_t child = fork();
     if (child == 0) {
+        /* The inherited attachment stays coherent: a store through it is seen by the parent. */
+        if (q[100] != (unsigned char)(100 * 7)) _exit(4);
         netram_shm *c = netram_shm_attach("capi-segment");
         if (!c) _exit(2);
         unsigned char *r = netram_shm_base(c);
         for (int i = 0; i < 100000; i++) if (r[i] != (unsigned char)(i * 7)) _exit(3);
+        q[60000] = 0xab;
         memcpy(r + 50000, "child was here", 14);
         netram_shm_detach(c);
         _exit(0);
     }
     int status = 0;
-    CHECK(waitpid(child, &status, 0) == child && WIFEXITED(status) && WEXITSTATUS(status) == 0);
+    CHECK(waitpid(child, &status, 0) == child);
+    if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
+        printf("failed: the child ended with status %d\n", status);
+        return 1;
+    }
     CHECK(memcmp(q + 50000, "child was here", 14) == 0);
+    CHECK(p[60000] == 0xab);
     CHECK(netram_shm_detach(a) == 0 && netram_shm_detach(b) == 0);
     CHECK(netram_shm_destroy("capi-segment") == 0);
     CHECK(netram_shm_attach("capi-segment") == NULL);
