@@ -26,9 +26,10 @@
 //! with the same local memory gives, the comparison users make.
 
 use crate::cgroup::{Hierarchy, MemoryCgroup};
+use crate::netns::{run, sh, wait_for, Net};
 use serde_json::{json, Value};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 /// The data set and the budgets.
@@ -101,152 +102,8 @@ pub fn unavailable() -> Option<String> {
     (!missing.is_empty()).then(|| format!("missing: {}", missing.join(", ")))
 }
 
-fn run(cmd: &mut Command) -> Result<Output, String> {
-    let out = cmd.output().map_err(|e| format!("{cmd:?}: {e}"))?;
-    if !out.status.success() {
-        return Err(format!(
-            "{cmd:?}: {}: {}",
-            out.status,
-            String::from_utf8_lossy(&out.stderr).trim()
-        ));
-    }
-    Ok(out)
-}
-
-fn sh(args: &[&str]) -> Result<Output, String> {
-    run(Command::new(args[0]).args(&args[1..]))
-}
-
-/// The namespaces, the processes started in them and the mounts, undone on drop.
-struct Net {
-    prefix: String,
-    dir: tempfile::TempDir,
-    procs: Vec<Child>,
-    mounts: Vec<PathBuf>,
-}
-
 fn ip(i: usize) -> String {
     format!("10.79.0.{i}")
-}
-
-impl Net {
-    fn new() -> Result<Self, String> {
-        let net = Net {
-            prefix: format!("ng{}", std::process::id() % 100_000),
-            dir: tempfile::tempdir().map_err(|e| e.to_string())?,
-            procs: Vec::new(),
-            mounts: Vec::new(),
-        };
-        let hub = net.ns(0);
-        sh(&["ip", "netns", "add", &hub])?;
-        sh(&["ip", "-n", &hub, "link", "add", "br0", "type", "bridge"])?;
-        sh(&["ip", "-n", &hub, "link", "set", "br0", "up"])?;
-        for i in 1..=HOSTS {
-            let ns = net.ns(i);
-            let veth = format!("{}v{i}", net.prefix);
-            sh(&["ip", "netns", "add", &ns])?;
-            sh(&[
-                "ip", "link", "add", &veth, "type", "veth", "peer", "name", "eth0", "netns", &ns,
-            ])?;
-            sh(&["ip", "link", "set", &veth, "netns", &hub])?;
-            sh(&[
-                "ip", "-n", &hub, "link", "set", &veth, "master", "br0", "up",
-            ])?;
-            sh(&[
-                "ip",
-                "-n",
-                &ns,
-                "addr",
-                "add",
-                &format!("{}/24", ip(i)),
-                "dev",
-                "eth0",
-            ])?;
-            sh(&["ip", "-n", &ns, "link", "set", "eth0", "up"])?;
-            sh(&["ip", "-n", &ns, "link", "set", "lo", "up"])?;
-        }
-        Ok(net)
-    }
-
-    fn ns(&self, i: usize) -> String {
-        if i == 0 {
-            format!("{}hub", self.prefix)
-        } else {
-            format!("{}h{i}", self.prefix)
-        }
-    }
-
-    fn path(&self, name: &str) -> PathBuf {
-        self.dir.path().join(name)
-    }
-
-    /// `cmd` on host `i`: in its network namespace only (`nsenter --net`), so that mounts
-    /// made there are everybody's, as on one machine's file system.
-    fn on(&self, i: usize, cmd: &str) -> Command {
-        let mut c = Command::new("nsenter");
-        c.arg(format!("--net=/run/netns/{}", self.ns(i))).arg(cmd);
-        c
-    }
-
-    fn spawn(&mut self, mut cmd: Command, log: &str) -> Result<u32, String> {
-        let out = std::fs::File::create(self.path(log)).map_err(|e| e.to_string())?;
-        let child = cmd
-            .stdout(out.try_clone().map_err(|e| e.to_string())?)
-            .stderr(out)
-            .stdin(Stdio::null())
-            .spawn()
-            .map_err(|e| format!("{cmd:?}: {e}"))?;
-        let pid = child.id();
-        self.procs.push(child);
-        Ok(pid)
-    }
-
-    /// Ends the process `pid` (SIGTERM, then SIGKILL after `grace`).
-    fn stop(&mut self, pid: u32, grace: Duration) {
-        let Some(at) = self.procs.iter().position(|c| c.id() == pid) else {
-            return;
-        };
-        let mut c = self.procs.swap_remove(at);
-        // SAFETY: kill(2) on the PID of a child this guard owns and has not reaped.
-        unsafe { libc::kill(pid as i32, libc::SIGTERM) };
-        let deadline = Instant::now() + grace;
-        while Instant::now() < deadline {
-            if c.try_wait().ok().flatten().is_some() {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        let _ = c.kill();
-        let _ = c.wait();
-    }
-}
-
-impl Drop for Net {
-    fn drop(&mut self) {
-        for m in self.mounts.iter().rev() {
-            let _ = Command::new("umount").arg("-l").arg(m).status();
-        }
-        for p in &mut self.procs {
-            let _ = p.kill();
-            let _ = p.wait();
-        }
-        for i in (0..=HOSTS).rev() {
-            let _ = Command::new("ip")
-                .args(["netns", "del", &self.ns(i)])
-                .status();
-        }
-    }
-}
-
-fn wait_for(what: &str, secs: u64, mut f: impl FnMut() -> bool) -> Result<(), String> {
-    let deadline = Instant::now() + Duration::from_secs(secs);
-    while !f() {
-        if Instant::now() > deadline {
-            return Err(format!("{what}: not within {secs} s"));
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    Ok(())
 }
 
 /// How a case reads the data set.
@@ -671,7 +528,7 @@ pub fn run_real(quick: bool) -> Result<Value, String> {
     let size = if quick { Size::QUICK } else { Size::FULL };
     let netram = std::env::current_exe().map_err(|e| e.to_string())?;
     let cgroups = Hierarchy::find()?;
-    let mut net = Net::new()?;
+    let mut net = Net::new("ng", HOSTS, 79)?;
     // Credentials: a cluster, a server certificate per host, a client's for the cache.
     let creds = net.path("tls");
     run(Command::new(&netram).args(["cluster", "init"]).arg(&creds))?;

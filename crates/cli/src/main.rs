@@ -349,6 +349,19 @@ enum BenchCommand {
         #[arg(long, default_value = "bench-results")]
         out: PathBuf,
     },
+    /// Distributed shared memory (MIRAGE+ §4.7), as root on six network-namespace hosts, side
+    /// by side in one run: the network's round trip, netram's pager's remote fault, a DSM read
+    /// fault (three machines and two), a write that invalidates four readers, and the System V
+    /// matrix multiply on one host and on five; every read checked; writes dsm.json and dsm.md
+    /// (about a minute; --quick a few seconds).
+    Dsm {
+        /// Fewer samples, a smaller matrix.
+        #[arg(long)]
+        quick: bool,
+        /// Where to write dsm.json and dsm.md.
+        #[arg(long, default_value = "bench-results")]
+        out: PathBuf,
+    },
     /// What authentication and encryption cost: GET/PUT p50/p99 in both wake-up modes,
     /// depth-32 GET throughput and CPU per GET, in clear, with pages sealed, and secure (mutual
     /// TLS, sealed frames, sealed pages), alternating round by round; writes security.json and
@@ -672,6 +685,17 @@ fn main() -> anyhow::Result<()> {
             println!("{}", outcome.report);
             wrote(&out, &["gms.json", "gms.md", "gms.svg"]);
             bench_verdict(&outcome.failed)
+        }
+        Command::Bench(BenchCommand::Dsm { quick, out }) => {
+            init_logging("warn");
+            let v = netram_bench::dsm::run_bench(quick)?;
+            std::fs::create_dir_all(&out)?;
+            std::fs::write(out.join("dsm.json"), serde_json::to_string_pretty(&v)?)?;
+            let report = netram_bench::dsm::markdown(&v);
+            std::fs::write(out.join("dsm.md"), &report)?;
+            println!("{report}");
+            wrote(&out, &["dsm.json", "dsm.md"]);
+            Ok(())
         }
         Command::Bench(BenchCommand::Core { quick, out }) => {
             init_logging("warn");

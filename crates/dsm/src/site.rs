@@ -72,7 +72,9 @@ pub type Out<D> = Vec<(SiteId, Msg<D>)>;
 
 impl<D: Clone + Default> Site<D> {
     /// Site `me` of a segment whose library is `library`; `creator`: this site created it
-    /// (and holds every page at first); `delta_ms`: the segment's time window.
+    /// (and holds every page at first); `delta_ms`: the segment's time window. The clock's
+    /// unit is the caller's (the runtime feeds microseconds, the model steps): "ms" names
+    /// what MIRAGE+ used.
     pub fn new(me: SiteId, library: SiteId, creator: bool, delta_ms: u64) -> Self {
         Self {
             me,

@@ -13,10 +13,13 @@
 //! The network is a seam ([`Agent::new`]'s `net`: a frame for a site), so the same agent runs
 //! between threads of one test and between daemons.
 //!
-//! The time window: a page installed here is held for at least [`MIN_HOLD_MS`] (or the
+//! The time window: a page installed here is held for at least [`MIN_HOLD_US`] (or the
 //! segment's Δ if longer) after the faulting thread is woken, so that it runs its access
 //! before the page can be taken again — MIRAGE+ §5.4's cure for pages stolen before use,
-//! as time: the kernel does not report the access itself.
+//! as time: the kernel does not report the access itself. 100 µs covers a wake-up on these
+//! machines (~60 µs, MACHINE-NOTES.md); 1 ms, tried first, made every read of a page just
+//! written elsewhere wait the millisecond out (`netram bench dsm`: 1.4 ms read faults). The
+//! agent's clock, which the protocol's state machines are fed, counts microseconds.
 
 use crate::memory::{Copy, View};
 use crate::wire::{self, Data, Frame, Meta};
@@ -31,7 +34,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// The shortest time a page installed here is kept (see the module comment).
-pub const MIN_HOLD_MS: u64 = 1;
+pub const MIN_HOLD_US: u64 = 100;
 
 /// A segment's identity in the cluster.
 pub type SegmentId = u64;
@@ -74,7 +77,7 @@ pub type LookupResult = Result<Found, Vec<SiteId>>;
 struct Lookup {
     waiting: std::collections::BTreeSet<SiteId>,
     reply: mpsc::Sender<LookupResult>,
-    deadline_ms: u64,
+    deadline_us: u64,
 }
 
 /// Who a segment's library is, as [`Agent::add`] is told.
@@ -166,8 +169,9 @@ impl Agent {
         self.me
     }
 
-    fn now_ms(&self) -> u64 {
-        self.epoch.elapsed().as_millis() as u64
+    /// The agent's clock (µs), which its state machines are fed.
+    fn now_us(&self) -> u64 {
+        self.epoch.elapsed().as_micros() as u64
     }
 
     /// Adds segment `id`, called `name`, here: as its library (this machine created it and
@@ -187,7 +191,7 @@ impl Agent {
             return Err(AgentError::NameTaken(name.to_owned()));
         }
         let copy = Copy::new(name, meta.pages)?;
-        let delta = u64::from(meta.delta_ms).max(MIN_HOLD_MS);
+        let delta = (u64::from(meta.delta_ms) * 1000).max(MIN_HOLD_US);
         let (library_site, library) = match role {
             Role::Library(members) => (
                 self.me,
@@ -250,13 +254,13 @@ impl Agent {
         for &m in &waiting {
             (self.net)(m, frame.clone());
         }
-        let deadline_ms = self.now_ms() + wait.as_millis() as u64;
+        let deadline_us = self.now_us() + wait.as_micros() as u64;
         self.lookups.insert(
             nonce,
             Lookup {
                 waiting,
                 reply,
-                deadline_ms,
+                deadline_us,
             },
         );
     }
@@ -464,11 +468,11 @@ impl Agent {
 
     /// Carries out the orders whose windows have passed.
     pub fn tick(&mut self) {
-        let now = self.now_ms();
+        let now = self.now_us();
         let expired: Vec<u64> = self
             .lookups
             .iter()
-            .filter(|(_, l)| l.deadline_ms <= now)
+            .filter(|(_, l)| l.deadline_us <= now)
             .map(|(&n, _)| n)
             .collect();
         for n in expired {
@@ -490,13 +494,13 @@ impl Agent {
 
     /// How long until [`Agent::tick`] has something to do.
     pub fn next_deadline(&self) -> Option<Duration> {
-        let now = self.now_ms();
+        let now = self.now_us();
         self.segments
             .values()
             .filter_map(|s| s.site.next_deadline())
-            .chain(self.lookups.values().map(|l| l.deadline_ms))
+            .chain(self.lookups.values().map(|l| l.deadline_us))
             .min()
-            .map(|d| Duration::from_millis(d.saturating_sub(now)))
+            .map(|d| Duration::from_micros(d.saturating_sub(now)))
     }
 
     fn post(&mut self, segment: SegmentId, to: SiteId, msg: Msg<()>, data: Data) {
@@ -519,7 +523,7 @@ impl Agent {
     fn pump(&mut self) {
         while let Some(l) = self.letters.pop_front() {
             debug_assert_eq!(l.to, self.me);
-            let now = self.now_ms();
+            let now = self.now_us();
             let Some(seg) = self.segments.get_mut(&l.segment) else {
                 continue;
             };

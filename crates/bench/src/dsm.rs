@@ -1,0 +1,429 @@
+//! `netram bench dsm`: what distributed shared memory costs (MIRAGE+ §4.7; issue 40), on six
+//! hosts that are network namespaces of this machine, every figure measured side by side in
+//! one run.
+//!
+//! Host 1's daemon is the segment's library; the benchmark process maps the segment through
+//! every host's daemon at once (the daemons' local sockets are files, reachable from any
+//! namespace), so one thread times an access on one host right after making another host the
+//! page's writer — the daemons' messages cross the hosts' links as between machines.
+//!
+//! - `rtt_p50_us`: a 64-byte TCP ping-pong between hosts 2 and 3 (two threads, each in its
+//!   host's namespace): the network's own round trip.
+//! - `pager_fault_p50_us`: netram's pager, a userfaultfd region on host 2 whose pages are on
+//!   host 3's daemon: a fault on a page not resident, fetched over TLS (the path `netram run`
+//!   takes).
+//! - `read_fault_p50_us`: a read on host 3 of a page host 2 writes (library on host 1: three
+//!   machines, MIRAGE+'s general case: request to the library, its order to the writer, the
+//!   page from the writer); `read_fault_library_clock_p50_us`: the same when the library's
+//!   host is the writer (two machines).
+//! - `invalidate_4_readers_p50_us`: a write on host 2 to a page hosts 3–6 read (each a copy):
+//!   the library invalidates the four copies and grants the upgrade.
+//! - `matmul`: the System V matrix multiply (`tests/c/sysv_matmul.c`, unmodified SysV) with
+//!   its workers on one host and on five, each checked entry by entry.
+//!
+//! A figure is written only when its run verified what it read.
+
+use crate::netns::{run, wait_for, Net};
+use crate::Summary;
+use netram_proto::PAGE_SIZE;
+use netram_shm::Segment;
+use serde_json::{json, Value};
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// The System V matrix multiply the tests run too.
+const MATMUL: &str = include_str!("../../cli/tests/c/sysv_matmul.c");
+const HOSTS: usize = 6;
+const SUBNET: u8 = 81;
+
+/// Why it cannot run here, if it cannot.
+pub fn unavailable() -> Option<String> {
+    if !rustix::process::geteuid().is_root() {
+        return Some("needs root (network namespaces)".into());
+    }
+    for (t, p) in [("ip", "iproute2"), ("nsenter", "util-linux"), ("cc", "gcc")] {
+        let there = Command::new("sh")
+            .args(["-c", &format!("command -v {t}")])
+            .stdout(Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success());
+        if !there {
+            return Some(format!("missing: {t} ({p})"));
+        }
+    }
+    None
+}
+
+/// Moves the calling thread into host `ns`'s network namespace.
+fn enter(ns: &str) -> anyhow::Result<()> {
+    let f = std::fs::File::open(format!("/run/netns/{ns}"))?;
+    rustix::thread::move_into_link_name_space(
+        rustix::fd::AsFd::as_fd(&f),
+        Some(rustix::thread::LinkNameSpaceType::Network),
+    )?;
+    Ok(())
+}
+
+/// The network's round trip: 64 bytes each way between hosts 2 and 3.
+fn rtt(net: &Net, rounds: usize) -> anyhow::Result<Summary> {
+    let (ns2, ns3, ip3) = (net.ns(2), net.ns(3), net.ip(3));
+    let addr = format!("{ip3}:9191");
+    let (ready_tx, ready_rx) = std::sync::mpsc::channel();
+    let server = std::thread::spawn(move || -> anyhow::Result<()> {
+        enter(&ns3)?;
+        let l = std::net::TcpListener::bind(&addr)?;
+        ready_tx.send(())?;
+        let (mut s, _) = l.accept()?;
+        s.set_nodelay(true)?;
+        let mut buf = [0u8; 64];
+        for _ in 0..rounds {
+            s.read_exact(&mut buf)?;
+            s.write_all(&buf)?;
+        }
+        Ok(())
+    });
+    ready_rx.recv_timeout(Duration::from_secs(10))?;
+    let addr = format!("{}:9191", net.ip(3));
+    let client = std::thread::spawn(move || -> anyhow::Result<Vec<u64>> {
+        enter(&ns2)?;
+        let mut s = std::net::TcpStream::connect(&addr)?;
+        s.set_nodelay(true)?;
+        let mut buf = [7u8; 64];
+        let mut ns = Vec::with_capacity(rounds);
+        for _ in 0..rounds {
+            let t = Instant::now();
+            s.write_all(&buf)?;
+            s.read_exact(&mut buf)?;
+            ns.push(t.elapsed().as_nanos() as u64);
+        }
+        Ok(ns)
+    });
+    let mut ns = client.join().expect("rtt client")?;
+    server.join().expect("rtt server")?;
+    Ok(Summary::of_ns(&mut ns[rounds / 10..]))
+}
+
+/// netram's pager: a region on host 2 paging to host 3's daemon; the first read of each page
+/// after it was evicted, in a shuffled order (no prefetch helps).
+fn pager_fault(net: &Net, client_tls: &Path, pages: usize) -> anyhow::Result<Summary> {
+    let ns2 = net.ns(2);
+    let server = format!("{}:7077", net.ip(3));
+    let tls = client_tls.to_path_buf();
+    std::thread::spawn(move || -> anyhow::Result<Summary> {
+        enter(&ns2)?;
+        let security = netram_client::security(Some(&tls), false)?;
+        let pager = netram_client::open_pager(&netram_client::OpenOptions {
+            servers: vec![server],
+            backing: netram_pager::Backing::Cluster,
+            pages: pages as u64 + 64,
+            cache_pages: 0,
+            spill_dir: None,
+            low_latency: false,
+            redundancy: "none".parse().map_err(|e| anyhow::anyhow!("{e:?}"))?,
+            security,
+        })?;
+        // 16 pages resident: everything else was written out to host 3.
+        let region = netram_uffd::Region::new(pager, pages * PAGE_SIZE, 16 * PAGE_SIZE)?;
+        let base = region.as_ptr();
+        for p in 0..pages {
+            // SAFETY: page p of the live region, written through its raw pointer.
+            unsafe {
+                base.add(p * PAGE_SIZE)
+                    .cast::<u64>()
+                    .write_volatile(p as u64 + 1)
+            };
+        }
+        let mut order: Vec<usize> = (0..pages - 32).collect();
+        fastrand::Rng::with_seed(5).shuffle(&mut order);
+        let mut ns = Vec::with_capacity(order.len());
+        for p in order {
+            let t = Instant::now();
+            // SAFETY: as above.
+            let v = unsafe { base.add(p * PAGE_SIZE).cast::<u64>().read_volatile() };
+            ns.push(t.elapsed().as_nanos() as u64);
+            anyhow::ensure!(v == p as u64 + 1, "page {p} read back {v}");
+        }
+        Ok(Summary::of_ns(&mut ns))
+    })
+    .join()
+    .expect("the pager's thread")
+}
+
+fn word(seg: &Segment, page: usize) -> *mut u64 {
+    assert!((page + 1) * PAGE_SIZE <= seg.len());
+    // SAFETY: page `page` of the live mapping (checked).
+    unsafe { seg.as_ptr().add(page * PAGE_SIZE).cast() }
+}
+
+fn store(seg: &Segment, page: usize, v: u64) {
+    // SAFETY: `word` points into the live mapping; plain shared memory.
+    unsafe { word(seg, page).write_volatile(v) }
+}
+
+fn load(seg: &Segment, page: usize) -> u64 {
+    // SAFETY: as `store`.
+    unsafe { word(seg, page).read_volatile() }
+}
+
+/// Waits out the window in which the host that just got a page keeps it
+/// (`netram_shm::agent::MIN_HOLD_US`): the figures are an access's own cost, not the wait
+/// for another's window.
+fn settle() {
+    std::thread::sleep(Duration::from_micros(3 * netram_shm::agent::MIN_HOLD_US));
+}
+
+/// The coherence figures, with `maps[i]` the segment through host i's daemon.
+fn coherence(maps: &[Option<Segment>], per: usize) -> anyhow::Result<Value> {
+    let m = |i: usize| maps[i].as_ref().expect("mapped");
+    let mut read3 = Vec::with_capacity(per);
+    let mut read2 = Vec::with_capacity(per);
+    let mut inval = Vec::with_capacity(per);
+    for k in 0..per {
+        // Three machines: host 2 writes, host 3 reads (library on host 1).
+        let p = k;
+        store(m(2), p, 0xa000 + k as u64);
+        settle();
+        let t = Instant::now();
+        let v = load(m(3), p);
+        read3.push(t.elapsed().as_nanos() as u64);
+        anyhow::ensure!(v == 0xa000 + k as u64, "page {p}: host 3 read {v:#x}");
+
+        // Two machines: the library's host writes, host 3 reads.
+        let p = per + k;
+        store(m(1), p, 0xb000 + k as u64);
+        settle();
+        let t = Instant::now();
+        let v = load(m(3), p);
+        read2.push(t.elapsed().as_nanos() as u64);
+        anyhow::ensure!(v == 0xb000 + k as u64, "page {p}: host 3 read {v:#x}");
+
+        // Four readers, then a write on host 2.
+        let p = 2 * per + k;
+        store(m(2), p, 1);
+        for r in 3..=6 {
+            anyhow::ensure!(
+                load(m(r), p) == 1,
+                "page {p}: host {r} missed the first write"
+            );
+        }
+        settle();
+        let t = Instant::now();
+        store(m(2), p, 2);
+        inval.push(t.elapsed().as_nanos() as u64);
+        for r in 3..=6 {
+            anyhow::ensure!(load(m(r), p) == 2, "page {p}: host {r} read a stale copy");
+        }
+    }
+    let skip = per / 10;
+    let s3 = Summary::of_ns(&mut read3[skip..]);
+    let s2 = Summary::of_ns(&mut read2[skip..]);
+    let si = Summary::of_ns(&mut inval[skip..]);
+    Ok(json!({
+        "read_fault": s3, "read_fault_library_clock": s2, "invalidate_4_readers": si,
+    }))
+}
+
+/// The System V matrix multiply with `workers` workers on the hosts `on` (cycled), through
+/// `netram shm run`; its time (s) as the coordinator measured it, after it checked every
+/// entry.
+fn matmul(
+    net: &mut Net,
+    exe: &Path,
+    prog: &Path,
+    key: u32,
+    workers: usize,
+    on: &[usize],
+    n: usize,
+) -> anyhow::Result<f64> {
+    let key = format!("{key:#x}");
+    let (w, n) = (workers.to_string(), n.to_string());
+    let shm_run = |net: &Net, host: usize, args: &[&str]| {
+        let mut c = net.on(host, "timeout");
+        c.arg("300")
+            .arg(exe)
+            .args(["shm", "run", "--"])
+            .arg(prog)
+            .args(args)
+            .env("NETRAM_DAEMON", net.path(&format!("h{host}.sock")))
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        c.spawn()
+    };
+    let coordinator = shm_run(net, 1, &["coordinator", &key, &w, &n])?;
+    let mut kids = Vec::new();
+    for i in 0..workers {
+        let host = on[i % on.len()];
+        kids.push(shm_run(
+            net,
+            host,
+            &["worker", &key, &w, &n, &i.to_string()],
+        )?);
+    }
+    for k in kids {
+        let out = k.wait_with_output()?;
+        anyhow::ensure!(
+            out.status.success(),
+            "a matmul worker: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let out = coordinator.wait_with_output()?;
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    anyhow::ensure!(
+        out.status.success() && text.starts_with("ok "),
+        "the matmul's coordinator: {text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    text.split_whitespace()
+        .nth(2)
+        .and_then(|s| s.parse::<f64>().ok())
+        .ok_or_else(|| anyhow::anyhow!("the coordinator printed {text:?}"))
+}
+
+/// Runs the benchmark; its JSON.
+pub fn run_bench(quick: bool) -> anyhow::Result<Value> {
+    if let Some(why) = unavailable() {
+        anyhow::bail!("bench dsm cannot run here: {why}");
+    }
+    let exe: PathBuf = std::env::current_exe()?;
+    let mut net = Net::new("nd", HOSTS, SUBNET).map_err(anyhow::Error::msg)?;
+    let creds = net.path("tls");
+    let s = |r: Result<std::process::Output, String>| r.map(drop).map_err(anyhow::Error::msg);
+    s(run(Command::new(&exe)
+        .args(["cluster", "init"])
+        .arg(&creds)))?;
+    for i in 1..=HOSTS {
+        s(run(Command::new(&exe)
+            .args(["keygen", "--cluster"])
+            .arg(&creds)
+            .args(["--node", &i.to_string(), "--server", "--out"])
+            .arg(creds.join(format!("node-{i}")))))?;
+    }
+    s(run(Command::new(&exe)
+        .args(["keygen", "--cluster"])
+        .arg(&creds)
+        .args(["--node", "100", "--out"])
+        .arg(creds.join("client"))))?;
+    for i in 1..=HOSTS {
+        let mut c = net.on(i, exe.to_str().expect("a UTF-8 path"));
+        c.args(["serve", "--tls"])
+            .arg(creds.join(format!("node-{i}")))
+            .args(["--listen", &format!("{}:7077", net.ip(i))])
+            .args(["--seed", &format!("{}:7077", net.ip(1))])
+            .args(["--capacity", "64M", "--control"])
+            .arg(net.path(&format!("h{i}.sock")));
+        net.spawn(c, &format!("serve{i}.log"))
+            .map_err(anyhow::Error::msg)?;
+    }
+    let control = |i: usize| net.path(&format!("h{i}.sock"));
+    for i in 1..=HOSTS {
+        let ctl = control(i);
+        wait_for("every host sees every other", 30, || {
+            netram_client::discover::members(ctl.to_str().unwrap(), Duration::from_secs(2))
+                .is_ok_and(|l| {
+                    l.members
+                        .iter()
+                        .filter(|m| m.state == netram_member::Liveness::Alive)
+                        .count()
+                        == HOSTS
+                })
+        })
+        .map_err(anyhow::Error::msg)?;
+    }
+    let per = if quick { 100 } else { 500 };
+    let sock = |i: usize| netram_shm::local::socket_of(&control(i));
+    let pages = 3 * per + 8;
+    let first = Segment::create(
+        &sock(1),
+        "bench",
+        (pages * PAGE_SIZE) as u64,
+        0,
+        0o600,
+        None,
+    )?;
+    let mut maps: Vec<Option<Segment>> = vec![None, Some(first)];
+    for i in 2..=HOSTS {
+        maps.push(Some(Segment::attach(&sock(i), "bench")?));
+    }
+    eprintln!("bench dsm: six hosts up; timing");
+    let rtt = rtt(&net, if quick { 2_000 } else { 10_000 })?;
+    let pager = pager_fault(&net, &creds.join("client"), if quick { 400 } else { 2_000 })?;
+    let coh = coherence(&maps, per)?;
+    drop(maps);
+
+    // The matrix multiply: one host, then five.
+    let dir = net.path("prog");
+    std::fs::create_dir_all(&dir)?;
+    let prog = dir.join("sysv_matmul");
+    let source = dir.join("sysv_matmul.c");
+    std::fs::write(&source, MATMUL)?;
+    let cc = Command::new("cc")
+        .args(["-O2", "-o"])
+        .arg(&prog)
+        .arg(&source)
+        .output()?;
+    anyhow::ensure!(
+        cc.status.success(),
+        "cc: {}",
+        String::from_utf8_lossy(&cc.stderr)
+    );
+    let n = if quick { 128 } else { 256 };
+    let one = matmul(&mut net, &exe, &prog, 0x5201, 4, &[1], n)?;
+    let five = matmul(&mut net, &exe, &prog, 0x5202, 4, &[2, 3, 4, 5], n)?;
+
+    let f = |v: &Value, k: &str| v[k]["p50_us"].as_f64().unwrap_or(f64::NAN);
+    let read = f(&coh, "read_fault");
+    let inv = f(&coh, "invalidate_4_readers");
+    Ok(json!({
+        "machine": crate::machine::Machine::describe(),
+        "machine_line": crate::machine::Machine::describe().one_line(),
+        "hosts": HOSTS,
+        "quick": quick,
+        "rtt_p50_us": rtt.p50_us,
+        "pager_fault_p50_us": pager.p50_us,
+        "read_fault_p50_us": read,
+        "read_fault_library_clock_p50_us": f(&coh, "read_fault_library_clock"),
+        "invalidate_4_readers_p50_us": inv,
+        "read_fault_vs_pager_fault": read / pager.p50_us,
+        "invalidate_4_vs_rtt": inv / rtt.p50_us,
+        "rtt": rtt, "pager_fault": pager, "coherence": coh,
+        "matmul": { "n": n, "workers": 4, "one_host_s": one, "five_hosts_s": five,
+                    "five_vs_one": five / one },
+    }))
+}
+
+/// The report.
+pub fn markdown(v: &Value) -> String {
+    let g = |k: &str| v[k].as_f64().unwrap_or(f64::NAN);
+    let m = &v["matmul"];
+    format!(
+        "# netram bench dsm\n\n{}\n\nSix hosts, network namespaces of this machine on one \
+         bridge (unshaped veth); every host a TLS daemon; host 1 the segment's library. Medians \
+         of one run, side by side.\n\n\
+         | what | p50 µs |\n|---|---|\n\
+         | network round trip (64 B TCP ping-pong, hosts 2↔3) | {:.1} |\n\
+         | pager's remote fault (userfaultfd region on host 2, page on host 3) | {:.1} |\n\
+         | DSM read fault, three machines (writer 2, library 1, reader 3) | {:.1} |\n\
+         | DSM read fault, two machines (the library writes, host 3 reads) | {:.1} |\n\
+         | DSM write with 4 readers to invalidate (hosts 3–6) | {:.1} |\n\n\
+         Targets (issue 40): read fault ≤ 1.3× the pager's fault: **{:.2}×**; invalidating 4 \
+         readers ≤ 2× a round trip: **{:.2}×**.\n\n\
+         System V matrix multiply ({}×{}, 4 worker processes, checked entry by entry): one \
+         host {:.3} s, workers on four other hosts {:.3} s ({:.2}×).\n",
+        v["machine_line"].as_str().unwrap_or("?"),
+        g("rtt_p50_us"),
+        g("pager_fault_p50_us"),
+        g("read_fault_p50_us"),
+        g("read_fault_library_clock_p50_us"),
+        g("invalidate_4_readers_p50_us"),
+        g("read_fault_vs_pager_fault"),
+        g("invalidate_4_vs_rtt"),
+        m["n"],
+        m["n"],
+        m["one_host_s"].as_f64().unwrap_or(f64::NAN),
+        m["five_hosts_s"].as_f64().unwrap_or(f64::NAN),
+        m["five_vs_one"].as_f64().unwrap_or(f64::NAN),
+    )
+}
