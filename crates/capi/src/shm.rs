@@ -6,7 +6,6 @@ use crate::{guarded, opt_str, CapiError};
 use ::netram_shm::{Segment, SegmentError};
 use std::ffi::{c_char, c_int, c_void};
 use std::path::PathBuf;
-use std::sync::Mutex;
 
 /// A segment attached to this process.
 #[allow(non_camel_case_types)]
@@ -15,67 +14,10 @@ pub struct netram_shm {
     segment: Segment,
 }
 
-/// The live handles, by address: a forked child registers each again (`follow_fork`).
-static LIVE: Mutex<Vec<usize>> = Mutex::new(Vec::new());
-
-fn live() -> std::sync::MutexGuard<'static, Vec<usize>> {
-    LIVE.lock().unwrap_or_else(|p| p.into_inner())
-}
-
-/// A new handle, known to the fork handler (registered once).
+/// A new handle; its forked children keep it coherent (`follow_forks`).
 fn keep(segment: Segment) -> *mut netram_shm {
-    static ONCE: std::sync::Once = std::sync::Once::new();
-    ONCE.call_once(|| {
-        // SAFETY: plain functions without arguments, as pthread_atfork wants.
-        unsafe {
-            libc::pthread_atfork(
-                Some(before_fork),
-                Some(after_fork_parent),
-                Some(after_fork_child),
-            )
-        };
-    });
-    let p = Box::into_raw(Box::new(netram_shm { segment }));
-    live().push(p as usize);
-    p
-}
-
-thread_local! {
-    /// The handles' lock, held across a fork by the forking thread.
-    static HELD: std::cell::RefCell<Option<std::sync::MutexGuard<'static, Vec<usize>>>> =
-        const { std::cell::RefCell::new(None) };
-}
-
-extern "C" fn before_fork() {
-    let g = live();
-    HELD.with(|h| *h.borrow_mut() = Some(g));
-}
-
-extern "C" fn after_fork_parent() {
-    HELD.with(|h| drop(h.borrow_mut().take()));
-}
-
-/// In the child: its inherited attachments fault to no one until registered again.
-extern "C" fn after_fork_child() {
-    let _ = std::panic::catch_unwind(|| {
-        HELD.with(|h| {
-            let mut held = h.borrow_mut();
-            if let Some(handles) = held.as_ref() {
-                let sock = socket();
-                for &p in handles.iter() {
-                    // SAFETY: a live handle (listed until detached), this child's copy.
-                    let s = unsafe { &mut *(p as *mut netram_shm) };
-                    if let Err(e) = s.segment.follow_fork(&sock) {
-                        eprintln!("netram: a forked child cannot follow its segments: {e}");
-                        // SAFETY: ending the child before it uses a segment nobody keeps
-                        // coherent.
-                        unsafe { libc::_exit(127) };
-                    }
-                }
-            }
-            held.take();
-        });
-    });
+    ::netram_shm::local::follow_forks();
+    Box::into_raw(Box::new(netram_shm { segment }))
 }
 
 fn socket() -> PathBuf {
@@ -158,7 +100,6 @@ pub unsafe extern "C" fn netram_shm_detach(shm: *mut netram_shm) -> c_int {
         return 0;
     }
     guarded(-1, || {
-        live().retain(|&p| p != shm as usize);
         // SAFETY: the caller's contract: ours, from Box::into_raw, given back once.
         drop(unsafe { Box::from_raw(shm) });
         Ok(0)

@@ -263,7 +263,10 @@ fn an_unmodified_system_v_program_runs_on_three_machines() {
 }
 
 /// Python's sysv_ipc (Debian's python3-sysv-ipc, not ours): a segment and a semaphore made
-/// on one machine, written there by a forked child, read and removed on another.
+/// on one machine; another machine writes into it; back on the first, a forked child reads
+/// that write (a page the other machine holds: the child's inherited attachment must fault for
+/// it, not read its machine's hole as zeros) and writes; a third machine reads both and
+/// removes them.
 #[test]
 fn python_sysv_ipc_shares_memory_between_machines_and_with_a_child() {
     let python = "/usr/bin/python3";
@@ -287,20 +290,24 @@ import os, sys, sysv_ipc
 key = 0x7171
 if sys.argv[1] == "make":
     m = sysv_ipc.SharedMemory(key, sysv_ipc.IPC_CREX, mode=0o600, size=3 * 4096)
-    s = sysv_ipc.Semaphore(key, sysv_ipc.IPC_CREX, initial_value=0)
+    sysv_ipc.Semaphore(key, sysv_ipc.IPC_CREX, initial_value=0)
     m.write(b"from the parent", 5000)
+elif sys.argv[1] == "fork":
+    m = sysv_ipc.SharedMemory(key)
+    s = sysv_ipc.Semaphore(key)
     pid = os.fork()
     if pid == 0:
-        m.write(b"from the child", 9000)
+        seen = m.read(16, 7000)
+        m.write(b"child read: " + seen, 9000)
         s.release()
         os._exit(0)
     s.acquire(timeout=20)
     _, status = os.waitpid(pid, 0)
     assert status == 0, status
-    print("parent reads", m.read(14, 9000).decode())
+    print(m.read(28, 9000).decode())
 else:
     m = sysv_ipc.SharedMemory(key)
-    print("other reads", m.read(15, 5000).decode(), "and", m.read(14, 9000).decode())
+    print(m.read(15, 5000).decode(), "|", m.read(28, 9000).decode())
     m.detach()
     m.remove()
     sysv_ipc.Semaphore(key).remove()
@@ -309,10 +316,16 @@ else:
     .unwrap();
     let script = script.to_str().unwrap();
     let (_daemons, control) = three(dir.path(), 550);
-    let out = output(sysv(&control(1), &[python, script, "make"]), "the maker");
-    assert_eq!(out.trim(), "parent reads from the child");
+    output(sysv(&control(1), &[python, script, "make"]), "the maker");
+    ok(shm(
+        &control(2),
+        &["write", "sysv:00007171", "--offset", "7000"],
+        Some(b"machine 2 wrote!"),
+    ));
+    let out = output(sysv(&control(1), &[python, script, "fork"]), "the forker");
+    assert_eq!(out.trim(), "child read: machine 2 wrote!");
     let out = output(sysv(&control(3), &[python, script, "read"]), "the reader");
-    assert_eq!(out.trim(), "other reads from the parent and from the child");
+    assert_eq!(out.trim(), "from the parent | child read: machine 2 wrote!");
     refused(
         shm(&control(2), &["cat", "sysv:00007171"], None),
         "no segment",

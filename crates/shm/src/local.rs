@@ -245,11 +245,86 @@ pub enum SegmentError {
 /// A segment attached to this process: `len` bytes at `ptr`, coherent with every other
 /// process that attached it, on this machine or another.
 #[derive(Debug)]
-pub struct Segment {
+pub struct Segment(Box<Attached>);
+
+/// What a [`Segment`] holds, boxed so that its address stays put: the fork handler finds
+/// every live one by it ([`follow_forks`]).
+#[derive(Debug)]
+struct Attached {
     mapped: Mapped,
     id: SegmentId,
+    /// The daemon's socket, for a forked child's own connection.
+    socket: PathBuf,
     /// Kept open: the daemon drops this process's view when it closes.
-    _sock: OwnedFd,
+    sock: OwnedFd,
+}
+
+/// Every live attachment of this process, by address.
+static LIVE: std::sync::Mutex<Vec<usize>> = std::sync::Mutex::new(Vec::new());
+
+fn live() -> std::sync::MutexGuard<'static, Vec<usize>> {
+    LIVE.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl Drop for Segment {
+    fn drop(&mut self) {
+        let me = &*self.0 as *const Attached as usize;
+        live().retain(|&a| a != me);
+    }
+}
+
+thread_local! {
+    /// The attachments' lock, held across a fork by the forking thread (no other thread
+    /// holds it in the child, where that thread does not exist).
+    static HELD: std::cell::RefCell<Option<std::sync::MutexGuard<'static, Vec<usize>>>> =
+        const { std::cell::RefCell::new(None) };
+}
+
+/// Makes every forked child of this process register its inherited attachments again before
+/// `fork` returns in it (a child does not inherit its parent's userfaultfd registration: its
+/// mapping would read holes as zeros and write unseen). A child that cannot exits with status
+/// 127 rather than use them incoherently. Idempotent; the System V preload and the C ABI call
+/// it when they first attach.
+pub fn follow_forks() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        // SAFETY: plain functions without arguments, as pthread_atfork wants.
+        unsafe {
+            libc::pthread_atfork(
+                Some(before_fork),
+                Some(after_fork_parent),
+                Some(after_fork_child),
+            )
+        };
+    });
+}
+
+extern "C" fn before_fork() {
+    let g = live();
+    HELD.with(|h| *h.borrow_mut() = Some(g));
+}
+
+extern "C" fn after_fork_parent() {
+    HELD.with(|h| drop(h.borrow_mut().take()));
+}
+
+extern "C" fn after_fork_child() {
+    let _ = std::panic::catch_unwind(|| {
+        HELD.with(|h| {
+            let mut held = h.borrow_mut();
+            for &a in held.iter().flat_map(|g| g.iter()) {
+                // SAFETY: a live attachment (listed until its segment drops), this child's
+                // copy; no other thread exists in the child to touch it.
+                let att = unsafe { &mut *(a as *mut Attached) };
+                if let Err(e) = att.follow_fork() {
+                    eprintln!("netram: a forked child cannot follow its shared segments: {e}");
+                    // SAFETY: ends the child before it uses a segment nobody keeps coherent.
+                    unsafe { libc::_exit(127) };
+                }
+            }
+            held.take();
+        });
+    });
 }
 
 impl Segment {
@@ -327,11 +402,14 @@ impl Segment {
         };
         let mut mapped = Mapped::new_at(&fd, pages, addr, replace)?;
         view(&sock, id, &mut mapped)?;
-        Ok(Segment {
+        let seg = Segment(Box::new(Attached {
             mapped,
             id,
-            _sock: sock,
-        })
+            socket: socket.to_path_buf(),
+            sock,
+        }));
+        live().push(&*seg.0 as *const Attached as usize);
+        Ok(seg)
     }
 
     /// Segment `name`'s size and permissions, if it exists (on any machine).
@@ -372,11 +450,28 @@ impl Segment {
         ask(&sock).map(drop)
     }
 
-    /// In a forked child: the mapping it inherited faults to no one (a child does not inherit
-    /// its parent's userfaultfd registration), so it registers its own and hands it to the
-    /// daemon over its own connection. Until then the child must not touch the segment.
-    pub fn follow_fork(&mut self, socket: &Path) -> Result<(), SegmentError> {
-        let sock = connect(socket)?;
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.0.mapped.ptr
+    }
+
+    pub fn len(&self) -> usize {
+        self.0.mapped.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.0.mapped.len == 0
+    }
+
+    pub fn id(&self) -> SegmentId {
+        self.0.id
+    }
+}
+
+impl Attached {
+    /// In a forked child: the mapping it inherited faults to no one, so it registers its own
+    /// and hands it to the daemon over its own connection.
+    fn follow_fork(&mut self) -> Result<(), SegmentError> {
+        let sock = connect(&self.socket)?;
         send(
             &sock,
             Request::Join { segment: self.id }.encode().as_bytes(),
@@ -385,24 +480,8 @@ impl Segment {
         ask(&sock)?;
         self.mapped.register_again()?;
         view(&sock, self.id, &mut self.mapped)?;
-        self._sock = sock;
+        self.sock = sock;
         Ok(())
-    }
-
-    pub fn as_ptr(&self) -> *mut u8 {
-        self.mapped.ptr
-    }
-
-    pub fn len(&self) -> usize {
-        self.mapped.len
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.mapped.len == 0
-    }
-
-    pub fn id(&self) -> SegmentId {
-        self.id
     }
 }
 

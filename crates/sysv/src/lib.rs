@@ -14,7 +14,7 @@
 //!   (there is no futex across machines).
 //! - **fork**: a child does not inherit its parent's userfaultfd registration, so a
 //!   `pthread_atfork` handler registers the child's inherited attachments again before the
-//!   child goes on (`Segment::follow_fork`).
+//!   child goes on (`netram_shm::local::follow_forks`).
 //!
 //! Not done (said in docs/limits.md): `SEM_UNDO` is accepted and not undone at exit,
 //! `SHM_RDONLY` attaches read-write, `IPC_SET` is refused, group permission bits are not
@@ -179,8 +179,10 @@ fn get(name: &str, bytes: usize, flg: c_int) -> Result<(Info, Option<Segment>), 
     Err(libc::EAGAIN)
 }
 
-/// Registers the fork handler once: a child registers its inherited attachments again.
+/// Registers the fork handlers once: this library's state is not left locked in a child, and
+/// the child registers its inherited attachments again (`netram_shm::local::follow_forks`).
 fn follow_forks() {
+    netram_shm::local::follow_forks();
     static ONCE: std::sync::Once = std::sync::Once::new();
     ONCE.call_once(|| {
         // SAFETY: plain function pointers with no arguments, as pthread_atfork wants.
@@ -211,30 +213,7 @@ extern "C" fn after_fork_parent() {
 }
 
 extern "C" fn after_fork_child() {
-    let _ = catch_unwind(|| {
-        HELD.with(|h| {
-            let mut held = h.borrow_mut();
-            if let Some(st) = held.as_mut().and_then(|g| g.as_mut()) {
-                let sock = socket();
-                let segs = st
-                    .attached
-                    .values_mut()
-                    .map(|(_, s)| s)
-                    .chain(st.sems.values_mut().map(|s| &mut s.seg));
-                for seg in segs {
-                    if let Err(e) = seg.follow_fork(sock) {
-                        // The child would read and write a copy nobody keeps coherent.
-                        eprintln!(
-                            "netram: a forked child cannot follow its System V segments: {e}"
-                        );
-                        // SAFETY: ending the child at once, before it uses the segment.
-                        unsafe { libc::_exit(127) };
-                    }
-                }
-            }
-            held.take();
-        });
-    });
+    HELD.with(|h| drop(h.borrow_mut().take()));
 }
 
 // ---------------------------------------------------------------------------------------
