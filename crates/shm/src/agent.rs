@@ -51,7 +51,8 @@ pub struct Counters {
     pub pages_sent: u64,
     pub zero_pages_sent: u64,
     pub invalidated: u64,
-    /// Frames refused: undecodable, a bad checksum, or for a segment not attached here.
+    /// Frames refused: undecodable, a bad checksum, for a segment not attached here or a page
+    /// past its end.
     pub frames_refused: u64,
     /// Views dropped because their process's userfaultfd failed (the process is gone).
     pub views_lost: u64,
@@ -451,7 +452,14 @@ impl Agent {
     /// A frame from site `from` (the transport vouches for who it is).
     pub fn on_frame(&mut self, from: SiteId, frame: &[u8]) {
         match wire::decode_frame(frame) {
-            Ok(Frame::Protocol { segment, msg, data }) if self.segments.contains_key(&segment) => {
+            // A page past the segment's end is refused before the state machines see it: they
+            // keep an entry per page named, and a peer could name billions.
+            Ok(Frame::Protocol { segment, msg, data })
+                if self
+                    .segments
+                    .get(&segment)
+                    .is_some_and(|s| msg.page() < s.copy.pages()) =>
+            {
                 self.letters.push_back(Letter {
                     segment,
                     from,

@@ -1,0 +1,168 @@
+//! Hostile peers against a machine's shared-memory agent (`netram_shm::Agent`): the library of
+//! one segment and a site of another, fed frames from sites 1–4 — raw bytes, and well-formed
+//! protocol and naming messages with any fields (pages past the end, tickets nobody issued,
+//! orders from non-libraries, pages nobody asked for) — and time passing. It must never panic,
+//! and a local process's request (`netram_shm::local::Request::parse`) is parsed or refused.
+#![no_main]
+
+use libfuzzer_sys::arbitrary::{self, Arbitrary};
+use libfuzzer_sys::fuzz_target;
+use netram_dsm::{Msg, Want};
+use netram_shm::agent::Role;
+use netram_shm::wire::{self, Frame, Meta};
+use netram_shm::Agent;
+
+#[derive(Debug, Arbitrary)]
+enum Op {
+    Raw {
+        from: u8,
+        bytes: Vec<u8>,
+    },
+    Protocol {
+        from: u8,
+        segment: bool,
+        tag: u8,
+        page: u8,
+        ticket: u8,
+        to: u8,
+        write: bool,
+        fill: u8,
+    },
+    Lookup {
+        from: u8,
+        nonce: u8,
+        name: bool,
+    },
+    Found {
+        from: u8,
+        nonce: u8,
+        pages: u16,
+    },
+    Absent {
+        from: u8,
+        nonce: u8,
+    },
+    Unlink {
+        from: u8,
+        segment: bool,
+    },
+    Tick,
+    Local(Vec<u8>),
+}
+
+const MINE: u64 = 0x11;
+const THEIRS: u64 = 0x22;
+
+fuzz_target!(|ops: Vec<Op>| {
+    let mut agent = Agent::new(1, Box::new(|_, _| {}));
+    let meta = Meta {
+        pages: 4,
+        delta_ms: 0,
+        uid: 0,
+        mode: 0o600,
+    };
+    agent
+        .add(MINE, "mine", meta, Role::Library(Some(&[2, 3])))
+        .unwrap();
+    agent.add(THEIRS, "theirs", meta, Role::Site(2)).unwrap();
+    let (tx, _rx) = std::sync::mpsc::channel();
+    agent.lookup(
+        "elsewhere",
+        &[2, 3, 4],
+        std::time::Duration::from_millis(1),
+        tx,
+    );
+    let site = |f: u8| u64::from(f % 4) + 1;
+    for op in ops.into_iter().take(256) {
+        let mut frame = Vec::new();
+        let from = match op {
+            Op::Raw { from, bytes } => {
+                frame = bytes;
+                site(from)
+            }
+            Op::Protocol {
+                from,
+                segment,
+                tag,
+                page,
+                ticket,
+                to,
+                write,
+                fill,
+            } => {
+                let (page, ticket) = (u32::from(page % 8), u64::from(ticket % 8));
+                let want = if write { Want::Write } else { Want::Read };
+                let msg = match tag % 7 {
+                    0 => Msg::Request { page, want },
+                    1 => Msg::Send {
+                        page,
+                        to: site(to),
+                        grant: want,
+                        ticket,
+                    },
+                    2 => Msg::Invalidate { page, ticket },
+                    3 => Msg::Invalidated { page, ticket },
+                    4 => Msg::Page {
+                        page,
+                        grant: want,
+                        ticket,
+                        data: (),
+                    },
+                    5 => Msg::Grant { page, ticket },
+                    _ => Msg::Done { page, ticket },
+                };
+                let data = vec![fill; netram_proto::PAGE_SIZE];
+                let seg = if segment { MINE } else { THEIRS };
+                wire::encode(seg, &msg, (fill != 0).then_some(&data[..]), &mut frame);
+                site(from)
+            }
+            Op::Lookup { from, nonce, name } => {
+                let name = if name { "mine" } else { "theirs" }.to_string();
+                wire::encode_naming(
+                    &Frame::Lookup {
+                        nonce: nonce.into(),
+                        name,
+                    },
+                    &mut frame,
+                );
+                site(from)
+            }
+            Op::Found { from, nonce, pages } => {
+                let meta = Meta {
+                    pages: pages.into(),
+                    ..meta
+                };
+                let f = Frame::Found {
+                    nonce: nonce.into(),
+                    segment: 0x33,
+                    meta,
+                };
+                wire::encode_naming(&f, &mut frame);
+                site(from)
+            }
+            Op::Absent { from, nonce } => {
+                wire::encode_naming(
+                    &Frame::Absent {
+                        nonce: nonce.into(),
+                    },
+                    &mut frame,
+                );
+                site(from)
+            }
+            Op::Unlink { from, segment } => {
+                let segment = if segment { MINE } else { THEIRS };
+                wire::encode_naming(&Frame::Unlink { segment }, &mut frame);
+                site(from)
+            }
+            Op::Tick => {
+                agent.tick();
+                continue;
+            }
+            Op::Local(bytes) => {
+                let _ = netram_shm::local::Request::parse(&bytes);
+                continue;
+            }
+        };
+        agent.on_frame(from, &frame);
+    }
+});
