@@ -1,7 +1,8 @@
 //! Hostile peers against a machine's shared-memory agent (`netram_shm::Agent`): the library of
 //! one segment and a site of another, fed frames from sites 1–4 — raw bytes, and well-formed
 //! protocol and naming messages with any fields (pages past the end, tickets nobody issued,
-//! orders from non-libraries, pages nobody asked for) — and time passing. It must never panic,
+//! orders from non-libraries, pages nobody asked for, crash handling's messages) — sites
+//! declared down, and time passing. It must never panic,
 //! and a local process's request (`netram_shm::local::Request::parse`) is parsed or refused.
 #![no_main]
 
@@ -47,6 +48,8 @@ enum Op {
         segment: bool,
     },
     Tick,
+    /// A site declared down.
+    Down(u8),
     Local(Vec<u8>),
 }
 
@@ -92,7 +95,7 @@ fuzz_target!(|ops: Vec<Op>| {
             } => {
                 let (page, ticket) = (u32::from(page % 8), u64::from(ticket % 8));
                 let want = if write { Want::Write } else { Want::Read };
-                let msg = match tag % 7 {
+                let msg = match tag % 12 {
                     0 => Msg::Request { page, want },
                     1 => Msg::Send {
                         page,
@@ -109,7 +112,12 @@ fuzz_target!(|ops: Vec<Op>| {
                         data: (),
                     },
                     5 => Msg::Grant { page, ticket },
-                    _ => Msg::Done { page, ticket },
+                    6 => Msg::Done { page, ticket },
+                    7 => Msg::Lost { page, ticket },
+                    8 => Msg::Probe { page, ticket },
+                    9 => Msg::Missing { page, ticket },
+                    10 => Msg::Forget { page, ticket },
+                    _ => Msg::Restore { page, ticket },
                 };
                 let data = vec![fill; netram_proto::PAGE_SIZE];
                 let seg = if segment { MINE } else { THEIRS };
@@ -156,6 +164,10 @@ fuzz_target!(|ops: Vec<Op>| {
             }
             Op::Tick => {
                 agent.tick();
+                continue;
+            }
+            Op::Down(s) => {
+                agent.site_down(site(s));
                 continue;
             }
             Op::Local(bytes) => {

@@ -363,3 +363,42 @@ fn stress_ng_shm_sysv_passes() {
     );
     drop(daemons);
 }
+
+/// A machine that held a page's only copy crashes (SIGKILL): a process on another machine that
+/// then reads the page is told — killed by SIGBUS, the daemon's log naming the segment and
+/// page — never given zeros; a page that still has a live copy is read as it was.
+#[test]
+fn a_page_lost_with_a_crashed_writer_is_reported_not_zeroed() {
+    let dir = tempfile::tempdir().unwrap();
+    let (mut daemons, control) = three(dir.path(), 570);
+    ok(shm(&control(1), &["create", "fragile", "8KiB"], None));
+    // Page 0 written on machine 2 (its only copy), page 1 on machine 1.
+    ok(shm(
+        &control(2),
+        &["write", "fragile"],
+        Some(b"only on machine 2"),
+    ));
+    ok(shm(
+        &control(1),
+        &["write", "fragile", "--offset", "4096"],
+        Some(b"kept by the library"),
+    ));
+    daemons[1].signal(libc::SIGKILL);
+    daemons[1].child.wait().unwrap();
+    let out = shm(&control(3), &["cat", "fragile", "--len", "17"], None);
+    use std::os::unix::process::ExitStatusExt;
+    let by_sigbus =
+        out.status.signal() == Some(libc::SIGBUS) || out.status.code() == Some(128 + libc::SIGBUS);
+    assert!(
+        by_sigbus,
+        "reading a lost page: {:?}, {:?}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout)
+    );
+    let kept = ok(shm(
+        &control(3),
+        &["cat", "fragile", "--offset", "4096", "--len", "19"],
+        None,
+    ));
+    assert_eq!(kept, b"kept by the library");
+}

@@ -28,6 +28,11 @@ struct Active {
     want: Want,
     ticket: Ticket,
     phase: Phase,
+    /// The site ordered to send the page (`None`: nothing moves, a grant).
+    source: Option<SiteId>,
+    /// The source crashed while the page was on its way: the requester was asked whether it
+    /// came (`Probe`).
+    probing: bool,
 }
 
 /// One page's directory and its queue.
@@ -39,6 +44,8 @@ struct Page {
     copies: BTreeSet<SiteId>,
     queue: VecDeque<(SiteId, Want)>,
     active: Option<Active>,
+    /// Its only copy went with a crashed site: every request is answered `Lost`.
+    lost: bool,
 }
 
 /// What the library dropped, by reason.
@@ -47,14 +54,22 @@ pub struct Counters {
     pub requests: u64,
     pub requests_not_member: u64,
     pub requests_repeated: u64,
-    /// Requests the directory says need nothing (the site has that access already): a site
-    /// and its library disagree, which an honest site never causes.
+    /// Requests the directory says need nothing (the site has that access already: its write
+    /// copy was given back while the request was on its way), answered with a grant.
     pub requests_confused: u64,
     pub invalidations: u64,
     pub upgrades: u64,
     pub transfers: u64,
-    /// Acknowledgements and `Done`s that match no request being served.
+    /// Acknowledgements and `Done`s that match no request being served, and anything from a
+    /// site declared down.
     pub stale: u64,
+    pub sites_down: u64,
+    /// Pages whose only copy went with a crashed site.
+    pub pages_lost: u64,
+    /// Write copies given back to their sender after the requester crashed.
+    pub restores: u64,
+    /// Requesters asked whether a crashed source's page reached them.
+    pub probes: u64,
 }
 
 /// A segment's library.
@@ -67,6 +82,8 @@ pub struct Library {
     members: Option<BTreeSet<SiteId>>,
     pages: BTreeMap<PageNo, Page>,
     next_ticket: Ticket,
+    /// Sites declared down: what they send is ignored.
+    dead: BTreeSet<SiteId>,
     pub counters: Counters,
 }
 
@@ -81,6 +98,7 @@ fn page_of(pages: &mut BTreeMap<PageNo, Page>, creator: SiteId, page: PageNo) ->
         copies: BTreeSet::from([creator]),
         queue: VecDeque::new(),
         active: None,
+        lost: false,
     })
 }
 
@@ -95,6 +113,7 @@ impl Library {
             members: Some(members),
             pages: BTreeMap::new(),
             next_ticket: 1,
+            dead: BTreeSet::new(),
             counters: Counters::default(),
         }
     }
@@ -130,6 +149,11 @@ impl Library {
         }
     }
 
+    /// Whether `page` was lost with a crashed site.
+    pub fn lost(&self, page: PageNo) -> bool {
+        self.pages.get(&page).is_some_and(|p| p.lost)
+    }
+
     /// Whether a request for `page` is being served or waits.
     pub fn busy(&self, page: PageNo) -> bool {
         self.pages
@@ -140,10 +164,15 @@ impl Library {
     /// A message from site `from`.
     pub fn on_msg<D>(&mut self, from: SiteId, msg: Msg<D>) -> Out<D> {
         let mut out = Vec::new();
+        if self.dead.contains(&from) {
+            self.counters.stale += 1;
+            return out;
+        }
         match msg {
             Msg::Request { page, want } => self.request(from, page, want, &mut out),
             Msg::Invalidated { page, ticket } => self.invalidated(from, page, ticket, &mut out),
             Msg::Done { page, ticket } => self.done(from, page, ticket, &mut out),
+            Msg::Missing { page, ticket } => self.missing(from, page, ticket, &mut out),
             // Orders and pages are for sites: a site that sends one here is confused.
             _ => self.counters.stale += 1,
         }
@@ -179,6 +208,11 @@ impl Library {
             let Some((site, want)) = p.queue.pop_front() else {
                 return;
             };
+            if p.lost {
+                self.next_ticket += 1;
+                out.push((site, Msg::Lost { page, ticket }));
+                continue;
+            }
             let has = p.copies.contains(&site);
             let access = if !has {
                 Access::None
@@ -188,7 +222,11 @@ impl Library {
                 Access::Read
             };
             if access >= want.access() {
+                // It has what it asks for: its write copy was given back (`Restore`) while
+                // this request was on its way. Told so, with nothing to wait for.
                 self.counters.requests_confused += 1;
+                self.next_ticket += 1;
+                out.push((site, Msg::Grant { page, ticket }));
                 continue;
             }
             self.next_ticket += 1;
@@ -211,6 +249,8 @@ impl Library {
                         want,
                         ticket,
                         phase: Phase::Installing,
+                        source: Some(p.clock),
+                        probing: false,
                     });
                     self.counters.transfers += 1;
                 }
@@ -234,6 +274,8 @@ impl Library {
                         want,
                         ticket,
                         phase: Phase::Invalidating(drop),
+                        source: None,
+                        probing: false,
                     });
                     self.invalidations_done(page, out);
                 }
@@ -244,17 +286,43 @@ impl Library {
 
     /// Once every copy to drop is gone: the write request's grant or transfer.
     fn invalidations_done<D>(&mut self, page: PageNo, out: &mut Out<D>) {
-        let p = self.page(page);
-        let Some(a) = p.active.as_mut() else { return };
+        let dead = &self.dead;
+        let p = page_of(&mut self.pages, self.creator, page);
+        let Some(a) = p.active.as_ref() else { return };
         if !matches!(&a.phase, Phase::Invalidating(w) if w.is_empty()) {
             return;
         }
+        if dead.contains(&a.site) {
+            // Its requester crashed: every copy it wanted gone is gone; nothing to grant. The
+            // clock's copy may have been among them (an upgrade): another copy, or lost.
+            p.active = None;
+            if !p.copies.contains(&p.clock) {
+                match p.copies.first().copied() {
+                    Some(c) => {
+                        p.clock = c;
+                        p.mode = Access::Read;
+                    }
+                    None => return self.lose(page, out),
+                }
+            }
+            return self.serve(page, out);
+        }
+        let dead_clock = !p.copies.contains(&a.site) && !p.copies.contains(&p.clock);
+        if dead_clock {
+            // The copy it would have come from went with a crashed site, and every other was
+            // just dropped for this write.
+            self.lose(page, out);
+            return;
+        }
+        let p = self.page(page);
+        let Some(a) = p.active.as_mut() else { return };
         a.phase = Phase::Installing;
         let (site, ticket) = (a.site, a.ticket);
         if p.copies.contains(&site) {
             out.push((site, Msg::Grant { page, ticket }));
             self.counters.upgrades += 1;
         } else {
+            a.source = Some(p.clock);
             out.push((
                 p.clock,
                 Msg::Send {
@@ -270,6 +338,27 @@ impl Library {
         p.clock = site;
         p.mode = Access::Write;
         p.copies = BTreeSet::from([site]);
+    }
+
+    /// The page's only copy is gone: the request being served (if its requester lives) and
+    /// every later one are answered `Lost`.
+    fn lose<D>(&mut self, page: PageNo, out: &mut Out<D>) {
+        let p = self.page(page);
+        p.lost = true;
+        p.copies.clear();
+        p.mode = Access::None;
+        let active = p.active.take();
+        self.counters.pages_lost += 1;
+        if let Some(a) = active.filter(|a| !self.dead.contains(&a.site)) {
+            out.push((
+                a.site,
+                Msg::Lost {
+                    page,
+                    ticket: a.ticket,
+                },
+            ));
+        }
+        self.serve(page, out);
     }
 
     fn invalidated<D>(&mut self, from: SiteId, page: PageNo, ticket: Ticket, out: &mut Out<D>) {
@@ -291,13 +380,152 @@ impl Library {
     }
 
     fn done<D>(&mut self, from: SiteId, page: PageNo, ticket: Ticket, out: &mut Out<D>) {
-        let p = self.page(page);
+        let dead = &self.dead;
+        let p = page_of(&mut self.pages, self.creator, page);
         match &p.active {
             Some(a) if a.site == from && a.ticket == ticket && a.phase == Phase::Installing => {
+                if dead.contains(&p.clock) {
+                    // Its source crashed after sending: the requester's copy is the clock's.
+                    p.clock = from;
+                }
+                // A write copy's sender kept it in case the requester crashed: it may go.
+                if let Some(src) = a.source.filter(|&s| a.want == Want::Write && s != from) {
+                    out.push((src, Msg::Forget { page, ticket }));
+                }
                 p.active = None;
                 self.serve(page, out);
             }
             _ => self.counters.stale += 1,
+        }
+    }
+
+    /// The requester did not get the page of a source that crashed: another copy sends it
+    /// (a read, while one is left), or the page is lost.
+    fn missing<D>(&mut self, from: SiteId, page: PageNo, ticket: Ticket, out: &mut Out<D>) {
+        let next = self.next_ticket;
+        let p = self.page(page);
+        let ours = matches!(&p.active,
+            Some(a) if a.site == from && a.ticket == ticket && a.probing);
+        if !ours {
+            self.counters.stale += 1;
+            return;
+        }
+        let a = p.active.as_mut().expect("checked");
+        let other = p.copies.iter().copied().find(|&c| c != from);
+        match (a.want, other) {
+            (Want::Read, Some(src)) => {
+                // A new ticket: the lost one may still arrive, and is refused.
+                a.ticket = next;
+                a.source = Some(src);
+                a.probing = false;
+                p.clock = src;
+                out.push((
+                    src,
+                    Msg::Send {
+                        page,
+                        to: from,
+                        grant: Want::Read,
+                        ticket: next,
+                    },
+                ));
+                self.next_ticket += 1;
+                self.counters.transfers += 1;
+            }
+            _ => self.lose(page, out),
+        }
+    }
+
+    /// Site `dead` crashed (the membership says so, or it could not be reached): its copies
+    /// are gone, its requests dropped, what it was doing for others finished or undone. A page
+    /// it held alone is lost. Everything it sends from now on is ignored.
+    pub fn site_down<D>(&mut self, dead: SiteId) -> Out<D> {
+        let mut out = Vec::new();
+        if !self.dead.insert(dead) {
+            return out;
+        }
+        self.counters.sites_down += 1;
+        let pages: Vec<PageNo> = self.pages.keys().copied().collect();
+        for page in pages {
+            self.page_site_down(page, dead, &mut out);
+        }
+        out
+    }
+
+    fn page_site_down<D>(&mut self, page: PageNo, dead: SiteId, out: &mut Out<D>) {
+        let p = page_of(&mut self.pages, self.creator, page);
+        p.queue.retain(|&(s, _)| s != dead);
+        let held = p.copies.remove(&dead);
+        let was_clock = p.clock == dead;
+        match p.active.take() {
+            None => {
+                p.active = None;
+                if was_clock && held {
+                    match p.copies.first().copied() {
+                        Some(c) if p.mode == Access::Read => p.clock = c,
+                        _ => self.lose(page, out),
+                    }
+                }
+            }
+            Some(a) if a.site == dead => match a.phase {
+                Phase::Invalidating(_) => {
+                    // The copies told to go are going: wait for them all (a request served
+                    // before would find them still there), then finish without a grant.
+                    p.active = Some(a);
+                    self.invalidations_done(page, out);
+                }
+                Phase::Installing => match (a.want, a.source) {
+                    (Want::Write, Some(src)) if !self.dead.contains(&src) => {
+                        // It sent its write copy and kept it: back to it.
+                        p.clock = src;
+                        p.mode = Access::Write;
+                        p.copies = BTreeSet::from([src]);
+                        out.push((
+                            src,
+                            Msg::Restore {
+                                page,
+                                ticket: a.ticket,
+                            },
+                        ));
+                        self.counters.restores += 1;
+                        self.serve(page, out);
+                    }
+                    (Want::Write, _) => self.lose(page, out),
+                    (Want::Read, _) => {
+                        // The source kept its copy.
+                        if was_clock {
+                            return self.lose(page, out);
+                        }
+                        self.serve(page, out);
+                    }
+                },
+            },
+            Some(mut a) => {
+                match &mut a.phase {
+                    Phase::Invalidating(waiting) => {
+                        waiting.remove(&dead);
+                        p.active = Some(a);
+                        if was_clock && p.copies.is_empty() {
+                            // Nothing left to send the page from.
+                            return self.lose(page, out);
+                        }
+                        self.invalidations_done(page, out);
+                    }
+                    Phase::Installing => {
+                        if a.source == Some(dead) {
+                            a.probing = true;
+                            out.push((
+                                a.site,
+                                Msg::Probe {
+                                    page,
+                                    ticket: a.ticket,
+                                },
+                            ));
+                            self.counters.probes += 1;
+                        }
+                        p.active = Some(a);
+                    }
+                }
+            }
         }
     }
 }

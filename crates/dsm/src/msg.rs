@@ -66,6 +66,20 @@ pub enum Msg<D> {
     Grant { page: PageNo, ticket: Ticket },
     /// Requester → library: the page is installed; the library may serve the next request.
     Done { page: PageNo, ticket: Ticket },
+    /// Library → requester: the page's only copy went with a site that crashed; the request
+    /// fails (the process that touches the page is told, never given zeros).
+    Lost { page: PageNo, ticket: Ticket },
+    /// Library → a requester whose page was coming from a site that crashed: did ticket
+    /// `ticket`'s page arrive? (`Done` again if it did, `Missing` if not.)
+    Probe { page: PageNo, ticket: Ticket },
+    /// Requester → library: ticket `ticket`'s page did not arrive, and will not be taken now.
+    Missing { page: PageNo, ticket: Ticket },
+    /// Library → the site that sent its write copy away: the requester installed it; drop the
+    /// copy kept in case it had not.
+    Forget { page: PageNo, ticket: Ticket },
+    /// Library → the site that sent its write copy away: the requester crashed before it
+    /// installed it; take the write copy back.
+    Restore { page: PageNo, ticket: Ticket },
 }
 
 impl<D> Msg<D> {
@@ -77,7 +91,12 @@ impl<D> Msg<D> {
             | Msg::Invalidated { page, .. }
             | Msg::Page { page, .. }
             | Msg::Grant { page, .. }
-            | Msg::Done { page, .. } => *page,
+            | Msg::Done { page, .. }
+            | Msg::Lost { page, .. }
+            | Msg::Probe { page, .. }
+            | Msg::Missing { page, .. }
+            | Msg::Forget { page, .. }
+            | Msg::Restore { page, .. } => *page,
         }
     }
 
@@ -85,7 +104,7 @@ impl<D> Msg<D> {
     pub fn to_library(&self) -> bool {
         matches!(
             self,
-            Msg::Request { .. } | Msg::Invalidated { .. } | Msg::Done { .. }
+            Msg::Request { .. } | Msg::Invalidated { .. } | Msg::Done { .. } | Msg::Missing { .. }
         )
     }
 }

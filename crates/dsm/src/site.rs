@@ -13,7 +13,7 @@
 //! segment's creator, which holds every page at first (a zero page: "checked in" at the
 //! library, §4.3).
 
-use crate::msg::{Access, Msg, PageNo, SiteId, Want};
+use crate::msg::{Access, Msg, PageNo, SiteId, Ticket, Want};
 use std::collections::{BTreeMap, VecDeque};
 
 /// What a fault needs.
@@ -25,6 +25,8 @@ pub enum Fault<D> {
     Wait,
     /// Send this request to the library, then wait.
     Ask(SiteId, Msg<D>),
+    /// The page was lost with a site that crashed: the access fails.
+    Lost,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -38,6 +40,16 @@ struct Page<D> {
     asked: Option<Want>,
     /// Orders waiting for the window to pass, in arrival order.
     deferred: VecDeque<Msg<D>>,
+    /// The write copy this site sent away, kept until the library says the requester
+    /// installed it (`Forget`) or crashed first (`Restore`): (the transfer's ticket, data).
+    ghost: Option<(Ticket, D)>,
+    /// The newest ticket installed here: a page or grant under it or an older one is a
+    /// duplicate (a crashed sender's, arriving late) and is refused.
+    installed: Ticket,
+    /// A ticket this site told the library it did not get (`Missing`): refused if it comes.
+    refused: Option<Ticket>,
+    /// Lost with a crashed site: every access fails.
+    lost: bool,
 }
 
 /// What the site dropped, by reason.
@@ -50,6 +62,10 @@ pub struct Counters {
     pub invalidated: u64,
     /// Orders carried out after waiting for the window.
     pub deferred: u64,
+    /// Write copies taken back after their requester crashed.
+    pub restored: u64,
+    /// Requests answered "lost".
+    pub lost: u64,
     /// Messages that did not fit this site's state (a page it did not ask for, an order for a
     /// copy it does not hold, anything from a site that is not the library where only the
     /// library may speak): dropped.
@@ -99,7 +115,21 @@ impl<D: Clone + Default> Site<D> {
             used: true,
             asked: None,
             deferred: VecDeque::new(),
+            ghost: None,
+            installed: 0,
+            refused: None,
+            lost: false,
         })
+    }
+
+    /// Whether this site keeps the write copy it sent away (until `Forget` or `Restore`).
+    pub fn has_ghost(&self, page: PageNo) -> bool {
+        self.pages.get(&page).is_some_and(|p| p.ghost.is_some())
+    }
+
+    /// Whether the page was lost with a crashed site.
+    pub fn is_lost(&self, page: PageNo) -> bool {
+        self.pages.get(&page).is_some_and(|p| p.lost)
     }
 
     /// The access this site has to `page`.
@@ -133,6 +163,9 @@ impl<D: Clone + Default> Site<D> {
     pub fn fault(&mut self, page: PageNo, want: Want) -> Fault<D> {
         let library = self.library;
         let p = self.page(page);
+        if p.lost {
+            return Fault::Lost;
+        }
         if p.access >= want.access() {
             return Fault::Ready;
         }
@@ -160,7 +193,7 @@ impl<D: Clone + Default> Site<D> {
         let library = self.library;
         let delta = self.delta_ms;
         match msg {
-            Msg::Send { .. } | Msg::Invalidate { .. } if from == library => {
+            Msg::Send { .. } | Msg::Invalidate { .. } | Msg::Restore { .. } if from == library => {
                 let p = self.page(page);
                 if !p.deferred.is_empty() || !Self::releasable(p, now_ms) {
                     p.deferred.push_back(msg);
@@ -175,9 +208,14 @@ impl<D: Clone + Default> Site<D> {
                 ..
             } => {
                 let p = self.page(page);
-                // Only the page asked for, with no more access than asked: a page nobody
-                // asked for (a forged one, or a confused sender's) changes nothing.
-                if p.asked.is_none_or(|w| w < grant) {
+                // Only the page asked for, with no more access than asked, under a ticket
+                // newer than any installed and not one this site said it did not get: a page
+                // nobody asked for (a forged one, a confused sender's, a crashed sender's
+                // arriving late) changes nothing.
+                if p.asked.is_none_or(|w| w < grant)
+                    || ticket <= p.installed
+                    || p.refused == Some(ticket)
+                {
                     self.counters.refused += 1;
                     return (out, None);
                 }
@@ -186,13 +224,21 @@ impl<D: Clone + Default> Site<D> {
                 p.hold_until = now_ms.saturating_add(delta);
                 p.used = false;
                 p.asked = None;
+                p.installed = ticket;
                 self.counters.installs += 1;
                 out.push((library, Msg::Done { page, ticket }));
                 return (out, Some(page));
             }
             Msg::Grant { ticket, .. } if from == library => {
                 let p = self.page(page);
-                if p.access != Access::Read || p.asked != Some(Want::Write) {
+                if p.asked.is_some_and(|w| p.access >= w.access()) {
+                    // The library found this site has what it asked for already (its write
+                    // copy given back meanwhile): nothing moves, no Done.
+                    p.asked = None;
+                    return (out, Some(page));
+                }
+                if p.access != Access::Read || p.asked != Some(Want::Write) || ticket <= p.installed
+                {
                     self.counters.refused += 1;
                     return (out, None);
                 }
@@ -200,8 +246,39 @@ impl<D: Clone + Default> Site<D> {
                 p.hold_until = now_ms.saturating_add(delta);
                 p.used = false;
                 p.asked = None;
+                p.installed = ticket;
                 self.counters.upgrades += 1;
                 out.push((library, Msg::Done { page, ticket }));
+                return (out, Some(page));
+            }
+            Msg::Forget { ticket, .. } if from == library => {
+                let p = self.page(page);
+                if p.ghost.as_ref().is_some_and(|(t, _)| *t == ticket) {
+                    p.ghost = None;
+                }
+            }
+            Msg::Probe { ticket, .. } if from == library => {
+                let p = self.page(page);
+                if p.installed == ticket {
+                    // It came: the Done already sent may have been lost with nothing; again.
+                    out.push((library, Msg::Done { page, ticket }));
+                } else {
+                    p.refused = Some(ticket);
+                    out.push((library, Msg::Missing { page, ticket }));
+                }
+            }
+            Msg::Lost { .. } if from == library => {
+                let p = self.page(page);
+                if p.asked.is_none() {
+                    self.counters.refused += 1;
+                    return (out, None);
+                }
+                p.asked = None;
+                p.access = Access::None;
+                p.data = None;
+                p.lost = true;
+                self.counters.lost += 1;
+                // Its faulting processes are woken to find it lost.
                 return (out, Some(page));
             }
             _ => self.counters.refused += 1,
@@ -240,7 +317,7 @@ impl<D: Clone + Default> Site<D> {
                     Want::Read => p.access = Access::Read,
                     Want::Write => {
                         p.access = Access::None;
-                        p.data = None;
+                        p.ghost = p.data.take().map(|d| (ticket, d));
                     }
                 }
                 self.counters.sent += 1;
@@ -253,6 +330,23 @@ impl<D: Clone + Default> Site<D> {
                         data,
                     },
                 ));
+            }
+            Msg::Restore { page, ticket } => {
+                let p = self.page(page);
+                match p.ghost.take() {
+                    Some((t, data)) if t == ticket => {
+                        p.access = Access::Write;
+                        p.data = Some(data);
+                        p.used = true;
+                        // A request of its own meanwhile is answered by the library with a
+                        // grant of what it now has.
+                        self.counters.restored += 1;
+                    }
+                    other => {
+                        p.ghost = other;
+                        self.counters.refused += 1;
+                    }
+                }
             }
             _ => unreachable!("only orders are carried out"),
         }

@@ -12,7 +12,14 @@
 //! arrive within it wait), for concurrent upgrades of one page (every site reads, then every
 //! site writes), reads during invalidations, and writes racing reads.
 //!
-//! Not modelled yet: a site crashing (the library's role moving, pages lost with a writer).
+//! Crashes: a site other than the library's may crash (once per run, anywhere): it stops, the
+//! messages it sent may still arrive, and at some later step the library is told
+//! (`Library::site_down`). Then what must hold is about the live sites: one writer or many
+//! readers among them, their copies agreeing, no live site reading a value older than one a
+//! live site has seen (a write that only the crashed site ever saw may vanish with it: its
+//! write copy is given back to the site that sent it, `Restore`), a page whose only copy
+//! crashed is reported lost (`Lost`), never served stale, and no live site's request stuck.
+//! Not modelled: the library's own crash (its role moving to another site).
 
 use netram_dsm::{Access, Library, Msg, Site, Want};
 use stateright::{Checker, HasDiscoveries, Model, Property};
@@ -32,6 +39,13 @@ struct World {
     /// The last write's number.
     latest: u32,
     writes: u32,
+    /// The newest value each site has read or written: a live site may never read below what
+    /// a live site has seen.
+    seen: Vec<u32>,
+    crashed: Vec<bool>,
+    /// The library has been told of the crash.
+    noticed: Vec<bool>,
+    crashes: u32,
     /// Faults made (each becomes a request): bounds the exploration, since sites could take
     /// write access from each other forever without writing.
     faults: u32,
@@ -45,6 +59,8 @@ enum Action {
     Write(usize),
     Deliver(usize, usize),
     Elapse(usize),
+    Crash(usize),
+    Notice(usize),
 }
 
 struct Dsm {
@@ -52,6 +68,7 @@ struct Dsm {
     delta_ms: u64,
     max_writes: u32,
     max_faults: u32,
+    max_crashes: u32,
     /// A broken site (the last): it acknowledges invalidations without dropping its copy.
     /// The checks must catch it, or they check nothing.
     liar: bool,
@@ -67,6 +84,23 @@ impl World {
 
     fn quiet(&self) -> bool {
         self.net.values().all(VecDeque::is_empty)
+    }
+
+    fn live(&self) -> impl Iterator<Item = &Site<u32>> {
+        self.sites
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| !self.crashed[*i])
+            .map(|(_, x)| x)
+    }
+
+    /// The newest value a live site has seen.
+    fn seen_live(&self) -> u32 {
+        (0..self.sites.len())
+            .filter(|&i| !self.crashed[i])
+            .map(|i| self.seen[i])
+            .max()
+            .unwrap_or(0)
     }
 }
 
@@ -86,13 +120,28 @@ impl Model for Dsm {
             net: BTreeMap::new(),
             latest: 0,
             writes: 0,
+            seen: vec![0; self.sites],
+            crashed: vec![false; self.sites],
+            noticed: vec![false; self.sites],
+            crashes: 0,
             faults: 0,
             stale_reads: 0,
         }]
     }
 
     fn actions(&self, s: &World, actions: &mut Vec<Action>) {
+        for i in 1..s.sites.len() {
+            if s.crashed[i] && !s.noticed[i] {
+                actions.push(Action::Notice(i));
+            }
+            if !s.crashed[i] && s.crashes < self.max_crashes {
+                actions.push(Action::Crash(i));
+            }
+        }
         for (i, site) in s.sites.iter().enumerate() {
+            if s.crashed[i] {
+                continue;
+            }
             let access = site.access(PAGE);
             if site.asked(PAGE).is_none() && s.faults < self.max_faults {
                 if access == Access::None {
@@ -129,12 +178,24 @@ impl Model for Dsm {
                 }
                 _ => return None,
             },
+            Action::Crash(i) => {
+                s.crashed[i] = true;
+                s.crashes += 1;
+                // Nothing reaches it any more; what it sent may still arrive.
+                s.net.retain(|&(_, to), _| to != i);
+            }
+            Action::Notice(i) => {
+                s.noticed[i] = true;
+                let out = s.lib.site_down(i as u64);
+                s.send(LIB, out);
+            }
             Action::Read(i) => {
                 let now = s.now[i];
                 let v = *s.sites[i].data(PAGE).expect("a copy to read");
-                if v != s.latest {
+                if v < s.seen_live() {
                     s.stale_reads += 1;
                 }
+                s.seen[i] = s.seen[i].max(v);
                 s.sites[i].accessed(PAGE);
                 let out = s.sites[i].tick(now);
                 s.send(i, out);
@@ -144,6 +205,7 @@ impl Model for Dsm {
                 s.latest += 1;
                 s.writes += 1;
                 *s.sites[i].data(PAGE).expect("a copy to write") = s.latest;
+                s.seen[i] = s.latest;
                 s.sites[i].accessed(PAGE);
                 let out = s.sites[i].tick(now);
                 s.send(i, out);
@@ -163,6 +225,8 @@ impl Model for Dsm {
                 if to == LIB {
                     let out = s.lib.on_msg(sender, m);
                     s.send(LIB, out);
+                } else if s.crashed[to] {
+                    // Lost with it.
                 } else {
                     let now = s.now[to];
                     let (out, _) = s.sites[to].on_msg(sender, m, now);
@@ -180,48 +244,65 @@ impl Model for Dsm {
     }
 
     fn properties(&self) -> Vec<Property<Self>> {
-        vec![
+        let mut p = vec![
             Property::always("one writer or many readers", |_, s: &World| {
-                let writers = s.sites.iter().filter(|x| x.access(PAGE) == Access::Write);
-                let readers = s.sites.iter().filter(|x| x.access(PAGE) == Access::Read);
-                let w = writers.count();
-                w == 0 || (w == 1 && readers.count() == 0)
+                let w = s.live().filter(|x| x.access(PAGE) == Access::Write).count();
+                let r = s.live().filter(|x| x.access(PAGE) == Access::Read).count();
+                w == 0 || (w == 1 && r == 0)
             }),
             Property::always(
-                "every usable copy holds the latest write",
+                "every usable copy holds the newest value a live site has seen",
                 |_, s: &World| {
-                    s.sites.iter().all(|x| {
+                    let newest = s.seen_live();
+                    s.live().all(|x| {
                         let mut x = x.clone();
-                        x.access(PAGE) == Access::None || x.data(PAGE).copied() == Some(s.latest)
+                        x.access(PAGE) == Access::None
+                            || x.data(PAGE).copied().is_some_and(|v| v >= newest)
                     })
                 },
             ),
+            Property::always("every usable copy agrees", |_, s: &World| {
+                let mut values = s.live().filter_map(|x| {
+                    let mut x = x.clone();
+                    (x.access(PAGE) != Access::None).then(|| *x.data(PAGE).expect("a copy"))
+                });
+                let first = values.next();
+                values.all(|v| Some(v) == first)
+            }),
             Property::always("no read returned an older write", |_, s: &World| {
                 s.stale_reads == 0
             }),
             Property::always(
                 "the directory is exact when nothing is in flight",
                 |_, s: &World| {
-                    if !s.quiet() || s.lib.busy(PAGE) {
+                    let told = (0..s.sites.len()).all(|i| s.crashed[i] == s.noticed[i]);
+                    // In flight includes an order waiting at a site (for a window, for its
+                    // page's use): a request whose requester crashed is over at the library
+                    // before its order is carried out.
+                    let deferred = s.live().any(Site::has_deferred);
+                    if !s.quiet() || s.lib.busy(PAGE) || !told || deferred {
                         return true;
                     }
                     let (clock, mode, copies) = s.lib.holders(PAGE);
                     let holding: Vec<u64> = s
-                        .sites
-                        .iter()
+                        .live()
                         .filter(|x| x.access(PAGE) != Access::None)
                         .map(|x| x.id())
                         .collect();
+                    if s.lib.lost(PAGE) {
+                        return holding.is_empty() && copies.is_empty();
+                    }
                     holding == copies
                         && s.sites[clock as usize].access(PAGE) == mode
-                        && s.sites.iter().all(|x| x.access(PAGE) <= mode)
+                        && s.live().all(|x| x.access(PAGE) <= mode)
                 },
             ),
             Property::always("no request is stuck", |_, s: &World| {
-                let waiting = s.sites.iter().any(|x| x.asked(PAGE).is_some());
-                // While a site waits, a message is in flight or an order waits for a window
-                // (or for its page's use, which its holder's processes will make).
-                !waiting || !s.quiet() || s.sites.iter().any(Site::has_deferred)
+                let waiting = s.live().any(|x| x.asked(PAGE).is_some());
+                // While a live site waits, a message is in flight, an order waits for a window
+                // (or for its page's use), or the library is still to be told of a crash.
+                let untold = (0..s.sites.len()).any(|i| s.crashed[i] && !s.noticed[i]);
+                !waiting || !s.quiet() || s.live().any(Site::has_deferred) || untold
             }),
             Property::sometimes(
                 "every write made, the last read everywhere",
@@ -234,7 +315,24 @@ impl Model for Dsm {
                             == m.sites
                 },
             ),
-        ]
+        ];
+        if self.max_crashes == 0 {
+            return p;
+        }
+        p.extend([
+            Property::sometimes("a page lost with a crashed writer", |_, s: &World| {
+                s.lib.lost(PAGE) && s.live().any(|x| x.is_lost(PAGE))
+            }),
+            Property::sometimes(
+                "a write copy given back after its requester crashed",
+                |_, s: &World| s.live().any(|x| x.counters.restored > 0),
+            ),
+            Property::sometimes(
+                "a read re-sent from another copy after its source crashed",
+                |_, s: &World| s.lib.counters.probes > 0 && s.quiet() && !s.lib.busy(PAGE),
+            ),
+        ]);
+        p
     }
 }
 
@@ -244,6 +342,7 @@ fn model(sites: usize, delta_ms: u64, max_writes: u32, max_faults: u32) -> Dsm {
         delta_ms,
         max_writes,
         max_faults,
+        max_crashes: 0,
         liar: false,
     }
 }
@@ -281,6 +380,17 @@ fn three_sites_no_window() {
 fn three_sites_with_a_window() {
     let states = check(model(3, 1, 2, 5));
     eprintln!("three sites, Δ = 1: {states} states");
+    assert!(states > 1_000, "{states} states: the model explores little");
+}
+
+/// A site crashes, anywhere in the run: faults, reads and writes of three sites around it.
+#[test]
+fn three_sites_one_crash() {
+    let states = check(Dsm {
+        max_crashes: 1,
+        ..model(3, 0, 2, 4)
+    });
+    eprintln!("three sites, one crash: {states} states");
     assert!(states > 1_000, "{states} states: the model explores little");
 }
 

@@ -15,6 +15,11 @@
 //!   8 FOUND        pages:u32 delta_ms:u32 uid:u32 mode:u16   the library → the asker
 //!   9 ABSENT                                    any member → the asker
 //!  10 UNLINK                                    a machine → every member
+//!  11 LOST                                      library → a requester (the page went with a crash)
+//!  12 PROBE                                     library → a requester (its page's source crashed)
+//!  13 MISSING                                   requester → library (that page did not come)
+//!  14 FORGET                                    library → the sender of a write copy
+//!  15 RESTORE                                   library → the sender of a write copy
 //! want, grant: 0 read, 1 write
 //! ```
 //!
@@ -80,6 +85,11 @@ pub enum Body<'a> {
     Absent,
     /// Segment `segment`'s name is taken away.
     Unlink,
+    Lost,
+    Probe,
+    Missing,
+    Forget,
+    Restore,
 }
 
 /// The longest segment name.
@@ -149,6 +159,11 @@ impl<'a> Message<'a> {
             Body::Found { .. } => 8,
             Body::Absent => 9,
             Body::Unlink => 10,
+            Body::Lost => 11,
+            Body::Probe => 12,
+            Body::Missing => 13,
+            Body::Forget => 14,
+            Body::Restore => 15,
         };
         w.u64(self.segment).u8(tag).u32(self.page).u64(self.ticket);
         match self.body {
@@ -187,7 +202,12 @@ impl<'a> Message<'a> {
             | Body::Grant
             | Body::Done
             | Body::Absent
-            | Body::Unlink => {}
+            | Body::Unlink
+            | Body::Lost
+            | Body::Probe
+            | Body::Missing
+            | Body::Forget
+            | Body::Restore => {}
         }
         w.finish();
     }
@@ -278,6 +298,11 @@ pub fn decode(frame: &[u8]) -> Result<Message<'_>, DecodeError> {
         },
         9 => Body::Absent,
         10 => Body::Unlink,
+        11 => Body::Lost,
+        12 => Body::Probe,
+        13 => Body::Missing,
+        14 => Body::Forget,
+        15 => Body::Restore,
         t => {
             return Err(DecodeError::BadValue {
                 field: "dsm message",
@@ -317,7 +342,7 @@ mod tests {
             ticket in 1u64..,
             to in any::<u64>(),
             want in arb_access(),
-            tag in 0u8..11,
+            tag in 0u8..16,
             fill in any::<u8>(),
             name in proptest::collection::vec(any::<u8>(), 1..=MAX_NAME),
         ) {
@@ -333,7 +358,12 @@ mod tests {
                 7 => Body::Lookup { name: &name },
                 8 => Body::Found { pages: page, delta_ms: fill.into(), uid: to as u32, mode: 0o640 },
                 9 => Body::Absent,
-                _ => Body::Unlink,
+                10 => Body::Unlink,
+                11 => Body::Lost,
+                12 => Body::Probe,
+                13 => Body::Missing,
+                14 => Body::Forget,
+                _ => Body::Restore,
             };
             let ticket = if tag == 0 { 0 } else { ticket };
             let m = Message { segment, page, ticket, body };

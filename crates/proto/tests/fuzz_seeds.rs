@@ -137,6 +137,11 @@ fn dsm_seeds() -> Vec<(String, Vec<u8>)> {
         ),
         ("absent", Body::Absent),
         ("unlink", Body::Unlink),
+        ("lost", Body::Lost),
+        ("probe", Body::Probe),
+        ("missing", Body::Missing),
+        ("forget", Body::Forget),
+        ("restore", Body::Restore),
     ];
     bodies
         .into_iter()

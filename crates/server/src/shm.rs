@@ -62,6 +62,8 @@ struct Links {
     queues: Mutex<HashMap<u64, SyncSender<Vec<u8>>>>,
     shutdown: Arc<AtomicBool>,
     counters: Arc<LinkCounters>,
+    /// The agent, told when a peer cannot be reached (set once it runs).
+    agent: std::sync::OnceLock<Door>,
 }
 
 impl Links {
@@ -154,6 +156,9 @@ impl Links {
             let c = if sent {
                 &self.counters.frames_sent
             } else {
+                // Not taken as a crash by itself: a cut link with a live peer behind it would
+                // have its copies dropped while it still uses them. The membership's verdict
+                // (`watch_members`) is what the libraries act on.
                 tracing::warn!(
                     to,
                     frames = n,
@@ -198,10 +203,19 @@ impl Shm {
             queues: Mutex::new(HashMap::new()),
             shutdown: shared.shutdown.clone(),
             counters: counters.clone(),
+            agent: std::sync::OnceLock::new(),
         });
-        let net = Box::new(move |to: u64, frame: Vec<u8>| links.send(to, frame));
+        let to_links = links.clone();
+        let net = Box::new(move |to: u64, frame: Vec<u8>| to_links.send(to, frame));
         let running = Running::start(Agent::new(node, net)).map_err(std::io::Error::from)?;
         let door = running.door();
+        let _ = links.agent.set(door.clone());
+        {
+            let (door, shared) = (door.clone(), Arc::downgrade(shared));
+            std::thread::Builder::new()
+                .name("netram-shm-members".into())
+                .spawn(move || watch_members(&door, &shared))?;
+        }
         if let Some(path) = socket {
             let listener = bind_socket(path)?;
             let door = door.clone();
@@ -232,6 +246,30 @@ impl Drop for Shm {
         }
         if let Some(p) = self.socket.take() {
             let _ = std::fs::remove_file(p);
+        }
+    }
+}
+
+/// Tells the agent of every member the membership declares down (SWIM: no answer to direct
+/// and indirect probes, no refutation): a write to a dead peer's socket succeeds until its
+/// reset comes back, so a link alone does not notice a crash while it has nothing more to
+/// send. Once per node and boot.
+fn watch_members(door: &Door, shared: &Weak<Shared>) {
+    let mut told: std::collections::HashSet<(u64, u64)> = Default::default();
+    loop {
+        std::thread::sleep(Duration::from_millis(250));
+        let Some(s) = shared.upgrade() else { return };
+        if s.shutdown.load(Ordering::SeqCst) {
+            return;
+        }
+        for m in s.members().members {
+            if m.state == netram_member::Liveness::Down && told.insert((m.node, m.boot)) {
+                tracing::warn!(
+                    node = m.node,
+                    "a member is down: its shared-memory copies are gone"
+                );
+                door.post(move |a| a.site_down(m.node));
+            }
         }
     }
 }

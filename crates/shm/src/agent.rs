@@ -57,6 +57,12 @@ pub struct Counters {
     /// Views dropped because their process's userfaultfd failed (the process is gone).
     pub views_lost: u64,
     pub lookups: u64,
+    /// Pages found lost with a crashed machine (each access to one gets SIGBUS).
+    pub pages_lost: u64,
+    /// Write copies taken back after their requester crashed.
+    pub restored: u64,
+    /// Machines declared down to this agent (their copies gone, their requests dropped).
+    pub sites_down: u64,
     /// Lookups answered ABSENT because the asker is not admitted to the segment.
     pub lookups_refused: u64,
     /// Names taken away here (System V's IPC_RMID).
@@ -141,6 +147,9 @@ pub struct Agent {
     next_view: u64,
     next_nonce: u64,
     letters: VecDeque<Letter>,
+    /// Write copies sent away and kept until the library says the requester installed them
+    /// (`Forget`) or crashed first (`Restore`): the site keeps the fact, this the bytes.
+    ghosts: HashMap<(SegmentId, PageNo), Box<[u8]>>,
     net: Net,
     epoch: Instant,
     pub counters: Counters,
@@ -160,6 +169,7 @@ impl Agent {
                 .duration_since(std::time::UNIX_EPOCH)
                 .map_or(1, |d| d.as_nanos() as u64),
             letters: VecDeque::new(),
+            ghosts: HashMap::new(),
             net,
             epoch: Instant::now(),
             counters: Counters::default(),
@@ -440,6 +450,12 @@ impl Agent {
                     self.drop_view(id, v);
                 }
             }
+            Fault::Lost => {
+                let view = &seg.views[v];
+                if view.poison(page).and_then(|()| view.wake(page)).is_err() {
+                    self.drop_view(id, v);
+                }
+            }
             Fault::Wait => {}
             Fault::Ask(to, msg) => {
                 self.counters.requests += 1;
@@ -496,6 +512,16 @@ impl Agent {
         for id in ids {
             let out = self.segments.get_mut(&id).expect("listed").site.tick(now);
             self.site_out(id, out);
+            // A deferred `Restore` may have been carried out.
+            let kept: Vec<PageNo> = self
+                .ghosts
+                .keys()
+                .filter(|(s, _)| *s == id)
+                .map(|&(_, p)| p)
+                .collect();
+            for page in kept {
+                self.reconcile(id, page);
+            }
         }
         self.pump();
     }
@@ -553,7 +579,24 @@ impl Agent {
             };
             let is_page = matches!(l.msg, Msg::Page { .. });
             let (out, woke) = seg.site.on_msg(l.from, l.msg, now);
-            if woke == Some(page) {
+            if woke == Some(page) && seg.site.is_lost(page) {
+                // Its only copy went with a crashed machine: the processes that touch it are
+                // told (SIGBUS at the page's address), never given zeros.
+                tracing::error!(
+                    segment = %seg.name,
+                    page,
+                    "a page of the segment was lost with a crashed machine: its accesses get SIGBUS"
+                );
+                self.counters.pages_lost += 1;
+                let failed: Vec<usize> = seg
+                    .views
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, v)| v.poison(page).and_then(|()| v.wake(page)).is_err())
+                    .map(|(i, _)| i)
+                    .collect();
+                self.drop_views(l.segment, failed);
+            } else if woke == Some(page) {
                 // Installed: the contents first, then the access, then the waiting threads.
                 let zero;
                 let bytes: &[u8] = match &l.data {
@@ -588,7 +631,54 @@ impl Agent {
                 }
             }
             self.site_out(l.segment, out);
+            self.reconcile(l.segment, page);
         }
+    }
+
+    /// A write copy kept after sending it away: dropped once the site forgot it, written back
+    /// and made writable again if the site took it back (its requester crashed).
+    fn reconcile(&mut self, id: SegmentId, page: PageNo) {
+        let Some(seg) = self.segments.get(&id) else {
+            return;
+        };
+        if seg.site.has_ghost(page) {
+            return;
+        }
+        let Some(bytes) = self.ghosts.remove(&(id, page)) else {
+            return;
+        };
+        if seg.site.access(page) != netram_dsm::Access::Write {
+            return;
+        }
+        if let Err(e) = seg.copy.write(page, &bytes) {
+            tracing::error!("segment {} page {page}: {e}", seg.name);
+        }
+        self.counters.restored += 1;
+        let failed: Vec<usize> = seg
+            .views
+            .iter()
+            .enumerate()
+            .filter(|(_, v)| v.unprotect(page).is_err())
+            .map(|(i, _)| i)
+            .collect();
+        self.drop_views(id, failed);
+    }
+
+    /// Machine `node` crashed (its link gave up on it, or the membership says so): the
+    /// libraries here drop its copies and requests and finish or undo what it was part of.
+    pub fn site_down(&mut self, node: SiteId) {
+        self.counters.sites_down += 1;
+        let ids: Vec<SegmentId> = self.segments.keys().copied().collect();
+        for id in ids {
+            let out = match self.segments.get_mut(&id).and_then(|s| s.library.as_mut()) {
+                Some(lib) => lib.site_down::<()>(node),
+                None => continue,
+            };
+            for (to, msg) in out {
+                self.post(id, to, msg, None);
+            }
+        }
+        self.pump();
     }
 
     /// Sends what a site produced, carrying out on the copy what its orders changed: a page
@@ -609,6 +699,8 @@ impl Agent {
                         tracing::error!("segment {id:#x} page {page}: {e}");
                     }
                     if grant == Want::Write {
+                        // Kept until the library says the requester has it (or crashed).
+                        self.ghosts.insert((id, page), buf.clone());
                         let _ = seg.copy.punch(page);
                     }
                     self.counters.pages_sent += 1;
@@ -725,6 +817,12 @@ impl Door {
     /// A frame that arrived from site `from`.
     pub fn deliver(&self, from: SiteId, frame: Vec<u8>) -> bool {
         self.send(Input::Frame(from, frame))
+    }
+
+    /// Runs `f` on the agent's thread, not waiting for it (for a caller the agent may itself
+    /// be waiting on, such as a link whose queue is full).
+    pub fn post(&self, f: impl FnOnce(&mut Agent) + Send + 'static) -> bool {
+        self.send(Input::Call(Box::new(f)))
     }
 
     /// Runs `f` on the agent's thread and returns its result (`None`: the agent stopped).

@@ -30,8 +30,10 @@ use std::ffi::c_void;
 
 const PAGE: u64 = PAGE_SIZE as u64;
 
-/// The userfaultfd features a segment's mappings need: write-protection of shared memory.
-pub const FEATURES: u64 = linux_raw_sys::general::UFFD_FEATURE_WP_HUGETLBFS_SHMEM as u64;
+/// The userfaultfd features a segment's mappings need: write-protection of shared memory, and
+/// poisoned pages (a page lost with a crashed machine: its accesses get SIGBUS).
+pub const FEATURES: u64 = (linux_raw_sys::general::UFFD_FEATURE_WP_HUGETLBFS_SHMEM
+    | linux_raw_sys::general::UFFD_FEATURE_POISON) as u64;
 
 /// A segment's pages on this machine: a memfd of `pages` pages.
 #[derive(Debug)]
@@ -153,6 +155,19 @@ impl View {
     /// Lets stores to page `n` through and wakes the writers waiting on it.
     pub fn unprotect(&self, n: PageNo) -> Result<(), Errno> {
         self.uffd.set_write_protect(self.addr(n), false, true)
+    }
+
+    /// Marks page `n` lost: its accesses get SIGBUS (a page already mapped here stays; a lost
+    /// page is a hole, so it is not).
+    pub fn poison(&self, n: PageNo) -> Result<(), Errno> {
+        // The write-protect marker first: UFFDIO_POISON fills only an empty entry, and a
+        // marker is not one (poisoning over it failed with EEXIST and the access faulted for
+        // ever). Not woken: the poison wakes the threads.
+        self.uffd.set_write_protect(self.addr(n), false, false)?;
+        match self.uffd.poison(self.addr(n)) {
+            Err(Errno::EXIST) => Ok(()),
+            r => r,
+        }
     }
 
     /// Wakes the threads waiting on page `n` (they retry their access).

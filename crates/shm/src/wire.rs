@@ -48,6 +48,11 @@ pub fn encode(segment: u64, msg: &Msg<()>, data: Option<&[u8]>, out: &mut Vec<u8
         Msg::Invalidated { ticket, .. } => m(ticket, Body::Invalidated),
         Msg::Grant { ticket, .. } => m(ticket, Body::Grant),
         Msg::Done { ticket, .. } => m(ticket, Body::Done),
+        Msg::Lost { ticket, .. } => m(ticket, Body::Lost),
+        Msg::Probe { ticket, .. } => m(ticket, Body::Probe),
+        Msg::Missing { ticket, .. } => m(ticket, Body::Missing),
+        Msg::Forget { ticket, .. } => m(ticket, Body::Forget),
+        Msg::Restore { ticket, .. } => m(ticket, Body::Restore),
         Msg::Page { grant, ticket, .. } => {
             Message::page(segment, page, ticket, access(grant), data.unwrap_or(&zero))
         }
@@ -212,6 +217,11 @@ fn protocol(m: Message<'_>) -> Result<(u64, Msg<()>, Data), WireError> {
         Body::Invalidated => Msg::Invalidated { page, ticket },
         Body::Grant => Msg::Grant { page, ticket },
         Body::Done => Msg::Done { page, ticket },
+        Body::Lost => Msg::Lost { page, ticket },
+        Body::Probe => Msg::Probe { page, ticket },
+        Body::Missing => Msg::Missing { page, ticket },
+        Body::Forget => Msg::Forget { page, ticket },
+        Body::Restore => Msg::Restore { page, ticket },
         Body::Lookup { .. } | Body::Found { .. } | Body::Absent | Body::Unlink => {
             return Err(WireError::NotProtocol)
         }
@@ -243,7 +253,7 @@ mod tests {
     fn every_message_comes_back_as_it_went() {
         let mut page = vec![0u8; netram_proto::PAGE_SIZE];
         page[7] = 9;
-        let msgs: [(Msg<()>, Option<&[u8]>); 8] = [
+        let msgs: [(Msg<()>, Option<&[u8]>); 10] = [
             (
                 Msg::Request {
                     page: 1,
@@ -264,6 +274,8 @@ mod tests {
             (Msg::Invalidated { page: 3, ticket: 4 }, None),
             (Msg::Grant { page: 4, ticket: 5 }, None),
             (Msg::Done { page: 4, ticket: 5 }, None),
+            (Msg::Lost { page: 4, ticket: 6 }, None),
+            (Msg::Restore { page: 4, ticket: 7 }, None),
             (
                 Msg::Page {
                     page: 6,

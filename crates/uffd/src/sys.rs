@@ -270,6 +270,24 @@ impl Uffd {
         }
     }
 
+    /// Poisons the (empty) page at `dst` and wakes the faulting threads: an access to it gets
+    /// SIGBUS from now on. Needs `UFFD_FEATURE_POISON` (Linux 6.6). EEXIST: a page is there.
+    pub fn poison(&self, dst: *mut c_void) -> Result<(), Errno> {
+        let mut p = k::uffdio_poison {
+            range: range(dst, PAGE as usize),
+            mode: 0,
+            updated: 0,
+        };
+        // SAFETY: UFFDIO_POISON reads and writes one struct uffdio_poison; it marks only an
+        // empty page of a range registered here.
+        unsafe {
+            rustix::ioctl::ioctl(
+                self,
+                Updater::<{ op::<k::uffdio_poison>(k::_UFFDIO_POISON) }, _>::new(&mut p),
+            )
+        }
+    }
+
     /// Moves the page at `src` to `dst` (page-table entries only, no copy) without waking
     /// anyone. Both are pages of ranges registered here; `dst` must be empty. Needs
     /// `UFFD_FEATURE_MOVE` (Linux 6.8).
