@@ -183,6 +183,28 @@ impl Call {
         Ok(())
     }
 
+    /// Whether a connection is open (as far as this side knows: the other may have gone).
+    pub fn is_open(&self) -> bool {
+        self.conn.is_some()
+    }
+
+    /// Sends `frames` as [`Call::post`] does, on the connection already open only (an error
+    /// if none is: opening it is a handshake, which the caller may not want to wait for).
+    pub fn post_open(&mut self, frames: &mut Vec<u8>) -> Result<(), CallError> {
+        let Some((s, _, seal)) = self.conn.as_mut() else {
+            return Err(CallError::Closed);
+        };
+        if let Some(k) = seal {
+            reserve_tags(frames, 0);
+            k.seal_all(frames);
+        }
+        let r = s.write_all(frames).map_err(|e| CallError::Io("send", e));
+        if r.is_err() {
+            self.conn = None;
+        }
+        r
+    }
+
     /// Sends `frames` (whole frames, each with request id 0: messages that are not
     /// answered) to `node` at `addr`, opening the connection if need be. Nothing is read
     /// back; a failure closes the connection, and the caller decides what the frames lost

@@ -59,16 +59,24 @@ struct Links {
     incarnation: u64,
     security: Security,
     shared: Weak<Shared>,
-    queues: Mutex<HashMap<u64, SyncSender<Vec<u8>>>>,
+    queues: Mutex<HashMap<u64, Link>>,
     shutdown: Arc<AtomicBool>,
     counters: Arc<LinkCounters>,
     /// The agent, told when a peer cannot be reached (set once it runs).
     agent: std::sync::OnceLock<Door>,
 }
 
+/// One peer's link: its queue, its connection, and how many frames are queued or being sent.
+#[derive(Clone)]
+struct Link {
+    tx: SyncSender<Vec<u8>>,
+    call: Arc<Mutex<Call>>,
+    pending: Arc<std::sync::atomic::AtomicUsize>,
+}
+
 impl Links {
     fn send(self: &Arc<Self>, to: u64, frame: Vec<u8>) {
-        let q = {
+        let link = {
             let mut queues = self.queues.lock().unwrap_or_else(|p| p.into_inner());
             if !queues.contains_key(&to) && queues.len() >= MAX_LINKS {
                 tracing::warn!(to, "too many shared-memory peers: {MAX_LINKS}");
@@ -79,17 +87,38 @@ impl Links {
                 .entry(to)
                 .or_insert_with(|| {
                     let (tx, rx) = mpsc::sync_channel(LINK_QUEUE);
-                    let me = self.clone();
+                    let link = Link {
+                        tx,
+                        call: Arc::default(),
+                        pending: Arc::default(),
+                    };
+                    let (me, mine) = (self.clone(), link.clone());
                     let _ = std::thread::Builder::new()
                         .name(format!("netram-dsm-{to:x}"))
-                        .spawn(move || me.run(to, rx));
-                    tx
+                        .spawn(move || me.run(to, rx, mine));
+                    link
                 })
                 .clone()
         };
+        // Straight onto the open connection when nothing is queued before it (the order
+        // holds: the link's thread has nothing in hand): a hand-off to the link's thread costs
+        // a wake-up, ~60 µs on these machines, on every message's path.
+        if link.pending.load(Ordering::SeqCst) == 0 {
+            if let Ok(mut call) = link.call.try_lock() {
+                if call.is_open() {
+                    let mut frames = frame.clone();
+                    if call.post_open(&mut frames).is_ok() {
+                        self.counters.frames_sent.fetch_add(1, Ordering::Relaxed);
+                        return;
+                    }
+                }
+            }
+        }
         // Blocks while the peer's queue is full: the agent waits for a slow peer rather than
         // losing a message the protocol needs.
-        if q.send(frame).is_err() {
+        link.pending.fetch_add(1, Ordering::SeqCst);
+        if link.tx.send(frame).is_err() {
+            link.pending.fetch_sub(1, Ordering::SeqCst);
             self.counters.frames_lost.fetch_add(1, Ordering::Relaxed);
         }
     }
@@ -104,9 +133,9 @@ impl Links {
             .map(|m| m.addr)
     }
 
-    /// One peer's link: sends what is queued, in order, a batch per write.
-    fn run(&self, to: u64, rx: mpsc::Receiver<Vec<u8>>) {
-        let mut call = Call::default();
+    /// One peer's link: sends what is queued, in order, a batch per write (opening the
+    /// connection when need be, which the agent's direct path never waits for).
+    fn run(&self, to: u64, rx: mpsc::Receiver<Vec<u8>>, link: Link) {
         let mut batch = Vec::new();
         loop {
             if self.shutdown.load(Ordering::SeqCst) {
@@ -130,6 +159,7 @@ impl Links {
                 }
             }
             let mut sent = false;
+            let mut call = link.call.lock().unwrap_or_else(|p| p.into_inner());
             for attempt in 0..5 {
                 if attempt > 0 {
                     std::thread::sleep(Duration::from_millis(100 << attempt.min(3)));
@@ -167,6 +197,8 @@ impl Links {
                 &self.counters.frames_lost
             };
             c.fetch_add(n, Ordering::Relaxed);
+            drop(call);
+            link.pending.fetch_sub(n as usize, Ordering::SeqCst);
         }
     }
 }
