@@ -43,6 +43,8 @@ const TOOLS: &[(&str, &str)] = &[
     ("ip", "iproute2"),
     // A terminal for `netram top`'s live view.
     ("tmux", "tmux"),
+    // System V programs under `netram shm run`: stress-ng's shared-memory stressor.
+    ("stress-ng", "stress-ng"),
     ("tc", "iproute2"),
 ];
 
@@ -167,14 +169,31 @@ fn test(no_skip: bool, install: bool, passed: &[String]) -> Result<ExitCode, Str
     Ok(ExitCode::SUCCESS)
 }
 
-/// The packages of the tools that are not on the PATH and of the files that are not there.
+/// Python modules the suite imports (Debian's python3, `/usr/bin/python3`), and their packages:
+/// Python's System V IPC, run under `netram shm run`.
+const PYTHON_MODULES: &[(&str, &str)] = &[("sysv_ipc", "python3-sysv-ipc")];
+
+/// The packages of the tools that are not on the PATH, of the files that are not there and of
+/// the Python modules that do not import.
 fn missing_packages() -> BTreeSet<String> {
     let tools = TOOLS.iter().filter(|(tool, _)| !has(tool));
     let files = FILES.iter().filter(|(file, _)| !has_file(file));
+    let modules = PYTHON_MODULES.iter().filter(|(m, _)| !imports(m));
     tools
         .chain(files)
+        .chain(modules)
         .map(|(_, package)| (*package).to_owned())
         .collect()
+}
+
+/// Whether Debian's python3 imports `module`.
+fn imports(module: &str) -> bool {
+    Command::new("/usr/bin/python3")
+        .args(["-c", &format!("import {module}")])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success())
 }
 
 /// Whether `file` exists: an absolute path as it is, a library's name in a library directory.
