@@ -191,6 +191,14 @@ impl Call {
     /// Sends `frames` as [`Call::post`] does, on the connection already open only (an error
     /// if none is: opening it is a handshake, which the caller may not want to wait for).
     pub fn post_open(&mut self, frames: &mut Vec<u8>) -> Result<(), CallError> {
+        // Closed by the other side (its idle timeout): a write would vanish into it.
+        if self
+            .conn
+            .as_ref()
+            .is_some_and(|(s, _, _)| closed_by_peer(s))
+        {
+            self.conn = None;
+        }
         let Some((s, _, seal)) = self.conn.as_mut() else {
             return Err(CallError::Closed);
         };

@@ -1424,6 +1424,8 @@ fn session_loop(
     let mut wbuf: Vec<u8> = Vec::with_capacity(64 * 1024);
     let idle_timeout = shared.cfg.idle_timeout();
     let mut last_frame = Instant::now();
+    // Whether this connection has carried a DSM frame (a daemon's shared-memory link).
+    let mut dsm_seen = false;
     loop {
         // Checked at every round, not only when a read times out: a client that sends more
         // often than POLL_INTERVAL (a maintenance thread probing every 100 ms) kept its
@@ -1445,7 +1447,11 @@ fn session_loop(
         // Requests already received are served (a window's worth at a time, their replies
         // written in between) before anything more is read.
         if matches!(rbuf.has_frame(), Ok(false)) {
-            if last_frame.elapsed() > idle_timeout {
+            // A daemon's shared-memory link is quiet between bursts, and a frame written into
+            // a connection this side has just closed would be lost with nothing to resend it:
+            // such links are not closed for idleness (they are a certificate's daemons, one
+            // connection each).
+            if last_frame.elapsed() > idle_timeout && !(dsm_from.is_some() && dsm_seen) {
                 Shared::bump(&shared.counters.connections_closed_idle);
                 tracing::info!(%peer, "closing connection: no whole request for {idle_timeout:?}");
                 return Ok(());
@@ -1500,6 +1506,10 @@ fn session_loop(
         if matches!(served, Ok(Served { frames, .. }) if frames > 0) {
             last_frame = Instant::now();
         }
+        if matches!(served, Ok(Served { dsm, .. }) if dsm > 0) {
+            dsm_seen = true;
+            last_frame = Instant::now();
+        }
         // Replies to the frames before a bad one are still owed.
         if !wbuf.is_empty() {
             if let Err(e) = lock(writer).write(&mut wbuf) {
@@ -1548,6 +1558,8 @@ fn clear_page_data(out: &mut [u8], from: usize) {
 #[derive(Debug, Clone, Copy)]
 struct Served {
     frames: u32,
+    /// DSM frames handed to the shared-memory agent.
+    dsm: u32,
     /// The client closed its session.
     closed: bool,
     /// Milliseconds the client must wait before more of its requests are read: it overdrew
@@ -1573,6 +1585,7 @@ fn handle_frames(
     let mut now = shared.now_ms();
     let mut store = shared.store();
     let mut served = 0u32;
+    let mut dsm = 0u32;
     let mut throttle_ms = 0;
     let result = loop {
         if served >= shared.cfg.window || out.len() >= REPLY_BUFFER_MAX {
@@ -1591,6 +1604,7 @@ fn handle_frames(
             match (dsm_from, shared.shm.get()) {
                 (Some(from), Some(shm)) => {
                     shm.deliver(from, frame);
+                    dsm += 1;
                     Shared::bump(&shared.counters.dsm_frames_received);
                 }
                 _ => Shared::bump(&shared.counters.dsm_frames_refused),
@@ -1699,6 +1713,7 @@ fn handle_frames(
         .requests_served
         .fetch_add(u64::from(served), Ordering::Relaxed);
     result.map(|closed| Served {
+        dsm,
         frames: served,
         closed,
         throttle_ms,
