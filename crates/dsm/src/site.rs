@@ -80,6 +80,8 @@ pub struct Site<D> {
     creator: bool,
     delta_ms: u64,
     pages: BTreeMap<PageNo, Page<D>>,
+    /// Pages whose write copy was taken back (`Restore`) since [`Site::take_restored`].
+    restored: Vec<PageNo>,
     pub counters: Counters,
 }
 
@@ -98,6 +100,7 @@ impl<D: Clone + Default> Site<D> {
             creator,
             delta_ms,
             pages: BTreeMap::new(),
+            restored: Vec::new(),
             counters: Counters::default(),
         }
     }
@@ -120,6 +123,14 @@ impl<D: Clone + Default> Site<D> {
             refused: None,
             lost: false,
         })
+    }
+
+    /// The pages whose write copy was taken back since the last call: the runtime puts their
+    /// kept contents back and makes them writable. (Asked explicitly: a copy forgotten while
+    /// this site holds the page's write copy again for another reason looks the same from
+    /// outside, and putting the old contents back then would undo later writes.)
+    pub fn take_restored(&mut self) -> Vec<PageNo> {
+        std::mem::take(&mut self.restored)
     }
 
     /// Whether this site keeps the write copy it sent away (until `Forget` or `Restore`).
@@ -341,6 +352,7 @@ impl<D: Clone + Default> Site<D> {
                         // A request of its own meanwhile is answered by the library with a
                         // grant of what it now has.
                         self.counters.restored += 1;
+                        self.restored.push(page);
                     }
                     other => {
                         p.ghost = other;
@@ -454,6 +466,41 @@ mod tests {
         assert_eq!(s.access(1), Access::None);
         assert_eq!(s.counters.refused, 2);
         assert_eq!(s.access(0), Access::Read);
+    }
+
+    /// A write copy sent away and got back later: the `Forget` of the first transfer, arriving
+    /// after, is no `Restore` (the runtime put the old contents back over newer writes when it
+    /// could not tell them apart).
+    #[test]
+    fn a_forgotten_copy_is_not_a_restored_one() {
+        let mut s: Site<u8> = Site::new(2, 1, false, 0);
+        assert!(matches!(s.fault(0, Want::Write), Fault::Ask(1, _)));
+        let page = |ticket, data| Msg::Page {
+            page: 0,
+            grant: Want::Write,
+            ticket,
+            data,
+        };
+        s.on_msg(3, page(1, 10), 0);
+        s.accessed(0);
+        let send = Msg::Send {
+            page: 0,
+            to: 3,
+            grant: Want::Write,
+            ticket: 2,
+        };
+        assert_eq!(s.on_msg(1, send, 1).0.len(), 1);
+        assert!(s.has_ghost(0));
+        // Back here before the library's Forget of ticket 2 arrives.
+        assert!(matches!(s.fault(0, Want::Write), Fault::Ask(1, _)));
+        s.on_msg(3, page(3, 30), 2);
+        s.on_msg(1, Msg::Forget { page: 0, ticket: 2 }, 3);
+        assert!(!s.has_ghost(0));
+        assert_eq!(s.take_restored(), Vec::<PageNo>::new());
+        assert_eq!(s.data(0), Some(&mut 30));
+        // A Restore of a copy that is no longer kept changes nothing either.
+        s.on_msg(1, Msg::Restore { page: 0, ticket: 2 }, 4);
+        assert_eq!(s.take_restored(), Vec::<PageNo>::new());
     }
 
     #[test]

@@ -101,8 +101,9 @@ impl Links {
                 .clone()
         };
         // Not straight onto the open connection from here, though that would save the link
-        // thread's wake-up: tried (the agent writing when nothing was queued for the peer),
-        // it gave stale reads in the five-host test (3 runs in 4) for a reason not found yet.
+        // thread's wake-up: tried (b002ed7), it exposed a bug elsewhere (a forgotten write
+        // copy put back over newer contents: `Agent::reconcile`), now fixed; with the fix it
+        // passed the five-host test 5 times of 5, but it stays out until measured again.
         // Blocks while the peer's queue is full: the agent waits for a slow peer rather than
         // losing a message the protocol needs.
         link.pending.fetch_add(1, Ordering::SeqCst);

@@ -513,15 +513,7 @@ impl Agent {
             let out = self.segments.get_mut(&id).expect("listed").site.tick(now);
             self.site_out(id, out);
             // A deferred `Restore` may have been carried out.
-            let kept: Vec<PageNo> = self
-                .ghosts
-                .keys()
-                .filter(|(s, _)| *s == id)
-                .map(|&(_, p)| p)
-                .collect();
-            for page in kept {
-                self.reconcile(id, page);
-            }
+            self.reconcile(id);
         }
         self.pump();
     }
@@ -631,37 +623,34 @@ impl Agent {
                 }
             }
             self.site_out(l.segment, out);
-            self.reconcile(l.segment, page);
+            self.reconcile(l.segment);
         }
     }
 
-    /// A write copy kept after sending it away: dropped once the site forgot it, written back
-    /// and made writable again if the site took it back (its requester crashed).
-    fn reconcile(&mut self, id: SegmentId, page: PageNo) {
-        let Some(seg) = self.segments.get(&id) else {
+    /// Write copies kept after sending them away: written back and made writable for the pages
+    /// the site took back (`Restore`), dropped for those it forgot (`Forget`). Only on the
+    /// site's word: a forgotten copy while the site holds the page's write copy again looked
+    /// like a restore, and the old contents put back undid later writes (stale reads in the
+    /// five-host test).
+    fn reconcile(&mut self, id: SegmentId) {
+        let Some(seg) = self.segments.get_mut(&id) else {
             return;
         };
-        if seg.site.has_ghost(page) {
-            return;
+        for page in seg.site.take_restored() {
+            let Some(bytes) = self.ghosts.remove(&(id, page)) else {
+                continue;
+            };
+            if let Err(e) = seg.copy.write(page, &bytes) {
+                tracing::error!("segment {} page {page}: {e}", seg.name);
+            }
+            self.counters.restored += 1;
+            for v in &seg.views {
+                let _ = v.unprotect(page);
+            }
         }
-        let Some(bytes) = self.ghosts.remove(&(id, page)) else {
-            return;
-        };
-        if seg.site.access(page) != netram_dsm::Access::Write {
-            return;
-        }
-        if let Err(e) = seg.copy.write(page, &bytes) {
-            tracing::error!("segment {} page {page}: {e}", seg.name);
-        }
-        self.counters.restored += 1;
-        let failed: Vec<usize> = seg
-            .views
-            .iter()
-            .enumerate()
-            .filter(|(_, v)| v.unprotect(page).is_err())
-            .map(|(i, _)| i)
-            .collect();
-        self.drop_views(id, failed);
+        let seg = &self.segments[&id];
+        self.ghosts
+            .retain(|&(s, p), _| s != id || seg.site.has_ghost(p));
     }
 
     /// Machine `node` crashed (its link gave up on it, or the membership says so): the
