@@ -677,3 +677,51 @@ fn clean_pages_are_held_checked_and_give_way_to_owned_pages() {
     assert!(closed_within(&mut m, Duration::from_secs(10)));
     well_behaved_client_is_served(&server.addr);
 }
+
+/// A connection that carries DSM messages is read by the shared-memory agent itself once it
+/// has carried only those (`netram-server`'s `shm.rs`): garbage DSM frames on it are refused
+/// one by one (the agent's checks), a frame of any other kind ends the connection (counted),
+/// and the daemon goes on serving.
+#[test]
+fn a_shared_memory_link_that_breaks_the_rules_is_closed() {
+    use netram_proto::dsm::{Body, Message};
+    let server = ServerProcess::start(&["--insecure"]);
+    let mut s = session(ATTACKER, &server.addr, 0xd5_0001);
+    // Messages about a segment that does not exist, and one malformed (a wrong checksum).
+    let mut buf = Vec::new();
+    for page in 0..64 {
+        Message {
+            segment: 0xdead,
+            page,
+            ticket: 1,
+            body: Body::Invalidate,
+        }
+        .encode(&mut buf);
+    }
+    let data = page_data(1);
+    let mut bad = Message::page(0xdead, 0, 1, netram_proto::dsm::Access::Read, &data);
+    if let Body::Page { crc, .. } = &mut bad.body {
+        *crc ^= 1;
+    }
+    bad.encode(&mut buf);
+    s.write_all(&buf).unwrap();
+    eventually("the link handed to the agent", 10, || {
+        counter(&server.addr, "dsm_links_adopted") == 1
+    });
+    // Read by the agent now: more of the same are refused there, not by the connection.
+    s.write_all(&buf).unwrap();
+    // Then a request that is not DSM: the agent closes the connection.
+    let mut stats = Vec::new();
+    Request::Stats.encode(1, &mut stats);
+    s.write_all(&stats).unwrap();
+    assert!(
+        closed_within(&mut s, Duration::from_secs(10)),
+        "the link was closed"
+    );
+    assert_eq!(counter(&server.addr, "dsm_links_refused"), 1);
+    assert_eq!(counter(&server.addr, "dsm_frames_received"), 130);
+    eventually("the agent refused every one", 10, || {
+        counter(&server.addr, "dsm_agent_frames_refused") == 130
+    });
+    well_behaved_client_is_served(&server.addr);
+}

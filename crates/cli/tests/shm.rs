@@ -139,7 +139,11 @@ fn a_segment_is_shared_by_processes_on_three_machines() {
     for d in &daemons {
         assert_eq!(d.stat("dsm_frames_lost"), 0);
         assert_eq!(d.stat("dsm_frames_refused"), 0);
+        assert_eq!(d.stat("dsm_links_refused"), 0);
     }
+    // The links' connections were handed to the agents, which read them themselves.
+    let adopted: u64 = daemons.iter().map(|d| d.stat("dsm_links_adopted")).sum();
+    assert!(adopted >= 2, "{adopted} links read by the agents");
 }
 
 #[test]

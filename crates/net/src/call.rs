@@ -213,6 +213,59 @@ impl Call {
         r
     }
 
+    /// Sends as much of `frames` as the open connection takes without waiting, sealed as
+    /// [`Call::post`] seals: returns how many of the (sealed) bytes in `frames` went out. The
+    /// rest must go next, with [`Call::write_rest`], before anything else: a sealed record
+    /// cannot be cut short. For a caller that must never block on a slow peer (a daemon's
+    /// shared-memory agent, which also reads that peer's messages: two agents blocked writing
+    /// to each other would wait for ever).
+    pub fn try_post_open(&mut self, frames: &mut Vec<u8>) -> Result<usize, CallError> {
+        if self
+            .conn
+            .as_ref()
+            .is_some_and(|(s, _, _)| closed_by_peer(s))
+        {
+            self.conn = None;
+        }
+        let Some((s, _, seal)) = self.conn.as_mut() else {
+            return Err(CallError::Closed);
+        };
+        if let Some(k) = seal {
+            reserve_tags(frames, 0);
+            k.seal_all(frames);
+        }
+        let mut sent = 0;
+        while sent < frames.len() {
+            match rustix::net::send(
+                &*s,
+                &frames[sent..],
+                rustix::net::SendFlags::DONTWAIT | rustix::net::SendFlags::NOSIGNAL,
+            ) {
+                Ok(n) => sent += n,
+                Err(rustix::io::Errno::AGAIN) => break,
+                Err(rustix::io::Errno::INTR) => {}
+                Err(e) => {
+                    self.conn = None;
+                    return Err(CallError::Io("send", e.into()));
+                }
+            }
+        }
+        Ok(sent)
+    }
+
+    /// Writes the bytes [`Call::try_post_open`] could not send, waiting as long as the
+    /// connection's write timeout allows.
+    pub fn write_rest(&mut self, rest: &[u8]) -> Result<(), CallError> {
+        let Some((s, _, _)) = self.conn.as_mut() else {
+            return Err(CallError::Closed);
+        };
+        let r = s.write_all(rest).map_err(|e| CallError::Io("send", e));
+        if r.is_err() {
+            self.conn = None;
+        }
+        r
+    }
+
     /// Sends `frames` (whole frames, each with request id 0: messages that are not
     /// answered) to `node` at `addr`, opening the connection if need be. Nothing is read
     /// back; a failure closes the connection, and the caller decides what the frames lost

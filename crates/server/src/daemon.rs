@@ -270,7 +270,6 @@ node_counters! {
     gms_epoch_messages_ignored,
     /// Distributed shared memory's messages handed to the agent, and refused (from a
     /// connection that is not a daemon's).
-    dsm_frames_received,
     dsm_frames_refused,
     /// GMS epoch messages (in membership packets) sent, received and refused, by reason: not
     /// an epoch message that decodes; from a node that is not a live member; signed by another
@@ -882,7 +881,20 @@ fn stats_list(store: &Store<Arena>, shared: &Shared) -> Vec<(&'static str, u64)>
                 "dsm_frames_lost",
                 shm.counters.frames_lost.load(Ordering::Relaxed),
             ),
+            (
+                "dsm_frames_received",
+                shm.counters.frames_received.load(Ordering::Relaxed),
+            ),
+            (
+                "dsm_links_adopted",
+                shm.counters.links_adopted.load(Ordering::Relaxed),
+            ),
+            (
+                "dsm_links_refused",
+                shm.counters.links_refused.load(Ordering::Relaxed),
+            ),
         ]);
+        out.extend(shm.agent_counters());
     }
     out
 }
@@ -1424,8 +1436,10 @@ fn session_loop(
     let mut wbuf: Vec<u8> = Vec::with_capacity(64 * 1024);
     let idle_timeout = shared.cfg.idle_timeout();
     let mut last_frame = Instant::now();
-    // Whether this connection has carried a DSM frame (a daemon's shared-memory link).
+    // Whether this connection has carried a DSM frame (a daemon's shared-memory link), and
+    // any other.
     let mut dsm_seen = false;
+    let mut other_seen = false;
     loop {
         // Checked at every round, not only when a read times out: a client that sends more
         // often than POLL_INTERVAL (a maintenance thread probing every 100 ms) kept its
@@ -1505,6 +1519,7 @@ fn session_loop(
         });
         if matches!(served, Ok(Served { frames, .. }) if frames > 0) {
             last_frame = Instant::now();
+            other_seen = true;
         }
         if matches!(served, Ok(Served { dsm, .. }) if dsm > 0) {
             dsm_seen = true;
@@ -1536,6 +1551,23 @@ fn session_loop(
             }
             Ok(_) => {}
             Err(e) => return Err(ConnError::Frame(e)),
+        }
+        // A daemon's shared-memory link (DSM frames only, nothing owed on it): the agent
+        // reads it from now on, in its own loop — a hand-off between threads less on every
+        // message's path (`crate::shm`).
+        if let (Some(from), Some(shm), true, false) =
+            (dsm_from, shared.shm.get(), dsm_seen, other_seen)
+        {
+            // (A connection that carried only DSM frames has no mover: MIGRATEs start it.)
+            if wbuf.is_empty() {
+                match shm.adopt(stream, rbuf, from) {
+                    Ok(()) => {
+                        tracing::debug!(%peer, from, "shared-memory link handed to the agent");
+                        return Ok(());
+                    }
+                    Err(back) => (stream, rbuf) = *back,
+                }
+            }
         }
     }
 }
@@ -1605,7 +1637,6 @@ fn handle_frames(
                 (Some(from), Some(shm)) => {
                     shm.deliver(from, frame);
                     dsm += 1;
-                    Shared::bump(&shared.counters.dsm_frames_received);
                 }
                 _ => Shared::bump(&shared.counters.dsm_frames_refused),
             }
