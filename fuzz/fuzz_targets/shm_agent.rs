@@ -58,6 +58,11 @@ const THEIRS: u64 = 0x22;
 
 fuzz_target!(|ops: Vec<Op>| {
     let mut agent = Agent::new(1, Box::new(|_, _| {}));
+    // What it sends is compressed when a slow link's rule says so.
+    agent.set_compression(Some(netram_proto::compress::Rule {
+        link_bytes_per_us: 12.5,
+        codec_us: 3.0,
+    }));
     let meta = Meta {
         pages: 4,
         delta_ms: 0,
@@ -121,7 +126,19 @@ fuzz_target!(|ops: Vec<Op>| {
                 };
                 let data = vec![fill; netram_proto::PAGE_SIZE];
                 let seg = if segment { MINE } else { THEIRS };
-                wire::encode(seg, &msg, (fill != 0).then_some(&data[..]), &mut frame);
+                // Odd fills travel compressed (a slow link's rule), even ones as they are.
+                let slow = netram_proto::compress::Rule {
+                    link_bytes_per_us: 12.5,
+                    codec_us: 3.0,
+                };
+                let rule = (fill % 2 == 1).then_some(&slow);
+                wire::encode(
+                    seg,
+                    &msg,
+                    (fill != 0).then_some(&data[..]),
+                    rule,
+                    &mut frame,
+                );
                 site(from)
             }
             Op::Lookup { from, nonce, name } => {

@@ -294,44 +294,53 @@ fn matmul(
         .ok_or_else(|| anyhow::anyhow!("the coordinator printed {text:?}"))
 }
 
-/// Runs the benchmark; its JSON.
-pub fn run_bench(quick: bool) -> anyhow::Result<Value> {
-    if let Some(why) = unavailable() {
-        anyhow::bail!("bench dsm cannot run here: {why}");
-    }
-    let exe: PathBuf = std::env::current_exe()?;
-    let mut net = Net::new("nd", HOSTS, SUBNET).map_err(anyhow::Error::msg)?;
+/// A cluster's credentials for `hosts` daemons (nodes 1..) and a client (node 100), in the
+/// net's `tls` directory.
+pub(crate) fn credentials(net: &Net, exe: &Path, hosts: usize) -> anyhow::Result<PathBuf> {
     let creds = net.path("tls");
     let s = |r: Result<std::process::Output, String>| r.map(drop).map_err(anyhow::Error::msg);
-    s(run(Command::new(&exe)
-        .args(["cluster", "init"])
-        .arg(&creds)))?;
-    for i in 1..=HOSTS {
-        s(run(Command::new(&exe)
+    s(run(Command::new(exe).args(["cluster", "init"]).arg(&creds)))?;
+    for i in 1..=hosts {
+        s(run(Command::new(exe)
             .args(["keygen", "--cluster"])
             .arg(&creds)
             .args(["--node", &i.to_string(), "--server", "--out"])
             .arg(creds.join(format!("node-{i}")))))?;
     }
-    s(run(Command::new(&exe)
+    s(run(Command::new(exe)
         .args(["keygen", "--cluster"])
         .arg(&creds)
         .args(["--node", "100", "--out"])
         .arg(creds.join("client"))))?;
-    for i in 1..=HOSTS {
+    Ok(creds)
+}
+
+/// A TLS daemon on each of hosts 1..=`hosts` at `port` (host 1 the seed), with `extra`
+/// arguments, its control socket `{prefix}{i}.sock` in the net's directory; returns once
+/// every one sees every other alive.
+pub(crate) fn daemons(
+    net: &mut Net,
+    exe: &Path,
+    hosts: usize,
+    port: u16,
+    prefix: &str,
+    extra: &[&str],
+) -> anyhow::Result<()> {
+    let creds = net.path("tls");
+    for i in 1..=hosts {
         let mut c = net.on(i, exe.to_str().expect("a UTF-8 path"));
         c.args(["serve", "--tls"])
             .arg(creds.join(format!("node-{i}")))
-            .args(["--listen", &format!("{}:7077", net.ip(i))])
-            .args(["--seed", &format!("{}:7077", net.ip(1))])
+            .args(["--listen", &format!("{}:{port}", net.ip(i))])
+            .args(["--seed", &format!("{}:{port}", net.ip(1))])
             .args(["--capacity", "64M", "--control"])
-            .arg(net.path(&format!("h{i}.sock")));
-        net.spawn(c, &format!("serve{i}.log"))
+            .arg(net.path(&format!("{prefix}{i}.sock")))
+            .args(extra);
+        net.spawn(c, &format!("serve-{prefix}{i}.log"))
             .map_err(anyhow::Error::msg)?;
     }
-    let control = |i: usize| net.path(&format!("h{i}.sock"));
-    for i in 1..=HOSTS {
-        let ctl = control(i);
+    for i in 1..=hosts {
+        let ctl = net.path(&format!("{prefix}{i}.sock"));
         wait_for("every host sees every other", 30, || {
             netram_client::discover::members(ctl.to_str().unwrap(), Duration::from_secs(2))
                 .is_ok_and(|l| {
@@ -339,11 +348,24 @@ pub fn run_bench(quick: bool) -> anyhow::Result<Value> {
                         .iter()
                         .filter(|m| m.state == netram_member::Liveness::Alive)
                         .count()
-                        == HOSTS
+                        == hosts
                 })
         })
         .map_err(anyhow::Error::msg)?;
     }
+    Ok(())
+}
+
+/// Runs the benchmark; its JSON.
+pub fn run_bench(quick: bool) -> anyhow::Result<Value> {
+    if let Some(why) = unavailable() {
+        anyhow::bail!("bench dsm cannot run here: {why}");
+    }
+    let exe: PathBuf = std::env::current_exe()?;
+    let mut net = Net::new("nd", HOSTS, SUBNET).map_err(anyhow::Error::msg)?;
+    let creds = credentials(&net, &exe, HOSTS)?;
+    daemons(&mut net, &exe, HOSTS, 7077, "h", &[])?;
+    let control = |i: usize| net.path(&format!("h{i}.sock"));
     let per = if quick { 100 } else { 500 };
     let sock = |i: usize| netram_shm::local::socket_of(&control(i));
     let pages = 3 * per + 8;
@@ -386,6 +408,15 @@ pub fn run_bench(quick: bool) -> anyhow::Result<Value> {
     let one = matmul(&mut net, &exe, &prog, 0x5201, 4, &[1], n)?;
     let five = matmul(&mut net, &exe, &prog, 0x5202, 4, &[2, 3, 4, 5], n)?;
 
+    drop(net);
+
+    // Compression (MIRAGE+ Fig. 4): its own two hosts, at 100 Mbit/s and 1 Gbit/s.
+    let reps = if quick { 4 } else { 20 };
+    let compression: Vec<Value> = [100, 1000]
+        .into_iter()
+        .map(|mbit| crate::dsm_compress::run(&exe, mbit, reps))
+        .collect::<anyhow::Result<_>>()?;
+
     let f = |v: &Value, k: &str| v[k]["p50_us"].as_f64().unwrap_or(f64::NAN);
     let read = f(&coh, "read_fault");
     let inv = f(&coh, "invalidate_4_readers");
@@ -405,6 +436,7 @@ pub fn run_bench(quick: bool) -> anyhow::Result<Value> {
         "pager_fault_prefetch_hits": prefetch_hits, "pager_fault_fetches": fetches,
         "matmul": { "n": n, "workers": 4, "one_host_s": one, "five_hosts_s": five,
                     "five_vs_one": five / one },
+        "compression": compression,
     }))
 }
 
@@ -412,7 +444,13 @@ pub fn run_bench(quick: bool) -> anyhow::Result<Value> {
 pub fn markdown(v: &Value) -> String {
     let g = |k: &str| v[k].as_f64().unwrap_or(f64::NAN);
     let m = &v["matmul"];
-    format!(
+    let compression: String = v["compression"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(crate::dsm_compress::markdown)
+        .collect();
+    let mut report = format!(
         "# netram bench dsm\n\n{}\n\nSix hosts, network namespaces of this machine on one \
          bridge (unshaped veth); every host a TLS daemon; host 1 the segment's library. Medians \
          of one run, side by side.\n\n\
@@ -442,5 +480,7 @@ pub fn markdown(v: &Value) -> String {
         m["one_host_s"].as_f64().unwrap_or(f64::NAN),
         m["five_hosts_s"].as_f64().unwrap_or(f64::NAN),
         m["five_vs_one"].as_f64().unwrap_or(f64::NAN),
-    )
+    );
+    report.push_str(&compression);
+    report
 }

@@ -18,6 +18,7 @@ pub mod adapt;
 pub mod cgroup;
 pub mod core;
 pub mod dsm;
+mod dsm_compress;
 pub mod gms;
 pub mod gms_real;
 pub mod machine;

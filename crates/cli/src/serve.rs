@@ -50,8 +50,8 @@ pub struct ServeArgs {
     /// capacity, lease_period, max_connections,
     /// max_connections_per_client, max_handshakes, max_handshakes_per_address,
     /// max_handshakes_per_subnet, max_sessions_per_client, max_client_memory,
-    /// max_client_ops, idle_timeout, write_timeout, window, low_latency, lock_memory, node_id,
-    /// adapt, offer_floor, reserve, chunk, grow_after.
+    /// max_client_ops, idle_timeout, write_timeout, window, low_latency, lock_memory,
+    /// shm_link_mbps, node_id, adapt, offer_floor, reserve, chunk, grow_after.
     #[arg(long)]
     config: Option<PathBuf>,
     /// How often clients must refresh their session, e.g. 2s [default: 2s]. A session silent
@@ -109,6 +109,12 @@ pub struct ServeArgs {
     /// Lock the arena in RAM so stored pages are never swapped out.
     #[arg(long)]
     lock_memory: bool,
+    /// The speed of this machine's network links in Mbit/s, by which shared-memory pages
+    /// (`netram shm`) are sent compressed when the time the smaller page saves on the wire
+    /// exceeds the time to compress and decompress it (measured at start); 0: never (all-zero
+    /// pages travel as a flag either way) [default: 1000].
+    #[arg(long, value_name = "MBPS")]
+    shm_link_mbps: Option<u32>,
     /// Offer memory as this machine can spare it (Nswap's growing and shrinking cache): the
     /// offer starts at --offer-floor and follows MemAvailable and memory pressure (PSI), at
     /// most --capacity; what it stops offering is given back to the kernel. It grows a chunk
@@ -171,6 +177,7 @@ struct FileConfig {
     window: Option<u32>,
     low_latency: Option<bool>,
     lock_memory: Option<bool>,
+    shm_link_mbps: Option<u32>,
     node_id: Option<u64>,
     adapt: Option<bool>,
     offer_floor: Option<String>,
@@ -289,6 +296,13 @@ fn print_config(cfg: &ServerConfig) -> anyhow::Result<()> {
         format!("window = {}", cfg.window),
         format!("low_latency = {}", cfg.low_latency),
         format!("lock_memory = {}", cfg.lock_memory),
+        format!(
+            "shm_link_mbps = {}",
+            match cfg.shm_link_mbps {
+                0 => "0 (shared-memory pages never compressed)".to_string(),
+                n => n.to_string(),
+            }
+        ),
     ];
     match &cfg.adapt {
         Some(a) => {
@@ -541,6 +555,10 @@ fn check(args: ServeArgs) -> anyhow::Result<ServerConfig> {
         window,
         low_latency: args.low_latency || file.low_latency.unwrap_or(false),
         lock_memory: args.lock_memory || file.lock_memory.unwrap_or(false),
+        shm_link_mbps: args
+            .shm_link_mbps
+            .or(file.shm_link_mbps)
+            .unwrap_or(d.shm_link_mbps),
         node: file.node_id.unwrap_or_else(|| fastrand::u64(..)),
         security: args.security.security()?,
         ..d

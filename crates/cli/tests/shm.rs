@@ -144,6 +144,13 @@ fn a_segment_is_shared_by_processes_on_three_machines() {
     // The links' connections were handed to the agents, which read them themselves.
     let adopted: u64 = daemons.iter().map(|d| d.stat("dsm_links_adopted")).sum();
     assert!(adopted >= 2, "{adopted} links read by the agents");
+    // Pages of one counter each and zeros travel compressed (the daemons' default link speed,
+    // 1 Gbit/s, makes that pay), and came back whole (the counts above).
+    let compressed: u64 = daemons
+        .iter()
+        .map(|d| d.stat("dsm_agent_pages_compressed"))
+        .sum();
+    assert!(compressed > 0, "no page was sent compressed");
 }
 
 #[test]

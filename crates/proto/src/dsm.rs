@@ -8,7 +8,7 @@
 //!   1 SEND         to:u64 grant:u8              library → the clock site
 //!   2 INVALIDATE                                library → a site with a copy
 //!   3 INVALIDATED                               site → library
-//!   4 PAGE         grant:u8 flags:u16 0:u16 crc:u32 data    the clock site → the requester
+//!   4 PAGE         grant:u8 flags:u16 len:u16 crc:u32 data  the clock site → the requester
 //!   5 GRANT                                     library → an upgrading site
 //!   6 DONE                                      requester → library
 //!   7 LOOKUP       len:u8 name                  a machine → every member (ticket: a nonce)
@@ -29,9 +29,12 @@
 //! name away (System V's IPC_RMID): no machine attaches it by name any more, the processes
 //! attached keep it. `page` is 0 in them.
 //!
-//! A page's data is `PAGE_SIZE` bytes, or none with [`PageFlags::ZERO`] (MIRAGE+ §3.4: a zero
-//! page travels as a flag); its crc32c covers the segment, the page number, the flags and the
-//! data, computed by the sender and checked by the receiver, so a page damaged or sent under
+//! A page's data is `PAGE_SIZE` bytes; or none with [`PageFlags::ZERO`] (MIRAGE+ §3.4: a zero
+//! page travels as a flag); or, with [`PageFlags::LZ4`], `len` bytes (1 to `PAGE_SIZE - 1`) of
+//! the page compressed in LZ4's block format, when the sender's rule says that pays
+//! ([`crate::compress`]; `len` is 0 otherwise). Its crc32c covers the segment, the page
+//! number, the flags and the data as sent, computed by the sender and checked by the receiver
+//! (which then refuses anything that does not decompress to exactly a page), so a page damaged or sent under
 //! another page's number is refused. Who sent a message is the authenticated connection's
 //! node, never a field (the library refuses requests from sites the creator did not admit).
 //! Every field has one encoding, so a decoded message re-encodes to the same bytes (the
@@ -133,6 +136,40 @@ impl<'a> Message<'a> {
         }
     }
 
+    /// A PAGE message carrying `data` packed by `rule` ([`crate::compress::Rule::pack`]): a
+    /// zero page as a flag, a page the rule compresses in LZ4's block format (in `scratch`,
+    /// at least [`crate::compress::PACKED_ROOM`] bytes), any other as it is; with what became
+    /// of it.
+    pub fn packed_page(
+        segment: u64,
+        page: u32,
+        ticket: u64,
+        grant: Access,
+        data: &'a [u8],
+        rule: &crate::compress::Rule,
+        scratch: &'a mut [u8],
+    ) -> (Self, crate::compress::Packed) {
+        use crate::compress::Packed;
+        let packed = rule.pack(data, scratch);
+        let (flags, data) = match packed {
+            Packed::Zero => (PageFlags(PageFlags::ZERO), &data[..0]),
+            Packed::Compressed(n) => (PageFlags(PageFlags::LZ4), &scratch[..n]),
+            Packed::Raw(_) => (PageFlags::default(), data),
+        };
+        let m = Self {
+            segment,
+            page,
+            ticket,
+            body: Body::Page {
+                grant,
+                flags,
+                crc: page_checksum(segment, page, flags, data),
+                data,
+            },
+        };
+        (m, packed)
+    }
+
     /// The receiver's check of a PAGE: its checksum matches this segment, page and contents
     /// (other messages carry no data and pass).
     pub fn verify(&self) -> bool {
@@ -179,8 +216,18 @@ impl<'a> Message<'a> {
                 crc,
                 data,
             } => {
-                debug_assert_eq!(data.len(), if flags.is_zero() { 0 } else { PAGE_SIZE });
-                w.u8(grant as u8).u16(flags.0).u16(0).u32(crc).bytes(data);
+                let len = if flags.is_lz4() {
+                    assert!(
+                        (1..PAGE_SIZE).contains(&data.len()),
+                        "a compressed page is 1 to {} bytes",
+                        PAGE_SIZE - 1
+                    );
+                    data.len() as u16
+                } else {
+                    debug_assert_eq!(data.len(), if flags.is_zero() { 0 } else { PAGE_SIZE });
+                    0
+                };
+                w.u8(grant as u8).u16(flags.0).u16(len).u32(crc).bytes(data);
             }
             Body::Lookup { name } => {
                 assert!(
@@ -259,16 +306,34 @@ pub fn decode(frame: &[u8]) -> Result<Message<'_>, DecodeError> {
         4 => {
             let grant = access(&mut r, "grant")?;
             let flags = r.u16()?;
-            if flags & !PageFlags::ZERO != 0 {
+            // One of: zero, compressed, neither.
+            if flags & !(PageFlags::ZERO | PageFlags::LZ4) != 0
+                || flags == PageFlags::ZERO | PageFlags::LZ4
+            {
                 return Err(DecodeError::Reserved {
                     field: "dsm page flags",
                     value: flags.into(),
                 });
             }
-            r.reserved_u16("dsm page reserved")?;
-            let crc = r.u32()?;
             let flags = PageFlags(flags);
-            let len = if flags.is_zero() { 0 } else { PAGE_SIZE };
+            let len = if flags.is_lz4() {
+                let len = r.u16()? as usize;
+                if !(1..PAGE_SIZE).contains(&len) {
+                    return Err(DecodeError::BadValue {
+                        field: "dsm compressed page length",
+                        value: len as u64,
+                    });
+                }
+                len
+            } else {
+                r.reserved_u16("dsm page length")?;
+                if flags.is_zero() {
+                    0
+                } else {
+                    PAGE_SIZE
+                }
+            };
+            let crc = r.u32()?;
             Body::Page {
                 grant,
                 flags,
@@ -387,6 +452,54 @@ mod tests {
                 prop_assert_eq!(again, buf.clone());
             }
         }
+    }
+
+    /// A compressed page round-trips with its length; the flags and lengths that cannot be
+    /// are refused.
+    #[test]
+    fn compressed_pages_carry_their_length_and_nothing_else_passes() {
+        use crate::compress::{Packed, Rule, PACKED_ROOM};
+        let rule = Rule {
+            link_bytes_per_us: 12.5,
+            codec_us: 3.0,
+        };
+        let mut data = vec![0u8; PAGE_SIZE];
+        data[..300]
+            .iter_mut()
+            .enumerate()
+            .for_each(|(i, b)| *b = (i * 7) as u8);
+        let mut scratch = [0u8; PACKED_ROOM];
+        let (m, packed) = Message::packed_page(9, 4, 2, Access::Read, &data, &rule, &mut scratch);
+        let Packed::Compressed(n) = packed else {
+            panic!("{packed:?}")
+        };
+        assert!(m.verify());
+        let mut buf = Vec::new();
+        m.encode(&mut buf);
+        assert_eq!(decode(&buf).unwrap(), m);
+        // flags at: header, segment, tag, page, ticket, grant.
+        let at = crate::FRAME_HEADER_LEN + 8 + 1 + 4 + 8 + 1;
+        assert_eq!(u16::from_le_bytes([buf[at + 2], buf[at + 3]]) as usize, n);
+        let with = |f: &dyn Fn(&mut Vec<u8>)| {
+            let mut b = buf.clone();
+            f(&mut b);
+            decode(&b).is_ok()
+        };
+        // Zero and compressed at once; an unknown flag; lengths 0 and a whole page.
+        let both = (PageFlags::ZERO | PageFlags::LZ4).to_le_bytes();
+        assert!(!with(&|b| b[at..at + 2].copy_from_slice(&both)));
+        assert!(!with(&|b| b[at] |= 1 << 3));
+        assert!(!with(
+            &|b| b[at + 2..at + 4].copy_from_slice(&0u16.to_le_bytes())
+        ));
+        let whole = (PAGE_SIZE as u16).to_le_bytes();
+        assert!(!with(&|b| b[at + 2..at + 4].copy_from_slice(&whole)));
+        // A length on a page that is not compressed.
+        let plain = Message::page(9, 4, 2, Access::Read, &data);
+        let mut b = Vec::new();
+        plain.encode(&mut b);
+        b[at + 2] = 1;
+        assert!(decode(&b).is_err());
     }
 
     #[test]

@@ -55,6 +55,10 @@ impl PageFlags {
     /// may drop, the globally oldest first, instead of refusing a page; its owner then reads
     /// it from its disk.
     pub const CLEAN: u16 = 1 << 1;
+    /// The data is the page in LZ4's block format (DSM's page transfers only,
+    /// `crate::dsm`; [`crate::compress`]).
+    pub const LZ4: u16 = 1 << 2;
+    /// The flags a pager's page may carry.
     pub const KNOWN: u16 = Self::ZERO | Self::CLEAN;
 
     pub fn is_zero(self) -> bool {
@@ -63,6 +67,10 @@ impl PageFlags {
 
     pub fn is_clean(self) -> bool {
         self.0 & Self::CLEAN != 0
+    }
+
+    pub fn is_lz4(self) -> bool {
+        self.0 & Self::LZ4 != 0
     }
 
     /// How a page's contents travel: an all-zero page as the flag and no data, any other as

@@ -106,6 +106,17 @@ fn committed_fuzz_seeds_follow_the_wire_format() {
 fn dsm_seeds() -> Vec<(String, Vec<u8>)> {
     use netram_proto::dsm::{Access, Body, Message};
     let data: Vec<u8> = (0..PAGE_SIZE).map(|i| (i % 251) as u8).collect();
+    // A page compressed as a slow link's rule has it (MIRAGE+'s UptoN: its first 200 bytes
+    // written).
+    let upto: Vec<u8> = (0..PAGE_SIZE)
+        .map(|i| if i < 200 { (i * 13) as u8 } else { 0 })
+        .collect();
+    let mut scratch = [0u8; netram_proto::compress::PACKED_ROOM];
+    let slow = netram_proto::compress::Rule {
+        link_bytes_per_us: 12.5,
+        codec_us: 3.0,
+    };
+    let (lz4, _) = Message::packed_page(7, 2, 5, Access::Read, &upto, &slow, &mut scratch);
     let bodies = [
         (
             "request",
@@ -123,6 +134,7 @@ fn dsm_seeds() -> Vec<(String, Vec<u8>)> {
         ("invalidate", Body::Invalidate),
         ("invalidated", Body::Invalidated),
         ("page", Message::page(7, 2, 5, Access::Write, &data).body),
+        ("page-lz4", lz4.body),
         ("grant", Body::Grant),
         ("done", Body::Done),
         ("lookup", Body::Lookup { name: b"matrix" }),

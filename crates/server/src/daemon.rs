@@ -126,6 +126,10 @@ pub struct ServerConfig {
     /// The shared-memory socket, where local processes create and attach segments
     /// (`shm.rs`); `None`: none (the daemon still serves other machines' segments' messages).
     pub shm_socket: Option<std::path::PathBuf>,
+    /// The speed of this machine's links, megabits a second, by which shared-memory pages
+    /// are compressed when that pays (`netram_proto::compress`); 0: never (zero pages still
+    /// travel as a flag).
+    pub shm_link_mbps: u32,
     /// The metrics address was chosen by the operator: failing to bind it stops the start.
     /// Otherwise (a default) the daemon warns and serves without it.
     pub metrics_required: bool,
@@ -175,6 +179,7 @@ impl Default for ServerConfig {
             metrics_token: None,
             control: None,
             shm_socket: None,
+            shm_link_mbps: 1000,
             metrics_required: false,
         }
     }
@@ -683,6 +688,7 @@ impl Server {
             incarnation,
             shared.cfg.security.clone(),
             shared.cfg.shm_socket.as_deref(),
+            shared.cfg.shm_link_mbps,
         )
         .map_err(|e| ServerError::Control {
             path: shared.cfg.shm_socket.clone().unwrap_or_default(),

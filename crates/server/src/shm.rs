@@ -272,13 +272,15 @@ impl std::fmt::Debug for Shm {
 }
 
 impl Shm {
-    /// Starts the agent of node `node` and, if `socket` is given, the local socket there.
+    /// Starts the agent of node `node` and, if `socket` is given, the local socket there;
+    /// pages compressed by a link speed of `mbps` (0: never).
     pub(crate) fn start(
         shared: &Arc<Shared>,
         node: u64,
         incarnation: u64,
         security: Security,
         socket: Option<&Path>,
+        mbps: u32,
     ) -> std::io::Result<Shm> {
         let counters = Arc::new(LinkCounters::default());
         let links = Arc::new(Links {
@@ -293,7 +295,23 @@ impl Shm {
         });
         let to_links = links.clone();
         let net = Box::new(move |to: u64, frame: Vec<u8>| to_links.send(to, frame));
-        let running = Running::start(Agent::new(node, net)).map_err(std::io::Error::from)?;
+        let mut agent = Agent::new(node, net);
+        if mbps > 0 {
+            // The codec's cost measured on this machine, the link's declared: a page is
+            // compressed when the wire time it saves exceeds the codec's.
+            let rule = netram_proto::compress::Rule {
+                link_bytes_per_us: f64::from(mbps) / 8.0,
+                codec_us: netram_proto::compress::calibrate(),
+            };
+            tracing::info!(
+                link_mbps = mbps,
+                codec_us = format!("{:.2}", rule.codec_us),
+                "shared-memory pages compressed when they shrink by {} bytes or more",
+                rule.min_saving()
+            );
+            agent.set_compression(Some(rule));
+        }
+        let running = Running::start(agent).map_err(std::io::Error::from)?;
         let door = running.door();
         let _ = links.agent.set(door.clone());
         {

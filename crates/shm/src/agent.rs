@@ -24,6 +24,7 @@
 use crate::memory::{Copy, View};
 use crate::wire::{self, Data, Frame, Meta};
 use netram_dsm::{Fault, Library, Msg, PageNo, Site, SiteId, Want};
+use netram_proto::compress::{Packed, Rule, Skip};
 use netram_proto::PAGE_SIZE;
 use netram_uffd::sys::Event;
 use rustix::fd::{AsFd, OwnedFd};
@@ -71,11 +72,18 @@ pub struct Counters {
     pub feeds_ended: u64,
     /// Connections refused: more than [`MAX_FEEDS`].
     pub feeds_refused: u64,
+    /// Pages sent compressed ([`Agent::set_compression`]), and the bytes that saved.
+    pub pages_compressed: u64,
+    pub bytes_saved: u64,
+    /// Pages sent as they are: the link is too fast for any saving to repay the codec.
+    pub pages_raw_link_fast: u64,
+    /// Pages sent as they are: they did not compress enough.
+    pub pages_raw_aborted: u64,
 }
 
 impl Counters {
     /// Every counter with its name as a daemon's metric.
-    pub fn named(&self) -> [(&'static str, u64); 18] {
+    pub fn named(&self) -> [(&'static str, u64); 22] {
         [
             ("dsm_agent_faults", self.faults),
             ("dsm_agent_faults_local", self.faults_local),
@@ -95,6 +103,10 @@ impl Counters {
             ("dsm_agent_unlinked", self.unlinked),
             ("dsm_agent_feeds_ended", self.feeds_ended),
             ("dsm_agent_feeds_refused", self.feeds_refused),
+            ("dsm_agent_pages_compressed", self.pages_compressed),
+            ("dsm_agent_bytes_saved", self.bytes_saved),
+            ("dsm_agent_pages_raw_link_fast", self.pages_raw_link_fast),
+            ("dsm_agent_pages_raw_aborted", self.pages_raw_aborted),
         ]
     }
 }
@@ -180,6 +192,8 @@ pub struct Agent {
     /// Write copies sent away and kept until the library says the requester installed them
     /// (`Forget`) or crashed first (`Restore`): the site keeps the fact, this the bytes.
     ghosts: HashMap<(SegmentId, PageNo), Box<[u8]>>,
+    /// When a page sent is compressed (`None`: never; zero pages are a flag regardless).
+    compress: Option<Rule>,
     net: Net,
     epoch: Instant,
     pub counters: Counters,
@@ -200,10 +214,17 @@ impl Agent {
                 .map_or(1, |d| d.as_nanos() as u64),
             letters: VecDeque::new(),
             ghosts: HashMap::new(),
+            compress: None,
             net,
             epoch: Instant::now(),
             counters: Counters::default(),
         }
+    }
+
+    /// Compresses the pages this machine sends when `rule` says it pays (MIRAGE+ §3.4;
+    /// [`netram_proto::compress`]), or never (`None`, the default).
+    pub fn set_compression(&mut self, rule: Option<Rule>) {
+        self.compress = rule;
     }
 
     pub fn id(&self) -> SiteId {
@@ -570,7 +591,22 @@ impl Agent {
             });
         } else {
             let mut frame = Vec::with_capacity(64 + data.as_ref().map_or(0, |d| d.len()));
-            wire::encode(segment, &msg, data.as_deref(), &mut frame);
+            let packed = wire::encode(
+                segment,
+                &msg,
+                data.as_deref(),
+                self.compress.as_ref(),
+                &mut frame,
+            );
+            match packed {
+                Some(Packed::Compressed(n)) => {
+                    self.counters.pages_compressed += 1;
+                    self.counters.bytes_saved += (PAGE_SIZE - n) as u64;
+                }
+                Some(Packed::Raw(Skip::LinkFast)) => self.counters.pages_raw_link_fast += 1,
+                Some(Packed::Raw(Skip::Aborted)) => self.counters.pages_raw_aborted += 1,
+                Some(Packed::Zero) | None => {}
+            }
             (self.net)(to, frame);
         }
     }

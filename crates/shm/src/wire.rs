@@ -3,8 +3,9 @@
 //! state machines keep none (the memfd is the copy).
 
 use netram_dsm::{Msg, Want};
+use netram_proto::compress::{Packed, Rule, PACKED_ROOM};
 use netram_proto::dsm::{self, Access, Body, Message};
-use netram_proto::DecodeError;
+use netram_proto::{DecodeError, PAGE_SIZE};
 
 /// A page's contents in flight: `None` is a zero page.
 pub type Data = Option<Box<[u8]>>;
@@ -23,8 +24,16 @@ fn want(a: Access) -> Want {
     }
 }
 
-/// Encodes `msg` of `segment` (with `data` for a PAGE) as one frame appended to `out`.
-pub fn encode(segment: u64, msg: &Msg<()>, data: Option<&[u8]>, out: &mut Vec<u8>) {
+/// Encodes `msg` of `segment` (with `data` for a PAGE) as one frame appended to `out`; a
+/// PAGE's contents packed by `rule` if given ([`netram_proto::compress`]: a zero page is a
+/// flag either way), with what became of them.
+pub fn encode(
+    segment: u64,
+    msg: &Msg<()>,
+    data: Option<&[u8]>,
+    rule: Option<&Rule>,
+    out: &mut Vec<u8>,
+) -> Option<Packed> {
     let page = msg.page();
     let m = |ticket, body| Message {
         segment,
@@ -54,10 +63,27 @@ pub fn encode(segment: u64, msg: &Msg<()>, data: Option<&[u8]>, out: &mut Vec<u8
         Msg::Forget { ticket, .. } => m(ticket, Body::Forget),
         Msg::Restore { ticket, .. } => m(ticket, Body::Restore),
         Msg::Page { grant, ticket, .. } => {
-            Message::page(segment, page, ticket, access(grant), data.unwrap_or(&zero))
+            let data = data.unwrap_or(&zero);
+            let Some(rule) = rule else {
+                Message::page(segment, page, ticket, access(grant), data).encode(out);
+                return None;
+            };
+            let mut scratch = [0u8; PACKED_ROOM];
+            let (m, packed) = Message::packed_page(
+                segment,
+                page,
+                ticket,
+                access(grant),
+                data,
+                rule,
+                &mut scratch,
+            );
+            m.encode(out);
+            return Some(packed);
         }
     };
     message.encode(out);
+    None
 }
 
 /// Why a frame was refused.
@@ -231,7 +257,12 @@ fn protocol(m: Message<'_>) -> Result<(u64, Msg<()>, Data), WireError> {
             data: d,
             ..
         } => {
-            if !flags.is_zero() {
+            if flags.is_lz4() {
+                // Refused unless it decompresses to exactly a page.
+                let mut page = vec![0u8; PAGE_SIZE].into_boxed_slice();
+                netram_proto::compress::unpack(d, &mut page)?;
+                data = Some(page);
+            } else if !flags.is_zero() {
                 data = Some(d.into());
             }
             Msg::Page {
@@ -248,6 +279,7 @@ fn protocol(m: Message<'_>) -> Result<(u64, Msg<()>, Data), WireError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use netram_proto::compress::Skip;
 
     #[test]
     fn every_message_comes_back_as_it_went() {
@@ -297,7 +329,7 @@ mod tests {
         ];
         for (msg, data) in msgs {
             let mut frame = Vec::new();
-            encode(77, &msg, data, &mut frame);
+            encode(77, &msg, data, None, &mut frame);
             let (seg, back, d) = decode(&frame).unwrap();
             assert_eq!((seg, &back), (77, &msg));
             assert_eq!(d.as_deref(), data);
@@ -313,11 +345,89 @@ mod tests {
                 data: (),
             },
             Some(&page),
+            None,
             &mut frame,
         );
         let n = frame.len();
         frame[n - 1] ^= 1;
         assert!(matches!(decode(&frame), Err(WireError::Checksum { .. })));
+    }
+
+    /// MIRAGE+'s UptoN over a 100 Mbit/s link: a page written in its first 512 bytes travels
+    /// compressed and comes back whole; a random page travels as it is (the codec gave up);
+    /// over a link too fast to repay the codec nothing is compressed.
+    #[test]
+    fn pages_travel_compressed_when_the_rule_says_so_and_come_back_whole() {
+        let slow = Rule {
+            link_bytes_per_us: 12.5,
+            codec_us: 3.0,
+        };
+        let fast = Rule {
+            link_bytes_per_us: 10_000.0,
+            codec_us: 3.0,
+        };
+        let mut x = 0x2545_f491_4f6c_dd1du64;
+        let mut rand = move || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        };
+        let mut upto = vec![0u8; PAGE_SIZE];
+        upto[..512].iter_mut().for_each(|b| *b = rand());
+        let random: Vec<u8> = (0..PAGE_SIZE).map(|_| rand()).collect();
+        let msg = Msg::Page {
+            page: 6,
+            grant: Want::Read,
+            ticket: 8,
+            data: (),
+        };
+        for (page, rule, expect) in [
+            (&upto, slow, Packed::Compressed(0)),
+            (&random, slow, Packed::Raw(Skip::Aborted)),
+            (&upto, fast, Packed::Raw(Skip::LinkFast)),
+        ] {
+            let mut frame = Vec::new();
+            let packed = encode(77, &msg, Some(page), Some(&rule), &mut frame).unwrap();
+            match (packed, expect) {
+                (Packed::Compressed(n), Packed::Compressed(_)) => {
+                    assert!(n < 600, "{n} bytes");
+                    assert!(frame.len() < 700, "a frame of {} bytes", frame.len());
+                }
+                (got, want) => assert_eq!(got, want),
+            }
+            let (_, back, d) = decode(&frame).unwrap();
+            assert_eq!(back, msg);
+            assert_eq!(d.as_deref(), Some(&page[..]));
+        }
+    }
+
+    /// A compressed page that does not decompress to exactly a page is refused, though its
+    /// checksum (over the bytes sent) is right.
+    #[test]
+    fn a_compressed_page_that_is_not_a_page_is_refused() {
+        let short = lz4_flex::block::compress(&[7u8; 100]);
+        let flags = netram_proto::PageFlags(netram_proto::PageFlags::LZ4);
+        for data in [&short[..], &[0xffu8; 40][..]] {
+            let m = Message {
+                segment: 77,
+                page: 1,
+                ticket: 2,
+                body: Body::Page {
+                    grant: Access::Read,
+                    flags,
+                    crc: dsm::page_checksum(77, 1, flags, data),
+                    data,
+                },
+            };
+            let mut frame = Vec::new();
+            m.encode(&mut frame);
+            assert!(
+                matches!(decode(&frame), Err(WireError::Decode(_))),
+                "{:?}",
+                decode(&frame)
+            );
+        }
     }
 
     #[test]

@@ -1,0 +1,216 @@
+//! `netram bench dsm`'s compression part (MIRAGE+ §5.3, Fig. 4; issue 40): what a remote read
+//! fault costs when the page it fetches was written in MIRAGE+'s three patterns, with pages
+//! compressed when the rule says it pays (`netram_proto::compress`) and never, side by side.
+//!
+//! Two hosts, network namespaces of this machine, the writer's link shaped by tbf (pages flow
+//! from it); on each host two daemons of two clusters, one told the link's speed
+//! (`--shm-link-mbps`: it compresses when that pays) and one told 0 (it never does). For each
+//! pattern a fresh zero page of a segment whose library is host 1 is written there (random
+//! non-zero bytes: EachN every Nth byte, UptoN the first N, RandN N random places), then read
+//! on host 2: the read fault is timed, and the whole page checked against what was written.
+//! The two clusters take turns page by page, so that the machine's drift falls on both alike.
+
+use crate::dsm::daemons;
+use crate::netns::{sh, Net};
+use crate::Summary;
+use netram_proto::PAGE_SIZE;
+use netram_shm::Segment;
+use serde_json::{json, Value};
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+const SUBNET: u8 = 82;
+
+/// A page's pattern.
+#[derive(Debug, Clone, Copy)]
+enum Pattern {
+    EachN(usize),
+    UptoN(usize),
+    RandN(usize),
+}
+
+impl Pattern {
+    fn name(self) -> (&'static str, usize) {
+        match self {
+            Pattern::EachN(n) => ("EachN", n),
+            Pattern::UptoN(n) => ("UptoN", n),
+            Pattern::RandN(n) => ("RandN", n),
+        }
+    }
+
+    /// A zero page written in this pattern with random non-zero bytes.
+    fn page(self, rng: &mut fastrand::Rng) -> Vec<u8> {
+        let mut p = vec![0u8; PAGE_SIZE];
+        let mut put = |i: usize, rng: &mut fastrand::Rng| p[i] = rng.u8(1..);
+        match self {
+            Pattern::EachN(n) => (0..PAGE_SIZE).step_by(n).for_each(|i| put(i, rng)),
+            Pattern::UptoN(n) => (0..n).for_each(|i| put(i, rng)),
+            Pattern::RandN(n) => (0..n).for_each(|_| {
+                let i = rng.usize(..PAGE_SIZE);
+                put(i, rng)
+            }),
+        }
+        p
+    }
+}
+
+fn patterns() -> Vec<Pattern> {
+    let mut v: Vec<Pattern> = [1, 2, 4, 8, 16, 32, 64]
+        .into_iter()
+        .map(Pattern::EachN)
+        .collect();
+    v.extend([128, 512, 1024, 2048, 3072, 4096].map(Pattern::UptoN));
+    v.extend([64, 256, 650, 1024, 2048].map(Pattern::RandN));
+    v
+}
+
+/// A daemon's counter from its metrics (`netram_NAME_total` or `netram_NAME`).
+fn metric(control: &Path, name: &str) -> anyhow::Result<u64> {
+    let text =
+        netram_client::discover::metrics(control.to_str().expect("UTF-8"), Duration::from_secs(5))?;
+    text.lines()
+        .filter(|l| !l.starts_with('#'))
+        .find_map(|l| {
+            let (n, v) = l.split_once(' ')?;
+            let n = n.strip_prefix("netram_").unwrap_or(n);
+            let n = n.strip_suffix("_total").unwrap_or(n);
+            (n == name).then(|| v.trim().parse::<f64>().ok().map(|v| v as u64))?
+        })
+        .ok_or_else(|| anyhow::anyhow!("no metric {name}"))
+}
+
+/// The figures at a link of `mbit` Mbit/s, `reps` pages a pattern and cluster.
+pub(crate) fn run(exe: &Path, mbit: u32, reps: usize) -> anyhow::Result<Value> {
+    let mut net = Net::new("nc", 2, SUBNET).map_err(anyhow::Error::msg)?;
+    crate::dsm::credentials(&net, exe, 2)?;
+    let ns = net.ns(1);
+    sh(&[
+        "ip",
+        "netns",
+        "exec",
+        &ns,
+        "tc",
+        "qdisc",
+        "add",
+        "dev",
+        "eth0",
+        "root",
+        "tbf",
+        "rate",
+        &format!("{mbit}mbit"),
+        // One packet's worth: a page's packets wait for the link as on a wire of that
+        // speed (a burst of a page or more would let it through at the veth's speed).
+        "burst",
+        "1600",
+        "latency",
+        "50ms",
+    ])
+    .map_err(anyhow::Error::msg)?;
+    let mbps = mbit.to_string();
+    daemons(&mut net, exe, 2, 7077, "on", &["--shm-link-mbps", &mbps])?;
+    daemons(&mut net, exe, 2, 7078, "off", &["--shm-link-mbps", "0"])?;
+    let sock = |c: &str, i: usize| netram_shm::local::socket_of(&net.path(&format!("{c}{i}.sock")));
+    let pats = patterns();
+    let pages = pats.len() * reps;
+    let mut maps = Vec::new();
+    for c in ["on", "off"] {
+        let w = Segment::create(
+            &sock(c, 1),
+            "patterns",
+            (pages * PAGE_SIZE) as u64,
+            0,
+            0o600,
+            None,
+        )?;
+        let r = Segment::attach(&sock(c, 2), "patterns")?;
+        maps.push((w, r));
+    }
+    let compressed0 = metric(&net.path("on1.sock"), "dsm_agent_pages_compressed")?;
+    let mut rng = fastrand::Rng::with_seed(0x4d49_5241_4745);
+    let mut rows = Vec::new();
+    let mut page = 0;
+    for &pat in &pats {
+        let mut ns = [Vec::new(), Vec::new()];
+        let before = metric(&net.path("on1.sock"), "dsm_agent_pages_compressed")?;
+        for _ in 0..reps {
+            let want = pat.page(&mut rng);
+            for (k, (w, r)) in maps.iter().enumerate() {
+                // SAFETY: page `page` of each live mapping (the segment holds `pages` pages);
+                // plain shared memory, written here and read below through another host's
+                // mapping of the same segment.
+                unsafe {
+                    let at = w.as_ptr().add(page * PAGE_SIZE);
+                    std::ptr::copy_nonoverlapping(want.as_ptr(), at, PAGE_SIZE);
+                }
+                std::thread::sleep(Duration::from_micros(3 * netram_shm::agent::MIN_HOLD_US));
+                // SAFETY: as above.
+                let got = unsafe {
+                    let at = r.as_ptr().add(page * PAGE_SIZE);
+                    let t = Instant::now();
+                    let first = at.read_volatile();
+                    ns[k].push(t.elapsed().as_nanos() as u64);
+                    let mut got = vec![first; PAGE_SIZE];
+                    std::ptr::copy_nonoverlapping(at, got.as_mut_ptr(), PAGE_SIZE);
+                    got
+                };
+                let (name, n) = pat.name();
+                anyhow::ensure!(
+                    got == want,
+                    "{name}({n}), page {page}: host 2 read other contents than host 1 wrote"
+                );
+            }
+            page += 1;
+        }
+        let compressed = metric(&net.path("on1.sock"), "dsm_agent_pages_compressed")? - before;
+        let (name, n) = pat.name();
+        let on = Summary::of_ns(&mut ns[0]);
+        let off = Summary::of_ns(&mut ns[1]);
+        rows.push(json!({
+            "pattern": name, "n": n,
+            "compressed_p50_us": on.p50_us, "plain_p50_us": off.p50_us,
+            "compressed_vs_plain": on.p50_us / off.p50_us,
+            "pages_compressed": compressed, "pages": reps,
+        }));
+    }
+    let total = metric(&net.path("on1.sock"), "dsm_agent_pages_compressed")? - compressed0;
+    let aborted = metric(&net.path("on1.sock"), "dsm_agent_pages_raw_aborted")?;
+    let off_compressed = metric(&net.path("off1.sock"), "dsm_agent_pages_compressed")?;
+    anyhow::ensure!(
+        off_compressed == 0,
+        "the cluster told never to compress compressed {off_compressed} pages"
+    );
+    drop(maps);
+    Ok(json!({
+        "link_mbit": mbit,
+        "reps": reps,
+        "pages_compressed": total,
+        "pages_aborted": aborted,
+        "rows": rows,
+    }))
+}
+
+/// The report's section for one link speed.
+pub(crate) fn markdown(v: &Value) -> String {
+    let mut s = format!(
+        "\n## Compression (MIRAGE+ Fig. 4), a {} Mbit/s link\n\nA read fault on host 2 of a \
+         page host 1 wrote in the pattern (random non-zero bytes on a zero page), p50 µs of {} \
+         pages each; compressed when the rule says it pays (the daemon told the link's \
+         speed) and never, side by side; {} pages compressed, {} given up by the codec.\n\n\
+         | pattern | N | compressed | never | ratio | pages compressed |\n|---|---|---|---|---|---|\n",
+        v["link_mbit"], v["reps"], v["pages_compressed"], v["pages_aborted"]
+    );
+    for r in v["rows"].as_array().into_iter().flatten() {
+        let f = |k: &str| r[k].as_f64().unwrap_or(f64::NAN);
+        s.push_str(&format!(
+            "| {} | {} | {:.1} | {:.1} | {:.2} | {} of {} |\n",
+            r["pattern"].as_str().unwrap_or("?"),
+            r["n"],
+            f("compressed_p50_us"),
+            f("plain_p50_us"),
+            f("compressed_vs_plain"),
+            r["pages_compressed"],
+            r["pages"],
+        ));
+    }
+    s
+}
