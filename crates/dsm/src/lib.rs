@@ -19,11 +19,16 @@
 //! when the current one is done (every invalidation acknowledged, the page installed), so the
 //! directory it keeps is exact: that is what the model check (`tests/model.rs`, stateright)
 //! verifies over every interleaving of three sites' faults, accesses, deliveries and windows.
+//!
+//! Crashes: a site's ([`Library::site_down`]: its copies dropped, a write copy on its way to
+//! it given back, a page only it held reported lost) and the library's own
+//! ([`Site::library_down`] reports what each survivor holds, [`Library::rebuild`] makes the
+//! next library from the reports, in the next era of tickets).
 
 pub mod library;
 pub mod msg;
 pub mod site;
 
-pub use library::Library;
+pub use library::{Held, Library, Report};
 pub use msg::{Access, Msg, PageNo, SiteId, Ticket, Want};
 pub use site::{Fault, Site};

@@ -75,8 +75,10 @@ pub struct Counters {
 /// A segment's library.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct Library {
-    /// The creator: initially the clock site of every page (a zero page it holds).
-    creator: SiteId,
+    /// The creator: initially the clock site of every page (a zero page it holds). `None`
+    /// in a library rebuilt after the creator's crash ([`Library::rebuild`]): a page no
+    /// survivor reported went with it, lost.
+    creator: Option<SiteId>,
     /// The sites admitted; `None`: every site the transport lets speak (the cluster's
     /// authenticated members).
     members: Option<BTreeSet<SiteId>>,
@@ -90,16 +92,52 @@ pub struct Library {
 /// Messages to send: (to whom, what).
 pub type Out<D> = Vec<(SiteId, Msg<D>)>;
 
-/// A page's entry, made on first use: the creator holds it (a zero page, checked in).
-fn page_of(pages: &mut BTreeMap<PageNo, Page>, creator: SiteId, page: PageNo) -> &mut Page {
+/// A page's entry, made on first use: the creator holds it (a zero page, checked in); with
+/// no creator (it crashed), nobody does: lost.
+fn page_of(pages: &mut BTreeMap<PageNo, Page>, creator: Option<SiteId>, page: PageNo) -> &mut Page {
     pages.entry(page).or_insert_with(|| Page {
-        clock: creator,
-        mode: Access::Read,
-        copies: BTreeSet::from([creator]),
+        clock: creator.unwrap_or(SiteId::MAX),
+        mode: if creator.is_some() {
+            Access::Read
+        } else {
+            Access::None
+        },
+        copies: creator.into_iter().collect(),
         queue: VecDeque::new(),
         active: None,
-        lost: false,
+        lost: creator.is_none(),
     })
+}
+
+/// Where a ticket's era starts: a library rebuilt after a crash numbers its requests in the
+/// next era, so that a site tells an order or a page of the crashed library's time (still on
+/// its way) from one of the new library's, and refuses it.
+pub const ERA_SHIFT: u32 = 40;
+
+/// The era a ticket belongs to.
+pub fn era_of(ticket: Ticket) -> u64 {
+    ticket >> ERA_SHIFT
+}
+
+/// What one site holds of one page, as it reports it to a library being rebuilt
+/// ([`crate::Site::library_down`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Held {
+    pub page: PageNo,
+    pub access: Access,
+    /// The write copy it sent away and keeps (the transfer's ticket).
+    pub ghost: Option<Ticket>,
+    /// The newest ticket it installed the page under (0: none).
+    pub installed: Ticket,
+    /// It was told the page is lost.
+    pub lost: bool,
+}
+
+/// A site's report to a library being rebuilt: its era and what it holds.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Hash)]
+pub struct Report {
+    pub era: u64,
+    pub pages: Vec<Held>,
 }
 
 impl Library {
@@ -109,7 +147,7 @@ impl Library {
         let mut members: BTreeSet<SiteId> = members.into_iter().collect();
         members.insert(creator);
         Self {
-            creator,
+            creator: Some(creator),
             members: Some(members),
             pages: BTreeMap::new(),
             next_ticket: 1,
@@ -145,13 +183,115 @@ impl Library {
     pub fn holders(&self, page: PageNo) -> (SiteId, Access, Vec<SiteId>) {
         match self.pages.get(&page) {
             Some(p) => (p.clock, p.mode, p.copies.iter().copied().collect()),
-            None => (self.creator, Access::Read, vec![self.creator]),
+            None => match self.creator {
+                Some(c) => (c, Access::Read, vec![c]),
+                None => (SiteId::MAX, Access::None, vec![]),
+            },
         }
     }
 
     /// Whether `page` was lost with a crashed site.
     pub fn lost(&self, page: PageNo) -> bool {
-        self.pages.get(&page).is_some_and(|p| p.lost)
+        match self.pages.get(&page) {
+            Some(p) => p.lost,
+            None => self.creator.is_none(),
+        }
+    }
+
+    /// The library's era (the era of the tickets it gives).
+    pub fn era(&self) -> u64 {
+        era_of(self.next_ticket)
+    }
+
+    /// The library of a segment whose library site crashed, rebuilt at site `me` from every
+    /// surviving site's report (MIRAGE+ has no such step; GMS's takeover of a crashed
+    /// initiator is its model: the survivors' own state is the truth). `members`: the sites
+    /// admitted from now on (the reporters: the crashed library's list went with it).
+    ///
+    /// Per page: a write copy someone holds is the page (every kept copy sent away is
+    /// older: forgotten); else the read copies (all alike); else the newest write copy kept by
+    /// the site that sent it away, if no survivor installed it or anything after it (given
+    /// back, `Restore`; any other kept copy forgotten); else nobody has it — it was at the crashed site only, lost, as is every
+    /// page nobody reported. Its tickets are of the era after every reporter's, so that the
+    /// crashed library's orders and the pages sent on them, still on their way, are refused
+    /// (a site reporting has stopped taking them already).
+    pub fn rebuild<D>(
+        me: SiteId,
+        reports: &[(SiteId, Report)],
+        members: impl IntoIterator<Item = SiteId>,
+    ) -> (Self, Out<D>) {
+        let era = reports.iter().map(|(_, r)| r.era).max().unwrap_or(0) + 1;
+        let mut members: BTreeSet<SiteId> = members.into_iter().collect();
+        members.insert(me);
+        let mut lib = Self {
+            creator: None,
+            members: Some(members),
+            pages: BTreeMap::new(),
+            next_ticket: (era << ERA_SHIFT) + 1,
+            dead: BTreeSet::new(),
+            counters: Counters::default(),
+        };
+        let mut out = Vec::new();
+        let mut by_page: BTreeMap<PageNo, Vec<(SiteId, Held)>> = BTreeMap::new();
+        for (site, r) in reports {
+            for h in &r.pages {
+                by_page.entry(h.page).or_default().push((*site, *h));
+            }
+        }
+        for (page, held) in by_page {
+            let writer = held.iter().find(|(_, h)| h.access == Access::Write);
+            let readers: BTreeSet<SiteId> = held
+                .iter()
+                .filter(|(_, h)| h.access == Access::Read)
+                .map(|&(s, _)| s)
+                .collect();
+            // A kept copy whose transfer someone installed, or that a later install followed
+            // (a page's requests are served one after another), is older than the page.
+            let installed = held.iter().map(|(_, h)| h.installed).max().unwrap_or(0);
+            let newest_ghost = held
+                .iter()
+                .filter_map(|&(s, h)| h.ghost.map(|t| (t, s)))
+                .filter(|&(t, _)| t > installed)
+                .max();
+            let mut entry = Page {
+                clock: SiteId::MAX,
+                mode: Access::None,
+                copies: BTreeSet::new(),
+                queue: VecDeque::new(),
+                active: None,
+                lost: false,
+            };
+            let mut restore = None;
+            if let Some(&(w, _)) = writer {
+                entry.clock = w;
+                entry.mode = Access::Write;
+                entry.copies.insert(w);
+            } else if let Some(&r) = readers.first() {
+                entry.clock = r;
+                entry.mode = Access::Read;
+                entry.copies = readers;
+            } else if let Some((t, s)) = newest_ghost {
+                entry.clock = s;
+                entry.mode = Access::Write;
+                entry.copies.insert(s);
+                restore = Some((s, t));
+            } else {
+                entry.lost = true;
+                lib.counters.pages_lost += 1;
+            }
+            for &(s, h) in &held {
+                match h.ghost {
+                    Some(t) if restore == Some((s, t)) => {
+                        out.push((s, Msg::Restore { page, ticket: t }));
+                        lib.counters.restores += 1;
+                    }
+                    Some(t) => out.push((s, Msg::Forget { page, ticket: t })),
+                    None => {}
+                }
+            }
+            lib.pages.insert(page, entry);
+        }
+        (lib, out)
     }
 
     /// Whether a request for `page` is being served or waits.

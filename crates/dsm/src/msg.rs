@@ -100,6 +100,24 @@ impl<D> Msg<D> {
         }
     }
 
+    /// The ticket it carries (a request has none yet).
+    pub fn ticket(&self) -> Option<Ticket> {
+        match self {
+            Msg::Request { .. } => None,
+            Msg::Send { ticket, .. }
+            | Msg::Invalidate { ticket, .. }
+            | Msg::Invalidated { ticket, .. }
+            | Msg::Page { ticket, .. }
+            | Msg::Grant { ticket, .. }
+            | Msg::Done { ticket, .. }
+            | Msg::Lost { ticket, .. }
+            | Msg::Probe { ticket, .. }
+            | Msg::Missing { ticket, .. }
+            | Msg::Forget { ticket, .. }
+            | Msg::Restore { ticket, .. } => Some(*ticket),
+        }
+    }
+
     /// Whether the library is its receiver (else a site is).
     pub fn to_library(&self) -> bool {
         matches!(

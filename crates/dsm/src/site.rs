@@ -13,6 +13,7 @@
 //! segment's creator, which holds every page at first (a zero page: "checked in" at the
 //! library, §4.3).
 
+use crate::library::{era_of, Held, Report};
 use crate::msg::{Access, Msg, PageNo, SiteId, Ticket, Want};
 use std::collections::{BTreeMap, VecDeque};
 
@@ -77,6 +78,11 @@ pub struct Counters {
 pub struct Site<D> {
     me: SiteId,
     library: SiteId,
+    /// The oldest era whose tickets this site takes: a page or order of a crashed library's
+    /// time (older) is refused ([`Site::library_down`]).
+    era: u64,
+    /// Its library crashed and the next is not known yet: faults wait, nothing is asked.
+    orphaned: bool,
     creator: bool,
     delta_ms: u64,
     pages: BTreeMap<PageNo, Page<D>>,
@@ -97,6 +103,8 @@ impl<D: Clone + Default> Site<D> {
         Self {
             me,
             library,
+            era: 0,
+            orphaned: false,
             creator,
             delta_ms,
             pages: BTreeMap::new(),
@@ -170,15 +178,72 @@ impl<D: Clone + Default> Site<D> {
         self.pages.get(&page).and_then(|p| p.asked)
     }
 
+    /// The library crashed: this site stops taking its orders and the pages sent on them
+    /// (everything of its era, from now on), drops its request on their way (the faults
+    /// behind them wait for the next library, [`Site::new_library`]) and the orders waiting
+    /// for a window, and reports what it holds for the next library to be rebuilt from
+    /// ([`crate::Library::rebuild`]). The creator's implicit pages are not reported: the
+    /// creator is the first library, so it is the one that crashed.
+    pub fn library_down(&mut self) -> Report {
+        let report = Report {
+            era: self.era,
+            pages: self
+                .pages
+                .iter()
+                .filter(|(_, p)| {
+                    p.access != Access::None || p.ghost.is_some() || p.lost || p.installed > 0
+                })
+                .map(|(&page, p)| Held {
+                    page,
+                    access: p.access,
+                    ghost: p.ghost.as_ref().map(|(t, _)| *t),
+                    installed: p.installed,
+                    lost: p.lost,
+                })
+                .collect(),
+        };
+        self.era += 1;
+        self.orphaned = true;
+        self.creator = false;
+        for p in self.pages.values_mut() {
+            p.asked = None;
+            p.deferred.clear();
+        }
+        report
+    }
+
+    /// The segment's library is `library` now, giving tickets of era `era`
+    /// ([`crate::Library::era`]): faults ask it.
+    pub fn new_library(&mut self, library: SiteId, era: u64) {
+        self.library = library;
+        self.era = self.era.max(era);
+        self.orphaned = false;
+    }
+
+    /// The segment's library.
+    pub fn library(&self) -> SiteId {
+        self.library
+    }
+
+    /// Whether the library crashed and the next is not known yet.
+    pub fn is_orphaned(&self) -> bool {
+        self.orphaned
+    }
+
     /// A process here faulted on `page`, wanting `want`.
     pub fn fault(&mut self, page: PageNo, want: Want) -> Fault<D> {
         let library = self.library;
+        let orphaned = self.orphaned;
         let p = self.page(page);
         if p.lost {
             return Fault::Lost;
         }
         if p.access >= want.access() {
             return Fault::Ready;
+        }
+        if orphaned {
+            // Asked again once the next library is known.
+            return Fault::Wait;
         }
         if p.asked.is_some() {
             // One request per page at a time; a write fault behind a read request asks
@@ -203,6 +268,20 @@ impl<D: Clone + Default> Site<D> {
         let page = msg.page();
         let library = self.library;
         let delta = self.delta_ms;
+        // From the crashed library, once this site has reported (what it reported stands):
+        // refused.
+        if self.orphaned && from == library {
+            self.counters.refused += 1;
+            return (out, None);
+        }
+        // Of a crashed library's time: refused. (Forget and Restore name a kept copy by its
+        // transfer's ticket, which is older than the library that rebuilt from it.)
+        if let Some(t) = msg.ticket() {
+            if era_of(t) < self.era && !matches!(msg, Msg::Forget { .. } | Msg::Restore { .. }) {
+                self.counters.refused += 1;
+                return (out, None);
+            }
+        }
         match msg {
             Msg::Send { .. } | Msg::Invalidate { .. } | Msg::Restore { .. } if from == library => {
                 let p = self.page(page);

@@ -19,13 +19,23 @@
 //! live site has seen (a write that only the crashed site ever saw may vanish with it: its
 //! write copy is given back to the site that sent it, `Restore`), a page whose only copy
 //! crashed is reported lost (`Lost`), never served stale, and no live site's request stuck.
-//! Not modelled: the library's own crash (its role moving to another site).
+//!
+//! The library's own crash (its site, the creator, with it): every live site, at a step of its
+//! own, stops taking the crashed library's orders and pages and reports what it holds
+//! (`Site::library_down`); once all have, the lowest live site rebuilds the library from the
+//! reports (`Library::rebuild`) and every site asks it from then on. The crashed library's
+//! orders and the pages sent on them may still arrive, before and after a site reports. The
+//! same properties must hold among the live sites, and the directory must be exact again once
+//! the role has moved and nothing is in flight. The new library is made known to every site
+//! in one step (the runtime announces it; a site that has not heard yet only waits).
 
-use netram_dsm::{Access, Library, Msg, Site, Want};
+use netram_dsm::{Access, Library, Msg, Report, Site, Want};
 use stateright::{Checker, HasDiscoveries, Model, Property};
 use std::collections::{BTreeMap, VecDeque};
 
 const LIB: usize = usize::MAX;
+/// The crashed library, as the sender of its messages still on their way.
+const OLD_LIB: usize = usize::MAX - 1;
 const PAGE: u32 = 0;
 
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
@@ -46,6 +56,12 @@ struct World {
     /// The library has been told of the crash.
     noticed: Vec<bool>,
     crashes: u32,
+    /// The library's site.
+    lib_site: u64,
+    /// The library crashed and its role has not moved yet; the reports given so far.
+    lib_down: bool,
+    reports: BTreeMap<usize, Report>,
+    takeovers: u32,
     /// Faults made (each becomes a request): bounds the exploration, since sites could take
     /// write access from each other forever without writing.
     faults: u32,
@@ -61,6 +77,9 @@ enum Action {
     Elapse(usize),
     Crash(usize),
     Notice(usize),
+    CrashLibrary,
+    Report(usize),
+    Takeover,
 }
 
 struct Dsm {
@@ -69,6 +88,8 @@ struct Dsm {
     max_writes: u32,
     max_faults: u32,
     max_crashes: u32,
+    /// The library's site may crash (once, anywhere).
+    library_crash: bool,
     /// A broken site (the last): it acknowledges invalidations without dropping its copy.
     /// The checks must catch it, or they check nothing.
     liar: bool,
@@ -78,6 +99,10 @@ impl World {
     fn send(&mut self, from: usize, out: Vec<(u64, Msg<u32>)>) {
         for (to, m) in out {
             let to = if m.to_library() { LIB } else { to as usize };
+            if to == LIB && self.lib_down {
+                // To the crashed library: lost.
+                continue;
+            }
             self.net.entry((from, to)).or_default().push_back(m);
         }
     }
@@ -124,12 +149,30 @@ impl Model for Dsm {
             crashed: vec![false; self.sites],
             noticed: vec![false; self.sites],
             crashes: 0,
+            lib_site: 0,
+            lib_down: false,
+            reports: BTreeMap::new(),
+            takeovers: 0,
             faults: 0,
             stale_reads: 0,
         }]
     }
 
     fn actions(&self, s: &World, actions: &mut Vec<Action>) {
+        if self.library_crash && s.takeovers == 0 && !s.lib_down {
+            actions.push(Action::CrashLibrary);
+        }
+        if s.lib_down {
+            let live: Vec<usize> = (0..s.sites.len()).filter(|&i| !s.crashed[i]).collect();
+            for &i in &live {
+                if !s.reports.contains_key(&i) {
+                    actions.push(Action::Report(i));
+                }
+            }
+            if live.iter().all(|i| s.reports.contains_key(i)) {
+                actions.push(Action::Takeover);
+            }
+        }
         for i in 1..s.sites.len() {
             if s.crashed[i] && !s.noticed[i] {
                 actions.push(Action::Notice(i));
@@ -189,6 +232,47 @@ impl Model for Dsm {
                 let out = s.lib.site_down(i as u64);
                 s.send(LIB, out);
             }
+            Action::CrashLibrary => {
+                let l = s.lib_site as usize;
+                s.crashed[l] = true;
+                s.noticed[l] = true;
+                s.lib_down = true;
+                // Nothing reaches it (nor the library) any more; what it sent may arrive.
+                s.net.retain(|&(_, to), _| to != l && to != LIB);
+                let from_lib: Vec<_> = s
+                    .net
+                    .keys()
+                    .filter(|&&(from, _)| from == LIB)
+                    .copied()
+                    .collect();
+                for k in from_lib {
+                    let q = s.net.remove(&k).expect("listed");
+                    s.net.insert((OLD_LIB, k.1), q);
+                }
+            }
+            Action::Report(i) => {
+                let r = s.sites[i].library_down();
+                s.reports.insert(i, r);
+            }
+            Action::Takeover => {
+                let live: Vec<usize> = (0..s.sites.len()).filter(|&i| !s.crashed[i]).collect();
+                let me = live[0] as u64;
+                let reports: Vec<(u64, Report)> = std::mem::take(&mut s.reports)
+                    .into_iter()
+                    .map(|(i, r)| (i as u64, r))
+                    .collect();
+                let (lib, out) =
+                    Library::rebuild::<u32>(me, &reports, live.iter().map(|&i| i as u64));
+                let era = lib.era();
+                s.lib = lib;
+                s.lib_site = me;
+                s.lib_down = false;
+                s.takeovers += 1;
+                for &i in &live {
+                    s.sites[i].new_library(me, era);
+                }
+                s.send(LIB, out);
+            }
             Action::Read(i) => {
                 let now = s.now[i];
                 let v = *s.sites[i].data(PAGE).expect("a copy to read");
@@ -215,10 +299,14 @@ impl Model for Dsm {
                 if s.net[&(from, to)].is_empty() {
                     s.net.remove(&(from, to));
                 }
-                let sender = if from == LIB { 0 } else { from as u64 };
+                let sender = match from {
+                    LIB => s.lib_site,
+                    OLD_LIB => 0,
+                    _ => from as u64,
+                };
                 if self.liar && to == self.sites - 1 {
                     if let Msg::Invalidate { page, ticket } = m {
-                        s.send(to, vec![(0, Msg::Invalidated { page, ticket })]);
+                        s.send(to, vec![(s.lib_site, Msg::Invalidated { page, ticket })]);
                         return Some(s);
                     }
                 }
@@ -280,7 +368,7 @@ impl Model for Dsm {
                     // page's use): a request whose requester crashed is over at the library
                     // before its order is carried out.
                     let deferred = s.live().any(Site::has_deferred);
-                    if !s.quiet() || s.lib.busy(PAGE) || !told || deferred {
+                    if !s.quiet() || s.lib.busy(PAGE) || !told || deferred || s.lib_down {
                         return true;
                     }
                     let (clock, mode, copies) = s.lib.holders(PAGE);
@@ -301,7 +389,8 @@ impl Model for Dsm {
                 let waiting = s.live().any(|x| x.asked(PAGE).is_some());
                 // While a live site waits, a message is in flight, an order waits for a window
                 // (or for its page's use), or the library is still to be told of a crash.
-                let untold = (0..s.sites.len()).any(|i| s.crashed[i] && !s.noticed[i]);
+                let untold =
+                    (0..s.sites.len()).any(|i| s.crashed[i] && !s.noticed[i]) || s.lib_down;
                 !waiting || !s.quiet() || s.live().any(Site::has_deferred) || untold
             }),
             Property::sometimes(
@@ -316,6 +405,26 @@ impl Model for Dsm {
                 },
             ),
         ];
+        if self.library_crash {
+            p.extend([
+                Property::sometimes(
+                    "the library's role moved, then a page written again",
+                    |_, s: &World| {
+                        s.takeovers > 0
+                            && s.live()
+                                .any(|x| x.access(PAGE) == Access::Write && x.counters.installs > 0)
+                            && s.quiet()
+                    },
+                ),
+                Property::sometimes("a page lost with the library", |_, s: &World| {
+                    s.takeovers > 0 && s.live().any(|x| x.is_lost(PAGE))
+                }),
+                Property::sometimes(
+                    "a write copy given back after the library crashed",
+                    |_, s: &World| s.takeovers > 0 && s.live().any(|x| x.counters.restored > 0),
+                ),
+            ]);
+        }
         if self.max_crashes == 0 {
             return p;
         }
@@ -343,6 +452,7 @@ fn model(sites: usize, delta_ms: u64, max_writes: u32, max_faults: u32) -> Dsm {
         max_writes,
         max_faults,
         max_crashes: 0,
+        library_crash: false,
         liar: false,
     }
 }
@@ -391,6 +501,18 @@ fn three_sites_one_crash() {
         ..model(3, 0, 2, 4)
     });
     eprintln!("three sites, one crash: {states} states");
+    assert!(states > 1_000, "{states} states: the model explores little");
+}
+
+/// The library's site crashes, anywhere in the run, and its role moves to the lowest live site,
+/// rebuilt from the survivors' reports.
+#[test]
+fn three_sites_the_library_crashes() {
+    let states = check(Dsm {
+        library_crash: true,
+        ..model(3, 0, 2, 4)
+    });
+    eprintln!("three sites, the library crashes: {states} states");
     assert!(states > 1_000, "{states} states: the model explores little");
 }
 
