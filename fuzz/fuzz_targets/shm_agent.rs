@@ -1,8 +1,9 @@
 //! Hostile peers against a machine's shared-memory agent (`netram_shm::Agent`): the library of
 //! one segment and a site of another, fed frames from sites 1–4 — raw bytes, and well-formed
 //! protocol and naming messages with any fields (pages past the end, tickets nobody issued,
-//! orders from non-libraries, pages nobody asked for, crash handling's messages) — sites
-//! declared down, and time passing. It must never panic,
+//! orders from non-libraries, pages nobody asked for, crash handling's messages, reports of
+//! a takeover in any parts and order) — sites declared down (the library of the segment it is
+//! a site of among them: a takeover), and time passing. It must never panic,
 //! and a local process's request (`netram_shm::local::Request::parse`) is parsed or refused.
 #![no_main]
 
@@ -46,6 +47,16 @@ enum Op {
     Unlink {
         from: u8,
         segment: bool,
+    },
+    Report {
+        from: u8,
+        segment: u8,
+        era: u8,
+        part: u8,
+        last: bool,
+        attached: bool,
+        /// page, access (0–2), lost, ghost, installed.
+        held: Vec<(u8, u8, bool, u8, u8)>,
     },
     Tick,
     /// A site declared down.
@@ -179,12 +190,54 @@ fuzz_target!(|ops: Vec<Op>| {
                 wire::encode_naming(&Frame::Unlink { segment }, &mut frame);
                 site(from)
             }
+            Op::Report {
+                from,
+                segment,
+                era,
+                part,
+                last,
+                attached,
+                held,
+            } => {
+                let segment = match segment % 3 {
+                    0 => MINE,
+                    1 => THEIRS,
+                    _ => 0x33,
+                };
+                let held = held
+                    .into_iter()
+                    .take(64)
+                    .map(|(page, access, lost, ghost, installed)| netram_dsm::Held {
+                        page: u32::from(page % 8),
+                        access: match access % 3 {
+                            0 => netram_dsm::Access::None,
+                            1 => netram_dsm::Access::Read,
+                            _ => netram_dsm::Access::Write,
+                        },
+                        lost,
+                        ghost: (ghost != 0).then_some(u64::from(ghost)),
+                        installed: installed.into(),
+                    })
+                    .collect();
+                wire::encode_naming(
+                    &Frame::Report {
+                        segment,
+                        era: era.into(),
+                        part: u32::from(part % 3),
+                        last,
+                        attached,
+                        held,
+                    },
+                    &mut frame,
+                );
+                site(from)
+            }
             Op::Tick => {
                 agent.tick();
                 continue;
             }
             Op::Down(s) => {
-                agent.site_down(site(s));
+                agent.site_down(site(s), &[1, 2, 3, 4]);
                 continue;
             }
             Op::Local(bytes) => {

@@ -413,3 +413,72 @@ fn a_page_lost_with_a_crashed_writer_is_reported_not_zeroed() {
     ));
     assert_eq!(kept, b"kept by the library");
 }
+
+/// The library's machine crashes: the two others report what they hold, the lower of them
+/// rebuilds the segment's library, and the segment goes on — pages they hold read back as
+/// they were, a page only the library's machine held is reported lost (SIGBUS, never
+/// zeros), and writes and reads work again through the new library.
+#[test]
+fn a_segment_outlives_its_library_s_machine() {
+    let dir = tempfile::tempdir().unwrap();
+    let (mut daemons, control) = three(dir.path(), 580);
+    ok(shm(&control(1), &["create", "sturdy", "16KiB"], None));
+    ok(shm(
+        &control(2),
+        &["write", "sturdy"],
+        Some(b"written on machine 2"),
+    ));
+    ok(shm(
+        &control(2),
+        &["write", "sturdy", "--offset", "4096"],
+        Some(b"read on two machines"),
+    ));
+    let read = ok(shm(
+        &control(3),
+        &["cat", "sturdy", "--offset", "4096", "--len", "20"],
+        None,
+    ));
+    assert_eq!(read, b"read on two machines");
+    ok(shm(
+        &control(1),
+        &["write", "sturdy", "--offset", "8192"],
+        Some(b"only on the library"),
+    ));
+    daemons[0].signal(libc::SIGKILL);
+    daemons[0].child.wait().unwrap();
+
+    // Machine 2's write copy, read on machine 3 (the fault waits for the takeover).
+    let kept = ok(shm(&control(3), &["cat", "sturdy", "--len", "20"], None));
+    assert_eq!(kept, b"written on machine 2");
+    let out = shm(
+        &control(3),
+        &["cat", "sturdy", "--offset", "8192", "--len", "19"],
+        None,
+    );
+    use std::os::unix::process::ExitStatusExt;
+    let by_sigbus =
+        out.status.signal() == Some(libc::SIGBUS) || out.status.code() == Some(128 + libc::SIGBUS);
+    assert!(
+        by_sigbus,
+        "reading a page lost with the library: {:?}, {:?}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout)
+    );
+    // The read copies: written again on machine 2 (machine 3's copy invalidated), read on 3.
+    ok(shm(
+        &control(2),
+        &["write", "sturdy", "--offset", "4096"],
+        Some(b"written after a crash"),
+    ));
+    let again = ok(shm(
+        &control(3),
+        &["cat", "sturdy", "--offset", "4096", "--len", "21"],
+        None,
+    ));
+    assert_eq!(again, b"written after a crash");
+    for d in &daemons[1..] {
+        assert_eq!(d.stat("dsm_agent_takeovers"), 1);
+    }
+    // Machine 3 was told the page is lost, by the new library (machine 2's).
+    assert_eq!(daemons[2].stat("dsm_agent_pages_lost"), 1);
+}

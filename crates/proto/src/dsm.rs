@@ -20,7 +20,18 @@
 //!  13 MISSING                                   requester → library (that page did not come)
 //!  14 FORGET                                    library → the sender of a write copy
 //!  15 RESTORE                                   library → the sender of a write copy
-//! want, grant: 0 read, 1 write
+//!  16 REPORT       flags:u8 count:u16 held[count]   a site → every member (its library crashed)
+//!       held = page:u32 access:u8 lost:u8 ghost:u64 installed:u64   (22 bytes)
+//! want, grant: 0 read, 1 write; REPORT's access: 0 none, 1 read, 2 write
+//! ```
+//!
+//! REPORT says what a site holds of a segment whose library crashed, for the next library to
+//! be rebuilt from (`netram_dsm::Library::rebuild`): in the ticket field its era, in the page
+//! field the part's number (0, 1, …: at most [`MAX_REPORT_HELD`] pages a frame), flag 1: it is
+//! the last part, flag 2: the sender has the segment at all (a member that has not reports
+//! nothing, so that the others know they heard from everyone). `ghost` 0: none.
+//!
+//! ```text
 //! ```
 //!
 //! LOOKUP, FOUND and ABSENT name segments: a machine attaching a segment by name asks every
@@ -93,6 +104,61 @@ pub enum Body<'a> {
     Missing,
     Forget,
     Restore,
+    /// What a site holds (`held`: [`REPORT_HELD_LEN`] bytes a page; [`Body::report_held`]).
+    Report {
+        last: bool,
+        attached: bool,
+        held: &'a [u8],
+    },
+}
+
+/// One page in a REPORT: its number, the access held (0 none, 1 read, 2 write), whether it
+/// was lost, the ticket of the write copy kept after sending it (0: none), the newest ticket
+/// installed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ReportHeld {
+    pub page: u32,
+    pub access: u8,
+    pub lost: bool,
+    pub ghost: u64,
+    pub installed: u64,
+}
+
+/// The bytes of one page in a REPORT.
+pub const REPORT_HELD_LEN: usize = 22;
+/// Pages in one REPORT frame at most.
+pub const MAX_REPORT_HELD: usize = 2048;
+
+impl ReportHeld {
+    pub fn encode(&self, out: &mut Vec<u8>) {
+        out.extend_from_slice(&self.page.to_le_bytes());
+        out.push(self.access);
+        out.push(u8::from(self.lost));
+        out.extend_from_slice(&self.ghost.to_le_bytes());
+        out.extend_from_slice(&self.installed.to_le_bytes());
+    }
+
+    fn decode(b: &[u8]) -> Self {
+        let u64_at = |at: usize| u64::from_le_bytes(b[at..at + 8].try_into().expect("8 bytes"));
+        Self {
+            page: u32::from_le_bytes(b[0..4].try_into().expect("4 bytes")),
+            access: b[4],
+            lost: b[5] != 0,
+            ghost: u64_at(6),
+            installed: u64_at(14),
+        }
+    }
+}
+
+impl Body<'_> {
+    /// A REPORT's pages (checked when it was decoded); nothing for any other body.
+    pub fn report_held(&self) -> impl Iterator<Item = ReportHeld> + '_ {
+        let held: &[u8] = match self {
+            Body::Report { held, .. } => held,
+            _ => &[],
+        };
+        held.chunks_exact(REPORT_HELD_LEN).map(ReportHeld::decode)
+    }
 }
 
 /// The longest segment name.
@@ -201,6 +267,7 @@ impl<'a> Message<'a> {
             Body::Missing => 13,
             Body::Forget => 14,
             Body::Restore => 15,
+            Body::Report { .. } => 16,
         };
         w.u64(self.segment).u8(tag).u32(self.page).u64(self.ticket);
         match self.body {
@@ -243,6 +310,20 @@ impl<'a> Message<'a> {
                 mode,
             } => {
                 w.u32(pages).u32(delta_ms).u32(uid).u16(mode);
+            }
+            Body::Report {
+                last,
+                attached,
+                held,
+            } => {
+                let n = held.len() / REPORT_HELD_LEN;
+                assert!(
+                    held.len() % REPORT_HELD_LEN == 0 && n <= MAX_REPORT_HELD,
+                    "a report holds whole pages, at most {MAX_REPORT_HELD}"
+                );
+                w.u8(u8::from(last) | u8::from(attached) << 1)
+                    .u16(n as u16)
+                    .bytes(held);
             }
             Body::Invalidate
             | Body::Invalidated
@@ -368,6 +449,37 @@ pub fn decode(frame: &[u8]) -> Result<Message<'_>, DecodeError> {
         13 => Body::Missing,
         14 => Body::Forget,
         15 => Body::Restore,
+        16 => {
+            let flags = r.u8()?;
+            if flags & !3 != 0 {
+                return Err(DecodeError::Reserved {
+                    field: "dsm report flags",
+                    value: flags.into(),
+                });
+            }
+            let n = r.u16()? as usize;
+            if n > MAX_REPORT_HELD {
+                return Err(DecodeError::BadValue {
+                    field: "dsm report pages",
+                    value: n as u64,
+                });
+            }
+            let held = r.bytes(n * REPORT_HELD_LEN)?;
+            // One encoding each: access 0 to 2, lost 0 or 1.
+            for h in held.chunks_exact(REPORT_HELD_LEN) {
+                if h[4] > 2 || h[5] > 1 {
+                    return Err(DecodeError::BadValue {
+                        field: "dsm report access or lost",
+                        value: u64::from(h[4]) << 8 | u64::from(h[5]),
+                    });
+                }
+            }
+            Body::Report {
+                last: flags & 1 != 0,
+                attached: flags & 2 != 0,
+                held,
+            }
+        }
         t => {
             return Err(DecodeError::BadValue {
                 field: "dsm message",
@@ -407,11 +519,22 @@ mod tests {
             ticket in 1u64..,
             to in any::<u64>(),
             want in arb_access(),
-            tag in 0u8..16,
+            tag in 0u8..17,
             fill in any::<u8>(),
             name in proptest::collection::vec(any::<u8>(), 1..=MAX_NAME),
         ) {
             let data = vec![fill; PAGE_SIZE];
+            let mut held = Vec::new();
+            for i in 0..u32::from(fill % 5) {
+                ReportHeld {
+                    page: page.wrapping_add(i),
+                    access: (fill % 3),
+                    lost: fill % 2 == 0,
+                    ghost: ticket,
+                    installed: to,
+                }
+                .encode(&mut held);
+            }
             let body = match tag {
                 0 => Body::Request { want },
                 1 => Body::Send { to, grant: want },
@@ -428,7 +551,8 @@ mod tests {
                 12 => Body::Probe,
                 13 => Body::Missing,
                 14 => Body::Forget,
-                _ => Body::Restore,
+                15 => Body::Restore,
+                _ => Body::Report { last: fill % 2 == 0, attached: fill % 3 != 0, held: &held },
             };
             let ticket = if tag == 0 { 0 } else { ticket };
             let m = Message { segment, page, ticket, body };

@@ -117,6 +117,17 @@ fn dsm_seeds() -> Vec<(String, Vec<u8>)> {
         codec_us: 3.0,
     };
     let (lz4, _) = Message::packed_page(7, 2, 5, Access::Read, &upto, &slow, &mut scratch);
+    let mut report = Vec::new();
+    for (page, access, ghost) in [(0, 2, 0), (1, 1, 0), (2, 0, 9)] {
+        netram_proto::dsm::ReportHeld {
+            page,
+            access,
+            lost: false,
+            ghost,
+            installed: 4,
+        }
+        .encode(&mut report);
+    }
     let bodies = [
         (
             "request",
@@ -154,6 +165,14 @@ fn dsm_seeds() -> Vec<(String, Vec<u8>)> {
         ("missing", Body::Missing),
         ("forget", Body::Forget),
         ("restore", Body::Restore),
+        (
+            "report",
+            Body::Report {
+                last: true,
+                attached: true,
+                held: &report,
+            },
+        ),
     ];
     bodies
         .into_iter()

@@ -479,7 +479,8 @@ fn watch_members(door: &Door, shared: &Weak<Shared>) {
         if s.shutdown.load(Ordering::SeqCst) {
             return;
         }
-        for m in s.members().members {
+        let members = s.members().members;
+        for m in &members {
             if m.state != netram_member::Liveness::Down || told.contains(&(m.node, m.boot)) {
                 continue;
             }
@@ -495,7 +496,15 @@ fn watch_members(door: &Door, shared: &Weak<Shared>) {
                 node = m.node,
                 "a member is down: its shared-memory copies are gone"
             );
-            door.post(move |a| a.site_down(m.node));
+            // Every member this daemon has not found crashed: the ones a takeover of a
+            // library that crashed waits to hear from.
+            let live: Vec<u64> = members
+                .iter()
+                .filter(|x| !x.is_self && !told.contains(&(x.node, x.boot)))
+                .map(|x| x.node)
+                .collect();
+            let node = m.node;
+            door.post(move |a| a.site_down(node, &live));
         }
     }
 }

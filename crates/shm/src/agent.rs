@@ -21,6 +21,8 @@
 //! written elsewhere wait the millisecond out (`netram bench dsm`: 1.4 ms read faults). The
 //! agent's clock, which the protocol's state machines are fed, counts microseconds.
 
+mod takeover;
+
 use crate::memory::{Copy, View};
 use crate::wire::{self, Data, Frame, Meta};
 use netram_dsm::{Fault, Library, Msg, PageNo, Site, SiteId, Want};
@@ -79,11 +81,13 @@ pub struct Counters {
     pub pages_raw_link_fast: u64,
     /// Pages sent as they are: they did not compress enough.
     pub pages_raw_aborted: u64,
+    /// Segments whose library this machine saw move after a crash.
+    pub takeovers: u64,
 }
 
 impl Counters {
     /// Every counter with its name as a daemon's metric.
-    pub fn named(&self) -> [(&'static str, u64); 22] {
+    pub fn named(&self) -> [(&'static str, u64); 23] {
         [
             ("dsm_agent_faults", self.faults),
             ("dsm_agent_faults_local", self.faults_local),
@@ -107,6 +111,7 @@ impl Counters {
             ("dsm_agent_bytes_saved", self.bytes_saved),
             ("dsm_agent_pages_raw_link_fast", self.pages_raw_link_fast),
             ("dsm_agent_pages_raw_aborted", self.pages_raw_aborted),
+            ("dsm_agent_takeovers", self.takeovers),
         ]
     }
 }
@@ -194,6 +199,13 @@ pub struct Agent {
     ghosts: HashMap<(SegmentId, PageNo), Box<[u8]>>,
     /// When a page sent is compressed (`None`: never; zero pages are a flag regardless).
     compress: Option<Rule>,
+    /// Segments whose library crashed, being taken over ([`takeover`]); reports in parts,
+    /// and reports that came before this machine learnt of the crash.
+    takeovers: HashMap<SegmentId, takeover::Takeover>,
+    partials: HashMap<(SegmentId, SiteId), takeover::Partial>,
+    early: takeover::Early,
+    /// The last report this machine made of each segment (for a member that missed it).
+    sent_reports: HashMap<SegmentId, netram_dsm::Report>,
     net: Net,
     epoch: Instant,
     pub counters: Counters,
@@ -215,6 +227,10 @@ impl Agent {
             letters: VecDeque::new(),
             ghosts: HashMap::new(),
             compress: None,
+            takeovers: HashMap::new(),
+            partials: HashMap::new(),
+            early: HashMap::new(),
+            sent_reports: HashMap::new(),
             net,
             epoch: Instant::now(),
             counters: Counters::default(),
@@ -391,6 +407,14 @@ impl Agent {
                     }
                 }
             }
+            Frame::Report {
+                segment,
+                era,
+                part,
+                last,
+                attached,
+                held,
+            } => self.on_report(from, segment, era, part, last, attached, held),
             Frame::Protocol { .. } => unreachable!("naming frames only"),
         }
     }
@@ -527,14 +551,18 @@ impl Agent {
                     .get(&segment)
                     .is_some_and(|s| msg.page() < s.copy.pages()) =>
             {
-                self.letters.push_back(Letter {
+                let letter = Letter {
                     segment,
                     from,
                     to: self.me,
                     msg,
                     data,
-                });
-                self.pump();
+                };
+                // Held back while the segment's next library is not known.
+                if let Err(letter) = self.hold_back(letter) {
+                    self.letters.push_back(letter);
+                    self.pump();
+                }
             }
             Ok(Frame::Protocol { .. }) | Err(_) => self.counters.frames_refused += 1,
             Ok(naming) => self.on_naming(from, naming),
@@ -566,6 +594,7 @@ impl Agent {
             // A deferred `Restore` may have been carried out.
             self.reconcile(id);
         }
+        self.tick_takeovers();
         self.pump();
     }
 
@@ -576,6 +605,7 @@ impl Agent {
             .values()
             .filter_map(|s| s.site.next_deadline())
             .chain(self.lookups.values().map(|l| l.deadline_us))
+            .chain(self.takeover_deadline())
             .min()
             .map(|d| Duration::from_micros(d.saturating_sub(now)))
     }
@@ -719,9 +749,11 @@ impl Agent {
             .retain(|&(s, p), _| s != id || seg.site.has_ghost(p));
     }
 
-    /// Machine `node` crashed (its link gave up on it, or the membership says so): the
-    /// libraries here drop its copies and requests and finish or undo what it was part of.
-    pub fn site_down(&mut self, node: SiteId) {
+    /// Machine `node` crashed (the membership says so and it does not accept a connection):
+    /// the libraries here drop its copies and requests and finish or undo what it was part
+    /// of, and the segments whose library it was are taken over by the machines that have
+    /// them ([`takeover`]), which report to each other and to the other `live` members.
+    pub fn site_down(&mut self, node: SiteId, live: &[SiteId]) {
         self.counters.sites_down += 1;
         let ids: Vec<SegmentId> = self.segments.keys().copied().collect();
         for id in ids {
@@ -733,6 +765,7 @@ impl Agent {
                 self.post(id, to, msg, None);
             }
         }
+        self.library_down(node, live);
         self.pump();
     }
 

@@ -174,6 +174,12 @@ impl View {
     pub fn wake(&self, n: PageNo) -> Result<(), Errno> {
         self.uffd.wake(self.addr(n), PAGE_SIZE)
     }
+
+    /// Wakes every thread waiting on the view (they retry their accesses).
+    pub fn wake_all(&self) -> Result<(), Errno> {
+        self.uffd
+            .wake(self.addr(0), self.pages as usize * PAGE_SIZE)
+    }
 }
 
 /// A local mapping of a segment made by this process: the memfd mapped shared, registered

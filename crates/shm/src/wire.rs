@@ -2,9 +2,9 @@
 //! ([`netram_proto::dsm`]): a page's contents travel beside the message, as the protocol's
 //! state machines keep none (the memfd is the copy).
 
-use netram_dsm::{Msg, Want};
+use netram_dsm::{Held, Msg, Want};
 use netram_proto::compress::{Packed, Rule, PACKED_ROOM};
-use netram_proto::dsm::{self, Access, Body, Message};
+use netram_proto::dsm::{self, Access, Body, Message, ReportHeld};
 use netram_proto::{DecodeError, PAGE_SIZE};
 
 /// A page's contents in flight: `None` is a zero page.
@@ -133,6 +133,16 @@ pub enum Frame {
     Unlink {
         segment: u64,
     },
+    /// One part of what a site holds of a segment whose library crashed (`era`: its era;
+    /// `attached`: false from a machine that does not have the segment).
+    Report {
+        segment: u64,
+        era: u64,
+        part: u32,
+        last: bool,
+        attached: bool,
+        held: Vec<Held>,
+    },
 }
 
 /// Encodes a naming message (LOOKUP, FOUND, ABSENT) appended to `out`.
@@ -161,6 +171,42 @@ pub fn encode_naming(frame: &Frame, out: &mut Vec<u8>) {
         ),
         Frame::Absent { nonce } => (0, nonce, Body::Absent),
         Frame::Unlink { segment } => (segment, 0, Body::Unlink),
+        Frame::Report {
+            segment,
+            era,
+            part,
+            last,
+            attached,
+            ref held,
+        } => {
+            let mut bytes = Vec::with_capacity(held.len() * dsm::REPORT_HELD_LEN);
+            for h in held {
+                ReportHeld {
+                    page: h.page,
+                    access: match h.access {
+                        netram_dsm::Access::None => 0,
+                        netram_dsm::Access::Read => 1,
+                        netram_dsm::Access::Write => 2,
+                    },
+                    lost: h.lost,
+                    ghost: h.ghost.unwrap_or(0),
+                    installed: h.installed,
+                }
+                .encode(&mut bytes);
+            }
+            Message {
+                segment,
+                page: part,
+                ticket: era,
+                body: Body::Report {
+                    last,
+                    attached,
+                    held: &bytes,
+                },
+            }
+            .encode(out);
+            return;
+        }
         Frame::Protocol { .. } => panic!("encode_naming is for naming messages"),
     };
     Message {
@@ -204,6 +250,31 @@ pub fn decode_frame(frame: &[u8]) -> Result<Frame, WireError> {
         }
         Body::Absent => return Ok(Frame::Absent { nonce: m.ticket }),
         Body::Unlink => return Ok(Frame::Unlink { segment: m.segment }),
+        Body::Report { last, attached, .. } => {
+            let held = m
+                .body
+                .report_held()
+                .map(|h| Held {
+                    page: h.page,
+                    access: match h.access {
+                        0 => netram_dsm::Access::None,
+                        1 => netram_dsm::Access::Read,
+                        _ => netram_dsm::Access::Write,
+                    },
+                    ghost: (h.ghost != 0).then_some(h.ghost),
+                    installed: h.installed,
+                    lost: h.lost,
+                })
+                .collect();
+            return Ok(Frame::Report {
+                segment: m.segment,
+                era: m.ticket,
+                part: m.page,
+                last,
+                attached,
+                held,
+            });
+        }
         _ => {}
     }
     let (segment, msg, data) = protocol(m)?;
@@ -248,9 +319,11 @@ fn protocol(m: Message<'_>) -> Result<(u64, Msg<()>, Data), WireError> {
         Body::Missing => Msg::Missing { page, ticket },
         Body::Forget => Msg::Forget { page, ticket },
         Body::Restore => Msg::Restore { page, ticket },
-        Body::Lookup { .. } | Body::Found { .. } | Body::Absent | Body::Unlink => {
-            return Err(WireError::NotProtocol)
-        }
+        Body::Lookup { .. }
+        | Body::Found { .. }
+        | Body::Absent
+        | Body::Unlink
+        | Body::Report { .. } => return Err(WireError::NotProtocol),
         Body::Page {
             grant,
             flags,
