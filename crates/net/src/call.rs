@@ -188,31 +188,6 @@ impl Call {
         self.conn.is_some()
     }
 
-    /// Sends `frames` as [`Call::post`] does, on the connection already open only (an error
-    /// if none is: opening it is a handshake, which the caller may not want to wait for).
-    pub fn post_open(&mut self, frames: &mut Vec<u8>) -> Result<(), CallError> {
-        // Closed by the other side (its idle timeout): a write would vanish into it.
-        if self
-            .conn
-            .as_ref()
-            .is_some_and(|(s, _, _)| closed_by_peer(s))
-        {
-            self.conn = None;
-        }
-        let Some((s, _, seal)) = self.conn.as_mut() else {
-            return Err(CallError::Closed);
-        };
-        if let Some(k) = seal {
-            reserve_tags(frames, 0);
-            k.seal_all(frames);
-        }
-        let r = s.write_all(frames).map_err(|e| CallError::Io("send", e));
-        if r.is_err() {
-            self.conn = None;
-        }
-        r
-    }
-
     /// Sends as much of `frames` as the open connection takes without waiting, sealed as
     /// [`Call::post`] seals: returns how many of the (sealed) bytes in `frames` went out. The
     /// rest must go next, with [`Call::write_rest`], before anything else: a sealed record

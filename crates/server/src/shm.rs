@@ -481,7 +481,10 @@ fn watch_members(door: &Door, shared: &Weak<Shared>) {
         }
         let members = s.members().members;
         for m in &members {
-            if m.state != netram_member::Liveness::Down || told.contains(&(m.node, m.boot)) {
+            if m.is_self
+                || m.state != netram_member::Liveness::Down
+                || told.contains(&(m.node, m.boot))
+            {
                 continue;
             }
             // The membership is advice; this daemon's own evidence decides (as a pager's

@@ -754,6 +754,11 @@ impl Agent {
     /// of, and the segments whose library it was are taken over by the machines that have
     /// them ([`takeover`]), which report to each other and to the other `live` members.
     pub fn site_down(&mut self, node: SiteId, live: &[SiteId]) {
+        if node == self.me {
+            // This machine is not down while it runs this (a membership view that says so
+            // is wrong about it): nothing to do.
+            return;
+        }
         self.counters.sites_down += 1;
         let ids: Vec<SegmentId> = self.segments.keys().copied().collect();
         for id in ids {

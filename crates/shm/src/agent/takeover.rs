@@ -296,7 +296,12 @@ impl Agent {
                 .map(|(s, _)| *s)
                 .filter(|s| !t.died.contains(s))
                 .collect();
-            let next = *alive.iter().min().expect("this machine reported");
+            // This machine's own report is there, and it is alive (`site_down` is never about
+            // it); the guard is against that changing.
+            let Some(&next) = alive.iter().min() else {
+                tracing::error!("segment {id:#x}: no live site reported; its library stays lost");
+                continue;
+            };
             let era = t.reports.iter().map(|(_, r)| r.era).max().unwrap_or(0) + 1;
             let mut out = Vec::new();
             let seg = self.segments.get_mut(&id).expect("a segment taken over");
