@@ -204,8 +204,8 @@ impl Library {
     }
 
     /// The library of a segment whose library site crashed, rebuilt at site `me` from every
-    /// surviving site's report (MIRAGE+ has no such step; GMS's takeover of a crashed
-    /// initiator is its model: the survivors' own state is the truth). `members`: the sites
+    /// surviving site's report (MIRAGE+ has no such step; GMS §6 names it for its initiator,
+    /// unbuilt there): the survivors' own state is the truth. `members`: the sites
     /// admitted from now on (the reporters: the crashed library's list went with it).
     ///
     /// Per page: a write copy someone holds is the page (every kept copy sent away is

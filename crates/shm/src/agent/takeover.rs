@@ -9,8 +9,9 @@
 //! directory from the reports; all then take their requests there (in the next era of
 //! tickets). While a machine waits, the segment's protocol messages are held back and handed
 //! to it afterwards (the new library's orders may come first), and the faults on it wait; then
-//! every waiting thread is woken to fault again. GMS's takeover of a crashed initiator is the
-//! model (survivors' own state is the truth); MIRAGE+ has none.
+//! every waiting thread is woken to fault again. MIRAGE+ has no such step; GMS §6 names the
+//! need for its initiator (the remaining nodes elect a replacement) without building it. Here
+//! the survivors' own state is the truth.
 //!
 //! What it takes on trust: that the members agree who is alive (each daemon declares a member
 //! dead only on the membership's word and its own failed connection, `crates/server/src/shm.rs`).
