@@ -45,6 +45,8 @@ const TOOLS: &[(&str, &str)] = &[
     ("tmux", "tmux"),
     // System V programs under `netram shm run`: stress-ng's shared-memory stressor.
     ("stress-ng", "stress-ng"),
+    // PostgreSQL's shared buffers in System V shared memory, under `netram shm run`.
+    ("pg_ctlcluster", "postgresql"),
     ("tc", "iproute2"),
 ];
 

@@ -482,3 +482,188 @@ fn a_segment_outlives_its_library_s_machine() {
     // Machine 3 was told the page is lost, by the new library (machine 2's).
     assert_eq!(daemons[2].stat("dsm_agent_pages_lost"), 1);
 }
+
+/// `/dev/userfaultfd` opened to one group for a test, its owner and mode put back however
+/// the test ends.
+struct DeviceGrant {
+    path: &'static str,
+    uid: u32,
+    gid: u32,
+    mode: u32,
+}
+
+impl DeviceGrant {
+    fn to_group(path: &'static str, gid: u32) -> DeviceGrant {
+        use std::os::unix::fs::{MetadataExt, PermissionsExt};
+        let m = std::fs::metadata(path).unwrap();
+        let g = DeviceGrant {
+            path,
+            uid: m.uid(),
+            gid: m.gid(),
+            mode: m.mode() & 0o7777,
+        };
+        std::os::unix::fs::chown(path, None, Some(gid)).unwrap();
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(g.mode | 0o060)).unwrap();
+        g
+    }
+}
+
+impl Drop for DeviceGrant {
+    fn drop(&mut self) {
+        use std::os::unix::fs::PermissionsExt;
+        let _ = std::os::unix::fs::chown(self.path, Some(self.uid), Some(self.gid));
+        let _ = std::fs::set_permissions(self.path, std::fs::Permissions::from_mode(self.mode));
+    }
+}
+
+/// PostgreSQL (Debian's) with its shared buffers in System V shared memory, run unmodified on
+/// netram's (`netram shm run`, its postmaster and every backend it forks attaching the
+/// segment), as its own user: pgbench's TPC-B-like transactions from 4 clients, then the
+/// ledger checked — every account's, teller's and branch's balances add up to the history's
+/// deltas — and checked again after a restart (what the checkpoint wrote from netram's
+/// memory). PostgreSQL reads files into its buffers with read(2): the kernel's own accesses
+/// must be served, which an ordinary user's userfaultfd does only through /dev/userfaultfd
+/// (granted to the postgres group for the test, as an administrator would).
+#[test]
+fn postgresql_runs_on_netram_shared_memory() {
+    use std::os::unix::process::CommandExt;
+    if !netram_testkit::have_root("running PostgreSQL as its own user") {
+        return;
+    }
+    let Some(bin) = std::fs::read_dir("/usr/lib/postgresql")
+        .ok()
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|e| e.path().join("bin"))
+        .find(|b| b.join("postgres").exists() && b.join("pgbench").exists())
+    else {
+        netram_testkit::skip("not installed: PostgreSQL", Some("postgresql"));
+        return;
+    };
+    if !std::path::Path::new("/dev/userfaultfd").exists() {
+        netram_testkit::skip("no /dev/userfaultfd (Linux 6.1)", None);
+        return;
+    }
+    let id = |flag: &str| -> Option<u32> {
+        let out = std::process::Command::new("id")
+            .args([flag, "postgres"])
+            .output()
+            .ok()?;
+        String::from_utf8_lossy(&out.stdout).trim().parse().ok()
+    };
+    let (Some(uid), Some(gid)) = (id("-u"), id("-g")) else {
+        netram_testkit::skip("no postgres user", Some("postgresql"));
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    {
+        use std::os::unix::fs::PermissionsExt;
+        // The postgres user reaches the daemon's socket and its own directories in here.
+        std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    }
+    let (daemons, control) = common::daemons(dir.path(), 590, ["8M"]);
+    let data = dir.path().join("pgdata");
+    let sockets = dir.path().join("pgsock");
+    for d in [&data, &sockets] {
+        std::fs::create_dir(d).unwrap();
+        std::os::unix::fs::chown(d, Some(uid), Some(gid)).unwrap();
+    }
+    let _grant = DeviceGrant::to_group("/dev/userfaultfd", gid);
+    let as_postgres = |program: &str| {
+        let mut c = std::process::Command::new("timeout");
+        c.args(["-k", "10", "120"])
+            .arg(bin.join(program))
+            .uid(uid)
+            .gid(gid)
+            .current_dir(dir.path())
+            .env("PGHOST", &sockets)
+            .env("PGPORT", "5491");
+        c
+    };
+    let run = |c: &mut std::process::Command| {
+        let out = c.output().unwrap();
+        assert!(
+            out.status.success(),
+            "{c:?}: {}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    run(as_postgres("initdb").args(["-A", "trust", "-D"]).arg(&data));
+    let start = || {
+        let mut c = std::process::Command::new("timeout");
+        c.args(["-k", "10", "120", common::NETRAM, "shm", "--daemon"])
+            .arg(control(1))
+            .args(["run", "--"])
+            .arg(bin.join("postgres"))
+            .arg("-D")
+            .arg(&data)
+            .args(["-c", "shared_memory_type=sysv", "-c", "shared_buffers=16MB"])
+            .args(["-c", "listen_addresses=", "-p", "5491", "-k"])
+            .arg(&sockets)
+            .uid(uid)
+            .gid(gid)
+            .current_dir(dir.path())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped());
+        let child = c.spawn().unwrap();
+        common::eventually("PostgreSQL accepts connections", 60, || {
+            as_postgres("pg_isready")
+                .output()
+                .is_ok_and(|o| o.status.success())
+        });
+        child
+    };
+    // A fast shutdown (timeout passes SIGINT on to the postmaster), waited for.
+    // Its log's errors, but for the refusals pg_isready gets while it starts.
+    let stop = |child: std::process::Child| {
+        // SAFETY: kill(2) on the PID of a child this test spawned and has not reaped.
+        unsafe { libc::kill(child.id() as i32, libc::SIGINT) };
+        let out = child.wait_with_output().unwrap();
+        String::from_utf8_lossy(&out.stderr)
+            .lines()
+            .filter(|l| {
+                (l.contains("PANIC") || l.contains("FATAL") || l.contains("ERROR"))
+                    && !l.contains("the database system is starting up")
+            })
+            .collect::<Vec<_>>()
+            .join("\n")
+    };
+    let ledger = "select (select sum(abalance) from pgbench_accounts), \
+                  (select sum(delta) from pgbench_history), \
+                  (select sum(tbalance) from pgbench_tellers), \
+                  (select sum(bbalance) from pgbench_branches), \
+                  (select count(*) from pgbench_history)";
+    let check = |when: &str| {
+        let row = run(as_postgres("psql").args(["-tA", "-c", ledger, "postgres"]));
+        let f: Vec<&str> = row.trim().split('|').collect();
+        assert_eq!(f.len(), 5, "{when}: {row}");
+        assert!(
+            f[0] == f[1] && f[1] == f[2] && f[2] == f[3],
+            "{when}: the balances do not add up to the history: {row}"
+        );
+        let n: u64 = f[4].parse().unwrap();
+        assert!(n >= 500, "{when}: {n} transactions");
+        row
+    };
+    let pg = start();
+    run(as_postgres("pgbench").args(["-i", "-s", "2", "postgres"]));
+    let report = run(as_postgres("pgbench").args(["-c", "4", "-j", "2", "-t", "150", "postgres"]));
+    assert!(
+        report.contains("number of failed transactions: 0"),
+        "{report}"
+    );
+    let before = check("after pgbench");
+    // Its memory was netram's: the agent served the first touch of its pages and more.
+    let faults = daemons[0].stat("dsm_agent_faults");
+    assert!(faults > 1_000, "{faults} faults served");
+    let errors = stop(pg);
+    assert!(errors.is_empty(), "{errors}");
+    let pg = start();
+    assert_eq!(check("after a restart"), before);
+    let errors = stop(pg);
+    assert!(errors.is_empty(), "{errors}");
+    drop(daemons);
+}
