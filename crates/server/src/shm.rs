@@ -124,13 +124,10 @@ impl Links {
         // wake-up, ~60 µs on these machines, on every message's path. Never blocking: what
         // the socket does not take now goes to the thread, which may wait; the agent must not
         // (it also reads this peer's messages, and the peer's agent may be writing to it).
-        let mut out = Out::Frame(frame);
+        let mut rest = None;
         if link.pending.load(Ordering::SeqCst) == 0 {
             if let Ok(mut call) = link.call.try_lock() {
                 if call.is_open() {
-                    let Out::Frame(frame) = &out else {
-                        unreachable!("made a frame above")
-                    };
                     let mut sealed = frame.clone();
                     match call.try_post_open(&mut sealed) {
                         Ok(n) if n == sealed.len() => {
@@ -141,7 +138,7 @@ impl Links {
                         // sealed again, are what must follow.
                         Ok(n) => {
                             sealed.drain(..n);
-                            out = Out::Rest(sealed);
+                            rest = Some(sealed);
                         }
                         // The connection broke: the thread opens another, with new keys, and
                         // sends the frame afresh.
@@ -150,6 +147,10 @@ impl Links {
                 }
             }
         }
+        let out = match rest {
+            Some(r) => Out::Rest(r),
+            None => Out::Frame(frame),
+        };
         // Blocks while the peer's queue is full: the agent waits for a slow peer rather than
         // losing a message the protocol needs.
         link.pending.fetch_add(1, Ordering::SeqCst);

@@ -237,7 +237,8 @@ impl Agent {
         self.finish_takeovers();
     }
 
-    /// Holds back a protocol message for a segment being taken over; `false` when it is not.
+    /// Holds back a protocol message for a segment being taken over (or drops it, counted,
+    /// past the bound); gives it back when the segment is not being taken over.
     pub(super) fn hold_back(&mut self, letter: Letter) -> Result<(), Letter> {
         match self.takeovers.get_mut(&letter.segment) {
             Some(t) if t.held_back.len() < HELD_BACK_MAX => {
