@@ -111,23 +111,40 @@ fuzz_target!(|ops: Vec<Op>| {
             } => {
                 let (page, ticket) = (u32::from(page % 8), u64::from(ticket % 8));
                 let want = if write { Want::Write } else { Want::Read };
-                let msg = match tag % 12 {
+                // Wait lists of up to three of the fuzzer's sites (from `fill`'s bits).
+                let wait: Vec<u64> = (0..3u8)
+                    .filter(|b| fill & (1 << b) != 0)
+                    .map(|b| site(to.wrapping_add(b)))
+                    .collect();
+                let msg = match tag % 14 {
                     0 => Msg::Request { page, want },
                     1 => Msg::Send {
                         page,
                         to: site(to),
                         grant: want,
                         ticket,
+                        wait,
                     },
-                    2 => Msg::Invalidate { page, ticket },
+                    2 => Msg::Invalidate {
+                        page,
+                        ticket,
+                        ack_to: (fill & 8 != 0).then(|| site(to)),
+                    },
                     3 => Msg::Invalidated { page, ticket },
                     4 => Msg::Page {
                         page,
                         grant: want,
                         ticket,
                         data: (),
+                        wait,
                     },
-                    5 => Msg::Grant { page, ticket },
+                    5 => Msg::Grant { page, ticket, wait },
+                    12 => Msg::Ack { page, ticket },
+                    13 => Msg::Excuse {
+                        page,
+                        ticket,
+                        site: site(to),
+                    },
                     6 => Msg::Done { page, ticket },
                     7 => Msg::Lost { page, ticket },
                     8 => Msg::Probe { page, ticket },

@@ -694,12 +694,12 @@ fn a_shared_memory_link_that_breaks_the_rules_is_closed() {
             segment: 0xdead,
             page,
             ticket: 1,
-            body: Body::Invalidate,
+            body: Body::Invalidate { ack_to: None },
         }
         .encode(&mut buf);
     }
     let data = page_data(1);
-    let mut bad = Message::page(0xdead, 0, 1, netram_proto::dsm::Access::Read, &data);
+    let mut bad = Message::page(0xdead, 0, 1, netram_proto::dsm::Access::Read, &[], &data);
     if let Body::Page { crc, .. } = &mut bad.body {
         *crc ^= 1;
     }

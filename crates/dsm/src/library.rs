@@ -16,10 +16,12 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 /// Where a request being served is.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 enum Phase {
-    /// Waiting for these sites to drop their copies.
+    /// Waiting for these sites to drop their copies (acknowledged to the library).
     Invalidating(BTreeSet<SiteId>),
-    /// The page (or the grant) is on its way; waiting for the requester's `Done`.
-    Installing,
+    /// The page (or the grant) is on its way; waiting for the requester's `Done`. `acks`:
+    /// the sites told to drop their copies and acknowledge to the requester, which installs
+    /// the page once it has heard from them all (kept here for crashes).
+    Installing { acks: BTreeSet<SiteId> },
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -70,6 +72,10 @@ pub struct Counters {
     pub restores: u64,
     /// Requesters asked whether a crashed source's page reached them.
     pub probes: u64,
+    /// Requesters told not to wait for a crashed site's acknowledgement.
+    pub excused: u64,
+    /// Copies invalidated again, acknowledged here, after their requester crashed.
+    pub reinvalidations: u64,
 }
 
 /// A segment's library.
@@ -86,11 +92,20 @@ pub struct Library {
     next_ticket: Ticket,
     /// Sites declared down: what they send is ignored.
     dead: BTreeSet<SiteId>,
+    /// A write invalidating at most this many copies has them acknowledged to its requester
+    /// directly (three message hops: request, invalidations, acknowledgements); more, to the
+    /// library (four: the grant waits for the last acknowledgement here).
+    direct_max: usize,
     pub counters: Counters,
 }
 
 /// Messages to send: (to whom, what).
 pub type Out<D> = Vec<(SiteId, Msg<D>)>;
+
+/// The most sites a requester is told to collect acknowledgements from itself (a frame
+/// names them, one byte counts them). A write that must invalidate more copies has them
+/// acknowledged to the library, which grants once it has them all (a message hop more).
+pub const MAX_WAIT: usize = 255;
 
 /// A page's entry, made on first use: the creator holds it (a zero page, checked in); with
 /// no creator (it crashed), nobody does: lost.
@@ -152,6 +167,7 @@ impl Library {
             pages: BTreeMap::new(),
             next_ticket: 1,
             dead: BTreeSet::new(),
+            direct_max: MAX_WAIT,
             counters: Counters::default(),
         }
     }
@@ -168,6 +184,12 @@ impl Library {
         if let Some(m) = self.members.as_mut() {
             m.insert(site);
         }
+    }
+
+    /// Writes invalidating more than `max` copies (at most [`MAX_WAIT`]) have them
+    /// acknowledged to the library rather than to their requester.
+    pub fn set_direct_acks(&mut self, max: usize) {
+        self.direct_max = max.min(MAX_WAIT);
     }
 
     /// Whether `site` may take part.
@@ -229,6 +251,7 @@ impl Library {
             pages: BTreeMap::new(),
             next_ticket: (era << ERA_SHIFT) + 1,
             dead: BTreeSet::new(),
+            direct_max: MAX_WAIT,
             counters: Counters::default(),
         };
         let mut out = Vec::new();
@@ -366,7 +389,8 @@ impl Library {
                 // this request was on its way. Told so, with nothing to wait for.
                 self.counters.requests_confused += 1;
                 self.next_ticket += 1;
-                out.push((site, Msg::Grant { page, ticket }));
+                let wait = Vec::new();
+                out.push((site, Msg::Grant { page, ticket, wait }));
                 continue;
             }
             self.next_ticket += 1;
@@ -380,6 +404,7 @@ impl Library {
                             to: site,
                             grant: Want::Read,
                             ticket,
+                            wait: Vec::new(),
                         },
                     ));
                     p.copies.insert(site);
@@ -388,7 +413,9 @@ impl Library {
                         site,
                         want,
                         ticket,
-                        phase: Phase::Installing,
+                        phase: Phase::Installing {
+                            acks: BTreeSet::new(),
+                        },
                         source: Some(p.clock),
                         probing: false,
                     });
@@ -405,10 +432,64 @@ impl Library {
                         .copied()
                         .filter(|&s| s != site && (has || s != clock))
                         .collect();
-                    for &s in &drop {
-                        out.push((s, Msg::Invalidate { page, ticket }));
-                    }
                     self.counters.invalidations += drop.len() as u64;
+                    if drop.len() <= self.direct_max {
+                        // The copies are dropped while the page (or the grant) travels; the
+                        // requester collects the acknowledgements and installs after the last.
+                        for &s in &drop {
+                            let ack_to = Some(site);
+                            out.push((
+                                s,
+                                Msg::Invalidate {
+                                    page,
+                                    ticket,
+                                    ack_to,
+                                },
+                            ));
+                        }
+                        let wait: Vec<SiteId> = drop.iter().copied().collect();
+                        let source = if has {
+                            out.push((site, Msg::Grant { page, ticket, wait }));
+                            self.counters.upgrades += 1;
+                            None
+                        } else {
+                            let grant = Want::Write;
+                            out.push((
+                                clock,
+                                Msg::Send {
+                                    page,
+                                    to: site,
+                                    grant,
+                                    ticket,
+                                    wait,
+                                },
+                            ));
+                            self.counters.transfers += 1;
+                            Some(clock)
+                        };
+                        p.active = Some(Active {
+                            site,
+                            want,
+                            ticket,
+                            phase: Phase::Installing { acks: drop },
+                            source,
+                            probing: false,
+                        });
+                        p.clock = site;
+                        p.mode = Access::Write;
+                        p.copies = BTreeSet::from([site]);
+                        return;
+                    }
+                    for &s in &drop {
+                        out.push((
+                            s,
+                            Msg::Invalidate {
+                                page,
+                                ticket,
+                                ack_to: None,
+                            },
+                        ));
+                    }
                     p.active = Some(Active {
                         site,
                         want,
@@ -433,9 +514,19 @@ impl Library {
             return;
         }
         if dead.contains(&a.site) {
-            // Its requester crashed: every copy it wanted gone is gone; nothing to grant. The
-            // clock's copy may have been among them (an upgrade): another copy, or lost.
+            // Its requester crashed: every copy it wanted gone is gone; nothing to grant. A
+            // write copy sent to it goes back to its sender (kept there: a ghost).
+            let (ticket, restore) = (a.ticket, a.source.filter(|s| !dead.contains(s)));
             p.active = None;
+            if let Some(src) = restore {
+                p.clock = src;
+                p.mode = Access::Write;
+                p.copies = BTreeSet::from([src]);
+                out.push((src, Msg::Restore { page, ticket }));
+                self.counters.restores += 1;
+                return self.serve(page, out);
+            }
+            // The clock's copy may have been among them (an upgrade): another copy, or lost.
             if !p.copies.contains(&p.clock) {
                 match p.copies.first().copied() {
                     Some(c) => {
@@ -456,10 +547,12 @@ impl Library {
         }
         let p = self.page(page);
         let Some(a) = p.active.as_mut() else { return };
-        a.phase = Phase::Installing;
-        let (site, ticket) = (a.site, a.ticket);
+        a.phase = Phase::Installing {
+            acks: BTreeSet::new(),
+        };
+        let (site, ticket, wait) = (a.site, a.ticket, Vec::new());
         if p.copies.contains(&site) {
-            out.push((site, Msg::Grant { page, ticket }));
+            out.push((site, Msg::Grant { page, ticket, wait }));
             self.counters.upgrades += 1;
         } else {
             a.source = Some(p.clock);
@@ -470,6 +563,7 @@ impl Library {
                     to: site,
                     grant: Want::Write,
                     ticket,
+                    wait,
                 },
             ));
             self.counters.transfers += 1;
@@ -523,7 +617,11 @@ impl Library {
         let dead = &self.dead;
         let p = page_of(&mut self.pages, self.creator, page);
         match &p.active {
-            Some(a) if a.site == from && a.ticket == ticket && a.phase == Phase::Installing => {
+            Some(a)
+                if a.site == from
+                    && a.ticket == ticket
+                    && matches!(a.phase, Phase::Installing { .. }) =>
+            {
                 if dead.contains(&p.clock) {
                     // Its source crashed after sending: the requester's copy is the clock's.
                     p.clock = from;
@@ -566,6 +664,7 @@ impl Library {
                         to: from,
                         grant: Want::Read,
                         ticket: next,
+                        wait: Vec::new(),
                     },
                 ));
                 self.next_ticket += 1;
@@ -613,7 +712,39 @@ impl Library {
                     p.active = Some(a);
                     self.invalidations_done(page, out);
                 }
-                Phase::Installing => match (a.want, a.source) {
+                Phase::Installing { ref acks }
+                    if a.want == Want::Write && acks.iter().any(|s| !self.dead.contains(s)) =>
+                {
+                    // Copies it was collecting acknowledgements for may still be there (their
+                    // acknowledgements would go to the crashed site): told again, acknowledged
+                    // here this time, before the page's next request is served or a write
+                    // copy given back. Dropping a copy twice is harmless.
+                    let left: BTreeSet<SiteId> = acks
+                        .iter()
+                        .copied()
+                        .filter(|s| !self.dead.contains(s))
+                        .collect();
+                    for &s in &left {
+                        let ticket = a.ticket;
+                        out.push((
+                            s,
+                            Msg::Invalidate {
+                                page,
+                                ticket,
+                                ack_to: None,
+                            },
+                        ));
+                    }
+                    self.counters.reinvalidations += left.len() as u64;
+                    p.clock = dead;
+                    p.mode = Access::Read;
+                    p.copies = left.clone();
+                    p.active = Some(Active {
+                        phase: Phase::Invalidating(left),
+                        ..a
+                    });
+                }
+                Phase::Installing { .. } => match (a.want, a.source) {
                     (Want::Write, Some(src)) if !self.dead.contains(&src) => {
                         // It sent its write copy and kept it: back to it.
                         p.clock = src;
@@ -650,7 +781,18 @@ impl Library {
                         }
                         self.invalidations_done(page, out);
                     }
-                    Phase::Installing => {
+                    Phase::Installing { acks } => {
+                        if acks.remove(&dead) {
+                            out.push((
+                                a.site,
+                                Msg::Excuse {
+                                    page,
+                                    ticket: a.ticket,
+                                    site: dead,
+                                },
+                            ));
+                            self.counters.excused += 1;
+                        }
                         if a.source == Some(dead) {
                             a.probing = true;
                             out.push((
@@ -704,7 +846,8 @@ mod tests {
                     page: 0,
                     to: 2,
                     grant: Want::Read,
-                    ticket: 1
+                    ticket: 1,
+                    wait: vec![]
                 }
             )]
         );
@@ -737,11 +880,10 @@ mod tests {
         assert_eq!(l.holders(0), (1, Access::Read, vec![1, 2]));
     }
 
-    /// An upgrade invalidates every other copy, the clock site's included, and grants without
-    /// moving the page; the next request waits until the writer has its grant.
-    #[test]
-    fn an_upgrade_invalidates_all_others_then_grants() {
+    /// Two readers of page 5 (sites 2 and 3) besides the creator, site 1.
+    fn two_readers(direct_acks: usize) -> Library {
         let mut l = Library::new(1, [2, 3]);
+        l.set_direct_acks(direct_acks);
         for s in [2, 3] {
             let out: Vec<(SiteId, M)> = l.on_msg(
                 s,
@@ -755,6 +897,89 @@ mod tests {
             };
             l.on_msg::<u8>(s, Msg::Done { page: 5, ticket });
         }
+        l
+    }
+
+    /// An upgrade invalidates every other copy, the clock site's included, acknowledged to
+    /// the requester, and grants at once without moving the page: the requester installs
+    /// after the last acknowledgement. The next request waits for its Done.
+    #[test]
+    fn an_upgrade_invalidates_all_others_acknowledged_to_the_requester() {
+        let mut l = two_readers(MAX_WAIT);
+        let write = Msg::Request {
+            page: 5,
+            want: Want::Write,
+        };
+        let out: Vec<(SiteId, M)> = l.on_msg(2, write);
+        let ticket = 3;
+        let invalidate = |s| {
+            (
+                s,
+                Msg::Invalidate {
+                    page: 5,
+                    ticket,
+                    ack_to: Some(2),
+                },
+            )
+        };
+        let wait = vec![1, 3];
+        let grant = (
+            2,
+            Msg::Grant {
+                page: 5,
+                ticket,
+                wait,
+            },
+        );
+        assert_eq!(out, [invalidate(1), invalidate(3), grant]);
+        assert_eq!(l.holders(5), (2, Access::Write, vec![2]));
+        let read = Msg::Request {
+            page: 5,
+            want: Want::Read,
+        };
+        assert!(l.on_msg::<u8>(3, read).is_empty(), "queued");
+        let out: Vec<(SiteId, M)> = l.on_msg(2, Msg::Done { page: 5, ticket });
+        assert!(matches!(out[..], [(2, Msg::Send { to: 3, .. })]), "{out:?}");
+    }
+
+    /// Reader 3 crashes while the requester collects acknowledgements: the requester is
+    /// excused from waiting for it. Then the requester crashes: the copies it was told about
+    /// are invalidated again, acknowledged to the library, before anything else is served.
+    #[test]
+    fn crashes_while_acknowledgements_are_collected() {
+        let mut l = two_readers(MAX_WAIT);
+        let write = Msg::Request {
+            page: 5,
+            want: Want::Write,
+        };
+        l.on_msg::<u8>(2, write);
+        let ticket = 3;
+        let out: Vec<(SiteId, M)> = l.site_down(3);
+        let excuse = Msg::Excuse {
+            page: 5,
+            ticket,
+            site: 3,
+        };
+        assert_eq!(out, [(2, excuse)]);
+        let out: Vec<(SiteId, M)> = l.site_down(2);
+        let again = Msg::Invalidate {
+            page: 5,
+            ticket,
+            ack_to: None,
+        };
+        assert_eq!(out, [(1, again)]);
+        assert!(l.busy(5));
+        // An upgrade's requester held the page: once site 1 drops its copy, nobody does.
+        let out: Vec<(SiteId, M)> = l.on_msg(1, Msg::Invalidated { page: 5, ticket });
+        assert!(out.is_empty(), "{out:?}");
+        assert!(l.lost(5));
+    }
+
+    /// With direct acknowledgements off (more copies than a frame names), an upgrade's
+    /// invalidations are acknowledged to the library, which grants after the last.
+    #[test]
+    fn an_upgrade_through_the_library_grants_after_every_acknowledgement() {
+        let mut l = two_readers(0);
         let out: Vec<(SiteId, M)> = l.on_msg(
             2,
             Msg::Request {
@@ -764,37 +989,26 @@ mod tests {
         );
         let to: Vec<SiteId> = out.iter().map(|o| o.0).collect();
         assert_eq!(to, [1, 3]);
-        assert!(out.iter().all(|o| matches!(o.1, Msg::Invalidate { .. })));
-        // Another request meanwhile is queued.
-        assert!(l
-            .on_msg::<u8>(
-                3,
-                Msg::Request {
-                    page: 5,
-                    want: Want::Read
-                }
-            )
-            .is_empty());
+        assert!(out
+            .iter()
+            .all(|o| matches!(o.1, Msg::Invalidate { ack_to: None, .. })));
         let ticket = 3;
         assert!(l
             .on_msg::<u8>(1, Msg::Invalidated { page: 5, ticket })
             .is_empty());
         let out: Vec<(SiteId, M)> = l.on_msg(3, Msg::Invalidated { page: 5, ticket });
-        assert_eq!(out, [(2, Msg::Grant { page: 5, ticket })]);
-        assert_eq!(l.holders(5), (2, Access::Write, vec![2]));
-        // The queued read: the writer is downgraded to send it.
-        let out: Vec<(SiteId, M)> = l.on_msg(2, Msg::Done { page: 5, ticket });
+        let wait = vec![];
         assert_eq!(
             out,
             [(
                 2,
-                Msg::Send {
+                Msg::Grant {
                     page: 5,
-                    to: 3,
-                    grant: Want::Read,
-                    ticket: 4
+                    ticket,
+                    wait
                 }
             )]
         );
+        assert_eq!(l.holders(5), (2, Access::Write, vec![2]));
     }
 }

@@ -43,27 +43,49 @@ pub enum Msg<D> {
     /// Site → library: a fault on `page` wants `want`.
     Request { page: PageNo, want: Want },
     /// Library → the clock site: send your copy to `to`, which gets `grant`; keep a read copy
-    /// if `grant` is `Read` (a writer is downgraded), drop yours if it is `Write`.
+    /// if `grant` is `Read` (a writer is downgraded), drop yours if it is `Write`. `wait`:
+    /// the sites whose acknowledgements the requester collects before it installs the page
+    /// (passed on in the `Page`).
     Send {
         page: PageNo,
         to: SiteId,
         grant: Want,
         ticket: Ticket,
+        wait: Vec<SiteId>,
     },
-    /// Library → a site holding a copy: drop it, and say so.
-    Invalidate { page: PageNo, ticket: Ticket },
+    /// Library → a site holding a copy: drop it, and say so — to the requester `ack_to`
+    /// (`Ack`), or to the library when `None` (`Invalidated`).
+    Invalidate {
+        page: PageNo,
+        ticket: Ticket,
+        ack_to: Option<SiteId>,
+    },
     /// Site → library: dropped.
     Invalidated { page: PageNo, ticket: Ticket },
-    /// The clock site → the requester: the newest contents, and the access it now has.
+    /// Site → the requester the library named in its `Invalidate`: dropped.
+    Ack { page: PageNo, ticket: Ticket },
+    /// Library → a requester collecting acknowledgements: `site` crashed; do not wait for it.
+    Excuse {
+        page: PageNo,
+        ticket: Ticket,
+        site: SiteId,
+    },
+    /// The clock site → the requester: the newest contents, and the access it will have once
+    /// every site in `wait` has acknowledged dropping its copy.
     Page {
         page: PageNo,
         grant: Want,
         ticket: Ticket,
         data: D,
+        wait: Vec<SiteId>,
     },
     /// Library → a requester that holds the newest copy already (an upgrade): it is the
-    /// writer now, every other copy is gone.
-    Grant { page: PageNo, ticket: Ticket },
+    /// writer once every site in `wait` has acknowledged dropping its copy.
+    Grant {
+        page: PageNo,
+        ticket: Ticket,
+        wait: Vec<SiteId>,
+    },
     /// Requester → library: the page is installed; the library may serve the next request.
     Done { page: PageNo, ticket: Ticket },
     /// Library → requester: the page's only copy went with a site that crashed; the request
@@ -89,6 +111,8 @@ impl<D> Msg<D> {
             | Msg::Send { page, .. }
             | Msg::Invalidate { page, .. }
             | Msg::Invalidated { page, .. }
+            | Msg::Ack { page, .. }
+            | Msg::Excuse { page, .. }
             | Msg::Page { page, .. }
             | Msg::Grant { page, .. }
             | Msg::Done { page, .. }
@@ -107,6 +131,8 @@ impl<D> Msg<D> {
             Msg::Send { ticket, .. }
             | Msg::Invalidate { ticket, .. }
             | Msg::Invalidated { ticket, .. }
+            | Msg::Ack { ticket, .. }
+            | Msg::Excuse { ticket, .. }
             | Msg::Page { ticket, .. }
             | Msg::Grant { ticket, .. }
             | Msg::Done { ticket, .. }

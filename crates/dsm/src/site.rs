@@ -15,7 +15,23 @@
 
 use crate::library::{era_of, Held, Report};
 use crate::msg::{Access, Msg, PageNo, SiteId, Ticket, Want};
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+
+/// Acknowledgements kept per page that arrived before the page or grant they belong to
+/// (they come from other sites than it does, so they may overtake it). Only sites the
+/// transport authenticated send them, one each per request; more are refused.
+const MAX_EARLY_ACKS: usize = 256;
+
+/// A page or grant that arrived, waiting for acknowledgements that other copies are gone.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+struct Waiting<D> {
+    ticket: Ticket,
+    grant: Want,
+    /// The sites still to acknowledge.
+    acks: BTreeSet<SiteId>,
+    /// The page's contents (`None`: an upgrade's grant, the copy here is the page).
+    data: Option<D>,
+}
 
 /// What a fault needs.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -51,6 +67,10 @@ struct Page<D> {
     refused: Option<Ticket>,
     /// Lost with a crashed site: every access fails.
     lost: bool,
+    /// The answer to this site's write request, waiting for acknowledgements.
+    waiting: Option<Waiting<D>>,
+    /// Acknowledgements that came first: (ticket, site).
+    early: BTreeSet<(Ticket, SiteId)>,
 }
 
 /// What the site dropped, by reason.
@@ -86,6 +106,10 @@ pub struct Site<D> {
     creator: bool,
     delta_ms: u64,
     pages: BTreeMap<PageNo, Page<D>>,
+    /// The pages with orders waiting (`deferred` not empty): what [`Site::tick`] and
+    /// [`Site::next_deadline`] look at, called on every turn of the runtime's loop (scanning
+    /// every page held cost ~50 µs a message with a few thousand).
+    waiting_orders: BTreeSet<PageNo>,
     /// Pages whose write copy was taken back (`Restore`) since [`Site::take_restored`].
     restored: Vec<PageNo>,
     pub counters: Counters,
@@ -108,6 +132,7 @@ impl<D: Clone + Default> Site<D> {
             creator,
             delta_ms,
             pages: BTreeMap::new(),
+            waiting_orders: BTreeSet::new(),
             restored: Vec::new(),
             counters: Counters::default(),
         }
@@ -130,6 +155,8 @@ impl<D: Clone + Default> Site<D> {
             installed: 0,
             refused: None,
             lost: false,
+            waiting: None,
+            early: BTreeSet::new(),
         })
     }
 
@@ -178,6 +205,14 @@ impl<D: Clone + Default> Site<D> {
         self.pages.get(&page).and_then(|p| p.asked)
     }
 
+    /// Whether `page`'s contents arrived and wait for acknowledgements before they are
+    /// installed (the runtime keeps the bytes meanwhile).
+    pub fn holds_arrived(&self, page: PageNo) -> bool {
+        self.pages
+            .get(&page)
+            .is_some_and(|p| p.waiting.as_ref().is_some_and(|w| w.data.is_some()))
+    }
+
     /// The library crashed: this site stops taking its orders and the pages sent on them
     /// (everything of its era, from now on), drops its request on their way (the faults
     /// behind them wait for the next library, [`Site::new_library`]) and the orders waiting
@@ -204,10 +239,13 @@ impl<D: Clone + Default> Site<D> {
         };
         self.era += 1;
         self.orphaned = true;
+        self.waiting_orders.clear();
         self.creator = false;
         for p in self.pages.values_mut() {
             p.asked = None;
             p.deferred.clear();
+            p.waiting = None;
+            p.early.clear();
         }
         report
     }
@@ -267,7 +305,6 @@ impl<D: Clone + Default> Site<D> {
         let mut out = Vec::new();
         let page = msg.page();
         let library = self.library;
-        let delta = self.delta_ms;
         // From the crashed library, once this site has reported (what it reported stands):
         // refused.
         if self.orphaned && from == library {
@@ -287,6 +324,7 @@ impl<D: Clone + Default> Site<D> {
                 let p = self.page(page);
                 if !p.deferred.is_empty() || !Self::releasable(p, now_ms) {
                     p.deferred.push_back(msg);
+                    self.waiting_orders.insert(page);
                 } else {
                     self.carry_out(msg, &mut out);
                 }
@@ -295,6 +333,7 @@ impl<D: Clone + Default> Site<D> {
                 grant,
                 ticket,
                 data,
+                wait,
                 ..
             } => {
                 let p = self.page(page);
@@ -305,41 +344,47 @@ impl<D: Clone + Default> Site<D> {
                 if p.asked.is_none_or(|w| w < grant)
                     || ticket <= p.installed
                     || p.refused == Some(ticket)
+                    || p.waiting.is_some()
                 {
                     self.counters.refused += 1;
                     return (out, None);
                 }
-                p.access = grant.access();
-                p.data = Some(data);
-                p.hold_until = now_ms.saturating_add(delta);
-                p.used = false;
-                p.asked = None;
-                p.installed = ticket;
-                self.counters.installs += 1;
-                out.push((library, Msg::Done { page, ticket }));
-                return (out, Some(page));
+                let w = Waiting {
+                    ticket,
+                    grant,
+                    acks: wait.into_iter().collect(),
+                    data: Some(data),
+                };
+                return self.arrived(page, w, now_ms);
             }
-            Msg::Grant { ticket, .. } if from == library => {
+            Msg::Grant { ticket, wait, .. } if from == library => {
                 let p = self.page(page);
                 if p.asked.is_some_and(|w| p.access >= w.access()) {
                     // The library found this site has what it asked for already (its write
                     // copy given back meanwhile): nothing moves, no Done.
                     p.asked = None;
+                    p.early.clear();
                     return (out, Some(page));
                 }
-                if p.access != Access::Read || p.asked != Some(Want::Write) || ticket <= p.installed
+                if p.access != Access::Read
+                    || p.asked != Some(Want::Write)
+                    || ticket <= p.installed
+                    || p.waiting.is_some()
                 {
                     self.counters.refused += 1;
                     return (out, None);
                 }
-                p.access = Access::Write;
-                p.hold_until = now_ms.saturating_add(delta);
-                p.used = false;
-                p.asked = None;
-                p.installed = ticket;
-                self.counters.upgrades += 1;
-                out.push((library, Msg::Done { page, ticket }));
-                return (out, Some(page));
+                let w = Waiting {
+                    ticket,
+                    grant: Want::Write,
+                    acks: wait.into_iter().collect(),
+                    data: None,
+                };
+                return self.arrived(page, w, now_ms);
+            }
+            Msg::Ack { ticket, .. } => return self.acked(page, ticket, from, now_ms),
+            Msg::Excuse { ticket, site, .. } if from == library => {
+                return self.acked(page, ticket, site, now_ms)
             }
             Msg::Forget { ticket, .. } if from == library => {
                 let p = self.page(page);
@@ -352,6 +397,8 @@ impl<D: Clone + Default> Site<D> {
                 if p.installed == ticket {
                     // It came: the Done already sent may have been lost with nothing; again.
                     out.push((library, Msg::Done { page, ticket }));
+                } else if p.waiting.as_ref().is_some_and(|w| w.ticket == ticket) {
+                    // It came and waits for acknowledgements: its Done follows them.
                 } else {
                     p.refused = Some(ticket);
                     out.push((library, Msg::Missing { page, ticket }));
@@ -367,6 +414,8 @@ impl<D: Clone + Default> Site<D> {
                 p.access = Access::None;
                 p.data = None;
                 p.lost = true;
+                p.waiting = None;
+                p.early.clear();
                 self.counters.lost += 1;
                 // Its faulting processes are woken to find it lost.
                 return (out, Some(page));
@@ -374,6 +423,76 @@ impl<D: Clone + Default> Site<D> {
             _ => self.counters.refused += 1,
         }
         (out, None)
+    }
+
+    /// The answer to this site's request arrived: installed now if no acknowledgement is
+    /// missing (some may have come first), else when the last comes.
+    fn arrived(
+        &mut self,
+        page: PageNo,
+        mut w: Waiting<D>,
+        now_ms: u64,
+    ) -> (Out<D>, Option<PageNo>) {
+        let p = self.page(page);
+        let early = std::mem::take(&mut p.early);
+        for (t, s) in early {
+            if t == w.ticket {
+                w.acks.remove(&s);
+            }
+        }
+        p.waiting = Some(w);
+        self.install_if_acked(page, now_ms)
+    }
+
+    /// Site `site` dropped its copy for ticket `ticket` (or crashed, as the library says).
+    fn acked(
+        &mut self,
+        page: PageNo,
+        ticket: Ticket,
+        site: SiteId,
+        now_ms: u64,
+    ) -> (Out<D>, Option<PageNo>) {
+        let p = self.page(page);
+        match p.waiting.as_mut() {
+            Some(w) if w.ticket == ticket && w.acks.contains(&site) => {
+                w.acks.remove(&site);
+                return self.install_if_acked(page, now_ms);
+            }
+            None if p.asked == Some(Want::Write)
+                && ticket > p.installed
+                && p.early.len() < MAX_EARLY_ACKS =>
+            {
+                p.early.insert((ticket, site));
+            }
+            _ => self.counters.refused += 1,
+        }
+        (Vec::new(), None)
+    }
+
+    fn install_if_acked(&mut self, page: PageNo, now_ms: u64) -> (Out<D>, Option<PageNo>) {
+        let library = self.library;
+        let delta = self.delta_ms;
+        let p = self.page(page);
+        if p.waiting.as_ref().is_none_or(|w| !w.acks.is_empty()) {
+            return (Vec::new(), None);
+        }
+        let w = p.waiting.take().expect("checked");
+        p.access = w.grant.access();
+        let moved = w.data.is_some();
+        if let Some(data) = w.data {
+            p.data = Some(data);
+        }
+        p.hold_until = now_ms.saturating_add(delta);
+        p.used = false;
+        p.asked = None;
+        p.installed = w.ticket;
+        if moved {
+            self.counters.installs += 1;
+        } else {
+            self.counters.upgrades += 1;
+        }
+        let ticket = w.ticket;
+        (vec![(library, Msg::Done { page, ticket })], Some(page))
     }
 
     fn releasable(p: &Page<D>, now_ms: u64) -> bool {
@@ -384,18 +503,26 @@ impl<D: Clone + Default> Site<D> {
     fn carry_out(&mut self, msg: Msg<D>, out: &mut Out<D>) {
         let library = self.library;
         match msg {
-            Msg::Invalidate { page, ticket } => {
+            Msg::Invalidate {
+                page,
+                ticket,
+                ack_to,
+            } => {
                 let p = self.page(page);
                 p.access = Access::None;
                 p.data = None;
                 self.counters.invalidated += 1;
-                out.push((library, Msg::Invalidated { page, ticket }));
+                out.push(match ack_to {
+                    Some(r) => (r, Msg::Ack { page, ticket }),
+                    None => (library, Msg::Invalidated { page, ticket }),
+                });
             }
             Msg::Send {
                 page,
                 to,
                 grant,
                 ticket,
+                wait,
             } => {
                 let p = self.page(page);
                 let Some(data) = p.data.clone().filter(|_| p.access != Access::None) else {
@@ -418,6 +545,7 @@ impl<D: Clone + Default> Site<D> {
                         grant,
                         ticket,
                         data,
+                        wait,
                     },
                 ));
             }
@@ -448,12 +576,13 @@ impl<D: Clone + Default> Site<D> {
     pub fn tick(&mut self, now_ms: u64) -> Out<D> {
         let mut out = Vec::new();
         let ready: Vec<PageNo> = self
-            .pages
+            .waiting_orders
             .iter()
-            .filter(|(_, p)| !p.deferred.is_empty() && Self::releasable(p, now_ms))
-            .map(|(&n, _)| n)
+            .copied()
+            .filter(|n| Self::releasable(&self.pages[n], now_ms))
             .collect();
         for n in ready {
+            self.waiting_orders.remove(&n);
             while let Some(msg) = self.page(n).deferred.pop_front() {
                 self.counters.deferred += 1;
                 self.carry_out(msg, &mut out);
@@ -465,15 +594,16 @@ impl<D: Clone + Default> Site<D> {
 
     /// Whether an order of the library's waits here (for a window, or for its page's use).
     pub fn has_deferred(&self) -> bool {
-        self.pages.values().any(|p| !p.deferred.is_empty())
+        !self.waiting_orders.is_empty()
     }
 
     /// When [`Site::tick`] next has something to do, if only time is missing (`None`: nothing
     /// waits, or what waits needs a page to be used first).
     pub fn next_deadline(&self) -> Option<u64> {
-        self.pages
-            .values()
-            .filter(|p| !p.deferred.is_empty() && p.used)
+        self.waiting_orders
+            .iter()
+            .map(|n| &self.pages[n])
+            .filter(|p| p.used)
             .map(|p| p.hold_until)
             .min()
     }
@@ -498,6 +628,7 @@ mod tests {
                 grant: Want::Write,
                 ticket: 4,
                 data: 7,
+                wait: vec![],
             },
             100,
         );
@@ -510,6 +641,7 @@ mod tests {
             to: 3,
             grant: Want::Read,
             ticket: 5,
+            wait: vec![],
         };
         assert!(s.on_msg(1, send, 105).0.is_empty());
         assert_eq!(s.next_deadline(), None, "waits for its use first");
@@ -525,14 +657,23 @@ mod tests {
                     page: 0,
                     grant: Want::Read,
                     ticket: 5,
-                    data: 7
+                    data: 7,
+                    wait: vec![]
                 }
             )]
         );
         assert_eq!(s.access(0), Access::Read);
         // An invalidation from a site that is not the library; a page not asked for.
         assert!(s
-            .on_msg(3, Msg::Invalidate { page: 0, ticket: 6 }, 200)
+            .on_msg(
+                3,
+                Msg::Invalidate {
+                    page: 0,
+                    ticket: 6,
+                    ack_to: None
+                },
+                200
+            )
             .0
             .is_empty());
         let forged = Msg::Page {
@@ -540,6 +681,7 @@ mod tests {
             grant: Want::Write,
             ticket: 1,
             data: 9,
+            wait: vec![],
         };
         assert_eq!(s.on_msg(3, forged, 200), (vec![], None));
         assert_eq!(s.access(1), Access::None);
@@ -559,6 +701,7 @@ mod tests {
             grant: Want::Write,
             ticket,
             data,
+            wait: vec![],
         };
         s.on_msg(3, page(1, 10), 0);
         s.accessed(0);
@@ -567,6 +710,7 @@ mod tests {
             to: 3,
             grant: Want::Write,
             ticket: 2,
+            wait: vec![],
         };
         assert_eq!(s.on_msg(1, send, 1).0.len(), 1);
         assert!(s.has_ghost(0));
@@ -594,6 +738,7 @@ mod tests {
                 Msg::Invalidate {
                     page: 42,
                     ticket: 1,
+                    ack_to: None,
                 },
                 0,
             )
@@ -609,5 +754,60 @@ mod tests {
             )]
         );
         assert_eq!(c.access(42), Access::None);
+    }
+
+    /// A write's answer waits for every acknowledgement named with it, whichever comes first;
+    /// acknowledgements from sites not named, or for another ticket, change nothing; the
+    /// library may excuse a crashed site.
+    #[test]
+    fn a_write_is_installed_after_the_last_acknowledgement() {
+        let mut s: Site<u8> = Site::new(2, 1, false, 0);
+        assert!(matches!(s.fault(0, Want::Write), Fault::Ask(1, _)));
+        // Site 4's acknowledgement overtakes the page; one for another ticket too.
+        assert_eq!(
+            s.on_msg(4, Msg::Ack { page: 0, ticket: 3 }, 0),
+            (vec![], None)
+        );
+        assert_eq!(
+            s.on_msg(5, Msg::Ack { page: 0, ticket: 2 }, 0),
+            (vec![], None)
+        );
+        let page = Msg::Page {
+            page: 0,
+            grant: Want::Write,
+            ticket: 3,
+            data: 9,
+            wait: vec![4, 5, 6],
+        };
+        assert_eq!(s.on_msg(1, page, 1), (vec![], None));
+        assert!(s.holds_arrived(0));
+        assert_eq!(s.access(0), Access::None);
+        assert_eq!(s.fault(0, Want::Write), Fault::Wait);
+        // Not named; named but again; the library's excuse for 6 from anyone else.
+        assert_eq!(
+            s.on_msg(7, Msg::Ack { page: 0, ticket: 3 }, 1),
+            (vec![], None)
+        );
+        assert_eq!(
+            s.on_msg(4, Msg::Ack { page: 0, ticket: 3 }, 1),
+            (vec![], None)
+        );
+        let excuse = Msg::Excuse {
+            page: 0,
+            ticket: 3,
+            site: 6,
+        };
+        assert_eq!(s.on_msg(5, excuse.clone(), 1), (vec![], None));
+        assert_eq!(
+            s.on_msg(5, Msg::Ack { page: 0, ticket: 3 }, 2),
+            (vec![], None)
+        );
+        assert_eq!(s.access(0), Access::None);
+        let (out, woke) = s.on_msg(1, excuse, 3);
+        assert_eq!(woke, Some(0));
+        assert_eq!(out, [(1, Msg::Done { page: 0, ticket: 3 })]);
+        assert_eq!((s.access(0), s.data(0).copied()), (Access::Write, Some(9)));
+        assert!(!s.holds_arrived(0));
+        assert_eq!(s.counters.refused, 3);
     }
 }

@@ -93,6 +93,9 @@ struct Dsm {
     /// A broken site (the last): it acknowledges invalidations without dropping its copy.
     /// The checks must catch it, or they check nothing.
     liar: bool,
+    /// Writes invalidating more copies than this have them acknowledged to the library
+    /// (`Library::set_direct_acks`); else to their requester.
+    direct_acks: usize,
 }
 
 impl World {
@@ -135,9 +138,11 @@ impl Model for Dsm {
 
     fn init_states(&self) -> Vec<World> {
         let ids = 0..self.sites as u64;
+        let mut lib = Library::new(0, ids.clone());
+        lib.set_direct_acks(self.direct_acks);
         vec![World {
             // Site 0 created the segment: it is the library site too.
-            lib: Library::new(0, ids.clone()),
+            lib,
             sites: ids
                 .map(|i| Site::new(i, 0, i == 0, self.delta_ms))
                 .collect(),
@@ -305,8 +310,17 @@ impl Model for Dsm {
                     _ => from as u64,
                 };
                 if self.liar && to == self.sites - 1 {
-                    if let Msg::Invalidate { page, ticket } = m {
-                        s.send(to, vec![(s.lib_site, Msg::Invalidated { page, ticket })]);
+                    if let Msg::Invalidate {
+                        page,
+                        ticket,
+                        ack_to,
+                    } = m
+                    {
+                        let ack = match ack_to {
+                            Some(r) => (r, Msg::Ack { page, ticket }),
+                            None => (s.lib_site, Msg::Invalidated { page, ticket }),
+                        };
+                        s.send(to, vec![ack]);
                         return Some(s);
                     }
                 }
@@ -437,6 +451,14 @@ impl Model for Dsm {
                 |_, s: &World| s.live().any(|x| x.counters.restored > 0),
             ),
             Property::sometimes(
+                "a write's requester excused from a crashed reader's acknowledgement",
+                |m: &Dsm, s: &World| m.direct_acks == 0 || s.lib.counters.excused > 0,
+            ),
+            Property::sometimes(
+                "copies invalidated again after a write's requester crashed",
+                |m: &Dsm, s: &World| m.direct_acks == 0 || s.lib.counters.reinvalidations > 0,
+            ),
+            Property::sometimes(
                 "a read re-sent from another copy after its source crashed",
                 |_, s: &World| s.lib.counters.probes > 0 && s.quiet() && !s.lib.busy(PAGE),
             ),
@@ -454,6 +476,7 @@ fn model(sites: usize, delta_ms: u64, max_writes: u32, max_faults: u32) -> Dsm {
         max_crashes: 0,
         library_crash: false,
         liar: false,
+        direct_acks: netram_dsm::library::MAX_WAIT,
     }
 }
 
@@ -490,6 +513,19 @@ fn three_sites_no_window() {
 fn three_sites_with_a_window() {
     let states = check(model(3, 1, 2, 5));
     eprintln!("three sites, Δ = 1: {states} states");
+    assert!(states > 1_000, "{states} states: the model explores little");
+}
+
+/// Invalidations acknowledged to the library (the path of writes with more copies to drop
+/// than a frame names), a window of 1, a site crash.
+#[test]
+fn three_sites_acknowledgements_through_the_library() {
+    let states = check(Dsm {
+        direct_acks: 0,
+        max_crashes: 1,
+        ..model(3, 1, 2, 4)
+    });
+    eprintln!("three sites, acknowledged to the library: {states} states");
     assert!(states > 1_000, "{states} states: the model explores little");
 }
 

@@ -10,6 +10,7 @@ fn page(ticket: u64, grant: Want, data: u32) -> Msg<u32> {
         grant,
         ticket,
         data,
+        wait: vec![],
     }
 }
 
@@ -29,6 +30,7 @@ fn a_write_copy_is_the_page_and_what_nobody_holds_is_lost() {
         to: 2,
         grant: Want::Write,
         ticket: 2,
+        wait: vec![],
     };
     let (out, _) = s3.on_msg(1, send, 1);
     let (_, Msg::Page { data, .. }) = out[0].clone() else {
@@ -61,6 +63,7 @@ fn a_kept_copy_nobody_installed_is_given_back() {
         to: 4,
         grant: Want::Write,
         ticket: 5,
+        wait: vec![],
     };
     s3.on_msg(1, send, 1);
     assert!(matches!(s2.fault(0, Want::Read), Fault::Ask(1, _)));

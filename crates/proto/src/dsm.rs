@@ -5,11 +5,11 @@
 //! ```text
 //! DSM = segment:u64 tag:u8 page:u32 ticket:u64 body
 //!   0 REQUEST      want:u8                      site → library
-//!   1 SEND         to:u64 grant:u8              library → the clock site
-//!   2 INVALIDATE                                library → a site with a copy
+//!   1 SEND         to:u64 grant:u8 wait         library → the clock site
+//!   2 INVALIDATE   ack:u8 to:u64                library → a site with a copy
 //!   3 INVALIDATED                               site → library
-//!   4 PAGE         grant:u8 flags:u16 len:u16 crc:u32 data  the clock site → the requester
-//!   5 GRANT                                     library → an upgrading site
+//!   4 PAGE         grant:u8 flags:u16 len:u16 crc:u32 wait data  the clock site → the requester
+//!   5 GRANT        wait                         library → an upgrading site
 //!   6 DONE                                      requester → library
 //!   7 LOOKUP       len:u8 name                  a machine → every member (ticket: a nonce)
 //!   8 FOUND        pages:u32 delta_ms:u32 uid:u32 mode:u16   the library → the asker
@@ -22,8 +22,17 @@
 //!  15 RESTORE                                   library → the sender of a write copy
 //!  16 REPORT       flags:u8 count:u16 held[count]   a site → every member (its library crashed)
 //!       held = page:u32 access:u8 lost:u8 ghost:u64 installed:u64   (22 bytes)
+//!  17 ACK                                       a site that dropped its copy → the requester
+//!  18 EXCUSE       site:u64                     library → a requester (`site` crashed)
 //! want, grant: 0 read, 1 write; REPORT's access: 0 none, 1 read, 2 write
+//! wait = count:u8 site[count]:u64   the sites whose ACK the requester waits for
 //! ```
+//!
+//! A write's invalidations are acknowledged to its requester (INVALIDATE's ack 1, `to` the
+//! requester: ACK), which installs the page or grant once every site in its `wait` has
+//! acknowledged — three one-way hops rather than four through the library. With ack 0 (`to`
+//! 0) they are acknowledged to the library (INVALIDATED): a write with more copies to drop
+//! than a `wait` names, and the copies invalidated again after a requester crashed.
 //!
 //! REPORT says what a site holds of a segment whose library crashed, for the next library to
 //! be rebuilt from (`netram_dsm::Library::rebuild`): in the ticket field its era, in the page
@@ -72,17 +81,25 @@ pub enum Body<'a> {
     Send {
         to: u64,
         grant: Access,
+        /// [`WAIT_SITE_LEN`] bytes a site ([`wait_sites`]).
+        wait: &'a [u8],
     },
-    Invalidate,
+    /// Drop your copy; acknowledge to this site (`None`: to the library).
+    Invalidate {
+        ack_to: Option<u64>,
+    },
     Invalidated,
     Page {
         grant: Access,
         flags: PageFlags,
         crc: u32,
+        wait: &'a [u8],
         /// `PAGE_SIZE` bytes, or none for a zero page.
         data: &'a [u8],
     },
-    Grant,
+    Grant {
+        wait: &'a [u8],
+    },
     Done,
     /// Which segment is called `name` (1 to [`MAX_NAME`] bytes)?
     Lookup {
@@ -110,6 +127,36 @@ pub enum Body<'a> {
         attached: bool,
         held: &'a [u8],
     },
+    Ack,
+    Excuse {
+        site: u64,
+    },
+}
+
+/// The bytes of one site in a `wait` list.
+pub const WAIT_SITE_LEN: usize = 8;
+/// Sites in a `wait` list at most.
+pub const MAX_WAIT: usize = 255;
+
+/// The sites of a `wait` list (checked when it was decoded).
+pub fn wait_sites(wait: &[u8]) -> impl Iterator<Item = u64> + '_ {
+    wait.chunks_exact(WAIT_SITE_LEN)
+        .map(|b| u64::from_le_bytes(b.try_into().expect("8 bytes")))
+}
+
+/// `sites` as a `wait` list's bytes (at most [`MAX_WAIT`]).
+pub fn wait_bytes(sites: impl IntoIterator<Item = u64>) -> Vec<u8> {
+    let out: Vec<u8> = sites.into_iter().flat_map(u64::to_le_bytes).collect();
+    assert!(
+        out.len() <= MAX_WAIT * WAIT_SITE_LEN,
+        "a wait list names at most {MAX_WAIT} sites"
+    );
+    out
+}
+
+fn read_wait<'a>(r: &mut Reader<'a>) -> Result<&'a [u8], DecodeError> {
+    let n = r.u8()? as usize;
+    r.bytes(n * WAIT_SITE_LEN)
 }
 
 /// One page in a REPORT: its number, the access held (0 none, 1 read, 2 write), whether it
@@ -186,9 +233,28 @@ pub fn page_checksum(segment: u64, page: u32, flags: PageFlags, data: &[u8]) -> 
 impl<'a> Message<'a> {
     /// A PAGE message carrying `data` (a zero page travels as a flag), sealed with its
     /// checksum.
-    pub fn page(segment: u64, page: u32, ticket: u64, grant: Access, data: &'a [u8]) -> Self {
+    pub fn page(
+        segment: u64,
+        page: u32,
+        ticket: u64,
+        grant: Access,
+        wait: &'a [u8],
+        data: &'a [u8],
+    ) -> Self {
         assert_eq!(data.len(), PAGE_SIZE, "a page is {PAGE_SIZE} bytes");
         let (flags, data) = PageFlags::zero_or(data);
+        Self::sealed(segment, page, ticket, grant, flags, wait, data)
+    }
+
+    fn sealed(
+        segment: u64,
+        page: u32,
+        ticket: u64,
+        grant: Access,
+        flags: PageFlags,
+        wait: &'a [u8],
+        data: &'a [u8],
+    ) -> Self {
         Self {
             segment,
             page,
@@ -197,6 +263,7 @@ impl<'a> Message<'a> {
                 grant,
                 flags,
                 crc: page_checksum(segment, page, flags, data),
+                wait,
                 data,
             },
         }
@@ -206,11 +273,13 @@ impl<'a> Message<'a> {
     /// zero page as a flag, a page the rule compresses in LZ4's block format (in `scratch`,
     /// at least [`crate::compress::PACKED_ROOM`] bytes), any other as it is; with what became
     /// of it.
+    #[allow(clippy::too_many_arguments)]
     pub fn packed_page(
         segment: u64,
         page: u32,
         ticket: u64,
         grant: Access,
+        wait: &'a [u8],
         data: &'a [u8],
         rule: &crate::compress::Rule,
         scratch: &'a mut [u8],
@@ -222,18 +291,10 @@ impl<'a> Message<'a> {
             Packed::Compressed(n) => (PageFlags(PageFlags::LZ4), &scratch[..n]),
             Packed::Raw(_) => (PageFlags::default(), data),
         };
-        let m = Self {
-            segment,
-            page,
-            ticket,
-            body: Body::Page {
-                grant,
-                flags,
-                crc: page_checksum(segment, page, flags, data),
-                data,
-            },
-        };
-        (m, packed)
+        (
+            Self::sealed(segment, page, ticket, grant, flags, wait, data),
+            packed,
+        )
     }
 
     /// The receiver's check of a PAGE: its checksum matches this segment, page and contents
@@ -253,10 +314,10 @@ impl<'a> Message<'a> {
         let tag = match self.body {
             Body::Request { .. } => 0,
             Body::Send { .. } => 1,
-            Body::Invalidate => 2,
+            Body::Invalidate { .. } => 2,
             Body::Invalidated => 3,
             Body::Page { .. } => 4,
-            Body::Grant => 5,
+            Body::Grant { .. } => 5,
             Body::Done => 6,
             Body::Lookup { .. } => 7,
             Body::Found { .. } => 8,
@@ -268,19 +329,30 @@ impl<'a> Message<'a> {
             Body::Forget => 14,
             Body::Restore => 15,
             Body::Report { .. } => 16,
+            Body::Ack => 17,
+            Body::Excuse { .. } => 18,
         };
         w.u64(self.segment).u8(tag).u32(self.page).u64(self.ticket);
         match self.body {
             Body::Request { want } => {
                 w.u8(want as u8);
             }
-            Body::Send { to, grant } => {
+            Body::Send { to, grant, wait } => {
                 w.u64(to).u8(grant as u8);
+                put_wait(&mut w, wait);
+            }
+            Body::Invalidate { ack_to } => {
+                w.u8(u8::from(ack_to.is_some())).u64(ack_to.unwrap_or(0));
+            }
+            Body::Grant { wait } => put_wait(&mut w, wait),
+            Body::Excuse { site } => {
+                w.u64(site);
             }
             Body::Page {
                 grant,
                 flags,
                 crc,
+                wait,
                 data,
             } => {
                 let len = if flags.is_lz4() {
@@ -294,7 +366,9 @@ impl<'a> Message<'a> {
                     debug_assert_eq!(data.len(), if flags.is_zero() { 0 } else { PAGE_SIZE });
                     0
                 };
-                w.u8(grant as u8).u16(flags.0).u16(len).u32(crc).bytes(data);
+                w.u8(grant as u8).u16(flags.0).u16(len).u32(crc);
+                put_wait(&mut w, wait);
+                w.bytes(data);
             }
             Body::Lookup { name } => {
                 assert!(
@@ -325,9 +399,8 @@ impl<'a> Message<'a> {
                     .u16(n as u16)
                     .bytes(held);
             }
-            Body::Invalidate
-            | Body::Invalidated
-            | Body::Grant
+            Body::Invalidated
+            | Body::Ack
             | Body::Done
             | Body::Absent
             | Body::Unlink
@@ -339,6 +412,15 @@ impl<'a> Message<'a> {
         }
         w.finish();
     }
+}
+
+fn put_wait(w: &mut FrameBuilder<'_>, wait: &[u8]) {
+    let n = wait.len() / WAIT_SITE_LEN;
+    assert!(
+        wait.len().is_multiple_of(WAIT_SITE_LEN) && n <= MAX_WAIT,
+        "a wait list names whole sites, at most {MAX_WAIT}"
+    );
+    w.u8(n as u8).bytes(wait);
 }
 
 fn access(r: &mut Reader<'_>, field: &'static str) -> Result<Access, DecodeError> {
@@ -381,8 +463,24 @@ pub fn decode(frame: &[u8]) -> Result<Message<'_>, DecodeError> {
         1 => Body::Send {
             to: r.u64()?,
             grant: access(&mut r, "grant")?,
+            wait: read_wait(&mut r)?,
         },
-        2 => Body::Invalidate,
+        2 => {
+            let ack = r.u8()?;
+            let to = r.u64()?;
+            // One encoding: to the library (0, and no site), or to a site.
+            let ack_to = match (ack, to) {
+                (0, 0) => None,
+                (1, to) => Some(to),
+                _ => {
+                    return Err(DecodeError::BadValue {
+                        field: "dsm invalidate acknowledgement",
+                        value: ack.into(),
+                    })
+                }
+            };
+            Body::Invalidate { ack_to }
+        }
         3 => Body::Invalidated,
         4 => {
             let grant = access(&mut r, "grant")?;
@@ -415,14 +513,18 @@ pub fn decode(frame: &[u8]) -> Result<Message<'_>, DecodeError> {
                 }
             };
             let crc = r.u32()?;
+            let wait = read_wait(&mut r)?;
             Body::Page {
                 grant,
                 flags,
                 crc,
+                wait,
                 data: r.bytes(len)?,
             }
         }
-        5 => Body::Grant,
+        5 => Body::Grant {
+            wait: read_wait(&mut r)?,
+        },
         6 => Body::Done,
         7 => {
             let len = r.u8()? as usize;
@@ -480,6 +582,8 @@ pub fn decode(frame: &[u8]) -> Result<Message<'_>, DecodeError> {
                 held,
             }
         }
+        17 => Body::Ack,
+        18 => Body::Excuse { site: r.u64()? },
         t => {
             return Err(DecodeError::BadValue {
                 field: "dsm message",
@@ -519,7 +623,7 @@ mod tests {
             ticket in 1u64..,
             to in any::<u64>(),
             want in arb_access(),
-            tag in 0u8..17,
+            tag in 0u8..19,
             fill in any::<u8>(),
             name in proptest::collection::vec(any::<u8>(), 1..=MAX_NAME),
         ) {
@@ -535,13 +639,14 @@ mod tests {
                 }
                 .encode(&mut held);
             }
+            let wait = wait_bytes((0..u64::from(fill % 4)).map(|i| to ^ i));
             let body = match tag {
                 0 => Body::Request { want },
-                1 => Body::Send { to, grant: want },
-                2 => Body::Invalidate,
+                1 => Body::Send { to, grant: want, wait: &wait },
+                2 => Body::Invalidate { ack_to: (fill % 2 == 0).then_some(to) },
                 3 => Body::Invalidated,
-                4 => Message::page(segment, page, ticket, want, &data).body,
-                5 => Body::Grant,
+                4 => Message::page(segment, page, ticket, want, &wait, &data).body,
+                5 => Body::Grant { wait: &wait },
                 6 => Body::Done,
                 7 => Body::Lookup { name: &name },
                 8 => Body::Found { pages: page, delta_ms: fill.into(), uid: to as u32, mode: 0o640 },
@@ -552,6 +657,8 @@ mod tests {
                 13 => Body::Missing,
                 14 => Body::Forget,
                 15 => Body::Restore,
+                17 => Body::Ack,
+                18 => Body::Excuse { site: to },
                 _ => Body::Report { last: fill % 2 == 0, attached: fill % 3 != 0, held: &held },
             };
             let ticket = if tag == 0 { 0 } else { ticket };
@@ -593,7 +700,8 @@ mod tests {
             .enumerate()
             .for_each(|(i, b)| *b = (i * 7) as u8);
         let mut scratch = [0u8; PACKED_ROOM];
-        let (m, packed) = Message::packed_page(9, 4, 2, Access::Read, &data, &rule, &mut scratch);
+        let (m, packed) =
+            Message::packed_page(9, 4, 2, Access::Read, &[], &data, &rule, &mut scratch);
         let Packed::Compressed(n) = packed else {
             panic!("{packed:?}")
         };
@@ -619,17 +727,66 @@ mod tests {
         let whole = (PAGE_SIZE as u16).to_le_bytes();
         assert!(!with(&|b| b[at + 2..at + 4].copy_from_slice(&whole)));
         // A length on a page that is not compressed.
-        let plain = Message::page(9, 4, 2, Access::Read, &data);
+        let plain = Message::page(9, 4, 2, Access::Read, &[], &data);
         let mut b = Vec::new();
         plain.encode(&mut b);
         b[at + 2] = 1;
         assert!(decode(&b).is_err());
     }
 
+    /// An invalidation is acknowledged to the library (0, and no site named) or to a site (1):
+    /// anything else is refused, and so is a wait list longer than its frame.
+    #[test]
+    fn acknowledgements_and_wait_lists_have_one_encoding() {
+        let frame = |ack_to| {
+            let mut buf = Vec::new();
+            Message {
+                segment: 1,
+                page: 2,
+                ticket: 3,
+                body: Body::Invalidate { ack_to },
+            }
+            .encode(&mut buf);
+            buf
+        };
+        let at = crate::FRAME_HEADER_LEN + 8 + 1 + 4 + 8;
+        let to_library = frame(None);
+        assert_eq!(to_library[at], 0);
+        assert!(decode(&to_library).is_ok());
+        let mut named = to_library.clone();
+        named[at + 1] = 7;
+        assert!(decode(&named).is_err(), "to the library, yet a site named");
+        let mut bad = to_library.clone();
+        bad[at] = 2;
+        assert!(decode(&bad).is_err());
+        let to_site = frame(Some(0));
+        assert_eq!(
+            decode(&to_site).unwrap().body,
+            Body::Invalidate { ack_to: Some(0) }
+        );
+        let wait = wait_bytes([5, 6]);
+        let mut grant = Vec::new();
+        Message {
+            segment: 1,
+            page: 2,
+            ticket: 3,
+            body: Body::Grant { wait: &wait },
+        }
+        .encode(&mut grant);
+        let m = decode(&grant).unwrap();
+        let Body::Grant { wait } = m.body else {
+            panic!("{m:?}")
+        };
+        assert_eq!(wait_sites(wait).collect::<Vec<_>>(), [5, 6]);
+        // A count of three sites with two in the frame.
+        grant[at] = 3;
+        assert!(decode(&grant).is_err());
+    }
+
     #[test]
     fn a_page_under_another_number_or_damaged_fails_its_checksum() {
         let data = vec![3u8; PAGE_SIZE];
-        let m = Message::page(9, 4, 2, Access::Write, &data);
+        let m = Message::page(9, 4, 2, Access::Write, &[], &data);
         assert!(m.verify());
         assert!(!Message { page: 5, ..m }.verify());
         assert!(!Message { segment: 8, ..m }.verify());
@@ -646,13 +803,14 @@ mod tests {
                 grant,
                 flags,
                 crc,
+                wait: &[],
                 data: &bad,
             },
             ..m
         };
         assert!(!damaged.verify());
         let zero = vec![0u8; PAGE_SIZE];
-        let z = Message::page(9, 4, 2, Access::Read, &zero);
+        let z = Message::page(9, 4, 2, Access::Read, &[], &zero);
         assert!(
             matches!(z.body, Body::Page { flags, data, .. } if flags.is_zero() && data.is_empty())
         );
@@ -660,7 +818,7 @@ mod tests {
         z.encode(&mut buf);
         assert_eq!(
             buf.len(),
-            crate::FRAME_HEADER_LEN + 8 + 1 + 4 + 8 + 1 + 2 + 2 + 4
+            crate::FRAME_HEADER_LEN + 8 + 1 + 4 + 8 + 1 + 2 + 2 + 4 + 1
         );
         // A request with a ticket, and another request id, are refused.
         let mut buf = Vec::new();

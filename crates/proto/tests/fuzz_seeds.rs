@@ -116,7 +116,8 @@ fn dsm_seeds() -> Vec<(String, Vec<u8>)> {
         link_bytes_per_us: 12.5,
         codec_us: 3.0,
     };
-    let (lz4, _) = Message::packed_page(7, 2, 5, Access::Read, &upto, &slow, &mut scratch);
+    let (lz4, _) = Message::packed_page(7, 2, 5, Access::Read, &[], &upto, &slow, &mut scratch);
+    let wait = netram_proto::dsm::wait_bytes([3, 4]);
     let mut report = Vec::new();
     for (page, access, ghost) in [(0, 2, 0), (1, 1, 0), (2, 0, 9)] {
         netram_proto::dsm::ReportHeld {
@@ -140,13 +141,32 @@ fn dsm_seeds() -> Vec<(String, Vec<u8>)> {
             Body::Send {
                 to: 3,
                 grant: Access::Read,
+                wait: &[],
             },
         ),
-        ("invalidate", Body::Invalidate),
+        (
+            "send-wait",
+            Body::Send {
+                to: 3,
+                grant: Access::Write,
+                wait: &wait,
+            },
+        ),
+        ("invalidate", Body::Invalidate { ack_to: None }),
+        ("invalidate-ack-to", Body::Invalidate { ack_to: Some(2) }),
         ("invalidated", Body::Invalidated),
-        ("page", Message::page(7, 2, 5, Access::Write, &data).body),
+        ("ack", Body::Ack),
+        ("excuse", Body::Excuse { site: 4 }),
+        (
+            "page",
+            Message::page(7, 2, 5, Access::Write, &[], &data).body,
+        ),
+        (
+            "page-wait",
+            Message::page(7, 2, 5, Access::Write, &wait, &data).body,
+        ),
         ("page-lz4", lz4.body),
-        ("grant", Body::Grant),
+        ("grant", Body::Grant { wait: &wait }),
         ("done", Body::Done),
         ("lookup", Body::Lookup { name: b"matrix" }),
         (

@@ -197,6 +197,9 @@ pub struct Agent {
     /// Write copies sent away and kept until the library says the requester installed them
     /// (`Forget`) or crashed first (`Restore`): the site keeps the fact, this the bytes.
     ghosts: HashMap<(SegmentId, PageNo), Box<[u8]>>,
+    /// Pages that arrived for a write and wait for the acknowledgements that every other copy
+    /// is gone ([`Site::holds_arrived`]): the site keeps the fact, this the bytes.
+    arrived: HashMap<(SegmentId, PageNo), Data>,
     /// When a page sent is compressed (`None`: never; zero pages are a flag regardless).
     compress: Option<Rule>,
     /// Segments whose library crashed, being taken over ([`takeover`]); reports in parts,
@@ -226,6 +229,7 @@ impl Agent {
                 .map_or(1, |d| d.as_nanos() as u64),
             letters: VecDeque::new(),
             ghosts: HashMap::new(),
+            arrived: HashMap::new(),
             compress: None,
             takeovers: HashMap::new(),
             partials: HashMap::new(),
@@ -660,13 +664,19 @@ impl Agent {
                 }
                 continue;
             }
-            let (grant, page) = match l.msg {
-                Msg::Page { grant, page, .. } => (Some(grant), page),
-                Msg::Grant { page, .. } => (Some(Want::Write), page),
-                ref m => (None, m.page()),
-            };
-            let is_page = matches!(l.msg, Msg::Page { .. });
+            let page = l.msg.page();
+            let mut is_page = matches!(l.msg, Msg::Page { .. });
             let (out, woke) = seg.site.on_msg(l.from, l.msg, now);
+            let mut data = l.data;
+            if is_page && woke.is_none() && seg.site.holds_arrived(page) {
+                // Installed when the last acknowledgement comes.
+                self.arrived.insert((l.segment, page), data.take());
+            } else if woke == Some(page) && !is_page {
+                // The last acknowledgement of a page that came before it.
+                if let Some(d) = self.arrived.remove(&(l.segment, page)) {
+                    (is_page, data) = (true, d);
+                }
+            }
             if woke == Some(page) && seg.site.is_lost(page) {
                 // Its only copy went with a crashed machine: the processes that touch it are
                 // told (SIGBUS at the page's address), never given zeros.
@@ -687,7 +697,7 @@ impl Agent {
             } else if woke == Some(page) {
                 // Installed: the contents first, then the access, then the waiting threads.
                 let zero;
-                let bytes: &[u8] = match &l.data {
+                let bytes: &[u8] = match &data {
                     Some(d) => d,
                     None => {
                         zero = [0u8; PAGE_SIZE];
@@ -703,8 +713,9 @@ impl Agent {
                 } else {
                     self.counters.upgrades += 1;
                 }
+                let write = seg.site.access(page) == netram_dsm::Access::Write;
                 for (i, v) in seg.views.iter().enumerate() {
-                    let r = if grant == Some(Want::Write) {
+                    let r = if write {
                         v.unprotect(page)
                     } else {
                         v.wake(page)
@@ -747,6 +758,9 @@ impl Agent {
         let seg = &self.segments[&id];
         self.ghosts
             .retain(|&(s, p), _| s != id || seg.site.has_ghost(p));
+        // A page that will not be installed (lost, not taken after all, the library crashed).
+        self.arrived
+            .retain(|&(s, p), _| s != id || seg.site.holds_arrived(p));
     }
 
     /// Machine `node` crashed (the membership says so and it does not accept a connection):
@@ -804,7 +818,7 @@ impl Agent {
                     }
                     self.drop_views(id, failed);
                 }
-                Msg::Invalidated { page, .. } => {
+                Msg::Invalidated { page, .. } | Msg::Ack { page, .. } => {
                     // Only read copies are invalidated (the write copy is sent away), and
                     // they are protected already: this is the invariant's second line.
                     let failed = protect_everywhere(seg, page);

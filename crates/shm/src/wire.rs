@@ -42,6 +42,12 @@ pub fn encode(
         body,
     };
     let zero = [0u8; netram_proto::PAGE_SIZE];
+    let wait = match msg {
+        Msg::Send { wait, .. } | Msg::Grant { wait, .. } | Msg::Page { wait, .. } => {
+            dsm::wait_bytes(wait.iter().copied())
+        }
+        _ => Vec::new(),
+    };
     let message = match *msg {
         Msg::Request { want, .. } => m(0, Body::Request { want: access(want) }),
         Msg::Send {
@@ -51,11 +57,14 @@ pub fn encode(
             Body::Send {
                 to,
                 grant: access(grant),
+                wait: &wait,
             },
         ),
-        Msg::Invalidate { ticket, .. } => m(ticket, Body::Invalidate),
+        Msg::Invalidate { ticket, ack_to, .. } => m(ticket, Body::Invalidate { ack_to }),
         Msg::Invalidated { ticket, .. } => m(ticket, Body::Invalidated),
-        Msg::Grant { ticket, .. } => m(ticket, Body::Grant),
+        Msg::Ack { ticket, .. } => m(ticket, Body::Ack),
+        Msg::Excuse { ticket, site, .. } => m(ticket, Body::Excuse { site }),
+        Msg::Grant { ticket, .. } => m(ticket, Body::Grant { wait: &wait }),
         Msg::Done { ticket, .. } => m(ticket, Body::Done),
         Msg::Lost { ticket, .. } => m(ticket, Body::Lost),
         Msg::Probe { ticket, .. } => m(ticket, Body::Probe),
@@ -65,7 +74,7 @@ pub fn encode(
         Msg::Page { grant, ticket, .. } => {
             let data = data.unwrap_or(&zero);
             let Some(rule) = rule else {
-                Message::page(segment, page, ticket, access(grant), data).encode(out);
+                Message::page(segment, page, ticket, access(grant), &wait, data).encode(out);
                 return None;
             };
             let mut scratch = [0u8; PACKED_ROOM];
@@ -74,6 +83,7 @@ pub fn encode(
                 page,
                 ticket,
                 access(grant),
+                &wait,
                 data,
                 rule,
                 &mut scratch,
@@ -304,15 +314,26 @@ fn protocol(m: Message<'_>) -> Result<(u64, Msg<()>, Data), WireError> {
             page,
             want: want(w),
         },
-        Body::Send { to, grant } => Msg::Send {
+        Body::Send { to, grant, wait } => Msg::Send {
             page,
             to,
             grant: want(grant),
             ticket,
+            wait: dsm::wait_sites(wait).collect(),
         },
-        Body::Invalidate => Msg::Invalidate { page, ticket },
+        Body::Invalidate { ack_to } => Msg::Invalidate {
+            page,
+            ticket,
+            ack_to,
+        },
         Body::Invalidated => Msg::Invalidated { page, ticket },
-        Body::Grant => Msg::Grant { page, ticket },
+        Body::Ack => Msg::Ack { page, ticket },
+        Body::Excuse { site } => Msg::Excuse { page, ticket, site },
+        Body::Grant { wait } => Msg::Grant {
+            page,
+            ticket,
+            wait: dsm::wait_sites(wait).collect(),
+        },
         Body::Done => Msg::Done { page, ticket },
         Body::Lost => Msg::Lost { page, ticket },
         Body::Probe => Msg::Probe { page, ticket },
@@ -327,6 +348,7 @@ fn protocol(m: Message<'_>) -> Result<(u64, Msg<()>, Data), WireError> {
         Body::Page {
             grant,
             flags,
+            wait,
             data: d,
             ..
         } => {
@@ -343,6 +365,7 @@ fn protocol(m: Message<'_>) -> Result<(u64, Msg<()>, Data), WireError> {
                 grant: want(grant),
                 ticket,
                 data: (),
+                wait: dsm::wait_sites(wait).collect(),
             }
         }
     };
@@ -358,7 +381,7 @@ mod tests {
     fn every_message_comes_back_as_it_went() {
         let mut page = vec![0u8; netram_proto::PAGE_SIZE];
         page[7] = 9;
-        let msgs: [(Msg<()>, Option<&[u8]>); 10] = [
+        let msgs: [(Msg<()>, Option<&[u8]>); 13] = [
             (
                 Msg::Request {
                     page: 1,
@@ -372,12 +395,44 @@ mod tests {
                     to: 5,
                     grant: Want::Read,
                     ticket: 3,
+                    wait: vec![],
                 },
                 None,
             ),
-            (Msg::Invalidate { page: 3, ticket: 4 }, None),
+            (
+                Msg::Invalidate {
+                    page: 3,
+                    ticket: 4,
+                    ack_to: Some(9),
+                },
+                None,
+            ),
+            (
+                Msg::Invalidate {
+                    page: 3,
+                    ticket: 4,
+                    ack_to: None,
+                },
+                None,
+            ),
             (Msg::Invalidated { page: 3, ticket: 4 }, None),
-            (Msg::Grant { page: 4, ticket: 5 }, None),
+            (Msg::Ack { page: 3, ticket: 4 }, None),
+            (
+                Msg::Excuse {
+                    page: 3,
+                    ticket: 4,
+                    site: 12,
+                },
+                None,
+            ),
+            (
+                Msg::Grant {
+                    page: 4,
+                    ticket: 5,
+                    wait: vec![2, u64::MAX, 0],
+                },
+                None,
+            ),
             (Msg::Done { page: 4, ticket: 5 }, None),
             (Msg::Lost { page: 4, ticket: 6 }, None),
             (Msg::Restore { page: 4, ticket: 7 }, None),
@@ -387,6 +442,7 @@ mod tests {
                     grant: Want::Write,
                     ticket: 7,
                     data: (),
+                    wait: vec![],
                 },
                 Some(&page),
             ),
@@ -396,6 +452,7 @@ mod tests {
                     grant: Want::Read,
                     ticket: 8,
                     data: (),
+                    wait: vec![],
                 },
                 None,
             ),
@@ -416,6 +473,7 @@ mod tests {
                 grant: Want::Write,
                 ticket: 7,
                 data: (),
+                wait: vec![],
             },
             Some(&page),
             None,
@@ -454,6 +512,7 @@ mod tests {
             grant: Want::Read,
             ticket: 8,
             data: (),
+            wait: vec![],
         };
         for (page, rule, expect) in [
             (&upto, slow, Packed::Compressed(0)),
@@ -490,6 +549,7 @@ mod tests {
                     grant: Access::Read,
                     flags,
                     crc: dsm::page_checksum(77, 1, flags, data),
+                    wait: &[],
                     data,
                 },
             };
