@@ -65,7 +65,7 @@ fn patterns() -> Vec<Pattern> {
 }
 
 /// A daemon's counter from its metrics (`netram_NAME_total` or `netram_NAME`).
-fn metric(control: &Path, name: &str) -> anyhow::Result<u64> {
+pub(crate) fn metric(control: &Path, name: &str) -> anyhow::Result<u64> {
     let text =
         netram_client::discover::metrics(control.to_str().expect("UTF-8"), Duration::from_secs(5))?;
     text.lines()
@@ -213,4 +213,90 @@ pub(crate) fn markdown(v: &Value) -> String {
         ));
     }
     s
+}
+
+/// MIRAGE+ Fig. 4's shape: per pattern (a column) and link speed (a row), the read fault's
+/// p50 against N, compressed (blue) and never (grey).
+pub(crate) fn plot(links: &[Value], path: &Path) -> anyhow::Result<()> {
+    use plotters::prelude::*;
+    anyhow::ensure!(!links.is_empty(), "no compression figures to plot");
+    let names = ["EachN", "UptoN", "RandN"];
+    let root = SVGBackend::new(path, (1200, 340 * links.len() as u32 + 60)).into_drawing_area();
+    root.fill(&WHITE)?;
+    let root = root.titled(
+        "bench dsm: a remote read fault of a page written in a pattern (MIRAGE+ Fig. 4), \
+         compressed when it pays (blue) and never (grey)",
+        ("sans-serif", 16),
+    )?;
+    let areas = root.split_evenly((links.len(), names.len()));
+    let mut areas = areas.iter();
+    for link in links {
+        for name in names {
+            let area = areas.next().expect("one area a panel");
+            let rows: Vec<(f64, f64, f64)> = link["rows"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter(|r| r["pattern"] == name)
+                .filter_map(|r| {
+                    Some((
+                        r["n"].as_f64()?,
+                        r["compressed_p50_us"].as_f64()?,
+                        r["plain_p50_us"].as_f64()?,
+                    ))
+                })
+                .collect();
+            if rows.is_empty() {
+                continue;
+            }
+            // EachN's N doubles (1 to 64): on a log₂ axis; the others' on a linear one.
+            let each = name == "EachN";
+            let x = |n: f64| if each { n.log2() } else { n };
+            let x_hi = rows.iter().map(|r| x(r.0)).fold(0.0, f64::max);
+            let x_range = if each {
+                -0.3..x_hi + 0.3
+            } else {
+                0.0..x_hi * 1.05
+            };
+            let y_hi = rows.iter().map(|r| r.1.max(r.2)).fold(0.0, f64::max) * 1.15;
+            let mut chart = ChartBuilder::on(area)
+                .caption(
+                    format!("{name}, {} Mbit/s", link["link_mbit"]),
+                    ("sans-serif", 14),
+                )
+                .margin(10)
+                .x_label_area_size(35)
+                .y_label_area_size(55)
+                .build_cartesian_2d(x_range, 0f64..y_hi)?;
+            chart
+                .configure_mesh()
+                .light_line_style(WHITE)
+                .x_labels(if each { rows.len() } else { 6 })
+                .x_desc("N")
+                .y_desc("read fault p50 (µs)")
+                .x_label_formatter(&|&v| {
+                    if each {
+                        format!("{:.0}", v.exp2())
+                    } else {
+                        format!("{v:.0}")
+                    }
+                })
+                .axis_desc_style(("sans-serif", 12))
+                .draw()?;
+            let grey = RGBColor(150, 150, 150);
+            for (color, pick) in [
+                (
+                    BLUE,
+                    (|r: &(f64, f64, f64)| r.1) as fn(&(f64, f64, f64)) -> f64,
+                ),
+                (grey, |r| r.2),
+            ] {
+                let pts: Vec<(f64, f64)> = rows.iter().map(|r| (x(r.0), pick(r))).collect();
+                chart.draw_series(LineSeries::new(pts.clone(), color.stroke_width(2)))?;
+                chart.draw_series(pts.into_iter().map(|p| Circle::new(p, 3, color.filled())))?;
+            }
+        }
+    }
+    root.present()?;
+    Ok(())
 }

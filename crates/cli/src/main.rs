@@ -351,14 +351,16 @@ enum BenchCommand {
     },
     /// Distributed shared memory (MIRAGE+ §4.7), as root on six network-namespace hosts, side
     /// by side in one run: the network's round trip, netram's pager's remote fault, a DSM read
-    /// fault (three machines and two), a write that invalidates four readers, and the System V
-    /// matrix multiply on one host and on five; every read checked; writes dsm.json and dsm.md
-    /// (about a minute; --quick a few seconds).
+    /// fault (three machines and two), a write that invalidates one to four readers, the
+    /// System V matrix multiply on one host and spread over one, two and four others, and
+    /// MIRAGE+'s compression patterns over a shaped link; every read checked; writes
+    /// dsm.json, dsm.md and two plots (dsm.svg, dsm-compression.svg) (a few minutes; --quick
+    /// under a minute).
     Dsm {
         /// Fewer samples, a smaller matrix.
         #[arg(long)]
         quick: bool,
-        /// Where to write dsm.json and dsm.md.
+        /// Where to write dsm.json, dsm.md and the plots.
         #[arg(long, default_value = "bench-results")]
         out: PathBuf,
     },
@@ -691,10 +693,16 @@ fn main() -> anyhow::Result<()> {
             let v = netram_bench::dsm::run_bench(quick)?;
             std::fs::create_dir_all(&out)?;
             std::fs::write(out.join("dsm.json"), serde_json::to_string_pretty(&v)?)?;
-            let report = netram_bench::dsm::markdown(&v);
+            let mut report = netram_bench::dsm::markdown(&v);
+            if let Err(e) = netram_bench::dsm::plot(&v, &out) {
+                report.push_str(&format!("\nNo plots: {e}\n"));
+            }
             std::fs::write(out.join("dsm.md"), &report)?;
             println!("{report}");
-            wrote(&out, &["dsm.json", "dsm.md"]);
+            wrote(
+                &out,
+                &["dsm.json", "dsm.md", "dsm.svg", "dsm-compression.svg"],
+            );
             Ok(())
         }
         Command::Bench(BenchCommand::Core { quick, out }) => {
