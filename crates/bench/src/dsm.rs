@@ -39,6 +39,9 @@ use std::time::{Duration, Instant};
 
 /// The System V matrix multiply the tests run too.
 const MATMUL: &str = include_str!("../../cli/tests/c/sysv_matmul.c");
+/// A parallel reduction in Python on sysv_ipc, and the Python that has Debian's module.
+const REDUCE: &str = include_str!("sysv_reduce.py");
+const PYTHON: &str = "/usr/bin/python3";
 const HOSTS: usize = 6;
 const SUBNET: u8 = 81;
 
@@ -249,47 +252,50 @@ fn coherence(maps: &[Option<Segment>], per: usize) -> anyhow::Result<Value> {
     }))
 }
 
-/// The System V matrix multiply with `workers` workers on the hosts `on` (cycled), through
-/// `netram shm run`; its time (s) as the coordinator measured it, after it checked every
-/// entry.
-fn matmul(
+/// A System V program (`prog`: the command; then `coordinator KEY WORKERS TAIL…` on host 1,
+/// `worker KEY WORKERS TAIL… I` for worker I on the hosts `on`, cycled) through `netram shm
+/// run`; its time (s) as the coordinator measured and printed it (`ok X SECONDS`), after it
+/// checked the workers' results.
+fn sysv_program(
     net: &mut Net,
     exe: &Path,
-    prog: &Path,
+    prog: &[&str],
     key: u32,
     workers: usize,
     on: &[usize],
-    n: usize,
+    tail: &[&str],
 ) -> anyhow::Result<f64> {
     let key = format!("{key:#x}");
-    let (w, n) = (workers.to_string(), n.to_string());
+    let w = workers.to_string();
     let shm_run = |net: &Net, host: usize, args: &[&str]| {
         let mut c = net.on(host, "timeout");
         c.arg("300")
             .arg(exe)
             .args(["shm", "run", "--"])
-            .arg(prog)
+            .args(prog)
             .args(args)
             .env("NETRAM_DAEMON", net.path(&format!("h{host}.sock")))
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());
         c.spawn()
     };
-    let coordinator = shm_run(net, 1, &["coordinator", &key, &w, &n])?;
+    let mut args = vec!["coordinator", &key, &w];
+    args.extend(tail);
+    let coordinator = shm_run(net, 1, &args)?;
     let mut kids = Vec::new();
     for i in 0..workers {
         let host = on[i % on.len()];
-        kids.push(shm_run(
-            net,
-            host,
-            &["worker", &key, &w, &n, &i.to_string()],
-        )?);
+        let index = i.to_string();
+        let mut args = vec!["worker", &key, &w];
+        args.extend(tail);
+        args.push(&index);
+        kids.push(shm_run(net, host, &args)?);
     }
     for k in kids {
         let out = k.wait_with_output()?;
         anyhow::ensure!(
             out.status.success(),
-            "a matmul worker: {}",
+            "a worker of {prog:?}: {}",
             String::from_utf8_lossy(&out.stderr)
         );
     }
@@ -297,7 +303,7 @@ fn matmul(
     let text = String::from_utf8_lossy(&out.stdout).into_owned();
     anyhow::ensure!(
         out.status.success() && text.starts_with("ok "),
-        "the matmul's coordinator: {text}{}",
+        "the coordinator of {prog:?}: {text}{}",
         String::from_utf8_lossy(&out.stderr)
     );
     text.split_whitespace()
@@ -444,17 +450,43 @@ pub fn run_bench(quick: bool) -> anyhow::Result<Value> {
         String::from_utf8_lossy(&cc.stderr)
     );
     let n = if quick { 128 } else { 256 };
-    let one = matmul(&mut net, &exe, &prog, 0x5201, 4, &[1], n)?;
-    let mut spread = Vec::new();
-    for (key, on) in [
-        (0x5203, &[2][..]),
-        (0x5204, &[2, 3]),
-        (0x5202, &[2, 3, 4, 5]),
-    ] {
-        let s = matmul(&mut net, &exe, &prog, key, 4, on, n)?;
-        spread.push(json!({ "worker_hosts": on.len(), "s": s, "vs_one_host": s / one }));
+    let ns = n.to_string();
+    let prog = [prog.to_str().expect("a UTF-8 path")];
+    let hosts: [&[usize]; 4] = [&[1], &[2], &[2, 3], &[2, 3, 4, 5]];
+    let mut times = Vec::new();
+    for (k, on) in hosts.iter().enumerate() {
+        times.push(sysv_program(
+            &mut net,
+            &exe,
+            &prog,
+            0x5201 + k as u32,
+            4,
+            on,
+            &[&ns],
+        )?);
     }
-    let five = spread[2]["s"].as_f64().unwrap_or(f64::NAN);
+    let one = times[0];
+    let spread = spread_of(&hosts, &times);
+    let five = times[3];
+
+    // The same spread for a Python program on sysv_ipc (Debian's module), when it is there.
+    let python = if Command::new(PYTHON)
+        .args(["-c", "import sysv_ipc"])
+        .output()
+        .is_ok_and(|o| o.status.success())
+    {
+        let script = dir.join("sysv_reduce.py");
+        std::fs::write(&script, REDUCE)?;
+        let prog = [PYTHON, script.to_str().expect("a UTF-8 path")];
+        let mut times = Vec::new();
+        for (k, on) in hosts.iter().enumerate() {
+            let key = 0x6601 + 16 * k as u32;
+            times.push(sysv_program(&mut net, &exe, &prog, key, 4, on, &[])?);
+        }
+        json!({ "workers": 4, "one_host_s": times[0], "spread": spread_of(&hosts, &times) })
+    } else {
+        json!({ "skipped": "Python's sysv_ipc module is missing (python3-sysv-ipc)" })
+    };
 
     drop(net);
 
@@ -485,6 +517,7 @@ pub fn run_bench(quick: bool) -> anyhow::Result<Value> {
         "pager_fault_prefetch_hits": prefetch_hits, "pager_fault_fetches": fetches,
         "matmul": { "n": n, "workers": 4, "one_host_s": one, "five_hosts_s": five,
                     "five_vs_one": five / one, "spread": spread },
+        "python_reduce": python,
         "compression": compression,
     }))
 }
@@ -517,6 +550,8 @@ pub fn markdown(v: &Value) -> String {
          A write on host 2 invalidating 1, 2, 3, 4 readers (hosts 3…), p50 µs: {}.\n\n\
          System V matrix multiply ({}×{}, 4 worker processes, checked entry by entry): one \
          host {:.3} s, workers on four other hosts {:.3} s ({:.2}×); {}.\n\n\
+         A parallel reduction in Python on sysv_ipc (`sysv_reduce.py`, 4 workers summing \
+         their slices of 128 shared pages, each sum checked): {}.\n\n\
          ![latencies and the matrix multiply](dsm.svg)\n\n\
          ![compression, MIRAGE+ Fig. 4's shape](dsm-compression.svg)\n",
         v["machine_line"].as_str().unwrap_or("?"),
@@ -538,6 +573,7 @@ pub fn markdown(v: &Value) -> String {
         m["five_hosts_s"].as_f64().unwrap_or(f64::NAN),
         m["five_vs_one"].as_f64().unwrap_or(f64::NAN),
         spread_list(m),
+        python_list(&v["python_reduce"]),
     );
     report.push_str(&compression);
     report
@@ -551,6 +587,26 @@ fn inval_list(v: &Value) -> String {
         .map(|s| format!("{:.1}", s["p50_us"].as_f64().unwrap_or(f64::NAN)))
         .collect::<Vec<_>>()
         .join(", ")
+}
+
+/// The times with the workers on other hosts, each against the first (all on one host).
+fn spread_of(hosts: &[&[usize]], times: &[f64]) -> Vec<Value> {
+    hosts[1..]
+        .iter()
+        .zip(&times[1..])
+        .map(|(on, &s)| json!({ "worker_hosts": on.len(), "s": s, "vs_one_host": s / times[0] }))
+        .collect()
+}
+
+fn python_list(p: &Value) -> String {
+    match p["skipped"].as_str() {
+        Some(why) => format!("not run: {why}"),
+        None => format!(
+            "one host {:.3} s; {}",
+            p["one_host_s"].as_f64().unwrap_or(f64::NAN),
+            spread_list(p)
+        ),
+    }
 }
 
 fn spread_list(m: &Value) -> String {
@@ -605,7 +661,18 @@ pub fn plot(v: &Value, out: &Path) -> anyhow::Result<()> {
             r["s"].as_f64().unwrap_or(0.0),
         ));
     }
-    let panels = vec![
+    let py = &v["python_reduce"];
+    let mut pybars = Vec::new();
+    if let Some(one) = py["one_host_s"].as_f64() {
+        pybars.push(("netram, one host".to_string(), one));
+        for r in py["spread"].as_array().into_iter().flatten() {
+            pybars.push((
+                format!("netram, {} others", r["worker_hosts"]),
+                r["s"].as_f64().unwrap_or(0.0),
+            ));
+        }
+    }
+    let mut panels = vec![
         (
             "p50 of one access: r2/r3 a read fault on 2/3 hosts, wN a write invalidating N readers"
                 .to_string(),
@@ -618,8 +685,15 @@ pub fn plot(v: &Value, out: &Path) -> anyhow::Result<()> {
             mm,
         ),
     ];
+    if !pybars.is_empty() {
+        panels.push((
+            "Python sysv_ipc reduction, 4 workers".to_string(),
+            "seconds (log scale)".to_string(),
+            pybars,
+        ));
+    }
     crate::uffd::plot_panels(
-        "bench dsm: the network, the pager, DSM faults and writes; a SysV program spread out",
+        "bench dsm: the network, the pager, DSM faults and writes; SysV programs spread out",
         &panels,
         &out.join("dsm.svg"),
     )?;

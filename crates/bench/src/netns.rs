@@ -135,6 +135,19 @@ impl Net {
 
 impl Drop for Net {
     fn drop(&mut self) {
+        // The daemons' logs, for a run being looked into (they go with the directory).
+        if let Some(keep) = std::env::var_os("NETRAM_BENCH_KEEP_LOGS") {
+            let keep = PathBuf::from(keep);
+            let _ = std::fs::create_dir_all(&keep);
+            if let Ok(entries) = std::fs::read_dir(self.dir.path()) {
+                for e in entries.flatten() {
+                    let name = e.file_name();
+                    if name.to_string_lossy().ends_with(".log") {
+                        let _ = std::fs::copy(e.path(), keep.join(&name));
+                    }
+                }
+            }
+        }
         for m in self.mounts.iter().rev() {
             let _ = Command::new("umount").arg("-l").arg(m).status();
         }

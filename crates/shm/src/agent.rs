@@ -512,6 +512,9 @@ impl Agent {
             return;
         };
         let want = if write { Want::Write } else { Want::Read };
+        // Where a fault's time goes, hop by hop (RUST_LOG=netram_shm::agent=trace; the
+        // daemons of one machine share its clock, so their lines line up).
+        tracing::trace!(page, write, "fault");
         match seg.site.fault(page, want) {
             Fault::Ready => {
                 self.counters.faults_local += 1;
@@ -555,6 +558,7 @@ impl Agent {
                     .get(&segment)
                     .is_some_and(|s| msg.page() < s.copy.pages()) =>
             {
+                tracing::trace!(from, page = msg.page(), ?msg, "in");
                 let letter = Letter {
                     segment,
                     from,
@@ -641,7 +645,10 @@ impl Agent {
                 Some(Packed::Raw(Skip::Aborted)) => self.counters.pages_raw_aborted += 1,
                 Some(Packed::Zero) | None => {}
             }
+            let t = std::time::Instant::now();
             (self.net)(to, frame);
+            let send_us = t.elapsed().as_micros() as u64;
+            tracing::trace!(to, page = msg.page(), send_us, ?msg, "out");
         }
     }
 
@@ -725,6 +732,7 @@ impl Agent {
                     }
                 }
                 seg.site.accessed(page);
+                tracing::trace!(page, "woken");
                 for i in failed.into_iter().rev() {
                     self.drop_view(l.segment, i);
                 }
