@@ -645,10 +645,12 @@ impl Agent {
                 Some(Packed::Raw(Skip::Aborted)) => self.counters.pages_raw_aborted += 1,
                 Some(Packed::Zero) | None => {}
             }
-            let t = std::time::Instant::now();
+            let t = tracing::enabled!(tracing::Level::TRACE).then(Instant::now);
             (self.net)(to, frame);
-            let send_us = t.elapsed().as_micros() as u64;
-            tracing::trace!(to, page = msg.page(), send_us, ?msg, "out");
+            if let Some(t) = t {
+                let send_us = t.elapsed().as_micros() as u64;
+                tracing::trace!(to, page = msg.page(), send_us, ?msg, "out");
+            }
         }
     }
 
@@ -673,9 +675,12 @@ impl Agent {
             }
             let page = l.msg.page();
             let mut is_page = matches!(l.msg, Msg::Page { .. });
+            // A page that comes while another waits here is refused by the site: its bytes
+            // must not take the waiting one's place.
+            let held = seg.site.holds_arrived(page);
             let (out, woke) = seg.site.on_msg(l.from, l.msg, now);
             let mut data = l.data;
-            if is_page && woke.is_none() && seg.site.holds_arrived(page) {
+            if is_page && woke.is_none() && !held && seg.site.holds_arrived(page) {
                 // Installed when the last acknowledgement comes.
                 self.arrived.insert((l.segment, page), data.take());
             } else if woke == Some(page) && !is_page {
@@ -1157,5 +1162,62 @@ impl std::fmt::Debug for Running {
 impl std::fmt::Debug for Door {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Door").finish_non_exhaustive()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A write's page waits here for its acknowledgement; another page for the same page that
+    /// comes meanwhile (a confused or hostile member's) is refused, and its bytes do not take
+    /// the waiting page's place: what is installed after the last acknowledgement is what the
+    /// clock site sent.
+    #[test]
+    fn a_page_waiting_for_acknowledgements_is_not_replaced() {
+        const SEG: SegmentId = 0x33;
+        let mut agent = Agent::new(1, Box::new(|_, _| {}));
+        let meta = Meta {
+            pages: 2,
+            delta_ms: 0,
+            uid: 0,
+            mode: 0o600,
+        };
+        agent.add(SEG, "s", meta, Role::Site(2)).unwrap();
+        let seg = agent.segments.get_mut(&SEG).unwrap();
+        assert!(matches!(
+            seg.site.fault(0, Want::Write),
+            netram_dsm::Fault::Ask(2, _)
+        ));
+        let frame = |msg: Msg<()>, fill: u8| {
+            let data = [fill; PAGE_SIZE];
+            let mut f = Vec::new();
+            wire::encode(SEG, &msg, Some(&data), None, &mut f);
+            f
+        };
+        let page = |ticket, wait| Msg::Page {
+            page: 0,
+            grant: Want::Write,
+            ticket,
+            data: (),
+            wait,
+        };
+        agent.on_frame(4, &frame(page(5, vec![3]), 0xaa));
+        assert!(agent.segments[&SEG].site.holds_arrived(0));
+        agent.on_frame(4, &frame(page(6, vec![]), 0xbb));
+        assert_eq!(
+            agent.segments[&SEG].site.access(0),
+            netram_dsm::Access::None
+        );
+        let ack = Msg::Ack { page: 0, ticket: 5 };
+        agent.on_frame(3, &frame(ack, 0));
+        let seg = &agent.segments[&SEG];
+        assert_eq!(seg.site.access(0), netram_dsm::Access::Write);
+        let mut got = vec![0u8; PAGE_SIZE];
+        seg.copy.read(0, &mut got).unwrap();
+        assert!(
+            got.iter().all(|&b| b == 0xaa),
+            "the waiting page was replaced"
+        );
     }
 }
