@@ -437,10 +437,6 @@ fn measure(
     Ok(v)
 }
 
-/// How much more memory the kernel's run is given each time its OOM killer ends it (of the
-/// first limit, in eighths): ×1, ×1.5, ×2, ×3.
-const SWAP_LIMITS_EIGHTHS: [u64; 4] = [8, 12, 16, 24];
-
 /// The other sizes at which the kernel's swap runs each program, in MiB beside the size of
 /// netram's run (issue 38: its time swings with a few MiB, so one size says little).
 const SWAP_AROUND_MIB: [i64; 2] = [-4, 4];
@@ -463,7 +459,7 @@ fn swap_run(
         Err(why) => return (json!({ "error": why }), Some(why)),
     };
     let mut killed_at = Vec::new();
-    for eighths in SWAP_LIMITS_EIGHTHS {
+    for eighths in crate::uffd::SWAP_LIMITS_EIGHTHS {
         let size = limit / 8 * eighths;
         match swap_try(&hierarchy, script, dir, size, expected, timeout) {
             SwapTry::Ran(mut v, why) => {

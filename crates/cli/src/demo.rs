@@ -16,7 +16,9 @@
 //! reported); any other failure of it is a failure of the demo.
 
 use indicatif::{ProgressBar, ProgressStyle};
-use netram_bench::uffd::{plot_panels, run_way, workload_args, workloads_table, Ctx, Panel, Way};
+use netram_bench::uffd::{
+    plot_panels, run_way, workload_args, workloads_table, Ctx, OomKilled, Panel, Way,
+};
 use netram_client::latency::PmQos;
 use netram_cluster::LocalCluster;
 use serde_json::{json, Value};
@@ -311,7 +313,7 @@ pub fn run(args: DemoArgs) -> anyhow::Result<()> {
                 }
                 // The baseline, not netram: OOM-killed at every size `run_way` tried. That is
                 // the kernel's result in this much memory, said as such.
-                Err(e) if way == Way::SwapDisk && format!("{e:#}").contains("SIGKILL") => {
+                Err(e) if e.downcast_ref::<OomKilled>().is_some() => {
                     println!(
                         "  {what}: OOM-killed by the memory cgroup at every size tried (the \
                          kernel's own swap could not run it)"
