@@ -28,6 +28,8 @@ pub struct FrameBuffer {
     /// page data, to a client that seals its pages), and how many the last frame left.
     allow_clear_tail: bool,
     last_clear_tail: usize,
+    /// The last `fill_now` read less than it had room for: the socket had no more then.
+    drained: bool,
 }
 
 impl Default for FrameBuffer {
@@ -46,6 +48,7 @@ impl FrameBuffer {
             open: None,
             allow_clear_tail: false,
             last_clear_tail: 0,
+            drained: false,
         }
     }
 
@@ -156,14 +159,26 @@ impl FrameBuffer {
                 rustix::net::RecvFlags::DONTWAIT,
             ) {
                 Ok((n, _)) => {
+                    self.drained = self.end + n < self.buf.len();
                     self.end += n;
                     return Ok(Some(n));
                 }
-                Err(rustix::io::Errno::AGAIN) => return Ok(None),
+                Err(rustix::io::Errno::AGAIN) => {
+                    self.drained = true;
+                    return Ok(None);
+                }
                 Err(rustix::io::Errno::INTR) => {}
                 Err(e) => return Err(e.into()),
             }
         }
+    }
+
+    /// Whether the last [`fill_now`](Self::fill_now) emptied the socket: it read less than it
+    /// had room for. A level-triggered poller need not read again until the descriptor is
+    /// ready again, which saves the `recv` that would only say `EAGAIN` (one per wake-up of
+    /// the shared-memory agent, whose CPU per message bounds its latency here).
+    pub fn drained(&self) -> bool {
+        self.drained
     }
 
     /// Moves unconsumed bytes to the front and makes sure a whole frame of the announced

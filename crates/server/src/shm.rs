@@ -431,7 +431,9 @@ impl Feed for LinkFeed {
                     }
                 }
             }
-            if read >= budget {
+            // The socket had no more at the last read: the agent's poll (level-triggered)
+            // says when it has, so a second `recv` only to hear EAGAIN is saved.
+            if read >= budget || (read > 0 && self.rbuf.drained()) {
                 return Ok(true);
             }
             match self.rbuf.fill_now(&self.stream)? {
