@@ -888,6 +888,10 @@ fn stats_list(store: &Store<Arena>, shared: &Shared) -> Vec<(&'static str, u64)>
                 shm.counters.frames_lost.load(Ordering::Relaxed),
             ),
             (
+                "dsm_frames_overflowed",
+                shm.counters.frames_overflowed.load(Ordering::Relaxed),
+            ),
+            (
                 "dsm_frames_received",
                 shm.counters.frames_received.load(Ordering::Relaxed),
             ),

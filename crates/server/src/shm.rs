@@ -4,7 +4,7 @@
 //! shared-memory socket (`netram_shm::local`).
 //!
 //! - **Between daemons** the messages ride the cluster's authenticated connections: a link
-//!   per peer (a thread, a bounded queue, [`netram_net::Call::post`]: one-way frames), and on
+//!   per peer (a thread, a queue bounded in bytes, [`netram_net::Call::post`]: one-way frames), and on
 //!   the receiving side `daemon.rs` hands every DSM frame to the agent with the node the
 //!   connection's certificate names (never a field of the message). Over clear TCP
 //!   (`--insecure`, loopback only) the sender's HELLO names it.
@@ -24,7 +24,7 @@ use std::collections::HashMap;
 use std::net::{SocketAddr, TcpStream};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::mpsc::{self, SyncSender};
+use std::sync::mpsc::{self, Sender};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
@@ -33,8 +33,13 @@ use std::time::Duration;
 /// back out to know the sender.
 pub const DSM_NODE: u64 = 0x4453_4d00_0000_0000;
 
-/// Frames queued for one peer before the agent waits for the link.
-const LINK_QUEUE: usize = 4096;
+/// Bytes queued for one peer at most (16,384 pages' frames). The agent never waits for a
+/// link: it also reads the peers' messages, and two agents each waiting for the other's
+/// queue to drain would never go on (nor serve anyone else meanwhile). A peer that takes
+/// nothing until this much waits for it loses what is sent to it beyond that, counted
+/// (`dsm_frames_lost`, `dsm_frames_overflowed`), as a peer that cannot be reached does; the
+/// membership's verdict on it is what the libraries act on.
+const LINK_QUEUE_BYTES: usize = 64 << 20;
 /// Peers a daemon keeps links to.
 const MAX_LINKS: usize = 1024;
 /// How long a lookup by name waits for every member's answer.
@@ -48,9 +53,11 @@ const PATIENCE: Patience = Patience {
 #[derive(Debug, Default)]
 pub(crate) struct LinkCounters {
     pub frames_sent: AtomicU64,
-    /// Frames given up after the peer could not be reached (the protocol's crash handling is
-    /// not built yet: a request whose message is lost waits).
+    /// Frames given up: the peer could not be reached, or took nothing for too long
+    /// (a request whose message is lost waits for the membership's verdict on the peer).
     pub frames_lost: AtomicU64,
+    /// Of those, frames dropped because the peer's queue held [`LINK_QUEUE_BYTES`] already.
+    pub frames_overflowed: AtomicU64,
     /// Frames from other daemons handed to the agent (by a connection's thread, or read by
     /// the agent itself).
     pub frames_received: AtomicU64,
@@ -76,12 +83,14 @@ struct Links {
     agent: std::sync::OnceLock<Door>,
 }
 
-/// One peer's link: its queue, its connection, and how many items are queued or being sent.
+/// One peer's link: its queue, its connection, and how many items (and bytes) are queued or
+/// being sent.
 #[derive(Clone)]
 struct Link {
-    tx: SyncSender<Out>,
+    tx: Sender<Out>,
     call: Arc<Mutex<Call>>,
     pending: Arc<std::sync::atomic::AtomicUsize>,
+    queued_bytes: Arc<std::sync::atomic::AtomicUsize>,
 }
 
 /// What a link's thread is handed.
@@ -91,6 +100,14 @@ enum Out {
     /// The tail of a record the agent sealed and began to write itself: written before
     /// anything else.
     Rest(Vec<u8>),
+}
+
+impl Out {
+    fn len(&self) -> usize {
+        match self {
+            Out::Frame(b) | Out::Rest(b) => b.len(),
+        }
+    }
 }
 
 impl Links {
@@ -105,11 +122,12 @@ impl Links {
             queues
                 .entry(to)
                 .or_insert_with(|| {
-                    let (tx, rx) = mpsc::sync_channel(LINK_QUEUE);
+                    let (tx, rx) = mpsc::channel();
                     let link = Link {
                         tx,
                         call: Arc::default(),
                         pending: Arc::default(),
+                        queued_bytes: Arc::default(),
                     };
                     let (me, mine) = (self.clone(), link.clone());
                     let _ = std::thread::Builder::new()
@@ -151,11 +169,31 @@ impl Links {
             Some(r) => Out::Rest(r),
             None => Out::Frame(frame),
         };
-        // Blocks while the peer's queue is full: the agent waits for a slow peer rather than
-        // losing a message the protocol needs.
+        let len = out.len();
+        // Never waits (`LINK_QUEUE_BYTES`). A record's rest is always taken: its first bytes
+        // are on the wire already, and the connection is lost without the rest.
+        let queued = link.queued_bytes.fetch_add(len, Ordering::SeqCst);
+        if queued + len > LINK_QUEUE_BYTES && matches!(out, Out::Frame(_)) {
+            link.queued_bytes.fetch_sub(len, Ordering::SeqCst);
+            self.counters.frames_lost.fetch_add(1, Ordering::Relaxed);
+            let over = self
+                .counters
+                .frames_overflowed
+                .fetch_add(1, Ordering::Relaxed);
+            // Once an episode would do; a power of two keeps a flood to a few lines.
+            if (over + 1).is_power_of_two() {
+                tracing::warn!(
+                    to,
+                    queued,
+                    "shared-memory message dropped: the peer takes nothing and its queue is full"
+                );
+            }
+            return;
+        }
         link.pending.fetch_add(1, Ordering::SeqCst);
         if link.tx.send(out).is_err() {
             link.pending.fetch_sub(1, Ordering::SeqCst);
+            link.queued_bytes.fetch_sub(len, Ordering::SeqCst);
             self.counters.frames_lost.fetch_add(1, Ordering::Relaxed);
         }
     }
@@ -194,6 +232,7 @@ impl Links {
                     c.fetch_add(1, Ordering::Relaxed);
                     drop(call);
                     link.pending.fetch_sub(1, Ordering::SeqCst);
+                    link.queued_bytes.fetch_sub(rest.len(), Ordering::SeqCst);
                     continue;
                 }
                 Err(mpsc::RecvTimeoutError::Timeout) => continue,
@@ -254,6 +293,7 @@ impl Links {
             c.fetch_add(n, Ordering::Relaxed);
             drop(call);
             link.pending.fetch_sub(n as usize, Ordering::SeqCst);
+            link.queued_bytes.fetch_sub(batch.len(), Ordering::SeqCst);
         }
     }
 }
@@ -770,5 +810,52 @@ fn handle(
             views.push((segment, number));
             Ok(("ok".into(), None))
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A peer that takes nothing (here: one that cannot even be found) never makes the agent
+    /// wait: what is sent to it beyond `LINK_QUEUE_BYTES` is dropped at once and counted.
+    #[test]
+    fn a_peer_that_takes_nothing_never_blocks_the_sender() {
+        let counters = Arc::new(LinkCounters::default());
+        let shutdown = Arc::new(AtomicBool::new(false));
+        let links = Arc::new(Links {
+            node: 1,
+            incarnation: 1,
+            security: Security::Insecure,
+            shared: Weak::new(),
+            queues: Mutex::new(HashMap::new()),
+            shutdown: shutdown.clone(),
+            counters: counters.clone(),
+            agent: std::sync::OnceLock::new(),
+        });
+        const FRAME: usize = 64 << 10;
+        let frames = LINK_QUEUE_BYTES / FRAME + 64;
+        let started = std::time::Instant::now();
+        for _ in 0..frames {
+            links.send(7, vec![0u8; FRAME]);
+        }
+        // The link's thread holds its first batch (up to 1 MiB) while it looks for the peer
+        // (~2 s): everything else stays queued up to the limit, the rest is dropped.
+        assert!(
+            started.elapsed() < Duration::from_secs(2),
+            "sending waited: {:?}",
+            started.elapsed()
+        );
+        let over = counters.frames_overflowed.load(Ordering::Relaxed);
+        assert!(
+            (64..=64 + (1 << 20) / FRAME as u64).contains(&over),
+            "{over} frames dropped"
+        );
+        assert_eq!(counters.frames_lost.load(Ordering::Relaxed), over);
+        let queued = links.queues.lock().unwrap()[&7]
+            .queued_bytes
+            .load(Ordering::SeqCst);
+        assert!(queued <= LINK_QUEUE_BYTES, "{queued} bytes queued");
+        shutdown.store(true, Ordering::SeqCst);
     }
 }
