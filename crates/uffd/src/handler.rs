@@ -382,6 +382,16 @@ impl<T: Transport, D: Disk> Shared<T, D> {
         // Faults held past the budget, once the room made above allows.
         self.serve_deferred(&mut st);
         self.delete_leftovers(&mut st);
+        if st.pager.sends_waiting() {
+            // Requests the pager queued for want of credit (deletes of pages given back,
+            // write-backs) go out as the replies in flight free it; nothing else here may
+            // send them once no fetch is out (a forked child's pages given back stayed on the
+            // server for good so, ~1 run in 40 of `pages_given_back_after_a_fork…`).
+            if let Err(e) = st.pager.poll() {
+                tracing::debug!("taking in replies for queued requests: {e}");
+            }
+            st.pager.send_queued();
+        }
         Some(self.awaits_replies(&st))
     }
 
@@ -430,12 +440,14 @@ impl<T: Transport, D: Disk> Shared<T, D> {
     /// Whether the loop waits for replies as well as events (and so with a bound): fetches
     /// in flight, victims that wait for acknowledgements to return the pager's slots, or
     /// pages to delete once their write-back is in (whose acknowledgement another holder of
-    /// the lock may have taken in: the next turn deletes them then).
+    /// the lock may have taken in: the next turn deletes them then), or requests the pager
+    /// queued for want of credit (sent as replies free it, `drain_events`).
     fn awaits_replies(&self, st: &State<T, D>) -> bool {
         st.fetches_out()
             || !st.undeleted.is_empty()
             || !st.released.is_empty()
             || !st.deferred.is_empty()
+            || st.pager.sends_waiting()
             || (self.over_budget(st) && st.pager.awaits_replies())
     }
 
