@@ -59,7 +59,7 @@ enum ShmCommand {
     /// shmat, semget, semop …) on netram: processes on different machines that use the same
     /// key share the same segment, coherently. Key K is segment "sysv:K" (semaphores
     /// "sysv-sem:K"); `netram shm cat sysv:K` shows one. Dynamically linked programs only;
-    /// SEM_UNDO is not undone at exit and SHM_RDONLY attaches read-write (docs/limits.md).
+    /// SEM_UNDO is not undone at exit (docs/limits.md).
     /// Exits with the program's status.
     Run {
         /// The program and its arguments (after `--`).

@@ -273,6 +273,28 @@ fn an_unmodified_system_v_program_runs_on_three_machines() {
     );
 }
 
+/// `SHM_RDONLY`, as Linux has it: a segment written on one machine, attached read-only on
+/// another by a C program that knows nothing of netram; the contents are there, a store
+/// through the read-only attachment is a SIGSEGV, and one through a read-write attachment of
+/// the same segment is seen through it.
+#[test]
+fn a_read_only_attachment_reads_and_refuses_stores() {
+    let dir = tempfile::tempdir().unwrap();
+    let Some(exe) = common::compile_c(dir.path(), "sysv_rdonly", &[]) else {
+        return;
+    };
+    let exe = exe.to_str().unwrap().to_string();
+    let (_daemons, control) = three(dir.path(), 600);
+    let out = output(sysv(&control(1), &[&exe, "write", "0x5201"]), "the writer");
+    assert_eq!(out.trim(), "written");
+    let out = output(sysv(&control(2), &[&exe, "read", "0x5201"]), "the reader");
+    assert_eq!(out.trim(), "ok");
+    refused(
+        shm(&control(3), &["cat", "sysv:00005201"], None),
+        "no segment",
+    );
+}
+
 /// Python's sysv_ipc (Debian's python3-sysv-ipc, not ours): a segment and a semaphore made
 /// on one machine; another machine writes into it; back on the first, a forked child reads
 /// that write (a page the other machine holds: the child's inherited attachment must fault for

@@ -17,7 +17,7 @@
 //!   child goes on (`netram_shm::local::follow_forks`).
 //!
 //! Not done (said in docs/limits.md): `SEM_UNDO` is accepted and not undone at exit,
-//! `SHM_RDONLY` attaches read-write, `IPC_SET` is refused, group permission bits are not
+//! `IPC_SET` is refused, group permission bits are not
 //! checked (gids differ between machines), `shm_nattch` counts this process's attachments
 //! only, and a segment whose name was removed can no longer be attached by a new process.
 
@@ -277,6 +277,21 @@ pub unsafe extern "C" fn shmat(shmid: c_int, addr: *const c_void, flg: c_int) ->
                 },
             },
         )?;
+        if flg & libc::SHM_RDONLY != 0 {
+            // A store through this attachment is a SIGSEGV, as Linux makes it. Faults stay
+            // the agent's: its userfaultfd registration outlives the protection change, and
+            // lifting write protection from a page mapped read-only leaves it read-only.
+            // SAFETY: the attachment's own pages, mapped by `attach_at` just now; nothing of
+            // the caller's is there.
+            unsafe {
+                rustix::mm::mprotect(
+                    seg.as_ptr().cast(),
+                    seg.len(),
+                    rustix::mm::MprotectFlags::READ,
+                )
+            }
+            .map_err(|e| e.raw_os_error())?;
+        }
         follow_forks();
         let p = seg.as_ptr();
         lock()
