@@ -121,13 +121,14 @@ impl CleanPages {
     }
 }
 
-/// An owner's clean page as it arrived: when, and which page (the frame must still hold that
-/// key at that version for the entry to count).
+/// An owner's clean page as it arrived: when, and which page (the session must still hold that
+/// key at that version, as a clean page, for the entry to count). By session and key, not by
+/// frame: compaction (`Store::compact`) moves pages between frames.
 #[derive(Debug, Clone, Copy)]
 struct Arrival {
     ms: u64,
     key: u64,
-    frame: u32,
+    slot: u32,
     version: u32,
 }
 
@@ -196,14 +197,16 @@ impl<A: AsRef<[u8]> + AsMut<[u8]>> Store<A> {
         self.clean_pages() + self.owned_clean.count
     }
 
-    /// Whether an arrival still names the page in its frame.
+    /// The frame of the page an arrival names, if it is still there at that version and
+    /// clean.
+    fn arrival_frame(&self, a: &Arrival) -> Option<u32> {
+        let f = self.find(a.slot, a.key)?;
+        let m = self.meta[f as usize];
+        (m.flags().is_clean() && m.version == a.version).then_some(f)
+    }
+
     fn arrival_holds(&self, a: &Arrival) -> bool {
-        let m = self.meta[a.frame as usize];
-        m.owner != FREE
-            && m.slot() != CLEAN
-            && m.flags().is_clean()
-            && m.packed_key() == a.key
-            && m.version == a.version
+        self.arrival_frame(a).is_some()
     }
 
     /// Accounts for an owned page written into frame `f` (`put`): `was` and `is` say whether
@@ -234,7 +237,7 @@ impl<A: AsRef<[u8]> + AsMut<[u8]>> Store<A> {
         self.owned_clean.queue.push_back(Arrival {
             ms: now_ms,
             key,
-            frame: f,
+            slot,
             version,
         });
         // Entries of pages gone or written again are skipped when they reach the front;
@@ -248,7 +251,7 @@ impl<A: AsRef<[u8]> + AsMut<[u8]>> Store<A> {
             let mut kept: Vec<Arrival> = queue
                 .into_iter()
                 .rev()
-                .filter(|a| self.arrival_holds(a) && seen.insert(a.frame))
+                .filter(|a| self.arrival_holds(a) && seen.insert((a.slot, a.key)))
                 .collect();
             kept.reverse();
             self.owned_clean.queue = kept.into();
@@ -282,9 +285,12 @@ impl<A: AsRef<[u8]> + AsMut<[u8]>> Store<A> {
             .clean
             .oldest()
             .map(|(uid, m)| (m.last_ms, Victim::Cached(uid)));
-        let owned = self
-            .oldest_owned_clean()
-            .map(|a| (a.ms, Victim::Owned(a.frame)));
+        let owned = self.oldest_owned_clean().map(|a| {
+            let f = self
+                .arrival_frame(&a)
+                .expect("checked by oldest_owned_clean");
+            (a.ms, Victim::Owned(f))
+        });
         match (cached, owned) {
             (Some(c), Some(o)) => Some(if o.0 < c.0 { o } else { c }),
             (c, o) => c.or(o),
@@ -513,8 +519,7 @@ impl<A: AsRef<[u8]> + AsMut<[u8]>> Store<A> {
             .owned_clean
             .queue
             .iter()
-            .filter(|a| self.arrival_holds(a))
-            .map(|a| a.frame)
+            .filter_map(|a| self.arrival_frame(a))
             .collect::<std::collections::HashSet<_>>()
             .len() as u64;
         if queued != owned {
