@@ -64,7 +64,7 @@ pub fn unavailable() -> Option<String> {
 }
 
 /// Moves the calling thread into host `ns`'s network namespace.
-fn enter(ns: &str) -> anyhow::Result<()> {
+pub(crate) fn enter(ns: &str) -> anyhow::Result<()> {
     let f = std::fs::File::open(format!("/run/netns/{ns}"))?;
     rustix::thread::move_into_link_name_space(
         rustix::fd::AsFd::as_fd(&f),

@@ -9,6 +9,10 @@
 //! non-zero bytes: EachN every Nth byte, UptoN the first N, RandN N random places), then read
 //! on host 2: the read fault is timed, and the whole page checked against what was written.
 //! The two clusters take turns page by page, so that the machine's drift falls on both alike.
+//!
+//! Then the same for the pager's PUTs (compression "offered to the pager's PUTs too"): two
+//! pagers on host 1 write back to host 2 over the shaped link, one compressing before it
+//! seals and one never, `pager_puts`.
 
 use crate::dsm::daemons;
 use crate::netns::{sh, Net};
@@ -180,13 +184,116 @@ pub(crate) fn run(exe: &Path, mbit: u32, reps: usize) -> anyhow::Result<Value> {
         "the cluster told never to compress compressed {off_compressed} pages"
     );
     drop(maps);
+    let pager = pager_puts(&net, mbit, reps)?;
     Ok(json!({
         "link_mbit": mbit,
         "reps": reps,
         "pages_compressed": total,
         "pages_aborted": aborted,
         "rows": rows,
+        "pager": pager,
     }))
+}
+
+/// The patterns the pager's write-backs are timed in: compressible to incompressible.
+fn pager_patterns() -> Vec<Pattern> {
+    vec![
+        Pattern::UptoN(512),
+        Pattern::RandN(256),
+        Pattern::EachN(8),
+        Pattern::UptoN(2048),
+        Pattern::UptoN(4096),
+    ]
+}
+
+/// Compression offered to the pager's PUTs (issue 40; `crates/pager/src/pager/seal.rs`):
+/// two pagers on host 1, in one thread in its namespace, write back to host 2's daemon over
+/// the shaped link — one compressing before it seals by the rule for this link, one never —
+/// `PAGES` pages a pattern, taking turns `reps` times; each round's pages are read back and
+/// checked. Figures: pages a second written back (written, then flushed: every PUT
+/// acknowledged), and the bytes the compressing pager saved.
+fn pager_puts(net: &Net, mbit: u32, reps: usize) -> anyhow::Result<Value> {
+    const PAGES: usize = 256;
+    let ns1 = net.ns(1);
+    let server = format!("{}:7077", net.ip(2));
+    let tls = net.path("tls").join("client");
+    std::thread::spawn(move || -> anyhow::Result<Value> {
+        crate::dsm::enter(&ns1)?;
+        let rule = netram_proto::compress::Rule {
+            link_bytes_per_us: f64::from(mbit) / 8.0,
+            codec_us: netram_proto::compress::calibrate(),
+        };
+        let open = |compress: bool| -> anyhow::Result<netram_client::ClientPager> {
+            let mut p = netram_client::open_pager(&netram_client::OpenOptions {
+                servers: vec![server.clone()],
+                backing: netram_pager::Backing::Cluster,
+                pages: PAGES as u64,
+                cache_pages: 32,
+                spill_dir: None,
+                low_latency: false,
+                redundancy: "none".parse().map_err(|e| anyhow::anyhow!("{e:?}"))?,
+                security: netram_client::security(Some(&tls), false)?,
+            })?;
+            anyhow::ensure!(
+                p.set_compression(compress.then_some(rule)),
+                "the pager does not seal its pages"
+            );
+            Ok(p)
+        };
+        let mut pagers = [open(true)?, open(false)?];
+        let mut rng = fastrand::Rng::with_seed(0x5055_5453);
+        let mut rows = Vec::new();
+        for pat in pager_patterns() {
+            let mut secs = [0f64; 2];
+            let before: Vec<_> = pagers.iter().map(|p| p.counters().clone()).collect();
+            for _ in 0..reps {
+                let pages: Vec<Vec<u8>> = (0..PAGES).map(|_| pat.page(&mut rng)).collect();
+                for (k, p) in pagers.iter_mut().enumerate() {
+                    let t = Instant::now();
+                    for (i, d) in pages.iter().enumerate() {
+                        p.write(i as u64, d)?;
+                    }
+                    p.flush()?;
+                    secs[k] += t.elapsed().as_secs_f64();
+                    let mut got = vec![0u8; PAGE_SIZE];
+                    for (i, d) in pages.iter().enumerate() {
+                        p.read(i as u64, &mut got)?;
+                        let (name, n) = pat.name();
+                        anyhow::ensure!(
+                            &got == d,
+                            "pager {k}, {name}({n}), page {i}: read back other contents"
+                        );
+                    }
+                }
+            }
+            let (name, n) = pat.name();
+            let c = pagers[0].counters();
+            let d = |f: fn(&netram_pager::PagerCounters) -> u64| f(c) - f(&before[0]);
+            let written = (reps * PAGES) as f64;
+            rows.push(json!({
+                "pattern": name, "n": n,
+                "compressed_pages_per_s": written / secs[0],
+                "plain_pages_per_s": written / secs[1],
+                "compressed_vs_plain": secs[1] / secs[0],
+                "pages_compressed": d(|c| c.pages_compressed),
+                "pages_aborted": d(|c| c.pages_compress_aborted),
+                "bytes_saved": d(|c| c.bytes_saved_compressing),
+                "pages_written_back": d(|c| c.puts),
+            }));
+        }
+        let plain = pagers[1].counters();
+        anyhow::ensure!(
+            plain.pages_compressed == 0,
+            "the pager told never to compress compressed {} pages",
+            plain.pages_compressed
+        );
+        Ok(json!({
+            "pages": PAGES, "codec_us": rule.codec_us, "min_saving": rule.min_saving(),
+            "rows": rows,
+        }))
+    })
+    .join()
+    .map_err(|_| anyhow::anyhow!("the pagers' thread panicked"))?
 }
 
 /// The report's section for one link speed.
@@ -210,6 +317,34 @@ pub(crate) fn markdown(v: &Value) -> String {
             f("compressed_vs_plain"),
             r["pages_compressed"],
             r["pages"],
+        ));
+    }
+    let p = &v["pager"];
+    s.push_str(&format!(
+        "\nThe pager's write-backs over the same link (host 1 to host 2's daemon, sealed as \
+         always): pages a second written and flushed, {} pages a pattern and round, {} rounds, \
+         compressing before sealing by the rule for this link (LZ4 {:.2} µs a page here: a \
+         page must shrink by {} bytes) and never, taking turns; every page read back and \
+         checked.\n\n\
+         | pattern | N | compressing | never | speed-up | compressed / aborted | bytes saved |\n\
+         |---|---|---|---|---|---|---|\n",
+        p["pages"],
+        v["reps"],
+        p["codec_us"].as_f64().unwrap_or(f64::NAN),
+        p["min_saving"],
+    ));
+    for r in p["rows"].as_array().into_iter().flatten() {
+        let f = |k: &str| r[k].as_f64().unwrap_or(f64::NAN);
+        s.push_str(&format!(
+            "| {} | {} | {:.0} | {:.0} | {:.2}× | {} / {} | {} |\n",
+            r["pattern"].as_str().unwrap_or("?"),
+            r["n"],
+            f("compressed_pages_per_s"),
+            f("plain_pages_per_s"),
+            f("compressed_vs_plain"),
+            r["pages_compressed"],
+            r["pages_aborted"],
+            r["bytes_saved"],
         ));
     }
     s

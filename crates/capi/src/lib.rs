@@ -249,7 +249,7 @@ pub fn region_from(
     } else {
         0
     };
-    let pager = open_pager(&OpenOptions {
+    let mut pager = open_pager(&OpenOptions {
         security,
         servers,
         backing,
@@ -259,6 +259,7 @@ pub fn region_from(
         low_latency: env.low_latency,
         redundancy,
     })?;
+    pager.set_compression(netram_client::open::compression(env.compress_link_mbps));
     let size = usize::try_from(size).map_err(|_| CapiError::TooLarge(size))?;
     let budget = usize::try_from(budget).map_err(|_| CapiError::TooLarge(budget))?;
     let mut options = RegionOptions::default();

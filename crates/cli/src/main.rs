@@ -353,9 +353,9 @@ enum BenchCommand {
     /// by side in one run: the network's round trip, netram's pager's remote fault, a DSM read
     /// fault (three machines and two), a write that invalidates one to four readers, the
     /// System V matrix multiply on one host and spread over one, two and four others, and
-    /// MIRAGE+'s compression patterns over a shaped link; every read checked; writes
-    /// dsm.json, dsm.md and two plots (dsm.svg, dsm-compression.svg) (a few minutes; --quick
-    /// under a minute).
+    /// MIRAGE+'s compression patterns over a shaped link, for shared memory and for the
+    /// pager's write-backs; every read checked; writes dsm.json, dsm.md and two plots
+    /// (dsm.svg, dsm-compression.svg) (under a minute idle, more on a busy machine).
     Dsm {
         /// Fewer samples, a smaller matrix.
         #[arg(long)]

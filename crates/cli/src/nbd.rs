@@ -95,6 +95,11 @@ pub struct NbdArgs {
     /// Keep CPUs out of deep idle and poll before sleeping (see `netram serve --help`).
     #[arg(long)]
     low_latency: bool,
+    /// Compress pages before they are sealed when that pays over a link of this many Mbit/s
+    /// (see `netram run --help`); servers then see how long each compressed page is. 0:
+    /// never.
+    #[arg(long, value_name = "MBPS", default_value_t = 0)]
+    compress_link_mbps: u32,
     /// Do not lock this process's memory or mark it an I/O flusher. Both are done by default
     /// (when allowed: root, or the capability and an unlimited RLIMIT_MEMLOCK) because a swap
     /// device that waits for memory can deadlock the machine it serves.
@@ -134,7 +139,7 @@ pub fn run(args: NbdArgs) -> anyhow::Result<()> {
     } else {
         args.security.security()?
     };
-    let pager = open_pager(&OpenOptions {
+    let mut pager = open_pager(&OpenOptions {
         security,
         servers: args.servers.clone(),
         backing: args.backing,
@@ -144,6 +149,7 @@ pub fn run(args: NbdArgs) -> anyhow::Result<()> {
         low_latency: args.low_latency,
         redundancy: args.redundancy,
     })?;
+    pager.set_compression(netram_client::open::compression(args.compress_link_mbps));
     let device = Arc::new(Device::new(pager, bytes));
     let cfg = netram_client::maintain::MaintainConfig {
         pages_per_s: args.recovery_rate,

@@ -763,6 +763,54 @@ fn gnu_sort_gives_the_same_output() {
     assert!(fetched > 100, "{r}");
 }
 
+/// GNU sort under `netram run --compress-link-mbps 100`: its buffer of hex text compresses,
+/// so its pages go to the servers as sealed LZ4 blocks (and come back from them), and the
+/// output is the same as without.
+#[test]
+fn gnu_sort_with_compressed_pages_gives_the_same_output() {
+    let (dir, input) = sort_input("sort-lz4", 13);
+    let plain = Command::new("sort")
+        .args(["-S", "32M", "--parallel=1"])
+        .arg(&input)
+        .env("LC_ALL", "C")
+        .output()
+        .unwrap();
+    assert_ran(&plain, "sort");
+    let (_servers, addrs) = cluster(2);
+    let rep = dir.0.join("report.json");
+    let out = common::netram_env(Command::new("timeout"))
+        .args([
+            "300",
+            NETRAM,
+            "run",
+            "--local-mem",
+            "8M",
+            "--servers",
+            &addrs,
+        ])
+        .args(["--compress-link-mbps", "100"])
+        .args(["--report", rep.to_str().unwrap(), "--", "sort"])
+        .args(["-S", "32M", "--parallel=1"])
+        .arg(&input)
+        .env("LC_ALL", "C")
+        .output()
+        .unwrap();
+    assert_ran(&out, "sort under netram run --compress-link-mbps 100");
+    assert!(
+        out.stdout == plain.stdout,
+        "sort's output differs under netram with compression"
+    );
+    let r = report(&rep);
+    let n = |k: &str| r[k].as_u64().unwrap_or(0);
+    assert!(n("pages_compressed") > 100, "{r}");
+    // Hex text and numbers: LZ4 takes a good share off each page.
+    assert!(
+        n("bytes_saved_compressing") > n("pages_compressed") * 1000,
+        "{r}"
+    );
+    assert!(n("fetches") + n("prefetch_installed") > 100, "{r}");
+}
+
 /// GNU sort under `netram run --backing cluster+disk` with one small daemon: its pages are
 /// also on its disk, so the full daemon drops the oldest (GMS's clean pages) rather than
 /// refuse the newest, and sort reads those back from the disk. Same output as plain sort.

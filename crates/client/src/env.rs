@@ -43,6 +43,9 @@ pub mod var {
     pub const TLS: &str = "NETRAM_TLS";
     /// Set (not `0`): clear TCP to loopback servers, no credentials (development only).
     pub const INSECURE: &str = "NETRAM_INSECURE";
+    /// The link's speed in Mbit/s by which pages are compressed before they are sealed when
+    /// that pays; unset or 0: never (`crate::open::compression`).
+    pub const COMPRESS_LINK_MBPS: &str = "NETRAM_COMPRESS_LINK_MBPS";
 }
 
 /// `child_mem` when forked children keep every page they touch (`NETRAM_CHILD_MEM=unlimited`).
@@ -76,6 +79,8 @@ pub struct RunEnv {
     pub required: bool,
     pub tls: Option<PathBuf>,
     pub insecure: bool,
+    /// 0 when unset: never compress.
+    pub compress_link_mbps: u32,
 }
 
 impl RunEnv {
@@ -132,6 +137,12 @@ impl RunEnv {
             required: get(var::REQUIRED).is_some(),
             tls: get(var::TLS).map(Into::into),
             insecure: get(var::INSECURE).is_some_and(|v| v != "0"),
+            compress_link_mbps: parsed(
+                var::COMPRESS_LINK_MBPS,
+                text(var::COMPRESS_LINK_MBPS)?,
+                |v| v.parse::<u32>().map_err(|_| "not a number of Mbit/s"),
+            )?
+            .unwrap_or(0),
         })
     }
 
@@ -185,6 +196,12 @@ impl RunEnv {
         }
         if self.insecure {
             set(var::INSECURE, "1".into());
+        }
+        if self.compress_link_mbps > 0 {
+            set(
+                var::COMPRESS_LINK_MBPS,
+                self.compress_link_mbps.to_string().into(),
+            );
         }
         vars
     }
@@ -244,9 +261,10 @@ mod tests {
             required: true,
             tls: Some("/etc/netram".into()),
             insecure: true,
+            compress_link_mbps: 100,
         };
         let map: HashMap<&str, OsString> = env.to_vars().into_iter().collect();
-        assert_eq!(map.len(), 14, "every field has its variable");
+        assert_eq!(map.len(), 15, "every field has its variable");
         assert_eq!(RunEnv::from_vars(|k| map.get(k).cloned()).unwrap(), env);
         let unlimited = RunEnv {
             child_mem: Some(CHILD_MEM_UNLIMITED),

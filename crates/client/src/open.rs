@@ -118,6 +118,34 @@ pub enum OpenError {
 
 /// Connects to the servers (going on without those that cannot be reached, with a warning,
 /// as long as one can) and creates the spill file.
+/// The rule by which a pager compresses its pages before it seals them over a link of
+/// `link_mbps` Mbit/s (`Pager::set_compression`; MIRAGE+ §3.4): a page is sent as its LZ4
+/// block when the wire time that saves exceeds the codec's time, measured here (a
+/// millisecond or so). `None` for 0: never. Logged, with the saving a page needs.
+pub fn compression(link_mbps: u32) -> Option<netram_proto::compress::Rule> {
+    if link_mbps == 0 {
+        return None;
+    }
+    let rule = netram_proto::compress::Rule {
+        link_bytes_per_us: f64::from(link_mbps) / 8.0,
+        codec_us: netram_proto::compress::calibrate(),
+    };
+    match rule.budget() {
+        Some(_) => tracing::info!(
+            link_mbps,
+            codec_us = format!("{:.2}", rule.codec_us),
+            "pages compressed before they are sealed when they shrink by {} bytes or more",
+            rule.min_saving()
+        ),
+        None => tracing::info!(
+            link_mbps,
+            codec_us = format!("{:.2}", rule.codec_us),
+            "pages never compressed: at this speed no saving repays the codec"
+        ),
+    }
+    Some(rule)
+}
+
 pub fn open_pager(o: &OpenOptions) -> Result<ClientPager, OpenError> {
     open_from(o, false)
 }

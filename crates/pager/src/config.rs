@@ -78,6 +78,10 @@ pub struct PagerConfig {
     /// is a fresh random key. `None`: pages travel in clear with their crc32c (development,
     /// or a network the operator trusts, and said so).
     pub seal: Option<SealKey>,
+    /// Compress pages before they are sealed when the rule says it pays (`seal.rs`; MIRAGE+
+    /// §3.4): the link's speed against the codec's cost. `None` (the default): never. It
+    /// lets servers see how long each compressed page is; without a seal it does nothing.
+    pub compress: Option<netram_proto::compress::Rule>,
     /// Under `none` and `mirror:N`, pages leave a shrinking server straight for another one
     /// (`handover.rs`); off, they pass through this pager (`migrate.rs`), as they always do
     /// under parity and Reed-Solomon.
@@ -98,6 +102,7 @@ impl Default for PagerConfig {
             redundancy: Scheme::None,
             recovery_slots: 2048,
             seal: Some(SealKey::random()),
+            compress: None,
             direct_migration: true,
         }
     }

@@ -45,6 +45,13 @@ counters! {
     /// Sealed pages that did not authenticate on the way back (damaged, another page, an old
     /// version, forged): refused like a bad checksum.
     page_auth_failures,
+    /// Pages sealed as their LZ4 block (`PagerConfig::compress`), and the bytes that saved
+    /// on the wire; pages sealed whole because LZ4 could not shrink them enough to pay
+    /// (aborted) or because the link is too fast for any saving to repay the codec.
+    pages_compressed,
+    bytes_saved_compressing,
+    pages_compress_aborted,
+    pages_compress_not_worth,
     /// Pages that came back with another version than the page table expects.
     version_mismatches,
     /// GETs answered "missing" by a server that should hold the page.

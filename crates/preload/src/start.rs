@@ -365,6 +365,11 @@ pub(crate) extern "C" fn at_exit() {
             // those the copies a full server dropped as clean pages (`cluster+disk`, GMS).
             ("disk_fallbacks", pager.disk_fallbacks),
             ("clean_copies_dropped", pager.clean_copies_dropped),
+            // Pages compressed before they were sealed (`--compress-link-mbps`), the bytes
+            // that saved on the wire, and pages sent whole because LZ4 fell short.
+            ("pages_compressed", pager.pages_compressed),
+            ("bytes_saved_compressing", pager.bytes_saved_compressing),
+            ("pages_compress_aborted", pager.pages_compress_aborted),
             // How often eviction found the pager without room and left its victims for
             // later, or waited (the region a batch over its budget: servers behind).
             ("evictions_deferred", get(&rc.evictions_deferred)),

@@ -75,6 +75,13 @@ impl Rule {
         if page.iter().all(|&b| b == 0) {
             return Packed::Zero;
         }
+        self.pack_data(page, out)
+    }
+
+    /// [`Rule::pack`] for a sender that has no flag for a zero page (the pager seals what it
+    /// sends, so a zero page is a short LZ4 block like any other): never [`Packed::Zero`].
+    pub fn pack_data(&self, page: &[u8], out: &mut [u8]) -> Packed {
+        assert_eq!(page.len(), PAGE_SIZE, "a page is {PAGE_SIZE} bytes");
         let Some(budget) = self.budget() else {
             return Packed::Raw(Skip::LinkFast);
         };

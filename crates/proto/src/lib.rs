@@ -40,7 +40,7 @@ pub use message::{
     get_reply_missing, get_reply_tail, Counter, DeleteStatus, ErrorCode, GetResult, Kind, Load,
     MoveStatus, PutStatus, Reply, Request, SCAN_LEAVING,
 };
-pub use page::{page_checksum, Page, PageFlags, PageKey, ENVELOPE_LEN, TAG_LEN};
+pub use page::{expand_into, page_checksum, trim, Page, PageFlags, PageKey, ENVELOPE_LEN, TAG_LEN};
 pub use parity::{
     Delta, DeltaKind, DeltaStatus, GroupRecord, Member, OwnedRecord, Owner, ParityOp, Record,
     MAX_GROUP_MEMBERS,
@@ -54,8 +54,9 @@ pub const PAGE_SIZE: usize = 4096;
 pub const MAGIC: [u8; 8] = *b"NETRAM\r\n";
 
 /// The handshake's protocol version. A server answers a version it does not speak with
-/// [`WelcomeStatus::VersionUnsupported`] and its own version, then closes.
-pub const PROTOCOL_VERSION: u16 = 1;
+/// [`WelcomeStatus::VersionUnsupported`] and its own version, then closes. 2: a page travels
+/// without its zero tail and its checksum is over what is left ([`page::trim`]).
+pub const PROTOCOL_VERSION: u16 = 2;
 
 /// The version byte in every frame header; bumped when the frame layout changes.
 pub const FRAME_VERSION: u8 = 5;

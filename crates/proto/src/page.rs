@@ -4,6 +4,16 @@
 //! it on PUT and checks it on GET; the server stores it and hands it back untouched. Because the
 //! key and version are covered, a server that returns the wrong page, or a stale version of the
 //! right one, is caught just like a flipped bit.
+//!
+//! **A page travels without its zero tail** (issue 40, MIRAGE+ §3.4's "send less"): its data
+//! is the page up to its last non-zero byte, the rest zeros by definition ([`trim`],
+//! [`expand_into`]); an all-zero page carries no data and [`PageFlags::ZERO`]. The checksum is
+//! over the trimmed data, so it is a function of the page alone, whichever length it came in
+//! with: a server stores whole frames and trims again when it replies, and a page rebuilt by
+//! parity or Reed-Solomon (a whole page) verifies against the checksum its owner computed.
+//! This is what carries a pager's compressed pages at their compressed size: a sealed page is
+//! ciphertext, which nothing on the way can compress, so the pager compresses before it
+//! seals and leaves zeros after the ciphertext (`crates/pager/src/pager/seal.rs`).
 
 use crate::codec::{DecodeError, FrameBuilder, Reader};
 use crate::PAGE_SIZE;
@@ -95,20 +105,28 @@ pub struct Page<'a> {
     pub crc: u32,
     pub flags: PageFlags,
     pub tag: [u8; TAG_LEN],
-    /// `PAGE_SIZE` bytes, or none for a zero page.
+    /// The page up to `PAGE_SIZE` bytes, the rest zeros ([`expand_into`]); none for a zero
+    /// page.
     pub data: &'a [u8],
 }
 
 impl<'a> Page<'a> {
-    /// Builds the envelope of a page to send, computing its checksum.
+    /// Builds the envelope of a page to send, computing its checksum: its data trimmed of
+    /// its zero tail, an all-zero page as [`PageFlags::ZERO`].
     pub fn seal(key: PageKey, version: u32, data: &'a [u8]) -> Self {
         Self::seal_with(key, version, PageFlags::default(), data)
     }
 
-    /// [`Page::seal`] with flags (not [`PageFlags::ZERO`]: the data is always a whole page).
+    /// [`Page::seal`] with flags (not [`PageFlags::ZERO`]: it is set when the page is zeros).
     pub fn seal_with(key: PageKey, version: u32, flags: PageFlags, data: &'a [u8]) -> Self {
         assert_eq!(data.len(), PAGE_SIZE, "a page is {PAGE_SIZE} bytes");
-        assert!(!flags.is_zero(), "a sealed page carries its data");
+        assert!(!flags.is_zero(), "the zero flag is the page's to say");
+        let data = trim(data);
+        let flags = if data.is_empty() {
+            PageFlags(flags.0 | PageFlags::ZERO)
+        } else {
+            flags
+        };
         Self {
             key,
             version,
@@ -145,8 +163,8 @@ impl<'a> Page<'a> {
         }
         let flags = PageFlags(flags);
         let len = r.u16()? as usize;
-        let expected = if flags.is_zero() { 0 } else { PAGE_SIZE };
-        if len != expected {
+        // Any length up to a page: what is missing is zeros ([`trim`]).
+        if len > PAGE_SIZE || (flags.is_zero() && len != 0) {
             return Err(DecodeError::BadPageLength {
                 len,
                 flags: flags.0,
@@ -182,14 +200,32 @@ impl<'a> Page<'a> {
     }
 }
 
-/// crc32c over the key, version, flags and data, all little-endian.
+/// crc32c over the key, version, flags and data trimmed of its zero tail ([`trim`]), all
+/// little-endian: the same for a page and for any shorter form of it.
 pub fn page_checksum(key: PageKey, version: u32, flags: PageFlags, data: &[u8]) -> u32 {
+    let data = trim(data);
     let mut head = [0u8; 18];
     head[0..4].copy_from_slice(&key.region.to_le_bytes());
     head[4..12].copy_from_slice(&key.page.to_le_bytes());
     head[12..16].copy_from_slice(&version.to_le_bytes());
     head[16..18].copy_from_slice(&flags.0.to_le_bytes());
     crc32c::crc32c_append(crc32c::crc32c(&head), data)
+}
+
+/// `data` up to its last non-zero byte: how a page travels. Ciphertext and most pages end in a
+/// non-zero byte, so this usually looks at one byte.
+pub fn trim(data: &[u8]) -> &[u8] {
+    let end = data.iter().rposition(|&b| b != 0).map_or(0, |i| i + 1);
+    &data[..end]
+}
+
+/// Writes the page whose data (perhaps trimmed, [`trim`]) is `data` into `dst`, a whole page:
+/// the data, then zeros.
+pub fn expand_into(data: &[u8], dst: &mut [u8]) {
+    assert!(data.len() <= dst.len(), "page data longer than a page");
+    let (head, tail) = dst.split_at_mut(data.len());
+    head.copy_from_slice(data);
+    tail.fill(0);
 }
 
 #[cfg(test)]
@@ -216,4 +252,44 @@ mod tests {
         };
         assert!(!corrupt.verify(), "a flipped bit");
     }
+
+    /// A page with a zero tail travels without it, and its checksum holds for the whole page
+    /// as for the trimmed one (a server stores the whole page; parity rebuilds it whole).
+    #[test]
+    fn a_zero_tail_stays_behind_and_the_checksum_does_not_care() {
+        let mut data = vec![0u8; PAGE_SIZE];
+        data[..100].fill(9);
+        let p = Page::seal(PageKey::new(1, 2), 3, &data);
+        assert_eq!(p.data.len(), 100);
+        assert!(p.verify());
+        assert!(Page { data: &data, ..p }.verify(), "the whole page");
+        assert!(
+            Page {
+                data: &data[..2000],
+                ..p
+            }
+            .verify(),
+            "another length"
+        );
+        assert!(
+            !Page {
+                data: &data[..99],
+                ..p
+            }
+            .verify(),
+            "a byte short"
+        );
+        let mut back = vec![7u8; PAGE_SIZE];
+        expand_into(p.data, &mut back);
+        assert_eq!(back, data);
+        let zero = Page::seal(PageKey::new(1, 2), 3, &ZEROS);
+        assert!(zero.flags.is_zero() && zero.data.is_empty() && zero.verify());
+        let full = vec![1u8; PAGE_SIZE];
+        assert_eq!(
+            Page::seal(PageKey::new(1, 2), 3, &full).data.len(),
+            PAGE_SIZE
+        );
+    }
+
+    static ZEROS: [u8; PAGE_SIZE] = [0; PAGE_SIZE];
 }

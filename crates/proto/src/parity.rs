@@ -131,7 +131,8 @@ pub struct Record<'a> {
     pub version: u32,
     pub crc: u32,
     pub flags: u16,
-    /// Always `PAGE_SIZE` bytes.
+    /// `PAGE_SIZE` bytes; fewer for the record of a page that travelled without its zero
+    /// tail ([`crate::page::trim`]): the rest is zeros.
     pub data: &'a [u8],
 }
 
@@ -168,11 +169,12 @@ impl<'a> Record<'a> {
     }
 
     pub(crate) fn encode(&self, w: &mut FrameBuilder<'_>) {
-        debug_assert_eq!(self.data.len(), PAGE_SIZE);
+        debug_assert!(self.data.len() <= PAGE_SIZE);
         w.u32(self.version)
             .u32(self.crc)
             .u16(self.flags)
-            .bytes(self.data);
+            .bytes(self.data)
+            .bytes(&ZERO_PAGE[self.data.len()..]);
     }
     pub(crate) fn decode(r: &mut Reader<'a>) -> Result<Self, DecodeError> {
         Ok(Self {
@@ -210,7 +212,8 @@ impl OwnedRecord {
         self.version ^= r.version;
         self.crc ^= r.crc;
         self.flags ^= r.flags;
-        xor_into(&mut self.data, r.data);
+        // A shorter record's rest is zeros, which XOR leaves alone.
+        xor_into(&mut self.data[..r.data.len()], r.data);
     }
     pub fn as_record(&self) -> Record<'_> {
         Record {

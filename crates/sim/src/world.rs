@@ -1022,22 +1022,24 @@ impl World {
     /// the wire); false if the reply carries no page data.
     fn flip_a_page_bit(&mut self, frame: &mut [u8]) -> bool {
         let base = frame.as_ptr() as usize;
-        let offsets: Vec<usize> = match decode_reply(frame) {
+        // Each page's data and its length: a page travels without its zero tail.
+        let spans: Vec<(usize, usize)> = match decode_reply(frame) {
             Ok((_, Reply::Get { pages, .. })) => pages
                 .iter()
                 .filter_map(|p| match p {
                     GetResult::Found(p) if !p.data.is_empty() => {
-                        Some(p.data.as_ptr() as usize - base)
+                        Some((p.data.as_ptr() as usize - base, p.data.len()))
                     }
                     _ => None,
                 })
                 .collect(),
             _ => return false,
         };
-        if offsets.is_empty() {
+        if spans.is_empty() {
             return false;
         }
-        let at = offsets[self.rng.usize(0..offsets.len())] + self.rng.usize(0..PAGE_SIZE);
+        let (start, len) = spans[self.rng.usize(0..spans.len())];
+        let at = start + self.rng.usize(0..len);
         frame[at] ^= 1 << self.rng.u32(0..8);
         true
     }

@@ -884,7 +884,8 @@ impl<A: AsRef<[u8]> + AsMut<[u8]>> Store<A> {
             self.counters.puts_refused_bad_key += 1;
             return Ok(PutStatus::BadKey);
         };
-        if netram_proto::page_checksum(key, version, flags, data) != crc {
+        let fits = data.len() <= PAGE_SIZE && (data.is_empty() || !flags.is_zero());
+        if !fits || netram_proto::page_checksum(key, version, flags, data) != crc {
             self.counters.puts_refused_corrupt += 1;
             return Ok(PutStatus::Corrupt);
         }
@@ -921,11 +922,9 @@ impl<A: AsRef<[u8]> + AsMut<[u8]>> Store<A> {
         self.owned_clean_put(f, packed, version, was_clean, flags.is_clean(), now_ms);
         let at = f as usize * PAGE_SIZE;
         let frame = &mut self.arena.as_mut()[at..at + PAGE_SIZE];
-        if flags.is_zero() {
-            frame.fill(0);
-        } else {
-            frame.copy_from_slice(data);
-        }
+        // A page that came without its zero tail gets it back: frames are whole pages, for
+        // parity's arithmetic and every read.
+        netram_proto::expand_into(data, frame);
         Ok(PutStatus::Stored)
     }
 
@@ -967,11 +966,8 @@ impl<A: AsRef<[u8]> + AsMut<[u8]>> Store<A> {
             version: m.version,
             crc: m.crc,
             flags: m.flags(),
-            data: if m.flags().is_zero() {
-                &[]
-            } else {
-                self.frame(f)
-            },
+            // As it travels: without its zero tail (`netram_proto::page`).
+            data: netram_proto::trim(self.frame(f)),
         }
     }
 

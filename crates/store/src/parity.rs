@@ -430,7 +430,7 @@ impl<A: AsRef<[u8]> + AsMut<[u8]>> Store<A> {
             .groups
             .get_mut(&(slot, id))
             .expect("found above");
-        if record.data.len() != PAGE_SIZE {
+        if record.data.len() > PAGE_SIZE {
             self.counters.parity_deltas_unknown += 1;
             return DeltaStatus::UnknownGroup;
         }
@@ -489,7 +489,9 @@ impl<A: AsRef<[u8]> + AsMut<[u8]>> Store<A> {
         g.crc ^= record.crc;
         g.flags ^= record.flags;
         let at = g.frame as usize * PAGE_SIZE;
-        netram_proto::parity::xor_into(&mut self.arena.as_mut()[at..at + PAGE_SIZE], record.data);
+        // A shorter record's rest is zeros (`netram_proto::page::trim`), which XOR leaves.
+        let n = record.data.len();
+        netram_proto::parity::xor_into(&mut self.arena.as_mut()[at..at + n], record.data);
         self.counters.parity_deltas_applied += 1;
         if !remove {
             g.members[i].2 = to;

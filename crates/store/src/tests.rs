@@ -277,7 +277,7 @@ proptest! {
                 }
                 Op::Get(i, p) => {
                     let h = handles[i as usize].unwrap();
-                    let got = s.get(h, PageKey::new(1, p), now).unwrap().map(|g| g.data[0]);
+                    let got = s.get(h, PageKey::new(1, p), now).unwrap().map(|g| g.data.first().copied().unwrap_or(0));
                     prop_assert_eq!(got, model[i as usize].get(&p).copied());
                     last[i as usize] = now;
                 }
@@ -354,4 +354,57 @@ fn put_at(s: &mut Store<Vec<u8>>, h: SessionHandle, p: u64, b: u8, now: u64) -> 
     let c = crc(key, 1, &page(b));
     s.put(h, key, 1, c, PageFlags::default(), &page(b), now)
         .unwrap()
+}
+
+/// A page that comes without its zero tail is stored whole (a frame a page, overwriting what
+/// the frame held) and goes back without it; the checksum its owner computed holds either way.
+/// A page longer than a page, or a zero page with data, is refused as corrupt.
+#[test]
+fn a_page_without_its_zero_tail_is_stored_whole_and_returned_trimmed() {
+    let mut s = store(2);
+    let h = s.open_session(1, 1, 1, 0).unwrap();
+    let key = PageKey::new(1, 0);
+    // The frame first holds a full page, so that its old tail would show if not cleared.
+    assert_eq!(put(&mut s, h, 0, 7), PutStatus::Stored);
+    let mut data = vec![0u8; PAGE_SIZE];
+    data[..300].fill(5);
+    let p = Page::seal(key, 8, &data);
+    assert_eq!(p.data.len(), 300);
+    assert_eq!(
+        s.put(h, key, 8, p.crc, p.flags, p.data, 0).unwrap(),
+        PutStatus::Stored
+    );
+    let got = s.get(h, key, 0).unwrap().unwrap();
+    assert_eq!(got.data, &data[..300]);
+    assert!(got.envelope(key).verify());
+    // The same page sent whole is the same page.
+    assert_eq!(
+        s.put(
+            h,
+            key,
+            9,
+            crc(key, 9, &data),
+            PageFlags::default(),
+            &data,
+            0
+        )
+        .unwrap(),
+        PutStatus::Stored
+    );
+    assert_eq!(s.get(h, key, 0).unwrap().unwrap().data, &data[..300]);
+    let long = vec![5u8; PAGE_SIZE + 1];
+    let c = crc(key, 10, &long);
+    assert_eq!(
+        s.put(h, key, 10, c, PageFlags::default(), &long, 0)
+            .unwrap(),
+        PutStatus::Corrupt
+    );
+    let z = PageFlags(PageFlags::ZERO);
+    let c = netram_proto::page_checksum(key, 10, z, &data[..300]);
+    assert_eq!(
+        s.put(h, key, 10, c, z, &data[..300], 0).unwrap(),
+        PutStatus::Corrupt
+    );
+    assert_eq!(s.counters().puts_refused_corrupt, 2);
+    s.check_invariants();
 }

@@ -280,7 +280,7 @@ impl<T: Transport, D: Disk> Pager<T, D> {
             sealer: cfg
                 .seal
                 .as_ref()
-                .map(|k| Sealer::new(k, cfg.region, cfg.pages)),
+                .map(|k| Sealer::new(k, cfg.region, cfg.pages, cfg.compress)),
             cache: LruCache::unbounded(),
             writeback: HashMap::new(),
             reads_done: Vec::new(),
@@ -333,6 +333,19 @@ impl<T: Transport, D: Disk> Pager<T, D> {
 
     pub fn config(&self) -> &PagerConfig {
         &self.cfg
+    }
+
+    /// Compresses the pages written back from now on before they are sealed when `rule` says
+    /// it pays, or never (`None`); pages already out keep the form they went in
+    /// (`PagerConfig::compress`, `seal.rs`). False, and nothing changed, for a pager that
+    /// does not seal.
+    pub fn set_compression(&mut self, rule: Option<netram_proto::compress::Rule>) -> bool {
+        let Some(s) = &mut self.sealer else {
+            return false;
+        };
+        s.set_rule(rule);
+        self.cfg.compress = rule;
+        true
     }
     pub fn counters(&self) -> &PagerCounters {
         &self.counters

@@ -324,7 +324,7 @@ impl Inbox<'_> {
                         }
                         GetResult::Found(p)
                             if opener.is_some_and(|o| {
-                                dst.copy_from_slice(p.data);
+                                netram_proto::expand_into(p.data, dst);
                                 !o.open(page, it.version, dst)
                             }) =>
                         {
@@ -332,12 +332,10 @@ impl Inbox<'_> {
                             Some("authentication failed")
                         }
                         GetResult::Found(p) => {
-                            if opener.is_some() {
-                                // Opened into its slot above.
-                            } else if p.flags.is_zero() {
-                                dst.fill(0);
-                            } else {
-                                dst.copy_from_slice(p.data);
+                            if opener.is_none() {
+                                // (Opened into its slot above otherwise.) A zero page and a
+                                // page's zero tail travel as nothing.
+                                netram_proto::expand_into(p.data, dst);
                             }
                             reads_done.push(ReadDone {
                                 pos: it.pos,

@@ -29,9 +29,24 @@
 //!   mode: only `ring`'s AES-GCM fits the 10 % the issue allows, and 128-bit keys (TLS 1.3's
 //!   first suite) are enough for memory that lives as long as its pager. The crc32c stays on the wire (over the ciphertext) so a
 //!   server still refuses a page damaged on the way, and for pagers that do not seal.
+//! * **Compressed, then sealed** (MIRAGE+, paper 002, §3.4; issue 40: compression offered to
+//!   the pager's PUTs). Ciphertext does not compress, so nothing after the seal can shrink a
+//!   page: when the pager is given a rule (`PagerConfig::compress`, the link's speed against
+//!   the codec's measured cost, `netram_proto::compress::Rule`) a page that LZ4 shrinks by
+//!   enough to pay is sealed as its LZ4 block, at the start of its slot, and the rest of the
+//!   slot is zeroed. A page travels without its zero tail (`netram_proto::page::trim`), so
+//!   what goes on the wire is the ciphertext of the block; servers keep whole frames, parity
+//!   XORs and Reed-Solomon encodes whole slots as before. The block's length is kept here
+//!   beside the tag (two bytes a page, only when compressing) and is in the associated data.
+//!   A page that does not shrink enough is sealed whole, as without a rule; each outcome is
+//!   counted (`pages_compressed`, `pages_compress_aborted`, `pages_compress_not_worth`).
+//!   What it costs in secrecy: a server sees how long each compressed page is, which says
+//!   something of its contents (how repetitive it is). That is why it is off unless asked
+//!   for, and the reason to leave it off where servers are not trusted with that much.
 
 use crate::writeback::Writeback;
 use crate::{Disk, Pager, Transport};
+use netram_proto::compress::{Packed, Rule, Skip, PACKED_ROOM};
 use netram_proto::PAGE_SIZE;
 use ring::aead::{Aad, LessSafeKey, Nonce, Tag, UnboundKey, AES_128_GCM};
 use std::fmt;
@@ -71,6 +86,20 @@ pub(crate) struct Sealer {
     region: u32,
     /// By page: the tag of its current version (zeros before its first write-out).
     tags: Vec<[u8; SEAL_TAG_LEN]>,
+    /// When pages are compressed before they are sealed: the rule that says when it pays.
+    rule: Option<Rule>,
+    /// By page, with a rule: the length of its current version's LZ4 block, 0 when it was
+    /// sealed whole. Empty without a rule.
+    packed: Vec<u16>,
+}
+
+/// What became of a page sealed with a compression rule (for the counters).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Shrunk {
+    /// Sealed as its LZ4 block of this many bytes.
+    To(usize),
+    /// Sealed whole, and why.
+    Not(Skip),
 }
 
 impl fmt::Debug for Sealer {
@@ -82,12 +111,18 @@ impl fmt::Debug for Sealer {
 }
 
 impl Sealer {
-    pub(crate) fn new(key: &SealKey, region: u32, pages: u64) -> Self {
+    pub(crate) fn new(key: &SealKey, region: u32, pages: u64, rule: Option<Rule>) -> Self {
         let key = UnboundKey::new(&AES_128_GCM, &key.0).expect("a 16-byte AES-128 key");
         Self {
             key: LessSafeKey::new(key),
             region,
             tags: bytemuck::zeroed_vec(pages as usize),
+            rule,
+            packed: if rule.is_some() {
+                vec![0; pages as usize]
+            } else {
+                Vec::new()
+            },
         }
     }
 
@@ -98,34 +133,92 @@ impl Sealer {
         Nonce::assume_unique_for_key(n)
     }
 
-    fn aad(&self, page: u64, version: u32) -> [u8; 16] {
-        let mut a = [0u8; 16];
+    /// Compresses from now on by `rule`, or never. The block lengths of pages sealed so far
+    /// stay: they are needed to open those pages.
+    pub(crate) fn set_rule(&mut self, rule: Option<Rule>) {
+        if rule.is_some() && self.packed.is_empty() {
+            self.packed = vec![0; self.tags.len()];
+        }
+        self.rule = rule;
+    }
+
+    /// The region, the page, the version and the length of the LZ4 block sealed (0: the
+    /// page whole).
+    fn aad(&self, page: u64, version: u32, packed: usize) -> [u8; 18] {
+        let mut a = [0u8; 18];
         a[..4].copy_from_slice(&self.region.to_le_bytes());
         a[4..12].copy_from_slice(&page.to_le_bytes());
-        a[12..].copy_from_slice(&version.to_le_bytes());
+        a[12..16].copy_from_slice(&version.to_le_bytes());
+        a[16..].copy_from_slice(&(packed as u16).to_le_bytes());
         a
     }
 
-    /// Encrypts `data` (one page) in place as `version` of `page` and keeps its tag.
-    pub(crate) fn seal(&mut self, page: u64, version: u32, data: &mut [u8]) {
+    /// Encrypts `data` (one page) in place as `version` of `page` and keeps its tag: with a
+    /// rule, as its LZ4 block followed by zeros when that pays. What became of it, with a
+    /// rule.
+    pub(crate) fn seal(&mut self, page: u64, version: u32, data: &mut [u8]) -> Option<Shrunk> {
         debug_assert_eq!(data.len(), PAGE_SIZE);
-        let aad = self.aad(page, version);
+        let shrunk = self.rule.map(|rule| {
+            // On the stack: the pager's slots are borrowed by the caller, and a page's worth
+            // of stack is nothing to a thread that handles faults.
+            let mut block = [0u8; PACKED_ROOM];
+            match rule.pack_data(data, &mut block) {
+                Packed::Compressed(n) => {
+                    data[..n].copy_from_slice(&block[..n]);
+                    data[n..].fill(0);
+                    Shrunk::To(n)
+                }
+                Packed::Raw(why) => Shrunk::Not(why),
+                Packed::Zero => unreachable!("pack_data compresses zero pages too"),
+            }
+        });
+        let n = match shrunk {
+            Some(Shrunk::To(n)) => n,
+            _ => 0,
+        };
+        if let Some(p) = self.packed.get_mut(page as usize) {
+            *p = n as u16;
+        }
+        let aad = self.aad(page, version, n);
+        let sealed = if n > 0 { &mut data[..n] } else { data };
         let tag = self
             .key
-            .seal_in_place_separate_tag(Self::nonce(page, version), Aad::from(aad), data)
+            .seal_in_place_separate_tag(Self::nonce(page, version), Aad::from(aad), sealed)
             .expect("a page is far below AES-GCM's message limit");
         self.tags[page as usize].copy_from_slice(tag.as_ref());
+        shrunk
     }
 
-    /// Decrypts `data` in place if it is `version` of `page` as this pager sealed it; false
-    /// (and `data` left unusable) otherwise.
+    /// Decrypts `data` (one page) in place if it is `version` of `page` as this pager sealed
+    /// it, decompressing it if it was sealed compressed; false (and `data` left unusable)
+    /// otherwise.
     pub(crate) fn open(&self, page: u64, version: u32, data: &mut [u8]) -> bool {
         debug_assert_eq!(data.len(), PAGE_SIZE);
-        let aad = self.aad(page, version);
+        let n = self
+            .packed
+            .get(page as usize)
+            .map_or(0, |&n| usize::from(n));
+        let aad = self.aad(page, version, n);
         let tag = Tag::from(self.tags[page as usize]);
-        self.key
-            .open_in_place_separate_tag(Self::nonce(page, version), Aad::from(aad), tag, data, 0..)
-            .is_ok()
+        let sealed = if n > 0 { &mut data[..n] } else { &mut *data };
+        let ok = self
+            .key
+            .open_in_place_separate_tag(
+                Self::nonce(page, version),
+                Aad::from(aad),
+                tag,
+                sealed,
+                0..,
+            )
+            .is_ok();
+        if !ok || n == 0 {
+            return ok;
+        }
+        // The block authenticated: it is what this pager compressed, so it decompresses (an
+        // error here would be this pager's own bug, refused all the same).
+        let mut block = [0u8; PAGE_SIZE];
+        block[..n].copy_from_slice(&data[..n]);
+        netram_proto::compress::unpack(&block[..n], data).is_ok()
     }
 }
 
@@ -142,7 +235,15 @@ impl<T: Transport, D: Disk> Pager<T, D> {
                 "slot {} sealed twice",
                 wb.slot
             );
-            s.seal(page, wb.version, &mut self.slots[at..at + PAGE_SIZE]);
+            match s.seal(page, wb.version, &mut self.slots[at..at + PAGE_SIZE]) {
+                Some(Shrunk::To(n)) => {
+                    self.counters.pages_compressed += 1;
+                    self.counters.bytes_saved_compressing += (PAGE_SIZE - n) as u64;
+                }
+                Some(Shrunk::Not(Skip::Aborted)) => self.counters.pages_compress_aborted += 1,
+                Some(Shrunk::Not(Skip::LinkFast)) => self.counters.pages_compress_not_worth += 1,
+                None => {}
+            }
             self.sealed[wb.slot as usize] = true;
         }
         self.writeback.insert(page, wb);

@@ -815,6 +815,20 @@ fn writes_in_flight_to_a_dying_server_go_elsewhere() {
 }
 
 /// A pager whose pages travel in clear, checked by their crc32c only.
+/// The same pager, compressing its pages before it seals them (`seal.rs`) as over a
+/// 100 Mbit/s link: `content` pages shrink to a few hundred bytes.
+fn compressing(mut p: Pager<MemCluster, MemDisk>) -> Pager<MemCluster, MemDisk> {
+    let cfg = PagerConfig {
+        compress: Some(netram_proto::compress::Rule {
+            link_bytes_per_us: 12.5,
+            codec_us: 3.0,
+        }),
+        ..p.cfg.clone()
+    };
+    let t = std::mem::replace(&mut p.transport, MemCluster::new(&[]));
+    Pager::new(cfg, t, MemDisk::default())
+}
+
 fn unsealed(mut p: Pager<MemCluster, MemDisk>) -> Pager<MemCluster, MemDisk> {
     let cfg = PagerConfig {
         seal: None,
@@ -1066,11 +1080,15 @@ proptest! {
         actions in prop::collection::vec(action(), 1..150),
         cache in 0usize..6,
         seed: u64,
+        compress: bool,
     ) {
         let mut cluster = MemCluster::new(&[10, 12, 14]);
         cluster.rng = Some(fastrand::Rng::with_seed(seed));
         cluster.window = 3;
         let mut p = pager(cluster, 48, cache, Backing::ClusterDisk);
+        if compress {
+            p = compressing(p);
+        }
         run_actions(&mut p, actions, true)?;
     }
 
@@ -1081,10 +1099,14 @@ proptest! {
         actions in prop::collection::vec(action(), 1..150),
         cache in 0usize..6,
         seed: u64,
+        compress: bool,
     ) {
         let mut cluster = MemCluster::new(&[10, 12, 14]);
         cluster.rng = Some(fastrand::Rng::with_seed(seed));
         let mut p = pager(cluster, 48, cache, Backing::Cluster);
+        if compress {
+            p = compressing(p);
+        }
         run_actions(&mut p, actions, false)?;
     }
 }
