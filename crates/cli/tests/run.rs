@@ -722,42 +722,52 @@ fn sort_input(name: &str, seed: u64) -> (Scratch, PathBuf) {
     (dir, input)
 }
 
+/// GNU sort of `input` through `cmd` (plain `sort`, or `netram run … -- sort`) with a 32 MiB
+/// buffer, in the C locale.
+fn sort_with(cmd: &mut Command, input: &Path) -> std::process::Output {
+    cmd.args(["-S", "32M", "--parallel=1"])
+        .arg(input)
+        .env("LC_ALL", "C")
+        .output()
+        .unwrap()
+}
+
+/// GNU sort under `netram run` with 8 MiB local on two servers, `extra` options given: its
+/// output is plain sort's; the run's report.
+fn sort_on_netram(name: &str, seed: u64, extra: &[&str]) -> serde_json::Value {
+    let (dir, input) = sort_input(name, seed);
+    let plain = sort_with(&mut Command::new("sort"), &input);
+    assert_ran(&plain, "sort");
+    let (_servers, addrs) = cluster(2);
+    let rep = dir.0.join("report.json");
+    let out = sort_with(
+        common::netram_env(Command::new("timeout"))
+            .args([
+                "300",
+                NETRAM,
+                "run",
+                "--local-mem",
+                "8M",
+                "--servers",
+                &addrs,
+            ])
+            .args(extra)
+            .args(["--report", rep.to_str().unwrap(), "--", "sort"]),
+        &input,
+    );
+    assert_ran(&out, &format!("sort under netram run {extra:?}"));
+    assert!(
+        out.stdout == plain.stdout,
+        "sort's output differs under netram run {extra:?}"
+    );
+    report(&rep)
+}
+
 /// GNU sort keeps its buffer in one large malloc: sorted under netram with a quarter of it
 /// local, the output is the same as without.
 #[test]
 fn gnu_sort_gives_the_same_output() {
-    let (dir, input) = sort_input("sort", 7);
-    let plain = Command::new("sort")
-        .args(["-S", "32M", "--parallel=1"])
-        .arg(&input)
-        .env("LC_ALL", "C")
-        .output()
-        .unwrap();
-    assert_ran(&plain, "sort");
-    let (_servers, addrs) = cluster(2);
-    let rep = dir.0.join("report.json");
-    let out = common::netram_env(Command::new("timeout"))
-        .args([
-            "300",
-            NETRAM,
-            "run",
-            "--local-mem",
-            "8M",
-            "--servers",
-            &addrs,
-        ])
-        .args(["--report", rep.to_str().unwrap(), "--", "sort"])
-        .args(["-S", "32M", "--parallel=1"])
-        .arg(&input)
-        .env("LC_ALL", "C")
-        .output()
-        .unwrap();
-    assert_ran(&out, "sort under netram run");
-    assert!(
-        out.stdout == plain.stdout,
-        "sort's output differs under netram"
-    );
-    let r = report(&rep);
+    let r = sort_on_netram("sort", 7, &[]);
     assert!(r["evictions"].as_u64().unwrap() > 100, "{r}");
     let fetched = r["fetches"].as_u64().unwrap() + r["prefetch_installed"].as_u64().unwrap();
     assert!(fetched > 100, "{r}");
@@ -768,39 +778,7 @@ fn gnu_sort_gives_the_same_output() {
 /// output is the same as without.
 #[test]
 fn gnu_sort_with_compressed_pages_gives_the_same_output() {
-    let (dir, input) = sort_input("sort-lz4", 13);
-    let plain = Command::new("sort")
-        .args(["-S", "32M", "--parallel=1"])
-        .arg(&input)
-        .env("LC_ALL", "C")
-        .output()
-        .unwrap();
-    assert_ran(&plain, "sort");
-    let (_servers, addrs) = cluster(2);
-    let rep = dir.0.join("report.json");
-    let out = common::netram_env(Command::new("timeout"))
-        .args([
-            "300",
-            NETRAM,
-            "run",
-            "--local-mem",
-            "8M",
-            "--servers",
-            &addrs,
-        ])
-        .args(["--compress-link-mbps", "100"])
-        .args(["--report", rep.to_str().unwrap(), "--", "sort"])
-        .args(["-S", "32M", "--parallel=1"])
-        .arg(&input)
-        .env("LC_ALL", "C")
-        .output()
-        .unwrap();
-    assert_ran(&out, "sort under netram run --compress-link-mbps 100");
-    assert!(
-        out.stdout == plain.stdout,
-        "sort's output differs under netram with compression"
-    );
-    let r = report(&rep);
+    let r = sort_on_netram("sort-lz4", 13, &["--compress-link-mbps", "100"]);
     let n = |k: &str| r[k].as_u64().unwrap_or(0);
     assert!(n("pages_compressed") > 100, "{r}");
     // Hex text and numbers: LZ4 takes a good share off each page.
@@ -817,13 +795,7 @@ fn gnu_sort_with_compressed_pages_gives_the_same_output() {
 #[test]
 fn gnu_sort_with_cluster_disk_backing_on_a_full_daemon_gives_the_same_output() {
     let (dir, input) = sort_input("sort-clean", 11);
-    let sort = |cmd: &mut Command| {
-        cmd.args(["-S", "32M", "--parallel=1"])
-            .arg(&input)
-            .env("LC_ALL", "C")
-            .output()
-            .unwrap()
-    };
+    let sort = |cmd: &mut Command| sort_with(cmd, &input);
     let plain = sort(&mut Command::new("sort"));
     assert_ran(&plain, "sort");
     let server = ServerProcess::start(&["--capacity", "2M", "--max-client-memory", "2M"]);

@@ -4,28 +4,40 @@
 
 use super::*;
 
+/// A sealed pager under `scheme` on six servers, compressing by `compress`, with `plain`'s
+/// pages written and flushed (no cache: every page is on the servers).
+fn written_out(
+    scheme: &str,
+    compress: Option<netram_proto::compress::Rule>,
+    plain: &[Vec<u8>],
+) -> Pager<MemCluster, MemDisk> {
+    let mut p = Pager::new(
+        PagerConfig {
+            pages: plain.len() as u64,
+            cache_pages: 0,
+            writeback_batch: 4,
+            redundancy: scheme.parse().unwrap(),
+            compress,
+            ..sealed()
+        },
+        MemCluster::new(&[256; 6]),
+        MemDisk::default(),
+    );
+    for (pg, d) in plain.iter().enumerate() {
+        p.write(pg as u64, d).unwrap();
+    }
+    p.flush().unwrap();
+    p
+}
+
 /// The pages' plaintext never reaches a server, under any scheme; everything reads back,
 /// also after a server dies and its pages are rebuilt from the others (mirror, parity,
 /// Reed-Solomon operate on ciphertext).
 #[test]
 fn servers_hold_only_ciphertext_and_rebuilt_pages_authenticate() {
     for scheme in ["none", "mirror:2", "parity:4", "rs:4+2"] {
-        let mut p = Pager::new(
-            PagerConfig {
-                pages: 48,
-                cache_pages: 0,
-                writeback_batch: 4,
-                redundancy: scheme.parse().unwrap(),
-                ..sealed()
-            },
-            MemCluster::new(&[256; 6]),
-            MemDisk::default(),
-        );
         let plain: Vec<Vec<u8>> = (0..48).map(|pg| content(pg, 9)).collect();
-        for (pg, d) in plain.iter().enumerate() {
-            p.write(pg as u64, d).unwrap();
-        }
-        p.flush().unwrap();
+        let mut p = written_out(scheme, None, &plain);
         let mut frames = 0;
         for s in &p.transport().servers {
             for key in s.store.session_keys(s.session) {
@@ -130,23 +142,8 @@ fn mixed(pg: u64, r: u8) -> Vec<u8> {
 #[test]
 fn compressed_pages_travel_short_under_every_scheme_and_come_back_whole() {
     for scheme in ["none", "mirror:2", "parity:4", "rs:4+2"] {
-        let mut p = Pager::new(
-            PagerConfig {
-                pages: 48,
-                cache_pages: 0,
-                writeback_batch: 4,
-                redundancy: scheme.parse().unwrap(),
-                compress: Some(SLOW_LINK),
-                ..sealed()
-            },
-            MemCluster::new(&[256; 6]),
-            MemDisk::default(),
-        );
         let plain: Vec<Vec<u8>> = (0..48).map(|pg| mixed(pg, 3)).collect();
-        for (pg, d) in plain.iter().enumerate() {
-            p.write(pg as u64, d).unwrap();
-        }
-        p.flush().unwrap();
+        let mut p = written_out(scheme, Some(SLOW_LINK), &plain);
         let c = p.counters().clone();
         assert_eq!(
             (c.pages_compressed, c.pages_compress_aborted),
