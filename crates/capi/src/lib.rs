@@ -259,7 +259,7 @@ pub fn region_from(
         low_latency: env.low_latency,
         redundancy,
     })?;
-    pager.set_compression(netram_client::open::compression(env.compress_link_mbps));
+    netram_client::open::compress(&mut pager, env.compress_link_mbps);
     let size = usize::try_from(size).map_err(|_| CapiError::TooLarge(size))?;
     let budget = usize::try_from(budget).map_err(|_| CapiError::TooLarge(budget))?;
     let mut options = RegionOptions::default();

@@ -149,7 +149,7 @@ pub fn run(args: NbdArgs) -> anyhow::Result<()> {
         low_latency: args.low_latency,
         redundancy: args.redundancy,
     })?;
-    pager.set_compression(netram_client::open::compression(args.compress_link_mbps));
+    netram_client::open::compress(&mut pager, args.compress_link_mbps);
     let device = Arc::new(Device::new(pager, bytes));
     let cfg = netram_client::maintain::MaintainConfig {
         pages_per_s: args.recovery_rate,

@@ -146,6 +146,17 @@ pub fn compression(link_mbps: u32) -> Option<netram_proto::compress::Rule> {
     Some(rule)
 }
 
+/// Gives a pager just opened the rule for a link of `link_mbps` Mbit/s ([`compression`]); a
+/// pager that cannot take it (it does not seal, or sealed pages already) is said so in the log.
+pub fn compress(pager: &mut ClientPager, link_mbps: u32) {
+    let rule = compression(link_mbps);
+    if !pager.set_compression(rule) && rule.is_some() {
+        tracing::warn!(
+            "pages will not be compressed: the pager does not seal them, or sealed some already"
+        );
+    }
+}
+
 pub fn open_pager(o: &OpenOptions) -> Result<ClientPager, OpenError> {
     open_from(o, false)
 }

@@ -335,15 +335,17 @@ impl<T: Transport, D: Disk> Pager<T, D> {
         &self.cfg
     }
 
-    /// Compresses the pages written back from now on before they are sealed when `rule` says
-    /// it pays, or never (`None`); pages already out keep the form they went in
-    /// (`PagerConfig::compress`, `seal.rs`). False, and nothing changed, for a pager that
-    /// does not seal.
+    /// Compresses the pages written back before they are sealed when `rule` says it pays, or
+    /// never (`None`), as `PagerConfig::compress` would have (`seal.rs`): for a pager just
+    /// opened. False, and nothing changed, for a pager that does not seal or has sealed a
+    /// page already (the rule must not change under a page's nonce: `Sealer::set_rule`).
     pub fn set_compression(&mut self, rule: Option<netram_proto::compress::Rule>) -> bool {
         let Some(s) = &mut self.sealer else {
             return false;
         };
-        s.set_rule(rule);
+        if !s.set_rule(rule) {
+            return false;
+        }
         self.cfg.compress = rule;
         true
     }

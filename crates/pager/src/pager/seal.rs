@@ -91,6 +91,8 @@ pub(crate) struct Sealer {
     /// By page, with a rule: the length of its current version's LZ4 block, 0 when it was
     /// sealed whole. Empty without a rule.
     packed: Vec<u16>,
+    /// Whether any page was sealed yet: the rule is fixed from then on (`set_rule`).
+    sealed_any: bool,
 }
 
 /// What became of a page sealed with a compression rule (for the counters).
@@ -123,6 +125,7 @@ impl Sealer {
             } else {
                 Vec::new()
             },
+            sealed_any: false,
         }
     }
 
@@ -133,13 +136,19 @@ impl Sealer {
         Nonce::assume_unique_for_key(n)
     }
 
-    /// Compresses from now on by `rule`, or never. The block lengths of pages sealed so far
-    /// stay: they are needed to open those pages.
-    pub(crate) fn set_rule(&mut self, rule: Option<Rule>) {
+    /// Compresses by `rule`, or never; false, and nothing changed, once a page was sealed.
+    /// Why: a page may be sealed again at the same version (a write-back that went to the
+    /// disk or the cache and out again), under the same nonce, and AES-GCM stays safe only if
+    /// it is the same plaintext then — the same page compressed by the same rule.
+    pub(crate) fn set_rule(&mut self, rule: Option<Rule>) -> bool {
+        if self.sealed_any {
+            return false;
+        }
         if rule.is_some() && self.packed.is_empty() {
             self.packed = vec![0; self.tags.len()];
         }
         self.rule = rule;
+        true
     }
 
     /// The region, the page, the version and the length of the LZ4 block sealed (0: the
@@ -176,6 +185,7 @@ impl Sealer {
             Some(Shrunk::To(n)) => n,
             _ => 0,
         };
+        self.sealed_any = true;
         if let Some(p) = self.packed.get_mut(page as usize) {
             *p = n as u16;
         }

@@ -254,3 +254,26 @@ fn a_server_that_changes_a_compressed_page_is_caught() {
         }
     }
 }
+
+/// The compression rule is set before the first write-back or not at all: a page may be
+/// sealed again at the same version, under the same nonce, and must then be the same
+/// plaintext.
+#[test]
+fn the_compression_rule_is_fixed_once_a_page_was_sealed() {
+    let mut p = pager(MemCluster::new(&[16]), 4, 0, Backing::Cluster);
+    assert!(p.set_compression(Some(SLOW_LINK)));
+    assert!(p.set_compression(None), "nothing sealed yet");
+    assert!(p.set_compression(Some(SLOW_LINK)));
+    p.write(2, &mixed(2, 1)).unwrap();
+    assert_eq!(p.counters().pages_compressed, 1);
+    assert!(!p.set_compression(None));
+    assert_eq!(p.config().compress, Some(SLOW_LINK));
+    p.write(2, &mixed(2, 2)).unwrap();
+    assert_eq!(p.counters().pages_compressed, 2);
+    assert_eq!(read(&mut p, 2).unwrap(), mixed(2, 2));
+    let mut clear = unsealed(pager(MemCluster::new(&[16]), 4, 0, Backing::Cluster));
+    assert!(
+        !clear.set_compression(Some(SLOW_LINK)),
+        "nothing is sealed: nothing to compress"
+    );
+}
