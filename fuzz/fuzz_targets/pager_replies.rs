@@ -11,6 +11,8 @@
 //! finished, and under a redundancy scheme one liar never costs a page: reads still succeed. A lie is seen as a
 //! checksum, version or protocol error, counted, and the liar is declared dead.
 //!
+//! Half the runs compress pages before they are sealed (`PagerConfig::compress`).
+//!
 //! The lies keep the honest server's bytes under the page checksum: one bit flipped, never a
 //! value chosen, so they never forge a page with a matching checksum. That forgery is what
 //! authentication (MACs on pages) is for, not the reply handler.
@@ -321,6 +323,12 @@ fuzz_target!(|input: Input| {
         batch_max: 4,
         redundancy: scheme,
         recovery_slots: 64,
+        // Half the runs compress before sealing (the pages here shrink to a few hundred
+        // bytes), so the liar's bytes also reach pages that travel as sealed LZ4 blocks.
+        compress: (input.cache & 0x80 != 0).then_some(netram_proto::compress::Rule {
+            link_bytes_per_us: 12.5,
+            codec_us: 3.0,
+        }),
         ..Default::default()
     };
     let mut pager = Pager::new(cfg, cluster, MemDisk::default());
