@@ -170,29 +170,40 @@ fn real_nbd_tools_agree() {
     );
 
     // fio's own NBD engine, every block checksummed and verified, 32 requests in flight.
-    let fio = run(
-        "fio",
-        &[
-            "--name=verify",
-            "--ioengine=nbd",
-            &format!("--uri={}", nbd.uri),
-            "--rw=randwrite",
-            "--bs=4k",
-            "--iodepth=32",
-            "--size=16M",
-            "--verify=crc32c",
-            "--do_verify=1",
-            "--verify_fatal=1",
-            "--output-format=json",
-            &format!("--filename={}", dir.path().join("fio").display()),
-        ],
+    fio_verifies(&nbd.uri, dir.path(), 32, 16, &[]);
+}
+
+/// fio's own NBD engine writes `mib` MiB of 4 KiB blocks at random with `depth` requests in
+/// flight, every block checksummed, then reads them all back and verifies them.
+fn fio_verifies(uri: &str, dir: &Path, depth: u32, mib: u64, extra: &[&str]) {
+    let (uri, depth, size) = (
+        format!("--uri={uri}"),
+        format!("--iodepth={depth}"),
+        format!("--size={mib}M"),
     );
+    let file = format!("--filename={}", dir.join("fio").display());
+    let mut args = vec![
+        "--name=verify",
+        "--ioengine=nbd",
+        &uri,
+        "--rw=randwrite",
+        "--bs=4k",
+        &depth,
+        &size,
+        "--verify=crc32c",
+        "--do_verify=1",
+        "--verify_fatal=1",
+        "--output-format=json",
+        &file,
+    ];
+    args.extend_from_slice(extra);
+    let fio = run("fio", &args);
     // fio may print a note before its JSON.
     let json = &fio[fio.find('{').expect("fio JSON")..];
     let fio: serde_json::Value = serde_json::from_str(json).expect("fio JSON");
     assert_eq!(fio["jobs"][0]["error"], 0);
     assert!(
-        fio["jobs"][0]["read"]["io_bytes"].as_u64().unwrap() >= 16 << 20,
+        fio["jobs"][0]["read"]["io_bytes"].as_u64().unwrap() >= mib << 20,
         "fio verified every block"
     );
 }
@@ -237,28 +248,13 @@ fn a_compressing_device_gives_back_what_the_nbd_tools_wrote() {
         "nbdcopy read back what it wrote"
     );
     assert!(got[data.len()..].iter().all(|&b| b == 0));
-    let fio = run(
-        "fio",
-        &[
-            "--name=verify",
-            "--ioengine=nbd",
-            &format!("--uri={}", nbd.uri),
-            "--rw=randwrite",
-            "--bs=4k",
-            "--iodepth=16",
-            "--size=8M",
-            "--buffer_compress_percentage=50",
-            "--verify=crc32c",
-            "--do_verify=1",
-            "--verify_fatal=1",
-            "--output-format=json",
-            &format!("--filename={}", dir.path().join("fio").display()),
-        ],
+    fio_verifies(
+        &nbd.uri,
+        dir.path(),
+        16,
+        8,
+        &["--buffer_compress_percentage=50"],
     );
-    let json = &fio[fio.find('{').expect("fio JSON")..];
-    let fio: serde_json::Value = serde_json::from_str(json).expect("fio JSON");
-    assert_eq!(fio["jobs"][0]["error"], 0);
-    assert!(fio["jobs"][0]["read"]["io_bytes"].as_u64().unwrap() >= 8 << 20);
 }
 
 #[test]
