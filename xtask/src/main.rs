@@ -4,13 +4,16 @@
 //! --release ARGS`, with the tools the tests talk to installed first when it runs as root on a
 //! Debian machine (otherwise it names the packages). A test that cannot run here says so on
 //! stderr and is recorded by `netram_testkit::skip`; at the end every skipped test is listed
-//! with its reason and counted. `--no-skip` (what CI passes) makes any skip a failure.
+//! with its reason and counted. `--no-skip` (what CI passes) makes any skip a failure. A
+//! suite that hangs fails after 10 minutes without output, with its processes' stacks
+//! (`stall.rs`).
 //!
 //! `cargo xtask deb` builds a Debian package (see `deb`).
 //!
 //! Standard library only: it must build on a fresh machine before anything else does.
 
 mod deb;
+mod stall;
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
@@ -65,7 +68,10 @@ usage: cargo xtask test [--no-skip] [--no-install] [-- ARGS for cargo test]
   test          the whole test suite (cargo test --workspace --release), then the list of
                 tests that could not run here and why
   --no-skip     fail if any test was skipped (CI)
-  --no-install  do not install missing packages, even as root";
+  --no-install  do not install missing packages, even as root
+
+A suite that prints nothing for 10 minutes has hung: the stacks of its processes are printed,
+they are killed and the run fails (NETRAM_TEST_STALL_SECS sets the limit).";
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -140,12 +146,13 @@ fn test(no_skip: bool, install: bool, passed: &[String]) -> Result<ExitCode, Str
         .map_err(|e| format!("creating {}: {e}", log.display()))?;
     // A fresh log per run: only this run's skips count.
     let _ = std::fs::remove_file(&log);
-    let status = cargo()
-        .args(["test", "--workspace", "--release"])
-        .args(passed)
-        .env("NETRAM_SKIP_LOG", &log)
-        .status()
-        .map_err(|e| format!("running cargo test: {e}"))?;
+    // Watched: a hang fails in minutes, with its stacks (see `stall.rs`).
+    let status = stall::run_watched(
+        cargo()
+            .args(["test", "--workspace", "--release"])
+            .args(passed)
+            .env("NETRAM_SKIP_LOG", &log),
+    )?;
     let skipped: Vec<String> = std::fs::read_to_string(&log)
         .unwrap_or_default()
         .lines()

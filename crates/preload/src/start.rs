@@ -325,6 +325,7 @@ pub(crate) extern "C" fn at_exit() {
             "unreadable_victims": get(&rc.unreadable_victims),
             "write_protect_calls": get(&rc.write_protect_calls),
             "forks": get(&rc.forks),
+            "events_read_by_watcher": get(&rc.events_read_by_watcher),
             "child_faults": get(&rc.child_faults),
             "child_fetches": get(&rc.child_fetches),
             "child_fetches_redone": get(&rc.child_fetches_redone),

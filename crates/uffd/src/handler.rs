@@ -144,7 +144,10 @@ impl<T: Transport, D: Disk> Shared<T, D> {
         // The maintenance schedule (`upkeep.rs`), and whether a reply it waits for arrived.
         let mut ticker = netram_pager::Ticker::new();
         let mut answered = false;
+        // Where events are read to, allocated once: `Inbox::read` allocates nothing then.
+        let mut events = Vec::with_capacity(crate::inbox::STASH + sys::MOST_EVENTS);
         loop {
+            self.inbox.turn();
             self.upkeep(&mut ticker, std::mem::take(&mut answered));
             let wait_started = std::time::Instant::now();
             let with_children = self.child_count.load(Ordering::Acquire) > 0;
@@ -153,7 +156,7 @@ impl<T: Transport, D: Disk> Shared<T, D> {
                     events: true,
                     replies: Replies::From(&[]),
                 };
-                match self.drain_events(ready) {
+                match self.drain_events(ready, &mut events) {
                     Some(f) => fetching = f,
                     None => return,
                 }
@@ -298,7 +301,7 @@ impl<T: Transport, D: Disk> Shared<T, D> {
                 },
             };
             drop(fds);
-            match self.drain_events(ready) {
+            match self.drain_events(ready, &mut events) {
                 Some(f) => fetching = f,
                 None => return,
             }
@@ -323,12 +326,13 @@ impl<T: Transport, D: Disk> Shared<T, D> {
     /// with nothing to read (at depth 1 a fault paid three that failed with `EAGAIN`: the read
     /// after its event, the replies looked for right after its request went out, the
     /// userfaultfd read again when only its reply had come).
-    pub(crate) fn drain_events(&self, ready: Ready<'_>) -> Option<bool> {
+    pub(crate) fn drain_events(&self, ready: Ready<'_>, events: &mut Vec<Event>) -> Option<bool> {
         // One turn: what is left is read after the children's (see `Round`).
         let fair = self.child_count.load(Ordering::Acquire) > 0;
         let mut round = Round::new(fair);
-        let mut events = Vec::new();
-        while ready.events && round.more() {
+        // (Events the watcher read for this thread wait in the inbox: see `inbox.rs`.)
+        let events_ready = ready.events || self.inbox.has_stashed();
+        while events_ready && round.more() {
             // Without children a turn ends only at its bound, so a turn's worth is read at
             // once; with them, one at a time, since the turn may end at any event.
             let want = if fair {
@@ -336,7 +340,7 @@ impl<T: Transport, D: Disk> Shared<T, D> {
             } else {
                 EVENTS_PER_ROUND - round.events
             };
-            match self.uffd.read_events(&mut events, want) {
+            match self.inbox.read(&self.uffd, events, want) {
                 Ok(n) => {
                     for event in events.drain(..) {
                         round.note(&event);

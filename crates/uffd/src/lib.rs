@@ -71,7 +71,9 @@
 //! the handler's loop; `fetch.rs` fetches in flight (a fault starts one and the loop goes on;
 //! it is installed when its reply is in); `fault.rs` serving one fault;
 //! `evict.rs` victims and releases; `prefetch.rs` fetching ahead; `fork/` forked children (events and descriptors in `mod.rs`, their faults in `child.rs`, what they still read kept in `settle.rs`, their budget in `budget.rs`, a leaving parent's `handover.rs`);
-//! `sys.rs` the kernel's ABI; `heap/` allocations on a region; `alloc.rs` the Rust allocator.
+//! `inbox.rs` every read of the descriptor, and the watcher that reads a fork's event for a
+//! handler stuck on a lock the `fork` holds; `sys.rs` the kernel's ABI; `heap/` allocations on
+//! a region; `alloc.rs` the Rust allocator.
 
 mod agent;
 pub mod alloc;
@@ -81,6 +83,7 @@ mod fetch;
 mod fork;
 mod handler;
 pub mod heap;
+mod inbox;
 mod prefetch;
 pub mod sys;
 mod upkeep;
@@ -241,6 +244,10 @@ pub struct RegionCounters {
     pub retried: AtomicU64,
     /// Forked children that inherited the region.
     pub forks: AtomicU64,
+    /// Events read by the watcher for a handler that went no further round its loop for a
+    /// tick while they waited: one held by a lock that a `fork` holds, whose event the
+    /// kernel makes that `fork` wait for (`inbox.rs`). Each such rescue is a hang avoided.
+    pub events_read_by_watcher: AtomicU64,
     /// Faults of forked children served (their pages installed in their memory).
     pub child_faults: AtomicU64,
     /// Children's pages read from the pager by ticket (see `fork/mod.rs` `ChildFetch`), and how
@@ -430,6 +437,10 @@ pub struct Region<T: Transport, D: Disk> {
     shared: Arc<Shared<T, D>>,
     stop: Arc<OwnedFd>,
     handler: Option<JoinHandle<()>>,
+    /// The thread that reads events for a stuck handler, where the kernel makes a `fork` wait
+    /// for them (`inbox.rs`). Boxed: a region is handed around by value, and only root's
+    /// regions have one.
+    watcher: Option<Box<JoinHandle<()>>>,
 }
 
 impl<T: Transport, D: Disk> std::fmt::Debug for Region<T, D> {
@@ -486,6 +497,27 @@ where
     /// most `budget` bytes (at least one page) are resident at a time.
     pub fn new(pager: Pager<T, D>, size: usize, budget: usize) -> Result<Self, RegionError> {
         Self::with_options(pager, size, budget, RegionOptions::default())
+    }
+
+    /// The watcher of `inbox.rs`, for a region whose forks the kernel holds until the handler
+    /// has read their events.
+    ///
+    /// When the region goes, it goes on reading the descriptor (a copy of its own) until no
+    /// event has come for a while (see `inbox.rs`), and holds nothing else of the region.
+    fn start_watcher(&self) -> std::io::Result<JoinHandle<()>> {
+        let (s, wake) = (self.shared.clone(), self.stop.clone());
+        let grave = s.uffd.try_clone()?;
+        std::thread::Builder::new()
+            .name("netram-uffd-watch".into())
+            .spawn(move || {
+                alloc::mark_internal_thread();
+                // Allocated now: nothing is, once the region has gone.
+                let mut events = Vec::with_capacity(sys::MOST_EVENTS);
+                let rescued = &s.counters.events_read_by_watcher;
+                s.inbox.watch_until_stopped(&s.uffd, &*wake, rescued);
+                drop((s, wake));
+                inbox::keep_reading_until_quiet(&grave, &mut events);
+            })
     }
 
     /// As [`Region::new`], with options.
@@ -564,6 +596,7 @@ where
             shadow,
             pages,
             uffd,
+            inbox: inbox::Inbox::new(),
             counters: RegionCounters::default(),
             state: Mutex::new(State {
                 pager,
@@ -643,11 +676,19 @@ where
                 s.run(&stop_fd)
             })
             .map_err(|e| unmap_both(RegionError::Handler(e)))?;
-        Ok(Self {
+        let mut region = Self {
             shared,
             stop,
             handler: Some(thread),
-        })
+            watcher: None,
+        };
+        if forks == Forks::Event {
+            // Dropping `region` on an error stops the handler and unmaps.
+            region.watcher = Some(Box::new(
+                region.start_watcher().map_err(RegionError::Handler)?,
+            ));
+        }
+        Ok(region)
     }
 }
 
@@ -803,6 +844,14 @@ impl<T: Transport, D: Disk> Drop for Region<T, D> {
         if let Some(h) = self.handler.take() {
             let _ = h.join();
         }
+        // From here the watcher reads every event, until after the range is gone: a `fork`
+        // going on now may have copied it (see `inbox.rs`). Not joined: it ends by itself.
+        if let Some(w) = self.watcher.take() {
+            self.shared.inbox.stop_watching();
+            w.thread().unpark();
+        }
+        #[cfg(test)]
+        std::thread::sleep(tests::DROP_PAUSE.get());
         let sh = &self.shared;
         let len = self.len();
         let _ = sh.uffd.unregister(sh.base.page(0), len);
@@ -837,6 +886,8 @@ struct Shared<T: Transport, D: Disk> {
     shadow: Option<Base>,
     pages: usize,
     uffd: Uffd,
+    /// Every read of `uffd` goes through it (see `inbox.rs`).
+    inbox: inbox::Inbox,
     /// This process, for `process_madvise` (`None` where pidfds are not available).
     pidfd: Option<OwnedFd>,
     /// This process's id, for `process_vm_readv` (see `Shared::copy_out`).

@@ -163,6 +163,12 @@ impl Uffd {
         Uffd(fd, false)
     }
 
+    /// Another descriptor for the same userfaultfd (`dup`): it stays open, and its events
+    /// readable, after this one is closed.
+    pub fn try_clone(&self) -> std::io::Result<Uffd> {
+        Ok(Uffd(self.0.try_clone()?, self.1))
+    }
+
     /// Whether faults raised inside system calls go unserved (see [`Uffd::open`]).
     pub fn user_mode_only(&self) -> bool {
         self.1
@@ -372,10 +378,10 @@ impl Uffd {
     /// than `max` means none was left: the caller need not read again to find out, which would
     /// be a system call that fails with `EAGAIN` after every fault. A fork's message carries a
     /// descriptor the kernel opened while handing it out, so every message read is kept.
+    /// Allocates nothing where `out` has room for `max` more (the watcher of `inbox.rs`).
     pub fn read_events(&self, out: &mut Vec<Event>, max: usize) -> Result<usize, Errno> {
-        const MOST: usize = 64;
-        let mut buf = [0u8; MOST * MSG_LEN];
-        let want = max.clamp(1, MOST) * MSG_LEN;
+        let mut buf = [0u8; MOST_EVENTS * MSG_LEN];
+        let want = max.clamp(1, MOST_EVENTS) * MSG_LEN;
         let n = loop {
             match rustix::io::read(self, &mut buf[..want]) {
                 Ok(n) => break n,
@@ -414,6 +420,9 @@ impl Uffd {
         Ok(n / MSG_LEN)
     }
 }
+
+/// The most events [`Uffd::read_events`] reads at once.
+pub(crate) const MOST_EVENTS: usize = 64;
 
 /// A decoded message (see [`Event`]); a fork's descriptor still a number.
 #[derive(Debug, PartialEq, Eq)]

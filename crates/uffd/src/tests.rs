@@ -277,6 +277,114 @@ fn zero_pages_are_not_stored() {
     assert_eq!(cluster.stat(0, "stored_pages"), 0);
 }
 
+/// A `fork` while the handler waits for a lock that the forking thread holds returns: as the
+/// C library's `fork` holds its allocator's locks, which the handler may be waiting for, and
+/// the kernel holds the `fork` until the handler has read its event. Here the lock is the
+/// region's own, held around the fork while a thread's fault has the handler waiting for it;
+/// the watcher reads the fork's event for the handler (`inbox.rs`). Without it the process
+/// hangs for good (the suite did, ~1 run in 40 under load). Needs root (following forks).
+#[test]
+fn a_fork_returns_while_the_handler_waits_for_a_lock_the_forking_thread_holds() {
+    let Some(_forks) = following_forks() else {
+        return;
+    };
+    let cluster = LocalCluster::start(1, 16 << 20, false).unwrap();
+    // No cache: the fault below goes to the server, through the handler.
+    let mut r = region_with_cache(&cluster, 16, 0);
+    let mem = r.as_mut_slice();
+    for p in 0..64 {
+        mem[p * PAGE_SIZE..(p + 1) * PAGE_SIZE].fill(fill(p, 1));
+    }
+    evict_down_to(&r, 16);
+    let base = r.as_ptr() as usize;
+    let r = Arc::new(r);
+    let (done, finished) = std::sync::mpsc::channel();
+    let forker = {
+        let r = r.clone();
+        std::thread::spawn(move || {
+            let (pid, reader) = r.with_pager(|_| {
+                // The oldest page was evicted first: its fault has the handler wait for the
+                // lock this thread holds.
+                // SAFETY: a page of the region, which outlives the thread (joined below).
+                let reader = std::thread::spawn(move || unsafe { *(base as *const u8) });
+                std::thread::sleep(std::time::Duration::from_millis(200));
+                // SAFETY: the child only calls _exit.
+                let pid = unsafe { libc::syscall(libc::SYS_fork) } as libc::pid_t;
+                if pid == 0 {
+                    // SAFETY: ends the child at once.
+                    unsafe { libc::_exit(0) };
+                }
+                (pid, reader)
+            });
+            let byte = reader.join().unwrap();
+            let mut status = 0;
+            // SAFETY: waiting for our own child.
+            let waited = pid > 0 && unsafe { libc::waitpid(pid, &mut status, 0) } == pid;
+            let _ = done.send((byte, waited && libc::WIFEXITED(status)));
+        })
+    };
+    let Ok((byte, child_ok)) = finished.recv_timeout(std::time::Duration::from_secs(30)) else {
+        // The region's lock stays held by the hung fork: dropping the region would wait too.
+        std::mem::forget(r);
+        panic!("the fork did not return in 30 s: its event was not read");
+    };
+    forker.join().unwrap();
+    assert!(child_ok, "the child did not exit by itself");
+    assert_eq!(byte, fill(0, 1), "the page faulted on meanwhile");
+    let c = r.counters();
+    assert!(RegionCounters::get(&c.events_read_by_watcher) >= 1, "{c:?}");
+    assert!(RegionCounters::get(&c.forks) >= 1, "{c:?}");
+    assert_eq!(RegionCounters::get(&c.errors), 0, "{c:?}");
+}
+
+thread_local! {
+    /// How long a region dropped on this thread stays mapped and registered after its handler
+    /// has stopped (`Region::drop`): the window a test's `fork` aims at.
+    pub(crate) static DROP_PAUSE: std::cell::Cell<std::time::Duration> =
+        const { std::cell::Cell::new(std::time::Duration::ZERO) };
+}
+
+/// A `fork` made while another thread drops a region returns: it copies the process's
+/// descriptors, then the region's registered mapping, whose event the kernel makes it wait
+/// for, and the handler has stopped; the child being made holds the descriptor open, so no
+/// close releases it. The region's watcher reads on after the drop (`inbox.rs`); without it
+/// the fork waited for good (the suite did, a test's fork meeting another's region).
+/// Needs root (following forks).
+#[test]
+fn a_fork_while_a_region_is_dropped_returns() {
+    let Some(_forks) = following_forks() else {
+        return;
+    };
+    let cluster = LocalCluster::start(1, 16 << 20, false).unwrap();
+    let mut r = region(&cluster, 16);
+    r.as_mut_slice()[..64 * PAGE_SIZE].fill(7);
+    let dropper = std::thread::spawn(move || {
+        DROP_PAUSE.set(std::time::Duration::from_millis(600));
+        drop(r);
+    });
+    // The handler has stopped by now; the range stays registered for a while.
+    std::thread::sleep(std::time::Duration::from_millis(200));
+    let (done, finished) = std::sync::mpsc::channel();
+    let forker = std::thread::spawn(move || {
+        // SAFETY: the child only calls _exit.
+        let pid = unsafe { libc::syscall(libc::SYS_fork) } as libc::pid_t;
+        if pid == 0 {
+            // SAFETY: ends the child at once.
+            unsafe { libc::_exit(0) };
+        }
+        let mut status = 0;
+        // SAFETY: waiting for our own child.
+        let waited = pid > 0 && unsafe { libc::waitpid(pid, &mut status, 0) } == pid;
+        let _ = done.send(waited && libc::WIFEXITED(status));
+    });
+    let Ok(child_ok) = finished.recv_timeout(std::time::Duration::from_secs(30)) else {
+        panic!("the fork did not return in 30 s: its event was not read");
+    };
+    forker.join().unwrap();
+    dropper.join().unwrap();
+    assert!(child_ok, "the child did not exit by itself");
+}
+
 #[test]
 fn threads_fault_at_once() {
     let cluster = LocalCluster::start(2, 8 << 20, false).unwrap();
