@@ -152,6 +152,7 @@ fn test(no_skip: bool, install: bool, passed: &[String]) -> Result<ExitCode, Str
             .args(["test", "--workspace", "--release"])
             .args(passed)
             .env("NETRAM_SKIP_LOG", &log),
+        stall::limit(),
     )?;
     let skipped: Vec<String> = std::fs::read_to_string(&log)
         .unwrap_or_default()

@@ -18,12 +18,17 @@ use std::time::{Duration, Instant};
 /// test here runs about 2 minutes: 10 minutes without a line is a hang.
 const STALL_SECS: u64 = 600;
 
-/// How `cmd` ended; `Err` if it hung (after the report) or could not be started.
-pub(crate) fn run_watched(cmd: &mut Command) -> Result<ExitStatus, String> {
-    let limit = std::env::var("NETRAM_TEST_STALL_SECS")
+/// The stall limit: `NETRAM_TEST_STALL_SECS`, else [`STALL_SECS`].
+pub(crate) fn limit() -> u64 {
+    std::env::var("NETRAM_TEST_STALL_SECS")
         .ok()
         .and_then(|s| s.parse().ok())
-        .unwrap_or(STALL_SECS);
+        .unwrap_or(STALL_SECS)
+}
+
+/// How `cmd` ended; `Err` if it printed nothing for `limit` seconds (after the report) or
+/// could not be started.
+pub(crate) fn run_watched(cmd: &mut Command, limit: u64) -> Result<ExitStatus, String> {
     let started = Instant::now();
     let mut child = cmd
         .stdout(Stdio::piped())
@@ -162,4 +167,40 @@ fn describe(pid: u32) -> String {
         }
     }
     s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_command_that_talks_ends_as_it_ends() {
+        let status = run_watched(Command::new("sh").args(["-c", "echo one; exit 3"]), 5);
+        assert_eq!(status.unwrap().code(), Some(3));
+    }
+
+    #[test]
+    fn a_silent_command_and_its_children_are_killed_at_the_limit() {
+        let pidfile = std::env::temp_dir().join(format!("xtask-stall-{}", std::process::id()));
+        // A child that prints once, then a grandchild that sleeps (as a test binary would).
+        let script = format!(
+            "echo started; sleep 120 & echo $! > {}; wait",
+            pidfile.display()
+        );
+        let started = Instant::now();
+        let r = run_watched(Command::new("sh").args(["-c", &script]), 2);
+        assert!(r.unwrap_err().contains("hung"));
+        assert!(started.elapsed() < Duration::from_secs(60));
+        let grandchild = std::fs::read_to_string(&pidfile).unwrap();
+        let _ = std::fs::remove_file(&pidfile);
+        // Killed by its pid: gone, or a zombie until init reaps it.
+        let gone = || {
+            field(grandchild.trim().parse().unwrap(), "State:").is_none_or(|s| s.starts_with('Z'))
+        };
+        let until = Instant::now() + Duration::from_secs(10);
+        while !gone() && Instant::now() < until {
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        assert!(gone(), "the grandchild {grandchild} still runs");
+    }
 }
