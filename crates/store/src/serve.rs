@@ -473,15 +473,18 @@ pub fn handle_request<A: AsRef<[u8]> + AsMut<[u8]>>(
                 .iter()
                 .map(|&k| store.get_frame(h, k, now_ms).ok().flatten())
                 .collect();
+            // Each page looked at once: its header and its data share the trim of its zero
+            // tail (`netram_proto::trim`).
+            let pages: Vec<_> = found.iter().map(|f| f.map(|f| store.stored(f))).collect();
             let mut w = begin_get_reply(out, id, l, keys.len());
-            for (&k, f) in keys.iter().zip(&found) {
-                match f {
-                    Some(f) => get_reply_found(&mut w, &store.stored(*f).envelope(k)),
+            for (&k, p) in keys.iter().zip(&pages) {
+                match p {
+                    Some(p) => get_reply_found(&mut w, &p.envelope(k)),
                     None => get_reply_missing(&mut w, k),
                 }
             }
-            for f in found.into_iter().flatten() {
-                get_reply_data(&mut w, store.stored(f).data);
+            for p in pages.iter().flatten() {
+                get_reply_data(&mut w, p.data);
             }
             w.finish();
         }
